@@ -1,0 +1,163 @@
+"""Router configuration: the one frozen config of the router, its argparse group, and validation.
+
+Owns: `RouterConfig`, `add_router_args`, `config_from_args`, `validate_config`.
+Must never import: `slime_async` (the router is a leaf package), nor any other router module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+from dataclasses import dataclass, field
+
+POLICY_NAMES: tuple[str, ...] = ("least_expected_tokens", "least_requests", "round_robin")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RouterConfig:
+    """Everything the router needs; built once, never mutated at run time."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind. Anything but a loopback address requires `auth_token`."""
+    port: int = 0
+    """TCP port to bind; 0 picks a free ephemeral port (the runner reports the real one)."""
+    worker_urls: tuple[str, ...] = ()
+    """Engines registered at start-up (`http://host:port`); more can join via `POST /workers`."""
+    policy: str = "least_expected_tokens"
+    """Balancing policy: least_expected_tokens | least_requests | round_robin."""
+    default_expected_tokens: int = 1024
+    """Expected tokens assumed for a request that sends no `X-Expected-Tokens` header."""
+    auth_token: str | None = None
+    """Bearer token required on management/control routes (always required off loopback)."""
+    health_interval_s: float = 1.0
+    """Seconds between `/health` probes of each engine."""
+    health_timeout_s: float = 2.0
+    """Timeout of one health probe; a slower answer counts as a failure."""
+    failure_threshold: int = 2
+    """Consecutive failures (probes or proxied requests) that quarantine an engine."""
+    success_threshold: int = 1
+    """Consecutive successful probes that re-admit a quarantined engine."""
+    max_retries: int = 3
+    """Extra attempts of one request on other engines after a connection error or 5xx."""
+    retry_backoff_s: float = 0.05
+    """Pause before a retry; doubles each attempt, capped at 1 s."""
+    wait_for_worker_s: float = 30.0
+    """How long a request waits for a healthy engine before the router answers 503."""
+    request_timeout_s: float = 3600.0
+    """Total timeout of one proxied request (long rollouts are normal)."""
+    connect_timeout_s: float = 2.0
+    """TCP connect timeout to an engine; a refused/timed-out connect is retried elsewhere."""
+    control_timeout_s: float = 600.0
+    """Timeout of one fan-out control call per engine (weight loads can be slow)."""
+    max_connections: int = 0
+    """Connection pool limit to engines (0 = unlimited)."""
+    max_body_bytes: int = 512 * 1024 * 1024
+    """Largest accepted request body."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """Free-form labels echoed in `/metrics` (e.g. run id); not interpreted."""
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` names only the local machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def validate_config(cfg: RouterConfig) -> None:
+    """Raise `ValueError` with an actionable sentence for any inconsistent setting."""
+    if cfg.policy not in POLICY_NAMES:
+        raise ValueError(
+            f"unknown router policy {cfg.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
+        )
+    if not is_loopback(cfg.host) and not cfg.auth_token:
+        raise ValueError(
+            f"router bound to non-loopback host {cfg.host!r} without a token: pass "
+            "--router-auth-token (management and control routes then need "
+            "'Authorization: Bearer <token>'), or bind 127.0.0.1"
+        )
+    if cfg.default_expected_tokens <= 0:
+        raise ValueError("default_expected_tokens must be > 0 (tokens assumed per request)")
+    if cfg.failure_threshold < 1 or cfg.success_threshold < 1:
+        raise ValueError("failure_threshold and success_threshold must be >= 1")
+    if cfg.max_retries < 0:
+        raise ValueError("max_retries must be >= 0 (0 disables retries)")
+    for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "connect_timeout_s"):
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"{name} must be > 0 seconds")
+    if cfg.wait_for_worker_s < 0:
+        raise ValueError("wait_for_worker_s must be >= 0 seconds")
+    for url in cfg.worker_urls:
+        check_worker_url(url)
+
+
+def check_worker_url(url: str) -> str:
+    """Return `url` without a trailing slash, or raise if it is not `http(s)://host:port`."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"worker url {url!r} must start with http:// or https://")
+    rest = url.split("://", 1)[1].rstrip("/")
+    if not rest or "/" in rest:
+        raise ValueError(f"worker url {url!r} must be http://host:port with no path")
+    return url.rstrip("/")
+
+
+def add_router_args(parser: argparse.ArgumentParser, *, prefix: str = "router-") -> None:
+    """Add one `--<prefix><field>` flag per `RouterConfig` field (with the field's docstring)."""
+    group = parser.add_argument_group("router")
+    d = RouterConfig()
+    p = prefix
+    group.add_argument(f"--{p}host", default=d.host, help="Interface to bind (default 127.0.0.1).")
+    group.add_argument(f"--{p}port", type=int, default=d.port, help="Port (0 = ephemeral).")
+    group.add_argument(
+        f"--{p}worker-urls", nargs="*", default=list(d.worker_urls), help="Engine URLs at start."
+    )
+    group.add_argument(f"--{p}policy", choices=POLICY_NAMES, default=d.policy, help="Policy.")
+    group.add_argument(
+        f"--{p}default-expected-tokens",
+        type=int,
+        default=d.default_expected_tokens,
+        help="Expected tokens of a request without an X-Expected-Tokens header.",
+    )
+    group.add_argument(
+        f"--{p}auth-token", default=d.auth_token, help="Bearer token for management routes."
+    )
+    numeric = {
+        "health_interval_s": float,
+        "health_timeout_s": float,
+        "failure_threshold": int,
+        "success_threshold": int,
+        "max_retries": int,
+        "retry_backoff_s": float,
+        "wait_for_worker_s": float,
+        "request_timeout_s": float,
+        "connect_timeout_s": float,
+        "control_timeout_s": float,
+        "max_connections": int,
+    }
+    for name, typ in numeric.items():
+        group.add_argument(
+            f"--{p}{name.replace('_', '-')}",
+            type=typ,
+            default=getattr(d, name),
+            help=f"{name} (default {getattr(d, name)}).",
+        )
+
+
+def config_from_args(args: argparse.Namespace, *, prefix: str = "router-") -> RouterConfig:
+    """Build and validate a `RouterConfig` from flags added by `add_router_args`."""
+    attr = prefix.replace("-", "_")
+    kwargs = {}
+    for f in dataclasses.fields(RouterConfig):
+        if f.name == "extra":
+            continue
+        key = attr + f.name
+        if hasattr(args, key):
+            kwargs[f.name] = getattr(args, key)
+    kwargs["worker_urls"] = tuple(kwargs.get("worker_urls") or ())
+    cfg = RouterConfig(**kwargs)
+    validate_config(cfg)
+    return cfg

@@ -1,0 +1,192 @@
+"""Control fan-out: send one control call to every engine and report each engine's outcome.
+
+Owns: `ControlFanout` (the `/pause_generation`, `/continue_generation`,
+`/update_weights_from_disk`, `/update_weight_version`, `/flush_cache`, `/abort_request` routes),
+the reply shape (see README "Fan-out reply"), and the log of weight-changing calls replayed on
+an engine that is re-admitted after missing them.
+Must never import: `slime_async`, or the proxy/health/server modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from router.config import RouterConfig
+from router.workers import Worker, WorkerRegistry, WorkerState
+
+CONTROL_PATHS: tuple[str, ...] = (
+    "/pause_generation",
+    "/continue_generation",
+    "/update_weights_from_disk",
+    "/update_weight_version",
+    "/flush_cache",
+    "/abort_request",
+)
+WEIGHT_PATHS: frozenset[str] = frozenset({"/update_weights_from_disk", "/update_weight_version"})
+_REQUIRED_KEYS = {
+    "/update_weights_from_disk": "model_path",
+    "/update_weight_version": "new_version",
+}
+
+
+def _engine_ok(status: int, body: object) -> bool:
+    """An engine call succeeded: 2xx, and not an explicit `{"success": false}`."""
+    if not 200 <= status < 300:
+        return False
+    return not (isinstance(body, dict) and body.get("success") is False)
+
+
+def _decode(data: bytes) -> object:
+    if not data:
+        return None
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return data.decode("utf-8", "replace")[:2000]
+
+
+class ControlFanout:
+    """Fans control calls out to all registered engines concurrently."""
+
+    def __init__(
+        self,
+        *,
+        cfg: RouterConfig,
+        registry: WorkerRegistry,
+        session: Callable[[], aiohttp.ClientSession],
+    ) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(
+            total=cfg.control_timeout_s, sock_connect=cfg.connect_timeout_s
+        )
+        self._weight_log: dict[str, tuple[int, str, str, bytes]] = {}
+        """path -> (generation, method, path_qs, body) of the last successful weight call."""
+        self.fanouts = 0
+        self.fanout_failures = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        """HTTP entry: validate the body, fan out, reply 200 (all ok) or 207 (some failed)."""
+        body = await request.read()
+        path = request.path
+        try:
+            self._validate(path, body)
+        except ValueError as e:
+            return web.json_response(
+                {"error": {"message": str(e), "type": "invalid_request_error", "code": 400}},
+                status=400,
+            )
+        reply = await self.fan_out(request.method, path, request.path_qs, body)
+        if reply["total"] == 0:
+            return web.json_response(reply, status=503)
+        return web.json_response(reply, status=200 if not reply["failed"] else 207)
+
+    @staticmethod
+    def _validate(path: str, body: bytes) -> None:
+        if not body:
+            if path in _REQUIRED_KEYS:
+                raise ValueError(f"{path} needs a JSON body with '{_REQUIRED_KEYS[path]}'")
+            return
+        try:
+            obj = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} body is not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path} body must be a JSON object")
+        key = _REQUIRED_KEYS.get(path)
+        if key is not None and key not in obj:
+            raise ValueError(f"{path} body needs '{key}'")
+
+    async def fan_out(self, method: str, path: str, path_qs: str, body: bytes) -> dict:
+        """Call `path_qs` on every registered engine; return the fan-out reply dict.
+
+        Quarantines engines that failed at the transport level or with a 5xx. For weight
+        calls it also quarantines engines that refused while others succeeded (they would
+        serve stale weights); if every engine refused, nothing changed and none is quarantined.
+        """
+        workers = [w for w in self.registry.all() if w.state is not WorkerState.REMOVED]
+        self.fanouts += 1
+        outcomes = await asyncio.gather(*(self._call(w, method, path_qs, body) for w in workers))
+        results: dict[str, dict] = {}
+        failed: list[dict] = []
+        any_ok = any(o["success"] for o in outcomes)
+        if path in WEIGHT_PATHS and any_ok:
+            self.registry.weight_generation += 1
+            gen = self.registry.weight_generation
+            self._weight_log[path] = (gen, method, path_qs, body)
+        for w, o in zip(workers, outcomes):
+            results[w.id] = o
+            if o["success"]:
+                if path in WEIGHT_PATHS and any_ok:
+                    w.weight_generation = self.registry.weight_generation
+                continue
+            transport = o["status"] is None or o["status"] >= 500
+            out_of_sync = path in WEIGHT_PATHS and any_ok
+            if transport or out_of_sync:
+                why = f"{path} failed: {o['error']}"
+                if transport:
+                    self.registry.record_failure(w, why)
+                self.registry.quarantine(w, why)
+            failed.append(
+                {
+                    "worker_id": w.id,
+                    "url": w.url,
+                    "status": o["status"],
+                    "error": o["error"],
+                    "message": o["body"] if isinstance(o["body"], str) else json.dumps(o["body"]),
+                    "quarantined": w.state is WorkerState.QUARANTINED,
+                }
+            )
+        self.fanout_failures += len(failed)
+        return {
+            "path": path,
+            "results": results,
+            "failed": failed,
+            "total": len(workers),
+            "succeeded": len(workers) - len(failed),
+        }
+
+    async def _call(self, w: Worker, method: str, path_qs: str, body: bytes) -> dict:
+        t0 = time.perf_counter()
+        headers = {"Content-Type": "application/json"} if body else {}
+        try:
+            async with self._session().request(
+                method, w.url + path_qs, data=body or None, headers=headers, timeout=self._timeout
+            ) as r:
+                data = _decode(await r.read())
+                ok = _engine_ok(r.status, data)
+                return {
+                    "url": w.url,
+                    "status": r.status,
+                    "success": ok,
+                    "latency_ms": round((time.perf_counter() - t0) * 1e3, 3),
+                    "body": data,
+                    "error": "" if ok else f"HTTP {r.status}",
+                }
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+            return {
+                "url": w.url,
+                "status": None,
+                "success": False,
+                "latency_ms": round((time.perf_counter() - t0) * 1e3, 3),
+                "body": None,
+                "error": f"{type(e).__name__}: {e}",
+            }
+
+    async def catch_up(self, w: Worker) -> bool:
+        """Replay the weight calls `w` missed (in order); True if it is now in sync."""
+        missed = sorted(e for e in self._weight_log.values() if e[0] > w.weight_generation)
+        for _gen, method, path_qs, body in missed:
+            o = await self._call(w, method, path_qs, body)
+            if not o["success"]:
+                w.last_error = f"catch-up {path_qs} failed: {o['error']}"
+                return False
+        w.weight_generation = self.registry.weight_generation
+        return True

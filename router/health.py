@@ -1,0 +1,98 @@
+"""Health checking: periodic `/health` probes, quarantine, re-admission with weight catch-up.
+
+Owns: `HealthMonitor` (the probe loop and on-demand probes after a proxied failure).
+An engine that comes back after missing weight updates is not re-admitted until the last
+weight-changing control calls have been replayed on it (see README "Re-admission").
+Must never import: `slime_async`, or the proxy/server modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from router.config import RouterConfig
+from router.workers import Worker, WorkerRegistry, WorkerState
+
+
+class HealthMonitor:
+    """Probes every registered engine each `health_interval_s`; drives registry transitions."""
+
+    def __init__(
+        self,
+        *,
+        cfg: RouterConfig,
+        registry: WorkerRegistry,
+        session: Callable[[], aiohttp.ClientSession],
+        catch_up: Callable[[Worker], Awaitable[bool]],
+    ) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self._session = session
+        self._catch_up = catch_up
+        self._probing: dict[str, asyncio.Task] = {}
+        self._loop_task: asyncio.Task | None = None
+        self._timeout = aiohttp.ClientTimeout(total=cfg.health_timeout_s)
+        self.probes = 0
+        self.probe_failures = 0
+
+    def start(self) -> None:
+        """Start the background probe loop (first round immediately)."""
+        self._loop_task = asyncio.create_task(self._run(), name="router-health")
+
+    async def stop(self) -> None:
+        """Cancel the loop and any probe in flight."""
+        tasks = [t for t in (self._loop_task, *self._probing.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._probing.clear()
+
+    async def _run(self) -> None:
+        while True:
+            workers = [w for w in self.registry.all() if w.state is not WorkerState.REMOVED]
+            await asyncio.gather(*(self.probe_now(w) for w in workers), return_exceptions=True)
+            await asyncio.sleep(self.cfg.health_interval_s)
+
+    def poke(self, w: Worker) -> None:
+        """Probe `w` soon, outside the periodic schedule (called after a proxied failure)."""
+        if w.id not in self._probing and w.state is not WorkerState.REMOVED:
+            self._probing[w.id] = asyncio.create_task(self._probe(w))
+            self._probing[w.id].add_done_callback(lambda _t, i=w.id: self._probing.pop(i, None))
+
+    async def probe_now(self, w: Worker) -> bool:
+        """Probe `w` (joining a probe already in flight); True if it answered healthy."""
+        task = self._probing.get(w.id)
+        if task is None:
+            self.poke(w)
+            task = self._probing.get(w.id)
+        if task is None:
+            return False
+        return await asyncio.shield(task)
+
+    async def _probe(self, w: Worker) -> bool:
+        self.probes += 1
+        try:
+            async with self._session().get(w.url + "/health", timeout=self._timeout) as r:
+                await r.read()
+                ok = r.status == 200
+                err = "" if ok else f"/health answered HTTP {r.status}"
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+            ok, err = False, f"/health failed: {type(e).__name__}: {e}"
+        if not ok:
+            self.probe_failures += 1
+            self.registry.record_failure(w, err)
+            return False
+        if self.registry.record_success(w, admit=False):
+            behind = w.weight_generation < self.registry.weight_generation
+            if behind and not await self._catch_up(w):
+                self.registry.quarantine(w, "weight catch-up failed on re-admission")
+                w.consecutive_successes = 0
+                return False
+            self.registry.admit(w)
+        return True

@@ -1,0 +1,256 @@
+"""Request forwarding: pick an engine, forward bytes untouched, retry elsewhere on failure.
+
+Owns: `Proxy` (the `/generate`, `/v1/*` and read-only info handlers), `ProxyStats`,
+`parse_expected_tokens`, `error_response`.
+Contract: request and response bodies pass through byte for byte (`meta_info`, `routed_experts`,
+`weight_version` included); a request is answered exactly once; a retry happens only while
+nothing has been sent to the client (connection error, timeout or 5xx before the first byte).
+Must never import: `slime_async`, or the server/health modules (it gets callbacks instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from router.config import RouterConfig
+from router.policies import Policy
+from router.workers import Worker, WorkerRegistry
+
+EXPECTED_TOKENS_HEADER = "X-Expected-Tokens"
+_SSE = "text/event-stream"
+_RETRYABLE_EXC = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+
+
+@dataclass(slots=True)
+class ProxyStats:
+    """Router-wide request counters (exported by `/metrics`)."""
+
+    requests: int = 0
+    succeeded: int = 0
+    retries: int = 0
+    failed: int = 0
+    """Requests answered with a router error (no engine within the wait, retries exhausted)."""
+    waited: int = 0
+    """Requests that had to wait for a healthy engine."""
+    bad_requests: int = 0
+    stream_broken: int = 0
+    """Streams that lost their engine after bytes were sent (client got an SSE error event)."""
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str, *, status: int | None = None, body: bytes = b"") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+def error_response(status: int, message: str, *, err_type: str = "router_error") -> web.Response:
+    """A JSON error body in SGLang's shape: `{"error": {"message", "type", "code"}}`."""
+    return web.json_response(
+        {"error": {"message": message, "type": err_type, "code": status}}, status=status
+    )
+
+
+def parse_expected_tokens(raw: str | None, default: int) -> int:
+    """The request's expected response tokens from its header value, or `default` if absent."""
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(
+            f"header {EXPECTED_TOKENS_HEADER}: {raw!r} is not an integer; send the expected "
+            "number of response tokens (e.g. 'X-Expected-Tokens: 2048') or omit the header"
+        ) from None
+    if value < 0:
+        raise ValueError(f"header {EXPECTED_TOKENS_HEADER} must be >= 0, got {value}")
+    return value
+
+
+def _validate_body(path: str, body: bytes) -> None:
+    """Raise ValueError with a clear message if `body` is not a request SGLang could accept."""
+    if not body:
+        raise ValueError(f"{path} needs a JSON body; got an empty request")
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} body is not valid JSON ({e}); send a JSON object") from None
+    if path == "/generate":
+        if not isinstance(obj, dict | list) or (isinstance(obj, list) and not obj):
+            raise ValueError("/generate body must be a JSON object (or a non-empty list of them)")
+        items = obj if isinstance(obj, list) else [obj]
+        for item in items:
+            if not isinstance(item, dict):
+                raise ValueError("/generate list items must be JSON objects")
+            if not any(k in item for k in ("text", "input_ids", "input_embeds")):
+                raise ValueError("/generate body needs one of 'text', 'input_ids', 'input_embeds'")
+            sp = item.get("sampling_params")
+            if sp is not None and not isinstance(sp, dict | list):
+                raise ValueError("/generate 'sampling_params' must be an object")
+    elif not isinstance(obj, dict):
+        raise ValueError(f"{path} body must be a JSON object")
+    elif path == "/v1/chat/completions" and not isinstance(obj.get("messages"), list):
+        raise ValueError("/v1/chat/completions body needs a 'messages' list")
+    elif path == "/v1/completions" and "prompt" not in obj:
+        raise ValueError("/v1/completions body needs a 'prompt'")
+
+
+class Proxy:
+    """Forwards client requests to engines chosen by a policy, with retry and bounded waiting."""
+
+    def __init__(
+        self,
+        *,
+        cfg: RouterConfig,
+        registry: WorkerRegistry,
+        policy: Policy,
+        session: Callable[[], aiohttp.ClientSession],
+        on_failure: Callable[[Worker], None],
+    ) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.policy = policy
+        self._session = session
+        self._on_failure = on_failure
+        self.stats = ProxyStats()
+        self._timeout = aiohttp.ClientTimeout(
+            total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s
+        )
+
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        """`/generate`, `/v1/completions`, `/v1/chat/completions`: validate, then forward."""
+        self.stats.requests += 1
+        try:
+            expected = parse_expected_tokens(
+                request.headers.get(EXPECTED_TOKENS_HEADER), self.cfg.default_expected_tokens
+            )
+            body = await request.read()
+            _validate_body(request.path, body)
+        except ValueError as e:
+            self.stats.bad_requests += 1
+            return error_response(400, str(e), err_type="invalid_request_error")
+        return await self.forward(request, body=body, expected_tokens=expected)
+
+    async def handle_info(self, request: web.Request) -> web.StreamResponse:
+        """Read-only engine routes (`/get_model_info`, ...): answered by one healthy engine."""
+        self.stats.requests += 1
+        return await self.forward(request, body=await request.read(), expected_tokens=0)
+
+    async def _candidates(self, tried: set[str], deadline: float) -> list[Worker]:
+        """Healthy engines not tried yet (all healthy ones once every engine was tried);
+        waits up to `deadline` while none is healthy; empty list on timeout."""
+        waited = False
+        while True:
+            healthy = self.registry.healthy()
+            if healthy:
+                return [w for w in healthy if w.id not in tried] or healthy
+            if not waited:
+                self.stats.waited += 1
+                waited = True
+            if not await self.registry.wait_for_healthy(deadline - time.monotonic()):
+                return []
+
+    async def forward(
+        self, request: web.Request, *, body: bytes, expected_tokens: int
+    ) -> web.StreamResponse:
+        """Send `body` to an engine; retry on another engine while nothing was streamed."""
+        deadline = time.monotonic() + self.cfg.wait_for_worker_s
+        tried: set[str] = set()
+        last_error = "no attempt"
+        path_qs = request.path_qs
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        for attempt in range(self.cfg.max_retries + 1):
+            candidates = await self._candidates(tried, deadline)
+            if not candidates:
+                self.stats.failed += 1
+                return error_response(
+                    503,
+                    f"no healthy engine became available within {self.cfg.wait_for_worker_s:g}s "
+                    f"({len(self.registry.all())} registered); last error: {last_error}",
+                )
+            # No await between select and the counter updates: choosing and counting are atomic.
+            w = self.policy.select(candidates, expected_tokens=expected_tokens)
+            tried.add(w.id)
+            w.outstanding_requests += 1
+            w.outstanding_tokens += expected_tokens
+            w.total_requests += 1
+            try:
+                resp = await self._attempt(request, w, path_qs, body, headers)
+            except _Retryable as e:
+                last_error = f"{w.url}: {e}"
+                w.retries_away += 1
+                self.registry.record_failure(w, str(e))
+                self._on_failure(w)
+                if attempt < self.cfg.max_retries:
+                    self.stats.retries += 1
+                    await asyncio.sleep(min(self.cfg.retry_backoff_s * 2**attempt, 1.0))
+                    continue
+                self.stats.failed += 1
+                if e.status is not None:  # pass the engine's own 5xx answer through, once
+                    return web.Response(status=e.status, body=e.body, content_type="text/plain")
+                return error_response(502, f"all {attempt + 1} attempts failed: {last_error}")
+            finally:
+                w.outstanding_requests -= 1
+                w.outstanding_tokens -= expected_tokens
+            w.consecutive_failures = 0
+            self.stats.succeeded += 1
+            return resp
+        raise AssertionError("unreachable: the loop returns on its last attempt")
+
+    async def _attempt(
+        self, request: web.Request, w: Worker, path_qs: str, body: bytes, headers: dict
+    ) -> web.StreamResponse:
+        """One try on `w`. Raises `_Retryable` only while the client has received nothing."""
+        try:
+            async with self._session().request(
+                request.method, w.url + path_qs, data=body, headers=headers, timeout=self._timeout
+            ) as up:
+                if up.status >= 500:
+                    raise _Retryable(f"HTTP {up.status}", status=up.status, body=await up.read())
+                ctype = up.headers.get("Content-Type", "application/octet-stream")
+                if not ctype.startswith(_SSE):
+                    data = await up.read()
+                    return web.Response(
+                        status=up.status, body=data, headers={"Content-Type": ctype}
+                    )
+                return await self._stream(request, w, up, ctype)
+        except _RETRYABLE_EXC as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+
+    async def _stream(
+        self, request: web.Request, w: Worker, up: aiohttp.ClientResponse, ctype: str
+    ) -> web.StreamResponse:
+        first = await up.content.readany()  # a failure here is still retryable
+        out = web.StreamResponse(
+            status=up.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
+        )
+        await out.prepare(request)
+        try:
+            if first:
+                await out.write(first)
+            async for chunk in up.content.iter_any():
+                await out.write(chunk)
+        except _RETRYABLE_EXC as e:
+            # Bytes already reached the client: no retry (it would duplicate output). Tell the
+            # client in SGLang's mid-stream error shape and count the engine failure.
+            self.stats.stream_broken += 1
+            self.registry.record_failure(w, f"stream broken: {e}")
+            self._on_failure(w)
+            err = {
+                "error": {
+                    "message": f"engine {w.url} failed mid-stream: {type(e).__name__}",
+                    "type": "engine_error",
+                    "code": 502,
+                    "retryable": True,
+                }
+            }
+            await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+        await out.write_eof()
+        return out

@@ -1,0 +1,285 @@
+"""The router service: aiohttp app assembly, auth, worker-registry routes, metrics, runners.
+
+Owns: `Router` (async `start() -> url` / `stop()`), `RouterThread` (the same in a background
+thread for synchronous callers), `build_app`, the auth middleware.
+Must never import: `slime_async` (the router is a leaf package).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+
+import aiohttp
+from aiohttp import web
+
+from router.config import RouterConfig, check_worker_url, is_loopback, validate_config
+from router.control import CONTROL_PATHS, ControlFanout
+from router.health import HealthMonitor
+from router.metrics import metrics_json, metrics_prometheus
+from router.policies import make_policy
+from router.proxy import Proxy, error_response
+from router.workers import WorkerRegistry
+
+GENERATE_PATHS: tuple[str, ...] = ("/generate", "/v1/completions", "/v1/chat/completions")
+INFO_PATHS: tuple[str, ...] = (
+    "/get_model_info",
+    "/model_info",
+    "/get_server_info",
+    "/server_info",
+    "/v1/models",
+    "/health_generate",
+)
+_PROTECTED_PREFIXES: tuple[str, ...] = ("/workers", *CONTROL_PATHS)
+
+
+class Router:
+    """One router instance: registry + policy + health checker + proxy + control fan-out.
+
+    Example:
+        >>> r = Router(RouterConfig(worker_urls=("http://127.0.0.1:30001",)))
+        >>> url = await r.start()          # doctest: +SKIP  (http://127.0.0.1:<port>)
+        >>> await r.stop()                 # doctest: +SKIP
+    """
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        validate_config(cfg)
+        self.cfg = cfg
+        self.registry = WorkerRegistry(
+            failure_threshold=cfg.failure_threshold, success_threshold=cfg.success_threshold
+        )
+        for url in cfg.worker_urls:
+            self.registry.add(check_worker_url(url))
+        self._session: aiohttp.ClientSession | None = None
+        self.control = ControlFanout(cfg=cfg, registry=self.registry, session=self.session)
+        self.health = HealthMonitor(
+            cfg=cfg, registry=self.registry, session=self.session, catch_up=self.control.catch_up
+        )
+        self.proxy = Proxy(
+            cfg=cfg,
+            registry=self.registry,
+            policy=make_policy(cfg.policy),
+            session=self.session,
+            on_failure=self.health.poke,
+        )
+        self._runner: web.AppRunner | None = None
+        self._started = time.monotonic()
+        self.url = ""
+
+    def session(self) -> aiohttp.ClientSession:
+        """The shared client session to engines (exists between start and stop)."""
+        if self._session is None:
+            raise RuntimeError("router is not started: call `await router.start()` first")
+        return self._session
+
+    async def start(self) -> str:
+        """Bind, start health checks, and return the base url (`http://host:port`)."""
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, force_close=False),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        app = build_app(self)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, reuse_address=True)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        host = self.cfg.host if ":" not in self.cfg.host else f"[{self.cfg.host}]"
+        self.url = f"http://{host}:{port}"
+        self._started = time.monotonic()
+        self.health.start()
+        return self.url
+
+    async def stop(self) -> None:
+        """Stop probing, close the listener and the engine connections."""
+        await self.health.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def router_counters(self) -> dict[str, float | int | str]:
+        """Router-wide counters for `/metrics`."""
+        s = self.proxy.stats
+        workers = self.registry.all()
+        return {
+            "policy": self.cfg.policy,
+            "uptime_s": round(time.monotonic() - self._started, 3),
+            "requests": s.requests,
+            "succeeded": s.succeeded,
+            "retries": s.retries,
+            "failed": s.failed,
+            "waited": s.waited,
+            "bad_requests": s.bad_requests,
+            "stream_broken": s.stream_broken,
+            "workers_total": len(workers),
+            "workers_healthy": len(self.registry.healthy()),
+            "quarantines": sum(w.quarantines for w in workers),
+            "outstanding_requests": sum(w.outstanding_requests for w in workers),
+            "outstanding_tokens": sum(w.outstanding_tokens for w in workers),
+            "health_probes": self.health.probes,
+            "health_probe_failures": self.health.probe_failures,
+            "fanouts": self.control.fanouts,
+            "fanout_failures": self.control.fanout_failures,
+            "weight_generation": self.registry.weight_generation,
+            **self.cfg.extra,
+        }
+
+
+def _auth_middleware(token: str):
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if request.path.startswith(_PROTECTED_PREFIXES):
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                return error_response(
+                    401,
+                    f"{request.path} needs 'Authorization: Bearer <token>' (the router's "
+                    "--router-auth-token)",
+                    err_type="unauthorized",
+                )
+        return await handler(request)
+
+    return auth
+
+
+def build_app(router: Router) -> web.Application:
+    """The aiohttp application with every route of the router."""
+    cfg = router.cfg
+    middlewares = [_auth_middleware(cfg.auth_token)] if cfg.auth_token else []
+    app = web.Application(middlewares=middlewares, client_max_size=cfg.max_body_bytes)
+    reg = router.registry
+
+    async def health(_request: web.Request) -> web.Response:
+        n = len(reg.healthy())
+        return web.json_response({"status": "ok", "healthy_workers": n})
+
+    async def readiness(_request: web.Request) -> web.Response:
+        n = len(reg.healthy())
+        return web.json_response(
+            {"status": "ready" if n else "not_ready", "healthy_workers": n},
+            status=200 if n else 503,
+        )
+
+    async def metrics(request: web.Request) -> web.Response:
+        counters, workers = router.router_counters(), reg.all()
+        fmt = request.query.get("format", "")
+        if fmt == "prometheus" or (not fmt and "text/plain" in request.headers.get("Accept", "")):
+            return web.Response(
+                text=metrics_prometheus(router=counters, workers=workers),
+                content_type="text/plain",
+                headers={"X-Content-Type-Version": "0.0.4"},
+            )
+        return web.json_response(metrics_json(router=counters, workers=workers))
+
+    async def list_workers(_request: web.Request) -> web.Response:
+        workers = [w.to_json() for w in reg.all()]
+        stats = {"prefill_count": 0, "decode_count": 0, "regular_count": len(workers)}
+        return web.json_response({"workers": workers, "total": len(workers), "stats": stats})
+
+    async def add_worker(request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read() or b"null")
+            if not isinstance(body, dict) or "url" not in body:
+                raise ValueError('POST /workers needs a JSON body like {"url": "http://h:p"}')
+            if body.get("worker_type", "regular") != "regular":
+                raise ValueError("only worker_type 'regular' is supported (no PD disaggregation)")
+            url = check_worker_url(body["url"])
+        except (ValueError, UnicodeDecodeError) as e:
+            return error_response(400, str(e), err_type="invalid_request_error")
+        existed = reg.find_url(url) is not None
+        w = reg.add(url)
+        router.health.poke(w)
+        return web.json_response(
+            {
+                "status": "exists" if existed else "accepted",
+                "worker_id": w.id,
+                "url": w.url,
+                "message": "worker is admitted after its first healthy /health probe",
+            },
+            status=202,
+        )
+
+    async def get_worker(request: web.Request) -> web.Response:
+        w = reg.get(request.match_info["worker_id"])
+        if w is None:
+            return error_response(404, f"no worker with id {request.match_info['worker_id']!r}")
+        return web.json_response(w.to_json())
+
+    async def delete_worker(request: web.Request) -> web.Response:
+        w = reg.remove(request.match_info["worker_id"])
+        if w is None:
+            return error_response(404, f"no worker with id {request.match_info['worker_id']!r}")
+        return web.json_response(
+            {
+                "status": "removed",
+                "worker_id": w.id,
+                "url": w.url,
+                "in_flight": w.outstanding_requests,
+            }
+        )
+
+    gen = router.proxy.handle_generate
+    app.router.add_post("/generate", gen)
+    app.router.add_put("/generate", gen)
+    for path in GENERATE_PATHS[1:]:
+        app.router.add_post(path, gen)
+    for path in INFO_PATHS:
+        app.router.add_get(path, router.proxy.handle_info)
+    for path in CONTROL_PATHS:
+        app.router.add_post(path, router.control.handle)
+    app.router.add_get("/flush_cache", router.control.handle)
+    app.router.add_get("/health", health)
+    app.router.add_get("/liveness", health)
+    app.router.add_get("/readiness", readiness)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/workers", list_workers)
+    app.router.add_post("/workers", add_worker)
+    app.router.add_get("/workers/{worker_id}", get_worker)
+    app.router.add_delete("/workers/{worker_id}", delete_worker)
+    return app
+
+
+class RouterThread:
+    """A `Router` on its own event loop in a daemon thread, for synchronous callers.
+
+    Example:
+        >>> rt = RouterThread(RouterConfig())
+        >>> url = rt.start()   # doctest: +SKIP
+        >>> rt.stop()          # doctest: +SKIP
+    """
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.router = Router(cfg)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="router")
+
+    def start(self, *, timeout: float = 30.0) -> str:
+        """Start the thread and the router; return its url."""
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(self.router.start(), self._loop)
+        return fut.result(timeout)
+
+    def stop(self, *, timeout: float = 30.0) -> None:
+        """Stop the router and join the thread."""
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self.router.stop(), self._loop).result(timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+        self._loop.close()
+
+
+def warn_if_exposed(cfg: RouterConfig) -> str | None:
+    """A one-line note for logs when the router listens beyond loopback."""
+    if is_loopback(cfg.host):
+        return None
+    return f"router listens on {cfg.host}: management and control routes require the bearer token"

@@ -1,0 +1,378 @@
+"""Real HTTP test engines for the router's tests and benchmarks (no model, real sockets).
+
+Owns: `FakeEngineConfig`, `FakeEngine` (an aiohttp server speaking the SGLang routes the router
+uses, whose service time grows with requested tokens and with concurrency), `EngineProcess`
+(the same engine(s) in a child process that can be SIGKILLed), and `python -m router.testing`.
+Service model, per engine: requests run in lock-step "decode steps"; one step advances every
+active request by `tokens_per_step` tokens and takes `step_s + per_seq_s * n_active` seconds.
+So a request of L tokens alone takes ceil(L / tokens_per_step) * (step_s + per_seq_s) seconds.
+Responses are deterministic functions of the request (no timestamps), so pass-through can be
+checked byte for byte.
+Must never import: `slime_async`, or the router's server/proxy modules (engines are independent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FakeEngineConfig:
+    """Behaviour of one test engine."""
+
+    name: str = "engine"
+    """Label echoed in `meta_info.engine` so tests can see who answered."""
+    step_s: float = 0.002
+    """Fixed time of one decode step."""
+    per_seq_s: float = 0.0
+    """Extra step time per active request (service time grows with concurrency)."""
+    tokens_per_step: int = 1
+    """Tokens every active request gains per step."""
+    default_max_new_tokens: int = 16
+    """Output length when the request sets no `max_new_tokens` / `max_tokens`."""
+    num_layers: int = 2
+    """Layer axis of the synthetic `routed_experts` array."""
+    topk: int = 2
+    """Top-k axis of the synthetic `routed_experts` array."""
+    weight_version: str = "default"
+    """Initial `meta_info.weight_version`."""
+
+
+def _routed_experts(rid: str, rows: int, layers: int, topk: int) -> str:
+    """Deterministic base64 little-endian int32 array of shape [rows, layers, topk]."""
+    seed = sum(rid.encode()) % 97
+    vals = [(seed + i) % 8 for i in range(rows * layers * topk)]
+    return base64.b64encode(struct.pack(f"<{len(vals)}i", *vals)).decode()
+
+
+@dataclass(slots=True)
+class _Job:
+    rid: str
+    target: int
+    done: asyncio.Future
+    generated: int = 0
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: bool = False
+
+
+class FakeEngine:
+    """An SGLang-API-shaped HTTP engine for tests. `await start()` returns its url."""
+
+    def __init__(self, cfg: FakeEngineConfig = FakeEngineConfig(), *, port: int = 0) -> None:
+        self.cfg = cfg
+        self.port = port
+        self.weight_version = cfg.weight_version
+        self.healthy = True
+        self.fail_status: int | None = None
+        """When set, every generate request answers this HTTP status (e.g. 500)."""
+        self.paused = False
+        self.requests: list[dict] = []
+        """Every generate request body received (parsed), in arrival order."""
+        self.headers_seen: list[dict[str, str]] = []
+        self.control_calls: list[tuple[str, object]] = []
+        self.tokens_served = 0
+        self._jobs: list[_Job] = []
+        self._wake = asyncio.Event()
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._runner: web.AppRunner | None = None
+        self._loop_task: asyncio.Task | None = None
+        self.url = ""
+
+    # --- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Bind 127.0.0.1:`port` (0 = ephemeral) and return the base url."""
+        app = web.Application()
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, self._generate)
+        app.router.add_put("/generate", self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/health_generate", self._health)
+        for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
+            app.router.add_get(path, self._info)
+        app.router.add_get("/get_load", self._load)
+        app.router.add_get("/v1/loads", self._load)
+        app.router.add_get("/v1/models", self._models)
+        for path in (
+            "/pause_generation",
+            "/continue_generation",
+            "/update_weights_from_disk",
+            "/update_weight_version",
+            "/flush_cache",
+            "/abort_request",
+        ):
+            app.router.add_post(path, self._control)
+        app.router.add_get("/flush_cache", self._control)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop_task = asyncio.create_task(self._step_loop())
+        return self.url
+
+    async def stop(self) -> None:
+        """Stop serving (in-flight requests are cut off)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        if self._runner is not None:
+            await self._runner.shutdown()
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- service model ----------------------------------------------------------------------
+    async def _step_loop(self) -> None:
+        while True:
+            if not self._jobs:
+                self._wake.clear()
+                await self._wake.wait()
+            await self._unpaused.wait()
+            n = len(self._jobs)
+            await asyncio.sleep(self.cfg.step_s + self.cfg.per_seq_s * n)
+            for job in list(self._jobs):
+                job.generated = min(job.target, job.generated + self.cfg.tokens_per_step)
+                job.progress.set()
+                if job.generated >= job.target:
+                    self._finish(job)
+
+    def _finish(self, job: _Job, *, aborted: bool = False) -> None:
+        job.aborted = aborted
+        job.progress.set()
+        if job in self._jobs:
+            self._jobs.remove(job)
+        if not job.done.done():
+            job.done.set_result(None)
+
+    def outstanding_tokens(self) -> int:
+        """Tokens still to generate on this engine."""
+        return sum(j.target - j.generated for j in self._jobs)
+
+    # --- handlers ---------------------------------------------------------------------------
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers_seen.append(dict(request.headers))
+        if self.fail_status is not None:
+            return web.json_response({"error": "injected failure"}, status=self.fail_status)
+        await self._unpaused.wait()
+        openai = request.path.startswith("/v1/")
+        if openai:
+            target = int(body.get("max_tokens") or self.cfg.default_max_new_tokens)
+            prompt_len = len(str(body.get("prompt", body.get("messages", ""))))
+        else:
+            sp = body.get("sampling_params") or {}
+            target = int(sp.get("max_new_tokens") or self.cfg.default_max_new_tokens)
+            prompt_len = len(body.get("input_ids") or str(body.get("text", "")))
+        rid = str(body.get("rid") or f"r{len(self.requests)}")
+        job = _Job(rid=rid, target=max(target, 1), done=asyncio.get_running_loop().create_future())
+        self._jobs.append(job)
+        self._wake.set()
+        if body.get("stream") and not openai:
+            return await self._stream(request, job, body, prompt_len)
+        try:
+            await job.done
+        finally:
+            self._finish(job)
+        self.tokens_served += job.generated
+        if openai:
+            return web.json_response(self._openai_body(request.path, job))
+        return web.json_response(self._generate_body(job, body, prompt_len))
+
+    async def _stream(self, request, job: _Job, body: dict, prompt_len: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            while not job.done.done():
+                job.progress.clear()
+                await job.progress.wait()
+                chunk = self._generate_body(job, body, prompt_len)
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        finally:
+            self._finish(job)
+        self.tokens_served += job.generated
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _generate_body(self, job: _Job, body: dict, prompt_len: int) -> dict:
+        out = [(7 * i + len(job.rid)) % 1000 for i in range(job.generated)]
+        done = job.generated >= job.target or job.aborted
+        if job.aborted:
+            finish = {"type": "abort", "message": "aborted", "status_code": None, "err_type": None}
+        else:
+            finish = {"type": "length", "length": job.target} if done else None
+        meta = {
+            "id": job.rid,
+            "finish_reason": finish,
+            "prompt_tokens": prompt_len,
+            "completion_tokens": job.generated,
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "engine": self.cfg.name,
+        }
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [[-0.5, t, None] for t in out]
+        if body.get("return_routed_experts"):
+            rows = max(prompt_len + job.generated - 1, 0)
+            meta["routed_experts"] = _routed_experts(
+                job.rid, rows, self.cfg.num_layers, self.cfg.topk
+            )
+        return {"text": " ".join(map(str, out)), "output_ids": out, "meta_info": meta}
+
+    def _openai_body(self, path: str, job: _Job) -> dict:
+        text = " ".join(str(i) for i in range(job.generated))
+        choice: dict = {"index": 0, "finish_reason": "length"}
+        if path.endswith("chat/completions"):
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": job.rid,
+            "object": "chat.completion" if "chat" in path else "text_completion",
+            "model": "fake",
+            "choices": [choice],
+            "usage": {"completion_tokens": job.generated, "engine": self.cfg.name},
+        }
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": "fake-engine",
+                "served_model_name": "fake",
+                "tokenizer_path": None,
+                "is_generation": True,
+                "weight_version": self.weight_version,
+                "engine": self.cfg.name,
+                "version": "fake",
+                "internal_states": [{}],
+            }
+        )
+
+    async def _load(self, _request: web.Request) -> web.Response:
+        n, t = len(self._jobs), self.outstanding_tokens()
+        return web.json_response(
+            [{"dp_rank": 0, "num_reqs": n, "num_waiting_reqs": 0, "num_tokens": t}]
+        )
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def _control(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        body = json.loads(raw) if raw else {}
+        path = request.path
+        self.control_calls.append((path, body))
+        if path == "/pause_generation":
+            self.paused = True
+            self._unpaused.clear()
+            if body.get("mode", "abort") == "abort":
+                for job in list(self._jobs):
+                    self._finish(job, aborted=True)
+            return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+        if path == "/continue_generation":
+            self.paused = False
+            self._unpaused.set()
+            return web.json_response(
+                {"message": "Generation continued successfully.", "status": "ok"}
+            )
+        if path == "/update_weights_from_disk":
+            if "missing" in str(body.get("model_path", "")):
+                return web.json_response(
+                    {"success": False, "message": "model_path does not exist"}, status=400
+                )
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+            return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+        if path == "/update_weight_version":
+            self.weight_version = str(body["new_version"])
+            return web.json_response(
+                {"success": True, "message": "ok", "new_version": self.weight_version}
+            )
+        if path == "/abort_request":
+            for job in list(self._jobs):
+                if body.get("abort_all") or job.rid == body.get("rid"):
+                    self._finish(job, aborted=True)
+            return web.Response(status=200)
+        return web.Response(text="Cache flushed.\n")  # /flush_cache
+
+
+class EngineProcess:
+    """Fake engines served by a child process (`python -m router.testing`), killable for real.
+
+    Example:
+        >>> p = EngineProcess.spawn(count=2, step_s=0.001)   # doctest: +SKIP
+        >>> p.urls                                            # doctest: +SKIP
+        ['http://127.0.0.1:40001', 'http://127.0.0.1:40002']
+        >>> p.kill()                                          # doctest: +SKIP
+    """
+
+    def __init__(self, proc: subprocess.Popen, urls: list[str]) -> None:
+        self.proc = proc
+        self.urls = urls
+
+    @classmethod
+    def spawn(
+        cls, *, count: int = 1, ports: list[int] | None = None, timeout: float = 30.0, **cfg
+    ) -> EngineProcess:
+        """Start `count` engines (or one per entry of `ports`) with `FakeEngineConfig(**cfg)`."""
+        ports = ports or [0] * count
+        cmd = [sys.executable, "-m", "router.testing", "--ports", *map(str, ports)]
+        cmd += ["--config", json.dumps(cfg)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + timeout
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("READY ") or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"fake engine process failed to start: {line!r}")
+        return cls(proc, line.split()[1:])
+
+    def kill(self) -> None:
+        """SIGKILL the process (a crash: sockets reset, no goodbye)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+async def _serve(ports: list[int], cfg: dict) -> None:
+    engines = []
+    for i, port in enumerate(ports):
+        c = FakeEngineConfig(**{"name": f"engine{i}", **cfg})
+        engines.append(FakeEngine(c, port=port))
+    urls = [await e.start() for e in engines]
+    print("READY " + " ".join(urls), flush=True)
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: serve fake engines until killed; prints `READY url...` once listening."""
+    ap = argparse.ArgumentParser(description="Fake SGLang-API engines for router tests.")
+    ap.add_argument("--ports", type=int, nargs="+", default=[0], help="One engine per port.")
+    ap.add_argument("--config", default="{}", help="JSON of FakeEngineConfig fields.")
+    args = ap.parse_args(argv)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(args.ports, json.loads(args.config)))
+
+
+if __name__ == "__main__":
+    main()
