@@ -1,0 +1,41 @@
+"""Inference engines that speak SGLang's HTTP API.
+
+Owns: the embedded engine (HF model, continuous batching, SGLang routes) and the launcher of real
+SGLang servers on GPUs (`slime_async.engine.sglang`). Public surface:
+
+* `EngineConfig` — the embedded engine's config (`add_engine_args` builds its flags).
+* `EngineServer(cfg).start() -> url` / `.stop()` — in-process server (tests, Ray actors).
+* `EngineProcess(cfg).start() -> url` / `.stop()` — `python -m slime_async.engine` child process.
+* `decode_routed_experts(b64, num_layers=, topk=)` — `meta_info.routed_experts` to int32 array.
+
+Must never import the trainer, the controller, Ray, or the leaves' internals. Heavy modules
+(torch, transformers, aiohttp) load lazily on first attribute access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slime_async.engine.config import EngineConfig, add_engine_args, engine_config_from_args
+
+__all__ = [
+    "EngineConfig",
+    "EngineProcess",
+    "EngineServer",
+    "add_engine_args",
+    "decode_routed_experts",
+    "encode_routed_experts",
+    "engine_config_from_args",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("EngineServer", "EngineProcess"):
+        from slime_async.engine import runner
+
+        return getattr(runner, name)
+    if name in ("decode_routed_experts", "encode_routed_experts"):
+        from slime_async.engine import protocol
+
+        return getattr(protocol, name)
+    raise AttributeError(f"module 'slime_async.engine' has no attribute {name!r}")

@@ -1,0 +1,173 @@
+"""Model steps over a continuous batch: left-padded KV cache, prefill and decode forwards.
+
+Owns: `KVBatch` (one HF `DynamicCache` for all running sequences, left-padded, with a `[B, L]`
+mask of real positions; rows are merged in when sequences join and selected out when they
+leave) and the two forwards the scheduler runs, `prefill` and `decode`. Every forward passes an
+explicit 4-D boolean mask and explicit position ids, so a sequence sees exactly its own tokens at
+its own positions whatever else is in the batch (padding changes no real row). Padded query rows
+attend to themselves only, so they stay finite and never poison the cache.
+Must never import the server, the scheduler or aiohttp; runs in the scheduler's worker thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers import DynamicCache
+
+from slime_async.engine.model import LoadedModel
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class KVBatch:
+    """KV cache of the running batch. Row i belongs to the i-th running sequence."""
+
+    cache: DynamicCache
+    """Per layer keys/values `[B, kv_heads, L, head_dim]`, left-padded."""
+    mask: torch.Tensor
+    """`[B, L]` bool, True where the cache holds a real token."""
+
+    @property
+    def size(self) -> int:
+        return int(self.mask.shape[0])
+
+    def lengths(self) -> torch.Tensor:
+        """Real tokens per row `[B]` (= the position id of each row's next token)."""
+        return self.mask.sum(dim=1)
+
+
+def _kv_of(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    extra = length - t.shape[dim]
+    if extra == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def merge(a: KVBatch | None, b: KVBatch) -> KVBatch:
+    """Append the rows of `b` after the rows of `a` (left-padding both to a common length)."""
+    if a is None or a.size == 0:
+        return b
+    length = max(a.mask.shape[1], b.mask.shape[1])
+    layers = []
+    for (ka, va), (kb, vb) in zip(_kv_of(a.cache), _kv_of(b.cache)):
+        k = torch.cat([_left_pad(ka, length, 2), _left_pad(kb, length, 2)], dim=0)
+        v = torch.cat([_left_pad(va, length, 2), _left_pad(vb, length, 2)], dim=0)
+        layers.append((k, v))
+    mask = torch.cat([_left_pad(a.mask, length, 1), _left_pad(b.mask, length, 1)], dim=0)
+    return KVBatch(cache=DynamicCache(ddp_cache_data=layers), mask=mask)
+
+
+def select(kv: KVBatch, rows: list[int]) -> KVBatch | None:
+    """Keep only `rows` (in that order); drop leading columns that are padding in every kept row."""
+    if not rows:
+        return None
+    idx = torch.tensor(rows, dtype=torch.long)
+    mask = kv.mask.index_select(0, idx)
+    real_cols = mask.any(dim=0).nonzero()
+    start = int(real_cols[0]) if real_cols.numel() else mask.shape[1]
+    layers = [
+        (k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:])
+        for k, v in _kv_of(kv.cache)
+    ]
+    return KVBatch(cache=DynamicCache(ddp_cache_data=layers), mask=mask[:, start:].contiguous())
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class PrefillOut:
+    """What one prefill forward over N new sequences returns."""
+
+    kv: KVBatch
+    """The new rows' cache."""
+    last_logits: torch.Tensor
+    """`[N, V]` fp32 logits at each sequence's last token (its next-token distribution)."""
+    prompt_logits: list[torch.Tensor | None]
+    """Per sequence `[P_i, V]` fp32 logits at every prompt position, where asked for."""
+    routed: list[torch.Tensor] | None
+    """Per sequence int32 `[P_i, num_layers, topk]`, when capture was asked for."""
+
+
+def _heads(lm: LoadedModel) -> tuple[torch.nn.Module, torch.nn.Module]:
+    return lm.model.get_decoder(), lm.model.get_output_embeddings()
+
+
+@torch.no_grad()
+def prefill(
+    lm: LoadedModel,
+    seqs: list[list[int]],
+    *,
+    want_prompt_logits: list[bool],
+    capture: bool,
+) -> PrefillOut:
+    """Forward N token lists (left-padded into one batch) and build their cache."""
+    n, p = len(seqs), max(len(s) for s in seqs)
+    ids = torch.zeros(n, p, dtype=torch.long)
+    real = torch.zeros(n, p, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, p - len(s) :] = torch.tensor(s, dtype=torch.long)
+        real[i, p - len(s) :] = True
+    pos = (real.long().cumsum(dim=1) - 1).clamp(min=0)
+    causal = torch.ones(p, p, dtype=torch.bool).tril()
+    allowed = (causal[None] & real[:, None, :]) | torch.eye(p, dtype=torch.bool)[None]
+    decoder, head = _heads(lm)
+    cache = DynamicCache()
+    lm.capture.active = capture
+    try:
+        h = decoder(
+            input_ids=ids,
+            attention_mask=allowed[:, None],
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
+        routed_all = lm.capture.take(n, p) if capture else None
+    finally:
+        lm.capture.active = False
+    last_logits = head(h[:, -1]).float()
+    prompt_logits: list[torch.Tensor | None] = [
+        head(h[i, p - len(s) :]).float() if want else None
+        for i, (s, want) in enumerate(zip(seqs, want_prompt_logits))
+    ]
+    routed = (
+        [routed_all[i, p - len(s) :] for i, s in enumerate(seqs)]
+        if routed_all is not None
+        else None
+    )
+    return PrefillOut(
+        kv=KVBatch(cache=cache, mask=real),
+        last_logits=last_logits,
+        prompt_logits=prompt_logits,
+        routed=routed,
+    )
+
+
+@torch.no_grad()
+def decode(
+    lm: LoadedModel, kv: KVBatch, tokens: list[int], *, capture: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Feed one token per row; grows `kv` in place. Returns `(logits [B, V] fp32, routed
+    [B, num_layers, topk] int32 or None)`."""
+    b = kv.size
+    pos = kv.lengths()[:, None]
+    new_mask = torch.cat([kv.mask, torch.ones(b, 1, dtype=torch.bool)], dim=1)
+    decoder, head = _heads(lm)
+    lm.capture.active = capture
+    try:
+        h = decoder(
+            input_ids=torch.tensor(tokens, dtype=torch.long)[:, None],
+            attention_mask=new_mask[:, None, None, :],
+            position_ids=pos,
+            past_key_values=kv.cache,
+            use_cache=True,
+        ).last_hidden_state
+        routed = lm.capture.take(b, 1)[:, 0] if capture else None
+    finally:
+        lm.capture.active = False
+    kv.mask = new_mask
+    return head(h[:, 0]).float(), routed

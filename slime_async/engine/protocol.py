@@ -1,0 +1,263 @@
+"""SGLang `/generate` wire format: request parsing/validation and response building.
+
+Owns: `parse_generate` (SGLang `GenerateReqInput`: single or batch `input_ids`/`text`, per-item
+or shared `sampling_params`, `rid`, `return_logprob`, `logprob_start_len`,
+`return_routed_experts`, `routed_experts_start_len`, `n` > 1; unknown top-level keys ignored,
+unknown sampling keys rejected), `response_item` (`text`, `output_ids`, `meta_info` with
+`finish_reason`, token counts, `[logprob, id, text|null]` lists, `weight_version(s)`,
+`e2e_latency`, base64 int32 `routed_experts`) and the routed-experts codec.
+Must never import the server, the scheduler or torch model code.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from slime_async.engine.sampling import RequestError, SamplingParams, parse_sampling_params
+from slime_async.engine.sequence import SeqStatus, Sequence
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateItem:
+    """One prompt x one sample of a `/generate` call."""
+
+    rid: str
+    """Request id of this item."""
+    prompt: list[int]
+    """Prompt token ids."""
+    params: SamplingParams
+    """Sampling parameters (sampling_seed already offset for n > 1)."""
+    return_logprob: bool
+    """Return log-prob lists."""
+    logprob_start_len: int
+    """First prompt position with an input log-prob (-1: outputs only)."""
+    return_text_in_logprobs: bool
+    """Fill the text slot of log-prob entries."""
+    return_routed_experts: bool
+    """Return `meta_info.routed_experts`."""
+    routed_start: int
+    """`routed_experts_start_len`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateRequest:
+    """A parsed `/generate` body."""
+
+    items: list[GenerateItem]
+    """Every sequence to generate, in response order."""
+    batch: bool
+    """Answer with a JSON list (batch input or n > 1)."""
+    stream: bool
+    """Server-sent events instead of one JSON body."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelLimits:
+    """What request validation needs to know about the served model."""
+
+    vocab_size: int
+    context_length: int
+    moe: bool
+    routed_experts_enabled: bool
+
+
+def _per_item(body: dict[str, Any], key: str, n: int, default: Any) -> list[Any]:
+    v = body.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, list):
+        if len(v) != n:
+            raise RequestError(f"{key} is a list of {len(v)} entries but the batch has {n} inputs")
+        return v
+    return [v] * n
+
+
+def _check_ids(ids: Any, limits: ModelLimits, where: str) -> list[int]:
+    if not isinstance(ids, list) or not ids:
+        raise RequestError(f"{where} must be a non-empty list of token ids")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limits.vocab_size:
+            raise RequestError(
+                f"{where} holds {t!r}; token ids must be integers in [0, {limits.vocab_size})"
+            )
+    if len(ids) >= limits.context_length:
+        raise RequestError(
+            f"{where} has {len(ids)} tokens; the engine's context length is "
+            f"{limits.context_length} (prompt must be shorter)"
+        )
+    return ids
+
+
+def _flag(v: Any, key: str) -> bool:
+    if not isinstance(v, bool):
+        raise RequestError(f"{key} must be true or false, got {v!r}")
+    return v
+
+
+def _int(v: Any, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RequestError(f"{key} must be an integer, got {v!r}")
+    return v
+
+
+def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> GenerateRequest:
+    """Validate a `/generate` JSON body; raises `RequestError` (-> HTTP 400) naming the problem."""
+    if not isinstance(body, dict):
+        raise RequestError("the /generate body must be a JSON object")
+    has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
+    if has_ids == has_text:
+        raise RequestError("send exactly one of `input_ids` or `text`")
+    if body.get("input_embeds") is not None:
+        raise RequestError("input_embeds is not supported by the embedded engine; send input_ids")
+    if has_ids:
+        raw = body["input_ids"]
+        is_batch = isinstance(raw, list) and bool(raw) and isinstance(raw[0], list)
+        prompts = [
+            _check_ids(p, limits, f"input_ids[{i}]" if is_batch else "input_ids")
+            for i, p in enumerate(raw if is_batch else [raw])
+        ]
+    else:
+        raw = body["text"]
+        is_batch = isinstance(raw, list)
+        texts = raw if is_batch else [raw]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise RequestError("text must be a string or a non-empty list of strings")
+        try:
+            ids = [tokenizer.encode(t) for t in texts]
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        prompts = [_check_ids(p, limits, "text (tokenized)") for p in ids]
+    n_in = len(prompts)
+    sps = [parse_sampling_params(d) for d in _per_item(body, "sampling_params", n_in, None)]
+    rlp = _per_item(body, "return_logprob", n_in, False)
+    lsl = _per_item(body, "logprob_start_len", n_in, -1)
+    rre = _per_item(body, "return_routed_experts", n_in, False)
+    rsl = _per_item(body, "routed_experts_start_len", n_in, 0)
+    rtl = _flag(body.get("return_text_in_logprobs") or False, "return_text_in_logprobs")
+    stream = _flag(body.get("stream") or False, "stream")
+    rid = body.get("rid")
+    rids = rid if isinstance(rid, list) else None
+    if rids is not None and len(rids) != n_in:
+        raise RequestError(f"rid is a list of {len(rids)} entries but the batch has {n_in} inputs")
+    base = rid if isinstance(rid, str) else uuid.uuid4().hex
+    if rid is not None and not isinstance(rid, str | list):
+        raise RequestError("rid must be a string or a list of strings")
+    items: list[GenerateItem] = []
+    for i, prompt in enumerate(prompts):
+        p = sps[i]
+        start = _int(lsl[i], "logprob_start_len")
+        if not -1 <= start <= len(prompt):
+            raise RequestError(
+                f"logprob_start_len={start} is outside [-1, {len(prompt)}] (prompt length)"
+            )
+        want_re = _flag(rre[i], "return_routed_experts")
+        rstart = _int(rsl[i], "routed_experts_start_len")
+        if want_re and not (limits.moe and limits.routed_experts_enabled):
+            raise RequestError(
+                "return_routed_experts needs an MoE model and an engine started with routed "
+                "experts enabled (--disable-return-routed-experts not set)"
+            )
+        if not 0 <= rstart <= len(prompt):
+            raise RequestError(
+                f"routed_experts_start_len={rstart} is outside [0, {len(prompt)}] (prompt length)"
+            )
+        for j in range(p.n):
+            seed = None if p.sampling_seed is None else p.sampling_seed + j
+            single = n_in == 1 and p.n == 1
+            item_rid = (
+                (rids[i] if rids is not None else base if single else f"{base}_{i}")
+                if p.n == 1
+                else f"{rids[i] if rids is not None else base}_{j}"
+            )
+            items.append(
+                GenerateItem(
+                    rid=str(item_rid),
+                    prompt=list(prompt),
+                    params=dataclasses.replace(p, sampling_seed=seed, n=1),
+                    return_logprob=_flag(rlp[i], "return_logprob"),
+                    logprob_start_len=start,
+                    return_text_in_logprobs=rtl,
+                    return_routed_experts=want_re,
+                    routed_start=rstart,
+                )
+            )
+    return GenerateRequest(items=items, batch=is_batch or len(items) > 1, stream=stream)
+
+
+# ---------------------------------------------------------------------------- routed experts codec
+def encode_routed_experts(arr: np.ndarray) -> str:
+    """Base64 of little-endian int32 bytes, row-major (SGLang's `meta_info.routed_experts`)."""
+    return base64.b64encode(np.ascontiguousarray(arr, dtype="<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(b64: str, *, num_layers: int, topk: int) -> np.ndarray:
+    """Inverse of `encode_routed_experts`: int32 `[tokens, num_layers, topk]`."""
+    flat = np.frombuffer(base64.b64decode(b64), dtype="<i4")
+    if flat.size % (num_layers * topk):
+        raise ValueError(
+            f"routed_experts holds {flat.size} ids, not a multiple of layers*topk={num_layers * topk}"
+        )
+    return flat.reshape(-1, num_layers, topk)
+
+
+# ---------------------------------------------------------------------------- responses
+def _text_ids(seq: Sequence) -> list[int]:
+    reason = seq.finish_reason or {}
+    if (
+        reason.get("type") == "stop"
+        and isinstance(reason.get("matched"), int)
+        and not seq.params.no_stop_trim
+    ):
+        return seq.output[:-1]
+    return seq.output
+
+
+def response_item(
+    seq: Sequence,
+    *,
+    tokenizer: Any,
+    return_text_in_logprobs: bool = False,
+    index: int | None = None,
+) -> dict[str, Any]:
+    """SGLang's response object for one sequence (cumulative; final when finished)."""
+    skip = seq.params.skip_special_tokens
+    text = tokenizer.decode(_text_ids(seq), skip_special_tokens=skip)
+    if seq.text_end is not None:
+        text = text[: seq.text_end]
+    finished = seq.status is SeqStatus.FINISHED
+    meta: dict[str, Any] = {
+        "id": seq.rid,
+        "finish_reason": seq.finish_reason if finished else None,
+        "prompt_tokens": len(seq.prompt),
+        "completion_tokens": len(seq.output),
+        "cached_tokens": 0,
+        "weight_version": seq.version_spans[-1][0],
+        "weight_versions": seq.version_span_dicts(),
+    }
+
+    def tok_text(t: int) -> str | None:
+        return tokenizer.decode([t]) if return_text_in_logprobs else None
+
+    if seq.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, t, tok_text(t)] for lp, t in zip(seq.output_logprobs, seq.output)
+        ]
+        start = max(seq.logprob_start_len, 0) if seq.logprob_start_len >= 0 else len(seq.prompt)
+        lps = seq.input_logprobs or []
+        meta["input_token_logprobs"] = [
+            [lp, t, tok_text(t)] for lp, t in zip(lps, seq.prompt[start:])
+        ]
+    if finished:
+        meta["e2e_latency"] = (seq.finished_at or time.monotonic()) - seq.created
+        if seq.return_routed_experts:
+            meta["routed_experts"] = encode_routed_experts(seq.routed_array().numpy())
+    out: dict[str, Any] = {"text": text, "output_ids": list(seq.output), "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out

@@ -1,0 +1,286 @@
+"""Iteration-level (continuous) batching: one asyncio task drives model steps in a worker thread.
+
+Owns: `Scheduler` — the FIFO waiting queue, the running batch and its `KVBatch`, admission
+(at most `max_running_requests` rows, `max_prefill_tokens` per prefill), the step loop
+(prefill newcomers, then one decode step for every running row; finished rows leave before the
+next step), aborts, pause/continue (abort / in_place / retract) and exclusive access for weight
+swaps. Torch work runs in a single worker thread; all `Sequence` state changes on the loop thread.
+
+Worked example (max_running_requests=2): A and B arrive -> step 1 prefills A,B and decodes both;
+C arrives while step 1 runs and waits; A finishes at step 3 and leaves; step 4 prefills C and
+decodes B,C together. No request ever waits for the whole batch to drain.
+Must never import the server or aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import enum
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from slime_async.engine import batch
+from slime_async.engine.config import EngineConfig
+from slime_async.engine.model import LoadedModel
+from slime_async.engine.sampling import prompt_logprobs, sample
+from slime_async.engine.sequence import SeqStatus, Sequence, abort_reason, check_finish
+
+T = TypeVar("T")
+
+
+class PauseMode(enum.Enum):
+    ABORT = "abort"
+    """Finish every in-flight request with finish_reason abort (partial output returned)."""
+    IN_PLACE = "in_place"
+    """Freeze running requests with their KV cache; they resume on continue."""
+    RETRACT = "retract"
+    """Drop running requests' KV cache and requeue them; they are re-prefilled on continue."""
+
+
+class Scheduler:
+    """Runs the continuous batch. Create on the event loop that serves requests, then
+    `start()`; `submit()` sequences and await `seq.done`."""
+
+    def __init__(self, lm: LoadedModel, cfg: EngineConfig, *, version: Callable[[], str]) -> None:
+        self.lm, self.cfg, self._version = lm, cfg, version
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.kv: batch.KVBatch | None = None
+        self.paused = False
+        self.steps = 0
+        self.decoded_tokens = 0
+        self._wake = asyncio.Event()
+        self._step_lock = asyncio.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._task: asyncio.Task[None] | None = None
+        self._in_step = False
+        self._retract_pending = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-scheduler")
+
+    async def close(self) -> None:
+        self.abort(abort_all=True, message="Engine shutting down")
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._pool.shutdown(wait=True)
+
+    async def run_exclusive(self, fn: Callable[[], T]) -> T:
+        """Run `fn` in the worker thread between steps (no forward in flight): weight swaps."""
+        async with self._step_lock:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def run_in_worker(self, fn: Callable[[], T]) -> T:
+        """Run `fn` in the model thread, ordered with the steps (no lock)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self._wake.set()
+
+    def abort(self, *, rid: str | None = None, abort_all: bool = False, message: str) -> int:
+        """Abort matching requests (`rid` may be a prefix of batch items); returns how many."""
+        hit = 0
+        for seq in [*self.waiting, *self.running]:
+            match = abort_all or (
+                rid is not None and (seq.rid == rid or seq.rid.startswith(rid + "_"))
+            )
+            if match and seq.abort_message is None:
+                seq.abort_message = message
+                hit += 1
+        self._drop_aborted_waiting()
+        if not self._in_step:
+            self._retire()
+        return hit
+
+    def pause(self, mode: PauseMode) -> None:
+        self.paused = True
+        if mode is PauseMode.ABORT:
+            self.abort(abort_all=True, message="Abort by pause_generation")
+        elif mode is PauseMode.RETRACT and not self._in_step:
+            self._retract_all()
+        elif mode is PauseMode.RETRACT:
+            self._retract_pending = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wake.set()
+
+    def note_version(self, version: str) -> None:
+        for seq in [*self.waiting, *self.running]:
+            seq.note_version(version)
+
+    def load(self) -> dict[str, int]:
+        """SGLang `/get_load` numbers."""
+        return {
+            "num_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "num_tokens": sum(s.num_tokens for s in self.running),
+        }
+
+    # ------------------------------------------------------------------ loop
+    async def _loop(self) -> None:
+        while True:
+            if self.paused or not (self.waiting or self.running):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self._step_lock:
+                try:
+                    await self._step()
+                except Exception as e:  # a broken step must not hang clients: fail them loudly
+                    self.abort(
+                        abort_all=True, message=f"engine step failed: {type(e).__name__}: {e}"
+                    )
+                    self._in_step = False
+                    self._retire()
+            await asyncio.sleep(0)
+
+    def _admit(self) -> list[Sequence]:
+        out: list[Sequence] = []
+        budget = self.cfg.max_prefill_tokens
+        while self.waiting and len(self.running) + len(out) < self.cfg.max_running_requests:
+            n = self.waiting[0].num_tokens
+            if out and n > budget:
+                break
+            out.append(self.waiting.popleft())
+            budget -= n
+        return out
+
+    async def _step(self) -> None:
+        loop = asyncio.get_running_loop()
+        new = self._admit()
+        self._in_step = True
+        if new:
+            result = await loop.run_in_executor(self._pool, self._prefill_job, new)
+            self._apply_prefill(new, *result)
+            self._retire()
+        if self.running and self.kv is not None and not self.paused:
+            toks, lps, routed = await loop.run_in_executor(self._pool, self._decode_job)
+            for i, seq in enumerate(self.running):
+                if routed is not None and seq.return_routed_experts:
+                    seq.routed.append(routed[i : i + 1])
+                self._append(seq, toks[i], lps[i])
+            self.decoded_tokens += len(toks)
+        self.steps += 1
+        self._in_step = False
+        if self._retract_pending:
+            self._retract_pending = False
+            self._retract_all()
+        self._retire()
+
+    # ------------------------------------------------------------------ worker-thread jobs
+    def _banned(self, seq: Sequence) -> frozenset[int]:
+        p = seq.params
+        if len(seq.output) >= p.min_new_tokens:
+            return frozenset()
+        return p.stop_token_ids | (frozenset() if p.ignore_eos else self.lm.eos_token_ids)
+
+    def _prefill_job(self, seqs: list[Sequence]) -> tuple[Any, ...]:
+        want_in = [s.return_logprob and s.logprob_start_len >= 0 and not s.output for s in seqs]
+        out = batch.prefill(
+            self.lm,
+            [s.prefill_tokens() for s in seqs],
+            want_prompt_logits=want_in,
+            capture=any(s.return_routed_experts for s in seqs),
+        )
+        in_lps = [
+            prompt_logprobs(out.prompt_logits[i], s.prompt, s.params.temperature)
+            if want_in[i]
+            else None
+            for i, s in enumerate(seqs)
+        ]
+        toks, lps = sample(
+            out.last_logits,
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            banned=[self._banned(s) for s in seqs],
+        )
+        return out, in_lps, toks, lps
+
+    def _decode_job(self) -> tuple[list[int], list[float], torch.Tensor | None]:
+        assert self.kv is not None
+        capture = any(s.return_routed_experts for s in self.running)
+        logits, routed = batch.decode(
+            self.lm, self.kv, [s.output[-1] for s in self.running], capture=capture
+        )
+        toks, lps = sample(
+            logits,
+            [s.params for s in self.running],
+            [s.generator for s in self.running],
+            banned=[self._banned(s) for s in self.running],
+        )
+        return toks, lps, routed
+
+    # ------------------------------------------------------------------ loop-thread bookkeeping
+    def _apply_prefill(
+        self,
+        seqs: list[Sequence],
+        out: batch.PrefillOut,
+        in_lps: list[list[float] | None],
+        toks: list[int],
+        lps: list[float],
+    ) -> None:
+        self.kv = batch.merge(self.kv, out.kv)
+        for i, seq in enumerate(seqs):
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            if out.routed is not None and seq.return_routed_experts:
+                seq.routed = [out.routed[i]]  # a re-prefill re-records every position
+            if in_lps[i] is not None:
+                seq.input_logprobs = ([None, *in_lps[i]])[seq.logprob_start_len :]
+            if seq.params.max_new_tokens == 0:
+                seq.finish({"type": "length", "length": 0})
+                continue
+            self._append(seq, toks[i], lps[i])
+
+    def _append(self, seq: Sequence, tok: int, lp: float) -> None:
+        if seq.status is not SeqStatus.RUNNING:
+            return
+        seq.output.append(tok)
+        seq.output_logprobs.append(lp)
+        reason = check_finish(
+            seq,
+            eos_ids=self.lm.eos_token_ids,
+            context_length=self.lm.context_length,
+            tokenizer=self.lm.tokenizer,
+        )
+        if reason is not None:
+            seq.finish(reason)
+        else:
+            seq.updated.set()
+
+    def _drop_aborted_waiting(self) -> None:
+        keep: collections.deque[Sequence] = collections.deque()
+        for seq in self.waiting:
+            if seq.abort_message is not None:
+                seq.finish(abort_reason(seq.abort_message))
+            else:
+                keep.append(seq)
+        self.waiting = keep
+
+    def _retire(self) -> None:
+        """Remove finished/aborted rows from the batch (loop thread, no step in flight)."""
+        for seq in self.running:
+            if seq.abort_message is not None and seq.status is not SeqStatus.FINISHED:
+                seq.finish(abort_reason(seq.abort_message))
+        keep = [i for i, s in enumerate(self.running) if s.status is not SeqStatus.FINISHED]
+        if len(keep) != len(self.running):
+            self.kv = batch.select(self.kv, keep) if self.kv is not None else None
+            self.running = [self.running[i] for i in keep]
+        self._drop_aborted_waiting()
+
+    def _retract_all(self) -> None:
+        for seq in reversed(self.running):
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.running, self.kv = [], None

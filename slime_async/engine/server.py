@@ -1,0 +1,281 @@
+"""aiohttp routes of the embedded engine, with SGLang's paths, bodies and status codes.
+
+Owns: `build_app(engine)`. Every handler turns bad input into HTTP 400 with a message naming the
+problem; nothing a client sends can crash the server. Must never import torch model code
+directly (it talks to `Engine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from slime_async.engine.engine import Engine, EngineState
+from slime_async.engine.protocol import parse_generate, response_item
+from slime_async.engine.sampling import RequestError
+from slime_async.engine.sequence import Sequence
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+_dumps = json.dumps
+
+
+def _err(message: str, status: int = 400) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "code": status}}
+    return web.json_response(body, status=status)
+
+
+async def _json_body(request: web.Request, *, required: bool) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise RequestError(f"{request.path} needs a JSON object body")
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"{request.path} body must be a JSON object")
+    return body
+
+
+def _eng(request: web.Request) -> Engine:
+    return request.app[ENGINE_KEY]
+
+
+# ---------------------------------------------------------------------------- generate
+async def generate(request: web.Request) -> web.StreamResponse:
+    eng = _eng(request)
+    if eng.state is not EngineState.SERVING:
+        return _err("engine is not serving (starting or shutting down)", status=503)
+    try:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"body is not valid JSON: {e}") from None
+        assert eng.lm is not None
+        req = parse_generate(body, tokenizer=eng.lm.tokenizer, limits=eng.limits)
+    except RequestError as e:
+        return _err(str(e))
+    seqs = eng.submit(req)
+    rtl = req.items[0].return_text_in_logprobs
+    tok = eng.lm.tokenizer
+    if req.stream:
+        return await _stream(request, eng, seqs, batch=req.batch, rtl=rtl)
+    try:
+        await asyncio.gather(*(s.done.wait() for s in seqs))
+    except asyncio.CancelledError:  # client went away: free the batch rows
+        for s in seqs:
+            eng.abort(rid=s.rid, abort_all=False)
+        raise
+    outs = [response_item(s, tokenizer=tok, return_text_in_logprobs=rtl) for s in seqs]
+    return web.json_response(outs if req.batch else outs[0], dumps=_dumps)
+
+
+async def _stream(
+    request: web.Request, eng: Engine, seqs: list[Sequence], *, batch: bool, rtl: bool
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    tok = eng.lm.tokenizer  # type: ignore[union-attr]
+    sent = [-1] * len(seqs)
+    try:
+        pending = set(range(len(seqs)))
+        while pending:
+            waits = {asyncio.ensure_future(seqs[i].updated.wait()): i for i in pending}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for f in waits:
+                f.cancel()
+            for i in list(pending):
+                s = seqs[i]
+                s.updated.clear()
+                finished = s.finish_reason is not None
+                if len(s.output) == sent[i] and not finished:
+                    continue
+                sent[i] = len(s.output)
+                item = response_item(
+                    s, tokenizer=tok, return_text_in_logprobs=rtl, index=i if batch else None
+                )
+                await resp.write(f"data: {_dumps(item)}\n\n".encode())
+                if finished:
+                    pending.discard(i)
+        await resp.write(b"data: [DONE]\n\n")
+    except (ConnectionResetError, asyncio.CancelledError):
+        for s in seqs:
+            s.abort_message = s.abort_message or "client disconnected"
+            eng.abort(rid=s.rid, abort_all=False)
+        raise
+    return resp
+
+
+# ---------------------------------------------------------------------------- control
+async def pause_generation(request: web.Request) -> web.Response:
+    eng = _eng(request)
+    try:
+        body = await _json_body(request, required=True)
+        mode = eng.pause_mode(body.get("mode", "abort"))
+    except (RequestError, ValueError) as e:
+        return _err(str(e))
+    eng.pause(mode)
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    _eng(request).resume()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    eng = _eng(request)
+    try:
+        body = await _json_body(request, required=True)
+    except RequestError as e:
+        return _err(str(e))
+    rid, abort_all = body.get("rid"), body.get("abort_all", False)
+    if not isinstance(abort_all, bool) or (rid is not None and not isinstance(rid, str)):
+        return _err("abort_request takes {rid: str} or {abort_all: true}")
+    if rid is None and not abort_all:
+        return _err("abort_request needs `rid` or `abort_all: true`")
+    eng.abort(rid=rid, abort_all=abort_all)
+    return web.Response(status=200)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    if _eng(request).flush_cache():
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details.")
+    return web.Response(status=400, text="Cache not flushed: requests are running; retry later.")
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    eng = _eng(request)
+    try:
+        body = await _json_body(request, required=True)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise RequestError("update_weights_from_disk needs `model_path` (a directory)")
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str | int):
+            raise RequestError("weight_version must be a string")
+        abort_all = body.get("abort_all_requests", False)
+        if not isinstance(abort_all, bool):
+            raise RequestError("abort_all_requests must be true or false")
+    except RequestError as e:
+        return web.json_response({"success": False, "message": str(e)}, status=400)
+    res = await eng.update_weights_from_disk(
+        path, weight_version=None if version is None else str(version), abort_all_requests=abort_all
+    )
+    return web.json_response(
+        {
+            "success": res.success,
+            "message": res.message,
+            "num_paused_requests": res.num_paused_requests,
+        },
+        status=200 if res.success else 400,
+    )
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    eng = _eng(request)
+    try:
+        body = await _json_body(request, required=True)
+        new = body.get("new_version")
+        if new is None or not isinstance(new, str | int):
+            raise RequestError("update_weight_version needs `new_version` (a string)")
+        abort_all = body.get("abort_all_requests", True)
+        if not isinstance(abort_all, bool):
+            raise RequestError("abort_all_requests must be true or false")
+    except RequestError as e:
+        return web.json_response({"success": False, "message": str(e)}, status=400)
+    res = await eng.update_weight_version(str(new), abort_all_requests=abort_all)
+    return web.json_response(
+        {"success": res.success, "message": res.message, "new_version": str(new)}
+    )
+
+
+async def memory_occupation(request: web.Request) -> web.Response:
+    """release/resume_memory_occupation: accepted for API parity; a CPU engine keeps its memory."""
+    return web.json_response(None)
+
+
+# ---------------------------------------------------------------------------- info and health
+async def health(request: web.Request) -> web.Response:
+    ok = _eng(request).state is EngineState.SERVING
+    return web.Response(status=200 if ok else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    eng = _eng(request)
+    if eng.state is not EngineState.SERVING:
+        return web.Response(status=503)
+    from slime_async.engine.protocol import GenerateItem, GenerateRequest
+    from slime_async.engine.sampling import SamplingParams
+
+    item = GenerateItem(
+        rid=f"HEALTH_CHECK_{id(request)}",
+        prompt=[0],
+        params=SamplingParams(max_new_tokens=1, temperature=0.0),
+        return_logprob=False,
+        logprob_start_len=-1,
+        return_text_in_logprobs=False,
+        return_routed_experts=False,
+        routed_start=0,
+    )
+    (seq,) = eng.submit(GenerateRequest(items=[item], batch=False, stream=False))
+    try:
+        await asyncio.wait_for(seq.done.wait(), eng.cfg.health_generate_timeout_s)
+    except TimeoutError:
+        seq.abort_message = "health check timed out"
+        eng.abort(rid=seq.rid, abort_all=False)
+        return web.Response(status=503)
+    aborted = (seq.finish_reason or {}).get("type") == "abort"
+    return web.Response(status=503 if aborted else 200)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return web.json_response(_eng(request).model_info())
+
+
+async def server_info(request: web.Request) -> web.Response:
+    return web.json_response(_eng(request).server_info())
+
+
+async def get_load(request: web.Request) -> web.Response:
+    return web.json_response([_eng(request).load()])
+
+
+async def v1_loads(request: web.Request) -> web.Response:
+    return web.json_response({"loads": [_eng(request).load()]})
+
+
+def build_app(engine: Engine) -> web.Application:
+    """The aiohttp application serving `engine` (SGLang paths, plus the `get_` aliases)."""
+    app = web.Application(client_max_size=512 * 1024**2)
+    app[ENGINE_KEY] = engine
+    r = app.router
+    for path in ("/generate",):
+        r.add_post(path, generate)
+        r.add_put(path, generate)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    r.add_post("/abort_request", abort_request)
+    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_post("/update_weight_version", update_weight_version)
+    r.add_route("*", "/release_memory_occupation", memory_occupation)
+    r.add_route("*", "/resume_memory_occupation", memory_occupation)
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health_generate)
+    r.add_get("/ready", health)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, model_info)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, server_info)
+    r.add_get("/get_load", get_load)
+    r.add_get("/v1/loads", v1_loads)
+    return app
