@@ -1,0 +1,138 @@
+"""Configuration of the RolloutDataWorker.
+
+Owns `DataWorkerConfig` (one frozen dataclass, every field documented), the
+`PartialRolloutPolicy` enum, and `validate_config`, which turns bad settings into errors that
+name the problem and the fix. Never imports `slime_async`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from enum import StrEnum
+
+
+class PartialRolloutPolicy(StrEnum):
+    """What happens to a generation that is aborted (by `pause()` or by the engine)."""
+
+    CONTINUE = "continue"
+    """Keep the tokens generated so far (with their per-token versions); resume from them."""
+    REQUEUE = "requeue"
+    """Discard the partial tokens and re-issue the sample from scratch."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DataWorkerConfig:
+    """Settings of one RolloutDataWorker (see data_worker/README.md for the algorithm)."""
+
+    n_samples_per_prompt: int = 8
+    """Group size n: samples generated per prompt (GRPO group)."""
+    groups_per_step: int = 32
+    """B: groups consumed by one train step; the unit of the staleness budget."""
+    max_staleness: int = 1
+    """S: admit a group only while admitted groups < (S + v + 1) * B; S = 0 is synchronous."""
+    fifo_window: float = 8
+    """W: only completed groups with seq in [head, head + W) are consumable; 1 = strict order,
+    `math.inf` = arrival order. Worst-case staleness is S + ceil((W - 1) / B)."""
+    max_off_policy_steps: int | None = None
+    """Drop groups with k - j_min > this at consumption (None: never drop)."""
+    partial_rollout: PartialRolloutPolicy = PartialRolloutPolicy.CONTINUE
+    """On abort: `continue` keeps partial tokens and resumes, `requeue` re-issues from scratch."""
+    length_probe: bool = True
+    """Probe dispatch: unknown prompts send sample 0 first; the rest follow longest-first.
+    False: every sample is dispatched at once in submission (FIFO) order."""
+    probe_backfill: bool = True
+    """Work-conserving probes: when a slot would otherwise idle, dispatch a sample that is
+    waiting on its probe anyway (at the default expected length)."""
+    length_ema_alpha: float = 0.5
+    """Weight of a new response length in the per-prompt EMA (1.0 = keep only the latest)."""
+    default_expected_len: int = 1024
+    """Expected response length passed to `generate` for prompts never seen before."""
+    max_inflight: int = 256
+    """Most generate calls running at once (set to the engines' total concurrent slots)."""
+    max_queued_samples: int | None = None
+    """New prompts are admitted only while fewer samples than this wait for dispatch
+    (None: max_inflight). The staleness budget applies on top of this."""
+    priority_bucket_groups: int | None = None
+    """Longest-first ordering applies within buckets of this many consecutive groups; older
+    buckets go first, so short old groups cannot starve (None: groups_per_step)."""
+    max_generate_retries: int = 3
+    """A sample whose `generate` raises more than this many times fails the worker."""
+
+    def __post_init__(self) -> None:
+        validate_config(self)
+
+    @property
+    def queued_limit(self) -> int:
+        """Effective `max_queued_samples`."""
+        return self.max_inflight if self.max_queued_samples is None else self.max_queued_samples
+
+    @property
+    def bucket_groups(self) -> int:
+        """Effective `priority_bucket_groups`."""
+        b = self.priority_bucket_groups
+        return self.groups_per_step if b is None else b
+
+
+def validate_config(cfg: DataWorkerConfig) -> None:
+    """Raise ValueError naming the bad field and how to fix it."""
+    if not isinstance(cfg.n_samples_per_prompt, int) or cfg.n_samples_per_prompt < 1:
+        raise ValueError(
+            f"n_samples_per_prompt must be an integer >= 1, got {cfg.n_samples_per_prompt!r}; "
+            "set --n-samples-per-prompt to the group size (e.g. 8)."
+        )
+    if not isinstance(cfg.groups_per_step, int) or cfg.groups_per_step < 1:
+        raise ValueError(
+            f"groups_per_step (B) must be an integer >= 1, got {cfg.groups_per_step!r}; "
+            "it is the number of prompt groups one train step consumes."
+        )
+    if not isinstance(cfg.max_staleness, int) or cfg.max_staleness < 0:
+        raise ValueError(
+            f"max_staleness (S) must be an integer >= 0, got {cfg.max_staleness!r}; "
+            "use 0 for synchronous training, 1 for one-step off-policy, >1 for fully async."
+        )
+    w = cfg.fifo_window
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or math.isnan(w) or w < 1:
+        raise ValueError(
+            f"fifo_window (W) must be >= 1 or math.inf, got {w!r}; "
+            "use 1 for strict submission order, math.inf for arrival order."
+        )
+    if not math.isinf(w) and w != int(w):
+        raise ValueError(
+            f"fifo_window (W) must be a whole number of groups or math.inf, got {w!r}."
+        )
+    m = cfg.max_off_policy_steps
+    if m is not None and (not isinstance(m, int) or m < 0):
+        raise ValueError(
+            f"max_off_policy_steps must be None (never drop) or an integer >= 0, got {m!r}."
+        )
+    if not isinstance(cfg.partial_rollout, PartialRolloutPolicy):
+        try:
+            PartialRolloutPolicy(cfg.partial_rollout)
+        except ValueError:
+            raise ValueError(
+                f"partial_rollout must be 'continue' or 'requeue', got {cfg.partial_rollout!r}."
+            ) from None
+        object.__setattr__(cfg, "partial_rollout", PartialRolloutPolicy(cfg.partial_rollout))
+    if not 0.0 < cfg.length_ema_alpha <= 1.0:
+        raise ValueError(f"length_ema_alpha must be in (0, 1], got {cfg.length_ema_alpha!r}.")
+    if not isinstance(cfg.default_expected_len, int) or cfg.default_expected_len < 1:
+        raise ValueError(
+            f"default_expected_len must be an integer >= 1, got {cfg.default_expected_len!r}; "
+            "use a typical response length in tokens."
+        )
+    if not isinstance(cfg.max_inflight, int) or cfg.max_inflight < 1:
+        raise ValueError(
+            f"max_inflight must be an integer >= 1, got {cfg.max_inflight!r}; "
+            "set it to the engines' total concurrent request slots."
+        )
+    q = cfg.max_queued_samples
+    if q is not None and (not isinstance(q, int) or q < 1):
+        raise ValueError(f"max_queued_samples must be None or an integer >= 1, got {q!r}.")
+    b = cfg.priority_bucket_groups
+    if b is not None and (not isinstance(b, int) or b < 1):
+        raise ValueError(f"priority_bucket_groups must be None or an integer >= 1, got {b!r}.")
+    if not isinstance(cfg.max_generate_retries, int) or cfg.max_generate_retries < 0:
+        raise ValueError(
+            f"max_generate_retries must be an integer >= 0, got {cfg.max_generate_retries!r}."
+        )
