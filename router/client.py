@@ -105,12 +105,20 @@ class RouterClient:
         return (await self._json("GET", "/metrics"))[1]
 
     # --- control fan-out --------------------------------------------------------------------
-    async def fan_out(self, path: str, body: dict | None = None, *, check: bool = True) -> dict:
-        """POST a control call to every engine; raise `FanoutError` if any failed (`check`)."""
+    async def fan_out(self, path: str, body: dict | None = None, *, strict: bool = False) -> dict:
+        """POST a control call to every engine and return the fan-out reply.
+
+        Raises `FanoutError` when no engine succeeded, or when an engine failed and is still in
+        rotation (it would serve in an inconsistent state). An engine that failed and was
+        quarantined is out of rotation and is brought up to date before re-admission, so it
+        does not raise unless `strict=True` (then any failure raises).
+        """
         status, reply = await self._json("POST", path, body if body is not None else {})
-        if status not in (200, 207) or (check and reply.get("failed")):
-            if "results" not in reply:
-                raise RuntimeError(f"{path} -> HTTP {status}: {reply}")
+        if "results" not in reply:
+            raise RuntimeError(f"{path} -> HTTP {status}: {reply}")
+        failed = reply.get("failed", [])
+        in_rotation = [f for f in failed if not f.get("quarantined")]
+        if reply.get("succeeded", 0) == 0 or in_rotation or (strict and failed):
             raise FanoutError(path, reply)
         return reply
 

@@ -38,6 +38,9 @@ class RouterConfig:
     """Consecutive failures (probes or proxied requests) that quarantine an engine."""
     success_threshold: int = 1
     """Consecutive successful probes that re-admit a quarantined engine."""
+    readmit_probe_path: str = "/health_generate"
+    """Probe of a quarantined engine (a real 1-token generation in SGLang), so an engine whose
+    HTTP server is up but whose generation fails is not re-admitted."""
     max_retries: int = 3
     """Extra attempts of one request on other engines after a connection error or 5xx."""
     retry_backoff_s: float = 0.05
@@ -89,6 +92,8 @@ def validate_config(cfg: RouterConfig) -> None:
     for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "connect_timeout_s"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be > 0 seconds")
+    if not cfg.readmit_probe_path.startswith("/"):
+        raise ValueError("readmit_probe_path must be an engine path such as /health_generate")
     if cfg.wait_for_worker_s < 0:
         raise ValueError("wait_for_worker_s must be >= 0 seconds")
     for url in cfg.worker_urls:
@@ -137,6 +142,7 @@ def add_router_args(parser: argparse.ArgumentParser, *, prefix: str = "router-")
         "connect_timeout_s": float,
         "control_timeout_s": float,
         "max_connections": int,
+        "readmit_probe_path": str,
     }
     for name, typ in numeric.items():
         group.add_argument(

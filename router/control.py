@@ -131,8 +131,7 @@ class ControlFanout:
             out_of_sync = path in WEIGHT_PATHS and any_ok
             if transport or out_of_sync:
                 why = f"{path} failed: {o['error']}"
-                if transport:
-                    self.registry.record_failure(w, why)
+                w.total_failures += 1
                 self.registry.quarantine(w, why)
             failed.append(
                 {

@@ -77,13 +77,15 @@ class HealthMonitor:
 
     async def _probe(self, w: Worker) -> bool:
         self.probes += 1
+        # A quarantined engine must prove it can generate, not only that its HTTP server is up.
+        path = self.cfg.readmit_probe_path if w.state is WorkerState.QUARANTINED else "/health"
         try:
-            async with self._session().get(w.url + "/health", timeout=self._timeout) as r:
+            async with self._session().get(w.url + path, timeout=self._timeout) as r:
                 await r.read()
                 ok = r.status == 200
-                err = "" if ok else f"/health answered HTTP {r.status}"
+                err = "" if ok else f"{path} answered HTTP {r.status}"
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
-            ok, err = False, f"/health failed: {type(e).__name__}: {e}"
+            ok, err = False, f"{path} failed: {type(e).__name__}: {e}"
         if not ok:
             self.probe_failures += 1
             self.registry.record_failure(w, err)

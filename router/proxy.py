@@ -186,7 +186,7 @@ class Proxy:
             except _Retryable as e:
                 last_error = f"{w.url}: {e}"
                 w.retries_away += 1
-                self.registry.record_failure(w, str(e))
+                self.registry.record_request_failure(w, str(e))
                 self._on_failure(w)
                 if attempt < self.cfg.max_retries:
                     self.stats.retries += 1
@@ -199,7 +199,7 @@ class Proxy:
             finally:
                 w.outstanding_requests -= 1
                 w.outstanding_tokens -= expected_tokens
-            w.consecutive_failures = 0
+            self.registry.record_request_success(w)
             self.stats.succeeded += 1
             return resp
         raise AssertionError("unreachable: the loop returns on its last attempt")
@@ -241,7 +241,7 @@ class Proxy:
             # Bytes already reached the client: no retry (it would duplicate output). Tell the
             # client in SGLang's mid-stream error shape and count the engine failure.
             self.stats.stream_broken += 1
-            self.registry.record_failure(w, f"stream broken: {e}")
+            self.registry.record_request_failure(w, f"stream broken: {e}")
             self._on_failure(w)
             err = {
                 "error": {

@@ -100,7 +100,7 @@ class FakeEngine:
             app.router.add_post(path, self._generate)
         app.router.add_put("/generate", self._generate)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/health_generate", self._health)
+        app.router.add_get("/health_generate", self._health_generate)
         for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
             app.router.add_get(path, self._info)
         app.router.add_get("/get_load", self._load)
@@ -252,6 +252,10 @@ class FakeEngine:
 
     async def _health(self, _request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
+
+    async def _health_generate(self, _request: web.Request) -> web.Response:
+        ok = self.healthy and self.fail_status is None
+        return web.Response(status=200 if ok else 503)
 
     async def _info(self, request: web.Request) -> web.Response:
         return web.json_response(

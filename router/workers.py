@@ -41,7 +41,12 @@ class Worker:
     outstanding_tokens: int = 0
     """Sum of the expected response tokens of those requests (the balancing signal)."""
     consecutive_failures: int = 0
+    """Consecutive failed health probes."""
     consecutive_successes: int = 0
+    """Consecutive successful health probes."""
+    request_failures: int = 0
+    """Consecutive failed proxied requests (an engine whose /health is fine but whose
+    /generate fails is a zombie: probes alone would never take it out of rotation)."""
     total_requests: int = 0
     total_failures: int = 0
     retries_away: int = 0
@@ -135,16 +140,26 @@ class WorkerRegistry:
 
     # --- health accounting ------------------------------------------------------------------
     def record_failure(self, w: Worker, error: str) -> bool:
-        """Count a failure; return True if this call quarantined the worker."""
+        """Count a failed health probe; return True if this call quarantined the worker."""
         w.consecutive_failures += 1
         w.consecutive_successes = 0
+        return self._failed(w, w.consecutive_failures, error)
+
+    def record_request_failure(self, w: Worker, error: str) -> bool:
+        """Count a failed proxied request; return True if this call quarantined the worker."""
+        w.request_failures += 1
+        return self._failed(w, w.request_failures, error)
+
+    def record_request_success(self, w: Worker) -> None:
+        """A proxied request succeeded: the engine serves, reset its request-failure streak."""
+        w.request_failures = 0
+
+    def _failed(self, w: Worker, streak: int, error: str) -> bool:
         w.total_failures += 1
         w.last_error = error
-        if w.state is WorkerState.REMOVED:
+        if w.state in (WorkerState.REMOVED, WorkerState.QUARANTINED):
             return False
-        if w.consecutive_failures >= self.failure_threshold and w.state is not (
-            WorkerState.QUARANTINED
-        ):
+        if streak >= self.failure_threshold:
             self.quarantine(w, error)
             return True
         return False
@@ -178,6 +193,7 @@ class WorkerRegistry:
         """Put `w` into rotation and wake requests waiting for an engine."""
         if w.state is WorkerState.REMOVED:
             return
+        w.request_failures = 0
         self._set_state(w, WorkerState.HEALTHY)
 
     def _set_state(self, w: Worker, state: WorkerState) -> None:
