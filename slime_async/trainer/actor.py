@@ -1,0 +1,163 @@
+"""Thin Ray wrapper around `MegatronTrainer`: one actor per trainer rank, plus a group handle.
+
+Owns: `TrainerActor` (a `@ray.remote` class with fractional `num_cpus`, so a 2-core node can
+schedule trainer, engine, router and data-worker actors together) and `TrainerGroup`, which
+starts `world_size` actors on one rendezvous port and fans every call out to all ranks (they
+run collectives together), returning rank 0's answer. Must never import the controller,
+engine, rollout or data-worker parts of `slime_async`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from slime_async.modelspec import ModelSpec
+from slime_async.trainer.batch import TrainerBatch
+from slime_async.trainer.config import TrainerConfig
+
+DEFAULT_NUM_CPUS = 0.25
+"""Logical CPUs per trainer actor (fractional: see ARCHITECTURE.md, Ray on 2 cores)."""
+
+
+class _TrainerActorImpl:
+    """Actor body: builds the trainer in the actor process (threads set before torch work)."""
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        spec: ModelSpec,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        num_threads: int,
+    ) -> None:
+        import torch
+
+        torch.set_num_threads(num_threads)
+        from slime_async.trainer.trainer import MegatronTrainer
+
+        self.trainer = MegatronTrainer(
+            cfg,
+            spec,
+            rank=rank,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def compute_logprobs(self, batch: TrainerBatch, version: int | None = None) -> tuple[Any, Any]:
+        lp, ent = self.trainer.compute_logprobs(batch, version)
+        return lp.numpy(), ent.numpy()
+
+    def train_step(self, batch: TrainerBatch) -> dict[str, float]:
+        return self.trainer.train_step(batch)
+
+    def snapshot(self) -> int:
+        return self.trainer.snapshot()
+
+    def release(self, version: int) -> bool:
+        return self.trainer.release(version)
+
+    def save_weights(self, path: str) -> str:
+        return str(self.trainer.save_weights(path))
+
+    def save_checkpoint(self, save_dir: str | None, extra_state: dict[str, object]) -> str:
+        return str(self.trainer.save_checkpoint(save_dir, extra_state=extra_state))
+
+    def extra_state(self) -> dict[str, object]:
+        return dict(self.trainer.extra_state)
+
+
+TrainerActor = ray.remote(num_cpus=DEFAULT_NUM_CPUS)(_TrainerActorImpl)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TrainerGroup:
+    """`world_size` trainer actors acting as one trainer (calls go to every rank).
+
+    Example::
+
+        group = TrainerGroup(TrainerConfig(), TINY_MOE, world_size=2)
+        metrics = group.train_step(batch)     # all ranks step; rank 0's metrics
+        group.save_weights("/tmp/w_v1")
+    """
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        spec: ModelSpec,
+        *,
+        world_size: int = 1,
+        num_cpus_per_actor: float = DEFAULT_NUM_CPUS,
+        num_threads: int = 1,
+        timeout_s: float = 600.0,
+    ) -> None:
+        port = _free_port()
+        self.timeout_s = timeout_s
+        self.actors = [
+            TrainerActor.options(num_cpus=num_cpus_per_actor).remote(
+                cfg,
+                spec,
+                rank=r,
+                world_size=world_size,
+                master_addr="127.0.0.1",
+                master_port=port,
+                num_threads=num_threads,
+            )
+            for r in range(world_size)
+        ]
+        self._all("version")  # wait until every rank is up (raises the build error if any)
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return ray.get(refs, timeout=self.timeout_s)
+
+    def version(self) -> int:
+        return int(self._all("version")[0])
+
+    def compute_logprobs(self, batch: TrainerBatch, version: int | None = None) -> tuple[Any, Any]:
+        """Token-aligned `[B, T]` numpy log-probs and entropies (see MegatronTrainer)."""
+        ref = ray.put(batch)
+        return self._all("compute_logprobs", ref, version)[0]
+
+    def train_step(self, batch: TrainerBatch) -> dict[str, float]:
+        ref = ray.put(batch)
+        return self._all("train_step", ref)[0]
+
+    def snapshot(self) -> int:
+        return int(self._all("snapshot")[0])
+
+    def release(self, version: int) -> bool:
+        return bool(self._all("release", version)[0])
+
+    def save_weights(self, path: str | Path) -> Path:
+        return Path(self._all("save_weights", str(path))[0])
+
+    def save_checkpoint(
+        self, save_dir: str | Path | None = None, *, extra_state: dict[str, object] | None = None
+    ) -> Path:
+        d = None if save_dir is None else str(save_dir)
+        return Path(self._all("save_checkpoint", d, extra_state or {})[0])
+
+    def extra_state(self) -> dict[str, object]:
+        return self._all("extra_state")[0]
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []

@@ -1,0 +1,276 @@
+"""Atomic, guarded training checkpoints (save / find latest / load with resume guards).
+
+Owns: the checkpoint directory format and every resume guard. Must never import the
+controller, engine, rollout or data-worker parts of `slime_async`.
+
+Layout of `<save>/`::
+
+    iter_0000012/            one complete checkpoint (renamed into place when complete)
+        meta.json            version, ModelSpec, parallel layout, optimizer step, sizes and
+                             sha256 of every file below, opaque `extra_state` (controller,
+                             data worker)
+        model.pt             full HF-named fp32 weights (layout-free → any TP/EP can load)
+        optim.pt             full HF-named AdamW moments `exp_avg` / `exp_avg_sq`
+        rng_rank00000.pt     per-rank torch + megatron-tracker RNG states
+    latest                   text "12", replaced atomically after the rename
+    .tmp-iter_0000013/       a save in progress / crashed: never read
+
+Tensors are stored in their full (gathered) form, so a different TP/EP layout is resharded
+exactly (the same mapping as the HF export). Files are read with `torch.load(...,
+weights_only=True)`: nothing is unpickled beyond tensors and plain containers.
+
+Guards (each raises `CheckpointError` naming the path): `--load` missing, empty or without a
+complete checkpoint (never a fallback to `--hf-checkpoint`/`--ref-load`); a loaded iteration
+of 0; a checkpoint of another ModelSpec. A partial or corrupted directory (missing file, size
+or sha256 mismatch, unreadable meta) is never picked: `latest` falls back to the newest
+complete checkpoint and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from slime_async.modelspec import ModelSpec
+from slime_async.trainer import hf_convert
+from slime_async.trainer.parallel import ParallelLayout
+
+if TYPE_CHECKING:
+    from slime_async.trainer.trainer import MegatronTrainer
+
+log = logging.getLogger(__name__)
+FORMAT = "slime_async.trainer.checkpoint/1"
+_ITER = re.compile(r"^iter_(\d{7})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used for this resume (message names the path and the fix)."""
+
+
+def iter_name(version: int) -> str:
+    return f"iter_{version:07d}"
+
+
+def check_spec(found: ModelSpec, expected: ModelSpec, *, where: str) -> None:
+    """Refuse weights of another architecture, listing the differing fields."""
+    if found == expected:
+        return
+    a, b = found.to_dict(), expected.to_dict()
+    diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+    raise CheckpointError(
+        f"{where} holds weights of another model config; differing fields "
+        f"(checkpoint, this run): {diff}. Use the checkpoint's ModelSpec or another checkpoint."
+    )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _barrier(tr: MegatronTrainer) -> None:
+    if dist.is_initialized() and tr.world_size > 1:
+        dist.barrier()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _optimizer_moments(tr: MegatronTrainer) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+    named = dict(tr.model.named_parameters())
+    moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    step = 0
+    for name, p in named.items():
+        st = tr.optimizer.state.get(p, {})
+        for key in moments:
+            moments[key][name] = st[key] if key in st else torch.zeros_like(p)
+        if "step" in st:
+            step = int(st["step"])
+    full = {k: hf_convert.megatron_to_hf_tensors(v, tr.spec) for k, v in moments.items()}
+    return full, step
+
+
+def save(tr: MegatronTrainer, save_dir: Path, *, extra_state: dict[str, object]) -> Path:
+    """Write `iter_<version>` atomically, then point `latest` at it; returns the final path."""
+    json.dumps(extra_state)  # fail early (TypeError) if the opaque state is not JSON-able
+    weights = hf_convert.megatron_to_hf(tr.model, tr.spec)
+    moments, opt_step = _optimizer_moments(tr)
+    final = save_dir / iter_name(tr.version)
+    tmp = save_dir / f".tmp-{iter_name(tr.version)}"
+    if tr.rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(tr)
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    rng = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, tmp / f"rng_rank{tr.rank:05d}.pt")
+    if tr.rank == 0:
+        torch.save(weights, tmp / "model.pt")
+        torch.save(moments, tmp / "optim.pt")
+    _barrier(tr)
+    if tr.rank == 0:
+        files = {
+            f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(tmp.iterdir())
+        }
+        meta = {
+            "format": FORMAT,
+            "version": tr.version,
+            "spec": tr.spec.to_dict(),
+            "layout": tr.layout.to_dict(),
+            "world_size": tr.world_size,
+            "optimizer_step": opt_step,
+            "extra_state": extra_state,
+            "files": files,
+        }
+        _atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write_text(save_dir / "latest", f"{tr.version}\n")
+        _prune(save_dir, keep=tr.cfg.keep_checkpoints, current=final)
+    _barrier(tr)
+    return final
+
+
+def _prune(save_dir: Path, *, keep: int, current: Path) -> None:
+    complete = [d for d in _iter_dirs(save_dir) if validate(d) is None]
+    for d in complete[:-keep] if keep > 0 else []:
+        if d != current:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _iter_dirs(save_dir: Path) -> list[Path]:
+    dirs = [d for d in save_dir.iterdir() if d.is_dir() and _ITER.match(d.name)]
+    return sorted(dirs, key=lambda d: int(_ITER.match(d.name).group(1)))
+
+
+def validate(ckpt: Path) -> str | None:
+    """None if `ckpt` is a complete checkpoint, else the reason it is not."""
+    meta_path = ckpt / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        return f"unreadable {meta_path}: {e}"
+    if meta.get("format") != FORMAT:
+        return f"{meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}"
+    for name, info in meta.get("files", {}).items():
+        f = ckpt / name
+        if not f.is_file():
+            return f"missing file {f}"
+        if f.stat().st_size != info["bytes"]:
+            return f"{f} has {f.stat().st_size} bytes, meta.json says {info['bytes']} (truncated)"
+        if _sha256(f) != info["sha256"]:
+            return f"{f} fails its sha256 check (corrupted)"
+    if "model.pt" not in meta.get("files", {}):
+        return f"{ckpt} has no model.pt"
+    return None
+
+
+def find_latest(load_dir: Path) -> Path:
+    """The complete checkpoint to resume from in `load_dir` (a save dir or an iter dir)."""
+    if not load_dir.is_dir():
+        raise CheckpointError(
+            f"--load {load_dir} does not exist or is not a directory; refusing to start from "
+            "--hf-checkpoint/--ref-load or random weights. Fix the path, or drop --load to "
+            "start a new run."
+        )
+    if (load_dir / "meta.json").exists():
+        reason = validate(load_dir)
+        if reason:
+            raise CheckpointError(f"--load {load_dir} is not a usable checkpoint: {reason}")
+        return load_dir
+    pointer = load_dir / "latest"
+    if pointer.is_file():
+        try:
+            cand = load_dir / iter_name(int(pointer.read_text().strip()))
+            reason = validate(cand)
+        except ValueError:
+            cand, reason = None, f"unreadable pointer {pointer}"
+        if reason is None and cand is not None:
+            return cand
+        log.warning(
+            "checkpoint pointer %s is not usable (%s); looking for older ones", pointer, reason
+        )
+    complete = [d for d in _iter_dirs(load_dir) if validate(d) is None]
+    if complete:
+        log.warning("resuming from %s, the newest complete checkpoint", complete[-1])
+        return complete[-1]
+    found = sorted(p.name for p in load_dir.iterdir())
+    raise CheckpointError(
+        f"--load {load_dir} holds no complete checkpoint (contents: {found[:10]}); refusing to "
+        "start from --hf-checkpoint/--ref-load or random weights. Point --load at a directory "
+        "written by --save, or drop --load to start a new run."
+    )
+
+
+def load(tr: MegatronTrainer, load_dir: Path) -> dict[str, object]:
+    """Restore `tr` from the latest complete checkpoint in `load_dir`; returns meta.json."""
+    ckpt = find_latest(load_dir)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    if int(meta["version"]) == 0:
+        raise CheckpointError(
+            f"--load {load_dir}: checkpoint {ckpt.name} is iteration 0 (untrained initial "
+            "weights). Resuming it would push initial weights to the engines as if trained; "
+            "start a new run with --hf-checkpoint instead of --load."
+        )
+    check_spec(ModelSpec.from_dict(meta["spec"]), tr.spec, where=f"--load {ckpt}")
+    saved = ParallelLayout(**meta["layout"])
+    if saved != tr.layout:
+        log.warning("resharding checkpoint %s from layout %s to %s", ckpt, saved, tr.layout)
+    weights = torch.load(ckpt / "model.pt", weights_only=True, map_location="cpu")
+    hf_convert.hf_to_megatron(tr.model, tr.spec, weights)
+    _load_optimizer(tr, ckpt, int(meta["optimizer_step"]))
+    rng_file = ckpt / f"rng_rank{tr.rank:05d}.pt"
+    if meta["world_size"] == tr.world_size and rng_file.is_file():
+        _restore_rng(torch.load(rng_file, weights_only=True))
+    else:
+        torch.manual_seed(tr.cfg.seed + int(meta["version"]))
+    tr.version = int(meta["version"])
+    tr.extra_state = dict(meta.get("extra_state") or {})
+    tr.resumed_layout = saved
+    return meta
+
+
+def _load_optimizer(tr: MegatronTrainer, ckpt: Path, step: int) -> None:
+    if step == 0:
+        return
+    moments = torch.load(ckpt / "optim.pt", weights_only=True, map_location="cpu")
+    named = dict(tr.model.named_parameters())
+    shapes = {n: tuple(p.shape) for n, p in named.items()}
+    shards = {k: hf_convert.hf_to_megatron_tensors(v, tr.spec, shapes) for k, v in moments.items()}
+    for name, p in named.items():
+        tr.optimizer.state[p] = {
+            "step": torch.tensor(float(step)),
+            "exp_avg": shards["exp_avg"][name].to(p.device, p.dtype),
+            "exp_avg_sq": shards["exp_avg_sq"][name].to(p.device, p.dtype),
+        }
+
+
+def _restore_rng(rng: dict[str, object]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    get_cuda_rng_tracker().set_states(rng["tracker"])

@@ -1,0 +1,205 @@
+"""`TrainerConfig`: the trainer component's one frozen config, and its argparse group.
+
+Owns: every trainer knob (parallel layout, optimizer, LR schedule, micro-batching, routing
+replay, snapshots, checkpoint paths). Must never import the controller, engine, rollout or
+data-worker parts of `slime_async`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+from loss import CompISConfig
+from slime_async.trainer.replay import RoutingReplay
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    """Configuration of one Megatron trainer group (every rank gets the same object)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP size; with TP > 1 sequence parallelism is on (MoE + TP requires it)."""
+    expert_model_parallel_size: int = 1
+    """EP size (experts split across ranks)."""
+    pipeline_model_parallel_size: int = 1
+    """PP size (only 1 is supported today)."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward micro-batch (per data-parallel rank)."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    lr_warmup_steps: int = 0
+    """Linear warmup steps from 0 to `lr`."""
+    lr_decay_steps: int | None = None
+    """Steps over which the LR decays to `min_lr` (None: constant after warmup)."""
+    lr_decay_style: str = "constant"
+    """'constant', 'linear' or 'cosine'."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW β1."""
+    adam_beta2: float = 0.98
+    """AdamW β2."""
+    adam_eps: float = 1e-8
+    """AdamW ε."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables clipping)."""
+    seed: int = 1234
+    """Seed of model init and megatron's RNG tracker."""
+    routing_replay: RoutingReplay = RoutingReplay.NONE
+    """MoE routing replay: none, r2 (trainer's own), r3 (engine's)."""
+    keep_old_actor: bool = False
+    """Keep CPU snapshots of past versions to compute π_j^Meg (CompIS r2/r3 split)."""
+    max_snapshots: int = 2
+    """Most version snapshots kept (set to max_staleness + 1); oldest are evicted."""
+    temperature: float = 1.0
+    """Sampling temperature the engine used (logits are divided by it)."""
+    load: str | None = None
+    """Checkpoint directory to resume from (`--load`); must hold a checkpoint."""
+    save: str | None = None
+    """Checkpoint directory to save into (`--save`)."""
+    hf_checkpoint: str | None = None
+    """HF directory to start from when not resuming (`--hf-checkpoint` / ref weights)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept in `save` (older ones are deleted)."""
+    loss: CompISConfig = dataclasses.field(default_factory=CompISConfig)
+    """CompIS loss configuration (built by the `loss` package's own flags)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "routing_replay", RoutingReplay(self.routing_replay))
+        if self.micro_batch_size < 1:
+            raise ValueError("micro_batch_size must be >= 1")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"lr={self.lr} must be a finite number >= 0")
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(
+                f"lr_decay_style={self.lr_decay_style!r}; use 'constant', 'linear' or 'cosine'"
+            )
+        if self.lr_decay_style != "constant" and not self.lr_decay_steps:
+            raise ValueError(f"lr_decay_style={self.lr_decay_style!r} needs lr_decay_steps > 0")
+        if self.max_snapshots < 1:
+            raise ValueError("max_snapshots must be >= 1 (use keep_old_actor=False to disable)")
+        if self.clip_grad < 0:
+            raise ValueError("clip_grad must be >= 0 (0 disables clipping)")
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0")
+
+
+def lr_at(step: int, cfg: TrainerConfig) -> float:
+    """Learning rate for optimizer update number `step` (0-based): warmup, then decay."""
+    if cfg.lr_warmup_steps and step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_decay_style == "constant" or not cfg.lr_decay_steps:
+        return cfg.lr
+    frac = min(1.0, (step - cfg.lr_warmup_steps) / max(1, cfg.lr_decay_steps))
+    if cfg.lr_decay_style == "linear":
+        return cfg.lr + (cfg.min_lr - cfg.lr) * frac
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the trainer flag group (slime-compatible names where slime has one)."""
+    g = parser.add_argument_group("trainer")
+    d = TrainerConfig()
+    g.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=d.tensor_model_parallel_size,
+        help="Tensor-parallel size (sequence parallelism is enabled with it).",
+    )
+    g.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=d.expert_model_parallel_size,
+        help="Expert-parallel size.",
+    )
+    g.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=d.pipeline_model_parallel_size,
+        help="Pipeline-parallel size (only 1).",
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=d.micro_batch_size,
+        help="Samples per micro-batch per data-parallel rank.",
+    )
+    g.add_argument("--lr", type=float, default=d.lr, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=d.min_lr, help="Final learning rate.")
+    g.add_argument(
+        "--lr-warmup-iters",
+        dest="lr_warmup_steps",
+        type=int,
+        default=d.lr_warmup_steps,
+        help="Linear LR warmup steps.",
+    )
+    g.add_argument(
+        "--lr-decay-iters",
+        dest="lr_decay_steps",
+        type=int,
+        default=None,
+        help="LR decay steps (needed for linear/cosine).",
+    )
+    g.add_argument(
+        "--lr-decay-style",
+        default=d.lr_decay_style,
+        choices=["constant", "linear", "cosine"],
+        help="LR decay shape.",
+    )
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay.")
+    g.add_argument("--adam-beta1", type=float, default=d.adam_beta1, help="AdamW beta1.")
+    g.add_argument("--adam-beta2", type=float, default=d.adam_beta2, help="AdamW beta2.")
+    g.add_argument("--adam-eps", type=float, default=d.adam_eps, help="AdamW epsilon.")
+    g.add_argument(
+        "--clip-grad", type=float, default=d.clip_grad, help="Gradient-norm clip (0 disables)."
+    )
+    g.add_argument("--seed", type=int, default=d.seed, help="Model init / RNG seed.")
+    g.add_argument(
+        "--routing-replay",
+        default="none",
+        choices=[m.value for m in RoutingReplay],
+        help="MoE routing replay: none, r2 (trainer records), r3 (engine routing).",
+    )
+    g.add_argument(
+        "--use-rollout-routing-replay",
+        action="store_true",
+        help="slime alias for --routing-replay r3.",
+    )
+    g.add_argument(
+        "--keep-old-actor",
+        action="store_true",
+        help="Keep version-j weight snapshots to compute pi_j^Meg (CompIS).",
+    )
+    g.add_argument(
+        "--max-snapshots",
+        type=int,
+        default=d.max_snapshots,
+        help="Most version snapshots kept in CPU memory.",
+    )
+    g.add_argument("--load", default=None, help="Resume from this checkpoint directory.")
+    g.add_argument("--save", default=None, help="Save checkpoints into this directory.")
+    g.add_argument(
+        "--hf-checkpoint",
+        default=None,
+        help="HF weights directory to start from (not used when --load is given).",
+    )
+    g.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=d.keep_checkpoints,
+        help="Complete checkpoints kept in --save.",
+    )
+    return parser  # fmt: skip
+
+
+def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
+    """Build the config from parsed flags (no validation beyond the config's own)."""
+    names = {f.name for f in dataclasses.fields(TrainerConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in names and k != "loss"}
+    if getattr(args, "use_rollout_routing_replay", False):
+        kw["routing_replay"] = RoutingReplay.R3
+    return TrainerConfig(**kw)

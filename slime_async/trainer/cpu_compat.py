@@ -1,0 +1,140 @@
+"""CPU compatibility shim for megatron-core 0.16.1 (the ONLY place that patches Megatron/torch).
+
+Owns: the handful of patches that let megatron-core run without CUDA (see
+`specs/cpu-stack.md` §1). Every patch is a no-op when CUDA is available, and `apply()` is
+idempotent. Must never import anything from the rest of `slime_async`.
+
+Patches (CPU only):
+1. `torch.cuda.current_device()` returns "cpu" (RoPE inv_freq, router weight moves).
+2. Megatron's RNG tracker uses the CPU generator (`_get/_set_cuda_rng_state`,
+   `torch.cuda.get_rng_state/manual_seed/...`), so `model_parallel_cuda_manual_seed` works.
+3. `torch.cuda.synchronize` / `current_stream` become no-ops.
+4. Causal-mask helpers hard-coded to `device="cuda"` build on CPU instead.
+5. megatron-core 0.16.1 without TransformerEngine references undefined TE names in
+   `moe_utils` (`te_general_gemm`, `fused_*`): define them as None.
+6. `WrappedTorchNorm` refuses sequence parallelism: build `torch.nn.RMSNorm` anyway and tag its
+   parameters `sequence_parallel=True` so their grads are all-reduced over TP.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_LOCK = threading.Lock()
+_APPLIED = False
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device is usable (then every patch here is skipped)."""
+    return torch.cuda.is_available()
+
+
+def apply() -> bool:
+    """Apply all CPU patches once; returns True if patches are active (no CUDA)."""
+    global _APPLIED
+    if cuda_available():
+        return False
+    with _LOCK:
+        if _APPLIED:
+            return True
+        _patch_torch_cuda()
+        _patch_rng()
+        _patch_masks()
+        _patch_moe_utils()
+        _patch_torch_norm()
+        _APPLIED = True
+    return True
+
+
+def _patch_torch_cuda() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+
+    class _NullStream:
+        def synchronize(self) -> None:
+            return None
+
+        def wait_stream(self, other: object) -> None:
+            return None
+
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    # Megatron calls torch.cuda.get_rng_state/set_rng_state/manual_seed; route them to the CPU
+    # generator. Never call torch.manual_seed here: it calls cuda.manual_seed_all (recursion).
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: None
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _get_state(device: object = "cuda", clone: bool = False, graph_safe: bool = False):
+        return torch.get_rng_state()
+
+    def _set_state(new_state: torch.Tensor, device: object = -1, graph_safe: bool = False):
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = _get_state
+    mrandom._set_cuda_rng_state = _set_state
+
+
+def _patch_masks() -> None:
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    def sliding_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+        ml = torch.tril(mu, diagonal=skv - sq + window_size[1])
+        return ~ml
+
+    for mod in (tutils, fused_softmax):
+        mod.get_default_causal_mask = causal_mask
+        mod.get_sliding_window_causal_mask = sliding_mask
+
+
+def _patch_moe_utils() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in (
+        "te_general_gemm",
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+        "fused_permute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_topk_with_score_function",
+        "fused_unpermute",
+    ):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def _patch_torch_norm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    orig_new = torch_norm.WrappedTorchNorm.__new__
+    if getattr(orig_new, "_slime_async_patched", False):
+        return
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+            zero_centered_gamma=False, normalization="LayerNorm"):  # fmt: skip
+        if not config.sequence_parallel:
+            return orig_new(cls, config, hidden_size, eps, persist_layer_norm,
+                            zero_centered_gamma, normalization)  # fmt: skip
+        if config.normalization != "RMSNorm":
+            raise ValueError("sequence parallel on CPU supports only normalization='RMSNorm'")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    new._slime_async_patched = True
+    torch_norm.WrappedTorchNorm.__new__ = new

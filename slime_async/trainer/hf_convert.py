@@ -1,0 +1,286 @@
+"""Megatron ⇄ Hugging Face tensor mapping for both model families (gathers/slices TP and EP).
+
+Owns: the name and layout mapping between a megatron-core GPTModel (local spec, any TP/EP) and
+the HF checkpoint format that `transformers` 5.23 writes with `save_pretrained`
+(`Qwen3MoeForCausalLM`: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`;
+`LlamaForCausalLM`). Must never import the controller, engine, rollout or data-worker parts of
+`slime_async`.
+
+Layout facts used below (megatron-core 0.16):
+* `linear_qkv.weight` is grouped per KV head: `[nkv, nq/nkv + 2, head_dim, H]` (q heads of the
+  group, then k, then v); TP splits the KV-group axis.
+* Gated `linear_fc1.weight` is `[gate; up]` *per TP shard*: each rank holds `[gate_r; up_r]`.
+* `linear_proj`/`linear_fc2` are row-parallel (split on the input axis, dim 1).
+* Routed expert `e` lives on EP rank `e // (E/ep)` as local expert `e % (E/ep)`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+from slime_async.modelspec import ModelSpec
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+_SIMPLE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+}
+
+
+class _Ranks:
+    """This rank's TP/EP coordinates and groups (trivial when not distributed)."""
+
+    def __init__(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        on = dist.is_initialized() and ps.model_parallel_is_initialized()
+        self.tp = ps.get_tensor_model_parallel_world_size() if on else 1
+        self.tp_rank = ps.get_tensor_model_parallel_rank() if on else 0
+        self.tp_group = ps.get_tensor_model_parallel_group() if on else None
+        self.etp = ps.get_expert_tensor_parallel_world_size() if on else 1
+        self.etp_rank = ps.get_expert_tensor_parallel_rank() if on else 0
+        self.etp_group = ps.get_expert_tensor_parallel_group() if on else None
+        self.ep = ps.get_expert_model_parallel_world_size() if on else 1
+        self.ep_rank = ps.get_expert_model_parallel_rank() if on else 0
+        self.ep_group = ps.get_expert_model_parallel_group() if on else None
+
+
+def _gather(t: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> list[torch.Tensor]:
+    if n == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _split_gated(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = t.shape[0] // 2
+    return t[:half], t[half:]
+
+
+# --------------------------------------------------------------------------- export
+@torch.no_grad()
+def megatron_to_hf(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Full HF-named fp32 CPU tensors from this rank's shards (collective over TP and EP).
+
+    Every rank of the model-parallel group must call it; every rank gets the full dict.
+    """
+    return megatron_to_hf_tensors(dict(model.named_parameters()), spec)
+
+
+@torch.no_grad()
+def megatron_to_hf_tensors(
+    params: dict[str, torch.Tensor], spec: ModelSpec
+) -> dict[str, torch.Tensor]:
+    """Same as `megatron_to_hf` for any per-parameter tensors (weights, Adam moments, ...)."""
+    r = _Ranks()
+    out: dict[str, torch.Tensor] = {}
+    nkv, nq, hd = spec.num_key_value_heads, spec.num_attention_heads, spec.head_dim
+    grp = nq // nkv
+
+    def gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat(_gather(t, r.tp_group, r.tp), dim=dim)
+
+    out["model.embed_tokens.weight"] = gather_tp(params["embedding.word_embeddings.weight"], 0)
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = gather_tp(params["output_layer.weight"], 0)
+    out["model.norm.weight"] = params["decoder.final_layernorm.weight"]
+    experts: dict[tuple[int, int, str], torch.Tensor] = {}
+    for name, p in params.items():
+        m = _LAYER.match(name)
+        if m is None:
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        pre = f"model.layers.{i}."
+        if rest in _SIMPLE:
+            out[pre + _SIMPLE[rest]] = p
+        elif rest == "self_attention.linear_qkv.weight":
+            full = gather_tp(p, 0).view(nkv, grp + 2, hd, -1)
+            hidden = full.shape[-1]
+            out[pre + "self_attn.q_proj.weight"] = full[:, :grp].reshape(nq * hd, hidden)
+            out[pre + "self_attn.k_proj.weight"] = full[:, grp].reshape(nkv * hd, hidden)
+            out[pre + "self_attn.v_proj.weight"] = full[:, grp + 1].reshape(nkv * hd, hidden)
+        elif rest == "self_attention.linear_proj.weight":
+            out[pre + "self_attn.o_proj.weight"] = gather_tp(p, 1)
+        elif rest == "mlp.linear_fc1.weight":
+            shards = [_split_gated(s) for s in _gather(p, r.tp_group, r.tp)]
+            out[pre + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in shards], 0)
+            out[pre + "mlp.up_proj.weight"] = torch.cat([u for _, u in shards], 0)
+        elif rest == "mlp.linear_fc2.weight":
+            out[pre + "mlp.down_proj.weight"] = gather_tp(p, 1)
+        elif (em := _EXPERT.match(rest)) is not None:
+            experts[(i, int(em.group(1)), em.group(2))] = p
+        else:
+            raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+    _export_experts(experts, spec, r, out)
+    return {k: v.detach().float().cpu().contiguous() for k, v in out.items()}
+
+
+def _export_experts(
+    experts: dict[tuple[int, int, str], torch.Tensor],
+    spec: ModelSpec,
+    r: _Ranks,
+    out: dict[str, torch.Tensor],
+) -> None:
+    if not experts:
+        return
+    per_rank = spec.num_experts // r.ep
+    for (i, le, kind), p in sorted(experts.items()):
+        etp_shards = _gather(p, r.etp_group, r.etp)
+        if kind == "linear_fc1":
+            halves = [_split_gated(s) for s in etp_shards]
+            local = torch.cat(
+                [torch.cat([g for g, _ in halves], 0), torch.cat([u for _, u in halves], 0)], 0
+            )
+        else:
+            local = torch.cat(etp_shards, 1)
+        for ep_rank, t in enumerate(_gather(local, r.ep_group, r.ep)):
+            e = ep_rank * per_rank + le
+            pre = f"model.layers.{i}.mlp.experts.{e}."
+            if kind == "linear_fc1":
+                gate, up = _split_gated(t)
+                out[pre + "gate_proj.weight"] = gate
+                out[pre + "up_proj.weight"] = up
+            else:
+                out[pre + "down_proj.weight"] = t
+
+
+# --------------------------------------------------------------------------- import
+def _normalize_hf(hf: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Accept both per-expert names (what save_pretrained writes) and fused runtime names."""
+    out = dict(hf)
+    for name in list(hf):
+        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+        if m is None:
+            continue
+        t = out.pop(name)
+        for e in range(t.shape[0]):
+            pre = f"{m.group(1)}.{e}."
+            if m.group(2) == "gate_up_proj":
+                gate, up = _split_gated(t[e])
+                out[pre + "gate_proj.weight"], out[pre + "up_proj.weight"] = gate, up
+            else:
+                out[pre + "down_proj.weight"] = t[e]
+    if spec.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _shard(t: torch.Tensor, rank: int, n: int, dim: int) -> torch.Tensor:
+    if t.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {t.shape[dim]} is not divisible by {n} ranks")
+    return t.chunk(n, dim=dim)[rank]
+
+
+@torch.no_grad()
+def hf_to_megatron(model: torch.nn.Module, spec: ModelSpec, hf: dict[str, torch.Tensor]) -> None:
+    """Copy full HF-named tensors into this rank's megatron shards (no communication).
+
+    Raises KeyError naming missing/unused tensors, ValueError on a shape mismatch.
+    """
+    params = dict(model.named_parameters())
+    shards = hf_to_megatron_tensors(hf, spec, {n: tuple(p.shape) for n, p in params.items()})
+    for name, t in shards.items():
+        params[name].copy_(t.to(dtype=params[name].dtype, device=params[name].device))
+
+
+@torch.no_grad()
+def hf_to_megatron_tensors(
+    hf: dict[str, torch.Tensor], spec: ModelSpec, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """This rank's shards (megatron name → tensor) of full HF-named tensors."""
+    r = _Ranks()
+    result: dict[str, torch.Tensor] = {}
+    hf = _normalize_hf(hf, spec)
+    used: set[str] = set()
+    nkv, nq, hd = spec.num_key_value_heads, spec.num_attention_heads, spec.head_dim
+    grp = nq // nkv
+    per_rank = spec.num_experts // r.ep if spec.is_moe else 0
+
+    def get(key: str) -> torch.Tensor:
+        if key not in hf:
+            raise KeyError(f"HF checkpoint is missing tensor {key!r}")
+        used.add(key)
+        return hf[key].float()
+
+    def gated(gate: torch.Tensor, up: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+        return torch.cat([_shard(gate, rank, n, 0), _shard(up, rank, n, 0)], 0)
+
+    for name, shape in shapes.items():
+        if name == "embedding.word_embeddings.weight":
+            new = _shard(get("model.embed_tokens.weight"), r.tp_rank, r.tp, 0)
+        elif name == "output_layer.weight":
+            new = _shard(get("lm_head.weight"), r.tp_rank, r.tp, 0)
+        elif name == "decoder.final_layernorm.weight":
+            new = get("model.norm.weight")
+        else:
+            m = _LAYER.match(name)
+            if m is None:
+                raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+            i, rest = int(m.group(1)), m.group(2)
+            pre = f"model.layers.{i}."
+            if rest in _SIMPLE:
+                new = get(pre + _SIMPLE[rest])
+            elif rest == "self_attention.linear_qkv.weight":
+                q = get(pre + "self_attn.q_proj.weight").view(nkv, grp, hd, -1)
+                k = get(pre + "self_attn.k_proj.weight").view(nkv, 1, hd, -1)
+                v = get(pre + "self_attn.v_proj.weight").view(nkv, 1, hd, -1)
+                full = torch.cat([q, k, v], 1)
+                new = _shard(full, r.tp_rank, r.tp, 0).reshape(-1, full.shape[-1])
+            elif rest == "self_attention.linear_proj.weight":
+                new = _shard(get(pre + "self_attn.o_proj.weight"), r.tp_rank, r.tp, 1)
+            elif rest == "mlp.linear_fc1.weight":
+                g, u = get(pre + "mlp.gate_proj.weight"), get(pre + "mlp.up_proj.weight")
+                new = gated(g, u, r.tp_rank, r.tp)
+            elif rest == "mlp.linear_fc2.weight":
+                new = _shard(get(pre + "mlp.down_proj.weight"), r.tp_rank, r.tp, 1)
+            elif (em := _EXPERT.match(rest)) is not None:
+                e = r.ep_rank * per_rank + int(em.group(1))
+                epre = f"{pre}mlp.experts.{e}."
+                if em.group(2) == "linear_fc1":
+                    g, u = get(epre + "gate_proj.weight"), get(epre + "up_proj.weight")
+                    new = gated(g, u, r.etp_rank, r.etp)
+                else:
+                    new = _shard(get(epre + "down_proj.weight"), r.etp_rank, r.etp, 1)
+            else:
+                raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+        if tuple(new.shape) != tuple(shape):
+            raise ValueError(
+                f"HF tensor for {name!r} has shape {tuple(new.shape)}, model expects "
+                f"{tuple(shape)}: the checkpoint does not match this ModelSpec"
+            )
+        result[name] = new.contiguous()
+    unused = sorted(set(hf) - hf_names(spec))
+    if unused:
+        raise KeyError(
+            f"HF checkpoint has tensors a {spec.family} model does not use: {unused[:5]}; "
+            "is it a checkpoint of another model family?"
+        )
+    return result
+
+
+def hf_names(spec: ModelSpec) -> set[str]:
+    """Every tensor name `save_pretrained` writes for a model of this spec."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not spec.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(spec.num_layers):
+        pre = f"model.layers.{i}."
+        names |= {pre + "input_layernorm.weight", pre + "post_attention_layernorm.weight"}
+        names |= {pre + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+        if spec.is_moe:
+            names |= {pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"}
+            names.add(pre + "mlp.gate.weight")
+            for e in range(spec.num_experts):
+                names |= {pre + f"mlp.experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down")}
+        else:
+            names |= {pre + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+    return names

@@ -1,0 +1,175 @@
+"""Process groups and parallel layout for the trainer (DP, TP+SP, EP; PP refused for now).
+
+Owns: `ParallelLayout` (the sizes a checkpoint records), torch.distributed start-up over gloo
+(CPU) or NCCL (GPU), megatron `parallel_state` initialisation, and the gradient
+synchronisation the plain (non-DDP) optimizer path needs. Must never import the controller,
+engine, rollout or data-worker parts of `slime_async`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from slime_async.trainer import cpu_compat
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelLayout:
+    """Parallel sizes of one trainer group; `dp` is derived from the world size."""
+
+    tp: int = 1
+    """Tensor-parallel size (sequence parallelism is switched on with it for MoE models)."""
+    ep: int = 1
+    """Expert-parallel size (experts are split across ranks; tokens use the allgather dispatcher)."""
+    pp: int = 1
+    """Pipeline-parallel size (only 1 is supported by this trainer today)."""
+    dp: int = 1
+    """Data-parallel size = world_size / (tp * pp)."""
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def resolve_layout(*, world_size: int, tp: int, ep: int, pp: int) -> ParallelLayout:
+    """Check the sizes against the world size and derive DP; raises ValueError with the fix."""
+    if pp != 1:
+        raise ValueError(
+            f"pipeline parallel size {pp} is not supported by slime_async.trainer yet; "
+            "use --pipeline-model-parallel-size 1 (TP/EP/DP are supported)"
+        )
+    if tp < 1 or ep < 1 or world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tp*pp={tp * pp}; choose sizes whose "
+            "product divides the number of trainer processes"
+        )
+    dp = world_size // (tp * pp)
+    if (dp * tp) % ep:
+        raise ValueError(
+            f"expert parallel size {ep} must divide dp*tp={dp * tp} (world {world_size})"
+        )
+    return ParallelLayout(tp=tp, ep=ep, pp=pp, dp=dp)
+
+
+def init_distributed(
+    *, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float = 300.0
+) -> None:
+    """Start torch.distributed (gloo on CPU, NCCL on GPU) unless already started."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if cpu_compat.cuda_available() else "gloo"
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def init_model_parallel(layout: ParallelLayout, *, seed: int) -> None:
+    """Initialise megatron's parallel_state for `layout` and seed its RNG tracker."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    cpu_compat.apply()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.tp,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def groups() -> dict[str, dist.ProcessGroup | None]:
+    """The process groups the trainer reduces over (None when not distributed)."""
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        return {"dp": None, "tp": None, "edp": None, "emp": None}
+    return {
+        "dp": ps.get_data_parallel_group(),
+        "tp": ps.get_tensor_model_parallel_group(),
+        "edp": ps.get_expert_data_parallel_group(),
+        "emp": ps.get_expert_tensor_and_model_parallel_group(),
+    }
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place SUM all-reduce over `group` (no-op for a single rank)."""
+    if _size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def is_expert_param(name: str) -> bool:
+    """Routed-expert weights (reduced over the expert-data-parallel group)."""
+    return ".experts." in name
+
+
+def is_tp_partitioned(p: torch.nn.Parameter) -> bool:
+    return bool(getattr(p, "tensor_model_parallel", False))
+
+
+def needs_tp_grad_reduce(name: str, p: torch.nn.Parameter) -> bool:
+    """Replicated params whose grads differ across TP ranks (SP norms/router, qk-norms)."""
+    if is_tp_partitioned(p) or is_expert_param(name):
+        return False
+    parent = name.split(".")[-2] if "." in name else ""
+    return bool(getattr(p, "sequence_parallel", False)) or parent in ("q_layernorm", "k_layernorm")
+
+
+def sync_grads(named_params: Iterable[tuple[str, torch.nn.Parameter]], *, tp: int) -> None:
+    """Sum grads over DP (dense) / expert-DP (experts), and over TP where partial.
+
+    Losses are already each rank's *share* of the global loss (global denominators), so the
+    right reduction over data-parallel copies is a SUM, not a mean.
+    """
+    g = groups()
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        if tp > 1 and needs_tp_grad_reduce(name, p):
+            all_reduce_sum(p.grad, g["tp"])
+        all_reduce_sum(p.grad, g["edp"] if is_expert_param(name) else g["dp"])
+
+
+def grad_norm(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
+    """Global L2 norm of the gradients, counting every distinct parameter shard once."""
+    from megatron.core import parallel_state as ps
+
+    dense = torch.zeros((), dtype=torch.float64)
+    expert = torch.zeros((), dtype=torch.float64)
+    tp_rank = ps.get_tensor_model_parallel_rank() if dist.is_initialized() else 0
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if is_expert_param(name):
+            expert += sq
+        elif is_tp_partitioned(p) or tp_rank == 0:
+            dense += sq
+    g = groups()
+    dense = all_reduce_sum(dense.to(_comm_device()), g["tp"]).cpu()
+    expert = all_reduce_sum(expert.to(_comm_device()), g["emp"]).cpu()
+    return (dense + expert).sqrt()
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda") if cpu_compat.cuda_available() else torch.device("cpu")

@@ -1,0 +1,153 @@
+"""MoE routing replay (R2 and R3) on top of megatron-core's `RouterReplay`.
+
+Owns: turning engine routing (`[T−1, L, K]` per sample) into the per-layer, per-rank index
+tensors megatron replays; record/replay context managers; a hook that captures the routing a
+forward actually used (for tests and diagnostics). Must never import the controller, engine,
+rollout or data-worker parts of `slime_async`.
+
+Modes:
+* R2: the first trainer forward of a step (π_k, no grad) RECORDs its top-k per micro-batch;
+  later forwards of that step (π_j snapshot, π_θ training) REPLAY it, so all three log-probs
+  of a step use one routing.
+* R3: every trainer forward REPLAYs the engine's routing, so π_θ/π_k/π_j^Meg use exactly the
+  experts the rollout engine used when it sampled.
+
+Token order inside megatron's router is sequence-major: token (s, b) is row `s * B + b` of the
+`[S * B, K]` tensor; with sequence parallelism each TP rank sees rows of its sequence shard
+only `s ∈ [r·S/tp, (r+1)·S/tp)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from slime_async.modelspec import ModelSpec
+
+
+class RoutingReplay(enum.Enum):
+    """Which routing the trainer's forwards use."""
+
+    NONE = "none"
+    """Each forward routes with its own router (no replay)."""
+    R2 = "r2"
+    """Record in the step's first forward, replay in later ones."""
+    R3 = "r3"
+    """Replay the rollout engine's routing in every forward."""
+
+
+def engine_routing_to_replay(
+    routed: Sequence[np.ndarray],
+    *,
+    spec: ModelSpec,
+    width: int,
+    tp: int = 1,
+    tp_rank: int = 0,
+) -> list[torch.Tensor]:
+    """Per local MoE layer `[width/tp * B, K]` int64 indices for one micro-batch.
+
+    `routed[b]` is `[n_b, L, K]` with `n_b ≤ width` rows (the engine's `T−1` rows); missing
+    rows (the last token, padding) get the synthetic distinct ids `arange(K) % E` — those
+    positions are never trained. Dense layers are skipped. Raises ValueError on bad shapes or
+    ids outside `[0, E)`.
+    """
+    k, e, nl = spec.moe_topk, spec.num_experts, spec.num_layers
+    if width % tp:
+        raise ValueError(f"width {width} must be a multiple of tp={tp} (sequence parallel)")
+    bsz = len(routed)
+    full = np.broadcast_to(np.arange(k, dtype=np.int64) % e, (bsz, width, nl, k)).copy()
+    for b, arr in enumerate(routed):
+        a = np.asarray(arr)
+        if a.ndim != 3 or a.shape[1] != nl or a.shape[2] != k:
+            raise ValueError(
+                f"routed_experts[{b}] has shape {a.shape}; expected [T-1, {nl}, {k}] "
+                "(all num_hidden_layers, num_experts_per_tok)"
+            )
+        if a.shape[0] > width:
+            raise ValueError(f"routed_experts[{b}] has {a.shape[0]} rows > width {width}")
+        if a.size and (a.min() < 0 or a.max() >= e):
+            raise ValueError(f"routed_experts[{b}] holds expert ids outside [0, {e})")
+        full[b, : a.shape[0]] = a
+    seq_major = torch.from_numpy(full).permute(1, 0, 2, 3)  # [S, B, L, K]
+    shard = width // tp
+    seq_major = seq_major[tp_rank * shard : (tp_rank + 1) * shard]
+    flat = seq_major.reshape(shard * bsz, nl, k)
+    return [flat[:, layer].contiguous() for layer in spec.moe_layers()]
+
+
+def replay_instances() -> list[object]:
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    return RouterReplay.global_router_replay_instances
+
+
+@contextlib.contextmanager
+def bound(instances: list[object]) -> Iterator[None]:
+    """Make megatron's global RouterReplay list hold `instances` (one model's routers) inside.
+
+    megatron keeps one process-wide list; binding lets several models (e.g. a trainer and a
+    reference model) live in one process without their replay data getting mixed up.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    saved = RouterReplay.global_router_replay_instances
+    RouterReplay.global_router_replay_instances = instances
+    try:
+        yield
+    finally:
+        RouterReplay.global_router_replay_instances = saved
+
+
+@contextlib.contextmanager
+def replaying(indices: list[torch.Tensor] | None) -> Iterator[None]:
+    """Forward passes inside replay `indices` (one tensor per local MoE layer); None = off."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    if indices is None:
+        yield
+        return
+    RouterReplay.set_replay_data(indices)
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+
+
+@contextlib.contextmanager
+def recording(out: list[torch.Tensor]) -> Iterator[None]:
+    """Record the routing of the forward inside; the per-layer indices are appended to `out`."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+    try:
+        yield
+        out.extend(t.detach().clone() for t in RouterReplay.get_recorded_data())
+    finally:
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+
+
+@contextlib.contextmanager
+def capture_routing(model: torch.nn.Module, out: list[torch.Tensor]) -> Iterator[None]:
+    """Append each MoE router's boolean routing map `[tokens, E]` (forward order) to `out`."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    handles = []
+
+    def hook(_mod: torch.nn.Module, _inp: object, output: tuple[torch.Tensor, torch.Tensor]):
+        out.append(output[1].detach().clone())
+
+    for mod in model.modules():
+        if isinstance(mod, TopKRouter):
+            handles.append(mod.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

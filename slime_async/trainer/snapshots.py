@@ -1,0 +1,72 @@
+"""Bounded store of past-version weight snapshots (CPU copies of this rank's shards).
+
+Owns: `SnapshotStore` — keep/release version-j weights and swap them into the model for a
+π_j^Meg forward. Must never import the controller, engine, rollout or data-worker parts of
+`slime_async`.
+
+Worked example (max_snapshots = 2): snapshot(0), snapshot(1), snapshot(2) → versions {1, 2}
+(0 evicted, oldest first); release(1) → {2}; `swapped_in(model, 2)` runs the body with
+version-2 weights and restores the current ones afterwards, even on error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import torch
+
+
+class SnapshotStore:
+    """Version → CPU state (parameters only) with FIFO eviction beyond `max_snapshots`."""
+
+    def __init__(self, max_snapshots: int) -> None:
+        if max_snapshots < 1:
+            raise ValueError("max_snapshots must be >= 1")
+        self.max_snapshots = max_snapshots
+        self._store: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+
+    def versions(self) -> list[int]:
+        return list(self._store)
+
+    def __contains__(self, version: int) -> bool:
+        return version in self._store
+
+    @torch.no_grad()
+    def snapshot(self, model: torch.nn.Module, version: int) -> list[int]:
+        """Keep a CPU copy of the model's parameters as `version`; returns evicted versions."""
+        self._store[version] = {
+            n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
+        }
+        self._store.move_to_end(version)
+        evicted = []
+        while len(self._store) > self.max_snapshots:
+            v, _ = self._store.popitem(last=False)
+            evicted.append(v)
+        return evicted
+
+    def release(self, version: int) -> bool:
+        """Drop `version`; True if it was held."""
+        return self._store.pop(version, None) is not None
+
+    def state(self, version: int) -> dict[str, torch.Tensor]:
+        if version not in self._store:
+            raise KeyError(f"no snapshot of version {version}; held: {self.versions()}")
+        return self._store[version]
+
+    @contextlib.contextmanager
+    def swapped_in(self, model: torch.nn.Module, version: int) -> Iterator[None]:
+        """Run the body with `version`'s weights loaded; the current weights come back after."""
+        snap = self.state(version)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            current = {n: p.detach().clone() for n, p in params.items()}
+            for n, p in params.items():
+                p.copy_(snap[n].to(p.device))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(current[n])

@@ -1,0 +1,374 @@
+"""`MegatronTrainer`: the Ray-free trainer core (one instance per trainer rank).
+
+Owns: the model and optimizer of this rank, micro-batched log-prob forwards (π_k, π_j^Meg via
+snapshots), the CompIS train step with global denominators, routing replay, the version
+counter, weight export and checkpoint hooks. Must never import the controller, engine,
+rollout or data-worker parts of `slime_async` (the Ray wrapper lives in `actor.py`).
+
+Every rank of a trainer group receives the same *global* `TrainerBatch`; each data-parallel
+rank works on its contiguous shard and results are gathered back, so callers never slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loss import LossInputs, compis_denominators, compis_loss
+from slime_async.modelspec import ModelSpec
+from slime_async.trainer import checkpoint, cpu_compat, hf_convert, parallel, weights_io
+from slime_async.trainer.batch import TrainerBatch
+from slime_async.trainer.config import TrainerConfig, lr_at
+from slime_async.trainer.forward import model_logits, padded_width, token_logprobs
+from slime_async.trainer.metrics_agg import MetricAccumulator
+from slime_async.trainer.model import build_model
+from slime_async.trainer.replay import (
+    RoutingReplay,
+    bound,
+    engine_routing_to_replay,
+    recording,
+    replay_instances,
+    replaying,
+)
+from slime_async.trainer.snapshots import SnapshotStore
+
+Routing = list[torch.Tensor] | None
+
+
+def free_port() -> int:
+    """An ephemeral loopback TCP port (for single-process rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MegatronTrainer:
+    """One trainer rank: build → (load | import HF | init) → compute_logprobs / train_step.
+
+    Example (world size 1)::
+
+        tr = MegatronTrainer(TrainerConfig(lr=1e-3), TINY_MOE)
+        lp, ent = tr.compute_logprobs(batch)          # π_k, [B, T] token-aligned
+        metrics = tr.train_step(batch)                # version 0 → 1
+        tr.save_weights("/tmp/w")                     # HF dir for the engines
+    """
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        spec: ModelSpec,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+    ) -> None:
+        self.cfg, self.spec = cfg, spec
+        cpu_compat.apply()
+        parallel.init_distributed(
+            rank=rank,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port or free_port(),
+        )
+        self.layout = parallel.resolve_layout(
+            world_size=world_size,
+            tp=cfg.tensor_model_parallel_size,
+            ep=cfg.expert_model_parallel_size,
+            pp=cfg.pipeline_model_parallel_size,
+        )
+        if spec.is_moe and spec.num_experts % self.layout.ep:
+            raise ValueError(
+                f"num_experts={spec.num_experts} is not divisible by EP={self.layout.ep}"
+            )
+        parallel.init_model_parallel(self.layout, seed=cfg.seed)
+        self.rank, self.world_size = rank, world_size
+        self.model = build_model(spec, self.layout)
+        self._routers = list(replay_instances())
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=lr_at(0, cfg),
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        )
+        self.version = 0
+        self.extra_state: dict[str, object] = {}
+        self.snapshots = SnapshotStore(cfg.max_snapshots)
+        self.loaded_from: str | None = None
+        self.resumed_layout: parallel.ParallelLayout | None = None
+        if cfg.load is not None:
+            self.load_checkpoint(cfg.load)
+        elif cfg.hf_checkpoint is not None:
+            self.import_hf(cfg.hf_checkpoint)
+        if cfg.keep_old_actor:
+            self.snapshots.snapshot(self.model, self.version)
+
+    # ------------------------------------------------------------------ topology
+    def _groups(self) -> dict[str, dist.ProcessGroup | None]:
+        return parallel.groups()
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_rank()
+
+    def _local(self, batch: TrainerBatch) -> list[TrainerBatch]:
+        local = batch.dp_shard(self.dp_rank, self.layout.dp)
+        return local.micro_batches(self.cfg.micro_batch_size)
+
+    def _gather_dp(self, local: torch.Tensor) -> torch.Tensor:
+        g = self._groups()["dp"]
+        if self.layout.dp == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.layout.dp)]
+        dist.all_gather(parts, local.contiguous(), group=g)
+        return torch.cat(parts, 0)
+
+    # ------------------------------------------------------------------ forwards
+    def _engine_routing(self, mb: TrainerBatch) -> Routing:
+        if self.cfg.routing_replay is not RoutingReplay.R3 or not self.spec.is_moe:
+            return None
+        if mb.routed_experts is None:
+            raise ValueError(
+                "routing_replay='r3' needs batch.routed_experts (request return_routed_experts "
+                "from the engines, or set routing_replay to 'none' or 'r2')"
+            )
+        return engine_routing_to_replay(
+            mb.routed_experts,
+            spec=self.spec,
+            width=padded_width(mb.width, self.layout.tp),
+            tp=self.layout.tp,
+            tp_rank=self.tp_rank,
+        )
+
+    def _forward(self, mb: TrainerBatch, routing: Routing) -> torch.Tensor:
+        with bound(self._routers), replaying(routing):
+            return model_logits(self.model, mb.tokens, tp=self.layout.tp)
+
+    @torch.no_grad()
+    def _logprobs_local(
+        self, mbs: list[TrainerBatch], routing: list[Routing], *, record: list[Routing] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        lps, ents = [], []
+        for i, mb in enumerate(mbs):
+            rec: list[torch.Tensor] = []
+            ctx = recording(rec) if record is not None else contextlib.nullcontext()
+            with bound(self._routers), ctx:
+                logits = self._forward(mb, routing[i])
+            if record is not None:
+                record.append(rec or None)
+            lp, ent = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
+            lps.append(lp.cpu())
+            ents.append(ent.cpu())
+        return lps, ents
+
+    def compute_logprobs(
+        self, batch: TrainerBatch, version: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-aligned `[B, T]` log-probs and entropies under the current weights (π_k) or a
+        kept snapshot of `version` (π_j^Meg). R3 replays `batch.routed_experts` when enabled."""
+        self.model.eval()
+        mbs = self._local(batch)
+        routing = [self._engine_routing(mb) for mb in mbs]
+        ctx = (
+            contextlib.nullcontext()
+            if version is None or version == self.version
+            else self.snapshots.swapped_in(self.model, version)
+        )
+        with ctx:
+            lps, ents = self._logprobs_local(mbs, routing, record=None)
+        return self._gather_dp(torch.cat(lps)), self._gather_dp(torch.cat(ents))
+
+    def _behavior_logprobs(
+        self, mbs: list[TrainerBatch], lp_k: list[torch.Tensor], routing: list[Routing]
+    ) -> list[torch.Tensor] | None:
+        """π_j^Meg per token (each token from its own version's snapshot), or None if any
+        needed version is not held (→ CompIS combined-ratio fallback)."""
+        if not self.cfg.keep_old_actor:
+            return None
+        needed = {int(v) for mb in mbs for v in mb.token_versions[mb.loss_mask].unique()}
+        if self.layout.dp > 1:  # every DP rank must agree (collectives inside the forwards)
+            needed = self._union_versions(needed)
+        if any(v != self.version and v not in self.snapshots for v in needed):
+            return None
+        out = [lp.clone() for lp in lp_k]
+        for v in sorted(needed - {self.version}):
+            with self.snapshots.swapped_in(self.model, v):
+                lps, _ = self._logprobs_local(mbs, routing, record=None)
+            for i, mb in enumerate(mbs):
+                sel = mb.token_versions == v
+                out[i] = torch.where(sel, lps[i], out[i])
+        return out
+
+    def _union_versions(self, needed: set[int]) -> set[int]:
+        n = 64
+        if len(needed) > n:
+            raise ValueError(f"a batch spans {len(needed)} versions; at most {n} supported")
+        t = torch.full((self.layout.dp, n), -1, dtype=torch.long)
+        t[self.dp_rank, : len(needed)] = torch.tensor(sorted(needed))
+        parallel.all_reduce_sum(t, self._groups()["dp"])
+        vals = t.flatten()
+        return {int(v) for v in vals[vals >= 0]}
+
+    # ------------------------------------------------------------------ train
+    def _loss_inputs(
+        self, mb: TrainerBatch, lp: torch.Tensor, lp_k: torch.Tensor, lp_j: torch.Tensor | None,
+        n_tok: float | None = None, n_seq: float | None = None,
+    ) -> LossInputs:  # fmt: skip
+        return LossInputs(
+            logprobs=lp[:, 1:],
+            proximal_logprobs=lp_k[:, 1:],
+            rollout_logprobs=mb.rollout_logprobs[:, 1:],
+            behavior_logprobs=None if lp_j is None else lp_j[:, 1:],
+            advantages=mb.advantages[:, 1:],
+            loss_mask=mb.loss_mask[:, 1:],
+            token_versions=mb.token_versions[:, 1:],
+            current_version=self.version,
+            global_num_tokens=n_tok,
+            global_num_seqs=n_seq,
+        )
+
+    def train_step(self, batch: TrainerBatch) -> dict[str, float]:
+        """One optimizer update on the global `batch`; returns namespaced metrics."""
+        t0 = time.perf_counter()
+        mbs = self._local(batch)
+        self.model.eval()
+        r2 = self.cfg.routing_replay is RoutingReplay.R2 and self.spec.is_moe
+        routing = [self._engine_routing(mb) for mb in mbs]
+        recorded: list[Routing] | None = [] if r2 else None
+        lp_k, ent = self._logprobs_local(mbs, routing, record=recorded)
+        if recorded is not None:
+            routing = recorded
+        t1 = time.perf_counter()
+        lp_j = self._behavior_logprobs(mbs, lp_k, routing)
+        t2 = time.perf_counter()
+        counts = torch.zeros(2, dtype=torch.float64)
+        for i, mb in enumerate(mbs):
+            tok, seq = compis_denominators(
+                self._loss_inputs(mb, lp_k[i], lp_k[i], None if lp_j is None else lp_j[i]),
+                self.cfg.loss,
+            )
+            counts += torch.tensor([tok, seq], dtype=torch.float64)
+        parallel.all_reduce_sum(counts, self._groups()["dp"])
+        n_tok, n_seq = float(counts[0]), float(counts[1])
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        acc = MetricAccumulator()
+        total = torch.zeros((), dtype=torch.float64)
+        for i, mb in enumerate(mbs):
+            logits = self._forward(mb, routing[i])
+            lp, _ = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
+            inputs = self._loss_inputs(
+                mb, lp, lp_k[i], None if lp_j is None else lp_j[i], n_tok, n_seq
+            )
+            out = compis_loss(inputs, self.cfg.loss)
+            out.loss.backward()
+            total += out.loss.detach().double().cpu()
+            acc.add(out.metrics, weight=float(mb.loss_mask.sum()))
+            m = mb.loss_mask
+            acc.add({"policy/entropy": float(ent[i][m].sum() / max(1, int(m.sum())))},
+                    weight=float(m.sum()))  # fmt: skip
+        t3 = time.perf_counter()
+        named = list(self.model.named_parameters())
+        parallel.sync_grads(named, tp=self.layout.tp)
+        gnorm = float(parallel.grad_norm(named))
+        if self.cfg.clip_grad > 0 and gnorm > self.cfg.clip_grad:
+            scale = self.cfg.clip_grad / (gnorm + 1e-6)
+            for _, p in named:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        lr = lr_at(self.version, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.version += 1
+        if self.cfg.keep_old_actor:
+            self.snapshots.snapshot(self.model, self.version)
+        parallel.all_reduce_sum(total, self._groups()["dp"])
+        metrics = acc.reduce(self._groups()["dp"] if self.layout.dp > 1 else None)
+        metrics.pop("loss/value", None)  # a micro-batch's share; the step's loss is loss/total
+        metrics.update({
+            "loss/total": float(total),
+            "train/grad_norm": gnorm,
+            "train/lr": lr,
+            "train/version": float(self.version),
+            "train/num_tokens": n_tok,
+            "train/num_seqs": n_seq,
+            "timing/proximal_logprobs_s": t1 - t0,
+            "timing/behavior_logprobs_s": t2 - t1,
+            "timing/train_fwd_bwd_s": t3 - t2,
+            "timing/train_step_s": time.perf_counter() - t0,
+        })  # fmt: skip
+        return metrics
+
+    # ------------------------------------------------------------------ versions
+    def snapshot(self) -> int:
+        """Keep the current weights as a snapshot of `self.version`; returns that version."""
+        self.snapshots.snapshot(self.model, self.version)
+        return self.version
+
+    def release(self, version: int) -> bool:
+        """Drop the snapshot of `version` (no in-flight sample references it any more)."""
+        return self.snapshots.release(version)
+
+    # ------------------------------------------------------------------ weights
+    def export_weights(self) -> weights_io.HFWeights:
+        """Full HF-named tensors of the current version (collective over TP/EP)."""
+        return weights_io.HFWeights(
+            version=self.version,
+            spec=self.spec,
+            tensors=hf_convert.megatron_to_hf(self.model, self.spec),
+        )
+
+    def save_weights(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+        """Export and write an HF directory at `path` (rank 0 writes; all ranks return)."""
+        w = self.export_weights()
+        if self.rank == 0:
+            weights_io.write_hf_dir(w, path, dtype=dtype)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        return Path(path)
+
+    def import_hf(self, path: str | Path) -> None:
+        """Load weights from an HF directory (warm start / reference); spec must match."""
+        w = weights_io.read_hf_dir(path)
+        checkpoint.check_spec(w.spec, self.spec, where=str(path))
+        hf_convert.hf_to_megatron(self.model, self.spec, w.tensors)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self, save_dir: str | Path | None = None, *, extra_state: dict[str, object] | None = None
+    ) -> Path:
+        """Atomically save model, optimizer, LR schedule, RNG, version and `extra_state`."""
+        target = save_dir or self.cfg.save
+        if target is None:
+            raise ValueError("no checkpoint directory: pass save_dir or set TrainerConfig.save")
+        return checkpoint.save(self, Path(target), extra_state=extra_state or {})
+
+    def load_checkpoint(self, load_dir: str | Path) -> None:
+        """Resume from `load_dir` (guards: see `checkpoint.load`)."""
+        checkpoint.load(self, Path(load_dir))
+        self.loaded_from = str(load_dir)
+
+    def shutdown(self) -> None:
+        """Free megatron's global state (the process group stays up for reuse)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
