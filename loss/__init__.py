@@ -1,0 +1,117 @@
+"""CompIS and baselines as pure tensor functions (public surface; see ARCHITECTURE.md).
+
+Must never import `slime_async`: this package is a leaf. See loss/README.md for the math.
+"""
+
+from __future__ import annotations
+
+from loss.advantages import (
+    SamplingDecision,
+    broadcast_to_tokens,
+    dynamic_sampling_decision,
+    dynamic_sampling_keep,
+    grpo_advantages,
+    outcome_to_token_rewards,
+    overlong_penalty,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    reinforce_pp_returns,
+    whiten,
+)
+from loss.aggregate import aggregate, denominators
+from loss.baselines import (
+    SingleRatioConfig,
+    decoupled_ppo_loss,
+    gspo_loss,
+    m2po_loss,
+    m2po_mask,
+    prime_masked_is_loss,
+    single_ratio_loss,
+)
+from loss.compis import CompISTerms, compis_denominators, compis_loss, compis_terms, compis_weights
+from loss.compis_metrics import compis_metrics
+from loss.corrections import correct, correct_log
+from loss.diagnostics import abs_diff_seq_mean, kl_estimators, percentiles, ratio_stats
+from loss.filters import OffPolicyFilterResult, max_off_policy_filter
+from loss.ppo import PPOTerms, ppo_core, ppo_surrogate
+from loss.ratios import safe_log_ratio, safe_ratio
+from loss.registry import (
+    available_losses,
+    compis_config_from_args,
+    get_loss,
+    load_function,
+    make_slime_loss,
+    register_loss,
+    resolve_loss,
+    slime_compis_loss,
+)
+from loss.seq_weights import (
+    batch_normalize,
+    geometric_mask,
+    geometric_mean_ratio,
+    sequence_is_weights,
+    veto_mask,
+)
+from loss.types import AggMode, CompISConfig, Correction, Denom, LossInputs, LossOutputs, Method
+
+__all__ = [
+    "AggMode",
+    "CompISConfig",
+    "CompISTerms",
+    "Correction",
+    "Denom",
+    "LossInputs",
+    "LossOutputs",
+    "Method",
+    "OffPolicyFilterResult",
+    "PPOTerms",
+    "SamplingDecision",
+    "SingleRatioConfig",
+    "abs_diff_seq_mean",
+    "aggregate",
+    "available_losses",
+    "batch_normalize",
+    "broadcast_to_tokens",
+    "compis_config_from_args",
+    "compis_denominators",
+    "compis_loss",
+    "compis_metrics",
+    "compis_terms",
+    "compis_weights",
+    "correct",
+    "correct_log",
+    "decoupled_ppo_loss",
+    "denominators",
+    "dynamic_sampling_decision",
+    "dynamic_sampling_keep",
+    "geometric_mask",
+    "geometric_mean_ratio",
+    "get_loss",
+    "grpo_advantages",
+    "gspo_loss",
+    "kl_estimators",
+    "load_function",
+    "m2po_loss",
+    "m2po_mask",
+    "make_slime_loss",
+    "max_off_policy_filter",
+    "outcome_to_token_rewards",
+    "overlong_penalty",
+    "percentiles",
+    "ppo_core",
+    "ppo_surrogate",
+    "prime_masked_is_loss",
+    "ratio_stats",
+    "register_loss",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "reinforce_pp_returns",
+    "resolve_loss",
+    "safe_log_ratio",
+    "safe_ratio",
+    "sequence_is_weights",
+    "single_ratio_loss",
+    "slime_compis_loss",
+    "veto_mask",
+    "whiten",
+]

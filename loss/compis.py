@@ -1,0 +1,189 @@
+"""CompIS: composable off-policy loss with the importance ratio split by source (spec §3).
+
+Owns: `compis_loss`, `compis_terms` (per-token loss before reduction, used by the slime adapter)
+and `compis_denominators` (a micro-batch's share of the global denominators, honouring
+`denom=drop`). Must never import `slime_async`.
+
+Per token:  r1 = π_θ/π_k (drift, PPO-clipped, the only ratio with gradient)
+            r2 = π_j^Meg/π_j^SGL (engine mismatch)    r3 = π_k/π_j^Meg (staleness)
+            L_t = f2(r2)·f3(r3) · PPO(r1, A)           loss = AGG(L, mask', mode)
+Without π_j^Meg (`behavior_logprobs=None`) r2 and r3 cannot be separated: the combined ratio
+r2·r3 = π_k/π_j^SGL is corrected by f3 alone (= AReaL's decoupled loss when f3 = cap 5), and
+the metrics say so (`loss/compis_fallback = 1.0`).
+
+Implementation (the hot path is a handful of float passes, no bool ops, which are slow on CPU):
+the weight is built in log space under no_grad, one exp for f2·f3, masks as 0/1 float factors;
+it is folded into the advantage (w ≥ 0 commutes with the PPO max/min), so the autograd graph is
+exactly plain PPO's. Diagnostics (`loss.compis_metrics`) run on the valid tokens before masking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from loss.aggregate import aggregate_premasked
+from loss.compis_metrics import compis_metrics
+from loss.diagnostics import Metric, to_floats
+from loss.ppo import masked_advantages, ppo_from_neg_adv
+from loss.ratios import segment_ids, seq_sum
+from loss.types import CompISConfig, Denom, LossInputs, LossOutputs, Method, compute_dtype, upcast
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompISTerms:
+    """Per-token results of CompIS (all detached except `per_token_loss`)."""
+
+    per_token_loss: torch.Tensor
+    """w·PPO(r1, A); exactly 0 outside `loss_mask` and on tokens with w = 0."""
+    mask: torch.Tensor
+    """Effective denominator mask mask' as 0/1 floats (= loss_mask for denom=keep)."""
+    weight: torch.Tensor
+    """Final IS weight w = f2(r2)·f3(r3), 0 outside `loss_mask`."""
+    valid_mask: torch.Tensor
+    """`loss_mask` as 0/1 floats."""
+    fallback: bool
+    """True when behavior_logprobs was absent (combined ratio corrected by f3)."""
+
+
+def _delta(num: torch.Tensor, den: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """num − den in `dtype` (upcast first), non-finite → 0; a fresh detached tensor."""
+    return (upcast(num.detach()).to(dtype) - upcast(den.detach()).to(dtype)).nan_to_num_(
+        0.0, 0.0, 0.0
+    )
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
+
+
+def _indicator_le(d: torch.Tensor, bound: float) -> torch.Tensor:
+    """1.0 where d <= bound else 0.0 (exact at the bound), with float ops only."""
+    return (bound - d).sign_().add_(1.0).clamp_(max=1.0)
+
+
+def _log_weight(
+    d: torch.Tensor, method: Method, low: float, high: float, clamp: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """In place on the fresh Δ `d`: (clamped log w, 0/1 keep factor or None)."""
+    if method is Method.CLIP:
+        return d.clamp_(max(_log(low), -clamp), min(_log(high), clamp)), None
+    d.clamp_(-clamp, clamp)
+    if method is Method.NONE:
+        return d, None
+    keep = _indicator_le(d, _log(high))
+    if method is Method.ICEPOP and low > 0:
+        keep.mul_(_indicator_le(-d, -_log(low)))
+    return d, keep
+
+
+def compis_weights(
+    inputs: LossInputs, cfg: CompISConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w, effective mask, valid mask): the detached per-token weight f2(r2)·f3(r3) (0 outside
+    `loss_mask`), the denominator mask under `cfg.denom` and `loss_mask`, masks as 0/1 floats
+    in the compute dtype (fp64 if any log-prob input is fp64, else fp32)."""
+    dt = compute_dtype(
+        inputs.logprobs, inputs.proximal_logprobs, inputs.rollout_logprobs, inputs.behavior_logprobs
+    )
+    clamp = cfg.log_ratio_clamp
+    with torch.no_grad():
+        mask_f = inputs.loss_mask.to(dt)
+        if inputs.behavior_logprobs is None:
+            d3 = _delta(inputs.proximal_logprobs, inputs.rollout_logprobs, dt)
+            keep2 = None
+            logw, keep3 = _log_weight(
+                d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high, clamp
+            )
+        else:
+            d2 = _delta(inputs.behavior_logprobs, inputs.rollout_logprobs, dt)
+            d3 = _delta(inputs.proximal_logprobs, inputs.behavior_logprobs, dt)
+            c2, keep2 = _log_weight(d2, cfg.engine_method, cfg.engine_low, cfg.engine_high, clamp)
+            c3, keep3 = _log_weight(
+                d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high, clamp
+            )
+            logw = c2.add_(c3)
+            del d3, c3
+        w = logw.exp_()
+        eff = mask_f
+        for keep in (keep2, keep3):
+            if keep is not None:
+                w.mul_(keep)
+                if cfg.denom is Denom.DROP:
+                    eff = eff * keep
+        w.mul_(mask_f)
+    return w, eff, mask_f
+
+
+def compis_terms(inputs: LossInputs, cfg: CompISConfig) -> CompISTerms:
+    """Per-token CompIS loss and weights (no reduction). Shapes follow `inputs.logprobs`."""
+    w, eff, mask_f = compis_weights(inputs, cfg)
+    with torch.no_grad():
+        neg_adv = masked_advantages(inputs.advantages, w, dtype=w.dtype).neg_()
+    ppo = ppo_from_neg_adv(
+        inputs.logprobs,
+        inputs.proximal_logprobs,
+        neg_adv,
+        cfg.eps_clip,
+        cfg.eps_clip_high,
+        cfg.dual_clip_c,
+        log_ratio_clamp=cfg.log_ratio_clamp,
+        with_clipped=False,
+    )
+    return CompISTerms(
+        per_token_loss=ppo.loss,
+        mask=eff,
+        weight=w,
+        valid_mask=mask_f,
+        fallback=inputs.behavior_logprobs is None,
+    )
+
+
+def compis_denominators(inputs: LossInputs, cfg: CompISConfig) -> tuple[float, float]:
+    """This micro-batch's (tokens, sequences) for the global denominators under `cfg.denom`.
+
+    Sum over all micro-batches and DP ranks, then pass as `global_num_tokens/global_num_seqs`.
+    """
+    _, eff, _ = compis_weights(inputs, cfg)
+    counts = seq_sum(eff.to(torch.float64), inputs.cu_seqlens)
+    return float(counts.sum()), float((counts > 0).sum())
+
+
+def compis_loss(inputs: LossInputs, cfg: CompISConfig) -> LossOutputs:
+    """CompIS loss of one micro-batch and its metrics (see module docstring, spec §3, §13).
+
+    With `global_num_tokens`/`global_num_seqs` (from `compis_denominators`, summed over the
+    mini-batch) the loss is this micro-batch's share: micro-batch losses add up exactly.
+    """
+    ids = (
+        segment_ids(inputs.cu_seqlens, inputs.logprobs.shape[0])
+        if inputs.cu_seqlens is not None
+        else None
+    )
+    t = compis_terms(inputs, cfg)
+    loss = aggregate_premasked(
+        t.per_token_loss,
+        t.mask,
+        cfg.agg_mode,
+        cu_seqlens=inputs.cu_seqlens,
+        loss_scale_factor=cfg.loss_scale_factor,
+        global_num_tokens=inputs.global_num_tokens,
+        global_num_seqs=inputs.global_num_seqs,
+        ids=ids,
+    )
+    metrics: dict[str, Metric] = {
+        "loss/value": loss.detach(),
+        "loss/compis_fallback": 1.0 if t.fallback else 0.0,
+    }
+    if cfg.diagnostics:
+        with torch.no_grad():
+            metrics["loss/num_tokens"] = (
+                t.mask.sum() if cfg.denom is Denom.KEEP else inputs.loss_mask.sum()
+            )
+            metrics["loss/denom_tokens"] = (
+                inputs.global_num_tokens if inputs.global_num_tokens is not None else t.mask.sum()
+            )
+            metrics.update(compis_metrics(inputs, cfg))
+    return LossOutputs(loss=loss, metrics=to_floats(metrics))
