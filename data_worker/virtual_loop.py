@@ -60,12 +60,17 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 def run_virtual(coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` to completion on a fresh `VirtualTimeLoop` and close it."""
+    """Run `coro` to completion on a fresh `VirtualTimeLoop`, cancel leftovers, close it."""
     loop = VirtualTimeLoop()
     try:
         return loop.run_until_complete(coro)
     finally:
         try:
+            left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in left:
+                t.cancel()
+            if left:
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             loop.close()

@@ -194,9 +194,10 @@ class RolloutDataWorker:
         core = self._core
         try:
             result = await self._generate(d.request, d.priority, d.expected_len)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # shutdown: re-queue, but start nothing new
             core.on_lost(d, error=None)
-            self._after()
+            if core.running == 0:
+                self._idle.set()
             raise
         except Exception as exc:
             if not core.on_lost(d, error=exc):
@@ -267,7 +268,7 @@ class RolloutDataWorker:
                     "set_served_version() before waiting for the next batch."
                 )
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            if remaining <= 1e-9:  # not 0: float rounding must not spin the loop
                 raise TimeoutError(
                     f"get_batch: {core.num_eligible()} of {num_groups} groups ready after "
                     f"{timeout}s ({core.running} generations running, {core.queued} queued)."
