@@ -121,7 +121,8 @@ def megatron_to_hf_tensors(
         else:
             raise KeyError(f"no HF mapping for megatron parameter {name!r}")
     _export_experts(experts, spec, r, out)
-    return {k: v.detach().float().cpu().contiguous() for k, v in out.items()}
+    # copies: the export must not alias live parameters (the optimizer mutates them)
+    return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in out.items()}
 
 
 def _export_experts(

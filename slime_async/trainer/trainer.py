@@ -192,6 +192,16 @@ class MegatronTrainer:
             lps, ents = self._logprobs_local(mbs, routing, record=None)
         return self._gather_dp(torch.cat(lps)), self._gather_dp(torch.cat(ents))
 
+    def compute_behavior_logprobs(self, batch: TrainerBatch) -> torch.Tensor | None:
+        """π_j^Meg `[B, T]`: each token's log-prob under the snapshot of its own version
+        (`batch.token_versions`), or None when a needed version is not kept."""
+        self.model.eval()
+        mbs = self._local(batch)
+        routing = [self._engine_routing(mb) for mb in mbs]
+        lp_k, _ = self._logprobs_local(mbs, routing, record=None)
+        out = self._behavior_logprobs(mbs, lp_k, routing)
+        return None if out is None else self._gather_dp(torch.cat(out))
+
     def _behavior_logprobs(
         self, mbs: list[TrainerBatch], lp_k: list[torch.Tensor], routing: list[Routing]
     ) -> list[torch.Tensor] | None:
@@ -217,11 +227,11 @@ class MegatronTrainer:
         n = 64
         if len(needed) > n:
             raise ValueError(f"a batch spans {len(needed)} versions; at most {n} supported")
-        t = torch.full((self.layout.dp, n), -1, dtype=torch.long)
-        t[self.dp_rank, : len(needed)] = torch.tensor(sorted(needed))
+        t = torch.zeros((self.layout.dp, n), dtype=torch.long)  # row r: rank r's versions + 1
+        t[self.dp_rank, : len(needed)] = torch.tensor(sorted(needed), dtype=torch.long) + 1
         parallel.all_reduce_sum(t, self._groups()["dp"])
         vals = t.flatten()
-        return {int(v) for v in vals[vals >= 0]}
+        return {int(v) - 1 for v in vals[vals > 0]}
 
     # ------------------------------------------------------------------ train
     def _loss_inputs(

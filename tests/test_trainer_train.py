@@ -1,0 +1,164 @@
+"""Train step, version snapshots, checkpoint save/load and resume guards (world size 1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from slime_async.modelspec import TINY_MOE
+
+pytestmark = pytest.mark.timeout(150)
+torch.set_num_threads(1)
+
+
+def _trainer(**kw):
+    from slime_async.trainer.config import TrainerConfig
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    base = dict(lr=2e-3, micro_batch_size=2, seed=3)
+    base.update(kw)
+    return MegatronTrainer(TrainerConfig(**base), TINY_MOE)
+
+
+def _batch(seed: int = 0, **kw):
+    from slime_async.trainer.testing import random_batch
+
+    return random_batch(TINY_MOE, batch=kw.get("batch", 8), width=20, prompt=6, seed=seed)
+
+
+def _params(tr) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+
+
+def test_train_step_lowers_loss_and_microbatch_shares_sum_to_full_loss():
+    from loss import LossInputs, compis_loss
+
+    tr = _trainer()
+    b = _batch()
+    lp0, _ = tr.compute_logprobs(b)
+
+    def full_loss(lp: torch.Tensor) -> float:
+        inputs = LossInputs(
+            logprobs=lp[:, 1:], proximal_logprobs=lp0[:, 1:],
+            rollout_logprobs=b.rollout_logprobs[:, 1:], behavior_logprobs=None,
+            advantages=b.advantages[:, 1:], loss_mask=b.loss_mask[:, 1:],
+        )  # fmt: skip
+        return float(compis_loss(inputs, tr.cfg.loss).loss)
+
+    m = tr.train_step(b)  # 4 micro-batches of 2: the summed shares are the full-batch loss
+    assert m["loss/total"] == pytest.approx(full_loss(lp0), abs=1e-6)
+    assert tr.version == 1 and m["train/version"] == 1.0
+    lp1, _ = tr.compute_logprobs(b)
+    assert full_loss(lp1) < m["loss/total"] - 1e-3  # the surrogate went down on this batch
+    pos, neg = b.advantages > 0, b.advantages < 0
+    assert (lp1 - lp0)[b.loss_mask & pos].mean() > 0 > (lp1 - lp0)[b.loss_mask & neg].mean()
+    assert m["train/grad_norm"] > 0 and m["train/lr"] == pytest.approx(2e-3)
+    assert m["loss/compis_fallback"] == 1.0  # keep_old_actor off → combined-ratio fallback
+
+
+def test_per_token_versions_use_their_own_snapshot():
+    tr = _trainer(keep_old_actor=True, max_snapshots=3, routing_replay="r2")
+    b = _batch(1)
+    tr.train_step(b)
+    tr.train_step(b)
+    assert tr.version == 2 and tr.snapshots.versions() == [0, 1, 2]
+    lps = {j: tr.compute_logprobs(b, version=j)[0] for j in (0, 1, 2)}
+    assert not torch.allclose(lps[0], lps[2])  # the versions really differ
+    assert torch.equal(tr.compute_logprobs(b)[0], lps[2])  # swapping restored current weights
+    ver = torch.randint(0, 3, b.token_versions.shape, generator=torch.Generator().manual_seed(0))
+    mixed = dataclasses.replace(b, token_versions=torch.where(b.loss_mask, ver, -1))
+    beh = tr.compute_behavior_logprobs(mixed)
+    expect = torch.where(ver == 0, lps[0], torch.where(ver == 1, lps[1], lps[2]))
+    m = mixed.loss_mask
+    assert torch.allclose(beh[m], expect[m], atol=1e-6)
+    metrics = tr.train_step(mixed)
+    assert metrics["loss/compis_fallback"] == 0.0
+    assert metrics["is/staleness/version_lag_max"] == 2.0
+    # version 0 is evicted once 3 newer snapshots exist → π_0^Meg is gone → explicit fallback
+    assert tr.snapshots.versions() == [1, 2, 3]
+    assert tr.compute_behavior_logprobs(mixed) is None
+    assert tr.train_step(mixed)["loss/compis_fallback"] == 1.0
+    assert tr.snapshots.versions() == [2, 3, 4]
+    assert tr.release(2) and not tr.release(2) and tr.snapshots.versions() == [3, 4]
+
+
+def test_save_load_continue_equals_uninterrupted(tmp_path):
+    b1, b2 = _batch(2), _batch(3)
+    a = _trainer(save=str(tmp_path / "ck"), lr_warmup_steps=2)
+    a.train_step(b1)
+    a.train_step(b2)
+    a.save_checkpoint(extra_state={"data_worker": {"cursor": 17}, "controller": [1, 2]})
+    ma = [a.train_step(b1), a.train_step(b2)]
+    wa = _params(a)
+    b = _trainer(load=str(tmp_path / "ck"), lr_warmup_steps=2)
+    assert b.version == 2 and b.extra_state == {"data_worker": {"cursor": 17}, "controller": [1, 2]}
+    mb = [b.train_step(b1), b.train_step(b2)]
+    wb = _params(b)
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    assert [m["loss/total"] for m in ma] == [m["loss/total"] for m in mb]
+
+
+def test_resume_guards_name_the_path(tmp_path):
+    from slime_async.modelspec import ModelSpec
+    from slime_async.trainer.checkpoint import CheckpointError
+    from slime_async.trainer.config import TrainerConfig
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    missing = tmp_path / "nope"
+    with pytest.raises(CheckpointError, match=rf"--load {missing} does not exist"):
+        _trainer(load=str(missing), hf_checkpoint=str(tmp_path))  # no fallback to hf weights
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match=rf"--load {empty} holds no complete checkpoint"):
+        _trainer(load=str(empty))
+    zero = _trainer(save=str(tmp_path / "zero"))
+    zero.save_checkpoint()
+    with pytest.raises(CheckpointError, match="iteration 0"):
+        _trainer(load=str(tmp_path / "zero"))
+    zero.train_step(_batch())
+    zero.save_checkpoint()
+    other = dataclasses.replace(TINY_MOE, num_experts=8)
+    with pytest.raises(CheckpointError, match=r"another model config.*num_experts.*\(4, 8\)"):
+        MegatronTrainer(TrainerConfig(load=str(tmp_path / "zero")), other)
+    with pytest.raises(TypeError):
+        zero.save_checkpoint(extra_state={"bad": object()})
+    assert isinstance(ModelSpec.from_dict(TINY_MOE.to_dict()), ModelSpec)
+
+
+def test_corrupted_or_partial_checkpoint_is_never_picked(tmp_path, caplog):
+    from slime_async.trainer.checkpoint import CheckpointError, find_latest, iter_name
+
+    d = tmp_path / "ck"
+    tr = _trainer(save=str(d), keep_checkpoints=5)
+    b = _batch()
+    tr.train_step(b)
+    good = tr.save_checkpoint()
+    tr.train_step(b)
+    newer = tr.save_checkpoint()
+    assert find_latest(d) == newer and (d / "latest").read_text().strip() == "2"
+    # a crashed save: temp dir full of files, and an iter dir without meta.json
+    (d / f".tmp-{iter_name(3)}").mkdir()
+    (d / f".tmp-{iter_name(3)}" / "model.pt").write_bytes(b"junk")
+    (d / iter_name(4)).mkdir()
+    assert find_latest(d) == newer
+    # corrupt the newest: truncate its weights → the older complete one is used, with a warning
+    f = newer / "model.pt"
+    f.write_bytes(f.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING):
+        assert find_latest(d) == good
+    assert "truncated" in caplog.text
+    resumed = _trainer(load=str(d))
+    assert resumed.version == 1
+    # same size but flipped bytes → sha256 catches it; nothing complete is left → refuse
+    g = good / "optim.pt"
+    raw = bytearray(g.read_bytes())
+    raw[-10] ^= 0xFF
+    g.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        find_latest(d)
+    with pytest.raises(CheckpointError, match="sha256"):
+        find_latest(good)
