@@ -44,6 +44,9 @@ class EngineConfig:
     """Name reported by `/model_info`; None = the model directory or "tiny-moe"."""
     enable_return_routed_experts: bool = True
     """Allow `return_routed_experts` (SGLang's `--enable-return-routed-experts`)."""
+    always_return_routed_experts: bool = False
+    """Return routed experts even when a request does not ask (for routers that drop the
+    request flag, e.g. the stock sglang-router 0.3.2, which re-serialises request bodies)."""
     num_threads: int | None = None
     """torch intra-op threads for the model step; None leaves torch's default."""
     health_generate_timeout_s: float = 20.0
@@ -64,6 +67,10 @@ class EngineConfig:
             )
         if self.gguf_file is not None and self.model_dir is None:
             raise ValueError("gguf_file needs model_dir (the directory that holds the .gguf file)")
+        if self.always_return_routed_experts and not self.enable_return_routed_experts:
+            raise ValueError(
+                "always_return_routed_experts needs enable_return_routed_experts (drop one flag)"
+            )
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
 
@@ -103,6 +110,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="reject return_routed_experts requests",
     )
+    g.add_argument(
+        "--always-return-routed-experts",
+        action="store_true",
+        help="return routed experts on every request (for routers that strip the request flag)",
+    )
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     return parser
 
@@ -129,5 +141,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         weight_version=args.weight_version,
         served_model_name=args.served_model_name,
         enable_return_routed_experts=not args.disable_return_routed_experts,
+        always_return_routed_experts=args.always_return_routed_experts,
         num_threads=args.num_threads,
     )

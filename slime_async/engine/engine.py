@@ -76,6 +76,7 @@ class Engine:
             context_length=self.lm.context_length,
             moe=self.lm.is_moe,
             routed_experts_enabled=self.cfg.enable_return_routed_experts,
+            routed_experts_by_default=self.cfg.always_return_routed_experts and self.lm.is_moe,
         )
 
     def submit(self, req: GenerateRequest) -> list[Sequence]:
@@ -105,9 +106,9 @@ class Engine:
         assert self.scheduler is not None
         return self.scheduler.abort(rid=rid, abort_all=abort_all, message="Abort by request")
 
-    def pause(self, mode: PauseMode) -> None:
+    async def pause(self, mode: PauseMode) -> None:
         assert self.scheduler is not None
-        self.scheduler.pause(mode)
+        await self.scheduler.pause(mode)
 
     def resume(self) -> None:
         assert self.scheduler is not None

@@ -65,6 +65,7 @@ class ModelLimits:
     context_length: int
     moe: bool
     routed_experts_enabled: bool
+    routed_experts_by_default: bool = False
 
 
 def _per_item(body: dict[str, Any], key: str, n: int, default: Any) -> list[Any]:
@@ -137,7 +138,7 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
     sps = [parse_sampling_params(d) for d in _per_item(body, "sampling_params", n_in, None)]
     rlp = _per_item(body, "return_logprob", n_in, False)
     lsl = _per_item(body, "logprob_start_len", n_in, -1)
-    rre = _per_item(body, "return_routed_experts", n_in, False)
+    rre = _per_item(body, "return_routed_experts", n_in, limits.routed_experts_by_default)
     rsl = _per_item(body, "routed_experts_start_len", n_in, 0)
     rtl = _flag(body.get("return_text_in_logprobs") or False, "return_text_in_logprobs")
     stream = _flag(body.get("stream") or False, "stream")

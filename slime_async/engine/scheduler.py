@@ -59,7 +59,6 @@ class Scheduler:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._task: asyncio.Task[None] | None = None
         self._in_step = False
-        self._retract_pending = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -102,14 +101,14 @@ class Scheduler:
             self._retire()
         return hit
 
-    def pause(self, mode: PauseMode) -> None:
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop stepping; returns once no forward is in flight (so nothing moves after it)."""
         self.paused = True
         if mode is PauseMode.ABORT:
             self.abort(abort_all=True, message="Abort by pause_generation")
-        elif mode is PauseMode.RETRACT and not self._in_step:
-            self._retract_all()
-        elif mode is PauseMode.RETRACT:
-            self._retract_pending = True
+        async with self._step_lock:
+            if mode is PauseMode.RETRACT:
+                self._retract_all()
 
     def resume(self) -> None:
         self.paused = False
@@ -173,9 +172,6 @@ class Scheduler:
             self.decoded_tokens += len(toks)
         self.steps += 1
         self._in_step = False
-        if self._retract_pending:
-            self._retract_pending = False
-            self._retract_all()
         self._retire()
 
     # ------------------------------------------------------------------ worker-thread jobs

@@ -122,7 +122,7 @@ async def pause_generation(request: web.Request) -> web.Response:
         mode = eng.pause_mode(body.get("mode", "abort"))
     except (RequestError, ValueError) as e:
         return _err(str(e))
-    eng.pause(mode)
+    await eng.pause(mode)
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
