@@ -81,6 +81,7 @@ class Router:
             connector=aiohttp.TCPConnector(limit=self.cfg.max_connections, force_close=False),
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         app = build_app(self)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)

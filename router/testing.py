@@ -4,8 +4,9 @@ Owns: `FakeEngineConfig`, `FakeEngine` (an aiohttp server speaking the SGLang ro
 uses, whose service time grows with requested tokens and with concurrency), `EngineProcess`
 (the same engine(s) in a child process that can be SIGKILLed), and `python -m router.testing`.
 Service model, per engine: requests run in lock-step "decode steps"; one step advances every
-active request by `tokens_per_step` tokens and takes `step_s + per_seq_s * n_active` seconds.
-So a request of L tokens alone takes ceil(L / tokens_per_step) * (step_s + per_seq_s) seconds.
+active request by `tokens_per_step` tokens and takes `step_s + per_seq_s * n_active` seconds
+(computed as a fluid rate from elapsed wall time, so a busy CPU does not distort it).
+So a request of L tokens alone takes L / tokens_per_step * (step_s + per_seq_s) seconds.
 Responses are deterministic functions of the request (no timestamps), so pass-through can be
 checked byte for byte.
 Must never import: `slime_async`, or the router's server/proxy modules (engines are independent).
@@ -63,6 +64,9 @@ class _Job:
     rid: str
     target: int
     done: asyncio.Future
+    arrived: float
+    work: float = 0.0
+    """Tokens produced so far (fractional: progress is computed from elapsed time)."""
     generated: int = 0
     progress: asyncio.Event = field(default_factory=asyncio.Event)
     aborted: bool = False
@@ -138,18 +142,43 @@ class FakeEngine:
 
     # --- service model ----------------------------------------------------------------------
     async def _step_loop(self) -> None:
+        """Fluid version of the step model: progress is computed from elapsed wall time, so a
+        late wake-up (a busy CPU) does not stretch service times; it only coarsens chunks."""
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            if not self._jobs:
-                self._wake.clear()
-                await self._wake.wait()
-            await self._unpaused.wait()
-            n = len(self._jobs)
-            await asyncio.sleep(self.cfg.step_s + self.cfg.per_seq_s * n)
-            for job in list(self._jobs):
-                job.generated = min(job.target, job.generated + self.cfg.tokens_per_step)
-                job.progress.set()
-                if job.generated >= job.target:
+            if not self._jobs or not self._unpaused.is_set():
+                if not self._jobs:
+                    self._wake.clear()
+                    await self._wake.wait()
+                await self._unpaused.wait()
+                last = loop.time()
+                continue
+            step = self.cfg.step_s + self.cfg.per_seq_s * len(self._jobs)
+            if step <= 0:  # infinitely fast engine: everything finishes on this turn
+                await asyncio.sleep(0)
+                for job in list(self._jobs):
+                    job.work = job.generated = job.target
                     self._finish(job)
+                last = loop.time()
+                continue
+            rate = self.cfg.tokens_per_step / step  # tokens per second per active request
+            soonest = min(j.target - j.work for j in self._jobs) / rate
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(min(step, soonest), 0.0))
+            now = loop.time()
+            if self._unpaused.is_set():
+                self._advance(last, now, rate)
+            last = now
+
+    def _advance(self, last: float, now: float, rate: float) -> None:
+        for job in list(self._jobs):
+            job.work = min(job.target, job.work + rate * (now - max(last, job.arrived)) + 1e-9)
+            job.generated = int(job.work)
+            job.progress.set()
+            if job.generated >= job.target:
+                self._finish(job)
 
     def _finish(self, job: _Job, *, aborted: bool = False) -> None:
         job.aborted = aborted
@@ -180,7 +209,8 @@ class FakeEngine:
             target = int(sp.get("max_new_tokens") or self.cfg.default_max_new_tokens)
             prompt_len = len(body.get("input_ids") or str(body.get("text", "")))
         rid = str(body.get("rid") or f"r{len(self.requests)}")
-        job = _Job(rid=rid, target=max(target, 1), done=asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        job = _Job(rid=rid, target=max(target, 1), done=loop.create_future(), arrived=loop.time())
         self._jobs.append(job)
         self._wake.set()
         if body.get("stream") and not openai:
@@ -266,6 +296,7 @@ class FakeEngine:
                 "is_generation": True,
                 "weight_version": self.weight_version,
                 "engine": self.cfg.name,
+                "tokens_served": self.tokens_served,
                 "version": "fake",
                 "internal_states": [{}],
             }
@@ -335,14 +366,22 @@ class EngineProcess:
 
     @classmethod
     def spawn(
-        cls, *, count: int = 1, ports: list[int] | None = None, timeout: float = 30.0, **cfg
+        cls,
+        *,
+        count: int = 1,
+        ports: list[int] | None = None,
+        timeout: float = 30.0,
+        quiet: bool = False,
+        **cfg,
     ) -> EngineProcess:
-        """Start `count` engines (or one per entry of `ports`) with `FakeEngineConfig(**cfg)`."""
+        """Start `count` engines (or one per entry of `ports`) with `FakeEngineConfig(**cfg)`;
+        `quiet` drops the child's stderr (aiohttp logs each rejected HTTP/2 probe there)."""
         ports = ports or [0] * count
         cmd = [sys.executable, "-m", "router.testing", "--ports", *map(str, ports)]
         cmd += ["--config", json.dumps(cfg)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        stderr = subprocess.DEVNULL if quiet else None
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         deadline = time.monotonic() + timeout
         assert proc.stdout is not None
         line = proc.stdout.readline()

@@ -139,10 +139,16 @@ async def test_streaming_pass_through() -> None:
         chunks = [line async for line in r.content if line.strip()]
         direct = await s.post(engines[0].url + "/generate", json=body)
         direct_chunks = [line async for line in direct.content if line.strip()]
-    assert chunks == direct_chunks
-    assert len(chunks) >= 3 and chunks[-1] == b"data: [DONE]\n"
-    last = json.loads(chunks[-2][len(b"data: ") :])
-    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+    # chunk boundaries depend on timing; the content must be the engine's: cumulative chunks
+    # whose final state equals the direct run's final chunk, then [DONE]
+    assert chunks[-1] == b"data: [DONE]\n" and direct_chunks[-1] == b"data: [DONE]\n"
+    assert chunks[-2] == direct_chunks[-2]
+    states = [json.loads(c[len(b"data: ") :]) for c in chunks[:-1]]
+    assert len(states) >= 2
+    final = states[-1]
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+    for st in states:
+        assert final["output_ids"][: len(st["output_ids"])] == st["output_ids"]
     await _stop(router, engines)
 
 

@@ -1,0 +1,376 @@
+"""Benchmark our router against the real sglang-router binary, in the same run, on loopback.
+
+Part 1 (overhead): trivial backends (one instant decode step). Sequential requests give the
+latency p50/p99 direct to a backend, through our router and through sglang-router
+(round_robin); the "added" columns subtract the direct latency. A concurrent run gives
+requests/s through each.
+
+Part 2 (makespan): a heavy-tailed workload (Pareto lengths, known to the client and sent as
+`X-Expected-Tokens`) submitted at once, as slime submits a rollout batch, to backends whose
+service time grows with tokens and with concurrency (`router.testing` step model: each decode
+step advances every active request by `tokens_per_step` tokens and takes
+`step_s + per_seq_s * n_active`). Makespan = first submit to last answer; per-engine token
+imbalance = max / mean of tokens served. Compared: our least_expected_tokens (and our
+round_robin as a proxy sanity check) vs sglang-router's round_robin, cache_aware, power_of_two.
+
+Every router and the backends run as separate processes; all numbers come from this one run on a
+shared machine, so read ratios, not absolutes. Usage:
+
+    .venv/bin/python scripts/bench_router.py            # ~2-3 minutes
+    .venv/bin/python scripts/bench_router.py --quick    # smaller, for a smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from router.testing import EngineProcess
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """Sizes of the two benchmark parts."""
+
+    latency_requests: int = 1000
+    """Sequential requests per target for the latency percentiles."""
+    throughput_requests: int = 2000
+    """Requests per target for the throughput run."""
+    throughput_concurrency: int = 32
+    """Requests in flight during the throughput run."""
+    engines: int = 4
+    """Backends behind the routers in the makespan part."""
+    num_requests: int = 600
+    """Requests in the heavy-tailed workload."""
+    pareto_alpha: float = 1.1
+    """Tail index of the length distribution (smaller = heavier tail)."""
+    min_tokens: int = 64
+    """Pareto scale: the shortest response."""
+    max_tokens: int = 8192
+    """Length cap."""
+    step_s: float = 0.0005
+    """Backend decode-step base time."""
+    per_seq_s: float = 0.001
+    """Backend decode-step time per active request."""
+    tokens_per_step: int = 16
+    """Tokens per request per decode step."""
+    repeats: int = 3
+    """Makespan runs per policy and arrival order (median reported)."""
+    orders: tuple[str, ...] = ("random", "longest_first")
+    """Arrival orders: as drawn, and sorted by expected length (the data worker's probe
+    dispatch sends longer requests first)."""
+    seed: int = 0
+    """Workload seed."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RouterProc:
+    """A router child process (ours or sglang-router), stopped by PID."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, label: str, log: str = "") -> None:
+        self.proc, self.url, self.label, self.log = proc, url, label, log
+
+    @classmethod
+    def ours(cls, urls: list[str], policy: str) -> RouterProc:
+        cmd = [sys.executable, "-m", "router", "--port", "0", "--policy", policy]
+        cmd += ["--worker-urls", *urls, "--health-interval-s", "2"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_env())
+        line = proc.stdout.readline()
+        if "listening on" not in line:
+            proc.kill()
+            raise RuntimeError(f"our router failed to start: {line!r}")
+        return cls(proc, line.split()[3], f"ours:{policy}")
+
+    @classmethod
+    def sglang(cls, urls: list[str], policy: str) -> RouterProc:
+        port = _free_port()
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls]
+        cmd += ["--policy", policy, "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--log-level", "warn"]
+        fd, log = tempfile.mkstemp(prefix="sglang-router-", suffix=".log")
+        with os.fdopen(fd, "w") as f:  # it renames itself `sglang::router`; we stop it by PID
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env())
+        return cls(proc, f"http://127.0.0.1:{port}", f"sglang:{policy}", log)
+
+    async def ready(self, n_workers: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as s:
+            while True:
+                try:
+                    async with s.get(self.url + "/workers") as r:
+                        body = await r.json(content_type=None)
+                    healthy = [w for w in body.get("workers", []) if w.get("is_healthy")]
+                    if len(healthy) == n_workers:
+                        async with s.post(self.url + "/generate", json=_req(1, "warm")) as r:
+                            if r.status == 200:
+                                return
+                except (aiohttp.ClientError, json.JSONDecodeError, ValueError):
+                    pass
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    tail = Path(self.log).read_text()[-2000:] if self.log else ""
+                    raise RuntimeError(
+                        f"{self.label} not ready (exit code {self.proc.poll()}); log tail:\n{tail}"
+                    )
+                await asyncio.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.log:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _env() -> dict[str, str]:
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=root)
+
+
+def _req(tokens: int, text: str) -> dict:
+    return {"text": text, "sampling_params": {"max_new_tokens": tokens}}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+# --- part 1: overhead ------------------------------------------------------------------------
+async def _latencies(url: str, n: int, *, direct_urls: list[str] | None = None) -> list[float]:
+    out = []
+    async with aiohttp.ClientSession() as s:
+        for i in range(n + 50):
+            target = direct_urls[i % len(direct_urls)] if direct_urls else url
+            t0 = time.perf_counter()
+            async with s.post(target + "/generate", json=_req(1, f"p{i}")) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            if i >= 50:  # warm-up excluded
+                out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+async def _throughput(
+    url: str, n: int, conc: int, *, direct_urls: list[str] | None = None
+) -> float:
+    sem = asyncio.Semaphore(conc)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def one(i: int) -> None:
+            target = direct_urls[i % len(direct_urls)] if direct_urls else url
+            async with sem, s.post(target + "/generate", json=_req(1, f"t{i}")) as r:
+                await r.read()
+                assert r.status == 200, r.status
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        return n / (time.perf_counter() - t0)
+
+
+async def overhead(cfg: BenchConfig) -> None:
+    backends = EngineProcess.spawn(count=2, quiet=True, step_s=0.0, tokens_per_step=1)
+    rows = []
+    try:
+        direct = await _latencies("", cfg.latency_requests, direct_urls=backends.urls)
+        direct_tp = await _throughput(
+            "", cfg.throughput_requests, cfg.throughput_concurrency, direct_urls=backends.urls
+        )
+        rows.append(("direct (no router)", direct, direct_tp))
+        for kind, policy in (("ours", "least_expected_tokens"), ("sglang", "round_robin")):
+            router = await _start_router(kind, policy, backends.urls, 2)
+            try:
+                lat = await _latencies(router.url, cfg.latency_requests)
+                tp = await _throughput(
+                    router.url, cfg.throughput_requests, cfg.throughput_concurrency
+                )
+                rows.append((router.label, lat, tp))
+            finally:
+                router.stop()
+    finally:
+        backends.kill()
+    d50, d99 = _pct(direct, 0.5), _pct(direct, 0.99)
+    print("\n## Part 1: router overhead, trivial backends (ms; added = minus direct)")
+    print(
+        f"{'target':28s} {'p50':>7s} {'p99':>7s} {'added p50':>10s} {'added p99':>10s} {'req/s':>8s}"
+    )
+    for label, lat, tp in rows:
+        p50, p99 = _pct(lat, 0.5), _pct(lat, 0.99)
+        print(f"{label:28s} {p50:7.3f} {p99:7.3f} {p50 - d50:10.3f} {p99 - d99:10.3f} {tp:8.0f}")
+
+
+async def _start_router(kind: str, policy: str, urls: list[str], n: int) -> RouterProc:
+    """Start a router and wait until it routes; one retry (a racing ephemeral port)."""
+    make = RouterProc.ours if kind == "ours" else RouterProc.sglang
+    for attempt in range(2):
+        router = make(urls, policy)
+        try:
+            await router.ready(n)
+            return router
+        except RuntimeError as e:
+            router.stop()
+            if attempt:
+                raise
+            print(f"(restarting {router.label}: {str(e).splitlines()[0]})")
+    raise AssertionError("unreachable")
+
+
+# --- part 2: makespan ------------------------------------------------------------------------
+def workload(cfg: BenchConfig) -> list[tuple[int, str]]:
+    """(length, prompt) pairs: Pareto lengths, unique prompts (no accidental cache affinity)."""
+    rng = random.Random(cfg.seed)
+    out = []
+    for i in range(cfg.num_requests):
+        n = min(cfg.max_tokens, int(cfg.min_tokens * rng.paretovariate(cfg.pareto_alpha)))
+        words = " ".join(f"w{rng.randrange(10**6)}" for _ in range(rng.randint(8, 24)))
+        out.append((n, f"q{i} {words}"))
+    return out
+
+
+async def _served(urls: list[str]) -> list[int]:
+    async with aiohttp.ClientSession() as s:
+        out = []
+        for u in urls:
+            async with s.get(u + "/get_server_info") as r:
+                out.append((await r.json())["tokens_served"])
+        return out
+
+
+async def _makespan(
+    url: str, work: list[tuple[int, str]], backend_urls: list[str]
+) -> tuple[float, float]:
+    before = await _served(backend_urls)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def one(n: int, text: str) -> None:
+            headers = {"X-Expected-Tokens": str(n)}
+            async with s.post(url + "/generate", json=_req(n, text), headers=headers) as r:
+                body = await r.json()
+                assert r.status == 200 and body["meta_info"]["completion_tokens"] == n, body
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(n, t) for n, t in work))
+        span = time.perf_counter() - t0
+    served = [a - b for a, b in zip(await _served(backend_urls), before)]
+    return span, max(served) / statistics.mean(served)
+
+
+async def makespan(cfg: BenchConfig) -> bool:
+    """Run part 2; return True if the >= 15% goal holds for every arrival order."""
+    drawn = workload(cfg)
+    lengths = [n for n, _ in drawn]
+    backends = EngineProcess.spawn(
+        count=cfg.engines,
+        quiet=True,
+        step_s=cfg.step_s,
+        per_seq_s=cfg.per_seq_s,
+        tokens_per_step=cfg.tokens_per_step,
+    )
+    targets = [
+        ("ours", "least_expected_tokens"),
+        ("ours", "round_robin"),
+        ("sglang", "round_robin"),
+        ("sglang", "cache_aware"),
+        ("sglang", "power_of_two"),
+    ]
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    try:
+        for rep in range(cfg.repeats):
+            order = targets if rep % 2 == 0 else list(reversed(targets))  # spread drift
+            for kind, policy in order:
+                router = await _start_router(kind, policy, backends.urls, cfg.engines)
+                try:
+                    for arrival in cfg.orders:
+                        work = drawn if arrival == "random" else sorted(drawn, reverse=True)
+                        await asyncio.sleep(0.3)
+                        results.setdefault((arrival, router.label), []).append(
+                            await _makespan(router.url, work, backends.urls)
+                        )
+                finally:
+                    router.stop()
+    finally:
+        backends.kill()
+    print(
+        f"\n## Part 2: makespan, {cfg.num_requests} requests submitted at once, "
+        f"Pareto(alpha={cfg.pareto_alpha}) lengths {min(lengths)}..{max(lengths)} "
+        f"(mean {statistics.mean(lengths):.0f}, total {sum(lengths)}), {cfg.engines} engines, "
+        f"step = {cfg.step_s} + {cfg.per_seq_s} * n_active s per {cfg.tokens_per_step} tokens, "
+        f"median of {cfg.repeats}; imbalance = max/mean tokens served per engine"
+    )
+    ok = True
+    for arrival in cfg.orders:
+        rows = {label: runs for (a, label), runs in results.items() if a == arrival}
+        med = {k: statistics.median(s for s, _ in v) for k, v in rows.items()}
+        best = min(v for k, v in med.items() if k.startswith("sglang"))
+        print(f"\narrival order: {arrival}")
+        print(
+            f"{'router:policy':30s} {'makespan s':>10s} {'runs':>12s} {'imbalance':>9s} {'vs best sglang':>15s}"
+        )
+        for label, runs in rows.items():
+            spans = ",".join(f"{s:.2f}" for s, _ in runs)
+            imb = statistics.median(i for _, i in runs)
+            rel = (med[label] - best) / best * 100
+            print(f"{label:30s} {med[label]:10.3f} {spans:>12s} {imb:9.3f} {rel:+14.1f}%")
+        gain = (1 - med["ours:least_expected_tokens"] / best) * 100
+        ok &= gain >= 15
+        print(
+            f"least_expected_tokens: {gain:.1f}% lower makespan than sglang-router's best (goal >= 15%)"
+        )
+    return ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="Small sizes (smoke check).")
+    ap.add_argument("--skip-overhead", action="store_true", help="Only part 2.")
+    ap.add_argument("--skip-makespan", action="store_true", help="Only part 1.")
+    ap.add_argument("--repeats", type=int, default=None, help="Makespan runs per policy.")
+    args = ap.parse_args()
+    cfg = BenchConfig()
+    if args.quick:
+        cfg = BenchConfig(
+            latency_requests=200, throughput_requests=400, num_requests=300, repeats=1
+        )
+    if args.repeats:
+        cfg = BenchConfig(
+            **{**{f: getattr(cfg, f) for f in cfg.__slots__}, "repeats": args.repeats}
+        )
+    t0 = time.monotonic()
+    if not args.skip_overhead:
+        asyncio.run(overhead(cfg))
+    if not args.skip_makespan:
+        asyncio.run(makespan(cfg))
+    print(
+        f"\n(bench wall time {time.monotonic() - t0:.0f} s, {os.cpu_count()} CPUs, load avg "
+        f"{os.getloadavg()[0]:.1f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
