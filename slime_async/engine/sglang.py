@@ -1,0 +1,197 @@
+"""Launcher for real SGLang servers on GPUs (the production engine; the embedded engine mirrors
+its HTTP API on CPU).
+
+Owns: `SGLangConfig` (our flags -> `python -m sglang.launch_server` flags), `build_command`,
+and `SGLangServer` (start in its own process group, wait for `/health`, stop the whole group
+cleanly: SIGTERM, then SIGKILL). Routed-expert capture (`--enable-return-routed-experts`) is on
+by default because routing replay (R3) needs it. Must never import sglang (it may not be
+installed where the command is built) or torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from slime_async.engine.runner import wait_healthy
+
+SGLANG_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SGLangConfig:
+    """One SGLang server (`sglang.launch_server`)."""
+
+    model_path: str
+    """HF checkpoint directory (or hub id where the cluster has access)."""
+    host: str = "127.0.0.1"
+    """Bind address."""
+    port: int = 30000
+    """HTTP port."""
+    tp_size: int = 1
+    """Tensor-parallel GPUs of this server."""
+    dp_size: int = 1
+    """Data-parallel replicas inside this server."""
+    ep_size: int = 1
+    """Expert-parallel size (must divide tp_size)."""
+    dtype: str = "bfloat16"
+    """Inference dtype: auto, bfloat16, float16, float32."""
+    mem_fraction_static: float | None = None
+    """GPU memory fraction for weights + KV cache; None = SGLang's default."""
+    context_length: int | None = None
+    """Max prompt + output tokens; None = model config."""
+    max_running_requests: int | None = None
+    """Continuous-batch limit; None = SGLang's default."""
+    chunked_prefill_size: int | None = None
+    """Prefill chunk in tokens; None = SGLang's default."""
+    random_seed: int | None = None
+    """Server RNG seed."""
+    weight_version: str = "default"
+    """Initial `meta_info.weight_version` (the trainer sends "0", "1", ... on updates)."""
+    enable_return_routed_experts: bool = True
+    """Capture MoE top-k ids so requests can ask for `routed_experts` (R3)."""
+    skip_tokenizer_init: bool = False
+    """Serve token ids only (no `text`)."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code from the checkpoint."""
+    base_gpu_id: int = 0
+    """First GPU index (within CUDA_VISIBLE_DEVICES) this server uses."""
+    served_model_name: str | None = None
+    """Name reported by /model_info."""
+    nnodes: int = 1
+    """Nodes spanned by one server (multi-node TP)."""
+    node_rank: int = 0
+    """This node's rank when nnodes > 1."""
+    dist_init_addr: str | None = None
+    """host:port rendezvous for nnodes > 1."""
+    disable_radix_cache: bool = False
+    """Turn off prefix caching."""
+    log_level: str = "warning"
+    """SGLang log level."""
+    cuda_visible_devices: str | None = None
+    """CUDA_VISIBLE_DEVICES for the child process; None inherits."""
+    python: str = sys.executable
+    """Interpreter that has sglang installed."""
+    launch_module: str = "sglang.launch_server"
+    """Module run with `python -m`."""
+    extra_args: tuple[str, ...] = ()
+    """Further SGLang flags, passed through verbatim (must not repeat a flag set above)."""
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("SGLangConfig.model_path is required")
+        for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size})")
+        if self.dtype not in SGLANG_DTYPES:
+            raise ValueError(f"dtype must be one of {SGLANG_DTYPES}, got {self.dtype!r}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
+            )
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in [1, 65535], got {self.port}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank ({self.node_rank}) must be in [0, nnodes={self.nnodes})")
+        ours = {a for a in build_command(self, _with_extra=False) if a.startswith("--")}
+        clash = sorted(ours & {a.split("=")[0] for a in self.extra_args if a.startswith("--")})
+        if clash:
+            raise ValueError(
+                f"extra_args repeat flags the launcher already sets: {clash}; use the "
+                "SGLangConfig fields instead"
+            )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def build_command(cfg: SGLangConfig, *, _with_extra: bool = True) -> list[str]:
+    """The argv that starts `cfg` (`[python, -m, sglang.launch_server, --model-path, ...]`)."""
+    cmd = [cfg.python, "-m", cfg.launch_module, "--model-path", cfg.model_path]
+    cmd += ["--host", cfg.host, "--port", str(cfg.port)]
+    cmd += ["--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size)]
+    cmd += ["--ep-size", str(cfg.ep_size), "--dtype", cfg.dtype]
+    cmd += ["--weight-version", cfg.weight_version, "--log-level", cfg.log_level]
+    cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
+    optional = {
+        "--mem-fraction-static": cfg.mem_fraction_static,
+        "--context-length": cfg.context_length,
+        "--max-running-requests": cfg.max_running_requests,
+        "--chunked-prefill-size": cfg.chunked_prefill_size,
+        "--random-seed": cfg.random_seed,
+        "--served-model-name": cfg.served_model_name,
+        "--dist-init-addr": cfg.dist_init_addr,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            cmd += [flag, str(value)]
+    if cfg.nnodes > 1:
+        cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank)]
+    switches = {
+        "--enable-return-routed-experts": cfg.enable_return_routed_experts,
+        "--skip-tokenizer-init": cfg.skip_tokenizer_init,
+        "--trust-remote-code": cfg.trust_remote_code,
+        "--disable-radix-cache": cfg.disable_radix_cache,
+    }
+    cmd += [flag for flag, on in switches.items() if on]
+    if _with_extra:
+        cmd += list(cfg.extra_args)
+    return cmd
+
+
+class SGLangServer:
+    """A launched SGLang server. `start()` returns its URL once `/health` answers 200."""
+
+    def __init__(self, cfg: SGLangConfig, *, log_path: str | None = None) -> None:
+        self.cfg, self.log_path = cfg, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def command(self) -> list[str]:
+        return build_command(self.cfg)
+
+    def start(self, timeout: float = 900.0) -> str:
+        if self.proc is not None:
+            raise RuntimeError("SGLangServer already started")
+        env = dict(os.environ)
+        if self.cfg.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.cfg.cuda_visible_devices
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        # own process group: SGLang forks scheduler/detokenizer children; stop() ends them all
+        self.proc = subprocess.Popen(
+            self.command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            wait_healthy(self.cfg.url, timeout=timeout, proc=self.proc)
+        except BaseException:
+            self.stop()
+            raise
+        return self.cfg.url
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after `timeout`. Idempotent."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group id is the child's pid
+        if self.proc.poll() is None:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(max(0.1, deadline - time.monotonic()))
+        with contextlib.suppress(ProcessLookupError):  # children may outlive the leader
+            os.killpg(pgid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(5)
