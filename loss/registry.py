@@ -34,7 +34,7 @@ from loss.baselines import (
 )
 from loss.compis import compis_loss, compis_terms
 from loss.compis_metrics import compis_metrics
-from loss.types import CompISConfig, LossInputs, LossOutputs
+from loss.types import CompISConfig, LossInputs, LossOutputs, upcast
 
 LossFn = Callable[..., LossOutputs]
 SlimeLossFn = Callable[
@@ -167,12 +167,13 @@ def response_logprobs(
     temperature: float = 1.0,
 ) -> list[torch.Tensor]:
     """Per-sample response-token log-probs from packed `[1, T, V]` logits (no context
-    parallelism): logits at position p score token p + 1. Returns tensors `[R_i]` (fp32)."""
+    parallelism): logits at position p score token p + 1. Returns tensors `[R_i]` (bf16/fp16
+    logits are upcast to fp32 first)."""
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"expected packed logits [1, T, V], got {tuple(logits.shape)}.")
     out, offset = [], 0
     for tokens, total, resp in zip(unconcat_tokens, total_lengths, response_lengths):
-        seg = logits[0, offset + total - resp - 1 : offset + total - 1].float() / temperature
+        seg = upcast(logits[0, offset + total - resp - 1 : offset + total - 1]) / temperature
         tgt = tokens[total - resp : total].to(seg.device).long()
         out.append(torch.log_softmax(seg, dim=-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
         offset += total
