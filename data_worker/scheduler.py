@@ -123,7 +123,7 @@ class _Rec:
 class Dispatch:
     """One generate call to make: `generate(request, priority, expected_len)`."""
 
-    __slots__ = ("attempt", "expected_len", "priority", "request", "slot")
+    __slots__ = ("attempt", "expected_len", "priority", "request", "settled", "slot")
 
     def __init__(
         self, slot: _Slot, request: GenerationRequest, priority: float, expected_len: int
@@ -133,6 +133,7 @@ class Dispatch:
         self.priority = priority
         self.expected_len = expected_len
         self.attempt = request.attempt
+        self.settled = False
 
 
 class SchedulerCore:
@@ -151,7 +152,8 @@ class SchedulerCore:
         self.clock = clock
         self.group_filter = group_filter
         self.cache = LengthCache(alpha=cfg.length_ema_alpha)
-        self.served_version = 0
+        self._served_version = 0
+        self._limit = self._compute_limit()
         self.groups: dict[int, _Rec] = {}  # every unresolved group (incl. staged)
         self.next_seq = 0
         self.window = FifoWindow(window=cfg.fifo_window)
@@ -169,27 +171,41 @@ class SchedulerCore:
         self.wait_count = 0
         self._bucket = cfg.bucket_groups
         self._n = cfg.n_samples_per_prompt
+        self._queued_limit = cfg.queued_limit
 
     # ---------------------------------------------------------------- admission
     def live(self) -> int:
         """Admitted groups that count against the budget (dropped/filtered are refunded)."""
         return self.n_admitted - self.n_dropped - self.n_filtered
 
-    def limit(self) -> int:
-        """Current admission limit (S + v + 1) * B."""
+    @property
+    def served_version(self) -> int:
+        """Version the engines serve."""
+        return self._served_version
+
+    @served_version.setter
+    def served_version(self, version: int) -> None:
+        self._served_version = version
+        self._limit = self._compute_limit()
+
+    def _compute_limit(self) -> int:
         c = self.cfg
         return admission_limit(
             max_staleness=c.max_staleness,
-            served_version=self.served_version,
+            served_version=self._served_version,
             groups_per_step=c.groups_per_step,
         )
+
+    def limit(self) -> int:
+        """Current admission limit (S + v + 1) * B."""
+        return self._limit
 
     def can_admit(self) -> bool:
         """Budget open, queue below its limit, source not exhausted."""
         return (
             not self.exhausted
-            and self.live() < self.limit()
-            and self.queued < self.cfg.queued_limit
+            and self.n_admitted - self.n_dropped - self.n_filtered < self._limit
+            and self.queued < self._queued_limit
         )
 
     def admit_one(self) -> bool:
@@ -269,7 +285,7 @@ class SchedulerCore:
             sample_index=slot.index,
             prefix_ids=slot.prefix_ids,
             prefix_versions=slot.versions,
-            prefix_payloads=tuple(slot.payloads),
+            prefix_payloads=tuple(slot.payloads) if slot.payloads else (),
             attempt=slot.attempts,
         )
         slot.attempts += 1
@@ -277,11 +293,12 @@ class SchedulerCore:
 
     def _check_ticket(self, d: Dispatch) -> _Slot:
         slot = d.slot
-        if slot.state is not SampleState.RUNNING or slot.attempts != d.attempt + 1:
+        if d.settled or slot.state is not SampleState.RUNNING or slot.attempts != d.attempt + 1:
             raise RuntimeError(
                 f"result for group {d.request.group_seq} sample {d.request.sample_index} "
                 "does not match a running dispatch (answered twice, or after load_state_dict)."
             )
+        d.settled = True
         return slot
 
     def on_result(self, d: Dispatch, result: GenerationResult) -> bool:

@@ -67,7 +67,7 @@ class RolloutDataWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._core = SchedulerCore(cfg, source, clock=self._now, group_filter=group_filter)
         self._state = WorkerState.CREATED
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], Dispatch] = {}
         self._progress = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -100,6 +100,7 @@ class RolloutDataWorker:
         if self._state is not WorkerState.CREATED:
             raise RuntimeError(f"start() called on a {self._state.value} worker; create a new one.")
         self._loop = asyncio.get_running_loop()
+        self._core.clock = self._loop.time
         self._state = WorkerState.RUNNING
         self._pump()
 
@@ -187,18 +188,13 @@ class RolloutDataWorker:
                 return
             self._idle.clear()
             task = self._loop.create_task(self._run(d))  # type: ignore[union-attr]
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks[task] = d
+            task.add_done_callback(self._task_done)
 
     async def _run(self, d: Dispatch) -> None:
         core = self._core
         try:
             result = await self._generate(d.request, d.priority, d.expected_len)
-        except asyncio.CancelledError:  # shutdown: re-queue, but start nothing new
-            core.on_lost(d, error=None)
-            if core.running == 0:
-                self._idle.set()
-            raise
         except Exception as exc:
             if not core.on_lost(d, error=exc):
                 key = d.request.prompt.key
@@ -215,6 +211,13 @@ class RolloutDataWorker:
             except Exception as exc:
                 self._fail(exc)
         self._after()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        d = self._tasks.pop(task)
+        if not d.settled:  # cancelled (stop / shutdown): re-queue, start nothing new
+            self._core.on_lost(d, error=None)
+            if self._core.running == 0:
+                self._idle.set()
 
     def _after(self) -> None:
         if self._core.running == 0:

@@ -355,13 +355,16 @@ def test_finite_source_ends_with_a_partial_batch() -> None:
     run_virtual(main())
 
 
-def test_stop_cancels_and_keeps_every_group_accounted() -> None:
+@pytest.mark.parametrize("delay", [0.0, 0.01])
+def test_stop_cancels_and_keeps_every_group_accounted(delay: float) -> None:
+    # delay 0: tasks are cancelled before their first step (generate never ran)
     eng = SimulatedEngine(length_fn=lambda p, i: 100)
     worker = RolloutDataWorker(_cfg(), _source(30), eng.generate)
 
     async def main() -> None:
         await worker.start()
-        await asyncio.sleep(0.01)
+        if delay:
+            await asyncio.sleep(delay)
         await worker.stop()
         acc = worker.accounting()
         assert acc.pending > 0 and acc.balanced and eng.active == 0
