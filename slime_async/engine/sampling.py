@@ -182,27 +182,31 @@ def sample(
 ) -> tuple[list[int], list[float]]:
     """Draw one token per row of `logits [B, V]` (fp32); returns `(tokens, logprobs)`.
 
-    `banned[i]`: ids masked to -inf for row i before anything else (min_new_tokens). Each row
-    uses only its own generator (an exponential race over the filtered probabilities), so a
-    row's draw does not depend on the other rows.
+    `banned[i]`: ids masked to -inf for row i before anything else (min_new_tokens). Sampled rows
+    draw from their own generator only (an exponential race `argmax p / E`, `E = -log U`), so a
+    row's draw does not depend on the other rows of the batch.
     """
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    for i, (row, p, g) in enumerate(zip(logits, params, generators)):
-        if banned is not None and banned[i]:
-            row = row.clone()
-            row[list(banned[i])] = float("-inf")
-        if p.greedy:
-            lp = torch.log_softmax(row, dim=-1)
-            tok = int(torch.argmax(row))
-        else:
-            lp = torch.log_softmax(row / p.temperature, dim=-1)
-            probs = _filter(lp.exp(), p)
-            race = probs / torch.empty_like(probs).exponential_(generator=g)
-            tok = int(torch.argmax(race))
-        tokens.append(tok)
-        logprobs.append(float(lp[tok]))
-    return tokens, logprobs
+    if banned is not None and any(banned):
+        logits = logits.clone()
+        for i, ids in enumerate(banned):
+            if ids:
+                logits[i, list(ids)] = float("-inf")
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
+    lp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    tokens = lp.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.long)
+        probs = (lp if len(rows) == len(params) else lp.index_select(0, idx)).exp()
+        for j, i in enumerate(rows):
+            p = params[i]
+            if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+                probs[j] = _filter(probs[j], p)
+        v = logits.shape[-1]
+        noise = torch.stack([torch.rand(v, generator=generators[i]) for i in rows])
+        tokens[idx] = (probs / -torch.log(noise)).argmax(dim=-1)
+    chosen = lp.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), chosen.tolist()
 
 
 def prompt_logprobs(logits: torch.Tensor, ids: list[int], temperature: float) -> list[float]:
