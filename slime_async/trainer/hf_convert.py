@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from slime_async.modelspec import ModelSpec
+from slime_async.trainer.parallel import all_gather_cat
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -56,9 +57,7 @@ class _Ranks:
 def _gather(t: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> list[torch.Tensor]:
     if n == 1:
         return [t]
-    out = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(out, t.contiguous(), group=group)
-    return out
+    return list(all_gather_cat(t.detach(), group).chunk(n, 0))
 
 
 def _split_gated(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

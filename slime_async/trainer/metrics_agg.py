@@ -15,6 +15,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from slime_async.trainer.parallel import all_gather_cat, all_reduce_sum
+
 
 def _kind(key: str) -> str:
     tail = key.rsplit("/", 1)[-1]
@@ -27,18 +29,15 @@ def _kind(key: str) -> str:
 
 def _union_keys(keys: list[str], group: dist.ProcessGroup) -> list[str]:
     raw = "\n".join(keys).encode()
-    n = dist.get_world_size(group)
-    size = torch.tensor([len(raw)], dtype=torch.long)
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(n)]
-    dist.all_gather(sizes, size, group=group)
-    width = int(max(int(s) for s in sizes))
+    sizes = all_gather_cat(torch.tensor([len(raw)], dtype=torch.long), group)
+    width = int(sizes.max())
     buf = torch.zeros(width, dtype=torch.uint8)
-    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
-    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(n)]
-    dist.all_gather(bufs, buf, group=group)
+    if raw:
+        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    bufs = all_gather_cat(buf, group).view(-1, width)
     out: set[str] = set()
-    for b, s in zip(bufs, sizes):
-        text = bytes(b[: int(s)].tolist()).decode()
+    for b, s in zip(bufs, sizes.tolist()):
+        text = bytes(b[:s].tolist()).decode()
         out |= set(text.split("\n")) if text else set()
     return sorted(out)
 
@@ -79,7 +78,7 @@ class MetricAccumulator:
             [[self._sum.get(k, 0.0), self._w.get(k, 0.0)] for k in means] or [[0.0, 0.0]],
             dtype=torch.float64,
         )
-        dist.all_reduce(sw, group=group)
+        all_reduce_sum(sw, group)
         out = {k: float(sw[i, 0] / sw[i, 1]) for i, k in enumerate(means) if sw[i, 1] > 0}
         for kind, op, fill in (
             ("max", dist.ReduceOp.MAX, -math.inf),
@@ -89,6 +88,6 @@ class MetricAccumulator:
             if not ks:
                 continue
             t = torch.tensor([self._ext.get(k, fill) for k in ks], dtype=torch.float64)
-            dist.all_reduce(t, op=op, group=group)
+            all_reduce_sum(t, group, op=op)
             out.update({k: float(v) for k, v in zip(ks, t.tolist()) if math.isfinite(v)})
         return out

@@ -111,11 +111,41 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """In-place SUM all-reduce over `group` (no-op for a single rank)."""
+def all_reduce_sum(
+    t: torch.Tensor, group: dist.ProcessGroup | None, *, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """In-place all-reduce over `group` (no-op for a single rank); CPU tensors are staged
+    through the GPU when the backend is NCCL."""
     if _size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        dev = comm_device()
+        if t.device != dev:
+            staged = t.to(dev)
+            dist.all_reduce(staged, op=op, group=group)
+            t.copy_(staged.to(t.device))
+        else:
+            dist.all_reduce(t, op=op, group=group)
     return t
+
+
+def all_gather_cat(
+    t: torch.Tensor, group: dist.ProcessGroup | None, *, dim: int = 0
+) -> torch.Tensor:
+    """Concatenate equally shaped tensors of all ranks of `group` along `dim` (any device)."""
+    n = _size(group)
+    if n == 1:
+        return t
+    dev = comm_device()
+    src = t.to(dev).contiguous()
+    parts = [torch.empty_like(src) for _ in range(n)]
+    dist.all_gather(parts, src, group=group)
+    return torch.cat(parts, dim).to(t.device)
+
+
+def comm_device() -> torch.device:
+    """Where collective buffers must live: CUDA under NCCL, CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def is_expert_param(name: str) -> bool:
@@ -166,10 +196,6 @@ def grad_norm(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> torch.T
         elif is_tp_partitioned(p) or tp_rank == 0:
             dense += sq
     g = groups()
-    dense = all_reduce_sum(dense.to(_comm_device()), g["tp"]).cpu()
-    expert = all_reduce_sum(expert.to(_comm_device()), g["emp"]).cpu()
+    all_reduce_sum(dense, g["tp"])
+    all_reduce_sum(expert, g["emp"])
     return (dense + expert).sqrt()
-
-
-def _comm_device() -> torch.device:
-    return torch.device("cuda") if cpu_compat.cuda_available() else torch.device("cpu")

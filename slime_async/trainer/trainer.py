@@ -130,12 +130,7 @@ class MegatronTrainer:
         return local.micro_batches(self.cfg.micro_batch_size)
 
     def _gather_dp(self, local: torch.Tensor) -> torch.Tensor:
-        g = self._groups()["dp"]
-        if self.layout.dp == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.layout.dp)]
-        dist.all_gather(parts, local.contiguous(), group=g)
-        return torch.cat(parts, 0)
+        return parallel.all_gather_cat(local, self._groups()["dp"])
 
     # ------------------------------------------------------------------ forwards
     def _engine_routing(self, mb: TrainerBatch) -> Routing:
@@ -238,14 +233,19 @@ class MegatronTrainer:
         self, mb: TrainerBatch, lp: torch.Tensor, lp_k: torch.Tensor, lp_j: torch.Tensor | None,
         n_tok: float | None = None, n_seq: float | None = None,
     ) -> LossInputs:  # fmt: skip
+        dev = lp.device  # the forward's device; batch and no-grad log-probs live on CPU
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t[:, 1:].to(dev)
+
         return LossInputs(
             logprobs=lp[:, 1:],
-            proximal_logprobs=lp_k[:, 1:],
-            rollout_logprobs=mb.rollout_logprobs[:, 1:],
-            behavior_logprobs=None if lp_j is None else lp_j[:, 1:],
-            advantages=mb.advantages[:, 1:],
-            loss_mask=mb.loss_mask[:, 1:],
-            token_versions=mb.token_versions[:, 1:],
+            proximal_logprobs=cut(lp_k),
+            rollout_logprobs=cut(mb.rollout_logprobs),
+            behavior_logprobs=None if lp_j is None else cut(lp_j),
+            advantages=cut(mb.advantages),
+            loss_mask=cut(mb.loss_mask),
+            token_versions=cut(mb.token_versions),
             current_version=self.version,
             global_num_tokens=n_tok,
             global_num_seqs=n_seq,
