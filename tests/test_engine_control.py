@@ -301,3 +301,45 @@ def test_subprocess_launcher_serves_and_stops() -> None:
     finally:
         proc.stop()
     assert proc.proc is not None and proc.proc.returncode == 0
+
+
+async def test_client_disconnect_and_group_abort_free_the_batch(engine) -> None:
+    url, _ = engine
+    async with aiohttp.ClientSession() as s:
+        # a client that gives up: its request leaves the batch instead of running 600 tokens
+        timeout = aiohttp.ClientTimeout(total=0.5)
+        with pytest.raises(asyncio.TimeoutError):
+            await s.post(
+                url + "/generate",
+                json={"input_ids": [3, 3], "sampling_params": LONG},
+                timeout=timeout,
+            )
+        for _ in range(100):
+            _, info = await _get(s, url + "/server_info")
+            if info["internal_states"][0]["num_reqs"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("a disconnected client's request kept running")
+        # /abort_request with a batch request's rid aborts all its items, and only those
+        batch = asyncio.ensure_future(
+            post(
+                s,
+                url + "/generate",
+                {"input_ids": [[1], [2]], "rid": "job", "sampling_params": LONG},
+            )
+        )
+        other = asyncio.ensure_future(
+            post(
+                s,
+                url + "/generate",
+                {"input_ids": [4], "rid": "job_x", "sampling_params": {"max_new_tokens": 120}},
+            )
+        )
+        await _wait_tokens(s, url, 20)
+        await post(s, url + "/abort_request", {"rid": "job"})
+        _, items = await asyncio.wait_for(batch, 10)
+        _, kept = await asyncio.wait_for(other, 30)
+    assert [it["meta_info"]["finish_reason"]["type"] for it in items] == ["abort", "abort"]
+    assert [it["meta_info"]["id"] for it in items] == ["job_0", "job_1"]
+    assert kept["meta_info"]["finish_reason"]["type"] == "length"

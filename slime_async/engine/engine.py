@@ -89,6 +89,7 @@ class Engine:
                 seed = self._seed_rng.getrandbits(62)
             seq = Sequence(
                 rid=it.rid,
+                group_rid=it.group_rid,
                 prompt=it.prompt,
                 params=it.params,
                 generator=torch.Generator().manual_seed(seed),
@@ -103,8 +104,14 @@ class Engine:
         return seqs
 
     def abort(self, *, rid: str | None, abort_all: bool) -> int:
+        """`/abort_request`: abort the request(s) whose rid or request-level rid is `rid`."""
         assert self.scheduler is not None
         return self.scheduler.abort(rid=rid, abort_all=abort_all, message="Abort by request")
+
+    def abort_seqs(self, seqs: list[Sequence], message: str) -> None:
+        """Abort exactly these sequences (client went away, health probe timed out)."""
+        assert self.scheduler is not None
+        self.scheduler.abort_seqs(seqs, message)
 
     async def pause(self, mode: PauseMode) -> None:
         assert self.scheduler is not None

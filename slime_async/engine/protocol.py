@@ -29,6 +29,8 @@ class GenerateItem:
 
     rid: str
     """Request id of this item."""
+    group_rid: str
+    """The request-level `rid` (what `/abort_request` may name to abort every item)."""
     prompt: list[int]
     """Prompt token ids."""
     params: SamplingParams
@@ -179,6 +181,7 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
             items.append(
                 GenerateItem(
                     rid=str(item_rid),
+                    group_rid=str(rids[i] if rids is not None else base),
                     prompt=list(prompt),
                     params=dataclasses.replace(p, sampling_seed=seed, n=1),
                     return_logprob=_flag(rlp[i], "return_logprob"),

@@ -87,13 +87,20 @@ class Scheduler:
         self._wake.set()
 
     def abort(self, *, rid: str | None = None, abort_all: bool = False, message: str) -> int:
-        """Abort matching requests (`rid` may be a prefix of batch items); returns how many."""
+        """Abort every request (`abort_all`) or those whose rid or request-level rid is `rid`;
+        returns how many were hit."""
+        hits = [
+            s
+            for s in [*self.waiting, *self.running]
+            if abort_all or (rid is not None and rid in (s.rid, s.group_rid))
+        ]
+        return self.abort_seqs(hits, message)
+
+    def abort_seqs(self, seqs: list[Sequence], message: str) -> int:
+        """Finish `seqs` with finish_reason abort (partial output kept) at the next safe point."""
         hit = 0
-        for seq in [*self.waiting, *self.running]:
-            match = abort_all or (
-                rid is not None and (seq.rid == rid or seq.rid.startswith(rid + "_"))
-            )
-            if match and seq.abort_message is None:
+        for seq in seqs:
+            if seq.abort_message is None and seq.status is not SeqStatus.FINISHED:
                 seq.abort_message = message
                 hit += 1
         self._drop_aborted_waiting()

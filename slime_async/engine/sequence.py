@@ -34,6 +34,8 @@ class Sequence:
 
     rid: str
     """Request id (SGLang `rid`)."""
+    group_rid: str = ""
+    """Request-level rid of a batch / n > 1 request ("" = same as `rid`)."""
     prompt: list[int]
     """Prompt token ids."""
     params: SamplingParams

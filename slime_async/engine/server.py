@@ -66,14 +66,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
     tok = eng.lm.tokenizer
     if req.stream:
         return await _stream(request, eng, seqs, batch=req.batch, rtl=rtl)
-    try:
-        await asyncio.gather(*(s.done.wait() for s in seqs))
-    except asyncio.CancelledError:  # client went away: free the batch rows
-        for s in seqs:
-            eng.abort(rid=s.rid, abort_all=False)
-        raise
+    if not await _wait_done(request, seqs):  # client went away: free the batch rows
+        eng.abort_seqs(seqs, "client disconnected")
+        return web.Response(status=499)
     outs = [response_item(s, tokenizer=tok, return_text_in_logprobs=rtl) for s in seqs]
     return web.json_response(outs if req.batch else outs[0], dumps=_dumps)
+
+
+async def _wait_done(request: web.Request, seqs: list[Sequence], poll_s: float = 0.5) -> bool:
+    """Wait until every sequence finished; False if the client disconnected first."""
+    all_done = asyncio.ensure_future(asyncio.gather(*(s.done.wait() for s in seqs)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({all_done}, timeout=poll_s)
+            if done:
+                return True
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                return False
+    finally:
+        all_done.cancel()
 
 
 async def _stream(
@@ -107,9 +119,7 @@ async def _stream(
                     pending.discard(i)
         await resp.write(b"data: [DONE]\n\n")
     except (ConnectionResetError, asyncio.CancelledError):
-        for s in seqs:
-            s.abort_message = s.abort_message or "client disconnected"
-            eng.abort(rid=s.rid, abort_all=False)
+        eng.abort_seqs(seqs, "client disconnected")
         raise
     return resp
 
@@ -216,8 +226,10 @@ async def health_generate(request: web.Request) -> web.Response:
     from slime_async.engine.protocol import GenerateItem, GenerateRequest
     from slime_async.engine.sampling import SamplingParams
 
+    rid = f"HEALTH_CHECK_{id(request)}"
     item = GenerateItem(
-        rid=f"HEALTH_CHECK_{id(request)}",
+        rid=rid,
+        group_rid=rid,
         prompt=[0],
         params=SamplingParams(max_new_tokens=1, temperature=0.0),
         return_logprob=False,
@@ -230,8 +242,7 @@ async def health_generate(request: web.Request) -> web.Response:
     try:
         await asyncio.wait_for(seq.done.wait(), eng.cfg.health_generate_timeout_s)
     except TimeoutError:
-        seq.abort_message = "health check timed out"
-        eng.abort(rid=seq.rid, abort_all=False)
+        eng.abort_seqs([seq], "health check timed out")
         return web.Response(status=503)
     aborted = (seq.finish_reason or {}).get("type") == "abort"
     return web.Response(status=503 if aborted else 200)
