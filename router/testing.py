@@ -88,6 +88,8 @@ class FakeEngine:
         self.headers_seen: list[dict[str, str]] = []
         self.control_calls: list[tuple[str, object]] = []
         self.tokens_served = 0
+        self.last_arrival = self.last_finish = 0.0
+        """`time.monotonic()` (system-wide clock) of the latest arrival and completion."""
         self._jobs: list[_Job] = []
         self._wake = asyncio.Event()
         self._unpaused = asyncio.Event()
@@ -181,6 +183,7 @@ class FakeEngine:
                 self._finish(job)
 
     def _finish(self, job: _Job, *, aborted: bool = False) -> None:
+        self.last_finish = time.monotonic()
         job.aborted = aborted
         job.progress.set()
         if job in self._jobs:
@@ -210,6 +213,7 @@ class FakeEngine:
             prompt_len = len(body.get("input_ids") or str(body.get("text", "")))
         rid = str(body.get("rid") or f"r{len(self.requests)}")
         loop = asyncio.get_running_loop()
+        self.last_arrival = time.monotonic()
         job = _Job(rid=rid, target=max(target, 1), done=loop.create_future(), arrived=loop.time())
         self._jobs.append(job)
         self._wake.set()
@@ -297,6 +301,8 @@ class FakeEngine:
                 "weight_version": self.weight_version,
                 "engine": self.cfg.name,
                 "tokens_served": self.tokens_served,
+                "last_arrival": self.last_arrival,
+                "last_finish": self.last_finish,
                 "version": "fake",
                 "internal_states": [{}],
             }
