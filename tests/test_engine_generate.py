@@ -283,6 +283,8 @@ BAD_BODIES = [
     ),
     (b'{"input_ids": [[1], [2]], "sampling_params": [{}]}', "batch has 2"),
     (b'{"input_ids": [1], "return_logprob": "yes"}', "true or false"),
+    (b'{"input_ids": [1], "top_logprobs_num": 5}', "not supported"),
+    (b'{"input_ids": [1], "input_embeds": [[0.1]]}', "not supported"),
 ]
 
 

@@ -70,6 +70,20 @@ class ModelLimits:
     routed_experts_by_default: bool = False
 
 
+_UNSUPPORTED = (
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "top_logprobs_num",
+    "token_ids_logprob",
+    "return_hidden_states",
+    "lora_path",
+    "custom_logit_processor",
+    "session_params",
+)
+
+
 def _per_item(body: dict[str, Any], key: str, n: int, default: Any) -> list[Any]:
     v = body.get(key, default)
     if v is None:
@@ -116,8 +130,9 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
     has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
     if has_ids == has_text:
         raise RequestError("send exactly one of `input_ids` or `text`")
-    if body.get("input_embeds") is not None:
-        raise RequestError("input_embeds is not supported by the embedded engine; send input_ids")
+    for key in _UNSUPPORTED:
+        if body.get(key):  # the stock router sends these as false/null: only truthy is refused
+            raise RequestError(f"{key} is not supported by the embedded engine; leave it unset")
     if has_ids:
         raw = body["input_ids"]
         is_batch = isinstance(raw, list) and bool(raw) and isinstance(raw[0], list)
