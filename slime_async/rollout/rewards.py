@@ -1,0 +1,219 @@
+"""Reward functions and the safe call that turns a failing reward into a masked sample.
+
+Owns: the reward plugin contract (`RewardInput` -> float), the built-in rewards (binary exact
+match for the embedded tasks, `math-verify` equivalence for real math data), resolution of a
+reward by name or dotted path, and `compute_reward`, which never raises: a reward that throws or
+returns NaN/inf yields a `RewardResult` with status ERROR/NON_FINITE, and the caller masks that
+sample and counts it (`summarize_rewards` gives the counters). Imports only the task token ids
+from `slime_async.rollout.tasks`; never imports the trainer, engine or controller.
+
+Plugin contract: a callable ``fn(inp: RewardInput) -> float | bool`` (or an ``async def``
+returning one), named by ``"package.module:function"`` or ``"package.module.function"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import inspect
+import math
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from slime_async.rollout.tasks import EOS
+
+RewardFn = Callable[["RewardInput"], "float | bool | Awaitable[float | bool]"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RewardInput:
+    """What a reward function sees for one sample."""
+
+    response_ids: Sequence[int]
+    """Generated token ids (EOS included when the engine stopped on it)."""
+    label: Any
+    """The dataset label: answer token ids for the built-in tasks, a string for math data."""
+    response_text: str | None = None
+    """Detokenized response, when a tokenizer exists (required by text rewards)."""
+    prompt_ids: Sequence[int] = ()
+    """Prompt token ids."""
+    eos_id: int = EOS
+    """Token id that ends a response."""
+    truncated: bool = False
+    """Whether generation stopped at the length limit instead of EOS."""
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Free-form per-row metadata from the dataset."""
+
+
+class RewardStatus(enum.StrEnum):
+    """Outcome of one reward call."""
+
+    OK = "ok"
+    NON_FINITE = "non_finite"
+    ERROR = "error"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RewardResult:
+    """A reward value, or the reason there is none (the sample must then be masked)."""
+
+    reward: float
+    """The reward; 0.0 when `status` is not OK (never NaN, so sums stay finite)."""
+    status: RewardStatus = RewardStatus.OK
+    """OK, NON_FINITE (returned NaN/inf or a non-number) or ERROR (raised)."""
+    error: str | None = None
+    """Short description of what went wrong, for logs."""
+
+    @property
+    def masked(self) -> bool:
+        """True when the sample must be excluded from the loss."""
+        return self.status is not RewardStatus.OK
+
+
+# ---------------------------------------------------------------------------- built-ins
+def exact_match(
+    response_ids: Sequence[int], label_ids: Sequence[int], *, eos_id: int = EOS
+) -> bool:
+    """Whether the response is exactly ``label_ids`` followed by EOS (nothing before or after)."""
+    resp = [int(t) for t in response_ids]
+    return len(resp) == len(label_ids) + 1 and resp[-1] == eos_id and resp[:-1] == list(label_ids)
+
+
+def exact_match_reward(inp: RewardInput) -> float:
+    """Binary reward for the built-in tasks: 1.0 iff the response is the label then EOS."""
+    label = inp.label
+    if isinstance(label, str):
+        from slime_async.rollout.tasks import encode_digits
+
+        label = encode_digits(label)
+    return float(exact_match(inp.response_ids, label, eos_id=inp.eos_id))
+
+
+def _import_math_verify() -> Any:
+    try:
+        return importlib.import_module("math_verify")
+    except ImportError as e:
+        raise ImportError(
+            "the 'math_verify' reward needs the math-verify package: "
+            "pip install math-verify  (or choose another --reward)"
+        ) from e
+
+
+def math_verify_reward(inp: RewardInput) -> float:
+    """1.0 iff `math-verify` finds the response's final answer equivalent to the label.
+
+    Needs ``response_text``. The label may be plain (``"42"``, ``"1/2"``) or LaTeX.
+    """
+    mv = _import_math_verify()
+    if inp.response_text is None:
+        raise ValueError("math_verify reward needs response_text; give the run a tokenizer")
+    # math-verify times out with SIGALRM, which only works on the main thread.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    label = str(inp.label)
+    gold = mv.parse(
+        label if "$" in label or "\\" in label else f"${label}$", parsing_timeout=timeout
+    )
+    if not gold:
+        raise ValueError(f"math-verify could not parse the label {label!r}")
+    pred = mv.parse(inp.response_text, parsing_timeout=timeout)
+    return float(bool(pred) and mv.verify(gold, pred, timeout_seconds=timeout))
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match_reward,
+    "math_verify": math_verify_reward,
+}
+"""Rewards selectable by short name."""
+
+
+def load_reward_fn(name: str) -> RewardFn:
+    """Resolve a built-in name or a dotted path (``pkg.mod:fn`` or ``pkg.mod.fn``) to a callable."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+    else:
+        module_name, _, attr = name.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(
+            f"reward {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a dotted "
+            f"path like 'my_pkg.rewards:score'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"cannot import module {module_name!r} for reward {name!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise ValueError(f"module {module_name!r} has no callable {attr!r} (reward {name!r})")
+    return fn
+
+
+# ---------------------------------------------------------------------------- safe calls
+def _to_result(value: Any) -> RewardResult:
+    if isinstance(value, bool):
+        return RewardResult(reward=float(value))
+    try:
+        r = float(value)
+    except (TypeError, ValueError):
+        return RewardResult(
+            reward=0.0,
+            status=RewardStatus.NON_FINITE,
+            error=f"reward returned {type(value).__name__}, not a number",
+        )
+    if not math.isfinite(r):
+        return RewardResult(reward=0.0, status=RewardStatus.NON_FINITE, error=f"reward was {r}")
+    return RewardResult(reward=r)
+
+
+def _error_result(e: BaseException) -> RewardResult:
+    return RewardResult(reward=0.0, status=RewardStatus.ERROR, error=f"{type(e).__name__}: {e}")
+
+
+def compute_reward_sync(fn: RewardFn, inp: RewardInput) -> RewardResult:
+    """Call a synchronous reward outside an event loop; never raises."""
+    try:
+        value = fn(inp)
+        if inspect.isawaitable(value):
+            if inspect.iscoroutine(value):
+                value.close()
+            raise TypeError("async reward called through compute_reward_sync; use compute_reward")
+    except Exception as e:
+        return _error_result(e)
+    return _to_result(value)
+
+
+async def compute_reward(fn: RewardFn, inp: RewardInput) -> RewardResult:
+    """Call a sync or async reward from an event loop; never raises.
+
+    Errors and NaN/inf/non-numbers become masked results (reward 0.0, status says why).
+    """
+    try:
+        value = fn(inp)
+        if inspect.isawaitable(value):
+            value = await value
+    except Exception as e:
+        return _error_result(e)
+    return _to_result(value)
+
+
+def summarize_rewards(results: Iterable[RewardResult]) -> dict[str, float]:
+    """Metrics of a batch of rewards: mean over unmasked samples, and masked counters.
+
+    Keys: ``rollout/reward`` (NaN when every sample was masked), ``reward/masked_frac``,
+    ``reward/error_count``, ``reward/non_finite_count``, ``reward/count``.
+    """
+    results = list(results)
+    ok = [r.reward for r in results if not r.masked]
+    errors = sum(r.status is RewardStatus.ERROR for r in results)
+    non_finite = sum(r.status is RewardStatus.NON_FINITE for r in results)
+    n = len(results)
+    return {
+        "rollout/reward": sum(ok) / len(ok) if ok else math.nan,
+        "reward/masked_frac": (errors + non_finite) / n if n else 0.0,
+        "reward/error_count": float(errors),
+        "reward/non_finite_count": float(non_finite),
+        "reward/count": float(n),
+    }
