@@ -1,0 +1,33 @@
+"""Run metrics: the per-step logger and its sinks, divergence guards, and the JSONL reader.
+
+Public surface: `MetricsLogger` / `MetricsConfig` (logger.py), `GuardConfig` / `GuardWarning` /
+`GuardMonitor` / `scan` (guards.py), `read_metrics` (history.py). The PNG report lives in
+`slime_async.report`. This package never imports the trainer, engine, rollout or controller.
+"""
+
+from __future__ import annotations
+
+from slime_async.metrics.guards import (
+    GuardConfig,
+    GuardKind,
+    GuardMonitor,
+    GuardWarning,
+    check_step,
+    scan,
+)
+from slime_async.metrics.history import MetricsHistory, read_metrics
+from slime_async.metrics.logger import METRICS_FILE, MetricsConfig, MetricsLogger
+
+__all__ = [
+    "METRICS_FILE",
+    "GuardConfig",
+    "GuardKind",
+    "GuardMonitor",
+    "GuardWarning",
+    "MetricsConfig",
+    "MetricsHistory",
+    "MetricsLogger",
+    "check_step",
+    "read_metrics",
+    "scan",
+]

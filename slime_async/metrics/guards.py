@@ -1,0 +1,343 @@
+"""Divergence guards: pure checks over the metric history that return warnings.
+
+Owns: `GuardConfig`, `GuardKind`, `GuardWarning`, the four detectors (pure functions on float
+sequences), `check_step` (all guards at one step), `scan` (every step, for the report) and
+`GuardMonitor` (the live, de-duplicating wrapper the metric logger uses). The thresholds and
+their rationale are in ``metrics/README.md``. Imports nothing from slime_async.
+
+Non-finite values (NaN, inf, missing) are ignored by every detector: a guard fires on evidence,
+never on absence of data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+IS_SOURCES = ("staleness", "engine", "combined")
+"""Sources whose IS weight mean `is/<source>/mean` is range-checked by default."""
+
+
+class GuardKind(enum.StrEnum):
+    """Which signal crossed its threshold."""
+
+    ENTROPY_SPIKE = "entropy_spike"
+    LOGPROB_DIFF_DRIFT = "logprob_diff_drift"
+    IS_WEIGHT_RANGE = "is_weight_range"
+    ROLLOUT_LOGPROB_TREND = "rollout_logprob_trend"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GuardConfig:
+    """Thresholds of the divergence guards (see metrics/README.md)."""
+
+    entropy_key: str = "policy/entropy"
+    """Metric checked for spikes."""
+    entropy_window: int = 10
+    """Trailing steps whose median is the entropy reference."""
+    entropy_factor: float = 1.5
+    """Spike when entropy > factor x trailing median ..."""
+    entropy_min_delta: float = 0.1
+    """... and exceeds that median by at least this many nats."""
+    diff_key: str = "mismatch/train_rollout_logprob_abs_diff"
+    """Train/rollout log-prob mismatch metric."""
+    diff_baseline_steps: int = 5
+    """First finite values whose median is the early baseline."""
+    diff_window: int = 5
+    """Recent values averaged before comparing with the baseline."""
+    diff_factor: float = 2.0
+    """Drift when the recent mean > factor x baseline ..."""
+    diff_min: float = 0.005
+    """... and is above this absolute level (tiny diffs doubling is noise)."""
+    is_sources: tuple[str, ...] = IS_SOURCES
+    """IS sources whose weight mean must stay inside [is_lower, is_upper]."""
+    is_lower: float = 0.8
+    """Lower bound of a healthy per-source IS weight mean."""
+    is_upper: float = 1.25
+    """Upper bound of a healthy per-source IS weight mean."""
+    trend_key: str = "rollout/logprob_mean"
+    """Mean log-prob of sampled tokens; a steady fall means the policy is losing confidence."""
+    trend_window: int = 20
+    """Steps over which the least-squares trend is fitted."""
+    trend_min_drop: float = 0.15
+    """Trend when the fitted fall across the window exceeds this many nats per token."""
+
+    def __post_init__(self) -> None:
+        if min(self.entropy_window, self.diff_baseline_steps, self.diff_window) < 1:
+            raise ValueError("guard windows must be >= 1")
+        if self.trend_window < 3:
+            raise ValueError(f"trend_window must be >= 3, got {self.trend_window}")
+        if not 0.0 < self.is_lower < 1.0 < self.is_upper:
+            raise ValueError(
+                f"need 0 < is_lower < 1 < is_upper, got [{self.is_lower}, {self.is_upper}]"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GuardWarning:
+    """One guard firing at one step."""
+
+    kind: GuardKind
+    """Which guard."""
+    step: int
+    """Train step at which it fired."""
+    key: str
+    """Metric that crossed the threshold."""
+    value: float
+    """The offending value."""
+    threshold: float
+    """The threshold it crossed."""
+    message: str
+    """A sentence for the console."""
+
+
+# ---------------------------------------------------------------------------- detectors
+def _finite(values: Sequence[Any]) -> list[float]:
+    out = []
+    for v in values:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out.append(float(v))
+    return out
+
+
+def entropy_spike(
+    values: Sequence[Any], *, window: int, factor: float, min_delta: float
+) -> tuple[float, float] | None:
+    """(current, threshold) if the last value spikes above the trailing median, else None."""
+    if not values:
+        return None
+    cur = values[-1]
+    prev = _finite(values[:-1])[-window:]
+    if not _finite([cur]) or len(prev) < min(window, 3):
+        return None
+    ref = statistics.median(prev)
+    threshold = max(ref * factor, ref + min_delta)
+    return (float(cur), threshold) if cur > threshold else None
+
+
+def logprob_diff_drift(
+    baseline: Sequence[Any], recent: Sequence[Any], *, factor: float, min_abs: float
+) -> tuple[float, float] | None:
+    """(recent mean, threshold) if the mismatch drifted above its early baseline, else None.
+
+    ``baseline`` holds the run's first values, ``recent`` the last few (no overlap).
+    """
+    base, xs = _finite(baseline), _finite(recent)
+    if not base or len(xs) < max(1, len(recent) // 2):
+        return None
+    ref = statistics.median(base)
+    mean = sum(xs) / len(xs)
+    threshold = max(ref * factor, min_abs)
+    return (mean, threshold) if mean > threshold else None
+
+
+def is_weight_out_of_range(mean: Any, *, lower: float, upper: float) -> tuple[float, float] | None:
+    """(mean, violated bound) if an IS weight mean left [lower, upper], else None."""
+    if not _finite([mean]):
+        return None
+    if mean < lower:
+        return float(mean), lower
+    if mean > upper:
+        return float(mean), upper
+    return None
+
+
+def trend_drop(
+    values: Sequence[Any], *, window: int, min_drop: float
+) -> tuple[float, float] | None:
+    """(fitted fall over the window, min_drop) if the least-squares line falls that much."""
+    xs = _finite(values)[-window:]
+    if len(xs) < window:
+        return None
+    n = len(xs)
+    mx = (n - 1) / 2
+    my = sum(xs) / n
+    slope = sum((i - mx) * (y - my) for i, y in enumerate(xs)) / sum(
+        (i - mx) ** 2 for i in range(n)
+    )
+    drop = -slope * (n - 1)
+    return (drop, min_drop) if drop > min_drop else None
+
+
+# ---------------------------------------------------------------------------- composition
+def _series(history: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
+    return [rec.get(key) for rec in history]
+
+
+def early_values(history: Sequence[Mapping[str, Any]], key: str, n: int) -> list[float]:
+    """The first ``n`` finite values of ``key`` (fewer if the history has fewer)."""
+    out: list[float] = []
+    for rec in history:
+        out.extend(_finite([rec.get(key)]))
+        if len(out) >= n:
+            break
+    return out[:n]
+
+
+def check_step(
+    history: Sequence[Mapping[str, Any]],
+    cfg: GuardConfig,
+    *,
+    diff_baseline: Sequence[float] | None = None,
+    num_records: int | None = None,
+) -> list[GuardWarning]:
+    """All guards evaluated at the last record of ``history`` (records ordered by step).
+
+    Only the tail of ``history`` is read, plus its head for the log-prob-diff baseline unless
+    ``diff_baseline`` (the first finite values of that metric) is given; ``num_records`` is
+    the run's record count when ``history`` is only its tail.
+    """
+    if not history:
+        return []
+    step = int(history[-1].get("step", len(history) - 1))
+    out: list[GuardWarning] = []
+    if history[-1].get(cfg.entropy_key) is not None:
+        hit = entropy_spike(
+            _series(history[-(cfg.entropy_window + 1) :], cfg.entropy_key),
+            window=cfg.entropy_window,
+            factor=cfg.entropy_factor,
+            min_delta=cfg.entropy_min_delta,
+        )
+        if hit:
+            out.append(
+                GuardWarning(
+                    kind=GuardKind.ENTROPY_SPIKE,
+                    step=step,
+                    key=cfg.entropy_key,
+                    value=hit[0],
+                    threshold=hit[1],
+                    message=f"entropy spiked to {hit[0]:.3g} (threshold {hit[1]:.3g} from the "
+                    f"trailing {cfg.entropy_window}-step median)",
+                )
+            )
+    if history[-1].get(cfg.diff_key) is not None:
+        if diff_baseline is None:
+            diff_baseline = early_values(history, cfg.diff_key, cfg.diff_baseline_steps)
+        n_base = len(diff_baseline)
+        hit = None
+        total = len(history) if num_records is None else num_records
+        if n_base == cfg.diff_baseline_steps and total >= n_base + cfg.diff_window:
+            hit = logprob_diff_drift(
+                diff_baseline,
+                _series(history[-cfg.diff_window :], cfg.diff_key),
+                factor=cfg.diff_factor,
+                min_abs=cfg.diff_min,
+            )
+        if hit:
+            out.append(
+                GuardWarning(
+                    kind=GuardKind.LOGPROB_DIFF_DRIFT,
+                    step=step,
+                    key=cfg.diff_key,
+                    value=hit[0],
+                    threshold=hit[1],
+                    message=f"train/rollout log-prob diff drifted to {hit[0]:.3g}, above "
+                    f"{hit[1]:.3g} ({cfg.diff_factor:g}x its early baseline)",
+                )
+            )
+    for source in cfg.is_sources:
+        key = f"is/{source}/mean"
+        hit = is_weight_out_of_range(history[-1].get(key), lower=cfg.is_lower, upper=cfg.is_upper)
+        if hit:
+            out.append(
+                GuardWarning(
+                    kind=GuardKind.IS_WEIGHT_RANGE,
+                    step=step,
+                    key=key,
+                    value=hit[0],
+                    threshold=hit[1],
+                    message=f"{source} IS weight mean {hit[0]:.3g} left "
+                    f"[{cfg.is_lower:g}, {cfg.is_upper:g}]",
+                )
+            )
+    if history[-1].get(cfg.trend_key) is not None:
+        hit = trend_drop(
+            _series(history[-cfg.trend_window :], cfg.trend_key),
+            window=cfg.trend_window,
+            min_drop=cfg.trend_min_drop,
+        )
+        if hit:
+            out.append(
+                GuardWarning(
+                    kind=GuardKind.ROLLOUT_LOGPROB_TREND,
+                    step=step,
+                    key=cfg.trend_key,
+                    value=hit[0],
+                    threshold=hit[1],
+                    message=f"rollout log-prob fell {hit[0]:.3g} nats/token over the last "
+                    f"{cfg.trend_window} steps (threshold {hit[1]:g})",
+                )
+            )
+    return out
+
+
+def _tail_len(cfg: GuardConfig) -> int:
+    return max(cfg.entropy_window + 1, cfg.trend_window, cfg.diff_window)
+
+
+def scan(history: Sequence[Mapping[str, Any]], cfg: GuardConfig) -> list[GuardWarning]:
+    """Every warning at every step of a finished run (records ordered by step)."""
+    tail = _tail_len(cfg)
+    base: list[float] = []
+    out: list[GuardWarning] = []
+    for i, rec in enumerate(history):
+        if len(base) < cfg.diff_baseline_steps:
+            base.extend(_finite([rec.get(cfg.diff_key)]))
+        window = history[max(0, i + 1 - tail) : i + 1]
+        out.extend(check_step(window, cfg, diff_baseline=list(base), num_records=i + 1))
+    return out
+
+
+class GuardMonitor:
+    """Live guards: feed one record per step, get the warnings worth printing.
+
+    A guard is reported when it starts firing (or when an IS source starts leaving its range),
+    then again every ``repeat_every`` steps while it keeps firing, so a persistent problem stays
+    visible without flooding the console.
+
+    Example::
+
+        mon = GuardMonitor(GuardConfig())
+        for rec in records:              # {"step": k, "policy/entropy": ..., ...}
+            for w in mon.update(rec):
+                print("WARNING", w.message)
+    """
+
+    def __init__(self, config: GuardConfig | None = None, *, repeat_every: int = 20) -> None:
+        self.config = config or GuardConfig()
+        self.repeat_every = repeat_every
+        self.history: list[dict[str, Any]] = []
+        self._last_reported: dict[tuple[GuardKind, str], int] = {}
+        self._firing: set[tuple[GuardKind, str]] = set()
+        self._baseline: list[float] = []
+        self._count = 0
+
+    def update(self, record: Mapping[str, Any]) -> list[GuardWarning]:
+        """Add the record of the newest step; return warnings to show now."""
+        cfg = self.config
+        step = record.get("step")
+        if self.history and step is not None and step <= self.history[-1].get("step", -1):
+            # a resumed run replays steps: forget the abandoned future
+            self.history = [r for r in self.history if r.get("step", -1) < step]
+        self.history.append(dict(record))
+        self._count += 1
+        if len(self._baseline) < cfg.diff_baseline_steps:
+            self._baseline.extend(_finite([record.get(cfg.diff_key)]))
+        self.history = self.history[-_tail_len(cfg) :]  # all any guard reads
+        warnings = check_step(
+            self.history, cfg, diff_baseline=list(self._baseline), num_records=self._count
+        )
+        now = {(w.kind, w.key) for w in warnings}
+        out = []
+        for w in warnings:
+            ident = (w.kind, w.key)
+            last = self._last_reported.get(ident)
+            if ident not in self._firing or last is None or w.step - last >= self.repeat_every:
+                out.append(w)
+                self._last_reported[ident] = w.step
+        self._firing = now
+        return out

@@ -1,0 +1,130 @@
+"""Divergence guards fire on the patterns they watch for, and stay quiet on healthy runs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from slime_async.metrics.guards import (
+    GuardConfig,
+    GuardKind,
+    GuardMonitor,
+    entropy_spike,
+    is_weight_out_of_range,
+    logprob_diff_drift,
+    scan,
+    trend_drop,
+)
+
+CFG = GuardConfig()
+
+
+def healthy(n: int = 60, seed: int = 0) -> list[dict]:
+    """A noisy but healthy run: entropy and lp-diff flat, IS means near 1, log-prob rising."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(1, n + 1):
+        out.append({
+            "step": k,
+            "policy/entropy": 1.2 - 0.005 * k + rng.gauss(0, 0.03),
+            "mismatch/train_rollout_logprob_abs_diff": 0.01 + rng.gauss(0, 0.001),
+            "is/staleness/mean": 1.0 + rng.gauss(0, 0.02),
+            "is/engine/mean": 1.0 + rng.gauss(0, 0.01),
+            "is/combined/mean": 1.0 + rng.gauss(0, 0.03),
+            "rollout/logprob_mean": -1.0 + 0.004 * k + rng.gauss(0, 0.02),
+        })  # fmt: skip
+    return out
+
+
+def test_healthy_run_fires_nothing() -> None:
+    for seed in range(5):
+        assert scan(healthy(seed=seed), CFG) == []
+
+
+def test_entropy_spike() -> None:
+    assert entropy_spike([1.0] * 10 + [2.0], window=10, factor=1.5, min_delta=0.1) == (2.0, 1.5)
+    assert entropy_spike([1.0] * 10 + [1.4], window=10, factor=1.5, min_delta=0.1) is None
+    # tiny entropies: the absolute floor keeps noise from firing
+    assert entropy_spike([0.01] * 10 + [0.05], window=10, factor=1.5, min_delta=0.1) is None
+    assert (
+        entropy_spike([1.0, 3.0], window=10, factor=1.5, min_delta=0.1) is None
+    )  # too little data
+    assert entropy_spike([1.0] * 10 + [math.nan], window=10, factor=1.5, min_delta=0.1) is None
+    run = healthy()
+    run[40]["policy/entropy"] = 3.0
+    hits = scan(run, CFG)
+    assert [(w.kind, w.step) for w in hits] == [(GuardKind.ENTROPY_SPIKE, 41)]
+    assert "entropy spiked to 3" in hits[0].message
+
+
+def test_logprob_diff_drift() -> None:
+    assert logprob_diff_drift([0.01] * 5, [0.03] * 5, factor=2.0, min_abs=0.005) == (0.03, 0.02)
+    assert logprob_diff_drift([0.01] * 5, [0.015] * 5, factor=2.0, min_abs=0.005) is None
+    assert logprob_diff_drift([0.001] * 5, [0.003] * 5, factor=2.0, min_abs=0.005) is None
+    run = healthy()
+    for r in run[30:]:
+        r["mismatch/train_rollout_logprob_abs_diff"] = 0.05
+    hits = [w for w in scan(run, CFG) if w.kind is GuardKind.LOGPROB_DIFF_DRIFT]
+    assert hits and hits[0].step in range(31, 35)  # fires within the averaging window
+    assert all(w.step >= 31 for w in hits)
+
+
+def test_is_weight_range_per_source() -> None:
+    assert is_weight_out_of_range(1.0, lower=0.8, upper=1.25) is None
+    assert is_weight_out_of_range(0.5, lower=0.8, upper=1.25) == (0.5, 0.8)
+    assert is_weight_out_of_range(1.6, lower=0.8, upper=1.25) == (1.6, 1.25)
+    assert is_weight_out_of_range(None, lower=0.8, upper=1.25) is None
+    run = healthy()
+    run[20]["is/engine/mean"] = 1.9
+    run[21]["is/staleness/mean"] = 0.3
+    run[22]["is/drift/mean"] = 5.0  # drift is not a watched source by default
+    hits = scan(run, CFG)
+    assert [(w.step, w.key) for w in hits] == [(21, "is/engine/mean"), (22, "is/staleness/mean")]
+    assert "engine IS weight mean 1.9 left [0.8, 1.25]" in hits[0].message
+
+
+def test_rollout_logprob_trend() -> None:
+    down = [-1.0 - 0.02 * i for i in range(20)]
+    drop, thr = trend_drop(down, window=20, min_drop=0.15)
+    assert drop == pytest.approx(0.38) and thr == 0.15
+    assert trend_drop(down[::-1], window=20, min_drop=0.15) is None  # rising
+    assert trend_drop(down[:10], window=20, min_drop=0.15) is None  # not enough steps
+    run = healthy()
+    for i, r in enumerate(run[30:]):
+        r["rollout/logprob_mean"] = -0.9 - 0.03 * i
+    hits = [w for w in scan(run, CFG) if w.kind is GuardKind.ROLLOUT_LOGPROB_TREND]
+    assert hits and 38 <= hits[0].step <= 50
+
+
+def test_monitor_reports_onset_then_repeats_sparsely() -> None:
+    mon = GuardMonitor(CFG, repeat_every=10)
+    run = healthy(80)
+    for r in run[30:]:
+        r["is/combined/mean"] = 2.0
+    shown = [w.step for r in run for w in mon.update(r)]
+    assert shown == [31, 41, 51, 61, 71]
+    # a healthy gap, then a new onset is reported at once
+    mon2 = GuardMonitor(CFG, repeat_every=100)
+    run2 = healthy(40)
+    for k in (10, 11, 30):
+        run2[k]["is/combined/mean"] = 2.0
+    assert [w.step for r in run2 for w in mon2.update(r)] == [11, 31]
+
+
+def test_monitor_matches_scan_with_bounded_memory() -> None:
+    run = healthy(200)
+    for r in run[120:]:
+        r["mismatch/train_rollout_logprob_abs_diff"] = 0.08
+    mon = GuardMonitor(CFG, repeat_every=1)
+    live = [(w.kind, w.step) for r in run for w in mon.update(r)]
+    assert live == [(w.kind, w.step) for w in scan(run, CFG)] != []
+    assert len(mon.history) <= 21
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="is_lower < 1 < is_upper"):
+        GuardConfig(is_lower=1.1)
+    with pytest.raises(ValueError, match="trend_window"):
+        GuardConfig(trend_window=2)
