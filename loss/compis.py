@@ -59,24 +59,39 @@ def _log(x: float) -> float:
     return math.log(x) if x > 0 else -math.inf
 
 
+_BIG = 1e30  # log-weights pushed down by BIG·(distance past a bound) exp to exactly 0
+
+
 def _indicator_le(d: torch.Tensor, bound: float) -> torch.Tensor:
     """1.0 where d <= bound else 0.0 (exact at the bound), with float ops only."""
     return (bound - d).sign_().add_(1.0).clamp_(max=1.0)
 
 
 def _log_weight(
-    d: torch.Tensor, method: Method, low: float, high: float, clamp: float
+    d: torch.Tensor, method: Method, low: float, high: float, clamp: float, *, keep: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """In place on the fresh Δ `d`: (clamped log w, 0/1 keep factor or None)."""
+    """In place on the fresh Δ `d`: (clamped log w, 0/1 keep factor or None).
+
+    Masked tokens get log w −= BIG·relu(distance past the bound), so exp gives exactly 0 while
+    tokens on the bound are untouched (inclusive bounds); a few float passes, no bool ops. The
+    keep factor is built only when asked (`denom=drop`) and the method can mask.
+    """
     if method is Method.CLIP:
         return d.clamp_(max(_log(low), -clamp), min(_log(high), clamp)), None
     d.clamp_(-clamp, clamp)
     if method is Method.NONE:
         return d, None
-    keep = _indicator_le(d, _log(high))
-    if method is Method.ICEPOP and low > 0:
-        keep.mul_(_indicator_le(-d, -_log(low)))
-    return d, keep
+    log_hi, log_lo = _log(high), _log(low)
+    two_sided = method is Method.ICEPOP and low > 0
+    keep_f = None
+    if keep:
+        keep_f = _indicator_le(d, log_hi)
+        if two_sided:
+            keep_f.mul_(_indicator_le(-d, -log_lo))
+    over = (d - log_hi).clamp_(min=0.0)
+    if two_sided:
+        over.add_((log_lo - d).clamp_(min=0.0))
+    return d.add_(over, alpha=-_BIG), keep_f
 
 
 def compis_weights(
@@ -89,31 +104,31 @@ def compis_weights(
         inputs.logprobs, inputs.proximal_logprobs, inputs.rollout_logprobs, inputs.behavior_logprobs
     )
     clamp = cfg.log_ratio_clamp
+    drop = cfg.denom is Denom.DROP
     with torch.no_grad():
         mask_f = inputs.loss_mask.to(dt)
         if inputs.behavior_logprobs is None:
             d3 = _delta(inputs.proximal_logprobs, inputs.rollout_logprobs, dt)
             keep2 = None
             logw, keep3 = _log_weight(
-                d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high, clamp
+                d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high, clamp, keep=drop
             )
         else:
             d2 = _delta(inputs.behavior_logprobs, inputs.rollout_logprobs, dt)
             d3 = _delta(inputs.proximal_logprobs, inputs.behavior_logprobs, dt)
-            c2, keep2 = _log_weight(d2, cfg.engine_method, cfg.engine_low, cfg.engine_high, clamp)
+            c2, keep2 = _log_weight(
+                d2, cfg.engine_method, cfg.engine_low, cfg.engine_high, clamp, keep=drop
+            )
             c3, keep3 = _log_weight(
-                d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high, clamp
+                d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high, clamp, keep=drop
             )
             logw = c2.add_(c3)
             del d3, c3
-        w = logw.exp_()
+        w = logw.exp_().mul_(mask_f)
         eff = mask_f
         for keep in (keep2, keep3):
             if keep is not None:
-                w.mul_(keep)
-                if cfg.denom is Denom.DROP:
-                    eff = eff * keep
-        w.mul_(mask_f)
+                eff = eff * keep
     return w, eff, mask_f
 
 

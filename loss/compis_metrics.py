@@ -13,7 +13,13 @@ from __future__ import annotations
 import torch
 
 from loss.corrections import correct_log
-from loss.diagnostics import Metric, abs_diff_seq_mean, percentiles, ratio_stats, seq_chi2
+from loss.diagnostics import (
+    Metric,
+    multi_ratio_stats,
+    percentiles,
+    seq_chi2,
+    to_floats,
+)
 from loss.ratios import safe_log_ratio, seq_sum
 from loss.types import CompISConfig, LossInputs, Method, compute_dtype, upcast
 
@@ -32,21 +38,27 @@ def _or(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     return a if b is None else a | b
 
 
-def _token_positions(mask: torch.Tensor, sample: int) -> torch.Tensor:
-    """Flat indices of valid tokens: all of them, or a uniform sample when the batch is large."""
+def _token_sample(mask: torch.Tensor, sample: int) -> tuple[torch.Tensor | slice, torch.Tensor]:
+    """(selector of sampled positions, positions among them that are valid). All positions
+    when the batch is small; else a systematic sample (every `stride`-th position from a
+    seeded random offset: unbiased, and a cheap strided read instead of a random gather)."""
     flat = mask.reshape(-1)
-    if flat.numel() <= sample:
-        return flat.nonzero().squeeze(1)
+    n = flat.numel()
+    if n <= sample:
+        return slice(None), flat.nonzero().squeeze(1)
+    stride = -(-n // sample)
     gen = torch.Generator().manual_seed(_SEED)
-    pos = torch.randint(flat.numel(), (sample,), generator=gen).to(flat.device)
-    return pos[flat.index_select(0, pos)]
+    offset = int(torch.randint(stride, (1,), generator=gen))
+    sel = slice(offset, None, stride)
+    return sel, flat[sel].nonzero().squeeze(1)
 
 
 def _seq_subset(
     inputs: LossInputs, sample: int
 ) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
-    """Whole sequences (all, or a random subset holding about `sample` positions) of the
-    per-token tensors needed for sequence metrics, and their `cu_seqlens` (packed) or None."""
+    """Whole sequences (all, or a systematic sample, every `stride`-th sequence from a seeded
+    random offset, holding about `sample` positions) of the per-token tensors needed for
+    sequence metrics, and their `cu_seqlens` (packed) or None."""
     names = ("proximal_logprobs", "rollout_logprobs", "behavior_logprobs", "loss_mask")
     full = {k: getattr(inputs, k) for k in names}
     total = inputs.loss_mask.numel()
@@ -56,12 +68,11 @@ def _seq_subset(
         return full, cu
     k = max(1, min(b, sample * b // total))
     gen = torch.Generator().manual_seed(_SEED)
-    seqs = torch.randperm(b, generator=gen)[:k].sort().values
-    if cu is None:
-        idx = seqs.to(inputs.loss_mask.device)
-        return {
-            n: (t.index_select(0, idx) if t is not None else None) for n, t in full.items()
-        }, None
+    stride = -(-b // k)
+    offset = int(torch.randint(stride, (1,), generator=gen))
+    if cu is None:  # systematic sample of rows: a strided view, no copy
+        return {n: (t[offset::stride] if t is not None else None) for n, t in full.items()}, None
+    seqs = torch.arange(offset, b, stride)
     cu_cpu = cu.to("cpu", torch.int64)
     starts, lens = cu_cpu[seqs], cu_cpu[seqs + 1] - cu_cpu[seqs]
     offsets = torch.cumsum(lens, 0) - lens
@@ -74,7 +85,7 @@ def _seq_subset(
 def compis_metrics(inputs: LossInputs, cfg: CompISConfig) -> dict[str, Metric]:
     """Namespaced diagnostics: `is/{drift,engine,staleness,combined,weight}/*`, `policy/*`,
     `mismatch/*`, `loss/kept_frac`, `diag/sample_tokens` (values are 0-d tensors or floats)."""
-    pos = _token_positions(inputs.loss_mask, cfg.diag_sample_size)
+    sel, pos = _token_sample(inputs.loss_mask, cfg.diag_sample_size)
     n = pos.numel()
     out: dict[str, Metric] = {"diag/sample_tokens": float(n)}
     if n == 0:
@@ -84,28 +95,23 @@ def compis_metrics(inputs: LossInputs, cfg: CompISConfig) -> dict[str, Metric]:
     )
 
     def g(x: torch.Tensor) -> torch.Tensor:
-        return upcast(x.detach()).reshape(-1).index_select(0, pos).to(dt)
+        return upcast(x.detach()).reshape(-1)[sel].index_select(0, pos).to(dt)
 
     clamp, ss = cfg.log_ratio_clamp, cfg.diag_sample_size
     lp, lpk, lps = g(inputs.logprobs), g(inputs.proximal_logprobs), g(inputs.rollout_logprobs)
-    fb = inputs.behavior_logprobs is None
+    d1 = safe_log_ratio(lp, lpk, clamp=clamp)
+    lo1, hi1 = 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high
+    adv = g(inputs.advantages).nan_to_num_(0.0, 0.0, 0.0)
+    r1 = d1.exp()
+    up, down = (adv > 0) & (r1 > hi1), (adv < 0) & (r1 < lo1)
     lo3, hi3 = _bounds(cfg.staleness_method, cfg.staleness_low, cfg.staleness_high)
-    if fb:
+    if inputs.behavior_logprobs is None:
         d3 = safe_log_ratio(lpk, lps, clamp=clamp)
         c3, m3, k3 = correct_log(d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high)
-        out.update(
-            ratio_stats(
-                "is/combined",
-                d3.exp(),
-                d3,
-                low=lo3,
-                high=hi3,
-                masked=m3,
-                clipped=k3,
-                sample_size=ss,
-            )
-        )
-        logw, m_any, k_any = c3, m3, k3
+        names = ["is/combined", "is/drift", "is/weight"]
+        rows = [d3, d1, c3]
+        lows, highs = [lo3, lo1, None], [hi3, hi1, None]
+        masked, clipped = [m3, None, m3], [k3, up | down, k3]
     else:
         lpm = g(inputs.behavior_logprobs)
         d2 = safe_log_ratio(lpm, lps, clamp=clamp)
@@ -113,52 +119,43 @@ def compis_metrics(inputs: LossInputs, cfg: CompISConfig) -> dict[str, Metric]:
         c2, m2, k2 = correct_log(d2, cfg.engine_method, cfg.engine_low, cfg.engine_high)
         c3, m3, k3 = correct_log(d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high)
         lo2, hi2 = _bounds(cfg.engine_method, cfg.engine_low, cfg.engine_high)
-        out.update(
-            ratio_stats(
-                "is/engine", d2.exp(), d2, low=lo2, high=hi2, masked=m2, clipped=k2, sample_size=ss
-            )
-        )
-        out.update(
-            ratio_stats(
-                "is/staleness",
-                d3.exp(),
-                d3,
-                low=lo3,
-                high=hi3,
-                masked=m3,
-                clipped=k3,
-                sample_size=ss,
-            )
-        )
-        dc = (d2 + d3).clamp_(-clamp, clamp)
-        out.update(ratio_stats("is/combined", dc.exp(), dc, sample_size=ss))
-        logw, m_any, k_any = c2 + c3, _or(m2, m3), _or(k2, k3)
-    w = logw.exp()
-    out.update(ratio_stats("is/weight", w, masked=m_any, clipped=k_any, sample_size=ss))
-    out["loss/kept_frac"] = (w > 0).sum() / n
-    # drift r1 and the PPO clip fractions, judged with the original advantage sign
-    d1 = safe_log_ratio(lp, lpk, clamp=clamp)
-    r1 = d1.exp()
-    lo1, hi1 = 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high
-    adv = g(inputs.advantages).nan_to_num_(0.0, 0.0, 0.0)
-    up, down = (adv > 0) & (r1 > hi1), (adv < 0) & (r1 < lo1)
+        names = ["is/engine", "is/staleness", "is/combined", "is/drift", "is/weight"]
+        rows = [d2, d3, (d2 + d3).clamp_(-clamp, clamp), d1, c2 + c3]
+        lows, highs = [lo2, lo3, None, lo1, None], [hi2, hi3, None, hi1, None]
+        masked, clipped = [m2, m3, None, None, _or(m2, m3)], [k2, k3, None, up | down, _or(k2, k3)]
     out.update(
-        ratio_stats("is/drift", r1, d1, low=lo1, high=hi1, clipped=up | down, sample_size=ss)
-    )
-    out["policy/clipfrac"] = (up | down).sum() / n
-    out["policy/clipfrac_upper"] = up.sum() / n
-    out["policy/clipfrac_lower"] = down.sum() / n
-    if cfg.dual_clip_c is not None:
-        out["policy/dual_clip_frac"] = ((adv < 0) & (r1 > cfg.dual_clip_c)).sum() / n
-    out["policy/approx_kl"] = -d1.sum(dtype=torch.float64) / n
-    out["policy/logprob_mean"] = lp.sum(dtype=torch.float64) / n
-    out["policy/advantage_mean"] = adv.sum(dtype=torch.float64) / n
-    if inputs.token_versions is not None and inputs.current_version is not None:
-        lag = (inputs.current_version - inputs.token_versions.reshape(-1).index_select(0, pos)).to(
-            torch.float64
+        multi_ratio_stats(
+            names,
+            torch.stack(rows),
+            lows=lows,
+            highs=highs,
+            masked=masked,
+            clipped=clipped,
+            with_kl=[True] * (len(names) - 1) + [False],
+            sample_size=ss,
         )
-        out["is/staleness/version_lag_mean"] = lag.mean()
-        out["is/staleness/version_lag_max"] = lag.max()
+    )
+    out["loss/kept_frac"] = 1.0 - out["is/weight/masked_frac"]
+    # PPO clip fractions on r1, judged with the original advantage sign
+    f64 = torch.float64
+    pol = {
+        "policy/clipfrac_upper": up.sum().to(f64) / n,
+        "policy/clipfrac_lower": down.sum().to(f64) / n,
+        "policy/approx_kl": -d1.sum(dtype=f64) / n,
+        "policy/logprob_mean": lp.sum(dtype=f64) / n,
+        "policy/advantage_mean": adv.sum(dtype=f64) / n,
+    }
+    if cfg.dual_clip_c is not None:
+        pol["policy/dual_clip_frac"] = ((adv < 0) & (r1 > cfg.dual_clip_c)).sum().to(f64) / n
+    pol_f = to_floats(pol)
+    pol_f["policy/clipfrac"] = pol_f["policy/clipfrac_upper"] + pol_f["policy/clipfrac_lower"]
+    out.update(pol_f)
+    if inputs.token_versions is not None and inputs.current_version is not None:
+        lag = (
+            inputs.current_version - inputs.token_versions.reshape(-1)[sel].index_select(0, pos)
+        ).to(f64)
+        out["is/staleness/version_lag_mean"] = float(lag.mean())
+        out["is/staleness/version_lag_max"] = float(lag.max())
         out["is/staleness/version_lag_p90"] = percentiles(lag, (90.0,), sample_size=ss)[0]
     out.update(_sequence_metrics(inputs, cfg))
     return out
@@ -166,33 +163,46 @@ def compis_metrics(inputs: LossInputs, cfg: CompISConfig) -> dict[str, Metric]:
 
 def _sequence_metrics(inputs: LossInputs, cfg: CompISConfig) -> dict[str, Metric]:
     """χ² of ∏ρ per sequence (per source) and slime's train/rollout |Δlogp| (seq-mean of
-    token-mean), on all sequences or a random subset of whole sequences."""
+    token-mean), on all sequences or a random subset of whole sequences; one segment sum."""
     sub, cu = _seq_subset(inputs, cfg.diag_sample_size)
     mask = sub["loss_mask"]
-    assert mask is not None
-    clamp = cfg.log_ratio_clamp
-    out: dict[str, Metric] = {}
     lpk, lps, lpm = sub["proximal_logprobs"], sub["rollout_logprobs"], sub["behavior_logprobs"]
-    assert lpk is not None and lps is not None
-    if lpm is None:
-        cols = [safe_log_ratio(lpk, lps, clamp=clamp)]
-    else:
-        cols = [safe_log_ratio(lpm, lps, clamp=clamp), safe_log_ratio(lpk, lpm, clamp=clamp)]
-    mf = mask.to(torch.float64)
-    stacked = torch.stack(
-        [mf] + [torch.where(mask, c.to(torch.float64), 0.0) for c in cols], dim=-1
+    assert mask is not None and lpk is not None and lps is not None
+    clamp = cfg.log_ratio_clamp
+    dt = compute_dtype(lpk, lps, lpm)
+    lpk, lps = upcast(lpk).to(dt), upcast(lps).to(dt)
+    cols = [safe_log_ratio(lpk, lps, clamp=clamp), (lpk - lps).abs()]
+    if lpm is not None:
+        lpm = upcast(lpm).to(dt)
+        cols += [
+            safe_log_ratio(lpm, lps, clamp=clamp),
+            safe_log_ratio(lpk, lpm, clamp=clamp),
+            (lpm - lps).abs(),
+        ]
+    mask_f = mask.to(dt).unsqueeze(-1)
+    # finite after nan_to_num, so multiplying by the 0/1 mask is as safe as `where` (and faster)
+    stacked = torch.cat(
+        [mask_f, torch.stack(cols, dim=-1).nan_to_num_(0.0, 0.0, 0.0).mul_(mask_f)], dim=-1
     )
-    sums = seq_sum(stacked, cu)
-    valid = sums[..., 0] > 0
+    sums = seq_sum(stacked, cu).reshape(-1, stacked.shape[-1])
+    sums = sums.to(torch.float64)
+    f64 = torch.float64
+    count = sums[:, 0]
+    valid = count > 0
+    nv = valid.sum().clamp(min=1)
+
+    def seq_mean_of_token_mean(col: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, col / count.clamp(min=1), 0.0).sum() / nv
+
+    out: dict[str, Metric] = {
+        "mismatch/train_rollout_logprob_abs_diff": seq_mean_of_token_mean(sums[:, 2]),
+        "diag/sample_seqs": valid.sum().to(f64),
+    }
     if lpm is None:
-        out["is/combined/chi2_seq"] = seq_chi2(sums[..., 1], valid)
+        out["is/combined/chi2_seq"] = seq_chi2(sums[:, 1], valid)
     else:
-        out["is/engine/chi2_seq"] = seq_chi2(sums[..., 1], valid)
-        out["is/staleness/chi2_seq"] = seq_chi2(sums[..., 2], valid)
-        out["is/combined/chi2_seq"] = seq_chi2(sums[..., 1] + sums[..., 2], valid)
-        out["mismatch/engine_logprob_abs_diff"] = abs_diff_seq_mean(lpm, lps, mask, cu_seqlens=cu)
-    out["mismatch/train_rollout_logprob_abs_diff"] = abs_diff_seq_mean(
-        lpk, lps, mask, cu_seqlens=cu
-    )
-    out["diag/sample_seqs"] = float(valid.sum())
-    return out
+        out["is/combined/chi2_seq"] = seq_chi2(sums[:, 1], valid)
+        out["is/engine/chi2_seq"] = seq_chi2(sums[:, 3], valid)
+        out["is/staleness/chi2_seq"] = seq_chi2(sums[:, 4], valid)
+        out["mismatch/engine_logprob_abs_diff"] = seq_mean_of_token_mean(sums[:, 5])
+    return to_floats(out)

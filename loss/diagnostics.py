@@ -45,6 +45,86 @@ def kl_estimators(log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return -d, 0.5 * d * d, torch.expm1(d) - d
 
 
+def multi_ratio_stats(
+    prefixes: list[str],
+    log_ratios: torch.Tensor,
+    *,
+    lows: list[float | None] | None = None,
+    highs: list[float | None] | None = None,
+    masked: list[torch.Tensor | None] | None = None,
+    clipped: list[torch.Tensor | None] | None = None,
+    with_kl: list[bool] | None = None,
+    sample_size: int = 65536,
+) -> dict[str, float]:
+    """`ratio_stats` for S sources at once from log-ratios `[S, n]` (−inf allowed: ratio 0),
+    with one pass per statistic over the stacked tensor and a single device sync."""
+    s_count, n = log_ratios.shape
+    lows = lows or [None] * s_count
+    highs = highs or [None] * s_count
+    masked = masked or [None] * s_count
+    clipped = clipped or [None] * s_count
+    with_kl = with_kl or [True] * s_count
+    out: dict[str, float] = {}
+    if n == 0:
+        return out
+    d = log_ratios.detach()
+    r = d.exp()
+    f64 = torch.float64
+    fin = torch.nan_to_num(d, nan=0.0, posinf=0.0, neginf=0.0)
+    hi = torch.tensor([math.inf if h is None else h for h in highs], dtype=r.dtype, device=r.device)
+    lo = torch.tensor([-math.inf if v is None else v for v in lows], dtype=r.dtype, device=r.device)
+    zeros = torch.zeros((), dtype=f64, device=r.device)
+    # sums in the input dtype (torch reduces pairwise: fp32 keeps ~1e-7 relative accuracy)
+    rows = [
+        r.sum(1),
+        (r * r).sum(1),
+        fin.sum(1),
+        (fin * fin).sum(1),
+        r.amin(1),
+        r.amax(1),
+        (r > hi[:, None]).sum(1),
+        (r < lo[:, None]).sum(1),
+        torch.stack([zeros if m is None else m.sum().to(f64) for m in masked]),
+        torch.stack([zeros if c is None else c.sum().to(f64) for c in clipped]),
+    ]
+    vals = torch.stack([x.to(f64) for x in rows]).cpu().tolist()
+    pct = percentiles_rows(r, sample_size=sample_size)
+    for i, p in enumerate(prefixes):
+        s1, s2, m1, m2, mn, mx, above, below, nm, nc = (row[i] for row in vals)
+        mean = s1 / n
+        out[f"{p}/mean"] = mean
+        out[f"{p}/std"] = math.sqrt(max(s2 / n - mean * mean, 0.0))
+        out[f"{p}/min"] = mn
+        out[f"{p}/max"] = mx
+        out[f"{p}/p50"], out[f"{p}/p90"], out[f"{p}/p99"] = pct[i]
+        if highs[i] is not None:
+            out[f"{p}/frac_above_high"] = above / n
+        if lows[i] is not None:
+            out[f"{p}/frac_below_low"] = below / n
+        out[f"{p}/masked_frac"] = nm / n
+        out[f"{p}/clipped_frac"] = nc / n
+        out[f"{p}/ess"] = s1 * s1 / (n * s2) if s2 > 0 else 0.0
+        out[f"{p}/chi2_token"] = s2 / n - 1.0
+        if with_kl[i]:
+            out[f"{p}/kl_k1"] = -m1 / n
+            out[f"{p}/kl_k2"] = 0.5 * m2 / n
+            out[f"{p}/kl_k3"] = mean - 1.0 - m1 / n
+    return out
+
+
+def percentiles_rows(
+    x: torch.Tensor, qs: tuple[float, ...] = (50.0, 90.0, 99.0), *, sample_size: int = 65536
+) -> list[list[float]]:
+    """Row-wise linear percentiles of `[S, n]` on a CPU copy (columns subsampled past
+    `sample_size`, fixed seed)."""
+    n = x.shape[1]
+    if n > sample_size:
+        gen = torch.Generator().manual_seed(1234)
+        x = x.index_select(1, torch.randint(n, (sample_size,), generator=gen).to(x.device))
+    arr = x.detach().to("cpu", torch.float64).numpy()
+    return np.percentile(arr, qs, axis=1, method="linear").T.tolist()
+
+
 def ratio_stats(
     prefix: str,
     ratio: torch.Tensor,
@@ -55,51 +135,24 @@ def ratio_stats(
     masked: torch.Tensor | None = None,
     clipped: torch.Tensor | None = None,
     sample_size: int = 65536,
-) -> dict[str, Metric]:
+) -> dict[str, float]:
     """Statistics of a compact 1-D ratio vector over valid tokens, keys `f"{prefix}/{name}"`.
 
     mean, std (population), min, max, p50/p90/p99, frac_above_high (r > high), frac_below_low
     (r < low), masked_frac, clipped_frac, ess = (Σr)²/(N·Σr²), chi2_token = mean(r²) − 1, and
     with `log_ratio` the KL estimators kl_k1/kl_k2/kl_k3 (means) of §13.
     """
-    r = ratio.detach()
-    n = r.numel()
-    out: dict[str, Metric] = {}
-    if n == 0:
-        return out
-    s1 = r.sum(dtype=torch.float64)
-    s2 = (
-        torch.dot(r, r).to(torch.float64)
-        if r.dtype == torch.float32
-        else (r * r).sum(dtype=torch.float64)
+    d = log_ratio if log_ratio is not None else torch.log(ratio.detach())
+    return multi_ratio_stats(
+        [prefix],
+        d.reshape(1, -1),
+        lows=[low],
+        highs=[high],
+        masked=[masked],
+        clipped=[clipped],
+        with_kl=[log_ratio is not None],
+        sample_size=sample_size,
     )
-    mean = s1 / n
-    out[f"{prefix}/mean"] = mean
-    out[f"{prefix}/std"] = (s2 / n - mean * mean).clamp(min=0).sqrt()
-    out[f"{prefix}/min"] = r.min()
-    out[f"{prefix}/max"] = r.max()
-    p50, p90, p99 = percentiles(r, sample_size=sample_size)
-    out[f"{prefix}/p50"], out[f"{prefix}/p90"], out[f"{prefix}/p99"] = p50, p90, p99
-    if high is not None:
-        out[f"{prefix}/frac_above_high"] = (r > high).sum() / n
-    if low is not None:
-        out[f"{prefix}/frac_below_low"] = (r < low).sum() / n
-    out[f"{prefix}/masked_frac"] = masked.sum() / n if masked is not None else 0.0
-    out[f"{prefix}/clipped_frac"] = clipped.sum() / n if clipped is not None else 0.0
-    out[f"{prefix}/ess"] = s1 * s1 / (n * s2) if float(n) > 0 else 1.0
-    out[f"{prefix}/chi2_token"] = s2 / n - 1.0
-    if log_ratio is not None:
-        d = log_ratio.detach()
-        m1 = d.sum(dtype=torch.float64) / n
-        m2 = (
-            torch.dot(d, d).to(torch.float64)
-            if d.dtype == torch.float32
-            else (d * d).sum(dtype=torch.float64)
-        ) / n
-        out[f"{prefix}/kl_k1"] = -m1
-        out[f"{prefix}/kl_k2"] = 0.5 * m2
-        out[f"{prefix}/kl_k3"] = mean - 1.0 - m1
-    return out
 
 
 def seq_chi2(seq_log_ratio_sums: torch.Tensor, valid_seqs: torch.Tensor) -> torch.Tensor:

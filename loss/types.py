@@ -120,8 +120,9 @@ class CompISConfig:
     """Compute the per-source diagnostics (is/*, policy/*, mismatch/*); off = loss/* only."""
     log_ratio_clamp: float = 20.0
     """Log-ratios are clamped to ±this before exp (e^20 ≈ 4.85e8; verl uses 20)."""
-    diag_sample_size: int = 65536
-    """Percentiles use all valid tokens up to this count, else an evenly strided subsample."""
+    diag_sample_size: int = 16384
+    """Diagnostics are exact for batches up to this many positions, else use a systematic
+    sample of this many positions (and of whole sequences): a few ms at any batch size."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

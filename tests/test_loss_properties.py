@@ -318,3 +318,29 @@ def test_bad_inputs_raise_clear_errors():
         decoupled_ppo_loss(good, cap=1.0)
     with pytest.raises(ValueError, match="correction_high"):
         correct(torch.ones(3), "cap", 0.0, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("method", ["cap", "icepop"])
+def test_fused_masks_are_exact_at_the_bounds(dtype, method):
+    """u = 1, l = 2^-2: log-ratios exactly on a bound are kept, a hair past it are zeroed."""
+    tiny = 2.0**-40
+    d3 = torch.tensor([[0.0, tiny, math.log(0.25), -1.3862943611198906 - 1e-6]], dtype=dtype)
+    zeros = torch.zeros_like(d3)
+    inputs = LossInputs(
+        logprobs=zeros.clone(),
+        proximal_logprobs=d3,
+        rollout_logprobs=zeros,
+        behavior_logprobs=zeros,
+        advantages=torch.ones_like(d3),
+        loss_mask=torch.ones(d3.shape, dtype=torch.bool),
+    )
+    cfg = CompISConfig(
+        engine_method="none", staleness_method=method, staleness_low=0.25, staleness_high=1.0
+    )
+    w = compis_terms(inputs, cfg).weight[0]
+    assert w[0].item() == 1.0 and w[1].item() == 0.0
+    if method == "icepop":
+        assert w[2].item() == pytest.approx(0.25) and w[3].item() == 0.0
+    else:
+        assert w[2].item() == pytest.approx(0.25) and w[3].item() > 0.0
