@@ -1,4 +1,4 @@
-"""World size 2 (two gloo processes): DP2, TP2+SP and EP2 agree with DP1; export gathers
+"""World size 2 (two gloo processes): DP2, TP2+SP, EP2 and PP2 agree with DP1; export gathers
 shards exactly; a TP2 checkpoint resumes under TP1 (resharded) with the same weights."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from slime_async.modelspec import TINY_MOE
 pytestmark = pytest.mark.timeout(300)
 torch.set_num_threads(1)
 
-LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "ep2": (1, 2)}
+LAYOUTS = {"dp2": (1, 1, 1), "tp2": (2, 1, 1), "ep2": (1, 2, 1), "pp2": (1, 1, 2)}  # tp, ep, pp
 STEPS = 2
 
 
@@ -23,6 +23,7 @@ def _cfg(**kw):
     from slime_async.trainer.config import TrainerConfig
 
     base = dict(lr=1e-3, micro_batch_size=2, seed=5, clip_grad=0.0, keep_old_actor=True,
+                routing_replay="r2",
                 max_snapshots=3)  # fmt: skip
     base.update(kw)
     return TrainerConfig(**base)
@@ -34,19 +35,46 @@ def _batch():
     return random_batch(TINY_MOE, batch=8, width=18, prompt=5, seed=9)
 
 
+def _routed_batch():
+    """The test batch with random (fixed) engine routing for R3."""
+    import numpy as np
+
+    b = _batch()
+    rng = np.random.default_rng(4)
+    n, nl, k, e = b.width - 1, TINY_MOE.num_layers, TINY_MOE.moe_topk, TINY_MOE.num_experts
+    routed = tuple(
+        np.stack([rng.permutation(e)[:k] for _ in range(n * nl)]).reshape(n, nl, k)
+        for _ in range(b.size)
+    )
+    return dataclasses.replace(b, routed_experts=routed)
+
+
+def _r3_logprobs(tr):
+    from slime_async.trainer.replay import RoutingReplay
+
+    old = tr.cfg
+    tr.cfg = dataclasses.replace(old, routing_replay=RoutingReplay.R3)
+    try:
+        return tr.compute_logprobs(_routed_batch())[0]
+    finally:
+        tr.cfg = old
+
+
 def _worker(rank: int, port: int, hf_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     from slime_async.trainer.trainer import MegatronTrainer
 
     results: dict[str, object] = {}
-    for name, (tp, ep) in LAYOUTS.items():
+    for name, (tp, ep, pp) in LAYOUTS.items():
         cfg = _cfg(hf_checkpoint=hf_dir, tensor_model_parallel_size=tp,
-                   expert_model_parallel_size=ep, save=os.path.join(out_dir, f"ck_{name}"))  # fmt: skip
+                   expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
+                   save=os.path.join(out_dir, f"ck_{name}"))  # fmt: skip
         tr = MegatronTrainer(cfg, TINY_MOE, rank=rank, world_size=2, master_port=port)
         init = tr.export_weights().tensors
         metrics = [tr.train_step(_batch()) for _ in range(STEPS)]
         lp, _ = tr.compute_logprobs(_batch())
         lp_j = tr.compute_behavior_logprobs(_batch())
+        lp_r3 = _r3_logprobs(tr)
         final = tr.export_weights().tensors
         if name == "tp2":
             tr.save_checkpoint()
@@ -58,6 +86,8 @@ def _worker(rank: int, port: int, hf_dir: str, out_dir: str) -> None:
                 "gnorm": torch.tensor([m["train/grad_norm"] for m in metrics], dtype=torch.float64),
                 "lp": lp,
                 "lp_j": lp_j,
+                "lp_r3": lp_r3,
+                "layout": torch.tensor([tr.layout.tp, tr.layout.ep, tr.layout.pp]),
             }
         tr.shutdown()
     if rank == 0:
@@ -73,6 +103,8 @@ def test_world_size_2_layouts_match_dp1(tmp_path):
     ref_metrics = [ref.train_step(_batch()) for _ in range(STEPS)]
     ref_lp, _ = ref.compute_logprobs(_batch())
     ref_lp_j = ref.compute_behavior_logprobs(_batch())  # version 0 snapshot, 2 updates ago
+    ref_lp_r3 = _r3_logprobs(ref)
+    assert (ref_lp_r3 - ref_lp).abs().max() > 1e-2  # random routing really changes log-probs
     ref_final = ref.export_weights().tensors
     mp.spawn(_worker, args=(free_port(), str(hf_dir), str(tmp_path)), nprocs=2, join=True)
     res = torch.load(tmp_path / "results.pt", weights_only=True)
@@ -87,6 +119,8 @@ def test_world_size_2_layouts_match_dp1(tmp_path):
         assert torch.allclose(r["gnorm"], ref_gn, rtol=1e-4), (name, r["gnorm"], ref_gn)
         assert (r["lp"] - ref_lp).abs().max() <= 1e-4, name
         assert (r["lp_j"] - ref_lp_j).abs().max() <= 1e-5, name
+        assert (r["lp_r3"] - ref_lp_r3).abs().max() <= 1e-5, name  # R3 sliced per rank/stage
+        assert r["layout"].tolist() == list(LAYOUTS[name]), name
         for k in ref_final:
             assert (r["final"][k] - ref_final[k]).abs().max() <= 1e-4, (name, k)
     # a TP2 checkpoint loads into this TP1 process (resharded) with the same weights

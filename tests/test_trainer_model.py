@@ -229,3 +229,29 @@ def test_batch_validation_messages():
         TrainerBatch.from_lists(tokens=[[1, 2, 3]], prompt_lengths=[1], rollout_logprobs=[[0.0, 0.0]],
                                 advantages=[1.0], versions=[0],
                                 routed_experts=[np.zeros((3, 2, 2), dtype=np.int32)])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec", [TINY_MOE, LLAMA, ModelSpec(family="llama", tie_word_embeddings=True)]
+)
+def test_hf_shapes_match_what_save_pretrained_writes(spec, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from slime_async.trainer.hf_convert import hf_shapes
+
+    AutoModelForCausalLM.from_config(spec.to_hf_config()).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        written = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    assert written == hf_shapes(spec)
+
+
+def test_layout_errors_say_what_to_change():
+    from slime_async.trainer.parallel import resolve_layout
+
+    assert resolve_layout(world_size=4, tp=2, ep=1, pp=1).dp == 2
+    assert resolve_layout(world_size=2, tp=1, ep=1, pp=2).dp == 1
+    with pytest.raises(ValueError, match="not divisible by tp\\*pp=2"):
+        resolve_layout(world_size=3, tp=2, ep=1, pp=1)
+    with pytest.raises(ValueError, match="must divide the data-parallel size 1"):
+        resolve_layout(world_size=2, tp=2, ep=2, pp=1)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from slime_async.modelspec import ModelSpec
-from slime_async.trainer.parallel import all_gather_cat
+from slime_async.trainer.parallel import all_gather_cat, all_reduce_sum
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -52,6 +52,13 @@ class _Ranks:
         self.ep = ps.get_expert_model_parallel_world_size() if on else 1
         self.ep_rank = ps.get_expert_model_parallel_rank() if on else 0
         self.ep_group = ps.get_expert_model_parallel_group() if on else None
+        self.pp = ps.get_pipeline_model_parallel_world_size() if on else 1
+        self.pp_rank = ps.get_pipeline_model_parallel_rank() if on else 0
+        self.pp_group = ps.get_pipeline_model_parallel_group() if on else None
+
+    def layer_offset(self, spec: ModelSpec) -> int:
+        """Global index of this pipeline stage's first layer (layers split evenly)."""
+        return self.pp_rank * (spec.num_layers // self.pp)
 
 
 def _gather(t: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> list[torch.Tensor]:
@@ -88,16 +95,19 @@ def megatron_to_hf_tensors(
     def gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.cat(_gather(t, r.tp_group, r.tp), dim=dim)
 
-    out["model.embed_tokens.weight"] = gather_tp(params["embedding.word_embeddings.weight"], 0)
-    if not spec.tie_word_embeddings:
+    if "embedding.word_embeddings.weight" in params:  # first pipeline stage
+        out["model.embed_tokens.weight"] = gather_tp(params["embedding.word_embeddings.weight"], 0)
+    if "output_layer.weight" in params and not spec.tie_word_embeddings:  # last stage
         out["lm_head.weight"] = gather_tp(params["output_layer.weight"], 0)
-    out["model.norm.weight"] = params["decoder.final_layernorm.weight"]
+    if "decoder.final_layernorm.weight" in params:
+        out["model.norm.weight"] = params["decoder.final_layernorm.weight"]
     experts: dict[tuple[int, int, str], torch.Tensor] = {}
+    offset = r.layer_offset(spec)
     for name, p in params.items():
         m = _LAYER.match(name)
         if m is None:
             continue
-        i, rest = int(m.group(1)), m.group(2)
+        i, rest = int(m.group(1)) + offset, m.group(2)
         pre = f"model.layers.{i}."
         if rest in _SIMPLE:
             out[pre + _SIMPLE[rest]] = p
@@ -121,7 +131,26 @@ def megatron_to_hf_tensors(
             raise KeyError(f"no HF mapping for megatron parameter {name!r}")
     _export_experts(experts, spec, r, out)
     # copies: the export must not alias live parameters (the optimizer mutates them)
-    return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in out.items()}
+    full = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in out.items()}
+    return _union_pipeline(full, spec, r)
+
+
+def _union_pipeline(
+    local: dict[str, torch.Tensor], spec: ModelSpec, r: _Ranks
+) -> dict[str, torch.Tensor]:
+    """Every pipeline stage gets every stage's tensors (zero-filled sum over the PP group)."""
+    if r.pp == 1:
+        return local
+    shapes = hf_shapes(spec)
+    names = sorted(shapes)
+    flat = torch.cat([local.get(n, torch.zeros(shapes[n])).reshape(-1) for n in names])
+    all_reduce_sum(flat, r.pp_group)
+    out, at = {}, 0
+    for n in names:
+        size = int(torch.Size(shapes[n]).numel())
+        out[n] = flat[at : at + size].view(shapes[n]).clone()
+        at += size
+    return out
 
 
 def _export_experts(
@@ -198,6 +227,7 @@ def hf_to_megatron_tensors(
 ) -> dict[str, torch.Tensor]:
     """This rank's shards (megatron name → tensor) of full HF-named tensors."""
     r = _Ranks()
+    offset = r.layer_offset(spec)
     result: dict[str, torch.Tensor] = {}
     hf = _normalize_hf(hf, spec)
     used: set[str] = set()
@@ -225,7 +255,7 @@ def hf_to_megatron_tensors(
             m = _LAYER.match(name)
             if m is None:
                 raise KeyError(f"no HF mapping for megatron parameter {name!r}")
-            i, rest = int(m.group(1)), m.group(2)
+            i, rest = int(m.group(1)) + offset, m.group(2)
             pre = f"model.layers.{i}."
             if rest in _SIMPLE:
                 new = get(pre + _SIMPLE[rest])
@@ -269,18 +299,38 @@ def hf_to_megatron_tensors(
 
 def hf_names(spec: ModelSpec) -> set[str]:
     """Every tensor name `save_pretrained` writes for a model of this spec."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    return set(hf_shapes(spec))
+
+
+def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor `save_pretrained` writes for a model of this spec."""
+    h, v, hd = spec.hidden_size, spec.vocab_size, spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+    }
     if not spec.tie_word_embeddings:
-        names.add("lm_head.weight")
+        shapes["lm_head.weight"] = (v, h)
     for i in range(spec.num_layers):
         pre = f"model.layers.{i}."
-        names |= {pre + "input_layernorm.weight", pre + "post_attention_layernorm.weight"}
-        names |= {pre + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+        shapes[pre + "input_layernorm.weight"] = (h,)
+        shapes[pre + "post_attention_layernorm.weight"] = (h,)
+        shapes[pre + "self_attn.q_proj.weight"] = (spec.num_attention_heads * hd, h)
+        shapes[pre + "self_attn.k_proj.weight"] = (spec.num_key_value_heads * hd, h)
+        shapes[pre + "self_attn.v_proj.weight"] = (spec.num_key_value_heads * hd, h)
+        shapes[pre + "self_attn.o_proj.weight"] = (h, spec.num_attention_heads * hd)
         if spec.is_moe:
-            names |= {pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"}
-            names.add(pre + "mlp.gate.weight")
+            shapes[pre + "self_attn.q_norm.weight"] = (hd,)
+            shapes[pre + "self_attn.k_norm.weight"] = (hd,)
+            shapes[pre + "mlp.gate.weight"] = (spec.num_experts, h)
+            f = spec.moe_intermediate_size
             for e in range(spec.num_experts):
-                names |= {pre + f"mlp.experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down")}
+                shapes[pre + f"mlp.experts.{e}.gate_proj.weight"] = (f, h)
+                shapes[pre + f"mlp.experts.{e}.up_proj.weight"] = (f, h)
+                shapes[pre + f"mlp.experts.{e}.down_proj.weight"] = (h, f)
         else:
-            names |= {pre + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
-    return names
+            f = spec.intermediate_size
+            shapes[pre + "mlp.gate_proj.weight"] = (f, h)
+            shapes[pre + "mlp.up_proj.weight"] = (f, h)
+            shapes[pre + "mlp.down_proj.weight"] = (h, f)
+    return shapes

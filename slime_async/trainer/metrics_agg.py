@@ -91,3 +91,29 @@ class MetricAccumulator:
             all_reduce_sum(t, group, op=op)
             out.update({k: float(v) for k, v in zip(ks, t.tolist()) if math.isfinite(v)})
         return out
+
+
+def broadcast_metrics(
+    metrics: dict[str, float], *, src: int, group: dist.ProcessGroup
+) -> dict[str, float]:
+    """Every rank of `group` gets `src`'s metrics (keys as UTF-8 bytes, values as float64)."""
+    from slime_async.trainer.parallel import comm_device
+
+    dev = comm_device()
+    is_src = dist.get_rank() == src
+    keys = sorted(metrics) if is_src else []
+    raw = "\n".join(keys).encode()
+    head = torch.tensor([len(raw), len(keys)], dtype=torch.long, device=dev)
+    dist.broadcast(head, src=src, group=group)
+    nbytes, nkeys = (int(x) for x in head.tolist())
+    buf = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+    if is_src and raw:
+        buf[:nbytes] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    vals = torch.tensor(
+        [metrics[k] for k in keys] if is_src else [0.0] * nkeys, dtype=torch.float64
+    )
+    buf, vals = buf.to(dev), vals.to(dev)
+    dist.broadcast(buf, src=src, group=group)
+    dist.broadcast(vals, src=src, group=group)
+    names = bytes(buf[:nbytes].cpu().tolist()).decode().split("\n") if nbytes else []
+    return dict(zip(names, vals.cpu().tolist()))

@@ -90,6 +90,7 @@ def build_model(
     Clears megatron's global RouterReplay instance list first, so the list holds exactly this
     model's MoE layers in construction order (one per local MoE layer).
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -108,8 +109,8 @@ def build_model(
         transformer_layer_spec=layer_spec,
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
         parallel_output=False,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",

@@ -28,7 +28,7 @@ class ParallelLayout:
     ep: int = 1
     """Expert-parallel size (experts are split across ranks; tokens use the allgather dispatcher)."""
     pp: int = 1
-    """Pipeline-parallel size (only 1 is supported by this trainer today)."""
+    """Pipeline-parallel size (layers split evenly; sequential stage schedule)."""
     dp: int = 1
     """Data-parallel size = world_size / (tp * pp)."""
 
@@ -38,20 +38,16 @@ class ParallelLayout:
 
 def resolve_layout(*, world_size: int, tp: int, ep: int, pp: int) -> ParallelLayout:
     """Check the sizes against the world size and derive DP; raises ValueError with the fix."""
-    if pp != 1:
-        raise ValueError(
-            f"pipeline parallel size {pp} is not supported by slime_async.trainer yet; "
-            "use --pipeline-model-parallel-size 1 (TP/EP/DP are supported)"
-        )
-    if tp < 1 or ep < 1 or world_size % (tp * pp):
+    if tp < 1 or ep < 1 or pp < 1 or world_size % (tp * pp):
         raise ValueError(
             f"world size {world_size} is not divisible by tp*pp={tp * pp}; choose sizes whose "
             "product divides the number of trainer processes"
         )
     dp = world_size // (tp * pp)
-    if (dp * tp) % ep:
+    if dp % ep:
         raise ValueError(
-            f"expert parallel size {ep} must divide dp*tp={dp * tp} (world {world_size})"
+            f"expert parallel size {ep} must divide the data-parallel size {dp} (world "
+            f"{world_size} = tp {tp} x pp {pp} x dp {dp}; experts are TP-sharded like dense layers)"
         )
     return ParallelLayout(tp=tp, ep=ep, pp=pp, dp=dp)
 
@@ -98,12 +94,14 @@ def groups() -> dict[str, dist.ProcessGroup | None]:
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        return {"dp": None, "tp": None, "edp": None, "emp": None}
+        return {"dp": None, "tp": None, "pp": None, "mp": None, "edp": None, "emp": None}
     return {
         "dp": ps.get_data_parallel_group(),
         "tp": ps.get_tensor_model_parallel_group(),
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "mp": ps.get_model_parallel_group(),
         "edp": ps.get_expert_data_parallel_group(),
-        "emp": ps.get_expert_tensor_and_model_parallel_group(),
+        "emp": ps.get_expert_tensor_model_pipeline_parallel_group(),
     }
 
 
@@ -196,6 +194,6 @@ def grad_norm(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> torch.T
         elif is_tp_partitioned(p) or tp_rank == 0:
             dense += sq
     g = groups()
-    all_reduce_sum(dense, g["tp"])
+    all_reduce_sum(dense, g["mp"])  # TP shards and pipeline stages hold distinct params
     all_reduce_sum(expert, g["emp"])
     return (dense + expert).sqrt()

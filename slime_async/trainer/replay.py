@@ -47,13 +47,15 @@ def engine_routing_to_replay(
     width: int,
     tp: int = 1,
     tp_rank: int = 0,
+    layers: list[int] | None = None,
 ) -> list[torch.Tensor]:
     """Per local MoE layer `[width/tp * B, K]` int64 indices for one micro-batch.
 
     `routed[b]` is `[n_b, L, K]` with `n_b ≤ width` rows (the engine's `T−1` rows); missing
     rows (the last token, padding) get the synthetic distinct ids `arange(K) % E` — those
-    positions are never trained. Dense layers are skipped. Raises ValueError on bad shapes or
-    ids outside `[0, E)`.
+    positions are never trained. Dense layers are skipped; `layers` (global indices, default
+    all MoE layers) selects this pipeline stage's. Raises ValueError on bad shapes or ids
+    outside `[0, E)`.
     """
     k, e, nl = spec.moe_topk, spec.num_experts, spec.num_layers
     if width % tp:
@@ -76,7 +78,8 @@ def engine_routing_to_replay(
     shard = width // tp
     seq_major = seq_major[tp_rank * shard : (tp_rank + 1) * shard]
     flat = seq_major.reshape(shard * bsz, nl, k)
-    return [flat[:, layer].contiguous() for layer in spec.moe_layers()]
+    wanted = spec.moe_layers() if layers is None else layers
+    return [flat[:, layer].contiguous() for layer in wanted]
 
 
 def replay_instances() -> list[object]:

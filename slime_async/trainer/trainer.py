@@ -24,16 +24,14 @@ from slime_async.modelspec import ModelSpec
 from slime_async.trainer import checkpoint, cpu_compat, hf_convert, parallel, weights_io
 from slime_async.trainer.batch import TrainerBatch
 from slime_async.trainer.config import TrainerConfig, lr_at
-from slime_async.trainer.forward import model_logits, padded_width, token_logprobs
-from slime_async.trainer.metrics_agg import MetricAccumulator
+from slime_async.trainer.forward import padded_width, token_logprobs
+from slime_async.trainer.metrics_agg import MetricAccumulator, broadcast_metrics
 from slime_async.trainer.model import build_model
+from slime_async.trainer.pipeline import StageExecutor
 from slime_async.trainer.replay import (
     RoutingReplay,
-    bound,
     engine_routing_to_replay,
-    recording,
     replay_instances,
-    replaying,
 )
 from slime_async.trainer.snapshots import SnapshotStore
 
@@ -86,10 +84,21 @@ class MegatronTrainer:
             raise ValueError(
                 f"num_experts={spec.num_experts} is not divisible by EP={self.layout.ep}"
             )
+        if spec.num_layers % self.layout.pp:
+            raise ValueError(
+                f"num_layers={spec.num_layers} is not divisible by PP={self.layout.pp}"
+            )
+        if spec.tie_word_embeddings and self.layout.pp > 1:
+            raise ValueError(
+                "tied embeddings with pipeline parallelism are not supported; use PP=1"
+            )
         parallel.init_model_parallel(self.layout, seed=cfg.seed)
         self.rank, self.world_size = rank, world_size
         self.model = build_model(spec, self.layout)
         self._routers = list(replay_instances())
+        self.stage = StageExecutor(
+            self.model, self._routers, tp=self.layout.tp, hidden_size=spec.hidden_size
+        )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=lr_at(0, cfg),
@@ -147,11 +156,16 @@ class MegatronTrainer:
             width=padded_width(mb.width, self.layout.tp),
             tp=self.layout.tp,
             tp_rank=self.tp_rank,
+            layers=self._local_moe_layers(),
         )
 
-    def _forward(self, mb: TrainerBatch, routing: Routing) -> torch.Tensor:
-        with bound(self._routers), replaying(routing):
-            return model_logits(self.model, mb.tokens, tp=self.layout.tp)
+    def _local_moe_layers(self) -> list[int]:
+        """Global indices of this pipeline stage's MoE layers (replay data order)."""
+        from megatron.core import parallel_state as ps
+
+        n = self.spec.num_layers // self.layout.pp
+        lo = ps.get_pipeline_model_parallel_rank() * n
+        return [i for i in self.spec.moe_layers() if lo <= i < lo + n]
 
     @torch.no_grad()
     def _logprobs_local(
@@ -159,15 +173,17 @@ class MegatronTrainer:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         lps, ents = [], []
         for i, mb in enumerate(mbs):
-            rec: list[torch.Tensor] = []
-            ctx = recording(rec) if record is not None else contextlib.nullcontext()
-            with bound(self._routers), ctx:
-                logits = self._forward(mb, routing[i])
-            if record is not None:
-                record.append(rec or None)
-            lp, ent = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
-            lps.append(lp.cpu())
-            ents.append(ent.cpu())
+
+            def head(logits: torch.Tensor, mb: TrainerBatch = mb) -> torch.Tensor:
+                lp, ent = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
+                return torch.stack([lp, ent]).cpu()
+
+            out = self.stage.run(mb.tokens, routing[i], head=head, grad=False, record=record)
+            if out is None:
+                out = torch.zeros(2, *mb.tokens.shape)
+            out = self.stage.broadcast_from_last(out)
+            lps.append(out[0])
+            ents.append(out[1])
         return lps, ents
 
     def compute_logprobs(
@@ -280,15 +296,20 @@ class MegatronTrainer:
         acc = MetricAccumulator()
         total = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(mbs):
-            logits = self._forward(mb, routing[i])
-            lp, _ = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
-            inputs = self._loss_inputs(
-                mb, lp, lp_k[i], None if lp_j is None else lp_j[i], n_tok, n_seq
-            )
-            out = compis_loss(inputs, self.cfg.loss)
-            out.loss.backward()
-            total += out.loss.detach().double().cpu()
-            acc.add(out.metrics, weight=float(mb.loss_mask.sum()))
+            lp_ji = None if lp_j is None else lp_j[i]
+
+            def head(logits: torch.Tensor, mb: TrainerBatch = mb, i: int = i, lp_ji=lp_ji):
+                lp, _ = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
+                out = compis_loss(
+                    self._loss_inputs(mb, lp, lp_k[i], lp_ji, n_tok, n_seq), self.cfg.loss
+                )
+                return out.loss, out.metrics
+
+            res = self.stage.run(mb.tokens, routing[i], head=head, grad=True)
+            if res is None:  # not the last pipeline stage: no loss here
+                continue
+            total += res[0].detach().double().cpu()
+            acc.add(res[1], weight=float(mb.loss_mask.sum()))
             m = mb.loss_mask
             acc.add({"policy/entropy": float(ent[i][m].sum() / max(1, int(m.sum())))},
                     weight=float(m.sum()))  # fmt: skip
@@ -309,7 +330,12 @@ class MegatronTrainer:
         if self.cfg.keep_old_actor:
             self.snapshots.snapshot(self.model, self.version)
         parallel.all_reduce_sum(total, self._groups()["dp"])
+        parallel.all_reduce_sum(total, self._groups()["pp"])  # only the last stage has a loss
         metrics = acc.reduce(self._groups()["dp"] if self.layout.dp > 1 else None)
+        if self.layout.pp > 1:
+            metrics = broadcast_metrics(
+                metrics, src=self.stage.last_rank, group=self._groups()["pp"]
+            )
         metrics.pop("loss/value", None)  # a micro-batch's share; the step's loss is loss/total
         metrics.update({
             "loss/total": float(total),
