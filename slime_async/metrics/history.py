@@ -40,7 +40,7 @@ class MetricsHistory:
                 values.append(float(v))
         return steps, values
 
-    def keys(self) -> set[str]:
+    def metric_keys(self) -> set[str]:
         """Every metric key that appears in any record."""
         out: set[str] = set()
         for r in self.records:

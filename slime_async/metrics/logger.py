@@ -174,7 +174,6 @@ class MetricsLogger:
 
     def _warn(self, w: GuardWarning) -> None:
         self.warnings.append(w)
-        log.warning("step %d: %s", w.step, w.message)
         print(f"WARNING step {w.step} [{w.kind}]: {w.message}", file=self._stderr or sys.stderr,
               flush=True)  # fmt: skip
         self.jsonl.write({"step": w.step, "event": "guard", "kind": str(w.kind), "key": w.key,
