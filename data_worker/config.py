@@ -12,6 +12,17 @@ import math
 from enum import StrEnum
 
 
+class ProbeSiblings(StrEnum):
+    """What the other n - 1 samples of a group do while its probe (sample 0) runs."""
+
+    QUEUE = "queue"
+    """Queue at once at the default expected length; re-ranked when the probe returns."""
+    BACKFILL = "backfill"
+    """Held back, but dispatched into engine slots that would otherwise stay idle."""
+    HOLD = "hold"
+    """Held back until the probe returns."""
+
+
 class PartialRolloutPolicy(StrEnum):
     """What happens to a generation that is aborted (by `pause()` or by the engine)."""
 
@@ -41,9 +52,9 @@ class DataWorkerConfig:
     length_probe: bool = True
     """Probe dispatch: unknown prompts send sample 0 first; the rest follow longest-first.
     False: every sample is dispatched at once in submission (FIFO) order."""
-    probe_backfill: bool = True
-    """Work-conserving probes: when a slot would otherwise idle, dispatch a sample that is
-    waiting on its probe anyway (at the default expected length)."""
+    probe_siblings: ProbeSiblings = ProbeSiblings.QUEUE
+    """While a probe runs, its group's other samples are `queue`d at the default length and
+    re-ranked when it returns, `backfill`ed into idle slots only, or `hold` until it returns."""
     length_ema_alpha: float = 0.5
     """Weight of a new response length in the per-prompt EMA (1.0 = keep only the latest)."""
     default_expected_len: int = 1024
@@ -114,6 +125,13 @@ def validate_config(cfg: DataWorkerConfig) -> None:
                 f"partial_rollout must be 'continue' or 'requeue', got {cfg.partial_rollout!r}."
             ) from None
         object.__setattr__(cfg, "partial_rollout", PartialRolloutPolicy(cfg.partial_rollout))
+    if not isinstance(cfg.probe_siblings, ProbeSiblings):
+        try:
+            object.__setattr__(cfg, "probe_siblings", ProbeSiblings(cfg.probe_siblings))
+        except ValueError:
+            raise ValueError(
+                f"probe_siblings must be 'queue', 'backfill' or 'hold', got {cfg.probe_siblings!r}."
+            ) from None
     if not 0.0 < cfg.length_ema_alpha <= 1.0:
         raise ValueError(f"length_ema_alpha must be in (0, 1], got {cfg.length_ema_alpha!r}.")
     if not isinstance(cfg.default_expected_len, int) or cfg.default_expected_len < 1:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from enum import Enum
 
 from data_worker.budget import admission_limit
-from data_worker.config import DataWorkerConfig, PartialRolloutPolicy
+from data_worker.config import DataWorkerConfig, PartialRolloutPolicy, ProbeSiblings
 from data_worker.length_cache import LengthCache
 from data_worker.source import PromptSource
 from data_worker.types import (
@@ -73,6 +73,7 @@ class _Slot:
         "attempts",
         "enqueued_at",
         "first_version",
+        "gen",
         "index",
         "payloads",
         "prefix_ids",
@@ -88,6 +89,7 @@ class _Slot:
         self.state = SampleState.WAITING_PROBE
         self.attempts = 0
         self.enqueued_at = 0.0
+        self.gen = 0
         self.first_version: int | None = None
         self.prefix_ids: list[int] = []
         self.versions = _EMPTY_RUNS
@@ -172,6 +174,8 @@ class SchedulerCore:
         self._bucket = cfg.bucket_groups
         self._n = cfg.n_samples_per_prompt
         self._queued_limit = cfg.queued_limit
+        self._siblings = cfg.probe_siblings
+        self._default_len = float(cfg.default_expected_len)
 
     # ---------------------------------------------------------------- admission
     def live(self) -> int:
@@ -231,11 +235,15 @@ class SchedulerCore:
         elif expected is None:
             self.n_probes += 1
             rec.probing = True
-            rec.next_wait = 1
-            self.waiting += self._n - 1
             self._push(rec.slots[0], 1, 0.0)
-            if self._n > 1:
-                self._waiters.append(rec)
+            if self._siblings is ProbeSiblings.QUEUE:
+                for slot in rec.slots[1:]:
+                    self._push(slot, 2, self._default_len)
+            else:
+                rec.next_wait = 1
+                self.waiting += self._n - 1
+                if self._n > 1:
+                    self._waiters.append(rec)
         else:
             self.n_cache_hits += 1
             for slot in rec.slots:
@@ -246,17 +254,24 @@ class SchedulerCore:
         slot.state = SampleState.QUEUED
         slot.enqueued_at = self.clock()
         self.queued += 1
-        heapq.heappush(self._heap, (tier, seq // self._bucket, -expected, seq, slot.index, slot))
+        key = (tier, seq // self._bucket, -expected, seq, slot.index, slot.gen, slot)
+        heapq.heappush(self._heap, key)
 
     # ---------------------------------------------------------------- dispatch
     def next_dispatch(self) -> Dispatch | None:
         """The next sample to send, or None when nothing is dispatchable."""
-        if self._heap:
-            tier, _, neg, _, _, slot = heapq.heappop(self._heap)
+        heap = self._heap
+        while heap:  # skip entries superseded by a re-rank
+            tier, _, neg, _, _, gen, slot = heapq.heappop(heap)
+            if gen == slot.gen and slot.state is SampleState.QUEUED:
+                break
+        else:
+            slot = None
+        if slot is not None:
             self.queued -= 1
             self.wait_sum += self.clock() - slot.enqueued_at
             self.wait_count += 1
-        elif self.cfg.probe_backfill and self._next_waiter() is not None:
+        elif self._siblings is ProbeSiblings.BACKFILL and self._next_waiter() is not None:
             rec = self._waiters[0]
             slot = rec.slots[rec.next_wait]
             rec.next_wait += 1
@@ -371,6 +386,13 @@ class SchedulerCore:
 
     def _release_waiters(self, rec: _Rec, expected: float) -> None:
         rec.probing = False
+        if self._siblings is ProbeSiblings.QUEUE:  # re-rank the still-queued siblings
+            for slot in rec.slots:
+                if slot.state is SampleState.QUEUED:
+                    slot.gen += 1
+                    key = (2, rec.seq // self._bucket, -expected, rec.seq, slot.index, slot.gen)
+                    heapq.heappush(self._heap, (*key, slot))
+            return
         for slot in rec.slots[rec.next_wait :]:
             self.waiting -= 1
             self._push(slot, 2, expected)

@@ -41,22 +41,29 @@ def _cfg(**kw) -> DataWorkerConfig:
     return DataWorkerConfig(**base)
 
 
-def test_probe_then_longest_first_then_cached_dispatch() -> None:
+@pytest.mark.parametrize("siblings", ["hold", "queue"])
+def test_probe_then_longest_first_then_cached_dispatch(siblings: str) -> None:
     lengths = {"p0": 10, "p1": 30}
     eng = SimulatedEngine(length_fn=_len_by_key(lengths))
     cfg = _cfg(
         n_samples_per_prompt=3,
         groups_per_step=1,
         max_inflight=1,
+        max_queued_samples=100,  # both groups are admitted at once
         default_expected_len=77,
         priority_bucket_groups=100,
+        probe_siblings=siblings,
+        max_staleness=1,  # B = 1: two groups admitted at v = 0, i.e. epoch 0 only
     )
     worker = RolloutDataWorker(cfg, _source(2, epochs=2), eng.generate)
 
     async def main() -> None:
         await worker.start()
-        for _ in range(4):
-            await worker.get_batch(1, 0)
+        for k in range(2):
+            await worker.get_batch(1, k)
+        worker.set_served_version(2)  # epoch 1 is admitted after both lengths are known
+        for k in range(2, 4):
+            await worker.get_batch(1, k)
         await worker.stop()
 
     run_virtual(main())
@@ -77,15 +84,17 @@ def test_probe_then_longest_first_then_cached_dispatch() -> None:
     assert worker.metrics()["data/probe_hit_rate"] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("backfill", [True, False])
-def test_probe_backfill_uses_idle_slots(backfill: bool) -> None:
+@pytest.mark.parametrize(
+    ("siblings", "active", "sib_len"), [("queue", 4, 5), ("backfill", 4, 5), ("hold", 3, 20)]
+)
+def test_probe_siblings_modes_use_idle_slots(siblings: str, active: int, sib_len: int) -> None:
     eng = SimulatedEngine(length_fn=lambda p, i: 20)
     cfg = _cfg(
         n_samples_per_prompt=4,
         groups_per_step=1,
         max_staleness=0,
         max_inflight=8,
-        probe_backfill=backfill,
+        probe_siblings=siblings,
         default_expected_len=5,
     )
     worker = RolloutDataWorker(cfg, _source(1), eng.generate)
@@ -97,10 +106,9 @@ def test_probe_backfill_uses_idle_slots(backfill: bool) -> None:
         await worker.stop()
 
     run_virtual(main())
-    # S = 0, B = 1: the budget admits one group; backfill runs its siblings during the probe
-    assert eng.max_active == (4 if backfill else 3)
-    sibling_expected = {c.expected_len for c in eng.calls if c.sample_index > 0}
-    assert sibling_expected == ({5} if backfill else {20})
+    # S = 0, B = 1: the budget admits one group; only "hold" leaves slots idle during the probe
+    assert eng.max_active == active
+    assert {c.expected_len for c in eng.calls if c.sample_index > 0} == {sib_len}
 
 
 def test_no_probe_mode_dispatches_all_samples_in_submission_order() -> None:
