@@ -232,6 +232,17 @@ class LossInputs:
                 )
             if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
                 raise ValueError("cu_seqlens must be a 1-D integer tensor [B + 1] starting at 0.")
+            if int(cu[0]) != 0 or int(cu[-1]) > shape[0]:
+                raise ValueError(
+                    f"cu_seqlens must start at 0 and end at <= N={shape[0]}, got "
+                    f"{int(cu[0])}..{int(cu[-1])}."
+                )
+            end = int(cu[-1])
+            if end < shape[0] and bool(self.loss_mask[end:].any()):
+                raise ValueError(
+                    f"loss_mask is True past cu_seqlens[-1]={end} (packing padding); those "
+                    f"positions belong to no sequence: set loss_mask False there."
+                )
         elif self.logprobs.dim() != 2:
             raise ValueError(
                 f"inputs of shape {tuple(shape)} need to be padded [B, T], or packed [N] with "

@@ -311,9 +311,12 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="packed 1-D"):
         dataclasses.replace(good, cu_seqlens=torch.tensor([0, 12]))
     flat = {k: v.reshape(-1) for k, v in x.items()}
-    _, packed = make_inputs(flat, cu_seqlens=torch.tensor([1, 5]))
     with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
-        compis_loss(packed, cfg_for("seq-mean-token-mean", "keep"))
+        make_inputs(flat, cu_seqlens=torch.tensor([1, 5]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        from loss.ratios import segment_ids
+
+        segment_ids(torch.tensor([0, 5, 3]), 8)
     with pytest.raises(ValueError, match=r"cap=1.0 must be > 1"):
         decoupled_ppo_loss(good, cap=1.0)
     with pytest.raises(ValueError, match="correction_high"):
@@ -344,3 +347,10 @@ def test_fused_masks_are_exact_at_the_bounds(dtype, method):
         assert w[2].item() == pytest.approx(0.25) and w[3].item() == 0.0
     else:
         assert w[2].item() == pytest.approx(0.25) and w[3].item() > 0.0
+
+
+def test_packed_padding_past_cu_seqlens_must_be_masked():
+    flat = {k: v.reshape(-1) for k, v in random_batch().items()}
+    flat["mask"] = torch.ones_like(flat["mask"])
+    with pytest.raises(ValueError, match="past cu_seqlens"):
+        make_inputs(flat, cu_seqlens=torch.tensor([0, 10, 20]))

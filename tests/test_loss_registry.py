@@ -248,3 +248,12 @@ def test_slime_entry_point_reads_config_from_args():
     assert set(metrics) == {"pg_loss", "compis_fallback"}
     with pytest.raises(ValueError, match="engine_method='bogus'"):
         compis_config_from_args(SimpleNamespace(compis_engine_method="bogus"))
+
+
+def test_loss_package_is_a_leaf():
+    """Importing `loss` (and its slime adapter) never pulls in slime_async."""
+    import subprocess
+
+    code = "import sys, loss, loss.registry; print(any(m.startswith('slime_async') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
