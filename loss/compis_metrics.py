@@ -145,6 +145,9 @@ def compis_metrics(inputs: LossInputs, cfg: CompISConfig) -> dict[str, Metric]:
         "policy/logprob_mean": lp.sum(dtype=f64) / n,
         "policy/advantage_mean": adv.sum(dtype=f64) / n,
     }
+    if inputs.behavior_logprobs is not None:  # per-source weights w2 = f2(r2), w3 = f3(r3)
+        pol["is/engine/weight_mean"] = c2.exp().sum(dtype=f64) / n
+        pol["is/staleness/weight_mean"] = c3.exp().sum(dtype=f64) / n
     if cfg.dual_clip_c is not None:
         pol["policy/dual_clip_frac"] = ((adv < 0) & (r1 > cfg.dual_clip_c)).sum().to(f64) / n
     pol_f = to_floats(pol)

@@ -195,6 +195,15 @@ def test_C_derived_ratios_in_metrics():
     assert m["is/engine/mean"] == pytest.approx(1.4375)
     assert m["is/staleness/mean"] == pytest.approx(1.35)
     assert m["is/combined/mean"] == pytest.approx(1.3375)
+    c2 = compis_loss(inputs, cfg(("cap", 0.0, 2.0), ("clip", 0.5, 2.0))).metrics
+    assert c2["is/engine/weight_mean"] == pytest.approx(
+        (1 + 0 + 0.25 + 1.5) / 4
+    )  # w2 = [1, 0, .25, 1.5]
+    assert c2["is/staleness/weight_mean"] == pytest.approx(
+        (1 + 1 + 2 + 0.5) / 4
+    )  # w3 = [1, 1, 2, .5]
+    assert c2["is/weight/mean"] == pytest.approx((1 + 0 + 0.5 + 0.75) / 4)
+    assert c2["is/engine/masked_frac"] == 0.25 and c2["is/staleness/clipped_frac"] == 0.5
     assert m["is/drift/clipped_frac"] == pytest.approx(0.25)  # token 3: 0.5 < 0.8 with A < 0
     assert m["loss/compis_fallback"] == 0.0
 
