@@ -1,0 +1,72 @@
+"""The async training loop, readable top to bottom.
+
+Owns `train(cfg)`: pull a batch of completed groups from the data worker, train one step on
+it, push weights every `update_weights_interval` steps, evaluate and checkpoint on schedule.
+Rollout never waits for training: the data worker keeps dispatching in this same event loop
+while a train step runs in the trainer actor, limited only by the staleness budget
+(`--max-staleness S`: S = 0 synchronous, 1 one-step off-policy, > 1 fully async). Setting up
+the roles, the data and resuming live in `slime_async.launch`; this file is only the schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from slime_async.config import RunConfig
+from slime_async.launch import setup_run
+from slime_async.rollout.assemble import assemble
+
+log = logging.getLogger(__name__)
+
+
+async def train(cfg: RunConfig) -> dict[str, Any]:
+    """Run the whole job; returns the last step's metrics plus the run's accounting."""
+    run = await setup_run(cfg)  # data, warm start, Ray roles, trainer, data worker, resume
+    last: dict[str, Any] = {}
+    try:
+        await run.worker.start()
+        eval_task: asyncio.Task | None = None
+        for step in range(run.start_step, cfg.num_steps):
+            k = run.version  # trainer version = optimizer updates so far
+            t0 = time.perf_counter()
+            batch = await run.worker.get_batch(cfg.rollout.groups_per_step, current_version=k)
+            if not batch.groups:
+                log.warning("prompt source exhausted at step %d", step)
+                break
+            t1 = time.perf_counter()
+            data = assemble(batch, estimator=cfg.rollout.advantage_estimator)
+            train_metrics = await asyncio.to_thread(run.trainer.train_step, data.batch)
+            run.version = k + 1
+            run.record_trained(run.version, batch)
+            t2 = time.perf_counter()
+
+            sync: dict[str, float] = {}
+            if run.version % cfg.update_weights_interval == 0:
+                sync = await run.push_weights(run.version)
+            t3 = time.perf_counter()
+
+            eval_due = cfg.rollout.eval_interval and run.version % cfg.rollout.eval_interval == 0
+            if eval_due and (eval_task is None or eval_task.done()):
+                eval_task = asyncio.create_task(run.evaluate(step=run.version))
+            if run.should_save(run.version):
+                await run.save(run.version)
+
+            last = {
+                **train_metrics,
+                **data.metrics,
+                **run.worker.metrics(),
+                **sync,
+                **run.timing(wait_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2),
+            }
+            run.log(run.version, last)
+        if eval_task is not None:
+            await eval_task
+        if cfg.trainer.save and run.version > run.start_step:
+            await run.save(run.version)
+        last.update(run.accounting())
+        return last
+    finally:
+        await run.close()

@@ -1,0 +1,242 @@
+"""Everything `controller.train` needs before its first step, and the run's small services.
+
+Owns `setup_run` (prompt source and rewards, warm start, Ray roles in the right order, resume)
+and `Run` (weight push, evaluation, checkpoint, logging, timing, shutdown). Order matters:
+the trainer comes up first (fresh, from an HF directory, or resumed from `--load` through the
+guarded checkpoint loader), then its weights are exported and the engines start *from that
+export*, so engines and trainer always begin on identical weights at the same version, and a
+resume can never serve anything but the loaded weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from typing import Any
+
+from data_worker.config import PartialRolloutPolicy
+from data_worker.types import Group
+from data_worker.worker import RolloutDataWorker
+from loss import dynamic_sampling_keep
+from slime_async.config import RunConfig
+from slime_async.metrics import MetricsLogger
+from slime_async.roles import Cluster, init_ray, pin_actor, pin_cores
+from slime_async.rollout import rewards as rw
+from slime_async.rollout.assemble import ScoredGenerate
+from slime_async.rollout.client import GenerateClient, GenerateClientConfig
+from slime_async.rollout.sources import TaskPromptSource, task_prompt
+from slime_async.rollout.tasks import EOS, TaskFamily, TaskFamilyConfig
+from slime_async.rollout.warmstart import WarmStartConfig, warm_start
+from slime_async.trainer.actor import TrainerGroup
+from slime_async.weights import DiskTransport
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Run:
+    """Live state of one run (the controller reads `version`, calls the methods)."""
+
+    cfg: RunConfig
+    trainer: TrainerGroup
+    cluster: Cluster
+    worker: RolloutDataWorker
+    client: GenerateClient
+    transport: DiskTransport
+    logger: MetricsLogger
+    eval_prompts: list[Any]
+    reward_fn: Any
+    start_step: int
+    version: int
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    async def push_weights(self, version: int) -> dict[str, float]:
+        """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
+        requeue = self.cfg.data_worker.partial_rollout is PartialRolloutPolicy.REQUEUE
+        if requeue:  # abort in-flight generations; the data worker re-issues them whole
+            await self.worker.pause()
+        try:  # the engine pauses in place, swaps, continues: per-token versions record it
+            metrics = await self.transport.push(version)
+        finally:
+            if requeue:
+                await self.cluster.control.continue_generation()
+                await self.worker.resume()
+        self.worker.set_served_version(version)
+        return metrics
+
+    async def evaluate(self, *, step: int) -> None:
+        """Held-out pass rate (one sample per prompt, rollout temperature), logged at `step`."""
+        if not self.eval_prompts:
+            return
+        from data_worker.types import GenerationRequest
+
+        t0 = time.perf_counter()
+        scored = ScoredGenerate(self.client, self.reward_fn, eos_id=EOS,
+                                max_response_len=self.cfg.rollout.max_response_len)  # fmt: skip
+        reqs = [GenerationRequest(prompt=task_prompt(p), group_seq=-1 - i, sample_index=0)
+                for i, p in enumerate(self.eval_prompts)]  # fmt: skip
+        results = await asyncio.gather(
+            *(scored(r, 0.0, len(r.prompt.payload["label"]) + 1) for r in reqs)
+        )
+        by_level: dict[int, list[float]] = {}
+        for p, res in zip(self.eval_prompts, results, strict=True):
+            by_level.setdefault(p.level, []).append(float(res.payload.get("reward", 0.0)))
+        allr = [r for rs in by_level.values() for r in rs]
+        metrics = {"eval/reward": sum(allr) / max(1, len(allr)),
+                   "timing/eval_s": time.perf_counter() - t0}  # fmt: skip
+        for level, rs in sorted(by_level.items()):
+            metrics[f"eval/reward_level{level}"] = sum(rs) / len(rs)
+        self.logger.log(step, metrics)
+
+    def should_save(self, version: int) -> bool:
+        every = self.cfg.save_interval
+        return bool(self.cfg.trainer.save and every and version % every == 0)
+
+    async def save(self, version: int) -> None:
+        state = {"step": version, "worker": self.worker.state_dict(),
+                 "accounting": self.accounting()}  # fmt: skip
+        path = await asyncio.to_thread(self.trainer.save_checkpoint, None, extra_state=state)
+        log.info("checkpoint saved: %s", path)
+
+    def timing(self, *, wait_s: float, train_s: float, sync_s: float) -> dict[str, float]:
+        total = max(1e-9, wait_s + train_s + sync_s)
+        return {
+            "timing/wait_batch_s": wait_s,
+            "timing/train_s": train_s,
+            "timing/weight_sync_s": sync_s,
+            "timing/step_s": total,
+            "timing/elapsed_s": time.perf_counter() - self.started,
+            "idle/trainer_ratio": wait_s / total,
+        }
+
+    def accounting(self) -> dict[str, float]:
+        a = self.worker.accounting()
+        return {"accounting/dispatched": a.dispatched, "accounting/consumed": a.consumed,
+                "accounting/dropped": a.dropped, "accounting/filtered": a.filtered,
+                "accounting/pending": a.pending}  # fmt: skip
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.logger.log(step, metrics)
+
+    def record_trained(self, step: int, batch: Any) -> None:
+        """Append which prompt groups step `step` trained on (the prompt ledger)."""
+        row = {"step": step, "version": batch.current_version,
+               "groups": [[g.prompt.key, g.seq, g.min_version] for g in batch.groups],
+               "dropped": batch.dropped, "filtered": batch.filtered}  # fmt: skip
+        with open(self.cfg.run_dir / "trained.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    async def close(self) -> None:
+        try:
+            await self.worker.stop()
+        except Exception as e:  # shutting down after an error: report, keep closing
+            log.warning("data worker did not stop cleanly: %s", e)
+        await self.client.close()
+        await self.cluster.stop()
+        self.trainer.shutdown()
+        self.logger.close()
+
+
+def _reward_fn(cfg: RunConfig) -> Any:
+    if cfg.rollout.custom_rm_path:
+        return rw.load_reward_fn(cfg.rollout.custom_rm_path)
+    return rw.exact_match_reward if cfg.rollout.prompt_data is None else rw.math_verify_reward
+
+
+def _dapo_filter(group: Group) -> bool:
+    """DAPO dynamic sampling: drop a group whose rewards all agree (no learning signal)."""
+    rewards = [float(s.payload.get("reward", 0.0)) for s in group.samples]
+    return dynamic_sampling_keep([rewards])[0]
+
+
+async def setup_run(cfg: RunConfig) -> Run:
+    """Bring every role up and restore state when resuming."""
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "config.json").write_text(json.dumps(_describe(cfg), indent=2, default=str))
+    logger = MetricsLogger(cfg.run_dir, use_tensorboard=cfg.use_tensorboard,
+                           use_wandb=cfg.use_wandb, total_steps=cfg.num_steps)  # fmt: skip
+    if cfg.rollout.prompt_data is not None:
+        raise NotImplementedError("--prompt-data runs are wired in launch_data.py (not yet)")
+    family = TaskFamily(TaskFamilyConfig(seed=cfg.seed))
+    trainer_cfg = cfg.trainer
+    if trainer_cfg.load is None and trainer_cfg.hf_checkpoint is None and cfg.warmstart_steps:
+        pin_cores(cfg.trainer_cores + cfg.rollout_cores)
+        ws = await asyncio.to_thread(
+            warm_start, cfg.run_dir, spec=cfg.model,
+            config=WarmStartConfig(max_steps=cfg.warmstart_steps, seed=cfg.seed),
+            say=lambda m: log.info("%s", m),
+        )  # fmt: skip
+        trainer_cfg = dataclasses.replace(trainer_cfg, hf_checkpoint=str(ws.path))
+
+    init_ray()
+    trainer = await asyncio.to_thread(
+        TrainerGroup, trainer_cfg, cfg.model, num_threads=max(1, len(cfg.trainer_cores))
+    )
+    for actor in trainer.actors:
+        await pin_actor(actor, cfg.trainer_cores)
+    extra = await asyncio.to_thread(trainer.extra_state)
+    version = await asyncio.to_thread(trainer.version)
+    start_step = int(extra.get("step", 0)) if trainer_cfg.load else 0
+    if trainer_cfg.load and start_step != version:
+        raise RuntimeError(
+            f"checkpoint in {trainer_cfg.load} says step {start_step} but the trainer is at "
+            f"version {version}; the checkpoint is inconsistent, load an earlier one"
+        )
+
+    weights_root = cfg.run_dir / "weights"
+    first = weights_root / f"v{version:06d}"
+    await asyncio.to_thread(trainer.save_weights, first)
+    engine_cfg = dataclasses.replace(
+        cfg.engine, model_dir=str(first.resolve()), weight_version=str(version)
+    )
+    cluster = await Cluster.start(engine_cfg=engine_cfg, num_engines=cfg.num_engines,
+                                  router_cfg=cfg.router, rollout_cores=cfg.rollout_cores)  # fmt: skip
+    transport = DiskTransport(weights_root, trainer=trainer, control=cluster.control)
+
+    client = GenerateClient(
+        GenerateClientConfig(
+            url=cluster.router_url,
+            max_response_len=cfg.rollout.max_response_len,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            stop_token_ids=(EOS,),
+            return_routed_experts=cfg.trainer.routing_replay.value == "r3",
+        ),
+        num_layers=cfg.model.num_layers,
+        topk=cfg.model.moe_topk,
+    )
+    reward_fn = _reward_fn(cfg)
+    generate = ScoredGenerate(client, reward_fn, eos_id=EOS,
+                              max_response_len=cfg.rollout.max_response_len)  # fmt: skip
+
+    async def abort_all() -> None:
+        await cluster.control.pause_generation(mode="abort")
+
+    worker = RolloutDataWorker(
+        cfg.data_worker,
+        TaskPromptSource(family),
+        generate,
+        group_filter=_dapo_filter if cfg.rollout.dynamic_sampling else None,
+        abort_fn=abort_all,
+    )
+    if trainer_cfg.load:
+        worker.load_state_dict(extra["worker"])
+    worker.set_served_version(version)
+    per_level = max(1, cfg.rollout.eval_prompts // family.config.num_levels)
+    eval_prompts = family.eval_set(per_level) if cfg.rollout.eval_interval else []
+    return Run(
+        cfg=cfg, trainer=trainer, cluster=cluster, worker=worker, client=client,
+        transport=transport, logger=logger, eval_prompts=eval_prompts, reward_fn=reward_fn,
+        start_step=start_step, version=version,
+    )  # fmt: skip
+
+
+def _describe(cfg: RunConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+    return out

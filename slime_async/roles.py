@@ -1,0 +1,157 @@
+"""Ray roles of a run: engine actors, the router actor, and their start/stop.
+
+Owns `EngineActor`, `RouterActor`, `pin_cores` and `Cluster` (the handles the controller
+holds: engine actors, router URL + client, trainer actor). Every actor is created with
+`num_cpus=0`: on a 2-core node three `num_cpus=1` actors never schedule and `ray.get` hangs
+silently (cpu-stack.md §4). Cores are given out explicitly instead, by `os.sched_setaffinity`
+inside the actor: the CPU analogue of separate rollout and training GPU pools.
+Never imports the controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+
+import ray
+
+from router.client import RouterClient
+from router.config import RouterConfig
+from slime_async.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def pin_cores(cores: tuple[int, ...]) -> None:
+    """Restrict every thread of this process (and threads started later) to `cores`, and size
+    torch's intra-op pool to match."""
+    if not cores:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), set(cores))
+        except (ProcessLookupError, PermissionError):  # thread exited meanwhile
+            continue
+    import torch
+
+    torch.set_num_threads(len(cores))
+
+
+def _pin_actor(_actor: object, cores: tuple[int, ...]) -> int:
+    pin_cores(cores)
+    return os.getpid()
+
+
+async def pin_actor(actor: ray.actor.ActorHandle, cores: tuple[int, ...]) -> int:
+    """Pin a running actor's process to `cores` (works for any actor class); returns its pid."""
+    return await actor.__ray_call__.remote(_pin_actor, cores)
+
+
+@ray.remote(num_cpus=0)
+class EngineActor:
+    """An embedded engine served from inside a Ray actor (its own thread + event loop)."""
+
+    def __init__(self, cfg: EngineConfig, cores: tuple[int, ...] = ()) -> None:
+        pin_cores(cores)
+        from slime_async.engine import EngineServer
+
+        self._server = EngineServer(cfg)
+
+    def start(self) -> str:
+        return self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0)
+class RouterActor:
+    """The router served from an async Ray actor (the actor's event loop runs aiohttp)."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        from router.server import Router
+
+        self._router = Router(cfg)
+
+    async def start(self) -> str:
+        return await self._router.start()
+
+    async def stop(self) -> None:
+        await self._router.stop()
+
+
+def init_ray(*, num_cpus: int | None = None) -> None:
+    """Start a local Ray node quietly (no dashboard); a no-op when Ray is already up."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        num_cpus=num_cpus or max(2, os.cpu_count() or 2),
+        include_dashboard=False,
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+        configure_logging=False,
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
+class Cluster:
+    """Live handles of one run's roles."""
+
+    engines: list[ray.actor.ActorHandle]
+    engine_urls: list[str]
+    router: ray.actor.ActorHandle
+    router_url: str
+    control: RouterClient
+
+    @classmethod
+    async def start(
+        cls,
+        *,
+        engine_cfg: EngineConfig,
+        num_engines: int,
+        router_cfg: RouterConfig,
+        rollout_cores: tuple[int, ...],
+    ) -> Cluster:
+        """Start `num_engines` engines (cores split between them) and a router in front."""
+        engines, per = [], _split(rollout_cores, num_engines)
+        for i in range(num_engines):
+            cfg = dataclasses.replace(engine_cfg, seed=engine_cfg.seed + 1000 * i)
+            engines.append(EngineActor.remote(cfg, per[i]))
+        urls = list(await asyncio.gather(*(e.start.remote() for e in engines)))
+        rcfg = dataclasses.replace(router_cfg, worker_urls=tuple(urls))
+        router = RouterActor.remote(rcfg)
+        router_url = await router.start.remote()
+        log.info("engines %s behind router %s", urls, router_url)
+        return cls(
+            engines=engines,
+            engine_urls=urls,
+            router=router,
+            router_url=router_url,
+            control=RouterClient(router_url, token=rcfg.auth_token),
+        )
+
+    async def stop(self) -> None:
+        await self.control.close()
+        for call in (self.router.stop.remote(), *(e.stop.remote() for e in self.engines)):
+            try:
+                await asyncio.wait_for(call, 30)
+            except Exception as e:  # shutting down: report, never hang
+                log.warning("role did not stop cleanly: %s", e)
+        for actor in (self.router, *self.engines):
+            ray.kill(actor)
+
+
+def _split(cores: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
+    """Give each of n engines a disjoint share of `cores` (all of them share when too few)."""
+    if not cores:
+        return [()] * n
+    if len(cores) < n:
+        return [cores] * n
+    k = len(cores) // n
+    return [cores[i * k : (i + 1) * k] for i in range(n)]

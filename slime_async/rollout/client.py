@@ -1,0 +1,186 @@
+"""The rollout generate client: one data-worker sample -> one SGLang `/generate` call.
+
+Owns `GenerateClientConfig` and `GenerateClient`, the async callable the RolloutDataWorker is
+given. It builds SGLang's request (token ids in, log-probs and routed experts requested), sends
+it through the router with the `X-Expected-Tokens` hint, and turns the response into a
+`GenerationResult`: new tokens, per-token policy versions (from `meta_info.weight_versions`
+spans when the engine reports them, else `meta_info.weight_version`), finish status, and a
+payload with log-probs, routed experts and a count of non-finite log-probs. Rewards are not
+computed here (the controller scores finished samples). Never imports the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from data_worker.types import FinishStatus, GenerationRequest, GenerationResult
+from slime_async.engine.protocol import decode_routed_experts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateClientConfig:
+    """How rollouts are sampled and where the requests go."""
+
+    url: str
+    """Router (or single engine) base URL."""
+    max_response_len: int = 64
+    """Most new tokens per sample (a continued rollout gets what is left of it)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling (-1: whole vocabulary)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens besides the model's EOS."""
+    return_routed_experts: bool = False
+    """Ask the engine for MoE routing (needed for rollout routing replay, R3)."""
+    timeout_s: float = 600.0
+    """Per-request timeout."""
+    max_connection_retries: int = 20
+    """Connection-level retries (the router itself retries on engines); waits 0.5 s each."""
+
+
+class GenerateError(RuntimeError):
+    """The engine answered with an error the client cannot recover from."""
+
+
+def token_versions(meta: dict[str, Any], n_tokens: int) -> list[int]:
+    """Per-output-token versions from `weight_versions` spans, else the single `weight_version`."""
+    spans = meta.get("weight_versions")
+    if spans:
+        out = [int(meta.get("weight_version", 0))] * n_tokens
+        for span in spans:
+            v = int(span["version"])
+            for t in range(max(0, int(span["start"])), min(n_tokens, int(span["end"]))):
+                out[t] = v
+        return out
+    return [int(meta.get("weight_version", 0))] * n_tokens
+
+
+class GenerateClient:
+    """`await client(request, priority, expected_len) -> GenerationResult` over HTTP."""
+
+    def __init__(self, cfg: GenerateClientConfig, *, num_layers: int = 0, topk: int = 0) -> None:
+        self.cfg = cfg
+        self._num_layers, self._topk = num_layers, topk
+        self._session: aiohttp.ClientSession | None = None
+        self.nonfinite_logprobs = 0
+        """Tokens whose engine log-prob was NaN/inf (masked from the loss, counted)."""
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _s(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)
+            )
+        return self._session
+
+    def build_request(self, req: GenerationRequest) -> dict[str, Any]:
+        """SGLang `/generate` body for one sample (a continuation resends prompt + prefix)."""
+        cfg = self.cfg
+        budget = cfg.max_response_len - len(req.prefix_ids)
+        sampling: dict[str, Any] = {
+            "max_new_tokens": max(1, budget),
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "top_k": cfg.top_k,
+        }
+        if cfg.stop_token_ids:
+            sampling["stop_token_ids"] = list(cfg.stop_token_ids)
+        body: dict[str, Any] = {
+            "input_ids": [*req.prompt.prompt_ids, *req.prefix_ids],
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "rid": f"{req.prompt.key}-g{req.group_seq}-s{req.sample_index}-a{req.attempt}",
+        }
+        if cfg.return_routed_experts:
+            body["return_routed_experts"] = True
+        return body
+
+    async def __call__(
+        self, req: GenerationRequest, priority: float, expected_len: int
+    ) -> GenerationResult:
+        del priority  # ordering is the data worker's job; the router balances on expected_len
+        body = self.build_request(req)
+        headers = {"X-Expected-Tokens": str(max(1, int(expected_len)))}
+        data = await self._post(body, headers)
+        return self.parse_response(data, prompt_len=len(body["input_ids"]))
+
+    async def _post(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        last: Exception | None = None
+        for _ in range(self.cfg.max_connection_retries + 1):
+            try:
+                async with self._s().post(
+                    f"{self.cfg.url.rstrip('/')}/generate", json=body, headers=headers
+                ) as resp:
+                    text = await resp.text()
+                    if resp.status >= 500 or resp.status == 429:
+                        last = GenerateError(f"/generate HTTP {resp.status}: {text[:300]}")
+                    elif resp.status != 200:
+                        raise GenerateError(f"/generate HTTP {resp.status}: {text[:300]}")
+                    else:
+                        return json.loads(text)
+            except (TimeoutError, aiohttp.ClientConnectionError) as e:
+                last = e
+            await asyncio.sleep(0.5)
+        raise GenerateError(f"/generate failed after retries: {last}")
+
+    def parse_response(self, data: dict[str, Any], *, prompt_len: int) -> GenerationResult:
+        """SGLang response -> `GenerationResult` (payload: logprobs, routed_experts, ...)."""
+        if isinstance(data, list):
+            raise GenerateError("batch response to a single request")
+        meta = data.get("meta_info") or {}
+        entries = meta.get("output_token_logprobs") or []
+        output_ids = [int(e[1]) for e in entries] if entries else list(data.get("output_ids", []))
+        logprobs: list[float] = []
+        bad: list[bool] = []
+        for e in entries:
+            lp = e[0]
+            ok = lp is not None and math.isfinite(float(lp))
+            bad.append(not ok)
+            logprobs.append(float(lp) if ok else 0.0)
+        if len(logprobs) != len(output_ids):
+            raise GenerateError(
+                f"engine returned {len(output_ids)} tokens but {len(logprobs)} log-probs; "
+                "request return_logprob=true"
+            )
+        self.nonfinite_logprobs += sum(bad)
+        finish = meta.get("finish_reason") or {}
+        status = (
+            FinishStatus.ABORTED
+            if isinstance(finish, dict) and finish.get("type") == "abort"
+            else FinishStatus.FINISHED
+        )
+        payload: dict[str, Any] = {
+            "logprobs": logprobs,
+            "nonfinite": bad,
+            "finish": (finish or {}).get("type") if isinstance(finish, dict) else None,
+            "prompt_len": prompt_len,
+        }
+        routed = meta.get("routed_experts")
+        if routed and self.cfg.return_routed_experts:
+            try:
+                experts = decode_routed_experts(
+                    routed, num_layers=self._num_layers, topk=self._topk
+                )
+            except ValueError as e:
+                raise GenerateError(f"{e}: engine and trainer disagree on the model") from e
+            payload["routed_experts"] = experts.astype(np.int32)
+        return GenerationResult(
+            output_ids=output_ids,
+            token_versions=token_versions(meta, len(output_ids)),
+            status=status,
+            payload=payload,
+        )

@@ -1,0 +1,70 @@
+"""Prompt sources for the data worker: the built-in task family and real datasets.
+
+Owns `TaskPromptSource` (an endless, resumable stream over `TaskFamily`: the prompt at cursor
+i depends only on (seed, i), so a restored cursor replays nothing and skips nothing) and
+`dataset_source` (a loaded jsonl/parquet dataset as an epoch-based in-memory source).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from data_worker.source import InMemoryPromptSource
+from data_worker.types import Prompt
+from slime_async.rollout.datasets import LoadedDataset
+from slime_async.rollout.tasks import TaskFamily, TaskPrompt
+
+
+def task_prompt(p: TaskPrompt, *, index: int = 0) -> Prompt:
+    """A task prompt as the data worker's `Prompt` (label ids in the payload)."""
+    return Prompt(
+        key=p.key,
+        prompt_ids=list(p.prompt_ids),
+        payload={"label": list(p.label_ids), "level": p.level},
+        index=index,
+    )
+
+
+class TaskPromptSource:
+    """Endless stream of training prompts of a `TaskFamily` with a resumable cursor."""
+
+    def __init__(self, family: TaskFamily) -> None:
+        self.family = family
+        self.cursor = 0
+
+    def next_prompt(self) -> Prompt | None:
+        p = self.family.train_prompt(self.cursor)
+        self.cursor += 1
+        return task_prompt(p, index=self.cursor - 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor, "seed": self.family.config.seed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if int(state.get("seed", self.family.config.seed)) != self.family.config.seed:
+            raise ValueError(
+                f"prompt source state is from task seed {state.get('seed')}, this run uses "
+                f"{self.family.config.seed}: resume with the same --seed"
+            )
+        self.cursor = int(state["cursor"])
+
+
+def dataset_source(
+    data: LoadedDataset, *, seed: int, num_epochs: int | None = None
+) -> InMemoryPromptSource:
+    """A tokenized dataset as a shuffled, resumable, epoch-based source."""
+    prompts = []
+    for row in data.rows:
+        if not row.prompt_ids:
+            raise ValueError(
+                f"{data.path}:{row.line}: row has no token ids; load the dataset with a tokenizer"
+            )
+        prompts.append(
+            Prompt(
+                key=row.key,
+                prompt_ids=list(row.prompt_ids),
+                payload={"label": row.label, "metadata": dict(row.metadata)},
+            )
+        )
+    return InMemoryPromptSource(prompts, num_epochs=num_epochs, shuffle=True, seed=seed)

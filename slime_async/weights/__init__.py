@@ -1,0 +1,61 @@
+"""Versioned weight transport from the trainer to the engines.
+
+Owns `DiskTransport`: the trainer writes version v as an HF safetensors directory under the
+run directory (atomic), then the router fans `/update_weights_from_disk` with
+`weight_version=str(v)` out to every engine; the reply must say every engine succeeded (a failed
+engine is quarantined by the router and the push raises). Old version directories are pruned.
+On GPU clusters the same `push(version)` interface is meant to be backed by SGLang's
+`/update_weights_from_distributed` (NCCL broadcast); that transport is not implemented yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from router.client import RouterClient
+
+
+class WeightWriter(Protocol):
+    def save_weights(self, path: str | Path) -> Path: ...
+
+
+class DiskTransport:
+    """Export -> safetensors directory -> router fan-out of `/update_weights_from_disk`."""
+
+    def __init__(
+        self, root: Path, *, trainer: WeightWriter, control: RouterClient, keep_last: int = 2
+    ) -> None:
+        self.root, self.trainer, self.control, self.keep_last = root, trainer, control, keep_last
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version:06d}"
+
+    async def write(self, version: int) -> Path:
+        """Have the trainer write version `version` (blocking work runs off the event loop)."""
+        path = self.path(version)
+        await asyncio.to_thread(self.trainer.save_weights, path)
+        return path
+
+    async def push(self, version: int) -> dict[str, Any]:
+        """Write and load version `version` on every engine; returns timings."""
+        t0 = time.perf_counter()
+        path = await self.write(version)
+        t1 = time.perf_counter()
+        await self.control.update_weights_from_disk(str(path.resolve()), weight_version=version)
+        t2 = time.perf_counter()
+        self._prune(version)
+        return {"timing/weight_export_s": t1 - t0, "timing/weight_load_s": t2 - t1}
+
+    def _prune(self, current: int) -> None:
+        for d in sorted(self.root.glob("v*")):
+            try:
+                v = int(d.name[1:])
+            except ValueError:
+                continue
+            if v <= current - self.keep_last:
+                shutil.rmtree(d, ignore_errors=True)

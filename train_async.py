@@ -1,0 +1,28 @@
+"""Entry point of an async RL run: `python train_async.py [flags]` (see `--help`, README.md).
+
+Parses and validates the flags (`slime_async.config`), then hands the run to the controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from slime_async.config import parse_config
+    from slime_async.controller import train
+
+    cfg = parse_config(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    summary = asyncio.run(train(cfg))
+    keys = ("rollout/reward", "eval/reward", "accounting/consumed", "accounting/dropped")
+    print("done:", {k: round(float(summary[k]), 4) for k in keys if k in summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
