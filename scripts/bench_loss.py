@@ -185,7 +185,7 @@ def main() -> None:
         f"{args.repeats} interleaved repeats in shuffled order"
     )
     print(
-        f"{'variant':<10} {'median ms':>10} {'min ms':>8} {'x ppo':>7} {'x ppo-api':>10} "
+        f"{'variant':<10} {'median ms':>10} {'min ms':>8} {'+ms (min)':>10} {'x ppo':>7} {'x ppo-api':>10} "
         f"{'peak MiB':>9} {'mem x ppo':>10}  goal"
     )
     goals = {
@@ -200,6 +200,7 @@ def main() -> None:
         r_api = statistics.median(a / b for a, b in zip(times[v], times["ppo-api"]))
         print(
             f"{v:<10} {statistics.median(times[v]) * 1e3:10.2f} {min(times[v]) * 1e3:8.2f} "
+            f"{(min(times[v]) - min(times['ppo'])) * 1e3:10.2f} "
             f"{r_ppo:7.3f} {r_api:10.3f} {mem[v]:9.1f} {mem[v] / mem['ppo']:10.3f}  {goals[v]}"
         )
     print(

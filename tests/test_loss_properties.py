@@ -354,3 +354,40 @@ def test_packed_padding_past_cu_seqlens_must_be_masked():
     flat["mask"] = torch.ones_like(flat["mask"])
     with pytest.raises(ValueError, match="past cu_seqlens"):
         make_inputs(flat, cu_seqlens=torch.tensor([0, 10, 20]))
+
+
+@pytest.mark.parametrize("name", ["gspo", "seq_tis", "geo_veto", "prime", "m2po"])
+def test_baselines_packed_equal_padded(name):
+    from loss import (
+        SingleRatioConfig,
+        gspo_loss,
+        m2po_loss,
+        prime_masked_is_loss,
+        single_ratio_loss,
+    )
+
+    fns = {
+        "gspo": gspo_loss,
+        "seq_tis": lambda i: single_ratio_loss(i, SingleRatioConfig(level="sequence", high=2.0)),
+        "geo_veto": lambda i: single_ratio_loss(
+            i,
+            SingleRatioConfig(
+                method="cap", high=3.0, geo_low=0.5, geo_high=2.0, veto_threshold=0.05
+            ),
+        ),
+        "prime": lambda i: prime_masked_is_loss(i, token_low=0.3, token_high=3.0),
+        "m2po": m2po_loss,
+    }
+    x = random_batch(b=5, seed=9)
+    lp_pad, padded = make_inputs(x)
+    out_pad = fns[name](padded)
+    out_pad.loss.backward()
+    px, cu, lens = pack(x)
+    lp_pk, packed = make_inputs(px, cu_seqlens=cu)
+    out_pk = fns[name](packed)
+    out_pk.loss.backward()
+    assert torch.isfinite(out_pad.loss) and out_pk.loss.item() == pytest.approx(
+        out_pad.loss.item(), abs=1e-12
+    )
+    grads = torch.cat([lp_pad.grad[i, : lens[i]] for i in range(len(lens))])
+    torch.testing.assert_close(lp_pk.grad[: int(cu[-1])], grads, atol=1e-12, rtol=0)
