@@ -43,6 +43,8 @@ class ProxyStats:
     bad_requests: int = 0
     stream_broken: int = 0
     """Streams that lost their engine after bytes were sent (client got an SSE error event)."""
+    client_gone: int = 0
+    """Streams whose client disconnected (the engine request is closed, which aborts it)."""
 
 
 class _Retryable(Exception):
@@ -247,26 +249,34 @@ class Proxy:
         out = web.StreamResponse(
             status=up.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
         )
-        await out.prepare(request)
+        # From here on bytes reach the client: nothing below may raise `_Retryable`.
         try:
-            if first:
-                await out.write(first)
-            async for chunk in up.content.iter_any():
+            await out.prepare(request)
+            chunk = first
+            while chunk:
                 await out.write(chunk)
-        except _RETRYABLE_EXC as e:
-            # Bytes already reached the client: no retry (it would duplicate output). Tell the
-            # client in SGLang's mid-stream error shape and count the engine failure.
-            self.stats.stream_broken += 1
-            self.registry.record_request_failure(w, f"stream broken: {e}")
-            self._on_failure(w)
-            err = {
-                "error": {
-                    "message": f"engine {w.url} failed mid-stream: {type(e).__name__}",
-                    "type": "engine_error",
-                    "code": 502,
-                    "retryable": True,
-                }
-            }
-            await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-        await out.write_eof()
+                try:
+                    chunk = await up.content.readany()
+                except _RETRYABLE_EXC as e:
+                    await self._stream_broken(out, w, e)
+                    break
+            await out.write_eof()
+        except (ConnectionError, RuntimeError):  # the client went away: not the engine's fault
+            self.stats.client_gone += 1  # leaving closes the engine connection (SGLang aborts)
         return out
+
+    async def _stream_broken(self, out: web.StreamResponse, w: Worker, e: Exception) -> None:
+        """The engine failed after bytes were sent: no retry (it would duplicate output); end the
+        stream with SGLang's mid-stream error event and count the engine failure."""
+        self.stats.stream_broken += 1
+        self.registry.record_request_failure(w, f"stream broken: {e}")
+        self._on_failure(w)
+        err = {
+            "error": {
+                "message": f"engine {w.url} failed mid-stream: {type(e).__name__}",
+                "type": "engine_error",
+                "code": 502,
+                "retryable": True,
+            }
+        }
+        await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")

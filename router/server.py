@@ -84,7 +84,11 @@ class Router:
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         app = build_app(self)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that disconnects cancels its handler, which closes the
+        # engine connection; SGLang aborts a request whose connection closes.
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, handler_cancellation=True
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, reuse_address=True)
         await site.start()
@@ -119,6 +123,7 @@ class Router:
             "waited": s.waited,
             "bad_requests": s.bad_requests,
             "stream_broken": s.stream_broken,
+            "client_gone": s.client_gone,
             "workers_total": len(workers),
             "workers_healthy": len(self.registry.healthy()),
             "quarantines": sum(w.quarantines for w in workers),

@@ -122,7 +122,10 @@ class FakeEngine:
         ):
             app.router.add_post(path, self._control)
         app.router.add_get("/flush_cache", self._control)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # like SGLang, a request whose client disconnects is aborted (handler cancelled)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, handler_cancellation=True
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()

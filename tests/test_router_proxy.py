@@ -250,3 +250,23 @@ async def test_metrics_json_and_prometheus() -> None:
         assert "slime_router_worker_outstanding_tokens{" in text
         assert "slime_router_succeeded 4" in text
     await _stop(router, engines)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_aborts_the_engine_request(stream: bool) -> None:
+    router, engines, url = await _start(1)
+    engines[0].cfg = FakeEngineConfig(name="slow", step_s=0.01, tokens_per_step=1)
+    w = router.registry.healthy()[0]
+    async with aiohttp.ClientSession() as s:
+        req = asyncio.create_task(s.post(url + "/generate", json=_gen(5000, stream=stream)))
+        await _wait(lambda: len(engines[0]._jobs) == 1)
+        if stream:
+            r = await req
+            assert (await r.content.readline()).startswith(b"data: ")
+            r.close()  # drop the connection mid-stream
+        else:
+            req.cancel()  # the client gives up before the answer
+    # the router's handler is cancelled, its engine connection closes, the engine aborts
+    await _wait(lambda: not engines[0]._jobs and w.outstanding_requests == 0, timeout=5)
+    assert w.state.value == "healthy" and w.request_failures == 0
+    await _stop(router, engines)
