@@ -22,7 +22,8 @@ STEPS = 2
 def _cfg(**kw):
     from slime_async.trainer.config import TrainerConfig
 
-    base = dict(lr=1e-3, micro_batch_size=2, seed=5, clip_grad=0.0, keep_old_actor=True,
+    # adam_eps 1e-4: near-zero grads (rare tokens) then move weights ∝ grad, not ±lr noise
+    base = dict(lr=1e-3, micro_batch_size=2, seed=5, clip_grad=0.0, keep_old_actor=True, adam_eps=1e-4,
                 routing_replay="r2",
                 max_snapshots=3)  # fmt: skip
     base.update(kw)
@@ -32,7 +33,9 @@ def _cfg(**kw):
 def _batch():
     from slime_async.trainer.testing import random_batch
 
-    return random_batch(TINY_MOE, batch=8, width=18, prompt=5, seed=9)
+    # ragged: micro-batches of different widths per DP rank (EP must agree on one width)
+    lengths = [18, 9, 12, 7, 10, 8, 6, 11]
+    return random_batch(TINY_MOE, batch=8, width=18, prompt=5, seed=9, lengths=lengths)
 
 
 def _routed_batch():
@@ -41,10 +44,10 @@ def _routed_batch():
 
     b = _batch()
     rng = np.random.default_rng(4)
-    n, nl, k, e = b.width - 1, TINY_MOE.num_layers, TINY_MOE.moe_topk, TINY_MOE.num_experts
+    nl, k, e = TINY_MOE.num_layers, TINY_MOE.moe_topk, TINY_MOE.num_experts
     routed = tuple(
-        np.stack([rng.permutation(e)[:k] for _ in range(n * nl)]).reshape(n, nl, k)
-        for _ in range(b.size)
+        np.stack([rng.permutation(e)[:k] for _ in range((n - 1) * nl)]).reshape(n - 1, nl, k)
+        for n in b.lengths.tolist()
     )
     return dataclasses.replace(b, routed_experts=routed)
 
@@ -118,11 +121,11 @@ def test_world_size_2_layouts_match_dp1(tmp_path):
         assert (r["loss"] - ref_loss).abs().max() <= 1e-5, (name, r["loss"], ref_loss)
         assert torch.allclose(r["gnorm"], ref_gn, rtol=1e-4), (name, r["gnorm"], ref_gn)
         assert (r["lp"] - ref_lp).abs().max() <= 1e-4, name
-        assert (r["lp_j"] - ref_lp_j).abs().max() <= 1e-5, name
-        assert (r["lp_r3"] - ref_lp_r3).abs().max() <= 1e-5, name  # R3 sliced per rank/stage
+        assert (r["lp_j"] - ref_lp_j).abs().max() <= 1e-4, name  # per token: TP sums differ ~1e-5
+        assert (r["lp_r3"] - ref_lp_r3).abs().max() <= 1e-4, name  # R3 sliced per rank/stage
         assert r["layout"].tolist() == list(LAYOUTS[name]), name
         for k in ref_final:
-            assert (r["final"][k] - ref_final[k]).abs().max() <= 1e-4, (name, k)
+            assert (r["final"][k] - ref_final[k]).abs().max() <= 1e-5, (name, k)
     # a TP2 checkpoint loads into this TP1 process (resharded) with the same weights
     resumed = MegatronTrainer(_cfg(load=str(tmp_path / "ck_tp2")), TINY_MOE)
     assert resumed.version == STEPS and resumed.resumed_layout.tp == 2

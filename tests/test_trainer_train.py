@@ -162,3 +162,17 @@ def test_corrupted_or_partial_checkpoint_is_never_picked(tmp_path, caplog):
         find_latest(d)
     with pytest.raises(CheckpointError, match="sha256"):
         find_latest(good)
+
+
+def test_logprobs_do_not_depend_on_padding_or_batch_company():
+    from slime_async.trainer.testing import random_batch
+
+    tr = _trainer(micro_batch_size=3)
+    b = random_batch(TINY_MOE, batch=5, width=20, prompt=4, seed=6, lengths=[20, 7, 13, 9, 5])
+    lp, ent = tr.compute_logprobs(b)
+    assert lp.shape == (5, 20)
+    for i in range(5):
+        n = int(b.lengths[i])
+        alone, _ = tr.compute_logprobs(b.select([i]).trimmed(n))
+        assert (lp[i, :n] - alone[0]).abs().max() <= 1e-5, i
+        assert (lp[i, n:] == 0).all() and (ent[i, n:] == 0).all()  # padding stays 0

@@ -99,6 +99,23 @@ class TrainerBatch:
             routed_experts=re_,
         )
 
+    def trimmed(self, width: int) -> TrainerBatch:
+        """The first `width` columns (drop right padding); `width >= max(lengths)`."""
+        if width < int(self.lengths.max()) or width > self.width:
+            raise ValueError(
+                f"cannot trim to width {width}: lengths reach {int(self.lengths.max())}"
+            )
+        if width == self.width:
+            return self
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens[:, :width],
+            loss_mask=self.loss_mask[:, :width],
+            rollout_logprobs=self.rollout_logprobs[:, :width],
+            advantages=self.advantages[:, :width],
+            token_versions=self.token_versions[:, :width],
+        )
+
     def micro_batches(self, micro_batch_size: int) -> list[TrainerBatch]:
         """Consecutive micro-batches of at most `micro_batch_size` samples."""
         if micro_batch_size < 1:

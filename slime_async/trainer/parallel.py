@@ -139,6 +139,19 @@ def all_gather_cat(
     return torch.cat(parts, dim).to(t.device)
 
 
+def union_ints(values: set[int], group: dist.ProcessGroup | None, *, cap: int = 64) -> set[int]:
+    """Union of small non-negative int sets over `group` (no pickling: a padded int tensor)."""
+    n = _size(group)
+    if n == 1:
+        return set(values)
+    if len(values) > cap or min(values, default=0) < 0:
+        raise ValueError(f"union_ints takes at most {cap} non-negative ints, got {sorted(values)}")
+    row = torch.zeros(cap, dtype=torch.long)  # value + 1; 0 = empty slot
+    row[: len(values)] = torch.tensor(sorted(values), dtype=torch.long) + 1
+    allv = all_gather_cat(row, group)
+    return {int(v) - 1 for v in allv[allv > 0]}
+
+
 def comm_device() -> torch.device:
     """Where collective buffers must live: CUDA under NCCL, CPU under gloo."""
     if dist.is_initialized() and dist.get_backend() == "nccl":

@@ -144,16 +144,27 @@ def rollout_batch(
 
 
 def random_batch(
-    spec: ModelSpec, *, batch: int, width: int, prompt: int, seed: int = 0
+    spec: ModelSpec,
+    *,
+    batch: int,
+    width: int,
+    prompt: int,
+    seed: int = 0,
+    lengths: list[int] | None = None,
 ) -> TrainerBatch:
-    """Random tokens, alternating ±1 advantages, rollout log-probs of a uniform policy."""
+    """Random tokens, alternating ±1 advantages, rollout log-probs of a uniform policy.
+
+    `lengths` (each in (prompt, width]) gives ragged samples; default: all `width` long.
+    """
     g = torch.Generator().manual_seed(seed)
     toks = torch.randint(0, spec.vocab_size, (batch, width), generator=g).tolist()
-    n = width - prompt
+    lens = lengths or [width] * batch
+    toks = [t[:n] for t, n in zip(toks, lens)]
+    lp = -float(np.log(spec.vocab_size))
     return TrainerBatch.from_lists(
         tokens=toks,
         prompt_lengths=[prompt] * batch,
-        rollout_logprobs=[[-float(np.log(spec.vocab_size))] * n] * batch,
+        rollout_logprobs=[[lp] * (n - prompt) for n in lens],
         advantages=[1.0 if i % 2 == 0 else -1.0 for i in range(batch)],
         versions=[0] * batch,
     )

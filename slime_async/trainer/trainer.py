@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from loss import LossInputs, compis_denominators, compis_loss
 from slime_async.modelspec import ModelSpec
@@ -135,11 +136,18 @@ class MegatronTrainer:
         return ps.get_tensor_model_parallel_rank()
 
     def _local(self, batch: TrainerBatch) -> list[TrainerBatch]:
+        """This DP rank's micro-batches, each trimmed to its longest sample (the width agreed
+        over the DP group, so expert-parallel token exchange sees equal shapes)."""
         local = batch.dp_shard(self.dp_rank, self.layout.dp)
-        return local.micro_batches(self.cfg.micro_batch_size)
+        mbs = local.micro_batches(self.cfg.micro_batch_size)
+        widths = torch.tensor([int(mb.lengths.max()) for mb in mbs], dtype=torch.long)
+        parallel.all_reduce_sum(widths, self._groups()["dp"], op=dist.ReduceOp.MAX)
+        return [mb.trimmed(int(w)) for mb, w in zip(mbs, widths)]
 
-    def _gather_dp(self, local: torch.Tensor) -> torch.Tensor:
-        return parallel.all_gather_cat(local, self._groups()["dp"])
+    def _gather_dp(self, local: list[torch.Tensor], width: int) -> torch.Tensor:
+        """Pad per-micro-batch `[b, w]` results to `width`, concatenate, gather over DP."""
+        full = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in local])
+        return parallel.all_gather_cat(full, self._groups()["dp"])
 
     # ------------------------------------------------------------------ forwards
     def _engine_routing(self, mb: TrainerBatch) -> Routing:
@@ -176,7 +184,9 @@ class MegatronTrainer:
 
             def head(logits: torch.Tensor, mb: TrainerBatch = mb) -> torch.Tensor:
                 lp, ent = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
-                return torch.stack([lp, ent]).cpu()
+                out = torch.stack([lp, ent]).cpu()
+                real = torch.arange(mb.width) < mb.lengths.unsqueeze(1)  # padding → 0
+                return torch.where(real, out, 0.0)
 
             out = self.stage.run(mb.tokens, routing[i], head=head, grad=False, record=record)
             if out is None:
@@ -201,7 +211,7 @@ class MegatronTrainer:
         )
         with ctx:
             lps, ents = self._logprobs_local(mbs, routing, record=None)
-        return self._gather_dp(torch.cat(lps)), self._gather_dp(torch.cat(ents))
+        return self._gather_dp(lps, batch.width), self._gather_dp(ents, batch.width)
 
     def compute_behavior_logprobs(self, batch: TrainerBatch) -> torch.Tensor | None:
         """π_j^Meg `[B, T]`: each token's log-prob under the snapshot of its own version
@@ -211,7 +221,7 @@ class MegatronTrainer:
         routing = [self._engine_routing(mb) for mb in mbs]
         lp_k, _ = self._logprobs_local(mbs, routing, record=None)
         out = self._behavior_logprobs(mbs, lp_k, routing)
-        return None if out is None else self._gather_dp(torch.cat(out))
+        return None if out is None else self._gather_dp(out, batch.width)
 
     def _behavior_logprobs(
         self, mbs: list[TrainerBatch], lp_k: list[torch.Tensor], routing: list[Routing]
@@ -221,8 +231,8 @@ class MegatronTrainer:
         if not self.cfg.keep_old_actor:
             return None
         needed = {int(v) for mb in mbs for v in mb.token_versions[mb.loss_mask].unique()}
-        if self.layout.dp > 1:  # every DP rank must agree (collectives inside the forwards)
-            needed = self._union_versions(needed)
+        # every DP rank must run the same snapshot forwards (collectives inside them)
+        needed = parallel.union_ints(needed, self._groups()["dp"])
         if any(v != self.version and v not in self.snapshots for v in needed):
             return None
         out = [lp.clone() for lp in lp_k]
@@ -233,16 +243,6 @@ class MegatronTrainer:
                 sel = mb.token_versions == v
                 out[i] = torch.where(sel, lps[i], out[i])
         return out
-
-    def _union_versions(self, needed: set[int]) -> set[int]:
-        n = 64
-        if len(needed) > n:
-            raise ValueError(f"a batch spans {len(needed)} versions; at most {n} supported")
-        t = torch.zeros((self.layout.dp, n), dtype=torch.long)  # row r: rank r's versions + 1
-        t[self.dp_rank, : len(needed)] = torch.tensor(sorted(needed), dtype=torch.long) + 1
-        parallel.all_reduce_sum(t, self._groups()["dp"])
-        vals = t.flatten()
-        return {int(v) - 1 for v in vals[vals > 0]}
 
     # ------------------------------------------------------------------ train
     def _loss_inputs(
