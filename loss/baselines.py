@@ -109,7 +109,15 @@ def decoupled_ppo_loss(
         denom=Denom.KEEP,
         diagnostics=diagnostics,
     )
-    return compis_loss(base, cfg)
+    out = compis_loss(base, cfg)
+    if action is None:  # no behaviour ratio at all: drop the (trivially 1) combined-ratio keys
+        kept = {
+            k: v
+            for k, v in out.metrics.items()
+            if not k.startswith(("is/combined", "is/weight", "loss/compis"))
+        }
+        return LossOutputs(loss=out.loss, metrics=kept)
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

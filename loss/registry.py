@@ -4,8 +4,11 @@ Owns: `register_loss`, `get_loss`, `available_losses`, `load_function`, `resolve
 (a registry name or a dotted path such as `--custom-loss-function-path my_pkg.losses.my_loss`),
 `compis_config_from_args`, `make_slime_loss` and `slime_compis_loss`.
 
-A registered loss is `fn(inputs: LossInputs, cfg_or_kwargs) -> LossOutputs`. A plugin loaded by
-path must accept the same call (`fn(inputs, cfg)`), and is checked when loaded.
+A registered loss is `fn(inputs: LossInputs, cfg=None) -> LossOutputs`; `cfg` is the loss's
+config object (`CompISConfig` for "compis"/"ppo", `SingleRatioConfig` for "single_ratio") or,
+for the keyword-style baselines ("decoupled_ppo", "m2po", "gspo", "prime_masked_is"), a dict of
+their keyword arguments. A plugin loaded by path must accept the same call `fn(inputs, cfg)`;
+loading checks that the path imports and names a callable.
 
 slime calling convention (its `loss_type=custom_loss` path): `fn(args, batch, logits,
 sum_of_sample_mean) -> (loss, metrics)`, where `batch` holds per-sample lists (`advantages`,
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from loss.baselines import (
+    SingleRatioConfig,
     decoupled_ppo_loss,
     gspo_loss,
     m2po_loss,
@@ -128,7 +132,9 @@ def _ppo_loss(inputs: LossInputs, cfg: CompISConfig | None = None) -> LossOutput
 register_loss("compis", lambda inputs, cfg=None: compis_loss(inputs, cfg or CompISConfig()))
 register_loss("ppo", _ppo_loss)
 register_loss("decoupled_ppo", lambda inputs, cfg=None: decoupled_ppo_loss(inputs, **(cfg or {})))
-register_loss("single_ratio", single_ratio_loss)
+register_loss(
+    "single_ratio", lambda inputs, cfg=None: single_ratio_loss(inputs, cfg or SingleRatioConfig())
+)
 register_loss("m2po", lambda inputs, cfg=None: m2po_loss(inputs, **(cfg or {})))
 register_loss("gspo", lambda inputs, cfg=None: gspo_loss(inputs, **(cfg or {})))
 register_loss(

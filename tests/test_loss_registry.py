@@ -56,11 +56,7 @@ def test_every_registered_loss_runs_and_backpropagates():
     for name in available_losses():
         lp, inputs = c_inputs()
         fn = get_loss(name)
-        out = (
-            fn(inputs)
-            if name != "single_ratio"
-            else fn(inputs, __import__("loss").SingleRatioConfig())
-        )
+        out = fn(inputs)
         assert isinstance(out, LossOutputs), name
         assert torch.isfinite(out.loss), name
         out.loss.backward()
