@@ -47,7 +47,8 @@ from __future__ import annotations
 from data_worker.budget import admission_limit, window_slack_steps, worst_case_staleness
 from data_worker.config import DataWorkerConfig, PartialRolloutPolicy
 from data_worker.length_cache import LengthCache
-from data_worker.scheduler import PROBE_PRIORITY, SchedulerCore
+from data_worker.records import PROBE_PRIORITY
+from data_worker.scheduler import SchedulerCore
 from data_worker.source import InMemoryPromptSource, PromptSource
 from data_worker.types import (
     Accounting,

@@ -19,11 +19,20 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable
-from enum import Enum
 
 from data_worker.budget import admission_limit
 from data_worker.config import DataWorkerConfig, PartialRolloutPolicy, ProbeSiblings
 from data_worker.length_cache import LengthCache
+from data_worker.records import (
+    EMPTY_RUNS,
+    PROBE_PRIORITY,
+    Dispatch,
+    GroupRecord,
+    GroupState,
+    SampleSlot,
+    SampleState,
+    newest_version,
+)
 from data_worker.source import PromptSource
 from data_worker.types import (
     Accounting,
@@ -31,111 +40,10 @@ from data_worker.types import (
     GenerationRequest,
     GenerationResult,
     Group,
-    Prompt,
     Sample,
 )
 from data_worker.versions import VersionRuns
 from data_worker.window import FifoWindow
-
-PROBE_PRIORITY = float(2**53)
-"""`priority` passed to `generate` for probes and re-issued samples (larger = sooner)."""
-
-_EMPTY_RUNS = VersionRuns()
-
-
-def _newest(sample: Sample) -> int:
-    newest = sample.token_versions.max()
-    return sample.min_version if newest is None else newest
-
-
-class SampleState(Enum):
-    """Where one sample of a group is."""
-
-    WAITING_PROBE = "waiting_probe"
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-
-
-class GroupState(Enum):
-    """Where one group is."""
-
-    GENERATING = "generating"
-    COMPLETE = "complete"
-    STAGED = "staged"
-    CONSUMED = "consumed"
-    DROPPED = "dropped"
-    FILTERED = "filtered"
-
-
-class _Slot:
-    __slots__ = (
-        "attempts",
-        "enqueued_at",
-        "first_version",
-        "gen",
-        "index",
-        "payloads",
-        "prefix_ids",
-        "rec",
-        "sample",
-        "state",
-        "versions",
-    )
-
-    def __init__(self, rec: _Rec, index: int) -> None:
-        self.rec = rec
-        self.index = index
-        self.state = SampleState.WAITING_PROBE
-        self.attempts = 0
-        self.enqueued_at = 0.0
-        self.gen = 0
-        self.first_version: int | None = None
-        self.prefix_ids: list[int] = []
-        self.versions = _EMPTY_RUNS
-        self.payloads: list = []
-        self.sample: Sample | None = None
-
-
-class _Rec:
-    __slots__ = (
-        "admitted_version",
-        "group",
-        "next_wait",
-        "probing",
-        "prompt",
-        "remaining",
-        "seq",
-        "slots",
-        "state",
-    )
-
-    def __init__(self, seq: int, prompt: Prompt, n: int, version: int) -> None:
-        self.seq = seq
-        self.prompt = prompt
-        self.slots = [_Slot(self, i) for i in range(n)]
-        self.state = GroupState.GENERATING
-        self.probing = False
-        self.next_wait = n
-        self.remaining = n
-        self.admitted_version = version
-        self.group: Group | None = None
-
-
-class Dispatch:
-    """One generate call to make: `generate(request, priority, expected_len)`."""
-
-    __slots__ = ("attempt", "expected_len", "priority", "request", "settled", "slot")
-
-    def __init__(
-        self, slot: _Slot, request: GenerationRequest, priority: float, expected_len: int
-    ) -> None:
-        self.slot = slot
-        self.request = request
-        self.priority = priority
-        self.expected_len = expected_len
-        self.attempt = request.attempt
-        self.settled = False
 
 
 class SchedulerCore:
@@ -156,12 +64,12 @@ class SchedulerCore:
         self.cache = LengthCache(alpha=cfg.length_ema_alpha)
         self._served_version = 0
         self._limit = self._compute_limit()
-        self.groups: dict[int, _Rec] = {}  # every unresolved group (incl. staged)
+        self.groups: dict[int, GroupRecord] = {}  # every unresolved group (incl. staged)
         self.next_seq = 0
         self.window = FifoWindow(window=cfg.fifo_window)
         self._heap: list[tuple] = []
-        self._waiters: deque[_Rec] = deque()
-        self.staged: list[_Rec] = []
+        self._waiters: deque[GroupRecord] = deque()
+        self.staged: list[GroupRecord] = []
         self.exhausted = False
         self.queued = 0
         self.waiting = 0
@@ -220,14 +128,14 @@ class SchedulerCore:
         if prompt is None:
             self.exhausted = True
             return False
-        rec = _Rec(self.next_seq, prompt, self._n, self.served_version)
+        rec = GroupRecord(self.next_seq, prompt, self._n, self.served_version)
         self.next_seq += 1
         self.n_admitted += 1
         self.groups[rec.seq] = rec
         self._schedule_new(rec)
         return True
 
-    def _schedule_new(self, rec: _Rec) -> None:
+    def _schedule_new(self, rec: GroupRecord) -> None:
         expected = self.cache.get(rec.prompt.key)
         if not self.cfg.length_probe:
             for slot in rec.slots:
@@ -249,7 +157,7 @@ class SchedulerCore:
             for slot in rec.slots:
                 self._push(slot, 2, expected)
 
-    def _push(self, slot: _Slot, tier: int, expected: float) -> None:
+    def _push(self, slot: SampleSlot, tier: int, expected: float) -> None:
         seq = slot.rec.seq
         slot.state = SampleState.QUEUED
         slot.enqueued_at = self.clock()
@@ -306,7 +214,7 @@ class SchedulerCore:
         slot.attempts += 1
         return Dispatch(slot, request, priority, expected_len)
 
-    def _check_ticket(self, d: Dispatch) -> _Slot:
+    def _check_ticket(self, d: Dispatch) -> SampleSlot:
         slot = d.slot
         if d.settled or slot.state is not SampleState.RUNNING or slot.attempts != d.attempt + 1:
             raise RuntimeError(
@@ -355,7 +263,7 @@ class SchedulerCore:
             attempts=slot.attempts,
         )
         slot.state = SampleState.DONE
-        slot.prefix_ids, slot.payloads, slot.versions = [], [], _EMPTY_RUNS
+        slot.prefix_ids, slot.payloads, slot.versions = [], [], EMPTY_RUNS
         rec = slot.rec
         expected = self.cache.update(rec.prompt.key, len(ids))
         if rec.probing:
@@ -380,11 +288,11 @@ class SchedulerCore:
         return ok
 
     @staticmethod
-    def _reset(slot: _Slot) -> None:
-        slot.prefix_ids, slot.payloads, slot.versions = [], [], _EMPTY_RUNS
+    def _reset(slot: SampleSlot) -> None:
+        slot.prefix_ids, slot.payloads, slot.versions = [], [], EMPTY_RUNS
         slot.first_version = None
 
-    def _release_waiters(self, rec: _Rec, expected: float) -> None:
+    def _release_waiters(self, rec: GroupRecord, expected: float) -> None:
         rec.probing = False
         if self._siblings is ProbeSiblings.QUEUE:  # re-rank the still-queued siblings
             for slot in rec.slots:
@@ -398,21 +306,21 @@ class SchedulerCore:
             self._push(slot, 2, expected)
         rec.next_wait = self._n  # its entry in _waiters is skipped lazily
 
-    def _next_waiter(self) -> _Rec | None:
+    def _next_waiter(self) -> GroupRecord | None:
         waiters = self._waiters
         while waiters and not waiters[0].probing:
             waiters.popleft()
         return waiters[0] if waiters else None
 
     # ---------------------------------------------------------------- window
-    def _complete(self, rec: _Rec) -> bool:
+    def _complete(self, rec: GroupRecord) -> bool:
         samples = tuple(s.sample for s in rec.slots)  # type: ignore[misc]
         group = Group(
             seq=rec.seq,
             prompt=rec.prompt,
             samples=samples,
             min_version=min(s.min_version for s in samples),
-            max_version=max(_newest(s) for s in samples),
+            max_version=max(newest_version(s) for s in samples),
             admitted_version=rec.admitted_version,
             completed_at=self.clock(),
         )
@@ -429,11 +337,11 @@ class SchedulerCore:
         self.window.on_complete(rec.seq)
         return True
 
-    def _too_stale(self, rec: _Rec, version: int) -> bool:
+    def _too_stale(self, rec: GroupRecord, version: int) -> bool:
         m = self.cfg.max_off_policy_steps
         return m is not None and version - rec.group.min_version > m  # type: ignore[union-attr]
 
-    def _drop(self, rec: _Rec, *, staged: bool) -> None:
+    def _drop(self, rec: GroupRecord, *, staged: bool) -> None:
         rec.state = GroupState.DROPPED
         self.n_dropped += 1
         del self.groups[rec.seq]

@@ -14,7 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from data_worker.scheduler import SchedulerCore, _Rec
+from data_worker.records import GroupRecord
+from data_worker.scheduler import SchedulerCore
 from data_worker.types import Prompt
 from data_worker.window import FifoWindow
 
@@ -86,6 +87,6 @@ def core_load_state_dict(core: SchedulerCore, state: Mapping[str, Any]) -> None:
     core.window = FifoWindow(window=core.cfg.fifo_window, head=head, released=released)
     n = core.cfg.n_samples_per_prompt
     for entry, seq in zip(entries, seqs):
-        rec = _Rec(seq, Prompt.from_json(entry["prompt"]), n, int(entry["admitted_version"]))
+        rec = GroupRecord(seq, Prompt.from_json(entry["prompt"]), n, int(entry["admitted_version"]))
         core.groups[seq] = rec
         core._schedule_new(rec)

@@ -67,7 +67,7 @@ class RolloutDataWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._core = SchedulerCore(cfg, source, clock=self._now, group_filter=group_filter)
         self._state = WorkerState.CREATED
-        self._tasks: dict[asyncio.Task[None], Dispatch] = {}
+        self._tasks: dict[Dispatch, asyncio.Task[None]] = {}  # running generate calls
         self._progress = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -117,10 +117,15 @@ class RolloutDataWorker:
             self._state = WorkerState.PAUSED
             await self._idle.wait()
         self._state = WorkerState.STOPPED
-        tasks = list(self._tasks)
+        tasks = list(self._tasks.values())
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for d in list(self._tasks):  # cancelled before or while awaiting generate: re-queue
+            if not d.settled:
+                self._core.on_lost(d, error=None)
+        self._tasks.clear()
+        self._idle.set()
         self._progress.set()
 
     def set_served_version(self, version: int) -> None:
@@ -188,8 +193,7 @@ class RolloutDataWorker:
                 return
             self._idle.clear()
             task = self._loop.create_task(self._run(d))  # type: ignore[union-attr]
-            self._tasks[task] = d
-            task.add_done_callback(self._task_done)
+            self._tasks[d] = task
 
     async def _run(self, d: Dispatch) -> None:
         core = self._core
@@ -210,14 +214,9 @@ class RolloutDataWorker:
                     self._progress.set()
             except Exception as exc:
                 self._fail(exc)
+        # not reached when cancelled: stop() re-queues those
+        del self._tasks[d]
         self._after()
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        d = self._tasks.pop(task)
-        if not d.settled:  # cancelled (stop / shutdown): re-queue, start nothing new
-            self._core.on_lost(d, error=None)
-            if self._core.running == 0:
-                self._idle.set()
 
     def _after(self) -> None:
         if self._core.running == 0:

@@ -1,0 +1,118 @@
+"""Mutable bookkeeping records of the scheduling core (internal).
+
+Owns the per-sample and per-group records (`SampleSlot`, `GroupRecord`), their lifecycle enums, the
+`Dispatch` ticket handed to the asyncio shell, and `PROBE_PRIORITY`. Only `scheduler.py` and
+`state.py` touch the records. Never imports `slime_async`.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from data_worker.types import GenerationRequest, Group, Prompt, Sample
+from data_worker.versions import VersionRuns
+
+PROBE_PRIORITY = float(2**53)
+"""`priority` passed to `generate` for probes and re-issued samples (larger = sooner)."""
+
+EMPTY_RUNS = VersionRuns()
+
+
+def newest_version(sample: Sample) -> int:
+    """Newest version among a sample's tokens (its dispatch version when it has none)."""
+    newest = sample.token_versions.max()
+    return sample.min_version if newest is None else newest
+
+
+class SampleState(Enum):
+    """Where one sample of a group is."""
+
+    WAITING_PROBE = "waiting_probe"
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class GroupState(Enum):
+    """Where one group is."""
+
+    GENERATING = "generating"
+    COMPLETE = "complete"
+    STAGED = "staged"
+    CONSUMED = "consumed"
+    DROPPED = "dropped"
+    FILTERED = "filtered"
+
+
+class SampleSlot:
+    """One sample of a group while it is generated (mutable; internal)."""
+
+    __slots__ = (
+        "attempts",
+        "enqueued_at",
+        "first_version",
+        "gen",
+        "index",
+        "payloads",
+        "prefix_ids",
+        "rec",
+        "sample",
+        "state",
+        "versions",
+    )
+
+    def __init__(self, rec: GroupRecord, index: int) -> None:
+        self.rec = rec
+        self.index = index
+        self.state = SampleState.WAITING_PROBE
+        self.attempts = 0
+        self.enqueued_at = 0.0
+        self.gen = 0
+        self.first_version: int | None = None
+        self.prefix_ids: list[int] = []
+        self.versions = EMPTY_RUNS
+        self.payloads: list = []
+        self.sample: Sample | None = None
+
+
+class GroupRecord:
+    """One admitted group and its n sample slots (mutable; internal)."""
+
+    __slots__ = (
+        "admitted_version",
+        "group",
+        "next_wait",
+        "probing",
+        "prompt",
+        "remaining",
+        "seq",
+        "slots",
+        "state",
+    )
+
+    def __init__(self, seq: int, prompt: Prompt, n: int, version: int) -> None:
+        self.seq = seq
+        self.prompt = prompt
+        self.slots = [SampleSlot(self, i) for i in range(n)]
+        self.state = GroupState.GENERATING
+        self.probing = False
+        self.next_wait = n
+        self.remaining = n
+        self.admitted_version = version
+        self.group: Group | None = None
+
+
+class Dispatch:
+    """One generate call to make: `generate(request, priority, expected_len)`."""
+
+    __slots__ = ("attempt", "expected_len", "priority", "request", "settled", "slot")
+
+    def __init__(
+        self, slot: SampleSlot, request: GenerationRequest, priority: float, expected_len: int
+    ) -> None:
+        self.slot = slot
+        self.request = request
+        self.priority = priority
+        self.expected_len = expected_len
+        self.attempt = request.attempt
+        self.settled = False
