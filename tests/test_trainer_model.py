@@ -255,3 +255,29 @@ def test_layout_errors_say_what_to_change():
         resolve_layout(world_size=3, tp=2, ep=1, pp=1)
     with pytest.raises(ValueError, match="must divide the data-parallel size 1"):
         resolve_layout(world_size=2, tp=2, ep=2, pp=1)
+
+
+def test_trainer_config_flags_schedule_and_errors():
+    import argparse
+
+    from slime_async.trainer.config import (
+        TrainerConfig,
+        add_trainer_args,
+        lr_at,
+        trainer_config_from_args,
+    )
+    from slime_async.trainer.replay import RoutingReplay
+
+    p = add_trainer_args(argparse.ArgumentParser())
+    args = p.parse_args(["--use-rollout-routing-replay", "--keep-old-actor", "--lr", "2e-3",
+                         "--lr-warmup-iters", "2", "--lr-decay-iters", "4",
+                         "--lr-decay-style", "cosine", "--min-lr", "1e-4"])  # fmt: skip
+    cfg = trainer_config_from_args(args)
+    assert cfg.routing_replay is RoutingReplay.R3 and cfg.keep_old_actor
+    lrs = [lr_at(s, cfg) for s in range(8)]
+    assert lrs[:2] == pytest.approx([1e-3, 2e-3]) and lrs[2] == pytest.approx(2e-3)
+    assert lrs[4] == pytest.approx((2e-3 + 1e-4) / 2) and lrs[6] == lrs[7] == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match="needs lr_decay_steps"):
+        TrainerConfig(lr_decay_style="linear")
+    with pytest.raises(ValueError, match=r"routing_replay='r4' .* none, r2, r3"):
+        TrainerConfig(routing_replay="r4")

@@ -154,7 +154,8 @@ def save(tr: MegatronTrainer, save_dir: Path, *, extra_state: dict[str, object])
 
 
 def _prune(save_dir: Path, *, keep: int, current: Path) -> None:
-    complete = [d for d in _iter_dirs(save_dir) if validate(d) is None]
+    """Delete all but the newest `keep` finished checkpoints (meta.json present; no hashing)."""
+    complete = [d for d in _iter_dirs(save_dir) if (d / "meta.json").is_file()]
     for d in complete[:-keep] if keep > 0 else []:
         if d != current:
             shutil.rmtree(d, ignore_errors=True)

@@ -69,7 +69,13 @@ class TrainerConfig:
     """CompIS loss configuration (built by the `loss` package's own flags)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "routing_replay", RoutingReplay(self.routing_replay))
+        try:
+            object.__setattr__(self, "routing_replay", RoutingReplay(self.routing_replay))
+        except ValueError:
+            choices = ", ".join(m.value for m in RoutingReplay)
+            raise ValueError(
+                f"routing_replay={self.routing_replay!r} is not supported; use one of {choices}"
+            ) from None
         if self.micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1")
         if not (math.isfinite(self.lr) and self.lr >= 0):
