@@ -343,3 +343,25 @@ async def test_client_disconnect_and_group_abort_free_the_batch(engine) -> None:
     assert [it["meta_info"]["finish_reason"]["type"] for it in items] == ["abort", "abort"]
     assert [it["meta_info"]["id"] for it in items] == ["job_0", "job_1"]
     assert kept["meta_info"]["finish_reason"]["type"] == "length"
+
+
+async def test_failed_model_step_is_a_500_and_the_engine_recovers(engine, monkeypatch) -> None:
+    from slime_async.engine import batch
+
+    url, _ = engine
+    real = batch.decode
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(batch, "decode", flaky)
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 20}}
+    async with aiohttp.ClientSession() as s:
+        st, err = await post(s, url + "/generate", body)
+        assert st == 500 and "injected step failure" in err["error"]["message"]
+        st, ok = await post(s, url + "/generate", body)
+    assert st == 200 and len(ok["output_ids"]) == 20

@@ -11,7 +11,9 @@ Must never import the server, the scheduler or aiohttp; runs in the scheduler's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 from transformers import DynamicCache
@@ -93,6 +95,17 @@ class PrefillOut:
     """Per sequence int32 `[P_i, num_layers, topk]`, when capture was asked for."""
 
 
+@contextlib.contextmanager
+def _forward(lm: LoadedModel, *, tokens: int, capture: bool) -> Iterator[None]:
+    """Context of one model forward: expert capture on/off and the model's compute mode."""
+    lm.capture.active = capture
+    try:
+        with lm.compute(tokens):
+            yield
+    finally:
+        lm.capture.active = False
+
+
 def _heads(lm: LoadedModel) -> tuple[torch.nn.Module, torch.nn.Module]:
     return lm.model.get_decoder(), lm.model.get_output_embeddings()
 
@@ -117,8 +130,7 @@ def prefill(
     allowed = (causal[None] & real[:, None, :]) | torch.eye(p, dtype=torch.bool)[None]
     decoder, head = _heads(lm)
     cache = DynamicCache()
-    lm.capture.active = capture
-    try:
+    with _forward(lm, tokens=n * p, capture=capture):
         h = decoder(
             input_ids=ids,
             attention_mask=allowed[:, None],
@@ -127,13 +139,11 @@ def prefill(
             use_cache=True,
         ).last_hidden_state
         routed_all = lm.capture.take(n, p) if capture else None
-    finally:
-        lm.capture.active = False
-    last_logits = head(h[:, -1]).float()
-    prompt_logits: list[torch.Tensor | None] = [
-        head(h[i, p - len(s) :]).float() if want else None
-        for i, (s, want) in enumerate(zip(seqs, want_prompt_logits))
-    ]
+        last_logits = head(h[:, -1]).float()
+        prompt_logits: list[torch.Tensor | None] = [
+            head(h[i, p - len(s) :]).float() if want else None
+            for i, (s, want) in enumerate(zip(seqs, want_prompt_logits))
+        ]
     routed = (
         [routed_all[i, p - len(s) :] for i, s in enumerate(seqs)]
         if routed_all is not None
@@ -157,8 +167,7 @@ def decode(
     pos = kv.lengths()[:, None]
     new_mask = torch.cat([kv.mask, torch.ones(b, 1, dtype=torch.bool)], dim=1)
     decoder, head = _heads(lm)
-    lm.capture.active = capture
-    try:
+    with _forward(lm, tokens=b, capture=capture):
         h = decoder(
             input_ids=torch.tensor(tokens, dtype=torch.long)[:, None],
             attention_mask=new_mask[:, None, None, :],
@@ -167,7 +176,6 @@ def decode(
             use_cache=True,
         ).last_hidden_state
         routed = lm.capture.take(b, 1)[:, 0] if capture else None
-    finally:
-        lm.capture.active = False
+        logits = head(h[:, 0]).float()
     kv.mask = new_mask
-    return head(h[:, 0]).float(), routed
+    return logits, routed

@@ -32,6 +32,9 @@ class EngineConfig:
     """Seeds random init of a built model and the engine's sampling-seed stream."""
     dtype: Dtype = "bf16"
     """Inference dtype: bf16 (default; a real engine mismatch against the fp32 trainer) or fp32."""
+    bf16_via_fp32: bool = True
+    """bf16 only: run matmuls/attention as fp32 over bf16 values, rounding outputs to bf16 (a
+    bf16 GEMM with fp32 accumulation, as on GPUs); 5-15x faster on CPUs without native bf16."""
     max_running_requests: int = 64
     """Most sequences decoding together (the continuous batch); the rest wait in FIFO order."""
     max_prefill_tokens: int = 8192
@@ -97,6 +100,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="inference dtype")
     g.add_argument(
+        "--bf16-native-matmul",
+        action="store_true",
+        help="bf16: use torch's bf16 GEMMs instead of fp32 GEMMs over bf16 values (slow on CPU)",
+    )
+    g.add_argument(
         "--max-running-requests", type=int, default=64, help="continuous-batch size limit"
     )
     g.add_argument(
@@ -135,6 +143,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model_spec=spec,
         seed=args.seed,
         dtype=args.dtype,
+        bf16_via_fp32=not args.bf16_native_matmul,
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         context_length=args.context_length,

@@ -9,18 +9,22 @@ Must never import the server, the scheduler or aiohttp.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from slime_async.engine.config import EngineConfig
 from slime_async.modelspec import TINY_MOE, ModelSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+BF16_VIA_FP32_MIN_TOKENS = 8
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
@@ -42,6 +46,36 @@ class IdCodec:
 
     def decode(self, ids: list[int], **_: Any) -> str:
         return " ".join(str(i) for i in ids)
+
+
+class Bf16ViaFp32(TorchFunctionMode):
+    """Runs bf16 matmuls and attention as fp32 over the (exactly upcast) bf16 values and rounds
+    the result to bf16: the numerics of a bf16 GEMM with fp32 accumulation (what GPU kernels
+    do), 5-15x faster than torch's bf16 GEMM on CPUs without native bf16. Weights, activations
+    between ops and the KV cache stay bf16."""
+
+    OPS = frozenset(
+        {
+            torch.nn.functional.linear,
+            torch.nn.functional.scaled_dot_product_attention,
+            torch.matmul,
+            torch.bmm,
+            getattr(torch, "_grouped_mm", torch.matmul),
+        }
+    )
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in self.OPS:
+            return func(*args, **kwargs)
+
+        def up(x: Any) -> Any:
+            return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 else x
+
+        if not any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
+            return func(*args, **kwargs)
+        out = func(*[up(a) for a in args], **{k: up(v) for k, v in kwargs.items()})
+        return out.to(torch.bfloat16) if isinstance(out, torch.Tensor) else out
 
 
 class RouterCapture:
@@ -111,6 +145,24 @@ class LoadedModel:
     """What `/model_info` reports as `model_path`."""
     model_type: str
     """HF `model_type`."""
+    bf16_via_fp32: bool = False
+    """Run bf16 matmuls/attention through `Bf16ViaFp32`."""
+
+    @contextlib.contextmanager
+    def compute(self, tokens: int) -> Iterator[None]:
+        """Context every forward of `tokens` tokens runs in. With `bf16_via_fp32`, forwards of
+        >= `BF16_VIA_FP32_MIN_TOKENS` tokens use `Bf16ViaFp32` (its per-op Python dispatch costs
+        more than it saves on tiny forwards; both paths are bf16 GEMMs with fp32 accumulation
+        and agree to the last bf16 bit but for rounding ties)."""
+        if (
+            self.bf16_via_fp32
+            and self.dtype == torch.bfloat16
+            and tokens >= BF16_VIA_FP32_MIN_TOKENS
+        ):
+            with Bf16ViaFp32():
+                yield
+        else:
+            yield
 
     @property
     def is_moe(self) -> bool:
@@ -179,6 +231,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         capture=RouterCapture(model, num_layers=num_layers, topk=max(topk, 1)),
         model_path=model_path,
         model_type=str(hf.model_type),
+        bf16_via_fp32=cfg.bf16_via_fp32,
     )
 
 
@@ -237,7 +290,8 @@ def teacher_forced(
     x = torch.tensor([ids], dtype=torch.long)
     lm.capture.active = True
     try:
-        logits = lm.model(input_ids=x, use_cache=False).logits[0].float()
+        with lm.compute(len(ids)):
+            logits = lm.model(input_ids=x, use_cache=False).logits[0].float()
         routed = lm.capture.take(1, len(ids))[0]
     finally:
         lm.capture.active = False

@@ -156,6 +156,8 @@ def config_to_argv(cfg: EngineConfig) -> list[str]:
         argv += ["--served-model-name", cfg.served_model_name]
     if not cfg.enable_return_routed_experts:
         argv.append("--disable-return-routed-experts")
+    if not cfg.bf16_via_fp32:
+        argv.append("--bf16-native-matmul")
     if cfg.always_return_routed_experts:
         argv.append("--always-return-routed-experts")
     if cfg.num_threads is not None:

@@ -59,6 +59,8 @@ class Scheduler:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._task: asyncio.Task[None] | None = None
         self._in_step = False
+        self._prefilling: list[Sequence] = []
+        """Admitted, prefill in flight: in neither `waiting` nor `running` yet."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -91,7 +93,7 @@ class Scheduler:
         returns how many were hit."""
         hits = [
             s
-            for s in [*self.waiting, *self.running]
+            for s in [*self.waiting, *self._prefilling, *self.running]
             if abort_all or (rid is not None and rid in (s.rid, s.group_rid))
         ]
         return self.abort_seqs(hits, message)
@@ -122,7 +124,7 @@ class Scheduler:
         self._wake.set()
 
     def note_version(self, version: str) -> None:
-        for seq in [*self.waiting, *self.running]:
+        for seq in [*self.waiting, *self._prefilling, *self.running]:
             seq.note_version(version)
 
     def load(self) -> dict[str, int]:
@@ -144,11 +146,7 @@ class Scheduler:
                 try:
                     await self._step()
                 except Exception as e:  # a broken step must not hang clients: fail them loudly
-                    self.abort(
-                        abort_all=True, message=f"engine step failed: {type(e).__name__}: {e}"
-                    )
-                    self._in_step = False
-                    self._retire()
+                    self._fail_step(f"engine step failed: {type(e).__name__}: {e}")
             await asyncio.sleep(0)
 
     def _admit(self) -> list[Sequence]:
@@ -162,12 +160,23 @@ class Scheduler:
             budget -= n
         return out
 
+    def _fail_step(self, message: str) -> None:
+        """Finish every request the failed step touched (the batch cache may be half-updated);
+        waiting requests stay queued."""
+        self._in_step = False
+        for seq in [*self._prefilling, *self.running]:
+            if seq.status is not SeqStatus.FINISHED:
+                seq.finish(abort_reason(message, status_code=500, err_type="InternalServerError"))
+        self._prefilling, self.running, self.kv = [], [], None
+
     async def _step(self) -> None:
         loop = asyncio.get_running_loop()
         new = self._admit()
         self._in_step = True
         if new:
+            self._prefilling = new
             result = await loop.run_in_executor(self._pool, self._prefill_job, new)
+            self._prefilling = []
             self._apply_prefill(new, *result)
             self._retire()
         if self.running and self.kv is not None and not self.paused:

@@ -109,8 +109,12 @@ class Sequence:
         self.updated.set()
 
 
-def abort_reason(message: str) -> dict[str, Any]:
-    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+def abort_reason(
+    message: str, *, status_code: int | None = None, err_type: str | None = None
+) -> dict[str, Any]:
+    """SGLang `FINISH_ABORT`: no status code = a client/control abort (HTTP 200, partial output);
+    a 4xx/5xx status code = an error the server reports as that HTTP status."""
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
 
 def check_finish(

@@ -69,6 +69,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not await _wait_done(request, seqs):  # client went away: free the batch rows
         eng.abort_seqs(seqs, "client disconnected")
         return web.Response(status=499)
+    for s in seqs:  # an internal error is an HTTP error (SGLang), not a partial answer
+        code = (s.finish_reason or {}).get("status_code")
+        if code is not None and code >= 400:
+            return _err(s.finish_reason["message"], status=code)  # type: ignore[index]
     outs = [response_item(s, tokenizer=tok, return_text_in_logprobs=rtl) for s in seqs]
     return web.json_response(outs if req.batch else outs[0], dumps=_dumps)
 
