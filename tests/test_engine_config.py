@@ -1,0 +1,61 @@
+"""EngineConfig validation, its flags, and the argv round trip the subprocess launcher uses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from slime_async.engine import EngineConfig, EngineServer, add_engine_args, engine_config_from_args
+from slime_async.engine.runner import config_to_argv
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"dtype": "fp16"}, "dtype must be"),
+        ({"max_running_requests": 0}, "max_running_requests"),
+        ({"max_prefill_tokens": 0}, "max_prefill_tokens"),
+        ({"port": 70000}, "port"),
+        ({"model_dir": "/x", "model_spec": {}}, "not both"),
+        ({"gguf_file": "a.gguf"}, "gguf_file needs model_dir"),
+        ({"context_length": 1}, "context_length"),
+        (
+            {"always_return_routed_experts": True, "enable_return_routed_experts": False},
+            "always_return_routed_experts",
+        ),
+    ],
+)
+def test_bad_engine_config_names_the_problem(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig(**kwargs)
+
+
+def test_argv_round_trip() -> None:
+    cfg = EngineConfig(
+        port=1234,
+        model_dir="/ckpt",
+        seed=7,
+        dtype="fp32",
+        max_running_requests=5,
+        max_prefill_tokens=99,
+        context_length=512,
+        weight_version="4",
+        served_model_name="pol",
+        always_return_routed_experts=True,
+        bf16_via_fp32=False,
+        num_threads=1,
+    )
+    args = add_engine_args(argparse.ArgumentParser()).parse_args(config_to_argv(cfg))
+    assert engine_config_from_args(args) == cfg
+    defaults = engine_config_from_args(add_engine_args(argparse.ArgumentParser()).parse_args([]))
+    assert defaults == EngineConfig()
+    assert dataclasses.replace(defaults, dtype="fp32").dtype == "fp32"
+
+
+def test_start_failure_is_reported(tmp_path) -> None:
+    srv = EngineServer(EngineConfig(model_dir=str(tmp_path / "missing")))
+    with pytest.raises(RuntimeError, match="not a directory"):
+        srv.start(timeout=60)
+    srv.stop()
