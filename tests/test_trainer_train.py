@@ -176,3 +176,18 @@ def test_logprobs_do_not_depend_on_padding_or_batch_company():
         alone, _ = tr.compute_logprobs(b.select([i]).trimmed(n))
         assert (lp[i, :n] - alone[0]).abs().max() <= 1e-5, i
         assert (lp[i, n:] == 0).all() and (ent[i, n:] == 0).all()  # padding stays 0
+
+
+def test_non_finite_gradients_refuse_the_update():
+    tr = _trainer()
+    b = _batch(4)
+    before = _params(tr)
+    # an overflow somewhere in backward: one gradient turns into inf
+    p = dict(tr.model.named_parameters())["decoder.final_layernorm.weight"]
+    handle = p.register_hook(lambda g: g * float("inf"))
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient norm .* version 0"):
+        tr.train_step(b)
+    handle.remove()
+    assert tr.version == 0
+    assert all(torch.equal(before[k], v) for k, v in _params(tr).items())
+    assert tr.train_step(b)["train/version"] == 1.0  # the next good batch trains normally

@@ -12,6 +12,7 @@ rank works on its contiguous shard and results are gathered back, so callers nev
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import time
 from pathlib import Path
@@ -317,6 +318,13 @@ class MegatronTrainer:
         named = list(self.model.named_parameters())
         parallel.sync_grads(named, tp=self.layout.tp)
         gnorm = float(parallel.grad_norm(named))
+        if not math.isfinite(gnorm):  # same value on every rank: all refuse together
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"non-finite gradient norm ({gnorm}) in the train step at version {self.version}; "
+                "the weights were not updated. Check the batch (rollout log-probs, advantages) "
+                "and the loss configuration."
+            )
         if self.cfg.clip_grad > 0 and gnorm > self.cfg.clip_grad:
             scale = self.cfg.clip_grad / (gnorm + 1e-6)
             for _, p in named:
