@@ -281,3 +281,16 @@ def test_trainer_config_flags_schedule_and_errors():
         TrainerConfig(lr_decay_style="linear")
     with pytest.raises(ValueError, match=r"routing_replay='r4' .* none, r2, r3"):
         TrainerConfig(routing_replay="r4")
+
+
+def test_bf16_export_loads_in_transformers(moe_trainer, tmp_path):
+    from slime_async.trainer.testing import load_hf
+    from slime_async.trainer.weights_io import read_hf_dir
+
+    d = moe_trainer.save_weights(tmp_path / "bf16", dtype=torch.bfloat16)
+    back = read_hf_dir(d)
+    assert back.version == moe_trainer.version
+    assert {t.dtype for t in back.tensors.values()} == {torch.bfloat16}
+    hf = load_hf(d, torch.bfloat16)
+    ref = moe_trainer.export_weights().tensors["model.norm.weight"].to(torch.bfloat16)
+    assert torch.equal(hf.model.norm.weight.detach(), ref)
