@@ -114,23 +114,26 @@ async def _bench_worker(queued: int, samples: int, n: int, B: int, num_keys: int
     async def generate(request, priority: float, expected_len: int) -> GenerationResult:
         return results[int(request.prompt.key)]
 
+    # known prompts (all n samples queue at admission): restore a state with a warm length cache
+    state = RolloutDataWorker(cfg, EndlessSource(num_keys), generate).state_dict()
+    state["length_cache"] = {str(i): 5000.0 + (i * 7919) % 25000 for i in range(num_keys)}
     worker = RolloutDataWorker(cfg, EndlessSource(num_keys), generate)
-    for i in range(num_keys):
-        worker._core.cache.update(str(i), 5000 + (i * 7919) % 25000)
+    worker.load_state_dict(state)
     await worker.start()
-    core = worker._core
-    assert core.queued >= queued - cfg.max_inflight - n, core.queued
+    queue_before = worker.metrics()["data/queue_depth"]
+    assert queue_before >= queued - cfg.max_inflight - n, queue_before
     steps = math.ceil(samples / (n * B))
     gc.collect()
     gc.disable()
     t0, c0 = time.perf_counter(), time.process_time()
-    start_calls = core.n_dispatches
+    start_calls = worker.metrics()["data/generate_calls"]
     for _ in range(steps):
         await worker.get_batch(B, 0)
     dt, dc = time.perf_counter() - t0, time.process_time() - c0
     gc.enable()
-    done = core.n_dispatches - start_calls
-    queue_after = core.queued
+    m = worker.metrics()
+    done = m["data/generate_calls"] - start_calls
+    queue_after = m["data/queue_depth"]
     await worker.stop()
     assert queue_after >= queued - cfg.max_inflight - n, queue_after
     return dt / done * 1e6, dc / done * 1e6

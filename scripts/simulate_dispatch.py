@@ -380,6 +380,12 @@ def main() -> None:
     p.add_argument(
         "--probe-windows", default="1,2", help="W values (multiples of B) run with probes"
     )
+    p.add_argument(
+        "--probe-siblings",
+        default="queue",
+        choices=["queue", "backfill", "hold"],
+        help="what a probing group's other samples do (DataWorkerConfig.probe_siblings)",
+    )
     a = p.parse_args()
     cfg = SimConfig(
         engines=a.engines,
@@ -400,7 +406,12 @@ def main() -> None:
         policies.append(Policy(name=f"window {m:g}B", window=max(1, round(m * B)), probe=False))
     for m in (float(x) for x in a.probe_windows.split(",") if x):
         policies.append(
-            Policy(name=f"window {m:g}B + probe", window=max(1, round(m * B)), probe=True)
+            Policy(
+                name=f"window {m:g}B + probe",
+                window=max(1, round(m * B)),
+                probe=True,
+                siblings=a.probe_siblings,
+            )
         )
     results = []
     for pol in policies:
