@@ -7,6 +7,7 @@ SGLang servers on GPUs (`slime_async.engine.sglang`). Public surface:
 * `EngineServer(cfg).start() -> url` / `.stop()` — in-process server (tests, Ray actors).
 * `EngineProcess(cfg).start() -> url` / `.stop()` — `python -m slime_async.engine` child process.
 * `decode_routed_experts(b64, num_layers=, topk=)` — `meta_info.routed_experts` to int32 array.
+* `SGLangConfig` / `SGLangServer(cfg).start() -> url` / `.stop()` — real SGLang on GPUs.
 
 Must never import the trainer, the controller, Ray, or the leaves' internals. Heavy modules
 (torch, transformers, aiohttp) load lazily on first attribute access.
@@ -22,6 +23,8 @@ __all__ = [
     "EngineConfig",
     "EngineProcess",
     "EngineServer",
+    "SGLangConfig",
+    "SGLangServer",
     "add_engine_args",
     "decode_routed_experts",
     "encode_routed_experts",
@@ -34,6 +37,10 @@ def __getattr__(name: str) -> Any:
         from slime_async.engine import runner
 
         return getattr(runner, name)
+    if name in ("SGLangConfig", "SGLangServer"):
+        from slime_async.engine import sglang
+
+        return getattr(sglang, name)
     if name in ("decode_routed_experts", "encode_routed_experts"):
         from slime_async.engine import protocol
 
