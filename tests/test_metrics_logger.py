@@ -87,6 +87,8 @@ def test_guard_warnings_go_to_stderr_and_the_log(tmp_path: Path) -> None:
     err = io.StringIO()
     with MetricsLogger(tmp_path, console=False, progress=False, stderr=err) as ml:
         for k in range(1, 13):
+            if k == 12:  # an eval record arriving first must not hide the train record
+                assert ml.log(k, {"eval/reward": 0.5, "timing/eval_s": 1.0}) == []
             ent = 3.0 if k == 12 else 1.0
             fired = ml.log(k, {"policy/entropy": ent, "is/combined/mean": 1.0})
         assert [w.kind for w in fired] == ["entropy_spike"]

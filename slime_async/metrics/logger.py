@@ -134,7 +134,7 @@ class MetricsLogger:
         self.progress: ProgressBar | None = None
         self.warnings: list[GuardWarning] = []
         self._started = False
-        self._last_step: int | None = None
+        self._last_guarded: int | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ logging
@@ -154,14 +154,18 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.write(record)
         fired: list[GuardWarning] = []
-        # eval-only records for an earlier step do not feed the guards (they would look like
-        # a resume); train records arrive in step order
-        if self.monitor is not None and (self._last_step is None or step > self._last_step):
+        # guards read train records only, once per step, in step order; eval records (which
+        # the controller may log late, from a concurrent task) never feed them
+        is_train = any(not k.startswith("eval/") and k != "timing/eval_s" for k in clean)
+        if (
+            self.monitor is not None
+            and is_train
+            and (self._last_guarded is None or step > self._last_guarded)
+        ):
+            self._last_guarded = step
             fired = self.monitor.update(record)
             for w in fired:
                 self._warn(w)
-        if self._last_step is None or step > self._last_step:
-            self._last_step = step
         if self.progress is not None:
             self.progress.update(step)
         return fired
