@@ -79,9 +79,10 @@ def validate_config(cfg: RouterConfig) -> None:
         )
     if not is_loopback(cfg.host) and not cfg.auth_token:
         raise ValueError(
-            f"router bound to non-loopback host {cfg.host!r} without a token: pass "
-            "--router-auth-token (management and control routes then need "
-            "'Authorization: Bearer <token>'), or bind 127.0.0.1"
+            f"router bound to non-loopback host {cfg.host!r} without a token: pass an auth "
+            "token (--auth-token for `python -m router`, --router-auth-token in the training "
+            "CLI; management and control routes then need 'Authorization: Bearer <token>'), "
+            "or bind 127.0.0.1"
         )
     if cfg.default_expected_tokens <= 0:
         raise ValueError("default_expected_tokens must be > 0 (tokens assumed per request)")
@@ -110,46 +111,50 @@ def check_worker_url(url: str) -> str:
     return url.rstrip("/")
 
 
+_FLAG_HELP: dict[str, str] = {
+    "host": "Interface to bind; off loopback an auth token is required.",
+    "port": "TCP port (0 = ephemeral; the real one is printed).",
+    "policy": "Balancing policy.",
+    "default_expected_tokens": "Expected tokens of a request without an X-Expected-Tokens header.",
+    "auth_token": "Bearer token required on /workers and control routes.",
+    "health_interval_s": "Seconds between /health probes of each engine.",
+    "health_timeout_s": "Timeout of one health probe.",
+    "failure_threshold": "Consecutive failed probes or requests that quarantine an engine.",
+    "success_threshold": "Consecutive good probes that re-admit a quarantined engine.",
+    "readmit_probe_path": "Probe path of a quarantined engine (a real 1-token generation).",
+    "max_retries": "Extra attempts of a request on other engines (0 = none).",
+    "retry_backoff_s": "First retry pause; doubles per attempt, capped at 1 s.",
+    "wait_for_worker_s": "Longest wait for a healthy engine before answering 503.",
+    "request_timeout_s": "Total timeout of one proxied attempt.",
+    "connect_timeout_s": "TCP connect timeout to an engine.",
+    "control_timeout_s": "Timeout of one fan-out control call per engine.",
+    "max_connections": "Connection pool limit to engines (0 = unlimited).",
+    "max_body_bytes": "Largest accepted request body.",
+}
+
+
 def add_router_args(parser: argparse.ArgumentParser, *, prefix: str = "router-") -> None:
-    """Add one `--<prefix><field>` flag per `RouterConfig` field (with the field's docstring)."""
+    """Add one `--<prefix><field>` flag per `RouterConfig` field (`extra` excepted)."""
     group = parser.add_argument_group("router")
     d = RouterConfig()
-    p = prefix
-    group.add_argument(f"--{p}host", default=d.host, help="Interface to bind (default 127.0.0.1).")
-    group.add_argument(f"--{p}port", type=int, default=d.port, help="Port (0 = ephemeral).")
     group.add_argument(
-        f"--{p}worker-urls", nargs="*", default=list(d.worker_urls), help="Engine URLs at start."
+        f"--{prefix}worker-urls",
+        nargs="*",
+        default=list(d.worker_urls),
+        help="Engine URLs registered at start (http://host:port); more via POST /workers.",
     )
-    group.add_argument(f"--{p}policy", choices=POLICY_NAMES, default=d.policy, help="Policy.")
-    group.add_argument(
-        f"--{p}default-expected-tokens",
-        type=int,
-        default=d.default_expected_tokens,
-        help="Expected tokens of a request without an X-Expected-Tokens header.",
-    )
-    group.add_argument(
-        f"--{p}auth-token", default=d.auth_token, help="Bearer token for management routes."
-    )
-    numeric = {
-        "health_interval_s": float,
-        "health_timeout_s": float,
-        "failure_threshold": int,
-        "success_threshold": int,
-        "max_retries": int,
-        "retry_backoff_s": float,
-        "wait_for_worker_s": float,
-        "request_timeout_s": float,
-        "connect_timeout_s": float,
-        "control_timeout_s": float,
-        "max_connections": int,
-        "readmit_probe_path": str,
-    }
-    for name, typ in numeric.items():
+    for f in dataclasses.fields(RouterConfig):
+        if f.name in ("worker_urls", "extra"):
+            continue
+        default = getattr(d, f.name)
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        kwargs: dict = {"type": kind, "default": default}
+        if f.name == "policy":
+            kwargs["choices"] = POLICY_NAMES
         group.add_argument(
-            f"--{p}{name.replace('_', '-')}",
-            type=typ,
-            default=getattr(d, name),
-            help=f"{name} (default {getattr(d, name)}).",
+            f"--{prefix}{f.name.replace('_', '-')}",
+            help=f"{_FLAG_HELP[f.name]} (default: {default})",
+            **kwargs,
         )
 
 

@@ -149,7 +149,7 @@ def _auth_middleware(token: str):
                 return error_response(
                     401,
                     f"{request.path} needs 'Authorization: Bearer <token>' (the router's "
-                    "--router-auth-token)",
+                    "auth token)",
                     err_type="unauthorized",
                 )
         return await handler(request)

@@ -254,6 +254,18 @@ def workload(cfg: BenchConfig) -> list[tuple[int, str]]:
     return out
 
 
+async def _warm(url: str, n: int) -> None:
+    """A burst of n one-token requests: routers are long-lived, so measure them with warm
+    connection pools (applied to every router alike)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def one(i: int) -> None:
+            async with s.post(url + "/generate", json=_req(1, f"warm{i}")) as r:
+                await r.read()
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+
 async def _served(urls: list[str]) -> list[dict]:
     async with aiohttp.ClientSession() as s:
         out = []
@@ -310,6 +322,7 @@ async def makespan(cfg: BenchConfig) -> bool:
             for kind, policy in order:
                 router = await _start_router(kind, policy, backends.urls, cfg.engines)
                 try:
+                    await _warm(router.url, cfg.num_requests)
                     for arrival in cfg.orders:
                         work = drawn if arrival == "random" else sorted(drawn, reverse=True)
                         await asyncio.sleep(0.3)

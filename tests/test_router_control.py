@@ -196,7 +196,7 @@ def test_cli_refuses_non_loopback_without_token_and_serves_on_loopback() -> None
         timeout=30,
         env=env,
     )
-    assert bad.returncode == 2 and "--router-auth-token" in bad.stderr
+    assert bad.returncode == 2 and "--auth-token" in bad.stderr
 
     engines = EngineProcess.spawn(count=1, name="cli")
     proc = subprocess.Popen(
