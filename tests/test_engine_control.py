@@ -364,4 +364,9 @@ async def test_failed_model_step_is_a_500_and_the_engine_recovers(engine, monkey
         st, err = await post(s, url + "/generate", body)
         assert st == 500 and "injected step failure" in err["error"]["message"]
         st, ok = await post(s, url + "/generate", body)
-    assert st == 200 and len(ok["output_ids"]) == 20
+        assert st == 200 and len(ok["output_ids"]) == 20
+        calls["n"] = 0  # mid-stream failure: an SSE error event, then [DONE]
+        async with s.post(url + "/generate", json={**body, "stream": True}) as r:
+            lines = [ln.decode().strip() async for ln in r.content if ln.strip()]
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2] and "injected step failure" in lines[-2]

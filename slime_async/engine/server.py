@@ -115,6 +115,13 @@ async def _stream(
                 if len(s.output) == sent[i] and not finished:
                     continue
                 sent[i] = len(s.output)
+                code = (s.finish_reason or {}).get("status_code")
+                if finished and code is not None and code >= 400:  # SGLang's mid-stream error
+                    err = {"message": s.finish_reason["message"], "type": "invalid_request_error"}  # type: ignore[index]
+                    err.update(code=code, retryable=code >= 500)
+                    await resp.write(f"data: {_dumps({'error': err})}\n\n".encode())
+                    pending.discard(i)
+                    continue
                 item = response_item(
                     s, tokenizer=tok, return_text_in_logprobs=rtl, index=i if batch else None
                 )
