@@ -104,13 +104,14 @@ class TrainerGroup:
         *,
         world_size: int = 1,
         num_cpus_per_actor: float = DEFAULT_NUM_CPUS,
+        num_gpus_per_actor: float = 0.0,
         num_threads: int = 1,
         timeout_s: float = 600.0,
     ) -> None:
         port = _free_port()
         self.timeout_s = timeout_s
         self.actors = [
-            TrainerActor.options(num_cpus=num_cpus_per_actor).remote(
+            TrainerActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor).remote(
                 cfg,
                 spec,
                 rank=r,

@@ -195,17 +195,21 @@ def grad_norm(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> torch.T
     """Global L2 norm of the gradients, counting every distinct parameter shard once."""
     from megatron.core import parallel_state as ps
 
-    dense = torch.zeros((), dtype=torch.float64)
-    expert = torch.zeros((), dtype=torch.float64)
     tp_rank = ps.get_tensor_model_parallel_rank() if dist.is_initialized() else 0
+    dense_sq: list[torch.Tensor] = []
+    expert_sq: list[torch.Tensor] = []
     for name, p in named_params:
         if p.grad is None:
             continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
+        sq = p.grad.detach().double().pow(2).sum()  # stays on the grad's device (no sync)
         if is_expert_param(name):
-            expert += sq
+            expert_sq.append(sq)
         elif is_tp_partitioned(p) or tp_rank == 0:
-            dense += sq
+            dense_sq.append(sq)
+    dense = torch.stack(dense_sq).sum().cpu() if dense_sq else torch.zeros((), dtype=torch.float64)
+    expert = (
+        torch.stack(expert_sq).sum().cpu() if expert_sq else torch.zeros((), dtype=torch.float64)
+    )
     g = groups()
     all_reduce_sum(dense, g["mp"])  # TP shards and pipeline stages hold distinct params
     all_reduce_sum(expert, g["emp"])
