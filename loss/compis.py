@@ -27,7 +27,7 @@ import torch
 from loss.aggregate import aggregate_premasked
 from loss.compis_metrics import compis_metrics
 from loss.diagnostics import Metric, to_floats
-from loss.ppo import masked_advantages, ppo_from_neg_adv
+from loss.ppo import chunks, ppo_from_neg_adv
 from loss.ratios import segment_ids, seq_sum
 from loss.types import CompISConfig, Denom, LossInputs, LossOutputs, Method, compute_dtype, upcast
 
@@ -94,49 +94,89 @@ def _log_weight(
     return d.add_(over, alpha=-_BIG), keep_f
 
 
+def _weights(
+    inputs: LossInputs, cfg: CompISConfig, *, with_neg_adv: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(w, effective mask, valid mask, −A·w or None), all detached, shaped like the inputs.
+
+    On CPU the few elementwise passes run chunk by chunk, so their temporaries stay in cache
+    and each input is read from memory once (several times faster than full-size passes); on
+    other devices the whole tensor is one chunk.
+    """
+    dt = compute_dtype(
+        inputs.logprobs, inputs.proximal_logprobs, inputs.rollout_logprobs, inputs.behavior_logprobs
+    )
+    clamp = cfg.log_ratio_clamp
+    drop = cfg.denom is Denom.DROP
+    shape, dev = inputs.loss_mask.shape, inputs.loss_mask.device
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().reshape(-1)
+
+    lpk, lps = flat(inputs.proximal_logprobs), flat(inputs.rollout_logprobs)
+    lpm = flat(inputs.behavior_logprobs) if inputs.behavior_logprobs is not None else None
+    mask, adv = inputs.loss_mask.reshape(-1), flat(inputs.advantages)
+    n = mask.numel()
+    with torch.no_grad():
+        w = torch.empty(n, dtype=dt, device=dev)
+        mask_f = torch.empty(n, dtype=dt, device=dev)
+        eff = torch.empty(n, dtype=dt, device=dev) if drop else mask_f
+        neg_adv = torch.empty(n, dtype=dt, device=dev) if with_neg_adv else None
+        for sl in chunks(n, dev):
+            mf = mask_f[sl].copy_(mask[sl])
+            if lpm is None:
+                d3 = _delta(lpk[sl], lps[sl], dt)
+                keep2 = None
+                logw, keep3 = _log_weight(
+                    d3,
+                    cfg.staleness_method,
+                    cfg.staleness_low,
+                    cfg.staleness_high,
+                    clamp,
+                    keep=drop,
+                )
+            else:
+                d2 = _delta(lpm[sl], lps[sl], dt)
+                d3 = _delta(lpk[sl], lpm[sl], dt)
+                c2, keep2 = _log_weight(
+                    d2, cfg.engine_method, cfg.engine_low, cfg.engine_high, clamp, keep=drop
+                )
+                c3, keep3 = _log_weight(
+                    d3,
+                    cfg.staleness_method,
+                    cfg.staleness_low,
+                    cfg.staleness_high,
+                    clamp,
+                    keep=drop,
+                )
+                logw = c2.add_(c3)
+            wc = torch.exp(logw, out=w[sl]).mul_(mf)
+            if drop:
+                ec = eff[sl].copy_(mf)
+                for keep in (keep2, keep3):
+                    if keep is not None:
+                        ec.mul_(keep)
+            if neg_adv is not None:
+                a = upcast(adv[sl]).to(dt)
+                torch.nan_to_num(a, 0.0, 0.0, 0.0, out=neg_adv[sl]).mul_(wc).neg_()
+    na = neg_adv.view(shape) if neg_adv is not None else None
+    return w.view(shape), eff.view(shape), mask_f.view(shape), na
+
+
 def compis_weights(
     inputs: LossInputs, cfg: CompISConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(w, effective mask, valid mask): the detached per-token weight f2(r2)·f3(r3) (0 outside
     `loss_mask`), the denominator mask under `cfg.denom` and `loss_mask`, masks as 0/1 floats
     in the compute dtype (fp64 if any log-prob input is fp64, else fp32)."""
-    dt = compute_dtype(
-        inputs.logprobs, inputs.proximal_logprobs, inputs.rollout_logprobs, inputs.behavior_logprobs
-    )
-    clamp = cfg.log_ratio_clamp
-    drop = cfg.denom is Denom.DROP
-    with torch.no_grad():
-        mask_f = inputs.loss_mask.to(dt)
-        if inputs.behavior_logprobs is None:
-            d3 = _delta(inputs.proximal_logprobs, inputs.rollout_logprobs, dt)
-            keep2 = None
-            logw, keep3 = _log_weight(
-                d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high, clamp, keep=drop
-            )
-        else:
-            d2 = _delta(inputs.behavior_logprobs, inputs.rollout_logprobs, dt)
-            d3 = _delta(inputs.proximal_logprobs, inputs.behavior_logprobs, dt)
-            c2, keep2 = _log_weight(
-                d2, cfg.engine_method, cfg.engine_low, cfg.engine_high, clamp, keep=drop
-            )
-            c3, keep3 = _log_weight(
-                d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high, clamp, keep=drop
-            )
-            logw = c2.add_(c3)
-            del d3, c3
-        w = logw.exp_().mul_(mask_f)
-        eff = mask_f
-        for keep in (keep2, keep3):
-            if keep is not None:
-                eff = eff * keep
+    w, eff, mask_f, _ = _weights(inputs, cfg, with_neg_adv=False)
     return w, eff, mask_f
 
 
 def compis_terms(inputs: LossInputs, cfg: CompISConfig) -> CompISTerms:
     """Per-token CompIS loss and weights (no reduction). Shapes follow `inputs.logprobs`."""
-    w, eff, mask_f = compis_weights(inputs, cfg)
-    with torch.no_grad():
-        neg_adv = masked_advantages(inputs.advantages, w, dtype=w.dtype).neg_()
+    w, eff, mask_f, neg_adv = _weights(inputs, cfg, with_neg_adv=True)
+    assert neg_adv is not None
     ppo = ppo_from_neg_adv(
         inputs.logprobs,
         inputs.proximal_logprobs,

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loss import AggMode, CompISConfig, LossInputs, aggregate, compis_loss, ppo_surrogate
 from loss.aggregate import aggregate_premasked
-from loss.ppo import masked_advantages, ppo_from_neg_adv
+from loss.ppo import masked_neg_advantages, ppo_from_neg_adv
 
 VARIANTS = ("ppo", "ppo-api", "compis", "compis+d")
 
@@ -51,9 +51,7 @@ def make_inputs(n_tokens: int, seq_len: int, *, seed: int = 0) -> dict[str, torc
 
 def _ppo_fused(lp: torch.Tensor, x: dict[str, torch.Tensor]) -> torch.Tensor:
     """Plain PPO token-mean on the same fused path CompIS uses, minus the IS weight."""
-    with torch.no_grad():
-        mask_f = x["mask"].to(torch.float32)
-        neg_adv = masked_advantages(x["adv"], mask_f, dtype=torch.float32).neg_()
+    neg_adv, mask_f = masked_neg_advantages(x["adv"], x["mask"], dtype=torch.float32)
     terms = ppo_from_neg_adv(lp, x["lp_k"], neg_adv, 0.2, 0.2, with_clipped=False)
     return aggregate_premasked(terms.loss, mask_f, AggMode.TOKEN_MEAN)
 

@@ -391,3 +391,16 @@ def test_baselines_packed_equal_padded(name):
     )
     grads = torch.cat([lp_pad.grad[i, : lens[i]] for i in range(len(lens))])
     torch.testing.assert_close(lp_pk.grad[: int(cu[-1])], grads, atol=1e-12, rtol=0)
+
+
+def test_chunked_cpu_path_matches_reference():
+    """More tokens than one CPU chunk: chunk boundaries must not change any weight or the loss."""
+    from loss.ppo import CPU_CHUNK
+
+    x = random_batch(b=3, t=CPU_CHUNK - 7, seed=10, spread=0.8)  # 3 rows → chunks straddle rows
+    cfg = cfg_for("seq-mean-token-mean", "drop")
+    cfg = dataclasses.replace(cfg, staleness_method="clip", staleness_low=0.5)
+    t = compis_terms(make_inputs(x)[1], cfg)
+    torch.testing.assert_close(t.weight, reference_weight(x, cfg), atol=1e-12, rtol=1e-12)
+    keep = (correct((x["lp_m"] - x["lp_s"]).exp(), "icepop", 0.5, 2.0).masked == 0) & x["mask"]
+    assert torch.equal(t.mask.bool(), keep)
