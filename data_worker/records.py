@@ -7,7 +7,9 @@ Owns the per-sample and per-group records (`SampleSlot`, `GroupRecord`), their l
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from enum import Enum
+from typing import Any
 
 from data_worker.types import GenerationRequest, Group, Prompt, Sample
 from data_worker.versions import VersionRuns
@@ -69,9 +71,9 @@ class SampleSlot:
         self.enqueued_at = 0.0
         self.gen = 0
         self.first_version: int | None = None
-        self.prefix_ids: list[int] = []
+        self.prefix_ids: Sequence[int] = ()
         self.versions = EMPTY_RUNS
-        self.payloads: list = []
+        self.payloads: tuple[Mapping[str, Any], ...] = ()
         self.sample: Sample | None = None
 
 

@@ -208,7 +208,7 @@ class SchedulerCore:
             sample_index=slot.index,
             prefix_ids=slot.prefix_ids,
             prefix_versions=slot.versions,
-            prefix_payloads=tuple(slot.payloads) if slot.payloads else (),
+            prefix_payloads=slot.payloads,
             attempt=slot.attempts,
         )
         slot.attempts += 1
@@ -243,7 +243,7 @@ class SchedulerCore:
             if self.cfg.partial_rollout is PartialRolloutPolicy.CONTINUE:
                 slot.prefix_ids = [*slot.prefix_ids, *result.output_ids]
                 slot.versions = slot.versions + versions
-                slot.payloads.append(result.payload)
+                slot.payloads = (*slot.payloads, result.payload)
             else:
                 self._reset(slot)
             self._push(slot, 0, 0.0)
@@ -263,7 +263,7 @@ class SchedulerCore:
             attempts=slot.attempts,
         )
         slot.state = SampleState.DONE
-        slot.prefix_ids, slot.payloads, slot.versions = [], [], EMPTY_RUNS
+        slot.prefix_ids, slot.payloads, slot.versions = (), (), EMPTY_RUNS
         rec = slot.rec
         expected = self.cache.update(rec.prompt.key, len(ids))
         if rec.probing:
@@ -289,7 +289,7 @@ class SchedulerCore:
 
     @staticmethod
     def _reset(slot: SampleSlot) -> None:
-        slot.prefix_ids, slot.payloads, slot.versions = [], [], EMPTY_RUNS
+        slot.prefix_ids, slot.payloads, slot.versions = (), (), EMPTY_RUNS
         slot.first_version = None
 
     def _release_waiters(self, rec: GroupRecord, expected: float) -> None:
