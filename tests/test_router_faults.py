@@ -73,10 +73,10 @@ async def test_engine_killed_mid_load_loses_no_request_and_is_readmitted() -> No
 
             assert statuses == [200] * 90  # zero failed client requests
             assert in_flight_on_victim >= 2 and router.proxy.stats.retries >= 1
-            # quarantined within the configured detection window (threshold x interval + timeout)
-            assert (
-                quarantine_s <= cfg.failure_threshold * cfg.health_interval_s + cfg.health_timeout_s
-            )
+            # quarantined within the configured detection window (threshold x interval + timeout),
+            # plus 0.5 s of scheduling slack for a loaded 2-core CI machine
+            window = cfg.failure_threshold * cfg.health_interval_s + cfg.health_timeout_s
+            assert quarantine_s <= window + 0.5, f"quarantined after {quarantine_s:.2f}s"
             assert vw.quarantines == 1
 
             # Restart on the same port: re-admitted by the health checker, then gets traffic.
