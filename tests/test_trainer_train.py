@@ -191,3 +191,13 @@ def test_non_finite_gradients_refuse_the_update():
     assert tr.version == 0
     assert all(torch.equal(before[k], v) for k, v in _params(tr).items())
     assert tr.train_step(b)["train/version"] == 1.0  # the next good batch trains normally
+
+
+def test_changed_lr_flags_on_resume_are_reported(tmp_path, caplog):
+    a = _trainer(save=str(tmp_path / "ck"))
+    a.train_step(_batch())
+    a.save_checkpoint()
+    with caplog.at_level(logging.WARNING):
+        b = _trainer(load=str(tmp_path / "ck"), lr=5e-4)
+    assert "LR schedule differs" in caplog.text and b.version == 1
+    assert b.train_step(_batch())["train/lr"] == pytest.approx(5e-4)

@@ -6,7 +6,8 @@ controller, engine, rollout or data-worker parts of `slime_async`.
 Layout of `<save>/`::
 
     iter_0000012/            one complete checkpoint (renamed into place when complete)
-        meta.json            version, ModelSpec, parallel layout, optimizer step, sizes and
+        meta.json            version, ModelSpec, parallel layout, optimizer step, LR schedule
+                             (the LR is a pure function of version + schedule), sizes and
                              sha256 of every file below, opaque `extra_state` (controller,
                              data worker)
         model.pt             full HF-named fp32 weights (layout-free → any TP/EP can load)
@@ -140,6 +141,7 @@ def save(tr: MegatronTrainer, save_dir: Path, *, extra_state: dict[str, object])
             "layout": tr.layout.to_dict(),
             "world_size": tr.world_size,
             "optimizer_step": opt_step,
+            "lr_schedule": _lr_schedule(tr),
             "extra_state": extra_state,
             "files": files,
         }
@@ -236,6 +238,12 @@ def load(tr: MegatronTrainer, load_dir: Path) -> dict[str, object]:
             "start a new run with --hf-checkpoint instead of --load."
         )
     check_spec(ModelSpec.from_dict(meta["spec"]), tr.spec, where=f"--load {ckpt}")
+    if meta.get("lr_schedule") not in (None, _lr_schedule(tr)):
+        log.warning(
+            "LR schedule differs from checkpoint %s (saved %s, now %s); the new flags apply "
+            "from version %s on",
+            ckpt, meta["lr_schedule"], _lr_schedule(tr), meta["version"],
+        )  # fmt: skip
     saved = ParallelLayout(**meta["layout"])
     if saved != tr.layout:
         log.warning("resharding checkpoint %s from layout %s to %s", ckpt, saved, tr.layout)
@@ -251,6 +259,18 @@ def load(tr: MegatronTrainer, load_dir: Path) -> dict[str, object]:
     tr.extra_state = dict(meta.get("extra_state") or {})
     tr.resumed_layout = saved
     return meta
+
+
+def _lr_schedule(tr: MegatronTrainer) -> dict[str, object]:
+    """The LR schedule is a pure function of the version and these fields (`config.lr_at`)."""
+    c = tr.cfg
+    return {
+        "lr": c.lr,
+        "min_lr": c.min_lr,
+        "lr_warmup_steps": c.lr_warmup_steps,
+        "lr_decay_steps": c.lr_decay_steps,
+        "lr_decay_style": c.lr_decay_style,
+    }
 
 
 def _load_optimizer(tr: MegatronTrainer, ckpt: Path, step: int) -> None:
