@@ -16,7 +16,7 @@ from slime_async.engine import EngineConfig, EngineServer
 from slime_async.engine.model import load_model
 from slime_async.engine.testing import check_against_reference, post
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -31,7 +31,7 @@ async def test_smollm2_text_generation_matches_teacher_forced() -> None:
     torch.set_num_threads(2)
     cfg = EngineConfig(dtype="bf16", model_dir=_smollm2_dir(), gguf_file=GGUF)
     srv = EngineServer(cfg)
-    url = srv.start(timeout=240)
+    url = srv.start(timeout=600)
     try:
         async with aiohttp.ClientSession() as s:
             st, ans = await post(
