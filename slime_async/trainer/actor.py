@@ -17,6 +17,7 @@ import ray
 from slime_async.modelspec import ModelSpec
 from slime_async.trainer.batch import TrainerBatch
 from slime_async.trainer.config import TrainerConfig
+from slime_async.trainer.parallel import free_port
 
 DEFAULT_NUM_CPUS = 0.25
 """Logical CPUs per trainer actor (fractional: see ARCHITECTURE.md, Ray on 2 cores)."""
@@ -79,14 +80,6 @@ class _TrainerActorImpl:
 TrainerActor = ray.remote(num_cpus=DEFAULT_NUM_CPUS)(_TrainerActorImpl)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class TrainerGroup:
     """`world_size` trainer actors acting as one trainer (calls go to every rank).
 
@@ -108,7 +101,7 @@ class TrainerGroup:
         num_threads: int = 1,
         timeout_s: float = 600.0,
     ) -> None:
-        port = _free_port()
+        port = free_port()
         self.timeout_s = timeout_s
         self.actors = [
             TrainerActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor).remote(

@@ -36,6 +36,15 @@ class ParallelLayout:
         return dataclasses.asdict(self)
 
 
+def free_port() -> int:
+    """An ephemeral loopback TCP port (rendezvous for a trainer group on this host)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def resolve_layout(*, world_size: int, tp: int, ep: int, pp: int) -> ParallelLayout:
     """Check the sizes against the world size and derive DP; raises ValueError with the fix."""
     if tp < 1 or ep < 1 or pp < 1 or world_size % (tp * pp):

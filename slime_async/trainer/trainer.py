@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import socket
 import time
 from pathlib import Path
 
@@ -38,13 +37,7 @@ from slime_async.trainer.replay import (
 from slime_async.trainer.snapshots import SnapshotStore
 
 Routing = list[torch.Tensor] | None
-
-
-def free_port() -> int:
-    """An ephemeral loopback TCP port (for single-process rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = parallel.free_port  # re-exported for callers that start single-rank trainers
 
 
 class MegatronTrainer:
@@ -74,7 +67,7 @@ class MegatronTrainer:
             rank=rank,
             world_size=world_size,
             master_addr=master_addr,
-            master_port=master_port or free_port(),
+            master_port=master_port or parallel.free_port(),
         )
         self.layout = parallel.resolve_layout(
             world_size=world_size,
@@ -121,9 +114,6 @@ class MegatronTrainer:
             self.snapshots.snapshot(self.model, self.version)
 
     # ------------------------------------------------------------------ topology
-    def _groups(self) -> dict[str, dist.ProcessGroup | None]:
-        return parallel.groups()
-
     @property
     def dp_rank(self) -> int:
         from megatron.core import parallel_state as ps
@@ -142,13 +132,13 @@ class MegatronTrainer:
         local = batch.dp_shard(self.dp_rank, self.layout.dp)
         mbs = local.micro_batches(self.cfg.micro_batch_size)
         widths = torch.tensor([int(mb.lengths.max()) for mb in mbs], dtype=torch.long)
-        parallel.all_reduce_sum(widths, self._groups()["dp"], op=dist.ReduceOp.MAX)
+        parallel.all_reduce_sum(widths, parallel.groups()["dp"], op=dist.ReduceOp.MAX)
         return [mb.trimmed(int(w)) for mb, w in zip(mbs, widths)]
 
     def _gather_dp(self, local: list[torch.Tensor], width: int) -> torch.Tensor:
         """Pad per-micro-batch `[b, w]` results to `width`, concatenate, gather over DP."""
         full = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in local])
-        return parallel.all_gather_cat(full, self._groups()["dp"])
+        return parallel.all_gather_cat(full, parallel.groups()["dp"])
 
     # ------------------------------------------------------------------ forwards
     def _engine_routing(self, mb: TrainerBatch) -> Routing:
@@ -233,7 +223,7 @@ class MegatronTrainer:
             return None
         needed = {int(v) for mb in mbs for v in mb.token_versions[mb.loss_mask].unique()}
         # every DP rank must run the same snapshot forwards (collectives inside them)
-        needed = parallel.union_ints(needed, self._groups()["dp"])
+        needed = parallel.union_ints(needed, parallel.groups()["dp"])
         if any(v != self.version and v not in self.snapshots for v in needed):
             return None
         out = [lp.clone() for lp in lp_k]
@@ -289,7 +279,7 @@ class MegatronTrainer:
                 self.cfg.loss,
             )
             counts += torch.tensor([tok, seq], dtype=torch.float64)
-        parallel.all_reduce_sum(counts, self._groups()["dp"])
+        parallel.all_reduce_sum(counts, parallel.groups()["dp"])
         n_tok, n_seq = float(counts[0]), float(counts[1])
 
         self.model.train()
@@ -337,12 +327,12 @@ class MegatronTrainer:
         self.version += 1
         if self.cfg.keep_old_actor:
             self.snapshots.snapshot(self.model, self.version)
-        parallel.all_reduce_sum(total, self._groups()["dp"])
-        parallel.all_reduce_sum(total, self._groups()["pp"])  # only the last stage has a loss
-        metrics = acc.reduce(self._groups()["dp"] if self.layout.dp > 1 else None)
+        parallel.all_reduce_sum(total, parallel.groups()["dp"])
+        parallel.all_reduce_sum(total, parallel.groups()["pp"])  # only the last stage has a loss
+        metrics = acc.reduce(parallel.groups()["dp"] if self.layout.dp > 1 else None)
         if self.layout.pp > 1:
             metrics = broadcast_metrics(
-                metrics, src=self.stage.last_rank, group=self._groups()["pp"]
+                metrics, src=self.stage.last_rank, group=parallel.groups()["pp"]
             )
         metrics.pop("loss/value", None)  # a micro-batch's share; the step's loss is loss/total
         metrics.update({
