@@ -2,7 +2,9 @@
 
 Owns: `warm_start` (train or reuse), `sample_responses` / `measure_pass_rates` (temperature-1
 sampling with the HF model, used to check that RL starts from *partial* accuracy). The model is
-the HF causal LM built from a `ModelSpec` (plain torch, fp32, CPU). Training stops as soon as the
+the HF causal LM built from a `ModelSpec` (plain torch, fp32, CPU), trained on prompts of every
+level equally often (so hard levels pass now and then and give RL a signal), with the loss on
+the response tokens only. Training stops as soon as the
 sampled pass rate on a small probe set reaches ``target_pass_rate`` (or at ``max_steps``), so RL
 starts neither at zero reward nor saturated, whatever the spec. The result is an HF
 ``save_pretrained`` directory ``RUN_DIR/warmstart`` holding ``warmstart.json``, a marker with the
@@ -27,7 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -57,6 +59,9 @@ class WarmStartConfig:
     """Upper bound on optimizer steps."""
     batch_size: int = 64
     """Sequences per step."""
+    level_mix: Literal["uniform", "train"] = "uniform"
+    """SFT level mix: "uniform" (every level equally often, so hard levels pass sometimes) or
+    "train" (the RL distribution, where hard prompts are rare and end near 0% pass rate)."""
     lr: float = 2e-3
     """AdamW learning rate (constant after warmup)."""
     warmup_steps: int = 10
@@ -73,14 +78,14 @@ class WarmStartConfig:
     """Held-out prompts per level for the final pass-rate report."""
     report_samples: int = 4
     """Samples per report prompt (level 0 has few distinct held-out prompts)."""
-    time_budget_s: float = 240.0
-    """Safety cap on training wall time (normally the target stops it far earlier)."""
     num_threads: int | None = None
     """torch threads while training (None = leave as is); not part of the cache hash."""
 
     def __post_init__(self) -> None:
         if self.max_steps < 0 or self.batch_size < 1 or self.check_every < 1:
             raise ValueError("max_steps must be >= 0, batch_size and check_every >= 1")
+        if self.level_mix not in ("uniform", "train"):
+            raise ValueError(f"level_mix must be 'uniform' or 'train', got {self.level_mix!r}")
         if self.target_pass_rate is not None and not 0.0 < self.target_pass_rate < 1.0:
             raise ValueError(f"target_pass_rate must be in (0, 1), got {self.target_pass_rate}")
 
@@ -203,6 +208,14 @@ def _batch(prompts: Sequence[TaskPrompt]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def _sft_prompts(fam: TaskFamily, rng: random.Random, config: WarmStartConfig) -> list[TaskPrompt]:
+    base = _SFT_INDEX_OFFSET + rng.randrange(1 << 30)
+    if config.level_mix == "train":
+        return fam.train_prompts(base, config.batch_size)
+    levels = fam.config.num_levels
+    return [fam.train_prompt(base + i, level=i % levels) for i in range(config.batch_size)]
+
+
 def _train(
     spec: ModelSpec,
     task: TaskFamilyConfig,
@@ -218,15 +231,12 @@ def _train(
     while step < config.max_steps:
         if config.target_pass_rate is not None and step % config.check_every == 0 and step > 0:
             rate = weighted_pass_rate(measure_pass_rates(model, probe, seed=step), task)
-            say(f"warm start step {step}: probe pass rate {rate:.2f}")
+            elapsed = time.monotonic() - start
+            say(f"warm start step {step}: probe pass rate {rate:.2f} ({elapsed:.0f}s)")
             if rate >= config.target_pass_rate:
                 break
-        if time.monotonic() - start > config.time_budget_s:
-            say(f"warm start: time budget {config.time_budget_s:.0f}s reached at step {step}")
-            break
         model.train()
-        base = _SFT_INDEX_OFFSET + rng.randrange(1 << 30)
-        loss = model(**_batch(fam.train_prompts(base, config.batch_size))).loss
+        loss = model(**_batch(_sft_prompts(fam, rng, config))).loss
         for group in opt.param_groups:
             group["lr"] = config.lr * min(1.0, (step + 1) / max(1, config.warmup_steps))
         opt.zero_grad(set_to_none=True)
