@@ -19,6 +19,70 @@ PROBE_PRIORITY = float(2**53)
 
 EMPTY_RUNS = VersionRuns()
 
+# Fast constructors for the two value types built once per sample on the hot path. A frozen
+# dataclass __init__ goes through object.__setattr__ per field (~4x slower); these set the slot
+# descriptors directly and give an identical object (tests/test_data_worker_units.py checks it).
+_new = object.__new__
+REQUEST_FIELDS = (
+    "prompt",
+    "group_seq",
+    "sample_index",
+    "prefix_ids",
+    "prefix_versions",
+    "prefix_payloads",
+    "attempt",
+)
+SAMPLE_FIELDS = (
+    "sample_index",
+    "output_ids",
+    "token_versions",
+    "payloads",
+    "min_version",
+    "attempts",
+)
+_rq = tuple(GenerationRequest.__dict__[n].__set__ for n in REQUEST_FIELDS)
+_sm = tuple(Sample.__dict__[n].__set__ for n in SAMPLE_FIELDS)
+
+
+def make_request(
+    prompt: Prompt,
+    group_seq: int,
+    sample_index: int,
+    prefix_ids: Sequence[int],
+    prefix_versions: VersionRuns,
+    prefix_payloads: tuple[Mapping[str, Any], ...],
+    attempt: int,
+) -> GenerationRequest:
+    """`GenerationRequest(...)` with every field given, built without the frozen-init cost."""
+    r = _new(GenerationRequest)
+    _rq[0](r, prompt)
+    _rq[1](r, group_seq)
+    _rq[2](r, sample_index)
+    _rq[3](r, prefix_ids)
+    _rq[4](r, prefix_versions)
+    _rq[5](r, prefix_payloads)
+    _rq[6](r, attempt)
+    return r
+
+
+def make_sample(
+    sample_index: int,
+    output_ids: Sequence[int],
+    token_versions: VersionRuns,
+    payloads: tuple[Mapping[str, Any], ...],
+    min_version: int,
+    attempts: int,
+) -> Sample:
+    """`Sample(...)` with every field given, built without the frozen-init cost."""
+    s = _new(Sample)
+    _sm[0](s, sample_index)
+    _sm[1](s, output_ids)
+    _sm[2](s, token_versions)
+    _sm[3](s, payloads)
+    _sm[4](s, min_version)
+    _sm[5](s, attempts)
+    return s
+
 
 def newest_version(sample: Sample) -> int:
     """Newest version among a sample's tokens (its dispatch version when it has none)."""

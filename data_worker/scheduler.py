@@ -31,16 +31,16 @@ from data_worker.records import (
     GroupState,
     SampleSlot,
     SampleState,
+    make_request,
+    make_sample,
     newest_version,
 )
 from data_worker.source import PromptSource
 from data_worker.types import (
     Accounting,
     FinishStatus,
-    GenerationRequest,
     GenerationResult,
     Group,
-    Sample,
 )
 from data_worker.versions import VersionRuns
 from data_worker.window import FifoWindow
@@ -202,14 +202,14 @@ class SchedulerCore:
             priority = PROBE_PRIORITY
         else:
             priority = -neg if self.cfg.length_probe else 0.0
-        request = GenerationRequest(
-            prompt=rec.prompt,
-            group_seq=rec.seq,
-            sample_index=slot.index,
-            prefix_ids=slot.prefix_ids,
-            prefix_versions=slot.versions,
-            prefix_payloads=slot.payloads,
-            attempt=slot.attempts,
+        request = make_request(
+            rec.prompt,
+            rec.seq,
+            slot.index,
+            slot.prefix_ids,
+            slot.versions,
+            slot.payloads,
+            slot.attempts,
         )
         slot.attempts += 1
         return Dispatch(slot, request, priority, expected_len)
@@ -254,13 +254,13 @@ class SchedulerCore:
         else:
             ids = result.output_ids
         oldest = versions.min()
-        slot.sample = Sample(
-            sample_index=slot.index,
-            output_ids=ids,
-            token_versions=versions,
-            payloads=(*slot.payloads, result.payload),
-            min_version=slot.first_version if oldest is None else oldest,
-            attempts=slot.attempts,
+        slot.sample = make_sample(
+            slot.index,
+            ids,
+            versions,
+            (*slot.payloads, result.payload),
+            slot.first_version if oldest is None else oldest,
+            slot.attempts,
         )
         slot.state = SampleState.DONE
         slot.prefix_ids, slot.payloads, slot.versions = (), (), EMPTY_RUNS

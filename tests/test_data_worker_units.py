@@ -170,3 +170,39 @@ def test_virtual_loop_is_fast_and_detects_deadlock() -> None:
 
     with pytest.raises(VirtualDeadlock):
         run_virtual(stuck())
+
+
+# ---------------------------------------------------------------- fast constructors
+def test_fast_constructors_match_the_dataclasses() -> None:
+    import dataclasses
+
+    from data_worker import GenerationRequest, Prompt, Sample
+    from data_worker.records import REQUEST_FIELDS, SAMPLE_FIELDS, make_request, make_sample
+
+    # every field is set (a field added later must be added to the fast path too)
+    assert set(REQUEST_FIELDS) == {f.name for f in dataclasses.fields(GenerationRequest)}
+    assert set(SAMPLE_FIELDS) == {f.name for f in dataclasses.fields(Sample)}
+    p = Prompt(key="k", prompt_ids=[1, 2], payload={"label": 3})
+    runs = VersionRuns.constant(2, 3)
+    fast = make_request(p, 7, 1, [5, 6], runs, ({"a": 1},), 2)
+    slow = GenerationRequest(
+        prompt=p,
+        group_seq=7,
+        sample_index=1,
+        prefix_ids=[5, 6],
+        prefix_versions=runs,
+        prefix_payloads=({"a": 1},),
+        attempt=2,
+    )
+    assert fast == slow and type(fast) is GenerationRequest
+    s_fast = make_sample(1, [4, 4, 4], runs, ({},), 2, 1)
+    assert s_fast == Sample(
+        sample_index=1,
+        output_ids=[4, 4, 4],
+        token_versions=runs,
+        payloads=({},),
+        min_version=2,
+        attempts=1,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s_fast.attempts = 3  # type: ignore[misc]
