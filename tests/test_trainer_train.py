@@ -201,3 +201,25 @@ def test_changed_lr_flags_on_resume_are_reported(tmp_path, caplog):
         b = _trainer(load=str(tmp_path / "ck"), lr=5e-4)
     assert "LR schedule differs" in caplog.text and b.version == 1
     assert b.train_step(_batch())["train/lr"] == pytest.approx(5e-4)
+
+
+def test_loss_is_selected_by_name_or_dotted_path():
+    from loss import LossInputs
+    from loss.registry import get_loss
+
+    b = _batch(seed=5)
+    ppo = _trainer(loss_fn="ppo")
+    lp0, _ = ppo.compute_logprobs(b)
+    m = ppo.train_step(b)
+    # plain PPO has no behaviour weight: the step's loss is the unweighted surrogate at r1 = 1
+    inputs = LossInputs(
+        logprobs=lp0[:, 1:], proximal_logprobs=lp0[:, 1:],
+        rollout_logprobs=b.rollout_logprobs[:, 1:], behavior_logprobs=None,
+        advantages=b.advantages[:, 1:], loss_mask=b.loss_mask[:, 1:],
+    )  # fmt: skip
+    assert m["loss/total"] == pytest.approx(float(get_loss("ppo")(inputs, ppo.cfg.loss).loss))
+    assert ppo.version == 1
+    with pytest.raises(ValueError, match="unknown loss 'nope'"):
+        _trainer(loss_fn="nope")
+    with pytest.raises(ValueError, match="no attribute"):
+        _trainer(loss_fn="loss.registry.does_not_exist")

@@ -67,6 +67,9 @@ class TrainerConfig:
     """Complete checkpoints kept in `save` (older ones are deleted)."""
     loss: CompISConfig = dataclasses.field(default_factory=CompISConfig)
     """CompIS loss configuration (built by the `loss` package's own flags)."""
+    loss_fn: str = "compis"
+    """Loss by registry name (`loss.available_losses()`: compis, ppo, ...) or a dotted path to a
+    plugin `fn(inputs: LossInputs, cfg: CompISConfig) -> LossOutputs`."""
 
     def __post_init__(self) -> None:
         try:
@@ -199,6 +202,17 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=d.keep_checkpoints,
         help="Complete checkpoints kept in --save.",
     )
+    g.add_argument(
+        "--loss",
+        dest="loss_fn",
+        default=d.loss_fn,
+        help="Loss by name (compis, ppo = no behaviour weight, decoupled_ppo, m2po, gspo, ...).",
+    )
+    g.add_argument(
+        "--custom-loss-function-path",
+        default=None,
+        help="Dotted path of your own loss fn(inputs, cfg) -> LossOutputs (overrides --loss).",
+    )
     return parser  # fmt: skip
 
 
@@ -208,4 +222,6 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
     kw = {k: v for k, v in vars(args).items() if k in names and k != "loss"}
     if getattr(args, "use_rollout_routing_replay", False):
         kw["routing_replay"] = RoutingReplay.R3
+    if getattr(args, "custom_loss_function_path", None):
+        kw["loss_fn"] = args.custom_loss_function_path
     return TrainerConfig(**kw)

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loss import LossInputs, compis_denominators, compis_loss
+from loss import LossInputs, compis_denominators
+from loss.registry import resolve_loss
 from slime_async.modelspec import ModelSpec
 from slime_async.trainer import checkpoint, cpu_compat, hf_convert, parallel, weights_io
 from slime_async.trainer.batch import TrainerBatch
@@ -62,6 +63,7 @@ class MegatronTrainer:
         master_port: int | None = None,
     ) -> None:
         self.cfg, self.spec = cfg, spec
+        self.loss_fn = resolve_loss(cfg.loss_fn)  # fails fast on an unknown name or bad path
         cpu_compat.apply()
         parallel.init_distributed(
             rank=rank,
@@ -291,7 +293,7 @@ class MegatronTrainer:
 
             def head(logits: torch.Tensor, mb: TrainerBatch = mb, i: int = i, lp_ji=lp_ji):
                 lp, _ = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
-                out = compis_loss(
+                out = self.loss_fn(
                     self._loss_inputs(mb, lp, lp_k[i], lp_ji, n_tok, n_seq), self.cfg.loss
                 )
                 return out.loss, out.metrics
