@@ -85,7 +85,11 @@ async def test_late_request_joins_running_batch(engine) -> None:
             post(
                 s,
                 url + "/generate",
-                {"input_ids": _prompt(8, 1), "sampling_params": {"max_new_tokens": 400}},
+                {
+                    "input_ids": _prompt(8, 1),
+                    "rid": "long-one",
+                    "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
+                },
             )
         )
         await asyncio.sleep(0.3)
@@ -95,8 +99,10 @@ async def test_late_request_joins_running_batch(engine) -> None:
         )
         assert status == 200 and len(short["output_ids"]) == 3
         assert not long.done(), "the short request should not wait for the long one"
+        await post(s, url + "/abort_request", {"rid": "long-one"})
         status, ans = await long
-        assert status == 200 and len(ans["output_ids"]) == 400
+    assert status == 200 and ans["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(ans["output_ids"]) < 1500
 
 
 async def test_seeded_sampling_is_reproducible_under_load(engine) -> None:
