@@ -136,19 +136,24 @@ class Engine:
     async def update_weights_from_disk(
         self, model_path: str, *, weight_version: str | None, abort_all_requests: bool
     ) -> UpdateResult:
-        """Load, validate, then swap between two steps. On any failure old weights keep serving."""
+        """Pause stepping, load and validate, swap, continue. On any failure the old weights keep
+        serving. Loading runs in the model thread: `from_pretrained` flips process-wide torch
+        defaults (default dtype, init patches) that must never overlap a forward."""
         assert self.lm is not None and self.scheduler is not None
         lm, sched = self.lm, self.scheduler
+
+        def load_and_swap() -> None:
+            swap_weights(lm, read_weights_from_disk(lm, model_path))
+
         async with self._update_lock:
             t0 = time.monotonic()
-            try:
-                state = await asyncio.to_thread(read_weights_from_disk, lm, model_path)
-            except ValueError as e:
-                return UpdateResult(success=False, message=f"Failed to update weights: {e}")
             if abort_all_requests:
                 sched.abort(abort_all=True, message="Abort by update_weights_from_disk")
             in_flight = len(sched.running) + len(sched.waiting)
-            await sched.run_exclusive(lambda: swap_weights(lm, state))
+            try:
+                await sched.run_exclusive(load_and_swap)
+            except ValueError as e:
+                return UpdateResult(success=False, message=f"Failed to update weights: {e}")
             if weight_version is not None:
                 self._set_version(weight_version)
             return UpdateResult(

@@ -191,7 +191,7 @@ def sample(
         for i, ids in enumerate(banned):
             if ids:
                 logits[i, list(ids)] = float("-inf")
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
     lp = torch.log_softmax(logits / temps[:, None], dim=-1)
     tokens = lp.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -203,7 +203,9 @@ def sample(
             if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
                 probs[j] = _filter(probs[j], p)
         v = logits.shape[-1]
-        noise = torch.stack([torch.rand(v, generator=generators[i]) for i in rows])
+        noise = torch.stack(
+            [torch.rand(v, generator=generators[i], dtype=torch.float32) for i in rows]
+        )
         tokens[idx] = (probs / -torch.log(noise)).argmax(dim=-1)
     chosen = lp.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), chosen.tolist()
