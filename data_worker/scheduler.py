@@ -294,9 +294,9 @@ class SchedulerCore:
 
     def _release_waiters(self, rec: GroupRecord, expected: float) -> None:
         rec.probing = False
-        if self._siblings is ProbeSiblings.QUEUE:  # re-rank the still-queued siblings
+        if self._siblings is ProbeSiblings.QUEUE:  # re-rank siblings never dispatched yet
             for slot in rec.slots:
-                if slot.state is SampleState.QUEUED:
+                if slot.state is SampleState.QUEUED and slot.attempts == 0:
                     slot.gen += 1
                     key = (2, rec.seq // self._bucket, -expected, rec.seq, slot.index, slot.gen)
                     heapq.heappush(self._heap, (*key, slot))
