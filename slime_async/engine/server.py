@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 from aiohttp import web
@@ -19,6 +20,18 @@ from slime_async.engine.sampling import RequestError
 from slime_async.engine.sequence import Sequence
 
 ENGINE_KEY = web.AppKey("engine", Engine)
+
+
+class _DropHttp2Probe(logging.Filter):
+    """sglang-router first probes workers with HTTP/2 prior knowledge ("PRI * HTTP/2.0"); aiohttp
+    logs each probe as an error with a traceback. It is harmless (the router falls back to
+    HTTP/1.1), so drop exactly those records."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and "PRI/Upgrade" in str(exc))
+
+
 _dumps = json.dumps
 
 
@@ -277,6 +290,9 @@ async def v1_loads(request: web.Request) -> web.Response:
 
 def build_app(engine: Engine) -> web.Application:
     """The aiohttp application serving `engine` (SGLang paths, plus the `get_` aliases)."""
+    log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _DropHttp2Probe) for f in log.filters):
+        log.addFilter(_DropHttp2Probe())
     app = web.Application(client_max_size=512 * 1024**2)
     app[ENGINE_KEY] = engine
     r = app.router
