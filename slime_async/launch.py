@@ -14,21 +14,22 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from data_worker.config import PartialRolloutPolicy
-from data_worker.types import Group
+from data_worker.types import GenerationRequest, Group
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep
 from slime_async.config import RunConfig
 from slime_async.metrics import MetricsLogger
-from slime_async.roles import Cluster, init_ray, pin_actor, pin_cores
-from slime_async.rollout import rewards as rw
+from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate
 from slime_async.rollout.client import GenerateClient, GenerateClientConfig
-from slime_async.rollout.sources import TaskPromptSource, task_prompt
-from slime_async.rollout.tasks import EOS, TaskFamily, TaskFamilyConfig
+from slime_async.rollout.plan import DataPlan, make_data_plan
+from slime_async.rollout.tasks import TaskFamilyConfig
 from slime_async.rollout.warmstart import WarmStartConfig, warm_start
 from slime_async.trainer.actor import TrainerGroup
 from slime_async.weights import DiskTransport
@@ -47,11 +48,11 @@ class Run:
     client: GenerateClient
     transport: DiskTransport
     logger: MetricsLogger
-    eval_prompts: list[Any]
-    reward_fn: Any
+    plan: DataPlan
     start_step: int
     version: int
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    _logged_once: bool = False
 
     async def push_weights(self, version: int) -> dict[str, float]:
         """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
@@ -69,21 +70,19 @@ class Run:
 
     async def evaluate(self, *, step: int) -> None:
         """Held-out pass rate (one sample per prompt, rollout temperature), logged at `step`."""
-        if not self.eval_prompts:
+        if not self.plan.eval_prompts:
             return
-        from data_worker.types import GenerationRequest
-
         t0 = time.perf_counter()
-        scored = ScoredGenerate(self.client, self.reward_fn, eos_id=EOS,
-                                max_response_len=self.cfg.rollout.max_response_len)  # fmt: skip
-        reqs = [GenerationRequest(prompt=task_prompt(p), group_seq=-1 - i, sample_index=0)
-                for i, p in enumerate(self.eval_prompts)]  # fmt: skip
-        results = await asyncio.gather(
-            *(scored(r, 0.0, len(r.prompt.payload["label"]) + 1) for r in reqs)
-        )
+        scored = ScoredGenerate(self.client, self.plan.reward_fn, eos_id=self.plan.eos_id,
+                                decode=self.plan.decode)  # fmt: skip
+        reqs = [GenerationRequest(prompt=p, group_seq=-1 - i, sample_index=0)
+                for i, p in enumerate(self.plan.eval_prompts)]  # fmt: skip
+        expected = self.cfg.rollout.max_response_len
+        results = await asyncio.gather(*(scored(r, 0.0, expected) for r in reqs))
         by_level: dict[int, list[float]] = {}
-        for p, res in zip(self.eval_prompts, results, strict=True):
-            by_level.setdefault(p.level, []).append(float(res.payload.get("reward", 0.0)))
+        for p, res in zip(self.plan.eval_prompts, results, strict=True):
+            level = int(p.payload.get("level", 0))
+            by_level.setdefault(level, []).append(float(res.payload.get("reward", 0.0)))
         allr = [r for rs in by_level.values() for r in rs]
         metrics = {"eval/reward": sum(allr) / max(1, len(allr)),
                    "timing/eval_s": time.perf_counter() - t0}  # fmt: skip
@@ -119,6 +118,9 @@ class Run:
                 "accounting/pending": a.pending}  # fmt: skip
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self._logged_once:  # data-loading counters (rows, skipped) go with the first step
+            metrics = {**self.plan.metrics, **metrics}
+            self._logged_once = True
         self.logger.log(step, metrics)
 
     def record_trained(self, step: int, batch: Any) -> None:
@@ -140,33 +142,45 @@ class Run:
         self.logger.close()
 
 
-def _reward_fn(cfg: RunConfig) -> Any:
-    if cfg.rollout.custom_rm_path:
-        return rw.load_reward_fn(cfg.rollout.custom_rm_path)
-    return rw.exact_match_reward if cfg.rollout.prompt_data is None else rw.math_verify_reward
-
-
 def _dapo_filter(group: Group) -> bool:
     """DAPO dynamic sampling: drop a group whose rewards all agree (no learning signal)."""
     rewards = [float(s.payload.get("reward", 0.0)) for s in group.samples]
     return dynamic_sampling_keep([rewards])[0]
 
 
+def _truncate_ledger(path: Path, *, keep_through: int) -> None:
+    """On resume, forget steps after the checkpoint: they were rolled back and are redone."""
+    if not path.exists():
+        return
+    rows = [x for x in path.read_text().splitlines() if x.strip()]
+    kept = [x for x in rows if json.loads(x)["step"] <= keep_through]
+    if len(kept) != len(rows):
+        log.info("resume: %d trained-step records after step %d rolled back",
+                 len(rows) - len(kept), keep_through)  # fmt: skip
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in kept))
+        os.replace(tmp, path)
+
+
 async def setup_run(cfg: RunConfig) -> Run:
     """Bring every role up and restore state when resuming."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "config.json").write_text(json.dumps(_describe(cfg), indent=2, default=str))
+    r = cfg.rollout
+    plan = make_data_plan(seed=cfg.seed, prompt_data=r.prompt_data,
+                          hf_checkpoint=cfg.trainer.hf_checkpoint, input_key=r.input_key,
+                          label_key=r.label_key, apply_chat_template=r.apply_chat_template,
+                          strict_data=r.strict_data, custom_rm_path=r.custom_rm_path,
+                          eval_prompts=r.eval_prompts if r.eval_interval else 0)  # fmt: skip
     logger = MetricsLogger(cfg.run_dir, use_tensorboard=cfg.use_tensorboard,
                            use_wandb=cfg.use_wandb, total_steps=cfg.num_steps)  # fmt: skip
-    if cfg.rollout.prompt_data is not None:
-        raise NotImplementedError("--prompt-data runs are wired in launch_data.py (not yet)")
-    family = TaskFamily(TaskFamilyConfig(seed=cfg.seed))
     trainer_cfg = cfg.trainer
     if trainer_cfg.load is None and trainer_cfg.hf_checkpoint is None and cfg.warmstart_steps:
-        pin_cores(cfg.trainer_cores + cfg.rollout_cores)
+        threads = max(1, len(cfg.trainer_cores + cfg.rollout_cores))
         ws = await asyncio.to_thread(
-            warm_start, cfg.run_dir, spec=cfg.model,
-            config=WarmStartConfig(max_steps=cfg.warmstart_steps, seed=cfg.seed),
+            warm_start, cfg.run_dir, spec=cfg.model, task=TaskFamilyConfig(seed=cfg.seed),
+            config=WarmStartConfig(max_steps=cfg.warmstart_steps, seed=cfg.seed,
+                                   num_threads=threads),
             say=lambda m: log.info("%s", m),
         )  # fmt: skip
         trainer_cfg = dataclasses.replace(trainer_cfg, hf_checkpoint=str(ws.path))
@@ -185,7 +199,10 @@ async def setup_run(cfg: RunConfig) -> Run:
             f"checkpoint in {trainer_cfg.load} says step {start_step} but the trainer is at "
             f"version {version}; the checkpoint is inconsistent, load an earlier one"
         )
+    if trainer_cfg.load:
+        _truncate_ledger(cfg.run_dir / "trained.jsonl", keep_through=start_step)
 
+    # the engines start from the trainer's own export: identical weights, same version
     weights_root = cfg.run_dir / "weights"
     first = weights_root / f"v{version:06d}"
     await asyncio.to_thread(trainer.save_weights, first)
@@ -199,38 +216,33 @@ async def setup_run(cfg: RunConfig) -> Run:
     client = GenerateClient(
         GenerateClientConfig(
             url=cluster.router_url,
-            max_response_len=cfg.rollout.max_response_len,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            stop_token_ids=(EOS,),
-            return_routed_experts=cfg.trainer.routing_replay.value == "r3",
+            max_response_len=r.max_response_len,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            stop_token_ids=(plan.eos_id,),
+            return_routed_experts=trainer_cfg.routing_replay.value == "r3",
         ),
         num_layers=cfg.model.num_layers,
         topk=cfg.model.moe_topk,
     )
-    reward_fn = _reward_fn(cfg)
-    generate = ScoredGenerate(client, reward_fn, eos_id=EOS,
-                              max_response_len=cfg.rollout.max_response_len)  # fmt: skip
+    generate = ScoredGenerate(client, plan.reward_fn, eos_id=plan.eos_id, decode=plan.decode)
 
     async def abort_all() -> None:
         await cluster.control.pause_generation(mode="abort")
 
     worker = RolloutDataWorker(
         cfg.data_worker,
-        TaskPromptSource(family),
+        plan.source,
         generate,
-        group_filter=_dapo_filter if cfg.rollout.dynamic_sampling else None,
+        group_filter=_dapo_filter if r.dynamic_sampling else None,
         abort_fn=abort_all,
     )
     if trainer_cfg.load:
         worker.load_state_dict(extra["worker"])
     worker.set_served_version(version)
-    per_level = max(1, cfg.rollout.eval_prompts // family.config.num_levels)
-    eval_prompts = family.eval_set(per_level) if cfg.rollout.eval_interval else []
     return Run(
         cfg=cfg, trainer=trainer, cluster=cluster, worker=worker, client=client,
-        transport=transport, logger=logger, eval_prompts=eval_prompts, reward_fn=reward_fn,
-        start_step=start_step, version=version,
+        transport=transport, logger=logger, plan=plan, start_step=start_step, version=version,
     )  # fmt: skip
 
 

@@ -33,10 +33,10 @@ class ScoredGenerate:
         reward_fn: Callable[[RewardInput], Any],
         *,
         eos_id: int,
-        max_response_len: int,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
         self._generate, self._reward_fn = generate, reward_fn
-        self._eos, self._max_len = eos_id, max_response_len
+        self._eos, self._decode = eos_id, decode
         self.reward_failures = 0
         """Samples whose reward raised or was not finite (masked from the loss)."""
 
@@ -52,6 +52,7 @@ class ScoredGenerate:
             response_ids=response,
             label=label,
             prompt_ids=tuple(req.prompt.prompt_ids),
+            response_text=self._decode(response) if self._decode is not None else None,
             eos_id=self._eos,
             truncated=(not response or response[-1] != self._eos),
             metadata=req.prompt.payload.get("metadata") or {},

@@ -1,0 +1,85 @@
+"""What a run generates and how it is scored: the built-in tasks or a real dataset.
+
+Owns `DataPlan` and `make_data_plan`: the prompt source handed to the data worker, the held-out
+eval prompts, the reward function, the EOS id and (for real data) the tokenizer's decoder that
+text rewards such as math-verify need. Real data reads jsonl/parquet through
+`rollout.datasets` (bad rows skipped with a count, or an error naming file:line under
+`--strict-data`) and tokenizes with the tokenizer found in `--hf-checkpoint`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from data_worker.source import PromptSource
+from data_worker.types import Prompt
+from slime_async.rollout import rewards as rw
+from slime_async.rollout.datasets import DatasetConfig, load_dataset
+from slime_async.rollout.sources import TaskPromptSource, dataset_source, task_prompt
+from slime_async.rollout.tasks import EOS, TaskFamily, TaskFamilyConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DataPlan:
+    """The data side of a run."""
+
+    source: PromptSource
+    """Training prompts (resumable)."""
+    eval_prompts: tuple[Prompt, ...]
+    """Held-out prompts (payload `level` groups the eval metrics when present)."""
+    reward_fn: Callable[[rw.RewardInput], Any]
+    """Scores one finished sample."""
+    eos_id: int
+    """Token that ends a response."""
+    decode: Callable[[Sequence[int]], str] | None
+    """Token ids -> text (None without a tokenizer)."""
+    metrics: dict[str, float]
+    """Data-loading counters (rows, skipped) logged with the first step."""
+
+
+def make_data_plan(
+    *,
+    seed: int,
+    prompt_data: str | None,
+    hf_checkpoint: str | None,
+    input_key: str,
+    label_key: str,
+    apply_chat_template: bool,
+    strict_data: bool,
+    custom_rm_path: str | None,
+    eval_prompts: int,
+) -> DataPlan:
+    """Built-in verifiable tasks when `prompt_data` is None, else the dataset."""
+    if prompt_data is None:
+        family = TaskFamily(TaskFamilyConfig(seed=seed))
+        per_level = max(1, eval_prompts // family.config.num_levels) if eval_prompts else 0
+        held_out = [task_prompt(p) for p in family.eval_set(per_level)] if per_level else []
+        reward = rw.load_reward_fn(custom_rm_path) if custom_rm_path else rw.exact_match_reward
+        return DataPlan(source=TaskPromptSource(family), eval_prompts=tuple(held_out),
+                        reward_fn=reward, eos_id=EOS, decode=None, metrics={})  # fmt: skip
+    if hf_checkpoint is None:
+        raise ValueError(
+            "--prompt-data needs --hf-checkpoint DIR holding the model and its tokenizer "
+            "(prompts are tokenized with it)"
+        )
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_checkpoint)
+    data = load_dataset(
+        DatasetConfig(path=prompt_data, prompt_key=input_key, label_key=label_key,
+                      strict=strict_data, apply_chat_template=apply_chat_template or None),
+        tokenizer=tok,
+    )  # fmt: skip
+    reward = rw.load_reward_fn(custom_rm_path) if custom_rm_path else rw.math_verify_reward
+    if tok.eos_token_id is None:
+        raise ValueError(f"the tokenizer in {hf_checkpoint} has no eos_token_id; set one")
+    return DataPlan(
+        source=dataset_source(data, seed=seed),
+        eval_prompts=(),
+        reward_fn=reward,
+        eos_id=int(tok.eos_token_id),
+        decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
+        metrics=data.metrics(),
+    )
