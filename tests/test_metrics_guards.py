@@ -128,3 +128,13 @@ def test_config_validation() -> None:
         GuardConfig(is_lower=1.1)
     with pytest.raises(ValueError, match="trend_window"):
         GuardConfig(trend_window=2)
+
+
+def test_count_hist() -> None:
+    from slime_async.metrics import count_hist
+
+    assert count_hist([0, 2, 2, 5], max_bin=3) == [1, 0, 2, 1]
+    assert count_hist([1, 1]) == [0, 2]
+    assert count_hist([]) == []
+    with pytest.raises(ValueError, match="non-negative"):
+        count_hist([-1])
