@@ -5,18 +5,22 @@ latency p50/p99 direct to a backend, through our router and through sglang-route
 (round_robin); the "added" columns subtract the direct latency. A concurrent run gives
 requests/s through each.
 
-Part 2 (makespan): a heavy-tailed workload (Pareto lengths, known to the client and sent as
-`X-Expected-Tokens`) submitted at once, as slime submits a rollout batch, to backends whose
-service time grows with tokens and with concurrency (`router.testing` step model: each decode
-step advances every active request by `tokens_per_step` tokens and takes
-`step_s + per_seq_s * n_active`). Makespan = first submit to last answer; per-engine token
-imbalance = max / mean of tokens served. Compared: our least_expected_tokens (and our
-round_robin as a proxy sanity check) vs sglang-router's round_robin, cache_aware, power_of_two.
+Part 2 (makespan): heavy-tailed workloads (Pareto lengths; the client sends each request's
+expected length as `X-Expected-Tokens`) submitted at once, as slime submits a rollout batch, to
+backends whose service time grows with tokens and with concurrency (`router.testing` step
+model: each decode step advances every active request by `tokens_per_step` tokens and takes
+`step_s + per_seq_s * n_active`). Three workloads: independent requests with exactly known
+lengths in random order, the same sorted longest first (the data worker's probe dispatch
+order), and GRPO groups (n samples share a prompt; the header carries the prompt's length
+scale, each sample's true length varies around it). Makespan = first submit to last answer;
+imbalance = max / mean tokens served per engine; dispatch = submit to last arrival at an engine.
+Compared: our least_expected_tokens (and our round_robin, a control that separates policy from
+proxy implementation) vs sglang-router's round_robin, cache_aware and power_of_two.
 
 Every router and the backends run as separate processes; all numbers come from this one run on a
 shared machine, so read ratios, not absolutes. Usage:
 
-    .venv/bin/python scripts/bench_router.py            # ~2-3 minutes
+    .venv/bin/python scripts/bench_router.py            # ~5 minutes
     .venv/bin/python scripts/bench_router.py --quick    # smaller, for a smoke check
 """
 
@@ -67,16 +71,15 @@ class BenchConfig:
     """Length cap."""
     step_s: float = 0.0005
     """Backend decode-step base time."""
-    per_seq_s: float = 0.004
+    per_seq_s: float = 0.006
     """Backend decode-step time per active request (makes per-engine work dominate, as in
     real rollouts where generation takes far longer than dispatching a batch)."""
     tokens_per_step: int = 16
     """Tokens per request per decode step."""
-    repeats: int = 3
-    """Makespan runs per policy and arrival order (median reported)."""
-    orders: tuple[str, ...] = ("random", "longest_first")
-    """Arrival orders: as drawn, and sorted by expected length (the data worker's probe
-    dispatch sends longer requests first)."""
+    repeats: int = 2
+    """Makespan runs per policy and workload (median reported)."""
+    group_size: int = 8
+    """Samples per prompt in the GRPO workload."""
     seed: int = 0
     """Workload seed."""
 
@@ -243,15 +246,51 @@ async def _start_router(kind: str, policy: str, urls: list[str], n: int) -> Rout
 
 
 # --- part 2: makespan ------------------------------------------------------------------------
-def workload(cfg: BenchConfig) -> list[tuple[int, str]]:
-    """(length, prompt) pairs: Pareto lengths, unique prompts (no accidental cache affinity)."""
+Work = list[tuple[int, int, str]]
+"""(actual length, expected length sent as X-Expected-Tokens, prompt) per request."""
+
+
+def _words(rng: random.Random) -> str:
+    return " ".join(f"w{rng.randrange(10**6)}" for _ in range(rng.randint(8, 24)))
+
+
+def _pareto(cfg: BenchConfig, rng: random.Random) -> int:
+    return min(cfg.max_tokens, int(cfg.min_tokens * rng.paretovariate(cfg.pareto_alpha)))
+
+
+def workload(cfg: BenchConfig) -> Work:
+    """Independent requests: Pareto lengths, known exactly, unique prompts."""
     rng = random.Random(cfg.seed)
     out = []
     for i in range(cfg.num_requests):
-        n = min(cfg.max_tokens, int(cfg.min_tokens * rng.paretovariate(cfg.pareto_alpha)))
-        words = " ".join(f"w{rng.randrange(10**6)}" for _ in range(rng.randint(8, 24)))
-        out.append((n, f"q{i} {words}"))
+        n = _pareto(cfg, rng)
+        out.append((n, n, f"q{i} {_words(rng)}"))
     return out
+
+
+def grpo_workload(cfg: BenchConfig) -> Work:
+    """GRPO-style groups: `group_size` samples share a prompt; the prompt's difficulty sets
+    its length scale (Pareto) and each sample varies around it (lognormal, sigma 0.5). The
+    expected length sent is the prompt's scale (what the data worker's per-prompt length
+    estimate knows), not the sample's true length. Groups are submitted together."""
+    rng = random.Random(cfg.seed + 1)
+    out = []
+    for p in range(cfg.num_requests // cfg.group_size):
+        scale, text = _pareto(cfg, rng), f"prompt{p} {_words(rng)}"
+        for _ in range(cfg.group_size):
+            n = max(1, min(cfg.max_tokens, int(scale * rng.lognormvariate(0.0, 0.5))))
+            out.append((n, scale, text))
+    return out
+
+
+def scenarios(cfg: BenchConfig) -> dict[str, Work]:
+    """The workloads of part 2, by name."""
+    indep = workload(cfg)
+    return {
+        "independent, random order": indep,
+        "independent, longest first (data worker's probe order)": sorted(indep, reverse=True),
+        f"GRPO groups of {cfg.group_size}, expected = prompt's length scale": grpo_workload(cfg),
+    }
 
 
 async def _warm(url: str, n: int) -> None:
@@ -275,21 +314,19 @@ async def _served(urls: list[str]) -> list[dict]:
         return out
 
 
-async def _makespan(
-    url: str, work: list[tuple[int, str]], backend_urls: list[str]
-) -> tuple[float, float, float]:
+async def _makespan(url: str, work: Work, backend_urls: list[str]) -> tuple[float, float, float]:
     """(makespan, token imbalance, dispatch window: submit to last arrival at an engine)."""
     before = await _served(backend_urls)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
 
-        async def one(n: int, text: str) -> None:
-            headers = {"X-Expected-Tokens": str(n)}
+        async def one(n: int, expected: int, text: str) -> None:
+            headers = {"X-Expected-Tokens": str(expected)}
             async with s.post(url + "/generate", json=_req(n, text), headers=headers) as r:
                 body = await r.json()
                 assert r.status == 200 and body["meta_info"]["completion_tokens"] == n, body
 
         t0, m0 = time.perf_counter(), time.monotonic()
-        await asyncio.gather(*(one(n, t) for n, t in work))
+        await asyncio.gather(*(one(*w) for w in work))
         span = time.perf_counter() - t0
     after = await _served(backend_urls)
     served = [a["tokens_served"] - b["tokens_served"] for a, b in zip(after, before)]
@@ -298,9 +335,9 @@ async def _makespan(
 
 
 async def makespan(cfg: BenchConfig) -> bool:
-    """Run part 2; return True if the >= 15% goal holds for every arrival order."""
-    drawn = workload(cfg)
-    lengths = [n for n, _ in drawn]
+    """Run part 2; return True if the >= 15% goal holds for every workload."""
+    works = scenarios(cfg)
+    lengths = [w[0] for w in works["independent, random order"]]
     backends = EngineProcess.spawn(
         count=cfg.engines,
         quiet=True,
@@ -323,10 +360,9 @@ async def makespan(cfg: BenchConfig) -> bool:
                 router = await _start_router(kind, policy, backends.urls, cfg.engines)
                 try:
                     await _warm(router.url, cfg.num_requests)
-                    for arrival in cfg.orders:
-                        work = drawn if arrival == "random" else sorted(drawn, reverse=True)
+                    for name, work in works.items():
                         await asyncio.sleep(0.3)
-                        results.setdefault((arrival, router.label), []).append(
+                        results.setdefault((name, router.label), []).append(
                             await _makespan(router.url, work, backends.urls)
                         )
                 finally:
@@ -335,18 +371,18 @@ async def makespan(cfg: BenchConfig) -> bool:
         backends.kill()
     print(
         f"\n## Part 2: makespan, {cfg.num_requests} requests submitted at once, "
-        f"Pareto(alpha={cfg.pareto_alpha}) lengths {min(lengths)}..{max(lengths)} "
-        f"(mean {statistics.mean(lengths):.0f}, total {sum(lengths)}), {cfg.engines} engines, "
+        f"Pareto(alpha={cfg.pareto_alpha}) lengths (independent: {min(lengths)}..{max(lengths)}, "
+        f"mean {statistics.mean(lengths):.0f}, total {sum(lengths)}), {cfg.engines} engines, "
         f"step = {cfg.step_s} + {cfg.per_seq_s} * n_active s per {cfg.tokens_per_step} tokens, "
         f"median of {cfg.repeats}; imbalance = max/mean tokens served per engine; dispatch = "
         f"submit to last arrival at an engine"
     )
     ok = True
-    for arrival in cfg.orders:
+    for arrival in works:
         rows = {label: runs for (a, label), runs in results.items() if a == arrival}
         med = {k: statistics.median(r[0] for r in v) for k, v in rows.items()}
         best = min(v for k, v in med.items() if k.startswith("sglang"))
-        print(f"\narrival order: {arrival}")
+        print(f"\nworkload: {arrival}")
         print(
             f"{'router:policy':30s} {'makespan s':>10s} {'runs':>16s} {'imbalance':>9s} "
             f"{'dispatch s':>10s} {'vs best sglang':>15s}"
