@@ -27,7 +27,7 @@ import torch
 from loss.aggregate import aggregate_premasked
 from loss.compis_metrics import compis_metrics
 from loss.diagnostics import Metric, to_floats
-from loss.ppo import chunks, ppo_from_neg_adv
+from loss.ppo import ppo_from_neg_adv
 from loss.ratios import segment_ids, seq_sum
 from loss.types import CompISConfig, Denom, LossInputs, LossOutputs, Method, compute_dtype, upcast
 
@@ -97,70 +97,41 @@ def _log_weight(
 def _weights(
     inputs: LossInputs, cfg: CompISConfig, *, with_neg_adv: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(w, effective mask, valid mask, −A·w or None), all detached, shaped like the inputs.
-
-    On CPU the few elementwise passes run chunk by chunk, so their temporaries stay in cache
-    and each input is read from memory once (several times faster than full-size passes); on
-    other devices the whole tensor is one chunk.
-    """
+    """(w, effective mask, valid mask, −A·w or None), all detached, shaped like the inputs."""
     dt = compute_dtype(
         inputs.logprobs, inputs.proximal_logprobs, inputs.rollout_logprobs, inputs.behavior_logprobs
     )
     clamp = cfg.log_ratio_clamp
     drop = cfg.denom is Denom.DROP
-    shape, dev = inputs.loss_mask.shape, inputs.loss_mask.device
-
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().reshape(-1)
-
-    lpk, lps = flat(inputs.proximal_logprobs), flat(inputs.rollout_logprobs)
-    lpm = flat(inputs.behavior_logprobs) if inputs.behavior_logprobs is not None else None
-    mask, adv = inputs.loss_mask.reshape(-1), flat(inputs.advantages)
-    n = mask.numel()
     with torch.no_grad():
-        w = torch.empty(n, dtype=dt, device=dev)
-        mask_f = torch.empty(n, dtype=dt, device=dev)
-        eff = torch.empty(n, dtype=dt, device=dev) if drop else mask_f
-        neg_adv = torch.empty(n, dtype=dt, device=dev) if with_neg_adv else None
-        for sl in chunks(n, dev):
-            mf = mask_f[sl].copy_(mask[sl])
-            if lpm is None:
-                d3 = _delta(lpk[sl], lps[sl], dt)
-                keep2 = None
-                logw, keep3 = _log_weight(
-                    d3,
-                    cfg.staleness_method,
-                    cfg.staleness_low,
-                    cfg.staleness_high,
-                    clamp,
-                    keep=drop,
-                )
-            else:
-                d2 = _delta(lpm[sl], lps[sl], dt)
-                d3 = _delta(lpk[sl], lpm[sl], dt)
-                c2, keep2 = _log_weight(
-                    d2, cfg.engine_method, cfg.engine_low, cfg.engine_high, clamp, keep=drop
-                )
-                c3, keep3 = _log_weight(
-                    d3,
-                    cfg.staleness_method,
-                    cfg.staleness_low,
-                    cfg.staleness_high,
-                    clamp,
-                    keep=drop,
-                )
-                logw = c2.add_(c3)
-            wc = torch.exp(logw, out=w[sl]).mul_(mf)
-            if drop:
-                ec = eff[sl].copy_(mf)
-                for keep in (keep2, keep3):
-                    if keep is not None:
-                        ec.mul_(keep)
-            if neg_adv is not None:
-                a = upcast(adv[sl]).to(dt)
-                torch.nan_to_num(a, 0.0, 0.0, 0.0, out=neg_adv[sl]).mul_(wc).neg_()
-    na = neg_adv.view(shape) if neg_adv is not None else None
-    return w.view(shape), eff.view(shape), mask_f.view(shape), na
+        mask_f = inputs.loss_mask.to(dt)
+        if inputs.behavior_logprobs is None:
+            d3 = _delta(inputs.proximal_logprobs, inputs.rollout_logprobs, dt)
+            keep2 = None
+            logw, keep3 = _log_weight(
+                d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high, clamp, keep=drop
+            )
+        else:
+            d2 = _delta(inputs.behavior_logprobs, inputs.rollout_logprobs, dt)
+            d3 = _delta(inputs.proximal_logprobs, inputs.behavior_logprobs, dt)
+            c2, keep2 = _log_weight(
+                d2, cfg.engine_method, cfg.engine_low, cfg.engine_high, clamp, keep=drop
+            )
+            c3, keep3 = _log_weight(
+                d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high, clamp, keep=drop
+            )
+            logw = c2.add_(c3)
+            del d3, c3
+        w = logw.exp_().mul_(mask_f)
+        eff = mask_f
+        for keep in (keep2, keep3):
+            if keep is not None:
+                eff = eff * keep
+        neg_adv = None
+        if with_neg_adv:  # −A·w, NaN-safe: nan_to_num before the product (w is 0 off-mask)
+            neg_adv = upcast(inputs.advantages.detach()).to(dt).nan_to_num(0.0, 0.0, 0.0)
+            neg_adv.mul_(w).neg_()
+    return w, eff, mask_f, neg_adv
 
 
 def compis_weights(

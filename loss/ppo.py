@@ -41,33 +41,16 @@ def _check(eps_low: float, eps_high: float, dual_clip_c: float | None) -> None:
         raise ValueError(f"dual_clip_c={dual_clip_c} must be > 1 (e.g. 3.0) or None.")
 
 
-CPU_CHUNK = 1 << 16
-"""Tokens per chunk for the no-grad elementwise prep on CPU: each chunk's temporaries stay in
-cache, so inputs are read from memory once instead of once per pass."""
-
-
-def chunks(n: int, device: torch.device) -> list[slice]:
-    """Slices covering [0, n): `CPU_CHUNK`-sized on CPU, one slice elsewhere."""
-    step = CPU_CHUNK if device.type == "cpu" else max(n, 1)
-    return [slice(s, min(n, s + step)) for s in range(0, n, step)]
-
-
 def masked_neg_advantages(
     advantages: torch.Tensor, mask: torch.Tensor, *, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(−A with non-finite values and positions outside the bool `mask` set to 0, `mask` as
     0/1 floats). NaN-safe (the product comes after `nan_to_num`, never inf·0) and built from
     float passes only (no `where`, several times slower on CPU). Detached; shaped like `mask`."""
-    shape, dev = mask.shape, mask.device
-    m, a = mask.reshape(-1), advantages.detach().reshape(-1)
-    n = m.numel()
-    neg = torch.empty(n, dtype=dtype, device=dev)
-    mask_f = torch.empty(n, dtype=dtype, device=dev)
     with torch.no_grad():
-        for sl in chunks(n, dev):
-            mf = mask_f[sl].copy_(m[sl])
-            torch.nan_to_num(upcast(a[sl]).to(dtype), 0.0, 0.0, 0.0, out=neg[sl]).mul_(mf).neg_()
-    return neg.view(shape), mask_f.view(shape)
+        mask_f = mask.to(dtype)
+        neg = upcast(advantages.detach()).to(dtype).nan_to_num(0.0, 0.0, 0.0).mul_(mask_f).neg_()
+    return neg, mask_f
 
 
 def ppo_from_neg_adv(
