@@ -40,8 +40,18 @@ SAMPLE_FIELDS = (
     "min_version",
     "attempts",
 )
+GROUP_FIELDS = (
+    "seq",
+    "prompt",
+    "samples",
+    "min_version",
+    "max_version",
+    "admitted_version",
+    "completed_at",
+)
 _rq = tuple(GenerationRequest.__dict__[n].__set__ for n in REQUEST_FIELDS)
 _sm = tuple(Sample.__dict__[n].__set__ for n in SAMPLE_FIELDS)
+_gr = tuple(Group.__dict__[n].__set__ for n in GROUP_FIELDS)
 
 
 def make_request(
@@ -82,6 +92,27 @@ def make_sample(
     _sm[4](s, min_version)
     _sm[5](s, attempts)
     return s
+
+
+def make_group(
+    seq: int,
+    prompt: Prompt,
+    samples: tuple[Sample, ...],
+    min_version: int,
+    max_version: int,
+    admitted_version: int,
+    completed_at: float,
+) -> Group:
+    """`Group(...)` with every field given, built without the frozen-init cost."""
+    g = _new(Group)
+    _gr[0](g, seq)
+    _gr[1](g, prompt)
+    _gr[2](g, samples)
+    _gr[3](g, min_version)
+    _gr[4](g, max_version)
+    _gr[5](g, admitted_version)
+    _gr[6](g, completed_at)
+    return g
 
 
 def newest_version(sample: Sample) -> int:

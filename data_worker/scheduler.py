@@ -31,6 +31,7 @@ from data_worker.records import (
     GroupState,
     SampleSlot,
     SampleState,
+    make_group,
     make_request,
     make_sample,
     newest_version,
@@ -315,14 +316,14 @@ class SchedulerCore:
     # ---------------------------------------------------------------- window
     def _complete(self, rec: GroupRecord) -> bool:
         samples = tuple(s.sample for s in rec.slots)  # type: ignore[misc]
-        group = Group(
-            seq=rec.seq,
-            prompt=rec.prompt,
-            samples=samples,
-            min_version=min(s.min_version for s in samples),
-            max_version=max(newest_version(s) for s in samples),
-            admitted_version=rec.admitted_version,
-            completed_at=self.clock(),
+        group = make_group(
+            rec.seq,
+            rec.prompt,
+            samples,
+            min(s.min_version for s in samples),
+            max(newest_version(s) for s in samples),
+            rec.admitted_version,
+            self.clock(),
         )
         for s in rec.slots:
             s.sample = None

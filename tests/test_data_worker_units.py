@@ -176,12 +176,20 @@ def test_virtual_loop_is_fast_and_detects_deadlock() -> None:
 def test_fast_constructors_match_the_dataclasses() -> None:
     import dataclasses
 
-    from data_worker import GenerationRequest, Prompt, Sample
-    from data_worker.records import REQUEST_FIELDS, SAMPLE_FIELDS, make_request, make_sample
+    from data_worker import GenerationRequest, Group, Prompt, Sample
+    from data_worker.records import (
+        GROUP_FIELDS,
+        REQUEST_FIELDS,
+        SAMPLE_FIELDS,
+        make_group,
+        make_request,
+        make_sample,
+    )
 
     # every field is set (a field added later must be added to the fast path too)
     assert set(REQUEST_FIELDS) == {f.name for f in dataclasses.fields(GenerationRequest)}
     assert set(SAMPLE_FIELDS) == {f.name for f in dataclasses.fields(Sample)}
+    assert set(GROUP_FIELDS) == {f.name for f in dataclasses.fields(Group)}
     p = Prompt(key="k", prompt_ids=[1, 2], payload={"label": 3})
     runs = VersionRuns.constant(2, 3)
     fast = make_request(p, 7, 1, [5, 6], runs, ({"a": 1},), 2)
@@ -206,3 +214,13 @@ def test_fast_constructors_match_the_dataclasses() -> None:
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         s_fast.attempts = 3  # type: ignore[misc]
+    g_fast = make_group(3, p, (s_fast,), 2, 2, 1, 4.5)
+    assert g_fast == Group(
+        seq=3,
+        prompt=p,
+        samples=(s_fast,),
+        min_version=2,
+        max_version=2,
+        admitted_version=1,
+        completed_at=4.5,
+    )
