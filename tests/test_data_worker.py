@@ -396,3 +396,49 @@ async def test_runs_on_a_real_event_loop() -> None:
     await worker.stop()
     assert sorted(seen) == sorted(f"p{i}" for i in range(12))
     assert worker.accounting().balanced and worker.metrics()["timing/trainer_wait"] >= 0.0
+
+
+def test_metrics_keys_and_values() -> None:
+    eng = SimulatedEngine(length_fn=lambda p, i: 10 + 10 * int(p.key[1:]), chunk=5)
+    worker = RolloutDataWorker(_cfg(fifo_window=2, max_inflight=2), _source(8), eng.generate)
+    documented = {
+        "data/queue_depth",
+        "data/waiting_probe",
+        "data/inflight",
+        "data/eligible_groups",
+        "data/blocked_groups",
+        "data/head_lag",
+        "data/live_groups",
+        "data/admission_limit",
+        "data/probe_hit_rate",
+        "data/dispatched_groups",
+        "data/consumed_groups",
+        "data/filtered_groups",
+        "data/pending_groups",
+        "data/generate_calls",
+        "data/aborted",
+        "data/generate_errors",
+        "staleness/mean",
+        "staleness/max",
+        "staleness/dropped",
+        "timing/dispatch_wait",
+        "timing/trainer_wait",
+    }
+
+    async def main() -> None:
+        await worker.start()
+        m0 = worker.metrics()
+        assert documented <= set(m0) and all(isinstance(v, float) for v in m0.values())
+        assert m0["data/inflight"] == 2 and m0["data/admission_limit"] == (4 + 0 + 1) * 2
+        assert m0["data/live_groups"] == m0["data/dispatched_groups"] <= 10
+        batch = await worker.get_batch(2, 0)
+        eng.set_version(1)
+        worker.set_served_version(1)
+        m1 = worker.metrics()
+        assert m1["timing/trainer_wait"] == pytest.approx(batch.wait_s) and batch.wait_s > 0
+        assert m1["timing/dispatch_wait"] > 0  # max_inflight = 2: samples waited in the queue
+        assert m1["data/consumed_groups"] == 2 and m1["data/admission_limit"] == 12
+        assert m1["data/head_lag"] == m1["data/dispatched_groups"] - 2
+        await worker.stop()
+
+    run_virtual(main())
