@@ -4,10 +4,12 @@ Owns: `register_loss`, `get_loss`, `available_losses`, `load_function`, `resolve
 (a registry name or a dotted path such as `--custom-loss-function-path my_pkg.losses.my_loss`),
 `compis_config_from_args`, `make_slime_loss` and `slime_compis_loss`.
 
-A registered loss is `fn(inputs: LossInputs, cfg=None) -> LossOutputs`; `cfg` is the loss's
-config object (`CompISConfig` for "compis"/"ppo", `SingleRatioConfig` for "single_ratio") or,
-for the keyword-style baselines ("decoupled_ppo", "m2po", "gspo", "prime_masked_is"), a dict of
-their keyword arguments. A plugin loaded by path must accept the same call `fn(inputs, cfg)`;
+A registered loss is `fn(inputs: LossInputs, cfg=None) -> LossOutputs`. Every named loss
+accepts a `CompISConfig` (so a trainer holding one config can switch losses by name: the PPO
+knobs carry over; "decoupled_ppo" and "single_ratio" apply f3's method and bounds to the
+combined ratio π_k/π_j^SGL; "gspo" and "prime_masked_is" keep their own defaults), and also its
+native config: a `SingleRatioConfig` for "single_ratio", a dict of keyword arguments for
+"decoupled_ppo", "m2po", "gspo", "prime_masked_is". A plugin loaded by path must accept the same call `fn(inputs, cfg)`;
 loading checks that the path imports and names a callable.
 
 slime calling convention (its `loss_type=custom_loss` path): `fn(args, batch, logits,
@@ -38,7 +40,7 @@ from loss.baselines import (
 )
 from loss.compis import compis_loss, compis_terms
 from loss.compis_metrics import compis_metrics
-from loss.types import CompISConfig, LossInputs, LossOutputs, upcast
+from loss.types import CompISConfig, LossInputs, LossOutputs, Method, upcast
 
 LossFn = Callable[..., LossOutputs]
 SlimeLossFn = Callable[
@@ -114,31 +116,87 @@ def resolve_loss(name_or_path: str) -> LossFn:
     return get_loss(name_or_path)
 
 
-def _ppo_loss(inputs: LossInputs, cfg: CompISConfig | None = None) -> LossOutputs:
-    """Plain PPO on r1 (no behaviour weight), the same knobs as CompIS."""
-    cfg = cfg or CompISConfig()
-    return decoupled_ppo_loss(
-        inputs,
-        action=None,
+def _ppo_kw(cfg: CompISConfig) -> dict[str, Any]:
+    return {
+        "eps_clip": cfg.eps_clip,
+        "eps_clip_high": cfg.eps_clip_high,
+        "agg_mode": cfg.agg_mode,
+        "loss_scale_factor": cfg.loss_scale_factor,
+    }
+
+
+def _kwargs(cfg: Any, from_compis: Callable[[CompISConfig], dict[str, Any]]) -> dict[str, Any]:
+    """A keyword-style baseline's kwargs: a dict as given, or mapped from a CompISConfig (so a
+    trainer holding one config can switch losses by name)."""
+    if cfg is None:
+        return {}
+    if isinstance(cfg, CompISConfig):
+        return from_compis(cfg)
+    if isinstance(cfg, dict):
+        return cfg
+    raise ValueError(
+        f"expected a CompISConfig, a dict of keyword arguments or None, got {type(cfg).__name__}."
+    )
+
+
+_ACTIONS = {Method.CAP: "mask", Method.CLIP: "clamp", Method.NONE: None}
+
+
+def _decoupled_from(cfg: CompISConfig) -> dict[str, Any]:
+    """AReaL decoupled PPO from CompIS knobs: f3's method/upper bound on the combined ratio."""
+    if cfg.staleness_method not in _ACTIONS:
+        raise ValueError(
+            f"decoupled_ppo supports staleness_method cap/clip/none, got {cfg.staleness_method!r}."
+        )
+    return {
+        **_ppo_kw(cfg),
+        "cap": cfg.staleness_high,
+        "action": _ACTIONS[cfg.staleness_method],
+        "dual_clip_c": cfg.dual_clip_c,
+        "diagnostics": cfg.diagnostics,
+    }
+
+
+def _single_from(cfg: CompISConfig) -> SingleRatioConfig:
+    """Token-level single ratio from CompIS knobs: f3 applied to the combined ratio."""
+    return SingleRatioConfig(
+        method=cfg.staleness_method,
+        low=cfg.staleness_low,
+        high=cfg.staleness_high,
         eps_clip=cfg.eps_clip,
         eps_clip_high=cfg.eps_clip_high,
         dual_clip_c=cfg.dual_clip_c,
         agg_mode=cfg.agg_mode,
         loss_scale_factor=cfg.loss_scale_factor,
-        diagnostics=cfg.diagnostics,
+        denom=cfg.denom,
     )
+
+
+def _ppo_loss(inputs: LossInputs, cfg: CompISConfig | None = None) -> LossOutputs:
+    """Plain PPO on r1 (no behaviour weight), the same knobs as CompIS."""
+    cfg = cfg or CompISConfig()
+    kw = {**_decoupled_from(dataclasses.replace(cfg, staleness_method="cap")), "action": None}
+    return decoupled_ppo_loss(inputs, **kw)
+
+
+def _single(inputs: LossInputs, cfg: Any = None) -> LossOutputs:
+    if isinstance(cfg, CompISConfig):
+        cfg = _single_from(cfg)
+    return single_ratio_loss(inputs, cfg or SingleRatioConfig())
 
 
 register_loss("compis", lambda inputs, cfg=None: compis_loss(inputs, cfg or CompISConfig()))
 register_loss("ppo", _ppo_loss)
-register_loss("decoupled_ppo", lambda inputs, cfg=None: decoupled_ppo_loss(inputs, **(cfg or {})))
 register_loss(
-    "single_ratio", lambda inputs, cfg=None: single_ratio_loss(inputs, cfg or SingleRatioConfig())
+    "decoupled_ppo",
+    lambda inputs, cfg=None: decoupled_ppo_loss(inputs, **_kwargs(cfg, _decoupled_from)),
 )
-register_loss("m2po", lambda inputs, cfg=None: m2po_loss(inputs, **(cfg or {})))
-register_loss("gspo", lambda inputs, cfg=None: gspo_loss(inputs, **(cfg or {})))
+register_loss("single_ratio", _single)
+register_loss("m2po", lambda inputs, cfg=None: m2po_loss(inputs, **_kwargs(cfg, _ppo_kw)))
+register_loss("gspo", lambda inputs, cfg=None: gspo_loss(inputs, **_kwargs(cfg, lambda c: {})))
 register_loss(
-    "prime_masked_is", lambda inputs, cfg=None: prime_masked_is_loss(inputs, **(cfg or {}))
+    "prime_masked_is",
+    lambda inputs, cfg=None: prime_masked_is_loss(inputs, **_kwargs(cfg, lambda c: {})),
 )
 
 

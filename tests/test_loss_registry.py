@@ -68,6 +68,25 @@ def test_every_registered_loss_runs_and_backpropagates():
     ).loss.item() == pytest.approx(-1.075)
 
 
+def test_every_registered_loss_accepts_a_compis_config():
+    """The trainer holds one CompISConfig and switches losses by name."""
+    cfg = CompISConfig(staleness_method="cap", staleness_high=2.0, eps_clip_high=0.28)
+    for name in available_losses():
+        lp, inputs = c_inputs()
+        out = get_loss(name)(inputs, cfg)
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and torch.isfinite(lp.grad).all(), name
+    _, inputs = c_inputs()
+    assert get_loss("decoupled_ppo")(inputs, cfg).loss.item() == pytest.approx(-0.25)  # B2
+    assert get_loss("decoupled_ppo")(inputs, {"cap": 2.0}).loss.item() == pytest.approx(-0.25)
+    assert get_loss("single_ratio")(inputs, cfg).loss.item() == pytest.approx(-0.25)
+    b4 = get_loss("ppo")(inputs, CompISConfig(eps_clip_high=0.28))
+    assert b4.loss.item() == pytest.approx(-0.575)  # B4: no behaviour weight
+    assert "loss/compis_fallback" not in b4.metrics
+    with pytest.raises(ValueError, match="expected a CompISConfig"):
+        get_loss("m2po")(inputs, 3)
+
+
 def test_unknown_and_duplicate_names():
     with pytest.raises(ValueError, match="unknown loss 'nope'; choose one of"):
         get_loss("nope")
