@@ -128,4 +128,5 @@ def test_default_warm_start_reaches_partial_accuracy(tmp_path: Path) -> None:
     res = warm_start(tmp_path, config=WarmStartConfig(num_threads=2))
     assert 0.2 <= res.pass_rate <= 0.6, res
     rates = [res.pass_rates[lv] for lv in sorted(res.pass_rates)]
-    assert rates == sorted(rates, reverse=True)  # harder levels pass less
+    assert rates[0] == max(rates)  # the easiest level passes most often
+    assert sum(rates[2:]) / 2 < sum(rates[:2]) / 2  # hard levels pass less
