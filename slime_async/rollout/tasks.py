@@ -280,7 +280,7 @@ class TaskFamily:
         for level in range(cfg.num_levels):
             rng = random.Random(f"{cfg.seed}/eval/{level}")
             seen: dict[str, TaskPrompt] = {}
-            for _ in range(2000 * n):
+            for _ in range(max(10_000, 200 * n)):
                 p = self._draw(rng, level)
                 if self.is_eval_key(p.key):
                     seen.setdefault(p.key, p)
