@@ -95,17 +95,17 @@ def _ema(values: Sequence[float], alpha: float) -> list[float]:
     return out
 
 
-def _log_y(ax: Any) -> None:
-    """Log y axis with plain tick labels when the data spans > 5x; linear (readable) otherwise."""
+def _log_y(ax: Any, values: Sequence[float]) -> None:
+    """Log y axis (plain tick labels) when the positive ``values`` span > 5x; else linear."""
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    lo, hi = ax.get_ylim()
-    if lo <= 0 or hi / lo < 5:
+    if not values or min(values) <= 0 or max(values) / min(values) < 5:
         return
     ax.set_yscale("log")
     plain = FuncFormatter(lambda y, _: f"{y:.3g}")
     ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain if hi / lo < 20 else NullFormatter())
+    ratio = max(values) / min(values)
+    ax.yaxis.set_minor_formatter(plain if ratio < 20 else NullFormatter())
 
 
 def _line(ax: Any, h: MetricsHistory, key: str, label: str | None = None, **kw: Any) -> bool:
@@ -140,8 +140,8 @@ def _panel_reward(ax: Any, h: MetricsHistory) -> None:
 def _panel_simple(ax: Any, h: MetricsHistory, key: str, title: str, *, log: bool = False) -> None:
     if not _line(ax, h, key, "_", color="tab:purple", lw=1.2):
         _no_data(ax, key)
-    elif log and all(x > 0 for x in h.series(key)[1]):
-        _log_y(ax)
+    elif log:
+        _log_y(ax, h.series(key)[1])
     ax.set_title(title)
 
 
@@ -163,12 +163,15 @@ def _panel_is(ax: Any, h: MetricsHistory, source: str, title: str) -> None:
     for i, (p, style, lw) in enumerate(_PCTS):
         drawn |= _line(ax, h, f"is/{source}/{p}", p, ls=style, lw=lw, color=f"C{i}")
     drawn |= _line(ax, h, f"is/{source}/mean", "mean", color="k", lw=1.6)
+    values = [
+        v for p in ("p50", "p90", "p99", "max", "mean") for v in h.series(f"is/{source}/{p}")[1]
+    ]
     if not drawn:
         _no_data(ax, f"is/{source}/*")
         ax.set_title(f"IS weight: {title}")
         return
     ax.axhline(1.0, color="0.6", lw=0.8)
-    _log_y(ax)
+    _log_y(ax, values)
     _, masked = h.series(f"is/{source}/masked_frac")
     _, clipped = h.series(f"is/{source}/clipped_frac")
     extra = []
@@ -213,7 +216,7 @@ def _panel_staleness_time(ax: Any, h: MetricsHistory) -> None:
     ok = _line(ax, h, "staleness/mean", "mean", color="tab:blue")
     ok |= _line(ax, h, "staleness/max", "max", color="tab:red", lw=0.8)
     s, v = h.series("staleness/dropped")
-    if s:
+    if s and max(v) > 0:
         ax2 = ax.twinx()
         ax2.plot(s, v, color="0.4", ls="--", lw=0.9)
         ax2.set_ylabel("dropped groups (dashed)", fontsize=8)
@@ -223,14 +226,23 @@ def _panel_staleness_time(ax: Any, h: MetricsHistory) -> None:
     ax.set_title("staleness over steps")
 
 
-def _panel_timing(ax: Any, h: MetricsHistory) -> None:
-    keys = sorted(k for k in h.metric_keys() if k.startswith("timing/") and k != "timing/elapsed_s")
+def _panel_timing(ax: Any, h: MetricsHistory, *, top: int = 6) -> None:
+    means = {}
+    for k in h.metric_keys():
+        if k.startswith("timing/") and k != "timing/elapsed_s":
+            _, v = h.series(k)
+            if v:
+                means[k] = sum(v) / len(v)
+    keys = sorted(means, key=means.get, reverse=True)[:top]
     for i, k in enumerate(keys):
         lw = 1.8 if k == "timing/step_s" else 1.0
-        _line(ax, h, k, k.removeprefix("timing/"), lw=lw, color=f"C{i % 10}")
+        _line(ax, h, k, f"{k.removeprefix('timing/')} ({means[k]:.2g}s)", lw=lw, color=f"C{i}")
     if not keys:
         _no_data(ax, "timing/*")
-    ax.set_title("timing (seconds per step)")
+    hidden = len(means) - len(keys)
+    ax.set_title(
+        "timing, s per step" + (f" (top {top}; {hidden} more in the log)" if hidden else "")
+    )
 
 
 def _panel_idle(ax: Any, h: MetricsHistory) -> None:
