@@ -16,12 +16,14 @@ import math
 import os
 from pathlib import Path
 
+from data_worker.budget import worst_case_staleness
 from data_worker.config import DataWorkerConfig, PartialRolloutPolicy
 from loss import CompISConfig
 from router.config import RouterConfig, add_router_args
 from router.config import config_from_args as router_config_from_args
 from slime_async.engine.config import EngineConfig
 from slime_async.modelspec import TINY_MOE, ModelSpec
+from slime_async.supervisor import SupervisorConfig
 from slime_async.trainer.config import TrainerConfig, add_trainer_args, trainer_config_from_args
 
 CORRECTION_METHODS = ("cap", "clip", "icepop", "none")
@@ -107,6 +109,7 @@ class RunConfig:
     router: RouterConfig
     engine: EngineConfig
     trainer: TrainerConfig
+    supervisor: SupervisorConfig
 
 
 def _loss_args(parser: argparse.ArgumentParser) -> None:
@@ -344,6 +347,18 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
         default=300,
         help="Supervised warm-start steps on the built-in tasks (cached in run dir).",
     )
+    g.add_argument(
+        "--engine-restart-after",
+        type=float,
+        default=SupervisorConfig().restart_after_s,
+        help="Restart an engine the router has held unhealthy this many seconds.",
+    )
+    g.add_argument(
+        "--engine-down-timeout",
+        type=float,
+        default=SupervisorConfig().all_down_timeout_s,
+        help="With no healthy engine for this long, stop the run with a checkpoint.",
+    )
     g.add_argument("--use-wandb", action="store_true", help="Log to Weights & Biases.")
     g.add_argument("--use-tensorboard", action="store_true", help="Log to TensorBoard.")
 
@@ -413,8 +428,12 @@ def validate(args: argparse.Namespace) -> RunConfig:
         )
     if args.update_weights_interval < 1:
         errors.append("--update-weights-interval must be >= 1")
-    if args.max_staleness == 0 and args.update_weights_interval != 1:
-        errors.append("--max-staleness 0 (synchronous) needs --update-weights-interval 1")
+    if args.update_weights_interval - 1 > args.max_staleness >= 0:
+        errors.append(
+            f"--update-weights-interval {args.update_weights_interval} needs --max-staleness >= "
+            f"{args.update_weights_interval - 1}: engines serve a version that old between pushes, "
+            "so the staleness budget would stall generation"
+        )
     if args.eps_clip <= 0 or (args.eps_clip_high is not None and args.eps_clip_high <= 0):
         errors.append("--eps-clip and --eps-clip-high must be > 0")
     if args.eps_clip_c is not None and args.eps_clip_c <= 1:
@@ -473,6 +492,13 @@ def validate(args: argparse.Namespace) -> RunConfig:
     )
     b = rollout.groups_per_step
     window = args.fifo_window if args.fifo_window is not None else 2 * b
+    bound = worst_case_staleness(max_staleness=args.max_staleness, fifo_window=window,
+                                 groups_per_step=b)  # fmt: skip
+    if math.isinf(bound) and args.keep_old_actor:
+        raise ValueError(
+            "--keep-old-actor with --fifo-window inf has no staleness bound, so no finite number "
+            "of weight snapshots suffices; use a finite --fifo-window"
+        )
     if not (window >= 1):
         raise ValueError(f"--fifo-window {window} must be >= 1 (or inf)")
     data_worker = DataWorkerConfig(
@@ -505,7 +531,7 @@ def validate(args: argparse.Namespace) -> RunConfig:
         trainer_config_from_args(args),
         loss=loss_cfg,
         temperature=args.rollout_temperature,
-        max_snapshots=max(2, args.max_staleness + 2),
+        max_snapshots=max(2, int(bound) + 1),
     )
     router = router_config_from_args(args, prefix="router-")
     engine = EngineConfig(
@@ -535,6 +561,10 @@ def validate(args: argparse.Namespace) -> RunConfig:
         router=router,
         engine=engine,
         trainer=trainer,
+        supervisor=SupervisorConfig(
+            restart_after_s=args.engine_restart_after,
+            all_down_timeout_s=args.engine_down_timeout,
+        ),
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from slime_async.config import RunConfig
 from slime_async.launch import setup_run
 from slime_async.rollout.assemble import assemble
+from slime_async.supervisor import EnginesDownError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
         for step in range(run.start_step, cfg.num_steps):
             k = run.version  # trainer version = optimizer updates so far
             t0 = time.perf_counter()
-            batch = await run.worker.get_batch(cfg.rollout.groups_per_step, current_version=k)
+            batch = await run.next_batch(cfg.rollout.groups_per_step)
             if not batch.groups:
                 log.warning("prompt source exhausted at step %d", step)
                 break
@@ -59,6 +60,7 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
                 **data.metrics,
                 **run.worker.metrics(),
                 **sync,
+                **run.supervisor.metrics(),
                 **run.timing(wait_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2),
             }
             run.log(run.version, last)
@@ -68,5 +70,9 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
             await run.save(run.version)
         last.update(run.accounting())
         return last
+    except EnginesDownError:  # stop with a checkpoint: --load resumes once engines are back
+        if cfg.trainer.save:
+            await run.save(run.version)
+        raise
     finally:
         await run.close()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from data_worker.config import PartialRolloutPolicy
-from data_worker.types import GenerationRequest, Group
+from data_worker.types import Batch, GenerationRequest, Group
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep
 from slime_async.config import RunConfig
@@ -31,6 +31,7 @@ from slime_async.rollout.client import GenerateClient, GenerateClientConfig
 from slime_async.rollout.plan import DataPlan, make_data_plan
 from slime_async.rollout.tasks import TaskFamilyConfig
 from slime_async.rollout.warmstart import WarmStartConfig, warm_start
+from slime_async.supervisor import EnginesDownError, EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
 from slime_async.weights import DiskTransport
 
@@ -49,8 +50,10 @@ class Run:
     transport: DiskTransport
     logger: MetricsLogger
     plan: DataPlan
+    supervisor: EngineSupervisor
     start_step: int
     version: int
+    served: tuple[Path, int]
     started: float = dataclasses.field(default_factory=time.perf_counter)
     _logged_once: bool = False
 
@@ -66,7 +69,31 @@ class Run:
                 await self.cluster.control.continue_generation()
                 await self.worker.resume()
         self.worker.set_served_version(version)
+        self.served = (self.transport.path(version), version)
         return metrics
+
+    async def next_batch(self, num_groups: int) -> Batch:
+        """The next batch for train step `self.version`, unless every engine stays down."""
+        get = asyncio.ensure_future(self.worker.get_batch(num_groups, current_version=self.version))
+        down = asyncio.ensure_future(self.supervisor.failed.wait())
+        done, _ = await asyncio.wait({get, down}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            down.cancel()
+            return get.result()
+        get.cancel()
+        raise EnginesDownError(self.supervisor.reason)
+
+    async def write_roles(self) -> None:
+        """`run_dir/roles.json`: live pids (driver, engines) for operators and chaos tests."""
+        roles = {
+            "driver_pid": os.getpid(),
+            "engine_pids": await self.cluster.engine_pids(),
+            "engine_urls": self.cluster.engine_urls,
+            "router_url": self.cluster.router_url,
+        }
+        tmp = self.cfg.run_dir / "roles.json.tmp"
+        tmp.write_text(json.dumps(roles))
+        os.replace(tmp, self.cfg.run_dir / "roles.json")
 
     async def evaluate(self, *, step: int) -> None:
         """Held-out pass rate (one sample per prompt, rollout temperature), logged at `step`."""
@@ -136,6 +163,7 @@ class Run:
             await self.worker.stop()
         except Exception as e:  # shutting down after an error: report, keep closing
             log.warning("data worker did not stop cleanly: %s", e)
+        await self.supervisor.stop()
         await self.client.close()
         await self.cluster.stop()
         self.trainer.shutdown()
@@ -240,10 +268,19 @@ async def setup_run(cfg: RunConfig) -> Run:
     if trainer_cfg.load:
         worker.load_state_dict(extra["worker"])
     worker.set_served_version(version)
-    return Run(
+    supervisor = EngineSupervisor(
+        cluster, cfg.supervisor,
+        current_weights=lambda: run.served,  # late-bound: the run below
+        on_replace=lambda: run.write_roles(),
+    )  # fmt: skip
+    run = Run(
         cfg=cfg, trainer=trainer, cluster=cluster, worker=worker, client=client,
         transport=transport, logger=logger, plan=plan, start_step=start_step, version=version,
+        served=(first, version), supervisor=supervisor,
     )  # fmt: skip
+    supervisor.start()
+    await run.write_roles()
+    return run
 
 
 def _describe(cfg: RunConfig) -> dict[str, Any]:

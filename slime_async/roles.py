@@ -11,9 +11,11 @@ Never imports the controller.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
+from pathlib import Path
 
 import ray
 
@@ -108,6 +110,8 @@ class Cluster:
     router: ray.actor.ActorHandle
     router_url: str
     control: RouterClient
+    engine_cfg: EngineConfig
+    engine_cores: list[tuple[int, ...]]
 
     @classmethod
     async def start(
@@ -134,7 +138,32 @@ class Cluster:
             router=router,
             router_url=router_url,
             control=RouterClient(router_url, token=rcfg.auth_token),
+            engine_cfg=engine_cfg,
+            engine_cores=per,
         )
+
+    async def replace_engine(self, i: int, *, model_dir: Path, version: int) -> str:
+        """Kill engine `i` and start a new one on `model_dir` (serving `version`); the router
+        learns about it only once it is up, then forgets the old one. Returns the new url."""
+        old_url, old = self.engine_urls[i], self.engines[i]
+        with contextlib.suppress(Exception):
+            ray.kill(old)
+        cfg = dataclasses.replace(
+            self.engine_cfg,
+            model_dir=str(model_dir),
+            weight_version=str(version),
+            seed=self.engine_cfg.seed + 1000 * i + 7 * (version + 1),
+        )
+        actor = EngineActor.remote(cfg, self.engine_cores[i])
+        url = await actor.start.remote()
+        await self.control.add_worker(url, wait_healthy_s=60.0)
+        with contextlib.suppress(KeyError):
+            await self.control.remove_worker(old_url)
+        self.engines[i], self.engine_urls[i] = actor, url
+        return url
+
+    async def engine_pids(self) -> list[int]:
+        return list(await asyncio.gather(*(e.pid.remote() for e in self.engines)))
 
     async def stop(self) -> None:
         await self.control.close()

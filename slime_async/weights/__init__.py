@@ -3,7 +3,8 @@
 Owns `DiskTransport`: the trainer writes version v as an HF safetensors directory under the
 run directory (atomic), then the router fans `/update_weights_from_disk` with
 `weight_version=str(v)` out to every engine; the reply must say every engine succeeded (a failed
-engine is quarantined by the router and the push raises). Old version directories are pruned.
+engine is quarantined by the router, which replays the load before re-admitting it; the push
+logs and counts the failure instead of stopping the run). Old version directories are pruned.
 On GPU clusters the same `push(version)` interface is meant to be backed by SGLang's
 `/update_weights_from_distributed` (NCCL broadcast); that transport is not implemented yet.
 """
@@ -11,12 +12,15 @@ On GPU clusters the same `push(version)` interface is meant to be backed by SGLa
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from router.client import RouterClient
+from router.client import FanoutError, RouterClient
+
+log = logging.getLogger(__name__)
 
 
 class WeightWriter(Protocol):
@@ -46,10 +50,22 @@ class DiskTransport:
         t0 = time.perf_counter()
         path = await self.write(version)
         t1 = time.perf_counter()
-        await self.control.update_weights_from_disk(str(path.resolve()), weight_version=version)
+        failed = 0
+        try:
+            await self.control.update_weights_from_disk(str(path.resolve()), weight_version=version)
+        except FanoutError as e:
+            # Engines that failed are quarantined by the router and get this version replayed
+            # before re-admission; dead ones are restarted on it by the supervisor. The run goes
+            # on; if no engine ever recovers, the supervisor's timeout stops it.
+            failed = len(e.reply.get("failed", [])) or 1
+            log.warning("weight push v%d did not reach every engine: %s", version, e)
         t2 = time.perf_counter()
         self._prune(version)
-        return {"timing/weight_export_s": t1 - t0, "timing/weight_load_s": t2 - t1}
+        return {
+            "timing/weight_export_s": t1 - t0,
+            "timing/weight_load_s": t2 - t1,
+            "weights/push_failed_engines": float(failed),
+        }
 
     def _prune(self, current: int) -> None:
         for d in sorted(self.root.glob("v*")):

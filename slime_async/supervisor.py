@@ -1,0 +1,158 @@
+"""Engine supervision: restart engines that die or hang, stop cleanly when none come back.
+
+Owns `SupervisorConfig`, `EngineSupervisor` and `EnginesDownError`. The router already keeps
+requests safe while an engine is sick (quarantine after failed probes, retries of requests that
+never got a byte, requests wait for a healthy engine); this loop repairs the fleet:
+
+* an engine whose Ray actor is dead is replaced at once; one the router has marked unhealthy for
+  longer than `restart_after_s` (hung, or serving errors) is killed and replaced;
+* a replacement starts from the weights the engines currently serve (`current_weights()`: the
+  newest pushed directory and its version), and is registered with the router only once it is
+  up, so it never serves stale weights; the dead one is deregistered;
+* with no healthy engine, a clear line is logged every `log_every_s`; after `all_down_timeout_s`
+  `failed` is set with the reason and the controller stops the run with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import ray
+
+from slime_async.roles import Cluster
+
+log = logging.getLogger(__name__)
+
+
+class EnginesDownError(RuntimeError):
+    """No engine could serve for longer than the configured timeout."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SupervisorConfig:
+    """When to restart engines and when to give up."""
+
+    interval_s: float = 1.0
+    """Seconds between checks."""
+    restart_after_s: float = 10.0
+    """Replace an engine the router has held unhealthy for this long (dead actors at once)."""
+    all_down_timeout_s: float = 120.0
+    """Stop the run (with a checkpoint) after this long without any healthy engine."""
+    log_every_s: float = 10.0
+    """How often to repeat the 'no healthy engine' line while waiting."""
+    max_restarts: int = 20
+    """Give up after this many restarts in one run (an engine that keeps dying is a bug)."""
+
+    def __post_init__(self) -> None:
+        if min(self.interval_s, self.restart_after_s, self.all_down_timeout_s) <= 0:
+            raise ValueError("supervisor intervals and timeouts must be > 0")
+
+
+class EngineSupervisor:
+    """Background task that keeps `cluster.engines` serving (see module docstring)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        cfg: SupervisorConfig,
+        *,
+        current_weights: Callable[[], tuple[Path, int]],
+        on_replace: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.cluster, self.cfg, self.current_weights = cluster, cfg, current_weights
+        self._on_replace = on_replace
+        self.failed = asyncio.Event()
+        self.reason = ""
+        self.restarts = 0
+        self._unhealthy_since: dict[str, float] = {}
+        self._all_down_since: float | None = None
+        self._last_log = 0.0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="engine-supervisor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    def metrics(self) -> dict[str, float]:
+        return {"engines/restarts": float(self.restarts)}
+
+    async def _loop(self) -> None:
+        while not self.failed.is_set():
+            try:
+                await self.check()
+            except Exception as e:  # a failed check must not kill supervision
+                log.warning("engine supervisor check failed: %s", e)
+            await asyncio.sleep(self.cfg.interval_s)
+
+    async def _actor_alive(self, i: int) -> bool:
+        try:
+            await asyncio.wait_for(self.cluster.engines[i].pid.remote(), 10.0)
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+            return False
+        except TimeoutError:  # the actor process is wedged
+            return False
+
+    async def check(self) -> None:
+        """One pass: find dead/hung engines, replace them, track the all-down timeout."""
+        now = time.monotonic()
+        healthy = {
+            w["url"]: bool(w["is_healthy"]) for w in await self.cluster.control.list_workers()
+        }
+        for i, url in enumerate(list(self.cluster.engine_urls)):
+            if healthy.get(url, False):
+                self._unhealthy_since.pop(url, None)
+                continue
+            since = self._unhealthy_since.setdefault(url, now)
+            dead = not await self._actor_alive(i)
+            if dead or now - since >= self.cfg.restart_after_s:
+                why = "its actor died" if dead else f"unhealthy for {now - since:.0f}s"
+                await self._replace(i, why)
+        if any(healthy.get(u, False) for u in self.cluster.engine_urls):
+            self._all_down_since = None
+            return
+        self._all_down_since = self._all_down_since or now
+        down = now - self._all_down_since
+        if now - self._last_log >= self.cfg.log_every_s:
+            self._last_log = now
+            log.warning(
+                "no healthy rollout engine for %.0fs (of %.0fs allowed): generation is waiting; "
+                "restarts so far: %d",
+                down, self.cfg.all_down_timeout_s, self.restarts,
+            )  # fmt: skip
+        if down >= self.cfg.all_down_timeout_s:
+            self.reason = (
+                f"all {len(self.cluster.engine_urls)} rollout engines were down for "
+                f"{down:.0f}s (limit {self.cfg.all_down_timeout_s:.0f}s) after "
+                f"{self.restarts} restarts; stopping with a checkpoint"
+            )
+            self.failed.set()
+
+    async def _replace(self, i: int, why: str) -> None:
+        if self.restarts >= self.cfg.max_restarts:
+            return  # the all-down timeout will stop the run with a clear message
+        old = self.cluster.engine_urls[i]
+        path, version = self.current_weights()
+        log.warning("engine %d at %s: %s; restarting it on weights v%d", i, old, why, version)
+        self.restarts += 1
+        try:
+            url = await self.cluster.replace_engine(i, model_dir=path, version=version)
+        except Exception as e:
+            log.warning("restart of engine %d failed: %s", i, e)
+            return
+        self._unhealthy_since.pop(old, None)
+        log.info("engine %d replaced: %s -> %s (serving v%d)", i, old, url, version)
+        if self._on_replace is not None:
+            await self._on_replace()

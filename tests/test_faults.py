@@ -1,0 +1,111 @@
+"""Faults on the real run: a killed engine, all engines down, kill -9 of the whole run.
+
+Fast versions of what `scripts/chaos.py` does at random: every scenario kills real processes
+(SIGKILL) and checks that the run finishes or stops cleanly, and that the prompt ledger holds
+every trained group exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slime_async.config import parse_config
+from slime_async.controller import train
+from slime_async.supervisor import EnginesDownError
+
+pytestmark = pytest.mark.timeout(600)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _argv(run_dir: Path, *extra: str) -> list[str]:
+    return ["--run-dir", str(run_dir), "--rollout-batch-size", "2", "--n-samples-per-prompt",
+            "4", "--rollout-max-response-len", "10", "--warmstart-steps", "0",
+            "--eval-interval", "0", "--micro-batch-size", "8", "--max-staleness", "1",
+            "--engine-restart-after", "3", *extra]  # fmt: skip
+
+
+def _steps_logged(run_dir: Path) -> int:
+    path = run_dir / "trained.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+async def _wait_for_step(run_dir: Path, step: int, task: asyncio.Task, timeout: float = 240):
+    deadline = time.monotonic() + timeout
+    while _steps_logged(run_dir) < step:
+        if task.done():
+            task.result()
+            raise AssertionError("run ended before the fault was injected")
+        assert time.monotonic() < deadline, "run made no progress"
+        await asyncio.sleep(0.2)
+
+
+def _ledger_groups(run_dir: Path) -> list[tuple[str, int]]:
+    rows = [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines()]
+    return [(k, s) for r in rows for k, s, _ in r["groups"]]
+
+
+async def test_killed_engine_is_replaced_and_the_run_finishes(tmp_path):
+    cfg = parse_config(_argv(tmp_path, "--num-steps", "5"))
+    task = asyncio.create_task(train(cfg))
+    await _wait_for_step(tmp_path, 2, task)
+    pid = json.loads((tmp_path / "roles.json").read_text())["engine_pids"][0]
+    os.kill(pid, signal.SIGKILL)
+    summary = await asyncio.wait_for(task, 300)
+    assert summary["train/version"] == 5
+    assert summary["engines/restarts"] >= 1
+    new_pid = json.loads((tmp_path / "roles.json").read_text())["engine_pids"][0]
+    assert new_pid != pid
+    groups = _ledger_groups(tmp_path)
+    assert len(groups) == len(set(groups)) == 5 * cfg.rollout.groups_per_step
+
+
+async def test_all_engines_down_stops_with_a_checkpoint(tmp_path, caplog):
+    ckpt = tmp_path / "ckpt"
+    cfg = parse_config(_argv(tmp_path, "--num-steps", "50", "--save", str(ckpt),
+                             "--engine-down-timeout", "8"))  # fmt: skip
+    task = asyncio.create_task(train(cfg))
+    await _wait_for_step(tmp_path, 1, task)
+    shutil.rmtree(tmp_path / "weights")  # replacements cannot load any weights now
+    os.kill(json.loads((tmp_path / "roles.json").read_text())["engine_pids"][0], signal.SIGKILL)
+    with pytest.raises(EnginesDownError, match="rollout engines were down"):
+        await asyncio.wait_for(task, 300)
+    assert (ckpt / "latest").exists()  # stopped with a checkpoint
+    assert "no healthy rollout engine" in caplog.text
+
+
+def test_kill_9_of_the_whole_run_resumes_without_loss_or_repeat(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = _argv(tmp_path, "--num-steps", "6", "--save", str(ckpt), "--save-interval", "2")
+    cmd = [sys.executable, str(ROOT / "train_async.py"), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while _steps_logged(tmp_path) < 3:  # a checkpoint at step 2 exists, step 3 is not saved
+            assert proc.poll() is None, "run exited before the kill"
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and every role it started
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    resumed = subprocess.run([*cmd, "--load", str(ckpt)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "trained.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # step 3 was rolled back and redone
+    groups = _ledger_groups(tmp_path)
+    b = parse_config(args).rollout.groups_per_step
+    assert len(groups) == len(set(groups)) == 6 * b
