@@ -133,12 +133,14 @@ class TensorBoardSink:
         self._w = SummaryWriter(log_dir=str(logdir))
 
     def write(self, record: Mapping[str, Any]) -> None:
+        import numpy as np
+
         step = int(record["step"])
         for k, v in _scalars(record).items():
             self._w.add_scalar(k, v, global_step=step)
         for k, v in record.items():
             if k.endswith("/hist") and isinstance(v, list) and v:
-                self._w.add_histogram(k, _expand_hist(v), global_step=step)
+                self._w.add_histogram(k, np.asarray(_expand_hist(v)), global_step=step)
         self._w.flush()
 
     def close(self) -> None:
