@@ -238,7 +238,8 @@ async def setup_run(cfg: RunConfig) -> Run:
         cfg.engine, model_dir=str(first.resolve()), weight_version=str(version)
     )
     cluster = await Cluster.start(engine_cfg=engine_cfg, num_engines=cfg.num_engines,
-                                  router_cfg=cfg.router, rollout_cores=cfg.rollout_cores)  # fmt: skip
+                                  router_cfg=cfg.router, rollout_cores=cfg.rollout_cores,
+                                  backend=cfg.engine_backend)  # fmt: skip
     transport = DiskTransport(weights_root, trainer=trainer, control=cluster.control)
 
     client = GenerateClient(

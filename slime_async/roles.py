@@ -72,6 +72,58 @@ class EngineActor:
 
 
 @ray.remote(num_cpus=0)
+class SGLangActor:
+    """A real SGLang server (GPUs) launched and owned by a Ray actor; Ray's GPU assignment
+    (`CUDA_VISIBLE_DEVICES`) gives each engine its own devices. Exercised only where GPUs exist."""
+
+    def __init__(self, cfg: EngineConfig, cores: tuple[int, ...] = ()) -> None:
+        del cores
+        from slime_async.engine.sglang import SGLangConfig, SGLangServer
+
+        if cfg.model_dir is None:
+            raise ValueError("the sglang backend serves an HF directory: model_dir is required")
+        self._server = SGLangServer(
+            SGLangConfig(
+                model_path=cfg.model_dir,
+                host=cfg.host,
+                port=_free_port(),
+                random_seed=cfg.seed,
+                weight_version=cfg.weight_version,
+                max_running_requests=cfg.max_running_requests,
+                context_length=cfg.context_length,
+                enable_return_routed_experts=True,
+                skip_tokenizer_init=True,
+            )
+        )
+
+    def start(self) -> str:
+        return self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def engine_actor(backend: str, cfg: EngineConfig, cores: tuple[int, ...]) -> ray.actor.ActorHandle:
+    """Start one engine actor of `backend` ('embedded' on any device, 'sglang' on one GPU)."""
+    if backend == "sglang":
+        return SGLangActor.options(num_gpus=1).remote(cfg, cores)
+    if backend != "embedded":
+        raise ValueError(f"unknown engine backend {backend!r}; use 'embedded' or 'sglang'")
+    return EngineActor.remote(cfg, cores)
+
+
+@ray.remote(num_cpus=0)
 class RouterActor:
     """The router served from an async Ray actor (the actor's event loop runs aiohttp)."""
 
@@ -112,6 +164,7 @@ class Cluster:
     control: RouterClient
     engine_cfg: EngineConfig
     engine_cores: list[tuple[int, ...]]
+    backend: str
 
     @classmethod
     async def start(
@@ -121,12 +174,13 @@ class Cluster:
         num_engines: int,
         router_cfg: RouterConfig,
         rollout_cores: tuple[int, ...],
+        backend: str = "embedded",
     ) -> Cluster:
         """Start `num_engines` engines (cores split between them) and a router in front."""
         engines, per = [], _split(rollout_cores, num_engines)
         for i in range(num_engines):
             cfg = dataclasses.replace(engine_cfg, seed=engine_cfg.seed + 1000 * i)
-            engines.append(EngineActor.remote(cfg, per[i]))
+            engines.append(engine_actor(backend, cfg, per[i]))
         urls = list(await asyncio.gather(*(e.start.remote() for e in engines)))
         rcfg = dataclasses.replace(router_cfg, worker_urls=tuple(urls))
         router = RouterActor.remote(rcfg)
@@ -140,6 +194,7 @@ class Cluster:
             control=RouterClient(router_url, token=rcfg.auth_token),
             engine_cfg=engine_cfg,
             engine_cores=per,
+            backend=backend,
         )
 
     async def replace_engine(self, i: int, *, model_dir: Path, version: int) -> str:
@@ -154,7 +209,7 @@ class Cluster:
             weight_version=str(version),
             seed=self.engine_cfg.seed + 1000 * i + 7 * (version + 1),
         )
-        actor = EngineActor.remote(cfg, self.engine_cores[i])
+        actor = engine_actor(self.backend, cfg, self.engine_cores[i])
         url = await actor.start.remote()
         await self.control.add_worker(url, wait_healthy_s=60.0)
         with contextlib.suppress(KeyError):
