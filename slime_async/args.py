@@ -265,5 +265,11 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
         default=SupervisorConfig().all_down_timeout_s,
         help="With no healthy engine for this long, stop the run with a checkpoint.",
     )
+    g.add_argument(
+        "--no-keep-old-actor",
+        dest="keep_old_actor",
+        action="store_false",
+        help="Do not keep version snapshots (CompIS then uses the combined ratio).",
+    )
     g.add_argument("--use-wandb", action="store_true", help="Log to Weights & Biases.")
     g.add_argument("--use-tensorboard", action="store_true", help="Log to TensorBoard.")

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_loss_args(parser)
     add_trainer_args(parser)
     add_router_args(parser, prefix="router-")
+    # Unset means "the default for this kind of run": on for the embedded default (tiny MoE,
+    # built-in tasks), off for a user's model/data. Both are documented in README and --help.
+    parser.set_defaults(keep_old_actor=None, routing_replay=None)
     return parser
 
 
@@ -95,6 +98,7 @@ def _cores(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
 
 def validate(args: argparse.Namespace) -> RunConfig:
     """Every cross-flag rule, in one place. Raises ValueError with an actionable message."""
+    args = argparse.Namespace(**vars(args))  # resolving defaults never touches the caller's
     errors: list[str] = []
     n = args.n_samples_per_prompt
     if n < 1:
@@ -119,7 +123,7 @@ def validate(args: argparse.Namespace) -> RunConfig:
         errors.append("give either --num-steps or --num-rollout, not both")
     num_steps = args.num_steps
     if num_steps is None:
-        num_steps = (args.num_rollout or 40) * args.num_steps_per_rollout
+        num_steps = (args.num_rollout or 200) * args.num_steps_per_rollout
     if num_steps < 1:
         errors.append("--num-steps must be >= 1")
     if args.max_staleness < 0:
@@ -144,6 +148,11 @@ def validate(args: argparse.Namespace) -> RunConfig:
         errors.append("--eps-clip and --eps-clip-high must be > 0")
     if args.eps_clip_c is not None and args.eps_clip_c <= 1:
         errors.append("--eps-clip-c (dual clip) must be > 1")
+    embedded = args.hf_checkpoint is None and args.prompt_data is None
+    if args.keep_old_actor is None:  # CompIS's r2/r3 split needs version-j snapshots
+        args.keep_old_actor = embedded
+    if args.routing_replay is None:
+        args.routing_replay = "r3" if embedded else "none"
     rr = "r3" if args.use_rollout_routing_replay else args.routing_replay
     if args.colocate and (args.trainer_cores or args.rollout_cores):
         errors.append(

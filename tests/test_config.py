@@ -64,3 +64,21 @@ def test_parse_config_exits_with_the_message(capsys):
     with pytest.raises(SystemExit):
         parse_config(["--num-engines", "0"])
     assert "--num-engines must be >= 1" in capsys.readouterr().err
+
+
+def test_embedded_default_turns_on_compis_snapshots_and_r3_but_user_runs_do_not(tmp_path):
+    cfg = _cfg()
+    assert cfg.trainer.keep_old_actor and cfg.trainer.routing_replay.value == "r3"
+    off = _cfg("--no-keep-old-actor", "--routing-replay", "none")
+    assert not off.trainer.keep_old_actor and off.trainer.routing_replay.value == "none"
+    from transformers import AutoModelForCausalLM
+
+    from slime_async.modelspec import ModelSpec
+
+    AutoModelForCausalLM.from_config(ModelSpec(family="llama").to_hf_config()).save_pretrained(
+        tmp_path / "dense"
+    )
+    user = _cfg("--hf-checkpoint", str(tmp_path / "dense"))
+    assert not user.trainer.keep_old_actor and user.trainer.routing_replay.value == "none"
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        _cfg("--hf-checkpoint", str(tmp_path / "dense"), "--use-rollout-routing-replay")

@@ -171,7 +171,8 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--routing-replay",
         default="none",
         choices=[m.value for m in RoutingReplay],
-        help="MoE routing replay: none, r2 (trainer records), r3 (engine routing).",
+        help="MoE routing replay: none, r2 (trainer records), r3 (engine routing). "
+        "train_async.py default: r3 for the embedded default run, none otherwise.",
     )
     g.add_argument(
         "--use-rollout-routing-replay",
@@ -181,7 +182,8 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument(
         "--keep-old-actor",
         action="store_true",
-        help="Keep version-j weight snapshots to compute pi_j^Meg (CompIS).",
+        help="Keep version-j weight snapshots to compute pi_j^Meg (CompIS). train_async.py "
+        "default: on for the embedded default run (--no-keep-old-actor turns it off).",
     )
     g.add_argument(
         "--max-snapshots",
