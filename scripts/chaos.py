@@ -1,0 +1,161 @@
+"""Chaos test of the whole run: random kill -9 of the run and of single engines, then resume.
+
+Runs the default training (shortened) `--runs` times. Each run is started, and while it is
+alive the script waits a random time and then, at random, kills the whole process group
+(SIGKILL: driver, Ray roles, everything) or one engine (SIGKILL of its pid from `roles.json`).
+A killed run is restarted with `--load`; a killed engine must be replaced by the supervisor
+while the run goes on. At the end of each run, the prompt ledger (`trained.jsonl`) and the
+data-worker state in the final checkpoint are checked against each other:
+
+  dispatched = groups ever admitted (next submission sequence number)
+  trained    = distinct groups in the ledger (a repeat would be a bug, counted)
+  dropped    = groups dropped as too stale or filtered (counted by the worker)
+  pending    = groups admitted but not yet trained (re-issued on resume)
+  lost       = dispatched − trained − dropped − pending   (must be 0)
+
+Loopback only, bounded in time (`--time-limit`), stops by itself.
+
+    .venv/bin/python scripts/chaos.py --runs 3 --num-steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RUN_FLAGS = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+             "--rollout-max-response-len", "10", "--warmstart-steps", "0", "--eval-interval", "0",
+             "--micro-batch-size", "8", "--max-staleness", "2", "--engine-restart-after", "3",
+             "--save-interval", "2"]  # fmt: skip
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "trained.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def latest_state(ckpt: Path) -> dict:
+    it = (ckpt / "latest").read_text().strip()
+    meta = json.loads((ckpt / f"iter_{int(it):07d}" / "meta.json").read_text())
+    return meta["extra_state"]
+
+
+def audit(run_dir: Path, ckpt: Path) -> dict:
+    """Ledger vs the final data-worker state (see module docstring)."""
+    rows = [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines()]
+    seqs = [seq for r in rows for _key, seq, _j in r["groups"]]
+    state = latest_state(ckpt)["worker"]
+    counters = state["counters"]
+    pending = {p["seq"] for p in state["pending"]}
+    trained = set(seqs)
+    dropped = counters["n_dropped"] + counters["n_filtered"]
+    dispatched = state["next_seq"]
+    return {
+        "dispatched": dispatched,
+        "trained": len(trained),
+        "repeated": len(seqs) - len(trained),
+        "dropped": dropped,
+        "pending": len(pending),
+        "pending_also_trained": len(pending & trained),
+        "lost": dispatched - len(trained) - dropped - len(pending),
+        "final_step": max((r["step"] for r in rows), default=0),
+    }
+
+
+def kill_engine(run_dir: Path) -> bool:
+    try:
+        pids = json.loads((run_dir / "roles.json").read_text())["engine_pids"]
+        os.kill(random.choice(pids), signal.SIGKILL)
+        return True
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def one_run(i: int, out: Path, args: argparse.Namespace, deadline: float) -> dict:
+    run_dir, ckpt = out / f"run{i}", out / f"run{i}" / "ckpt"
+    base = [sys.executable, str(ROOT / "train_async.py"), "--run-dir", str(run_dir), "--save",
+            str(ckpt), "--num-steps", str(args.num_steps), "--seed", str(args.seed + i),
+            *RUN_FLAGS]  # fmt: skip
+    stats = {"run_kills": 0, "engine_kills": 0, "resumes": 0}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    while time.monotonic() < deadline:
+        cmd = [*base, "--load", str(ckpt)] if (ckpt / "latest").exists() else base
+        stats["resumes"] += int("--load" in cmd)
+        with open(out / f"run{i}.log", "a") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+        fault_at = time.monotonic() + random.uniform(args.min_wait, args.max_wait)
+        while proc.poll() is None and time.monotonic() < deadline:
+            if time.monotonic() >= fault_at and steps_done(run_dir) >= 1:
+                if random.random() < args.p_run_kill:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    stats["run_kills"] += 1
+                    print(f"  run{i}: killed the whole run at step {steps_done(run_dir)}")
+                    break
+                if kill_engine(run_dir):
+                    stats["engine_kills"] += 1
+                    print(f"  run{i}: killed an engine at step {steps_done(run_dir)}")
+                fault_at = time.monotonic() + random.uniform(args.min_wait, args.max_wait)
+            time.sleep(0.2)
+        if proc.poll() is None:  # out of time
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            break
+        if proc.returncode == 0:
+            break
+        if proc.returncode != -signal.SIGKILL:
+            print(f"  run{i}: exited with {proc.returncode}; see {out / f'run{i}.log'}")
+            break
+    return {**stats, **audit(run_dir, ckpt)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--num-steps", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-wait", type=float, default=3.0, help="Seconds before a fault, min.")
+    p.add_argument("--max-wait", type=float, default=20.0, help="Seconds before a fault, max.")
+    p.add_argument(
+        "--p-run-kill",
+        type=float,
+        default=0.5,
+        help="Probability a fault kills the whole run (else one engine).",
+    )
+    p.add_argument("--time-limit", type=float, default=1800.0, help="Total seconds, all runs.")
+    p.add_argument("--out", default="bench_out/chaos")
+    args = p.parse_args(argv)
+    random.seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.time_limit
+    results = []
+    for i in range(args.runs):
+        print(f"run {i}")
+        results.append(one_run(i, out, args, deadline))
+    cols = ["run_kills", "engine_kills", "resumes", "dispatched", "trained", "repeated",
+            "dropped", "pending", "lost", "final_step"]  # fmt: skip
+    print("| run | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for i, r in enumerate(results):
+        print(f"| {i} | " + " | ".join(str(r[c]) for c in cols) + " |")
+    total = {c: sum(r[c] for r in results) for c in cols if c != "final_step"}
+    print("total:", total)
+    ok = all(r["lost"] == 0 and r["repeated"] == 0 and r["pending_also_trained"] == 0
+             and r["final_step"] == args.num_steps for r in results)  # fmt: skip
+    print("CHAOS", "PASSED" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
