@@ -93,6 +93,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _wait_done(request: web.Request, seqs: list[Sequence], poll_s: float = 0.5) -> bool:
     """Wait until every sequence finished; False if the client disconnected first."""
     all_done = asyncio.ensure_future(asyncio.gather(*(s.done.wait() for s in seqs)))
+    # at shutdown the waiters are cancelled under the gather: read that outcome so asyncio
+    # does not log "exception was never retrieved"
+    all_done.add_done_callback(lambda f: f.cancelled() or f.exception())
     try:
         while True:
             done, _ = await asyncio.wait({all_done}, timeout=poll_s)

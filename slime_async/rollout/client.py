@@ -52,17 +52,24 @@ class GenerateError(RuntimeError):
     """The engine answered with an error the client cannot recover from."""
 
 
+def _version(raw: Any) -> int:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise GenerateError(
+            f"engine reports weight_version {raw!r}, not a trainer version; start engines with "
+            "--weight-version 0 (train_async does) so every sample can be tagged"
+        ) from None
+
+
 def token_versions(meta: dict[str, Any], n_tokens: int) -> list[int]:
     """Per-output-token versions from `weight_versions` spans, else the single `weight_version`."""
-    spans = meta.get("weight_versions")
-    if spans:
-        out = [int(meta.get("weight_version", 0))] * n_tokens
-        for span in spans:
-            v = int(span["version"])
-            for t in range(max(0, int(span["start"])), min(n_tokens, int(span["end"]))):
-                out[t] = v
-        return out
-    return [int(meta.get("weight_version", 0))] * n_tokens
+    out = [_version(meta.get("weight_version", 0))] * n_tokens
+    for span in meta.get("weight_versions") or ():
+        v = _version(span["version"])
+        for t in range(max(0, int(span["start"])), min(n_tokens, int(span["end"]))):
+            out[t] = v
+    return out
 
 
 class GenerateClient:
