@@ -125,7 +125,7 @@ def test_pass_rate_is_one_for_a_model_that_knows_the_answers() -> None:
 
 @pytest.mark.slow
 def test_default_warm_start_reaches_partial_accuracy(tmp_path: Path) -> None:
-    res = warm_start(tmp_path, config=WarmStartConfig(num_threads=2))
+    res = warm_start(tmp_path, config=WarmStartConfig())
     assert 0.2 <= res.pass_rate <= 0.6, res
     rates = [res.pass_rates[lv] for lv in sorted(res.pass_rates)]
     assert rates[0] == max(rates)  # the easiest level passes most often
