@@ -18,7 +18,7 @@ from slime_async.metrics.guards import (
     trend_drop,
 )
 
-CFG = GuardConfig()
+CFG = GuardConfig(persist_steps=1)  # the detectors' maths; persistence is tested below
 
 
 def healthy(n: int = 60, seed: int = 0) -> list[dict]:
@@ -138,3 +138,14 @@ def test_count_hist() -> None:
     assert count_hist([]) == []
     with pytest.raises(ValueError, match="non-negative"):
         count_hist([-1])
+
+
+def test_a_one_step_blip_is_not_reported_but_a_persistent_spike_is():
+    cfg = GuardConfig()  # persist_steps=3
+    blip = [{"step": k, "policy/entropy": 3.0 if k == 12 else 1.0} for k in range(1, 20)]
+    assert scan(blip, cfg) == []
+    spike = [{"step": k, "policy/entropy": 3.0 if 12 <= k <= 14 else 1.0} for k in range(1, 20)]
+    assert [(w.kind, w.step) for w in scan(spike, cfg)] == [(GuardKind.ENTROPY_SPIKE, 14)]
+    mon = GuardMonitor(cfg)
+    fired = [w.step for rec in spike for w in mon.update(rec)]
+    assert fired == [14]

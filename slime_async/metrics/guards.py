@@ -65,9 +65,13 @@ class GuardConfig:
     """Steps over which the least-squares trend is fitted."""
     trend_min_drop: float = 0.15
     """Trend when the fitted fall across the window exceeds this many nats per token."""
+    persist_steps: int = 3
+    """A guard is reported only once it has fired on this many consecutive steps: with small
+    batches one noisy step (an entropy blip) is not a divergence."""
 
     def __post_init__(self) -> None:
-        if min(self.entropy_window, self.diff_baseline_steps, self.diff_window) < 1:
+        if min(self.entropy_window, self.diff_baseline_steps, self.diff_window,
+               self.persist_steps) < 1:  # fmt: skip
             raise ValueError("guard windows must be >= 1")
         if self.trend_window < 3:
             raise ValueError(f"trend_window must be >= 3, got {self.trend_window}")
@@ -284,12 +288,22 @@ def scan(history: Sequence[Mapping[str, Any]], cfg: GuardConfig) -> list[GuardWa
     tail = _tail_len(cfg)
     base: list[float] = []
     out: list[GuardWarning] = []
+    streak: dict[tuple[GuardKind, str], int] = {}
     for i, rec in enumerate(history):
         if len(base) < cfg.diff_baseline_steps:
             base.extend(_finite([rec.get(cfg.diff_key)]))
         window = history[max(0, i + 1 - tail) : i + 1]
-        out.extend(check_step(window, cfg, diff_baseline=list(base), num_records=i + 1))
+        fired = check_step(window, cfg, diff_baseline=list(base), num_records=i + 1)
+        streak = _streaks(streak, fired)
+        out.extend(w for w in fired if streak[(w.kind, w.key)] >= cfg.persist_steps)
     return out
+
+
+def _streaks(
+    prev: Mapping[tuple[GuardKind, str], int], fired: Sequence[GuardWarning]
+) -> dict[tuple[GuardKind, str], int]:
+    """Consecutive-step counts of each guard that fired now (others reset to 0)."""
+    return {(w.kind, w.key): prev.get((w.kind, w.key), 0) + 1 for w in fired}
 
 
 class GuardMonitor:
@@ -315,6 +329,7 @@ class GuardMonitor:
         self._firing: set[tuple[GuardKind, str]] = set()
         self._baseline: list[float] = []
         self._count = 0
+        self._streak: dict[tuple[GuardKind, str], int] = {}
 
     def update(self, record: Mapping[str, Any]) -> list[GuardWarning]:
         """Add the record of the newest step; return warnings to show now."""
@@ -328,9 +343,11 @@ class GuardMonitor:
         if len(self._baseline) < cfg.diff_baseline_steps:
             self._baseline.extend(_finite([record.get(cfg.diff_key)]))
         self.history = self.history[-_tail_len(cfg) :]  # all any guard reads
-        warnings = check_step(
+        fired = check_step(
             self.history, cfg, diff_baseline=list(self._baseline), num_records=self._count
         )
+        self._streak = _streaks(self._streak, fired)
+        warnings = [w for w in fired if self._streak[(w.kind, w.key)] >= cfg.persist_steps]
         now = {(w.kind, w.key) for w in warnings}
         out = []
         for w in warnings:
