@@ -195,7 +195,7 @@ def _panel_staleness_hist(ax: Any, h: MetricsHistory) -> None:
         ax.bar(list(xs), [total[x] for x in xs], color="tab:cyan", edgecolor="k", lw=0.5)
         ax.set_xticks(list(xs))
         ax.set_xlabel("staleness k - j (steps)")
-        ax.set_ylabel("trained samples")
+        ax.set_ylabel("trained groups (k - j_min)")
         ax.set_title("staleness histogram (all steps)")
         return
     s, v = h.series("staleness/max")
