@@ -11,7 +11,7 @@ and prints (1) samples/hour, the async/sync ratio and the trainer idle ratio, an
 and held-out eval at equal samples plus `train_rollout_logprob_abs_diff` over time for each;
 it writes `BENCH_DIR/bench_async.png` and `BENCH_DIR/bench_async.md`.
 
-    .venv/bin/python scripts/bench_async.py --num-steps 150
+    .venv/bin/python scripts/bench_async.py --num-steps 120
 """
 
 from __future__ import annotations
@@ -57,6 +57,10 @@ def run_arm(name: str, out: Path, common: list[str], warm: Path) -> dict:
         "wall_s": wall,
         "samples_per_hour": sph,
         "idle_trainer": sum(r["idle/trainer_ratio"] for r in train[1:]) / max(1, len(train) - 1),
+        # per-step phases (in the sync arm: generation = the trainer's wait for a batch)
+        "t_wait": sum(r["timing/wait_batch_s"] for r in train[1:]) / max(1, len(train) - 1),
+        "t_train": sum(r["timing/train_s"] for r in train[1:]) / max(1, len(train) - 1),
+        "t_sync": sum(r["timing/weight_sync_s"] for r in train[1:]) / max(1, len(train) - 1),
         "steps": [r["step"] for r in train],
         "samples": [r["step"] * samples_per_step for r in train],
         "reward": [r["rollout/reward"] for r in train],
@@ -93,6 +97,12 @@ def report(results: list[dict], out: Path) -> str:
             f"{tail_mean(r['reward']):.3f} | {ev} | {r['lp_diff'][0]:.4f}→{r['lp_diff'][-1]:.4f} | "
             f"{sum(r['staleness']) / len(r['staleness']):.2f} |"
         )
+    t_gen, t_train = sync["t_wait"], sync["t_train"] + sync["t_sync"]
+    bound = (t_gen + t_train) / max(t_gen, t_train)
+    lines.append(
+        f"\nsync step phases: generation {t_gen:.3f} s, train + weight sync {t_train:.3f} s -> "
+        f"ideal async speed-up bound (T_gen + T_train) / max(T_gen, T_train) = {bound:.2f}x"
+    )
     return "\n".join(lines)
 
 
@@ -124,7 +134,10 @@ def plot(results: list[dict], out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="bench_out/async", help="Output directory.")
-    p.add_argument("--num-steps", type=int, default=150, help="Train steps per arm.")
+    p.add_argument("--num-steps", type=int, default=120, help="Train steps per arm.")
+    p.add_argument("--rollout-batch-size", type=int, default=4,
+                   help="Prompts per step (4 x 8 samples keeps generation and training "
+                        "comparable on 2 cores, where async can pay off).")  # fmt: skip
     p.add_argument("--seed", type=int, default=1, help="Seed shared by every arm.")
     p.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
@@ -133,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     common = ["--num-steps", str(args.num_steps), "--seed", str(args.seed),
+              "--rollout-batch-size", str(args.rollout_batch_size), "--micro-batch-size", "16",
               "--eval-interval", str(max(1, args.num_steps // 6)), *args.extra]  # fmt: skip
 
     from slime_async.rollout.tasks import TaskFamilyConfig

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_args(parser, prefix="router-")
     # Unset means "the default for this kind of run": on for the embedded default (tiny MoE,
     # built-in tasks), off for a user's model/data. Both are documented in README and --help.
-    parser.set_defaults(keep_old_actor=None, routing_replay=None)
+    parser.set_defaults(keep_old_actor=None, routing_replay=None, micro_batch_size=None)
     return parser
 
 
@@ -153,6 +153,8 @@ def validate(args: argparse.Namespace) -> RunConfig:
         args.keep_old_actor = embedded
     if args.routing_replay is None:
         args.routing_replay = "r3" if embedded else "none"
+    if args.micro_batch_size is None:  # tiny model on CPU: fewer, larger passes are faster
+        args.micro_batch_size = 16 if embedded else TrainerConfig().micro_batch_size
     rr = "r3" if args.use_rollout_routing_replay else args.routing_replay
     if args.colocate and (args.trainer_cores or args.rollout_cores):
         errors.append(

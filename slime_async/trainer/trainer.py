@@ -230,11 +230,18 @@ class MegatronTrainer:
             return None
         out = [lp.clone() for lp in lp_k]
         for v in sorted(needed - {self.version}):
+            # forward only the micro-batches that hold a trained token of version v; the
+            # choice is agreed over DP, since TP/EP collectives need every rank in each pass
+            has = torch.tensor([int(bool((mb.token_versions[mb.loss_mask] == v).any()))
+                                for mb in mbs], dtype=torch.long)  # fmt: skip
+            parallel.all_reduce_sum(has, parallel.groups()["dp"])
+            idx = [i for i in range(len(mbs)) if int(has[i]) > 0]
             with self.snapshots.swapped_in(self.model, v):
-                lps, _ = self._logprobs_local(mbs, routing, record=None)
-            for i, mb in enumerate(mbs):
-                sel = mb.token_versions == v
-                out[i] = torch.where(sel, lps[i], out[i])
+                lps, _ = self._logprobs_local(
+                    [mbs[i] for i in idx], [routing[i] for i in idx], record=None
+                )
+            for lp_v, i in zip(lps, idx, strict=True):
+                out[i] = torch.where(mbs[i].token_versions == v, lp_v, out[i])
         return out
 
     # ------------------------------------------------------------------ train
