@@ -173,10 +173,17 @@ def _single_from(cfg: CompISConfig) -> SingleRatioConfig:
 
 
 def _ppo_loss(inputs: LossInputs, cfg: CompISConfig | None = None) -> LossOutputs:
-    """Plain PPO on r1 (no behaviour weight), the same knobs as CompIS."""
+    """Plain PPO on r1 (no behaviour weight), the same knobs as CompIS. With diagnostics on it
+    still reports every off-policy source (r1/r2/r3 statistics, train/rollout mismatch), so an
+    uncorrected run shows what it leaves uncorrected; `is/weight/*` is omitted (no weight)."""
     cfg = cfg or CompISConfig()
     kw = {**_decoupled_from(dataclasses.replace(cfg, staleness_method="cap")), "action": None}
-    return decoupled_ppo_loss(inputs, **kw)
+    out = decoupled_ppo_loss(inputs, **kw)
+    if not cfg.diagnostics:
+        return out
+    extra = {k: float(v) for k, v in compis_metrics(inputs, cfg).items()
+             if not k.startswith(("is/weight/", "loss/"))}  # fmt: skip
+    return dataclasses.replace(out, metrics={**out.metrics, **extra})
 
 
 def _single(inputs: LossInputs, cfg: Any = None) -> LossOutputs:

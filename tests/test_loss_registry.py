@@ -272,3 +272,25 @@ def test_loss_package_is_a_leaf():
     code = "import sys, loss, loss.registry; print(any(m.startswith('slime_async') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_plain_ppo_still_reports_every_off_policy_source():
+    import torch
+
+    from loss import CompISConfig, LossInputs
+    from loss.registry import get_loss
+
+    g = torch.Generator().manual_seed(0)
+    lp_s = -torch.rand(2, 5, generator=g)
+    inputs = LossInputs(
+        logprobs=(lp_s + 0.1).requires_grad_(), proximal_logprobs=lp_s + 0.1,
+        rollout_logprobs=lp_s, behavior_logprobs=lp_s + 0.05,
+        advantages=torch.ones(2, 5), loss_mask=torch.ones(2, 5, dtype=torch.bool),
+    )  # fmt: skip
+    m = get_loss("ppo")(inputs, CompISConfig()).metrics
+    assert abs(m["mismatch/train_rollout_logprob_abs_diff"] - 0.1) < 1e-5
+    assert abs(m["mismatch/engine_logprob_abs_diff"] - 0.05) < 1e-5
+    assert "is/staleness/mean" in m and "is/engine/mean" in m
+    assert not any(k.startswith("is/weight/") for k in m)  # no weight is applied
+    quiet = get_loss("ppo")(inputs, CompISConfig(diagnostics=False)).metrics
+    assert "mismatch/train_rollout_logprob_abs_diff" not in quiet
