@@ -186,13 +186,21 @@ def _truncate_ledger(path: Path, *, keep_through: int) -> None:
     if not path.exists():
         return
     rows = [x for x in path.read_text().splitlines() if x.strip()]
-    kept = [x for x in rows if json.loads(x)["step"] <= keep_through]
+    kept = [x for x in rows if _ledger_step(x) <= keep_through]
     if len(kept) != len(rows):
         log.info("resume: %d trained-step records after step %d rolled back",
                  len(rows) - len(kept), keep_through)  # fmt: skip
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(x + "\n" for x in kept))
         os.replace(tmp, path)
+
+
+def _ledger_step(line: str) -> float:
+    """Step of a ledger line; a line torn by a kill mid-write counts as after any checkpoint."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 async def setup_run(cfg: RunConfig) -> Run:

@@ -109,3 +109,13 @@ def test_kill_9_of_the_whole_run_resumes_without_loss_or_repeat(tmp_path):
     groups = _ledger_groups(tmp_path)
     b = parse_config(args).rollout.groups_per_step
     assert len(groups) == len(set(groups)) == 6 * b
+
+
+def test_ledger_rollback_drops_steps_after_the_checkpoint_and_torn_lines(tmp_path):
+    from slime_async.launch import _truncate_ledger
+
+    path = tmp_path / "trained.jsonl"
+    rows = [json.dumps({"step": s, "groups": []}) for s in (1, 2, 3)]
+    path.write_text("\n".join(rows) + '\n{"step": 4, "gro')  # killed mid-write
+    _truncate_ledger(path, keep_through=2)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
