@@ -280,6 +280,12 @@ async def setup_run(cfg: RunConfig) -> Run:
         abort_fn=abort_all,
     )
     if trainer_cfg.load:
+        if "worker" not in extra:
+            raise ValueError(
+                f"checkpoint in {trainer_cfg.load} holds no data-worker state (it was not written "
+                "by train_async.py), so a resume would lose or repeat prompts; start from its "
+                "weights with --hf-checkpoint instead of --load"
+            )
         worker.load_state_dict(extra["worker"])
     worker.set_served_version(version)
     supervisor = EngineSupervisor(
