@@ -241,6 +241,12 @@ async def setup_run(cfg: RunConfig) -> Run:
             f"version {version}; the checkpoint is inconsistent, load an earlier one"
         )
     if trainer_cfg.load:
+        if "worker" not in extra:
+            raise ValueError(
+                f"checkpoint in {trainer_cfg.load} holds no data-worker state (it was not written "
+                "by train_async.py), so a resume would lose or repeat prompts; start from its "
+                "weights with --hf-checkpoint instead of --load"
+            )
         _truncate_ledger(cfg.run_dir / "trained.jsonl", keep_through=start_step)
 
     # the engines start from the trainer's own export: identical weights, same version
@@ -280,12 +286,6 @@ async def setup_run(cfg: RunConfig) -> Run:
         abort_fn=abort_all,
     )
     if trainer_cfg.load:
-        if "worker" not in extra:
-            raise ValueError(
-                f"checkpoint in {trainer_cfg.load} holds no data-worker state (it was not written "
-                "by train_async.py), so a resume would lose or repeat prompts; start from its "
-                "weights with --hf-checkpoint instead of --load"
-            )
         worker.load_state_dict(extra["worker"])
     worker.set_served_version(version)
     supervisor = EngineSupervisor(
