@@ -79,6 +79,7 @@ class SGLangActor:
     def __init__(self, cfg: EngineConfig, cores: tuple[int, ...] = ()) -> None:
         del cores
         from slime_async.engine.sglang import SGLangConfig, SGLangServer
+        from slime_async.trainer.parallel import free_port
 
         if cfg.model_dir is None:
             raise ValueError("the sglang backend serves an HF directory: model_dir is required")
@@ -86,7 +87,7 @@ class SGLangActor:
             SGLangConfig(
                 model_path=cfg.model_dir,
                 host=cfg.host,
-                port=_free_port(),
+                port=free_port(),
                 random_seed=cfg.seed,
                 weight_version=cfg.weight_version,
                 max_running_requests=cfg.max_running_requests,
@@ -104,14 +105,6 @@ class SGLangActor:
 
     def pid(self) -> int:
         return os.getpid()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def engine_actor(backend: str, cfg: EngineConfig, cores: tuple[int, ...]) -> ray.actor.ActorHandle:
