@@ -26,12 +26,12 @@ import time
 import numpy as np
 import torch
 
-from slime_async.modelspec import TINY_MOE, ModelSpec
+from slime_async.contracts.model import TINY_MOE, ModelSpec
 
 
 def structured_batch(spec: ModelSpec, *, batch: int, width: int, prompt: int, seed: int):
     """Arithmetic sequences mod V (learnable → peaky after a few steps), advantage +1."""
-    from slime_async.trainer.batch import TrainerBatch
+    from slime_async.contracts.batch import TrainerBatch
 
     g = np.random.default_rng(seed)
     toks = []

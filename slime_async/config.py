@@ -22,8 +22,8 @@ from loss import CompISConfig
 from router.config import RouterConfig, add_router_args
 from router.config import config_from_args as router_config_from_args
 from slime_async.args import add_async_args, add_loss_args, add_rollout_args, add_run_args
+from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.config import EngineConfig
-from slime_async.modelspec import TINY_MOE, ModelSpec
 from slime_async.rollout.config import RolloutConfig
 from slime_async.supervisor import SupervisorConfig
 from slime_async.trainer.config import TrainerConfig, add_trainer_args, trainer_config_from_args

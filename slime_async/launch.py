@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from data_worker.config import PartialRolloutPolicy
-from data_worker.types import Batch, GenerationRequest, Group
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep
 from slime_async.config import RunConfig
+from slime_async.contracts.rollout import Batch, GenerationRequest, Group
 from slime_async.metrics import MetricsLogger
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate

@@ -73,7 +73,7 @@ def test_embedded_default_turns_on_compis_snapshots_and_r3_but_user_runs_do_not(
     assert not off.trainer.keep_old_actor and off.trainer.routing_replay.value == "none"
     from transformers import AutoModelForCausalLM
 
-    from slime_async.modelspec import ModelSpec
+    from slime_async.contracts.model import ModelSpec
 
     AutoModelForCausalLM.from_config(ModelSpec(family="llama").to_hf_config()).save_pretrained(
         tmp_path / "dense"

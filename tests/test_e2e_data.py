@@ -22,7 +22,7 @@ def _hf_dir(root: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from slime_async.modelspec import ModelSpec
+    from slime_async.contracts.model import ModelSpec
 
     words = ["<pad>", "<s>", "</s>", "<unk>", *list("0123456789+-=?"), "What", "is", "The",
              "answer"]  # fmt: skip

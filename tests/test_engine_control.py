@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 import torch
 
+from slime_async.contracts.model import ModelSpec
 from slime_async.engine import EngineConfig, EngineProcess, EngineServer
 from slime_async.engine.model import load_model
 from slime_async.engine.testing import check_against_reference, post
-from slime_async.modelspec import ModelSpec
 
 pytestmark = pytest.mark.timeout(120)
 LONG = {"max_new_tokens": 600, "ignore_eos": True}
@@ -147,7 +147,7 @@ async def test_abort_request_returns_partial_output(engine) -> None:
     n = len(ans["output_ids"])
     assert 0 < n < LONG["max_new_tokens"] and meta["completion_tokens"] == n
     assert len(meta["output_token_logprobs"]) == n
-    from slime_async.engine import decode_routed_experts
+    from slime_async.contracts.rollout import decode_routed_experts
 
     assert decode_routed_experts(meta["routed_experts"], num_layers=2, topk=2).shape[0] == 3 + n - 1
 

@@ -171,7 +171,7 @@ async def test_temperature_greedy_and_input_logprobs(engine) -> None:
     assert [e[1] for e in greedy["meta_info"]["input_token_logprobs"]] == p[4:]
     g = torch.tensor([e[0] for e in greedy["meta_info"]["output_token_logprobs"]])
     assert (g - ref_lp[len(p) - 1 :]).abs().max() < tol
-    from slime_async.engine import decode_routed_experts
+    from slime_async.contracts.rollout import decode_routed_experts
 
     routed = decode_routed_experts(greedy["meta_info"]["routed_experts"], num_layers=2, topk=2)
     assert routed.shape == (len(p) + 5 - 1 - 4, 2, 2)

@@ -16,7 +16,8 @@ import aiohttp
 import pytest
 import torch
 
-from slime_async.engine import EngineConfig, EngineServer, decode_routed_experts
+from slime_async.contracts.rollout import decode_routed_experts
+from slime_async.engine import EngineConfig, EngineServer
 from slime_async.engine.testing import post
 
 pytestmark = pytest.mark.timeout(120)

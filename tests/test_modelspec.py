@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from slime_async.modelspec import TINY_MOE, ModelSpec
+from slime_async.contracts.model import TINY_MOE, ModelSpec
 
 
 def test_hf_round_trip_moe_and_llama(tmp_path):

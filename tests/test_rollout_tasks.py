@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from slime_async.modelspec import TINY_MOE, ModelSpec
+from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.rollout.tasks import (
     BOS,
     EOS,

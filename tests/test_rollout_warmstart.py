@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_async.modelspec import ModelSpec
+from slime_async.contracts.model import ModelSpec
 from slime_async.rollout.tasks import EOS, PAD, TaskFamily, TaskFamilyConfig
 from slime_async.rollout.warmstart import (
     MARKER,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(180)
 def engine_urls():
     import torch
 
-    from slime_async.modelspec import TINY_MOE
+    from slime_async.contracts.model import TINY_MOE
 
     torch.set_num_threads(1)
     servers = [engine_mod.EngineServer(engine_mod.EngineConfig(num_threads=1)) for _ in range(2)]

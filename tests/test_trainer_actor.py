@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime_async.modelspec import TINY_MOE
+from slime_async.contracts.model import TINY_MOE
 
 pytestmark = pytest.mark.timeout(240)
 torch.set_num_threads(1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from slime_async.modelspec import TINY_MOE
+from slime_async.contracts.model import TINY_MOE
 
 pytestmark = pytest.mark.timeout(300)
 torch.set_num_threads(1)

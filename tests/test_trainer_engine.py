@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from slime_async.modelspec import TINY_MOE
+from slime_async.contracts.model import TINY_MOE
 
 pytestmark = pytest.mark.timeout(180)
 torch.set_num_threads(1)
@@ -34,8 +34,8 @@ def _generate(url: str, prompts: list[list[int]], n: int) -> list[dict]:
 
 
 def _batch_from_answers(prompts, answers, version: int):
-    from slime_async.engine.protocol import decode_routed_experts
-    from slime_async.trainer.batch import TrainerBatch
+    from slime_async.contracts.batch import TrainerBatch
+    from slime_async.contracts.rollout import decode_routed_experts
 
     routed = [
         decode_routed_experts(a["meta_info"]["routed_experts"],

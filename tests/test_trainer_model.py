@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from slime_async.modelspec import TINY_MOE, ModelSpec
+from slime_async.contracts.model import TINY_MOE, ModelSpec
+from slime_async.contracts.weights import HFWeights
 
 pytestmark = pytest.mark.timeout(120)
 torch.set_num_threads(1)
@@ -54,7 +55,7 @@ def test_fp32_megatron_matches_fp32_hf_of_export(moe_trainer, tmp_path):
     tokens = torch.randint(
         0, TINY_MOE.vocab_size, (4, 40), generator=torch.Generator().manual_seed(1)
     )
-    from slime_async.trainer.batch import TrainerBatch
+    from slime_async.contracts.batch import TrainerBatch
 
     batch = TrainerBatch.from_lists(
         tokens=tokens.tolist(), prompt_lengths=[1] * 4,
@@ -84,7 +85,7 @@ def test_llama_export_import_roundtrip(tmp_path):
     layout = parallel.resolve_layout(world_size=1, tp=1, ep=1, pp=1)
     parallel.init_model_parallel(layout, seed=11)
     model = build_model(LLAMA, layout)
-    w = weights_io.HFWeights(version=5, spec=LLAMA, tensors=hf_convert.megatron_to_hf(model, LLAMA))
+    w = HFWeights(version=5, spec=LLAMA, tensors=hf_convert.megatron_to_hf(model, LLAMA))
     d = weights_io.write_hf_dir(w, tmp_path / "llama")
     assert not list(tmp_path.glob(".*tmp*"))  # the temp dir was renamed away
     back = weights_io.read_hf_dir(d)
@@ -110,9 +111,7 @@ def test_import_refuses_other_family_and_missing_tensors(moe_trainer, tmp_path):
     with pytest.raises(KeyError, match=r"missing tensor 'model.norm.weight'"):
         hf_convert.hf_to_megatron(moe_trainer.model, TINY_MOE, bad)
     other = ModelSpec(hidden_size=64, head_dim=16)
-    d = weights_io.write_hf_dir(
-        weights_io.HFWeights(version=1, spec=other, tensors={}), tmp_path / "o"
-    )
+    d = weights_io.write_hf_dir(HFWeights(version=1, spec=other, tensors={}), tmp_path / "o")
     with pytest.raises(CheckpointError, match=r"another model config.*hidden_size"):
         moe_trainer.import_hf(d)
     with pytest.raises(FileNotFoundError, match=r"config.json is missing"):
@@ -213,7 +212,7 @@ def test_engine_routing_layout_padding_and_sp_slices():
 
 
 def test_batch_validation_messages():
-    from slime_async.trainer.batch import TrainerBatch
+    from slime_async.contracts.batch import TrainerBatch
 
     with pytest.raises(ValueError, match="1 log-probs for 2 tokens"):
         TrainerBatch.from_lists(tokens=[[1, 2, 3]], prompt_lengths=[1], rollout_logprobs=[[0.0]],

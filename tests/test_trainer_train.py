@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from slime_async.modelspec import TINY_MOE
+from slime_async.contracts.model import TINY_MOE
 
 pytestmark = pytest.mark.timeout(150)
 torch.set_num_threads(1)
@@ -103,7 +103,7 @@ def test_save_load_continue_equals_uninterrupted(tmp_path):
 
 
 def test_resume_guards_name_the_path(tmp_path):
-    from slime_async.modelspec import ModelSpec
+    from slime_async.contracts.model import ModelSpec
     from slime_async.trainer.checkpoint import CheckpointError
     from slime_async.trainer.config import TrainerConfig
     from slime_async.trainer.trainer import MegatronTrainer

@@ -6,7 +6,6 @@ SGLang servers on GPUs (`slime_async.engine.sglang`). Public surface:
 * `EngineConfig` — the embedded engine's config (`add_engine_args` builds its flags).
 * `EngineServer(cfg).start() -> url` / `.stop()` — in-process server (tests, Ray actors).
 * `EngineProcess(cfg).start() -> url` / `.stop()` — `python -m slime_async.engine` child process.
-* `decode_routed_experts(b64, num_layers=, topk=)` — `meta_info.routed_experts` to int32 array.
 * `SGLangConfig` / `SGLangServer(cfg).start() -> url` / `.stop()` — real SGLang on GPUs.
 
 Must never import the trainer, the controller, Ray, or the leaves' internals. Heavy modules
@@ -26,8 +25,6 @@ __all__ = [
     "SGLangConfig",
     "SGLangServer",
     "add_engine_args",
-    "decode_routed_experts",
-    "encode_routed_experts",
     "engine_config_from_args",
 ]
 
@@ -41,8 +38,4 @@ def __getattr__(name: str) -> Any:
         from slime_async.engine import sglang
 
         return getattr(sglang, name)
-    if name in ("decode_routed_experts", "encode_routed_experts"):
-        from slime_async.engine import protocol
-
-        return getattr(protocol, name)
     raise AttributeError(f"module 'slime_async.engine' has no attribute {name!r}")

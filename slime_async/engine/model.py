@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.config import EngineConfig
-from slime_async.modelspec import TINY_MOE, ModelSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 BF16_VIA_FP32_MIN_TOKENS = 8

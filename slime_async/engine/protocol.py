@@ -5,20 +5,19 @@ or shared `sampling_params`, `rid`, `return_logprob`, `logprob_start_len`,
 `return_routed_experts`, `routed_experts_start_len`, `n` > 1; unknown top-level keys ignored,
 unknown sampling keys rejected), `response_item` (`text`, `output_ids`, `meta_info` with
 `finish_reason`, token counts, `[logprob, id, text|null]` lists, `weight_version(s)`,
-`e2e_latency`, base64 int32 `routed_experts`) and the routed-experts codec.
+`e2e_latency`, base64 int32 `routed_experts`: the codec is a contract, in
+`slime_async.contracts.rollout`).
 Must never import the server, the scheduler or torch model code.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import time
 import uuid
 from typing import Any
 
-import numpy as np
-
+from slime_async.contracts.rollout import encode_routed_experts
 from slime_async.engine.sampling import RequestError, SamplingParams, parse_sampling_params
 from slime_async.engine.sequence import SeqStatus, Sequence
 
@@ -207,22 +206,6 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
                 )
             )
     return GenerateRequest(items=items, batch=is_batch or len(items) > 1, stream=stream)
-
-
-# ---------------------------------------------------------------------------- routed experts codec
-def encode_routed_experts(arr: np.ndarray) -> str:
-    """Base64 of little-endian int32 bytes, row-major (SGLang's `meta_info.routed_experts`)."""
-    return base64.b64encode(np.ascontiguousarray(arr, dtype="<i4").tobytes()).decode("ascii")
-
-
-def decode_routed_experts(b64: str, *, num_layers: int, topk: int) -> np.ndarray:
-    """Inverse of `encode_routed_experts`: int32 `[tokens, num_layers, topk]`."""
-    flat = np.frombuffer(base64.b64decode(b64), dtype="<i4")
-    if flat.size % (num_layers * topk):
-        raise ValueError(
-            f"routed_experts holds {flat.size} ids, not a multiple of layers*topk={num_layers * topk}"
-        )
-    return flat.reshape(-1, num_layers, topk)
 
 
 # ---------------------------------------------------------------------------- responses

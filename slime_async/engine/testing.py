@@ -15,8 +15,8 @@ import aiohttp
 import numpy as np
 import torch
 
+from slime_async.contracts.rollout import decode_routed_experts
 from slime_async.engine.model import LoadedModel, teacher_forced
-from slime_async.engine.protocol import decode_routed_experts
 
 
 async def post(

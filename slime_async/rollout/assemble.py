@@ -18,10 +18,16 @@ import numpy as np
 import torch
 
 import loss as adv
-from data_worker.types import Batch, FinishStatus, GenerationRequest, GenerationResult, Group
+from slime_async.contracts.batch import TrainerBatch
+from slime_async.contracts.rollout import (
+    Batch,
+    FinishStatus,
+    GenerationRequest,
+    GenerationResult,
+    Group,
+)
 from slime_async.metrics.stats import count_hist
 from slime_async.rollout.rewards import RewardInput, RewardResult, RewardStatus, compute_reward
-from slime_async.trainer.batch import TrainerBatch
 
 Generate = Callable[[GenerationRequest, float, int], Any]
 

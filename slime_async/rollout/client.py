@@ -20,8 +20,12 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from data_worker.types import FinishStatus, GenerationRequest, GenerationResult
-from slime_async.engine.protocol import decode_routed_experts
+from slime_async.contracts.rollout import (
+    FinishStatus,
+    GenerationRequest,
+    GenerationResult,
+    decode_routed_experts,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

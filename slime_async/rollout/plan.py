@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from data_worker.source import PromptSource
-from data_worker.types import Prompt
+from slime_async.contracts.rollout import Prompt
 from slime_async.rollout import rewards as rw
 from slime_async.rollout.datasets import DatasetConfig, load_dataset
 from slime_async.rollout.sources import TaskPromptSource, dataset_source, task_prompt

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from data_worker.source import InMemoryPromptSource
-from data_worker.types import Prompt
+from slime_async.contracts.rollout import Prompt
 from slime_async.rollout.datasets import LoadedDataset
 from slime_async.rollout.tasks import TaskFamily, TaskPrompt
 

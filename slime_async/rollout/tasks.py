@@ -3,7 +3,7 @@
 Owns: the token layout of the built-in tasks (PAD, BOS, EOS, SEP, task markers, digits), the
 deterministic prompt generator with its train / held-out eval split, and `task_hf_config`, which
 stamps the special-token ids onto the HF config built from a `ModelSpec`. No tokenizer is needed:
-prompts and answers are token ids. Imports only `slime_async.modelspec`; never imports the
+prompts and answers are token ids. Imports only `slime_async.contracts.model`; never imports the
 trainer, engine or controller.
 
 A prompt is ``[BOS, <task>, d1 .. dn, SEP]`` and the correct response is the answer digits
@@ -32,7 +32,7 @@ import hashlib
 import random
 from typing import Any
 
-from slime_async.modelspec import ModelSpec
+from slime_async.contracts.model import ModelSpec
 
 PAD = 0
 """Padding token id."""

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-from slime_async.modelspec import TINY_MOE, ModelSpec
+from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.rollout.rewards import exact_match
 from slime_async.rollout.tasks import (
     EOS,

@@ -1,5 +1,6 @@
 """Megatron-core trainer: model build, log-prob forwards, CompIS train step, routing replay,
 HF weight export/import, guarded checkpoints, and a thin Ray actor wrapper (`actor.py`).
+What it takes and gives (`TrainerBatch`, `HFWeights`, `ModelSpec`) lives in `slime_async.contracts`.
 
 Heavy imports (torch, megatron, ray) happen when the submodules are imported, not here.
 Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
@@ -9,10 +10,8 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
-    "HFWeights",
     "MegatronTrainer",
     "RoutingReplay",
-    "TrainerBatch",
     "TrainerConfig",
 ]
 
@@ -26,18 +25,10 @@ def __getattr__(name: str) -> object:
         from slime_async.trainer.config import TrainerConfig
 
         return TrainerConfig
-    if name == "TrainerBatch":
-        from slime_async.trainer.batch import TrainerBatch
-
-        return TrainerBatch
     if name == "RoutingReplay":
         from slime_async.trainer.replay import RoutingReplay
 
         return RoutingReplay
-    if name == "HFWeights":
-        from slime_async.trainer.weights_io import HFWeights
-
-        return HFWeights
     if name == "CheckpointError":
         from slime_async.trainer.checkpoint import CheckpointError
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import ray
 
-from slime_async.modelspec import ModelSpec
-from slime_async.trainer.batch import TrainerBatch
+from slime_async.contracts.batch import TrainerBatch
+from slime_async.contracts.model import ModelSpec
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from slime_async.modelspec import ModelSpec
+from slime_async.contracts.model import ModelSpec
 from slime_async.trainer import hf_convert
 from slime_async.trainer.parallel import ParallelLayout
 

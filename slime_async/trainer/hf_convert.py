@@ -21,7 +21,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from slime_async.modelspec import ModelSpec
+from slime_async.contracts.model import ModelSpec
 from slime_async.trainer.parallel import all_gather_cat, all_reduce_sum
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

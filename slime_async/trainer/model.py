@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slime_async.modelspec import ModelSpec
+from slime_async.contracts.model import ModelSpec
 from slime_async.trainer import cpu_compat
 from slime_async.trainer.parallel import ParallelLayout
 

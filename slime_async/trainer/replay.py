@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from slime_async.modelspec import ModelSpec
+from slime_async.contracts.model import ModelSpec
 
 
 class RoutingReplay(enum.Enum):

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slime_async.modelspec import ModelSpec
-from slime_async.trainer.batch import TrainerBatch
+from slime_async.contracts.batch import TrainerBatch
+from slime_async.contracts.model import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 
 from loss import LossInputs, compis_denominators
 from loss.registry import resolve_loss
-from slime_async.modelspec import ModelSpec
+from slime_async.contracts.batch import TrainerBatch
+from slime_async.contracts.model import ModelSpec
+from slime_async.contracts.weights import HFWeights
 from slime_async.trainer import checkpoint, cpu_compat, hf_convert, parallel, weights_io
-from slime_async.trainer.batch import TrainerBatch
 from slime_async.trainer.config import TrainerConfig, lr_at
 from slime_async.trainer.forward import padded_width, token_logprobs
 from slime_async.trainer.metrics_agg import MetricAccumulator, broadcast_metrics
@@ -369,9 +370,9 @@ class MegatronTrainer:
         return self.snapshots.release(version)
 
     # ------------------------------------------------------------------ weights
-    def export_weights(self) -> weights_io.HFWeights:
+    def export_weights(self) -> HFWeights:
         """Full HF-named tensors of the current version (collective over TP/EP)."""
-        return weights_io.HFWeights(
+        return HFWeights(
             version=self.version,
             spec=self.spec,
             tensors=hf_convert.megatron_to_hf(self.model, self.spec),

@@ -9,7 +9,6 @@ data-worker parts of `slime_async`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -18,21 +17,10 @@ from pathlib import Path
 
 import torch
 
-from slime_async.modelspec import ModelSpec
+from slime_async.contracts.model import ModelSpec
+from slime_async.contracts.weights import HFWeights
 
 WEIGHTS_FILE = "model.safetensors"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class HFWeights:
-    """One exported policy version: full HF-named tensors (CPU, fp32) and the spec they fit."""
-
-    version: int
-    """Trainer version (number of optimizer updates) these weights belong to."""
-    spec: ModelSpec
-    """Architecture the tensors belong to (`spec.to_hf_config()` is the HF config)."""
-    tensors: dict[str, torch.Tensor]
-    """HF tensor name → full (unsharded) tensor."""
 
 
 def _hf_config_dict(spec: ModelSpec) -> dict[str, object]:
