@@ -44,7 +44,12 @@ Integration contract (what the controller calls)::
 
 from __future__ import annotations
 
-from data_worker.budget import admission_limit, window_slack_steps, worst_case_staleness
+from data_worker.budget import (
+    admission_limit,
+    batch_reachable,
+    window_slack_steps,
+    worst_case_staleness,
+)
 from data_worker.config import DataWorkerConfig, PartialRolloutPolicy
 from data_worker.length_cache import LengthCache
 from data_worker.records import PROBE_PRIORITY
@@ -88,6 +93,7 @@ __all__ = [
     "VersionRuns",
     "WorkerState",
     "admission_limit",
+    "batch_reachable",
     "window_slack_steps",
     "worst_case_staleness",
 ]

@@ -115,11 +115,7 @@ class SchedulerCore:
 
     def can_admit(self) -> bool:
         """Budget open, queue below its limit, source not exhausted."""
-        return (
-            not self.exhausted
-            and self.n_admitted - self.n_dropped - self.n_filtered < self._limit
-            and self.queued < self._queued_limit
-        )
+        return not self.exhausted and self.live() < self._limit and self.queued < self._queued_limit
 
     def admit_one(self) -> bool:
         """Pull one prompt and queue its group; False when the budget or the source says no."""

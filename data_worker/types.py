@@ -161,6 +161,17 @@ class Batch:
         """k - j_min of each group."""
         return [self.current_version - g.min_version for g in self.groups]
 
+    def staleness_hist(self) -> list[int]:
+        """Group counts by staleness: `out[i]` = groups with k - j_min = i (`[]` when empty).
+
+        Example: staleness [0, 2, 2] gives [1, 0, 2].
+        """
+        stale = self.staleness()
+        out = [0] * (max(stale) + 1) if stale else []
+        for s in stale:
+            out[s] += 1
+        return out
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Accounting:

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from enum import Enum
 from typing import Any
 
+from data_worker.budget import batch_reachable
 from data_worker.config import DataWorkerConfig
 from data_worker.scheduler import Dispatch, SchedulerCore
 from data_worker.source import PromptSource
@@ -74,9 +75,11 @@ class RolloutDataWorker:
         self._failure: BaseException | None = None
         self._dropped_mark = 0
         self._filtered_mark = 0
-        self._last: dict[str, float] = {
+        self._last: dict[str, Any] = {
             "staleness/mean": 0.0,
             "staleness/max": 0.0,
+            "staleness/hist": [],
+            "staleness/dropped": 0.0,
             "timing/dispatch_wait": 0.0,
             "timing/trainer_wait": 0.0,
         }
@@ -262,7 +265,13 @@ class RolloutDataWorker:
             if self._state is WorkerState.STOPPED:
                 raise RuntimeError("get_batch() on a stopped worker.")
             s = self.cfg.max_staleness
-            if core.budget_blocked() and current_version - core.served_version > s:
+            reachable = batch_reachable(
+                current_version=current_version,
+                served_version=core.served_version,
+                max_staleness=s,
+                groups_per_step=self.cfg.groups_per_step,
+            )
+            if core.budget_blocked() and not reachable:
                 raise RuntimeError(
                     f"get_batch(current_version={current_version}) can never be filled: the "
                     f"engines serve version {core.served_version} and max_staleness={s}, so "
@@ -296,6 +305,8 @@ class RolloutDataWorker:
         self._last = {
             "staleness/mean": sum(stale) / len(stale) if stale else 0.0,
             "staleness/max": float(max(stale, default=0)),
+            "staleness/hist": batch.staleness_hist(),
+            "staleness/dropped": float(batch.dropped),
             "timing/dispatch_wait": core.wait_sum / core.wait_count if core.wait_count else 0.0,
             "timing/trainer_wait": wait,
         }
@@ -307,8 +318,9 @@ class RolloutDataWorker:
         """Group counts; `dispatched == consumed + dropped + filtered + pending` always."""
         return self._core.accounting()
 
-    def metrics(self) -> dict[str, float]:
-        """Gauges, counters, and the stats of the last returned batch (namespaced keys)."""
+    def metrics(self) -> dict[str, Any]:
+        """Gauges, counters (`data/*`, cumulative), and the stats of the last returned batch
+        (`staleness/*`: mean, max, count histogram and groups dropped while filling it)."""
         core = self._core
         decided = core.n_probes + core.n_cache_hits
         acc = core.accounting()
@@ -331,7 +343,7 @@ class RolloutDataWorker:
             "data/generate_calls": float(core.n_dispatches),
             "data/aborted": float(core.n_aborted),
             "data/generate_errors": float(core.n_errors),
-            "staleness/dropped": float(acc.dropped),
+            "data/dropped_groups": float(acc.dropped),
             **self._last,
         }
 

@@ -9,7 +9,8 @@ active request by `tokens_per_step` tokens and takes `step_s + per_seq_s * n_act
 So a request of L tokens alone takes L / tokens_per_step * (step_s + per_seq_s) seconds.
 Responses are deterministic functions of the request (no timestamps), so pass-through can be
 checked byte for byte.
-Must never import: `slime_async`, or the router's server/proxy modules (engines are independent).
+Must never import: `slime_async`, or the router's server/proxy modules (engines are independent);
+the control routes it serves are the router's own list (`router.control.CONTROL_PATHS`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
+from router.control import CONTROL_PATHS
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,14 +115,7 @@ class FakeEngine:
         app.router.add_get("/get_load", self._load)
         app.router.add_get("/v1/loads", self._load)
         app.router.add_get("/v1/models", self._models)
-        for path in (
-            "/pause_generation",
-            "/continue_generation",
-            "/update_weights_from_disk",
-            "/update_weight_version",
-            "/flush_cache",
-            "/abort_request",
-        ):
+        for path in CONTROL_PATHS:  # the routes the router fans out, nothing else
             app.router.add_post(path, self._control)
         app.router.add_get("/flush_cache", self._control)
         # like SGLang, a request whose client disconnects is aborted (handler cancelled)

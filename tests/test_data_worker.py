@@ -192,7 +192,12 @@ def test_off_policy_groups_are_dropped_and_counted() -> None:
         assert all(s <= 1 for s in b3.staleness()) and len(b3.groups) == 2
         acc = worker.accounting()
         assert acc.dropped == 4 and acc.balanced
-        assert worker.metrics()["staleness/dropped"] == 4.0
+        m = worker.metrics()
+        assert m["staleness/dropped"] == 4.0 and m["data/dropped_groups"] == 4.0
+        assert m["staleness/hist"] == b3.staleness_hist() and sum(m["staleness/hist"]) == 2
+        b4 = await worker.get_batch(2, 3)  # nothing stale left: per-batch count resets
+        m = worker.metrics()
+        assert b4.dropped == 0 and m["staleness/dropped"] == 0.0 and m["data/dropped_groups"] == 4.0
         await worker.stop()
 
     run_virtual(main())
@@ -421,6 +426,8 @@ def test_metrics_keys_and_values() -> None:
         "staleness/mean",
         "staleness/max",
         "staleness/dropped",
+        "staleness/hist",
+        "data/dropped_groups",
         "timing/dispatch_wait",
         "timing/trainer_wait",
     }
@@ -428,7 +435,8 @@ def test_metrics_keys_and_values() -> None:
     async def main() -> None:
         await worker.start()
         m0 = worker.metrics()
-        assert documented <= set(m0) and all(isinstance(v, float) for v in m0.values())
+        assert documented <= set(m0) and m0.pop("staleness/hist") == []
+        assert all(isinstance(v, float) for v in m0.values())
         assert m0["data/inflight"] == 2 and m0["data/admission_limit"] == (4 + 0 + 1) * 2
         assert m0["data/live_groups"] == m0["data/dispatched_groups"] <= 10
         batch = await worker.get_batch(2, 0)

@@ -130,16 +130,6 @@ def test_config_validation() -> None:
         GuardConfig(trend_window=2)
 
 
-def test_count_hist() -> None:
-    from slime_async.metrics import count_hist
-
-    assert count_hist([0, 2, 2, 5], max_bin=3) == [1, 0, 2, 1]
-    assert count_hist([1, 1]) == [0, 2]
-    assert count_hist([]) == []
-    with pytest.raises(ValueError, match="non-negative"):
-        count_hist([-1])
-
-
 def test_a_one_step_blip_is_not_reported_but_a_persistent_spike_is():
     cfg = GuardConfig()  # persist_steps=3
     blip = [{"step": k, "policy/entropy": 3.0 if k == 12 else 1.0} for k in range(1, 20)]

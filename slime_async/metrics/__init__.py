@@ -1,7 +1,7 @@
 """Run metrics: the per-step logger and its sinks, divergence guards, and the JSONL reader.
 
 Public surface: `MetricsLogger` / `MetricsConfig` (logger.py), `GuardConfig` / `GuardWarning` /
-`GuardMonitor` / `scan` (guards.py), `read_metrics` (history.py), `count_hist` (stats.py). The PNG report lives in
+`GuardMonitor` / `scan` (guards.py), `read_metrics` (history.py). The PNG report lives in
 `slime_async.report`. This package never imports the trainer, engine, rollout or controller.
 """
 
@@ -17,7 +17,6 @@ from slime_async.metrics.guards import (
 )
 from slime_async.metrics.history import MetricsHistory, read_metrics
 from slime_async.metrics.logger import METRICS_FILE, MetricsConfig, MetricsLogger
-from slime_async.metrics.stats import count_hist
 
 __all__ = [
     "METRICS_FILE",
@@ -29,7 +28,6 @@ __all__ = [
     "MetricsHistory",
     "MetricsLogger",
     "check_step",
-    "count_hist",
     "read_metrics",
     "scan",
 ]

@@ -26,7 +26,6 @@ from slime_async.contracts.rollout import (
     GenerationResult,
     Group,
 )
-from slime_async.metrics.stats import count_hist
 from slime_async.rollout.rewards import RewardInput, RewardResult, RewardStatus, compute_reward
 
 Generate = Callable[[GenerationRequest, float, int], Any]
@@ -186,7 +185,6 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
     )
     resp_len = torch.as_tensor([len(s.output_ids) for _, s in rows], dtype=torch.float32)
     lp_mean = (rollout_lp * mask).sum() / mask.sum().clamp(min=1)
-    staleness = batch.staleness()
     metrics = {
         "rollout/reward": float(rewards[valid].mean()) if bool(valid.any()) else 0.0,
         "rollout/length": float(resp_len.mean()),
@@ -196,9 +194,5 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
         "rollout/nonfinite_logprobs": float(nonfinite),
         "rollout/samples": float(n),
         "rollout/routed_experts_frac": 1.0 if routed else 0.0,
-        "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
-        "staleness/max": float(max(staleness)) if staleness else 0.0,
-        "staleness/dropped": float(batch.dropped),
-        "staleness/hist": count_hist(staleness),
     }
     return Assembled(batch=tb, metrics=metrics)
