@@ -79,10 +79,6 @@ class Scheduler:
         async with self._step_lock:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
-    async def run_in_worker(self, fn: Callable[[], T]) -> T:
-        """Run `fn` in the model thread, ordered with the steps (no lock)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
-
     # ------------------------------------------------------------------ requests
     def submit(self, seq: Sequence) -> None:
         self.waiting.append(seq)
