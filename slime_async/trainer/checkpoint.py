@@ -36,7 +36,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,22 @@ from slime_async.contracts.model import ModelSpec
 from slime_async.trainer import hf_convert
 from slime_async.trainer.parallel import ParallelLayout
 
-if TYPE_CHECKING:
-    from slime_async.trainer.trainer import MegatronTrainer
+
+class TrainerState(Protocol):
+    """What a checkpoint saves and restores of one trainer rank (`MegatronTrainer` is one).
+    Declared here so that this module never imports the trainer (which calls into it)."""
+
+    cfg: Any
+    spec: ModelSpec
+    layout: ParallelLayout
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    rank: int
+    world_size: int
+    version: int
+    extra_state: dict[str, object]
+    resumed_layout: ParallelLayout | None
+
 
 log = logging.getLogger(__name__)
 FORMAT = "slime_async.trainer.checkpoint/1"
@@ -81,7 +95,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _barrier(tr: MegatronTrainer) -> None:
+def _barrier(tr: TrainerState) -> None:
     if dist.is_initialized() and tr.world_size > 1:
         dist.barrier()
 
@@ -94,7 +108,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _optimizer_moments(tr: MegatronTrainer) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+def _optimizer_moments(tr: TrainerState) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
     named = dict(tr.model.named_parameters())
     moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
     step = 0
@@ -108,7 +122,7 @@ def _optimizer_moments(tr: MegatronTrainer) -> tuple[dict[str, dict[str, torch.T
     return full, step
 
 
-def save(tr: MegatronTrainer, save_dir: Path, *, extra_state: dict[str, object]) -> Path:
+def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) -> Path:
     """Write `iter_<version>` atomically, then point `latest` at it; returns the final path."""
     json.dumps(extra_state)  # fail early (TypeError) if the opaque state is not JSON-able
     weights = hf_convert.megatron_to_hf(tr.model, tr.spec)
@@ -227,7 +241,7 @@ def find_latest(load_dir: Path) -> Path:
     )
 
 
-def load(tr: MegatronTrainer, load_dir: Path) -> dict[str, object]:
+def load(tr: TrainerState, load_dir: Path) -> dict[str, object]:
     """Restore `tr` from the latest complete checkpoint in `load_dir`; returns meta.json."""
     ckpt = find_latest(load_dir)
     meta = json.loads((ckpt / "meta.json").read_text())
@@ -261,7 +275,7 @@ def load(tr: MegatronTrainer, load_dir: Path) -> dict[str, object]:
     return meta
 
 
-def _lr_schedule(tr: MegatronTrainer) -> dict[str, object]:
+def _lr_schedule(tr: TrainerState) -> dict[str, object]:
     """The LR schedule is a pure function of the version and these fields (`config.lr_at`)."""
     c = tr.cfg
     return {
@@ -273,7 +287,7 @@ def _lr_schedule(tr: MegatronTrainer) -> dict[str, object]:
     }
 
 
-def _load_optimizer(tr: MegatronTrainer, ckpt: Path, step: int) -> None:
+def _load_optimizer(tr: TrainerState, ckpt: Path, step: int) -> None:
     if step == 0:
         return
     moments = torch.load(ckpt / "optim.pt", weights_only=True, map_location="cpu")
