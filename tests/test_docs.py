@@ -1,0 +1,223 @@
+"""The design docs stay inside the repository and stay true to the code.
+
+Checks, on the files themselves (no network, no git): every markdown link in the repository
+points at a file or directory inside it that exists (and at a heading that exists, when it names
+one); every file path a `docs/` page mentions exists; and every rule doc names, under
+"Where it lives", code locations whose files exist and whose named functions and classes occur
+in those files. A refactor that moves or renames what a doc points at fails here until the doc
+is updated.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+SKIP_DIRS = {"node_modules", "__pycache__", "runs", "bench_out", "build", "dist", "venv"}
+NOT_RULE_DOCS = {"README.md", "architecture.md"}
+
+FENCE = re.compile(r"^\s*(```|~~~)")
+CODE_SPAN = re.compile(r"`[^`]*`")
+INLINE_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+REF_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$")
+SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.*?)\s*#*\s*$")
+PATH_TOKEN = re.compile(r"^[\w-][\w.-]*(?:/[\w.-]+)*(?:\.(?:py|md|sh|toml|txt)|/)$")
+IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$")
+CODE_FILE = re.compile(r"\.(?:py|sh)$")
+
+
+def markdown_files() -> list[Path]:
+    out = []
+    for path in ROOT.rglob("*.md"):
+        parts = path.relative_to(ROOT).parts[:-1]
+        if any(p.startswith(".") or p in SKIP_DIRS or p.endswith(".egg-info") for p in parts):
+            continue
+        out.append(path)
+    return sorted(out)
+
+
+def prose_lines(text: str) -> list[str]:
+    """Lines outside fenced code blocks, with inline code spans blanked out."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            lines.append("")
+            continue
+        lines.append("" if fenced else line)
+    return lines
+
+
+def links(text: str) -> list[str]:
+    found = []
+    for line in prose_lines(text):
+        bare = CODE_SPAN.sub("", line)
+        found += INLINE_LINK.findall(bare)
+        m = REF_DEF.match(bare)
+        if m:
+            found.append(m.group(1))
+    return found
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: rendered text, lower case, punctuation dropped."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+    text = re.sub(r"[^\w\- ]", "", text.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in prose_lines(path.read_text(encoding="utf-8")):
+        m = HEADING.match(line)
+        if not m:
+            continue
+        base = slug(m.group(1))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def link_problem(source: Path, target: str) -> str | None:
+    """Why `target` (a link in `source`) is broken, or None when it resolves in the repo."""
+    if SCHEME.match(target):
+        return None  # a web address: not checked (no network in tests)
+    path_part, _, anchor = target.partition("#")
+    if path_part.startswith("/"):
+        return "absolute path (use a path relative to the file)"
+    dest = (source.parent / path_part).resolve() if path_part else source.resolve()
+    try:
+        dest.relative_to(ROOT)
+    except ValueError:
+        return "points outside the repository (a clone does not have it)"
+    if not dest.exists():
+        return "no such file or directory"
+    if anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+        return f"no heading with anchor #{anchor} in {dest.relative_to(ROOT)}"
+    return None
+
+
+def test_markdown_files_are_found() -> None:
+    names = {p.relative_to(ROOT).as_posix() for p in markdown_files()}
+    assert {"README.md", "docs/README.md", "docs/architecture.md"} <= names
+
+
+@pytest.mark.parametrize("md", markdown_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_links_stay_inside_the_repository_and_resolve(md: Path) -> None:
+    bad = []
+    for target in links(md.read_text(encoding="utf-8")):
+        why = link_problem(md, target)
+        if why:
+            bad.append(f"{target}: {why}")
+    assert not bad, f"{md.relative_to(ROOT)} has broken links:\n  " + "\n  ".join(bad)
+
+
+def test_link_checker_catches_what_it_should(tmp_path: Path) -> None:
+    text = (
+        "[ok](docs/README.md) [out](../shared/ARCHITECTURE.md) [abs](/etc/passwd)\n"
+        "`[not a link](nowhere.md)`\n```\n[fenced](nowhere.md)\n```\n[web](https://x.org/a)\n"
+        "[ref]: docs/missing.md\n[anchor](docs/architecture.md#no-such-heading)\n"
+    )
+    found = links(text)
+    assert found == [
+        "docs/README.md",
+        "../shared/ARCHITECTURE.md",
+        "/etc/passwd",
+        "https://x.org/a",
+        "docs/missing.md",
+        "docs/architecture.md#no-such-heading",
+    ]
+    source = ROOT / "README.md"
+    problems = {t: link_problem(source, t) for t in found}
+    assert problems["docs/README.md"] is None and problems["https://x.org/a"] is None
+    assert "outside the repository" in problems["../shared/ARCHITECTURE.md"]
+    assert "absolute" in problems["/etc/passwd"]
+    assert "no such file" in problems["docs/missing.md"]
+    assert "no heading" in problems["docs/architecture.md#no-such-heading"]
+    assert slug("The version/staleness contract") == "the-versionstaleness-contract"
+    assert slug("Measured (`scripts/x.py`, 2 runs)") == "measured-scriptsxpy-2-runs"
+
+
+def doc_paths(md: Path) -> list[str]:
+    """Repository paths a docs page mentions in code spans (`data_worker/budget.py`, `loss/`)."""
+    out = []
+    for line in prose_lines(md.read_text(encoding="utf-8")):
+        for span in CODE_SPAN.findall(line):
+            token = span.strip("`")
+            if "/" in token and PATH_TOKEN.match(token):
+                out.append(token)
+    return out
+
+
+def code_locations(md: Path) -> list[tuple[str, list[str]]]:
+    """(code file, names mentioned after it) from the page's "Where it lives" section."""
+    lines = prose_lines(md.read_text(encoding="utf-8"))
+    try:
+        start = next(i for i, x in enumerate(lines) if x.strip() == "## Where it lives")
+    except StopIteration:
+        return []
+    section = []
+    for line in lines[start + 1 :]:
+        if line.startswith("## "):
+            break
+        section.append(line)
+    out: list[tuple[str, list[str]]] = []
+    for span in CODE_SPAN.findall("\n".join(section)):
+        token = span.strip("`")
+        if "/" in token and PATH_TOKEN.match(token) and CODE_FILE.search(token):
+            out.append((token, []))
+        elif out and IDENT.match(token):
+            out[-1][1].append(token)
+    return out
+
+
+DOC_PAGES = sorted(DOCS.glob("*.md")) if DOCS.is_dir() else []
+RULE_DOCS = [p for p in DOC_PAGES if p.name not in NOT_RULE_DOCS]
+
+
+@pytest.mark.parametrize("md", DOC_PAGES, ids=lambda p: p.name)
+def test_every_path_a_doc_mentions_exists(md: Path) -> None:
+    missing = [p for p in doc_paths(md) if not (ROOT / p).exists()]
+    assert not missing, f"docs/{md.name} mentions paths that do not exist: {missing}"
+
+
+def test_there_is_a_doc_per_control_rule() -> None:
+    names = {p.name for p in RULE_DOCS}
+    assert {
+        "staleness-budget.md",
+        "windowed-fifo.md",
+        "length-probe-dispatch.md",
+        "compis.md",
+        "routing-replay.md",
+        "weight-sync.md",
+        "router-policy.md",
+        "resume-guards.md",
+    } <= names
+    index = (DOCS / "README.md").read_text(encoding="utf-8")
+    unlisted = [p.name for p in DOC_PAGES if p.name != "README.md" and f"]({p.name})" not in index]
+    assert not unlisted, f"docs/README.md does not list {unlisted}"
+
+
+@pytest.mark.parametrize("md", RULE_DOCS, ids=lambda p: p.name)
+def test_rule_doc_names_code_that_exists(md: Path) -> None:
+    locations = code_locations(md)
+    assert locations, f"docs/{md.name} has no '## Where it lives' section naming a code file"
+    problems = []
+    for rel, names in locations:
+        path = ROOT / rel
+        if not path.is_file():
+            problems.append(f"{rel} does not exist")
+            continue
+        text = path.read_text(encoding="utf-8")
+        for name in names:
+            for part in name.split("."):
+                if not re.search(rf"\b{re.escape(part)}\b", text):
+                    problems.append(f"{rel} has no {part!r} (named as `{name}`)")
+    assert not problems, f"docs/{md.name} 'Where it lives' is stale:\n  " + "\n  ".join(problems)
