@@ -10,6 +10,7 @@ is updated.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -32,12 +33,13 @@ CODE_FILE = re.compile(r"\.(?:py|sh)$")
 
 
 def markdown_files() -> list[Path]:
+    """Every markdown file of the repository (hidden, virtualenv and output folders pruned)."""
     out = []
-    for path in ROOT.rglob("*.md"):
-        parts = path.relative_to(ROOT).parts[:-1]
-        if any(p.startswith(".") or p in SKIP_DIRS or p.endswith(".egg-info") for p in parts):
-            continue
-        out.append(path)
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [
+            d for d in dirs if not (d.startswith(".") or d in SKIP_DIRS or d.endswith(".egg-info"))
+        ]
+        out += [Path(folder) / f for f in files if f.endswith(".md")]
     return sorted(out)
 
 
