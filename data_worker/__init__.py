@@ -1,7 +1,8 @@
 """RolloutDataWorker: windowed FIFO drain, length-probe dispatch, staleness budget.
 
 A standalone asyncio component (no Ray inside; the orchestrator wraps it in an actor). It never
-imports `slime_async`. The algorithm and the staleness bound are in `data_worker/README.md`.
+imports `slime_async`. The algorithm and the staleness bound are in `docs/staleness-budget.md`,
+`docs/windowed-fifo.md` and `docs/length-probe-dispatch.md`.
 
 Integration contract (what the controller calls)::
 

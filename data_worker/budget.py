@@ -1,7 +1,7 @@
 """Staleness budget arithmetic (pure functions).
 
 Owns the admission rule (and when a trainer's batch is out of its reach) and the worst-case
-staleness bound derived in data_worker/README.md:
+staleness bound derived in docs/staleness-budget.md:
 a group is admitted only while `live < (S + v + 1) * B`, which bounds the staleness of every
 consumed group by `S + ceil((W - 1) / B)`. Never imports `slime_async`.
 

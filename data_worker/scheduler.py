@@ -48,7 +48,7 @@ from data_worker.window import FifoWindow
 
 
 class SchedulerCore:
-    """All scheduling state and rules; see the module docstring and data_worker/README.md."""
+    """All scheduling state and rules; see the module docstring and docs/length-probe-dispatch.md."""
 
     def __init__(
         self,

@@ -2,7 +2,7 @@
 
 Owns: `HealthMonitor` (the probe loop and on-demand probes after a proxied failure).
 An engine that comes back after missing weight updates is not re-admitted until the last
-weight-changing control calls have been replayed on it (see README "Re-admission").
+weight-changing control calls have been replayed on it (docs/router-policy.md, "Re-admission").
 Must never import: `slime_async`, or the proxy/server modules.
 """
 
