@@ -2,7 +2,7 @@
 
 Owns: `ControlFanout` (the `/pause_generation`, `/continue_generation`,
 `/update_weights_from_disk`, `/update_weight_version`, `/flush_cache`, `/abort_request` routes),
-the reply shape (see README "Fan-out reply"), and the log of weight-changing calls replayed on
+the reply shape (router/README.md, "Control fan-out reply"), and the log of weight-changing calls replayed on
 an engine that is re-admitted after missing them.
 Must never import: `slime_async`, or the proxy/health/server modules.
 """
