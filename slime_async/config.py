@@ -19,8 +19,7 @@ from pathlib import Path
 from data_worker.budget import worst_case_staleness
 from data_worker.config import DataWorkerConfig, PartialRolloutPolicy
 from loss import CompISConfig
-from router.config import RouterConfig, add_router_args
-from router.config import config_from_args as router_config_from_args
+from router.config import RouterConfig, add_router_args, router_config_from_args
 from slime_async.args import add_async_args, add_loss_args, add_rollout_args, add_run_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.config import EngineConfig
