@@ -89,28 +89,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default=d.host, help="address to bind (default: loopback)")
     g.add_argument("--port", type=int, default=d.port, help="port; 0 = pick a free one")
     g.add_argument("--port-file", default=None, help="write the bound port to this file (atomic)")
-    g.add_argument(
-        "--model-dir",
-        "--model-path",
-        dest="model_dir",
-        default=d.model_dir,
-        help="local HF checkpoint directory; omit to build the tiny Qwen3-MoE (TINY_MOE)",
-    )
-    g.add_argument("--gguf-file", default=d.gguf_file, help="GGUF file inside --model-dir")
-    g.add_argument(
-        "--model-spec-json", default=None, help="ModelSpec JSON file to build instead of TINY_MOE"
-    )
-    g.add_argument(
-        "--seed", "--random-seed", dest="seed", type=int, default=d.seed, help="init/sampling seed"
-    )
-    g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="inference dtype")
-    g.add_argument(
-        "--bf16-native-matmul",
-        dest="bf16_via_fp32",
-        action="store_false",
-        default=d.bf16_via_fp32,
-        help="bf16: use torch's bf16 GEMMs instead of fp32 GEMMs over bf16 values (slow on CPU)",
-    )
+    _add_model_args(g, d)
     g.add_argument(
         "--max-running-requests",
         type=int,
@@ -147,6 +126,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads")
     return parser
+
+
+def _add_model_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """Which model the engine serves, and in what precision."""
+    g.add_argument(
+        "--model-dir",
+        "--model-path",
+        dest="model_dir",
+        default=d.model_dir,
+        help="local HF checkpoint directory; omit to build the tiny Qwen3-MoE (TINY_MOE)",
+    )
+    g.add_argument("--gguf-file", default=d.gguf_file, help="GGUF file inside --model-dir")
+    g.add_argument(
+        "--model-spec-json", default=None, help="ModelSpec JSON file to build instead of TINY_MOE"
+    )
+    g.add_argument(
+        "--seed", "--random-seed", dest="seed", type=int, default=d.seed, help="init/sampling seed"
+    )
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="inference dtype")
+    g.add_argument(
+        "--bf16-native-matmul",
+        dest="bf16_via_fp32",
+        action="store_false",
+        default=d.bf16_via_fp32,
+        help="bf16: use torch's bf16 GEMMs instead of fp32 GEMMs over bf16 values (slow on CPU)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
