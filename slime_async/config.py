@@ -44,7 +44,12 @@ from slime_async.run_config import (
     run_default,
 )
 from slime_async.supervisor import add_supervisor_args, supervisor_config_from_args
-from slime_async.trainer.config import add_trainer_args, run_kind_defaults, trainer_config_from_args
+from slime_async.trainer.config import (
+    TrainerConfig,
+    add_trainer_args,
+    run_kind_defaults,
+    trainer_config_from_args,
+)
 
 __all__ = ["Environment", "RunConfig", "build_parser", "parse_config", "validate"]
 
@@ -156,11 +161,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     _raise_all(_schedule_errors(a, data_worker))
     _derive_trainer(f, data_worker, embedded=embedded)
     trainer = trainer_config_from_args(a)
-    if trainer.routing_replay.value != "none" and not env.model.is_moe:
-        raise ValueError(
-            f"--routing-replay {trainer.routing_replay.value} needs an MoE model, but "
-            f"{a.hf_checkpoint} is dense ({env.model.family}); drop the routing-replay flag"
-        )
+    _check_model(trainer, env.model, hf_checkpoint=a.hf_checkpoint)
     trainer = dataclasses.replace(trainer, loss=_loss_config(a), temperature=rollout.temperature)
     colocate, trainer_cores, rollout_cores = _placement(f, env)
     _derive_warmstart(f, embedded=embedded)
@@ -275,6 +276,16 @@ def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool) -> None:
         )
 
 
+def _check_model(trainer: TrainerConfig, model: ModelSpec, *, hf_checkpoint: str | None) -> None:
+    """Rules between the trainer's settings and the model it trains."""
+    replay = trainer.routing_replay.value
+    if replay != "none" and not model.is_moe:
+        raise ValueError(
+            f"--routing-replay {replay} needs an MoE model, but {hf_checkpoint} is dense "
+            f"({model.family}); drop the routing-replay flag"
+        )
+
+
 def _loss_config(a: argparse.Namespace) -> CompISConfig:
     """The loss flags -> the loss config (the loss package will own this)."""
     if a.eps_clip <= 0 or (a.eps_clip_high is not None and a.eps_clip_high <= 0):
@@ -346,14 +357,12 @@ def _placement(f: _Flags, env: Environment) -> tuple[bool, tuple[int, ...], tupl
 def _derive_warmstart(f: _Flags, *, embedded: bool) -> None:
     """Warm start applies only to a fresh embedded default run (tiny MoE, built-in tasks)."""
     a = f.args
-    why_not = (
-        "the run resumes from --load, whose checkpoint holds the trained weights"
-        if a.load
-        else None
-        if embedded
-        else "warm start trains the tiny MoE on the built-in tasks, and this run has "
-        "--hf-checkpoint/--prompt-data"
-    )
+    why_not = None  # why a warm start cannot apply to this run
+    if a.load:
+        why_not = "the run resumes from --load, whose checkpoint holds the trained weights"
+    elif not embedded:
+        why_not = ("warm start trains the tiny MoE on the built-in tasks, and this run has "
+                   "--hf-checkpoint/--prompt-data")  # fmt: skip
     if f.unset("warmstart_steps"):
         default = run_default("warmstart_steps")
         f.fill("warmstart_steps", 0 if why_not else default,
