@@ -1,12 +1,15 @@
 """Configuration of the RolloutDataWorker.
 
 Owns `DataWorkerConfig` (one frozen dataclass, every field documented), the
-`PartialRolloutPolicy` enum, and `validate_config`, which turns bad settings into errors that
-name the problem and the fix. Never imports `slime_async`.
+`PartialRolloutPolicy` enum, `validate_config`, which turns bad settings into errors that name the
+problem and the fix, and the worker's command-line flags (`add_data_worker_args` /
+`data_worker_config_from_args`; every flag default is read from `DataWorkerConfig`). Never
+imports `slime_async`.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from enum import StrEnum
@@ -40,11 +43,12 @@ class DataWorkerConfig:
     """Group size n: samples generated per prompt (GRPO group)."""
     groups_per_step: int = 32
     """B: groups consumed by one train step; the unit of the staleness budget."""
-    max_staleness: int = 1
+    max_staleness: int = 2
     """S: admit a group only while admitted groups < (S + v + 1) * B; S = 0 is synchronous."""
-    fifo_window: float = 8
+    fifo_window: float | None = None
     """W: only completed groups with seq in [head, head + W) are consumable; 1 = strict order,
-    `math.inf` = arrival order. Worst-case staleness is S + ceil((W - 1) / B)."""
+    `math.inf` = arrival order, None = 2 * groups_per_step. Worst-case staleness is
+    S + ceil((W - 1) / B)."""
     max_off_policy_steps: int | None = None
     """Drop groups with k - j_min > this at consumption (None: never drop)."""
     partial_rollout: PartialRolloutPolicy = PartialRolloutPolicy.CONTINUE
@@ -71,6 +75,8 @@ class DataWorkerConfig:
     """A sample whose `generate` raises more than this many times fails the worker."""
 
     def __post_init__(self) -> None:
+        if self.fifo_window is None and isinstance(self.groups_per_step, int):
+            object.__setattr__(self, "fifo_window", 2 * self.groups_per_step)
         validate_config(self)
 
     @property
@@ -103,7 +109,13 @@ def validate_config(cfg: DataWorkerConfig) -> None:
             "use 0 for synchronous training, 1 for one-step off-policy, >1 for fully async."
         )
     w = cfg.fifo_window
-    if isinstance(w, bool) or not isinstance(w, (int, float)) or math.isnan(w) or w < 1:
+    if (
+        w is None
+        or isinstance(w, bool)
+        or not isinstance(w, (int, float))
+        or math.isnan(w)
+        or w < 1
+    ):
         raise ValueError(
             f"fifo_window (W) must be >= 1 or math.inf, got {w!r}; "
             "use 1 for strict submission order, math.inf for arrival order."
@@ -154,3 +166,65 @@ def validate_config(cfg: DataWorkerConfig) -> None:
         raise ValueError(
             f"max_generate_retries must be an integer >= 0, got {cfg.max_generate_retries!r}."
         )
+
+
+def add_data_worker_args(parser: argparse.ArgumentParser) -> None:
+    """Add the async-schedule flags the data worker owns (defaults from `DataWorkerConfig`)."""
+    g = parser.add_argument_group("async schedule and staleness (data worker)")
+    d = DataWorkerConfig()
+    g.add_argument("--max-staleness", type=int, default=d.max_staleness,
+                   help="S: 0 synchronous, 1 one-step off-policy, >1 fully async.")  # fmt: skip
+    g.add_argument(
+        "--fifo-window",
+        type=float,
+        default=None,
+        help="W: completed groups consumable within [head, head+W); 1 strict order, "
+        "inf arrival order (default: 2 x groups per step).",
+    )
+    g.add_argument(
+        "--max-off-policy-steps",
+        type=int,
+        default=d.max_off_policy_steps,
+        help="Drop groups with k - j_min > N before training (default: never).",
+    )
+    g.add_argument(
+        "--partial-rollout",
+        choices=[p.value for p in PartialRolloutPolicy],
+        default=d.partial_rollout.value,
+        help="At weight sync: continue partial rollouts (per-token versions) or "
+        "requeue them whole.",
+    )
+    g.add_argument(
+        "--no-length-probe",
+        dest="length_probe",
+        action="store_false",
+        default=d.length_probe,
+        help="Disable length-probe dispatch (dispatch every sample at once).",
+    )
+    g.add_argument("--max-inflight", type=int, default=d.max_inflight,
+                   help="Most concurrent generate requests.")  # fmt: skip
+
+
+def data_worker_config_from_args(
+    args: argparse.Namespace,
+    *,
+    n_samples_per_prompt: int,
+    groups_per_step: int,
+    default_expected_len: int,
+) -> DataWorkerConfig:
+    """Build the config from `add_data_worker_args` flags plus the batch shape (owned by the
+    rollout settings of the caller)."""
+    w = args.fifo_window
+    if w is not None and not math.isinf(w) and w == int(w):
+        w = int(w)
+    return DataWorkerConfig(
+        n_samples_per_prompt=n_samples_per_prompt,
+        groups_per_step=groups_per_step,
+        max_staleness=args.max_staleness,
+        fifo_window=w,
+        max_off_policy_steps=args.max_off_policy_steps,
+        partial_rollout=PartialRolloutPolicy(args.partial_rollout),
+        length_probe=args.length_probe,
+        default_expected_len=default_expected_len,
+        max_inflight=args.max_inflight,
+    )

@@ -11,7 +11,7 @@ import logging
 import signal
 import sys
 
-from router.config import add_router_args, config_from_args
+from router.config import add_router_args, router_config_from_args
 from router.server import Router, warn_if_exposed
 
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        cfg = config_from_args(args, prefix="")
+        cfg = router_config_from_args(args, prefix="")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

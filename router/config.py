@@ -1,6 +1,6 @@
 """Router configuration: the one frozen config of the router, its argparse group, and validation.
 
-Owns: `RouterConfig`, `add_router_args`, `config_from_args`, `validate_config`.
+Owns: `RouterConfig`, `add_router_args`, `router_config_from_args`, `validate_config`.
 Must never import: `slime_async` (the router is a leaf package), nor any other router module.
 """
 
@@ -158,7 +158,7 @@ def add_router_args(parser: argparse.ArgumentParser, *, prefix: str = "router-")
         )
 
 
-def config_from_args(args: argparse.Namespace, *, prefix: str = "router-") -> RouterConfig:
+def router_config_from_args(args: argparse.Namespace, *, prefix: str = "router-") -> RouterConfig:
     """Build and validate a `RouterConfig` from flags added by `add_router_args`."""
     attr = prefix.replace("-", "_")
     kwargs = {}

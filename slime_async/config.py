@@ -1,296 +1,373 @@
-"""The command line of `train_async.py`: flag groups per component, and ALL cross-flag validation.
+"""The command line of `train_async.py`: the parser, what a run derives, and every rule that spans
+components.
 
-Owns: `RunConfig` (the run-level settings plus one config object per component), `build_parser`
-and `parse_config`. Each component owns its own config dataclass (`TrainerConfig`,
-`DataWorkerConfig`, `RouterConfig`, `CompISConfig`, `EngineConfig`); this module adds the
-run-level and rollout flags, maps flags onto those configs, and checks every rule that involves
-more than one flag in `validate()`, failing with a sentence the user can act on. Nothing here
-mutates settings behind the user's back (no `--load` -> `--ref-load` rewriting).
+Owns: `build_parser` (one flag group per component, each from the module of its config
+dataclass), `read_environment` (the only I/O: the model's config from --hf-checkpoint and the
+usable CPU cores), `validate` (pure: flags + environment -> `RunConfig`) and `parse_config`.
+
+Each component's config dataclass owns its flags (`add_<component>_args` /
+`<component>_config_from_args`, every flag default read from the dataclass) and the rules among
+its own fields. This module checks only rules across components, and derives the settings whose
+right value depends on the run: its kind (the embedded default or a user's model/data), its
+staleness bound, the machine. Such a flag defaults to None; validation fills it only when the user
+left it unset, and records the value and the reason in `RunConfig.derived` (logged once at
+start-up, saved in `run_dir/config.json`). A flag the user set is never changed: if it contradicts
+another setting, validation fails with a sentence naming the flag and the fix.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 from data_worker.budget import worst_case_staleness
-from data_worker.config import DataWorkerConfig, PartialRolloutPolicy
+from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
 from loss import CompISConfig
-from router.config import RouterConfig, add_router_args
-from router.config import config_from_args as router_config_from_args
-from slime_async.args import add_async_args, add_loss_args, add_rollout_args, add_run_args
+from router.config import add_router_args, router_config_from_args
+from slime_async.args import add_advantage_args, add_loss_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.engine.config import EngineConfig
-from slime_async.rollout.config import RolloutConfig
-from slime_async.supervisor import SupervisorConfig
-from slime_async.trainer.config import TrainerConfig, add_trainer_args, trainer_config_from_args
+from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
+from slime_async.rollout.config import RolloutConfig, add_rollout_args, rollout_config_from_args
+from slime_async.run_config import (
+    DEFAULT_NUM_ROLLOUT,
+    Derived,
+    Environment,
+    RunConfig,
+    add_engine_backend_args,
+    add_placement_args,
+    add_run_args,
+    run_default,
+)
+from slime_async.supervisor import add_supervisor_args, supervisor_config_from_args
+from slime_async.trainer.config import (
+    TrainerConfig,
+    add_trainer_args,
+    run_kind_defaults,
+    trainer_config_from_args,
+)
+
+__all__ = ["Environment", "RunConfig", "build_parser", "parse_config", "validate"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RunConfig:
-    """Everything one run needs; each component receives only its own part."""
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless its help states it, it has none, or it takes no value."""
 
-    run_dir: Path
-    """Where metrics.jsonl, weights/, warmstart/ and (by default) checkpoints/ live."""
-    num_steps: int
-    """Train steps (optimizer updates) to run."""
-    update_weights_interval: int
-    """Push weights to the engines every this many train steps."""
-    save_interval: int
-    """Checkpoint every this many train steps (0: only at the end)."""
-    num_engines: int
-    """Embedded engines (CPU) or SGLang servers (GPU)."""
-    engine_backend: str
-    """'embedded' (any device) or 'sglang' (GPU servers)."""
-    colocate: bool
-    """Share all cores between trainer and engines instead of pinning them to disjoint cores."""
-    trainer_cores: tuple[int, ...]
-    """CPU cores of the trainer actor (empty: no pinning)."""
-    rollout_cores: tuple[int, ...]
-    """CPU cores of the engines (empty: no pinning)."""
-    warmstart_steps: int
-    """Supervised warm-start steps for the built-in tasks (0: start from the random model)."""
-    seed: int
-    """Run seed (data order, sampling, init)."""
-    use_wandb: bool
-    """Also log to Weights & Biases."""
-    use_tensorboard: bool
-    """Also log to TensorBoard."""
-    model: ModelSpec
-    """Architecture (read from --hf-checkpoint when given, else the tiny MoE)."""
-    rollout: RolloutConfig
-    data_worker: DataWorkerConfig
-    router: RouterConfig
-    engine: EngineConfig
-    trainer: TrainerConfig
-    supervisor: SupervisorConfig
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.nargs == 0 or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `train_async.py` parser: one flag group per component, each from its own module."""
     parser = argparse.ArgumentParser(
         prog="train_async.py",
-        description="Asynchronous RL post-training (see README.md for the common flags).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Asynchronous RL post-training (see README.md for the common flags). "
+        "Defaults that depend on the run are derived at start-up, logged as 'derived: ...' and "
+        "saved in <run-dir>/config.json.",
+        formatter_class=_HelpFormatter,
     )
     add_run_args(parser)
+    add_placement_args(parser)
+    add_engine_backend_args(parser)
     add_rollout_args(parser)
-    add_async_args(parser)
+    add_data_worker_args(parser)
+    add_advantage_args(parser)
     add_loss_args(parser)
     add_trainer_args(parser)
+    add_engine_run_args(parser)
+    add_supervisor_args(parser)
     add_router_args(parser, prefix="router-")
-    # Unset means "the default for this kind of run": on for the embedded default (tiny MoE,
-    # built-in tasks), off for a user's model/data. Both are documented in README and --help.
-    parser.set_defaults(keep_old_actor=None, routing_replay=None, micro_batch_size=None)
     return parser
 
 
-def _cores(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
-    if text is None:
-        return default
-    try:
-        return tuple(int(c) for c in text.split(",") if c.strip())
-    except ValueError as e:
-        raise ValueError(f"core list {text!r} must be comma-separated integers") from e
-
-
-def validate(args: argparse.Namespace) -> RunConfig:
-    """Every cross-flag rule, in one place. Raises ValueError with an actionable message."""
-    args = argparse.Namespace(**vars(args))  # resolving defaults never touches the caller's
-    errors: list[str] = []
-    n = args.n_samples_per_prompt
-    if n < 1:
-        errors.append("--n-samples-per-prompt must be >= 1")
-    if args.rollout_batch_size < 1 or args.num_steps_per_rollout < 1:
-        errors.append("--rollout-batch-size and --num-steps-per-rollout must be >= 1")
-    gbs = args.global_batch_size
-    if gbs is None and n >= 1 and args.num_steps_per_rollout >= 1:
-        total = args.rollout_batch_size * n
-        if total % args.num_steps_per_rollout:
-            errors.append(
-                f"rollout_batch_size x n = {total} is not divisible by --num-steps-per-rollout "
-                f"{args.num_steps_per_rollout}; pass --global-batch-size explicitly"
-            )
-        gbs = total // max(1, args.num_steps_per_rollout)
-    if gbs is not None and n >= 1 and gbs % n:
-        errors.append(
-            f"--global-batch-size {gbs} must be a multiple of --n-samples-per-prompt {n} "
-            "(whole groups are trained together)"
-        )
-    if args.num_steps is not None and args.num_rollout is not None:
-        errors.append("give either --num-steps or --num-rollout, not both")
-    num_steps = args.num_steps
-    if num_steps is None:
-        num_steps = (args.num_rollout or 200) * args.num_steps_per_rollout
-    if num_steps < 1:
-        errors.append("--num-steps must be >= 1")
-    if args.max_staleness < 0:
-        errors.append("--max-staleness must be >= 0 (0 = synchronous)")
-    if args.max_off_policy_steps is not None and args.max_off_policy_steps < 0:
-        errors.append("--max-off-policy-steps must be >= 0")
-    if args.max_off_policy_steps is not None and args.max_off_policy_steps < args.max_staleness:
-        errors.append(
-            f"--max-off-policy-steps {args.max_off_policy_steps} < --max-staleness "
-            f"{args.max_staleness}: groups the budget admits would be dropped; raise it to at "
-            "least the staleness bound or lower --max-staleness"
-        )
-    if args.update_weights_interval < 1:
-        errors.append("--update-weights-interval must be >= 1")
-    if args.update_weights_interval - 1 > args.max_staleness >= 0:
-        errors.append(
-            f"--update-weights-interval {args.update_weights_interval} needs --max-staleness >= "
-            f"{args.update_weights_interval - 1}: engines serve a version that old between pushes, "
-            "so the staleness budget would stall generation"
-        )
-    if args.eps_clip <= 0 or (args.eps_clip_high is not None and args.eps_clip_high <= 0):
-        errors.append("--eps-clip and --eps-clip-high must be > 0")
-    if args.eps_clip_c is not None and args.eps_clip_c <= 1:
-        errors.append("--eps-clip-c (dual clip) must be > 1")
-    embedded = args.hf_checkpoint is None and args.prompt_data is None
-    if args.keep_old_actor is None:  # CompIS's r2/r3 split needs version-j snapshots
-        args.keep_old_actor = embedded
-    if args.routing_replay is None:
-        args.routing_replay = "r3" if embedded else "none"
-    if args.micro_batch_size is None:  # tiny model on CPU: fewer, larger passes are faster
-        args.micro_batch_size = 16 if embedded else TrainerConfig().micro_batch_size
-    rr = "r3" if args.use_rollout_routing_replay else args.routing_replay
-    if args.colocate and (args.trainer_cores or args.rollout_cores):
-        errors.append(
-            "--colocate shares all cores; do not also pass --trainer-cores/--rollout-cores"
-        )
-    if args.num_engines < 1:
-        errors.append("--num-engines must be >= 1")
-    if args.eval_interval < 0 or args.eval_prompts < 0:
-        errors.append("--eval-interval and --eval-prompts must be >= 0")
-    if errors:
-        raise ValueError("invalid flags:\n  - " + "\n  - ".join(errors))
-
+def read_environment(args: argparse.Namespace) -> Environment:
+    """The I/O validation needs: the model's config (from --hf-checkpoint) and the usable cores."""
     model = TINY_MOE
     if args.hf_checkpoint:
         from transformers import AutoConfig
 
-        model = ModelSpec.from_hf_config(AutoConfig.from_pretrained(args.hf_checkpoint))
-    if rr != "none" and not model.is_moe:
-        raise ValueError(
-            f"--routing-replay {rr} needs an MoE model, but {args.hf_checkpoint} is dense "
-            f"({model.family}); drop the routing-replay flag"
-        )
-
-    ncpu = len(os.sched_getaffinity(0))
-    half = max(1, ncpu // 2)
-    colocate = args.colocate or ncpu < 2
-    trainer_cores = () if colocate else _cores(args.trainer_cores, tuple(range(half)))
-    rollout_cores = () if colocate else _cores(args.rollout_cores, tuple(range(half, ncpu)))
-    if set(trainer_cores) & set(rollout_cores):
-        raise ValueError(
-            f"--trainer-cores {trainer_cores} and --rollout-cores {rollout_cores} overlap; give "
-            "disjoint sets or use --colocate"
-        )
-
-    rollout = RolloutConfig(
-        rollout_batch_size=args.rollout_batch_size,
-        n_samples_per_prompt=n,
-        global_batch_size=gbs,
-        max_response_len=args.rollout_max_response_len,
-        temperature=args.rollout_temperature,
-        top_p=args.rollout_top_p,
-        advantage_estimator=args.advantage_estimator,
-        dynamic_sampling=args.dynamic_sampling,
-        prompt_data=args.prompt_data,
-        input_key=args.input_key,
-        label_key=args.label_key,
-        apply_chat_template=args.apply_chat_template,
-        strict_data=args.strict_data,
-        custom_rm_path=args.custom_rm_path,
-        eval_interval=args.eval_interval,
-        eval_prompts=args.eval_prompts,
-    )
-    b = rollout.groups_per_step
-    window = args.fifo_window if args.fifo_window is not None else 2 * b
-    bound = worst_case_staleness(max_staleness=args.max_staleness, fifo_window=window,
-                                 groups_per_step=b)  # fmt: skip
-    if args.max_off_policy_steps is not None:  # older groups are dropped before training
-        bound = min(bound, args.max_off_policy_steps)
-    if math.isinf(bound) and args.keep_old_actor:
-        raise ValueError(
-            "--keep-old-actor with --fifo-window inf has no staleness bound, so no finite number "
-            "of weight snapshots suffices; use a finite --fifo-window or --max-off-policy-steps"
-        )
-    data_worker = DataWorkerConfig(
-        n_samples_per_prompt=n,
-        groups_per_step=b,
-        max_staleness=args.max_staleness,
-        fifo_window=math.inf if math.isinf(window) else int(window),
-        max_off_policy_steps=args.max_off_policy_steps,
-        partial_rollout=PartialRolloutPolicy(args.partial_rollout),
-        length_probe=not args.no_length_probe,
-        default_expected_len=args.rollout_max_response_len,
-        max_inflight=args.max_inflight,
-    )
-    loss_cfg = CompISConfig(
-        staleness_method=args.staleness_correction_method,
-        staleness_low=args.staleness_correction_low,
-        staleness_high=args.staleness_correction_high,
-        engine_method=args.engine_correction_method,
-        engine_low=args.engine_correction_low,
-        engine_high=args.engine_correction_high,
-        eps_clip=args.eps_clip,
-        eps_clip_high=args.eps_clip_high if args.eps_clip_high is not None else args.eps_clip,
-        dual_clip_c=args.eps_clip_c,
-        agg_mode=args.loss_agg_mode,
-        loss_scale_factor=args.loss_scale_factor or float(args.rollout_max_response_len),
-        denom=args.denom,
-        diagnostics=not args.no_loss_diagnostics,
-    )
-    trainer = dataclasses.replace(
-        trainer_config_from_args(args),
-        loss=loss_cfg,
-        temperature=args.rollout_temperature,
-        max_snapshots=max(2, int(bound) + 1),
-    )
-    router = router_config_from_args(args, prefix="router-")
-    engine = EngineConfig(
-        dtype=args.engine_dtype,
-        max_running_requests=args.engine_max_running_requests,
-        seed=args.seed,
-        weight_version="0",
-        num_threads=1 if not colocate else None,
-    )
-    return RunConfig(
-        run_dir=Path(args.run_dir),
-        num_steps=num_steps,
-        update_weights_interval=args.update_weights_interval,
-        save_interval=args.save_interval,
-        num_engines=args.num_engines,
-        engine_backend=args.engine_backend,
-        colocate=colocate,
-        trainer_cores=trainer_cores,
-        rollout_cores=rollout_cores,
-        warmstart_steps=0 if args.prompt_data else args.warmstart_steps,
-        seed=args.seed,
-        use_wandb=args.use_wandb,
-        use_tensorboard=args.use_tensorboard,
-        model=model,
-        rollout=rollout,
-        data_worker=data_worker,
-        router=router,
-        engine=engine,
-        trainer=trainer,
-        supervisor=SupervisorConfig(
-            restart_after_s=args.engine_restart_after,
-            all_down_timeout_s=args.engine_down_timeout,
-        ),
-    )
+        try:
+            hf = AutoConfig.from_pretrained(args.hf_checkpoint)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"--hf-checkpoint {args.hf_checkpoint}: cannot read its config.json ({e}); give "
+                "a local Hugging Face model directory"
+            ) from None
+        model = ModelSpec.from_hf_config(hf)
+    return Environment(model=model, cpus=tuple(sorted(os.sched_getaffinity(0))))
 
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
-    """Parse flags and validate them; exits with the validation message on bad input."""
+    """Parse flags, read the environment, validate; exits with the message on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return validate(args)
+        return validate(args, read_environment(args))
     except ValueError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits
+
+
+class _Flags:
+    """The parsed flags plus the values derived so far; never changes a flag the user set."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = argparse.Namespace(**vars(args))  # the caller's namespace stays as given
+        self.derived: dict[str, Derived] = {}
+
+    def unset(self, dest: str) -> bool:
+        return getattr(self.args, dest) is None
+
+    def fill(self, dest: str, value: Any, why: str) -> None:
+        """Set an unset flag to `value` and record why."""
+        assert self.unset(dest), dest
+        setattr(self.args, dest, value)
+        self.note(dest, value, why)
+
+    def note(self, dest: str, value: Any, why: str) -> None:
+        """Record the value a component resolved for an unset flag (as it would be typed)."""
+        value = value.value if isinstance(value, enum.Enum) else value
+        self.derived["--" + dest.replace("_", "-")] = Derived(value, why)
+
+
+def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
+    """Flags + environment -> `RunConfig`: every cross-component rule, without I/O.
+
+    Raises ValueError with a sentence naming the flag and the fix.
+    """
+    f = _Flags(args)
+    a = f.args
+    embedded = a.hf_checkpoint is None and a.prompt_data is None
+    _raise_all(_run_errors(a))
+    rollout = rollout_config_from_args(a)
+    if a.global_batch_size is None:
+        f.note("global_batch_size", rollout.global_batch_size,
+               "rollout_batch_size x n_samples_per_prompt / num_steps_per_rollout")  # fmt: skip
+    _derive_num_steps(f, rollout)
+    b = rollout.groups_per_step
+    data_worker = data_worker_config_from_args(
+        a, n_samples_per_prompt=rollout.n_samples_per_prompt, groups_per_step=b,
+        default_expected_len=rollout.max_response_len,
+    )  # fmt: skip
+    if a.fifo_window is None:
+        f.note("fifo_window", data_worker.fifo_window, f"2 x groups per step (B = {b})")
+    _raise_all(_schedule_errors(a, data_worker))
+    _derive_trainer(f, data_worker, embedded=embedded)
+    trainer = trainer_config_from_args(a)
+    _check_model(trainer, env.model, hf_checkpoint=a.hf_checkpoint)
+    trainer = dataclasses.replace(trainer, loss=_loss_config(a), temperature=rollout.temperature)
+    colocate, trainer_cores, rollout_cores = _placement(f, env)
+    _derive_warmstart(f, embedded=embedded)
+    return RunConfig(
+        run_dir=Path(a.run_dir),
+        num_steps=a.num_steps,
+        update_weights_interval=a.update_weights_interval,
+        save_interval=a.save_interval,
+        num_engines=a.num_engines,
+        engine_backend=a.engine_backend,
+        colocate=colocate,
+        trainer_cores=trainer_cores,
+        rollout_cores=rollout_cores,
+        warmstart_steps=a.warmstart_steps,
+        seed=a.seed,
+        use_wandb=a.use_wandb,
+        use_tensorboard=a.use_tensorboard,
+        model=env.model,
+        rollout=rollout,
+        data_worker=data_worker,
+        router=router_config_from_args(a, prefix="router-"),
+        engine=engine_run_config_from_args(a, seed=a.seed, num_threads=None if colocate else 1),
+        trainer=trainer,
+        supervisor=supervisor_config_from_args(a),
+        derived=f.derived,
+    )
+
+
+def _raise_all(errors: list[str]) -> None:
+    if errors:
+        raise ValueError("invalid flags:\n  - " + "\n  - ".join(errors))
+
+
+def _run_errors(a: argparse.Namespace) -> list[str]:
+    """Rules among the run's own flags (and router flags the run itself sets)."""
+    errors = []
+    if a.num_steps is not None and a.num_rollout is not None:
+        errors.append("give either --num-steps or --num-rollout, not both")
+    for flag in ("num_steps", "num_rollout", "update_weights_interval", "num_engines"):
+        value = getattr(a, flag)
+        if value is not None and value < 1:
+            errors.append(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("save_interval", "warmstart_steps"):
+        value = getattr(a, flag)
+        if value is not None and value < 0:
+            errors.append(f"--{flag.replace('_', '-')} must be >= 0")
+    if a.router_worker_urls:  # the launcher registers exactly the engines it starts
+        errors.append(
+            "--router-worker-urls cannot apply to train_async.py: the run registers the engines "
+            "it starts (see --num-engines) with its router; drop the flag"
+        )
+    return errors
+
+
+def _derive_num_steps(f: _Flags, rollout: RolloutConfig) -> None:
+    if not f.unset("num_steps"):
+        return
+    a = f.args
+    rollouts = DEFAULT_NUM_ROLLOUT if a.num_rollout is None else a.num_rollout
+    f.fill("num_steps", rollouts * rollout.num_steps_per_rollout,
+           f"--num-rollout {rollouts} x --num-steps-per-rollout {rollout.num_steps_per_rollout}")  # fmt: skip
+
+
+def _schedule_errors(a: argparse.Namespace, dw: DataWorkerConfig) -> list[str]:
+    """Rules between the weight-push cadence and the data worker's staleness settings."""
+    errors = []
+    s, m = dw.max_staleness, dw.max_off_policy_steps
+    if m is not None and m < s:
+        errors.append(
+            f"--max-off-policy-steps {m} < --max-staleness {s}: groups the budget admits would "
+            "be dropped; raise it to at least the staleness bound or lower --max-staleness"
+        )
+    if a.update_weights_interval - 1 > s:
+        errors.append(
+            f"--update-weights-interval {a.update_weights_interval} needs --max-staleness >= "
+            f"{a.update_weights_interval - 1}: engines serve a version that old between pushes, "
+            "so the staleness budget would stall generation"
+        )
+    return errors
+
+
+def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool) -> None:
+    """Run-kind defaults (see `trainer.config.EMBEDDED_RUN`) and the snapshot count."""
+    a = f.args
+    kind = "the embedded default run" if embedded else "a run with --hf-checkpoint/--prompt-data"
+    for dest, value in run_kind_defaults(embedded=embedded).items():
+        aliased = dest == "routing_replay" and a.use_rollout_routing_replay
+        if f.unset(dest) and not aliased:
+            f.fill(dest, value, f"default of {kind}")
+    if not a.keep_old_actor:
+        return  # no snapshots are kept, so --max-snapshots has nothing to size
+    bound = worst_case_staleness(max_staleness=dw.max_staleness, fifo_window=dw.fifo_window,
+                                 groups_per_step=dw.groups_per_step)  # fmt: skip
+    why = f"S {dw.max_staleness} + ceil((W {dw.fifo_window} - 1) / B {dw.groups_per_step})"
+    if dw.max_off_policy_steps is not None and dw.max_off_policy_steps < bound:
+        bound, why = dw.max_off_policy_steps, f"--max-off-policy-steps {dw.max_off_policy_steps}"
+    if math.isinf(bound):
+        raise ValueError(
+            "--keep-old-actor with --fifo-window inf has no staleness bound, so no finite number "
+            "of weight snapshots suffices; use a finite --fifo-window or --max-off-policy-steps, "
+            "or --no-keep-old-actor"
+        )
+    need = int(bound) + 1
+    why = f"staleness bound {int(bound)} ({why}) + the current version"
+    if f.unset("max_snapshots"):
+        f.fill("max_snapshots", need, why)
+    elif a.max_snapshots < need:
+        raise ValueError(
+            f"--max-snapshots {a.max_snapshots} is too few for --keep-old-actor: a trained token "
+            f"can come from any of {need} versions ({why}); give --max-snapshots {need} or more "
+            "(or drop the flag), or lower --max-staleness / --fifo-window"
+        )
+
+
+def _check_model(trainer: TrainerConfig, model: ModelSpec, *, hf_checkpoint: str | None) -> None:
+    """Rules between the trainer's settings and the model it trains."""
+    replay = trainer.routing_replay.value
+    if replay != "none" and not model.is_moe:
+        raise ValueError(
+            f"--routing-replay {replay} needs an MoE model, but {hf_checkpoint} is dense "
+            f"({model.family}); drop the routing-replay flag"
+        )
+
+
+def _loss_config(a: argparse.Namespace) -> CompISConfig:
+    """The loss flags -> the loss config (the loss package will own this)."""
+    if a.eps_clip <= 0 or (a.eps_clip_high is not None and a.eps_clip_high <= 0):
+        raise ValueError("--eps-clip and --eps-clip-high must be > 0")
+    if a.eps_clip_c is not None and a.eps_clip_c <= 1:
+        raise ValueError("--eps-clip-c (dual clip) must be > 1")
+    return CompISConfig(
+        staleness_method=a.staleness_correction_method,
+        staleness_low=a.staleness_correction_low,
+        staleness_high=a.staleness_correction_high,
+        engine_method=a.engine_correction_method,
+        engine_low=a.engine_correction_low,
+        engine_high=a.engine_correction_high,
+        eps_clip=a.eps_clip,
+        eps_clip_high=a.eps_clip_high if a.eps_clip_high is not None else a.eps_clip,
+        dual_clip_c=a.eps_clip_c,
+        agg_mode=a.loss_agg_mode,
+        loss_scale_factor=a.loss_scale_factor or float(a.rollout_max_response_len),
+        denom=a.denom,
+        diagnostics=not a.no_loss_diagnostics,
+    )
+
+
+def _cores(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise ValueError(f"--{flag} {text!r} must be comma-separated integers") from None
+
+
+def _placement(f: _Flags, env: Environment) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+    """(colocate, trainer cores, rollout cores) on the cores this process may use."""
+    a, cpus = f.args, env.cpus
+    given = {k: _cores(k, v) for k in ("trainer-cores", "rollout-cores")
+             if (v := getattr(a, k.replace("-", "_"))) is not None}  # fmt: skip
+    if a.colocate and given:
+        raise ValueError(
+            "--colocate shares all cores; do not also pass --trainer-cores/--rollout-cores"
+        )
+    if f.unset("colocate"):
+        if len(cpus) < 2 and given:
+            raise ValueError(
+                f"--trainer-cores/--rollout-cores need 2 or more CPU cores, but this process may "
+                f"use only core {cpus[0]}; drop them (trainer and engines then share it)"
+            )
+        f.fill("colocate", len(cpus) < 2, f"{len(cpus)} usable CPU core(s): {list(cpus)}")
+    if a.colocate:
+        return True, (), ()
+    half = max(1, len(cpus) // 2)
+    defaults = {"trainer-cores": (cpus[:half], "first"), "rollout-cores": (cpus[half:], "second")}
+    for flag, (cores, which) in defaults.items():
+        if flag not in given:
+            f.note(flag.replace("-", "_"), cores, f"{which} half of the usable cores {list(cpus)}")
+            given[flag] = cores
+        elif missing := sorted(set(given[flag]) - set(cpus)):
+            raise ValueError(
+                f"--{flag} names core(s) {missing} this process may not use (usable: "
+                f"{list(cpus)}); pick cores from that set"
+            )
+    trainer, rollout = given["trainer-cores"], given["rollout-cores"]
+    if set(trainer) & set(rollout):
+        raise ValueError(
+            f"--trainer-cores {trainer} and --rollout-cores {rollout} overlap; give disjoint sets "
+            "or use --colocate"
+        )
+    return False, trainer, rollout
+
+
+def _derive_warmstart(f: _Flags, *, embedded: bool) -> None:
+    """Warm start applies only to a fresh embedded default run (tiny MoE, built-in tasks)."""
+    a = f.args
+    why_not = None  # why a warm start cannot apply to this run
+    if a.load:
+        why_not = "the run resumes from --load, whose checkpoint holds the trained weights"
+    elif not embedded:
+        why_not = ("warm start trains the tiny MoE on the built-in tasks, and this run has "
+                   "--hf-checkpoint/--prompt-data")  # fmt: skip
+    if f.unset("warmstart_steps"):
+        default = run_default("warmstart_steps")
+        f.fill("warmstart_steps", 0 if why_not else default,
+               why_not or "default of the embedded default run")  # fmt: skip
+    elif a.warmstart_steps > 0 and why_not:
+        raise ValueError(
+            f"--warmstart-steps {a.warmstart_steps} cannot apply: {why_not}; drop --warmstart-steps"
+        )

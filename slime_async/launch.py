@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import json
 import logging
 import os
@@ -205,8 +206,7 @@ def _ledger_step(line: str) -> float:
 
 async def setup_run(cfg: RunConfig) -> Run:
     """Bring every role up and restore state when resuming."""
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "config.json").write_text(json.dumps(_describe(cfg), indent=2, default=str))
+    record_config(cfg)
     r = cfg.rollout
     plan = make_data_plan(seed=cfg.seed, prompt_data=r.prompt_data,
                           hf_checkpoint=cfg.trainer.hf_checkpoint, input_key=r.input_key,
@@ -216,7 +216,7 @@ async def setup_run(cfg: RunConfig) -> Run:
     logger = MetricsLogger(cfg.run_dir, use_tensorboard=cfg.use_tensorboard,
                            use_wandb=cfg.use_wandb, total_steps=cfg.num_steps)  # fmt: skip
     trainer_cfg = cfg.trainer
-    if trainer_cfg.load is None and trainer_cfg.hf_checkpoint is None and cfg.warmstart_steps:
+    if cfg.warmstart_steps:  # validation leaves it 0 unless a fresh embedded default run
         threads = max(1, len(cfg.trainer_cores + cfg.rollout_cores))
         ws = await asyncio.to_thread(
             warm_start, cfg.run_dir, spec=cfg.model, task=TaskFamilyConfig(seed=cfg.seed),
@@ -303,9 +303,16 @@ async def setup_run(cfg: RunConfig) -> Run:
     return run
 
 
-def _describe(cfg: RunConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-    return out
+def _json_value(obj: object) -> object:
+    return obj.value if isinstance(obj, enum.Enum) else str(obj)
+
+
+def record_config(cfg: RunConfig) -> None:
+    """Say once what the run derived, and save the whole config (with `derived`) in the run dir."""
+    for flag, d in cfg.derived.items():
+        log.info("derived: %s %s (%s)", flag, d.value, d.why)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(dataclasses.asdict(cfg), indent=2, default=_json_value)
+    tmp = cfg.run_dir / "config.json.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, cfg.run_dir / "config.json")

@@ -1,8 +1,8 @@
 """Engine supervision: restart engines that die or hang, stop cleanly when none come back.
 
-Owns `SupervisorConfig`, `EngineSupervisor` and `EnginesDownError`. The router already keeps
-requests safe while an engine is sick (quarantine after failed probes, retries of requests that
-never got a byte, requests wait for a healthy engine); this loop repairs the fleet:
+Owns `SupervisorConfig` and its flags, `EngineSupervisor` and `EnginesDownError`. The router
+already keeps requests safe while an engine is sick (quarantine after failed probes, retries of
+requests that never got a byte, requests wait for a healthy engine); this loop repairs the fleet:
 
 * an engine whose Ray actor is dead is replaced at once; one the router has marked unhealthy for
   longer than `restart_after_s` (hung, or serving errors) is killed and replaced;
@@ -15,6 +15,7 @@ never got a byte, requests wait for a healthy engine); this loop repairs the fle
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -52,6 +53,31 @@ class SupervisorConfig:
     def __post_init__(self) -> None:
         if min(self.interval_s, self.restart_after_s, self.all_down_timeout_s) <= 0:
             raise ValueError("supervisor intervals and timeouts must be > 0")
+
+
+def add_supervisor_args(parser: argparse.ArgumentParser) -> None:
+    """Add the engine-supervision flags (defaults from `SupervisorConfig`)."""
+    g = parser.add_argument_group("engine supervision")
+    d = SupervisorConfig()
+    g.add_argument(
+        "--engine-restart-after",
+        type=float,
+        default=d.restart_after_s,
+        help="Restart an engine the router has held unhealthy this many seconds.",
+    )
+    g.add_argument(
+        "--engine-down-timeout",
+        type=float,
+        default=d.all_down_timeout_s,
+        help="With no healthy engine for this long, stop the run with a checkpoint.",
+    )
+
+
+def supervisor_config_from_args(args: argparse.Namespace) -> SupervisorConfig:
+    """Build the config from `add_supervisor_args` flags."""
+    return SupervisorConfig(
+        restart_after_s=args.engine_restart_after, all_down_timeout_s=args.engine_down_timeout
+    )
 
 
 class EngineSupervisor:

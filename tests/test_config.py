@@ -1,16 +1,34 @@
-"""train_async.py flags: slime-compatible names, derived sizes, and every cross-flag rule."""
+"""train_async.py flags: slime-compatible names, derived sizes, and every cross-flag rule.
+
+`validate` is pure: these tests hand it the environment (model spec, usable cores) instead of
+letting it read the machine, except where reading the environment is what is tested.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import math
+from pathlib import Path
 
 import pytest
 
-from slime_async.config import build_parser, validate
+from data_worker.config import DataWorkerConfig
+from router.config import RouterConfig
+from slime_async.config import Environment, build_parser, read_environment, validate
+from slime_async.contracts.model import TINY_MOE, ModelSpec
+from slime_async.engine.config import EngineConfig
+from slime_async.rollout.config import RolloutConfig
+from slime_async.run_config import RunConfig
+from slime_async.supervisor import SupervisorConfig
+from slime_async.trainer.config import TrainerConfig
+
+TWO_CORES = Environment(model=TINY_MOE, cpus=(0, 1))
 
 
-def _cfg(*argv: str):
-    return validate(build_parser().parse_args(list(argv)))
+def _cfg(*argv: str, env: Environment = TWO_CORES) -> RunConfig:
+    return validate(build_parser().parse_args(list(argv)), env)
 
 
 def test_defaults_are_the_embedded_async_run():
@@ -20,7 +38,12 @@ def test_defaults_are_the_embedded_async_run():
     assert cfg.data_worker.max_staleness == 2 and cfg.data_worker.fifo_window == 16
     # snapshots cover the worst-case staleness S + ceil((W - 1) / B) = 2 + 2, plus the current one
     assert cfg.trainer.max_snapshots == 5
-    assert set(cfg.trainer_cores).isdisjoint(cfg.rollout_cores)
+    assert cfg.trainer.keep_old_actor and cfg.trainer.routing_replay.value == "r3"
+    assert cfg.trainer.micro_batch_size == 16 and cfg.warmstart_steps == 300
+    assert cfg.num_steps == 200 and not cfg.colocate
+    assert cfg.trainer_cores == (0,) and cfg.rollout_cores == (1,)
+    assert cfg.derived["--max-snapshots"].value == 5
+    assert "staleness bound 4" in cfg.derived["--max-snapshots"].why
 
 
 def test_slime_names_map_onto_component_configs():
@@ -32,9 +55,11 @@ def test_slime_names_map_onto_component_configs():
                "--max-off-policy-steps", "3")  # fmt: skip
     assert cfg.rollout.global_batch_size == 8 and cfg.num_steps == 6
     assert cfg.trainer.loss.eps_clip_high == 0.28 and cfg.trainer.routing_replay.value == "r3"
+    assert "--routing-replay" not in cfg.derived  # the user chose it, through slime's alias
     assert str(cfg.trainer.loss.staleness_method) == "icepop"
     assert math.isinf(cfg.data_worker.fifo_window)
     assert cfg.data_worker.max_off_policy_steps == 3
+    assert cfg.trainer.max_snapshots == 4  # the off-policy cap bounds staleness at 3
 
 
 @pytest.mark.parametrize(
@@ -43,14 +68,20 @@ def test_slime_names_map_onto_component_configs():
         (["--global-batch-size", "60"], "must be a multiple of --n-samples-per-prompt"),
         (["--rollout-batch-size", "3", "--num-steps-per-rollout", "5"], "not divisible"),
         (["--num-steps", "5", "--num-rollout", "2"], "either --num-steps or --num-rollout"),
-        (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
+        (["--num-rollout", "0"], "--num-rollout must be >= 1"),
+        (["--max-staleness", "-1"], "max_staleness .S. must be an integer >= 0"),
         (["--max-off-policy-steps", "1"], "groups the budget admits would be dropped"),
         (["--update-weights-interval", "3", "--max-staleness", "1"], "needs --max-staleness >= 2"),
         (["--eps-clip-c", "0.5"], "dual clip"),
         (["--colocate", "--trainer-cores", "0"], "--colocate shares all cores"),
         (["--trainer-cores", "0,1", "--rollout-cores", "1"], "overlap"),
+        (["--trainer-cores", "0", "--rollout-cores", "5"], r"core\(s\) \[5\] this process"),
+        (["--trainer-cores", "zero"], "comma-separated integers"),
         (["--fifo-window", "0"], "fifo_window .W. must be >= 1"),
+        (["--fifo-window", "2.5"], "whole number"),  # was silently truncated to 2
         (["--keep-old-actor", "--fifo-window", "inf"], "no staleness bound"),
+        (["--routing-replay", "r2", "--use-rollout-routing-replay"], "keep one of the two"),
+        (["--router-worker-urls", "http://127.0.0.1:1"], "registers the engines it starts"),
     ],
 )
 def test_contradictory_flags_fail_with_an_actionable_message(argv, message):
@@ -66,19 +97,163 @@ def test_parse_config_exits_with_the_message(capsys):
     assert "--num-engines must be >= 1" in capsys.readouterr().err
 
 
-def test_embedded_default_turns_on_compis_snapshots_and_r3_but_user_runs_do_not(tmp_path):
+# ---------------------------------------------------------------- former silent overrides
+def test_max_snapshots_is_derived_when_unset_kept_when_enough_refused_when_too_few():
+    assert _cfg().derived["--max-snapshots"].value == 5
+    given = _cfg("--max-snapshots", "9")  # was overwritten with 5
+    assert given.trainer.max_snapshots == 9 and "--max-snapshots" not in given.derived
+    with pytest.raises(ValueError, match=r"--max-snapshots 2 is too few.*--max-snapshots 5"):
+        _cfg("--max-snapshots", "2")  # was raised to 5 behind the user's back
+    off = _cfg("--no-keep-old-actor", "--max-snapshots", "1")  # no snapshots: nothing to size
+    assert not off.trainer.keep_old_actor and "--max-snapshots" not in off.derived
+
+
+def test_warm_start_is_off_for_user_data_and_resumes_and_refused_when_asked_for():
+    data = _cfg("--prompt-data", "data.jsonl")
+    assert data.warmstart_steps == 0
+    assert "--prompt-data" in data.derived["--warmstart-steps"].why
+    assert _cfg("--load", "ckpt").derived["--warmstart-steps"].value == 0
+    assert _cfg("--prompt-data", "data.jsonl", "--warmstart-steps", "0").warmstart_steps == 0
+    with pytest.raises(ValueError, match=r"--warmstart-steps 50 cannot apply.*--prompt-data"):
+        _cfg("--prompt-data", "data.jsonl", "--warmstart-steps", "50")  # was forced to 0
+    with pytest.raises(ValueError, match=r"--warmstart-steps 50 cannot apply.*--load"):
+        _cfg("--load", "ckpt", "--warmstart-steps", "50")  # was silently skipped at launch
+    assert _cfg("--warmstart-steps", "7").warmstart_steps == 7
+
+
+def test_colocation_is_derived_from_the_cores_and_never_overrides_given_cores():
+    one = Environment(model=TINY_MOE, cpus=(3,))
+    cfg = _cfg(env=one)
+    assert cfg.colocate and cfg.trainer_cores == () and cfg.derived["--colocate"].value is True
+    assert cfg.engine.num_threads is None
+    with pytest.raises(ValueError, match="need 2 or more CPU cores"):
+        _cfg("--trainer-cores", "3", env=one)  # was silently colocated, dropping the cores
+    assert "--colocate" not in _cfg("--colocate").derived
+    four = _cfg(env=Environment(model=TINY_MOE, cpus=(4, 5, 6, 7)))
+    assert four.trainer_cores == (4, 5) and four.rollout_cores == (6, 7)
+    assert _cfg("--trainer-cores", "1", "--rollout-cores", "0").trainer_cores == (1,)
+
+
+def test_run_kind_defaults_are_recorded_and_user_runs_get_the_trainer_defaults():
     cfg = _cfg()
-    assert cfg.trainer.keep_old_actor and cfg.trainer.routing_replay.value == "r3"
-    off = _cfg("--no-keep-old-actor", "--routing-replay", "none")
+    for flag in ("--keep-old-actor", "--routing-replay", "--micro-batch-size"):
+        assert "embedded default run" in cfg.derived[flag].why
+    dense = Environment(model=ModelSpec(family="llama"), cpus=(0, 1))
+    user = _cfg("--hf-checkpoint", "/not/read/by/validate", env=dense)
+    d = TrainerConfig()
+    assert (user.trainer.keep_old_actor, user.trainer.micro_batch_size) == (
+        d.keep_old_actor,
+        d.micro_batch_size,
+    )
+    assert user.trainer.routing_replay == d.routing_replay
+    assert "--hf-checkpoint" in user.derived["--micro-batch-size"].why
+    off = _cfg("--no-keep-old-actor", "--routing-replay", "none", "--micro-batch-size", "3")
     assert not off.trainer.keep_old_actor and off.trainer.routing_replay.value == "none"
+    assert not {"--keep-old-actor", "--routing-replay", "--micro-batch-size"} & set(off.derived)
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        _cfg("--hf-checkpoint", "/x", "--use-rollout-routing-replay", env=dense)
+
+
+# ---------------------------------------------------------------- purity and single defaults
+def test_validate_reads_nothing_from_the_machine_or_disk(monkeypatch, tmp_path):
+    def forbidden(*_a, **_k):
+        raise AssertionError("validate must not do I/O")
+
+    import transformers
+
+    monkeypatch.setattr("os.sched_getaffinity", forbidden)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", forbidden)
+    missing = str(tmp_path / "no-such-model")
+    cfg = _cfg("--hf-checkpoint", missing, "--prompt-data", str(tmp_path / "no.jsonl"))
+    assert cfg.trainer.hf_checkpoint == missing and cfg.model == TINY_MOE  # the env's model
+
+
+def test_read_environment_reads_the_model_and_names_a_bad_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from slime_async.contracts.model import ModelSpec
+    dense = ModelSpec(family="llama")
+    AutoModelForCausalLM.from_config(dense.to_hf_config()).save_pretrained(tmp_path / "dense")
+    args = build_parser().parse_args(["--hf-checkpoint", str(tmp_path / "dense")])
+    env = read_environment(args)
+    assert env.model.family == "llama" and not env.model.is_moe and env.cpus
+    args = build_parser().parse_args(["--hf-checkpoint", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match=r"--hf-checkpoint .*missing: cannot read its config"):
+        read_environment(args)
 
-    AutoModelForCausalLM.from_config(ModelSpec(family="llama").to_hf_config()).save_pretrained(
-        tmp_path / "dense"
+
+# flag group title -> (config class, {dest: field} where the names differ, dest prefix)
+_OWNERS = {
+    "run": (RunConfig, {}, ""),
+    "placement": (RunConfig, {}, ""),
+    "engines": (RunConfig, {}, ""),
+    "rollout and data": (RolloutConfig, {"rollout_max_response_len": "max_response_len",
+                                         "rollout_temperature": "temperature",
+                                         "rollout_top_p": "top_p"}, ""),
+    "advantages": (RolloutConfig, {}, ""),
+    "async schedule and staleness (data worker)": (DataWorkerConfig, {}, ""),
+    "trainer": (TrainerConfig, {"loss_fn": "loss_fn"}, ""),
+    "embedded engine": (EngineConfig, {}, "engine_"),
+    "engine supervision": (SupervisorConfig, {"engine_restart_after": "restart_after_s",
+                                              "engine_down_timeout": "all_down_timeout_s"}, ""),
+    "router": (RouterConfig, {}, "router_"),
+}  # fmt: skip
+# flags that select behaviour rather than set a config field
+_NOT_FIELDS = {"help", "num_rollout", "use_rollout_routing_replay", "custom_loss_function_path"}
+
+
+_REQUIRED = object()
+
+
+def _field_default(cls: type, name: str) -> object:
+    """The field's default; a required field (always resolved by validation) has none."""
+    f = cls.__dataclass_fields__[name]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return _REQUIRED if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+def test_every_flag_default_is_its_config_field_default():
+    parser = build_parser()
+    derived = set(_cfg().derived) | set(_cfg("--prompt-data", "d.jsonl").derived)
+    checked = 0
+    for group in parser._action_groups:
+        if group.title not in _OWNERS:
+            assert group.title in ("positional arguments", "options", "loss (CompIS)"), group.title
+            continue
+        cls, renamed, prefix = _OWNERS[group.title]
+        for action in group._group_actions:
+            if action.dest in _NOT_FIELDS:
+                continue
+            name = renamed.get(action.dest, action.dest.removeprefix(prefix))
+            assert name in cls.__dataclass_fields__, f"{action.option_strings} -> {cls.__name__}"
+            want, got = _field_default(cls, name), action.default
+            if got is None and want is not None:  # a derived default: validation fills it
+                flag = action.option_strings[0]
+                assert flag in derived, f"{flag} defaults to None but nothing derives it"
+                continue
+            if isinstance(want, (tuple, Path)):
+                got = type(want)(got)
+            assert got == want, (action.option_strings, got, want)
+            checked += 1
+    assert checked > 60
+
+
+def test_record_config_logs_derived_values_once_and_saves_them(tmp_path, caplog):
+    from slime_async.launch import record_config
+
+    cfg = dataclasses.replace(_cfg(), run_dir=tmp_path / "run")
+    with caplog.at_level(logging.INFO, logger="slime_async.launch"):
+        record_config(cfg)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("derived:")]
+    assert len(lines) == len(cfg.derived)
+    assert sum(line.startswith("derived: --max-snapshots 5 (staleness bound 4") for line in lines)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["derived"]["--max-snapshots"]["value"] == 5
+    assert saved["derived"]["--warmstart-steps"] == {
+        "value": 300,
+        "why": "default of the embedded default run",
+    }
+    assert (
+        saved["derived"]["--routing-replay"]["value"] == saved["trainer"]["routing_replay"] == "r3"
     )
-    user = _cfg("--hf-checkpoint", str(tmp_path / "dense"))
-    assert not user.trainer.keep_old_actor and user.trainer.routing_replay.value == "none"
-    with pytest.raises(ValueError, match="needs an MoE model"):
-        _cfg("--hf-checkpoint", str(tmp_path / "dense"), "--use-rollout-routing-replay")
+    assert saved["trainer"]["max_snapshots"] == 5 and saved["data_worker"]["max_staleness"] == 2

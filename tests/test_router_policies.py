@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from router.config import RouterConfig, add_router_args, config_from_args, validate_config
+from router.config import RouterConfig, add_router_args, router_config_from_args, validate_config
 from router.metrics import metrics_prometheus
 from router.policies import LeastExpectedTokens, LeastRequests, RoundRobin, make_policy
 from router.proxy import parse_expected_tokens
@@ -132,7 +132,7 @@ def test_argparse_round_trip() -> None:
             "5",
         ]
     )
-    cfg = config_from_args(args)
+    cfg = router_config_from_args(args)
     assert cfg.policy == "round_robin" and cfg.worker_urls == ("http://127.0.0.1:1",)
     assert cfg.max_retries == 5
 

@@ -1,7 +1,9 @@
 """Configuration of the embedded engine: `EngineConfig` and its argparse group.
 
 Owns: the one frozen config of the embedded (CPU / any-device) inference engine, its command-line
-flags (SGLang's flag names where SGLang has one), and their validation. Must never import the
+flags (the server's, with SGLang's flag names where SGLang has one: `add_engine_args`; and the
+`--engine-*` flags of `train_async.py`: `add_engine_run_args`; every default read from
+`EngineConfig`), and their validation. Must never import the
 server, the scheduler or torch: this module is imported by `slime_async.config` to build the parser.
 """
 
@@ -9,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Dtype = Literal["bf16", "fp32"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,7 +59,7 @@ class EngineConfig:
     """`/health_generate` answers 503 if a 1-token generation takes longer than this."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("bf16", "fp32"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
@@ -79,52 +82,76 @@ class EngineConfig:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the embedded engine's flags (one group) to `parser` and return it."""
+    """Add the engine server's flags (`python -m slime_async.engine`; SGLang's names where SGLang
+    has one) to `parser` and return it. Every default is read from `EngineConfig()`."""
     g = parser.add_argument_group("embedded engine")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    g.add_argument("--port", type=int, default=0, help="port; 0 = pick a free one")
+    d = EngineConfig()
+    g.add_argument("--host", default=d.host, help="address to bind (default: loopback)")
+    g.add_argument("--port", type=int, default=d.port, help="port; 0 = pick a free one")
     g.add_argument("--port-file", default=None, help="write the bound port to this file (atomic)")
+    _add_model_args(g, d)
     g.add_argument(
-        "--model-dir",
-        "--model-path",
-        dest="model_dir",
-        default=None,
-        help="local HF checkpoint directory; omit to build the tiny Qwen3-MoE (TINY_MOE)",
-    )
-    g.add_argument("--gguf-file", default=None, help="GGUF file inside --model-dir")
-    g.add_argument(
-        "--model-spec-json", default=None, help="ModelSpec JSON file to build instead of TINY_MOE"
+        "--max-running-requests",
+        type=int,
+        default=d.max_running_requests,
+        help="continuous-batch size limit",
     )
     g.add_argument(
-        "--seed", "--random-seed", dest="seed", type=int, default=0, help="init/sampling seed"
-    )
-    g.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="inference dtype")
-    g.add_argument(
-        "--bf16-native-matmul",
-        action="store_true",
-        help="bf16: use torch's bf16 GEMMs instead of fp32 GEMMs over bf16 values (slow on CPU)",
+        "--max-prefill-tokens",
+        type=int,
+        default=d.max_prefill_tokens,
+        help="prompt tokens per prefill step",
     )
     g.add_argument(
-        "--max-running-requests", type=int, default=64, help="continuous-batch size limit"
+        "--context-length", type=int, default=d.context_length, help="max prompt+output tokens"
     )
     g.add_argument(
-        "--max-prefill-tokens", type=int, default=8192, help="prompt tokens per prefill step"
+        "--weight-version", default=d.weight_version, help="initial meta_info.weight_version"
     )
-    g.add_argument("--context-length", type=int, default=None, help="max prompt+output tokens")
-    g.add_argument("--weight-version", default="default", help="initial meta_info.weight_version")
-    g.add_argument("--served-model-name", default=None, help="name reported by /model_info")
+    g.add_argument(
+        "--served-model-name", default=d.served_model_name, help="name reported by /model_info"
+    )
     g.add_argument(
         "--disable-return-routed-experts",
-        action="store_true",
+        dest="enable_return_routed_experts",
+        action="store_false",
+        default=d.enable_return_routed_experts,
         help="reject return_routed_experts requests",
     )
     g.add_argument(
         "--always-return-routed-experts",
         action="store_true",
+        default=d.always_return_routed_experts,
         help="return routed experts on every request (for routers that strip the request flag)",
     )
-    g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads")
     return parser
+
+
+def _add_model_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """Which model the engine serves, and in what precision."""
+    g.add_argument(
+        "--model-dir",
+        "--model-path",
+        dest="model_dir",
+        default=d.model_dir,
+        help="local HF checkpoint directory; omit to build the tiny Qwen3-MoE (TINY_MOE)",
+    )
+    g.add_argument("--gguf-file", default=d.gguf_file, help="GGUF file inside --model-dir")
+    g.add_argument(
+        "--model-spec-json", default=None, help="ModelSpec JSON file to build instead of TINY_MOE"
+    )
+    g.add_argument(
+        "--seed", "--random-seed", dest="seed", type=int, default=d.seed, help="init/sampling seed"
+    )
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="inference dtype")
+    g.add_argument(
+        "--bf16-native-matmul",
+        dest="bf16_via_fp32",
+        action="store_false",
+        default=d.bf16_via_fp32,
+        help="bf16: use torch's bf16 GEMMs instead of fp32 GEMMs over bf16 values (slow on CPU)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -143,13 +170,44 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model_spec=spec,
         seed=args.seed,
         dtype=args.dtype,
-        bf16_via_fp32=not args.bf16_native_matmul,
+        bf16_via_fp32=args.bf16_via_fp32,
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         context_length=args.context_length,
         weight_version=args.weight_version,
         served_model_name=args.served_model_name,
-        enable_return_routed_experts=not args.disable_return_routed_experts,
+        enable_return_routed_experts=args.enable_return_routed_experts,
         always_return_routed_experts=args.always_return_routed_experts,
         num_threads=args.num_threads,
+    )
+
+
+def add_engine_run_args(parser: argparse.ArgumentParser) -> None:
+    """Add the engine flags of `train_async.py` (the run sets the model, port and version)."""
+    g = parser.add_argument_group("embedded engine")
+    d = EngineConfig()
+    g.add_argument(
+        "--engine-dtype",
+        choices=DTYPES,
+        default=d.dtype,
+        help="Embedded engine inference dtype.",
+    )
+    g.add_argument(
+        "--engine-max-running-requests",
+        type=int,
+        default=d.max_running_requests,
+        help="Continuous-batch size of each engine.",
+    )
+
+
+def engine_run_config_from_args(
+    args: argparse.Namespace, *, seed: int, num_threads: int | None
+) -> EngineConfig:
+    """The engines' config of a run (model directory and version are filled in at launch)."""
+    return EngineConfig(
+        dtype=args.engine_dtype,
+        max_running_requests=args.engine_max_running_requests,
+        seed=seed,
+        weight_version="0",
+        num_threads=num_threads,
     )

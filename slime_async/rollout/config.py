@@ -1,11 +1,14 @@
 """`RolloutConfig`: what is generated, how it is scored, and how advantages are formed.
 
-Owns the rollout settings of a run (batch shape, sampling, data source, rewards, eval cadence).
-Its flags are in `slime_async.args`; cross-flag rules in `slime_async.config.validate`.
+Owns the rollout settings of a run (batch shape, sampling, data source, rewards, eval cadence),
+their command-line flags (`add_rollout_args` / `rollout_config_from_args`, every default read from
+`RolloutConfig`), and the rules among them (batch-shape divisibility). Rules that involve other
+components live in `slime_async.config`. Must never import other `slime_async` components.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 
@@ -17,8 +20,11 @@ class RolloutConfig:
     """Prompts per rollout (one rollout feeds `num_steps_per_rollout` train steps)."""
     n_samples_per_prompt: int = 8
     """Samples per prompt (GRPO group size)."""
-    global_batch_size: int = 64
-    """Samples per optimizer step (= groups per step x n)."""
+    num_steps_per_rollout: int = 1
+    """Optimizer steps per rollout (slime's name); sizes the default global batch."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step (= groups per step x n); None: rollout_batch_size x n /
+    num_steps_per_rollout."""
     max_response_len: int = 48
     """Most new tokens per sample."""
     temperature: float = 1.0
@@ -46,6 +52,139 @@ class RolloutConfig:
     eval_prompts: int = 64
     """Held-out prompts per evaluation."""
 
+    def __post_init__(self) -> None:
+        n, steps = self.n_samples_per_prompt, self.num_steps_per_rollout
+        if n < 1:
+            raise ValueError("--n-samples-per-prompt must be >= 1")
+        if self.rollout_batch_size < 1 or steps < 1:
+            raise ValueError("--rollout-batch-size and --num-steps-per-rollout must be >= 1")
+        if self.eval_interval < 0 or self.eval_prompts < 0:
+            raise ValueError("--eval-interval and --eval-prompts must be >= 0")
+        gbs = self.global_batch_size
+        if gbs is None:
+            total = self.rollout_batch_size * n
+            if total % steps:
+                raise ValueError(
+                    f"rollout_batch_size x n = {total} is not divisible by "
+                    f"--num-steps-per-rollout {steps}; pass --global-batch-size explicitly"
+                )
+            gbs = total // steps
+            object.__setattr__(self, "global_batch_size", gbs)
+        if gbs < 1 or gbs % n:
+            raise ValueError(
+                f"--global-batch-size {gbs} must be a multiple of --n-samples-per-prompt {n} "
+                "(whole groups are trained together)"
+            )
+
     @property
     def groups_per_step(self) -> int:
+        """B: prompt groups one train step consumes."""
         return self.global_batch_size // self.n_samples_per_prompt
+
+
+def add_rollout_args(parser: argparse.ArgumentParser) -> None:
+    """Add the rollout and data flags (the advantage estimator is with the loss flags)."""
+    g = parser.add_argument_group("rollout and data")
+    d = RolloutConfig()
+    _add_batch_and_sampling_args(g, d)
+    _add_data_and_reward_args(g, d)
+    g.add_argument(
+        "--eval-interval",
+        type=int,
+        default=d.eval_interval,
+        help="Evaluate every N train steps (0: never).",
+    )
+    g.add_argument(
+        "--eval-prompts", type=int, default=d.eval_prompts, help="Held-out prompts per evaluation."
+    )
+
+
+def _add_batch_and_sampling_args(g: argparse._ArgumentGroup, d: RolloutConfig) -> None:
+    g.add_argument(
+        "--rollout-batch-size", type=int, default=d.rollout_batch_size, help="Prompts per rollout."
+    )
+    g.add_argument(
+        "--n-samples-per-prompt",
+        type=int,
+        default=d.n_samples_per_prompt,
+        help="Samples per prompt (group size).",
+    )
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per optimizer step (default: rollout_batch_size x n / "
+        "num_steps_per_rollout).",
+    )
+    g.add_argument(
+        "--num-steps-per-rollout",
+        type=int,
+        default=d.num_steps_per_rollout,
+        help="Optimizer steps per rollout.",
+    )
+    g.add_argument(
+        "--rollout-max-response-len",
+        type=int,
+        default=d.max_response_len,
+        help="Most new tokens per sample.",
+    )
+    g.add_argument(
+        "--rollout-temperature", type=float, default=d.temperature, help="Sampling temperature."
+    )
+    g.add_argument("--rollout-top-p", type=float, default=d.top_p, help="Nucleus sampling mass.")
+
+
+def _add_data_and_reward_args(g: argparse._ArgumentGroup, d: RolloutConfig) -> None:
+    g.add_argument(
+        "--dynamic-sampling",
+        action="store_true",
+        default=d.dynamic_sampling,
+        help="DAPO: drop zero-variance groups and refill with fresh prompts.",
+    )
+    g.add_argument(
+        "--prompt-data",
+        default=d.prompt_data,
+        help="jsonl/parquet prompts (default: built-in verifiable tasks).",
+    )
+    g.add_argument("--input-key", default=d.input_key, help="Prompt field of --prompt-data.")
+    g.add_argument("--label-key", default=d.label_key, help="Label field of --prompt-data.")
+    g.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        default=d.apply_chat_template,
+        help="Apply the tokenizer chat template to prompts.",
+    )
+    g.add_argument(
+        "--strict-data",
+        action="store_true",
+        default=d.strict_data,
+        help="Stop at the first malformed data row (file:line) instead of skipping.",
+    )
+    g.add_argument(
+        "--custom-rm-path",
+        default=d.custom_rm_path,
+        help="Dotted path of a reward function (default: exact match / math-verify).",
+    )
+
+
+def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
+    """Build (and check) the config from `add_rollout_args` flags and `--advantage-estimator`."""
+    return RolloutConfig(
+        rollout_batch_size=args.rollout_batch_size,
+        n_samples_per_prompt=args.n_samples_per_prompt,
+        num_steps_per_rollout=args.num_steps_per_rollout,
+        global_batch_size=args.global_batch_size,
+        max_response_len=args.rollout_max_response_len,
+        temperature=args.rollout_temperature,
+        top_p=args.rollout_top_p,
+        advantage_estimator=args.advantage_estimator,
+        dynamic_sampling=args.dynamic_sampling,
+        prompt_data=args.prompt_data,
+        input_key=args.input_key,
+        label_key=args.label_key,
+        apply_chat_template=args.apply_chat_template,
+        strict_data=args.strict_data,
+        custom_rm_path=args.custom_rm_path,
+        eval_interval=args.eval_interval,
+        eval_prompts=args.eval_prompts,
+    )

@@ -54,7 +54,7 @@ class TrainerConfig:
     keep_old_actor: bool = False
     """Keep CPU snapshots of past versions to compute π_j^Meg (CompIS r2/r3 split)."""
     max_snapshots: int = 2
-    """Most version snapshots kept (set to max_staleness + 1); oldest are evicted."""
+    """Most version snapshots kept (a run sets worst-case staleness + 1); oldest are evicted."""
     temperature: float = 1.0
     """Sampling temperature the engine used (logits are divided by it)."""
     load: str | None = None
@@ -97,6 +97,27 @@ class TrainerConfig:
             raise ValueError("temperature must be > 0")
 
 
+EMBEDDED_RUN = TrainerConfig(
+    micro_batch_size=16, routing_replay=RoutingReplay.R3, keep_old_actor=True
+)
+"""Where the embedded default run (tiny MoE on CPU, built-in tasks) differs from `TrainerConfig()`:
+larger micro-batches (fewer passes are faster for a tiny model), rollout routing replay (the model
+is an MoE) and version snapshots (CompIS's r2/r3 split). A run with a user model or data gets the
+`TrainerConfig()` values. `slime_async.config` applies these to flags the user did not give."""
+
+
+def run_kind_defaults(*, embedded: bool) -> dict[str, object]:
+    """{field: value} of every field where `EMBEDDED_RUN` differs from `TrainerConfig()`, with the
+    value for this run kind (their flags default to None so the run can tell them apart)."""
+    base = TrainerConfig()
+    pick = EMBEDDED_RUN if embedded else base
+    return {
+        f.name: getattr(pick, f.name)
+        for f in dataclasses.fields(TrainerConfig)
+        if getattr(EMBEDDED_RUN, f.name) != getattr(base, f.name)
+    }
+
+
 def lr_at(step: int, cfg: TrainerConfig) -> float:
     """Learning rate for optimizer update number `step` (0-based): warmup, then decay."""
     if cfg.lr_warmup_steps and step < cfg.lr_warmup_steps:
@@ -110,9 +131,23 @@ def lr_at(step: int, cfg: TrainerConfig) -> float:
 
 
 def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the trainer flag group (slime-compatible names where slime has one)."""
+    """Add the trainer flag group (slime-compatible names where slime has one).
+
+    Every default is read from `TrainerConfig()`. `--micro-batch-size`, `--routing-replay`,
+    `--keep-old-actor` and `--max-snapshots` default to None: the run derives them (see
+    `slime_async.config`) and reports what it chose.
+    """
     g = parser.add_argument_group("trainer")
     d = TrainerConfig()
+    _add_parallel_args(g, d)
+    _add_optimizer_args(g, d)
+    _add_off_policy_args(g, d)
+    _add_checkpoint_args(g, d)
+    _add_loss_choice_args(g, d)
+    return parser
+
+
+def _add_parallel_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
     g.add_argument(
         "--tensor-model-parallel-size",
         type=int,
@@ -134,10 +169,14 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument(
         "--micro-batch-size",
         type=int,
-        default=d.micro_batch_size,
-        help="Samples per micro-batch per data-parallel rank (train_async.py default: 16 for the "
-        "embedded default run, 4 otherwise).",
+        default=None,
+        help="Samples per micro-batch per data-parallel rank (default: "
+        f"{EMBEDDED_RUN.micro_batch_size} for the embedded default run, "
+        f"{d.micro_batch_size} otherwise).",
     )
+
+
+def _add_optimizer_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
     g.add_argument("--lr", type=float, default=d.lr, help="Peak learning rate.")
     g.add_argument("--min-lr", type=float, default=d.min_lr, help="Final learning rate.")
     g.add_argument(
@@ -151,7 +190,7 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--lr-decay-iters",
         dest="lr_decay_steps",
         type=int,
-        default=None,
+        default=d.lr_decay_steps,
         help="LR decay steps (needed for linear/cosine).",
     )
     g.add_argument(
@@ -167,13 +206,22 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument(
         "--clip-grad", type=float, default=d.clip_grad, help="Gradient-norm clip (0 disables)."
     )
-    g.add_argument("--seed", type=int, default=d.seed, help="Model init / RNG seed.")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="Seed of model init, data order, sampling and the engines.",
+    )
+
+
+def _add_off_policy_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
     g.add_argument(
         "--routing-replay",
-        default="none",
+        default=None,
         choices=[m.value for m in RoutingReplay],
-        help="MoE routing replay: none, r2 (trainer records), r3 (engine routing). "
-        "train_async.py default: r3 for the embedded default run, none otherwise.",
+        help="MoE routing replay: none, r2 (trainer records), r3 (engine routing) "
+        f"(default: {EMBEDDED_RUN.routing_replay.value} for the embedded default run, "
+        f"{d.routing_replay.value} otherwise).",
     )
     g.add_argument(
         "--use-rollout-routing-replay",
@@ -182,21 +230,32 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--keep-old-actor",
-        action="store_true",
-        help="Keep version-j weight snapshots to compute pi_j^Meg (CompIS). train_async.py "
-        "default: on for the embedded default run (--no-keep-old-actor turns it off).",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Keep version-j weight snapshots to compute pi_j^Meg (CompIS r2/r3 "
+        "split; off: the combined ratio) (default: "
+        f"{_on(EMBEDDED_RUN.keep_old_actor)} for the embedded default run, "
+        f"{_on(d.keep_old_actor)} otherwise).",
     )
     g.add_argument(
         "--max-snapshots",
         type=int,
-        default=d.max_snapshots,
-        help="Most version snapshots kept in CPU memory.",
+        default=None,
+        help="Most version snapshots kept in CPU memory (default: the worst-case "
+        "staleness + 1, which every kept version needs).",
     )
-    g.add_argument("--load", default=None, help="Resume from this checkpoint directory.")
-    g.add_argument("--save", default=None, help="Save checkpoints into this directory.")
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _add_checkpoint_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
+    g.add_argument("--load", default=d.load, help="Resume from this checkpoint directory.")
+    g.add_argument("--save", default=d.save, help="Save checkpoints into this directory.")
     g.add_argument(
         "--hf-checkpoint",
-        default=None,
+        default=d.hf_checkpoint,
         help="HF weights directory to start from (not used when --load is given).",
     )
     g.add_argument(
@@ -205,6 +264,9 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=d.keep_checkpoints,
         help="Complete checkpoints kept in --save.",
     )
+
+
+def _add_loss_choice_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
     g.add_argument(
         "--loss",
         dest="loss_fn",
@@ -216,14 +278,22 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=None,
         help="Dotted path of your own loss fn(inputs, cfg) -> LossOutputs (overrides --loss).",
     )
-    return parser  # fmt: skip
 
 
 def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
-    """Build the config from parsed flags (no validation beyond the config's own)."""
+    """Build the config from parsed flags; a flag left None takes the `TrainerConfig` default.
+
+    `--use-rollout-routing-replay` is slime's name for `--routing-replay r3`; giving it with a
+    different `--routing-replay` is refused rather than letting one silently win.
+    """
     names = {f.name for f in dataclasses.fields(TrainerConfig)}
-    kw = {k: v for k, v in vars(args).items() if k in names and k != "loss"}
+    kw = {k: v for k, v in vars(args).items() if k in names and k != "loss" and v is not None}
     if getattr(args, "use_rollout_routing_replay", False):
+        if kw.get("routing_replay", "r3") != "r3":
+            raise ValueError(
+                f"--use-rollout-routing-replay means --routing-replay r3, but --routing-replay "
+                f"{kw['routing_replay']} was also given; keep one of the two flags"
+            )
         kw["routing_replay"] = RoutingReplay.R3
     if getattr(args, "custom_loss_function_path", None):
         kw["loss_fn"] = args.custom_loss_function_path
