@@ -19,13 +19,20 @@ from loss.advantages import (
     whiten,
 )
 from loss.aggregate import aggregate, denominators
-from loss.baselines import (
+from loss.baseline_configs import (
+    DecoupledPPOConfig,
+    GSPOConfig,
+    M2POConfig,
+    PrimeMaskedISConfig,
     SingleRatioConfig,
+)
+from loss.baselines import (
     decoupled_ppo_loss,
     gspo_loss,
     m2po_loss,
     m2po_mask,
     prime_masked_is_loss,
+    single_ratio_denominators,
     single_ratio_loss,
 )
 from loss.compis import CompISTerms, compis_denominators, compis_loss, compis_terms, compis_weights
@@ -33,16 +40,19 @@ from loss.compis_metrics import compis_metrics
 from loss.corrections import correct, correct_log
 from loss.diagnostics import abs_diff_seq_mean, kl_estimators, percentiles, ratio_stats
 from loss.filters import OffPolicyFilterResult, max_off_policy_filter
+from loss.named import Registry, load_function
 from loss.ppo import PPOTerms, ppo_core, ppo_surrogate
 from loss.ratios import safe_log_ratio, safe_ratio
 from loss.registry import (
+    PLUGIN_NEEDS,
     available_losses,
     compis_config_from_args,
     get_loss,
-    load_function,
+    get_loss_spec,
     make_slime_loss,
     register_loss,
     resolve_loss,
+    resolve_loss_spec,
     slime_compis_loss,
 )
 from loss.seq_weights import (
@@ -52,21 +62,43 @@ from loss.seq_weights import (
     sequence_is_weights,
     veto_mask,
 )
-from loss.types import AggMode, CompISConfig, Correction, Denom, LossInputs, LossOutputs, Method
+from loss.spec import LossNeeds, LossSelection, LossSpec
+from loss.types import (
+    AggMode,
+    CompISConfig,
+    Correction,
+    Denom,
+    LossInputs,
+    LossOutputs,
+    Method,
+    PPOConfig,
+    WeightedPPOConfig,
+)
 
 __all__ = [
+    "PLUGIN_NEEDS",
     "AggMode",
     "CompISConfig",
     "CompISTerms",
     "Correction",
+    "DecoupledPPOConfig",
     "Denom",
+    "GSPOConfig",
     "LossInputs",
+    "LossNeeds",
     "LossOutputs",
+    "LossSelection",
+    "LossSpec",
+    "M2POConfig",
     "Method",
     "OffPolicyFilterResult",
+    "PPOConfig",
     "PPOTerms",
+    "PrimeMaskedISConfig",
+    "Registry",
     "SamplingDecision",
     "SingleRatioConfig",
+    "WeightedPPOConfig",
     "abs_diff_seq_mean",
     "aggregate",
     "available_losses",
@@ -87,6 +119,7 @@ __all__ = [
     "geometric_mask",
     "geometric_mean_ratio",
     "get_loss",
+    "get_loss_spec",
     "grpo_advantages",
     "gspo_loss",
     "kl_estimators",
@@ -107,9 +140,11 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "reinforce_pp_returns",
     "resolve_loss",
+    "resolve_loss_spec",
     "safe_log_ratio",
     "safe_ratio",
     "sequence_is_weights",
+    "single_ratio_denominators",
     "single_ratio_loss",
     "slime_compis_loss",
     "veto_mask",

@@ -83,7 +83,7 @@ def test_every_registered_loss_accepts_a_compis_config():
     b4 = get_loss("ppo")(inputs, CompISConfig(eps_clip_high=0.28))
     assert b4.loss.item() == pytest.approx(-0.575)  # B4: no behaviour weight
     assert "loss/compis_fallback" not in b4.metrics
-    with pytest.raises(ValueError, match="expected a CompISConfig"):
+    with pytest.raises(ValueError, match="takes a M2POConfig"):
         get_loss("m2po")(inputs, 3)
 
 
