@@ -6,13 +6,19 @@ Must never import `slime_async`: this package is a leaf. See loss/README.md for 
 from __future__ import annotations
 
 from loss.advantages import (
+    DEFAULT_ADVANTAGE_ESTIMATOR,
+    AdvantageFn,
     SamplingDecision,
+    available_advantages,
     broadcast_to_tokens,
+    compute_advantages,
     dynamic_sampling_decision,
     dynamic_sampling_keep,
+    get_advantage,
     grpo_advantages,
     outcome_to_token_rewards,
     overlong_penalty,
+    register_advantage,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     reinforce_pp_returns,
@@ -76,7 +82,9 @@ from loss.types import (
 )
 
 __all__ = [
+    "DEFAULT_ADVANTAGE_ESTIMATOR",
     "PLUGIN_NEEDS",
+    "AdvantageFn",
     "AggMode",
     "CompISConfig",
     "CompISTerms",
@@ -101,6 +109,7 @@ __all__ = [
     "WeightedPPOConfig",
     "abs_diff_seq_mean",
     "aggregate",
+    "available_advantages",
     "available_losses",
     "batch_normalize",
     "broadcast_to_tokens",
@@ -110,6 +119,7 @@ __all__ = [
     "compis_metrics",
     "compis_terms",
     "compis_weights",
+    "compute_advantages",
     "correct",
     "correct_log",
     "decoupled_ppo_loss",
@@ -118,6 +128,7 @@ __all__ = [
     "dynamic_sampling_keep",
     "geometric_mask",
     "geometric_mean_ratio",
+    "get_advantage",
     "get_loss",
     "get_loss_spec",
     "grpo_advantages",
@@ -135,6 +146,7 @@ __all__ = [
     "ppo_surrogate",
     "prime_masked_is_loss",
     "ratio_stats",
+    "register_advantage",
     "register_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
