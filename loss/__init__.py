@@ -41,6 +41,7 @@ from loss.baselines import (
     single_ratio_denominators,
     single_ratio_loss,
 )
+from loss.cli import LossSettings, add_loss_args, loss_settings_from_args
 from loss.compis import CompISTerms, compis_denominators, compis_loss, compis_terms, compis_weights
 from loss.compis_metrics import compis_metrics
 from loss.corrections import correct, correct_log
@@ -96,6 +97,7 @@ __all__ = [
     "LossNeeds",
     "LossOutputs",
     "LossSelection",
+    "LossSettings",
     "LossSpec",
     "M2POConfig",
     "Method",
@@ -108,6 +110,7 @@ __all__ = [
     "SingleRatioConfig",
     "WeightedPPOConfig",
     "abs_diff_seq_mean",
+    "add_loss_args",
     "aggregate",
     "available_advantages",
     "available_losses",
@@ -135,6 +138,7 @@ __all__ = [
     "gspo_loss",
     "kl_estimators",
     "load_function",
+    "loss_settings_from_args",
     "m2po_loss",
     "m2po_mask",
     "make_slime_loss",

@@ -8,8 +8,8 @@ The trainer computes only what `needs` names (see loss/README.md, "The loss seam
 
 | need | what the trainer does for it |
 |---|---|
-| `proximal_logprobs` | a no-grad forward per micro-batch at the start of the step (π_k) |
-| `behavior_logprobs` | with `--keep-old-actor`: per token, a forward under its version's snapshot (π_j^Meg) |
+| `proximal_logprobs` | a no-grad forward per micro-batch at the start of the step (π_k); also run for R2 routing replay, which records routing in it |
+| `behavior_logprobs` | with `--keep-old-actor`: per token, a forward under its version's snapshot (π_j^Meg; implies the π_k forward) |
 | `rollout_logprobs` | nothing: π_j^SGL comes with every batch from the engines |
 | `routing_replay` | refuses to start an MoE run without routing replay (r2 or r3) |
 | `denominators` | None: global valid-token/sequence counts of `loss_mask`, free; a function: called per micro-batch on the no-grad inputs, summed over micro-batches and DP ranks |
@@ -45,8 +45,9 @@ class LossNeeds:
     train step takes one optimizer update after all its micro-batches."""
     behavior_logprobs: bool = False
     """Reads π_j^Meg (`behavior_logprobs`): with `keep_old_actor`, one forward per held version
-    j under its snapshot. When False the trainer runs no snapshot forward and passes None (so
-    diagnostics that need π_j^Meg, e.g. `is/engine/*`, are not computed either)."""
+    j under its snapshot (plus the π_k forward: tokens of the current version take π_k). When
+    False the trainer runs no snapshot forward and passes None (so diagnostics that need
+    π_j^Meg, e.g. `is/engine/*`, are not computed either)."""
     rollout_logprobs: bool = True
     """Reads π_j^SGL (`rollout_logprobs`). Nothing to compute: every batch carries them."""
     routing_replay: bool = False

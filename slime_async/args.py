@@ -1,8 +1,8 @@
-"""Flag groups of `train_async.py` owned by the run: loss, rollout/data, async schedule, run.
+"""Flag groups of `train_async.py` owned by the run: rollout/data, async schedule, run.
 
 Owns only argparse wiring (names, defaults, help). Turning flags into component configs, and
 every rule across flags, lives in `slime_async.config.validate`. Component-owned groups (trainer,
-router) come from their packages.
+router, loss: `loss.add_loss_args`) come from their packages.
 """
 
 from __future__ import annotations
@@ -10,72 +10,8 @@ from __future__ import annotations
 import argparse
 
 from data_worker.config import DataWorkerConfig, PartialRolloutPolicy
-from loss import CompISConfig
 from slime_async.rollout.config import RolloutConfig
 from slime_async.supervisor import SupervisorConfig
-
-CORRECTION_METHODS = ("cap", "clip", "icepop", "none")
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-
-
-def add_loss_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("loss (CompIS)")
-    d = CompISConfig()
-    for src, name in (
-        ("staleness", "staleness (r3 = pi_k / pi_j^Meg)"),
-        ("engine", "engine mismatch (r2 = pi_j^Meg / pi_j^SGL)"),
-    ):
-        g.add_argument(
-            f"--{src}-correction-method",
-            choices=CORRECTION_METHODS,
-            default=str(getattr(d, f"{src}_method")),
-            help=f"Correction of the {name} ratio.",
-        )
-        g.add_argument(
-            f"--{src}-correction-low",
-            type=float,
-            default=getattr(d, f"{src}_low"),
-            help=f"Lower bound l of the {src} correction (clip/icepop).",
-        )
-        g.add_argument(
-            f"--{src}-correction-high",
-            type=float,
-            default=getattr(d, f"{src}_high"),
-            help=f"Upper bound u of the {src} correction.",
-        )
-    g.add_argument("--eps-clip", type=float, default=d.eps_clip, help="PPO clip epsilon (low).")
-    g.add_argument(
-        "--eps-clip-high",
-        type=float,
-        default=None,
-        help="PPO clip epsilon (high); DAPO clip-higher uses 0.28. Default: --eps-clip.",
-    )
-    g.add_argument("--eps-clip-c", type=float, default=None, help="Dual-clip constant c > 1.")
-    g.add_argument(
-        "--loss-agg-mode",
-        default=str(d.agg_mode),
-        choices=[
-            "token-mean",
-            "seq-mean-token-mean",
-            "seq-mean-token-sum",
-            "seq-mean-token-sum-norm",
-        ],
-        help="Loss aggregation.",
-    )
-    g.add_argument(
-        "--loss-scale-factor",
-        type=float,
-        default=None,
-        help="Constant H of seq-mean-token-sum-norm (default: max response length).",
-    )
-    g.add_argument(
-        "--denom",
-        choices=["keep", "drop"],
-        default=str(d.denom),
-        help="Masked tokens keep (default) or leave the loss denominator.",
-    )
-    g.add_argument("--no-loss-diagnostics", action="store_true",
-                   help="Skip per-source IS diagnostics (slightly faster).")  # fmt: skip
 
 
 def add_rollout_args(parser: argparse.ArgumentParser) -> None:
@@ -110,12 +46,6 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-temperature", type=float, default=d.temperature, help="Sampling temperature."
     )
     g.add_argument("--rollout-top-p", type=float, default=d.top_p, help="Nucleus sampling mass.")
-    g.add_argument(
-        "--advantage-estimator",
-        choices=ADVANTAGE_ESTIMATORS,
-        default=d.advantage_estimator,
-        help="Advantage estimator.",
-    )
     g.add_argument(
         "--dynamic-sampling",
         action="store_true",

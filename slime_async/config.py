@@ -2,7 +2,7 @@
 
 Owns: `RunConfig` (the run-level settings plus one config object per component), `build_parser`
 and `parse_config`. Each component owns its own config dataclass (`TrainerConfig`,
-`DataWorkerConfig`, `RouterConfig`, `CompISConfig`, `EngineConfig`); this module adds the
+`DataWorkerConfig`, `RouterConfig`, the loss's config, `EngineConfig`); this module adds the
 run-level and rollout flags, maps flags onto those configs, and checks every rule that involves
 more than one flag in `validate()`, failing with a sentence the user can act on. Nothing here
 mutates settings behind the user's back (no `--load` -> `--ref-load` rewriting).
@@ -18,10 +18,10 @@ from pathlib import Path
 
 from data_worker.budget import worst_case_staleness
 from data_worker.config import DataWorkerConfig, PartialRolloutPolicy
-from loss import CompISConfig
+from loss import add_loss_args, loss_settings_from_args
 from router.config import RouterConfig, add_router_args
 from router.config import config_from_args as router_config_from_args
-from slime_async.args import add_async_args, add_loss_args, add_rollout_args, add_run_args
+from slime_async.args import add_async_args, add_rollout_args, add_run_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.config import EngineConfig
 from slime_async.rollout.config import RolloutConfig
@@ -144,10 +144,6 @@ def validate(args: argparse.Namespace) -> RunConfig:
             f"{args.update_weights_interval - 1}: engines serve a version that old between pushes, "
             "so the staleness budget would stall generation"
         )
-    if args.eps_clip <= 0 or (args.eps_clip_high is not None and args.eps_clip_high <= 0):
-        errors.append("--eps-clip and --eps-clip-high must be > 0")
-    if args.eps_clip_c is not None and args.eps_clip_c <= 1:
-        errors.append("--eps-clip-c (dual clip) must be > 1")
     embedded = args.hf_checkpoint is None and args.prompt_data is None
     if args.keep_old_actor is None:  # CompIS's r2/r3 split needs version-j snapshots
         args.keep_old_actor = embedded
@@ -189,6 +185,9 @@ def validate(args: argparse.Namespace) -> RunConfig:
             "disjoint sets or use --colocate"
         )
 
+    loss = loss_settings_from_args(
+        args, default_loss_scale_factor=float(args.rollout_max_response_len)
+    )
     rollout = RolloutConfig(
         rollout_batch_size=args.rollout_batch_size,
         n_samples_per_prompt=n,
@@ -196,7 +195,7 @@ def validate(args: argparse.Namespace) -> RunConfig:
         max_response_len=args.rollout_max_response_len,
         temperature=args.rollout_temperature,
         top_p=args.rollout_top_p,
-        advantage_estimator=args.advantage_estimator,
+        advantage_estimator=loss.advantage_estimator,
         dynamic_sampling=args.dynamic_sampling,
         prompt_data=args.prompt_data,
         input_key=args.input_key,
@@ -229,24 +228,9 @@ def validate(args: argparse.Namespace) -> RunConfig:
         default_expected_len=args.rollout_max_response_len,
         max_inflight=args.max_inflight,
     )
-    loss_cfg = CompISConfig(
-        staleness_method=args.staleness_correction_method,
-        staleness_low=args.staleness_correction_low,
-        staleness_high=args.staleness_correction_high,
-        engine_method=args.engine_correction_method,
-        engine_low=args.engine_correction_low,
-        engine_high=args.engine_correction_high,
-        eps_clip=args.eps_clip,
-        eps_clip_high=args.eps_clip_high if args.eps_clip_high is not None else args.eps_clip,
-        dual_clip_c=args.eps_clip_c,
-        agg_mode=args.loss_agg_mode,
-        loss_scale_factor=args.loss_scale_factor or float(args.rollout_max_response_len),
-        denom=args.denom,
-        diagnostics=not args.no_loss_diagnostics,
-    )
     trainer = dataclasses.replace(
         trainer_config_from_args(args),
-        loss=loss_cfg,
+        loss=loss.loss,
         temperature=args.rollout_temperature,
         max_snapshots=max(2, int(bound) + 1),
     )

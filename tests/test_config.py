@@ -31,8 +31,9 @@ def test_slime_names_map_onto_component_configs():
                "--staleness-correction-high", "5", "--fifo-window", "inf",
                "--max-off-policy-steps", "3")  # fmt: skip
     assert cfg.rollout.global_batch_size == 8 and cfg.num_steps == 6
-    assert cfg.trainer.loss.eps_clip_high == 0.28 and cfg.trainer.routing_replay.value == "r3"
-    assert str(cfg.trainer.loss.staleness_method) == "icepop"
+    loss = cfg.trainer.loss.config
+    assert loss.eps_clip_high == 0.28 and cfg.trainer.routing_replay.value == "r3"
+    assert str(loss.staleness_method) == "icepop"
     assert math.isinf(cfg.data_worker.fifo_window)
     assert cfg.data_worker.max_off_policy_steps == 3
 
