@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import logging
 import types
 import typing
 from pathlib import Path
@@ -36,6 +37,8 @@ from loss.advantages import DEFAULT_ADVANTAGE_ESTIMATOR, available_advantages
 from loss.registry import resolve_loss_spec
 from loss.spec import LossSelection, LossSpec
 from loss.types import AggMode, CompISConfig, Denom, Method
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,7 +50,8 @@ class LossSettings:
     advantage_estimator: str
     """Registered advantage estimator (`loss.available_advantages()`)."""
     derived: tuple[str, ...] = ()
-    """Settings the flags did not give but were derived (for the start-up log)."""
+    """Settings the flags did not give but were derived (logged once; the values are in
+    `loss.config`, so in the run's saved config)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,7 +192,10 @@ def _coerce(tp: Any, value: Any) -> Any:
 
 
 def _fields(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # unresolvable annotations: values pass through unconverted
+        hints = {}
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if f.init}
 
 
@@ -230,7 +237,7 @@ def _loss_name(args: argparse.Namespace) -> str:
             f"--loss {name} and --custom-loss-function-path {path} both select the loss; "
             "give one of them"
         )
-    return path or name or "compis"
+    return path or name or LossSelection().name
 
 
 def loss_config_from_args(
@@ -298,6 +305,8 @@ def loss_settings_from_args(
     cfg, derived = loss_config_from_args(
         spec, args, default_loss_scale_factor=default_loss_scale_factor
     )
+    for note in derived:
+        log.info("loss %s: %s", spec.name, note)
     return LossSettings(
         loss=LossSelection(name=_loss_name(args), config=cfg),
         advantage_estimator=getattr(args, "advantage_estimator", DEFAULT_ADVANTAGE_ESTIMATOR),

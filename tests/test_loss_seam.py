@@ -237,6 +237,15 @@ def test_loss_config_types_file_and_precedence(tmp_path):
     gs = _parse("--loss", "gspo", "--loss-config-file", str(f),
                 "--loss-config", "log_ratio_max=5").trainer.loss.config  # fmt: skip
     assert gs == GSPOConfig(eps_low=1e-3, eps_high=2e-3, log_ratio_max=5.0)
+    from loss import loss_settings_from_args
+    from slime_async.config import build_parser
+
+    args = build_parser().parse_args(["--eps-clip", "0.1"])
+    derived = loss_settings_from_args(args, default_loss_scale_factor=48.0).derived
+    assert derived == (
+        "eps_clip_high = --eps-clip = 0.1",
+        "loss_scale_factor = 48.0 (max response length)",
+    )
     y = tmp_path / "compis.yaml"
     y.write_text("engine_method: icepop\nengine_low: 0.5\ndenom: drop\n")
     c = _parse("--loss-config-file", str(y)).trainer.loss.config

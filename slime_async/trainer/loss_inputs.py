@@ -37,7 +37,8 @@ def check_loss_needs(
         return (
             f"keep_old_actor keeps version snapshots, but loss {spec.name!r} does not read "
             "pi_j^Meg: the train step runs no snapshot forward (the snapshots only cost memory; "
-            "drop --keep-old-actor unless you call compute_logprobs(version=j) yourself)"
+            "turn them off with --no-keep-old-actor unless you call compute_logprobs(version=j) "
+            "yourself)"
         )
     return None
 
