@@ -6,43 +6,60 @@ Must never import `slime_async`: this package is a leaf. See loss/README.md for 
 from __future__ import annotations
 
 from loss.advantages import (
+    DEFAULT_ADVANTAGE_ESTIMATOR,
+    AdvantageFn,
     SamplingDecision,
+    available_advantages,
     broadcast_to_tokens,
+    compute_advantages,
     dynamic_sampling_decision,
     dynamic_sampling_keep,
+    get_advantage,
     grpo_advantages,
     outcome_to_token_rewards,
     overlong_penalty,
+    register_advantage,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     reinforce_pp_returns,
     whiten,
 )
 from loss.aggregate import aggregate, denominators
-from loss.baselines import (
+from loss.baseline_configs import (
+    DecoupledPPOConfig,
+    GSPOConfig,
+    M2POConfig,
+    PrimeMaskedISConfig,
     SingleRatioConfig,
+)
+from loss.baselines import (
     decoupled_ppo_loss,
     gspo_loss,
     m2po_loss,
     m2po_mask,
     prime_masked_is_loss,
+    single_ratio_denominators,
     single_ratio_loss,
 )
+from loss.cli import LossSettings, add_loss_args, loss_settings_from_args
 from loss.compis import CompISTerms, compis_denominators, compis_loss, compis_terms, compis_weights
 from loss.compis_metrics import compis_metrics
 from loss.corrections import correct, correct_log
 from loss.diagnostics import abs_diff_seq_mean, kl_estimators, percentiles, ratio_stats
 from loss.filters import OffPolicyFilterResult, max_off_policy_filter
+from loss.named import Registry, load_function
 from loss.ppo import PPOTerms, ppo_core, ppo_surrogate
 from loss.ratios import safe_log_ratio, safe_ratio
 from loss.registry import (
+    PLUGIN_NEEDS,
     available_losses,
     compis_config_from_args,
     get_loss,
-    load_function,
+    get_loss_spec,
     make_slime_loss,
     register_loss,
     resolve_loss,
+    resolve_loss_spec,
     slime_compis_loss,
 )
 from loss.seq_weights import (
@@ -52,23 +69,50 @@ from loss.seq_weights import (
     sequence_is_weights,
     veto_mask,
 )
-from loss.types import AggMode, CompISConfig, Correction, Denom, LossInputs, LossOutputs, Method
+from loss.spec import LossNeeds, LossSelection, LossSpec
+from loss.types import (
+    AggMode,
+    CompISConfig,
+    Correction,
+    Denom,
+    LossInputs,
+    LossOutputs,
+    Method,
+    PPOConfig,
+    WeightedPPOConfig,
+)
 
 __all__ = [
+    "DEFAULT_ADVANTAGE_ESTIMATOR",
+    "PLUGIN_NEEDS",
+    "AdvantageFn",
     "AggMode",
     "CompISConfig",
     "CompISTerms",
     "Correction",
+    "DecoupledPPOConfig",
     "Denom",
+    "GSPOConfig",
     "LossInputs",
+    "LossNeeds",
     "LossOutputs",
+    "LossSelection",
+    "LossSettings",
+    "LossSpec",
+    "M2POConfig",
     "Method",
     "OffPolicyFilterResult",
+    "PPOConfig",
     "PPOTerms",
+    "PrimeMaskedISConfig",
+    "Registry",
     "SamplingDecision",
     "SingleRatioConfig",
+    "WeightedPPOConfig",
     "abs_diff_seq_mean",
+    "add_loss_args",
     "aggregate",
+    "available_advantages",
     "available_losses",
     "batch_normalize",
     "broadcast_to_tokens",
@@ -78,6 +122,7 @@ __all__ = [
     "compis_metrics",
     "compis_terms",
     "compis_weights",
+    "compute_advantages",
     "correct",
     "correct_log",
     "decoupled_ppo_loss",
@@ -86,11 +131,14 @@ __all__ = [
     "dynamic_sampling_keep",
     "geometric_mask",
     "geometric_mean_ratio",
+    "get_advantage",
     "get_loss",
+    "get_loss_spec",
     "grpo_advantages",
     "gspo_loss",
     "kl_estimators",
     "load_function",
+    "loss_settings_from_args",
     "m2po_loss",
     "m2po_mask",
     "make_slime_loss",
@@ -102,14 +150,17 @@ __all__ = [
     "ppo_surrogate",
     "prime_masked_is_loss",
     "ratio_stats",
+    "register_advantage",
     "register_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "reinforce_pp_returns",
     "resolve_loss",
+    "resolve_loss_spec",
     "safe_log_ratio",
     "safe_ratio",
     "sequence_is_weights",
+    "single_ratio_denominators",
     "single_ratio_loss",
     "slime_compis_loss",
     "veto_mask",

@@ -3,7 +3,9 @@
 Owns: `grpo_advantages` (unbiased std; `std_normalize=False` is Dr.GRPO), `reinforce_pp_returns`,
 `reinforce_pp_advantages` (global token whitening), `reinforce_pp_baseline_advantages`,
 `outcome_to_token_rewards`, `broadcast_to_tokens`, `overlong_penalty`, `dynamic_sampling_keep`,
-`dynamic_sampling_decision`. Pure functions; must never import `slime_async`.
+`dynamic_sampling_decision`, and the estimator registry: `register_advantage`, `get_advantage`,
+`available_advantages`, `compute_advantages` (what the rollout side calls, by name). Pure
+functions; must never import `slime_async`.
 
 Worked example (spec A1): one group, rewards R = [1, 0, 0, 0]
     mean 0.25, unbiased std 0.5 → GRPO (R − 0.25)/(0.5 + 1e-6) = [1.499997, −0.499999, ...];
@@ -13,10 +15,11 @@ Worked example (spec A1): one group, rewards R = [1, 0, 0, 0]
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from loss.named import Registry
 from loss.ratios import broadcast_seq
 
 
@@ -180,6 +183,69 @@ def reinforce_pp_baseline_advantages(
     """REINFORCE++-baseline: R − group mean, broadcast to the tokens, then global whitening."""
     centred = grpo_advantages(rewards, group_ids, std_normalize=False).to(torch.float64)
     return whiten(broadcast_to_tokens(centred, mask, cu_seqlens=cu_seqlens), mask)
+
+
+# ------------------------------------------------------------------ estimators by name
+
+AdvantageFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""`fn(rewards [B], group_ids [B], mask [B, T] bool) -> advantages [B, T]` (0 outside `mask`)."""
+
+DEFAULT_ADVANTAGE_ESTIMATOR = "grpo"
+_ESTIMATORS: Registry[AdvantageFn] = Registry(
+    "advantage estimator", hint=" (add your own with loss.register_advantage)"
+)
+
+
+def register_advantage(name: str, fn: AdvantageFn, *, replace: bool = False) -> AdvantageFn:
+    """Register an outcome-reward estimator `fn(rewards, group_ids, mask) -> [B, T]`."""
+    if not callable(fn):
+        raise ValueError(f"advantage estimator {name!r} must be callable, got {fn!r}.")
+    return _ESTIMATORS.register(name, fn, replace=replace)
+
+
+def get_advantage(name: str) -> AdvantageFn:
+    """The estimator registered as `name`; unknown names raise ValueError listing the choices."""
+    return _ESTIMATORS.get(name)
+
+
+def available_advantages() -> list[str]:
+    """Registered estimator names, sorted."""
+    return _ESTIMATORS.names()
+
+
+def compute_advantages(
+    name: str,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    valid: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """Per-token advantages `[B, T]` (0 outside `mask`) by the estimator `name`.
+
+    Samples that are not `valid` (e.g. their reward failed) become singleton groups (group id
+    −1 − i), so they never shift another sample's group statistics; give them an empty mask.
+    """
+    fn = get_advantage(name)
+    gid = torch.where(valid, group_ids, -1 - torch.arange(len(group_ids), device=group_ids.device))
+    return fn(rewards, gid, mask)
+
+
+def _grpo(std_normalize: bool) -> AdvantageFn:
+    def fn(rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        per_sample = grpo_advantages(rewards, group_ids, std_normalize=std_normalize)
+        return broadcast_to_tokens(per_sample, mask)
+
+    return fn
+
+
+def _reinforce_pp(rewards: torch.Tensor, _: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return reinforce_pp_advantages(outcome_to_token_rewards(rewards, mask), mask)
+
+
+register_advantage("grpo", _grpo(std_normalize=True))
+register_advantage("dr_grpo", _grpo(std_normalize=False))
+register_advantage("reinforce_plus_plus", _reinforce_pp)
+register_advantage("reinforce_plus_plus_baseline", reinforce_pp_baseline_advantages)
 
 
 def overlong_penalty(

@@ -3,65 +3,64 @@
 Owns: `decoupled_ppo_loss` (AReaL single combined ratio, cap 5.0, spec §4), `single_ratio_loss`
 (token/sequence TIS, MIS, IcePop, Geo-RS, veto, batch norm; §5), `m2po_mask`/`m2po_loss`
 (second-moment masking, paper/AReaL form; §6), `gspo_loss` (§7) and `prime_masked_is_loss`
-(prime-rl pre-IPO token/geo/sequence masks; §12). Must never import `slime_async`.
+(prime-rl pre-IPO token/geo/sequence masks; §12). Each takes its config from
+`loss.baseline_configs` (or the same settings as keyword arguments). Must never import
+`slime_async`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
-from loss.aggregate import aggregate
+from loss.aggregate import aggregate, denominators
+from loss.baseline_configs import (
+    DecoupledPPOConfig,
+    GSPOConfig,
+    M2POConfig,
+    PrimeMaskedISConfig,
+    SingleRatioConfig,
+    config_of,
+)
 from loss.compis import compis_loss
 from loss.corrections import correct
 from loss.diagnostics import Metric, ratio_stats, to_floats
 from loss.ppo import ppo_core
 from loss.ratios import broadcast_seq, safe_log_ratio, seq_sum
 from loss.seq_weights import batch_normalize, geometric_mask, sequence_is_weights, veto_mask
-from loss.types import (
-    AggMode,
-    CompISConfig,
-    Denom,
-    LossInputs,
-    LossOutputs,
-    Method,
-    check_bounds,
-    parse_enum,
-)
+from loss.types import AggMode, CompISConfig, Denom, LossInputs, LossOutputs, Method, PPOConfig
 
 
 def weighted_ppo(
     inputs: LossInputs,
     weight: torch.Tensor,
     denom_mask: torch.Tensor,
+    cfg: PPOConfig,
     *,
-    eps_low: float,
-    eps_high: float,
-    dual_clip_c: float | None = None,
-    agg_mode: AggMode | str = AggMode.TOKEN_MEAN,
-    loss_scale_factor: float | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ w·PPO(r1, A) aggregated with `denom_mask` as denominator. `weight` is detached and 0
-    wherever the token must not contribute. Returns (loss, per-token clipped flags)."""
+    """Σ w·PPO(r1, A) aggregated with `denom_mask` as denominator, with `cfg`'s PPO knobs.
+    `weight` is detached and 0 wherever the token must not contribute. Returns (loss,
+    per-token clipped flags)."""
     adv = torch.where(inputs.loss_mask, inputs.advantages.detach(), 0.0) * weight.detach()
     terms = ppo_core(
         inputs.logprobs,
         inputs.proximal_logprobs,
         adv,
-        eps_low,
-        eps_high,
-        dual_clip_c,
+        cfg.eps_clip,
+        cfg.eps_clip_high,
+        cfg.dual_clip_c,
         mask=inputs.loss_mask,
         log_ratio_clamp=log_ratio_clamp,
     )
     loss = aggregate(
         terms.loss,
         denom_mask,
-        agg_mode,
+        cfg.agg_mode,
         cu_seqlens=inputs.cu_seqlens,
-        loss_scale_factor=loss_scale_factor,
+        loss_scale_factor=cfg.loss_scale_factor,
         global_num_tokens=inputs.global_num_tokens,
         global_num_seqs=inputs.global_num_seqs,
         premasked=True,
@@ -75,42 +74,25 @@ def _outputs(loss: torch.Tensor, metrics: dict[str, Metric]) -> LossOutputs:
 
 
 def decoupled_ppo_loss(
-    inputs: LossInputs,
-    *,
-    cap: float = 5.0,
-    action: str | None = "mask",
-    eps_clip: float = 0.2,
-    eps_clip_high: float = 0.2,
-    dual_clip_c: float | None = None,
-    agg_mode: AggMode | str = AggMode.TOKEN_MEAN,
-    loss_scale_factor: float | None = None,
-    diagnostics: bool = True,
+    inputs: LossInputs, cfg: DecoupledPPOConfig | None = None, **kw: Any
 ) -> LossOutputs:
     """AReaL decoupled PPO: w = π_k/π_j^SGL, one-sided cap (`action="mask"`: w = 0 above `cap`,
     capped tokens stay in the denominator), truncation (`"clamp"`: min(w, cap)), or no weight
-    at all (`None`, AReaL 1.0.4 with `rejection_sampling=None`). `behavior_logprobs` is unused."""
-    if not cap > 1.0:
-        raise ValueError(f"cap={cap} must be > 1 (AReaL default 5.0).")
-    methods = {"mask": Method.CAP, "clamp": Method.CLIP, None: Method.NONE}
-    if action not in methods:
-        raise ValueError(f"action={action!r} is not supported; use 'mask', 'clamp' or None.")
+    at all (`None`, AReaL 1.0.4 with `rejection_sampling=None`). `behavior_logprobs` is unused.
+    Settings: a `DecoupledPPOConfig`, or its fields as keywords (`cap=2.0, action="clamp"`)."""
+    cfg = config_of(DecoupledPPOConfig, cfg, kw)
     base = dataclasses.replace(inputs, behavior_logprobs=None)
-    if action is None:  # no behaviour weight: make π_k/π_j^SGL ≡ 1
+    if cfg.action is None:  # no behaviour weight: make π_k/π_j^SGL ≡ 1
         base = dataclasses.replace(base, rollout_logprobs=inputs.proximal_logprobs)
-    cfg = CompISConfig(
-        staleness_method=methods[action],
+    compis_cfg = CompISConfig(
+        **cfg.ppo_knobs(),
+        staleness_method=cfg.method,
         staleness_low=0.0,
-        staleness_high=cap,
-        eps_clip=eps_clip,
-        eps_clip_high=eps_clip_high,
-        dual_clip_c=dual_clip_c,
-        agg_mode=agg_mode,
-        loss_scale_factor=loss_scale_factor,
+        staleness_high=cfg.cap,
         denom=Denom.KEEP,
-        diagnostics=diagnostics,
     )
-    out = compis_loss(base, cfg)
-    if action is None:  # no behaviour ratio at all: drop the (trivially 1) combined-ratio keys
+    out = compis_loss(base, compis_cfg)
+    if cfg.action is None:  # no behaviour ratio at all: drop the (trivially 1) combined-ratio keys
         kept = {
             k: v
             for k, v in out.metrics.items()
@@ -120,52 +102,10 @@ def decoupled_ppo_loss(
     return out
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SingleRatioConfig:
-    """One IS weight on the combined ratio ρ = π_k/π_j^SGL (decoupled mode), spec §5."""
-
-    level: str = "token"
-    """"token" (w_t = f(ρ_t)) or "sequence" (w = f(∏_t ρ_t) on every token of the sequence)."""
-    method: Method | str = Method.CLIP
-    """clip = TIS (low 0), cap = MIS, icepop = two-sided mask, none = raw weight."""
-    low: float = 0.0
-    """Lower bound l of the correction."""
-    high: float = 2.0
-    """Upper bound u (TIS C = 2)."""
-    veto_threshold: float | None = None
-    """Drop whole sequences with any ρ_t below this (slime 1e-4); None = off."""
-    geo_low: float | None = None
-    """Geo-RS: drop sequences whose geometric-mean ratio is below this (None = off)."""
-    geo_high: float | None = None
-    """Geo-RS: drop sequences whose geometric-mean ratio is above this (None = off)."""
-    batch_normalize: bool = False
-    """Divide weights by their batch mean after truncation (verl `rollout_is_batch_normalize`)."""
-    eps_clip: float = 0.2
-    """PPO ε_low."""
-    eps_clip_high: float = 0.2
-    """PPO ε_high."""
-    dual_clip_c: float | None = None
-    """Dual-clip constant (None = off)."""
-    agg_mode: AggMode | str = AggMode.TOKEN_MEAN
-    """Aggregation mode (§10)."""
-    loss_scale_factor: float | None = None
-    """H for seq-mean-token-sum-norm."""
-    denom: Denom | str = Denom.KEEP
-    """Whether masked tokens/sequences leave the denominator."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "method", parse_enum(Method, self.method, field="method"))
-        object.__setattr__(self, "agg_mode", parse_enum(AggMode, self.agg_mode, field="agg_mode"))
-        object.__setattr__(self, "denom", parse_enum(Denom, self.denom, field="denom"))
-        if self.level not in ("token", "sequence"):
-            raise ValueError(f"level={self.level!r} is not supported; use 'token' or 'sequence'.")
-        check_bounds(self.method, self.low, self.high, field="single_ratio")
-        if (self.geo_low is None) != (self.geo_high is None):
-            raise ValueError("give both geo_low and geo_high (e.g. 0.999 and 1.001) or neither.")
-
-
-def single_ratio_loss(inputs: LossInputs, cfg: SingleRatioConfig) -> LossOutputs:
-    """PPO on r1 weighted by one (token- or sequence-level) IS weight of π_k/π_j^SGL."""
+def _single_ratio_weights(
+    inputs: LossInputs, cfg: SingleRatioConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight, denominator mask, dropped) of `single_ratio_loss`, detached."""
     mask, cu = inputs.loss_mask, inputs.cu_seqlens
     with torch.no_grad():
         d = safe_log_ratio(inputs.proximal_logprobs, inputs.rollout_logprobs)
@@ -187,17 +127,25 @@ def single_ratio_loss(inputs: LossInputs, cfg: SingleRatioConfig) -> LossOutputs
         if cfg.batch_normalize:
             w = batch_normalize(w, keep, level=cfg.level, cu_seqlens=cu)
         denom = mask & ~dropped if cfg.denom is Denom.DROP else mask
-    loss, _ = weighted_ppo(
-        inputs,
-        w,
-        denom,
-        eps_low=cfg.eps_clip,
-        eps_high=cfg.eps_clip_high,
-        dual_clip_c=cfg.dual_clip_c,
-        agg_mode=cfg.agg_mode,
-        loss_scale_factor=cfg.loss_scale_factor,
-    )
-    n = mask.sum().clamp(min=1)
+    return w, denom, dropped
+
+
+def single_ratio_denominators(inputs: LossInputs, cfg: SingleRatioConfig) -> tuple[float, float]:
+    """This micro-batch's (tokens, sequences) for the global denominators under `cfg.denom`."""
+    _, denom, _ = _single_ratio_weights(inputs, cfg)
+    return denominators(denom, cu_seqlens=inputs.cu_seqlens)
+
+
+def single_ratio_loss(
+    inputs: LossInputs, cfg: SingleRatioConfig | None = None, **kw: Any
+) -> LossOutputs:
+    """PPO on r1 weighted by one (token- or sequence-level) IS weight of π_k/π_j^SGL."""
+    cfg = config_of(SingleRatioConfig, cfg, kw)
+    w, denom, dropped = _single_ratio_weights(inputs, cfg)
+    loss, _ = weighted_ppo(inputs, w, denom, cfg)
+    if not cfg.diagnostics:
+        return _outputs(loss, {})
+    n = inputs.loss_mask.sum().clamp(min=1)
     return _outputs(
         loss, {"is/weight/mean": w.sum() / n, "is/weight/masked_frac": dropped.sum() / n}
     )
@@ -236,35 +184,21 @@ def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, *, tau: float = 0.04)
     return keep.reshape(mask.shape)
 
 
-def m2po_loss(
-    inputs: LossInputs,
-    *,
-    tau: float = 0.04,
-    cap: float | None = None,
-    eps_clip: float = 0.2,
-    eps_clip_high: float = 0.2,
-    agg_mode: AggMode | str = AggMode.TOKEN_MEAN,
-    loss_scale_factor: float | None = None,
-) -> LossOutputs:
+def m2po_loss(inputs: LossInputs, cfg: M2POConfig | None = None, **kw: Any) -> LossOutputs:
     """M2PO: mask tokens by second moment of log(π_k/π_j^SGL), then decoupled PPO with the
     behaviour weight (capped at `cap` if given) on the edited mask; masked tokens leave the
     denominator (`denom=drop`, as in AReaL)."""
+    cfg = config_of(M2POConfig, cfg, kw)
     mask = inputs.loss_mask
     with torch.no_grad():
         d = safe_log_ratio(inputs.proximal_logprobs, inputs.rollout_logprobs)
-        keep = m2po_mask(d, mask, tau=tau)
-        w = d.exp() if cap is None else correct(d.exp(), Method.CAP, 0.0, cap).weight
+        keep = m2po_mask(d, mask, tau=cfg.tau)
+        w = d.exp() if cfg.cap is None else correct(d.exp(), Method.CAP, 0.0, cfg.cap).weight
         w = torch.where(keep, w, 0.0)
         m2 = torch.where(mask, d * d, 0.0)
-    loss, _ = weighted_ppo(
-        inputs,
-        w,
-        keep,
-        eps_low=eps_clip,
-        eps_high=eps_clip_high,
-        agg_mode=agg_mode,
-        loss_scale_factor=loss_scale_factor,
-    )
+    loss, _ = weighted_ppo(inputs, w, keep, cfg)
+    if not cfg.diagnostics:
+        return _outputs(loss, {})
     n, nk = mask.sum().clamp(min=1), keep.sum().clamp(min=1)
     return _outputs(
         loss,
@@ -276,15 +210,11 @@ def m2po_loss(
     )
 
 
-def gspo_loss(
-    inputs: LossInputs,
-    *,
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
-    log_ratio_max: float = 10.0,
-) -> LossOutputs:
+def gspo_loss(inputs: LossInputs, cfg: GSPOConfig | None = None, **kw: Any) -> LossOutputs:
     """GSPO: sequence ratio s_i = exp(mean_t (lp_θ − lp_k)), token form with value s_i and
     gradient s_i·∂lp_θ,t; L = max(−A·s, −A·clip(s, 1 − ε_low, 1 + ε_high)), seq-mean-token-mean."""
+    cfg = config_of(GSPOConfig, cfg, kw)
+    eps_low, eps_high = cfg.eps_low, cfg.eps_high
     mask, cu = inputs.loss_mask, inputs.cu_seqlens
     lp = (
         inputs.logprobs.float()
@@ -293,7 +223,7 @@ def gspo_loss(
     )
     d = torch.where(mask, safe_log_ratio(lp, inputs.proximal_logprobs, dtype=lp.dtype), 0.0)
     n = seq_sum(mask.to(d.dtype), cu)
-    log_s = (seq_sum(d.detach(), cu) / n.clamp(min=1)).clamp(max=log_ratio_max)
+    log_s = (seq_sum(d.detach(), cu) / n.clamp(min=1)).clamp(max=cfg.log_ratio_max)
     log_s_tok = broadcast_seq(log_s, lp, cu) + lp - lp.detach()
     s_tok = torch.where(mask, log_s_tok, 0.0).exp()
     adv = torch.where(mask, inputs.advantages.detach().to(d.dtype), 0.0)
@@ -319,38 +249,24 @@ def gspo_loss(
 
 
 def prime_masked_is_loss(
-    inputs: LossInputs,
-    *,
-    token_low: float = 0.125,
-    token_high: float = 8.0,
-    geo_low: float = 0.1,
-    geo_high: float = 10.0,
-    seq_low: float = 0.0,
-    seq_high: float = 100.0,
-    kl_tau: float = 0.0,
+    inputs: LossInputs, cfg: PrimeMaskedISConfig | None = None, **kw: Any
 ) -> LossOutputs:
     """prime-rl (pre-IPO) masked IS: ρ_t = π_θ/π_infer; drop tokens outside [token_low,
     token_high], sequences whose geometric mean is outside [geo_low, geo_high] or with any ρ_t
     outside [seq_low, seq_high]; loss = −Σ_kept sg(ρ(A − τ·log ρ))·lp_θ / (all loss tokens).
     No PPO clip. The denominator is `global_num_tokens` when given."""
-    for name, lo, hi in (
-        ("token", token_low, token_high),
-        ("geo", geo_low, geo_high),
-        ("seq", seq_low, seq_high),
-    ):
-        if not 0 <= lo < hi:
-            raise ValueError(f"{name}_low must be >= 0 and < {name}_high, got {lo} and {hi}.")
+    c = config_of(PrimeMaskedISConfig, cfg, kw)
     mask, cu = inputs.loss_mask, inputs.cu_seqlens
     lp = inputs.logprobs
     with torch.no_grad():
         d = torch.where(mask, safe_log_ratio(lp.detach(), inputs.rollout_logprobs), 0.0)
         rho = d.exp()
-        keep = mask & (rho >= token_low) & (rho <= token_high)
-        keep = keep & geometric_mask(d, mask, low=geo_low, high=geo_high, cu_seqlens=cu)
-        bad = mask & ((rho < seq_low) | (rho > seq_high))
+        keep = mask & (rho >= c.token_low) & (rho <= c.token_high)
+        keep = keep & geometric_mask(d, mask, low=c.geo_low, high=c.geo_high, cu_seqlens=cu)
+        bad = mask & ((rho < c.seq_low) | (rho > c.seq_high))
         seq_bad = seq_sum(bad.to(d.dtype), cu) > 0
         keep = keep & ~broadcast_seq(seq_bad, mask, cu).bool()
-        coef = torch.where(keep, rho * (inputs.advantages.detach().to(d.dtype) - kl_tau * d), 0.0)
+        coef = torch.where(keep, rho * (inputs.advantages.detach().to(d.dtype) - c.kl_tau * d), 0.0)
     lp_safe = torch.where(keep, lp, 0.0)
     den = (
         inputs.global_num_tokens

@@ -20,12 +20,12 @@ exactly plain PPO's. Diagnostics (`loss.compis_metrics`) run on the valid tokens
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
 from loss.aggregate import aggregate_premasked
 from loss.compis_metrics import compis_metrics
+from loss.corrections import clip_bounds, mask_excess
 from loss.diagnostics import Metric, to_floats
 from loss.ppo import ppo_from_neg_adv
 from loss.ratios import segment_ids, seq_sum
@@ -55,16 +55,7 @@ def _delta(num: torch.Tensor, den: torch.Tensor, dtype: torch.dtype) -> torch.Te
     )
 
 
-def _log(x: float) -> float:
-    return math.log(x) if x > 0 else -math.inf
-
-
 _BIG = 1e30  # log-weights pushed down by BIG·(distance past a bound) exp to exactly 0
-
-
-def _indicator_le(d: torch.Tensor, bound: float) -> torch.Tensor:
-    """1.0 where d <= bound else 0.0 (exact at the bound), with float ops only."""
-    return (bound - d).sign_().add_(1.0).clamp_(max=1.0)
 
 
 def _log_weight(
@@ -72,25 +63,19 @@ def _log_weight(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """In place on the fresh Δ `d`: (clamped log w, 0/1 keep factor or None).
 
-    Masked tokens get log w −= BIG·relu(distance past the bound), so exp gives exactly 0 while
-    tokens on the bound are untouched (inclusive bounds); a few float passes, no bool ops. The
-    keep factor is built only when asked (`denom=drop`) and the method can mask.
+    The rule is `loss.corrections`' (in log space): `clip` clamps to `clip_bounds`; a masked
+    token (`mask_excess` > 0) gets log w −= BIG·excess, so exp gives exactly 0 while tokens on
+    a bound are untouched; a few float passes, no bool ops. The keep factor 1 − sign(excess)
+    is built only when asked (`denom=drop`) and the method can mask.
     """
     if method is Method.CLIP:
-        return d.clamp_(max(_log(low), -clamp), min(_log(high), clamp)), None
+        lo, hi = clip_bounds(low, high, log_space=True)
+        return d.clamp_(max(lo, -clamp), min(hi, clamp)), None
     d.clamp_(-clamp, clamp)
-    if method is Method.NONE:
+    over = mask_excess(d, method, low, high, log_space=True)
+    if over is None:
         return d, None
-    log_hi, log_lo = _log(high), _log(low)
-    two_sided = method is Method.ICEPOP and low > 0
-    keep_f = None
-    if keep:
-        keep_f = _indicator_le(d, log_hi)
-        if two_sided:
-            keep_f.mul_(_indicator_le(-d, -log_lo))
-    over = (d - log_hi).clamp_(min=0.0)
-    if two_sided:
-        over.add_((log_lo - d).clamp_(min=0.0))
+    keep_f = over.sign().neg_().add_(1.0) if keep else None
     return d.add_(over, alpha=-_BIG), keep_f
 
 

@@ -1,16 +1,29 @@
 """Losses by name, the dotted-path plugin hook, and the slime custom-loss adapter.
 
-Owns: `register_loss`, `get_loss`, `available_losses`, `load_function`, `resolve_loss`
+Owns: `register_loss`, `get_loss`, `get_loss_spec`, `available_losses`, `resolve_loss_spec`
 (a registry name or a dotted path such as `--custom-loss-function-path my_pkg.losses.my_loss`),
-`compis_config_from_args`, `make_slime_loss` and `slime_compis_loss`.
+`resolve_loss`, the built-in losses' specs, `compis_config_from_args`, `make_slime_loss` and
+`slime_compis_loss`.
 
-A registered loss is `fn(inputs: LossInputs, cfg=None) -> LossOutputs`. Every named loss
-accepts a `CompISConfig` (so a trainer holding one config can switch losses by name: the PPO
-knobs carry over; "decoupled_ppo" and "single_ratio" apply f3's method and bounds to the
-combined ratio π_k/π_j^SGL; "gspo" and "prime_masked_is" keep their own defaults), and also its
-native config: a `SingleRatioConfig` for "single_ratio", a dict of keyword arguments for
-"decoupled_ppo", "m2po", "gspo", "prime_masked_is". A plugin loaded by path must accept the same call `fn(inputs, cfg)`;
-loading checks that the path imports and names a callable.
+A loss is a `LossSpec` (`loss.spec`): `fn(inputs: LossInputs, cfg) -> LossOutputs`, the class
+of `cfg` and the inputs the trainer must compute for it (`LossNeeds`). Built-ins:
+
+| name | config class | reads | denominators |
+|---|---|---|---|
+| compis | `CompISConfig` | π_k, π_j^Meg, π_j^SGL | `compis_denominators` (denom=drop aware) |
+| ppo | `PPOConfig` | π_k (+ π_j^SGL for diagnostics) | loss_mask counts |
+| decoupled_ppo | `DecoupledPPOConfig` | π_k, π_j^SGL | loss_mask counts |
+| single_ratio | `SingleRatioConfig` | π_k, π_j^SGL | `single_ratio_denominators` |
+| m2po | `M2POConfig` | π_k, π_j^SGL | loss_mask counts |
+| gspo | `GSPOConfig` | π_k | loss_mask counts |
+| prime_masked_is | `PrimeMaskedISConfig` | π_j^SGL | loss_mask counts |
+
+`register_loss(name, fn)` keeps working for a plain plugin `fn(inputs, cfg)`: it gets the
+CompIS settings (`CompISConfig`) and reads everything CompIS reads, as before the seam existed;
+pass `config_cls=` and `needs=` to declare less. A dotted path may name a `LossSpec` or a plain
+function (treated the same way). For Python callers every built-in also accepts a
+`CompISConfig` (the PPO knobs carry over; "decoupled_ppo" and "single_ratio" apply f3's method
+and bounds to the combined ratio π_k/π_j^SGL) or a dict of its config's fields.
 
 slime calling convention (its `loss_type=custom_loss` path): `fn(args, batch, logits,
 sum_of_sample_mean) -> (loss, metrics)`, where `batch` holds per-sample lists (`advantages`,
@@ -24,44 +37,68 @@ loss.registry.slime_compis_loss`. Must never import `slime_async` (nor slime).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from loss.baselines import (
+from loss.baseline_configs import (
+    DecoupledPPOConfig,
+    GSPOConfig,
+    M2POConfig,
+    PrimeMaskedISConfig,
     SingleRatioConfig,
+)
+from loss.baselines import (
     decoupled_ppo_loss,
     gspo_loss,
     m2po_loss,
     prime_masked_is_loss,
+    single_ratio_denominators,
     single_ratio_loss,
 )
-from loss.compis import compis_loss, compis_terms
+from loss.compis import compis_denominators, compis_loss, compis_terms
 from loss.compis_metrics import compis_metrics
-from loss.types import CompISConfig, LossInputs, LossOutputs, Method, upcast
+from loss.named import Registry, load_function, load_object
+from loss.spec import LossFn, LossNeeds, LossSpec
+from loss.types import CompISConfig, LossInputs, LossOutputs, Method, PPOConfig, upcast
 
-LossFn = Callable[..., LossOutputs]
 SlimeLossFn = Callable[
     [Any, dict, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
     tuple[torch.Tensor, dict[str, torch.Tensor]],
 ]
 
-_REGISTRY: dict[str, LossFn] = {}
+_LOSSES: Registry[LossSpec] = Registry(
+    "loss",
+    hint=" or give a dotted path to your own function (e.g. my_pkg.losses.my_loss)",
+)
+
+PLUGIN_NEEDS = LossNeeds(
+    proximal_logprobs=True, behavior_logprobs=True, denominators=compis_denominators
+)
+"""What a plain plugin `fn(inputs, cfg)` is given: everything CompIS reads."""
+
+_DEFAULT = object()
 
 
-def register_loss(name: str, fn: LossFn | None = None, *, replace: bool = False) -> Any:
-    """Register `fn` under `name` (usable as a decorator: `@register_loss("mine")`)."""
+def register_loss(
+    name: str,
+    fn: LossFn | None = None,
+    *,
+    config_cls: type | None = _DEFAULT,  # type: ignore[assignment]
+    needs: LossNeeds | None = None,
+    replace: bool = False,
+) -> Any:
+    """Register `fn` under `name` (usable as a decorator: `@register_loss("mine")`).
+
+    `config_cls`: the dataclass of its settings (default `CompISConfig`, as for every plugin
+    before declared configs existed; None = no settings). `needs`: the inputs it reads
+    (default `PLUGIN_NEEDS`, everything CompIS reads)."""
+    cls = CompISConfig if config_cls is _DEFAULT else config_cls
 
     def add(f: LossFn) -> LossFn:
-        if not callable(f):
-            raise ValueError(f"loss {name!r} must be callable, got {type(f).__name__}.")
-        if name in _REGISTRY and not replace:
-            raise ValueError(
-                f"loss {name!r} is already registered; pick another name or pass replace=True."
-            )
-        _REGISTRY[name] = f
+        spec = LossSpec(name=name, fn=f, config_cls=cls, needs=needs or PLUGIN_NEEDS)
+        _LOSSES.register(name, spec, replace=replace)
         return f
 
     return add if fn is None else add(fn)
@@ -69,142 +106,132 @@ def register_loss(name: str, fn: LossFn | None = None, *, replace: bool = False)
 
 def available_losses() -> list[str]:
     """Registered loss names, sorted."""
-    return sorted(_REGISTRY)
+    return _LOSSES.names()
+
+
+def get_loss_spec(name: str) -> LossSpec:
+    """The `LossSpec` registered as `name`; unknown names raise ValueError listing the choices."""
+    return _LOSSES.get(name)
 
 
 def get_loss(name: str) -> LossFn:
-    """The loss registered as `name`; unknown names raise ValueError listing the choices."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown loss {name!r}; choose one of {', '.join(available_losses())} or give a "
-            f"dotted path to your own function (e.g. my_pkg.losses.my_loss)."
-        ) from None
+    """The loss function registered as `name` (see `get_loss_spec` for its config and needs)."""
+    return get_loss_spec(name).fn
 
 
-def load_function(path: str) -> Callable[..., Any]:
-    """Import `pkg.module.attr` (or `pkg.module:attr`) and return it; clear errors otherwise."""
-    if not isinstance(path, str) or not path.strip():
-        raise ValueError("the function path is empty; give it as pkg.module.function.")
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"{path!r} is not a dotted path; give it as pkg.module.function.")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"cannot import module {module_name!r} for {path!r} ({e}); make sure it is on PYTHONPATH."
-        ) from e
-    try:
-        fn = getattr(module, attr)
-    except AttributeError:
-        raise ValueError(
-            f"module {module_name!r} has no attribute {attr!r} (from {path!r})."
-        ) from None
-    if not callable(fn):
-        raise ValueError(f"{path!r} is a {type(fn).__name__}, not a function.")
-    return fn
+def resolve_loss_spec(name_or_path: str) -> LossSpec:
+    """A registered name, else a dotted path to a `LossSpec` or to a plain plugin function
+    `fn(inputs, cfg) -> LossOutputs` (which gets `CompISConfig` and `PLUGIN_NEEDS`)."""
+    if name_or_path in _LOSSES:
+        return _LOSSES.get(name_or_path)
+    if "." not in name_or_path and ":" not in name_or_path:
+        return _LOSSES.get(name_or_path)
+    obj = load_object(name_or_path)
+    if isinstance(obj, LossSpec):
+        return obj
+    fn = load_function(name_or_path)
+    return LossSpec(name=name_or_path, fn=fn, config_cls=CompISConfig, needs=PLUGIN_NEEDS)
 
 
 def resolve_loss(name_or_path: str) -> LossFn:
-    """A registered name, else a dotted path to a plugin `fn(inputs, cfg) -> LossOutputs`."""
-    if name_or_path in _REGISTRY:
-        return _REGISTRY[name_or_path]
-    if "." in name_or_path or ":" in name_or_path:
-        return load_function(name_or_path)
-    return get_loss(name_or_path)
+    """The function of `resolve_loss_spec(name_or_path)`."""
+    return resolve_loss_spec(name_or_path).fn
 
 
-def _ppo_kw(cfg: CompISConfig) -> dict[str, Any]:
-    return {
-        "eps_clip": cfg.eps_clip,
-        "eps_clip_high": cfg.eps_clip_high,
-        "agg_mode": cfg.agg_mode,
-        "loss_scale_factor": cfg.loss_scale_factor,
-    }
+# ---------------------------------------------------------------------------------- built-ins
 
 
-def _kwargs(cfg: Any, from_compis: Callable[[CompISConfig], dict[str, Any]]) -> dict[str, Any]:
-    """A keyword-style baseline's kwargs: a dict as given, or mapped from a CompISConfig (so a
-    trainer holding one config can switch losses by name)."""
-    if cfg is None:
-        return {}
-    if isinstance(cfg, CompISConfig):
-        return from_compis(cfg)
-    if isinstance(cfg, dict):
-        return cfg
-    raise ValueError(
-        f"expected a CompISConfig, a dict of keyword arguments or None, got {type(cfg).__name__}."
-    )
+def _native(name: str, cls: type, from_compis: Callable[[CompISConfig], Any]) -> Callable:
+    """cfg → an instance of `cls`: as given, its defaults (None), from a dict of its fields, or
+    mapped from a `CompISConfig` (a Python caller holding one config can switch losses)."""
+
+    def convert(cfg: Any) -> Any:
+        if cfg is None or isinstance(cfg, cls):
+            return cfg
+        if isinstance(cfg, CompISConfig):
+            return from_compis(cfg)
+        if isinstance(cfg, dict):
+            return cls(**cfg)
+        raise ValueError(
+            f"loss {name!r} takes a {cls.__name__} (or a CompISConfig, a dict of its fields, or "
+            f"None), got {type(cfg).__name__}."
+        )
+
+    return convert
 
 
 _ACTIONS = {Method.CAP: "mask", Method.CLIP: "clamp", Method.NONE: None}
 
 
-def _decoupled_from(cfg: CompISConfig) -> dict[str, Any]:
+def _decoupled_from(cfg: CompISConfig) -> DecoupledPPOConfig:
     """AReaL decoupled PPO from CompIS knobs: f3's method/upper bound on the combined ratio."""
     if cfg.staleness_method not in _ACTIONS:
         raise ValueError(
             f"decoupled_ppo supports staleness_method cap/clip/none, got {cfg.staleness_method!r}."
         )
-    return {
-        **_ppo_kw(cfg),
-        "cap": cfg.staleness_high,
-        "action": _ACTIONS[cfg.staleness_method],
-        "dual_clip_c": cfg.dual_clip_c,
-        "diagnostics": cfg.diagnostics,
-    }
+    return DecoupledPPOConfig(
+        **cfg.ppo_knobs(), cap=cfg.staleness_high, action=_ACTIONS[cfg.staleness_method]
+    )
 
 
 def _single_from(cfg: CompISConfig) -> SingleRatioConfig:
     """Token-level single ratio from CompIS knobs: f3 applied to the combined ratio."""
     return SingleRatioConfig(
+        **cfg.ppo_knobs(),
         method=cfg.staleness_method,
         low=cfg.staleness_low,
         high=cfg.staleness_high,
-        eps_clip=cfg.eps_clip,
-        eps_clip_high=cfg.eps_clip_high,
-        dual_clip_c=cfg.dual_clip_c,
-        agg_mode=cfg.agg_mode,
-        loss_scale_factor=cfg.loss_scale_factor,
         denom=cfg.denom,
     )
 
 
-def _ppo_loss(inputs: LossInputs, cfg: CompISConfig | None = None) -> LossOutputs:
-    """Plain PPO on r1 (no behaviour weight), the same knobs as CompIS. With diagnostics on it
-    still reports every off-policy source (r1/r2/r3 statistics, train/rollout mismatch), so an
-    uncorrected run shows what it leaves uncorrected; `is/weight/*` is omitted (no weight)."""
-    cfg = cfg or CompISConfig()
-    kw = {**_decoupled_from(dataclasses.replace(cfg, staleness_method="cap")), "action": None}
-    out = decoupled_ppo_loss(inputs, **kw)
+def _ppo_loss(inputs: LossInputs, cfg: PPOConfig | None = None) -> LossOutputs:
+    """Plain PPO on r1 (no behaviour weight). With diagnostics on it still reports the
+    off-policy sources it is given (r1 drift, the combined π_k/π_j^SGL, train/rollout
+    mismatch; r2/r3 only when π_j^Meg is passed), so an uncorrected run shows what it leaves
+    uncorrected; `is/weight/*` is omitted (no weight). The bounds the diagnostics compare
+    against are CompIS's (its defaults for a plain `PPOConfig`)."""
+    cfg = cfg or PPOConfig()
+    out = decoupled_ppo_loss(inputs, DecoupledPPOConfig(**cfg.ppo_knobs(), action=None))
     if not cfg.diagnostics:
         return out
-    extra = {k: float(v) for k, v in compis_metrics(inputs, cfg).items()
+    diag = cfg if isinstance(cfg, CompISConfig) else CompISConfig(**cfg.ppo_knobs())
+    extra = {k: float(v) for k, v in compis_metrics(inputs, diag).items()
              if not k.startswith(("is/weight/", "loss/"))}  # fmt: skip
     return dataclasses.replace(out, metrics={**out.metrics, **extra})
 
 
-def _single(inputs: LossInputs, cfg: Any = None) -> LossOutputs:
-    if isinstance(cfg, CompISConfig):
-        cfg = _single_from(cfg)
-    return single_ratio_loss(inputs, cfg or SingleRatioConfig())
+def _builtin(
+    name: str,
+    loss: Callable[[LossInputs, Any], LossOutputs],
+    cls: type,
+    needs: LossNeeds,
+    from_compis: Callable[[CompISConfig], Any],
+) -> None:
+    convert = _native(name, cls, from_compis)
+
+    def fn(inputs: LossInputs, cfg: Any = None) -> LossOutputs:
+        return loss(inputs, convert(cfg))
+
+    fn.__name__ = fn.__qualname__ = f"{name}_loss"
+    _LOSSES.register(name, LossSpec(name=name, fn=fn, config_cls=cls, needs=needs))
 
 
-register_loss("compis", lambda inputs, cfg=None: compis_loss(inputs, cfg or CompISConfig()))
-register_loss("ppo", _ppo_loss)
-register_loss(
-    "decoupled_ppo",
-    lambda inputs, cfg=None: decoupled_ppo_loss(inputs, **_kwargs(cfg, _decoupled_from)),
-)
-register_loss("single_ratio", _single)
-register_loss("m2po", lambda inputs, cfg=None: m2po_loss(inputs, **_kwargs(cfg, _ppo_kw)))
-register_loss("gspo", lambda inputs, cfg=None: gspo_loss(inputs, **_kwargs(cfg, lambda c: {})))
-register_loss(
-    "prime_masked_is",
-    lambda inputs, cfg=None: prime_masked_is_loss(inputs, **_kwargs(cfg, lambda c: {})),
-)
+_PI_K_AND_SGL = LossNeeds(proximal_logprobs=True, rollout_logprobs=True)
+_BUILTINS: list[tuple[str, Callable, type, LossNeeds, Callable[[CompISConfig], Any]]] = [
+    ("compis", lambda i, c: compis_loss(i, c or CompISConfig()), CompISConfig, PLUGIN_NEEDS,
+     lambda c: c),
+    ("ppo", _ppo_loss, PPOConfig, _PI_K_AND_SGL, lambda c: c),
+    ("decoupled_ppo", decoupled_ppo_loss, DecoupledPPOConfig, _PI_K_AND_SGL, _decoupled_from),
+    ("single_ratio", single_ratio_loss, SingleRatioConfig,
+     dataclasses.replace(_PI_K_AND_SGL, denominators=single_ratio_denominators), _single_from),
+    ("m2po", m2po_loss, M2POConfig, _PI_K_AND_SGL, lambda c: M2POConfig(**c.ppo_knobs())),
+    ("gspo", gspo_loss, GSPOConfig, LossNeeds(rollout_logprobs=False), lambda c: None),
+    ("prime_masked_is", prime_masked_is_loss, PrimeMaskedISConfig,
+     LossNeeds(proximal_logprobs=False), lambda c: None),
+]  # fmt: skip
+for _args in _BUILTINS:
+    _builtin(*_args)
 
 
 # ---------------------------------------------------------------------------------- slime adapter

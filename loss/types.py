@@ -1,6 +1,7 @@
 """Data contracts of the loss package: inputs, outputs, configs and the small enums they use.
 
-Owns: `LossInputs`, `LossOutputs`, `CompISConfig`, `Correction`, `Method`, `AggMode`, `Denom`.
+Owns: `LossInputs`, `LossOutputs`, the config hierarchy `PPOConfig` → `WeightedPPOConfig` →
+`CompISConfig`, `Correction`, `Method`, `AggMode`, `Denom`.
 Every config validates itself in `__post_init__` and fails with a sentence that names the
 problem and the fix. Must never import `slime_async` (the loss package is a leaf).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import Any
 
 import torch
 
@@ -89,7 +91,67 @@ class Correction:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class CompISConfig:
+class PPOConfig:
+    """The PPO knobs every PPO-style loss shares (spec §2, §10): clip on r1 and the reducer.
+
+    The configs of CompIS and of the PPO-style baselines extend this class, so each knob (and
+    its validation) is written once.
+    """
+
+    eps_clip: float = 0.2
+    """PPO ε_low on r1: the ratio is clipped below at 1 - eps_clip."""
+    eps_clip_high: float = 0.2
+    """PPO ε_high on r1 (DAPO clip-higher uses 0.28)."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1 for A < 0 tokens (None = off, as in AReaL and slime)."""
+    agg_mode: AggMode | str = AggMode.TOKEN_MEAN
+    """How per-token losses are reduced to a scalar (spec §10)."""
+    loss_scale_factor: float | None = None
+    """Constant H for seq-mean-token-sum-norm (e.g. the max response length); required there."""
+    diagnostics: bool = True
+    """Compute the loss's diagnostics (is/*, policy/*, mismatch/*); off = loss/* only."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "agg_mode", parse_enum(AggMode, self.agg_mode, field="agg_mode"))
+        if not 0.0 < self.eps_clip < 1.0:
+            raise ValueError(f"eps_clip={self.eps_clip} must be in (0, 1) (PPO default 0.2).")
+        if not self.eps_clip_high > 0.0:
+            raise ValueError(
+                f"eps_clip_high={self.eps_clip_high} must be > 0 (0.2, or 0.28 for DAPO)."
+            )
+        if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
+            raise ValueError(
+                f"dual_clip_c={self.dual_clip_c} must be > 1 (the dual clip constant; verl "
+                "uses 3.0) or None to disable it."
+            )
+        if self.agg_mode is AggMode.SEQ_MEAN_TOKEN_SUM_NORM:
+            if self.loss_scale_factor is None or not self.loss_scale_factor > 0:
+                raise ValueError(
+                    "agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor > 0 (a constant H "
+                    f"such as the max response length), got {self.loss_scale_factor!r}."
+                )
+        elif self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
+            raise ValueError(f"loss_scale_factor={self.loss_scale_factor} must be > 0 or None.")
+
+    def ppo_knobs(self) -> dict[str, Any]:
+        """This config's `PPOConfig` fields by name (to build another PPO-style config)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(PPOConfig)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WeightedPPOConfig(PPOConfig):
+    """PPO times a detached importance weight that may zero tokens (CompIS, single ratio)."""
+
+    denom: Denom | str = Denom.KEEP
+    """Whether tokens the weight masks stay in the denominator ("keep", default) or not ("drop")."""
+
+    def __post_init__(self) -> None:
+        PPOConfig.__post_init__(self)
+        object.__setattr__(self, "denom", parse_enum(Denom, self.denom, field="denom"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CompISConfig(WeightedPPOConfig):
     """Configuration of the CompIS loss (spec §3): per-source corrections + PPO core + reducer."""
 
     staleness_method: Method | str = Method.CLIP
@@ -104,20 +166,6 @@ class CompISConfig:
     """Lower bound l2 of f2."""
     engine_high: float = 2.0
     """Upper bound u2 of f2 (TIS C = 2.0 is the ecosystem default)."""
-    eps_clip: float = 0.2
-    """PPO ε_low on r1: the ratio is clipped below at 1 - eps_clip."""
-    eps_clip_high: float = 0.2
-    """PPO ε_high on r1 (DAPO clip-higher uses 0.28)."""
-    dual_clip_c: float | None = None
-    """Dual-clip constant c > 1 for A < 0 tokens (None = off, as in AReaL and slime)."""
-    agg_mode: AggMode | str = AggMode.TOKEN_MEAN
-    """How per-token losses are reduced to a scalar (spec §10)."""
-    loss_scale_factor: float | None = None
-    """Constant H for seq-mean-token-sum-norm (e.g. the max response length); required there."""
-    denom: Denom | str = Denom.KEEP
-    """Whether tokens masked by f2/f3 stay in the denominator ("keep", default) or not ("drop")."""
-    diagnostics: bool = True
-    """Compute the per-source diagnostics (is/*, policy/*, mismatch/*); off = loss/* only."""
     log_ratio_clamp: float = 20.0
     """Log-ratios are clamped to ±this before exp (e^20 ≈ 4.85e8; verl uses 20)."""
     diag_sample_size: int = 16384
@@ -125,37 +173,11 @@ class CompISConfig:
     sample of this many positions (and of whole sequences): a few ms at any batch size."""
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        set_(
-            self,
-            "staleness_method",
-            parse_enum(Method, self.staleness_method, field="staleness_method"),
-        )
-        set_(self, "engine_method", parse_enum(Method, self.engine_method, field="engine_method"))
-        set_(self, "agg_mode", parse_enum(AggMode, self.agg_mode, field="agg_mode"))
-        set_(self, "denom", parse_enum(Denom, self.denom, field="denom"))
-        check_bounds(
-            self.staleness_method, self.staleness_low, self.staleness_high, field="staleness"
-        )
-        check_bounds(self.engine_method, self.engine_low, self.engine_high, field="engine")
-        if not 0.0 < self.eps_clip < 1.0:
-            raise ValueError(f"eps_clip={self.eps_clip} must be in (0, 1) (PPO default 0.2).")
-        if not self.eps_clip_high > 0.0:
-            raise ValueError(
-                f"eps_clip_high={self.eps_clip_high} must be > 0 (0.2, or 0.28 for DAPO)."
-            )
-        if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
-            raise ValueError(
-                f"dual_clip_c={self.dual_clip_c} must be > 1 (verl uses 3.0) or None to disable it."
-            )
-        if self.agg_mode is AggMode.SEQ_MEAN_TOKEN_SUM_NORM:
-            if self.loss_scale_factor is None or not self.loss_scale_factor > 0:
-                raise ValueError(
-                    "agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor > 0 (a constant H "
-                    f"such as the max response length), got {self.loss_scale_factor!r}."
-                )
-        elif self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
-            raise ValueError(f"loss_scale_factor={self.loss_scale_factor} must be > 0 or None.")
+        WeightedPPOConfig.__post_init__(self)
+        for src in ("staleness", "engine"):
+            m = parse_enum(Method, getattr(self, f"{src}_method"), field=f"{src}_method")
+            object.__setattr__(self, f"{src}_method", m)
+            check_bounds(m, getattr(self, f"{src}_low"), getattr(self, f"{src}_high"), field=src)
         if not (math.isfinite(self.log_ratio_clamp) and self.log_ratio_clamp > 0):
             raise ValueError(
                 f"log_ratio_clamp={self.log_ratio_clamp} must be a finite number > 0 (default 20)."

@@ -27,9 +27,8 @@ from typing import Any
 
 from data_worker.budget import worst_case_staleness
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
-from loss import CompISConfig
+from loss import add_loss_args, loss_settings_from_args
 from router.config import add_router_args, router_config_from_args
-from slime_async.args import add_advantage_args, add_loss_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
 from slime_async.rollout.config import RolloutConfig, add_rollout_args, rollout_config_from_args
@@ -78,7 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_backend_args(parser)
     add_rollout_args(parser)
     add_data_worker_args(parser)
-    add_advantage_args(parser)
     add_loss_args(parser)
     add_trainer_args(parser)
     add_engine_run_args(parser)
@@ -162,7 +160,10 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     _derive_trainer(f, data_worker, embedded=embedded)
     trainer = trainer_config_from_args(a)
     _check_model(trainer, env.model, hf_checkpoint=a.hf_checkpoint)
-    trainer = dataclasses.replace(trainer, loss=_loss_config(a), temperature=rollout.temperature)
+    loss = loss_settings_from_args(a, default_loss_scale_factor=float(rollout.max_response_len))
+    for flag, value, why in loss.derived:
+        f.derived[flag] = Derived(value, why)
+    trainer = dataclasses.replace(trainer, loss=loss.loss, temperature=rollout.temperature)
     colocate, trainer_cores, rollout_cores = _placement(f, env)
     _derive_warmstart(f, embedded=embedded)
     return RunConfig(
@@ -284,29 +285,6 @@ def _check_model(trainer: TrainerConfig, model: ModelSpec, *, hf_checkpoint: str
             f"--routing-replay {replay} needs an MoE model, but {hf_checkpoint} is dense "
             f"({model.family}); drop the routing-replay flag"
         )
-
-
-def _loss_config(a: argparse.Namespace) -> CompISConfig:
-    """The loss flags -> the loss config (the loss package will own this)."""
-    if a.eps_clip <= 0 or (a.eps_clip_high is not None and a.eps_clip_high <= 0):
-        raise ValueError("--eps-clip and --eps-clip-high must be > 0")
-    if a.eps_clip_c is not None and a.eps_clip_c <= 1:
-        raise ValueError("--eps-clip-c (dual clip) must be > 1")
-    return CompISConfig(
-        staleness_method=a.staleness_correction_method,
-        staleness_low=a.staleness_correction_low,
-        staleness_high=a.staleness_correction_high,
-        engine_method=a.engine_correction_method,
-        engine_low=a.engine_correction_low,
-        engine_high=a.engine_correction_high,
-        eps_clip=a.eps_clip,
-        eps_clip_high=a.eps_clip_high if a.eps_clip_high is not None else a.eps_clip,
-        dual_clip_c=a.eps_clip_c,
-        agg_mode=a.loss_agg_mode,
-        loss_scale_factor=a.loss_scale_factor or float(a.rollout_max_response_len),
-        denom=a.denom,
-        diagnostics=not a.no_loss_diagnostics,
-    )
 
 
 def _cores(flag: str, text: str) -> tuple[int, ...]:

@@ -43,17 +43,13 @@ def c_inputs():
     )
 
 
+BUILTIN = ("compis", "ppo", "decoupled_ppo", "single_ratio", "m2po", "gspo", "prime_masked_is")
+"""The losses the package ships (other tests register plugins into the same registry)."""
+
+
 def test_every_registered_loss_runs_and_backpropagates():
-    assert {
-        "compis",
-        "ppo",
-        "decoupled_ppo",
-        "single_ratio",
-        "m2po",
-        "gspo",
-        "prime_masked_is",
-    } <= set(available_losses())
-    for name in available_losses():
+    assert set(BUILTIN) <= set(available_losses())
+    for name in BUILTIN:
         lp, inputs = c_inputs()
         fn = get_loss(name)
         out = fn(inputs)
@@ -71,7 +67,7 @@ def test_every_registered_loss_runs_and_backpropagates():
 def test_every_registered_loss_accepts_a_compis_config():
     """The trainer holds one CompISConfig and switches losses by name."""
     cfg = CompISConfig(staleness_method="cap", staleness_high=2.0, eps_clip_high=0.28)
-    for name in available_losses():
+    for name in BUILTIN:
         lp, inputs = c_inputs()
         out = get_loss(name)(inputs, cfg)
         out.loss.backward()
@@ -83,7 +79,7 @@ def test_every_registered_loss_accepts_a_compis_config():
     b4 = get_loss("ppo")(inputs, CompISConfig(eps_clip_high=0.28))
     assert b4.loss.item() == pytest.approx(-0.575)  # B4: no behaviour weight
     assert "loss/compis_fallback" not in b4.metrics
-    with pytest.raises(ValueError, match="expected a CompISConfig"):
+    with pytest.raises(ValueError, match="takes a M2POConfig"):
         get_loss("m2po")(inputs, 3)
 
 
@@ -294,3 +290,50 @@ def test_plain_ppo_still_reports_every_off_policy_source():
     assert not any(k.startswith("is/weight/") for k in m)  # no weight is applied
     quiet = get_loss("ppo")(inputs, CompISConfig(diagnostics=False)).metrics
     assert "mismatch/train_rollout_logprob_abs_diff" not in quiet
+
+
+# ------------------------------------------------------------------ advantage estimators
+
+
+def test_advantage_registry_covers_the_estimators_and_isolates_invalid_samples():
+    from loss import (
+        available_advantages,
+        broadcast_to_tokens,
+        compute_advantages,
+        get_advantage,
+        grpo_advantages,
+        register_advantage,
+    )
+
+    assert {"grpo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"} <= set(
+        available_advantages()
+    )
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    mask = torch.ones(6, 3, dtype=torch.bool)
+    valid = torch.tensor([True, True, True, False, True, True])
+    mask[3] = False  # an invalid sample has an empty mask
+    a = compute_advantages("grpo", rewards, groups, valid, mask)
+    # spec A1 on the three valid members of group 0 (R = [1, 0, 0]): the invalid one is alone
+    ref = grpo_advantages(torch.tensor([1.0, 0.0, 0.0]), torch.zeros(3, dtype=torch.long))
+    assert torch.allclose(a[:3, 0], ref) and (a[3] == 0).all()
+    assert torch.allclose(a[4:, 0], torch.tensor([0.707106, -0.707106]), atol=1e-5)  # spec A4
+    dr = compute_advantages("dr_grpo", rewards, groups, valid, mask)
+    ref_dr = grpo_advantages(rewards[:3], groups[:3], std_normalize=False)
+    assert torch.equal(dr[:3], broadcast_to_tokens(ref_dr, mask[:3]))
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        out = compute_advantages(name, rewards, groups, valid, mask)
+        assert out.shape == mask.shape and (out[~mask] == 0).all(), name
+        assert abs(float(out[mask].mean())) < 1e-6, name  # globally whitened
+    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'; choose one of"):
+        compute_advantages("nope", rewards, groups, valid, mask)
+
+    def constant(r, g, m):
+        return torch.where(m, 1.0, 0.0)
+
+    register_advantage("test_only_constant", constant, replace=True)
+    assert get_advantage("test_only_constant") is constant
+    assert torch.equal(compute_advantages("test_only_constant", rewards, groups, valid, mask),
+                       mask.float())  # fmt: skip
+    with pytest.raises(ValueError, match="already registered"):
+        register_advantage("grpo", constant)

@@ -46,7 +46,7 @@ def test_train_step_lowers_loss_and_microbatch_shares_sum_to_full_loss():
             rollout_logprobs=b.rollout_logprobs[:, 1:], behavior_logprobs=None,
             advantages=b.advantages[:, 1:], loss_mask=b.loss_mask[:, 1:],
         )  # fmt: skip
-        return float(compis_loss(inputs, tr.cfg.loss).loss)
+        return float(compis_loss(inputs, tr.loss_cfg).loss)
 
     m = tr.train_step(b)  # 4 micro-batches of 2: the summed shares are the full-batch loss
     assert m["loss/total"] == pytest.approx(full_loss(lp0), abs=1e-6)
@@ -204,11 +204,11 @@ def test_changed_lr_flags_on_resume_are_reported(tmp_path, caplog):
 
 
 def test_loss_is_selected_by_name_or_dotted_path():
-    from loss import LossInputs
+    from loss import LossInputs, LossSelection
     from loss.registry import get_loss
 
     b = _batch(seed=5)
-    ppo = _trainer(loss_fn="ppo")
+    ppo = _trainer(loss=LossSelection(name="ppo"))
     lp0, _ = ppo.compute_logprobs(b)
     m = ppo.train_step(b)
     # plain PPO has no behaviour weight: the step's loss is the unweighted surrogate at r1 = 1
@@ -217,9 +217,9 @@ def test_loss_is_selected_by_name_or_dotted_path():
         rollout_logprobs=b.rollout_logprobs[:, 1:], behavior_logprobs=None,
         advantages=b.advantages[:, 1:], loss_mask=b.loss_mask[:, 1:],
     )  # fmt: skip
-    assert m["loss/total"] == pytest.approx(float(get_loss("ppo")(inputs, ppo.cfg.loss).loss))
+    assert m["loss/total"] == pytest.approx(float(get_loss("ppo")(inputs, ppo.loss_cfg).loss))
     assert ppo.version == 1
     with pytest.raises(ValueError, match="unknown loss 'nope'"):
-        _trainer(loss_fn="nope")
+        _trainer(loss=LossSelection(name="nope"))
     with pytest.raises(ValueError, match="no attribute"):
-        _trainer(loss_fn="loss.registry.does_not_exist")
+        _trainer(loss=LossSelection(name="loss.registry.does_not_exist"))

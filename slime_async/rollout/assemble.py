@@ -4,7 +4,8 @@ Owns `ScoredGenerate` (wraps the generate client: a finished sample is scored on
 stored in its payload, so group filters such as DAPO's see rewards) and `assemble` (a data-worker
 `Batch` -> `TrainerBatch` + rollout metrics). Samples whose reward could not be computed, and
 tokens whose engine log-prob was not finite, are masked out of the loss and counted here.
-Advantages come from `loss` (pure functions); this module only arranges tensors.
+Advantages come from `loss`'s estimator registry (`loss.compute_advantages`, by name);
+this module only arranges tensors.
 """
 
 from __future__ import annotations
@@ -107,29 +108,6 @@ def _concat(sample_payloads: Sequence[Mapping[str, Any]], key: str) -> list[Any]
     return out
 
 
-def advantages(
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    valid: torch.Tensor,
-    mask: torch.Tensor,
-    estimator: str,
-) -> torch.Tensor:
-    """Per-token advantages `[B, T]` (0 outside `mask`) for the outcome-reward estimators.
-
-    Samples that are not `valid` (their reward failed) become singleton groups with an empty
-    mask, so they never shift another sample's group statistics.
-    """
-    gid = torch.where(valid, group_ids, -1 - torch.arange(len(group_ids)))
-    if estimator in ("grpo", "dr_grpo"):
-        per_sample = adv.grpo_advantages(rewards, gid, std_normalize=estimator == "grpo")
-        return adv.broadcast_to_tokens(per_sample, mask)
-    if estimator == "reinforce_plus_plus":
-        return adv.reinforce_pp_advantages(adv.outcome_to_token_rewards(rewards, mask), mask)
-    if estimator == "reinforce_plus_plus_baseline":
-        return adv.reinforce_pp_baseline_advantages(rewards, gid, mask)
-    raise ValueError(f"unknown advantage estimator {estimator!r}")
-
-
 def assemble(batch: Batch, *, estimator: str) -> Assembled:
     """Build the padded `TrainerBatch` of a consumed batch (prompt + response per sample)."""
     rows: list[tuple[Group, Any]] = [(g, s) for g in batch.groups for s in g.samples]
@@ -173,7 +151,7 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
         else:
             routed = None
     group_ids = torch.as_tensor([gi for gi, g in enumerate(batch.groups) for _ in g.samples])
-    token_adv = advantages(rewards, group_ids, valid, mask, estimator).float()
+    token_adv = adv.compute_advantages(estimator, rewards, group_ids, valid, mask).float()
     tb = TrainerBatch(
         tokens=tokens,
         lengths=torch.as_tensor(lengths),

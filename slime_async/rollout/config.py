@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from loss import DEFAULT_ADVANTAGE_ESTIMATOR
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
@@ -31,8 +33,8 @@ class RolloutConfig:
     """Sampling temperature (the trainer divides logits by the same value)."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
-    advantage_estimator: str = "grpo"
-    """grpo | dr_grpo | reinforce_plus_plus | reinforce_plus_plus_baseline."""
+    advantage_estimator: str = DEFAULT_ADVANTAGE_ESTIMATOR
+    """A registered estimator (`loss.available_advantages()`; flag: `loss.add_loss_args`)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards all agree (no learning signal) and refill."""
     prompt_data: str | None = None

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import math
 
-from loss import CompISConfig
+from loss import LossSelection
 from slime_async.trainer.replay import RoutingReplay
 
 
@@ -65,11 +65,9 @@ class TrainerConfig:
     """HF directory to start from when not resuming (`--hf-checkpoint` / ref weights)."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept in `save` (older ones are deleted)."""
-    loss: CompISConfig = dataclasses.field(default_factory=CompISConfig)
-    """CompIS loss configuration (built by the `loss` package's own flags)."""
-    loss_fn: str = "compis"
-    """Loss by registry name (`loss.available_losses()`: compis, ppo, ...) or a dotted path to a
-    plugin `fn(inputs: LossInputs, cfg: CompISConfig) -> LossOutputs`."""
+    loss: LossSelection = dataclasses.field(default_factory=LossSelection)
+    """The loss (registry name or dotted path) and its config object, from the `loss`
+    package's own flags (`loss.loss_settings_from_args`)."""
 
     def __post_init__(self) -> None:
         try:
@@ -143,7 +141,6 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     _add_optimizer_args(g, d)
     _add_off_policy_args(g, d)
     _add_checkpoint_args(g, d)
-    _add_loss_choice_args(g, d)
     return parser
 
 
@@ -266,20 +263,6 @@ def _add_checkpoint_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
     )
 
 
-def _add_loss_choice_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
-    g.add_argument(
-        "--loss",
-        dest="loss_fn",
-        default=d.loss_fn,
-        help="Loss by name (compis, ppo = no behaviour weight, decoupled_ppo, m2po, gspo, ...).",
-    )
-    g.add_argument(
-        "--custom-loss-function-path",
-        default=None,
-        help="Dotted path of your own loss fn(inputs, cfg) -> LossOutputs (overrides --loss).",
-    )
-
-
 def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
     """Build the config from parsed flags; a flag left None takes the `TrainerConfig` default.
 
@@ -295,6 +278,4 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
                 f"{kw['routing_replay']} was also given; keep one of the two flags"
             )
         kw["routing_replay"] = RoutingReplay.R3
-    if getattr(args, "custom_loss_function_path", None):
-        kw["loss_fn"] = args.custom_loss_function_path
     return TrainerConfig(**kw)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from slime_async.contracts.model import ModelSpec
 from slime_async.trainer import cpu_compat
 
 
@@ -59,6 +60,16 @@ def resolve_layout(*, world_size: int, tp: int, ep: int, pp: int) -> ParallelLay
             f"{world_size} = tp {tp} x pp {pp} x dp {dp}; experts are TP-sharded like dense layers)"
         )
     return ParallelLayout(tp=tp, ep=ep, pp=pp, dp=dp)
+
+
+def check_model_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
+    """Refuse a model the layout cannot split (ValueError naming the sizes)."""
+    if spec.is_moe and spec.num_experts % layout.ep:
+        raise ValueError(f"num_experts={spec.num_experts} is not divisible by EP={layout.ep}")
+    if spec.num_layers % layout.pp:
+        raise ValueError(f"num_layers={spec.num_layers} is not divisible by PP={layout.pp}")
+    if spec.tie_word_embeddings and layout.pp > 1:
+        raise ValueError("tied embeddings with pipeline parallelism are not supported; use PP=1")
 
 
 def init_distributed(
@@ -223,3 +234,15 @@ def grad_norm(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> torch.T
     all_reduce_sum(dense, g["mp"])  # TP shards and pipeline stages hold distinct params
     all_reduce_sum(expert, g["emp"])
     return (dense + expert).sqrt()
+
+
+def clip_grads_(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]], norm: float, max_norm: float
+) -> None:
+    """Scale the gradients by max_norm / norm when `norm` (their global norm) exceeds
+    `max_norm` > 0; `max_norm` = 0 disables clipping."""
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for _, p in named_params:
+            if p.grad is not None:
+                p.grad.mul_(scale)

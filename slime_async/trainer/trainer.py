@@ -1,9 +1,11 @@
 """`MegatronTrainer`: the Ray-free trainer core (one instance per trainer rank).
 
-Owns: the model and optimizer of this rank, micro-batched log-prob forwards (π_k, π_j^Meg via
-snapshots), the CompIS train step with global denominators, routing replay, the version
-counter, weight export and checkpoint hooks. Must never import the controller, engine,
-rollout or data-worker parts of `slime_async` (the Ray wrapper lives in `actor.py`).
+Owns: the model and optimizer of this rank, the train step of the selected loss (computing
+only the inputs its `LossSpec` declares: `_step_inputs` → `_denominators` →
+`_forward_backward` → `_optimizer_step`), the version counter, weight export and checkpoint
+hooks. The no-grad forwards (π_k, π_j^Meg via snapshots, routing replay) are its mixin
+`LogprobForwards` (`logprobs.py`). Must never import the controller, engine, rollout or
+data-worker parts of `slime_async` (the Ray wrapper lives in `actor.py`).
 
 Every rank of a trainer group receives the same *global* `TrainerBatch`; each data-parallel
 rank works on its contiguous shard and results are gathered back, so callers never slice.
@@ -11,38 +13,41 @@ rank works on its contiguous shard and results are gathered back, so callers nev
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import math
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from loss import LossInputs, compis_denominators
-from loss.registry import resolve_loss
+from loss import denominators, resolve_loss_spec
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
 from slime_async.trainer import checkpoint, cpu_compat, hf_convert, parallel, weights_io
 from slime_async.trainer.config import TrainerConfig, lr_at
-from slime_async.trainer.forward import padded_width, token_logprobs
+from slime_async.trainer.forward import token_logprobs
+from slime_async.trainer.logprobs import LogprobForwards
+from slime_async.trainer.loss_inputs import (
+    StepInputs,
+    check_loss_needs,
+    loss_inputs,
+)
 from slime_async.trainer.metrics_agg import MetricAccumulator, broadcast_metrics
 from slime_async.trainer.model import build_model
 from slime_async.trainer.pipeline import StageExecutor
 from slime_async.trainer.replay import (
     RoutingReplay,
-    engine_routing_to_replay,
     replay_instances,
 )
 from slime_async.trainer.snapshots import SnapshotStore
 
-Routing = list[torch.Tensor] | None
+log = logging.getLogger(__name__)
 free_port = parallel.free_port  # re-exported for callers that start single-rank trainers
 
 
-class MegatronTrainer:
+class MegatronTrainer(LogprobForwards):
     """One trainer rank: build → (load | import HF | init) → compute_logprobs / train_step.
 
     Example (world size 1)::
@@ -64,7 +69,16 @@ class MegatronTrainer:
         master_port: int | None = None,
     ) -> None:
         self.cfg, self.spec = cfg, spec
-        self.loss_fn = resolve_loss(cfg.loss_fn)  # fails fast on an unknown name or bad path
+        self.loss_spec = resolve_loss_spec(cfg.loss.name)  # fails fast on a bad name or path
+        self.loss_cfg = self.loss_spec.config(cfg.loss.config)
+        warning = check_loss_needs(
+            self.loss_spec,
+            moe=spec.is_moe,
+            routing_replay=cfg.routing_replay is not RoutingReplay.NONE,
+            keep_old_actor=cfg.keep_old_actor,
+        )
+        if warning and rank == 0:
+            log.warning(warning)
         cpu_compat.apply()
         parallel.init_distributed(
             rank=rank,
@@ -78,18 +92,7 @@ class MegatronTrainer:
             ep=cfg.expert_model_parallel_size,
             pp=cfg.pipeline_model_parallel_size,
         )
-        if spec.is_moe and spec.num_experts % self.layout.ep:
-            raise ValueError(
-                f"num_experts={spec.num_experts} is not divisible by EP={self.layout.ep}"
-            )
-        if spec.num_layers % self.layout.pp:
-            raise ValueError(
-                f"num_layers={spec.num_layers} is not divisible by PP={self.layout.pp}"
-            )
-        if spec.tie_word_embeddings and self.layout.pp > 1:
-            raise ValueError(
-                "tied embeddings with pipeline parallelism are not supported; use PP=1"
-            )
+        parallel.check_model_layout(spec, self.layout)
         parallel.init_model_parallel(self.layout, seed=cfg.seed)
         self.rank, self.world_size = rank, world_size
         self.model = build_model(spec, self.layout)
@@ -116,205 +119,86 @@ class MegatronTrainer:
         if cfg.keep_old_actor:
             self.snapshots.snapshot(self.model, self.version)
 
-    # ------------------------------------------------------------------ topology
-    @property
-    def dp_rank(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_rank()
-
-    @property
-    def tp_rank(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_tensor_model_parallel_rank()
-
-    def _local(self, batch: TrainerBatch) -> list[TrainerBatch]:
-        """This DP rank's micro-batches, each trimmed to its longest sample (the width agreed
-        over the DP group, so expert-parallel token exchange sees equal shapes)."""
-        local = batch.dp_shard(self.dp_rank, self.layout.dp)
-        mbs = local.micro_batches(self.cfg.micro_batch_size)
-        widths = torch.tensor([int(mb.lengths.max()) for mb in mbs], dtype=torch.long)
-        parallel.all_reduce_sum(widths, parallel.groups()["dp"], op=dist.ReduceOp.MAX)
-        return [mb.trimmed(int(w)) for mb, w in zip(mbs, widths)]
-
-    def _gather_dp(self, local: list[torch.Tensor], width: int) -> torch.Tensor:
-        """Pad per-micro-batch `[b, w]` results to `width`, concatenate, gather over DP."""
-        full = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in local])
-        return parallel.all_gather_cat(full, parallel.groups()["dp"])
-
-    # ------------------------------------------------------------------ forwards
-    def _engine_routing(self, mb: TrainerBatch) -> Routing:
-        if self.cfg.routing_replay is not RoutingReplay.R3 or not self.spec.is_moe:
-            return None
-        if mb.routed_experts is None:
-            raise ValueError(
-                "routing_replay='r3' needs batch.routed_experts (request return_routed_experts "
-                "from the engines, or set routing_replay to 'none' or 'r2')"
-            )
-        return engine_routing_to_replay(
-            mb.routed_experts,
-            spec=self.spec,
-            width=padded_width(mb.width, self.layout.tp),
-            tp=self.layout.tp,
-            tp_rank=self.tp_rank,
-            layers=self._local_moe_layers(),
-        )
-
-    def _local_moe_layers(self) -> list[int]:
-        """Global indices of this pipeline stage's MoE layers (replay data order)."""
-        from megatron.core import parallel_state as ps
-
-        n = self.spec.num_layers // self.layout.pp
-        lo = ps.get_pipeline_model_parallel_rank() * n
-        return [i for i in self.spec.moe_layers() if lo <= i < lo + n]
-
-    @torch.no_grad()
-    def _logprobs_local(
-        self, mbs: list[TrainerBatch], routing: list[Routing], *, record: list[Routing] | None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        lps, ents = [], []
-        for i, mb in enumerate(mbs):
-
-            def head(logits: torch.Tensor, mb: TrainerBatch = mb) -> torch.Tensor:
-                lp, ent = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
-                out = torch.stack([lp, ent]).cpu()
-                real = torch.arange(mb.width) < mb.lengths.unsqueeze(1)  # padding → 0
-                return torch.where(real, out, 0.0)
-
-            out = self.stage.run(mb.tokens, routing[i], head=head, grad=False, record=record)
-            if out is None:
-                out = torch.zeros(2, *mb.tokens.shape)
-            out = self.stage.broadcast_from_last(out)
-            lps.append(out[0])
-            ents.append(out[1])
-        return lps, ents
-
-    def compute_logprobs(
-        self, batch: TrainerBatch, version: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token-aligned `[B, T]` log-probs and entropies under the current weights (π_k) or a
-        kept snapshot of `version` (π_j^Meg). R3 replays `batch.routed_experts` when enabled."""
-        self.model.eval()
-        mbs = self._local(batch)
-        routing = [self._engine_routing(mb) for mb in mbs]
-        ctx = (
-            contextlib.nullcontext()
-            if version is None or version == self.version
-            else self.snapshots.swapped_in(self.model, version)
-        )
-        with ctx:
-            lps, ents = self._logprobs_local(mbs, routing, record=None)
-        return self._gather_dp(lps, batch.width), self._gather_dp(ents, batch.width)
-
-    def compute_behavior_logprobs(self, batch: TrainerBatch) -> torch.Tensor | None:
-        """π_j^Meg `[B, T]`: each token's log-prob under the snapshot of its own version
-        (`batch.token_versions`), or None when a needed version is not kept."""
-        self.model.eval()
-        mbs = self._local(batch)
-        routing = [self._engine_routing(mb) for mb in mbs]
-        lp_k, _ = self._logprobs_local(mbs, routing, record=None)
-        out = self._behavior_logprobs(mbs, lp_k, routing)
-        return None if out is None else self._gather_dp(out, batch.width)
-
-    def _behavior_logprobs(
-        self, mbs: list[TrainerBatch], lp_k: list[torch.Tensor], routing: list[Routing]
-    ) -> list[torch.Tensor] | None:
-        """π_j^Meg per token (each token from its own version's snapshot), or None if any
-        needed version is not held (→ CompIS combined-ratio fallback)."""
-        if not self.cfg.keep_old_actor:
-            return None
-        needed = {int(v) for mb in mbs for v in mb.token_versions[mb.loss_mask].unique()}
-        # every DP rank must run the same snapshot forwards (collectives inside them)
-        needed = parallel.union_ints(needed, parallel.groups()["dp"])
-        if any(v != self.version and v not in self.snapshots for v in needed):
-            return None
-        out = [lp.clone() for lp in lp_k]
-        for v in sorted(needed - {self.version}):
-            # forward only the micro-batches that hold a trained token of version v; the
-            # choice is agreed over DP, since TP/EP collectives need every rank in each pass
-            has = torch.tensor([int(bool((mb.token_versions[mb.loss_mask] == v).any()))
-                                for mb in mbs], dtype=torch.long)  # fmt: skip
-            parallel.all_reduce_sum(has, parallel.groups()["dp"])
-            idx = [i for i in range(len(mbs)) if int(has[i]) > 0]
-            with self.snapshots.swapped_in(self.model, v):
-                lps, _ = self._logprobs_local(
-                    [mbs[i] for i in idx], [routing[i] for i in idx], record=None
-                )
-            for lp_v, i in zip(lps, idx, strict=True):
-                out[i] = torch.where(mbs[i].token_versions == v, lp_v, out[i])
-        return out
-
     # ------------------------------------------------------------------ train
-    def _loss_inputs(
-        self, mb: TrainerBatch, lp: torch.Tensor, lp_k: torch.Tensor, lp_j: torch.Tensor | None,
-        n_tok: float | None = None, n_seq: float | None = None,
-    ) -> LossInputs:  # fmt: skip
-        dev = lp.device  # the forward's device; batch and no-grad log-probs live on CPU
-
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            return t[:, 1:].to(dev)
-
-        return LossInputs(
-            logprobs=lp[:, 1:],
-            proximal_logprobs=cut(lp_k),
-            rollout_logprobs=cut(mb.rollout_logprobs),
-            behavior_logprobs=None if lp_j is None else cut(lp_j),
-            advantages=cut(mb.advantages),
-            loss_mask=cut(mb.loss_mask),
-            token_versions=cut(mb.token_versions),
-            current_version=self.version,
-            global_num_tokens=n_tok,
-            global_num_seqs=n_seq,
-        )
-
     def train_step(self, batch: TrainerBatch) -> dict[str, float]:
-        """One optimizer update on the global `batch`; returns namespaced metrics."""
+        """One optimizer update on the global `batch`; returns namespaced metrics. Computes only
+        the inputs the loss declares (`self.loss_spec.needs`): which forwards ran is reported
+        as `train/proximal_forwards` and `train/behavior_forwards` (micro-batch passes)."""
         t0 = time.perf_counter()
         mbs = self._local(batch)
-        self.model.eval()
-        r2 = self.cfg.routing_replay is RoutingReplay.R2 and self.spec.is_moe
-        routing = [self._engine_routing(mb) for mb in mbs]
-        recorded: list[Routing] | None = [] if r2 else None
-        lp_k, ent = self._logprobs_local(mbs, routing, record=recorded)
-        if recorded is not None:
-            routing = recorded
+        inputs = self._step_inputs(mbs)
         t1 = time.perf_counter()
-        lp_j = self._behavior_logprobs(mbs, lp_k, routing)
+        n_tok, n_seq = self._denominators(mbs, inputs)
+        total, acc = self._forward_backward(mbs, inputs, n_tok, n_seq)
         t2 = time.perf_counter()
+        gnorm, lr = self._optimizer_step()
+        metrics = self._reduce_metrics(total, acc)
+        metrics.update({
+            "train/grad_norm": gnorm,
+            "train/lr": lr,
+            "train/version": float(self.version),
+            "train/num_tokens": n_tok,
+            "train/num_seqs": n_seq,
+            **inputs.metrics,
+            "timing/train_fwd_bwd_s": t2 - t1,
+            "timing/train_step_s": time.perf_counter() - t0,
+        })  # fmt: skip
+        return metrics
+
+    def _denominators(self, mbs: list[TrainerBatch], inputs: StepInputs) -> tuple[float, float]:
+        """Global (tokens, sequences) of the loss's denominators over micro-batches and DP."""
+        fn = self.loss_spec.needs.denominators
         counts = torch.zeros(2, dtype=torch.float64)
         for i, mb in enumerate(mbs):
-            tok, seq = compis_denominators(
-                self._loss_inputs(mb, lp_k[i], lp_k[i], None if lp_j is None else lp_j[i]),
-                self.cfg.loss,
-            )
+            if fn is None:  # valid tokens/sequences of the loss mask: no forward needed
+                tok, seq = denominators(mb.loss_mask[:, 1:])
+            else:
+                assert inputs.proximal is not None  # LossNeeds: a function needs π_k
+                lp_k = inputs.proximal[i]
+                mb_in = loss_inputs(mb, lp_k, lp_k, inputs.behavior_of(i), version=self.version)
+                tok, seq = fn(mb_in, self.loss_cfg)
             counts += torch.tensor([tok, seq], dtype=torch.float64)
         parallel.all_reduce_sum(counts, parallel.groups()["dp"])
-        n_tok, n_seq = float(counts[0]), float(counts[1])
+        return float(counts[0]), float(counts[1])
 
+    def _forward_backward(
+        self, mbs: list[TrainerBatch], inputs: StepInputs, n_tok: float, n_seq: float
+    ) -> tuple[torch.Tensor, MetricAccumulator]:
+        """Training forward + loss + backward per micro-batch (each loss is its share of the
+        batch loss); returns the summed loss of this rank and the accumulated metrics."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         acc = MetricAccumulator()
         total = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(mbs):
-            lp_ji = None if lp_j is None else lp_j[i]
 
-            def head(logits: torch.Tensor, mb: TrainerBatch = mb, i: int = i, lp_ji=lp_ji):
-                lp, _ = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
-                out = self.loss_fn(
-                    self._loss_inputs(mb, lp, lp_k[i], lp_ji, n_tok, n_seq), self.cfg.loss
-                )
-                return out.loss, out.metrics
+            def head(logits: torch.Tensor, mb: TrainerBatch = mb, i: int = i):
+                lp, ent = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
+                # without the π_k forward: the same weights (one update per step), detached
+                lp_k = lp.detach() if inputs.proximal is None else inputs.proximal[i]
+                mb_in = loss_inputs(mb, lp, lp_k, inputs.behavior_of(i), version=self.version,
+                                    num_tokens=n_tok, num_seqs=n_seq)  # fmt: skip
+                out = self.loss_spec.fn(mb_in, self.loss_cfg)
+                if inputs.entropy is not None:
+                    return out.loss, out.metrics
+                m = mb.loss_mask.to(ent.device)
+                h = float(torch.where(m, ent.detach(), 0.0).sum()) / max(1, int(m.sum()))
+                return out.loss, {**out.metrics, "policy/entropy": h}
 
-            res = self.stage.run(mb.tokens, routing[i], head=head, grad=True)
+            res = self.stage.run(mb.tokens, inputs.routing[i], head=head, grad=True)
             if res is None:  # not the last pipeline stage: no loss here
                 continue
             total += res[0].detach().double().cpu()
             acc.add(res[1], weight=float(mb.loss_mask.sum()))
-            m = mb.loss_mask
-            acc.add({"policy/entropy": float(ent[i][m].sum() / max(1, int(m.sum())))},
-                    weight=float(m.sum()))  # fmt: skip
-        t3 = time.perf_counter()
+            if inputs.entropy is not None:
+                m, ent = mb.loss_mask, inputs.entropy[i]
+                acc.add({"policy/entropy": float(ent[m].sum() / max(1, int(m.sum())))},
+                        weight=float(m.sum()))  # fmt: skip
+        return total, acc
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """Sync and clip gradients, AdamW update, version += 1 (and its snapshot); refuses a
+        non-finite gradient norm on every rank together. Returns (grad norm, lr)."""
         named = list(self.model.named_parameters())
         parallel.sync_grads(named, tp=self.layout.tp)
         gnorm = float(parallel.grad_norm(named))
@@ -325,11 +209,7 @@ class MegatronTrainer:
                 "the weights were not updated. Check the batch (rollout log-probs, advantages) "
                 "and the loss configuration."
             )
-        if self.cfg.clip_grad > 0 and gnorm > self.cfg.clip_grad:
-            scale = self.cfg.clip_grad / (gnorm + 1e-6)
-            for _, p in named:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        parallel.clip_grads_(named, gnorm, self.cfg.clip_grad)
         lr = lr_at(self.version, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -337,6 +217,11 @@ class MegatronTrainer:
         self.version += 1
         if self.cfg.keep_old_actor:
             self.snapshots.snapshot(self.model, self.version)
+        return gnorm, lr
+
+    def _reduce_metrics(self, total: torch.Tensor, acc: MetricAccumulator) -> dict[str, float]:
+        """The step's loss (`loss/total`, summed over DP and pipeline stages) and the loss's
+        metrics reduced over micro-batches and DP ranks."""
         parallel.all_reduce_sum(total, parallel.groups()["dp"])
         parallel.all_reduce_sum(total, parallel.groups()["pp"])  # only the last stage has a loss
         metrics = acc.reduce(parallel.groups()["dp"] if self.layout.dp > 1 else None)
@@ -345,18 +230,7 @@ class MegatronTrainer:
                 metrics, src=self.stage.last_rank, group=parallel.groups()["pp"]
             )
         metrics.pop("loss/value", None)  # a micro-batch's share; the step's loss is loss/total
-        metrics.update({
-            "loss/total": float(total),
-            "train/grad_norm": gnorm,
-            "train/lr": lr,
-            "train/version": float(self.version),
-            "train/num_tokens": n_tok,
-            "train/num_seqs": n_seq,
-            "timing/proximal_logprobs_s": t1 - t0,
-            "timing/behavior_logprobs_s": t2 - t1,
-            "timing/train_fwd_bwd_s": t3 - t2,
-            "timing/train_step_s": time.perf_counter() - t0,
-        })  # fmt: skip
+        metrics["loss/total"] = float(total)
         return metrics
 
     # ------------------------------------------------------------------ versions
