@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import enum
 import json
-import logging
 import types
 import typing
 from pathlib import Path
@@ -37,8 +36,6 @@ from loss.advantages import DEFAULT_ADVANTAGE_ESTIMATOR, available_advantages
 from loss.registry import resolve_loss_spec
 from loss.spec import LossSelection, LossSpec
 from loss.types import AggMode, CompISConfig, Denom, Method
-
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
