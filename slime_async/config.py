@@ -27,7 +27,7 @@ from typing import Any
 
 from data_worker.budget import worst_case_staleness
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
-from loss import add_loss_args, loss_settings_from_args
+from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
 from router.config import add_router_args, router_config_from_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
@@ -157,12 +157,12 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     if a.fifo_window is None:
         f.note("fifo_window", data_worker.fifo_window, f"2 x groups per step (B = {b})")
     _raise_all(_schedule_errors(a, data_worker))
-    _derive_trainer(f, data_worker, embedded=embedded)
-    trainer = trainer_config_from_args(a)
-    _check_model(trainer, env.model, hf_checkpoint=a.hf_checkpoint)
     loss = loss_settings_from_args(a, default_loss_scale_factor=float(rollout.max_response_len))
     for flag, value, why in loss.derived:
         f.derived[flag] = Derived(value, why)
+    _derive_trainer(f, data_worker, embedded=embedded, loss_name=loss.loss.name)
+    trainer = trainer_config_from_args(a)
+    _check_model(trainer, env.model, hf_checkpoint=a.hf_checkpoint)
     trainer = dataclasses.replace(trainer, loss=loss.loss, temperature=rollout.temperature)
     colocate, trainer_cores, rollout_cores = _placement(f, env)
     _derive_warmstart(f, embedded=embedded)
@@ -244,13 +244,19 @@ def _schedule_errors(a: argparse.Namespace, dw: DataWorkerConfig) -> list[str]:
     return errors
 
 
-def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool) -> None:
-    """Run-kind defaults (see `trainer.config.EMBEDDED_RUN`) and the snapshot count."""
+def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool, loss_name: str) -> None:
+    """Run-kind defaults (see `trainer.config.EMBEDDED_RUN`) and the snapshot count. Snapshots
+    are kept by default only for a loss that reads π_j^Meg (its `LossNeeds`)."""
     a = f.args
     kind = "the embedded default run" if embedded else "a run with --hf-checkpoint/--prompt-data"
+    reads_behavior = resolve_loss_spec(loss_name).needs.behavior_logprobs
     for dest, value in run_kind_defaults(embedded=embedded).items():
         aliased = dest == "routing_replay" and a.use_rollout_routing_replay
-        if f.unset(dest) and not aliased:
+        if not f.unset(dest) or aliased:
+            continue
+        if dest == "keep_old_actor" and value and not reads_behavior:
+            f.fill(dest, False, f"--loss {loss_name} does not read pi_j^Meg snapshots")
+        else:
             f.fill(dest, value, f"default of {kind}")
     if not a.keep_old_actor:
         return  # no snapshots are kept, so --max-snapshots has nothing to size

@@ -258,3 +258,13 @@ def test_record_config_logs_derived_values_once_and_saves_them(tmp_path, caplog)
         saved["derived"]["--routing-replay"]["value"] == saved["trainer"]["routing_replay"] == "r3"
     )
     assert saved["trainer"]["max_snapshots"] == 5 and saved["data_worker"]["max_staleness"] == 2
+
+
+def test_snapshots_are_kept_by_default_only_for_a_loss_that_reads_them():
+    compis = _cfg()
+    assert compis.trainer.keep_old_actor and "--keep-old-actor" in compis.derived
+    ppo = _cfg("--loss", "ppo")
+    assert not ppo.trainer.keep_old_actor
+    assert "does not read" in ppo.derived["--keep-old-actor"].why
+    forced = _cfg("--loss", "ppo", "--keep-old-actor")  # the user's choice stands
+    assert forced.trainer.keep_old_actor and "--keep-old-actor" not in forced.derived
