@@ -213,13 +213,6 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="Checkpoint every N steps (0: only at the end, when --save is given).",
     )
-    g.add_argument("--num-engines", type=int, default=1, help="Rollout engines.")
-    g.add_argument(
-        "--engine-backend",
-        choices=["embedded", "sglang"],
-        default="embedded",
-        help="Embedded engine (CPU/any device) or SGLang servers (GPU).",
-    )
     g.add_argument(
         "--engine-dtype",
         choices=["bf16", "fp32"],

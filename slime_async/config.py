@@ -23,6 +23,7 @@ from router.config import RouterConfig, add_router_args
 from router.config import config_from_args as router_config_from_args
 from slime_async.args import add_async_args, add_loss_args, add_rollout_args, add_run_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
+from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
 from slime_async.rollout.config import RolloutConfig
 from slime_async.supervisor import SupervisorConfig
@@ -41,10 +42,8 @@ class RunConfig:
     """Push weights to the engines every this many train steps."""
     save_interval: int
     """Checkpoint every this many train steps (0: only at the end)."""
-    num_engines: int
-    """Embedded engines (CPU) or SGLang servers (GPU)."""
-    engine_backend: str
-    """'embedded' (any device) or 'sglang' (GPU servers)."""
+    engines: EngineFleetConfig
+    """The rollout engines: backend, count, URLs to attach."""
     colocate: bool
     """Share all cores between trainer and engines instead of pinning them to disjoint cores."""
     trainer_cores: tuple[int, ...]
@@ -76,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_run_args(parser)
+    EngineFleetConfig.add_args(parser)
     add_rollout_args(parser)
     add_async_args(parser)
     add_loss_args(parser)
@@ -160,8 +160,6 @@ def validate(args: argparse.Namespace) -> RunConfig:
         errors.append(
             "--colocate shares all cores; do not also pass --trainer-cores/--rollout-cores"
         )
-    if args.num_engines < 1:
-        errors.append("--num-engines must be >= 1")
     if args.eval_interval < 0 or args.eval_prompts < 0:
         errors.append("--eval-interval and --eval-prompts must be >= 0")
     if errors:
@@ -263,8 +261,7 @@ def validate(args: argparse.Namespace) -> RunConfig:
         num_steps=num_steps,
         update_weights_interval=args.update_weights_interval,
         save_interval=args.save_interval,
-        num_engines=args.num_engines,
-        engine_backend=args.engine_backend,
+        engines=EngineFleetConfig.from_args(args),
         colocate=colocate,
         trainer_cores=trainer_cores,
         rollout_cores=rollout_cores,
