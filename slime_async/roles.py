@@ -25,7 +25,7 @@ import ray
 from router.client import RouterClient
 from router.config import RouterConfig
 from slime_async.contracts.engine import EngineBackend, EngineHandle, EngineLaunch
-from slime_async.cores import pin_cores
+from slime_async.host import pin_cores
 
 log = logging.getLogger(__name__)
 

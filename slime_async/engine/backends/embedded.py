@@ -12,10 +12,10 @@ from typing import ClassVar
 import ray
 
 from slime_async.contracts.engine import EngineLaunch, EngineNeeds
-from slime_async.cores import pin_cores
 from slime_async.engine.backends.config import launch_engine_config
 from slime_async.engine.backends.ray_actor import RayActorBackend
 from slime_async.engine.config import EngineConfig
+from slime_async.host import pin_cores
 
 
 @ray.remote(num_cpus=0)

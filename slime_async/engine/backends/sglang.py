@@ -40,7 +40,7 @@ class SGLangActor:
     """Launches and owns one SGLang server process group."""
 
     def __init__(self, engine: EngineConfig, launch: EngineLaunch) -> None:
-        from slime_async.trainer.parallel import free_port
+        from slime_async.host import free_port
 
         self._server = SGLangServer(sglang_config(engine, launch, port=free_port()))
 

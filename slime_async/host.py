@@ -1,12 +1,13 @@
-"""CPU core pinning for the processes of a run (the CPU analogue of separate GPU pools).
+"""Host-level helpers for the processes of a run, shared by roles, trainer and engine backends.
 
-Owns `pin_cores`: used by the roles (trainer actor) and by engine backends inside the engine's
-own process. Imports nothing from slime_async.
+Owns `pin_cores` (CPU core pinning inside a process: the CPU analogue of separate GPU pools) and
+`free_port` (a free local TCP port). Imports nothing from slime_async.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 
 
 def pin_cores(cores: tuple[int, ...]) -> None:
@@ -22,3 +23,10 @@ def pin_cores(cores: tuple[int, ...]) -> None:
     import torch
 
     torch.set_num_threads(len(cores))
+
+
+def free_port() -> int:
+    """An ephemeral loopback TCP port (a rendezvous or server port on this host)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
