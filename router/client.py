@@ -130,10 +130,13 @@ class RouterClient:
         """Fan out `/continue_generation`."""
         return await self.fan_out("/continue_generation", {})
 
-    async def update_weights_from_disk(self, model_path: str, *, weight_version: int) -> dict:
-        """Fan out `/update_weights_from_disk` tagging the engines with `str(weight_version)`."""
+    async def update_weights_from_disk(
+        self, model_path: str, *, weight_version: int, strict: bool = False
+    ) -> dict:
+        """Fan out `/update_weights_from_disk` tagging the engines with `str(weight_version)`
+        (`strict`: any engine that failed raises, see `fan_out`)."""
         body = {"model_path": model_path, "weight_version": str(weight_version)}
-        return await self.fan_out("/update_weights_from_disk", body)
+        return await self.fan_out("/update_weights_from_disk", body, strict=strict)
 
     async def update_weight_version(self, weight_version: int) -> dict:
         """Fan out `/update_weight_version` (without aborting requests)."""

@@ -42,6 +42,11 @@ def _engine_ok(status: int, body: object) -> bool:
     return not (isinstance(body, dict) and body.get("success") is False)
 
 
+def _reachable(status: int | None) -> bool:
+    """The engine answered the call itself (no transport failure, no 5xx)."""
+    return status is not None and status < 500
+
+
 def _decode(data: bytes) -> object:
     if not data:
         return None
@@ -107,9 +112,12 @@ class ControlFanout:
     async def fan_out(self, method: str, path: str, path_qs: str, body: bytes) -> dict:
         """Call `path_qs` on every registered engine; return the fan-out reply dict.
 
-        Quarantines engines that failed at the transport level or with a 5xx. For weight
-        calls it also quarantines engines that refused while others succeeded (they would
-        serve stale weights); if every engine refused, nothing changed and none is quarantined.
+        Quarantines engines that failed at the transport level or with a 5xx. A weight call
+        becomes the fleet's weights (logged, replayed on engines that missed it) when some
+        engine took it, or when no engine could be reached at all (every engine down: those that
+        come back must load it, not older weights); engines that refused it while it became the
+        fleet's weights are quarantined too (they would serve stale weights). If every reachable
+        engine refused, nothing changed and none is quarantined for it.
         """
         workers = [w for w in self.registry.all() if w.state is not WorkerState.REMOVED]
         self.fanouts += 1
@@ -117,18 +125,20 @@ class ControlFanout:
         results: dict[str, dict] = {}
         failed: list[dict] = []
         any_ok = any(o["success"] for o in outcomes)
-        if path in WEIGHT_PATHS and any_ok:
+        refused = any(not o["success"] and _reachable(o["status"]) for o in outcomes)
+        applies = path in WEIGHT_PATHS and bool(workers) and (any_ok or not refused)
+        if applies:
             self.registry.weight_generation += 1
             gen = self.registry.weight_generation
             self._weight_log[path] = (gen, method, path_qs, body)
         for w, o in zip(workers, outcomes):
             results[w.id] = o
             if o["success"]:
-                if path in WEIGHT_PATHS and any_ok:
+                if applies:
                     w.weight_generation = self.registry.weight_generation
                 continue
-            transport = o["status"] is None or o["status"] >= 500
-            out_of_sync = path in WEIGHT_PATHS and any_ok
+            transport = not _reachable(o["status"])
+            out_of_sync = applies
             if transport or out_of_sync:
                 why = f"{path} failed: {o['error']}"
                 w.total_failures += 1
@@ -179,9 +189,12 @@ class ControlFanout:
                 "error": f"{type(e).__name__}: {e}",
             }
 
-    async def catch_up(self, w: Worker) -> bool:
-        """Replay the weight calls `w` missed (in order); True if it is now in sync."""
-        missed = sorted(e for e in self._weight_log.values() if e[0] > w.weight_generation)
+    async def catch_up(self, w: Worker, *, replay_all: bool = False) -> bool:
+        """Replay the weight calls `w` missed (in order; `replay_all`: every logged one, for an
+        engine that may have restarted and lost them); True if it is now in sync."""
+        missed = sorted(
+            e for e in self._weight_log.values() if replay_all or e[0] > w.weight_generation
+        )
         for _gen, method, path_qs, body in missed:
             o = await self._call(w, method, path_qs, body)
             if not o["success"]:

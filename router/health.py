@@ -27,7 +27,7 @@ class HealthMonitor:
         cfg: RouterConfig,
         registry: WorkerRegistry,
         session: Callable[[], aiohttp.ClientSession],
-        catch_up: Callable[[Worker], Awaitable[bool]],
+        catch_up: Callable[..., Awaitable[bool]],
     ) -> None:
         self.cfg = cfg
         self.registry = registry
@@ -90,9 +90,12 @@ class HealthMonitor:
             self.probe_failures += 1
             self.registry.record_failure(w, err)
             return False
+        returning = w.state is WorkerState.QUARANTINED
         if self.registry.record_success(w, admit=False):
-            behind = w.weight_generation < self.registry.weight_generation
-            if behind and not await self._catch_up(w):
+            # A returning engine may be a restarted process that lost its weights without
+            # missing a call: it gets every logged weight call replayed, not just the missed.
+            behind = returning or w.weight_generation < self.registry.weight_generation
+            if behind and not await self._catch_up(w, replay_all=returning):
                 self.registry.quarantine(w, "weight catch-up failed on re-admission")
                 w.consecutive_successes = 0
                 return False

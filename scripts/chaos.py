@@ -72,9 +72,13 @@ def audit(run_dir: Path, ckpt: Path) -> dict:
 
 
 def kill_engine(run_dir: Path) -> bool:
+    """SIGKILL one engine the run owns (pids of attached external engines are null: skipped)."""
     try:
         pids = json.loads((run_dir / "roles.json").read_text())["engine_pids"]
-        os.kill(random.choice(pids), signal.SIGKILL)
+        owned = [p for p in pids if isinstance(p, int)]
+        if not owned:
+            return False
+        os.kill(random.choice(owned), signal.SIGKILL)
         return True
     except (OSError, ValueError, KeyError):
         return False

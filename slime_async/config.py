@@ -30,6 +30,7 @@ from data_worker.config import DataWorkerConfig, add_data_worker_args, data_work
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
 from router.config import add_router_args, router_config_from_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
+from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
 from slime_async.rollout.config import RolloutConfig, add_rollout_args, rollout_config_from_args
 from slime_async.run_config import (
@@ -37,7 +38,6 @@ from slime_async.run_config import (
     Derived,
     Environment,
     RunConfig,
-    add_engine_backend_args,
     add_placement_args,
     add_run_args,
     run_default,
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_args(parser)
     add_placement_args(parser)
-    add_engine_backend_args(parser)
+    EngineFleetConfig.add_args(parser)
     add_rollout_args(parser)
     add_data_worker_args(parser)
     add_loss_args(parser)
@@ -164,6 +164,10 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     trainer = trainer_config_from_args(a)
     _check_model(trainer, env.model, hf_checkpoint=a.hf_checkpoint)
     trainer = dataclasses.replace(trainer, loss=loss.loss, temperature=rollout.temperature)
+    engines = EngineFleetConfig.from_args(a)
+    if f.unset("num_engines"):
+        why = "one per --engine-urls URL" if engines.urls else "the default"
+        f.note("num_engines", engines.num_engines, why)
     colocate, trainer_cores, rollout_cores = _placement(f, env)
     _derive_warmstart(f, embedded=embedded)
     return RunConfig(
@@ -171,8 +175,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         num_steps=a.num_steps,
         update_weights_interval=a.update_weights_interval,
         save_interval=a.save_interval,
-        num_engines=a.num_engines,
-        engine_backend=a.engine_backend,
+        engines=engines,
         colocate=colocate,
         trainer_cores=trainer_cores,
         rollout_cores=rollout_cores,
@@ -201,7 +204,7 @@ def _run_errors(a: argparse.Namespace) -> list[str]:
     errors = []
     if a.num_steps is not None and a.num_rollout is not None:
         errors.append("give either --num-steps or --num-rollout, not both")
-    for flag in ("num_steps", "num_rollout", "update_weights_interval", "num_engines"):
+    for flag in ("num_steps", "num_rollout", "update_weights_interval"):
         value = getattr(a, flag)
         if value is not None and value < 1:
             errors.append(f"--{flag.replace('_', '-')} must be >= 1")
@@ -211,8 +214,9 @@ def _run_errors(a: argparse.Namespace) -> list[str]:
             errors.append(f"--{flag.replace('_', '-')} must be >= 0")
     if a.router_worker_urls:  # the launcher registers exactly the engines it starts
         errors.append(
-            "--router-worker-urls cannot apply to train_async.py: the run registers the engines "
-            "it starts (see --num-engines) with its router; drop the flag"
+            "--router-worker-urls cannot apply to train_async.py: the run registers its engines "
+            "with its router itself; drop the flag (to attach servers that are already running, "
+            "use --engine-backend external --engine-urls URL,...)"
         )
     return errors
 

@@ -4,8 +4,11 @@ Owns `setup_run` (prompt source and rewards, warm start, Ray roles in the right 
 and `Run` (weight push, evaluation, checkpoint, logging, timing, shutdown). Order matters:
 the trainer comes up first (fresh, from an HF directory, or resumed from `--load` through the
 guarded checkpoint loader), then its weights are exported and the engines start *from that
-export*, so engines and trainer always begin on identical weights at the same version, and a
-resume can never serve anything but the loaded weights.
+export* (engines a backend attaches instead of starting, `--engine-backend external`, load it
+through the weight transport before anything generates), so engines and trainer always begin on
+identical weights at the same version, and a resume can never serve anything but the loaded
+weights. The engine backend is built from the registry here and checked (`preflight`) before
+anything expensive starts.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep
 from slime_async.config import RunConfig
+from slime_async.contracts.engine import EngineBackend
 from slime_async.contracts.rollout import Batch, GenerationRequest, Group
+from slime_async.engine.backends import get_engine_backend
 from slime_async.metrics import MetricsLogger
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate
@@ -87,10 +92,12 @@ class Run:
         raise EnginesDownError(self.supervisor.reason)
 
     async def write_roles(self) -> None:
-        """`run_dir/roles.json`: live pids (driver, engines) for operators and chaos tests."""
+        """`run_dir/roles.json`: live pids (driver, engines) for operators and chaos tests; an
+        engine's pid is null where the run does not own its process (external backend)."""
         roles = {
             "driver_pid": os.getpid(),
-            "engine_pids": await self.cluster.engine_pids(),
+            "engine_backend": self.cfg.engines.backend,
+            "engine_pids": self.cluster.engine_pids,
             "engine_urls": self.cluster.engine_urls,
             "router_url": self.cluster.router_url,
         }
@@ -207,6 +214,8 @@ def _ledger_step(line: str) -> float:
 async def setup_run(cfg: RunConfig) -> Run:
     """Bring every role up and restore state when resuming."""
     record_config(cfg)
+    backend = get_engine_backend(cfg.engines.backend)(cfg.engines, cfg.engine)
+    await backend.preflight()  # e.g. attached URLs answer: fail in seconds, before the trainer
     r = cfg.rollout
     plan = make_data_plan(seed=cfg.seed, prompt_data=r.prompt_data,
                           hf_checkpoint=cfg.trainer.hf_checkpoint, input_key=r.input_key,
@@ -249,17 +258,11 @@ async def setup_run(cfg: RunConfig) -> Run:
             )
         _truncate_ledger(cfg.run_dir / "trained.jsonl", keep_through=start_step)
 
-    # the engines start from the trainer's own export: identical weights, same version
+    # the engines start from (attached ones: load) the trainer's own export: identical weights
     weights_root = cfg.run_dir / "weights"
     first = weights_root / f"v{version:06d}"
     await asyncio.to_thread(trainer.save_weights, first)
-    engine_cfg = dataclasses.replace(
-        cfg.engine, model_dir=str(first.resolve()), weight_version=str(version)
-    )
-    cluster = await Cluster.start(engine_cfg=engine_cfg, num_engines=cfg.num_engines,
-                                  router_cfg=cfg.router, rollout_cores=cfg.rollout_cores,
-                                  backend=cfg.engine_backend)  # fmt: skip
-    transport = DiskTransport(weights_root, trainer=trainer, control=cluster.control)
+    cluster, transport = await _start_engines(cfg, backend, trainer, first=first, version=version)
 
     client = GenerateClient(
         GenerateClientConfig(
@@ -301,6 +304,27 @@ async def setup_run(cfg: RunConfig) -> Run:
     supervisor.start()
     await run.write_roles()
     return run
+
+
+async def _start_engines(
+    cfg: RunConfig, backend: EngineBackend, trainer: TrainerGroup, *, first: Path, version: int
+) -> tuple[Cluster, DiskTransport]:
+    """Engines on the trainer's export `first` of `version`, a router in front, the weight transport.
+    Engines a backend attaches (instead of starting them on that export) get `version` pushed
+    through the transport before anything generates, so every engine begins on it."""
+    cluster = await Cluster.start(backend=backend, num_engines=cfg.engines.num_engines,
+                                  model_dir=first.resolve(), version=version,
+                                  seed=cfg.engine.seed, router_cfg=cfg.router,
+                                  rollout_cores=cfg.rollout_cores)  # fmt: skip
+    transport = DiskTransport(first.parent, trainer=trainer, control=cluster.control)
+    if not backend.needs.model_dir:
+        try:
+            await transport.load(version)
+        except BaseException:
+            await cluster.stop()
+            raise
+        log.info("engines attached and serving the trainer's weights v%d", version)
+    return cluster, transport
 
 
 def _json_value(obj: object) -> object:

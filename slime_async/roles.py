@@ -1,11 +1,14 @@
-"""Ray roles of a run: engine actors, the router actor, and their start/stop.
+"""Ray roles of a run: the router actor, core pinning, and the handle set the controller holds.
 
-Owns `EngineActor`, `RouterActor`, `pin_cores` and `Cluster` (the handles the controller
-holds: engine actors, router URL + client, trainer actor). Every actor is created with
-`num_cpus=0`: on a 2-core node three `num_cpus=1` actors never schedule and `ray.get` hangs
-silently (cpu-stack.md §4). Cores are given out explicitly instead, by `os.sched_setaffinity`
-inside the actor: the CPU analogue of separate rollout and training GPU pools.
-Never imports the controller.
+Owns `RouterActor`, `init_ray`, `pin_actor` and `Cluster` (the run's engines as backend handles,
+the router URL + client). Engines are started, checked, replaced and stopped only through the
+engine backend protocol (`slime_async.contracts.engine`); which backend runs them (embedded Ray
+actors, SGLang servers, attached external servers, a plugin) is chosen by the caller from the
+registry in `slime_async.engine.backends`. Every actor is created with `num_cpus=0`: on a
+2-core node three `num_cpus=1` actors never schedule and `ray.get` hangs silently
+(cpu-stack.md §4). Cores are given out explicitly instead (`pin_cores` inside the process): the
+CPU analogue of separate rollout and training GPU pools.
+Never imports the controller, the supervisor or a backend implementation.
 """
 
 from __future__ import annotations
@@ -21,24 +24,13 @@ import ray
 
 from router.client import RouterClient
 from router.config import RouterConfig
-from slime_async.engine.config import EngineConfig
+from slime_async.contracts.engine import EngineBackend, EngineHandle, EngineLaunch
+from slime_async.host import pin_cores
 
 log = logging.getLogger(__name__)
 
-
-def pin_cores(cores: tuple[int, ...]) -> None:
-    """Restrict every thread of this process (and threads started later) to `cores`, and size
-    torch's intra-op pool to match."""
-    if not cores:
-        return
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), set(cores))
-        except (ProcessLookupError, PermissionError):  # thread exited meanwhile
-            continue
-    import torch
-
-    torch.set_num_threads(len(cores))
+REPLACE_STOP_TIMEOUT_S = 5.0
+"""A replaced engine (dead or wedged) gets this long to stop before it is killed."""
 
 
 def _pin_actor(_actor: object, cores: tuple[int, ...]) -> int:
@@ -49,71 +41,6 @@ def _pin_actor(_actor: object, cores: tuple[int, ...]) -> int:
 async def pin_actor(actor: ray.actor.ActorHandle, cores: tuple[int, ...]) -> int:
     """Pin a running actor's process to `cores` (works for any actor class); returns its pid."""
     return await actor.__ray_call__.remote(_pin_actor, cores)
-
-
-@ray.remote(num_cpus=0)
-class EngineActor:
-    """An embedded engine served from inside a Ray actor (its own thread + event loop)."""
-
-    def __init__(self, cfg: EngineConfig, cores: tuple[int, ...] = ()) -> None:
-        pin_cores(cores)
-        from slime_async.engine import EngineServer
-
-        self._server = EngineServer(cfg)
-
-    def start(self) -> str:
-        return self._server.start()
-
-    def stop(self) -> None:
-        self._server.stop()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-@ray.remote(num_cpus=0)
-class SGLangActor:
-    """A real SGLang server (GPUs) launched and owned by a Ray actor; Ray's GPU assignment
-    (`CUDA_VISIBLE_DEVICES`) gives each engine its own devices. Exercised only where GPUs exist."""
-
-    def __init__(self, cfg: EngineConfig, cores: tuple[int, ...] = ()) -> None:
-        del cores
-        from slime_async.engine.sglang import SGLangConfig, SGLangServer
-        from slime_async.trainer.parallel import free_port
-
-        if cfg.model_dir is None:
-            raise ValueError("the sglang backend serves an HF directory: model_dir is required")
-        self._server = SGLangServer(
-            SGLangConfig(
-                model_path=cfg.model_dir,
-                host=cfg.host,
-                port=free_port(),
-                random_seed=cfg.seed,
-                weight_version=cfg.weight_version,
-                max_running_requests=cfg.max_running_requests,
-                context_length=cfg.context_length,
-                enable_return_routed_experts=True,
-                skip_tokenizer_init=True,
-            )
-        )
-
-    def start(self) -> str:
-        return self._server.start()
-
-    def stop(self) -> None:
-        self._server.stop()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-def engine_actor(backend: str, cfg: EngineConfig, cores: tuple[int, ...]) -> ray.actor.ActorHandle:
-    """Start one engine actor of `backend` ('embedded' on any device, 'sglang' on one GPU)."""
-    if backend == "sglang":
-        return SGLangActor.options(num_gpus=1).remote(cfg, cores)
-    if backend != "embedded":
-        raise ValueError(f"unknown engine backend {backend!r}; use 'embedded' or 'sglang'")
-    return EngineActor.remote(cfg, cores)
 
 
 @ray.remote(num_cpus=0)
@@ -148,80 +75,115 @@ def init_ray(*, num_cpus: int | None = None) -> None:
 
 @dataclasses.dataclass(kw_only=True)
 class Cluster:
-    """Live handles of one run's roles."""
+    """Live handles of one run's roles: the engines (through their backend) and the router."""
 
-    engines: list[ray.actor.ActorHandle]
-    engine_urls: list[str]
+    backend: EngineBackend
+    engines: list[EngineHandle]
     router: ray.actor.ActorHandle
     router_url: str
     control: RouterClient
-    engine_cfg: EngineConfig
     engine_cores: list[tuple[int, ...]]
-    backend: str
+    seed: int
+    """Base sampling seed; engine i starts with `seed + 1000 i` (restarts add `7 (version + 1)`)."""
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [h.url for h in self.engines]
+
+    @property
+    def engine_pids(self) -> list[int | None]:
+        """Pid serving each engine; None where the backend owns no local process (external)."""
+        return [h.pid for h in self.engines]
 
     @classmethod
     async def start(
         cls,
         *,
-        engine_cfg: EngineConfig,
+        backend: EngineBackend,
         num_engines: int,
+        model_dir: str | Path,
+        version: int,
+        seed: int,
         router_cfg: RouterConfig,
         rollout_cores: tuple[int, ...],
-        backend: str = "embedded",
     ) -> Cluster:
-        """Start `num_engines` engines (cores split between them) and a router in front."""
-        engines, per = [], _split(rollout_cores, num_engines)
-        for i in range(num_engines):
-            cfg = dataclasses.replace(engine_cfg, seed=engine_cfg.seed + 1000 * i)
-            engines.append(engine_actor(backend, cfg, per[i]))
-        urls = list(await asyncio.gather(*(e.start.remote() for e in engines)))
-        rcfg = dataclasses.replace(router_cfg, worker_urls=tuple(urls))
-        router = RouterActor.remote(rcfg)
-        router_url = await router.start.remote()
-        log.info("engines %s behind router %s", urls, router_url)
+        """Start `num_engines` engines on `model_dir` (weights of `version`; cores split between
+        them) and a router in front. Nothing is left running if any part fails."""
+        per = _split(rollout_cores, num_engines)
+        launches = [
+            EngineLaunch(index=i, model_dir=str(model_dir), weight_version=version,
+                         seed=seed + 1000 * i, cores=per[i])
+            for i in range(num_engines)
+        ]  # fmt: skip
+        results = await asyncio.gather(
+            *(backend.start(x) for x in launches), return_exceptions=True
+        )
+        engines = [r for r in results if isinstance(r, EngineHandle)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        router = None
+        try:
+            if errors:
+                raise errors[0]
+            rcfg = dataclasses.replace(router_cfg, worker_urls=tuple(h.url for h in engines))
+            router = RouterActor.remote(rcfg)
+            router_url = await router.start.remote()
+        except BaseException:
+            await asyncio.gather(*(backend.stop(h) for h in engines), return_exceptions=True)
+            if router is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(router)
+            raise
+        log.info("engines %s behind router %s", [h.identity for h in engines], router_url)
         return cls(
+            backend=backend,
             engines=engines,
-            engine_urls=urls,
             router=router,
             router_url=router_url,
             control=RouterClient(router_url, token=rcfg.auth_token),
-            engine_cfg=engine_cfg,
             engine_cores=per,
-            backend=backend,
+            seed=seed,
         )
+
+    async def engine_alive(self, i: int) -> bool:
+        """Whether engine `i` still exists as far as its backend can tell."""
+        return await self.backend.alive(self.engines[i])
 
     async def replace_engine(self, i: int, *, model_dir: Path, version: int) -> str:
-        """Kill engine `i` and start a new one on `model_dir` (serving `version`); the router
-        learns about it only once it is up, then forgets the old one. Returns the new url."""
-        old_url, old = self.engine_urls[i], self.engines[i]
-        with contextlib.suppress(Exception):
-            ray.kill(old)
-        cfg = dataclasses.replace(
-            self.engine_cfg,
-            model_dir=str(model_dir),
-            weight_version=str(version),
-            seed=self.engine_cfg.seed + 1000 * i + 7 * (version + 1),
-        )
-        actor = engine_actor(self.backend, cfg, self.engine_cores[i])
-        url = await actor.start.remote()
-        await self.control.add_worker(url, wait_healthy_s=60.0)
+        """Stop engine `i` and start a new one on `model_dir` (serving `version`); the router
+        learns about it only once it is up (weight calls it missed replayed), then forgets the
+        old one. Returns the new url. Raises for a backend that cannot restart engines."""
+        if not self.backend.can_restart:
+            raise RuntimeError(
+                f"engine backend {type(self.backend).__name__} cannot restart engines"
+            )
+        old = self.engines[i]
+        await self.backend.stop(old, timeout_s=REPLACE_STOP_TIMEOUT_S)
+        launch = EngineLaunch(index=i, model_dir=str(model_dir), weight_version=version,
+                              seed=self.seed + 1000 * i + 7 * (version + 1),
+                              cores=self.engine_cores[i])  # fmt: skip
+        new = await self.backend.start(launch)
+        try:
+            await self.control.add_worker(new.url, wait_healthy_s=60.0)
+        except BaseException:  # never leave a half-registered replacement behind
+            with contextlib.suppress(Exception):
+                await self.control.remove_worker(new.url)
+            await self.backend.stop(new, timeout_s=REPLACE_STOP_TIMEOUT_S)
+            raise
         with contextlib.suppress(KeyError):
-            await self.control.remove_worker(old_url)
-        self.engines[i], self.engine_urls[i] = actor, url
-        return url
-
-    async def engine_pids(self) -> list[int]:
-        return list(await asyncio.gather(*(e.pid.remote() for e in self.engines)))
+            await self.control.remove_worker(old.url)
+        self.engines[i] = new
+        return new.url
 
     async def stop(self) -> None:
+        """Stop the router and every engine the backend owns (bounded; never hangs)."""
         await self.control.close()
-        for call in (self.router.stop.remote(), *(e.stop.remote() for e in self.engines)):
-            try:
-                await asyncio.wait_for(call, 30)
-            except Exception as e:  # shutting down: report, never hang
-                log.warning("role did not stop cleanly: %s", e)
-        for actor in (self.router, *self.engines):
-            ray.kill(actor)
+        try:
+            await asyncio.wait_for(self.router.stop.remote(), 30)
+        except Exception as e:  # shutting down: report, never hang
+            log.warning("router did not stop cleanly: %s", e)
+        await asyncio.gather(*(self.backend.stop(h) for h in self.engines), return_exceptions=True)
+        with contextlib.suppress(Exception):
+            ray.kill(self.router)
 
 
 def _split(cores: tuple[int, ...], n: int) -> list[tuple[int, ...]]:

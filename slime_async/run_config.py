@@ -3,7 +3,7 @@
 Owns: `RunConfig` (the run-level settings plus one config object per component; every run-level
 default lives here), `Derived` (a value the run chose for a flag the user left unset, and why),
 `Environment` (facts from outside the flags), and the run's flag groups (`add_run_args`,
-`add_placement_args`, `add_engine_backend_args`). Building and checking a `RunConfig` is
+`add_placement_args`). Building and checking a `RunConfig` is
 `slime_async.config`'s job. Imports only component config modules and contracts.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 from data_worker.config import DataWorkerConfig
 from router.config import RouterConfig
 from slime_async.contracts.model import ModelSpec
+from slime_async.engine.backends.config import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
 from slime_async.rollout.config import RolloutConfig
 from slime_async.supervisor import SupervisorConfig
@@ -58,10 +59,8 @@ class RunConfig:
     """Push weights to the engines every this many train steps."""
     save_interval: int = 0
     """Checkpoint every this many train steps (0: only at the end)."""
-    num_engines: int = 1
-    """Embedded engines (CPU) or SGLang servers (GPU)."""
-    engine_backend: str = "embedded"
-    """'embedded' (any device) or 'sglang' (GPU servers)."""
+    engines: EngineFleetConfig = dataclasses.field(default_factory=EngineFleetConfig)
+    """The rollout engines: backend, count, URLs to attach (flags owned by the backends)."""
     colocate: bool = False
     """Share all cores between trainer and engines instead of pinning them to disjoint cores."""
     trainer_cores: tuple[int, ...] = ()
@@ -156,18 +155,4 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-cores",
         default=None,
         help="Comma-separated CPU cores for the engines (default: second half).",
-    )
-
-
-def add_engine_backend_args(parser: argparse.ArgumentParser) -> None:
-    """Which engines serve the rollouts, and how many."""
-    g = parser.add_argument_group("engines")
-    g.add_argument(
-        "--num-engines", type=int, default=run_default("num_engines"), help="Rollout engines."
-    )
-    g.add_argument(
-        "--engine-backend",
-        choices=["embedded", "sglang"],
-        default=run_default("engine_backend"),
-        help="Embedded engine (CPU/any device) or SGLang servers (GPU).",
     )

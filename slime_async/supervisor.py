@@ -2,15 +2,25 @@
 
 Owns `SupervisorConfig` and its flags, `EngineSupervisor` and `EnginesDownError`. The router
 already keeps requests safe while an engine is sick (quarantine after failed probes, retries of
-requests that never got a byte, requests wait for a healthy engine); this loop repairs the fleet:
+requests that never got a byte, requests wait for a healthy engine); this loop repairs the fleet
+through the engine backend (`Cluster.backend`, the protocol in `slime_async.contracts.engine`):
 
-* an engine whose Ray actor is dead is replaced at once; one the router has marked unhealthy for
-  longer than `restart_after_s` (hung, or serving errors) is killed and replaced;
+* with a backend that can restart engines (embedded, sglang): an engine its backend reports gone
+  (`alive()` false: actor or server process dead, or wedged) is replaced at once; one the router
+  has marked unhealthy for longer than `restart_after_s` (hung, or serving errors) is stopped and
+  replaced;
 * a replacement starts from the weights the engines currently serve (`current_weights()`: the
   newest pushed directory and its version), and is registered with the router only once it is
-  up, so it never serves stale weights; the dead one is deregistered;
-* with no healthy engine, a clear line is logged every `log_every_s`; after `all_down_timeout_s`
-  `failed` is set with the reason and the controller stops the run with a checkpoint.
+  up (the router replays weight calls it missed before admitting it), so it never serves stale
+  weights; the dead one is deregistered;
+* with a backend that cannot restart engines (external servers): nothing is replaced; an
+  unhealthy engine is reported once, and the router re-admits it (after replaying the weight
+  calls it missed) when its `/health` answers again;
+* either way, with no healthy engine a clear line is logged every `log_every_s`; after
+  `all_down_timeout_s` `failed` is set with the reason and the controller stops the run with a
+  checkpoint (`EnginesDownError`).
+
+Never imports a backend implementation or the controller.
 """
 
 from __future__ import annotations
@@ -23,8 +33,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-
-import ray
 
 from slime_async.roles import Cluster
 
@@ -97,6 +105,7 @@ class EngineSupervisor:
         self.reason = ""
         self.restarts = 0
         self._unhealthy_since: dict[str, float] = {}
+        self._reported: set[str] = set()
         self._all_down_since: float | None = None
         self._last_log = 0.0
         self._task: asyncio.Task | None = None
@@ -122,29 +131,31 @@ class EngineSupervisor:
                 log.warning("engine supervisor check failed: %s", e)
             await asyncio.sleep(self.cfg.interval_s)
 
-    async def _actor_alive(self, i: int) -> bool:
-        try:
-            await asyncio.wait_for(self.cluster.engines[i].pid.remote(), 10.0)
-            return True
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
-            return False
-        except TimeoutError:  # the actor process is wedged
-            return False
-
     async def check(self) -> None:
-        """One pass: find dead/hung engines, replace them, track the all-down timeout."""
+        """One pass: find dead/hung engines, replace them (if the backend can), track the
+        all-down timeout."""
         now = time.monotonic()
-        healthy = {
-            w["url"]: bool(w["is_healthy"]) for w in await self.cluster.control.list_workers()
-        }
+        workers = await self.cluster.control.list_workers()
+        healthy = {w["url"]: bool(w["is_healthy"]) for w in workers}
+        state = {w["url"]: w.get("state") for w in workers}
         for i, url in enumerate(list(self.cluster.engine_urls)):
             if healthy.get(url, False):
                 self._unhealthy_since.pop(url, None)
+                self._reported.discard(url)
                 continue
             since = self._unhealthy_since.setdefault(url, now)
-            dead = not await self._actor_alive(i)
+            if not self.cluster.backend.can_restart:
+                if state.get(url) == "quarantined" and url not in self._reported:
+                    self._reported.add(url)
+                    log.warning(
+                        "engine %d at %s is quarantined; its backend (%s) cannot restart engines: "
+                        "waiting for the router to re-admit it once /health answers again",
+                        i, url, type(self.cluster.backend).__name__,
+                    )  # fmt: skip
+                continue
+            dead = not await self.cluster.engine_alive(i)
             if dead or now - since >= self.cfg.restart_after_s:
-                why = "its actor died" if dead else f"unhealthy for {now - since:.0f}s"
+                why = "its process is gone" if dead else f"unhealthy for {now - since:.0f}s"
                 await self._replace(i, why)
         if any(healthy.get(u, False) for u in self.cluster.engine_urls):
             self._all_down_since = None

@@ -18,6 +18,7 @@ from data_worker.config import DataWorkerConfig
 from router.config import RouterConfig
 from slime_async.config import Environment, build_parser, read_environment, validate
 from slime_async.contracts.model import TINY_MOE, ModelSpec
+from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
 from slime_async.rollout.config import RolloutConfig
 from slime_async.run_config import RunConfig
@@ -82,7 +83,7 @@ def test_slime_names_map_onto_component_configs():
         (["--fifo-window", "2.5"], "whole number"),  # was silently truncated to 2
         (["--keep-old-actor", "--fifo-window", "inf"], "no staleness bound"),
         (["--routing-replay", "r2", "--use-rollout-routing-replay"], "keep one of the two"),
-        (["--router-worker-urls", "http://127.0.0.1:1"], "registers the engines it starts"),
+        (["--router-worker-urls", "http://127.0.0.1:1"], "--engine-backend external --engine-urls"),
     ],
 )
 def test_contradictory_flags_fail_with_an_actionable_message(argv, message):
@@ -186,7 +187,8 @@ def test_read_environment_reads_the_model_and_names_a_bad_checkpoint(tmp_path):
 _OWNERS = {
     "run": (RunConfig, {}, ""),
     "placement": (RunConfig, {}, ""),
-    "engines": (RunConfig, {}, ""),
+    "rollout engines": (EngineFleetConfig, {"engine_backend": "backend", "engine_urls": "urls",
+                                            "engine_attach_timeout": "attach_timeout_s"}, ""),
     "rollout and data": (RolloutConfig, {"rollout_max_response_len": "max_response_len",
                                          "rollout_temperature": "temperature",
                                          "rollout_top_p": "top_p"}, ""),
@@ -228,6 +230,8 @@ def test_every_flag_default_is_its_config_field_default():
             name = renamed.get(action.dest, action.dest.removeprefix(prefix))
             assert name in cls.__dataclass_fields__, f"{action.option_strings} -> {cls.__name__}"
             want, got = _field_default(cls, name), action.default
+            if got is None and want == ():  # a list flag: not given means the empty list
+                continue
             if got is None and want is not None:  # a derived default: validation fills it
                 flag = action.option_strings[0]
                 assert flag in derived, f"{flag} defaults to None but nothing derives it"

@@ -123,6 +123,49 @@ async def test_weight_update_versions_every_engine_and_catches_up_a_restarted_on
             restarted.kill()
 
 
+async def _model_version(s: aiohttp.ClientSession, url: str) -> str:
+    return (await (await s.get(url + "/get_model_info")).json())["weight_version"]
+
+
+@pytest.mark.parametrize("missed_a_push", [True, False])
+async def test_an_engine_restarted_at_its_url_is_readmitted_on_the_newest_weights(
+    missed_a_push: bool,
+) -> None:
+    """The only engine dies. Either a push happens while it is down (it reaches no engine, yet
+    it is what the fleet must serve), or none does (the restarted process still lost v1). The
+    process that comes back at the same URL is re-admitted only after the newest weights are
+    replayed on it."""
+    only = EngineProcess.spawn(count=1, name="first", step_s=0.001)
+    wurl = only.urls[0]
+    router = Router(RouterConfig(worker_urls=(wurl,), health_interval_s=0.1))
+    url = await router.start()
+    restarted = None
+    try:
+        await _wait(lambda: len(router.registry.healthy()) == 1)
+        w = router.registry.find_url(wurl)
+        async with RouterClient(url) as rc, aiohttp.ClientSession() as s:
+            await rc.update_weights_from_disk("/ckpt/v1", weight_version=1)
+            only.kill()
+            await _wait(lambda: w.state is WorkerState.QUARANTINED)
+            newest = "1"
+            if missed_a_push:
+                with pytest.raises(FanoutError, match="0/1 engines succeeded"):
+                    await rc.update_weights_from_disk("/ckpt/v2", weight_version=2)
+                newest = "2"
+            assert router.registry.weight_generation == int(newest)
+            port = int(wurl.rsplit(":", 1)[1])
+            restarted = EngineProcess.spawn(ports=[port], name="second", step_s=0.001)
+            await _wait(lambda: w.state is WorkerState.HEALTHY)
+            assert await _model_version(s, wurl) == newest
+            body = await (await s.post(url + "/generate", json={"text": "x"})).json()
+            assert body["meta_info"]["weight_version"] == newest
+    finally:
+        await router.stop()
+        only.kill()
+        if restarted is not None:
+            restarted.kill()
+
+
 async def test_update_refused_by_every_engine_quarantines_none() -> None:
     engines = await _engines(2)
     router = Router(RouterConfig(worker_urls=tuple(e.url for e in engines), health_interval_s=5))

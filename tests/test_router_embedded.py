@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from router import Router, RouterClient, RouterConfig
+from slime_async.contracts.rollout import decode_routed_experts
 
 engine_mod = pytest.importorskip("slime_async.engine")
 pytestmark = pytest.mark.timeout(180)
@@ -53,7 +54,7 @@ async def test_embedded_engines_behind_the_router(engine_urls) -> None:
                 meta = got["meta_info"]
                 assert meta["weight_version"] == "default"
                 assert [t[1] for t in meta["output_token_logprobs"]] == got["output_ids"]
-                experts = engine_mod.decode_routed_experts(
+                experts = decode_routed_experts(
                     meta["routed_experts"], num_layers=spec.num_layers, topk=spec.moe_topk
                 )
                 assert experts.shape == (len(prompt) + 6 - 1, spec.num_layers, spec.moe_topk)

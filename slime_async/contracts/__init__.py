@@ -8,7 +8,8 @@ internals. What lives where:
   per-token versions (the data worker's types, re-exported), and SGLang's `routed_experts` codec.
 * `batch` — `TrainerBatch`: the padded, token-aligned batch the trainer trains on.
 * `weights` — `HFWeights` (one exported version) and `WeightManifest` (names/dtypes/shapes).
-* `engine` — the engine backend protocol and its registry (embedded, sglang, external).
+* `engine` — the engine backend protocol (`EngineBackend`, `EngineLaunch`, `EngineHandle`,
+  `EngineNeeds`); the registry and the backends live in `slime_async.engine.backends`.
 
 Submodules import only each other, the leaves (`data_worker`, `loss`) and third-party
 libraries; importing this package is cheap (no torch until a submodule that needs it loads).

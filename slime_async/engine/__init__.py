@@ -8,8 +8,11 @@ SGLang servers on GPUs (`slime_async.engine.sglang`). Public surface:
 * `EngineProcess(cfg).start() -> url` / `.stop()` — `python -m slime_async.engine` child process.
 * `SGLangConfig` / `SGLangServer(cfg).start() -> url` / `.stop()` — real SGLang on GPUs.
 
-Must never import the trainer, the controller, Ray, or the leaves' internals. Heavy modules
-(torch, transformers, aiohttp) load lazily on first attribute access.
+The subpackage `backends` (how a run gets its engines: registry, fleet flags, the embedded /
+sglang / external backends) is imported on its own and may use Ray; the engine core may not.
+
+Must never import the trainer, the controller, Ray (outside `backends`), or the leaves'
+internals. Heavy modules (torch, transformers, aiohttp) load lazily on first attribute access.
 """
 
 from __future__ import annotations

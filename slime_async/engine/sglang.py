@@ -160,6 +160,18 @@ class SGLangServer:
     def command(self) -> list[str]:
         return build_command(self.cfg)
 
+    @property
+    def pid(self) -> int:
+        """Pid of the server process (the leader of its process group)."""
+        if self.proc is None:
+            raise RuntimeError("SGLangServer is not started; call start() first")
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        """True while the server process has not exited."""
+        return self.proc is not None and self.proc.poll() is None
+
     def start(self, timeout: float = 900.0) -> str:
         if self.proc is not None:
             raise RuntimeError("SGLangServer already started")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from slime_async.contracts.model import ModelSpec
+from slime_async.host import free_port  # noqa: F401 - the trainer's rendezvous port
 from slime_async.trainer import cpu_compat
 
 
@@ -35,15 +36,6 @@ class ParallelLayout:
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
-
-
-def free_port() -> int:
-    """An ephemeral loopback TCP port (rendezvous for a trainer group on this host)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def resolve_layout(*, world_size: int, tp: int, ep: int, pp: int) -> ParallelLayout:

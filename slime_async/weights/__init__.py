@@ -45,6 +45,12 @@ class DiskTransport:
         await asyncio.to_thread(self.trainer.save_weights, path)
         return path
 
+    async def load(self, version: int) -> None:
+        """Have every engine load the already written version `version`; any engine that
+        fails raises `FanoutError` naming it (attached engines must all begin on it)."""
+        path = self.path(version).resolve()
+        await self.control.update_weights_from_disk(str(path), weight_version=version, strict=True)
+
     async def push(self, version: int) -> dict[str, Any]:
         """Write and load version `version` on every engine; returns timings."""
         t0 = time.perf_counter()

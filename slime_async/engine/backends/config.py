@@ -1,0 +1,142 @@
+"""Configuration of the rollout engine fleet: which backend, how many engines, where they are.
+
+Owns `EngineFleetConfig`, its flags (`EngineFleetConfig.add_args`: `--engine-backend`,
+`--num-engines`, `--engine-urls`, `--engine-attach-timeout`), their parsing
+(`EngineFleetConfig.from_args`) and every rule among them, and `launch_engine_config` (the run's
+`EngineConfig` for one `EngineLaunch`, shared by the backends that run our engine). `--engine-backend` accepts the
+registered names (the registry is the one list of choices) or `MODULE:NAME` for a plugin.
+Nothing is changed behind the user's back: a URL count that disagrees with `--num-engines` is an
+error, not an override. Must never import a backend implementation, Ray or torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from router.config import check_worker_url
+from slime_async.contracts.engine import EngineLaunch
+from slime_async.engine.backends.registry import (
+    available_engine_backends,
+    get_engine_backend,
+    resolve_engine_backend,
+)
+from slime_async.engine.config import EngineConfig
+
+
+def launch_engine_config(engine: EngineConfig, launch: EngineLaunch) -> EngineConfig:
+    """The run's engine config serving `launch.model_dir` at its version, with its seed."""
+    return dataclasses.replace(
+        engine,
+        model_dir=launch.model_dir,
+        weight_version=str(launch.weight_version),
+        seed=launch.seed,
+    )
+
+
+def _backend_arg(value: str) -> str:
+    try:
+        return resolve_engine_backend(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EngineFleetConfig:
+    """The rollout engines of a run."""
+
+    backend: str = "embedded"
+    """Registered engine backend (`embedded`, `sglang`, `external`, or a plugin's name)."""
+    num_engines: int = 1
+    """Engines in the fleet (a URL backend has exactly one per URL)."""
+    urls: tuple[str, ...] = ()
+    """Base URLs of running servers to attach (URL backends such as `external` only)."""
+    attach_timeout_s: float = 30.0
+    """Seconds each attached URL has to answer `/health` and `/model_info`."""
+
+    def __post_init__(self) -> None:
+        backend = get_engine_backend(self.backend)  # unknown names fail with the choices
+        if self.num_engines < 1:
+            raise ValueError(f"--num-engines must be >= 1, got {self.num_engines}")
+        if self.attach_timeout_s <= 0:
+            raise ValueError(f"--engine-attach-timeout must be > 0, got {self.attach_timeout_s}")
+        if not backend.needs.urls:
+            if self.urls:
+                raise ValueError(
+                    f"--engine-urls is for a backend that attaches to running servers, but "
+                    f"--engine-backend is {self.backend!r}: drop --engine-urls, or use "
+                    "--engine-backend external"
+                )
+            return
+        if not self.urls:
+            raise ValueError(
+                f"--engine-backend {self.backend} attaches to servers that are already running: "
+                "give their URLs with --engine-urls http://host:port[,http://host:port...]"
+            )
+        for url in self.urls:
+            if check_worker_url(url) != url:  # raises for what is not http(s)://host:port
+                raise ValueError(f"engine URL {url!r} must not end in '/'")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"--engine-urls lists a server twice: {', '.join(self.urls)}")
+        if self.num_engines != len(self.urls):
+            raise ValueError(
+                f"--num-engines {self.num_engines} does not match the {len(self.urls)} "
+                f"--engine-urls; --engine-backend {self.backend} runs one engine per URL: drop "
+                "--num-engines or list that many URLs"
+            )
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        """The `rollout engines` flag group."""
+        d = EngineFleetConfig()
+        names = ", ".join(available_engine_backends())
+        g = parser.add_argument_group("rollout engines")
+        g.add_argument(
+            "--engine-backend",
+            type=_backend_arg,
+            default=d.backend,
+            metavar="NAME",
+            help=f"How engines run: one of {names} (embedded: CPU/any device in Ray actors; "
+            "sglang: SGLang servers on GPUs; external: attach running servers by URL), or "
+            "MODULE:NAME for a plugin module that registers NAME.",
+        )
+        g.add_argument(
+            "--num-engines",
+            type=int,
+            default=None,
+            help=f"Rollout engines (default: {d.num_engines}; with --engine-urls, one per URL).",
+        )
+        g.add_argument(
+            "--engine-urls",
+            default=None,
+            help="Comma-separated base URLs of SGLang-API servers that are already running "
+            "(--engine-backend external). They are never started or stopped by the run; they "
+            "must be able to read the run directory's weights/ (disk weight transport).",
+        )
+        g.add_argument(
+            "--engine-attach-timeout",
+            type=float,
+            default=d.attach_timeout_s,
+            help="Seconds each --engine-urls server has to answer /health and /model_info.",
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineFleetConfig:
+        """The fleet config of parsed flags (validation errors raise ValueError)."""
+        try:
+            urls = tuple(
+                check_worker_url(u.strip())
+                for u in (args.engine_urls or "").split(",")
+                if u.strip()
+            )
+        except ValueError as e:
+            raise ValueError(f"--engine-urls: {e}") from None
+        num = args.num_engines
+        if num is None:
+            num = len(urls) if urls and get_engine_backend(args.engine_backend).needs.urls else 1
+        return cls(
+            backend=args.engine_backend,
+            num_engines=num,
+            urls=urls,
+            attach_timeout_s=args.engine_attach_timeout,
+        )

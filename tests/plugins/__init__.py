@@ -1,0 +1,1 @@
+"""Test-only plugins, loaded the way users load theirs (`--engine-backend MODULE:NAME`)."""
