@@ -1,0 +1,113 @@
+"""The dependency rules of docs/architecture.md, checked on the import graph.
+
+* The leaves (`loss`, `data_worker`, `router`) import nothing from `slime_async`.
+* Inside `slime_async`, the components (trainer, engine, rollout, weights, metrics) import only
+  the contracts (`slime_async.contracts`), the host helpers (`slime_async.host`) and themselves.
+* No import cycle among the project's modules, `TYPE_CHECKING` imports included.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("slime_async", "loss", "data_worker", "router")
+LEAVES = ("loss", "data_worker", "router")
+COMPONENTS = ("trainer", "engine", "rollout", "weights", "metrics")
+SHARED = ("contracts", "host")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in (ROOT / pkg).rglob("*.py"):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = f
+    return out
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Project modules `name` imports anywhere in its file (functions and TYPE_CHECKING too)."""
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                base = ".".join([*up, base] if base else up)
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {m: _imports(m, p, known) for m, p in known.items()}
+
+
+def test_leaves_never_import_the_orchestrator():
+    bad = [(m, d) for m, deps in _graph().items() if m.split(".")[0] in LEAVES
+           for d in deps if d.split(".")[0] == "slime_async"]  # fmt: skip
+    assert not bad, f"leaf modules importing slime_async: {bad}"
+
+
+def test_components_meet_only_through_the_contracts():
+    bad = []
+    for m, deps in _graph().items():
+        parts = m.split(".")
+        if parts[0] != "slime_async" or len(parts) < 2 or parts[1] not in COMPONENTS:
+            continue
+        for d in deps:
+            dp = d.split(".")
+            if dp[0] == "slime_async" and len(dp) > 1 and dp[1] not in (parts[1], *SHARED):
+                bad.append((m, d))
+    assert not bad, f"a component imports another component's internals: {bad}"
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # a package importing its own submodules (re-exports in __init__) is not a cycle of design
+    for m, deps in graph.items():
+        graph[m] = {d for d in deps if not d.startswith(m + ".") and not m.startswith(d + ".")}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
