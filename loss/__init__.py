@@ -47,6 +47,7 @@ from loss.compis_metrics import compis_metrics
 from loss.corrections import correct, correct_log
 from loss.diagnostics import abs_diff_seq_mean, kl_estimators, percentiles, ratio_stats
 from loss.filters import OffPolicyFilterResult, max_off_policy_filter
+from loss.kl import KLType, kl_penalty
 from loss.named import Registry, load_function
 from loss.ppo import PPOTerms, ppo_core, ppo_surrogate
 from loss.ratios import safe_log_ratio, safe_ratio
@@ -69,6 +70,7 @@ from loss.seq_weights import (
     sequence_is_weights,
     veto_mask,
 )
+from loss.slime_adapter import SLIME_METRIC_KEYS
 from loss.spec import LossNeeds, LossSelection, LossSpec
 from loss.types import (
     AggMode,
@@ -81,10 +83,12 @@ from loss.types import (
     PPOConfig,
     WeightedPPOConfig,
 )
+from loss.vocab_parallel import vocab_parallel_logprobs
 
 __all__ = [
     "DEFAULT_ADVANTAGE_ESTIMATOR",
     "PLUGIN_NEEDS",
+    "SLIME_METRIC_KEYS",
     "AdvantageFn",
     "AggMode",
     "CompISConfig",
@@ -93,6 +97,7 @@ __all__ = [
     "DecoupledPPOConfig",
     "Denom",
     "GSPOConfig",
+    "KLType",
     "LossInputs",
     "LossNeeds",
     "LossOutputs",
@@ -137,6 +142,7 @@ __all__ = [
     "grpo_advantages",
     "gspo_loss",
     "kl_estimators",
+    "kl_penalty",
     "load_function",
     "loss_settings_from_args",
     "m2po_loss",
@@ -164,5 +170,6 @@ __all__ = [
     "single_ratio_loss",
     "slime_compis_loss",
     "veto_mask",
+    "vocab_parallel_logprobs",
     "whiten",
 ]

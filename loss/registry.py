@@ -2,8 +2,9 @@
 
 Owns: `register_loss`, `get_loss`, `get_loss_spec`, `available_losses`, `resolve_loss_spec`
 (a registry name or a dotted path such as `--custom-loss-function-path my_pkg.losses.my_loss`),
-`resolve_loss`, the built-in losses' specs, `compis_config_from_args`, `make_slime_loss` and
-`slime_compis_loss`.
+`resolve_loss` and the built-in losses' specs; re-exports the slime custom-loss adapter
+(`loss.slime_adapter`) so that `--custom-loss-function-path loss.registry.slime_compis_loss`
+keeps working.
 
 A loss is a `LossSpec` (`loss.spec`): `fn(inputs: LossInputs, cfg) -> LossOutputs`, the class
 of `cfg` and the inputs the trainer must compute for it (`LossNeeds`). Built-ins:
@@ -25,22 +26,14 @@ function (treated the same way). For Python callers every built-in also accepts 
 `CompISConfig` (the PPO knobs carry over; "decoupled_ppo" and "single_ratio" apply f3's method
 and bounds to the combined ratio π_k/π_j^SGL) or a dict of its config's fields.
 
-slime calling convention (its `loss_type=custom_loss` path): `fn(args, batch, logits,
-sum_of_sample_mean) -> (loss, metrics)`, where `batch` holds per-sample lists (`advantages`,
-`log_probs` = π_k, `rollout_log_probs`, `loss_masks`, `response_lengths`, `total_lengths`,
-`unconcat_tokens`), `logits` is `[1, T, V]` packed, and `sum_of_sample_mean` is slime's
-(CP-aware) reducer of a flat per-token tensor; slime then scales for micro-batches and DP.
-`slime_compis_loss` plugs CompIS into it: `--custom-loss-function-path
-loss.registry.slime_compis_loss`. Must never import `slime_async` (nor slime).
+Must never import `slime_async` (nor slime).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from loss.baseline_configs import (
     DecoupledPPOConfig,
@@ -57,16 +50,18 @@ from loss.baselines import (
     single_ratio_denominators,
     single_ratio_loss,
 )
-from loss.compis import compis_denominators, compis_loss, compis_terms
+from loss.compis import compis_denominators, compis_loss
 from loss.compis_metrics import compis_metrics
 from loss.named import Registry, load_function, load_object
+from loss.slime_adapter import (
+    SlimeLossFn,
+    compis_config_from_args,
+    make_slime_loss,
+    response_logprobs,
+    slime_compis_loss,
+)
 from loss.spec import LossFn, LossNeeds, LossSpec
-from loss.types import CompISConfig, LossInputs, LossOutputs, Method, PPOConfig, upcast
-
-SlimeLossFn = Callable[
-    [Any, dict, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
-    tuple[torch.Tensor, dict[str, torch.Tensor]],
-]
+from loss.types import CompISConfig, LossInputs, LossOutputs, Method, PPOConfig
 
 _LOSSES: Registry[LossSpec] = Registry(
     "loss",
@@ -235,115 +230,19 @@ for _args in _BUILTINS:
 
 
 # ---------------------------------------------------------------------------------- slime adapter
-
-
-def compis_config_from_args(args: Any) -> CompISConfig:
-    """CompISConfig from a slime-style namespace: `eps_clip`, `eps_clip_high`, `eps_clip_c`
-    (dual clip), plus any `compis_<field>` attribute (e.g. `compis_engine_method`)."""
-    kw: dict[str, Any] = {}
-    if getattr(args, "eps_clip", None) is not None:
-        kw["eps_clip"] = args.eps_clip
-    if getattr(args, "eps_clip_high", None) is not None:
-        kw["eps_clip_high"] = args.eps_clip_high
-    elif "eps_clip" in kw:
-        kw["eps_clip_high"] = kw["eps_clip"]
-    if getattr(args, "eps_clip_c", None) is not None:
-        kw["dual_clip_c"] = args.eps_clip_c
-    for f in dataclasses.fields(CompISConfig):
-        v = getattr(args, f"compis_{f.name}", None)
-        if v is not None:
-            kw[f.name] = v
-    return CompISConfig(**kw)
-
-
-def response_logprobs(
-    logits: torch.Tensor,
-    *,
-    unconcat_tokens: Sequence[torch.Tensor],
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    temperature: float = 1.0,
-) -> list[torch.Tensor]:
-    """Per-sample response-token log-probs from packed `[1, T, V]` logits (no context
-    parallelism): logits at position p score token p + 1. Returns tensors `[R_i]` (bf16/fp16
-    logits are upcast to fp32 first)."""
-    if logits.dim() != 3 or logits.shape[0] != 1:
-        raise ValueError(f"expected packed logits [1, T, V], got {tuple(logits.shape)}.")
-    out, offset = [], 0
-    for tokens, total, resp in zip(unconcat_tokens, total_lengths, response_lengths):
-        seg = upcast(logits[0, offset + total - resp - 1 : offset + total - 1]) / temperature
-        tgt = tokens[total - resp : total].to(seg.device).long()
-        out.append(torch.log_softmax(seg, dim=-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
-        offset += total
-    return out
-
-
-def make_slime_loss(
-    cfg: CompISConfig | None = None,
-    *,
-    logprob_fn: Callable[..., list[torch.Tensor]] | None = None,
-    behavior_key: str = "behavior_log_probs",
-) -> SlimeLossFn:
-    """A slime custom loss running CompIS. `cfg=None` reads it from `args` each call
-    (`compis_config_from_args`). `logprob_fn(logits, args=, batch=)` returns the per-sample
-    response log-probs with grad (default: `response_logprobs`, CP = 1; pass a wrapper around
-    slime's own helper for context parallelism). π_j^Meg is read from `batch[behavior_key]`
-    when present, else CompIS falls back to the combined ratio. Denominators are slime's
-    (its reducer), so `agg_mode`/`denom` of `cfg` do not apply here."""
-
-    def slime_loss(
-        args: Any, batch: dict, logits: torch.Tensor, sum_of_sample_mean: Callable
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        c = cfg or compis_config_from_args(args)
-        if logprob_fn is None:
-            lps = response_logprobs(
-                logits,
-                unconcat_tokens=batch["unconcat_tokens"],
-                total_lengths=batch["total_lengths"],
-                response_lengths=batch["response_lengths"],
-                temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0),
-            )
-        else:
-            lps = logprob_fn(logits, args=args, batch=batch)
-        lp = torch.cat(lps)
-        dev = lp.device
-
-        def cat(key: str) -> torch.Tensor:
-            return torch.cat([torch.as_tensor(x).to(dev) for x in batch[key]])
-
-        lengths = torch.tensor([int(x.numel()) for x in lps])
-        behavior = batch.get(behavior_key)
-        inputs = LossInputs(
-            logprobs=lp,
-            proximal_logprobs=cat("log_probs").detach(),
-            rollout_logprobs=cat("rollout_log_probs").detach(),
-            behavior_logprobs=cat(behavior_key).detach() if behavior is not None else None,
-            advantages=cat("advantages"),
-            loss_mask=cat("loss_masks").bool(),
-            cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(dev),
-        )
-        terms = compis_terms(inputs, c)
-        loss = sum_of_sample_mean(terms.per_token_loss)
-        metrics: dict[str, torch.Tensor] = {
-            "pg_loss": loss.detach(),
-            "compis_fallback": torch.tensor(1.0 if terms.fallback else 0.0, device=dev),
-        }
-        if c.diagnostics:
-            with torch.no_grad():
-                for k, v in compis_metrics(inputs, c).items():
-                    metrics[k] = (
-                        v.detach().to(dev, torch.float32)
-                        if isinstance(v, torch.Tensor)
-                        else torch.tensor(v, device=dev)
-                    )
-        return loss, metrics
-
-    return slime_loss
-
-
-def slime_compis_loss(
-    args: Any, batch: dict, logits: torch.Tensor, sum_of_sample_mean: Callable
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`--custom-loss-function-path loss.registry.slime_compis_loss`: CompIS configured from
-    slime's args (`eps_clip`, `eps_clip_high`, `eps_clip_c`, `compis_*`)."""
-    return make_slime_loss()(args, batch, logits, sum_of_sample_mean)
+# `--custom-loss-function-path loss.registry.slime_compis_loss` is the documented path; the adapter
+# itself lives in `loss.slime_adapter`.
+__all__ = [
+    "PLUGIN_NEEDS",
+    "SlimeLossFn",
+    "available_losses",
+    "compis_config_from_args",
+    "get_loss",
+    "get_loss_spec",
+    "make_slime_loss",
+    "register_loss",
+    "resolve_loss",
+    "resolve_loss_spec",
+    "response_logprobs",
+    "slime_compis_loss",
+]
