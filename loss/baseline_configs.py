@@ -115,7 +115,8 @@ class GSPOConfig:
     eps_high: float = 4e-4
     """Clip above at 1 + eps_high on the sequence ratio (paper 4e-4)."""
     log_ratio_max: float = 10.0
-    """The sequence log-ratio is clamped at this before exp (verl: 10)."""
+    """Clamp on log s_i,t after the stop-gradient combination, as verl (10): a sequence whose
+    mean log-ratio reaches it gets no gradient."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):

