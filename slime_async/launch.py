@@ -33,7 +33,7 @@ from slime_async.engine.backends import get_engine_backend
 from slime_async.metrics import MetricsLogger
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate
-from slime_async.rollout.client import GenerateClient, GenerateClientConfig
+from slime_async.rollout.client import GenerateClient, GenerateClientConfig, check_routed_experts
 from slime_async.rollout.plan import DataPlan, make_data_plan
 from slime_async.rollout.tasks import TaskFamilyConfig
 from slime_async.rollout.warmstart import WarmStartConfig, warm_start
@@ -263,6 +263,12 @@ async def setup_run(cfg: RunConfig) -> Run:
     first = weights_root / f"v{version:06d}"
     await asyncio.to_thread(trainer.save_weights, first)
     cluster, transport = await _start_engines(cfg, backend, trainer, first=first, version=version)
+    if trainer_cfg.routing_replay.value == "r3" and cfg.model.is_moe:
+        try:  # refuse now what would otherwise surface only at the first train step
+            await asyncio.gather(*(check_routed_experts(u) for u in cluster.engine_urls))
+        except BaseException:
+            await cluster.stop()
+            raise
 
     client = GenerateClient(
         GenerateClientConfig(

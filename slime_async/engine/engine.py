@@ -51,6 +51,8 @@ class Engine:
         self.lm: LoadedModel | None = None
         self.scheduler: Scheduler | None = None
         self.startup_time = time.time()
+        self.bound_port: int | None = None
+        """The TCP port the server bound (set by `runner.serve`; `cfg.port` may be 0)."""
         self._update_lock = asyncio.Lock()
         self._seed_rng = random.Random(cfg.seed)
 
@@ -178,11 +180,10 @@ class Engine:
     # ------------------------------------------------------------------ info
     def model_info(self) -> dict[str, Any]:
         assert self.lm is not None
-        name = self.cfg.served_model_name or self.lm.model_path
         return {
             "model_path": self.lm.model_path,
-            "served_model_name": name,
-            "tokenizer_path": self.lm.model_path if self.lm.has_tokenizer else None,
+            "served_model_name": self.served_model_name(),
+            "tokenizer_path": self.lm.model_path,  # SGLang: tokenizer_path defaults to it
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
@@ -199,6 +200,11 @@ class Engine:
             "num_experts_per_tok": self.lm.topk,
         }
 
+    def served_model_name(self) -> str:
+        """`--served-model-name`, else the model path (SGLang's default)."""
+        assert self.lm is not None
+        return self.cfg.served_model_name or self.lm.model_path
+
     def load(self) -> dict[str, Any]:
         assert self.scheduler is not None
         return {"dp_rank": 0, **self.scheduler.load()}
@@ -208,7 +214,11 @@ class Engine:
         args = dataclasses.asdict(self.cfg)
         args.update(
             model_path=self.lm.model_path,
+            tokenizer_path=self.lm.model_path,
+            served_model_name=self.served_model_name(),
+            port=self.bound_port if self.bound_port is not None else self.cfg.port,
             context_length=self.lm.context_length,
+            max_context_length=self.lm.context_length,
             enable_return_routed_experts=self.cfg.enable_return_routed_experts,
             skip_tokenizer_init=not self.lm.has_tokenizer,
         )

@@ -44,6 +44,7 @@ async def serve(
         site = web.TCPSite(runner, cfg.host, cfg.port)
         await site.start()
         port = runner.addresses[0][1]
+        engine.bound_port = port
         if on_ready is not None:
             on_ready(engine, port)
         await stop.wait()

@@ -36,11 +36,13 @@ _NEUTRAL: dict[str, Any] = {
     "structural_tag": None,
     "stop_regex": None,
     "logit_bias": None,
-    "custom_params": None,
     "watermark": None,
     "beam_width": None,
 }
 _IGNORED = ("stream_interval", "skip_special_tokens", "spaces_between_special_tokens")
+_FREE_OBJECTS = ("custom_params",)
+"""Accepted as any JSON object (or null) and not used: SGLang hands `custom_params` only to a
+custom logit processor, which the embedded engine refuses (slime sends it with top_p < 1)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,6 +101,7 @@ def parse_sampling_params(d: Any) -> SamplingParams:
     if not isinstance(d, dict):
         raise RequestError(f"sampling_params must be an object, got {type(d).__name__}")
     known = {f.name for f in dataclasses.fields(SamplingParams)} | set(_NEUTRAL) | set(_IGNORED)
+    known |= set(_FREE_OBJECTS)
     unknown = sorted(set(d) - known)
     if unknown:
         raise RequestError(
@@ -110,6 +113,11 @@ def parse_sampling_params(d: Any) -> SamplingParams:
             raise RequestError(
                 f"sampling_params.{key}={v!r} is not supported by the embedded engine "
                 f"(leave it unset or {neutral!r})"
+            )
+    for key in _FREE_OBJECTS:
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise RequestError(
+                f"sampling_params.{key} must be a JSON object, got {type(d[key]).__name__}"
             )
     stop = d.get("stop") or ()
     if isinstance(stop, str):

@@ -195,3 +195,36 @@ class GenerateClient:
             status=status,
             payload=payload,
         )
+
+
+async def check_routed_experts(url: str, *, timeout_s: float = 60.0) -> None:
+    """Ask `url` for one token with `return_routed_experts`; raise `GenerateError` naming the
+    fix unless `meta_info.routed_experts` comes back. Rollout routing replay (R3) needs them on
+    every sample; the stock sglang-router re-serialises requests and drops the field, so an
+    `--engine-urls` entry pointing at one would otherwise fail only at the first train step."""
+    body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_routed_experts": True}  # fmt: skip
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s,
+            s.post(f"{url.rstrip('/')}/generate", json=body) as r,
+        ):
+            text = await r.text()
+            data = json.loads(text) if r.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        raise GenerateError(f"routing-replay probe of {url} failed: {e}") from e
+    if data is None:
+        raise GenerateError(
+            f"routing-replay probe of {url}: /generate HTTP {r.status}: {text[:200]}"
+        )
+    item = data[0] if isinstance(data, list) and data else data
+    if not (item.get("meta_info") or {}).get("routed_experts"):
+        raise GenerateError(
+            f"{url} answered /generate without meta_info.routed_experts although the request "
+            "asked for them, so rollout routing replay (--routing-replay r3) would have no "
+            "engine routing to replay. The stock sglang-router drops return_routed_experts: "
+            "point --engine-urls at the engines themselves, or start them so that they always "
+            "return routing (ours: --always-return-routed-experts; SGLang: "
+            "--enable-return-routed-experts behind a router that forwards the field), or use "
+            "--routing-replay r2 or none"
+        )
