@@ -190,9 +190,11 @@ def add_data_worker_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--partial-rollout",
         choices=[p.value for p in PartialRolloutPolicy],
+        nargs="?",
+        const=PartialRolloutPolicy.CONTINUE.value,
         default=d.partial_rollout.value,
         help="At weight sync: continue partial rollouts (per-token versions) or "
-        "requeue them whole.",
+        "requeue them whole; bare --partial-rollout (slime's switch) = continue.",
     )
     g.add_argument(
         "--no-length-probe",

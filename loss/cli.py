@@ -11,7 +11,9 @@ Flags:
   fields of the selected loss's config class, converted to the field's type.
 * The dedicated CompIS/PPO flags (`--eps-clip`, `--staleness-correction-method`, ...) set the
   config field of the same meaning, for every loss whose config has that field.
-* `--advantage-estimator` (choices: `loss.available_advantages()`).
+* `--advantage-estimator` (`loss.available_advantages()`; slime's names are refused with
+  our equivalent) and slime's loss flags (`loss.slime_cli`: `--loss-type`, `--use-tis`,
+  `--tis-clip(-low)`, `--calculate-per-token-loss`, `--disable-grpo-std-normalization`).
 
 Rules (never silent): a setting is given once. A key in both `--loss-config` and the file, or
 in either and through its dedicated flag, or twice in `--loss-config`, is refused; so is a
@@ -34,6 +36,12 @@ from typing import Any
 
 from loss.advantages import DEFAULT_ADVANTAGE_ESTIMATOR, available_advantages
 from loss.registry import resolve_loss_spec
+from loss.slime_cli import (
+    add_slime_loss_args,
+    advantage_estimator_from_args,
+    check_loss_type,
+    slime_loss_settings,
+)
 from loss.spec import LossSelection, LossSpec
 from loss.types import AggMode, CompISConfig, Denom, Method
 
@@ -123,9 +131,10 @@ def add_loss_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="JSON or YAML mapping of the selected loss's settings")  # fmt: skip
     for f in _dedicated():
         g.add_argument(f.flag, default=unset, **f.kwargs)
-    g.add_argument("--advantage-estimator", choices=available_advantages(),
-                   default=DEFAULT_ADVANTAGE_ESTIMATOR,
-                   help="Advantage estimator (loss.register_advantage adds one)")  # fmt: skip
+    g.add_argument("--advantage-estimator", default=DEFAULT_ADVANTAGE_ESTIMATOR,
+                   help=f"Advantage estimator: {', '.join(available_advantages())} "
+                   "(loss.register_advantage adds one)")  # fmt: skip
+    add_slime_loss_args(g)
     return parser
 
 
@@ -261,6 +270,8 @@ def loss_config_from_args(
     for f in _dedicated():
         if hasattr(args, _dest(f.flag)):
             give(f.field, f.flag, getattr(args, _dest(f.flag)))
+    for key, where, value in slime_loss_settings(args):
+        give(key, where, value)
     if getattr(args, "loss_config_file", None) is not None:
         for key, value in _read_file(args.loss_config_file).items():
             give(key, f"--loss-config-file {args.loss_config_file}", value)
@@ -300,11 +311,12 @@ def loss_settings_from_args(
     """The selected loss (resolved, so a bad name or path fails here), its config object built
     from the flags, and the advantage estimator. Raises ValueError with the fix."""
     spec = resolve_loss_spec(_loss_name(args))
+    check_loss_type(args, spec.fn)
     cfg, derived = loss_config_from_args(
         spec, args, default_loss_scale_factor=default_loss_scale_factor
     )
     return LossSettings(
         loss=LossSelection(name=_loss_name(args), config=cfg),
-        advantage_estimator=getattr(args, "advantage_estimator", DEFAULT_ADVANTAGE_ESTIMATOR),
+        advantage_estimator=advantage_estimator_from_args(args),
         derived=derived,
     )

@@ -187,7 +187,11 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         rollout=rollout,
         data_worker=data_worker,
         router=router_config_from_args(a, prefix="router-"),
-        engine=engine_run_config_from_args(a, seed=a.seed, num_threads=None if colocate else 1),
+        engine=engine_run_config_from_args(
+            a,
+            seed=a.seed if rollout.seed is None else rollout.seed,
+            num_threads=None if colocate else 1,
+        ),
         trainer=trainer,
         supervisor=supervisor_config_from_args(a),
         derived=f.derived,
@@ -309,6 +313,12 @@ def _placement(f: _Flags, env: Environment) -> tuple[bool, tuple[int, ...], tupl
     a, cpus = f.args, env.cpus
     given = {k: _cores(k, v) for k in ("trainer-cores", "rollout-cores")
              if (v := getattr(a, k.replace("-", "_"))) is not None}  # fmt: skip
+    if a.colocate and a.engine_backend == "sglang":
+        raise ValueError(
+            "--colocate here shares CPU cores between trainer and engines; slime's --colocate "
+            "(engines and trainer time-sharing the GPUs, with offload) is not implemented for "
+            "--engine-backend sglang; drop --colocate and give the engines their own GPUs"
+        )
     if a.colocate and given:
         raise ValueError(
             "--colocate shares all cores; do not also pass --trainer-cores/--rollout-cores"

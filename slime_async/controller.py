@@ -38,6 +38,7 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
                 log.warning("prompt source exhausted at step %d", step)
                 break
             t1 = time.perf_counter()
+            batch = await run.score(batch)  # whole-group rewards (slime's --group-rm)
             data = assemble(batch, estimator=cfg.rollout.advantage_estimator)
             train_metrics = await asyncio.to_thread(run.trainer.train_step, data.batch)
             run.version = k + 1
@@ -49,7 +50,8 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
                 sync = await run.push_weights(run.version)
             t3 = time.perf_counter()
 
-            eval_due = cfg.rollout.eval_interval and run.version % cfg.rollout.eval_interval == 0
+            every = cfg.rollout.eval_interval * cfg.rollout.num_steps_per_rollout  # rollouts
+            eval_due = every and run.version % every == 0
             if eval_due and (eval_task is None or eval_task.done()):
                 eval_task = asyncio.create_task(run.evaluate(step=run.version))
             if run.should_save(run.version):

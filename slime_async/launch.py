@@ -34,6 +34,7 @@ from slime_async.metrics import MetricsLogger
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate
 from slime_async.rollout.client import GenerateClient, GenerateClientConfig, check_routed_experts
+from slime_async.rollout.custom_generate import CustomGenerate, load_custom_generate, slime_args
 from slime_async.rollout.plan import DataPlan, make_data_plan
 from slime_async.rollout.tasks import TaskFamilyConfig
 from slime_async.rollout.warmstart import WarmStartConfig, warm_start
@@ -61,6 +62,8 @@ class Run:
     version: int
     served: tuple[Path, int]
     generate: ScoredGenerate
+    sample_fn: Any = None
+    """What generates one sample: the generate client or a custom generate function."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
     _logged_once: bool = False
     _rollout_idle_mark: float = 0.0
@@ -79,6 +82,10 @@ class Run:
         self.worker.set_served_version(version)
         self.served = (self.transport.path(version), version)
         return metrics
+
+    async def score(self, batch: Batch) -> Batch:
+        """Rewards that need a whole group (slime's `--group-rm`); a no-op otherwise."""
+        return await self.generate.score_groups(batch)
 
     async def next_batch(self, num_groups: int) -> Batch:
         """The next batch for train step `self.version`, unless every engine stays down."""
@@ -110,8 +117,10 @@ class Run:
         if not self.plan.eval_prompts:
             return
         t0 = time.perf_counter()
-        scored = ScoredGenerate(self.client, self.plan.reward_fn, eos_id=self.plan.eos_id,
-                                decode=self.plan.decode)  # fmt: skip
+        scored = ScoredGenerate(self.sample_fn or self.client, self.plan.reward_fn,
+                                eos_id=self.plan.eos_id, decode=self.plan.decode,
+                                reward_args=self.generate.reward_args,
+                                group_rm=self.cfg.rollout.group_rm, score_alone=True)  # fmt: skip
         reqs = [GenerationRequest(prompt=p, group_seq=-1 - i, sample_index=0)
                 for i, p in enumerate(self.plan.eval_prompts)]  # fmt: skip
         expected = self.cfg.rollout.max_response_len
@@ -128,7 +137,7 @@ class Run:
         self.logger.log(step, metrics)
 
     def should_save(self, version: int) -> bool:
-        every = self.cfg.save_interval
+        every = self.cfg.save_interval * self.cfg.rollout.num_steps_per_rollout  # rollouts
         return bool(self.cfg.trainer.save and every and version % every == 0)
 
     async def save(self, version: int) -> None:
@@ -217,7 +226,7 @@ async def setup_run(cfg: RunConfig) -> Run:
     backend = get_engine_backend(cfg.engines.backend)(cfg.engines, cfg.engine)
     await backend.preflight()  # e.g. attached URLs answer: fail in seconds, before the trainer
     r = cfg.rollout
-    plan = make_data_plan(seed=cfg.seed, prompt_data=r.prompt_data,
+    plan = make_data_plan(seed=cfg.seed if r.seed is None else r.seed, prompt_data=r.prompt_data,
                           hf_checkpoint=cfg.trainer.hf_checkpoint, input_key=r.input_key,
                           label_key=r.label_key, apply_chat_template=r.apply_chat_template,
                           strict_data=r.strict_data, custom_rm_path=r.custom_rm_path,
@@ -276,13 +285,22 @@ async def setup_run(cfg: RunConfig) -> Run:
             max_response_len=r.max_response_len,
             temperature=r.temperature,
             top_p=r.top_p,
-            stop_token_ids=(plan.eos_id,),
             return_routed_experts=trainer_cfg.routing_replay.value == "r3",
+            top_k=r.top_k,
+            stop=r.stop,
+            stop_token_ids=(plan.eos_id, *r.stop_token_ids),
         ),
         num_layers=cfg.model.num_layers,
         topk=cfg.model.moe_topk,
     )
-    generate = ScoredGenerate(client, plan.reward_fn, eos_id=plan.eos_id, decode=plan.decode)
+    args = _slime_args(cfg, cluster.router_url)
+    sample_fn: Any = client
+    if r.custom_generate_function_path:
+        sample_fn = CustomGenerate(load_custom_generate(r.custom_generate_function_path), client,
+                                   eos_id=plan.eos_id, args=args,
+                                   served_version=lambda: run.version)  # fmt: skip
+    generate = ScoredGenerate(sample_fn, plan.reward_fn, eos_id=plan.eos_id, decode=plan.decode,
+                              reward_args=args, group_rm=r.group_rm)  # fmt: skip
 
     async def abort_all() -> None:
         await cluster.control.pause_generation(mode="abort")
@@ -305,7 +323,7 @@ async def setup_run(cfg: RunConfig) -> Run:
     run = Run(
         cfg=cfg, trainer=trainer, cluster=cluster, worker=worker, client=client,
         transport=transport, logger=logger, plan=plan, start_step=start_step, version=version,
-        served=(first, version), supervisor=supervisor, generate=generate,
+        served=(first, version), supervisor=supervisor, generate=generate, sample_fn=sample_fn,
     )  # fmt: skip
     supervisor.start()
     await run.write_roles()
@@ -331,6 +349,22 @@ async def _start_engines(
             raise
         log.info("engines attached and serving the trainer's weights v%d", version)
     return cluster, transport
+
+
+def _slime_args(cfg: RunConfig, router_url: str) -> Any:
+    """`args` of slime-style plugins (rewards, custom generate): slime's names for our settings."""
+    r = cfg.rollout
+    return slime_args(
+        router_url, hf_checkpoint=cfg.trainer.hf_checkpoint, rollout_batch_size=r.rollout_batch_size,
+        n_samples_per_prompt=r.n_samples_per_prompt, global_batch_size=r.global_batch_size,
+        rollout_max_response_len=r.max_response_len, rollout_temperature=r.temperature,
+        rollout_top_p=r.top_p, rollout_top_k=r.top_k, rollout_stop=list(r.stop) or None,
+        rollout_stop_token_ids=list(r.stop_token_ids) or None,
+        rollout_seed=cfg.seed if r.seed is None else r.seed, custom_rm_path=r.custom_rm_path,
+        group_rm=r.group_rm, custom_generate_function_path=r.custom_generate_function_path,
+        partial_rollout=cfg.data_worker.partial_rollout.value == "continue",
+        use_rollout_routing_replay=cfg.trainer.routing_replay.value == "r3",
+    )  # fmt: skip
 
 
 def _json_value(obj: object) -> object:

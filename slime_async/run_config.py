@@ -58,7 +58,8 @@ class RunConfig:
     update_weights_interval: int = 1
     """Push weights to the engines every this many train steps."""
     save_interval: int = 0
-    """Checkpoint every this many train steps (0: only at the end)."""
+    """Checkpoint every this many rollouts, slime's unit (= train steps with
+    --num-steps-per-rollout 1) (0: only at the end)."""
     engines: EngineFleetConfig = dataclasses.field(default_factory=EngineFleetConfig)
     """The rollout engines: backend, count, URLs to attach (flags owned by the backends)."""
     colocate: bool = False
@@ -116,7 +117,8 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
         "--save-interval",
         type=int,
         default=run_default("save_interval"),
-        help="Checkpoint every N steps (0: only at the end, when --save is given).",
+        help="Checkpoint every N rollouts, slime's unit (N x --num-steps-per-rollout train "
+        "steps; 0: only at the end, when --save is given).",
     )
     g.add_argument(
         "--update-weights-interval",
@@ -143,8 +145,9 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
         "--colocate",
         action="store_true",
         default=None,
-        help="Share all cores between trainer and engines, no pinning (default: on "
-        "only when this process may use a single core).",
+        help="Share all CPU cores between trainer and engines, no pinning (default: on "
+        "only when this process may use a single core). Not slime's GPU colocation: refused "
+        "with --engine-backend sglang.",
     )
     g.add_argument(
         "--trainer-cores",

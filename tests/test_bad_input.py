@@ -1,4 +1,4 @@
-"""Bad input on the rollout path: rewards that raise or return NaN, non-finite engine log-probs.
+"""Bad input on the rollout path: rewards that return NaN, non-finite engine log-probs.
 
 Each case runs the real pieces (data worker, HTTP generate client, scoring, batch assembly)
 and asserts both the masking and the counters; nothing is lost (every sample is still in the
@@ -49,19 +49,19 @@ async def engine_url():
     srv.stop()
 
 
-async def test_reward_that_raises_or_returns_nan_masks_the_sample_and_is_counted(engine_url):
+async def test_reward_that_returns_nan_masks_the_sample_and_is_counted(engine_url):
+    """NaN is masked and counted; a reward that raises is an error instead (the sample is
+    retried, then the run stops naming the function: tests/test_rollout_plugins.py)."""
     calls = {"n": 0}
 
     def flaky(inp: RewardInput) -> float:
         calls["n"] += 1
-        if calls["n"] % 4 == 1:
-            raise RuntimeError("grader crashed")
-        return math.nan if calls["n"] % 4 == 2 else 1.0
+        return math.nan if calls["n"] % 2 == 0 else 1.0
 
     batch, scored, _ = await _one_batch(engine_url, flaky)
     data = assemble(batch, estimator="grpo")
     n = sum(len(g.samples) for g in batch.groups)
-    assert n == 8 and scored.reward_failures == 4  # 2 raised + 2 NaN, none lost
+    assert n == 8 and scored.reward_failures == 4  # 4 NaN, none lost
     assert data.metrics["rollout/reward_masked"] == 4.0
     bad = [i for i, (g, s) in enumerate((g, s) for g in batch.groups for s in g.samples)
            if s.payload["reward_status"] != "ok"]  # fmt: skip

@@ -191,7 +191,9 @@ _OWNERS = {
                                             "engine_attach_timeout": "attach_timeout_s"}, ""),
     "rollout and data": (RolloutConfig, {"rollout_max_response_len": "max_response_len",
                                          "rollout_temperature": "temperature",
-                                         "rollout_top_p": "top_p"}, ""),
+                                         "rollout_top_p": "top_p", "rollout_top_k": "top_k",
+                                         "rollout_stop": "stop", "rollout_seed": "seed",
+                                         "rollout_stop_token_ids": "stop_token_ids"}, ""),
     "async schedule and staleness (data worker)": (DataWorkerConfig, {}, ""),
     "trainer": (TrainerConfig, {}, ""),
     "embedded engine": (EngineConfig, {}, "engine_"),
@@ -200,7 +202,7 @@ _OWNERS = {
     "router": (RouterConfig, {}, "router_"),
 }  # fmt: skip
 # flags that select behaviour rather than set a config field
-_NOT_FIELDS = {"help", "num_rollout", "use_rollout_routing_replay"}
+_NOT_FIELDS = {"help", "num_rollout", "use_rollout_routing_replay", "rollout_function_path"}
 
 
 _REQUIRED = object()

@@ -1,15 +1,19 @@
 """From completed groups to the trainer's batch: scoring, advantages, padded tensors.
 
 Owns `ScoredGenerate` (wraps the generate client: a finished sample is scored once, its reward
-stored in its payload, so group filters such as DAPO's see rewards) and `assemble` (a data-worker
-`Batch` -> `TrainerBatch` + rollout metrics). Samples whose reward could not be computed, and
-tokens whose engine log-prob was not finite, are masked out of the loss and counted here.
+stored in its payload, so group filters such as DAPO's see rewards; with slime's `--group-rm`
+whole groups are scored when a step consumes them, `score_groups`) and `assemble` (a data-worker
+`Batch` -> `TrainerBatch` + rollout metrics). A reward function that raises stops the run with
+`RewardError` naming the function and the sample; samples whose reward was not finite, tokens
+whose engine log-prob was not finite, and tokens a multi-turn rollout marked as tool output
+(payload `loss_mask` 0) are masked out of the loss and counted here.
 Advantages come from `loss`'s estimator registry (`loss.compute_advantages`, by name);
 this module only arranges tensors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +31,15 @@ from slime_async.contracts.rollout import (
     GenerationResult,
     Group,
 )
-from slime_async.rollout.rewards import RewardInput, RewardResult, RewardStatus, compute_reward
+from slime_async.rollout.rewards import (
+    RewardError,
+    RewardInput,
+    RewardResult,
+    RewardStatus,
+    compute_group_rewards,
+    compute_reward,
+    function_name,
+)
 
 Generate = Callable[[GenerationRequest, float, int], Any]
 
@@ -42,11 +54,16 @@ class ScoredGenerate:
         *,
         eos_id: int,
         decode: Callable[[Sequence[int]], str] | None = None,
+        reward_args: Any = None,
+        group_rm: bool = False,
+        score_alone: bool = False,
     ) -> None:
         self._generate, self._reward_fn = generate, reward_fn
         self._eos, self._decode = eos_id, decode
+        self.reward_args, self.group_rm = reward_args, group_rm
+        self._alone = score_alone  # a group reward on each sample as a group of one (eval)
         self.reward_failures = 0
-        """Samples whose reward raised or was not finite (masked from the loss)."""
+        """Samples whose reward was not finite (masked from the loss)."""
         self._inflight, self._idle_total = 0, 0.0
         self._idle_since: float | None = time.perf_counter()
 
@@ -73,24 +90,66 @@ class ScoredGenerate:
         self, req: GenerationRequest, priority: float, expected_len: int
     ) -> GenerationResult:
         res: GenerationResult = await self._generate(req, priority, expected_len)
-        if res.status is not FinishStatus.FINISHED:
-            return res
-        response = [*req.prefix_ids, *res.output_ids]
-        label = req.prompt.payload.get("label")
-        inp = RewardInput(
-            response_ids=response,
-            label=label,
-            prompt_ids=tuple(req.prompt.prompt_ids),
-            response_text=self._decode(response) if self._decode is not None else None,
-            eos_id=self._eos,
-            truncated=(not response or response[-1] != self._eos),
-            metadata=req.prompt.payload.get("metadata") or {},
-        )
-        result: RewardResult = await compute_reward(self._reward_fn, inp)
-        if result.masked:
-            self.reward_failures += 1
+        if res.status is not FinishStatus.FINISHED or (self.group_rm and not self._alone):
+            return res  # --group-rm: scored with its group when a step consumes it
+        payloads = (*req.prefix_payloads, res.payload)
+        inp = self._input(req.prompt, req.sample_index, [*req.prefix_ids, *res.output_ids],
+                          payloads)  # fmt: skip
+        if self.group_rm:
+            (got,) = await compute_group_rewards(self._reward_fn, [inp], args=self.reward_args)
+        else:
+            got = await compute_reward(self._reward_fn, inp, args=self.reward_args)
+        result = self._check(got, inp)
         payload = {**res.payload, "reward": result.reward, "reward_status": str(result.status)}
         return dataclasses.replace(res, payload=payload)
+
+    def _input(
+        self, prompt: Any, index: int, response: list[int], payloads: Sequence[Mapping[str, Any]]
+    ) -> RewardInput:
+        mask = _concat(payloads, "loss_mask") if any("loss_mask" in p for p in payloads) else None
+        decode = self._decode
+        return RewardInput(
+            response_ids=response,
+            label=prompt.payload.get("label"),
+            prompt_ids=tuple(prompt.prompt_ids),
+            response_text=decode(response) if decode is not None else None,
+            prompt_text=decode(list(prompt.prompt_ids)) if decode is not None else None,
+            eos_id=self._eos,
+            truncated=(not response or response[-1] != self._eos),
+            metadata=prompt.payload.get("metadata") or {},
+            prompt_key=prompt.key,
+            sample_index=index,
+            loss_mask=mask,
+        )
+
+    def _check(self, result: RewardResult, inp: RewardInput) -> RewardResult:
+        if result.status is RewardStatus.ERROR:
+            raise RewardError(
+                f"reward function {function_name(self._reward_fn)} raised on {inp.describe()}: "
+                f"{result.error}"
+            )
+        if result.masked:
+            self.reward_failures += 1
+        return result
+
+    async def score_groups(self, batch: Batch) -> Batch:
+        """slime's `--group-rm`: score each group of `batch` with one call (no-op otherwise)."""
+        if not self.group_rm:
+            return batch
+        groups = await asyncio.gather(*(self._score_group(g) for g in batch.groups))
+        return dataclasses.replace(batch, groups=tuple(groups))
+
+    async def _score_group(self, g: Group) -> Group:
+        inps = [self._input(g.prompt, s.sample_index, list(s.output_ids), s.payloads)
+                for s in g.samples]  # fmt: skip
+        results = await compute_group_rewards(self._reward_fn, inps, args=self.reward_args,
+                                              group_index=g.seq)  # fmt: skip
+        samples = []
+        for s, inp, r in zip(g.samples, inps, results, strict=True):
+            r = self._check(r, inp)
+            last = {**s.payloads[-1], "reward": r.reward, "reward_status": str(r.status)}
+            samples.append(dataclasses.replace(s, payloads=(*s.payloads[:-1], last)))
+        return dataclasses.replace(g, samples=tuple(samples))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,6 +167,19 @@ def _concat(sample_payloads: Sequence[Mapping[str, Any]], key: str) -> list[Any]
     return out
 
 
+def _concat_mask(payloads: Sequence[Mapping[str, Any]], n: int, *, where: str) -> torch.Tensor:
+    """The response's loss mask from its segments' payloads (a segment without `loss_mask` is
+    all model tokens): bool `[n]`."""
+    parts: list[int] = []
+    for p in payloads:
+        k = len(p.get("logprobs", ()))
+        mask = p.get("loss_mask")
+        parts.extend([1] * k if mask is None else [int(x) for x in mask])
+    if len(parts) != n:
+        raise ValueError(f"{where}: {n} tokens but a loss mask of {len(parts)}")
+    return torch.as_tensor(parts, dtype=torch.bool)
+
+
 def assemble(batch: Batch, *, estimator: str) -> Assembled:
     """Build the padded `TrainerBatch` of a consumed batch (prompt + response per sample)."""
     rows: list[tuple[Group, Any]] = [(g, s) for g in batch.groups for s in g.samples]
@@ -121,7 +193,7 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
     rewards = torch.zeros(n)
     valid = torch.ones(n, dtype=torch.bool)
     routed: list[np.ndarray] | None = []
-    truncated = nonfinite = 0
+    truncated = nonfinite = tool_tokens = 0
     for i, (g, s) in enumerate(rows):
         p, r = len(g.prompt.prompt_ids), len(s.output_ids)
         tokens[i, :p] = torch.as_tensor(list(g.prompt.prompt_ids))
@@ -135,6 +207,10 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
         rollout_lp[i, p : p + r] = torch.as_tensor(lps, dtype=torch.float32)
         versions[i, p : p + r] = torch.as_tensor(list(s.token_versions))
         m = torch.ones(r, dtype=torch.bool)
+        if any("loss_mask" in p for p in s.payloads):  # multi-turn: tool output is not trained
+            keep = _concat_mask(s.payloads, r, where=f"sample {g.prompt.key}/{s.sample_index}")
+            tool_tokens += int((~keep).sum())
+            m &= keep
         if any(bad):
             m &= ~torch.as_tensor(bad, dtype=torch.bool)
             nonfinite += int(sum(bad))
@@ -150,6 +226,12 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
             routed.append(experts)
         else:
             routed = None
+    if n and not bool(mask.any()):
+        raise ValueError(
+            f"no token of this batch can be trained: {int((~valid).sum())} of {n} samples have a "
+            f"non-finite reward, {nonfinite} tokens a non-finite engine log-prob, {tool_tokens} "
+            "are tool output; check the reward function (--custom-rm-path) and the engines"
+        )
     group_ids = torch.as_tensor([gi for gi, g in enumerate(batch.groups) for _ in g.samples])
     token_adv = adv.compute_advantages(estimator, rewards, group_ids, valid, mask).float()
     tb = TrainerBatch(
@@ -170,6 +252,7 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
         "rollout/truncated_frac": truncated / max(1, n),
         "rollout/reward_masked": float((~valid).sum()),
         "rollout/nonfinite_logprobs": float(nonfinite),
+        "rollout/tool_tokens": float(tool_tokens),
         "rollout/samples": float(n),
         "rollout/routed_experts_frac": 1.0 if routed else 0.0,
     }

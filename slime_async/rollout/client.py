@@ -44,6 +44,8 @@ class GenerateClientConfig:
     """Top-k sampling (-1: whole vocabulary)."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra stop tokens besides the model's EOS."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (matched by the engine on decoded text)."""
     return_routed_experts: bool = False
     """Ask the engine for MoE routing (needed for rollout routing replay, R3)."""
     timeout_s: float = 600.0
@@ -81,7 +83,7 @@ class GenerateClient:
 
     def __init__(self, cfg: GenerateClientConfig, *, num_layers: int = 0, topk: int = 0) -> None:
         self.cfg = cfg
-        self._num_layers, self._topk = num_layers, topk
+        self.num_layers, self.topk = num_layers, topk
         self._session: aiohttp.ClientSession | None = None
         self.nonfinite_logprobs = 0
         """Tokens whose engine log-prob was NaN/inf (masked from the loss, counted)."""
@@ -110,6 +112,8 @@ class GenerateClient:
         }
         if cfg.stop_token_ids:
             sampling["stop_token_ids"] = list(cfg.stop_token_ids)
+        if cfg.stop:
+            sampling["stop"] = list(cfg.stop)
         body: dict[str, Any] = {
             "input_ids": [*req.prompt.prompt_ids, *req.prefix_ids],
             "sampling_params": sampling,
@@ -126,10 +130,11 @@ class GenerateClient:
         del priority  # ordering is the data worker's job; the router balances on expected_len
         body = self.build_request(req)
         headers = {"X-Expected-Tokens": str(max(1, int(expected_len)))}
-        data = await self._post(body, headers)
+        data = await self.post(body, headers)
         return self.parse_response(data, prompt_len=len(body["input_ids"]))
 
-    async def _post(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    async def post(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        """POST `/generate` with connection-level retries; the parsed JSON answer."""
         last: Exception | None = None
         for _ in range(self.cfg.max_connection_retries + 1):
             try:
@@ -183,9 +188,7 @@ class GenerateClient:
         routed = meta.get("routed_experts")
         if routed and self.cfg.return_routed_experts:
             try:
-                experts = decode_routed_experts(
-                    routed, num_layers=self._num_layers, topk=self._topk
-                )
+                experts = decode_routed_experts(routed, num_layers=self.num_layers, topk=self.topk)
             except ValueError as e:
                 raise GenerateError(f"{e}: engine and trainer disagree on the model") from e
             payload["routed_experts"] = experts.astype(np.int32)

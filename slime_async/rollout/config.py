@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 
 from loss import DEFAULT_ADVANTAGE_ESTIMATOR
+from loss.slime_cli import advantage_estimator_from_args
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,6 +34,14 @@ class RolloutConfig:
     """Sampling temperature (the trainer divides logits by the same value)."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling (-1: the whole vocabulary)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (the engine matches them on decoded text; needs a tokenizer)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Stop token ids besides the tokenizer's EOS."""
+    seed: int | None = None
+    """Seed of the prompt order and of the engines' sampling; None: the run's --seed."""
     advantage_estimator: str = DEFAULT_ADVANTAGE_ESTIMATOR
     """A registered estimator (`loss.available_advantages()`; flag: `loss.add_loss_args`)."""
     dynamic_sampling: bool = False
@@ -48,9 +57,18 @@ class RolloutConfig:
     strict_data: bool = False
     """Fail on the first malformed data row (file and line named) instead of skipping it."""
     custom_rm_path: str | None = None
-    """Dotted path of a reward function `(prompt, response_ids, label) -> float`."""
+    """Dotted path of a reward function: ours `fn(RewardInput) -> float` or slime's
+    `async fn(args, sample, **kwargs) -> float` (`rollout.rewards`)."""
+    group_rm: bool = False
+    """slime's `--group-rm`: the reward function scores a whole group at once,
+    `async fn(args, samples: list, **kwargs) -> list[float]`."""
+    custom_generate_function_path: str | None = None
+    """Dotted path of a per-sample generate function (multi-turn, tools): ours
+    `async fn(ctx, request) -> Trajectory` or slime's `async fn(args, sample, sampling_params)`
+    (`rollout.custom_generate`)."""
     eval_interval: int = 10
-    """Evaluate on held-out prompts every this many train steps (0: never)."""
+    """Evaluate on held-out prompts every this many rollouts (slime's unit; one rollout is
+    `num_steps_per_rollout` train steps) (0: never)."""
     eval_prompts: int = 64
     """Held-out prompts per evaluation."""
 
@@ -62,6 +80,8 @@ class RolloutConfig:
             raise ValueError("--rollout-batch-size and --num-steps-per-rollout must be >= 1")
         if self.eval_interval < 0 or self.eval_prompts < 0:
             raise ValueError("--eval-interval and --eval-prompts must be >= 0")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"--rollout-top-k {self.top_k}: give -1 (off) or k >= 1")
         gbs = self.global_batch_size
         if gbs is None:
             total = self.rollout_batch_size * n
@@ -94,7 +114,8 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> None:
         "--eval-interval",
         type=int,
         default=d.eval_interval,
-        help="Evaluate every N train steps (0: never).",
+        help="Evaluate every N rollouts, slime's unit (N x --num-steps-per-rollout train "
+        "steps; 0: never).",
     )
     g.add_argument(
         "--eval-prompts", type=int, default=d.eval_prompts, help="Held-out prompts per evaluation."
@@ -134,6 +155,13 @@ def _add_batch_and_sampling_args(g: argparse._ArgumentGroup, d: RolloutConfig) -
         "--rollout-temperature", type=float, default=d.temperature, help="Sampling temperature."
     )
     g.add_argument("--rollout-top-p", type=float, default=d.top_p, help="Nucleus sampling mass.")
+    g.add_argument("--rollout-top-k", type=int, default=d.top_k, help="Top-k sampling (-1: off).")
+    g.add_argument("--rollout-stop", nargs="+", default=None,
+                   help="Stop strings (matched on decoded text).")  # fmt: skip
+    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None,
+                   help="Stop token ids besides EOS.")  # fmt: skip
+    g.add_argument("--rollout-seed", type=int, default=d.seed,
+                   help="Seed of the prompt order and engine sampling (default: --seed).")  # fmt: skip
 
 
 def _add_data_and_reward_args(g: argparse._ArgumentGroup, d: RolloutConfig) -> None:
@@ -165,12 +193,39 @@ def _add_data_and_reward_args(g: argparse._ArgumentGroup, d: RolloutConfig) -> N
     g.add_argument(
         "--custom-rm-path",
         default=d.custom_rm_path,
-        help="Dotted path of a reward function (default: exact match / math-verify).",
+        help="Dotted path of a reward function, ours fn(RewardInput) or slime's "
+        "async fn(args, sample) (default: exact match / math-verify).",
     )
+    g.add_argument("--group-rm", action="store_true", default=d.group_rm,
+                   help="slime's: the reward function scores a whole group, "
+                   "fn(args, samples) -> list of rewards.")  # fmt: skip
+    g.add_argument("--custom-generate-function-path", default=d.custom_generate_function_path,
+                   help="Per-sample generate function (multi-turn, tools): ours "
+                   "fn(ctx, request) or slime's fn(args, sample, sampling_params).")  # fmt: skip
+    g.add_argument("--rollout-function-path", default=None,
+                   help="slime's whole-rollout function: refused, see the error for the "
+                   "equivalents.")  # fmt: skip
 
 
 def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
     """Build (and check) the config from `add_rollout_args` flags and `--advantage-estimator`."""
+    if getattr(args, "rollout_function_path", None):
+        raise ValueError(
+            f"--rollout-function-path {args.rollout_function_path}: slime's whole-rollout "
+            "function cannot apply here, where the data worker decides which sample is generated "
+            "next (asynchronously, under the staleness budget). Per-sample logic (multi-turn, "
+            "tools, custom requests) goes in --custom-generate-function-path, the reward in "
+            "--custom-rm-path (--group-rm for whole groups), the prompts in --prompt-data"
+        )
+    if args.custom_generate_function_path:  # fail at start-up, not in the first rollout
+        from slime_async.rollout.custom_generate import load_custom_generate
+
+        load_custom_generate(args.custom_generate_function_path)
+    if args.group_rm and args.dynamic_sampling:
+        raise ValueError(
+            "--group-rm scores a group when a step consumes it, after --dynamic-sampling would "
+            "have had to filter it by reward; drop one of them"
+        )
     return RolloutConfig(
         rollout_batch_size=args.rollout_batch_size,
         n_samples_per_prompt=args.n_samples_per_prompt,
@@ -179,7 +234,7 @@ def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
         max_response_len=args.rollout_max_response_len,
         temperature=args.rollout_temperature,
         top_p=args.rollout_top_p,
-        advantage_estimator=args.advantage_estimator,
+        advantage_estimator=advantage_estimator_from_args(args),
         dynamic_sampling=args.dynamic_sampling,
         prompt_data=args.prompt_data,
         input_key=args.input_key,
@@ -187,6 +242,12 @@ def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
         apply_chat_template=args.apply_chat_template,
         strict_data=args.strict_data,
         custom_rm_path=args.custom_rm_path,
+        group_rm=args.group_rm,
+        custom_generate_function_path=args.custom_generate_function_path,
+        top_k=args.rollout_top_k,
+        stop=tuple(args.rollout_stop or ()),
+        stop_token_ids=tuple(args.rollout_stop_token_ids or ()),
+        seed=args.rollout_seed,
         eval_interval=args.eval_interval,
         eval_prompts=args.eval_prompts,
     )

@@ -1,14 +1,19 @@
-"""Reward functions and the safe call that turns a failing reward into a masked sample.
+"""Reward functions and the safe call around them.
 
-Owns: the reward plugin contract (`RewardInput` -> float), the built-in rewards (binary exact
-match for the embedded tasks, `math-verify` equivalence for real math data), resolution of a
-reward by name or dotted path, and `compute_reward`, which never raises: a reward that throws or
-returns NaN/inf yields a `RewardResult` with status ERROR/NON_FINITE, and the caller masks that
-sample and counts it (`summarize_rewards` gives the counters). Imports only the task token ids
-from `slime_async.rollout.tasks`; never imports the trainer, engine or controller.
+Owns: the reward plugin contracts, the built-in rewards (binary exact match for the embedded
+tasks, `math-verify` equivalence for real math data), resolution of a reward by name or dotted
+path, `compute_reward` / `compute_group_rewards` (never raise: a reward that throws or returns
+NaN/inf yields a `RewardResult` with status ERROR/NON_FINITE) and `RewardError`, which the
+scorer raises for an ERROR (a reward that throws is a bug to fix, named with the function and
+the sample, never a silently masked sample); NON_FINITE samples are masked and counted
+(`summarize_rewards`). Imports the task token ids from `slime_async.rollout.tasks` and slime's
+sample shape from `slime_async.rollout.slime_sample`; never the trainer, engine or controller.
 
-Plugin contract: a callable ``fn(inp: RewardInput) -> float | bool`` (or an ``async def``
-returning one), named by ``"package.module:function"`` or ``"package.module.function"``.
+Plugin contracts, named by ``"package.module:function"`` or ``"package.module.function"``:
+* ours: ``fn(inp: RewardInput) -> float | bool`` (or an ``async def`` returning one);
+* slime's: ``async def rm(args, sample, **kwargs) -> float`` (`SlimeSample`), told apart by its
+  two required positional parameters; with ``--group-rm`` slime's group form
+  ``async def rm(args, samples: list, **kwargs) -> list[float]``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from slime_async.rollout.slime_sample import SlimeSample, is_slime_style
 from slime_async.rollout.tasks import EOS
 
 RewardFn = Callable[["RewardInput"], "float | bool | Awaitable[float | bool]"]
@@ -45,6 +51,22 @@ class RewardInput:
     """Whether generation stopped at the length limit instead of EOS."""
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Free-form per-row metadata from the dataset."""
+    prompt_key: str = ""
+    """The prompt's key (names the sample in errors)."""
+    sample_index: int = 0
+    """Index of the sample in its group."""
+    prompt_text: str | None = None
+    """Detokenized prompt, when a tokenizer exists."""
+    loss_mask: Sequence[int] | None = None
+    """Per response token, 1 trained / 0 tool output (multi-turn rollouts); None: all 1."""
+
+    def describe(self) -> str:
+        """The sample, for error messages."""
+        return f"prompt {self.prompt_key!r}, sample {self.sample_index}"
+
+
+class RewardError(RuntimeError):
+    """A reward function raised: the run stops with the function and the sample named."""
 
 
 class RewardStatus(enum.StrEnum):
@@ -151,6 +173,25 @@ def load_reward_fn(name: str) -> RewardFn:
     return fn
 
 
+def slime_sample(inp: RewardInput, *, group_index: int = 0) -> SlimeSample:
+    """`inp` in slime's `Sample` shape (what a slime reward function reads)."""
+    resp = [int(t) for t in inp.response_ids]
+    status = SlimeSample.Status.TRUNCATED if inp.truncated else SlimeSample.Status.COMPLETED
+    return SlimeSample(
+        group_index=group_index, index=inp.sample_index,
+        prompt=inp.prompt_text if inp.prompt_text is not None else "",
+        tokens=[*(int(t) for t in inp.prompt_ids), *resp], response=inp.response_text or "",
+        response_length=len(resp), label=inp.label,
+        loss_mask=list(inp.loss_mask) if inp.loss_mask is not None else [1] * len(resp),
+        status=status, metadata=dict(inp.metadata),
+    )  # fmt: skip
+
+
+def function_name(fn: Any) -> str:
+    """`module.qualname` of a plugin, for messages."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
 # ---------------------------------------------------------------------------- safe calls
 def _to_result(value: Any) -> RewardResult:
     if isinstance(value, bool):
@@ -185,18 +226,36 @@ def compute_reward_sync(fn: RewardFn, inp: RewardInput) -> RewardResult:
     return _to_result(value)
 
 
-async def compute_reward(fn: RewardFn, inp: RewardInput) -> RewardResult:
-    """Call a sync or async reward from an event loop; never raises.
+async def compute_reward(fn: RewardFn, inp: RewardInput, *, args: Any = None) -> RewardResult:
+    """Call a sync or async reward from an event loop; never raises. A slime-style
+    `rm(args, sample)` gets `args` and `inp` as a `SlimeSample`.
 
-    Errors and NaN/inf/non-numbers become masked results (reward 0.0, status says why).
+    Errors and NaN/inf/non-numbers become results with status ERROR/NON_FINITE (reward 0.0).
     """
     try:
-        value = fn(inp)
+        value = fn(args, slime_sample(inp)) if is_slime_style(fn) else fn(inp)
         if inspect.isawaitable(value):
             value = await value
     except Exception as e:
         return _error_result(e)
     return _to_result(value)
+
+
+async def compute_group_rewards(
+    fn: Any, inps: Sequence[RewardInput], *, args: Any, group_index: int = 0
+) -> list[RewardResult]:
+    """slime's `--group-rm`: `rm(args, samples) -> list` once for a whole group; never raises
+    (a raise, or a list of the wrong length, gives every sample an ERROR result)."""
+    try:
+        value = fn(args, [slime_sample(i, group_index=group_index) for i in inps])
+        if inspect.isawaitable(value):
+            value = await value
+        values = list(value)
+        if len(values) != len(inps):
+            raise ValueError(f"returned {len(values)} rewards for a group of {len(inps)}")
+    except Exception as e:
+        return [_error_result(e)] * len(inps)
+    return [_to_result(v) for v in values]
 
 
 def summarize_rewards(results: Iterable[RewardResult]) -> dict[str, float]:

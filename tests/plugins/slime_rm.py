@@ -1,0 +1,12 @@
+"""A reward function with slime's signature, as a slime user writes it (tests/test_e2e_slime.py)."""
+
+from __future__ import annotations
+
+
+async def rm(args, sample, **kwargs):
+    """1.0 iff the response is the label's tokens then EOS (args and sample read as in slime)."""
+    assert args.n_samples_per_prompt >= 1 and sample.response_length == len(sample.tokens) - len(
+        sample.tokens[: len(sample.tokens) - sample.response_length]
+    )
+    response = sample.tokens[len(sample.tokens) - sample.response_length :]
+    return float(response == [*sample.label, 2])
