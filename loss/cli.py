@@ -40,6 +40,7 @@ from loss.slime_cli import (
     add_slime_loss_args,
     advantage_estimator_from_args,
     check_loss_type,
+    regularizers_from_args,
     slime_loss_settings,
 )
 from loss.spec import LossSelection, LossSpec
@@ -316,7 +317,9 @@ def loss_settings_from_args(
         spec, args, default_loss_scale_factor=default_loss_scale_factor
     )
     return LossSettings(
-        loss=LossSelection(name=_loss_name(args), config=cfg),
+        loss=LossSelection(
+            name=_loss_name(args), config=cfg, regularizers=regularizers_from_args(args)
+        ),
         advantage_estimator=advantage_estimator_from_args(args),
         derived=derived,
     )

@@ -16,6 +16,8 @@ with our own flags are refused like any setting given twice), `check_loss_type` 
 | `--disable-grpo-std-normalization` | Dr.GRPO: `--advantage-estimator dr_grpo` |
 | `--advantage-estimator gspo` | refused: `--advantage-estimator grpo --loss gspo` |
 | `--advantage-estimator cispo`, `ppo` | refused: no CISPO loss, no critic |
+| `--entropy-coef E` | the entropy bonus of `loss.regularizers` (any loss) |
+| `--use-kl-loss --kl-loss-coef C --kl-loss-type T` | the KL penalty to the reference policy (the run's initial weights, or `--ref-load`); slime's default type k1 |
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import inspect
 from typing import Any
 
 from loss.advantages import DEFAULT_ADVANTAGE_ESTIMATOR, available_advantages
+from loss.kl import KLType
+from loss.regularizers import RegularizerConfig
 
 _SLIME_ESTIMATORS = {
     "gspo": "slime's gspo is GRPO advantages with the GSPO loss: give --advantage-estimator "
@@ -55,6 +59,15 @@ def add_slime_loss_args(g: argparse._ArgumentGroup) -> None:
                    "token-mean)")  # fmt: skip
     g.add_argument("--disable-grpo-std-normalization", action="store_true", default=unset,
                    help="slime's Dr.GRPO switch (= --advantage-estimator dr_grpo)")  # fmt: skip
+    g.add_argument("--entropy-coef", type=float, default=unset,
+                   help="Entropy bonus weight, subtracted from the loss (default 0)")  # fmt: skip
+    g.add_argument("--use-kl-loss", action="store_true", default=unset,
+                   help="Add the KL penalty to the reference policy (the run's initial weights, "
+                   "or --ref-load) with --kl-loss-coef")  # fmt: skip
+    g.add_argument("--kl-loss-coef", type=float, default=unset,
+                   help="KL penalty weight, with --use-kl-loss (default 0)")  # fmt: skip
+    g.add_argument("--kl-loss-type", choices=[k.value for k in KLType], default=unset,
+                   help="Per-token KL estimator, with --use-kl-loss (default k1, slime's)")  # fmt: skip
 
 
 def advantage_estimator_from_args(args: argparse.Namespace) -> str:
@@ -125,3 +138,18 @@ def slime_loss_settings(args: argparse.Namespace) -> list[tuple[str, str, Any]]:
     if getattr(args, "calculate_per_token_loss", False):
         out.append(("agg_mode", "--calculate-per-token-loss", "token-mean"))
     return out
+
+
+def regularizers_from_args(args: argparse.Namespace) -> RegularizerConfig | None:
+    """`--entropy-coef` and `--use-kl-loss/--kl-loss-coef/--kl-loss-type` (slime's rules: the KL
+    settings apply only with `--use-kl-loss`); None when neither term is on."""
+    kl_on = getattr(args, "use_kl_loss", False)
+    for flag in ("kl_loss_coef", "kl_loss_type"):
+        if hasattr(args, flag) and not kl_on:
+            raise ValueError(f"--{flag.replace('_', '-')} applies only with --use-kl-loss")
+    reg = RegularizerConfig(
+        entropy_coef=getattr(args, "entropy_coef", 0.0),
+        kl_coef=getattr(args, "kl_loss_coef", 0.0) if kl_on else 0.0,
+        kl_type=getattr(args, "kl_loss_type", KLType.K1),
+    )
+    return reg if reg.active else None

@@ -12,6 +12,8 @@ The trainer computes only what `needs` names (see loss/README.md, "The loss seam
 | `behavior_logprobs` | with `--keep-old-actor`: per token, a forward under its version's snapshot (π_j^Meg; implies the π_k forward) |
 | `rollout_logprobs` | nothing: π_j^SGL comes with every batch from the engines |
 | `routing_replay` | refuses to start an MoE run without routing replay (r2 or r3) |
+| `entropy` | passes the training forward's entropy (with grad) |
+| `reference_logprobs` | keeps the reference weights; one no-grad forward under them per micro-batch |
 | `denominators` | None: global valid-token/sequence counts of `loss_mask`, free; a function: called per micro-batch on the no-grad inputs, summed over micro-batches and DP ranks |
 
 Worked example (a plugin that reads only π_k and the engine's log-probs)::
@@ -52,6 +54,12 @@ class LossNeeds:
     """Reads π_j^SGL (`rollout_logprobs`). Nothing to compute: every batch carries them."""
     routing_replay: bool = False
     """Only valid with MoE routing replay (r2 or r3): the trainer refuses an MoE run without it."""
+    entropy: bool = False
+    """Reads the training forward's per-token entropy (with grad): `LossInputs.entropy`."""
+    reference_logprobs: bool = False
+    """Reads log π_ref (`LossInputs.reference_logprobs`): the trainer keeps the reference
+    weights (the run's initial ones, or `--ref-load`) and runs one no-grad forward under them
+    per micro-batch."""
     denominators: DenominatorFn | None = None
     """The loss's global denominators. None: the valid tokens and sequences of `loss_mask`
     (needs no forward). A function (e.g. `compis_denominators`, which honours `denom=drop`):
@@ -70,7 +78,8 @@ class LossNeeds:
 
     def names(self) -> list[str]:
         """The log-prob inputs and features declared, for logs (e.g. ['proximal_logprobs'])."""
-        flags = ("proximal_logprobs", "behavior_logprobs", "rollout_logprobs", "routing_replay")
+        flags = ("proximal_logprobs", "behavior_logprobs", "rollout_logprobs", "routing_replay",
+                 "entropy", "reference_logprobs")  # fmt: skip
         out = [n for n in flags if getattr(self, n)]
         if self.denominators is not None:
             out.append(f"denominators={getattr(self.denominators, '__name__', 'custom')}")
@@ -131,3 +140,6 @@ class LossSelection:
     or a function `fn(inputs, cfg) -> LossOutputs`."""
     config: Any = None
     """An instance of the loss's config class (None: its defaults)."""
+    regularizers: Any = None
+    """A `loss.regularizers.RegularizerConfig` (entropy bonus, KL to the reference policy)
+    added to the loss; None: none."""

@@ -216,10 +216,17 @@ class LossInputs:
     """Valid-token count of the whole mini-batch (all micro-batches, all DP ranks)."""
     global_num_seqs: float | None = None
     """Valid-sequence count of the whole mini-batch (all micro-batches, all DP ranks)."""
+    entropy: torch.Tensor | None = None
+    """Per-token entropy of π_θ (with grad), for an entropy bonus (`LossNeeds.entropy`)."""
+    reference_logprobs: torch.Tensor | None = None
+    """log π_ref of the sampled tokens (no grad), for a KL penalty
+    (`LossNeeds.reference_logprobs`)."""
 
     def __post_init__(self) -> None:
         shape = self.logprobs.shape
         named = {
+            "entropy": self.entropy,
+            "reference_logprobs": self.reference_logprobs,
             "proximal_logprobs": self.proximal_logprobs,
             "rollout_logprobs": self.rollout_logprobs,
             "behavior_logprobs": self.behavior_logprobs,
@@ -237,7 +244,8 @@ class LossInputs:
             raise ValueError(
                 f"loss_mask must be a bool tensor, got {self.loss_mask.dtype}; pass mask.bool()."
             )
-        for name in ("proximal_logprobs", "rollout_logprobs", "behavior_logprobs"):
+        for name in ("proximal_logprobs", "rollout_logprobs", "behavior_logprobs",
+                     "reference_logprobs"):  # fmt: skip
             t = getattr(self, name)
             if t is not None and t.requires_grad:
                 raise ValueError(

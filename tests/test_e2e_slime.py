@@ -26,7 +26,9 @@ SLIME_FLAGS = [
     # EVAL_ARGS
     "--eval-interval", "2",
     # GRPO_ARGS
-    "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.01",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.001", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
     # TIS (slime's train-infer mismatch example) and slime's loss switches
     "--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0.0", "--loss-type", "policy_loss",
     "--calculate-per-token-loss",
@@ -53,6 +55,8 @@ def test_slime_flags_keep_slime_meanings(tmp_path):
     assert cfg.data_worker.partial_rollout.value == "continue"
     assert cfg.rollout.seed == 42 and cfg.engine.seed == 42 and cfg.rollout.stop_token_ids == (8,)
     assert cfg.trainer.routing_replay.value == "r3"
+    reg = cfg.trainer.loss.regularizers
+    assert (reg.kl_coef, reg.kl_type, reg.entropy_coef) == (0.01, "low_var_kl", 0.001)
 
 
 @pytest.mark.parametrize(
@@ -67,6 +71,7 @@ def test_slime_flags_keep_slime_meanings(tmp_path):
         (["--loss-type", "custom_loss", "--custom-loss-function-path",
           "loss.registry.slime_compis_loss"], "has slime's signature"),
         (["--tis-clip", "3"], "applies only with --use-tis"),
+        (["--kl-loss-coef", "0.1"], "applies only with --use-kl-loss"),
         (["--use-tis", "--engine-correction-high", "3"], "given twice"),
         (["--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout"],
          "--custom-generate-function-path"),
@@ -85,6 +90,7 @@ async def test_slime_launch_flags_train_a_few_steps(tmp_path):
                         "--eval-prompts", "8"])  # fmt: skip
     summary = await train(cfg)
     assert summary["train/version"] == 3 and math.isfinite(summary["loss/total"])
+    assert summary["loss/kl_ref"] > 0 and summary["loss/entropy"] > 0  # slime's GRPO_ARGS terms
     rows = _metrics(tmp_path)
     assert any("eval/reward" in r for r in rows)  # eval every 2 rollouts ran
     steps = [r for r in rows if "train/version" in r]

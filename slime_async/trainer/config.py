@@ -62,7 +62,10 @@ class TrainerConfig:
     save: str | None = None
     """Checkpoint directory to save into (`--save`)."""
     hf_checkpoint: str | None = None
-    """HF directory to start from when not resuming (`--hf-checkpoint` / ref weights)."""
+    """HF directory to start from when not resuming (`--hf-checkpoint`)."""
+    ref_load: str | None = None
+    """HF directory of the KL penalty's reference policy (`--ref-load`); None: the run's initial
+    weights. Needed with `--load` when the loss reads π_ref."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept in `save` (older ones are deleted)."""
     loss: LossSelection = dataclasses.field(default_factory=LossSelection)
@@ -254,6 +257,12 @@ def _add_checkpoint_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
         "--hf-checkpoint",
         default=d.hf_checkpoint,
         help="HF weights directory to start from (not used when --load is given).",
+    )
+    g.add_argument(
+        "--ref-load",
+        default=d.ref_load,
+        help="HF weights of the KL reference policy, with --use-kl-loss (default: the run's "
+        "initial weights; required with --load).",
     )
     g.add_argument(
         "--keep-checkpoints",

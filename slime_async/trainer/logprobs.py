@@ -184,6 +184,12 @@ class LogprobForwards:
                 out.routing = recorded
             out.metrics["timing/proximal_logprobs_s"] = time.perf_counter() - t
         out.metrics["train/proximal_forwards"] = float(len(mbs) if plan.proximal else 0)
+        if self.loss_spec.needs.reference_logprobs:  # KL penalty: π_ref under reference weights
+            t = time.perf_counter()
+            out.reference = self.reference.logprobs(
+                self.model, lambda: self._logprobs_local(mbs, out.routing, record=None)[0]
+            )
+            out.metrics["timing/reference_logprobs_s"] = time.perf_counter() - t
         if plan.behavior:
             assert out.proximal is not None
             t = time.perf_counter()

@@ -73,11 +73,16 @@ class StepInputs:
     """Entropies `[b, w]` from the same forward."""
     behavior: list[torch.Tensor] | None = None
     """π_j^Meg `[b, w]` (None also when a needed version is not held: the loss falls back)."""
+    reference: list[torch.Tensor] | None = None
+    """π_ref `[b, w]` under the reference weights (only for a loss that reads them)."""
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """Which forwards ran and their timings (`train/*_forwards`, `timing/*_s`)."""
 
     def behavior_of(self, i: int) -> torch.Tensor | None:
         return None if self.behavior is None else self.behavior[i]
+
+    def reference_of(self, i: int) -> torch.Tensor | None:
+        return None if self.reference is None else self.reference[i]
 
 
 def loss_inputs(
@@ -89,6 +94,8 @@ def loss_inputs(
     version: int,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    entropy: torch.Tensor | None = None,
+    reference: torch.Tensor | None = None,
 ) -> LossInputs:
     """The loss's view of micro-batch `mb`: position t scores token t, so the first column
     (no predecessor) is cut; tensors move to the device of `logprobs` (the forward's)."""
@@ -108,4 +115,6 @@ def loss_inputs(
         current_version=version,
         global_num_tokens=num_tokens,
         global_num_seqs=num_seqs,
+        entropy=None if entropy is None else entropy[:, 1:],
+        reference_logprobs=None if reference is None else cut(reference),
     )

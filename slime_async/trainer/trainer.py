@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from loss import denominators, resolve_loss_spec
+from loss.regularizers import with_regularizers
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
@@ -37,6 +38,7 @@ from slime_async.trainer.loss_inputs import (
 from slime_async.trainer.metrics_agg import MetricAccumulator, broadcast_metrics
 from slime_async.trainer.model import build_model
 from slime_async.trainer.pipeline import StageExecutor
+from slime_async.trainer.reference import maybe_reference
 from slime_async.trainer.replay import (
     RoutingReplay,
     replay_instances,
@@ -69,7 +71,8 @@ class MegatronTrainer(LogprobForwards):
         master_port: int | None = None,
     ) -> None:
         self.cfg, self.spec = cfg, spec
-        self.loss_spec = resolve_loss_spec(cfg.loss.name)  # fails fast on a bad name or path
+        # fails fast on a bad name or path; entropy / KL-to-reference terms wrap the loss
+        self.loss_spec = with_regularizers(resolve_loss_spec(cfg.loss.name), cfg.loss.regularizers)
         self.loss_cfg = self.loss_spec.config(cfg.loss.config)
         warning = check_loss_needs(
             self.loss_spec,
@@ -118,6 +121,7 @@ class MegatronTrainer(LogprobForwards):
             self.import_hf(cfg.hf_checkpoint)
         if cfg.keep_old_actor:
             self.snapshots.snapshot(self.model, self.version)
+        self.reference = maybe_reference(self)  # KL penalty: π_ref weights (initial or --ref-load)
 
     # ------------------------------------------------------------------ train
     def train_step(self, batch: TrainerBatch) -> dict[str, float]:
@@ -177,7 +181,9 @@ class MegatronTrainer(LogprobForwards):
                 # without the π_k forward: the same weights (one update per step), detached
                 lp_k = lp.detach() if inputs.proximal is None else inputs.proximal[i]
                 mb_in = loss_inputs(mb, lp, lp_k, inputs.behavior_of(i), version=self.version,
-                                    num_tokens=n_tok, num_seqs=n_seq)  # fmt: skip
+                                    num_tokens=n_tok, num_seqs=n_seq,
+                                    entropy=ent if self.loss_spec.needs.entropy else None,
+                                    reference=inputs.reference_of(i))  # fmt: skip
                 out = self.loss_spec.fn(mb_in, self.loss_cfg)
                 if inputs.entropy is not None:
                     return out.loss, out.metrics
