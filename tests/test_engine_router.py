@@ -5,12 +5,6 @@ the router registers them (probing /health, /get_model_info, /get_server_info) a
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import aiohttp
 import pytest
@@ -18,16 +12,10 @@ import torch
 
 from slime_async.contracts.rollout import decode_routed_experts
 from slime_async.engine import EngineConfig, EngineServer
-from slime_async.engine.testing import post
+from slime_async.engine.testing import post, stock_sglang_router
 
 pytestmark = pytest.mark.timeout(120)
 sglang_router = pytest.importorskip("sglang_router", reason="sglang-router wheel not installed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -45,44 +33,10 @@ def engines():
         s.stop()
 
 
-def _launch(urls: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
-    cmd += ["--log-level", "warn"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def router(engines):
-    urls, _ = engines
-    proc, url = _launch(urls)
-    try:
-        deadline = time.monotonic() + 60
-        while True:  # ready when both workers are registered and healthy
-            if proc.poll() is not None:  # lost the port race: try another port, once
-                proc, url = _launch(urls)
-                if time.monotonic() > deadline - 30:
-                    raise RuntimeError(f"sglang-router exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(url + "/workers", timeout=2) as r:
-                    ws = json.loads(r.read())["workers"]
-                if len(ws) == 2 and all(w["is_healthy"] for w in ws):
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("sglang-router did not register both engines in 60s")
-            time.sleep(0.2)
+    with stock_sglang_router(engines[0]) as url:  # ready when both workers are healthy
         yield url
-    finally:  # the router renames itself `sglang::router`: stop it by PID only
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 async def test_generate_through_sglang_router(engines, router) -> None:

@@ -5,20 +5,12 @@ launcher's routing-replay probe turns into a refusal instead of a failure at the
 
 from __future__ import annotations
 
-import contextlib
-import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-
 import aiohttp
 import pytest
 import torch
 
 from slime_async.engine import EngineConfig, EngineServer
-from slime_async.engine.testing import post
+from slime_async.engine.testing import post, stock_sglang_router
 from slime_async.rollout.client import GenerateError, check_routed_experts
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,48 +59,10 @@ async def test_custom_params_is_accepted_as_any_object(engine) -> None:
     assert status == 400 and "custom_params must be a JSON object" in str(ans)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def launch_stock_router(worker_url: str):
-    """The real sglang-router in front of `worker_url`; yields its URL once the worker is healthy."""
-    pytest.importorskip("sglang_router", reason="sglang-router wheel not installed")
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", worker_url,
-           "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-           "--log-level", "warn", "--prometheus-port", str(_free_port())]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    router = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"sglang-router exited with {proc.returncode}"
-            try:
-                with urllib.request.urlopen(router + "/workers", timeout=2) as r:
-                    ws = json.loads(r.read())["workers"]
-                if ws and all(w["is_healthy"] for w in ws):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "sglang-router did not register the engine"
-            time.sleep(0.2)
-        yield router
-    finally:  # the router renames itself `sglang::router`: stop it by PID only
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
 @pytest.fixture(scope="module")
 def stock_router(engine):
-    with launch_stock_router(engine[0]) as url:
+    pytest.importorskip("sglang_router", reason="sglang-router wheel not installed")
+    with stock_sglang_router([engine[0]]) as url:
         yield url
 
 
@@ -150,9 +104,10 @@ async def test_routing_replay_probe_refuses_the_stock_router(engine, stock_route
 
 async def test_routing_replay_probe_accepts_always_return_behind_the_stock_router() -> None:
     """Engines started with --always-return-routed-experts keep R3 working behind it."""
+    pytest.importorskip("sglang_router", reason="sglang-router wheel not installed")
     srv = EngineServer(EngineConfig(dtype="fp32", always_return_routed_experts=True))
     try:
-        with launch_stock_router(srv.start()) as router:
+        with stock_sglang_router([srv.start()]) as router:
             await check_routed_experts(router)
     finally:
         srv.stop()

@@ -1,14 +1,22 @@
 """Helpers for tests and benchmarks that talk to an engine over HTTP and check its answers.
 
-Owns: `post` (one JSON POST with aiohttp, returns status and parsed body) and
-`check_against_reference` (teacher-forced comparison of a `/generate` answer). Test support
+Owns: `post` (one JSON POST with aiohttp, returns status and parsed body),
+`check_against_reference` (teacher-forced comparison of a `/generate` answer) and
+`stock_sglang_router` (the real sglang-router binary in front of engines). Test support
 only; production code must never import this module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import aiohttp
@@ -63,3 +71,46 @@ def check_against_reference(
         assert got_t.shape == want.shape, (got_t.shape, want.shape)
         eq = (got_t == want).all(dim=-1).all(dim=-1)
     return Comparison(logprob_abs_diff=diff, routed_equal=eq)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def stock_sglang_router(
+    worker_urls: Sequence[str], *, policy: str = "round_robin", timeout_s: float = 60.0
+) -> Iterator[str]:
+    """The real `sglang-router` (PyPI wheel) in front of `worker_urls`; yields its URL once every
+    worker is registered and healthy, stops it (by PID: it renames itself) afterwards."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+           "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+           "--log-level", "warn", "--prometheus-port", str(_free_port())]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(url + "/workers", timeout=2) as r:
+                    ws = json.loads(r.read())["workers"]
+                if len(ws) == len(worker_urls) and all(w["is_healthy"] for w in ws):
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sglang-router did not register {list(worker_urls)}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
