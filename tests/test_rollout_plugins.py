@@ -161,7 +161,11 @@ def test_calculator_reward_reads_the_last_turn():
 
     ok = RewardInput(response_ids=resp, label=list(p.label_ids), loss_mask=mask)
     assert calc.reward(ok) == 1.0
-    assert calc.reward(dataclasses.replace(ok, loss_mask=[1] * len(resp))) == 0.0
+    assert calc.reward(dataclasses.replace(ok, loss_mask=[1] * len(resp))) == 0.0  # no tool call
+    goes_on = [*resp[:-1], 14, EOS]  # the answer, then one more digit
+    assert calc.reward(dataclasses.replace(ok, response_ids=goes_on, loss_mask=[*mask, 1])) == 0.5
+    wrong = [*resp[:-4], 11, 17, 14, EOS]
+    assert calc.reward(dataclasses.replace(ok, response_ids=wrong)) == 0.0
 
 
 async def test_partial_rollout_across_a_weight_update_keeps_per_token_versions(engine):

@@ -12,12 +12,14 @@ An episode, in the built-in task tokens (`rollout.tasks`; id 9 is the tool marke
     turn 1   the model writes the calculator's argument, then EOS       (trained)
     tool     [TOOL, <copy>, r1 .. rm, SEP]: r = <task>(argument)       (never trained)
     turn 2   the model writes the final answer, then EOS                (trained)
-    reward   1 iff turn 2 is the prompt's answer then EOS
+    reward   1 if turn 2 is the prompt's answer then EOS, 0.5 if it starts with the answer
+             but does not stop there, else 0
 
 Using the tool well means passing the prompt's digits through unchanged in turn 1 and copying
 the tool's result in turn 2; answering the task directly in turn 1 (what the warm-started model
-does) makes the tool apply it twice, right for copy and sort, wrong for reverse and add-one. So
-the reward starts near one half and RL can raise it by learning the tool protocol.
+does) makes the tool apply it twice, right for copy and sort, wrong for reverse and add-one. The
+warm-started tiny model copies the tool's result in turn 2 but rarely stops after it (it never
+saw a second turn), hence the half credit: the first thing RL has to learn is to stop.
 
 Resumable: after a weight update aborts a model turn (`--partial-rollout continue`), the data
 worker re-dispatches the sample with what was generated so far and `generate` continues from the
@@ -70,11 +72,15 @@ async def generate(ctx: GenerateContext) -> None:
 
 
 def reward(inp: RewardInput) -> float:
-    """1.0 iff the last model turn (after the tool's output) is the answer then EOS."""
+    """1.0 if the last model turn (after the tool's output) is the answer then EOS, 0.5 if it
+    starts with the answer but goes on, else 0.0."""
     mask = list(inp.loss_mask) if inp.loss_mask is not None else [1] * len(inp.response_ids)
     if 0 not in mask:
         return 0.0  # never called the tool
     last_tool = len(mask) - 1 - mask[::-1].index(0)
     answer = [int(x) for x in inp.response_ids[last_tool + 1 :]]
     label = inp.label if not isinstance(inp.label, str) else encode_digits(inp.label)
-    return float(answer == [*label, EOS])
+    label = [int(x) for x in label]
+    if answer == [*label, EOS]:
+        return 1.0
+    return 0.5 if answer[: len(label)] == label else 0.0
