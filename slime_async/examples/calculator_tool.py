@@ -21,6 +21,11 @@ does) makes the tool apply it twice, right for copy and sort, wrong for reverse 
 warm-started tiny model copies the tool's result in turn 2 but rarely stops after it (it never
 saw a second turn), hence the half credit: the first thing RL has to learn is to stop.
 
+Measured (2026-11-23, this 2-core machine, the cached warm start of seed 1 with pass rate 0.37,
+`--seed 1 --num-steps 60 --eval-interval 20 --eval-prompts 32`): mean train reward per 10 steps
+0.12, 0.10, 0.09, 0.15, 0.13, 0.16; held-out 0.06, 0.08, 0.08 at steps 20/40/60. The mechanics
+run end to end; 60 steps move the reward little, within the noise of 32 eval prompts.
+
 Resumable: after a weight update aborts a model turn (`--partial-rollout continue`), the data
 worker re-dispatches the sample with what was generated so far and `generate` continues from the
 trajectory's state; every token keeps the version that produced it. Owns nothing else; imports
