@@ -1,5 +1,13 @@
-"""World size 2 (two gloo processes): DP2, TP2+SP, EP2 and PP2 agree with DP1; export gathers
-shards exactly; a TP2 checkpoint resumes under TP1 (resharded) with the same weights."""
+"""Multi-rank layouts against the single-rank reference (gloo processes, one torch thread each).
+
+For every layout the loss and grad norm of two train steps, the per-token log-probs (plain,
+R2-trained, π_j snapshots, R3-replayed) and the weights after the two steps match DP1. The
+default suite runs world size 2 (DP2 with the distributed optimizer, TP2+SP, EP2, PP2 1F1B)
+with packed sequences; `slow` tests add padded sequences with token-budget micro-batches,
+activation recompute with R3 replay, world size 4 (TP2×PP2, TP2×EP2×DP2) and the interleaved
+pipeline schedule (PP2 × 2 virtual stages). Checkpoints written by a distributed-optimizer
+layout and a TP2 layout resume at DP1 exactly.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +18,20 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from slime_async.contracts.model import TINY_MOE
+from slime_async.contracts.model import TINY_MOE, ModelSpec
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 torch.set_num_threads(1)
 
-LAYOUTS = {"dp2": (1, 1, 1), "tp2": (2, 1, 1), "ep2": (1, 2, 1), "pp2": (1, 1, 2)}  # tp, ep, pp
+WS2 = {"dp2": (1, 1, 1), "tp2": (2, 1, 1), "ep2": (1, 2, 1), "pp2": (1, 1, 2)}  # tp, ep, pp
+WS4 = {"tp2pp2": (2, 1, 2), "tp2ep2dp2": (2, 2, 1)}
+VARIANTS = {
+    "packed": {},
+    "padded_dynamic": dict(qkv_format="bshd", use_dynamic_batch_size=True, max_tokens_per_gpu=30),
+    "recompute_r3": dict(routing_replay="r3", recompute_granularity="full",
+                         recompute_method="uniform", recompute_num_layers=1),
+}  # fmt: skip
+DEEP = ModelSpec(num_layers=4)  # 4 layers: PP2 × 2 virtual stages, one layer per chunk
 STEPS = 2
 
 
@@ -23,28 +39,22 @@ def _cfg(**kw):
     from slime_async.trainer.config import TrainerConfig
 
     # adam_eps 1e-4: near-zero grads (rare tokens) then move weights ∝ grad, not ±lr noise
-    base = dict(lr=1e-3, micro_batch_size=2, seed=5, clip_grad=0.0, keep_old_actor=True, adam_eps=1e-4,
-                routing_replay="r2",
-                max_snapshots=3)  # fmt: skip
+    base = dict(lr=1e-3, micro_batch_size=2, seed=5, clip_grad=0.0, keep_old_actor=True,
+                adam_eps=1e-4, routing_replay="r2", max_snapshots=3)  # fmt: skip
     base.update(kw)
     return TrainerConfig(**base)
 
 
-def _batch():
-    from slime_async.trainer.testing import random_batch
-
-    # ragged: micro-batches of different widths per DP rank (EP must agree on one width)
-    lengths = [18, 9, 12, 7, 10, 8, 6, 11]
-    return random_batch(TINY_MOE, batch=8, width=18, prompt=5, seed=9, lengths=lengths)
-
-
-def _routed_batch():
-    """The test batch with random (fixed) engine routing for R3."""
+def _batch(spec: ModelSpec = TINY_MOE):
+    """Ragged batch with random (fixed) engine routing (used by R3 only)."""
     import numpy as np
 
-    b = _batch()
+    from slime_async.trainer.testing import random_batch
+
+    lengths = [18, 9, 12, 7, 10, 8, 6, 11]
+    b = random_batch(spec, batch=8, width=18, prompt=5, seed=9, lengths=lengths)
     rng = np.random.default_rng(4)
-    nl, k, e = TINY_MOE.num_layers, TINY_MOE.moe_topk, TINY_MOE.num_experts
+    nl, k, e = spec.num_layers, spec.moe_topk, spec.num_experts
     routed = tuple(
         np.stack([rng.permutation(e)[:k] for _ in range((n - 1) * nl)]).reshape(n - 1, nl, k)
         for n in b.lengths.tolist()
@@ -52,89 +62,141 @@ def _routed_batch():
     return dataclasses.replace(b, routed_experts=routed)
 
 
-def _r3_logprobs(tr):
+def _r3_logprobs(tr, batch):
     from slime_async.trainer.replay import RoutingReplay
 
     old = tr.cfg
     tr.cfg = dataclasses.replace(old, routing_replay=RoutingReplay.R3)
     try:
-        return tr.compute_logprobs(_routed_batch())[0]
+        return tr.compute_logprobs(batch)[0]
     finally:
         tr.cfg = old
 
 
-def _worker(rank: int, port: int, hf_dir: str, out_dir: str) -> None:
+def _run(tr, spec: ModelSpec) -> dict[str, object]:
+    """Two steps, then every kind of log-prob forward; the reference and the layouts alike."""
+    b = _batch(spec)
+    init = tr.export_weights().tensors
+    metrics = [tr.train_step(b) for _ in range(STEPS)]
+    return {
+        "init": init,
+        "loss": torch.tensor([m["loss/total"] for m in metrics], dtype=torch.float64),
+        "gnorm": torch.tensor([m["train/grad_norm"] for m in metrics], dtype=torch.float64),
+        "lp": tr.compute_logprobs(b)[0],
+        "lp_j": tr.compute_behavior_logprobs(b),
+        "lp_r3": _r3_logprobs(tr, b),
+        "final": tr.export_weights().tensors,
+        "state_bytes": torch.tensor(tr.optim.state_bytes()),
+        "distributed": torch.tensor(tr.optim.distributed),
+    }
+
+
+def _worker(rank, world, port, layouts, variant, spec_d, hf_dir, out_dir) -> None:
     torch.set_num_threads(1)
     from slime_async.trainer.trainer import MegatronTrainer
 
+    spec = ModelSpec.from_dict(spec_d)
     results: dict[str, object] = {}
-    for name, (tp, ep, pp) in LAYOUTS.items():
+    for name, (tp, ep, pp, vp) in layouts.items():
         cfg = _cfg(hf_checkpoint=hf_dir, tensor_model_parallel_size=tp,
                    expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
-                   save=os.path.join(out_dir, f"ck_{name}"))  # fmt: skip
-        tr = MegatronTrainer(cfg, TINY_MOE, rank=rank, world_size=2, master_port=port)
-        init = tr.export_weights().tensors
-        metrics = [tr.train_step(_batch()) for _ in range(STEPS)]
-        lp, _ = tr.compute_logprobs(_batch())
-        lp_j = tr.compute_behavior_logprobs(_batch())
-        lp_r3 = _r3_logprobs(tr)
-        final = tr.export_weights().tensors
-        if name == "tp2":
+                   virtual_pipeline_model_parallel_size=vp,
+                   save=os.path.join(out_dir, f"ck_{name}"), **VARIANTS[variant])  # fmt: skip
+        tr = MegatronTrainer(cfg, spec, rank=rank, world_size=world, master_port=port)
+        res = _run(tr, spec)
+        if name in ("dp2", "tp2"):
             tr.save_checkpoint()
+        res["layout"] = torch.tensor([tr.layout.tp, tr.layout.ep, tr.layout.pp, tr.layout.dp])
         if rank == 0:
-            results[name] = {
-                "init": init,
-                "final": final,
-                "loss": torch.tensor([m["loss/total"] for m in metrics], dtype=torch.float64),
-                "gnorm": torch.tensor([m["train/grad_norm"] for m in metrics], dtype=torch.float64),
-                "lp": lp,
-                "lp_j": lp_j,
-                "lp_r3": lp_r3,
-                "layout": torch.tensor([tr.layout.tp, tr.layout.ep, tr.layout.pp]),
-            }
+            results[name] = res
         tr.shutdown()
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
 
 
-def test_world_size_2_layouts_match_dp1(tmp_path):
+def _compare(tmp_path, *, world, layouts, variant="packed", spec=TINY_MOE):
+    """Run the DP1 reference here and `layouts` in `world` spawned ranks; assert agreement.
+    Returns (reference trainer, its results, the layouts' results)."""
     from slime_async.trainer.trainer import MegatronTrainer, free_port
 
-    ref = MegatronTrainer(_cfg(), TINY_MOE)
+    ref = MegatronTrainer(_cfg(**VARIANTS[variant]), spec)
     hf_dir = ref.save_weights(tmp_path / "init")
-    init = ref.export_weights().tensors
-    ref_metrics = [ref.train_step(_batch()) for _ in range(STEPS)]
-    ref_lp, _ = ref.compute_logprobs(_batch())
-    ref_lp_j = ref.compute_behavior_logprobs(_batch())  # version 0 snapshot, 2 updates ago
-    ref_lp_r3 = _r3_logprobs(ref)
-    assert (ref_lp_r3 - ref_lp).abs().max() > 1e-2  # random routing really changes log-probs
-    ref_final = ref.export_weights().tensors
-    mp.spawn(_worker, args=(free_port(), str(hf_dir), str(tmp_path)), nprocs=2, join=True)
+    want = _run(ref, spec)
+    if ref.cfg.routing_replay.value != "r3":  # (under R3 `lp` already replays the routing)
+        assert (want["lp_r3"] - want["lp"]).abs().max() > 1e-2  # random routing: teeth
+    args = (world, free_port(), layouts, variant, spec.to_dict(), str(hf_dir), str(tmp_path))
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
     res = torch.load(tmp_path / "results.pt", weights_only=True)
-    ref_loss = torch.tensor([m["loss/total"] for m in ref_metrics], dtype=torch.float64)
-    ref_gn = torch.tensor([m["train/grad_norm"] for m in ref_metrics], dtype=torch.float64)
     for name, r in res.items():
         # the exported (gathered) shards are exactly the weights they were sliced from
-        assert r["init"].keys() == init.keys()
-        for k in init:
-            assert torch.equal(r["init"][k], init[k]), (name, k)
-        assert (r["loss"] - ref_loss).abs().max() <= 1e-5, (name, r["loss"], ref_loss)
-        assert torch.allclose(r["gnorm"], ref_gn, rtol=1e-4), (name, r["gnorm"], ref_gn)
-        assert (r["lp"] - ref_lp).abs().max() <= 1e-4, name
-        assert (r["lp_j"] - ref_lp_j).abs().max() <= 1e-4, name  # per token: TP sums differ ~1e-5
-        assert (r["lp_r3"] - ref_lp_r3).abs().max() <= 1e-4, name  # R3 sliced per rank/stage
-        assert r["layout"].tolist() == list(LAYOUTS[name]), name
-        for k in ref_final:
-            assert (r["final"][k] - ref_final[k]).abs().max() <= 1e-5, (name, k)
-    # a TP2 checkpoint loads into this TP1 process (resharded) with the same weights
-    resumed = MegatronTrainer(_cfg(load=str(tmp_path / "ck_tp2")), TINY_MOE)
-    assert resumed.version == STEPS and resumed.resumed_layout.tp == 2
-    got = resumed.export_weights().tensors
-    for k, v in res["tp2"]["final"].items():
-        assert torch.equal(got[k], v), k
-    # snapshots are not checkpointed: train on version-2 tokens so both sides have π_j^Meg
+        assert r["init"].keys() == want["init"].keys()
+        for k in want["init"]:
+            assert torch.equal(r["init"][k], want["init"][k]), (name, k)
+        assert (r["loss"] - want["loss"]).abs().max() <= 1e-5, (name, r["loss"], want["loss"])
+        assert torch.allclose(r["gnorm"], want["gnorm"], rtol=1e-4), (name, r["gnorm"])
+        for key in ("lp", "lp_j", "lp_r3"):  # per token: TP partial sums differ ~1e-5
+            assert (r[key] - want[key]).abs().max() <= 1e-4, (name, key)
+        for k in want["final"]:
+            assert (r["final"][k] - want["final"][k]).abs().max() <= 1e-5, (name, k)
+        tp, ep, pp, _ = layouts[name]
+        assert r["layout"].tolist()[:3] == [tp, ep, pp], name
+        # DP > 1: the distributed optimizer (default) holds its share of the Adam state
+        dp = int(r["layout"][3])
+        assert bool(r["distributed"]) == (dp > 1), name
+        if dp > 1 and tp == pp == 1:
+            assert int(r["state_bytes"]) <= 0.55 * int(want["state_bytes"]), name
+    return ref, want, res
+
+
+def _resume_matches(tmp_path, ref, name: str) -> None:
+    """A checkpoint of layout `name` loads at DP1 (resharded, state gathered) and continues
+    exactly like the uninterrupted reference."""
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    resumed = MegatronTrainer(_cfg(load=str(tmp_path / f"ck_{name}")), TINY_MOE)
+    assert resumed.version == STEPS
     b = _batch()
+    # snapshots are not checkpointed: train on version-2 tokens so both sides have π_j^Meg
     b = dataclasses.replace(b, token_versions=torch.where(b.loss_mask, STEPS, -1))
-    cont, again = resumed.train_step(b), ref.train_step(b)
+    cont = resumed.train_step(b)
+    again = ref.train_step(b)
     assert cont["loss/compis_fallback"] == again["loss/compis_fallback"] == 0.0
     assert abs(cont["loss/total"] - again["loss/total"]) <= 1e-5
+    got, want = resumed.export_weights().tensors, ref.export_weights().tensors
+    for k in want:  # one more Adam update: the moments were restored too
+        assert (got[k] - want[k]).abs().max() <= 1e-5, (name, k)
+    resumed.shutdown()
+
+
+def test_world_size_2_layouts_match_dp1(tmp_path):
+    layouts = {k: (*v, None) for k, v in WS2.items()}
+    ref, _, res = _compare(tmp_path, world=2, layouts=layouts)
+    _resume_matches(tmp_path, ref, "dp2")  # distributed-optimizer shards gathered
+    ref2 = _compare_ref_again(tmp_path)
+    _resume_matches(tmp_path, ref2, "tp2")  # TP shards gathered
+    assert res["tp2"]["layout"][0] == 2
+
+
+def _compare_ref_again(tmp_path):
+    """A fresh reference at version STEPS (the first one moved on in `_resume_matches`)."""
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    ref = MegatronTrainer(_cfg(hf_checkpoint=str(tmp_path / "init")), TINY_MOE)
+    _run(ref, TINY_MOE)
+    return ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["padded_dynamic", "recompute_r3"])
+def test_world_size_2_layouts_match_dp1_variants(tmp_path, variant):
+    _compare(tmp_path, world=2, layouts={k: (*v, None) for k, v in WS2.items()}, variant=variant)
+
+
+@pytest.mark.slow
+def test_world_size_4_combinations_match_dp1(tmp_path):
+    _compare(tmp_path, world=4, layouts={k: (*v, None) for k, v in WS4.items()})
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_matches_dp1(tmp_path):
+    _compare(tmp_path, world=2, layouts={"pp2vp2": (1, 1, 2, 2)}, spec=DEEP)

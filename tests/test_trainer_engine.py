@@ -84,11 +84,11 @@ def test_r3_replays_embedded_engine_routing_and_weight_update(tmp_path):
         caps: list[torch.Tensor] = []
         with capture_routing(tr.model, caps):
             lp, _ = tr.compute_logprobs(batch)
-        bsz, width = batch.tokens.shape
-        for b in range(bsz):
+        starts = [0, *torch.cumsum(batch.lengths, 0).tolist()]  # packed: samples back to back
+        for b in range(batch.size):
             n = int(batch.lengths[b]) - 1
             for layer, c in enumerate(caps):
-                got = c.view(width, bsz, -1)[:n, b]  # seq-major routing map of sample b
+                got = c[starts[b] : starts[b] + n]  # routing map of sample b's tokens
                 want = torch.zeros_like(got)
                 ids = torch.from_numpy(batch.routed_experts[b][:, layer].astype(np.int64))
                 want.scatter_(-1, ids, True)

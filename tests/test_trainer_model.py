@@ -30,8 +30,13 @@ def moe_trainer():
     return tr
 
 
-def _routing_sets(caps: list[torch.Tensor], bsz: int, width: int) -> torch.Tensor:
-    """megatron routing maps (seq-major [S*B, E] per layer) → [B, T, L, E] bool."""
+def _routing_sets(
+    caps: list[torch.Tensor], bsz: int, width: int, *, packed: bool = True
+) -> torch.Tensor:
+    """megatron routing maps per layer → [B, T, L, E] bool. Packed (THD, one row of equally
+    long samples): [B*T, E] sample after sample; padded: seq-major [T*B, E]."""
+    if packed:
+        return torch.stack([c.view(bsz, width, -1) for c in caps], 2)
     return torch.stack([c.view(width, bsz, -1).permute(1, 0, 2) for c in caps], 2)
 
 
@@ -262,9 +267,9 @@ def test_trainer_config_flags_schedule_and_errors():
     from slime_async.trainer.config import (
         TrainerConfig,
         add_trainer_args,
-        lr_at,
         trainer_config_from_args,
     )
+    from slime_async.trainer.optim import lr_at
     from slime_async.trainer.replay import RoutingReplay
 
     p = add_trainer_args(argparse.ArgumentParser())
@@ -273,9 +278,14 @@ def test_trainer_config_flags_schedule_and_errors():
                          "--lr-decay-style", "cosine", "--min-lr", "1e-4"])  # fmt: skip
     cfg = trainer_config_from_args(args)
     assert cfg.routing_replay is RoutingReplay.R3 and cfg.keep_old_actor
+    # megatron's OptimizerParamScheduler: update k uses the LR at step k (warmup from
+    # --lr-warmup-init, 0 here), cosine decay over steps 2..4, then min_lr
     lrs = [lr_at(s, cfg) for s in range(8)]
-    assert lrs[:2] == pytest.approx([1e-3, 2e-3]) and lrs[2] == pytest.approx(2e-3)
-    assert lrs[4] == pytest.approx((2e-3 + 1e-4) / 2) and lrs[6] == lrs[7] == pytest.approx(1e-4)
+    assert lrs[:3] == pytest.approx([0.0, 1e-3, 2e-3])
+    assert lrs[3] == pytest.approx((2e-3 + 1e-4) / 2) and lrs[4:] == pytest.approx([1e-4] * 4)
+    warm = trainer_config_from_args(p.parse_args(["--lr-warmup-iters", "2", "--lr-warmup-init",
+                                                  "5e-5"]))  # fmt: skip
+    assert [lr_at(s, warm) for s in range(3)] == pytest.approx([5e-5, 7.5e-5, 1e-4])
     with pytest.raises(ValueError, match="needs lr_decay_steps"):
         TrainerConfig(lr_decay_style="linear")
     with pytest.raises(ValueError, match=r"routing_replay='r4' .* none, r2, r3"):

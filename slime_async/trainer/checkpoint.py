@@ -10,15 +10,18 @@ Layout of `<save>/`::
                              (the LR is a pure function of version + schedule), sizes and
                              sha256 of every file below, opaque `extra_state` (controller,
                              data worker)
-        model.pt             full HF-named fp32 weights (layout-free → any TP/EP can load)
-        optim.pt             full HF-named AdamW moments `exp_avg` / `exp_avg_sq`
+        model.pt             full HF-named fp32 weights (layout-free → any TP/EP/PP can load)
+        optim.pt             full HF-named Adam moments `exp_avg` / `exp_avg_sq` (and the fp32
+                             `main_param` under bf16), gathered over DP from the distributed
+                             optimizer's shards (`optim.MegatronOptim.state_tensors`)
         rng_rank00000.pt     per-rank torch + megatron-tracker RNG states
     latest                   text "12", replaced atomically after the rename
     .tmp-iter_0000013/       a save in progress / crashed: never read
 
-Tensors are stored in their full (gathered) form, so a different TP/EP layout is resharded
-exactly (the same mapping as the HF export). Files are read with `torch.load(...,
-weights_only=True)`: nothing is unpickled beyond tensors and plain containers.
+Tensors are stored in their full (gathered) form, so a different TP/EP/PP/DP layout, with or
+without the distributed optimizer, is resharded exactly (the same mapping as the HF export).
+Files are read with `torch.load(..., weights_only=True)`: nothing is unpickled beyond tensors
+and plain containers.
 
 Guards (each raises `CheckpointError` naming the path): `--load` missing, empty or without a
 complete checkpoint (never a fallback to `--hf-checkpoint`/`--ref-load`); a loaded iteration
@@ -43,6 +46,7 @@ import torch.distributed as dist
 
 from slime_async.contracts.model import ModelSpec
 from slime_async.trainer import hf_convert
+from slime_async.trainer.model import global_named_parameters
 from slime_async.trainer.parallel import ParallelLayout
 
 
@@ -53,8 +57,8 @@ class TrainerState(Protocol):
     cfg: Any
     spec: ModelSpec
     layout: ParallelLayout
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    chunks: list[torch.nn.Module]
+    optim: Any  # optim.MegatronOptim
     rank: int
     world_size: int
     version: int
@@ -109,23 +113,16 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def _optimizer_moments(tr: TrainerState) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
-    named = dict(tr.model.named_parameters())
-    moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
-    step = 0
-    for name, p in named.items():
-        st = tr.optimizer.state.get(p, {})
-        for key in moments:
-            moments[key][name] = st[key] if key in st else torch.zeros_like(p)
-        if "step" in st:
-            step = int(st["step"])
-    full = {k: hf_convert.megatron_to_hf_tensors(v, tr.spec) for k, v in moments.items()}
-    return full, step
+    """HF-named full optimizer state (collective over DP, TP, EP, PP) and Adam's step count."""
+    local = tr.optim.state_tensors(global_named_parameters(tr.chunks))
+    full = {k: hf_convert.megatron_to_hf_tensors(v, tr.spec) for k, v in local.items()}
+    return full, tr.optim.step_count()
 
 
 def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) -> Path:
     """Write `iter_<version>` atomically, then point `latest` at it; returns the final path."""
     json.dumps(extra_state)  # fail early (TypeError) if the opaque state is not JSON-able
-    weights = hf_convert.megatron_to_hf(tr.model, tr.spec)
+    weights = hf_convert.megatron_to_hf(tr.chunks, tr.spec)
     moments, opt_step = _optimizer_moments(tr)
     final = save_dir / iter_name(tr.version)
     tmp = save_dir / f".tmp-{iter_name(tr.version)}"
@@ -155,6 +152,7 @@ def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) ->
             "layout": tr.layout.to_dict(),
             "world_size": tr.world_size,
             "optimizer_step": opt_step,
+            "optimizer": {"distributed": tr.optim.distributed, "bf16": tr.optim.bf16},
             "lr_schedule": _lr_schedule(tr),
             "extra_state": extra_state,
             "files": files,
@@ -262,7 +260,8 @@ def load(tr: TrainerState, load_dir: Path) -> dict[str, object]:
     if saved != tr.layout:
         log.warning("resharding checkpoint %s from layout %s to %s", ckpt, saved, tr.layout)
     weights = torch.load(ckpt / "model.pt", weights_only=True, map_location="cpu")
-    hf_convert.hf_to_megatron(tr.model, tr.spec, weights)
+    hf_convert.hf_to_megatron(tr.chunks, tr.spec, weights)
+    tr.optim.reload_main_params()
     _load_optimizer(tr, ckpt, int(meta["optimizer_step"]))
     rng_file = ckpt / f"rng_rank{tr.rank:05d}.pt"
     if meta["world_size"] == tr.world_size and rng_file.is_file():
@@ -276,10 +275,11 @@ def load(tr: TrainerState, load_dir: Path) -> dict[str, object]:
 
 
 def _lr_schedule(tr: TrainerState) -> dict[str, object]:
-    """The LR schedule is a pure function of the version and these fields (`config.lr_at`)."""
+    """The LR schedule is a pure function of the version and these fields (`optim.lr_at`)."""
     c = tr.cfg
     return {
         "lr": c.lr,
+        "lr_warmup_init": c.lr_warmup_init,
         "min_lr": c.min_lr,
         "lr_warmup_steps": c.lr_warmup_steps,
         "lr_decay_steps": c.lr_decay_steps,
@@ -291,15 +291,10 @@ def _load_optimizer(tr: TrainerState, ckpt: Path, step: int) -> None:
     if step == 0:
         return
     moments = torch.load(ckpt / "optim.pt", weights_only=True, map_location="cpu")
-    named = dict(tr.model.named_parameters())
-    shapes = {n: tuple(p.shape) for n, p in named.items()}
+    names = global_named_parameters(tr.chunks)
+    shapes = {n: tuple(p.shape) for n, p in names.items()}
     shards = {k: hf_convert.hf_to_megatron_tensors(v, tr.spec, shapes) for k, v in moments.items()}
-    for name, p in named.items():
-        tr.optimizer.state[p] = {
-            "step": torch.tensor(float(step)),
-            "exp_avg": shards["exp_avg"][name].to(p.device, p.dtype),
-            "exp_avg_sq": shards["exp_avg_sq"][name].to(p.device, p.dtype),
-        }
+    tr.optim.load_state_tensors(shards, names, step=step)
 
 
 def _restore_rng(rng: dict[str, object]) -> None:

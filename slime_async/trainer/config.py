@@ -15,6 +15,42 @@ from loss import LossSelection
 from slime_async.trainer.replay import RoutingReplay
 
 
+def _check_layout_fields(c: TrainerConfig) -> None:
+    """Micro-batching, packing, recompute and interleaving settings (ValueError with the fix)."""
+    if c.qkv_format not in ("thd", "bshd"):
+        raise ValueError(f"qkv_format={c.qkv_format!r}; use 'thd' (packed) or 'bshd' (padded)")
+    if c.use_dynamic_batch_size and not c.max_tokens_per_gpu:
+        raise ValueError(
+            "--use-dynamic-batch-size needs --max-tokens-per-gpu N (tokens per micro-batch)"
+        )
+    if c.max_tokens_per_gpu is not None and not c.use_dynamic_batch_size:
+        raise ValueError(
+            "--max-tokens-per-gpu is the budget of --use-dynamic-batch-size; add that flag "
+            "(or drop --max-tokens-per-gpu to keep --micro-batch-size samples per micro-batch)"
+        )
+    if c.max_tokens_per_gpu is not None and c.max_tokens_per_gpu < 1:
+        raise ValueError("max_tokens_per_gpu must be >= 1")
+    vp = c.virtual_pipeline_model_parallel_size
+    if vp is not None and (vp < 2 or c.pipeline_model_parallel_size < 2):
+        raise ValueError(
+            f"--num-virtual-stages-per-pipeline-rank {vp} needs a value >= 2 and "
+            f"--pipeline-model-parallel-size >= 2 (got {c.pipeline_model_parallel_size}); "
+            "drop it for the plain 1F1B schedule"
+        )
+    g, m, n = c.recompute_granularity, c.recompute_method, c.recompute_num_layers
+    if g not in (None, "full", "selective"):
+        raise ValueError(f"recompute_granularity={g!r}; use 'full' or 'selective'")
+    if g == "full" and (m not in ("uniform", "block") or not n or n < 1):
+        raise ValueError(
+            "--recompute-granularity full needs --recompute-method uniform|block and "
+            "--recompute-num-layers N >= 1"
+        )
+    if g != "full" and (m is not None or n is not None):
+        raise ValueError(
+            "--recompute-method/--recompute-num-layers apply to --recompute-granularity full only"
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerConfig:
     """Configuration of one Megatron trainer group (every rank gets the same object)."""
@@ -24,21 +60,43 @@ class TrainerConfig:
     expert_model_parallel_size: int = 1
     """EP size (experts split across ranks)."""
     pipeline_model_parallel_size: int = 1
-    """PP size (only 1 is supported today)."""
+    """PP size (layers split evenly; megatron's 1F1B schedule)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank (megatron's interleaved 1F1B); None: not interleaved."""
     micro_batch_size: int = 4
-    """Samples per forward/backward micro-batch (per data-parallel rank)."""
+    """Samples per forward/backward micro-batch (per data-parallel rank), unless
+    `use_dynamic_batch_size`."""
+    use_dynamic_batch_size: bool = False
+    """Fill micro-batches up to `max_tokens_per_gpu` tokens instead of a fixed sample count."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget of one micro-batch per rank (with `use_dynamic_batch_size`)."""
+    qkv_format: str = "thd"
+    """'thd': samples packed into one row per micro-batch (no padding); 'bshd': padded [b, s]."""
+    use_distributed_optimizer: bool | None = None
+    """Shard optimizer state over DP (megatron's DistributedOptimizer); None: on when DP > 1."""
+    bf16: bool = False
+    """bf16 parameters and activations with fp32 main parameters in the optimizer."""
+    recompute_granularity: str | None = None
+    """Activation recomputation: 'full' (whole layers) or 'selective' (core attention)."""
+    recompute_method: str | None = None
+    """With 'full': 'uniform' or 'block' (megatron's meaning)."""
+    recompute_num_layers: int | None = None
+    """With 'full': layers per recomputed group ('uniform') or recomputed layers ('block')."""
     lr: float = 1e-4
     """Peak learning rate."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of the warmup."""
     lr_warmup_steps: int = 0
-    """Linear warmup steps from 0 to `lr`."""
+    """Linear warmup steps from `lr_warmup_init` to `lr` (megatron's schedule: update k uses
+    the LR at step k, so the first update of a warmup uses `lr_warmup_init`)."""
     lr_decay_steps: int | None = None
     """Steps over which the LR decays to `min_lr` (None: constant after warmup)."""
     lr_decay_style: str = "constant"
     """'constant', 'linear' or 'cosine'."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """Decoupled (AdamW) weight decay; megatron applies none to norms and biases."""
     adam_beta1: float = 0.9
     """AdamW β1."""
     adam_beta2: float = 0.98
@@ -82,6 +140,7 @@ class TrainerConfig:
             ) from None
         if self.micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1")
+        _check_layout_fields(self)
         if not (math.isfinite(self.lr) and self.lr >= 0):
             raise ValueError(f"lr={self.lr} must be a finite number >= 0")
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
@@ -90,6 +149,16 @@ class TrainerConfig:
             )
         if self.lr_decay_style != "constant" and not self.lr_decay_steps:
             raise ValueError(f"lr_decay_style={self.lr_decay_style!r} needs lr_decay_steps > 0")
+        if self.lr_decay_steps and self.lr_warmup_steps >= self.lr_decay_steps:
+            raise ValueError(
+                f"lr_warmup_steps={self.lr_warmup_steps} must be < lr_decay_steps="
+                f"{self.lr_decay_steps} (the decay counts from step 0, warmup included)"
+            )
+        if not 0 <= self.lr_warmup_init <= self.lr or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(
+                f"need 0 <= lr_warmup_init ({self.lr_warmup_init}) <= lr ({self.lr}) and "
+                f"0 <= min_lr ({self.min_lr}) <= lr"
+            )
         if self.max_snapshots < 1:
             raise ValueError("max_snapshots must be >= 1 (use keep_old_actor=False to disable)")
         if self.clip_grad < 0:
@@ -119,18 +188,6 @@ def run_kind_defaults(*, embedded: bool) -> dict[str, object]:
     }
 
 
-def lr_at(step: int, cfg: TrainerConfig) -> float:
-    """Learning rate for optimizer update number `step` (0-based): warmup, then decay."""
-    if cfg.lr_warmup_steps and step < cfg.lr_warmup_steps:
-        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
-    if cfg.lr_decay_style == "constant" or not cfg.lr_decay_steps:
-        return cfg.lr
-    frac = min(1.0, (step - cfg.lr_warmup_steps) / max(1, cfg.lr_decay_steps))
-    if cfg.lr_decay_style == "linear":
-        return cfg.lr + (cfg.min_lr - cfg.lr) * frac
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
-
-
 def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the trainer flag group (slime-compatible names where slime has one).
 
@@ -141,6 +198,7 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g = parser.add_argument_group("trainer")
     d = TrainerConfig()
     _add_parallel_args(g, d)
+    _add_batching_args(g, d)
     _add_optimizer_args(g, d)
     _add_off_policy_args(g, d)
     _add_checkpoint_args(g, d)
@@ -152,33 +210,108 @@ def _add_parallel_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
         "--tensor-model-parallel-size",
         type=int,
         default=d.tensor_model_parallel_size,
-        help="Tensor-parallel size (sequence parallelism is enabled with it).",
+        help="Tensor-parallel size; sequence parallelism is on with it (TP=2 on 4 ranks: "
+        "DP=2 x TP=2). See docs/parallelism.md.",
     )
     g.add_argument(
         "--expert-model-parallel-size",
         type=int,
         default=d.expert_model_parallel_size,
-        help="Expert-parallel size.",
+        help="Expert-parallel size; must divide the data-parallel size (EP=2 on 2 ranks: "
+        "DP=2, experts split in two).",
     )
     g.add_argument(
         "--pipeline-model-parallel-size",
         type=int,
         default=d.pipeline_model_parallel_size,
-        help="Pipeline-parallel size (only 1).",
+        help="Pipeline-parallel size: layers split evenly, megatron's 1F1B schedule (PP=2 on "
+        "4 ranks: DP=2 x PP=2).",
     )
+    g.add_argument(
+        "--num-virtual-stages-per-pipeline-rank",
+        dest="virtual_pipeline_model_parallel_size",
+        type=int,
+        default=d.virtual_pipeline_model_parallel_size,
+        help="Model chunks per pipeline rank: megatron's interleaved 1F1B schedule (needs "
+        "PP >= 2, layers divisible by PP x this, micro-batches a multiple of PP).",
+    )
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=d.use_distributed_optimizer,
+        help="Shard Adam state and fp32 main parameters over data-parallel ranks (megatron's "
+        "DistributedOptimizer; default: on when DP > 1).",
+    )
+    g.add_argument(
+        "--bf16",
+        action="store_true",
+        default=d.bf16,
+        help="bf16 parameters and activations, fp32 main parameters in the optimizer.",
+    )
+    g.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        default=d.recompute_granularity,
+        help="Activation recomputation in the backward (megatron): full layers or selective "
+        "(core attention). Works with routing replay (replayed in the recompute too).",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default=d.recompute_method,
+        help="With --recompute-granularity full: uniform (groups of --recompute-num-layers) "
+        "or block (the first --recompute-num-layers layers of each stage).",
+    )
+    g.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=d.recompute_num_layers,
+        help="Layers per group (uniform) or recomputed layers per stage (block).",
+    )
+
+
+def _add_batching_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
     g.add_argument(
         "--micro-batch-size",
         type=int,
         default=None,
         help="Samples per micro-batch per data-parallel rank (default: "
         f"{EMBEDDED_RUN.micro_batch_size} for the embedded default run, "
-        f"{d.micro_batch_size} otherwise).",
+        f"{d.micro_batch_size} otherwise); ignored in favour of the token budget with "
+        "--use-dynamic-batch-size.",
+    )
+    g.add_argument(
+        "--use-dynamic-batch-size",
+        action="store_true",
+        default=d.use_dynamic_batch_size,
+        help="Micro-batches of at most --max-tokens-per-gpu tokens (longest samples first, "
+        "balanced; every DP rank runs the same number of micro-batches).",
+    )
+    g.add_argument(
+        "--max-tokens-per-gpu",
+        type=int,
+        default=d.max_tokens_per_gpu,
+        help="Token budget of one micro-batch per rank (with --use-dynamic-batch-size); a "
+        "longer sample gets a micro-batch of its own.",
+    )
+    g.add_argument(
+        "--qkv-format",
+        choices=["thd", "bshd"],
+        default=d.qkv_format,
+        help="thd: pack each micro-batch's samples into one row (cu_seqlens; no attention "
+        "across samples, positions restart per sample); bshd: pad to [b, s] (for debugging).",
     )
 
 
 def _add_optimizer_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
     g.add_argument("--lr", type=float, default=d.lr, help="Peak learning rate.")
     g.add_argument("--min-lr", type=float, default=d.min_lr, help="Final learning rate.")
+    g.add_argument(
+        "--lr-warmup-init",
+        type=float,
+        default=d.lr_warmup_init,
+        help="LR at the start of the warmup (megatron's schedule).",
+    )
     g.add_argument(
         "--lr-warmup-iters",
         dest="lr_warmup_steps",
@@ -199,7 +332,12 @@ def _add_optimizer_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
         choices=["constant", "linear", "cosine"],
         help="LR decay shape.",
     )
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay.")
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=d.weight_decay,
+        help="Decoupled weight decay (not on norms/biases).",
+    )
     g.add_argument("--adam-beta1", type=float, default=d.adam_beta1, help="AdamW beta1.")
     g.add_argument("--adam-beta2", type=float, default=d.adam_beta2, help="AdamW beta2.")
     g.add_argument("--adam-eps", type=float, default=d.adam_eps, help="AdamW epsilon.")

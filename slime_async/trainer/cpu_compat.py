@@ -14,13 +14,21 @@ Patches (CPU only):
    `moe_utils` (`te_general_gemm`, `fused_*`): define them as None.
 6. `WrappedTorchNorm` refuses sequence parallelism: build `torch.nn.RMSNorm` anyway and tag its
    parameters `sequence_parallel=True` so their grads are all-reduced over TP.
+7. `cuda_literals_on_cpu()`: a context (a `TorchFunctionMode`) for megatron's DDP, optimizers and
+   schedules, which hold `torch.tensor(..., device="cuda")` literals, `.cuda()` calls and
+   `param.type() == "torch.cuda.FloatTensor"` checks: devices are rewritten to CPU and `type()`
+   reports the CUDA name. Entered only around those calls; `model_code()` suspends it inside a
+   forward (so model ops pay no per-op Python overhead).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 
 _LOCK = threading.Lock()
 _APPLIED = False
@@ -138,3 +146,49 @@ def _patch_torch_norm() -> None:
 
     new._slime_async_patched = True
     torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA devices to CPU and makes `Tensor.type()` report CUDA names (patch 7)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_literals_on_cpu() -> Iterator[None]:
+    """Run megatron's DDP/optimizer/schedule code that hard-codes CUDA on CPU (no-op with CUDA)."""
+    if cuda_available():
+        yield
+        return
+    with _CudaToCpu():
+        yield
+
+
+@contextlib.contextmanager
+def model_code() -> Iterator[None]:
+    """Suspend `cuda_literals_on_cpu` for model code (a forward) run from inside it."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if cuda_available() or not stack or not isinstance(stack[-1], _CudaToCpu):
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield

@@ -43,3 +43,14 @@ def token_logprobs(
     ent = -(logp.exp() * logp).sum(-1)
     zero = lp.new_zeros(lp.shape[0], 1)
     return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1)
+
+
+def position_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, *, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position `[R, W − 1]` log-probs and entropies of `[R, W, V]` logits: position c of
+    row r scores `input_ids[r, c + 1]` (across a packed sample boundary the value is
+    meaningless and never read; see `packing.sample_index`). fp32 math."""
+    logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    tgt = input_ids[:, 1:].to(logp.device).unsqueeze(-1)
+    return logp.gather(-1, tgt).squeeze(-1), -(logp.exp() * logp).sum(-1)

@@ -12,6 +12,8 @@ Layout facts used below (megatron-core 0.16):
 * Gated `linear_fc1.weight` is `[gate; up]` *per TP shard*: each rank holds `[gate_r; up_r]`.
 * `linear_proj`/`linear_fc2` are row-parallel (split on the input axis, dim 1).
 * Routed expert `e` lives on EP rank `e // (E/ep)` as local expert `e % (E/ep)`.
+* Parameter names carry *global* layer indices (`model.global_named_parameters`), so pipeline
+  stages and virtual-pipeline chunks need no offset here.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from slime_async.contracts.model import ModelSpec
+from slime_async.trainer.model import global_named_parameters
 from slime_async.trainer.parallel import all_gather_cat, all_reduce_sum
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -56,10 +59,6 @@ class _Ranks:
         self.pp_rank = ps.get_pipeline_model_parallel_rank() if on else 0
         self.pp_group = ps.get_pipeline_model_parallel_group() if on else None
 
-    def layer_offset(self, spec: ModelSpec) -> int:
-        """Global index of this pipeline stage's first layer (layers split evenly)."""
-        return self.pp_rank * (spec.num_layers // self.pp)
-
 
 def _gather(t: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> list[torch.Tensor]:
     if n == 1:
@@ -73,13 +72,20 @@ def _split_gated(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- export
-@torch.no_grad()
-def megatron_to_hf(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Full HF-named fp32 CPU tensors from this rank's shards (collective over TP and EP).
+def _chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
 
-    Every rank of the model-parallel group must call it; every rank gets the full dict.
+
+@torch.no_grad()
+def megatron_to_hf(
+    model: torch.nn.Module | list[torch.nn.Module], spec: ModelSpec
+) -> dict[str, torch.Tensor]:
+    """Full HF-named fp32 CPU tensors from this rank's shards (collective over TP, EP and PP).
+
+    `model` is one GPTModel or this rank's chunks. Every rank must call it; every rank gets
+    the full dict.
     """
-    return megatron_to_hf_tensors(dict(model.named_parameters()), spec)
+    return megatron_to_hf_tensors(global_named_parameters(_chunks(model)), spec)
 
 
 @torch.no_grad()
@@ -102,12 +108,11 @@ def megatron_to_hf_tensors(
     if "decoder.final_layernorm.weight" in params:
         out["model.norm.weight"] = params["decoder.final_layernorm.weight"]
     experts: dict[tuple[int, int, str], torch.Tensor] = {}
-    offset = r.layer_offset(spec)
     for name, p in params.items():
         m = _LAYER.match(name)
         if m is None:
             continue
-        i, rest = int(m.group(1)) + offset, m.group(2)
+        i, rest = int(m.group(1)), m.group(2)
         pre = f"model.layers.{i}."
         if rest in _SIMPLE:
             out[pre + _SIMPLE[rest]] = p
@@ -210,12 +215,14 @@ def _shard(t: torch.Tensor, rank: int, n: int, dim: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_to_megatron(model: torch.nn.Module, spec: ModelSpec, hf: dict[str, torch.Tensor]) -> None:
+def hf_to_megatron(
+    model: torch.nn.Module | list[torch.nn.Module], spec: ModelSpec, hf: dict[str, torch.Tensor]
+) -> None:
     """Copy full HF-named tensors into this rank's megatron shards (no communication).
 
     Raises KeyError naming missing/unused tensors, ValueError on a shape mismatch.
     """
-    params = dict(model.named_parameters())
+    params = global_named_parameters(_chunks(model))
     shards = hf_to_megatron_tensors(hf, spec, {n: tuple(p.shape) for n, p in params.items()})
     for name, t in shards.items():
         params[name].copy_(t.to(dtype=params[name].dtype, device=params[name].device))
@@ -225,9 +232,8 @@ def hf_to_megatron(model: torch.nn.Module, spec: ModelSpec, hf: dict[str, torch.
 def hf_to_megatron_tensors(
     hf: dict[str, torch.Tensor], spec: ModelSpec, shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, torch.Tensor]:
-    """This rank's shards (megatron name → tensor) of full HF-named tensors."""
+    """This rank's shards (global megatron name → tensor) of full HF-named tensors."""
     r = _Ranks()
-    offset = r.layer_offset(spec)
     result: dict[str, torch.Tensor] = {}
     hf = _normalize_hf(hf, spec)
     used: set[str] = set()
@@ -255,7 +261,7 @@ def hf_to_megatron_tensors(
             m = _LAYER.match(name)
             if m is None:
                 raise KeyError(f"no HF mapping for megatron parameter {name!r}")
-            i, rest = int(m.group(1)) + offset, m.group(2)
+            i, rest = int(m.group(1)), m.group(2)
             pre = f"model.layers.{i}."
             if rest in _SIMPLE:
                 new = get(pre + _SIMPLE[rest])

@@ -2,30 +2,34 @@
 the routing they replay, and the inputs a train step computes for its loss.
 
 Owns: `LogprobForwards`, the part of `MegatronTrainer` that runs them (`compute_logprobs`,
-`compute_behavior_logprobs`, the DP shard / micro-batching, R2/R3 routing, and `_step_inputs`:
-only the forwards the selected loss declares, see `loss_inputs.plan_inputs`). Must never import
-the controller, engine, rollout or data-worker parts of `slime_async`, nor `trainer.py`.
+`compute_behavior_logprobs`, the DP shard / micro-batch plan (`packing.plan_micro_batches`),
+R2/R3 routing, and `_step_inputs`: only the forwards the selected loss declares, see
+`loss_inputs.plan_inputs`). Every forward goes through megatron's schedule
+(`schedule.Schedule`, `forward_only=True`). Must never import the controller, engine, rollout
+or data-worker parts of `slime_async`, nor `trainer.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from loss import LossSpec
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
-from slime_async.trainer import parallel
+from slime_async.trainer import packing, parallel
 from slime_async.trainer.config import TrainerConfig
-from slime_async.trainer.forward import padded_width, token_logprobs
-from slime_async.trainer.loss_inputs import Routing, StepInputs, plan_inputs
-from slime_async.trainer.pipeline import StageExecutor
+from slime_async.trainer.forward import position_logprobs
+from slime_async.trainer.loss_inputs import StepInputs, plan_inputs
 from slime_async.trainer.replay import RoutingReplay, engine_routing_to_replay
+from slime_async.trainer.schedule import MicroBatch, Schedule, micro_batch
 from slime_async.trainer.snapshots import SnapshotStore
+
+log = logging.getLogger(__name__)
 
 
 class LogprobForwards:
@@ -35,10 +39,11 @@ class LogprobForwards:
     spec: ModelSpec
     layout: parallel.ParallelLayout
     model: torch.nn.Module
-    stage: StageExecutor
+    schedule: Schedule
     snapshots: SnapshotStore
     loss_spec: LossSpec
     version: int
+    moe_layers: list[int]
 
     # ------------------------------------------------------------------ topology
     @property
@@ -53,147 +58,193 @@ class LogprobForwards:
 
         return ps.get_tensor_model_parallel_rank()
 
-    def _local(self, batch: TrainerBatch) -> list[TrainerBatch]:
-        """This DP rank's micro-batches, each trimmed to its longest sample (the width agreed
-        over the DP group, so expert-parallel token exchange sees equal shapes)."""
-        local = batch.dp_shard(self.dp_rank, self.layout.dp)
-        mbs = local.micro_batches(self.cfg.micro_batch_size)
-        widths = torch.tensor([int(mb.lengths.max()) for mb in mbs], dtype=torch.long)
-        parallel.all_reduce_sum(widths, parallel.groups()["dp"], op=dist.ReduceOp.MAX)
-        return [mb.trimmed(int(w)) for mb, w in zip(mbs, widths)]
+    def _local(self, batch: TrainerBatch) -> list[MicroBatch]:
+        """This DP rank's micro-batches (`packing.plan_micro_batches`: the same plan on every
+        rank); with EP > 1 every shard's i-th micro-batch gets the same input shape (the
+        allgather MoE dispatcher exchanges equally many tokens between EP ranks), with
+        virtual pipeline stages every micro-batch does (fixed-shape p2p, `model.py`)."""
+        c, lay = self.cfg, self.layout
+        lengths = batch.lengths.tolist()
+        budget = c.max_tokens_per_gpu if c.use_dynamic_batch_size else None
+        if budget is not None and max(lengths) > budget and not getattr(self, "_overrun", False):
+            self._overrun = True  # once per trainer
+            log.warning(
+                "a sample of %d tokens exceeds --max-tokens-per-gpu %d: it gets a micro-batch of "
+                "its own (raise the budget to at least the longest prompt + response)",
+                max(lengths), budget,
+            )  # fmt: skip
+        plans = packing.plan_micro_batches(
+            lengths, dp=lay.dp, micro_batch_size=c.micro_batch_size,
+            max_tokens=budget,
+            multiple_of=lay.pp if c.virtual_pipeline_model_parallel_size else 1,
+        )  # fmt: skip
+        packed = c.qkv_format == "thd"
+        vp = c.virtual_pipeline_model_parallel_size
+        floors = None
+        if lay.ep > 1 or vp is not None:
+            floors = packing.shape_floor(plans, lengths, packed=packed)
+            if vp is not None:
+                floors = [tuple(max(f[j] for f in floors) for j in (0, 1))] * len(floors)
+        local = batch.dp_shard(self.dp_rank, lay.dp)
+        return [
+            micro_batch(
+                local,
+                rows,
+                packed=packed,
+                tp=lay.tp,
+                min_width=floors[i][0] if floors else 0,
+                min_rows=floors[i][1] if floors else 0,
+            )
+            for i, rows in enumerate(plans[self.dp_rank])
+        ]
 
-    def _gather_dp(self, local: list[torch.Tensor], width: int) -> torch.Tensor:
-        """Pad per-micro-batch `[b, w]` results to `width`, concatenate, gather over DP."""
-        full = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in local])
-        return parallel.all_gather_cat(full, parallel.groups()["dp"])
+    def _gather(
+        self, per_mb: list[torch.Tensor], mbs: list[MicroBatch], n: int, width: int
+    ) -> torch.Tensor:
+        """Scatter per-micro-batch `[b, w]` results to this shard's rows (`[n, width]`)."""
+        out = torch.zeros(n, width)
+        for t, mb in zip(per_mb, mbs, strict=True):
+            out[mb.rows] = F.pad(t, (0, width - t.shape[1]))
+        return out
+
+    def _gather_dp(self, local: torch.Tensor) -> torch.Tensor:
+        return parallel.all_gather_cat(local, parallel.groups()["dp"])
 
     # ------------------------------------------------------------------ forwards
-    def _engine_routing(self, mb: TrainerBatch) -> Routing:
+    def _set_engine_routing(self, mbs: list[MicroBatch]) -> None:
+        """R3: each micro-batch replays the engine's routing, placed like its tokens."""
         if self.cfg.routing_replay is not RoutingReplay.R3 or not self.spec.is_moe:
-            return None
-        if mb.routed_experts is None:
-            raise ValueError(
-                "routing_replay='r3' needs batch.routed_experts (request return_routed_experts "
-                "from the engines, or set routing_replay to 'none' or 'r2')"
-            )
-        return engine_routing_to_replay(
-            mb.routed_experts,
-            spec=self.spec,
-            width=padded_width(mb.width, self.layout.tp),
-            tp=self.layout.tp,
-            tp_rank=self.tp_rank,
-            layers=self._local_moe_layers(),
-        )
+            return
+        for mb in mbs:
+            if mb.batch.routed_experts is None:
+                raise ValueError(
+                    "routing_replay='r3' needs batch.routed_experts (request "
+                    "return_routed_experts from the engines, or set routing_replay to 'none' "
+                    "or 'r2')"
+                )
+            mb.routing = engine_routing_to_replay(
+                mb.batch.routed_experts, spec=self.spec, width=mb.layout.width,
+                tp=self.layout.tp, tp_rank=self.tp_rank, layers=self.moe_layers,
+                starts=mb.layout.starts, rows=mb.layout.rows,
+            )  # fmt: skip
 
-    def _local_moe_layers(self) -> list[int]:
-        """Global indices of this pipeline stage's MoE layers (replay data order)."""
+    def _logprobs_local(
+        self, mbs: list[MicroBatch], *, record: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """No-grad token-aligned (log-probs, entropies) `[b, w]` per micro-batch, on every
+        pipeline stage. `record` (R2): each micro-batch's routing is kept in `mb.recorded`."""
+
+        def head(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+            lp, ent = position_logprobs(logits, mb.input_ids, temperature=self.cfg.temperature)
+            return torch.stack([mb.to_samples(lp), mb.to_samples(ent)]).cpu()
+
+        outs = self.schedule.run(mbs, head, forward_only=True, record=record)
+        if self.layout.pp > 1:
+            outs = self._from_last_stage(outs, mbs)
+        return [o[0] for o in outs], [o[1] for o in outs]
+
+    def _from_last_stage(
+        self, outs: list[torch.Tensor], mbs: list[MicroBatch]
+    ) -> list[torch.Tensor]:
+        """Every pipeline stage gets the last stage's per-micro-batch `[2, b, w]` results."""
         from megatron.core import parallel_state as ps
 
-        n = self.spec.num_layers // self.layout.pp
-        lo = ps.get_pipeline_model_parallel_rank() * n
-        return [i for i in self.spec.moe_layers() if lo <= i < lo + n]
-
-    @torch.no_grad()
-    def _logprobs_local(
-        self, mbs: list[TrainerBatch], routing: list[Routing], *, record: list[Routing] | None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        lps, ents = [], []
-        for i, mb in enumerate(mbs):
-
-            def head(logits: torch.Tensor, mb: TrainerBatch = mb) -> torch.Tensor:
-                lp, ent = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
-                out = torch.stack([lp, ent]).cpu()
-                real = torch.arange(mb.width) < mb.lengths.unsqueeze(1)  # padding → 0
-                return torch.where(real, out, 0.0)
-
-            out = self.stage.run(mb.tokens, routing[i], head=head, grad=False, record=record)
-            if out is None:
-                out = torch.zeros(2, *mb.tokens.shape)
-            out = self.stage.broadcast_from_last(out)
-            lps.append(out[0])
-            ents.append(out[1])
-        return lps, ents
+        sizes = [(mb.batch.size, mb.batch.width) for mb in mbs]
+        flat = torch.zeros(sum(2 * b * w for b, w in sizes))
+        if outs:
+            flat = torch.cat([o.reshape(-1) for o in outs])
+        flat = parallel.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(),
+                                  group=parallel.groups()["pp"])  # fmt: skip
+        res, at = [], 0
+        for b, w in sizes:
+            res.append(flat[at : at + 2 * b * w].view(2, b, w))
+            at += 2 * b * w
+        return res
 
     def compute_logprobs(
         self, batch: TrainerBatch, version: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-aligned `[B, T]` log-probs and entropies under the current weights (π_k) or a
         kept snapshot of `version` (π_j^Meg). R3 replays `batch.routed_experts` when enabled."""
-        self.model.eval()
         mbs = self._local(batch)
-        routing = [self._engine_routing(mb) for mb in mbs]
+        self._set_engine_routing(mbs)
         ctx = (
             contextlib.nullcontext()
             if version is None or version == self.version
             else self.snapshots.swapped_in(self.model, version)
         )
         with ctx:
-            lps, ents = self._logprobs_local(mbs, routing, record=None)
-        return self._gather_dp(lps, batch.width), self._gather_dp(ents, batch.width)
+            lps, ents = self._logprobs_local(mbs)
+        n = batch.size // self.layout.dp
+        return (
+            self._gather_dp(self._gather(lps, mbs, n, batch.width)),
+            self._gather_dp(self._gather(ents, mbs, n, batch.width)),
+        )
 
     def compute_behavior_logprobs(self, batch: TrainerBatch) -> torch.Tensor | None:
         """π_j^Meg `[B, T]`: each token's log-prob under the snapshot of its own version
         (`batch.token_versions`), or None when a needed version is not kept."""
-        self.model.eval()
         mbs = self._local(batch)
-        routing = [self._engine_routing(mb) for mb in mbs]
-        lp_k, _ = self._logprobs_local(mbs, routing, record=None)
-        out, _ = self._behavior_logprobs(mbs, lp_k, routing)
-        return None if out is None else self._gather_dp(out, batch.width)
+        self._set_engine_routing(mbs)
+        lp_k, _ = self._logprobs_local(mbs)
+        out, _ = self._behavior_logprobs(mbs, lp_k)
+        if out is None:
+            return None
+        return self._gather_dp(self._gather(out, mbs, batch.size // self.layout.dp, batch.width))
 
     def _behavior_logprobs(
-        self, mbs: list[TrainerBatch], lp_k: list[torch.Tensor], routing: list[Routing]
+        self, mbs: list[MicroBatch], lp_k: list[torch.Tensor]
     ) -> tuple[list[torch.Tensor] | None, int]:
         """(π_j^Meg per token, each token from its own version's snapshot, or None if any
         needed version is not held (→ CompIS combined-ratio fallback); micro-batch passes)."""
         if not self.cfg.keep_old_actor:
             return None, 0
-        needed = {int(v) for mb in mbs for v in mb.token_versions[mb.loss_mask].unique()}
+        versions = [mb.batch.token_versions[mb.batch.loss_mask] for mb in mbs]
+        needed = {int(v) for vs in versions for v in vs.unique()}
         # every DP rank must run the same snapshot forwards (collectives inside them)
         needed = parallel.union_ints(needed, parallel.groups()["dp"])
         if any(v != self.version and v not in self.snapshots for v in needed):
             return None, 0
         out, passes = [lp.clone() for lp in lp_k], 0
         for v in sorted(needed - {self.version}):
-            # forward only the micro-batches that hold a trained token of version v; the
-            # choice is agreed over DP, since TP/EP collectives need every rank in each pass
-            has = torch.tensor([int(bool((mb.token_versions[mb.loss_mask] == v).any()))
-                                for mb in mbs], dtype=torch.long)  # fmt: skip
+            # forward only the micro-batches that hold a trained token of version v (agreed
+            # over DP: TP/EP collectives need every rank in each pass); the interleaved
+            # schedule needs a multiple of PP micro-batches, so it runs them all
+            has = torch.tensor([int(bool((vs == v).any())) for vs in versions], dtype=torch.long)
             parallel.all_reduce_sum(has, parallel.groups()["dp"])
-            idx = [i for i in range(len(mbs)) if int(has[i]) > 0]
+            interleaved = self.cfg.virtual_pipeline_model_parallel_size is not None
+            idx = [i for i in range(len(mbs)) if interleaved or int(has[i]) > 0]
             with self.snapshots.swapped_in(self.model, v):
-                lps, _ = self._logprobs_local(
-                    [mbs[i] for i in idx], [routing[i] for i in idx], record=None
-                )
+                lps, _ = self._logprobs_local([mbs[i] for i in idx])
             passes += len(idx)
             for lp_v, i in zip(lps, idx, strict=True):
-                out[i] = torch.where(mbs[i].token_versions == v, lp_v, out[i])
+                out[i] = torch.where(mbs[i].batch.token_versions == v, lp_v, out[i])
         return out, passes
 
-    def _step_inputs(self, mbs: list[TrainerBatch]) -> StepInputs:
+    def _step_inputs(self, mbs: list[MicroBatch]) -> StepInputs:
         """The no-grad forwards the loss needs: π_k (which also records R2 routing) and π_j^Meg."""
-        self.model.eval()
         r2 = self.cfg.routing_replay is RoutingReplay.R2 and self.spec.is_moe
         plan = plan_inputs(self.loss_spec.needs, r2=r2, keep_old_actor=self.cfg.keep_old_actor)
-        out = StepInputs(routing=[self._engine_routing(mb) for mb in mbs])
+        self._set_engine_routing(mbs)
+        out = StepInputs()
         if plan.proximal:
             t = time.perf_counter()
-            recorded: list[Routing] | None = [] if r2 else None
-            out.proximal, out.entropy = self._logprobs_local(mbs, out.routing, record=recorded)
-            if recorded is not None:
-                out.routing = recorded
+            out.proximal, out.entropy = self._logprobs_local(mbs, record=r2)
+            if r2:
+                for mb in mbs:  # the later forwards of this step replay it
+                    mb.routing = mb.recorded
             out.metrics["timing/proximal_logprobs_s"] = time.perf_counter() - t
         out.metrics["train/proximal_forwards"] = float(len(mbs) if plan.proximal else 0)
         if self.loss_spec.needs.reference_logprobs:  # KL penalty: π_ref under reference weights
             t = time.perf_counter()
             out.reference = self.reference.logprobs(
-                self.model, lambda: self._logprobs_local(mbs, out.routing, record=None)[0]
+                self.model, lambda: self._logprobs_local(mbs)[0]
             )
             out.metrics["timing/reference_logprobs_s"] = time.perf_counter() - t
         if plan.behavior:
             assert out.proximal is not None
             t = time.perf_counter()
-            out.behavior, passes = self._behavior_logprobs(mbs, out.proximal, out.routing)
+            out.behavior, passes = self._behavior_logprobs(mbs, out.proximal)
             out.metrics["timing/behavior_logprobs_s"] = time.perf_counter() - t
             out.metrics["train/behavior_forwards"] = float(passes)
         return out

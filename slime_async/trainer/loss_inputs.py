@@ -20,8 +20,6 @@ import torch
 from loss import LossInputs, LossNeeds, LossSpec
 from slime_async.contracts.batch import TrainerBatch
 
-Routing = list[torch.Tensor] | None
-
 
 def check_loss_needs(
     spec: LossSpec, *, moe: bool, routing_replay: bool, keep_old_actor: bool
@@ -65,8 +63,6 @@ def plan_inputs(needs: LossNeeds, *, r2: bool, keep_old_actor: bool) -> InputPla
 class StepInputs:
     """No-grad inputs of one train step, per local micro-batch (None: not computed)."""
 
-    routing: list[Routing]
-    """Routing replayed by each micro-batch's training forward (R2: recorded; R3: engine's)."""
     proximal: list[torch.Tensor] | None = None
     """π_k `[b, w]` from the no-grad forward."""
     entropy: list[torch.Tensor] | None = None

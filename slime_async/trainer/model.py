@@ -1,10 +1,16 @@
-"""Build a megatron-core GPTModel from a `ModelSpec` (Qwen3-MoE style or dense Llama style).
+"""Build megatron-core GPTModels from a `ModelSpec` (Qwen3-MoE style or dense Llama style).
 
-Owns: the ModelSpec → TransformerConfig mapping and model construction. Must never import the
+Owns: the ModelSpec → TransformerConfig mapping (including what the trainer's schedule needs:
+per-token-loss gradients, variable sequence lengths between pipeline stages, recomputation,
+bf16), model construction (one chunk, or one per virtual pipeline stage) on megatron's local
+layer spec with packed-sequence attention (`attention.py`), and `global_named_parameters` (the
+parameters of this rank's chunks under their global layer numbers). Must never import the
 controller, engine, rollout or data-worker parts of `slime_async`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -14,10 +20,42 @@ from slime_async.trainer import cpu_compat
 from slime_async.trainer.parallel import ParallelLayout
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Recompute:
+    """Activation recomputation settings passed to megatron's TransformerConfig."""
+
+    granularity: str | None = None
+    """'full', 'selective' or None (off)."""
+    method: str | None = None
+    """'uniform' or 'block' with 'full'."""
+    num_layers: int | None = None
+    """Layers per group / recomputed layers with 'full'."""
+
+
 def transformer_config(
-    spec: ModelSpec, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    recompute: Recompute | None = None,
+    vp: int | None = None,
 ) -> object:
-    """megatron `TransformerConfig` matching `spec` (the HF model's math, op for op)."""
+    """megatron `TransformerConfig` matching `spec` (the HF model's math, op for op).
+
+    `variable_seq_lengths=True` (pipeline stages send each micro-batch's shape first) is set
+    after validation: megatron refuses it with the allgather MoE dispatcher because EP ranks
+    must exchange equally many tokens, which the trainer guarantees itself (every EP rank's
+    i-th micro-batch has one shape, `packing.shape_floor`); within a TP group all ranks run
+    the same micro-batch. Not with virtual stages: megatron sends the shapes of both
+    directions in one batched p2p call, which gloo mis-pairs at PP=2; there every micro-batch
+    of a step gets one shape instead.
+
+    `calculate_per_token_loss=True`: every micro-batch loss is already its share of the global
+    loss (the loss's global denominators), so megatron must neither divide it by the number of
+    micro-batches nor average gradients over DP (DDP sums them); the trainer's
+    `finalize_model_grads` passes no token count, so nothing rescales them afterwards.
+    """
+    rc = recompute or Recompute()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = not cpu_compat.cuda_available()
@@ -36,7 +74,7 @@ def transformer_config(
             moe_enable_routing_replay=True,
             moe_router_dtype="fp32",
         )
-    return TransformerConfig(
+    cfg = TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -71,9 +109,20 @@ def transformer_config(
         bias_dropout_fusion=False,
         attention_softmax_in_fp32=True,
         cross_entropy_loss_fusion=False,
+        calculate_per_token_loss=True,
+        # gloo matches messages between two ranks in posting order: megatron's batched p2p
+        # would pair an activation with a gradient when PP=2 sends both ways at once (the
+        # interleaved schedule); the unbatched path keeps the two directions apart
+        batch_p2p_comm=not on_cpu,
+        virtual_pipeline_model_parallel_size=vp,
+        recompute_granularity=rc.granularity,
+        recompute_method=rc.method,
+        recompute_num_layers=rc.num_layers,
         **({"attention_backend": _local_attention()} if on_cpu else {}),
         **moe,
     )
+    cfg.variable_seq_lengths = vp is None
+    return cfg
 
 
 def _local_attention() -> object:
@@ -83,39 +132,122 @@ def _local_attention() -> object:
 
 
 def build_model(
-    spec: ModelSpec, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    recompute: Recompute | None = None,
+    vp: int | None = None,
+    vp_stage: int | None = None,
+    clear_routers: bool = True,
 ) -> torch.nn.Module:
-    """A fresh GPTModel for this rank (parallel_state must be initialised first).
+    """A fresh GPTModel (chunk `vp_stage` of `vp`) for this rank; parallel_state first.
 
-    Clears megatron's global RouterReplay instance list first, so the list holds exactly this
-    model's MoE layers in construction order (one per local MoE layer).
+    Clears megatron's global RouterReplay instance list first (unless `clear_routers`, for
+    the later chunks of one model), so the list holds exactly this model's MoE layers in
+    construction order (one per local MoE layer).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
+    from slime_async.trainer.attention import PackedDotProductAttention
+
     cpu_compat.apply()
-    RouterReplay.clear_global_router_replay_instances()
-    cfg = transformer_config(spec, layout, params_dtype=params_dtype)
+    if clear_routers:
+        RouterReplay.clear_global_router_replay_instances()
+    cfg = transformer_config(spec, layout, params_dtype=params_dtype, recompute=recompute, vp=vp)
     layer_spec = get_gpt_layer_local_spec(
         num_experts=spec.num_experts if spec.is_moe else None,
         moe_grouped_gemm=False,
         qk_layernorm=spec.is_moe,
         normalization="RMSNorm",
     )
+    layer_spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    first = ps.is_pipeline_first_stage(ignore_virtual=vp is None, vp_stage=vp_stage)
+    last = ps.is_pipeline_last_stage(ignore_virtual=vp is None, vp_stage=vp_stage)
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=layer_spec,
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=first,
+        post_process=last,
         parallel_output=False,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
+        vp_stage=vp_stage,
     )
     if cpu_compat.cuda_available():
         model = model.cuda()
     return model
+
+
+def build_chunks(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    recompute: Recompute | None = None,
+    vp: int | None = None,
+) -> list[torch.nn.Module]:
+    """This rank's model chunks: one GPTModel, or `vp` of them (interleaved pipeline)."""
+    if vp is not None and spec.num_layers % (layout.pp * vp):
+        raise ValueError(
+            f"num_layers={spec.num_layers} is not divisible by PP x virtual stages = "
+            f"{layout.pp} x {vp}; choose sizes that split the layers evenly"
+        )
+    stages = [None] if vp is None else list(range(vp))
+    return [
+        build_model(
+            spec,
+            layout,
+            params_dtype=params_dtype,
+            recompute=recompute,
+            vp=vp,
+            vp_stage=st,
+            clear_routers=i == 0,
+        )
+        for i, st in enumerate(stages)
+    ]
+
+
+def global_named_parameters(chunks: list[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
+    """Parameters of this rank's (unwrapped) chunks, transformer layers named by their global
+    index (`decoder.layers.{layer_number - 1}.…`), whichever stage and chunk holds them."""
+    out: dict[str, torch.nn.Parameter] = {}
+    for chunk in chunks:
+        renames = {}
+        decoder = getattr(chunk, "decoder", None)
+        for i, layer in enumerate(getattr(decoder, "layers", [])):
+            renames[f"decoder.layers.{i}."] = f"decoder.layers.{layer.layer_number - 1}."
+        for name, p in chunk.named_parameters():
+            for local, glob in renames.items():
+                if name.startswith(local):
+                    name = glob + name[len(local) :]
+                    break
+            out[name] = p
+    return out
+
+
+def moe_layer_numbers(chunks: list[torch.nn.Module]) -> list[int]:
+    """Global indices of this rank's MoE layers, chunk by chunk in layer order."""
+    return [i for i, _ in _moe_routers(chunks)]
+
+
+def router_replays(chunk: torch.nn.Module) -> list[object]:
+    """The `RouterReplay` of each MoE layer of `chunk`, in layer order."""
+    return [r for _, r in _moe_routers([chunk])]
+
+
+def _moe_routers(chunks: list[torch.nn.Module]) -> list[tuple[int, object]]:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [
+        (layer.layer_number - 1, layer.mlp.router.router_replay)
+        for chunk in chunks
+        for layer in getattr(getattr(chunk, "decoder", None), "layers", [])
+        if isinstance(layer.mlp, MoELayer)
+    ]

@@ -1,9 +1,9 @@
-"""Process groups and parallel layout for the trainer (DP, TP+SP, EP; PP refused for now).
+"""Process groups and parallel layout for the trainer (DP, TP+SP, EP, PP with virtual stages).
 
 Owns: `ParallelLayout` (the sizes a checkpoint records), torch.distributed start-up over gloo
-(CPU) or NCCL (GPU), megatron `parallel_state` initialisation, and the gradient
-synchronisation the plain (non-DDP) optimizer path needs. Must never import the controller,
-engine, rollout or data-worker parts of `slime_async`.
+(CPU) or NCCL (GPU), megatron `parallel_state` initialisation, and small collectives on CPU
+tensors (gradient reduction itself is megatron's DDP / `finalize_model_grads`, `optim.py`).
+Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ class ParallelLayout:
     ep: int = 1
     """Expert-parallel size (experts are split across ranks; tokens use the allgather dispatcher)."""
     pp: int = 1
-    """Pipeline-parallel size (layers split evenly; sequential stage schedule)."""
+    """Pipeline-parallel size (layers split evenly; megatron's 1F1B schedule)."""
     dp: int = 1
     """Data-parallel size = world_size / (tp * pp)."""
 
@@ -83,8 +82,9 @@ def init_distributed(
     )
 
 
-def init_model_parallel(layout: ParallelLayout, *, seed: int) -> None:
-    """Initialise megatron's parallel_state for `layout` and seed its RNG tracker."""
+def init_model_parallel(layout: ParallelLayout, *, seed: int, vp: int | None = None) -> None:
+    """Initialise megatron's parallel_state for `layout` (`vp` virtual pipeline stages per
+    rank, or None) and seed its RNG tracker."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -96,25 +96,19 @@ def init_model_parallel(layout: ParallelLayout, *, seed: int) -> None:
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.tp,
+        virtual_pipeline_model_parallel_size=vp,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
 
 def groups() -> dict[str, dist.ProcessGroup | None]:
-    """The process groups the trainer reduces over (None when not distributed)."""
+    """The process groups the trainer's own collectives use (None when not distributed)."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        return {"dp": None, "tp": None, "pp": None, "mp": None, "edp": None, "emp": None}
-    return {
-        "dp": ps.get_data_parallel_group(),
-        "tp": ps.get_tensor_model_parallel_group(),
-        "pp": ps.get_pipeline_model_parallel_group(),
-        "mp": ps.get_model_parallel_group(),
-        "edp": ps.get_expert_data_parallel_group(),
-        "emp": ps.get_expert_tensor_model_pipeline_parallel_group(),
-    }
+        return {"dp": None, "pp": None}
+    return {"dp": ps.get_data_parallel_group(), "pp": ps.get_pipeline_model_parallel_group()}
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
@@ -151,6 +145,15 @@ def all_gather_cat(
     return torch.cat(parts, dim).to(t.device)
 
 
+def broadcast(t: torch.Tensor, *, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank of `group` gets global rank `src`'s `t` (same shape everywhere); in place."""
+    if _size(group) > 1:
+        staged = t.to(comm_device()).contiguous()
+        dist.broadcast(staged, src=src, group=group)
+        t.copy_(staged.to(t.device))
+    return t
+
+
 def union_ints(values: set[int], group: dist.ProcessGroup | None, *, cap: int = 64) -> set[int]:
     """Union of small non-negative int sets over `group` (no pickling: a padded int tensor)."""
     n = _size(group)
@@ -169,72 +172,3 @@ def comm_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def is_expert_param(name: str) -> bool:
-    """Routed-expert weights (reduced over the expert-data-parallel group)."""
-    return ".experts." in name
-
-
-def is_tp_partitioned(p: torch.nn.Parameter) -> bool:
-    return bool(getattr(p, "tensor_model_parallel", False))
-
-
-def needs_tp_grad_reduce(name: str, p: torch.nn.Parameter) -> bool:
-    """Replicated params whose grads differ across TP ranks (SP norms/router, qk-norms)."""
-    if is_tp_partitioned(p) or is_expert_param(name):
-        return False
-    parent = name.split(".")[-2] if "." in name else ""
-    return bool(getattr(p, "sequence_parallel", False)) or parent in ("q_layernorm", "k_layernorm")
-
-
-def sync_grads(named_params: Iterable[tuple[str, torch.nn.Parameter]], *, tp: int) -> None:
-    """Sum grads over DP (dense) / expert-DP (experts), and over TP where partial.
-
-    Losses are already each rank's *share* of the global loss (global denominators), so the
-    right reduction over data-parallel copies is a SUM, not a mean.
-    """
-    g = groups()
-    for name, p in named_params:
-        if p.grad is None:
-            continue
-        if tp > 1 and needs_tp_grad_reduce(name, p):
-            all_reduce_sum(p.grad, g["tp"])
-        all_reduce_sum(p.grad, g["edp"] if is_expert_param(name) else g["dp"])
-
-
-def grad_norm(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
-    """Global L2 norm of the gradients, counting every distinct parameter shard once."""
-    from megatron.core import parallel_state as ps
-
-    tp_rank = ps.get_tensor_model_parallel_rank() if dist.is_initialized() else 0
-    dense_sq: list[torch.Tensor] = []
-    expert_sq: list[torch.Tensor] = []
-    for name, p in named_params:
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum()  # stays on the grad's device (no sync)
-        if is_expert_param(name):
-            expert_sq.append(sq)
-        elif is_tp_partitioned(p) or tp_rank == 0:
-            dense_sq.append(sq)
-    dense = torch.stack(dense_sq).sum().cpu() if dense_sq else torch.zeros((), dtype=torch.float64)
-    expert = (
-        torch.stack(expert_sq).sum().cpu() if expert_sq else torch.zeros((), dtype=torch.float64)
-    )
-    g = groups()
-    all_reduce_sum(dense, g["mp"])  # TP shards and pipeline stages hold distinct params
-    all_reduce_sum(expert, g["emp"])
-    return (dense + expert).sqrt()
-
-
-def clip_grads_(
-    named_params: Iterable[tuple[str, torch.nn.Parameter]], norm: float, max_norm: float
-) -> None:
-    """Scale the gradients by max_norm / norm when `norm` (their global norm) exceeds
-    `max_norm` > 0; `max_norm` = 0 disables clipping."""
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for _, p in named_params:
-            if p.grad is not None:
-                p.grad.mul_(scale)

@@ -1,8 +1,10 @@
 """MoE routing replay (R2 and R3) on top of megatron-core's `RouterReplay`.
 
 Owns: turning engine routing (`[T−1, L, K]` per sample) into the per-layer, per-rank index
-tensors megatron replays; record/replay context managers; a hook that captures the routing a
-forward actually used (for tests and diagnostics). Must never import the controller, engine,
+tensors megatron replays (placed like the micro-batch's tokens: padded rows or one packed
+row), and a hook that captures the routing a forward actually used (for tests and
+diagnostics). Setting replay/record actions per micro-batch is the schedule's forward step
+(`schedule.py`). Must never import the controller, engine,
 rollout or data-worker parts of `slime_async`.
 
 Modes:
@@ -48,20 +50,24 @@ def engine_routing_to_replay(
     tp: int = 1,
     tp_rank: int = 0,
     layers: list[int] | None = None,
+    starts: Sequence[tuple[int, int]] | None = None,
+    rows: int | None = None,
 ) -> list[torch.Tensor]:
-    """Per local MoE layer `[width/tp * B, K]` int64 indices for one micro-batch.
+    """Per local MoE layer `[width/tp * rows, K]` int64 indices for one micro-batch.
 
-    `routed[b]` is `[n_b, L, K]` with `n_b ≤ width` rows (the engine's `T−1` rows); missing
-    rows (the last token, padding) get the synthetic distinct ids `arange(K) % E` — those
-    positions are never trained. Dense layers are skipped; `layers` (global indices, default
-    all MoE layers) selects this pipeline stage's. Raises ValueError on bad shapes or ids
-    outside `[0, E)`.
+    The model input is `[rows, width]` and sample b starts at `starts[b]` = (row, column)
+    (default: one padded row per sample, `(b, 0)`; packed: all in row 0, back to back).
+    `routed[b]` is `[n_b, L, K]` (the engine's `T−1` rows); missing positions (each sample's
+    last token, padding) get the synthetic distinct ids `arange(K) % E` — those positions are
+    never trained. Dense layers are skipped; `layers` (global indices, default all MoE layers)
+    selects this rank's. Raises ValueError on bad shapes or ids outside `[0, E)`.
     """
     k, e, nl = spec.moe_topk, spec.num_experts, spec.num_layers
     if width % tp:
         raise ValueError(f"width {width} must be a multiple of tp={tp} (sequence parallel)")
-    bsz = len(routed)
-    full = np.broadcast_to(np.arange(k, dtype=np.int64) % e, (bsz, width, nl, k)).copy()
+    nrows = len(routed) if rows is None else rows
+    places = [(b, 0) for b in range(len(routed))] if starts is None else list(starts)
+    full = np.broadcast_to(np.arange(k, dtype=np.int64) % e, (nrows, width, nl, k)).copy()
     for b, arr in enumerate(routed):
         a = np.asarray(arr)
         if a.ndim != 3 or a.shape[1] != nl or a.shape[2] != k:
@@ -69,71 +75,18 @@ def engine_routing_to_replay(
                 f"routed_experts[{b}] has shape {a.shape}; expected [T-1, {nl}, {k}] "
                 "(all num_hidden_layers, num_experts_per_tok)"
             )
-        if a.shape[0] > width:
-            raise ValueError(f"routed_experts[{b}] has {a.shape[0]} rows > width {width}")
+        r, c = places[b]
+        if c + a.shape[0] > width:
+            raise ValueError(f"routed_experts[{b}] has {a.shape[0]} rows > width {width - c}")
         if a.size and (a.min() < 0 or a.max() >= e):
             raise ValueError(f"routed_experts[{b}] holds expert ids outside [0, {e})")
-        full[b, : a.shape[0]] = a
-    seq_major = torch.from_numpy(full).permute(1, 0, 2, 3)  # [S, B, L, K]
+        full[r, c : c + a.shape[0]] = a
+    seq_major = torch.from_numpy(full).permute(1, 0, 2, 3)  # [S, R, L, K]
     shard = width // tp
     seq_major = seq_major[tp_rank * shard : (tp_rank + 1) * shard]
-    flat = seq_major.reshape(shard * bsz, nl, k)
+    flat = seq_major.reshape(shard * nrows, nl, k)
     wanted = spec.moe_layers() if layers is None else layers
     return [flat[:, layer].contiguous() for layer in wanted]
-
-
-def replay_instances() -> list[object]:
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    return RouterReplay.global_router_replay_instances
-
-
-@contextlib.contextmanager
-def bound(instances: list[object]) -> Iterator[None]:
-    """Make megatron's global RouterReplay list hold `instances` (one model's routers) inside.
-
-    megatron keeps one process-wide list; binding lets several models (e.g. a trainer and a
-    reference model) live in one process without their replay data getting mixed up.
-    """
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    saved = RouterReplay.global_router_replay_instances
-    RouterReplay.global_router_replay_instances = instances
-    try:
-        yield
-    finally:
-        RouterReplay.global_router_replay_instances = saved
-
-
-@contextlib.contextmanager
-def replaying(indices: list[torch.Tensor] | None) -> Iterator[None]:
-    """Forward passes inside replay `indices` (one tensor per local MoE layer); None = off."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-    if indices is None:
-        yield
-        return
-    RouterReplay.set_replay_data(indices)
-    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    try:
-        yield
-    finally:
-        RouterReplay.clear_global_router_replay_action()
-        RouterReplay.clear_global_indices()
-
-
-@contextlib.contextmanager
-def recording(out: list[torch.Tensor]) -> Iterator[None]:
-    """Record the routing of the forward inside; the per-layer indices are appended to `out`."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
-    try:
-        yield
-        out.extend(t.detach().clone() for t in RouterReplay.get_recorded_data())
-    finally:
-        RouterReplay.clear_global_router_replay_action()
-        RouterReplay.clear_global_indices()
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Helpers for trainer tests and `scripts/bench_trainer.py` (not used in production paths).
+"""Helpers for trainer tests and `scripts/bench_*.py` (not used in production paths).
 
 Owns: a reference "engine" built from plain `transformers` (bf16 or fp32 sampling with
 per-token log-probs and MoE routing captured by forward hooks on `Qwen3MoeTopKRouter`, in the

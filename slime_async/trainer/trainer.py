@@ -1,8 +1,9 @@
 """`MegatronTrainer`: the Ray-free trainer core (one instance per trainer rank).
 
-Owns: the model and optimizer of this rank, the train step of the selected loss (computing
-only the inputs its `LossSpec` declares: `_step_inputs` → `_denominators` →
-`_forward_backward` → `_optimizer_step`), the version counter, weight export and checkpoint
+Owns: the model chunks and optimizer of this rank (megatron DDP + megatron optimizer,
+`optim.py`), the train step of the selected loss (computing only the inputs its `LossSpec`
+declares: `_step_inputs` → `_denominators` → `_forward_backward` (megatron's schedule,
+`schedule.py`) → `_optimizer_step`), the version counter, weight export and checkpoint
 hooks. The no-grad forwards (π_k, π_j^Meg via snapshots, routing replay) are its mixin
 `LogprobForwards` (`logprobs.py`). Must never import the controller, engine, rollout or
 data-worker parts of `slime_async` (the Ray wrapper lives in `actor.py`).
@@ -14,7 +15,6 @@ rank works on its contiguous shard and results are gathered back, so callers nev
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -27,22 +27,21 @@ from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
 from slime_async.trainer import checkpoint, cpu_compat, hf_convert, parallel, weights_io
-from slime_async.trainer.config import TrainerConfig, lr_at
-from slime_async.trainer.forward import token_logprobs
+from slime_async.trainer.config import TrainerConfig
+from slime_async.trainer.forward import position_logprobs
 from slime_async.trainer.logprobs import LogprobForwards
-from slime_async.trainer.loss_inputs import (
-    StepInputs,
-    check_loss_needs,
-    loss_inputs,
-)
+from slime_async.trainer.loss_inputs import StepInputs, check_loss_needs, loss_inputs
 from slime_async.trainer.metrics_agg import MetricAccumulator, broadcast_metrics
-from slime_async.trainer.model import build_model
-from slime_async.trainer.pipeline import StageExecutor
-from slime_async.trainer.reference import maybe_reference
-from slime_async.trainer.replay import (
-    RoutingReplay,
-    replay_instances,
+from slime_async.trainer.model import (
+    Recompute,
+    build_chunks,
+    moe_layer_numbers,
+    router_replays,
 )
+from slime_async.trainer.optim import build_optim
+from slime_async.trainer.reference import maybe_reference
+from slime_async.trainer.replay import RoutingReplay
+from slime_async.trainer.schedule import MicroBatch, Schedule
 from slime_async.trainer.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -96,20 +95,28 @@ class MegatronTrainer(LogprobForwards):
             pp=cfg.pipeline_model_parallel_size,
         )
         parallel.check_model_layout(spec, self.layout)
-        parallel.init_model_parallel(self.layout, seed=cfg.seed)
+        vp = cfg.virtual_pipeline_model_parallel_size
+        parallel.init_model_parallel(self.layout, seed=cfg.seed, vp=vp)
         self.rank, self.world_size = rank, world_size
-        self.model = build_model(spec, self.layout)
-        self._routers = list(replay_instances())
-        self.stage = StageExecutor(
-            self.model, self._routers, tp=self.layout.tp, hidden_size=spec.hidden_size
+        recompute = Recompute(
+            granularity=cfg.recompute_granularity,
+            method=cfg.recompute_method,
+            num_layers=cfg.recompute_num_layers,
         )
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=lr_at(0, cfg),
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
+        self.chunks = build_chunks(
+            spec,
+            self.layout,
+            recompute=recompute,
+            vp=vp,
+            params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
         )
+        self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
+        self.moe_layers = moe_layer_numbers(self.chunks)
+        self.optim = build_optim(self.chunks, cfg, self.layout)
+        if rank == 0 and cfg.use_distributed_optimizer is None and self.layout.dp > 1:
+            log.info("derived: --use-distributed-optimizer on (DP=%d)", self.layout.dp)
+        self.schedule = Schedule(self.optim.wrapped, [router_replays(c) for c in self.chunks],
+                                 recompute=cfg.recompute_granularity is not None)  # fmt: skip
         self.version = 0
         self.extra_state: dict[str, object] = {}
         self.snapshots = SnapshotStore(cfg.max_snapshots)
@@ -119,6 +126,7 @@ class MegatronTrainer(LogprobForwards):
             self.load_checkpoint(cfg.load)
         elif cfg.hf_checkpoint is not None:
             self.import_hf(cfg.hf_checkpoint)
+        self.optim.set_version(self.version)
         if cfg.keep_old_actor:
             self.snapshots.snapshot(self.model, self.version)
         self.reference = maybe_reference(self)  # KL penalty: π_ref weights (initial or --ref-load)
@@ -143,17 +151,19 @@ class MegatronTrainer(LogprobForwards):
             "train/version": float(self.version),
             "train/num_tokens": n_tok,
             "train/num_seqs": n_seq,
+            "train/micro_batches": float(len(mbs)),
             **inputs.metrics,
             "timing/train_fwd_bwd_s": t2 - t1,
             "timing/train_step_s": time.perf_counter() - t0,
         })  # fmt: skip
         return metrics
 
-    def _denominators(self, mbs: list[TrainerBatch], inputs: StepInputs) -> tuple[float, float]:
+    def _denominators(self, mbs: list[MicroBatch], inputs: StepInputs) -> tuple[float, float]:
         """Global (tokens, sequences) of the loss's denominators over micro-batches and DP."""
         fn = self.loss_spec.needs.denominators
         counts = torch.zeros(2, dtype=torch.float64)
-        for i, mb in enumerate(mbs):
+        for i, m in enumerate(mbs):
+            mb = m.batch
             if fn is None:  # valid tokens/sequences of the loss mask: no forward needed
                 tok, seq = denominators(mb.loss_mask[:, 1:])
             else:
@@ -166,60 +176,46 @@ class MegatronTrainer(LogprobForwards):
         return float(counts[0]), float(counts[1])
 
     def _forward_backward(
-        self, mbs: list[TrainerBatch], inputs: StepInputs, n_tok: float, n_seq: float
+        self, mbs: list[MicroBatch], inputs: StepInputs, n_tok: float, n_seq: float
     ) -> tuple[torch.Tensor, MetricAccumulator]:
-        """Training forward + loss + backward per micro-batch (each loss is its share of the
-        batch loss); returns the summed loss of this rank and the accumulated metrics."""
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        acc = MetricAccumulator()
-        total = torch.zeros((), dtype=torch.float64)
-        for i, mb in enumerate(mbs):
+        """Training forward + loss + backward of every micro-batch through megatron's schedule
+        (each loss is its share of the batch loss); returns the summed loss of this rank and
+        the accumulated metrics (both empty off the last pipeline stage)."""
+        self.optim.zero_grad()
+        index = {id(m): i for i, m in enumerate(mbs)}
 
-            def head(logits: torch.Tensor, mb: TrainerBatch = mb, i: int = i):
-                lp, ent = token_logprobs(logits, mb.tokens, temperature=self.cfg.temperature)
-                # without the π_k forward: the same weights (one update per step), detached
-                lp_k = lp.detach() if inputs.proximal is None else inputs.proximal[i]
-                mb_in = loss_inputs(mb, lp, lp_k, inputs.behavior_of(i), version=self.version,
-                                    num_tokens=n_tok, num_seqs=n_seq,
-                                    entropy=ent if self.loss_spec.needs.entropy else None,
-                                    reference=inputs.reference_of(i))  # fmt: skip
-                out = self.loss_spec.fn(mb_in, self.loss_cfg)
-                if inputs.entropy is not None:
-                    return out.loss, out.metrics
-                m = mb.loss_mask.to(ent.device)
-                h = float(torch.where(m, ent.detach(), 0.0).sum()) / max(1, int(m.sum()))
-                return out.loss, {**out.metrics, "policy/entropy": h}
-
-            res = self.stage.run(mb.tokens, inputs.routing[i], head=head, grad=True)
-            if res is None:  # not the last pipeline stage: no loss here
-                continue
-            total += res[0].detach().double().cpu()
-            acc.add(res[1], weight=float(mb.loss_mask.sum()))
+        def head(logits: torch.Tensor, m: MicroBatch) -> tuple[torch.Tensor, tuple]:
+            i, mb = index[id(m)], m.batch
+            lp_pos, ent_pos = position_logprobs(
+                logits, m.input_ids, temperature=self.cfg.temperature
+            )
+            lp, ent = m.to_samples(lp_pos), m.to_samples(ent_pos.detach())
+            # an entropy bonus needs the entropy with its gradient
+            ent_grad = m.to_samples(ent_pos) if self.loss_spec.needs.entropy else None
+            # without the π_k forward: the same weights (one update per step), detached
+            lp_k = lp.detach() if inputs.proximal is None else inputs.proximal[i]
+            mb_in = loss_inputs(mb, lp, lp_k, inputs.behavior_of(i), version=self.version,
+                                num_tokens=n_tok, num_seqs=n_seq, entropy=ent_grad,
+                                reference=inputs.reference_of(i))  # fmt: skip
+            out = self.loss_spec.fn(mb_in, self.loss_cfg)
             if inputs.entropy is not None:
-                m, ent = mb.loss_mask, inputs.entropy[i]
-                acc.add({"policy/entropy": float(ent[m].sum() / max(1, int(m.sum())))},
-                        weight=float(m.sum()))  # fmt: skip
+                ent = inputs.entropy[i]
+            mask = mb.loss_mask.to(ent.device)
+            h = float(torch.where(mask, ent, 0.0).sum()) / max(1, int(mask.sum()))
+            return out.loss, (out.loss.detach(), {**out.metrics, "policy/entropy": h})
+
+        total = torch.zeros((), dtype=torch.float64)
+        acc = MetricAccumulator()
+        for m, (loss, metrics) in zip(mbs, self.schedule.run(mbs, head, forward_only=False)):
+            total += loss.double().cpu()
+            acc.add(metrics, weight=float(m.batch.loss_mask.sum()))
         return total, acc
 
     def _optimizer_step(self) -> tuple[float, float]:
-        """Sync and clip gradients, AdamW update, version += 1 (and its snapshot); refuses a
-        non-finite gradient norm on every rank together. Returns (grad norm, lr)."""
-        named = list(self.model.named_parameters())
-        parallel.sync_grads(named, tp=self.layout.tp)
-        gnorm = float(parallel.grad_norm(named))
-        if not math.isfinite(gnorm):  # same value on every rank: all refuse together
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(
-                f"non-finite gradient norm ({gnorm}) in the train step at version {self.version}; "
-                "the weights were not updated. Check the batch (rollout log-probs, advantages) "
-                "and the loss configuration."
-            )
-        parallel.clip_grads_(named, gnorm, self.cfg.clip_grad)
-        lr = lr_at(self.version, self.cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        """Clip and apply megatron's optimizer update (grads were reduced by the schedule's
+        `finalize_model_grads`), version += 1 (and its snapshot); refuses a non-finite
+        gradient norm on every rank together. Returns (grad norm, lr)."""
+        gnorm, lr = self.optim.step(version=self.version, clip_grad=self.cfg.clip_grad)
         self.version += 1
         if self.cfg.keep_old_actor:
             self.snapshots.snapshot(self.model, self.version)
@@ -232,9 +228,12 @@ class MegatronTrainer(LogprobForwards):
         parallel.all_reduce_sum(total, parallel.groups()["pp"])  # only the last stage has a loss
         metrics = acc.reduce(parallel.groups()["dp"] if self.layout.dp > 1 else None)
         if self.layout.pp > 1:
+            from megatron.core import parallel_state as ps
+
             metrics = broadcast_metrics(
-                metrics, src=self.stage.last_rank, group=parallel.groups()["pp"]
-            )
+                metrics, src=ps.get_pipeline_model_parallel_last_rank(),
+                group=parallel.groups()["pp"],
+            )  # fmt: skip
         metrics.pop("loss/value", None)  # a micro-batch's share; the step's loss is loss/total
         metrics["loss/total"] = float(total)
         return metrics
@@ -255,7 +254,7 @@ class MegatronTrainer(LogprobForwards):
         return HFWeights(
             version=self.version,
             spec=self.spec,
-            tensors=hf_convert.megatron_to_hf(self.model, self.spec),
+            tensors=hf_convert.megatron_to_hf(self.chunks, self.spec),
         )
 
     def save_weights(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
@@ -271,7 +270,8 @@ class MegatronTrainer(LogprobForwards):
         """Load weights from an HF directory (warm start / reference); spec must match."""
         w = weights_io.read_hf_dir(path)
         checkpoint.check_spec(w.spec, self.spec, where=str(path))
-        hf_convert.hf_to_megatron(self.model, self.spec, w.tensors)
+        hf_convert.hf_to_megatron(self.chunks, self.spec, w.tensors)
+        self.optim.reload_main_params()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
@@ -286,6 +286,7 @@ class MegatronTrainer(LogprobForwards):
     def load_checkpoint(self, load_dir: str | Path) -> None:
         """Resume from `load_dir` (guards: see `checkpoint.load`)."""
         checkpoint.load(self, Path(load_dir))
+        self.optim.set_version(self.version)
         self.loaded_from = str(load_dir)
 
     def shutdown(self) -> None:
@@ -294,5 +295,6 @@ class MegatronTrainer(LogprobForwards):
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         RouterReplay.clear_global_router_replay_instances()
+        self.optim.wrapped.clear()
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()

@@ -1,0 +1,195 @@
+"""Micro-batches through megatron-core's forward/backward schedule.
+
+Owns: `MicroBatch` (one micro-batch's samples and its model inputs: packed THD with
+`PackedSeqParams`, or padded BSHD), and `Schedule.run`, which hands megatron-core's
+`get_forward_backward_func` (no pipelining, 1F1B, or interleaved 1F1B with virtual stages)
+the three things it asks for — a data iterator, a forward step and a loss function — and
+nothing more. The forward step sets the micro-batch's MoE routing replay on this chunk's
+routers (R2 record / R3 replay; with activation recompute the backward's re-forward pops the
+same indices, megatron's REPLAY_BACKWARD); the loss function applies a `head` to the last
+stage's logits. No-grad log-prob passes run the same schedule with `forward_only=True`.
+Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from slime_async.contracts.batch import TrainerBatch
+from slime_async.trainer import cpu_compat, packing
+
+Routing = list[torch.Tensor] | None
+
+
+@dataclasses.dataclass(eq=False)
+class MicroBatch:
+    """One micro-batch of a DP rank: its samples, where they sit in the model input, routing."""
+
+    batch: TrainerBatch
+    """The samples, right-padded to their own longest (`[b, w]`; the loss's view)."""
+    rows: list[int]
+    """Their positions in this DP rank's shard (results are scattered back there)."""
+    layout: packing.RowLayout
+    """Model input layout: packed (one row, `cu_seqlens`) or padded."""
+    routing: Routing = None
+    """Replay indices per local MoE router (construction order), or None (route freely)."""
+    recorded: Routing = None
+    """Routing recorded by an R2 recording pass (same layout as `routing`)."""
+
+    def __post_init__(self) -> None:
+        self.input_ids = packing.model_input(self.batch.tokens, self.layout)
+        self.position_ids = packing.position_ids(self.layout)
+        self.src, self.valid = packing.sample_index(self.layout, self.batch.width)
+        self.packed_seq_params = _packed_params(self.layout)
+
+    def to_samples(self, per_position: torch.Tensor) -> torch.Tensor:
+        """`[rows, width − 1]` per-position values → token-aligned `[b, w]`."""
+        return packing.to_samples(per_position, self.src, self.valid)
+
+
+def micro_batch(
+    local: TrainerBatch,
+    rows: list[int],
+    *,
+    packed: bool,
+    tp: int,
+    min_width: int = 0,
+    min_rows: int = 0,
+) -> MicroBatch:
+    """The micro-batch of `local`'s `rows` (trimmed to its longest sample)."""
+    sel = local.select(rows)
+    sel = sel.trimmed(int(sel.lengths.max()))
+    layout = packing.row_layout(sel.lengths.tolist(), packed=packed, tp=tp,
+                                min_width=min_width, min_rows=min_rows)  # fmt: skip
+    return MicroBatch(batch=sel, rows=list(rows), layout=layout)
+
+
+def _packed_params(layout: packing.RowLayout) -> object:
+    if not layout.packed:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    if cpu_compat.cuda_available():
+        cu = cu.cuda()
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+
+
+class Schedule:
+    """Runs micro-batches through megatron's schedule on this rank's (DDP-wrapped) chunks."""
+
+    def __init__(
+        self, wrapped: list[torch.nn.Module], routers: list[list[object]], *, recompute: bool
+    ) -> None:
+        self.wrapped = wrapped
+        self.routers = routers
+        """RouterReplay instances of each chunk, in construction order."""
+        self.offsets = [sum(len(r) for r in routers[:k]) for k in range(len(routers))]
+        self.recompute = recompute
+
+    def run(
+        self,
+        mbs: list[MicroBatch],
+        head: Callable[[torch.Tensor, MicroBatch], Any],
+        *,
+        forward_only: bool,
+        record: bool = False,
+    ) -> list[Any]:
+        """Forward (and backward) every micro-batch; returns, on the last pipeline stage,
+        `head(logits, mb)` per micro-batch in order (elsewhere []). With gradients `head` must
+        return `(loss, extra)`: the loss (this micro-batch's share) is back-propagated and
+        `extra` returned. `record` (R2): each micro-batch's routing lands in `mb.recorded`."""
+        from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+        outputs: list[Any] = []
+        chunk_of = {id(w): k for k, w in enumerate(self.wrapped)}
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if cpu_compat.cuda_available()
+            else torch.device("cpu")
+        )
+        one = torch.ones((), dtype=torch.int)
+
+        def loss_func(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = False) -> Any:
+            with cpu_compat.model_code():
+                res = head(output, mb)
+            if forward_only:
+                outputs.append(res)
+                return res
+            loss, extra = res
+            outputs.append(extra)
+            # 3-tuple + calculate_per_token_loss: megatron back-propagates `loss` as it is
+            return loss, one, {"loss": loss.detach().clone()}
+
+        def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[Any, Callable]:
+            mb = next(data_iterator)
+            k = chunk_of[id(model)]
+            with cpu_compat.model_code():
+                self._before(mb, k, record)
+                out = model(mb.input_ids.to(device), mb.position_ids.to(device),
+                            attention_mask=None, packed_seq_params=mb.packed_seq_params)  # fmt: skip
+                self._after(mb, k, record, training=not forward_only)
+            return out, functools.partial(loss_func, mb)
+
+        for w in self.wrapped:
+            w.train(not forward_only)
+        iters = [iter(mbs) for _ in self.wrapped]
+        grad = torch.enable_grad() if not forward_only else torch.no_grad()
+        try:
+            with grad, cpu_compat.cuda_literals_on_cpu():
+                get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=iters if len(iters) > 1 else iters[0],
+                    model=self.wrapped,
+                    num_microbatches=len(mbs),
+                    seq_length=max(mb.layout.width for mb in mbs),
+                    micro_batch_size=max(mb.layout.rows for mb in mbs),
+                    forward_only=forward_only,
+                    collect_non_loss_data=forward_only,
+                )
+        finally:
+            for routers in self.routers:
+                for r in routers:
+                    r.clear_indices()
+                    r.clear_router_replay_action()
+        return outputs
+
+    def _before(self, mb: MicroBatch, k: int, record: bool) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        routers = self.routers[k]
+        if record:
+            for r in routers:
+                r.set_router_replay_action(RouterReplayAction.RECORD)
+        elif mb.routing is not None:
+            lo = self.offsets[k]
+            for r, idx in zip(routers, mb.routing[lo : lo + len(routers)], strict=True):
+                r.set_target_indices(idx)  # also queued for a recompute's REPLAY_BACKWARD
+                r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        else:
+            for r in routers:
+                r.clear_router_replay_action()
+
+    def _after(self, mb: MicroBatch, k: int, record: bool, *, training: bool) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        routers = self.routers[k]
+        if record:
+            if mb.recorded is None:
+                mb.recorded = [None] * sum(len(r) for r in self.routers)
+            lo = self.offsets[k]
+            for i, r in enumerate(routers):
+                mb.recorded[lo + i] = r.get_recorded_indices().detach().clone()
+        for r in routers:
+            if training and self.recompute and mb.routing is not None and not record:
+                # the backward's recompute re-runs the router: pop this micro-batch's indices
+                r.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            else:
+                r.clear_router_replay_action()
