@@ -131,11 +131,19 @@ class RouterClient:
         return await self.fan_out("/continue_generation", {})
 
     async def update_weights_from_disk(
-        self, model_path: str, *, weight_version: int, strict: bool = False
+        self,
+        model_path: str,
+        *,
+        weight_version: int,
+        strict: bool = False,
+        flush_cache: bool | None = None,
     ) -> dict:
         """Fan out `/update_weights_from_disk` tagging the engines with `str(weight_version)`
-        (`strict`: any engine that failed raises, see `fan_out`)."""
-        body = {"model_path": model_path, "weight_version": str(weight_version)}
+        (`strict`: any engine that failed raises, see `fan_out`; `flush_cache`: SGLang's field,
+        left out when None so the engine's default (true) applies)."""
+        body: dict = {"model_path": model_path, "weight_version": str(weight_version)}
+        if flush_cache is not None:
+            body["flush_cache"] = flush_cache
         return await self.fan_out("/update_weights_from_disk", body, strict=strict)
 
     async def update_weight_version(self, weight_version: int) -> dict:

@@ -49,6 +49,7 @@ from slime_async.trainer.config import (
     run_kind_defaults,
     trainer_config_from_args,
 )
+from slime_async.weights.config import add_weight_sync_args, weight_sync_config_from_args
 
 __all__ = ["Environment", "RunConfig", "build_parser", "parse_config", "validate"]
 
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_args(parser)
     add_engine_run_args(parser)
     add_supervisor_args(parser)
+    add_weight_sync_args(parser)
     add_router_args(parser, prefix="router-")
     return parser
 
@@ -194,6 +196,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         ),
         trainer=trainer,
         supervisor=supervisor_config_from_args(a),
+        weights=weight_sync_config_from_args(a),
         derived=f.derived,
     )
 

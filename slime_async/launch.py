@@ -40,7 +40,7 @@ from slime_async.rollout.tasks import TaskFamilyConfig
 from slime_async.rollout.warmstart import WarmStartConfig, warm_start
 from slime_async.supervisor import EnginesDownError, EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
-from slime_async.weights import DiskTransport
+from slime_async.weights import DiskTransport, DistributedTransport, TransportKind
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Run:
     cluster: Cluster
     worker: RolloutDataWorker
     client: GenerateClient
-    transport: DiskTransport
+    transport: DiskTransport | DistributedTransport
     logger: MetricsLogger
     plan: DataPlan
     supervisor: EngineSupervisor
@@ -73,14 +73,17 @@ class Run:
         requeue = self.cfg.data_worker.partial_rollout is PartialRolloutPolicy.REQUEUE
         if requeue:  # abort in-flight generations; the data worker re-issues them whole
             await self.worker.pause()
-        try:  # the engine pauses in place, swaps, continues: per-token versions record it
+        try:  # pause in place, update without a flush, continue: per-token versions record it
             metrics = await self.transport.push(version)
         finally:
             if requeue:
                 await self.cluster.control.continue_generation()
                 await self.worker.resume()
         self.worker.set_served_version(version)
-        self.served = (self.transport.path(version), version)
+        if isinstance(self.transport, DiskTransport):
+            # replacements start on the newest directory; with the distributed transport they
+            # start on the first export (labelled with its version) and join at the next push
+            self.served = (self.transport.path(version), version)
         return metrics
 
     async def score(self, batch: Batch) -> Batch:
@@ -187,6 +190,10 @@ class Run:
             log.warning("data worker did not stop cleanly: %s", e)
         await self.supervisor.stop()
         await self.client.close()
+        try:
+            await self.transport.close()
+        except Exception as e:  # shutting down: report, keep closing
+            log.warning("weight transport did not close cleanly: %s", e)
         await self.cluster.stop()
         self.trainer.shutdown()
         self.logger.close()
@@ -332,15 +339,23 @@ async def setup_run(cfg: RunConfig) -> Run:
 
 async def _start_engines(
     cfg: RunConfig, backend: EngineBackend, trainer: TrainerGroup, *, first: Path, version: int
-) -> tuple[Cluster, DiskTransport]:
-    """Engines on the trainer's export `first` of `version`, a router in front, the weight transport.
-    Engines a backend attaches (instead of starting them on that export) get `version` pushed
-    through the transport before anything generates, so every engine begins on it."""
+) -> tuple[Cluster, DiskTransport | DistributedTransport]:
+    """Engines on the trainer's export `first` of `version`, a router in front, the weight
+    transport (`--update-weight-transport`). Engines a backend attaches (instead of starting
+    them on that export) get `version` pushed through the transport before anything generates,
+    so every engine begins on it."""
     cluster = await Cluster.start(backend=backend, num_engines=cfg.engines.num_engines,
                                   model_dir=first.resolve(), version=version,
                                   seed=cfg.engine.seed, router_cfg=cfg.router,
                                   rollout_cores=cfg.rollout_cores)  # fmt: skip
-    transport = DiskTransport(first.parent, trainer=trainer, control=cluster.control)
+    transport: DiskTransport | DistributedTransport
+    if cfg.weights.transport is TransportKind.DISTRIBUTED:
+        transport = DistributedTransport(
+            sender=trainer, control=cluster.control, engine_urls=lambda: cluster.engine_urls,
+            cfg=cfg.weights, backend="nccl" if cfg.engines.backend == "sglang" else "gloo",
+        )  # fmt: skip
+    else:
+        transport = DiskTransport(first.parent, trainer=trainer, control=cluster.control)
     if not backend.needs.model_dir:
         try:
             await transport.load(version)

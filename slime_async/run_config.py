@@ -22,6 +22,7 @@ from slime_async.engine.config import EngineConfig
 from slime_async.rollout.config import RolloutConfig
 from slime_async.supervisor import SupervisorConfig
 from slime_async.trainer.config import TrainerConfig
+from slime_async.weights.config import WeightSyncConfig
 
 DEFAULT_NUM_ROLLOUT = 200
 """Rollouts of a run that gives neither --num-steps nor --num-rollout."""
@@ -84,6 +85,8 @@ class RunConfig:
     engine: EngineConfig
     trainer: TrainerConfig
     supervisor: SupervisorConfig
+    weights: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
+    """How weights reach the engines (`--update-weight-transport`, ...)."""
     derived: dict[str, Derived] = dataclasses.field(default_factory=dict)
     """Flag -> the value the run derived for it (the user left it unset) and why."""
 

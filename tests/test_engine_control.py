@@ -63,14 +63,16 @@ async def test_weight_update_changes_outputs_and_version(engine, tmp_path: Path)
     async with aiohttp.ClientSession() as s:
         _, before = await post(s, url + "/generate", body)
         assert before["meta_info"]["weight_version"] == "0"
-        # a request in flight across the update records both versions
+        # a request in flight across the update (SGLang's sequence: pause in place, update
+        # without a flush, continue) records both versions
         inflight = asyncio.ensure_future(
             post(s, url + "/generate", {"input_ids": [9, 9], "sampling_params": LONG})
         )
         await _wait_tokens(s, url, 50)
-        st, res = await post(
-            s, url + "/update_weights_from_disk", {"model_path": new_dir, "weight_version": "1"}
-        )
+        await post(s, url + "/pause_generation", {"mode": "in_place"})
+        upd = {"model_path": new_dir, "weight_version": "1", "flush_cache": False}
+        st, res = await post(s, url + "/update_weights_from_disk", upd)
+        await post(s, url + "/continue_generation", {})
         assert st == 200 and res["success"] is True, res
         _, after = await post(s, url + "/generate", body)
         _, info = await _get(s, url + "/model_info")

@@ -57,6 +57,9 @@ class EngineConfig:
     """torch intra-op threads for the model step; None leaves torch's default."""
     health_generate_timeout_s: float = 20.0
     """`/health_generate` answers 503 if a 1-token generation takes longer than this."""
+    weight_group_timeout_s: float = 300.0
+    """A weight-update group's rendezvous and each broadcast fail after this long (a member
+    that died must not hang the others forever)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -125,6 +128,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="return routed experts on every request (for routers that strip the request flag)",
     )
     g.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads")
+    g.add_argument(
+        "--weight-group-timeout",
+        dest="weight_group_timeout_s",
+        type=float,
+        default=d.weight_group_timeout_s,
+        help="seconds before a weight-update group's rendezvous or broadcast fails",
+    )
     return parser
 
 
@@ -179,6 +189,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_return_routed_experts=args.enable_return_routed_experts,
         always_return_routed_experts=args.always_return_routed_experts,
         num_threads=args.num_threads,
+        weight_group_timeout_s=args.weight_group_timeout_s,
     )
 
 

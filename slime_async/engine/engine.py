@@ -3,23 +3,37 @@ the HTTP routes expose (generate, pause/continue, abort, weight updates, info, l
 
 Owns: `Engine` and its lifecycle `EngineState`. Weight updates are validated off the serving
 path, then swapped between two decode steps (no forward in flight), so a failed load never
-touches the weights being served. Must never import aiohttp (the server wraps this class).
+touches the weights being served. SGLang's locking rules (0.5.x) are enforced: every running
+`/generate` holds the model lock as a reader (`model_lock`, taken by the server); an update
+while generation is not paused takes it as the writer, so it waits until the running requests
+finished ("drain, then swap"); after `/pause_generation` the update runs at once, and with
+`flush_cache: true` (the default) it fails while requests are still in the engine (paused in
+place, or retracted). The push that keeps requests alive is therefore pause `in_place` ->
+update with `flush_cache: false` -> continue. Weight-update process groups
+(`/init_weights_update_group`, `/update_weights_from_distributed`) are joined through the
+`slime_async.contracts.weight_group` wire protocol. Must never import aiohttp (the server wraps
+this class).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import random
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 
+from slime_async.contracts.weight_group import FLATTENED, WeightGroup, receive_bucket
+from slime_async.contracts.weights import TensorEntry
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.model import LoadedModel, load_model, read_weights_from_disk, swap_weights
 from slime_async.engine.protocol import GenerateRequest, ModelLimits
+from slime_async.engine.rwlock import RWLock
 from slime_async.engine.scheduler import PauseMode, Scheduler
 from slime_async.engine.sequence import Sequence
 
@@ -54,6 +68,12 @@ class Engine:
         self.bound_port: int | None = None
         """The TCP port the server bound (set by `runner.serve`; `cfg.port` may be 0)."""
         self._update_lock = asyncio.Lock()
+        self.model_lock = RWLock()
+        """SGLang's model-update lock: `/generate` reads, an unpaused weight update writes."""
+        self.paused = False
+        """Between `/pause_generation` and `/continue_generation` (updates skip the lock)."""
+        self.groups: dict[str, WeightGroup] = {}
+        """Weight-update process groups this engine joined, by `group_name`."""
         self._seed_rng = random.Random(cfg.seed)
 
     async def start(self) -> None:
@@ -68,6 +88,9 @@ class Engine:
         self.state = EngineState.STOPPING
         if self.scheduler is not None:
             await self.scheduler.close()
+        for g in self.groups.values():
+            g.close()
+        self.groups.clear()
 
     # ------------------------------------------------------------------ generation
     @property
@@ -116,18 +139,58 @@ class Engine:
         self.scheduler.abort_seqs(seqs, message)
 
     async def pause(self, mode: PauseMode) -> None:
+        """`/pause_generation`: abort (every request finishes with abort, and this returns once
+        none holds the model lock), in_place (frozen with their KV cache) or retract (back to
+        the queue, KV dropped)."""
         assert self.scheduler is not None
+        self.paused = True
         await self.scheduler.pause(mode)
+        while mode is PauseMode.ABORT and self.model_lock.readers:
+            self.scheduler.abort(abort_all=True, message="Abort by pause_generation")
+            await asyncio.sleep(0.01)  # their handlers release the lock as they answer
 
     def resume(self) -> None:
         assert self.scheduler is not None
+        self.paused = False
         self.scheduler.resume()
+
+    def requests_in_engine(self) -> int:
+        """Requests the scheduler holds (queued, prefilling, running, or frozen by a pause)."""
+        assert self.scheduler is not None
+        return self.scheduler.in_engine()
 
     def flush_cache(self) -> bool:
         """SGLang semantics: refuse while requests run. There is no prefix cache to drop, so a
         successful flush frees nothing; it exists for API parity."""
+        return self.requests_in_engine() == 0
+
+    @contextlib.asynccontextmanager
+    async def _update_access(self, *, abort_all_requests: bool, what: str) -> AsyncIterator[None]:
+        """SGLang's rule for every weight update: abort first if asked; then, unless generation
+        is paused, wait for the writer side of `model_lock` (every running request finishes)."""
         assert self.scheduler is not None
-        return not (self.scheduler.running or self.scheduler.waiting)
+        if abort_all_requests:
+            self.scheduler.abort(abort_all=True, message=f"Abort by {what}")
+        async with self._update_lock:
+            if self.paused:
+                yield
+            else:
+                async with self.model_lock.writer():
+                    yield
+
+    def _flush_refusal(self, what: str) -> UpdateResult | None:
+        n = self.requests_in_engine()
+        if n == 0:
+            return None
+        return UpdateResult(
+            success=False,
+            message=(
+                f"{what} with flush_cache=true cannot flush the cache: {n} requests are in the "
+                "engine (paused in place or retracted). Pass flush_cache: false to keep them "
+                "(pause_generation mode in_place -> update -> continue_generation), or pause "
+                "with mode abort first. The served weights are unchanged."
+            ),
+        )
 
     # ------------------------------------------------------------------ weights and versions
     def _set_version(self, version: str) -> None:
@@ -136,22 +199,29 @@ class Engine:
         self.scheduler.note_version(version)
 
     async def update_weights_from_disk(
-        self, model_path: str, *, weight_version: str | None, abort_all_requests: bool
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None,
+        abort_all_requests: bool,
+        flush_cache: bool = True,
     ) -> UpdateResult:
-        """Pause stepping, load and validate, swap, continue. On any failure the old weights keep
-        serving. Loading runs in the model thread: `from_pretrained` flips process-wide torch
-        defaults (default dtype, init patches) that must never overlap a forward."""
+        """Under SGLang's lock rule (`_update_access`): load and validate, swap between two
+        steps. On any failure the old weights keep serving. Loading runs in the model thread:
+        `from_pretrained` flips process-wide torch defaults (default dtype, init patches) that
+        must never overlap a forward."""
         assert self.lm is not None and self.scheduler is not None
         lm, sched = self.lm, self.scheduler
 
         def load_and_swap() -> None:
             swap_weights(lm, read_weights_from_disk(lm, model_path))
 
-        async with self._update_lock:
+        what = "update_weights_from_disk"
+        async with self._update_access(abort_all_requests=abort_all_requests, what=what):
             t0 = time.monotonic()
-            if abort_all_requests:
-                sched.abort(abort_all=True, message="Abort by update_weights_from_disk")
-            in_flight = len(sched.running) + len(sched.waiting)
+            if flush_cache and (refused := self._flush_refusal(what)) is not None:
+                return refused
+            in_flight = self.requests_in_engine()
             try:
                 await sched.run_exclusive(load_and_swap)
             except ValueError as e:
@@ -164,6 +234,109 @@ class Engine:
                     f"Succeeded to update model weights from {model_path} in "
                     f"{time.monotonic() - t0:.3f}s."
                 ),
+                num_paused_requests=in_flight,
+            )
+
+    # ------------------------------------------------------------------ distributed weights
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> UpdateResult:
+        """Join a weight-update group as rank `rank_offset` (one rank: no tensor parallelism);
+        returns once every member joined (blocking work off the event loop)."""
+        if group_name in self.groups:
+            return UpdateResult(
+                success=False,
+                message=f"weight update group {group_name!r} already exists on this engine; "
+                "destroy_weights_update_group it first",
+            )
+        try:
+            g = await asyncio.to_thread(
+                WeightGroup.open, master_address=master_address, master_port=master_port,
+                rank=rank_offset, world_size=world_size, group_name=group_name, backend=backend,
+                timeout_s=self.cfg.weight_group_timeout_s,
+            )  # fmt: skip
+        except (ValueError, RuntimeError, OSError) as e:
+            return UpdateResult(success=False, message=f"Failed to init group {group_name!r}: {e}")
+        self.groups[group_name] = g
+        return UpdateResult(success=True, message=f"Succeeded to init group {group_name!r}.")
+
+    def destroy_weights_update_group(self, group_name: str) -> UpdateResult:
+        g = self.groups.pop(group_name, None)
+        if g is None:
+            return UpdateResult(
+                success=False, message=f"no weight update group {group_name!r} on this engine"
+            )
+        g.close()
+        return UpdateResult(success=True, message=f"Succeeded to destroy group {group_name!r}.")
+
+    async def update_weights_from_distributed(
+        self,
+        entries: tuple[TensorEntry, ...],
+        *,
+        group_name: str,
+        load_format: str | None,
+        weight_version: str | None,
+        abort_all_requests: bool,
+        flush_cache: bool = True,
+    ) -> UpdateResult:
+        """Receive one bucket broadcast by rank 0 of `group_name`, then check and swap it in.
+
+        Under SGLang's lock rule (`_update_access`). The bucket is always received in full
+        (leaving a broadcast half-way would hang every other member), and only then checked
+        against the served model: a bucket that does not fit, or a flush refused while requests
+        are in the engine, answers `success: false` with the served weights unchanged."""
+        assert self.lm is not None and self.scheduler is not None
+        lm, sched = self.lm, self.scheduler
+        g = self.groups.get(group_name)
+        if g is None:
+            return UpdateResult(
+                success=False,
+                message=f"no weight update group {group_name!r} on this engine; call "
+                "init_weights_update_group first",
+            )
+        what = "update_weights_from_distributed"
+        async with self._update_access(abort_all_requests=abort_all_requests, what=what):
+            t0 = time.monotonic()
+            try:
+                got = await asyncio.to_thread(
+                    receive_bucket, g, entries, flatten=load_format == FLATTENED
+                )
+            except (RuntimeError, ValueError, AttributeError) as e:
+                return UpdateResult(
+                    success=False,
+                    message=f"Failed to receive the bucket over group {group_name!r} ({e}); the "
+                    "served weights are unchanged. Destroy and re-init the group.",
+                )
+            want = lm.state_signature()
+            bad = [f"unknown tensor {e.name!r}" for e in entries if e.name not in want]
+            bad += [
+                f"{e.name!r} has shape {e.shape}, the served model's is {want[e.name]}"
+                for e in entries
+                if e.name in want and tuple(want[e.name]) != e.shape
+            ]
+            if bad:
+                return UpdateResult(
+                    success=False,
+                    message=f"Failed to update weights: the bucket does not fit the served model "
+                    f"({'; '.join(bad[:5])}); export from the same ModelSpec",
+                )
+            if flush_cache and (refused := self._flush_refusal(what)) is not None:
+                return refused
+            in_flight = self.requests_in_engine()
+            await sched.run_exclusive(lambda: swap_weights(lm, got))
+            if weight_version is not None:
+                self._set_version(weight_version)
+            return UpdateResult(
+                success=True,
+                message=f"Succeeded to update {len(entries)} tensors in "
+                f"{time.monotonic() - t0:.3f}s.",
                 num_paused_requests=in_flight,
             )
 
@@ -232,6 +405,10 @@ class Engine:
                 {
                     **self.scheduler.load(),
                     "paused": self.scheduler.paused,
+                    "generation_paused": self.paused,
+                    "model_lock_readers": self.model_lock.readers,
+                    "model_lock_writers_waiting": self.model_lock.writers_waiting,
+                    "weight_update_groups": sorted(self.groups),
                     "steps": self.scheduler.steps,
                     "decoded_tokens": self.scheduler.decoded_tokens,
                 }

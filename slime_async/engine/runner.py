@@ -163,6 +163,8 @@ def config_to_argv(cfg: EngineConfig) -> list[str]:
         argv.append("--always-return-routed-experts")
     if cfg.num_threads is not None:
         argv += ["--num-threads", str(cfg.num_threads)]
+    if cfg.weight_group_timeout_s != EngineConfig.weight_group_timeout_s:
+        argv += ["--weight-group-timeout", str(cfg.weight_group_timeout_s)]
     return argv
 
 

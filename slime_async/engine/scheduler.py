@@ -123,6 +123,10 @@ class Scheduler:
         for seq in [*self.waiting, *self._prefilling, *self.running]:
             seq.note_version(version)
 
+    def in_engine(self) -> int:
+        """Requests held here: queued, prefilling, running, or frozen by a pause."""
+        return len(self.waiting) + len(self._prefilling) + len(self.running)
+
     def load(self) -> dict[str, int]:
         """SGLang `/get_load` numbers."""
         return {

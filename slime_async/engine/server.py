@@ -14,8 +14,9 @@ from typing import Any
 
 from aiohttp import web
 
+from slime_async.contracts.weight_group import FLATTENED, entries_from_body
 from slime_async.engine.engine import Engine, EngineState
-from slime_async.engine.protocol import parse_generate, response_item
+from slime_async.engine.protocol import GenerateRequest, parse_generate, response_item
 from slime_async.engine.sampling import RequestError
 from slime_async.engine.sequence import Sequence
 
@@ -74,9 +75,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
         req = parse_generate(body, tokenizer=eng.lm.tokenizer, limits=eng.limits)
     except RequestError as e:
         return _err(str(e))
+    async with eng.model_lock.reader():  # SGLang: a request reads the model for its whole life
+        return await _serve(request, eng, req)
+
+
+async def _serve(request: web.Request, eng: Engine, req: GenerateRequest) -> web.StreamResponse:
     seqs = eng.submit(req)
     rtl = req.items[0].return_text_in_logprobs
-    tok = eng.lm.tokenizer
+    tok = eng.lm.tokenizer  # type: ignore[union-attr]
     if req.stream:
         return await _stream(request, eng, seqs, batch=req.batch, rtl=rtl)
     if not await _wait_done(request, seqs):  # client went away: free the batch rows
@@ -189,24 +195,21 @@ async def flush_cache(request: web.Request) -> web.Response:
     return web.Response(status=400, text="Cache not flushed: requests are running; retry later.")
 
 
-async def update_weights_from_disk(request: web.Request) -> web.Response:
-    eng = _eng(request)
-    try:
-        body = await _json_body(request, required=True)
-        path = body.get("model_path")
-        if not isinstance(path, str) or not path:
-            raise RequestError("update_weights_from_disk needs `model_path` (a directory)")
-        version = body.get("weight_version")
-        if version is not None and not isinstance(version, str | int):
-            raise RequestError("weight_version must be a string")
-        abort_all = body.get("abort_all_requests", False)
-        if not isinstance(abort_all, bool):
-            raise RequestError("abort_all_requests must be true or false")
-    except RequestError as e:
-        return web.json_response({"success": False, "message": str(e)}, status=400)
-    res = await eng.update_weights_from_disk(
-        path, weight_version=None if version is None else str(version), abort_all_requests=abort_all
-    )
+def _bool_field(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if not isinstance(v, bool):
+        raise RequestError(f"{key} must be true or false")
+    return v
+
+
+def _version_field(body: dict[str, Any]) -> str | None:
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str | int):
+        raise RequestError("weight_version must be a string")
+    return None if version is None else str(version)
+
+
+def _update_reply(res: Any) -> web.Response:
     return web.json_response(
         {
             "success": res.success,
@@ -214,6 +217,119 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
             "num_paused_requests": res.num_paused_requests,
         },
         status=200 if res.success else 400,
+    )
+
+
+def _refuse(message: str) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=400)
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    eng = _eng(request)
+    try:
+        body = await _json_body(request, required=True)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise RequestError("update_weights_from_disk needs `model_path` (a directory)")
+        version = _version_field(body)
+        abort_all = _bool_field(body, "abort_all_requests", False)
+        flush = _bool_field(body, "flush_cache", True)
+    except RequestError as e:
+        return _refuse(str(e))
+    res = await eng.update_weights_from_disk(
+        path, weight_version=version, abort_all_requests=abort_all, flush_cache=flush
+    )
+    return _update_reply(res)
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    eng = _eng(request)
+    try:
+        body = await _json_body(request, required=True)
+        addr, port = body.get("master_address"), body.get("master_port")
+        offset, size = body.get("rank_offset"), body.get("world_size")
+        name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend", "nccl")
+        if not isinstance(addr, str) or not addr:
+            raise RequestError("init_weights_update_group needs `master_address` (rank 0's IP)")
+        for key, v in (("master_port", port), ("rank_offset", offset), ("world_size", size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise RequestError(f"init_weights_update_group needs `{key}` (an integer >= 0)")
+        if not 0 < offset < size:
+            raise RequestError(
+                f"rank_offset {offset} must be in 1..world_size-1 ({size}): rank 0 is the sender"
+            )
+        if not isinstance(name, str) or not name:
+            raise RequestError("group_name must be a non-empty string")
+        if backend != "gloo":
+            raise RequestError(
+                f"backend {backend!r}: the embedded engine serves from CPU memory and joins weight "
+                "groups over gloo; send backend 'gloo' (NCCL is for SGLang engines on GPUs)"
+            )
+    except RequestError as e:
+        return _refuse(str(e))
+    res = await eng.init_weights_update_group(
+        master_address=addr, master_port=port, rank_offset=offset, world_size=size,
+        group_name=name, backend=backend,
+    )  # fmt: skip
+    return web.json_response(
+        {"success": res.success, "message": res.message}, status=200 if res.success else 400
+    )
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    eng = _eng(request)
+    try:
+        body = await _json_body(request, required=False)
+        name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str):
+            raise RequestError("group_name must be a string")
+    except RequestError as e:
+        return _refuse(str(e))
+    res = eng.destroy_weights_update_group(name)
+    return web.json_response(
+        {"success": res.success, "message": res.message}, status=200 if res.success else 400
+    )
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    eng = _eng(request)
+    try:
+        body = await _json_body(request, required=True)
+        try:
+            entries = entries_from_body(body.get("names"), body.get("dtypes"), body.get("shapes"))
+        except ValueError as e:
+            raise RequestError(f"update_weights_from_distributed: {e}") from None
+        name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str):
+            raise RequestError("group_name must be a string")
+        fmt = body.get("load_format")
+        if fmt not in (None, FLATTENED):
+            raise RequestError(f"load_format must be null or {FLATTENED!r}, got {fmt!r}")
+        if fmt == FLATTENED and len({e.dtype for e in entries}) != 1:
+            raise RequestError(f"a {FLATTENED} bucket must hold tensors of one dtype")
+        selector = body.get("selector", "target")
+        if selector not in ("target", "all"):
+            raise RequestError(f"selector {selector!r}: this engine has no draft model")
+        version = _version_field(body)
+        abort_all = _bool_field(body, "abort_all_requests", False)
+        flush = _bool_field(body, "flush_cache", True)
+    except RequestError as e:
+        return _refuse(str(e))
+    res = await eng.update_weights_from_distributed(
+        entries, group_name=name, load_format=fmt, weight_version=version,
+        abort_all_requests=abort_all, flush_cache=flush,
+    )  # fmt: skip
+    return _update_reply(res)
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    """SGLang's payload is pickled (MultiprocessingSerializer; CUDA IPC handles between
+    colocated processes). Network data is never unpickled here: refuse, naming the alternatives."""
+    return _refuse(
+        "update_weights_from_tensor carries pickled tensors (SGLang's MultiprocessingSerializer, "
+        "CUDA IPC handles for a colocated trainer); this engine never unpickles request data. "
+        "Use update_weights_from_distributed (a weight update group) or update_weights_from_disk."
     )
 
 
@@ -307,6 +423,10 @@ def build_app(engine: Engine) -> web.Application:
     r.add_post("/abort_request", abort_request)
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_post("/init_weights_update_group", init_weights_update_group)
+    r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
+    r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/update_weight_version", update_weight_version)
     r.add_route("*", "/release_memory_occupation", memory_occupation)
     r.add_route("*", "/resume_memory_occupation", memory_occupation)

@@ -3,12 +3,16 @@
 Owns: `TrainerActor` (a `@ray.remote` class with fractional `num_cpus`, so a 2-core node can
 schedule trainer, engine, router and data-worker actors together) and `TrainerGroup`, which
 starts `world_size` actors on one rendezvous port and fans every call out to all ranks (they
-run collectives together), returning rank 0's answer. Must never import the controller,
-engine, rollout or data-worker parts of `slime_async`.
+run collectives together), returning rank 0's answer. `TrainerGroup` is also the sender of the
+distributed weight transport (`slime_async.weights.WeightSender`): every rank exports (a
+collective), rank 0 joins the weight update group and broadcasts. Must never import the
+controller, engine, rollout, weights or data-worker parts of `slime_async`.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,8 @@ import ray
 
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
+from slime_async.contracts.weight_group import WeightGroup, send_buckets
+from slime_async.contracts.weights import TensorEntry, WeightManifest
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
 
@@ -50,6 +56,8 @@ class _TrainerActorImpl:
             master_addr=master_addr,
             master_port=master_port,
         )
+        self.rank, self.master_addr = rank, master_addr
+        self.weight_group: WeightGroup | None = None
 
     def version(self) -> int:
         return self.trainer.version
@@ -75,6 +83,38 @@ class _TrainerActorImpl:
 
     def extra_state(self) -> dict[str, object]:
         return dict(self.trainer.extra_state)
+
+    # ---------------------------------------------------------------- distributed weight sync
+    def weight_endpoint(self) -> tuple[str, int]:
+        """This rank's rendezvous address and a free port on its node (rank 0: the sender)."""
+        return self.master_addr, free_port()
+
+    def weight_manifest(self) -> WeightManifest:
+        return self.trainer.export_weights().manifest()  # collective: every rank calls it
+
+    def open_weight_group(self, master_address: str, master_port: int, world_size: int,
+                          group_name: str, backend: str, timeout_s: float) -> None:  # fmt: skip
+        self.close_weight_group()
+        self.weight_group = WeightGroup.open(
+            master_address=master_address, master_port=master_port, rank=0,
+            world_size=world_size, group_name=group_name, backend=backend, timeout_s=timeout_s,
+        )  # fmt: skip
+
+    def send_weights(self, buckets: list[tuple[TensorEntry, ...]], flatten: bool) -> int:
+        """Every rank exports (a collective); rank 0 broadcasts the buckets. Returns the version."""
+        w = self.trainer.export_weights()
+        if self.rank == 0:
+            if self.weight_group is None:
+                raise RuntimeError("send_weights before open_weight_group")
+            g, self.weight_group = self.weight_group, None
+            send_buckets(g, w.tensors, buckets, flatten=flatten)  # closes the group on failure
+            self.weight_group = g
+        return w.version
+
+    def close_weight_group(self) -> None:
+        g, self.weight_group = self.weight_group, None
+        if g is not None:
+            g.close()
 
 
 TrainerActor = ray.remote(num_cpus=DEFAULT_NUM_CPUS)(_TrainerActorImpl)
@@ -103,13 +143,15 @@ class TrainerGroup:
     ) -> None:
         port = free_port()
         self.timeout_s = timeout_s
+        self.master_addr = "127.0.0.1"
+        """Rank 0's rendezvous address (also the weight group's, unless configured)."""
         self.actors = [
             TrainerActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor).remote(
                 cfg,
                 spec,
                 rank=r,
                 world_size=world_size,
-                master_addr="127.0.0.1",
+                master_addr=self.master_addr,
                 master_port=port,
                 num_threads=num_threads,
             )
@@ -150,6 +192,29 @@ class TrainerGroup:
 
     def extra_state(self) -> dict[str, object]:
         return self._all("extra_state")[0]
+
+    # ---------------------------------------------------------------- WeightSender (rank 0 sends)
+    async def endpoint(self) -> tuple[str, int]:
+        return tuple(await self.actors[0].weight_endpoint.remote())  # type: ignore[return-value]
+
+    async def manifest(self) -> WeightManifest:
+        refs = [a.weight_manifest.remote() for a in self.actors]
+        return (await asyncio.gather(*refs))[0]
+
+    async def open_group(self, *, master_address: str, master_port: int, world_size: int,
+                         group_name: str, backend: str, timeout_s: float) -> None:  # fmt: skip
+        await self.actors[0].open_weight_group.remote(
+            master_address, master_port, world_size, group_name, backend, timeout_s
+        )
+
+    async def send(self, buckets: Sequence[Sequence[TensorEntry]], *, flatten: bool) -> int:
+        plan = [tuple(b) for b in buckets]
+        refs = [a.send_weights.remote(plan, flatten) for a in self.actors]
+        return int((await asyncio.gather(*refs))[0])
+
+    async def close_group(self) -> None:
+        if self.actors:
+            await self.actors[0].close_weight_group.remote()
 
     def shutdown(self) -> None:
         for a in self.actors:

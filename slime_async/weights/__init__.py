@@ -1,12 +1,13 @@
 """Versioned weight transport from the trainer to the engines.
 
-Owns `DiskTransport`: the trainer writes version v as an HF safetensors directory under the
-run directory (atomic), then the router fans `/update_weights_from_disk` with
-`weight_version=str(v)` out to every engine; the reply must say every engine succeeded (a failed
-engine is quarantined by the router, which replays the load before re-admitting it; the push
-logs and counts the failure instead of stopping the run). Old version directories are pruned.
-On GPU clusters the same `push(version)` interface is meant to be backed by SGLang's
-`/update_weights_from_distributed` (NCCL broadcast); that transport is not implemented yet.
+Owns `DiskTransport` and the package's exports. Both transports push the way SGLang keeps
+requests alive across an update: `/pause_generation {"mode": "in_place"}` -> the update with
+`flush_cache: false` -> `/continue_generation` (see docs/weight-sync.md). `DiskTransport`: the
+trainer writes version v as an HF safetensors directory under the run directory (atomic), then
+the router fans `/update_weights_from_disk` with `weight_version=str(v)` out to every engine; a
+failed engine is quarantined by the router, which replays the load before re-admitting it; the
+push logs and counts the failure instead of stopping the run. Old version directories are
+pruned. `DistributedTransport` (`weights.distributed`) broadcasts instead, with no filesystem.
 """
 
 from __future__ import annotations
@@ -19,6 +20,26 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from router.client import FanoutError, RouterClient
+from slime_async.weights.config import (
+    TransportKind,
+    WeightSyncConfig,
+    add_weight_sync_args,
+    weight_sync_config_from_args,
+)
+from slime_async.weights.distributed import DistributedTransport, WeightSyncError
+from slime_async.weights.sender import InProcessSender, WeightSender
+
+__all__ = [
+    "DiskTransport",
+    "DistributedTransport",
+    "InProcessSender",
+    "TransportKind",
+    "WeightSender",
+    "WeightSyncConfig",
+    "WeightSyncError",
+    "add_weight_sync_args",
+    "weight_sync_config_from_args",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +73,31 @@ class DiskTransport:
         await self.control.update_weights_from_disk(str(path), weight_version=version, strict=True)
 
     async def push(self, version: int) -> dict[str, Any]:
-        """Write and load version `version` on every engine; returns timings."""
+        """Write version `version`, then pause in place, load it on every engine without a
+        cache flush, continue; returns timings."""
         t0 = time.perf_counter()
         path = await self.write(version)
         t1 = time.perf_counter()
         failed = 0
         try:
-            await self.control.update_weights_from_disk(str(path.resolve()), weight_version=version)
+            await self.control.pause_generation(mode="in_place")
+        except FanoutError as e:  # an unpaused engine still takes the update, after a drain
+            log.warning("pause before weight push v%d: %s", version, e)
+        try:
+            await self.control.update_weights_from_disk(
+                str(path.resolve()), weight_version=version, flush_cache=False
+            )
         except FanoutError as e:
             # Engines that failed are quarantined by the router and get this version replayed
             # before re-admission; dead ones are restarted on it by the supervisor. The run goes
             # on; if no engine ever recovers, the supervisor's timeout stops it.
             failed = len(e.reply.get("failed", [])) or 1
             log.warning("weight push v%d did not reach every engine: %s", version, e)
+        finally:
+            try:
+                await self.control.continue_generation()
+            except FanoutError as e:
+                log.warning("continue after weight push v%d: %s", version, e)
         t2 = time.perf_counter()
         self._prune(version)
         return {
@@ -72,6 +105,9 @@ class DiskTransport:
             "timing/weight_load_s": t2 - t1,
             "weights/push_failed_engines": float(failed),
         }
+
+    async def close(self) -> None:
+        """Nothing to release (the directories stay for the supervisor's restarts)."""
 
     def _prune(self, current: int) -> None:
         for d in sorted(self.root.glob("v*")):

@@ -1,0 +1,255 @@
+"""The distributed weight transport's wire protocol, both ends: the process group the trainer's
+sender (rank 0) and the engines (ranks `rank_offset + i`) join, how tensors are bucketed, and how
+a bucket travels.
+
+Owns `WeightGroup` (one member's handle on a weight-update group: a standalone gloo or NCCL
+process group on its own TCP rendezvous, never the default `torch.distributed` group, so a
+trainer rank can be in both), `plan_buckets` (the send order: tensors grouped by dtype, each
+group split into buckets of at most `bucket_bytes`), `send_bucket` / `receive_bucket` (SGLang's two
+load formats: one broadcast per tensor in `names` order, or `"flattened_bucket"`: one broadcast
+of the bucket's tensors concatenated, all of one dtype) and `torch_dtype` (SGLang's dtype names).
+Both ends must agree on all of it, which is why it is a contract. Imports nothing from the rest
+of slime_async but the weights contract.
+
+Worked example (bucket_bytes = 1 MiB; fp32 tensors a: 0.6 MiB, b: 0.6 MiB, c: 0.2 MiB, a bf16
+tensor d): buckets [a], [b, c], [d]; with the flattened format each bucket is one broadcast of
+a flat buffer (a: 0.6 MiB; b ++ c: 0.8 MiB; d).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import socket
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from slime_async.contracts.weights import TensorEntry, WeightManifest
+
+FLATTENED = "flattened_bucket"
+"""SGLang's `load_format` for one flat broadcast per bucket."""
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """SGLang's dtype spelling ("bfloat16", also "torch.bfloat16") -> torch dtype."""
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def entry_nbytes(e: TensorEntry) -> int:
+    n = 1
+    for d in e.shape:
+        n *= d
+    return n * torch_dtype(e.dtype).itemsize
+
+
+def plan_buckets(manifest: WeightManifest, bucket_bytes: int) -> list[tuple[TensorEntry, ...]]:
+    """The send order: per dtype (in order of first appearance), consecutive tensors packed into
+    buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    by_dtype: dict[str, list[TensorEntry]] = {}
+    for e in manifest.entries:
+        by_dtype.setdefault(e.dtype, []).append(e)
+    out: list[tuple[TensorEntry, ...]] = []
+    for entries in by_dtype.values():
+        cur: list[TensorEntry] = []
+        size = 0
+        for e in entries:
+            n = entry_nbytes(e)
+            if cur and size + n > bucket_bytes:
+                out.append(tuple(cur))
+                cur, size = [], 0
+            cur.append(e)
+            size += n
+        if cur:
+            out.append(tuple(cur))
+    return out
+
+
+def bucket_body(
+    bucket: Sequence[TensorEntry], *, group_name: str, flatten: bool
+) -> dict[str, object]:
+    """The `/update_weights_from_distributed` fields describing `bucket`."""
+    return {
+        "names": [e.name for e in bucket],
+        "dtypes": [e.dtype for e in bucket],
+        "shapes": [list(e.shape) for e in bucket],
+        "group_name": group_name,
+        "load_format": FLATTENED if flatten else None,
+    }
+
+
+def local_address_towards(master_address: str) -> str:
+    """This host's address on the route to `master_address` (no packet is sent): the interface
+    a group member binds, so the group works across nodes and network namespaces."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master_address, 9))
+        return str(s.getsockname()[0])
+
+
+class WeightGroup:
+    """One member's handle on a weight-update process group.
+
+    Example (rank 0 on the trainer, ranks 1..n on the engines, all at once)::
+
+        g = WeightGroup.open(master_address="10.0.0.1", master_port=29600, rank=0,
+                             world_size=3, group_name="weights", backend="gloo")
+        send_bucket(g, tensors, bucket, flatten=True)     # engines: receive_bucket(g, ...)
+        g.close()
+    """
+
+    def __init__(
+        self, pg: object, *, rank: int, world_size: int, backend: str, device: str
+    ) -> None:
+        self.pg, self.rank, self.world_size = pg, rank, world_size
+        self.backend, self.device = backend, device
+
+    @classmethod
+    def open(
+        cls,
+        *,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float = 300.0,
+    ) -> WeightGroup:
+        """Join the group (blocks until all `world_size` members joined, or `timeout_s`)."""
+        import torch.distributed as dist
+
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside a group of world_size {world_size}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs a CUDA device here; use backend 'gloo' on CPU")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(
+            master_address, int(master_port), world_size, is_master=rank == 0,
+            timeout=timeout, wait_for_workers=False,
+        )  # fmt: skip
+        store = dist.PrefixStore(f"weight_group/{group_name}", store)
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            here = local_address_towards(master_address)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=here)]
+            pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
+            device = "cpu"
+        else:
+            nopts = dist.ProcessGroupNCCL.Options()
+            nopts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, rank, world_size, nopts)
+            device = f"cuda:{torch.cuda.current_device()}"
+        return cls(pg, rank=rank, world_size=world_size, backend=backend, device=device)
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Broadcast `t` from rank 0 (in place on the other ranks)."""
+        pg = self.pg
+        if pg is None:
+            raise RuntimeError("the weight update group is closed")
+        pg.broadcast(t, 0).wait()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Leave the group. Releasing the process group closes its connections, so members
+        blocked in a broadcast from this rank fail at once instead of at the timeout."""
+        pg, self.pg = self.pg, None
+        shutdown = getattr(pg, "shutdown", None)
+        if shutdown is not None:
+            with contextlib.suppress(RuntimeError):  # a broken group: nothing left to release
+                shutdown()
+        del pg
+        gc.collect()
+
+
+def send_bucket(
+    g: WeightGroup, tensors: Mapping[str, torch.Tensor], bucket: Sequence[TensorEntry], *,
+    flatten: bool,
+) -> None:  # fmt: skip
+    """Rank 0: broadcast the bucket's tensors (cast to the bucket's dtypes) in `bucket` order."""
+    ts = [tensors[e.name].detach().to(g.device, torch_dtype(e.dtype)) for e in bucket]
+    if flatten:
+        g.broadcast(torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1))
+        return
+    for t in ts:
+        g.broadcast(t.contiguous())
+
+
+def send_buckets(
+    g: WeightGroup, tensors: Mapping[str, torch.Tensor],
+    buckets: Sequence[Sequence[TensorEntry]], *, flatten: bool,
+) -> None:  # fmt: skip
+    """Rank 0: send every bucket in order. On any failure (a member died) the group is closed,
+    so the other members' receives fail now rather than at the timeout; then it raises."""
+    try:
+        for b in buckets:
+            send_bucket(g, tensors, b, flatten=flatten)
+    except BaseException:
+        g.close()
+        raise
+
+
+def receive_bucket(
+    g: WeightGroup, bucket: Sequence[TensorEntry], *, flatten: bool
+) -> dict[str, torch.Tensor]:
+    """Ranks > 0: receive the bucket `send_bucket` sends; returns name -> tensor."""
+    if flatten:
+        dtypes = {e.dtype for e in bucket}
+        if len(dtypes) != 1:
+            raise ValueError(f"a {FLATTENED} bucket holds one dtype, got {sorted(dtypes)}")
+        flat = torch.empty(
+            sum(entry_nbytes(e) for e in bucket) // torch_dtype(bucket[0].dtype).itemsize,
+            dtype=torch_dtype(bucket[0].dtype), device=g.device,
+        )  # fmt: skip
+        g.broadcast(flat)
+        out, at = {}, 0
+        for e in bucket:
+            n = entry_nbytes(e) // flat.itemsize
+            out[e.name] = flat[at : at + n].view(e.shape)
+            at += n
+        return out
+    out = {}
+    for e in bucket:
+        t = torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=g.device)
+        g.broadcast(t)
+        out[e.name] = t
+    return out
+
+
+def entries_from_body(names: object, dtypes: object, shapes: object) -> tuple[TensorEntry, ...]:
+    """Validate the `names`/`dtypes`/`shapes` fields of an update call (ValueError names the
+    problem) and return them as entries."""
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+        raise ValueError("names, dtypes and shapes must be lists")
+    if not names or not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must be "
+            "non-empty lists of the same length, one entry per tensor"
+        )
+    out = []
+    for n, d, s in zip(names, dtypes, shapes, strict=True):
+        if not isinstance(n, str) or not isinstance(d, str):
+            raise ValueError(f"tensor name and dtype must be strings, got {n!r}, {d!r}")
+        if not isinstance(s, list) or not all(isinstance(x, int) and x >= 0 for x in s):
+            raise ValueError(f"shape of {n!r} must be a list of non-negative ints, got {s!r}")
+        torch_dtype(d)
+        out.append(TensorEntry(name=n, dtype=d.removeprefix("torch."), shape=tuple(s)))
+    return tuple(out)
