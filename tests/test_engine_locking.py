@@ -130,7 +130,7 @@ async def test_retract_keeps_requests_in_engine_abort_empties_it(engine) -> None
         st, refused = await post(s, url + "/update_weights_from_disk", body)
         assert st == 400 and "flush_cache" in refused["message"]
         await post(s, url + "/pause_generation", {"mode": "abort"})
-        st_r, r = await running
+        _, r = await running
         assert r["meta_info"]["finish_reason"]["type"] == "abort"
         assert (await _state(s, url))["model_lock_readers"] == 0
         st, ok = await post(s, url + "/update_weights_from_disk", body)
@@ -147,7 +147,9 @@ async def test_update_from_tensor_is_refused_not_unpickled(engine) -> None:
         body = {"serialized_named_tensors": ["gASVAAAAAAAAAAB9lC4="], "flush_cache": False}
         st, res = await post(s, url + "/update_weights_from_tensor", body)
     assert st == 400 and res["success"] is False
-    assert "never unpickles" in res["message"] and "update_weights_from_distributed" in res["message"]
+    assert (
+        "never unpickles" in res["message"] and "update_weights_from_distributed" in res["message"]
+    )
 
 
 class _Writer:

@@ -9,8 +9,9 @@ version arrived) while the sender broadcasts that bucket, then `/continue_genera
 in flight keep their KV cache and go on with the new weights, each token labelled with its
 version. Nothing touches a filesystem.
 
-Membership: the group is re-formed (destroyed everywhere, then initialised again on a fresh
-port) whenever the engine set changes or a push failed. A push that fails part-way (an engine
+Membership: the group holds the engines that answer `/health` at the push; it is re-formed
+(destroyed everywhere, then initialised again on a fresh port) whenever that set changes or a
+push failed. A push that fails part-way (an engine
 died or refused) is sent again, whole, to the engines that still answer `/health`, before
 generation continues; so an engine that failed never leaves the others with half a version.
 Engines that could not take it are counted in `weights/push_failed_engines` and get the whole
@@ -165,18 +166,27 @@ class DistributedTransport:
             raise WeightSyncError(f"the sender holds version {sent}, not {version}")
         return failed
 
+    async def _healthy_of(self, urls: Sequence[str]) -> list[str]:
+        oks = await asyncio.gather(*map(self._healthy, urls))
+        return [u for u, ok in zip(urls, oks) if ok]
+
     async def _push_locked(self, version: int) -> int:
-        """Form the group if needed, send, and on failure re-form with the engines still
-        healthy and send again. Returns how many engines are without `version`."""
+        """Send to the engines that answer `/health` (a dead member would stall the group's
+        rendezvous), re-forming the group when that set changed; on failure re-form with the
+        engines still healthy and send again. Returns how many engines are without `version`."""
         urls = list(self.engine_urls())
-        if tuple(urls) != self.members:
-            await self._form(urls)
+        healthy = await self._healthy_of(urls)
+        if not healthy:
+            await self._teardown()
+            return len(urls)
+        if tuple(healthy) != self.members:
+            await self._form(healthy)
         failed = await self._send(version)
         if not failed:
-            return 0
+            return len(urls) - len(healthy)
         log.warning("weight push v%d failed on %d engine(s): %s", version, len(failed),
                     "; ".join(f"{u} ({why})" for u, why in failed.items()))  # fmt: skip
-        healthy = [u for u, ok in zip(urls, await asyncio.gather(*map(self._healthy, urls))) if ok]
+        healthy = await self._healthy_of(urls)
         if not healthy:
             await self._teardown()
             return len(urls)

@@ -1,0 +1,243 @@
+"""The distributed weight transport against real embedded engine servers over gloo on
+127.0.0.1: two engines (processes) in one weight update group with an in-process sender as
+rank 0, the router in front for pause/continue. Versions advance on every engine and the served
+weights are exactly the sender's; a request in flight crosses a push with per-token versions; an
+engine that refuses, or dies as the broadcast starts, leaves the others on a whole version; bad
+requests are refused with the fix; a short `train_async.py` run pushes this way end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from router import Router, RouterClient, RouterConfig
+from slime_async.contracts.model import ModelSpec
+from slime_async.contracts.weight_group import plan_buckets
+from slime_async.contracts.weights import WeightManifest
+from slime_async.engine import EngineConfig, EngineProcess
+from slime_async.engine.model import load_model
+from slime_async.engine.testing import check_against_reference, post
+from slime_async.weights import DistributedTransport, InProcessSender, WeightSyncConfig
+
+pytestmark = pytest.mark.timeout(300)
+PROMPT = [3, 1, 4, 1, 5]
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
+LONG = {"max_new_tokens": 300, "ignore_eos": True}
+CFG = WeightSyncConfig(bucket_bytes=256 * 1024, timeout_s=60.0)  # several buckets per version
+
+
+class Weights:
+    """What rank 0 holds: version `v`, the tiny model built with `seed`."""
+
+    def __init__(self) -> None:
+        self.version, self.lm = 0, load_model(EngineConfig(dtype="fp32", seed=0))
+
+    def set(self, version: int, seed: int) -> None:
+        self.version, self.lm = version, load_model(EngineConfig(dtype="fp32", seed=seed))
+
+    def __call__(self) -> tuple[int, dict[str, torch.Tensor]]:
+        return self.version, self.lm.model.state_dict()
+
+
+class _KillingSender(InProcessSender):
+    """A sender whose peer `victim` dies just as the broadcast starts (after the group formed)."""
+
+    def __init__(self, weights: Weights, victim: EngineProcess) -> None:
+        super().__init__(weights)
+        self.victim: EngineProcess | None = victim
+
+    async def send(self, buckets, *, flatten: bool) -> int:
+        if self.victim is not None:
+            self.victim.proc.kill()  # type: ignore[union-attr]
+            self.victim.proc.wait()  # type: ignore[union-attr]
+            self.victim = None
+        return await super().send(buckets, flatten=flatten)
+
+
+def _start(**kw) -> EngineProcess:
+    e = EngineProcess(EngineConfig(dtype="fp32", weight_version="0", num_threads=1,
+                                   weight_group_timeout_s=60.0), **kw)  # fmt: skip
+    e.start()
+    return e
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    engines = [_start(), _start()]
+    yield engines
+    for e in engines:
+        e.stop()
+
+
+async def _served(s: aiohttp.ClientSession, url: str) -> tuple[str, dict]:
+    async with s.get(url + "/model_info") as r:
+        version = (await r.json())["weight_version"]
+    body = {"input_ids": PROMPT, "sampling_params": GREEDY, "return_logprob": True}
+    _, answer = await post(s, url + "/generate", body)
+    return version, answer
+
+
+def _exact(weights: Weights, answer: dict) -> bool:
+    return check_against_reference(weights.lm, PROMPT, answer).logprob_abs_diff.max() < 1e-4
+
+
+async def _router(urls: list[str]) -> tuple[Router, str]:
+    router = Router(RouterConfig(worker_urls=tuple(urls), health_interval_s=5.0))
+    return router, await router.start()
+
+
+def test_buckets_group_by_dtype_and_respect_the_size() -> None:
+    t = {"a": torch.zeros(150), "b": torch.zeros(150), "c": torch.zeros(50),
+         "d": torch.zeros(10, dtype=torch.bfloat16)}  # fmt: skip
+    plan = plan_buckets(WeightManifest.of(t, version=0), bucket_bytes=1000)
+    assert [[e.name for e in b] for b in plan] == [["a"], ["b", "c"], ["d"]]
+    with pytest.raises(ValueError, match="positive"):
+        plan_buckets(WeightManifest.of(t, version=0), bucket_bytes=0)
+
+
+async def test_versions_advance_on_both_engines(fleet) -> None:
+    urls = [e.url for e in fleet]
+    weights = Weights()
+    router, rurl = await _router(urls)
+    try:
+        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
+            t = DistributedTransport(sender=InProcessSender(weights), control=rc,
+                                     engine_urls=lambda: urls, cfg=CFG)  # fmt: skip
+            for version, seed in ((1, 11), (2, 12)):
+                weights.set(version, seed)
+                m = await t.push(version)
+                assert m["weights/push_failed_engines"] == 0.0
+                for u in urls:
+                    served, answer = await _served(s, u)
+                    assert served == str(version) and _exact(weights, answer)
+            assert t.groups_formed == 1  # the same group carried both versions
+            await t.close()
+            # per-tensor broadcasts (SGLang's default load format), on a fresh group
+            per_tensor = WeightSyncConfig(bucket_bytes=CFG.bucket_bytes, flatten_buckets=False,
+                                          group_name="per_tensor", timeout_s=60.0)  # fmt: skip
+            t2 = DistributedTransport(sender=InProcessSender(weights), control=rc,
+                                      engine_urls=lambda: urls, cfg=per_tensor)  # fmt: skip
+            weights.set(3, 13)
+            assert (await t2.push(3))["weights/push_failed_engines"] == 0.0
+            for u in urls:
+                served, answer = await _served(s, u)
+                assert served == "3" and _exact(weights, answer)
+            await t2.close()
+            async with s.get(urls[0] + "/server_info") as r:
+                assert (await r.json())["internal_states"][0]["weight_update_groups"] == []
+    finally:
+        await router.stop()
+
+
+async def test_request_in_flight_crosses_a_distributed_push(fleet) -> None:
+    urls = [e.url for e in fleet]
+    weights = Weights()
+    router, rurl = await _router(urls)
+    try:
+        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
+            t = DistributedTransport(sender=InProcessSender(weights), control=rc,
+                                     engine_urls=lambda: urls, cfg=CFG)  # fmt: skip
+            before, _ = await _served(s, urls[0])
+            running = asyncio.ensure_future(post(s, urls[0] + "/generate", {
+                "input_ids": [9, 9], "sampling_params": LONG}))  # fmt: skip
+            for _ in range(2000):
+                async with s.get(urls[0] + "/get_load") as r:
+                    if (await r.json())[0]["num_tokens"] >= 20:
+                        break
+                await asyncio.sleep(0.02)
+            weights.set(int(before) + 1, 21)
+            await t.push(int(before) + 1)
+            _, r = await running
+            await t.close()
+    finally:
+        await router.stop()
+    spans = r["meta_info"]["weight_versions"]
+    assert [sp["version"] for sp in spans] == [before, str(int(before) + 1)]
+    assert spans[0]["end"] == spans[1]["start"] > 0 and spans[1]["end"] == LONG["max_new_tokens"]
+
+
+async def test_refusing_engine_leaves_the_others_whole(fleet, tmp_path: Path) -> None:
+    """An engine serving another architecture receives every bucket but refuses them: the
+    others take the whole version, it keeps its weights and label."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(ModelSpec(hidden_size=64, head_dim=16).to_dict()))
+    odd = _start(extra_args=["--model-spec-json", str(spec)])
+    urls = [fleet[0].url, odd.url, fleet[1].url]
+    weights = Weights()
+    router, rurl = await _router(urls)
+    try:
+        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
+            t = DistributedTransport(sender=InProcessSender(weights), control=rc,
+                                     engine_urls=lambda: urls, cfg=CFG)  # fmt: skip
+            weights.set(40, 40)
+            m = await t.push(40)
+            assert m["weights/push_failed_engines"] == 1.0
+            for u in (fleet[0].url, fleet[1].url):
+                served, answer = await _served(s, u)
+                assert served == "40" and _exact(weights, answer)
+            async with s.get(odd.url + "/model_info") as r:
+                assert (await r.json())["weight_version"] == "0"
+            await t.close()
+    finally:
+        await router.stop()
+        odd.stop()
+
+
+async def test_bad_requests_name_the_fix(fleet) -> None:
+    url = fleet[0].url
+    async with aiohttp.ClientSession() as s:
+        cases = [
+            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                            "rank_offset": 1, "world_size": 2}, "gloo"),
+            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                            "rank_offset": 0, "world_size": 2,
+                                            "backend": "gloo"}, "rank 0 is the sender"),
+            ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"],
+                                                  "shapes": [[2]], "group_name": "nope"},
+             "init_weights_update_group first"),
+            ("/update_weights_from_distributed", {"names": ["x", "y"], "dtypes": ["float32"],
+                                                  "shapes": [[2]]}, "same length"),
+            ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["complex5"],
+                                                  "shapes": [[2]]}, "unknown dtype"),
+            ("/destroy_weights_update_group", {"group_name": "nope"}, "no weight update group"),
+        ]  # fmt: skip
+        for path, body, needle in cases:
+            st, res = await post(s, url + path, body)
+            assert st == 400 and res["success"] is False and needle in res["message"], (path, res)
+
+
+async def test_engine_dying_as_the_broadcast_starts(fleet) -> None:
+    """The group holds both engines; one is killed as rank 0 starts sending. The push re-forms
+    the group with the survivor and sends the whole version again before generation continues:
+    the survivor serves exactly that version. (Runs last: it kills a fleet engine.)"""
+    urls = [e.url for e in fleet]
+    weights = Weights()
+    router, rurl = await _router(urls)
+    try:
+        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
+            sender = _KillingSender(weights, fleet[1])
+            sender.victim = None  # the first push forms the group and succeeds
+            t = DistributedTransport(sender=sender, control=rc, engine_urls=lambda: urls,
+                                     cfg=CFG)  # fmt: skip
+            weights.set(50, 50)
+            assert (await t.push(50))["weights/push_failed_engines"] == 0.0
+            sender.victim = fleet[1]
+            weights.set(51, 51)
+            m = await t.push(51)
+            assert m["weights/push_failed_engines"] == 1.0
+            assert t.groups_formed == 2 and t.members == (urls[0],)
+            served, answer = await _served(s, urls[0])
+            assert served == "51" and _exact(weights, answer)
+            weights.set(52, 52)  # the next push goes to the survivor alone, same group
+            assert (await t.push(52))["weights/push_failed_engines"] == 1.0
+            assert t.groups_formed == 2
+            served, answer = await _served(s, urls[0])
+            assert served == "52" and _exact(weights, answer)
+            await t.close()
+    finally:
+        await router.stop()
