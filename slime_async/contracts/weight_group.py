@@ -163,10 +163,11 @@ class WeightGroup:
 
     def broadcast(self, t: torch.Tensor) -> None:
         """Broadcast `t` from rank 0 (in place on the other ranks)."""
-        pg = self.pg
-        if pg is None:
+        if self.pg is None:
             raise RuntimeError("the weight update group is closed")
-        pg.broadcast(t, 0).wait()  # type: ignore[attr-defined]
+        # no local reference to the group: a failed broadcast's traceback must not keep it
+        # alive, or `close` could not release its connections
+        self.pg.broadcast(t, 0).wait()  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Leave the group. Releasing the process group closes its connections, so members

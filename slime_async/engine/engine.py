@@ -30,6 +30,7 @@ import torch
 
 from slime_async.contracts.weight_group import FLATTENED, WeightGroup, receive_bucket
 from slime_async.contracts.weights import TensorEntry
+from slime_async.engine.checkpoint_names import CheckpointAssembler
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.model import LoadedModel, load_model, read_weights_from_disk, swap_weights
 from slime_async.engine.protocol import GenerateRequest, ModelLimits
@@ -74,6 +75,8 @@ class Engine:
         """Between `/pause_generation` and `/continue_generation` (updates skip the lock)."""
         self.groups: dict[str, WeightGroup] = {}
         """Weight-update process groups this engine joined, by `group_name`."""
+        self._assemblers: dict[str, CheckpointAssembler] = {}
+        """Per group: pieces of fused parameters waiting for the rest of their bucket set."""
         self._seed_rng = random.Random(cfg.seed)
 
     async def start(self) -> None:
@@ -265,10 +268,13 @@ class Engine:
         except (ValueError, RuntimeError, OSError) as e:
             return UpdateResult(success=False, message=f"Failed to init group {group_name!r}: {e}")
         self.groups[group_name] = g
+        assert self.lm is not None
+        self._assemblers[group_name] = CheckpointAssembler(self.lm.state_signature())
         return UpdateResult(success=True, message=f"Succeeded to init group {group_name!r}.")
 
     def destroy_weights_update_group(self, group_name: str) -> UpdateResult:
         g = self.groups.pop(group_name, None)
+        self._assemblers.pop(group_name, None)
         if g is None:
             return UpdateResult(
                 success=False, message=f"no weight update group {group_name!r} on this engine"
@@ -311,26 +317,25 @@ class Engine:
             except (RuntimeError, ValueError, AttributeError) as e:
                 return UpdateResult(
                     success=False,
-                    message=f"Failed to receive the bucket over group {group_name!r} ({e}); the "
-                    "served weights are unchanged. Destroy and re-init the group.",
+                    message=f"Failed to receive the bucket over group {group_name!r} ({e}); it "
+                    "was not applied. Destroy and re-init the group.",
                 )
-            want = lm.state_signature()
-            bad = [f"unknown tensor {e.name!r}" for e in entries if e.name not in want]
-            bad += [
-                f"{e.name!r} has shape {e.shape}, the served model's is {want[e.name]}"
-                for e in entries
-                if e.name in want and tuple(want[e.name]) != e.shape
-            ]
+            asm = self._assemblers[group_name]
+            ready, bad = asm.add(got)
+            if not bad and weight_version is not None and asm.incomplete():
+                bad = [f"the version is incomplete: {p} misses pieces" for p in asm.incomplete()]
             if bad:
+                asm.reset()
                 return UpdateResult(
                     success=False,
                     message=f"Failed to update weights: the bucket does not fit the served model "
                     f"({'; '.join(bad[:5])}); export from the same ModelSpec",
                 )
             if flush_cache and (refused := self._flush_refusal(what)) is not None:
+                asm.reset()
                 return refused
             in_flight = self.requests_in_engine()
-            await sched.run_exclusive(lambda: swap_weights(lm, got))
+            await sched.run_exclusive(lambda: swap_weights(lm, ready))
             if weight_version is not None:
                 self._set_version(weight_version)
             return UpdateResult(
