@@ -24,6 +24,7 @@ from slime_async.rollout.config import RolloutConfig
 from slime_async.run_config import RunConfig
 from slime_async.supervisor import SupervisorConfig
 from slime_async.trainer.config import TrainerConfig
+from slime_async.weights.config import WeightSyncConfig
 
 TWO_CORES = Environment(model=TINY_MOE, cpus=(0, 1))
 
@@ -200,6 +201,9 @@ _OWNERS = {
     "engine supervision": (SupervisorConfig, {"engine_restart_after": "restart_after_s",
                                               "engine_down_timeout": "all_down_timeout_s"}, ""),
     "router": (RouterConfig, {}, "router_"),
+    "weight sync": (WeightSyncConfig, {"update_weight_buffer_size": "bucket_bytes",
+                                       "update_weight_flatten": "flatten_buckets",
+                                       "update_weight_timeout": "timeout_s"}, "update_weight_"),
 }  # fmt: skip
 # flags that select behaviour rather than set a config field
 _NOT_FIELDS = {"help", "num_rollout", "use_rollout_routing_replay", "rollout_function_path"}

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
+from enum import StrEnum
 
 
-class TransportKind(enum.Enum):
+class TransportKind(StrEnum):
     DISK = "disk"
     """The trainer writes an HF directory; every engine loads it (needs a shared filesystem)."""
     DISTRIBUTED = "distributed"
