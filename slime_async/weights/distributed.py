@@ -30,6 +30,7 @@ import aiohttp
 
 from router.client import FanoutError, RouterClient
 from slime_async.contracts.weight_group import bucket_body, plan_buckets
+from slime_async.contracts.weights import WeightManifest
 from slime_async.weights.config import WeightSyncConfig
 from slime_async.weights.sender import WeightSender
 
@@ -58,6 +59,8 @@ class DistributedTransport:
         self.members: tuple[str, ...] = ()
         """Engines in the current group (rank i + 1 is members[i]); empty: no group."""
         self.groups_formed = 0
+        self._manifest: WeightManifest | None = None
+        """Names, dtypes and shapes of what the sender sends (fixed for a run: asked once)."""
         self._lock = asyncio.Lock()
         self._http: aiohttp.ClientSession | None = None
 
@@ -136,8 +139,9 @@ class DistributedTransport:
     async def _send(self, version: int) -> dict[str, str]:
         """Send the sender's current weights as `version` to `members`; returns the engines
         that did not take every bucket, with why (empty: all did)."""
-        manifest = await self.sender.manifest()
-        buckets = plan_buckets(manifest, self.cfg.bucket_bytes)
+        if self._manifest is None:
+            self._manifest = await self.sender.manifest()
+        buckets = plan_buckets(self._manifest, self.cfg.bucket_bytes)
         flatten = self.cfg.flatten_buckets
         sending = asyncio.ensure_future(self.sender.send(buckets, flatten=flatten))
         failed: dict[str, str] = {}
