@@ -131,8 +131,11 @@ class WeightGroup:
         group_name: str,
         backend: str,
         timeout_s: float = 300.0,
+        rendezvous_timeout_s: float = 60.0,
     ) -> WeightGroup:
-        """Join the group (blocks until all `world_size` members joined, or `timeout_s`)."""
+        """Join the group: blocks until all `world_size` members joined, failing after
+        `min(rendezvous_timeout_s, timeout_s)` (a member that died before joining must not hold
+        the others for the whole op timeout); each broadcast then fails after `timeout_s`."""
         import torch.distributed as dist
 
         if not 0 <= rank < world_size:
@@ -142,17 +145,20 @@ class WeightGroup:
         if backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs a CUDA device here; use backend 'gloo' on CPU")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(
+        join = datetime.timedelta(seconds=min(rendezvous_timeout_s, timeout_s))
+        tcp = dist.TCPStore(
             master_address, int(master_port), world_size, is_master=rank == 0,
-            timeout=timeout, wait_for_workers=False,
+            timeout=join, wait_for_workers=False,
         )  # fmt: skip
-        store = dist.PrefixStore(f"weight_group/{group_name}", store)
+        store = dist.PrefixStore(f"weight_group/{group_name}", tcp)
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
+            opts._timeout = join
             here = local_address_towards(master_address)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=here)]
             pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
+            pg._set_default_timeout(timeout)  # joined: from now on the op timeout
+            tcp.set_timeout(timeout)
             device = "cpu"
         else:
             nopts = dist.ProcessGroupNCCL.Options()
