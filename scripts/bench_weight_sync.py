@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import os
 import statistics
 import sys
@@ -80,8 +81,20 @@ class Holder:
         return self.version, self.lm.model.state_dict()
 
     def save_weights(self, path: str | Path) -> Path:
-        self.lm.model.save_pretrained(str(path))
-        return Path(path)
+        if getattr(self.lm.model, "hf_quantizer", None) is None:
+            self.lm.model.save_pretrained(str(path))
+            return Path(path)
+        # a GGUF-loaded model (dequantized in memory) refuses save_pretrained: write the plain
+        # HF layout, config without the GGUF quantization entry
+        import safetensors.torch
+
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        cfg = self.lm.model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        (p / "config.json").write_text(json.dumps(cfg))
+        safetensors.torch.save_model(self.lm.model, str(p / "model.safetensors"))
+        return p
 
 
 async def clients(url: str, n: int, seconds: float, tokens: int, sync=None) -> tuple[int, int]:
