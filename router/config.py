@@ -84,6 +84,15 @@ def validate_config(cfg: RouterConfig) -> None:
             "CLI; management and control routes then need 'Authorization: Bearer <token>'), "
             "or bind 127.0.0.1"
         )
+    if cfg.auth_token is not None and (
+        not cfg.auth_token.strip() or cfg.auth_token.strip() != cfg.auth_token
+    ):
+        raise ValueError(
+            "the router auth token is empty, whitespace-only or has leading/trailing whitespace "
+            "(HTTP strips header values, so it could never match or would match nothing); use "
+            "a random token such as the output of `python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'`"
+        )
     if cfg.default_expected_tokens <= 0:
         raise ValueError("default_expected_tokens must be > 0 (tokens assumed per request)")
     if cfg.failure_threshold < 1 or cfg.success_threshold < 1:

@@ -4,7 +4,9 @@ Owns: `Proxy` (the `/generate`, `/v1/*` and read-only info handlers), `ProxyStat
 `parse_expected_tokens`, `error_response`.
 Contract: request and response bodies pass through byte for byte (`meta_info`, `routed_experts`,
 `weight_version` included); a request is answered exactly once; a retry happens only while
-nothing has been sent to the client (connection error, timeout or 5xx before the first byte).
+nothing has been sent to the client (connection error, timeout or 5xx before the first byte), on
+at most `MAX_ENGINES_PER_REQUEST` engines; a 4xx is the client's fault: passed through, never
+retried and never counted against the engine.
 Must never import: `slime_async`, or the server/health modules (it gets callbacks instead).
 """
 
@@ -27,6 +29,10 @@ from router.workers import Worker, WorkerRegistry
 EXPECTED_TOKENS_HEADER = "X-Expected-Tokens"
 _SSE = "text/event-stream"
 _RETRYABLE_EXC = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+MAX_ENGINES_PER_REQUEST = 2
+"""A request that failed on this many distinct engines is answered with its last error, never
+tried on a third: what fails on two engines is most likely the request, not the engines, and
+retrying it further would only spread the damage (and the quarantine streaks) over the fleet."""
 
 
 @dataclass(slots=True)
@@ -85,6 +91,10 @@ def _validate_body(path: str, body: bytes) -> None:
         obj = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:
+        raise ValueError(
+            f"{path} body nests JSON arrays/objects too deeply to parse; send a flat request"
+        ) from None
     if path == "/generate":
         if not isinstance(obj, dict | list) or (isinstance(obj, list) and not obj):
             raise ValueError("/generate body must be a JSON object (or a non-empty list of them)")
@@ -202,7 +212,7 @@ class Proxy:
                 w.retries_away += 1
                 self.registry.record_request_failure(w, str(e))
                 self._on_failure(w)
-                if attempt < self.cfg.max_retries:
+                if attempt < self.cfg.max_retries and len(tried) < MAX_ENGINES_PER_REQUEST:
                     self.stats.retries += 1
                     await asyncio.sleep(min(self.cfg.retry_backoff_s * 2**attempt, 1.0))
                     continue

@@ -33,6 +33,7 @@ class _DropHttp2Probe(logging.Filter):
 
 
 _dumps = json.dumps
+_TOO_DEEP = "body nests JSON arrays/objects too deeply to parse; send a flat request"
 
 
 def _err(message: str, status: int = 400) -> web.Response:
@@ -50,6 +51,8 @@ async def _json_body(request: web.Request, *, required: bool) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError(_TOO_DEEP) from None
     if not isinstance(body, dict):
         raise RequestError(f"{request.path} body must be a JSON object")
     return body
@@ -70,6 +73,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(f"body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise RequestError(_TOO_DEEP) from None
         assert eng.lm is not None
         req = parse_generate(body, tokenizer=eng.lm.tokenizer, limits=eng.limits)
     except RequestError as e:
