@@ -89,6 +89,17 @@ def audit(run_dir: Path, ckpt: Path) -> dict:
     }
 
 
+def progressed(run_dir: Path, *, since: float, past_step: int) -> bool:
+    """This process trained a step of its own: the ledger was written after it started and
+    holds more steps than the checkpoint it resumed from (a resume first cuts the ledger back
+    to that step). Faults wait for this, so every restart makes progress before the next kill."""
+    path = run_dir / "trained.jsonl"
+    try:
+        return path.stat().st_mtime > since and steps_done(run_dir) > past_step
+    except FileNotFoundError:
+        return False
+
+
 def kill_engine(run_dir: Path) -> bool:
     """SIGKILL one engine the run owns (pids of attached external engines are null: skipped)."""
     try:
@@ -116,12 +127,17 @@ def one_run(i: int, out: Path, args: argparse.Namespace, deadline: float) -> dic
     while time.monotonic() < deadline:
         cmd = [*base, "--load", str(ckpt)] if (ckpt / "latest").exists() else base
         stats["resumes"] += int("--load" in cmd)
+        latest = ckpt / "latest"
+        past_step = int(latest.read_text().strip()) if latest.exists() else 0
+        started = time.time()
         with open(out / f"run{i}.log", "a") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # fmt: skip
         fault_at = time.monotonic() + random.uniform(args.min_wait, args.max_wait)
         while proc.poll() is None and time.monotonic() < deadline:
-            if time.monotonic() >= fault_at and steps_done(run_dir) >= 1:
+            if time.monotonic() >= fault_at and progressed(
+                run_dir, since=started, past_step=past_step
+            ):
                 if random.random() < args.p_run_kill:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
