@@ -57,6 +57,13 @@ class EngineConfig:
     """torch intra-op threads for the model step; None leaves torch's default."""
     health_generate_timeout_s: float = 20.0
     """`/health_generate` answers 503 if a 1-token generation takes longer than this."""
+    max_request_mb: float = 64.0
+    """Largest `/generate` body in MiB (413 beyond); every other route takes at most 1 MiB."""
+    client_timeout_s: float = 60.0
+    """A client must send a whole request (headers and body) within this many seconds, and a
+    connection may sit idle this long; slower connections are closed (408 for a slow body)."""
+    max_connections: int = 1024
+    """Most open client connections; one more is answered 503 and closed at once."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,6 +86,19 @@ class EngineConfig:
             )
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if not self.max_request_mb > 0 or not self.client_timeout_s > 0:
+            raise ValueError(
+                f"max_request_mb and client_timeout_s must be > 0, got {self.max_request_mb} and "
+                f"{self.client_timeout_s}"
+            )
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.health_generate_timeout_s <= 0:
+            raise ValueError(
+                f"health_generate_timeout_s must be > 0, got {self.health_generate_timeout_s}"
+            )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 (or unset), got {self.num_threads}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -125,6 +145,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="return routed experts on every request (for routers that strip the request flag)",
     )
     g.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads")
+    g.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=d.max_request_mb,
+        help="largest /generate body in MiB (other routes: 1 MiB)",
+    )
+    g.add_argument(
+        "--client-timeout-s",
+        type=float,
+        default=d.client_timeout_s,
+        help="seconds a client may take to send a request, or sit idle",
+    )
+    g.add_argument(
+        "--max-connections", type=int, default=d.max_connections, help="open connection cap"
+    )
     return parser
 
 
@@ -179,6 +214,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_return_routed_experts=args.enable_return_routed_experts,
         always_return_routed_experts=args.always_return_routed_experts,
         num_threads=args.num_threads,
+        max_request_mb=args.max_request_mb,
+        client_timeout_s=args.client_timeout_s,
+        max_connections=args.max_connections,
     )
 
 
