@@ -59,9 +59,11 @@ class EngineConfig:
     """`/health_generate` answers 503 if a 1-token generation takes longer than this."""
     max_request_mb: float = 64.0
     """Largest `/generate` body in MiB (413 beyond); every other route takes at most 1 MiB."""
-    client_timeout_s: float = 60.0
+    client_timeout_s: float = 120.0
     """A client must send a whole request (headers and body) within this many seconds, and a
-    connection may sit idle this long; slower connections are closed (408 for a slow body)."""
+    connection may sit idle this long; slower connections are closed (408 for a slow body).
+    Above the idle keep-alive of the clients in front of it (aiohttp 15 s, the Rust
+    sglang-router's 90 s), so a client never reuses a connection the engine is closing."""
     max_connections: int = 1024
     """Most open client connections; one more is answered 503 and closed at once."""
 
