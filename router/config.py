@@ -56,8 +56,11 @@ class RouterConfig:
     """Timeout of one fan-out control call per engine (weight loads can be slow)."""
     max_connections: int = 0
     """Connection pool limit to engines (0 = unlimited)."""
-    max_body_bytes: int = 512 * 1024 * 1024
-    """Largest accepted request body."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest accepted request body (the embedded engine's `/generate` limit, 64 MiB)."""
+    client_timeout_s: float = 120.0
+    """A client must send a request within this many seconds, and a connection may sit idle
+    this long (closed after): slow or silent clients cannot hold connections forever."""
     extra: dict[str, str] = field(default_factory=dict)
     """Free-form labels echoed in `/metrics` (e.g. run id); not interpreted."""
 
@@ -115,7 +118,7 @@ def validate_config(cfg: RouterConfig) -> None:
     if cfg.max_retries < 0:
         raise ValueError(f"{_flag('max_retries')} must be >= 0 (0 disables retries)")
     for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "connect_timeout_s",
-                 "control_timeout_s"):  # fmt: skip
+                 "control_timeout_s", "client_timeout_s"):  # fmt: skip
         if not 0 < getattr(cfg, name) < math.inf:
             raise ValueError(f"{_flag(name)} must be a finite number of seconds > 0")
     for name in ("wait_for_worker_s", "retry_backoff_s"):
@@ -162,6 +165,7 @@ _FLAG_HELP: dict[str, str] = {
     "control_timeout_s": "Timeout of one fan-out control call per engine.",
     "max_connections": "Connection pool limit to engines (0 = unlimited).",
     "max_body_bytes": "Largest accepted request body.",
+    "client_timeout_s": "Seconds a client may take to send a request, or sit idle.",
 }
 
 

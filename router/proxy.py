@@ -29,6 +29,8 @@ from router.workers import Worker, WorkerRegistry
 EXPECTED_TOKENS_HEADER = "X-Expected-Tokens"
 _SSE = "text/event-stream"
 _RETRYABLE_EXC = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+_BIG_BODY = 1 << 20
+"""Bodies at least this large are JSON-validated in a worker thread."""
 MAX_ENGINES_PER_REQUEST = 2
 """A request that failed on this many distinct engines is answered with its last error, never
 tried on a third: what fails on two engines is most likely the request, not the engines, and
@@ -155,8 +157,17 @@ class Proxy:
             expected = parse_expected_tokens(
                 request.headers.get(EXPECTED_TOKENS_HEADER), self.cfg.default_expected_tokens
             )
-            body = await request.read()
-            _validate_body(request.path, body)
+            try:
+                async with asyncio.timeout(self.cfg.client_timeout_s):
+                    body = await request.read()
+            except TimeoutError:
+                return error_response(
+                    408, f"request body not received within {self.cfg.client_timeout_s:g}s"
+                )
+            if len(body) < _BIG_BODY:
+                _validate_body(request.path, body)
+            else:  # parsing a big body must not stall every other client on the event loop
+                await asyncio.to_thread(_validate_body, request.path, body)
         except ValueError as e:
             self.stats.bad_requests += 1
             return error_response(400, str(e), err_type="invalid_request_error")

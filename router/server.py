@@ -109,7 +109,11 @@ class Router:
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # engine connection; SGLang aborts a request whose connection closes.
         self._runner = web.AppRunner(
-            app, access_log=None, handle_signals=False, handler_cancellation=True
+            app,
+            access_log=None,
+            handle_signals=False,
+            handler_cancellation=True,
+            keepalive_timeout=self.cfg.client_timeout_s,  # also closes a silent connection
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, reuse_address=True)

@@ -183,3 +183,29 @@ async def test_deeply_nested_json_is_a_400_at_the_engine(two_engines) -> None:
 def test_blank_or_padded_router_token_is_refused(token: str) -> None:
     with pytest.raises(ValueError, match="whitespace"):
         validate_config(RouterConfig(auth_token=token))
+
+
+async def test_slow_clients_do_not_hold_router_connections() -> None:
+    """A client that never finishes its headers is disconnected; one that never finishes its
+    body gets a 408 (both after `client_timeout_s`; the assertions wait on the server's answer)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    router = Router(RouterConfig(client_timeout_s=1.0))
+    url = await router.start()
+    u = urlsplit(url)
+
+    def exchange(data: bytes) -> bytes:
+        with socket.create_connection((u.hostname, u.port), timeout=60) as s:
+            s.sendall(data)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            return out
+
+    headers_only = b"POST /generate HTTP/1.1\r\nHost: x\r\n"
+    assert await asyncio.to_thread(exchange, headers_only) == b""
+    short_body = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+    reply = await asyncio.to_thread(exchange, short_body)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    await router.stop()
