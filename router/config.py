@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import math
 from dataclasses import dataclass, field
 
 POLICY_NAMES: tuple[str, ...] = ("least_expected_tokens", "least_requests", "round_robin")
@@ -55,8 +56,11 @@ class RouterConfig:
     """Timeout of one fan-out control call per engine (weight loads can be slow)."""
     max_connections: int = 0
     """Connection pool limit to engines (0 = unlimited)."""
-    max_body_bytes: int = 512 * 1024 * 1024
-    """Largest accepted request body."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest accepted request body (the embedded engine's `/generate` limit, 64 MiB)."""
+    client_timeout_s: float = 120.0
+    """A client must send a request within this many seconds, and a connection may sit idle
+    this long (closed after): slow or silent clients cannot hold connections forever."""
     extra: dict[str, str] = field(default_factory=dict)
     """Free-form labels echoed in `/metrics` (e.g. run id); not interpreted."""
 
@@ -69,6 +73,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _flag(field: str) -> str:
+    """How the flag of `field` is spelled in train_async.py and in `python -m router`."""
+    dashed = field.replace("_", "-")
+    return f"--router-{dashed} (python -m router: --{dashed})"
 
 
 def validate_config(cfg: RouterConfig) -> None:
@@ -84,19 +94,44 @@ def validate_config(cfg: RouterConfig) -> None:
             "CLI; management and control routes then need 'Authorization: Bearer <token>'), "
             "or bind 127.0.0.1"
         )
+    if cfg.auth_token is not None and (
+        not cfg.auth_token.strip() or cfg.auth_token.strip() != cfg.auth_token
+    ):
+        raise ValueError(
+            "the router auth token is empty, whitespace-only or has leading/trailing whitespace "
+            "(HTTP strips header values, so it could never match or would match nothing); use "
+            "a random token such as the output of `python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'`"
+        )
+    if not 0 <= cfg.port <= 65535:
+        raise ValueError(
+            f"{_flag('port')} must be in [0, 65535] (0 = any free port), got {cfg.port}"
+        )
     if cfg.default_expected_tokens <= 0:
-        raise ValueError("default_expected_tokens must be > 0 (tokens assumed per request)")
+        raise ValueError(
+            f"{_flag('default_expected_tokens')} must be > 0 (tokens assumed per request)"
+        )
     if cfg.failure_threshold < 1 or cfg.success_threshold < 1:
-        raise ValueError("failure_threshold and success_threshold must be >= 1")
+        raise ValueError(
+            f"{_flag('failure_threshold')} and {_flag('success_threshold')} must be >= 1"
+        )
     if cfg.max_retries < 0:
-        raise ValueError("max_retries must be >= 0 (0 disables retries)")
-    for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "connect_timeout_s"):
-        if getattr(cfg, name) <= 0:
-            raise ValueError(f"{name} must be > 0 seconds")
+        raise ValueError(f"{_flag('max_retries')} must be >= 0 (0 disables retries)")
+    for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "connect_timeout_s",
+                 "control_timeout_s", "client_timeout_s"):  # fmt: skip
+        if not 0 < getattr(cfg, name) < math.inf:
+            raise ValueError(f"{_flag(name)} must be a finite number of seconds > 0")
+    for name in ("wait_for_worker_s", "retry_backoff_s"):
+        if not 0 <= getattr(cfg, name) < math.inf:
+            raise ValueError(f"{_flag(name)} must be a finite number of seconds >= 0")
     if not cfg.readmit_probe_path.startswith("/"):
-        raise ValueError("readmit_probe_path must be an engine path such as /health_generate")
-    if cfg.wait_for_worker_s < 0:
-        raise ValueError("wait_for_worker_s must be >= 0 seconds")
+        raise ValueError(
+            f"{_flag('readmit_probe_path')} must be an engine path such as /health_generate"
+        )
+    if cfg.max_connections < 0:
+        raise ValueError(f"{_flag('max_connections')} must be >= 0 (0 = unlimited)")
+    if cfg.max_body_bytes < 1:
+        raise ValueError(f"{_flag('max_body_bytes')} must be >= 1")
     for url in cfg.worker_urls:
         check_worker_url(url)
 
@@ -130,6 +165,7 @@ _FLAG_HELP: dict[str, str] = {
     "control_timeout_s": "Timeout of one fan-out control call per engine.",
     "max_connections": "Connection pool limit to engines (0 = unlimited).",
     "max_body_bytes": "Largest accepted request body.",
+    "client_timeout_s": "Seconds a client may take to send a request, or sit idle.",
 }
 
 

@@ -52,7 +52,7 @@ def _decode(data: bytes) -> object:
         return None
     try:
         return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return data.decode("utf-8", "replace")[:2000]
 
 
@@ -103,6 +103,8 @@ class ControlFanout:
             obj = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path} body is not valid JSON ({e})") from None
+        except RecursionError:
+            raise ValueError(f"{path} body nests JSON too deeply; send a flat object") from None
         if not isinstance(obj, dict):
             raise ValueError(f"{path} body must be a JSON object")
         key = _REQUIRED_KEYS.get(path)

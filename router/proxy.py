@@ -4,7 +4,9 @@ Owns: `Proxy` (the `/generate`, `/v1/*` and read-only info handlers), `ProxyStat
 `parse_expected_tokens`, `error_response`.
 Contract: request and response bodies pass through byte for byte (`meta_info`, `routed_experts`,
 `weight_version` included); a request is answered exactly once; a retry happens only while
-nothing has been sent to the client (connection error, timeout or 5xx before the first byte).
+nothing has been sent to the client (connection error, timeout or 5xx before the first byte), on
+at most `MAX_ENGINES_PER_REQUEST` engines; a 4xx is the client's fault: passed through, never
+retried and never counted against the engine.
 Must never import: `slime_async`, or the server/health modules (it gets callbacks instead).
 """
 
@@ -27,6 +29,12 @@ from router.workers import Worker, WorkerRegistry
 EXPECTED_TOKENS_HEADER = "X-Expected-Tokens"
 _SSE = "text/event-stream"
 _RETRYABLE_EXC = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+_BIG_BODY = 1 << 20
+"""Bodies at least this large are JSON-validated in a worker thread."""
+MAX_ENGINES_PER_REQUEST = 2
+"""A request that failed on this many distinct engines is answered with its last error, never
+tried on a third: what fails on two engines is most likely the request, not the engines, and
+retrying it further would only spread the damage (and the quarantine streaks) over the fleet."""
 
 
 @dataclass(slots=True)
@@ -85,6 +93,10 @@ def _validate_body(path: str, body: bytes) -> None:
         obj = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:
+        raise ValueError(
+            f"{path} body nests JSON arrays/objects too deeply to parse; send a flat request"
+        ) from None
     if path == "/generate":
         if not isinstance(obj, dict | list) or (isinstance(obj, list) and not obj):
             raise ValueError("/generate body must be a JSON object (or a non-empty list of them)")
@@ -145,8 +157,17 @@ class Proxy:
             expected = parse_expected_tokens(
                 request.headers.get(EXPECTED_TOKENS_HEADER), self.cfg.default_expected_tokens
             )
-            body = await request.read()
-            _validate_body(request.path, body)
+            try:
+                async with asyncio.timeout(self.cfg.client_timeout_s):
+                    body = await request.read()
+            except TimeoutError:
+                return error_response(
+                    408, f"request body not received within {self.cfg.client_timeout_s:g}s"
+                )
+            if len(body) < _BIG_BODY:
+                _validate_body(request.path, body)
+            else:  # parsing a big body must not stall every other client on the event loop
+                await asyncio.to_thread(_validate_body, request.path, body)
         except ValueError as e:
             self.stats.bad_requests += 1
             return error_response(400, str(e), err_type="invalid_request_error")
@@ -202,7 +223,7 @@ class Proxy:
                 w.retries_away += 1
                 self.registry.record_request_failure(w, str(e))
                 self._on_failure(w)
-                if attempt < self.cfg.max_retries:
+                if attempt < self.cfg.max_retries and len(tried) < MAX_ENGINES_PER_REQUEST:
                     self.stats.retries += 1
                     await asyncio.sleep(min(self.cfg.retry_backoff_s * 2**attempt, 1.0))
                     continue

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -69,6 +71,26 @@ class Router:
         self._started = time.monotonic()
         self.url = ""
 
+    def check_not_self(self, url: str) -> None:
+        """Raise if `url` is this router's own listener (requests would loop through it)."""
+        if not self.url:
+            return
+        own, got = urlsplit(self.url), urlsplit(url)
+        if got.port != own.port:
+            return
+        host, bound = got.hostname or "", own.hostname or ""
+        if bound in ("0.0.0.0", "::"):  # every interface of this machine
+            mine = is_loopback(host) or host in (socket.gethostname(), socket.getfqdn())
+        elif is_loopback(bound):
+            mine = is_loopback(host)
+        else:
+            mine = host == bound
+        if mine:
+            raise ValueError(
+                f"worker url {url} is this router itself ({self.url}): requests would loop; "
+                "register the engines' own URLs"
+            )
+
     def session(self) -> aiohttp.ClientSession:
         """The shared client session to engines (exists between start and stop)."""
         if self._session is None:
@@ -87,7 +109,11 @@ class Router:
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # engine connection; SGLang aborts a request whose connection closes.
         self._runner = web.AppRunner(
-            app, access_log=None, handle_signals=False, handler_cancellation=True
+            app,
+            access_log=None,
+            handle_signals=False,
+            handler_cancellation=True,
+            keepalive_timeout=self.cfg.client_timeout_s,  # also closes a silent connection
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, reuse_address=True)
@@ -95,6 +121,12 @@ class Router:
         port = self._runner.addresses[0][1]
         host = self.cfg.host if ":" not in self.cfg.host else f"[{self.cfg.host}]"
         self.url = f"http://{host}:{port}"
+        try:
+            for w in self.registry.all():
+                self.check_not_self(w.url)
+        except ValueError:
+            await self.stop()
+            raise
         self._started = time.monotonic()
         self.health.start()
         return self.url
@@ -164,9 +196,17 @@ def build_app(router: Router) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=cfg.max_body_bytes)
     reg = router.registry
 
-    async def health(_request: web.Request) -> web.Response:
+    async def liveness(_request: web.Request) -> web.Response:
         n = len(reg.healthy())
         return web.json_response({"status": "ok", "healthy_workers": n})
+
+    async def health(_request: web.Request) -> web.Response:
+        """200 only while some engine can serve: a router with none is not healthy."""
+        n = len(reg.healthy())
+        return web.json_response(
+            {"status": "ok" if n else "no_healthy_workers", "healthy_workers": n},
+            status=200 if n else 503,
+        )
 
     async def readiness(_request: web.Request) -> web.Response:
         n = len(reg.healthy())
@@ -199,8 +239,12 @@ def build_app(router: Router) -> web.Application:
             if body.get("worker_type", "regular") != "regular":
                 raise ValueError("only worker_type 'regular' is supported (no PD disaggregation)")
             url = check_worker_url(body["url"])
+            router.check_not_self(url)
         except (ValueError, UnicodeDecodeError) as e:
             return error_response(400, str(e), err_type="invalid_request_error")
+        except RecursionError:
+            return error_response(400, "POST /workers body nests JSON too deeply; send "
+                                  '{"url": "http://h:p"}', err_type="invalid_request_error")  # fmt: skip
         existed = reg.find_url(url) is not None
         w = reg.add(url)
         router.health.poke(w)
@@ -244,7 +288,7 @@ def build_app(router: Router) -> web.Application:
         app.router.add_post(path, router.control.handle)
     app.router.add_get("/flush_cache", router.control.handle)
     app.router.add_get("/health", health)
-    app.router.add_get("/liveness", health)
+    app.router.add_get("/liveness", liveness)
     app.router.add_get("/readiness", readiness)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/workers", list_workers)

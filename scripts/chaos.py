@@ -13,7 +13,11 @@ data-worker state in the final checkpoint are checked against each other:
   pending    = groups admitted but not yet trained (re-issued on resume)
   lost       = dispatched − trained − dropped − pending   (must be 0)
 
-Loopback only, bounded in time (`--time-limit`), stops by itself.
+Every run starts from an empty `run<i>/` (a directory left by an earlier invocation is removed
+first), so the script can be run again and again in one `--out` directory. A run without any
+complete checkpoint (killed before its first save, then out of time) reports lost = None and
+fails the check instead of crashing. Loopback only, bounded in time (`--time-limit`), stops by
+itself.
 
     .venv/bin/python scripts/chaos.py --runs 3 --num-steps 12
 """
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the checkout's slime_async (for the checkpoint checks)
 
 RUN_FLAGS = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
              "--rollout-max-response-len", "10", "--warmstart-steps", "0", "--eval-interval", "0",
@@ -43,17 +49,29 @@ def steps_done(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def latest_state(ckpt: Path) -> dict:
-    it = (ckpt / "latest").read_text().strip()
-    meta = json.loads((ckpt / f"iter_{int(it):07d}" / "meta.json").read_text())
-    return meta["extra_state"]
+def latest_state(ckpt: Path) -> dict | None:
+    """The run's state in its newest complete checkpoint (checked like a resume checks it), or
+    None when the run never wrote one (e.g. killed before its first save, then out of time)."""
+    from slime_async.trainer.checkpoint import CheckpointError, find_latest, read_meta
+
+    try:
+        return read_meta(find_latest(ckpt))["extra_state"]
+    except CheckpointError:
+        return None
 
 
 def audit(run_dir: Path, ckpt: Path) -> dict:
     """Ledger vs the final data-worker state (see module docstring)."""
-    rows = [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines()]
+    ledger = run_dir / "trained.jsonl"
+    rows = [json.loads(x) for x in ledger.read_text().splitlines()] if ledger.exists() else []
     seqs = [seq for r in rows for _key, seq, _j in r["groups"]]
-    state = latest_state(ckpt)["worker"]
+    extra = latest_state(ckpt)
+    if extra is None:
+        print(f"  {run_dir.name}: no complete checkpoint in {ckpt}; nothing to audit")
+        return {"dispatched": 0, "trained": len(set(seqs)), "repeated": len(seqs) - len(set(seqs)),
+                "dropped": 0, "pending": 0, "pending_also_trained": 0, "lost": None,
+                "final_step": max((r["step"] for r in rows), default=0)}  # fmt: skip
+    state = extra["worker"]
     counters = state["counters"]
     pending = {p["seq"] for p in state["pending"]}
     trained = set(seqs)
@@ -71,6 +89,17 @@ def audit(run_dir: Path, ckpt: Path) -> dict:
     }
 
 
+def progressed(run_dir: Path, *, since: float, past_step: int) -> bool:
+    """This process trained a step of its own: the ledger was written after it started and
+    holds more steps than the checkpoint it resumed from (a resume first cuts the ledger back
+    to that step). Faults wait for this, so every restart makes progress before the next kill."""
+    path = run_dir / "trained.jsonl"
+    try:
+        return path.stat().st_mtime > since and steps_done(run_dir) > past_step
+    except FileNotFoundError:
+        return False
+
+
 def kill_engine(run_dir: Path) -> bool:
     """SIGKILL one engine the run owns (pids of attached external engines are null: skipped)."""
     try:
@@ -86,6 +115,10 @@ def kill_engine(run_dir: Path) -> bool:
 
 def one_run(i: int, out: Path, args: argparse.Namespace, deadline: float) -> dict:
     run_dir, ckpt = out / f"run{i}", out / f"run{i}" / "ckpt"
+    # each invocation audits only its own run: a directory left by an earlier invocation (its
+    # ledger, checkpoints, log) would otherwise be resumed and counted
+    shutil.rmtree(run_dir, ignore_errors=True)
+    (out / f"run{i}.log").unlink(missing_ok=True)
     base = [sys.executable, str(ROOT / "train_async.py"), "--run-dir", str(run_dir), "--save",
             str(ckpt), "--num-steps", str(args.num_steps), "--seed", str(args.seed + i),
             *RUN_FLAGS]  # fmt: skip
@@ -94,12 +127,17 @@ def one_run(i: int, out: Path, args: argparse.Namespace, deadline: float) -> dic
     while time.monotonic() < deadline:
         cmd = [*base, "--load", str(ckpt)] if (ckpt / "latest").exists() else base
         stats["resumes"] += int("--load" in cmd)
+        latest = ckpt / "latest"
+        past_step = int(latest.read_text().strip()) if latest.exists() else 0
+        started = time.time()
         with open(out / f"run{i}.log", "a") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # fmt: skip
         fault_at = time.monotonic() + random.uniform(args.min_wait, args.max_wait)
         while proc.poll() is None and time.monotonic() < deadline:
-            if time.monotonic() >= fault_at and steps_done(run_dir) >= 1:
+            if time.monotonic() >= fault_at and progressed(
+                run_dir, since=started, past_step=past_step
+            ):
                 if random.random() < args.p_run_kill:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
@@ -153,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|" + "---|" * len(cols))
     for i, r in enumerate(results):
         print(f"| {i} | " + " | ".join(str(r[c]) for c in cols) + " |")
-    total = {c: sum(r[c] for r in results) for c in cols if c != "final_step"}
+    total = {c: sum(r[c] or 0 for r in results) for c in cols if c != "final_step"}
     print("total:", total)
     ok = all(r["lost"] == 0 and r["repeated"] == 0 and r["pending_also_trained"] == 0
              and r["final_step"] == args.num_steps for r in results)  # fmt: skip

@@ -145,7 +145,7 @@ class Run:
 
     async def save(self, version: int) -> None:
         state = {"step": version, "worker": self.worker.state_dict(),
-                 "accounting": self.accounting()}  # fmt: skip
+                 "accounting": self.accounting(), "batch_shape": batch_shape(self.cfg)}  # fmt: skip
         path = await asyncio.to_thread(self.trainer.save_checkpoint, None, extra_state=state)
         log.info("checkpoint saved: %s", path)
 
@@ -219,6 +219,63 @@ def _truncate_ledger(path: Path, *, keep_through: int) -> None:
         os.replace(tmp, path)
 
 
+_SHAPE_FLAGS = {
+    "rollout_batch_size": "--rollout-batch-size",
+    "n_samples_per_prompt": "--n-samples-per-prompt",
+    "global_batch_size": "--global-batch-size",
+    "num_steps_per_rollout": "--num-steps-per-rollout",
+}
+
+
+def batch_shape(cfg: RunConfig) -> dict[str, int]:
+    """The flags that fix what one step trains on; a resume must keep them (saved in the
+    checkpoint's extra state)."""
+    return {k: int(getattr(cfg.rollout, k)) for k in _SHAPE_FLAGS}
+
+
+def check_batch_shape(saved: object, cfg: RunConfig, *, where: str) -> None:
+    """Refuse a resume whose batch shape differs from the checkpoint's: the data worker's pending
+    groups, the ledger and the step counter all assume the saved shape."""
+    if saved is None:  # a checkpoint from before the shape was recorded
+        return
+    now = batch_shape(cfg)
+    if not isinstance(saved, dict):
+        raise ValueError(f"checkpoint in {where}: batch_shape is {saved!r}, not an object")
+    diff = [
+        (flag, saved.get(k), now[k]) for k, flag in _SHAPE_FLAGS.items() if saved.get(k) != now[k]
+    ]
+    if diff:
+        was = " ".join(f"{flag} {old}" for flag, old, _ in diff)
+        now_s = ", ".join(f"{flag} {new}" for flag, _, new in diff)
+        raise ValueError(
+            f"--load {where}: the checkpoint was trained with {was}, this run has {now_s}; a "
+            f"resume must keep the batch shape (pending groups and the prompt ledger assume it). "
+            f"Pass {was}, or start a new run from its weights with --hf-checkpoint."
+        )
+
+
+def _archive_stale_ledger(path: Path) -> Path | None:
+    """A fresh run (no --load) starts a new ledger: one left by an earlier run in the same
+    directory (e.g. killed before its first checkpoint) is moved aside, never appended to, and
+    the move is logged with the way to resume instead. Returns the archive path, if any."""
+    if not path.exists():
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    dest = path.with_name(f"{path.name}.stale-{stamp}")
+    n = 0
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"{path.name}.stale-{stamp}-{n}")
+    os.replace(path, dest)
+    log.warning(
+        "%s holds the prompt ledger of an earlier run in this --run-dir; this run starts fresh "
+        "(no --load), so it starts a new ledger and the old one was moved to %s. To continue "
+        "the earlier run instead, stop and pass --load <its --save directory>.",
+        path, dest,
+    )  # fmt: skip
+    return dest
+
+
 def _ledger_step(line: str) -> float:
     """Step of a ledger line; a line torn by a kill mid-write counts as after any checkpoint."""
     try:
@@ -272,7 +329,10 @@ async def setup_run(cfg: RunConfig) -> Run:
                 "by train_async.py), so a resume would lose or repeat prompts; start from its "
                 "weights with --hf-checkpoint instead of --load"
             )
+        check_batch_shape(extra.get("batch_shape"), cfg, where=str(trainer_cfg.load))
         _truncate_ledger(cfg.run_dir / "trained.jsonl", keep_through=start_step)
+    else:
+        _archive_stale_ledger(cfg.run_dir / "trained.jsonl")
 
     # the engines start from (attached ones: load) the trainer's own export: identical weights
     weights_root = cfg.run_dir / "weights"

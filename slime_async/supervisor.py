@@ -59,8 +59,13 @@ class SupervisorConfig:
     """Give up after this many restarts in one run (an engine that keeps dying is a bug)."""
 
     def __post_init__(self) -> None:
-        if min(self.interval_s, self.restart_after_s, self.all_down_timeout_s) <= 0:
-            raise ValueError("supervisor intervals and timeouts must be > 0")
+        for flag, v in (("--engine-restart-after", self.restart_after_s),
+                        ("--engine-down-timeout", self.all_down_timeout_s),
+                        ("interval_s", self.interval_s), ("log_every_s", self.log_every_s)):  # fmt: skip
+            if not 0 < v < float("inf"):
+                raise ValueError(f"{flag} must be a finite number of seconds > 0, got {v}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
 
 
 def add_supervisor_args(parser: argparse.ArgumentParser) -> None:

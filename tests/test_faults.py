@@ -1,8 +1,11 @@
-"""Faults on the real run: a killed engine, all engines down, kill -9 of the whole run.
+"""Faults on the real run: a killed engine, all engines down, kill -9 of the whole run, a dead
+run's ledger left in the run directory, a resume with another batch shape.
 
 Fast versions of what `scripts/chaos.py` does at random: every scenario kills real processes
 (SIGKILL) and checks that the run finishes or stops cleanly, and that the prompt ledger holds
-every trained group exactly once.
+every trained group exactly once. Waits are on states (ledger lines, task or process exit),
+never on wall-clock windows: a slow, loaded machine makes a test slower, not red (pytest-timeout
+is the only bound).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from slime_async.config import parse_config
 from slime_async.controller import train
 from slime_async.supervisor import EnginesDownError
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1200)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -39,13 +42,12 @@ def _steps_logged(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-async def _wait_for_step(run_dir: Path, step: int, task: asyncio.Task, timeout: float = 240):
-    deadline = time.monotonic() + timeout
+async def _wait_for_step(run_dir: Path, step: int, task: asyncio.Task) -> None:
+    """Until the ledger has `step` lines (the run's own progress), or the run ended."""
     while _steps_logged(run_dir) < step:
         if task.done():
             task.result()
             raise AssertionError("run ended before the fault was injected")
-        assert time.monotonic() < deadline, "run made no progress"
         await asyncio.sleep(0.2)
 
 
@@ -60,7 +62,7 @@ async def test_killed_engine_is_replaced_and_the_run_finishes(tmp_path):
     await _wait_for_step(tmp_path, 2, task)
     pid = json.loads((tmp_path / "roles.json").read_text())["engine_pids"][0]
     os.kill(pid, signal.SIGKILL)
-    summary = await asyncio.wait_for(task, 300)
+    summary = await task
     assert summary["train/version"] == 5
     assert summary["engines/restarts"] >= 1
     new_pid = json.loads((tmp_path / "roles.json").read_text())["engine_pids"][0]
@@ -81,7 +83,7 @@ async def test_all_engines_down_stops_with_a_checkpoint(tmp_path, caplog):
     await _wait_for_step(tmp_path, 1, task)
     os.kill(json.loads((tmp_path / "roles.json").read_text())["engine_pids"][0], signal.SIGKILL)
     with pytest.raises(EnginesDownError, match="rollout engines were down"):
-        await asyncio.wait_for(task, 300)
+        await task
     assert (ckpt / "latest").exists()  # stopped with a checkpoint
     assert "no healthy rollout engine" in caplog.text
 
@@ -94,18 +96,16 @@ def test_kill_9_of_the_whole_run_resumes_without_loss_or_repeat(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
         while _steps_logged(tmp_path) < 3:  # a checkpoint at step 2 exists, step 3 is not saved
             assert proc.poll() is None, "run exited before the kill"
-            assert time.monotonic() < deadline
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and every role it started
-        proc.wait(30)
+        proc.wait()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     resumed = subprocess.run([*cmd, "--load", str(ckpt)], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=400)  # fmt: skip
+                             capture_output=True, text=True)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "trained.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # step 3 was rolled back and redone
@@ -122,3 +122,30 @@ def test_ledger_rollback_drops_steps_after_the_checkpoint_and_torn_lines(tmp_pat
     path.write_text("\n".join(rows) + '\n{"step": 4, "gro')  # killed mid-write
     _truncate_ledger(path, keep_through=2)
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+
+
+async def test_fresh_run_archives_a_dead_runs_ledger_and_resume_keeps_the_batch_shape(tmp_path):
+    """A run killed before its first checkpoint leaves `trained.jsonl` behind; a fresh run (no
+    --load) in the same directory must not append to it (it would report those groups as
+    duplicates): the old ledger is archived. A resume with another batch shape is refused."""
+    stale = [json.dumps({"step": s, "version": s, "groups": [["p0", 0, 0]], "dropped": 0,
+                         "filtered": 0}) for s in (1, 2, 3)]  # fmt: skip
+    (tmp_path / "trained.jsonl").write_text("\n".join(stale) + "\n")
+    ckpt = tmp_path / "ckpt"
+    cfg = parse_config(_argv(tmp_path, "--num-steps", "2", "--save", str(ckpt)))
+    await train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "trained.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    groups = _ledger_groups(tmp_path)
+    assert len(groups) == len(set(groups)) == 2 * cfg.rollout.groups_per_step
+    (archived,) = tmp_path.glob("trained.jsonl.stale-*")
+    assert archived.read_text().splitlines() == stale
+    other = parse_config(_argv(tmp_path, "--num-steps", "3", "--load", str(ckpt),
+                               "--rollout-batch-size", "4"))  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"trained with --rollout-batch-size 2.*--rollout-batch-size 4"
+    ):
+        await train(other)
+    assert [
+        json.loads(x)["step"] for x in (tmp_path / "trained.jsonl").read_text().splitlines()
+    ] == [1, 2]

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import aiohttp
@@ -254,9 +255,13 @@ def test_cli_refuses_non_loopback_without_token_and_serves_on_loopback() -> None
         url = line.split()[3]
         deadline = time.monotonic() + 10
         while True:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if json.load(r)["healthy_workers"] == 1:
-                    break
+            try:  # /health is 503 until the engine is admitted
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if json.load(r)["healthy_workers"] == 1:
+                        break
+            except urllib.error.HTTPError as e:
+                assert e.code == 503
+
             assert time.monotonic() < deadline
             time.sleep(0.05)
         req = urllib.request.Request(

@@ -164,6 +164,41 @@ def test_corrupted_or_partial_checkpoint_is_never_picked(tmp_path, caplog):
         find_latest(good)
 
 
+def test_tampered_or_malformed_meta_json_is_refused_naming_it(tmp_path, caplog):
+    """meta.json carries the data-worker state and every file's sha256, so it is checksummed
+    itself: an edit (here: the worker's counters), a non-object body or a stripped checksum is
+    refused with a message naming the file, never an AttributeError or a silent resume."""
+    import json
+
+    from slime_async.trainer.checkpoint import CheckpointError, find_latest
+
+    d = tmp_path / "ck"
+    tr = _trainer(save=str(d), keep_checkpoints=5)
+    b = _batch()
+    tr.train_step(b)
+    good = tr.save_checkpoint(extra_state={"worker": {"counters": {"n_dropped": 0}}})
+    tr.train_step(b)
+    newer = tr.save_checkpoint(extra_state={"worker": {"counters": {"n_dropped": 0}}})
+    meta_path = newer / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["extra_state"]["worker"]["counters"]["n_dropped"] = 7  # tampered data-worker state
+    meta_path.write_text(json.dumps(meta))
+    with caplog.at_level(logging.WARNING):
+        assert find_latest(d) == good  # the newest is skipped, naming why
+    assert f"{meta_path} fails its checksum" in caplog.text
+    with pytest.raises(CheckpointError, match=r"meta.json fails its checksum"):
+        find_latest(newer)
+    del meta["meta_sha256"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"meta.json has no meta_sha256"):
+        find_latest(newer)
+    (good / "meta.json").write_text("[]")
+    with pytest.raises(CheckpointError, match=r"meta.json holds a JSON list"):
+        find_latest(good)
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        _trainer(load=str(d))
+
+
 def test_logprobs_do_not_depend_on_padding_or_batch_company():
     from slime_async.trainer.testing import random_batch
 

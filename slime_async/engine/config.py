@@ -60,6 +60,15 @@ class EngineConfig:
     weight_group_timeout_s: float = 300.0
     """A weight-update group's rendezvous and each broadcast fail after this long (a member
     that died must not hang the others forever)."""
+    max_request_mb: float = 64.0
+    """Largest `/generate` body in MiB (413 beyond); every other route takes at most 1 MiB."""
+    client_timeout_s: float = 120.0
+    """A client must send a whole request (headers and body) within this many seconds, and a
+    connection may sit idle this long; slower connections are closed (408 for a slow body).
+    Above the idle keep-alive of the clients in front of it (aiohttp 15 s, the Rust
+    sglang-router's 90 s), so a client never reuses a connection the engine is closing."""
+    max_connections: int = 1024
+    """Most open client connections; one more is answered 503 and closed at once."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -82,6 +91,19 @@ class EngineConfig:
             )
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if not self.max_request_mb > 0 or not self.client_timeout_s > 0:
+            raise ValueError(
+                f"max_request_mb and client_timeout_s must be > 0, got {self.max_request_mb} and "
+                f"{self.client_timeout_s}"
+            )
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.health_generate_timeout_s <= 0:
+            raise ValueError(
+                f"health_generate_timeout_s must be > 0, got {self.health_generate_timeout_s}"
+            )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 (or unset), got {self.num_threads}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -134,6 +156,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         default=d.weight_group_timeout_s,
         help="seconds before a weight-update group's rendezvous or broadcast fails",
+    )
+    g.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=d.max_request_mb,
+        help="largest /generate body in MiB (other routes: 1 MiB)",
+    )
+    g.add_argument(
+        "--client-timeout-s",
+        type=float,
+        default=d.client_timeout_s,
+        help="seconds a client may take to send a request, or sit idle",
+    )
+    g.add_argument(
+        "--max-connections", type=int, default=d.max_connections, help="open connection cap"
     )
     return parser
 
@@ -190,6 +227,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         always_return_routed_experts=args.always_return_routed_experts,
         num_threads=args.num_threads,
         weight_group_timeout_s=args.weight_group_timeout_s,
+        max_request_mb=args.max_request_mb,
+        client_timeout_s=args.client_timeout_s,
+        max_connections=args.max_connections,
     )
 
 

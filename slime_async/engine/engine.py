@@ -108,7 +108,8 @@ class Engine:
         )
 
     def submit(self, req: GenerateRequest) -> list[Sequence]:
-        """Queue every item of a parsed request; await `seq.done` on the results."""
+        """Queue every item of a parsed request; await `seq.done` on the results. Every
+        sequence is built before any is queued, so a request is admitted whole or not at all."""
         assert self.scheduler is not None
         seqs = []
         for it in req.items:
@@ -127,8 +128,9 @@ class Engine:
                 return_routed_experts=it.return_routed_experts,
                 routed_start=it.routed_start,
             )
-            self.scheduler.submit(seq)
             seqs.append(seq)
+        for seq in seqs:
+            self.scheduler.submit(seq)
         return seqs
 
     def abort(self, *, rid: str | None, abort_all: bool) -> int:

@@ -151,7 +151,10 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
             raise RequestError(str(e)) from None
         prompts = [_check_ids(p, limits, "text (tokenized)") for p in ids]
     n_in = len(prompts)
-    sps = [parse_sampling_params(d) for d in _per_item(body, "sampling_params", n_in, None)]
+    sps = [
+        parse_sampling_params(d, vocab_size=limits.vocab_size)
+        for d in _per_item(body, "sampling_params", n_in, None)
+    ]
     rlp = _per_item(body, "return_logprob", n_in, False)
     lsl = _per_item(body, "logprob_start_len", n_in, -1)
     rre = _per_item(body, "return_routed_experts", n_in, limits.routed_experts_by_default)

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.engine import Engine
-from slime_async.engine.server import build_app
+from slime_async.engine.server import build_app, cap_connections
 
 
 async def serve(
@@ -38,8 +38,14 @@ async def serve(
     """Load the model, bind `cfg.host:cfg.port`, serve until `stop` is set, then shut down."""
     engine = Engine(cfg)
     await engine.start()
-    runner = web.AppRunner(build_app(engine), handle_signals=False, access_log=None)
+    runner = web.AppRunner(
+        build_app(engine),
+        handle_signals=False,
+        access_log=None,
+        keepalive_timeout=cfg.client_timeout_s,  # also closes a connection sending no request
+    )
     await runner.setup()
+    cap_connections(runner, cfg.max_connections)
     try:
         site = web.TCPSite(runner, cfg.host, cfg.port)
         await site.start()
@@ -165,6 +171,8 @@ def config_to_argv(cfg: EngineConfig) -> list[str]:
         argv += ["--num-threads", str(cfg.num_threads)]
     if cfg.weight_group_timeout_s != EngineConfig.weight_group_timeout_s:
         argv += ["--weight-group-timeout", str(cfg.weight_group_timeout_s)]
+    argv += ["--max-request-mb", str(cfg.max_request_mb), "--client-timeout-s"]
+    argv += [str(cfg.client_timeout_s), "--max-connections", str(cfg.max_connections)]
     return argv
 
 

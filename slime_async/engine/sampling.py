@@ -13,6 +13,7 @@ Must never import the server, the scheduler or aiohttp.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -91,11 +92,23 @@ def _num(d: dict[str, Any], key: str, kind: type, default: Any) -> Any:
         raise RequestError(f"sampling_params.{key} must be a number, got {v!r}")
     if kind is bool and not isinstance(v, bool):
         raise RequestError(f"sampling_params.{key} must be true or false, got {v!r}")
-    return kind(v)
+    try:
+        return kind(v)
+    except OverflowError:  # an integer too large for a float
+        raise RequestError(f"sampling_params.{key}={v} is out of range") from None
 
 
-def parse_sampling_params(d: Any) -> SamplingParams:
-    """Validate one request's `sampling_params` dict (None = defaults); raises `RequestError`."""
+SEED_LIMIT = 2**64
+"""`sampling_seed` (plus n - 1 for n > 1 samples) must be below this: a torch generator seed."""
+
+
+def parse_sampling_params(d: Any, *, vocab_size: int | None = None) -> SamplingParams:
+    """Validate one request's `sampling_params` dict (None = defaults); raises `RequestError`.
+
+    Every field is checked here, at admission, against the served model (`vocab_size`): a value
+    that would only fail inside the shared decode step (a stop id outside the vocabulary, a seed
+    torch cannot take, a NaN temperature) is a 400 for this request, never an error of its batch.
+    """
     if d is None:
         return SamplingParams()
     if not isinstance(d, dict):
@@ -131,6 +144,11 @@ def parse_sampling_params(d: Any) -> SamplingParams:
         isinstance(t, int) and not isinstance(t, bool) for t in sti
     ):
         raise RequestError("sampling_params.stop_token_ids must be a list of integers")
+    if vocab_size is not None and (bad := [t for t in sti if not 0 <= t < vocab_size]):
+        raise RequestError(
+            f"sampling_params.stop_token_ids holds {bad[0]!r}, outside the vocabulary; token ids "
+            f"must be integers in [0, {vocab_size})"
+        )
     p = SamplingParams(
         max_new_tokens=_num(d, "max_new_tokens", int, 128),
         temperature=_num(d, "temperature", float, 1.0),
@@ -148,6 +166,9 @@ def parse_sampling_params(d: Any) -> SamplingParams:
     )
     if p.max_new_tokens < 0:
         raise RequestError(f"sampling_params.max_new_tokens must be >= 0, got {p.max_new_tokens}")
+    for key in ("temperature", "top_p", "min_p"):
+        if not math.isfinite(getattr(p, key)):
+            raise RequestError(f"sampling_params.{key} must be a finite number, got {d[key]!r}")
     if p.temperature < 0:
         raise RequestError(f"sampling_params.temperature must be >= 0, got {p.temperature}")
     if not 0 < p.top_p <= 1:
@@ -162,6 +183,11 @@ def parse_sampling_params(d: Any) -> SamplingParams:
         )
     if not 1 <= p.n <= 1024:
         raise RequestError(f"sampling_params.n must be in [1, 1024], got {p.n}")
+    if p.sampling_seed is not None and not 0 <= p.sampling_seed <= SEED_LIMIT - p.n:
+        raise RequestError(
+            f"sampling_params.sampling_seed must be in [0, 2^64 - n] (n = {p.n} samples use "
+            f"seeds seed..seed+n-1), got {p.sampling_seed}"
+        )
     return p
 
 

@@ -175,22 +175,81 @@ class Scheduler:
         self._in_step = True
         if new:
             self._prefilling = new
-            result = await loop.run_in_executor(self._pool, self._prefill_job, new)
+            done = await self._prefill_isolated(new)
             self._prefilling = []
-            self._apply_prefill(new, *result)
+            for seqs, result in done:
+                self._apply_prefill(seqs, *result)
             self._retire()
         if self.running and self.kv is not None and not self.paused:
-            toks, lps, routed = await loop.run_in_executor(self._pool, self._decode_job)
+            # a failing batched forward is an engine fault (all rows fail: _fail_step); a row
+            # whose own sampling fails is finished alone and the others go on
+            toks, lps, routed, failed = await loop.run_in_executor(self._pool, self._decode_job)
             for i, seq in enumerate(self.running):
+                if i in failed:
+                    _fail_alone(seq, failed[i])
+                    continue
                 if routed is not None and seq.return_routed_experts:
                     seq.routed.append(routed[i : i + 1])
                 self._append(seq, toks[i], lps[i])
-            self.decoded_tokens += len(toks)
+            self.decoded_tokens += len(toks) - len(failed)
         self.steps += 1
         self._in_step = False
         self._retire()
 
+    async def _prefill_isolated(self, new: list[Sequence]) -> list[tuple[list[Sequence], Any]]:
+        """Prefill `new` together; if the batched prefill raises, once more one sequence at a
+        time, so only the sequences that fail on their own are finished (with a 500). Prefill
+        builds its own cache, so the running batch is never touched by a failed prefill."""
+        loop = asyncio.get_running_loop()
+        try:
+            return [(new, await loop.run_in_executor(self._pool, self._prefill_job, new))]
+        except Exception as e:
+            if len(new) == 1:
+                seq = new[0]
+                seq.finish(abort_reason(f"engine prefill failed: {type(e).__name__}: {e}",
+                                        status_code=500, err_type="InternalServerError"))  # fmt: skip
+                return []
+        out = []
+        for seq in new:
+            out += await self._prefill_isolated([seq])
+        return out
+
     # ------------------------------------------------------------------ worker-thread jobs
+    def _sample_rows(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int], list[float], dict[int, str]]:
+        """One token per row of `logits [B, V]`; returns `(tokens, logprobs, failed)` where
+        `failed` maps a row whose own sampling raised to the reason (its token is a
+        placeholder). Rows are checked before any generator draws, so a bad row never shifts
+        another row's random stream; an unexpected failure retries row by row."""
+        n, v = logits.shape
+        banned = [self._banned(s) for s in seqs]
+        failed = {
+            i: f"stop_token_ids {sorted(b)[:3]} outside the vocabulary [0, {v})"
+            for i, b in enumerate(banned)
+            if b and not all(0 <= t < v for t in b)
+        }
+        ok = [i for i in range(n) if i not in failed]
+        toks, lps = [0] * n, [0.0] * n
+        if not ok:
+            return toks, lps, failed
+        sub = logits if len(ok) == n else logits.index_select(0, torch.tensor(ok))
+        try:
+            t, lp = sample(sub, [seqs[i].params for i in ok], [seqs[i].generator for i in ok],
+                           banned=[banned[i] for i in ok])  # fmt: skip
+            for j, i in enumerate(ok):
+                toks[i], lps[i] = t[j], lp[j]
+        except Exception:
+            for i in ok:
+                try:
+                    (toks[i],), (lps[i],) = sample(
+                        logits[i : i + 1], [seqs[i].params], [seqs[i].generator],
+                        banned=[banned[i]],
+                    )  # fmt: skip
+                except Exception as e:
+                    failed[i] = f"{type(e).__name__}: {e}"
+        return toks, lps, failed
+
     def _banned(self, seq: Sequence) -> frozenset[int]:
         p = seq.params
         if len(seq.output) >= p.min_new_tokens:
@@ -205,33 +264,26 @@ class Scheduler:
             want_prompt_logits=want_in,
             capture=any(s.return_routed_experts for s in seqs),
         )
-        in_lps = [
-            prompt_logprobs(out.prompt_logits[i], s.prompt, s.params.temperature)
-            if want_in[i]
-            else None
-            for i, s in enumerate(seqs)
-        ]
-        toks, lps = sample(
-            out.last_logits,
-            [s.params for s in seqs],
-            [s.generator for s in seqs],
-            banned=[self._banned(s) for s in seqs],
-        )
-        return out, in_lps, toks, lps
+        toks, lps, failed = self._sample_rows(out.last_logits, seqs)
+        in_lps: list[list[float] | None] = [None] * len(seqs)
+        for i, s in enumerate(seqs):
+            if want_in[i] and i not in failed:
+                try:
+                    in_lps[i] = prompt_logprobs(
+                        out.prompt_logits[i], s.prompt, s.params.temperature
+                    )
+                except Exception as e:
+                    failed[i] = f"{type(e).__name__}: {e}"
+        return out, in_lps, toks, lps, failed
 
-    def _decode_job(self) -> tuple[list[int], list[float], torch.Tensor | None]:
+    def _decode_job(self) -> tuple[list[int], list[float], torch.Tensor | None, dict[int, str]]:
         assert self.kv is not None
         capture = any(s.return_routed_experts for s in self.running)
         logits, routed = batch.decode(
             self.lm, self.kv, [s.output[-1] for s in self.running], capture=capture
         )
-        toks, lps = sample(
-            logits,
-            [s.params for s in self.running],
-            [s.generator for s in self.running],
-            banned=[self._banned(s) for s in self.running],
-        )
-        return toks, lps, routed
+        toks, lps, failed = self._sample_rows(logits, self.running)
+        return toks, lps, routed, failed
 
     # ------------------------------------------------------------------ loop-thread bookkeeping
     def _apply_prefill(
@@ -241,11 +293,15 @@ class Scheduler:
         in_lps: list[list[float] | None],
         toks: list[int],
         lps: list[float],
+        failed: dict[int, str],
     ) -> None:
         self.kv = batch.merge(self.kv, out.kv)
         for i, seq in enumerate(seqs):
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self.running.append(seq)  # a failed row leaves the batch at the next _retire
+            if i in failed:
+                _fail_alone(seq, failed[i])
+                continue
             if out.routed is not None and seq.return_routed_experts:
                 seq.routed = [out.routed[i]]  # a re-prefill re-records every position
             if in_lps[i] is not None:
@@ -260,12 +316,17 @@ class Scheduler:
             return
         seq.output.append(tok)
         seq.output_logprobs.append(lp)
-        reason = check_finish(
-            seq,
-            eos_ids=self.lm.eos_token_ids,
-            context_length=self.lm.context_length,
-            tokenizer=self.lm.tokenizer,
-        )
+        try:
+            reason = check_finish(
+                seq,
+                eos_ids=self.lm.eos_token_ids,
+                context_length=self.lm.context_length,
+                tokenizer=self.lm.tokenizer,
+            )
+        except Exception as e:  # e.g. the tokenizer cannot decode this output: this row only
+            seq.finish(abort_reason(f"checking the stop rules failed: {type(e).__name__}: {e}",
+                                    status_code=500, err_type="InternalServerError"))  # fmt: skip
+            return
         if reason is not None:
             seq.finish(reason)
         else:
@@ -296,3 +357,13 @@ class Scheduler:
             seq.status = SeqStatus.WAITING
             self.waiting.appendleft(seq)
         self.running, self.kv = [], None
+
+
+def _fail_alone(seq: Sequence, why: str) -> None:
+    """Finish one row whose own sampling failed: a 400 for its request (what failed depends only
+    on that request's parameters); the rest of the batch is unaffected."""
+    if seq.status is not SeqStatus.FINISHED:
+        seq.finish(abort_reason(
+            f"this request failed in its own sampling step ({why}); check its sampling_params",
+            status_code=400, err_type="BadRequestError",
+        ))  # fmt: skip

@@ -34,6 +34,7 @@ class _DropHttp2Probe(logging.Filter):
 
 
 _dumps = json.dumps
+_TOO_DEEP = "body nests JSON arrays/objects too deeply to parse; send a flat request"
 
 
 def _err(message: str, status: int = 400) -> web.Response:
@@ -51,9 +52,66 @@ async def _json_body(request: web.Request, *, required: bool) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError(_TOO_DEEP) from None
     if not isinstance(body, dict):
         raise RequestError(f"{request.path} body must be a JSON object")
     return body
+
+
+SMALL_BODY_BYTES = 1 << 20
+"""Body limit of every route but `/generate` (control and info bodies are tiny)."""
+
+
+def _limits_middleware(engine: Engine) -> Any:
+    """Per-route body limits (Content-Length checked before reading) and a deadline on reading
+    the body, so a slow or oversized upload is refused instead of holding a connection."""
+    big = int(engine.cfg.max_request_mb * 1024**2)
+    timeout = engine.cfg.client_timeout_s
+
+    @web.middleware
+    async def limits(request: web.Request, handler: Any) -> web.StreamResponse:
+        limit = big if request.path == "/generate" else SMALL_BODY_BYTES
+        n = request.content_length
+        too_big = (
+            f"{request.path} body is larger than {limit} bytes; send a smaller request "
+            "(the /generate limit is --max-request-mb)"
+        )
+        if n is not None and n > limit:
+            return _err(too_big, status=413)
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(timeout):
+                    body = await request.read()
+            except TimeoutError:
+                return _err(f"request body not received within {timeout:g}s", status=408)
+            except web.HTTPRequestEntityTooLarge:
+                return _err(too_big, status=413)
+            if len(body) > limit:
+                return _err(too_big, status=413)
+        return await handler(request)
+
+    return limits
+
+
+def cap_connections(runner: web.AppRunner, max_connections: int) -> None:
+    """Answer a connection beyond `max_connections` with 503 and close it at once (call after
+    `runner.setup()`)."""
+    server = runner.server
+    assert server is not None, "call cap_connections after runner.setup()"
+    made = server.connection_made
+    busy = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+        b"Content-Length: 35\r\n\r\ntoo many connections; retry later.\n"
+    )
+
+    def connection_made(handler: Any, transport: asyncio.Transport) -> None:
+        made(handler, transport)
+        if len(server.connections) > max_connections:
+            transport.write(busy)
+            transport.close()
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
 
 
 def _eng(request: web.Request) -> Engine:
@@ -67,10 +125,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _err("engine is not serving (starting or shutting down)", status=503)
     try:
         raw = await request.read()
-        try:
-            body = json.loads(raw)
+        try:  # a big body is parsed off the event loop (other clients keep being served)
+            body = (
+                json.loads(raw)
+                if len(raw) < SMALL_BODY_BYTES
+                else await asyncio.to_thread(json.loads, raw)
+            )
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(f"body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise RequestError(_TOO_DEEP) from None
         assert eng.lm is not None
         req = parse_generate(body, tokenizer=eng.lm.tokenizer, limits=eng.limits)
     except RequestError as e:
@@ -412,7 +476,10 @@ def build_app(engine: Engine) -> web.Application:
     log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _DropHttp2Probe) for f in log.filters):
         log.addFilter(_DropHttp2Probe())
-    app = web.Application(client_max_size=512 * 1024**2)
+    app = web.Application(
+        client_max_size=int(engine.cfg.max_request_mb * 1024**2),
+        middlewares=[_limits_middleware(engine)],
+    )
     app[ENGINE_KEY] = engine
     r = app.router
     for path in ("/generate",):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 from loss import DEFAULT_ADVANTAGE_ESTIMATOR
 from loss.slime_cli import advantage_estimator_from_args
@@ -82,6 +83,21 @@ class RolloutConfig:
             raise ValueError("--eval-interval and --eval-prompts must be >= 0")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"--rollout-top-k {self.top_k}: give -1 (off) or k >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"--rollout-temperature {self.temperature}: give a finite number > 0 (1.0 samples "
+                "the policy as trained)"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--rollout-top-p {self.top_p}: give a number in (0, 1] (1.0 = off)")
+        if self.max_response_len < 1:
+            raise ValueError(f"--rollout-max-response-len {self.max_response_len}: give >= 1")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"--rollout-stop-token-ids {list(self.stop_token_ids)}: token ids are >= 0"
+            )
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"--rollout-seed {self.seed}: give a seed >= 0 (or leave it unset)")
         gbs = self.global_batch_size
         if gbs is None:
             total = self.rollout_batch_size * n

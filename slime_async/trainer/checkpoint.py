@@ -9,7 +9,7 @@ Layout of `<save>/`::
         meta.json            version, ModelSpec, parallel layout, optimizer step, LR schedule
                              (the LR is a pure function of version + schedule), sizes and
                              sha256 of every file below, opaque `extra_state` (controller,
-                             data worker)
+                             data worker), and `meta_sha256` over all of it
         model.pt             full HF-named fp32 weights (layout-free → any TP/EP/PP can load)
         optim.pt             full HF-named Adam moments `exp_avg` / `exp_avg_sq` (and the fp32
                              `main_param` under bf16), gathered over DP from the distributed
@@ -91,6 +91,38 @@ def check_spec(found: ModelSpec, expected: ModelSpec, *, where: str) -> None:
     )
 
 
+def _meta_digest(meta: dict[str, object]) -> str:
+    """sha256 of meta.json's content without its own `meta_sha256` field (canonical JSON)."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_meta(ckpt: Path) -> dict[str, object]:
+    """`ckpt/meta.json`, checked: a JSON object whose `meta_sha256` matches its content (so the
+    data-worker state and every recorded file checksum inside it are covered too). Raises
+    `CheckpointError` naming the file otherwise."""
+    path = ckpt / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"unreadable {path}: {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(meta).__name__}, not the checkpoint's "
+                              "object (edited or corrupted)")  # fmt: skip
+    if "meta_sha256" not in meta:
+        raise CheckpointError(
+            f"{path} has no meta_sha256: it was written before checkpoint metadata was "
+            "checksummed, or the field was removed; resume from a checkpoint saved by this version"
+        )
+    if meta.get("meta_sha256") != _meta_digest(meta):
+        raise CheckpointError(
+            f"{path} fails its checksum (meta_sha256): it was edited or corrupted after the save "
+            "(it holds the data-worker state and every file's sha256, so it is never trusted "
+            "unchecked); resume from another checkpoint"
+        )
+    return meta
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -157,6 +189,7 @@ def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) ->
             "extra_state": extra_state,
             "files": files,
         }
+        meta["meta_sha256"] = _meta_digest(meta)
         _atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
         if final.exists():
             shutil.rmtree(final)
@@ -184,12 +217,15 @@ def validate(ckpt: Path) -> str | None:
     """None if `ckpt` is a complete checkpoint, else the reason it is not."""
     meta_path = ckpt / "meta.json"
     try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as e:
-        return f"unreadable {meta_path}: {e}"
+        meta = read_meta(ckpt)
+    except CheckpointError as e:
+        return str(e)
     if meta.get("format") != FORMAT:
         return f"{meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}"
-    for name, info in meta.get("files", {}).items():
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return f"{meta_path} lists no files"
+    for name, info in files.items():
         f = ckpt / name
         if not f.is_file():
             return f"missing file {f}"
@@ -242,7 +278,7 @@ def find_latest(load_dir: Path) -> Path:
 def load(tr: TrainerState, load_dir: Path) -> dict[str, object]:
     """Restore `tr` from the latest complete checkpoint in `load_dir`; returns meta.json."""
     ckpt = find_latest(load_dir)
-    meta = json.loads((ckpt / "meta.json").read_text())
+    meta = read_meta(ckpt)
     if int(meta["version"]) == 0:
         raise CheckpointError(
             f"--load {load_dir}: checkpoint {ckpt.name} is iteration 0 (untrained initial "

@@ -51,6 +51,39 @@ def _check_layout_fields(c: TrainerConfig) -> None:
         )
 
 
+def _check_ranges(c: TrainerConfig) -> None:
+    """Every numeric flag in its range (ValueError naming the flag and the fix)."""
+    for field, flag in (
+        ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+        ("expert_model_parallel_size", "--expert-model-parallel-size"),
+        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ):
+        if getattr(c, field) < 1:
+            raise ValueError(
+                f"{flag} must be >= 1 (1 = no such parallelism), got {getattr(c, field)}"
+            )
+    if c.lr_warmup_steps < 0:
+        raise ValueError(f"--lr-warmup-iters must be >= 0 (0 = no warmup), got {c.lr_warmup_steps}")
+    if not (math.isfinite(c.weight_decay) and c.weight_decay >= 0):
+        raise ValueError(f"--weight-decay must be a finite number >= 0, got {c.weight_decay}")
+    for field, flag in (("adam_beta1", "--adam-beta1"), ("adam_beta2", "--adam-beta2")):
+        v = getattr(c, field)
+        if not 0 <= v < 1:
+            raise ValueError(f"{flag} must be in [0, 1) (e.g. 0.9 / 0.98), got {v}")
+    if not (math.isfinite(c.adam_eps) and c.adam_eps > 0):
+        raise ValueError(f"--adam-eps must be a finite number > 0 (e.g. 1e-8), got {c.adam_eps}")
+    if not (math.isfinite(c.clip_grad) and c.clip_grad >= 0):
+        raise ValueError(f"--clip-grad must be a finite number >= 0 (0 = off), got {c.clip_grad}")
+    if c.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {c.seed}")
+    if c.keep_checkpoints < 0:
+        raise ValueError(
+            f"--keep-checkpoints must be >= 0 (0 = keep all), got {c.keep_checkpoints}"
+        )
+    if c.lr_decay_steps is not None and c.lr_decay_steps < 0:
+        raise ValueError(f"--lr-decay-iters must be >= 0, got {c.lr_decay_steps}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerConfig:
     """Configuration of one Megatron trainer group (every rank gets the same object)."""
@@ -139,7 +172,8 @@ class TrainerConfig:
                 f"routing_replay={self.routing_replay!r} is not supported; use one of {choices}"
             ) from None
         if self.micro_batch_size < 1:
-            raise ValueError("micro_batch_size must be >= 1")
+            raise ValueError(f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        _check_ranges(self)
         _check_layout_fields(self)
         if not (math.isfinite(self.lr) and self.lr >= 0):
             raise ValueError(f"lr={self.lr} must be a finite number >= 0")

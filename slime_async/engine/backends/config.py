@@ -58,8 +58,11 @@ class EngineFleetConfig:
         backend = get_engine_backend(self.backend)  # unknown names fail with the choices
         if self.num_engines < 1:
             raise ValueError(f"--num-engines must be >= 1, got {self.num_engines}")
-        if self.attach_timeout_s <= 0:
-            raise ValueError(f"--engine-attach-timeout must be > 0, got {self.attach_timeout_s}")
+        if not self.attach_timeout_s > 0 or self.attach_timeout_s == float("inf"):
+            raise ValueError(
+                f"--engine-attach-timeout must be a finite number of seconds > 0, got "
+                f"{self.attach_timeout_s}"
+            )
         if not backend.needs.urls:
             if self.urls:
                 raise ValueError(
