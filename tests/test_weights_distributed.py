@@ -188,6 +188,32 @@ async def test_refusing_engine_leaves_the_others_whole(fleet, tmp_path: Path) ->
         odd.stop()
 
 
+async def test_non_finite_weights_are_refused_and_the_old_ones_kept(fleet) -> None:
+    """A version holding a NaN arrives in full on every engine and is refused by each: they
+    keep serving the weights they had, under their old label."""
+    urls = [e.url for e in fleet]
+    weights = Weights()
+    router, rurl = await _router(urls)
+    try:
+        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
+            t = DistributedTransport(sender=InProcessSender(weights), control=rc,
+                                     engine_urls=lambda: urls, cfg=CFG)  # fmt: skip
+            weights.set(50, 50)
+            await t.push(50)
+            weights.set(51, 51)
+            with torch.no_grad():
+                next(iter(weights.lm.model.parameters())).view(-1)[0] = float("nan")
+            m = await t.push(51)
+            assert m["weights/push_failed_engines"] == 2.0
+            weights.set(50, 50)  # what the engines must still serve
+            for u in urls:
+                served, answer = await _served(s, u)
+                assert served == "50" and _exact(weights, answer)
+            await t.close()
+    finally:
+        await router.stop()
+
+
 async def test_bad_requests_name_the_fix(fleet) -> None:
     url = fleet[0].url
     async with aiohttp.ClientSession() as s:

@@ -76,6 +76,13 @@ class Engine:
         self.groups: dict[str, WeightGroup] = {}
         """Weight-update process groups this engine joined, by `group_name`."""
         self._assemblers: dict[str, CheckpointAssembler] = {}
+        self._staged: dict[str, dict[str, torch.Tensor]] = {}
+        """Per group: checked tensors of the version being received, swapped in together with
+        the bucket that carries `weight_version` (or once they cover the whole model), so a
+        refused bucket never leaves a mix of two versions behind one label."""
+        self._spoiled: set[str] = set()
+        """Groups whose current version had a bucket refused: its remaining buckets are received
+        (the broadcast must complete) and dropped, up to the one carrying `weight_version`."""
         """Per group: pieces of fused parameters waiting for the rest of their bucket set."""
         self._seed_rng = random.Random(cfg.seed)
 
@@ -277,6 +284,8 @@ class Engine:
     def destroy_weights_update_group(self, group_name: str) -> UpdateResult:
         g = self.groups.pop(group_name, None)
         self._assemblers.pop(group_name, None)
+        self._staged.pop(group_name, None)
+        self._spoiled.discard(group_name)
         if g is None:
             return UpdateResult(
                 success=False, message=f"no weight update group {group_name!r} on this engine"
@@ -324,18 +333,48 @@ class Engine:
                 )
             asm = self._assemblers[group_name]
             ready, bad = asm.add(got)
+            if not bad:  # never serve NaN/inf, whichever transport brought it
+                bad = [f"tensor {k!r} holds non-finite values (NaN or inf)"
+                       for k, t in got.items() if not bool(torch.isfinite(t).all())]  # fmt: skip
             if not bad and weight_version is not None and asm.incomplete():
                 bad = [f"the version is incomplete: {p} misses pieces" for p in asm.incomplete()]
+            staged = self._staged.setdefault(group_name, {})
+            if group_name in self._spoiled:
+                asm.reset()
+                if weight_version is not None:  # the spoiled version ends with this bucket
+                    self._spoiled.discard(group_name)
+                return UpdateResult(
+                    success=False,
+                    message="Failed to update weights: an earlier bucket of this version was "
+                    "refused, so none of it is applied; push the whole version again",
+                )
             if bad:
                 asm.reset()
+                staged.clear()  # the version's earlier buckets are dropped too
+                if weight_version is None:
+                    self._spoiled.add(group_name)
                 return UpdateResult(
                     success=False,
                     message=f"Failed to update weights: the bucket does not fit the served model "
-                    f"({'; '.join(bad[:5])}); export from the same ModelSpec",
+                    f"({'; '.join(bad[:5])}); export from the same ModelSpec. No tensor of this "
+                    "version was applied",
                 )
             if flush_cache and (refused := self._flush_refusal(what)) is not None:
                 asm.reset()
+                staged.clear()
+                if weight_version is None:
+                    self._spoiled.add(group_name)
                 return refused
+            staged.update(ready)
+            whole = {n for n, _ in lm.model.named_parameters()} <= staged.keys()
+            if weight_version is None and not whole:
+                return UpdateResult(  # more buckets of this version to come
+                    success=True,
+                    message=f"Received {len(entries)} tensors; they are applied with the "
+                    "bucket that carries weight_version",
+                )
+            ready = dict(staged)
+            staged.clear()
             in_flight = self.requests_in_engine()
             await sched.run_exclusive(lambda: swap_weights(lm, ready))
             if weight_version is not None:
