@@ -301,6 +301,16 @@ def scenarios(cfg: BenchConfig) -> dict[str, Work]:
     }
 
 
+def lower_bound(cfg: BenchConfig, work: Work) -> float:
+    """Makespan no router can beat on these backends: every engine at its peak rate
+    (`tokens_per_step / per_seq_s` tokens/s, the limit of many active requests) with the tokens
+    split perfectly; and no less than the longest request alone on an engine."""
+    total = sum(w[0] for w in work)
+    spread = total * cfg.per_seq_s / (cfg.tokens_per_step * cfg.engines)
+    alone = max(w[0] for w in work) * (cfg.step_s + cfg.per_seq_s) / cfg.tokens_per_step
+    return max(spread, alone)
+
+
 async def _warm(url: str, n: int) -> None:
     """A burst of n one-token requests: routers are long-lived, so measure them with warm
     connection pools (applied to every router alike)."""
@@ -384,10 +394,11 @@ async def makespan(cfg: BenchConfig) -> bool:
         rows = {label: runs for (a, label), runs in results.items() if a == arrival}
         med = {k: statistics.median(r[0] for r in v) for k, v in rows.items()}
         best = min(v for k, v in med.items() if k.startswith("sglang"))
-        print(f"\nworkload: {arrival}")
+        bound = lower_bound(cfg, works[arrival])
+        print(f"\nworkload: {arrival}; lower bound {bound:.3f} s (perfect balance, no dispatch)")
         print(
-            f"{'router:policy':30s} {'makespan s':>10s} {'runs':>16s} {'imbalance':>9s} "
-            f"{'dispatch s':>10s} {'vs best sglang':>15s}"
+            f"{'router:policy':34s} {'makespan s':>10s} {'runs':>16s} {'imbalance':>9s} "
+            f"{'dispatch s':>10s} {'/bound':>6s} {'vs best sglang':>15s}"
         )
         for label, runs in rows.items():
             spans = ",".join(f"{r[0]:.2f}" for r in runs)
@@ -395,8 +406,13 @@ async def makespan(cfg: BenchConfig) -> bool:
             disp = statistics.median(r[2] for r in runs)
             rel = (med[label] - best) / best * 100
             print(
-                f"{label:30s} {med[label]:10.3f} {spans:>16s} {imb:9.3f} {disp:10.3f} {rel:+14.1f}%"
+                f"{label:34s} {med[label]:10.3f} {spans:>16s} {imb:9.3f} {disp:10.3f} "
+                f"{med[label] / bound:6.3f} {rel:+14.1f}%"
             )
+        print(
+            f"(15% below sglang-router's best is {0.85 * best:.3f} s = "
+            f"{0.85 * best / bound:.3f} x the lower bound)"
+        )
         gain = (1 - med[f"ours:{cfg.ours[0]}"] / best) * 100
         ok &= gain >= 15
         print(
