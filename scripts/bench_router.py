@@ -14,14 +14,18 @@ lengths in random order, the same sorted longest first (the data worker's probe 
 order), and GRPO groups (n samples share a prompt; the header carries the prompt's length
 scale, each sample's true length varies around it). Makespan = first submit to last answer;
 imbalance = max / mean tokens served per engine; dispatch = submit to last arrival at an engine.
-Compared: our least_expected_tokens (and our round_robin, a control that separates policy from
-proxy implementation) vs sglang-router's round_robin, cache_aware and power_of_two.
+Compared: our least_expected_tokens with late binding (`@2048`: `--worker-capacity-tokens
+2048`, the headline) and binding on arrival (the previous default), vs sglang-router's
+round_robin, cache_aware and power_of_two (`--ours` / `--sglang` choose others). Each workload
+also prints its lower bound (`lower_bound`: perfect balance at the backends' peak rate) and every
+router's ratio to it, so a goal below the bound shows as such.
 
 Every router and the backends run as separate processes; all numbers come from this one run on a
 shared machine, so read ratios, not absolutes. Usage:
 
     .venv/bin/python scripts/bench_router.py            # ~5 minutes
     .venv/bin/python scripts/bench_router.py --quick    # smaller, for a smoke check
+    .venv/bin/python scripts/bench_router.py --skip-overhead --ours least_expected_tokens@1024
 """
 
 from __future__ import annotations
