@@ -269,3 +269,16 @@ async def test_clients_leaving_while_queued_are_never_sent_and_free_nothing_twic
     finally:
         await router.stop()
         await engine.stop()
+
+
+def test_capacity_flag_round_trips_and_a_negative_one_is_refused() -> None:
+    import argparse
+
+    from router.config import add_router_args, router_config_from_args, validate_config
+
+    ap = argparse.ArgumentParser()
+    add_router_args(ap)
+    cfg = router_config_from_args(ap.parse_args(["--router-worker-capacity-tokens", "2048"]))
+    assert cfg.worker_capacity_tokens == 2048
+    with pytest.raises(ValueError, match="worker_capacity_tokens must be >= 0"):
+        validate_config(RouterConfig(worker_capacity_tokens=-1))
