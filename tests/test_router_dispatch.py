@@ -282,3 +282,25 @@ def test_capacity_flag_round_trips_and_a_negative_one_is_refused() -> None:
     assert cfg.worker_capacity_tokens == 2048
     with pytest.raises(ValueError, match="worker_capacity_tokens must be >= 0"):
         validate_config(RouterConfig(worker_capacity_tokens=-1))
+
+
+async def test_bench_engine_accounts_work_piecewise_whatever_the_wake_up_timing() -> None:
+    """The benchmark's backends (`FakeEngine`) must not credit work by when they wake up: one
+    late accounting call gives the same progress as the exact piecewise schedule."""
+    from router.testing import _Job
+
+    loop = asyncio.get_running_loop()
+    e = FakeEngine(FakeEngineConfig(step_s=0.0, per_seq_s=0.01, tokens_per_step=10))
+    # rate per request with n active: 10 / (0.01 n) = 1000 / n tokens/s
+    t0 = loop.time()
+    e._last = t0
+    a = _Job(rid="a", target=300, done=loop.create_future(), arrived=t0)
+    e._jobs.append(a)
+    e._advance_to(t0 + 0.1)  # the arrival of b accounts a's solo work first
+    b = _Job(rid="b", target=100, done=loop.create_future(), arrived=t0 + 0.1)
+    e._jobs.append(b)
+    e._advance_to(t0 + 0.35)  # one late wake-up: b ends at 0.3 (500/s), a then runs alone
+    assert b.done.done() and b.generated == 100
+    assert a.work == pytest.approx(250, abs=0.01)  # 100 + 0.2 * 500 + 0.05 * 1000
+    e._advance_to(t0 + 1.0)
+    assert a.done.done() and a.generated == 300 and not e._jobs
