@@ -27,6 +27,11 @@ class RouterConfig:
     """Engines registered at start-up (`http://host:port`); more can join via `POST /workers`."""
     policy: str = "least_expected_tokens"
     """Balancing policy: least_expected_tokens | least_requests | round_robin."""
+    worker_capacity_tokens: int = 0
+    """Late binding: an engine takes a new request only while its outstanding expected tokens
+    are below this; the others wait in the router's queue, longest expected first, and are
+    bound when an engine has room. Set it to about what one engine runs at once (its KV
+    budget); beyond that an engine only queues internally. 0 binds every request on arrival."""
     default_expected_tokens: int = 1024
     """Expected tokens assumed for a request that sends no `X-Expected-Tokens` header."""
     auth_token: str | None = None
@@ -111,6 +116,11 @@ def validate_config(cfg: RouterConfig) -> None:
         raise ValueError(
             f"{_flag('default_expected_tokens')} must be > 0 (tokens assumed per request)"
         )
+    if cfg.worker_capacity_tokens < 0:
+        raise ValueError(
+            f"{_flag('worker_capacity_tokens')} must be >= 0 (0 = bind each request on arrival), "
+            f"got {cfg.worker_capacity_tokens}"
+        )
     if cfg.failure_threshold < 1 or cfg.success_threshold < 1:
         raise ValueError(
             f"{_flag('failure_threshold')} and {_flag('success_threshold')} must be >= 1"
@@ -150,6 +160,8 @@ _FLAG_HELP: dict[str, str] = {
     "host": "Interface to bind; off loopback an auth token is required.",
     "port": "TCP port (0 = ephemeral; the real one is printed).",
     "policy": "Balancing policy.",
+    "worker_capacity_tokens": "Late binding: outstanding expected tokens per engine before "
+    "requests wait in the router's queue (0 = bind on arrival).",
     "default_expected_tokens": "Expected tokens of a request without an X-Expected-Tokens header.",
     "auth_token": "Bearer token required on /workers and control routes.",
     "health_interval_s": "Seconds between /health probes of each engine.",

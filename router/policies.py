@@ -2,8 +2,10 @@
 
 Owns: `Policy`, `LeastExpectedTokens`, `LeastRequests`, `RoundRobin`, `make_policy`.
 Must never import: `slime_async`, aiohttp, or the proxy/server modules. Policies only read the
-counters on `Worker`; the proxy updates them (select + increment happen without an `await`
-in between, so the choice and the accounting are atomic on the event loop).
+counters on `Worker`; the dispatcher (router/dispatch.py) updates them (select + increment happen
+without an `await` in between, so the choice and the accounting are atomic on the event loop).
+With late binding the candidates are only the engines with room, so the policy chooses among
+those at the moment a request is bound, not when it arrived.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from aiohttp import web
 from yarl import URL
 
 from router.config import RouterConfig
-from router.policies import Policy
+from router.dispatch import Dispatcher
 from router.workers import Worker, WorkerRegistry
 
 EXPECTED_TOKENS_HEADER = "X-Expected-Tokens"
@@ -125,13 +125,13 @@ class Proxy:
         *,
         cfg: RouterConfig,
         registry: WorkerRegistry,
-        policy: Policy,
+        dispatcher: Dispatcher,
         session: Callable[[], aiohttp.ClientSession],
         on_failure: Callable[[Worker], None],
     ) -> None:
         self.cfg = cfg
         self.registry = registry
-        self.policy = policy
+        self.dispatcher = dispatcher
         self._session = session
         self._on_failure = on_failure
         self.stats = ProxyStats()
@@ -210,11 +210,16 @@ class Proxy:
                     f"no healthy engine became available within {self.cfg.wait_for_worker_s:g}s "
                     f"({len(self.registry.all())} registered); last error: {last_error}",
                 )
-            # No await between select and the counter updates: choosing and counting are atomic.
-            w = self.policy.select(candidates, expected_tokens=expected_tokens)
+            # Bound now, or later from the router's queue (late binding, router/dispatch.py).
+            w = await self.dispatcher.acquire(
+                candidates, expected_tokens, exclude=tried, retry=attempt > 0
+            )
+            if w is None:
+                self.stats.failed += 1
+                return error_response(
+                    503, f"no healthy engine for {self.cfg.wait_for_worker_s:g}s while queued"
+                )
             tried.add(w.id)
-            w.outstanding_requests += 1
-            w.outstanding_tokens += expected_tokens
             w.total_requests += 1
             try:
                 resp = await self._attempt(request, w, path_qs, body, headers)
@@ -232,8 +237,7 @@ class Proxy:
                     return web.Response(status=e.status, body=e.body, content_type="text/plain")
                 return error_response(502, f"all {attempt + 1} attempts failed: {last_error}")
             finally:
-                w.outstanding_requests -= 1
-                w.outstanding_tokens -= expected_tokens
+                self.dispatcher.release(w, expected_tokens)
             self.registry.record_request_success(w)
             self.stats.succeeded += 1
             return resp

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from router.config import RouterConfig, check_worker_url, is_loopback, validate_config
 from router.control import CONTROL_PATHS, ControlFanout
+from router.dispatch import Dispatcher
 from router.health import HealthMonitor
 from router.metrics import metrics_json, metrics_prometheus
 from router.policies import make_policy
@@ -39,7 +40,8 @@ _PROTECTED_PREFIXES: tuple[str, ...] = ("/workers", *CONTROL_PATHS)
 
 
 class Router:
-    """One router instance: registry + policy + health checker + proxy + control fan-out.
+    """One router instance: registry + dispatcher (policy, late-binding queue) + health checker +
+    proxy + control fan-out.
 
     Example:
         >>> r = Router(RouterConfig(worker_urls=("http://127.0.0.1:30001",)))
@@ -60,10 +62,16 @@ class Router:
         self.health = HealthMonitor(
             cfg=cfg, registry=self.registry, session=self.session, catch_up=self.control.catch_up
         )
+        self.dispatcher = Dispatcher(
+            registry=self.registry,
+            policy=make_policy(cfg.policy),
+            capacity_tokens=cfg.worker_capacity_tokens,
+            wait_for_worker_s=cfg.wait_for_worker_s,
+        )
         self.proxy = Proxy(
             cfg=cfg,
             registry=self.registry,
-            policy=make_policy(cfg.policy),
+            dispatcher=self.dispatcher,
             session=self.session,
             on_failure=self.health.poke,
         )
@@ -161,6 +169,13 @@ class Router:
             "quarantines": sum(w.quarantines for w in workers),
             "outstanding_requests": sum(w.outstanding_requests for w in workers),
             "outstanding_tokens": sum(w.outstanding_tokens for w in workers),
+            "worker_capacity_tokens": self.cfg.worker_capacity_tokens,
+            "queue_length": self.dispatcher.queue_length,
+            "bound_at_once": self.dispatcher.stats.bound_at_once,
+            "queued": self.dispatcher.stats.queued,
+            "queue_peak": self.dispatcher.stats.queue_peak,
+            "queue_abandoned": self.dispatcher.stats.queue_abandoned,
+            "queue_timeouts": self.dispatcher.stats.queue_timeouts,
             "health_probes": self.health.probes,
             "health_probe_failures": self.health.probe_failures,
             "fanouts": self.control.fanouts,

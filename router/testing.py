@@ -5,7 +5,8 @@ uses, whose service time grows with requested tokens and with concurrency), `Eng
 (the same engine(s) in a child process that can be SIGKILLed), and `python -m router.testing`.
 Service model, per engine: requests run in lock-step "decode steps"; one step advances every
 active request by `tokens_per_step` tokens and takes `step_s + per_seq_s * n_active` seconds
-(computed as a fluid rate from elapsed wall time, so a busy CPU does not distort it).
+(a fluid model over wall time, accounted piecewise between arrivals and completions, so a
+late wake-up on a busy CPU delays answers but does not change how much work was done by when).
 So a request of L tokens alone takes L / tokens_per_step * (step_s + per_seq_s) seconds.
 Responses are deterministic functions of the request (no timestamps), so pass-through can be
 checked byte for byte.
@@ -99,6 +100,8 @@ class FakeEngine:
         self._unpaused.set()
         self._runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task | None = None
+        self._last = 0.0
+        """Event-loop time up to which the active requests' progress is accounted."""
         self.url = ""
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -143,17 +146,18 @@ class FakeEngine:
 
     # --- service model ----------------------------------------------------------------------
     async def _step_loop(self) -> None:
-        """Fluid version of the step model: progress is computed from elapsed wall time, so a
-        late wake-up (a busy CPU) does not stretch service times; it only coarsens chunks."""
+        """Fluid version of the step model, exact whatever the CPU does: progress is computed
+        from elapsed wall time piecewise between events (an arrival, a finish), each piece at the
+        rate of the requests active during it, so a late wake-up (a busy CPU) does not change how
+        much work was done by when; it only delays the answers."""
         loop = asyncio.get_running_loop()
-        last = loop.time()
+        self._last = loop.time()
         while True:
             if not self._jobs or not self._unpaused.is_set():
                 if not self._jobs:
                     self._wake.clear()
-                    await self._wake.wait()
-                await self._unpaused.wait()
-                last = loop.time()
+                    await self._wake.wait()  # an arrival accounts up to its own time
+                await self._unpaused.wait()  # continuing resets the clock (no work while paused)
                 continue
             step = self.cfg.step_s + self.cfg.per_seq_s * len(self._jobs)
             if step <= 0:  # infinitely fast engine: everything finishes on this turn
@@ -161,25 +165,36 @@ class FakeEngine:
                 for job in list(self._jobs):
                     job.work = job.generated = job.target
                     self._finish(job)
-                last = loop.time()
+                self._last = loop.time()
                 continue
             rate = self.cfg.tokens_per_step / step  # tokens per second per active request
             soonest = min(j.target - j.work for j in self._jobs) / rate
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(min(step, soonest), 0.0))
-            now = loop.time()
-            if self._unpaused.is_set():
-                self._advance(last, now, rate)
-            last = now
+            self._advance_to(loop.time())
 
-    def _advance(self, last: float, now: float, rate: float) -> None:
-        for job in list(self._jobs):
-            job.work = min(job.target, job.work + rate * (now - max(last, job.arrived)) + 1e-9)
-            job.generated = int(job.work)
-            job.progress.set()
-            if job.generated >= job.target:
-                self._finish(job)
+    def _advance_to(self, now: float) -> None:
+        """Advance every active request from `self._last` to `now`, piece by piece: within a
+        piece the active set is fixed; a piece ends when the next request completes."""
+        if not self._unpaused.is_set():
+            self._last = now
+            return
+        t = self._last
+        while self._jobs and t < now:
+            step = self.cfg.step_s + self.cfg.per_seq_s * len(self._jobs)
+            if step <= 0:
+                break
+            rate = self.cfg.tokens_per_step / step
+            dt = min(now - t, min(j.target - j.work for j in self._jobs) / rate)
+            t += dt
+            for job in list(self._jobs):
+                job.work = min(job.target, job.work + rate * dt + 1e-9)
+                job.generated = int(job.work)
+                job.progress.set()
+                if job.generated >= job.target:
+                    self._finish(job)
+        self._last = now
 
     def _finish(self, job: _Job, *, aborted: bool = False) -> None:
         self.last_finish = time.monotonic()
@@ -214,6 +229,7 @@ class FakeEngine:
         loop = asyncio.get_running_loop()
         self.last_arrival = time.monotonic()
         job = _Job(rid=rid, target=max(target, 1), done=loop.create_future(), arrived=loop.time())
+        self._advance_to(job.arrived)  # the requests before it ran at the old rate until now
         self._jobs.append(job)
         self._wake.set()
         if body.get("stream") and not openai:
@@ -323,6 +339,7 @@ class FakeEngine:
         self.control_calls.append((path, body))
         if path == "/pause_generation":
             self.paused = True
+            self._advance_to(asyncio.get_running_loop().time())  # work done up to the pause
             self._unpaused.clear()
             if body.get("mode", "abort") == "abort":
                 for job in list(self._jobs):
@@ -330,6 +347,7 @@ class FakeEngine:
             return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
         if path == "/continue_generation":
             self.paused = False
+            self._last = asyncio.get_running_loop().time()  # nothing was done while paused
             self._unpaused.set()
             return web.json_response(
                 {"message": "Generation continued successfully.", "status": "ok"}

@@ -1,7 +1,8 @@
 """Worker registry: the engines behind the router, their lifecycle state and live load counters.
 
 Owns: `WorkerState`, `Worker`, `WorkerRegistry` (add/remove/lookup, failure/success accounting
-that drives quarantine and re-admission, the wake-up event for requests waiting for an engine).
+that drives quarantine and re-admission, the wake-up event for requests waiting for an engine,
+the `on_healthy` hook the late-binding dispatcher listens on).
 Must never import: `slime_async`, aiohttp, or the proxy/health/server modules (pure bookkeeping).
 """
 
@@ -11,6 +12,7 @@ import asyncio
 import enum
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -104,6 +106,9 @@ class WorkerRegistry:
         self._healthy_event = asyncio.Event()
         self.weight_generation = 0
         """Count of weight-changing control calls the router has fanned out successfully."""
+        self.on_healthy: list[Callable[[], None]] = []
+        """Called (synchronously) whenever a worker becomes HEALTHY: the dispatcher binds
+        queued requests to it."""
 
     # --- membership -------------------------------------------------------------------------
     def add(self, url: str) -> Worker:
@@ -200,6 +205,9 @@ class WorkerRegistry:
         if w.state is not state:
             w.state = state
             w.state_since = time.monotonic()
+            if state is WorkerState.HEALTHY:
+                for callback in self.on_healthy:
+                    callback()
         if self.healthy():
             self._healthy_event.set()
         else:
