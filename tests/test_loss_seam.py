@@ -325,4 +325,6 @@ async def test_plugin_loss_end_to_end_through_the_controller(tmp_path):
     steps = [r for r in rows if "train/version" in r]
     assert len(steps) == 2
     assert all(r["plugin/scale"] == 2.0 and "train/behavior_forwards" not in r for r in steps)
-    assert all(r["train/proximal_forwards"] > 0 for r in steps)
+    # one optimizer update per step, no R2, denominators from the mask: π_k comes from the
+    # training forward, no separate forward
+    assert all(r["train/proximal_forwards"] == 0 for r in steps)

@@ -161,10 +161,11 @@ class MegatronTrainer(LogprobForwards):
     def _denominators(self, mbs: list[MicroBatch], inputs: StepInputs) -> tuple[float, float]:
         """Global (tokens, sequences) of the loss's denominators over micro-batches and DP."""
         fn = self.loss_spec.needs.denominators
+        own = fn is not None and self.loss_spec.needs.denominators_need_logprobs(self.loss_cfg)
         counts = torch.zeros(2, dtype=torch.float64)
         for i, m in enumerate(mbs):
             mb = m.batch
-            if fn is None:  # valid tokens/sequences of the loss mask: no forward needed
+            if not own:  # valid tokens/sequences of the loss mask: no forward needed
                 tok, seq = denominators(mb.loss_mask[:, 1:])
             else:
                 assert inputs.proximal is not None  # LossNeeds: a function needs π_k
@@ -192,9 +193,10 @@ class MegatronTrainer(LogprobForwards):
             lp, ent = m.to_samples(lp_pos), m.to_samples(ent_pos.detach())
             # an entropy bonus needs the entropy with its gradient
             ent_grad = m.to_samples(ent_pos) if self.loss_spec.needs.entropy else None
-            # without the π_k forward: the same weights (one update per step), detached
+            # without a π_k forward: the same weights (one update per step), detached
             lp_k = lp.detach() if inputs.proximal is None else inputs.proximal[i]
-            mb_in = loss_inputs(mb, lp, lp_k, inputs.behavior_of(i), version=self.version,
+            lp_j = inputs.behavior_with_current(i, lp_k, mb.token_versions, self.version)
+            mb_in = loss_inputs(mb, lp, lp_k, lp_j, version=self.version,
                                 num_tokens=n_tok, num_seqs=n_seq, entropy=ent_grad,
                                 reference=inputs.reference_of(i))  # fmt: skip
             out = self.loss_spec.fn(mb_in, self.loss_cfg)
