@@ -25,7 +25,7 @@ from typing import Any
 
 from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
-from loss import dynamic_sampling_keep
+from loss import dynamic_sampling_keep, resolve_loss_spec
 from slime_async.config import RunConfig
 from slime_async.contracts.engine import EngineBackend
 from slime_async.contracts.rollout import Batch, GenerationRequest, Group
@@ -33,6 +33,7 @@ from slime_async.engine.backends import get_engine_backend
 from slime_async.metrics import MetricsLogger
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate
+from slime_async.rollout.behavior import BehaviorAnnotate
 from slime_async.rollout.client import GenerateClient, GenerateClientConfig, check_routed_experts
 from slime_async.rollout.custom_generate import CustomGenerate, load_custom_generate, slime_args
 from slime_async.rollout.plan import DataPlan, make_data_plan
@@ -40,6 +41,7 @@ from slime_async.rollout.tasks import TaskFamilyConfig
 from slime_async.rollout.warmstart import WarmStartConfig, warm_start
 from slime_async.supervisor import EnginesDownError, EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
+from slime_async.trainer.behavior_role import BehaviorRole
 from slime_async.weights import DiskTransport
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class Run:
     generate: ScoredGenerate
     sample_fn: Any = None
     """What generates one sample: the generate client or a custom generate function."""
+    behavior_role: Any = None
+    """The forward-only role computing π_j^Meg (`--behavior-forward role`), or None."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
     _logged_once: bool = False
     _rollout_idle_mark: float = 0.0
@@ -189,6 +193,8 @@ class Run:
         await self.client.close()
         await self.cluster.stop()
         self.trainer.shutdown()
+        if self.behavior_role is not None:
+            self.behavior_role.shutdown()
         self.logger.close()
 
 
@@ -271,7 +277,11 @@ async def setup_run(cfg: RunConfig) -> Run:
     weights_root = cfg.run_dir / "weights"
     first = weights_root / f"v{version:06d}"
     await asyncio.to_thread(trainer.save_weights, first)
-    cluster, transport = await _start_engines(cfg, backend, trainer, first=first, version=version)
+    role = await _start_behavior_role(cfg, trainer_cfg)
+    if role is not None:
+        role.add_version(version, first)
+    cluster, transport = await _start_engines(cfg, backend, trainer, first=first, version=version,
+                                              role=role)  # fmt: skip
     if trainer_cfg.routing_replay.value == "r3" and cfg.model.is_moe:
         try:  # refuse now what would otherwise surface only at the first train step
             await asyncio.gather(*(check_routed_experts(u) for u in cluster.engine_urls))
@@ -308,7 +318,7 @@ async def setup_run(cfg: RunConfig) -> Run:
     worker = RolloutDataWorker(
         cfg.data_worker,
         plan.source,
-        generate,
+        generate if role is None else BehaviorAnnotate(generate, role.logprobs),
         group_filter=_dapo_filter if r.dynamic_sampling else None,
         abort_fn=abort_all,
     )
@@ -324,14 +334,36 @@ async def setup_run(cfg: RunConfig) -> Run:
         cfg=cfg, trainer=trainer, cluster=cluster, worker=worker, client=client,
         transport=transport, logger=logger, plan=plan, start_step=start_step, version=version,
         served=(first, version), supervisor=supervisor, generate=generate, sample_fn=sample_fn,
+        behavior_role=role,
     )  # fmt: skip
     supervisor.start()
     await run.write_roles()
     return run
 
 
+async def _start_behavior_role(cfg: RunConfig, trainer_cfg: Any) -> BehaviorRole | None:
+    """The forward-only role, on the rollout cores, when π_j^Meg is computed there: the loss
+    reads it, snapshots are on, `--behavior-forward role`, and the run is asynchronous (with
+    `--max-staleness 0` every trained token is of the current version: nothing to compute)."""
+    if not (trainer_cfg.keep_old_actor and trainer_cfg.behavior_forward == "role"
+            and resolve_loss_spec(trainer_cfg.loss.name).needs.behavior_logprobs
+            and cfg.data_worker.max_staleness > 0):  # fmt: skip
+        return None
+    role = await asyncio.to_thread(
+        BehaviorRole, trainer_cfg, cfg.model, num_threads=max(1, len(cfg.rollout_cores))
+    )
+    await pin_actor(role.actor, cfg.rollout_cores)
+    return role
+
+
 async def _start_engines(
-    cfg: RunConfig, backend: EngineBackend, trainer: TrainerGroup, *, first: Path, version: int
+    cfg: RunConfig,
+    backend: EngineBackend,
+    trainer: TrainerGroup,
+    *,
+    first: Path,
+    version: int,
+    role: BehaviorRole | None = None,
 ) -> tuple[Cluster, DiskTransport]:
     """Engines on the trainer's export `first` of `version`, a router in front, the weight transport.
     Engines a backend attaches (instead of starting them on that export) get `version` pushed
@@ -340,7 +372,8 @@ async def _start_engines(
                                   model_dir=first.resolve(), version=version,
                                   seed=cfg.engine.seed, router_cfg=cfg.router,
                                   rollout_cores=cfg.rollout_cores)  # fmt: skip
-    transport = DiskTransport(first.parent, trainer=trainer, control=cluster.control)
+    transport = DiskTransport(first.parent, trainer=trainer, control=cluster.control,
+                              on_written=None if role is None else role.add_version)  # fmt: skip
     if not backend.needs.model_dir:
         try:
             await transport.load(version)

@@ -252,7 +252,36 @@ class LogprobForwards:
             out.metrics["timing/reference_logprobs_s"] = time.perf_counter() - t
         if plan.behavior:
             t = time.perf_counter()
-            out.behavior, passes = self._behavior_logprobs(mbs, out.proximal)
+            if self.cfg.behavior_forward == "role":
+                out.behavior, missing = self._precomputed_behavior(mbs, out.proximal)
+                out.metrics["train/behavior_missing_tokens"] = float(missing)
+                passes = 0
+            else:
+                out.behavior, passes = self._behavior_logprobs(mbs, out.proximal)
             out.metrics["timing/behavior_logprobs_s"] = time.perf_counter() - t
             out.metrics["train/behavior_forwards"] = float(passes)
         return out
+
+    def _precomputed_behavior(
+        self, mbs: list[MicroBatch], lp_k: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor] | None, int]:
+        """π_j^Meg from the batch (`behavior_logprobs`, computed by the forward-only role when
+        each sample completed), tokens of the current version taking `lp_k` (or 0, filled from
+        the training forward). (None, missing tokens) when any trained token of an older
+        version has no value on some DP rank: the loss then falls back to the combined ratio."""
+        out, missing = [], 0
+        for i, mb in enumerate(mbs):
+            b = mb.batch
+            old = b.loss_mask & (b.token_versions != self.version)
+            given = b.behavior_logprobs
+            if given is None:
+                missing += int(old.sum())
+                continue
+            missing += int((old & ~torch.isfinite(given)).sum())
+            cur = torch.zeros_like(given) if lp_k is None else lp_k[i]
+            out.append(torch.where(old, given.nan_to_num(0.0), cur))
+        count = torch.tensor([missing], dtype=torch.long)
+        parallel.all_reduce_sum(count, parallel.groups()["dp"])
+        if int(count[0]):
+            return None, int(count[0])
+        return out, 0

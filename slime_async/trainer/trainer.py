@@ -127,7 +127,7 @@ class MegatronTrainer(LogprobForwards):
         elif cfg.hf_checkpoint is not None:
             self.import_hf(cfg.hf_checkpoint)
         self.optim.set_version(self.version)
-        if cfg.keep_old_actor:
+        if self.keeps_snapshots:
             self.snapshots.snapshot(self.model, self.version)
         self.reference = maybe_reference(self)  # KL penalty: π_ref weights (initial or --ref-load)
 
@@ -219,7 +219,7 @@ class MegatronTrainer(LogprobForwards):
         gradient norm on every rank together. Returns (grad norm, lr)."""
         gnorm, lr = self.optim.step(version=self.version, clip_grad=self.cfg.clip_grad)
         self.version += 1
-        if self.cfg.keep_old_actor:
+        if self.keeps_snapshots:
             self.snapshots.snapshot(self.model, self.version)
         return gnorm, lr
 
@@ -241,6 +241,12 @@ class MegatronTrainer(LogprobForwards):
         return metrics
 
     # ------------------------------------------------------------------ versions
+    @property
+    def keeps_snapshots(self) -> bool:
+        """Snapshots are kept with `keep_old_actor`, unless a forward-only role computes π_j^Meg
+        (`behavior_forward="role"`): then that role holds the versions' weights."""
+        return self.cfg.keep_old_actor and self.cfg.behavior_forward == "trainer"
+
     def snapshot(self) -> int:
         """Keep the current weights as a snapshot of `self.version`; returns that version."""
         self.snapshots.snapshot(self.model, self.version)
