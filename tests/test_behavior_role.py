@@ -69,7 +69,9 @@ def test_role_logprobs_equal_the_train_steps_and_the_step_reads_them(tmp_path, r
     for key, value in ref.items():
         assert out[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
     # trained tokens of an older version without a value → the step falls back, counted
-    after = tr.train_step(dataclasses.replace(_batch(8, versions=(0, 3), routed=True), behavior_logprobs=None))
+    after = tr.train_step(
+        dataclasses.replace(_batch(8, versions=(0, 3), routed=True), behavior_logprobs=None)
+    )
     assert after["loss/compis_fallback"] == 1.0 and after["train/behavior_missing_tokens"] > 0
     tr.shutdown()
 

@@ -274,9 +274,8 @@ class LogprobForwards:
             b = mb.batch
             old = b.loss_mask & (b.token_versions != self.version)
             given = b.behavior_logprobs
-            if given is None:
-                missing += int(old.sum())
-                continue
+            if given is None:  # e.g. --max-staleness 0: no role, every token is current
+                given = torch.full(tuple(b.tokens.shape), float("nan"))
             missing += int((old & ~torch.isfinite(given)).sum())
             cur = torch.zeros_like(given) if lp_k is None else lp_k[i]
             out.append(torch.where(old, given.nan_to_num(0.0), cur))
