@@ -94,6 +94,13 @@ def run_arm(workload: str, name: str, flags: list[str], out: Path, common: list[
     with open(out / workload / f"{name}.log", "w") as log:
         subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     wall = time.perf_counter() - t0
+    return summarize(workload, name, run_dir, wall=wall, before=before, after=load())
+
+
+def summarize(
+    workload: str, name: str, run_dir: Path, *, wall: float, before: str, after: str
+) -> dict:
+    """One arm's numbers from its metrics.jsonl (steady state: steps 2..N)."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in rows if "train/version" in r]
     steady = train[1:]  # from the end of step 1: startup and the first batch left out
@@ -103,7 +110,7 @@ def run_arm(workload: str, name: str, flags: list[str], out: Path, common: list[
         "workload": workload,
         "name": name,
         "load_before": before,
-        "load_after": load(),
+        "load_after": after,
         "wall_s": wall,
         "steady_s": span,
         "samples": samples_per_step * len(train),
@@ -181,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="S of the async arms (the first also gets sync/one-step; the rest "
                         "compare CompIS's step time with PPO's).")  # fmt: skip
     p.add_argument("--arms", nargs="*", default=None, help="Only these arm names.")
+    p.add_argument("--report-only", action="store_true",
+                   help="Only summarize the arms already run under --out.")  # fmt: skip
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="Flags passed to every train_async.py run.")  # fmt: skip
     args = p.parse_args(argv)
@@ -197,6 +206,19 @@ def main(argv: list[str] | None = None) -> int:
     ws = warm_start(out, config=WarmStartConfig(seed=args.seed),
                     task=TaskFamilyConfig(seed=args.seed))  # fmt: skip
     results = []
+    if args.report_only:  # re-read finished arms (e.g. of an interrupted run)
+        for wl in args.workloads:
+            for name in arms(args.staleness):
+                d = out / wl / name
+                wanted = args.arms is None or name in args.arms
+                if not (wanted and (d / "metrics.jsonl").exists()):
+                    continue
+                if any("train/version" in r for r in read_jsonl(d / "metrics.jsonl")):
+                    results.append(summarize(wl, name, d, wall=float("nan"), before="?",
+                                             after="?"))  # fmt: skip
+        table = report(results)
+        print(table)
+        return 0
     for wl in args.workloads:
         warm = [] if "--warmstart-steps" in WORKLOADS[wl] else ["--hf-checkpoint", str(ws.path)]
         for name, flags in arms(args.staleness).items():
