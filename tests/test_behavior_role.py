@@ -83,8 +83,8 @@ def asyncio_run(coro):
 
 
 async def test_the_run_computes_pi_j_in_the_role(tmp_path):
-    """Three async steps of the real run with `--behavior-forward role`: every step reads π_j^Meg
-    from the batch (no snapshot forward, nothing missing, no fallback)."""
+    """Four async steps of the real run (the role is the default here): every step reads
+    π_j^Meg from the batch (no snapshot forward, nothing missing, no fallback)."""
     from slime_async.config import parse_config
     from slime_async.controller import train
 
@@ -92,8 +92,9 @@ async def test_the_run_computes_pi_j_in_the_role(tmp_path):
         "--run-dir", str(tmp_path), "--num-steps", "4", "--rollout-batch-size", "2",
         "--n-samples-per-prompt", "4", "--rollout-max-response-len", "12",
         "--warmstart-steps", "0", "--eval-interval", "0", "--micro-batch-size", "4",
-        "--max-staleness", "2", "--behavior-forward", "role",
+        "--max-staleness", "2",
     ])  # fmt: skip
+    # the default of an async run whose loss reads pi_j^Meg
     assert cfg.trainer.keep_old_actor and cfg.trainer.behavior_forward == "role"
     summary = await train(cfg)
     assert summary["train/version"] == 4 and math.isfinite(summary["loss/total"])

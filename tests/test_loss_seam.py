@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 torch.set_num_threads(1)
 
 BASE = ["--warmstart-steps", "0", "--micro-batch-size", "3", "--routing-replay", "r2",
+        "--behavior-forward", "trainer",
         "--lr", "2e-3", "--seed", "3"]  # fmt: skip
 
 

@@ -387,11 +387,12 @@ def _add_off_policy_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
     )
     g.add_argument(
         "--behavior-forward",
-        default=d.behavior_forward,
+        default=None,
         choices=["trainer", "role"],
         help="Where pi_j^Meg is computed with --keep-old-actor: 'trainer' (snapshot forwards "
         "in the train step) or 'role' (a forward-only role, on the rollout cores, when each "
-        "sample completes: off the trainer's critical path; see docs/compis.md).",
+        "sample completes: off the trainer's critical path; see docs/compis.md) (default: "
+        "role for an async run whose loss reads pi_j^Meg, trainer otherwise).",
     )
     g.add_argument(
         "--max-snapshots",
