@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -90,9 +91,16 @@ def run_arm(workload: str, name: str, flags: list[str], out: Path, common: list[
            *WORKLOADS[workload], *flags]  # fmt: skip
     before = load()
     print(f"[{workload}/{name}] {' '.join(cmd[2:])} ({before})", flush=True)
-    t0 = time.perf_counter()
-    with open(out / workload / f"{name}.log", "w") as log:
-        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    for attempt in (1, 2):  # a start-up failure (e.g. a port taken meanwhile) gets one retry
+        t0 = time.perf_counter()
+        with open(out / workload / f"{name}.log", "w") as log:
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        if done.returncode == 0:
+            break
+        print(f"[{workload}/{name}] failed (attempt {attempt}): see {log.name}", flush=True)
+        if attempt == 2:
+            done.check_returncode()
+        shutil.rmtree(run_dir, ignore_errors=True)
     wall = time.perf_counter() - t0
     return summarize(workload, name, run_dir, wall=wall, before=before, after=load())
 
@@ -166,10 +174,15 @@ def report(results: list[dict]) -> str:
             for kind in ("async-compis", "async-compis-trainer"):
                 c = rs.get(f"{kind}-S{s}")
                 if c is not None:
+                    # load-normalized: each arm's step in units of its own fwd+bwd (measured in
+                    # the same steps, under the same load), CompIS over PPO
+                    rel_c = c["t_train"] / max(c["t_fwd_bwd"], 1e-9)
+                    rel_p = ppo["t_train"] / max(ppo["t_fwd_bwd"], 1e-9)
                     lines.append(
                         f"\nS={s}: {kind} train step {c['t_train']:.3f} s vs plain PPO "
                         f"{ppo['t_train']:.3f} s = {c['t_train'] / max(ppo['t_train'], 1e-9):.2f}x "
-                        f"(pi_j^Meg in the step {c['t_behavior']:.3f} s, "
+                        f"raw, {rel_c / rel_p:.2f}x load-normalized (step / own fwd+bwd: "
+                        f"{rel_c:.2f} vs {rel_p:.2f}; pi_j^Meg in the step {c['t_behavior']:.3f} s, "
                         f"{c['behavior_forwards']:.1f} snapshot passes; "
                         f"throughput {c['samples_per_hour'] / ppo['samples_per_hour']:.2f}x PPO's)"
                     )
@@ -187,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staleness", nargs="*", type=int, default=[2],
                    help="S of the async arms (the first also gets sync/one-step; the rest "
                         "compare CompIS's step time with PPO's).")  # fmt: skip
-    p.add_argument("--arms", nargs="*", default=None, help="Only these arm names.")
+    p.add_argument("--arms", nargs="*", default=None,
+                   help="Only these arm names, run in this order (e.g. interleaved).")  # fmt: skip
     p.add_argument("--report-only", action="store_true",
                    help="Only summarize the arms already run under --out.")  # fmt: skip
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
@@ -221,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for wl in args.workloads:
         warm = [] if "--warmstart-steps" in WORKLOADS[wl] else ["--hf-checkpoint", str(ws.path)]
-        for name, flags in arms(args.staleness).items():
-            if args.arms is None or name in args.arms:
-                results.append(run_arm(wl, name, [*warm, *flags], out, common))
+        table_of = arms(args.staleness)
+        for name in args.arms or list(table_of):  # in the order given
+            results.append(run_arm(wl, name, [*warm, *table_of[name]], out, common))
     table = report(results)
     (out / "bench_async.md").write_text(table + "\n")
     (out / "bench_async.json").write_text(json.dumps(results, indent=1))
