@@ -105,3 +105,43 @@ async def test_the_run_computes_pi_j_in_the_role(tmp_path):
     assert all(r["train/behavior_missing_tokens"] == 0 for r in steps)
     assert all(r["loss/compis_fallback"] == 0 for r in steps)
     assert any(r["staleness/mean"] > 0 for r in steps)  # older versions were trained on
+
+
+def test_a_continued_sample_is_sent_whole_and_assembled_in_place():
+    """`sample_batch` gives the role prompt + every segment with each token's version;
+    `assemble` puts a sample's values on its response tokens, NaN for a sample without any."""
+    from data_worker.versions import VersionRuns
+    from slime_async.contracts.rollout import (
+        Batch,
+        GenerationRequest,
+        GenerationResult,
+        Group,
+        Prompt,
+        Sample,
+    )
+    from slime_async.rollout.assemble import assemble
+    from slime_async.rollout.behavior import sample_batch
+
+    prompt = Prompt(key="p", prompt_ids=(1, 5, 3))
+    req = GenerationRequest(prompt=prompt, group_seq=0, sample_index=0, prefix_ids=(11, 12),
+                            prefix_versions=VersionRuns.constant(4, 2))  # fmt: skip
+    res = GenerationResult(output_ids=(13, 2), token_versions=(5, 5))
+    b = sample_batch([(req, res)])
+    assert b.tokens.tolist() == [[1, 5, 3, 11, 12, 13, 2]]
+    assert b.loss_mask.tolist() == [[False] * 3 + [True] * 4]
+    assert b.token_versions.tolist() == [[-1, -1, -1, 4, 4, 5, 5]]
+
+    def sample(i: int, payload: dict) -> Sample:
+        base = {"logprobs": [-1.0, -1.0], "nonfinite": [False, False], "reward": float(i)}
+        return Sample(sample_index=i, output_ids=(13, 2), token_versions=VersionRuns.constant(5, 2),
+                      payloads=({**base, **payload},), min_version=5, attempts=1)  # fmt: skip
+
+    group = Group(seq=0, prompt=prompt, samples=(sample(0, {"behavior_logprobs": [-0.5, -0.25]}),
+                                                 sample(1, {})),
+                  min_version=5, max_version=5, admitted_version=5, completed_at=0.0)  # fmt: skip
+    tb = assemble(Batch(groups=(group,), dropped=0, filtered=0, current_version=6, wait_s=0.0),
+                  estimator="grpo").batch  # fmt: skip
+    assert tb.behavior_logprobs[0, 3:].tolist() == [-0.5, -0.25]
+    assert bool(tb.behavior_logprobs[0, :3].isnan().all()) and bool(
+        tb.behavior_logprobs[1].isnan().all()
+    )
