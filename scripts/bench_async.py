@@ -18,7 +18,9 @@ and arms (plain PPO; CompIS with snapshots, π_j^Meg from the forward-only role 
 
 It prints per arm the wall time, samples/hour, per-step phases (wait for a batch, train, weight
 sync; the trainer's fwd+bwd and π_j^Meg time), the trainer idle ratio (mean of the per-step
-`idle/trainer_ratio` in metrics.jsonl) and the rollout idle ratio; per workload and loss the
+`idle/trainer_ratio` in metrics.jsonl), the rollout idle ratio and the busier side's busy share
+(in an async arm: how close the pipeline runs to what its own phase times allow, whatever the
+load); per workload and loss the
 bound (Tg + Tt) / max(Tg, Tt) from the sync arm's phases (Tg: its wait for a batch, Tt: train +
 weight sync) and each arm's speed-up over sync and ratio to that bound; and CompIS's train-step
 time over plain PPO's at each staleness in `--staleness`. Writes BENCH_DIR/bench_async.md/json.
@@ -146,9 +148,9 @@ def report(results: list[dict]) -> str:
         lines += [
             f"\n### {wl} (mean response {next(iter(rs.values()))['length']:.1f} tokens)\n",
             "| arm | wall s | samples/h | vs sync | bound | of bound | wait s | train s "
-            "| sync s | fwd+bwd s | pi_j s | trainer idle | rollout idle | stale | fallback "
-            "| load before/after |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| sync s | fwd+bwd s | pi_j s | trainer idle | rollout idle | bottleneck busy "
+            "| stale | fallback | load before/after |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in rs.items():
             loss = "ppo" if "-ppo" in name else "compis"
@@ -163,7 +165,8 @@ def report(results: list[dict]) -> str:
                 f"| {name} | {r['wall_s']:.0f} | {r['samples_per_hour']:.0f} | {vs:.2f}x | "
                 f"{bound:.2f}x | {of:.0%} | {r['t_wait']:.3f} | {r['t_train']:.3f} | "
                 f"{r['t_sync']:.3f} | {r['t_fwd_bwd']:.3f} | {r['t_behavior']:.3f} | "
-                f"{r['idle_trainer']:.2f} | {r['idle_rollout']:.2f} | {r['staleness']:.1f} | "
+                f"{r['idle_trainer']:.2f} | {r['idle_rollout']:.2f} | "
+                f"{max(1 - r['idle_trainer'], 1 - r['idle_rollout']):.2f} | {r['staleness']:.1f} | "
                 f"{r['fallback']:.2f} | {r['load_before']} / {r['load_after']} |"
             )
         sweep = sorted({int(n.rsplit("-S", 1)[1]) for n in rs if "-S" in n})
