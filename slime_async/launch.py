@@ -19,6 +19,7 @@ import enum
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ class Run:
 
     async def push_weights(self, version: int) -> dict[str, float]:
         """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
+        await self._feed_role(version)
         requeue = self.cfg.data_worker.partial_rollout is PartialRolloutPolicy.REQUEUE
         if requeue:  # abort in-flight generations; the data worker re-issues them whole
             await self.worker.pause()
@@ -86,6 +88,22 @@ class Run:
         self.worker.set_served_version(version)
         self.served = (self.transport.path(version), version)
         return metrics
+
+    async def _feed_role(self, version: int) -> None:
+        """Give the forward-only role `version`'s weights before any engine serves it. A disk
+        transport hands over the directory it writes (`on_written`); any other transport has
+        no such directory, so the trainer exports one for the role here (kept for a few
+        versions: the role loads them in order)."""
+        role = self.behavior_role
+        if role is None or getattr(self.transport, "on_written", None) is not None:
+            return
+        root = self.cfg.run_dir / "weights_role"
+        path = root / f"v{version:06d}"
+        await asyncio.to_thread(self.trainer.save_weights, path)
+        role.add_version(version, path)
+        for d in root.glob("v*"):
+            if d.name[1:].isdigit() and int(d.name[1:]) <= version - 4:
+                shutil.rmtree(d, ignore_errors=True)
 
     async def score(self, batch: Batch) -> Batch:
         """Rewards that need a whole group (slime's `--group-rm`); a no-op otherwise."""
