@@ -139,6 +139,11 @@ def _single_ratio_weights(
     return w, denom, dropped
 
 
+def single_ratio_denominators_read_logprobs(cfg: SingleRatioConfig) -> bool:
+    """Whether `single_ratio_denominators` under `cfg` depends on log-probs (`denom=drop`)."""
+    return cfg.denom is Denom.DROP
+
+
 def single_ratio_denominators(inputs: LossInputs, cfg: SingleRatioConfig) -> tuple[float, float]:
     """This micro-batch's (tokens, sequences) for the global denominators under `cfg.denom`."""
     _, denom, _ = _single_ratio_weights(inputs, cfg)

@@ -152,6 +152,15 @@ def compis_terms(inputs: LossInputs, cfg: CompISConfig) -> CompISTerms:
     )
 
 
+def compis_denominators_read_logprobs(cfg: CompISConfig) -> bool:
+    """Whether `compis_denominators` under `cfg` depends on log-probs: only `denom=drop` with a
+    correction that can zero tokens (cap / icepop); otherwise its counts are `loss_mask`'s."""
+    masking = (Method.CAP, Method.ICEPOP)
+    return cfg.denom is Denom.DROP and (
+        cfg.engine_method in masking or cfg.staleness_method in masking
+    )
+
+
 def compis_denominators(inputs: LossInputs, cfg: CompISConfig) -> tuple[float, float]:
     """This micro-batch's (tokens, sequences) for the global denominators under `cfg.denom`.
 

@@ -48,9 +48,10 @@ from loss.baselines import (
     m2po_loss,
     prime_masked_is_loss,
     single_ratio_denominators,
+    single_ratio_denominators_read_logprobs,
     single_ratio_loss,
 )
-from loss.compis import compis_denominators, compis_loss
+from loss.compis import compis_denominators, compis_denominators_read_logprobs, compis_loss
 from loss.compis_metrics import compis_metrics
 from loss.named import Registry, load_function, load_object
 from loss.slime_adapter import (
@@ -69,8 +70,9 @@ _LOSSES: Registry[LossSpec] = Registry(
 )
 
 PLUGIN_NEEDS = LossNeeds(
-    proximal_logprobs=True, behavior_logprobs=True, denominators=compis_denominators
-)
+    proximal_logprobs=True, behavior_logprobs=True, denominators=compis_denominators,
+    denominators_read_logprobs=compis_denominators_read_logprobs,
+)  # fmt: skip
 """What a plain plugin `fn(inputs, cfg)` is given: everything CompIS reads."""
 
 _DEFAULT = object()
@@ -219,7 +221,9 @@ _BUILTINS: list[tuple[str, Callable, type, LossNeeds, Callable[[CompISConfig], A
     ("ppo", _ppo_loss, PPOConfig, _PI_K_AND_SGL, lambda c: c),
     ("decoupled_ppo", decoupled_ppo_loss, DecoupledPPOConfig, _PI_K_AND_SGL, _decoupled_from),
     ("single_ratio", single_ratio_loss, SingleRatioConfig,
-     dataclasses.replace(_PI_K_AND_SGL, denominators=single_ratio_denominators), _single_from),
+     dataclasses.replace(_PI_K_AND_SGL, denominators=single_ratio_denominators,
+                         denominators_read_logprobs=single_ratio_denominators_read_logprobs),
+     _single_from),
     ("m2po", m2po_loss, M2POConfig, _PI_K_AND_SGL, lambda c: M2POConfig(**c.ppo_knobs())),
     ("gspo", gspo_loss, GSPOConfig, LossNeeds(rollout_logprobs=False), lambda c: None),
     ("prime_masked_is", prime_masked_is_loss, PrimeMaskedISConfig,

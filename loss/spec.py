@@ -14,7 +14,7 @@ The trainer computes only what `needs` names (see loss/README.md, "The loss seam
 | `routing_replay` | refuses to start an MoE run without routing replay (r2 or r3) |
 | `entropy` | passes the training forward's entropy (with grad) |
 | `reference_logprobs` | keeps the reference weights; one no-grad forward under them per micro-batch |
-| `denominators` | None: global valid-token/sequence counts of `loss_mask`, free; a function: called per micro-batch on the no-grad inputs, summed over micro-batches and DP ranks |
+| `denominators` | None: global valid-token/sequence counts of `loss_mask`, free; a function: called per micro-batch on the no-grad inputs, summed over micro-batches and DP ranks (and the π_k forward runs for it), unless `denominators_read_logprobs(cfg)` says this config's counts are the mask's |
 
 Worked example (a plugin that reads only π_k and the engine's log-probs)::
 
@@ -41,10 +41,11 @@ class LossNeeds:
     """The inputs a loss reads; the trainer computes these and nothing else."""
 
     proximal_logprobs: bool = True
-    """Reads π_k (`proximal_logprobs`) from a no-grad forward at the start of the step. When
-    False the trainer skips that forward (unless R2 routing replay must record routing in it)
-    and passes the training forward's detached log-probs instead: the same weights, since a
-    train step takes one optimizer update after all its micro-batches."""
+    """Reads π_k (`proximal_logprobs`). A train step takes one optimizer update after all its
+    micro-batches, so π_k equals the training forward's detached log-probs (r1 ≡ 1 in value):
+    the trainer passes those and runs no separate π_k forward, unless something must be known
+    before the training forward (R2 routing replay records routing in it; a denominator
+    function that reads log-probs, see `denominators_read_logprobs`)."""
     behavior_logprobs: bool = False
     """Reads π_j^Meg (`behavior_logprobs`): with `keep_old_actor`, one forward per held version
     j under its snapshot (plus the π_k forward: tokens of the current version take π_k). When
@@ -65,16 +66,34 @@ class LossNeeds:
     (needs no forward). A function (e.g. `compis_denominators`, which honours `denom=drop`):
     called on each micro-batch's no-grad inputs before the training forward, so it needs
     `proximal_logprobs`."""
+    denominators_read_logprobs: Callable[[Any], bool] | None = None
+    """Whether `denominators`, under the loss's config, reads the log-probs (None: always).
+    When it returns False, the function's counts must equal the valid tokens and sequences of
+    `loss_mask` (e.g. CompIS with `denom=keep`: masked tokens still count), and the trainer
+    takes those without the π_k forward the function would otherwise need."""
 
     def __post_init__(self) -> None:
         if self.denominators is not None and not callable(self.denominators):
             raise ValueError(f"denominators must be a function or None, got {self.denominators!r}.")
+        if self.denominators_read_logprobs is not None and not callable(
+            self.denominators_read_logprobs
+        ):
+            raise ValueError(
+                "denominators_read_logprobs must be a function of the loss config or None, got "
+                f"{self.denominators_read_logprobs!r}."
+            )
         if self.denominators is not None and not self.proximal_logprobs:
             raise ValueError(
                 "a loss with its own denominator function needs proximal_logprobs=True (the "
                 "denominators are computed from the no-grad inputs before the training "
                 "forward); or use denominators=None (valid-token counts of loss_mask)."
             )
+
+    def denominators_need_logprobs(self, cfg: Any) -> bool:
+        """True when the loss's own denominators under `cfg` must see the no-grad log-probs."""
+        if self.denominators is None:
+            return False
+        return self.denominators_read_logprobs is None or bool(self.denominators_read_logprobs(cfg))
 
     def names(self) -> list[str]:
         """The log-prob inputs and features declared, for logs (e.g. ['proximal_logprobs'])."""

@@ -20,6 +20,7 @@ groups minus the prompt population's). Prints a markdown table and writes `dispa
 `dispatch.png` to `--out` (default bench_out/).
 
 Usage: .venv/bin/python scripts/simulate_dispatch.py [--out bench_out] [--steps 120]
+       .venv/bin/python scripts/simulate_dispatch.py --bound ...   (sync vs async vs the bound)
 """
 
 from __future__ import annotations
@@ -357,6 +358,36 @@ def plot(results: list[Result], cfg: SimConfig, path: Path) -> None:
     tmp.replace(path)
 
 
+def async_bound(cfg: SimConfig, window: float) -> str:
+    """Sync (S = 0) vs async (S = cfg.max_staleness) on the same cluster and workload: the
+    async speed-up against its bound (Tg + Tt) / max(Tg, Tt), Tg = the sync trainer's wait
+    per step (generating one step's groups on the whole cluster), Tt = `train_step_s`."""
+    sync_cfg = dataclasses.replace(cfg, max_staleness=0, max_off_policy_steps=None)
+    sync = simulate(sync_cfg, Policy(name="sync", window=window, probe=False))
+    asy = simulate(cfg, Policy(name="async", window=window, probe=False))
+    tg, tt = sync.idle_s / cfg.steps, cfg.train_step_s
+    bound = (tg + tt) / max(tg, tt)
+    sync_tp = sync.trained_samples / sync.sim_s
+    async_tp = asy.trained_samples / asy.sim_s
+    speedup = async_tp / sync_tp
+    # the pipelined bound: every slot busy at full batch, or the trainer never idle
+    work = Workload(cfg)
+    lens = [work.length(i, j) for i in range(cfg.prompts) for j in range(cfg.n)]
+    per_req = cfg.prefill_s + sum(lens) / len(lens) * (cfg.tok_base + cfg.tok_per_req * cfg.slots)
+    gen_tp = cfg.engines * cfg.slots / per_req
+    ideal = min(gen_tp, cfg.groups_per_step * cfg.n / tt)
+    w = "inf" if math.isinf(window) else str(int(window))
+    return (
+        f"S={cfg.max_staleness}, W={w}: sync Tg {tg:.0f} s (its long tail) + Tt {tt:.0f} s -> "
+        f"bound {bound:.2f}x; async {speedup:.2f}x sync = {speedup / bound:.0%} of that bound. "
+        f"Pipelined bound min(generation {gen_tp:.1f}, training "
+        f"{cfg.groups_per_step * cfg.n / tt:.1f}) = {ideal:.1f} samples/s; async "
+        f"{async_tp:.1f} samples/s = {async_tp / ideal:.0%} of it; async trainer idle "
+        f"{asy.idle_s / asy.sim_s:.3f}, slot util {asy.slot_util:.2f}, dropped {asy.dropped}, "
+        f"staleness mean {sum(asy.staleness) / len(asy.staleness):.2f}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     d = SimConfig()
@@ -386,6 +417,14 @@ def main() -> None:
         choices=["queue", "backfill", "hold"],
         help="what a probing group's other samples do (DataWorkerConfig.probe_siblings)",
     )
+    p.add_argument(
+        "--bound",
+        action="store_true",
+        help="only compare sync (S=0) with async (S) against the bound (Tg+Tt)/max(Tg,Tt)",
+    )
+    p.add_argument("--min-len", type=int, default=d.min_len, help="shortest response (tokens)")
+    p.add_argument("--max-len", type=int, default=d.max_len, help="longest response (tokens)")
+    p.add_argument("--tok-base", type=float, default=d.tok_base, help="s per decode step")
     a = p.parse_args()
     cfg = SimConfig(
         engines=a.engines,
@@ -398,7 +437,14 @@ def main() -> None:
         train_step_s=a.train_step_s,
         steps=a.steps,
         seed=a.seed,
+        min_len=a.min_len,
+        max_len=a.max_len,
+        tok_base=a.tok_base,
     )
+    if a.bound:
+        print(async_bound(cfg, window=max(1, cfg.groups_per_step)))
+        print(async_bound(cfg, window=math.inf))
+        return
     B = cfg.groups_per_step
     policies = [Policy(name="arrival FIFO", window=math.inf, probe=False)]
     policies.append(Policy(name="strict order", window=1, probe=False))

@@ -269,6 +269,12 @@ def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool, loss_nam
             f.fill(dest, False, f"--loss {loss_name} does not read pi_j^Meg snapshots")
         else:
             f.fill(dest, value, f"default of {kind}")
+    if f.unset("behavior_forward"):
+        if a.keep_old_actor and reads_behavior and dw.max_staleness > 0:
+            f.fill("behavior_forward", "role", "an async run whose loss reads pi_j^Meg: the "
+                   "forward-only role computes it off the train step (docs/compis.md)")  # fmt: skip
+        else:
+            f.fill("behavior_forward", "trainer", "nothing to move off the train step")
     if not a.keep_old_actor:
         return  # no snapshots are kept, so --max-snapshots has nothing to size
     bound = worst_case_staleness(max_staleness=dw.max_staleness, fifo_window=dw.fifo_window,

@@ -19,13 +19,14 @@ import enum
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
-from loss import dynamic_sampling_keep
+from loss import dynamic_sampling_keep, resolve_loss_spec
 from slime_async.config import RunConfig
 from slime_async.contracts.engine import EngineBackend
 from slime_async.contracts.rollout import Batch, GenerationRequest, Group
@@ -33,6 +34,7 @@ from slime_async.engine.backends import get_engine_backend
 from slime_async.metrics import MetricsLogger
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate
+from slime_async.rollout.behavior import BehaviorAnnotate
 from slime_async.rollout.client import GenerateClient, GenerateClientConfig, check_routed_experts
 from slime_async.rollout.custom_generate import CustomGenerate, load_custom_generate, slime_args
 from slime_async.rollout.plan import DataPlan, make_data_plan
@@ -40,6 +42,7 @@ from slime_async.rollout.tasks import TaskFamilyConfig
 from slime_async.rollout.warmstart import WarmStartConfig, warm_start
 from slime_async.supervisor import EnginesDownError, EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
+from slime_async.trainer.behavior_role import BehaviorRole
 from slime_async.weights import DiskTransport, DistributedTransport, TransportKind
 
 log = logging.getLogger(__name__)
@@ -64,12 +67,15 @@ class Run:
     generate: ScoredGenerate
     sample_fn: Any = None
     """What generates one sample: the generate client or a custom generate function."""
+    behavior_role: Any = None
+    """The forward-only role computing π_j^Meg (`--behavior-forward role`), or None."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
     _logged_once: bool = False
     _rollout_idle_mark: float = 0.0
 
     async def push_weights(self, version: int) -> dict[str, float]:
         """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
+        await self._feed_role(version)
         requeue = self.cfg.data_worker.partial_rollout is PartialRolloutPolicy.REQUEUE
         if requeue:  # abort in-flight generations; the data worker re-issues them whole
             await self.worker.pause()
@@ -85,6 +91,22 @@ class Run:
             # start on the first export (labelled with its version) and join at the next push
             self.served = (self.transport.path(version), version)
         return metrics
+
+    async def _feed_role(self, version: int) -> None:
+        """Give the forward-only role `version`'s weights before any engine serves it. A disk
+        transport hands over the directory it writes (`on_written`); any other transport has
+        no such directory, so the trainer exports one for the role here (kept for a few
+        versions: the role loads them in order)."""
+        role = self.behavior_role
+        if role is None or getattr(self.transport, "on_written", None) is not None:
+            return
+        root = self.cfg.run_dir / "weights_role"
+        path = root / f"v{version:06d}"
+        await asyncio.to_thread(self.trainer.save_weights, path)
+        role.add_version(version, path)
+        for d in root.glob("v*"):
+            if d.name[1:].isdigit() and int(d.name[1:]) <= version - 4:
+                shutil.rmtree(d, ignore_errors=True)
 
     async def score(self, batch: Batch) -> Batch:
         """Rewards that need a whole group (slime's `--group-rm`); a no-op otherwise."""
@@ -196,6 +218,8 @@ class Run:
             log.warning("weight transport did not close cleanly: %s", e)
         await self.cluster.stop()
         self.trainer.shutdown()
+        if self.behavior_role is not None:
+            self.behavior_role.shutdown()
         self.logger.close()
 
 
@@ -338,7 +362,11 @@ async def setup_run(cfg: RunConfig) -> Run:
     weights_root = cfg.run_dir / "weights"
     first = weights_root / f"v{version:06d}"
     await asyncio.to_thread(trainer.save_weights, first)
-    cluster, transport = await _start_engines(cfg, backend, trainer, first=first, version=version)
+    role = await _start_behavior_role(cfg, trainer_cfg)
+    if role is not None:
+        role.add_version(version, first)
+    cluster, transport = await _start_engines(cfg, backend, trainer, first=first, version=version,
+                                              role=role)  # fmt: skip
     if trainer_cfg.routing_replay.value == "r3" and cfg.model.is_moe:
         try:  # refuse now what would otherwise surface only at the first train step
             await asyncio.gather(*(check_routed_experts(u) for u in cluster.engine_urls))
@@ -375,7 +403,7 @@ async def setup_run(cfg: RunConfig) -> Run:
     worker = RolloutDataWorker(
         cfg.data_worker,
         plan.source,
-        generate,
+        generate if role is None else BehaviorAnnotate(generate, role.logprobs),
         group_filter=_dapo_filter if r.dynamic_sampling else None,
         abort_fn=abort_all,
     )
@@ -391,19 +419,42 @@ async def setup_run(cfg: RunConfig) -> Run:
         cfg=cfg, trainer=trainer, cluster=cluster, worker=worker, client=client,
         transport=transport, logger=logger, plan=plan, start_step=start_step, version=version,
         served=(first, version), supervisor=supervisor, generate=generate, sample_fn=sample_fn,
+        behavior_role=role,
     )  # fmt: skip
     supervisor.start()
     await run.write_roles()
     return run
 
 
+async def _start_behavior_role(cfg: RunConfig, trainer_cfg: Any) -> BehaviorRole | None:
+    """The forward-only role, on the rollout cores, when π_j^Meg is computed there: the loss
+    reads it, snapshots are on, `--behavior-forward role`, and the run is asynchronous (with
+    `--max-staleness 0` every trained token is of the current version: nothing to compute)."""
+    if not (trainer_cfg.keep_old_actor and trainer_cfg.behavior_forward == "role"
+            and resolve_loss_spec(trainer_cfg.loss.name).needs.behavior_logprobs
+            and cfg.data_worker.max_staleness > 0):  # fmt: skip
+        return None
+    role = await asyncio.to_thread(
+        BehaviorRole, trainer_cfg, cfg.model, num_threads=max(1, len(cfg.rollout_cores))
+    )
+    await pin_actor(role.actor, cfg.rollout_cores)
+    return role
+
+
 async def _start_engines(
-    cfg: RunConfig, backend: EngineBackend, trainer: TrainerGroup, *, first: Path, version: int
+    cfg: RunConfig,
+    backend: EngineBackend,
+    trainer: TrainerGroup,
+    *,
+    first: Path,
+    version: int,
+    role: BehaviorRole | None = None,
 ) -> tuple[Cluster, DiskTransport | DistributedTransport]:
     """Engines on the trainer's export `first` of `version`, a router in front, the weight
     transport (`--update-weight-transport`). Engines a backend attaches (instead of starting
     them on that export) get `version` pushed through the transport before anything generates,
-    so every engine begins on it."""
+    so every engine begins on it. A disk transport hands each directory it writes to the
+    forward-only `role`; otherwise `Run._feed_role` exports one for it."""
     cluster = await Cluster.start(backend=backend, num_engines=cfg.engines.num_engines,
                                   model_dir=first.resolve(), version=version,
                                   seed=cfg.engine.seed, router_cfg=cfg.router,
@@ -415,7 +466,8 @@ async def _start_engines(
             cfg=cfg.weights, backend="nccl" if cfg.engines.backend == "sglang" else "gloo",
         )  # fmt: skip
     else:
-        transport = DiskTransport(first.parent, trainer=trainer, control=cluster.control)
+        transport = DiskTransport(first.parent, trainer=trainer, control=cluster.control,
+                                  on_written=None if role is None else role.add_version)  # fmt: skip
     if not backend.needs.model_dir:
         try:
             await transport.load(version)

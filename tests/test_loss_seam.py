@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 torch.set_num_threads(1)
 
 BASE = ["--warmstart-steps", "0", "--micro-batch-size", "3", "--routing-replay", "r2",
+        "--behavior-forward", "trainer",
         "--lr", "2e-3", "--seed", "3"]  # fmt: skip
 
 
@@ -325,4 +326,6 @@ async def test_plugin_loss_end_to_end_through_the_controller(tmp_path):
     steps = [r for r in rows if "train/version" in r]
     assert len(steps) == 2
     assert all(r["plugin/scale"] == 2.0 and "train/behavior_forwards" not in r for r in steps)
-    assert all(r["train/proximal_forwards"] > 0 for r in steps)
+    # one optimizer update per step, no R2, denominators from the mask: π_k comes from the
+    # training forward, no separate forward
+    assert all(r["train/proximal_forwards"] == 0 for r in steps)

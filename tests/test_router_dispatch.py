@@ -280,7 +280,7 @@ def test_capacity_flag_round_trips_and_a_negative_one_is_refused() -> None:
     add_router_args(ap)
     cfg = router_config_from_args(ap.parse_args(["--router-worker-capacity-tokens", "2048"]))
     assert cfg.worker_capacity_tokens == 2048
-    with pytest.raises(ValueError, match="worker-capacity-tokens .* must be >= 0"):
+    with pytest.raises(ValueError, match=r"worker-capacity-tokens .* must be >= 0"):
         validate_config(RouterConfig(worker_capacity_tokens=-1))
 
 

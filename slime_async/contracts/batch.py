@@ -46,12 +46,19 @@ class TrainerBatch:
     """[B, T] int64: version j that sampled each token (−1 where not masked)."""
     routed_experts: tuple[np.ndarray, ...] | None = None
     """Per sample `[lengths[b] − 1, L, K]` int engine routing (R3), or None."""
+    behavior_logprobs: torch.Tensor | None = None
+    """[B, T] float32 π_j^Meg of each token under its own version's trainer weights, computed
+    off the train step (`--behavior-forward role`); NaN where not computed. None: the trainer
+    computes π_j^Meg itself when its loss reads it."""
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape if self.tokens.dim() == 2 else (None, None)
         if b is None:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(self.tokens.shape)}")
-        for name in ("loss_mask", "rollout_logprobs", "advantages", "token_versions"):
+        for name in ("loss_mask", "rollout_logprobs", "advantages", "token_versions",
+                     "behavior_logprobs"):  # fmt: skip
+            if getattr(self, name) is None:
+                continue
             shape = tuple(getattr(self, name).shape)
             if shape != (b, t):
                 raise ValueError(f"{name} has shape {shape}; expected [B, T] = {(b, t)}")
@@ -97,6 +104,9 @@ class TrainerBatch:
             advantages=self.advantages[ix],
             token_versions=self.token_versions[ix],
             routed_experts=re_,
+            behavior_logprobs=None
+            if self.behavior_logprobs is None
+            else self.behavior_logprobs[ix],
         )
 
     def trimmed(self, width: int) -> TrainerBatch:
@@ -114,6 +124,9 @@ class TrainerBatch:
             rollout_logprobs=self.rollout_logprobs[:, :width],
             advantages=self.advantages[:, :width],
             token_versions=self.token_versions[:, :width],
+            behavior_logprobs=(
+                None if self.behavior_logprobs is None else self.behavior_logprobs[:, :width]
+            ),
         )
 
     def micro_batches(self, micro_batch_size: int) -> list[TrainerBatch]:

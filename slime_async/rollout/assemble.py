@@ -193,6 +193,10 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
     rewards = torch.zeros(n)
     valid = torch.ones(n, dtype=torch.bool)
     routed: list[np.ndarray] | None = []
+    # π_j^Meg from the forward-only role (`rollout/behavior.py`); NaN where a sample has none
+    behavior: torch.Tensor | None = None
+    if any("behavior_logprobs" in s.payloads[-1] for _, s in rows):
+        behavior = torch.full((n, width), float("nan"))
     truncated = nonfinite = tool_tokens = 0
     for i, (g, s) in enumerate(rows):
         p, r = len(g.prompt.prompt_ids), len(s.output_ids)
@@ -206,6 +210,10 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
             )
         rollout_lp[i, p : p + r] = torch.as_tensor(lps, dtype=torch.float32)
         versions[i, p : p + r] = torch.as_tensor(list(s.token_versions))
+        if behavior is not None:
+            blp = s.payloads[-1].get("behavior_logprobs", ())
+            if len(blp) == r:
+                behavior[i, p : p + r] = torch.as_tensor(blp, dtype=torch.float32)
         m = torch.ones(r, dtype=torch.bool)
         if any("loss_mask" in p for p in s.payloads):  # multi-turn: tool output is not trained
             keep = _concat_mask(s.payloads, r, where=f"sample {g.prompt.key}/{s.sample_index}")
@@ -242,6 +250,7 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
         advantages=token_adv,
         token_versions=versions,
         routed_experts=tuple(routed) if routed else None,
+        behavior_logprobs=behavior,
     )
     resp_len = torch.as_tensor([len(s.output_ids) for _, s in rows], dtype=torch.float32)
     lp_mean = (rollout_lp * mask).sum() / mask.sum().clamp(min=1)

@@ -146,6 +146,11 @@ class TrainerConfig:
     """Keep CPU snapshots of past versions to compute π_j^Meg (CompIS r2/r3 split)."""
     max_snapshots: int = 2
     """Most version snapshots kept (a run sets worst-case staleness + 1); oldest are evicted."""
+    behavior_forward: str = "trainer"
+    """Where π_j^Meg is computed when the loss reads it: "trainer" (the train step swaps in
+    each version's snapshot, on the critical path) or "role" (a forward-only role computes
+    each sample's log-probs under its versions' weights when the sample completes, off the
+    trainer's path; the trainer then keeps no snapshots). See docs/compis.md."""
     temperature: float = 1.0
     """Sampling temperature the engine used (logits are divided by it)."""
     load: str | None = None
@@ -192,6 +197,11 @@ class TrainerConfig:
             raise ValueError(
                 f"need 0 <= lr_warmup_init ({self.lr_warmup_init}) <= lr ({self.lr}) and "
                 f"0 <= min_lr ({self.min_lr}) <= lr"
+            )
+        if self.behavior_forward not in ("trainer", "role"):
+            raise ValueError(
+                f"behavior_forward={self.behavior_forward!r}; use 'trainer' (snapshot forwards "
+                "in the train step) or 'role' (a forward-only role when samples complete)"
             )
         if self.max_snapshots < 1:
             raise ValueError("max_snapshots must be >= 1 (use keep_old_actor=False to disable)")
@@ -408,6 +418,15 @@ def _add_off_policy_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
         "split; off: the combined ratio) (default: "
         f"{_on(EMBEDDED_RUN.keep_old_actor)} for the embedded default run, "
         f"{_on(d.keep_old_actor)} otherwise).",
+    )
+    g.add_argument(
+        "--behavior-forward",
+        default=None,
+        choices=["trainer", "role"],
+        help="Where pi_j^Meg is computed with --keep-old-actor: 'trainer' (snapshot forwards "
+        "in the train step) or 'role' (a forward-only role, on the rollout cores, when each "
+        "sample completes: off the trainer's critical path; see docs/compis.md) (default: "
+        "role for an async run whose loss reads pi_j^Meg, trainer otherwise).",
     )
     g.add_argument(
         "--max-snapshots",

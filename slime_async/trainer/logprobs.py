@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,7 @@ class LogprobForwards:
     schedule: Schedule
     snapshots: SnapshotStore
     loss_spec: LossSpec
+    loss_cfg: Any
     version: int
     moe_layers: list[int]
 
@@ -193,10 +195,12 @@ class LogprobForwards:
         return self._gather_dp(self._gather(out, mbs, batch.size // self.layout.dp, batch.width))
 
     def _behavior_logprobs(
-        self, mbs: list[MicroBatch], lp_k: list[torch.Tensor]
+        self, mbs: list[MicroBatch], lp_k: list[torch.Tensor] | None
     ) -> tuple[list[torch.Tensor] | None, int]:
         """(π_j^Meg per token, each token from its own version's snapshot, or None if any
-        needed version is not held (→ CompIS combined-ratio fallback); micro-batch passes)."""
+        needed version is not held (→ CompIS combined-ratio fallback); micro-batch passes).
+        Tokens of the current version take `lp_k`, or 0 when it is None (the train step fills
+        them from its training forward: `StepInputs.behavior_with_current`)."""
         if not self.cfg.keep_old_actor:
             return None, 0
         versions = [mb.batch.token_versions[mb.batch.loss_mask] for mb in mbs]
@@ -205,7 +209,11 @@ class LogprobForwards:
         needed = parallel.union_ints(needed, parallel.groups()["dp"])
         if any(v != self.version and v not in self.snapshots for v in needed):
             return None, 0
-        out, passes = [lp.clone() for lp in lp_k], 0
+        if lp_k is None:
+            out = [torch.zeros(mb.batch.size, mb.batch.width) for mb in mbs]
+        else:
+            out = [lp.clone() for lp in lp_k]
+        passes = 0
         for v in sorted(needed - {self.version}):
             # forward only the micro-batches that hold a trained token of version v (agreed
             # over DP: TP/EP collectives need every rank in each pass); the interleaved
@@ -224,7 +232,8 @@ class LogprobForwards:
     def _step_inputs(self, mbs: list[MicroBatch]) -> StepInputs:
         """The no-grad forwards the loss needs: π_k (which also records R2 routing) and π_j^Meg."""
         r2 = self.cfg.routing_replay is RoutingReplay.R2 and self.spec.is_moe
-        plan = plan_inputs(self.loss_spec.needs, r2=r2, keep_old_actor=self.cfg.keep_old_actor)
+        plan = plan_inputs(self.loss_spec.needs, self.loss_cfg, r2=r2,
+                           keep_old_actor=self.cfg.keep_old_actor)  # fmt: skip
         self._set_engine_routing(mbs)
         out = StepInputs()
         if plan.proximal:
@@ -242,9 +251,36 @@ class LogprobForwards:
             )
             out.metrics["timing/reference_logprobs_s"] = time.perf_counter() - t
         if plan.behavior:
-            assert out.proximal is not None
             t = time.perf_counter()
-            out.behavior, passes = self._behavior_logprobs(mbs, out.proximal)
+            if self.cfg.behavior_forward == "role":
+                out.behavior, missing = self._precomputed_behavior(mbs, out.proximal)
+                out.metrics["train/behavior_missing_tokens"] = float(missing)
+                passes = 0
+            else:
+                out.behavior, passes = self._behavior_logprobs(mbs, out.proximal)
             out.metrics["timing/behavior_logprobs_s"] = time.perf_counter() - t
             out.metrics["train/behavior_forwards"] = float(passes)
         return out
+
+    def _precomputed_behavior(
+        self, mbs: list[MicroBatch], lp_k: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor] | None, int]:
+        """π_j^Meg from the batch (`behavior_logprobs`, computed by the forward-only role when
+        each sample completed), tokens of the current version taking `lp_k` (or 0, filled from
+        the training forward). (None, missing tokens) when any trained token of an older
+        version has no value on some DP rank: the loss then falls back to the combined ratio."""
+        out, missing = [], 0
+        for i, mb in enumerate(mbs):
+            b = mb.batch
+            old = b.loss_mask & (b.token_versions != self.version)
+            given = b.behavior_logprobs
+            if given is None:  # e.g. --max-staleness 0: no role, every token is current
+                given = torch.full(tuple(b.tokens.shape), float("nan"))
+            missing += int((old & ~torch.isfinite(given)).sum())
+            cur = torch.zeros_like(given) if lp_k is None else lp_k[i]
+            out.append(torch.where(old, given.nan_to_num(0.0), cur))
+        count = torch.tensor([missing], dtype=torch.long)
+        parallel.all_reduce_sum(count, parallel.groups()["dp"])
+        if int(count[0]):
+            return None, int(count[0])
+        return out, 0

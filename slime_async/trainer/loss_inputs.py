@@ -6,14 +6,17 @@ no-grad forwards a train step runs, from the loss's `LossNeeds` and the trainer'
 functions; must never import the controller, engine, rollout or data-worker parts of
 `slime_async`, nor `trainer.py`.
 
-Worked example: `--loss ppo --keep-old-actor` with R3 replay → `plan_inputs(ppo.needs,
-r2=False, keep_old_actor=True)` = InputPlan(proximal=True, behavior=False): one π_k forward
-per micro-batch and no snapshot forward (the snapshots are still kept for other callers).
+Worked example: `--loss ppo --keep-old-actor` with R3 replay → `plan_inputs(ppo.needs, None,
+r2=False, keep_old_actor=True)` = InputPlan(proximal=False, behavior=False): no no-grad forward
+at all (π_k is the training forward's detached log-probs: one optimizer update per step) and
+no snapshot forward (the snapshots are still kept for other callers). CompIS with `denom=keep`
+→ InputPlan(proximal=False, behavior=True): only the snapshot forwards of older versions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -46,17 +49,21 @@ class InputPlan:
     """The no-grad forwards of one train step."""
 
     proximal: bool
-    """Run the π_k forward (the loss reads π_k or π_j^Meg, or R2 records routing in it)."""
+    """Run a separate π_k forward before the training forward: only when something must be
+    known before it (R2 records the routing the training forwards replay; the loss's
+    denominators read log-probs under its config). Otherwise π_k is the training forward's
+    detached log-probs: a step takes one optimizer update, so they are the same weights."""
     behavior: bool
-    """Run the π_j^Meg snapshot forwards (the loss reads them and snapshots are kept)."""
+    """Run the π_j^Meg snapshot forwards (the loss reads them and snapshots are kept); tokens
+    of the current version take π_k (from whichever of the two forwards gives it)."""
 
 
-def plan_inputs(needs: LossNeeds, *, r2: bool, keep_old_actor: bool) -> InputPlan:
-    """Which forwards to run: only those the loss's `needs` ask for. π_j^Meg needs the π_k
-    forward too (tokens of the current version take π_k), and R2 routing replay records the
-    routing its training forwards replay in the π_k forward."""
+def plan_inputs(needs: LossNeeds, loss_cfg: Any, *, r2: bool, keep_old_actor: bool) -> InputPlan:
+    """Which no-grad forwards to run: only those the loss's `needs` (under `loss_cfg`) make
+    necessary (see `InputPlan`)."""
     behavior = needs.behavior_logprobs and keep_old_actor
-    return InputPlan(proximal=needs.proximal_logprobs or behavior or r2, behavior=behavior)
+    proximal = r2 or (needs.proximal_logprobs and needs.denominators_need_logprobs(loss_cfg))
+    return InputPlan(proximal=proximal, behavior=behavior)
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,11 +71,13 @@ class StepInputs:
     """No-grad inputs of one train step, per local micro-batch (None: not computed)."""
 
     proximal: list[torch.Tensor] | None = None
-    """π_k `[b, w]` from the no-grad forward."""
+    """π_k `[b, w]` from the no-grad forward (None: the training forward's, detached)."""
     entropy: list[torch.Tensor] | None = None
     """Entropies `[b, w]` from the same forward."""
     behavior: list[torch.Tensor] | None = None
-    """π_j^Meg `[b, w]` (None also when a needed version is not held: the loss falls back)."""
+    """π_j^Meg `[b, w]` (None also when a needed version is not held: the loss falls back).
+    Without the π_k forward, tokens of the current version hold 0 here and take the training
+    forward's detached log-probs (`behavior_with_current`)."""
     reference: list[torch.Tensor] | None = None
     """π_ref `[b, w]` under the reference weights (only for a loss that reads them)."""
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -76,6 +85,16 @@ class StepInputs:
 
     def behavior_of(self, i: int) -> torch.Tensor | None:
         return None if self.behavior is None else self.behavior[i]
+
+    def behavior_with_current(
+        self, i: int, lp_k: torch.Tensor, token_versions: torch.Tensor, version: int
+    ) -> torch.Tensor | None:
+        """π_j^Meg of micro-batch i with the current version's tokens taking `lp_k` (π_k)."""
+        lp_j = self.behavior_of(i)
+        if lp_j is None or self.proximal is not None:
+            return lp_j
+        cur = token_versions.to(lp_k.device) == version
+        return torch.where(cur, lp_k, lp_j.to(lp_k.device))
 
     def reference_of(self, i: int) -> torch.Tensor | None:
         return None if self.reference is None else self.reference[i]

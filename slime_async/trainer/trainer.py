@@ -127,7 +127,7 @@ class MegatronTrainer(LogprobForwards):
         elif cfg.hf_checkpoint is not None:
             self.import_hf(cfg.hf_checkpoint)
         self.optim.set_version(self.version)
-        if cfg.keep_old_actor:
+        if self.keeps_snapshots:
             self.snapshots.snapshot(self.model, self.version)
         self.reference = maybe_reference(self)  # KL penalty: π_ref weights (initial or --ref-load)
 
@@ -161,10 +161,11 @@ class MegatronTrainer(LogprobForwards):
     def _denominators(self, mbs: list[MicroBatch], inputs: StepInputs) -> tuple[float, float]:
         """Global (tokens, sequences) of the loss's denominators over micro-batches and DP."""
         fn = self.loss_spec.needs.denominators
+        own = fn is not None and self.loss_spec.needs.denominators_need_logprobs(self.loss_cfg)
         counts = torch.zeros(2, dtype=torch.float64)
         for i, m in enumerate(mbs):
             mb = m.batch
-            if fn is None:  # valid tokens/sequences of the loss mask: no forward needed
+            if not own:  # valid tokens/sequences of the loss mask: no forward needed
                 tok, seq = denominators(mb.loss_mask[:, 1:])
             else:
                 assert inputs.proximal is not None  # LossNeeds: a function needs π_k
@@ -192,9 +193,10 @@ class MegatronTrainer(LogprobForwards):
             lp, ent = m.to_samples(lp_pos), m.to_samples(ent_pos.detach())
             # an entropy bonus needs the entropy with its gradient
             ent_grad = m.to_samples(ent_pos) if self.loss_spec.needs.entropy else None
-            # without the π_k forward: the same weights (one update per step), detached
+            # without a π_k forward: the same weights (one update per step), detached
             lp_k = lp.detach() if inputs.proximal is None else inputs.proximal[i]
-            mb_in = loss_inputs(mb, lp, lp_k, inputs.behavior_of(i), version=self.version,
+            lp_j = inputs.behavior_with_current(i, lp_k, mb.token_versions, self.version)
+            mb_in = loss_inputs(mb, lp, lp_k, lp_j, version=self.version,
                                 num_tokens=n_tok, num_seqs=n_seq, entropy=ent_grad,
                                 reference=inputs.reference_of(i))  # fmt: skip
             out = self.loss_spec.fn(mb_in, self.loss_cfg)
@@ -217,7 +219,7 @@ class MegatronTrainer(LogprobForwards):
         gradient norm on every rank together. Returns (grad norm, lr)."""
         gnorm, lr = self.optim.step(version=self.version, clip_grad=self.cfg.clip_grad)
         self.version += 1
-        if self.cfg.keep_old_actor:
+        if self.keeps_snapshots:
             self.snapshots.snapshot(self.model, self.version)
         return gnorm, lr
 
@@ -239,6 +241,12 @@ class MegatronTrainer(LogprobForwards):
         return metrics
 
     # ------------------------------------------------------------------ versions
+    @property
+    def keeps_snapshots(self) -> bool:
+        """Snapshots are kept with `keep_old_actor`, unless a forward-only role computes π_j^Meg
+        (`behavior_forward="role"`): then that role holds the versions' weights."""
+        return self.cfg.keep_old_actor and self.cfg.behavior_forward == "trainer"
+
     def snapshot(self) -> int:
         """Keep the current weights as a snapshot of `self.version`; returns that version."""
         self.snapshots.snapshot(self.model, self.version)

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,9 +53,17 @@ class DiskTransport:
     """Export -> safetensors directory -> router fan-out of `/update_weights_from_disk`."""
 
     def __init__(
-        self, root: Path, *, trainer: WeightWriter, control: RouterClient, keep_last: int = 2
+        self,
+        root: Path,
+        *,
+        trainer: WeightWriter,
+        control: RouterClient,
+        keep_last: int = 2,
+        on_written: Callable[[int, Path], object] | None = None,
     ) -> None:
         self.root, self.trainer, self.control, self.keep_last = root, trainer, control, keep_last
+        self.on_written = on_written
+        """Called with (version, directory) after a push writes it, before engines load it."""
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path(self, version: int) -> Path:
@@ -77,6 +86,8 @@ class DiskTransport:
         cache flush, continue; returns timings."""
         t0 = time.perf_counter()
         path = await self.write(version)
+        if self.on_written is not None:
+            self.on_written(version, path)
         t1 = time.perf_counter()
         failed = 0
         try:

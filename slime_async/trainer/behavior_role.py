@@ -1,0 +1,152 @@
+"""The forward-only role: π_j^Meg of finished samples, off the trainer's critical path.
+
+Owns: `BehaviorForwarder` (in the role's own process: a megatron model built exactly as the
+trainer's, world size 1, with the weights of every version the engines served, computing each
+sample's token log-probs under the version that sampled the token), its Ray actor
+`BehaviorActor` and the driver-side handle `BehaviorRole`. With `--behavior-forward role` the
+run gives it each version's exported weights (the directory the engines load, written before
+they load it) and asks it for every finished sample's log-probs; the trainer then reads them
+from `TrainerBatch.behavior_logprobs` instead of swapping in snapshots during the train step.
+Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
+
+Same values: the weights are the trainer's own parameters (the export is a lossless copy of
+them, in the parameters' dtype), and the forward is `MegatronTrainer.compute_logprobs` with
+the trainer's settings (temperature, packing, micro-batching, R3 replay of the engine's
+routing). Only the grouping of samples into micro-batches differs from the train step's, which
+can move a log-prob by float rounding (≤ 1e-6 in fp32; tests/test_behavior_role.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from loss import LossSelection
+from slime_async.contracts.batch import TrainerBatch
+from slime_async.contracts.model import ModelSpec
+from slime_async.trainer.config import TrainerConfig
+from slime_async.trainer.snapshots import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+
+class BehaviorForwarder:
+    """A forward-only copy of the trainer's model and the versions' weights it was given.
+
+    Example::
+
+        fwd = BehaviorForwarder(cfg, spec, max_versions=3)
+        fwd.add_version(4, "run/weights/v000004")      # the export the engines load
+        lp = fwd.logprobs(batch)                         # [B, T]; NaN where not computed
+    """
+
+    def __init__(self, cfg: TrainerConfig, spec: ModelSpec, *, max_versions: int) -> None:
+        from slime_async.trainer.trainer import MegatronTrainer
+
+        role_cfg = dataclasses.replace(
+            cfg,
+            keep_old_actor=False,
+            behavior_forward="trainer",
+            load=None,
+            save=None,
+            hf_checkpoint=None,
+            ref_load=None,
+            tensor_model_parallel_size=1,
+            expert_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            virtual_pipeline_model_parallel_size=None,
+            use_distributed_optimizer=None,
+            loss=LossSelection(name="ppo"),  # reads nothing extra: no reference weights
+        )
+        self.trainer = MegatronTrainer(role_cfg, spec)
+        self.store = SnapshotStore(max_versions)
+
+    def versions(self) -> list[int]:
+        return self.store.versions()
+
+    def add_version(self, version: int, path: str | Path) -> list[int]:
+        """Load version `version`'s exported HF directory and keep it; returns evicted versions."""
+        self.trainer.import_hf(path)
+        return self.store.snapshot(self.trainer.model, version)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainerBatch) -> np.ndarray:
+        """`[B, T]` float32: each trained token's log-prob under the weights of the version that
+        sampled it (`batch.token_versions`); NaN where the token is not trained or its version
+        is not held."""
+        out = torch.full(tuple(batch.tokens.shape), float("nan"))
+        mask = batch.loss_mask
+        for v in sorted({int(x) for x in batch.token_versions[mask].unique()}):
+            if v not in self.store:
+                continue
+            sel = mask & (batch.token_versions == v)
+            rows = [i for i in range(batch.size) if bool(sel[i].any())]
+            part = batch.select(rows)
+            with self.store.swapped_in(self.trainer.model, v):
+                lp, _ = self.trainer.compute_logprobs(part)
+            full = torch.full_like(out, float("nan"))
+            full[rows, : lp.shape[1]] = lp.float()
+            out = torch.where(sel, full, out)
+        return out.numpy()
+
+
+class _BehaviorActorImpl:
+    """Actor body: sets the thread count, then builds the forwarder in the actor process."""
+
+    def __init__(
+        self, cfg: TrainerConfig, spec: ModelSpec, *, max_versions: int, num_threads: int
+    ) -> None:
+        torch.set_num_threads(num_threads)
+        self.fwd = BehaviorForwarder(cfg, spec, max_versions=max_versions)
+
+    def ready(self) -> bool:
+        return True
+
+    def add_version(self, version: int, path: str) -> list[int]:
+        return self.fwd.add_version(version, path)
+
+    def versions(self) -> list[int]:
+        return self.fwd.versions()
+
+    def logprobs(self, batch: TrainerBatch) -> np.ndarray:
+        return self.fwd.logprobs(batch)
+
+
+BehaviorActor = ray.remote(num_cpus=0)(_BehaviorActorImpl)
+
+
+class BehaviorRole:
+    """Driver-side handle of the forward-only role (one Ray actor; calls run in order).
+
+    `add_version` is queued before any later `logprobs` call, so a version given before the
+    engines serve it is loaded before any sample of it is asked for.
+    """
+
+    def __init__(
+        self, cfg: TrainerConfig, spec: ModelSpec, *, num_threads: int = 1, timeout_s: float = 600
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.actor = BehaviorActor.remote(
+            cfg, spec, max_versions=cfg.max_snapshots, num_threads=num_threads
+        )
+        ray.get(self.actor.ready.remote(), timeout=timeout_s)  # raises the build error, if any
+
+    def add_version(self, version: int, path: str | Path) -> Any:
+        """Queue loading `version` from its export at `path`; returns the Ray ref."""
+        return self.actor.add_version.remote(version, str(path))
+
+    async def logprobs(self, batch: TrainerBatch) -> np.ndarray:
+        """`BehaviorForwarder.logprobs` in the role's process."""
+        return await self.actor.logprobs.remote(batch)
+
+    def versions(self) -> list[int]:
+        return ray.get(self.actor.versions.remote(), timeout=self.timeout_s)
+
+    def shutdown(self) -> None:
+        ray.kill(self.actor)

@@ -1,0 +1,147 @@
+"""The forward-only role (`--behavior-forward role`): π_j^Meg computed off the train step.
+
+Pinned: the role's log-probs (its own process, the versions' exported weights) equal the ones
+the train step's snapshot forwards compute from the same weights; a train step that reads them
+gives the loss of the critical-path step, with no snapshot forward; a token without a value
+makes the step fall back (counted), never use a wrong value; and the real run wires it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from tests.test_loss_seam import _batch, _parse, _reference_step
+
+pytestmark = pytest.mark.timeout(600)
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def ray_up():
+    from slime_async.roles import init_ray
+
+    init_ray()
+    yield
+
+
+def _trained(tmp_path):
+    """A trainer (snapshots in the step) after two steps, and each version's export."""
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    cfg = _parse("--keep-old-actor", "--routing-replay", "r3")
+    tr = MegatronTrainer(cfg.trainer, cfg.model)
+    dirs = {0: tr.save_weights(tmp_path / "v0")}
+    for v in (1, 2):
+        tr.train_step(_batch(v, routed=True))
+        dirs[v] = tr.save_weights(tmp_path / f"v{v}")
+    return cfg, tr, dirs
+
+
+def test_role_logprobs_equal_the_train_steps_and_the_step_reads_them(tmp_path, ray_up):
+    from loss import compis_denominators, compis_loss
+    from slime_async.trainer.behavior_role import BehaviorRole
+
+    cfg, tr, dirs = _trained(tmp_path)
+    role = BehaviorRole(cfg.trainer, cfg.model)
+    try:
+        for v, d in dirs.items():
+            role.add_version(v, d)
+        b = _batch(7, versions=(0, 1, 2), routed=True)
+        got = torch.as_tensor(asyncio_run(role.logprobs(b)))
+    finally:
+        role.shutdown()
+    want = tr.compute_behavior_logprobs(b)  # the critical path: snapshots swapped in
+    m = b.loss_mask
+    assert bool(torch.isfinite(got[m]).all()) and bool(torch.isnan(got[~m]).all())
+    assert (got[m] - want[m]).abs().max() <= 1e-6
+
+    ref = _reference_step(tr, b, compis_loss, compis_denominators)
+    tr.cfg = dataclasses.replace(tr.cfg, behavior_forward="role")  # this step reads the batch's
+    assert tr.keeps_snapshots is False
+    out = tr.train_step(dataclasses.replace(b, behavior_logprobs=got))
+    assert out["train/behavior_forwards"] == 0.0 and out["train/behavior_missing_tokens"] == 0.0
+    assert out["loss/compis_fallback"] == 0.0
+    for key, value in ref.items():
+        assert out[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+    # trained tokens of an older version without a value → the step falls back, counted
+    after = tr.train_step(
+        dataclasses.replace(_batch(8, versions=(0, 3), routed=True), behavior_logprobs=None)
+    )
+    assert after["loss/compis_fallback"] == 1.0 and after["train/behavior_missing_tokens"] > 0
+    tr.shutdown()
+
+
+def asyncio_run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+async def test_the_run_computes_pi_j_in_the_role(tmp_path):
+    """Four async steps of the real run (the role is the default here): every step reads
+    π_j^Meg from the batch (no snapshot forward, nothing missing, no fallback)."""
+    from slime_async.config import parse_config
+    from slime_async.controller import train
+
+    cfg = parse_config([
+        "--run-dir", str(tmp_path), "--num-steps", "4", "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "4", "--rollout-max-response-len", "12",
+        "--warmstart-steps", "0", "--eval-interval", "0", "--micro-batch-size", "4",
+        "--max-staleness", "2",
+    ])  # fmt: skip
+    # the default of an async run whose loss reads pi_j^Meg
+    assert cfg.trainer.keep_old_actor and cfg.trainer.behavior_forward == "role"
+    summary = await train(cfg)
+    assert summary["train/version"] == 4 and math.isfinite(summary["loss/total"])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/version" in r]
+    assert len(steps) == 4
+    assert all(r["train/behavior_forwards"] == 0 for r in steps)
+    assert all(r["train/behavior_missing_tokens"] == 0 for r in steps)
+    assert all(r["loss/compis_fallback"] == 0 for r in steps)
+    assert any(r["staleness/mean"] > 0 for r in steps)  # older versions were trained on
+
+
+def test_a_continued_sample_is_sent_whole_and_assembled_in_place():
+    """`sample_batch` gives the role prompt + every segment with each token's version;
+    `assemble` puts a sample's values on its response tokens, NaN for a sample without any."""
+    from data_worker.versions import VersionRuns
+    from slime_async.contracts.rollout import (
+        Batch,
+        GenerationRequest,
+        GenerationResult,
+        Group,
+        Prompt,
+        Sample,
+    )
+    from slime_async.rollout.assemble import assemble
+    from slime_async.rollout.behavior import sample_batch
+
+    prompt = Prompt(key="p", prompt_ids=(1, 5, 3))
+    req = GenerationRequest(prompt=prompt, group_seq=0, sample_index=0, prefix_ids=(11, 12),
+                            prefix_versions=VersionRuns.constant(4, 2))  # fmt: skip
+    res = GenerationResult(output_ids=(13, 2), token_versions=(5, 5))
+    b = sample_batch([(req, res)])
+    assert b.tokens.tolist() == [[1, 5, 3, 11, 12, 13, 2]]
+    assert b.loss_mask.tolist() == [[False] * 3 + [True] * 4]
+    assert b.token_versions.tolist() == [[-1, -1, -1, 4, 4, 5, 5]]
+
+    def sample(i: int, payload: dict) -> Sample:
+        base = {"logprobs": [-1.0, -1.0], "nonfinite": [False, False], "reward": float(i)}
+        return Sample(sample_index=i, output_ids=(13, 2), token_versions=VersionRuns.constant(5, 2),
+                      payloads=({**base, **payload},), min_version=5, attempts=1)  # fmt: skip
+
+    group = Group(seq=0, prompt=prompt, samples=(sample(0, {"behavior_logprobs": [-0.5, -0.25]}),
+                                                 sample(1, {})),
+                  min_version=5, max_version=5, admitted_version=5, completed_at=0.0)  # fmt: skip
+    tb = assemble(Batch(groups=(group,), dropped=0, filtered=0, current_version=6, wait_s=0.0),
+                  estimator="grpo").batch  # fmt: skip
+    assert tb.behavior_logprobs[0, 3:].tolist() == [-0.5, -0.25]
+    assert bool(tb.behavior_logprobs[0, :3].isnan().all()) and bool(
+        tb.behavior_logprobs[1].isnan().all()
+    )
