@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.auth_token:
+        print(
+            "warning: --auth-token is visible to every user of this machine (ps, /proc); "
+            "use $SLIME_ASYNC_AUTH_TOKEN or --auth-token-file instead",
+            file=sys.stderr,
+            flush=True,
+        )
     note = warn_if_exposed(cfg)
     if note:
         print(note, flush=True)

@@ -57,6 +57,9 @@ class EngineConfig:
     """torch intra-op threads for the model step; None leaves torch's default."""
     health_generate_timeout_s: float = 20.0
     """`/health_generate` answers 503 if a 1-token generation takes longer than this."""
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
+    """Shared bearer token required on every endpoint (`Authorization: Bearer <token>`);
+    mandatory off loopback. Read from `$SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,6 +82,23 @@ class EngineConfig:
             )
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if not self.auth_token and not _is_loopback(self.host):
+            raise ValueError(
+                f"the engine would listen on {self.host!r}, off loopback, without a token: "
+                "export SLIME_ASYNC_AUTH_TOKEN=<token> (or pass --auth-token-file PATH) so every "
+                "endpoint requires 'Authorization: Bearer <token>', or bind 127.0.0.1"
+            )
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -89,6 +109,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default=d.host, help="address to bind (default: loopback)")
     g.add_argument("--port", type=int, default=d.port, help="port; 0 = pick a free one")
     g.add_argument("--port-file", default=None, help="write the bound port to this file (atomic)")
+    g.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="file holding the bearer token every endpoint then requires (default: "
+        "$SLIME_ASYNC_AUTH_TOKEN; required off loopback; never pass the token itself)",
+    )
     _add_model_args(g, d)
     g.add_argument(
         "--max-running-requests",
@@ -162,6 +188,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         from pathlib import Path
 
         spec = json.loads(Path(args.model_spec_json).read_text())
+    from router.config import load_auth_token
+
     return EngineConfig(
         host=args.host,
         port=args.port,
@@ -179,6 +207,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_return_routed_experts=args.enable_return_routed_experts,
         always_return_routed_experts=args.always_return_routed_experts,
         num_threads=args.num_threads,
+        auth_token=load_auth_token(getattr(args, "auth_token_file", None)),
     )
 
 

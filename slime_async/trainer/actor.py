@@ -9,8 +9,10 @@ engine, rollout or data-worker parts of `slime_async`.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -18,6 +20,9 @@ from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
+
+if TYPE_CHECKING:
+    from slime_async.placement import Slot
 
 DEFAULT_NUM_CPUS = 0.25
 """Logical CPUs per trainer actor (fractional: see ARCHITECTURE.md, Ray on 2 cores)."""
@@ -40,6 +45,7 @@ class _TrainerActorImpl:
         import torch
 
         torch.set_num_threads(num_threads)
+        _gloo_interface(master_addr)
         from slime_async.trainer.trainer import MegatronTrainer
 
         self.trainer = MegatronTrainer(
@@ -77,6 +83,23 @@ class _TrainerActorImpl:
         return dict(self.trainer.extra_state)
 
 
+def _gloo_interface(master_addr: str) -> None:
+    """Off loopback, point gloo at the interface that holds this node's IP (unless the user
+    set GLOO_SOCKET_IFNAME): gloo otherwise resolves the host name, which on a multi-homed
+    node (or one whose name maps to another address) is not the address peers can reach."""
+    if master_addr.startswith("127.") or master_addr == "localhost":
+        return
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    import psutil
+
+    ip = ray.util.get_node_ip_address()
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
+
+
 TrainerActor = ray.remote(num_cpus=DEFAULT_NUM_CPUS)(_TrainerActorImpl)
 
 
@@ -100,16 +123,28 @@ class TrainerGroup:
         num_gpus_per_actor: float = 0.0,
         num_threads: int = 1,
         timeout_s: float = 600.0,
+        slots: Sequence[Slot] | None = None,
     ) -> None:
-        port = free_port()
+        """Without `slots`, `world_size` ranks anywhere on this node, rendezvous on loopback.
+        With them (`slime_async.placement`), rank r runs in bundle `slots[r]` and the ranks
+        rendezvous on rank 0's node IP at a port found free there."""
+        if slots is not None and len(slots) != world_size:
+            raise ValueError(f"{len(slots)} trainer slots for world size {world_size}")
         self.timeout_s = timeout_s
+        if slots is None:
+            addr, port = "127.0.0.1", free_port()
+            opts = [{"num_cpus": num_cpus_per_actor, "num_gpus": num_gpus_per_actor}] * world_size
+        else:
+            addr, port = slots[0].node_ip, slots[0].port
+            opts = [s.actor_options() for s in slots]
+        self.master = (addr, port)
         self.actors = [
-            TrainerActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor).remote(
+            TrainerActor.options(**opts[r]).remote(
                 cfg,
                 spec,
                 rank=r,
                 world_size=world_size,
-                master_addr="127.0.0.1",
+                master_addr=addr,
                 master_port=port,
                 num_threads=num_threads,
             )

@@ -31,6 +31,7 @@ def launch_engine_config(engine: EngineConfig, launch: EngineLaunch) -> EngineCo
         model_dir=launch.model_dir,
         weight_version=str(launch.weight_version),
         seed=launch.seed,
+        host=launch.host or engine.host,
     )
 
 
@@ -53,11 +54,29 @@ class EngineFleetConfig:
     """Base URLs of running servers to attach (URL backends such as `external` only)."""
     attach_timeout_s: float = 30.0
     """Seconds each attached URL has to answer `/health` and `/model_info`."""
+    gpus_per_engine: int = 1
+    """GPUs of one engine (slime's `--rollout-num-gpus-per-engine`; an SGLang server's tensor
+    parallelism); used where the cluster has GPUs."""
+    cpus_per_engine: float = 1.0
+    """Logical Ray CPUs each engine reserves in its placement-group bundle."""
+
+    @property
+    def rollout_num_gpus(self) -> int:
+        """GPUs of the whole fleet (slime's `--rollout-num-gpus`)."""
+        return self.num_engines * self.gpus_per_engine
 
     def __post_init__(self) -> None:
         backend = get_engine_backend(self.backend)  # unknown names fail with the choices
         if self.num_engines < 1:
             raise ValueError(f"--num-engines must be >= 1, got {self.num_engines}")
+        if self.gpus_per_engine < 1:
+            raise ValueError(
+                f"--rollout-num-gpus-per-engine must be >= 1, got {self.gpus_per_engine}"
+            )
+        if self.cpus_per_engine < 0:
+            raise ValueError(
+                f"--rollout-num-cpus-per-engine must be >= 0, got {self.cpus_per_engine}"
+            )
         if self.attach_timeout_s <= 0:
             raise ValueError(f"--engine-attach-timeout must be > 0, got {self.attach_timeout_s}")
         if not backend.needs.urls:
@@ -114,6 +133,26 @@ class EngineFleetConfig:
             "must be able to read the run directory's weights/ (disk weight transport).",
         )
         g.add_argument(
+            "--rollout-num-gpus",
+            type=int,
+            default=None,
+            help="GPUs of all engines together (slime's name); the engine count is this / "
+            "--rollout-num-gpus-per-engine (default: --num-engines x that).",
+        )
+        g.add_argument(
+            "--rollout-num-gpus-per-engine",
+            type=int,
+            default=d.gpus_per_engine,
+            help="GPUs of one engine: an SGLang server's tensor-parallel size (slime's name).",
+        )
+        g.add_argument(
+            "--rollout-num-cpus-per-engine",
+            type=float,
+            default=d.cpus_per_engine,
+            help="Logical Ray CPUs each engine reserves (on a cluster without GPUs, instead "
+            "of GPUs).",
+        )
+        g.add_argument(
             "--engine-attach-timeout",
             type=float,
             default=d.attach_timeout_s,
@@ -132,6 +171,21 @@ class EngineFleetConfig:
         except ValueError as e:
             raise ValueError(f"--engine-urls: {e}") from None
         num = args.num_engines
+        per = getattr(args, "rollout_num_gpus_per_engine", 1)
+        total = getattr(args, "rollout_num_gpus", None)
+        if total is not None:
+            if total < 1 or per < 1 or total % per:
+                raise ValueError(
+                    f"--rollout-num-gpus {total} is not a positive multiple of "
+                    f"--rollout-num-gpus-per-engine {per}; give a multiple (one engine per "
+                    f"{per} GPUs)"
+                )
+            if num is not None and num != total // per:
+                raise ValueError(
+                    f"--num-engines {num} contradicts --rollout-num-gpus {total} / "
+                    f"--rollout-num-gpus-per-engine {per} = {total // per} engines; drop one"
+                )
+            num = total // per
         if num is None:
             num = len(urls) if urls and get_engine_backend(args.engine_backend).needs.urls else 1
         return cls(
@@ -139,4 +193,6 @@ class EngineFleetConfig:
             num_engines=num,
             urls=urls,
             attach_timeout_s=args.engine_attach_timeout,
+            gpus_per_engine=per,
+            cpus_per_engine=getattr(args, "rollout_num_cpus_per_engine", 1.0),
         )

@@ -48,4 +48,5 @@ class EmbeddedBackend(RayActorBackend):
     label: ClassVar[str] = "embedded engine"
 
     def make_actor(self, launch: EngineLaunch) -> ray.actor.ActorHandle:
-        return EngineActor.remote(launch_engine_config(self.engine, launch), launch.cores)
+        actor = EngineActor.options(**launch.placement) if launch.placement else EngineActor
+        return actor.remote(launch_engine_config(self.engine, launch), launch.cores)
