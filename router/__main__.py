@@ -35,12 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_router_args(parser, prefix="")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        cfg = router_config_from_args(args, prefix="")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     if args.auth_token:
         print(
             "warning: --auth-token is visible to every user of this machine (ps, /proc); "
@@ -48,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        cfg = router_config_from_args(args, prefix="")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     note = warn_if_exposed(cfg)
     if note:
         print(note, flush=True)
