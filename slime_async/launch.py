@@ -117,6 +117,14 @@ class Run:
         tmp.write_text(json.dumps(roles))
         os.replace(tmp, self.cfg.run_dir / "roles.json")
 
+    async def _record_served_versions(self) -> None:
+        """`run_dir/served_versions.json`: the version each engine serves at the end (the last
+        push reached every engine when all equal the trainer's version)."""
+        versions = await self.cluster.served_versions(token=self.cfg.engine.auth_token)
+        record = {"trainer_version": self.version, "pushed_version": self.served[1],
+                  "engines": dict(zip(self.cluster.engine_urls, versions, strict=True))}  # fmt: skip
+        (self.cfg.run_dir / "served_versions.json").write_text(json.dumps(record))
+
     async def evaluate(self, *, step: int) -> None:
         """Held-out pass rate (one sample per prompt, rollout temperature), logged at `step`."""
         if not self.plan.eval_prompts:
@@ -192,6 +200,7 @@ class Run:
             log.warning("data worker did not stop cleanly: %s", e)
         await self.supervisor.stop()
         await self.client.close()
+        await self._record_served_versions()
         await self.cluster.stop()
         self.trainer.shutdown()
         if self.placement is not None:

@@ -124,22 +124,25 @@ def place_roles(
     rank = _bundle(gpus=1, cpus=actor_num_cpus_per_rank, use_gpus=use_gpus)
     engine = _bundle(gpus=gpus_per_engine, cpus=cpus_per_engine, use_gpus=use_gpus)
     groups: list[tuple[PlacementGroup, str]] = []
+
+    def reserve(bundles: list[dict[str, float]], strategy: str, what: str) -> None:
+        # one group at a time: the trainer's packed groups are placed before the engines spread
+        pg = placement_group(bundles, strategy=strategy)
+        groups.append((pg, what))
+        if not pg.wait(timeout_seconds=timeout_s):
+            raise RuntimeError(
+                f"could not reserve {what} on the Ray cluster within {timeout_s:.0f} s "
+                f"(cluster resources: {ray.cluster_resources()}); lower "
+                "--actor-num-nodes/--actor-num-gpus-per-node/--rollout-num-gpus, or add nodes"
+            )
+
     try:
         for n in range(actor_num_nodes):
-            pg = placement_group([dict(rank)] * actor_num_gpus_per_node, strategy="STRICT_PACK",
-                                 name=f"slime_async_trainer_node{n}")  # fmt: skip
-            groups.append((pg, f"trainer node {n}: {actor_num_gpus_per_node} x {rank}"))
+            reserve([dict(rank)] * actor_num_gpus_per_node, "STRICT_PACK",
+                    f"trainer node {n}: {actor_num_gpus_per_node} x {rank}")  # fmt: skip
         if num_engines:
-            pg = placement_group([dict(engine)] * num_engines, strategy="SPREAD",
-                                 name="slime_async_engines")  # fmt: skip
-            groups.append((pg, f"engines: {num_engines} x {engine}"))
-        for pg, what in groups:
-            if not pg.wait(timeout_seconds=timeout_s):
-                raise RuntimeError(
-                    f"could not reserve {what} on the Ray cluster within {timeout_s:.0f} s "
-                    f"(cluster resources: {ray.cluster_resources()}); lower "
-                    "--actor-num-nodes/--actor-num-gpus-per-node/--rollout-num-gpus, or add nodes"
-                )
+            reserve([dict(engine)] * num_engines, "SPREAD",
+                    f"engines: {num_engines} x {engine}")  # fmt: skip
         slots = [_inspect(pg, i, pg.bundle_specs[i]) for pg, _ in groups
                  for i in range(len(pg.bundle_specs))]  # fmt: skip
     except BaseException:

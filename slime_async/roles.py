@@ -20,6 +20,7 @@ import logging
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -219,6 +220,23 @@ class Cluster:
             await self.control.remove_worker(old.url)
         self.engines[i] = new
         return new.url
+
+    async def served_versions(self, *, token: str | None, timeout_s: float = 10.0) -> list[Any]:
+        """`weight_version` each engine reports on `/model_info` (None where it did not answer)."""
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+        async def one(s: aiohttp.ClientSession, url: str) -> Any:
+            try:
+                async with s.get(f"{url}/model_info", headers=headers) as r:
+                    return (await r.json()).get("weight_version") if r.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return None
+
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            return list(await asyncio.gather(*(one(s, u) for u in self.engine_urls)))
 
     async def stop(self) -> None:
         """Stop the router and every engine the backend owns (bounded; never hangs)."""
