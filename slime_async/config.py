@@ -22,6 +22,7 @@ import dataclasses
 import enum
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
 from router.config import add_router_args, load_auth_token, router_config_from_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig
+from slime_async.engine.backends.config import split_sglang_args
 from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
 from slime_async.rollout.config import RolloutConfig, add_rollout_args, rollout_config_from_args
 from slime_async.run_config import (
@@ -109,7 +111,9 @@ def read_environment(args: argparse.Namespace) -> Environment:
 def parse_config(argv: list[str] | None = None) -> RunConfig:
     """Parse flags, read the environment, validate; exits with the message on bad input."""
     parser = build_parser()
+    argv, sglang_args = split_sglang_args(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
+    args.sglang_args = sglang_args
     try:
         return validate(args, read_environment(args))
     except ValueError as e:

@@ -25,8 +25,8 @@ def pin_cores(cores: tuple[int, ...]) -> None:
     torch.set_num_threads(len(cores))
 
 
-def free_port() -> int:
-    """An ephemeral loopback TCP port (a rendezvous or server port on this host)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """An ephemeral TCP port free on `host` of this node (a rendezvous or server port)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -1,7 +1,9 @@
 """Configuration of the rollout engine fleet: which backend, how many engines, where they are.
 
 Owns `EngineFleetConfig`, its flags (`EngineFleetConfig.add_args`: `--engine-backend`,
-`--num-engines`, `--engine-urls`, `--engine-attach-timeout`), their parsing
+`--num-engines`, `--engine-urls`, `--engine-attach-timeout`, `--engine-start-timeout`, slime's
+`--rollout-num-gpus[-per-engine]`, and the pass-through `--sglang-*` flags:
+`split_sglang_args`), their parsing
 (`EngineFleetConfig.from_args`) and every rule among them, and `launch_engine_config` (the run's
 `EngineConfig` for one `EngineLaunch`, shared by the backends that run our engine). `--engine-backend` accepts the
 registered names (the registry is the one list of choices) or `MODULE:NAME` for a plugin.
@@ -35,6 +37,28 @@ def launch_engine_config(engine: EngineConfig, launch: EngineLaunch) -> EngineCo
     )
 
 
+SGLANG_PREFIX = "--sglang-"
+
+
+def split_sglang_args(argv: list[str]) -> tuple[list[str], tuple[str, ...]]:
+    """(argv without them, SGLang flags): every `--sglang-FLAG [VALUE]` / `--sglang-FLAG=VALUE`
+    of `argv` becomes `--FLAG [VALUE]`; a value is the next token unless it starts with `--`."""
+    rest: list[str] = []
+    sglang: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith(SGLANG_PREFIX) and len(a) > len(SGLANG_PREFIX):
+            sglang.append("--" + a[len(SGLANG_PREFIX) :])
+            if "=" not in a and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                sglang.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(a)
+        i += 1
+    return rest, tuple(sglang)
+
+
 def _backend_arg(value: str) -> str:
     try:
         return resolve_engine_backend(value)
@@ -59,6 +83,11 @@ class EngineFleetConfig:
     parallelism); used where the cluster has GPUs."""
     cpus_per_engine: float = 1.0
     """Logical Ray CPUs each engine reserves in its placement-group bundle."""
+    start_timeout_s: float = 900.0
+    """Seconds a launched server (SGLang) has to answer `/health` before the run gives up."""
+    sglang_args: tuple[str, ...] = ()
+    """Flags passed verbatim to every SGLang server: the run's `--sglang-*` flags with the
+    `sglang-` prefix removed (slime's convention), e.g. `--sglang-mem-fraction-static 0.8`."""
 
     @property
     def rollout_num_gpus(self) -> int:
@@ -72,6 +101,13 @@ class EngineFleetConfig:
         if self.gpus_per_engine < 1:
             raise ValueError(
                 f"--rollout-num-gpus-per-engine must be >= 1, got {self.gpus_per_engine}"
+            )
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"--engine-start-timeout must be > 0, got {self.start_timeout_s}")
+        if self.sglang_args and self.backend != "sglang":
+            raise ValueError(
+                f"--sglang-* flags ({' '.join(self.sglang_args)}) configure SGLang servers, but "
+                f"--engine-backend is {self.backend!r}: drop them or use --engine-backend sglang"
             )
         if self.cpus_per_engine < 0:
             raise ValueError(
@@ -153,6 +189,14 @@ class EngineFleetConfig:
             "of GPUs).",
         )
         g.add_argument(
+            "--engine-start-timeout",
+            type=float,
+            default=d.start_timeout_s,
+            help="Seconds a launched SGLang server has to answer /health (model loading, CUDA "
+            "graphs) before the run stops with its log. Any --sglang-FLAG [VALUE] is passed "
+            "to every SGLang server as --FLAG [VALUE].",
+        )
+        g.add_argument(
             "--engine-attach-timeout",
             type=float,
             default=d.attach_timeout_s,
@@ -194,5 +238,7 @@ class EngineFleetConfig:
             urls=urls,
             attach_timeout_s=args.engine_attach_timeout,
             gpus_per_engine=per,
+            start_timeout_s=getattr(args, "engine_start_timeout", 900.0),
+            sglang_args=tuple(getattr(args, "sglang_args", ()) or ()),
             cpus_per_engine=getattr(args, "rollout_num_cpus_per_engine", 1.0),
         )
