@@ -216,3 +216,41 @@ def _restore_env():
     for k in ("FAKE_SGLANG_HANG", "FAKE_SGLANG_EXIT"):
         if k not in keep:
             os.environ.pop(k, None)
+
+
+def _recipe_argv() -> list[str]:
+    """The `python train_async.py ...` command of docs/cluster.md's GPU recipe."""
+    import re
+    import shlex
+
+    text = (REPO / "docs" / "cluster.md").read_text()
+    block = text.split("## GPU recipe", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    cmd = re.sub(r"\\\n", " ", block).split("python train_async.py", 1)[1].splitlines()[0]
+    return shlex.split(cmd)
+
+
+def test_the_docs_gpu_recipe_derives_what_it_says() -> None:
+    """docs/cluster.md's command, validated against a 2-node cluster's environment: 4 engines
+    of TP 2, 8 trainer ranks as TP 2 x DP 4, the --sglang-* flags on every server's command."""
+    from slime_async.config import build_parser, validate
+    from slime_async.contracts.engine import EngineLaunch
+    from slime_async.contracts.model import ModelSpec
+    from slime_async.engine.backends.config import split_sglang_args
+    from slime_async.run_config import Environment
+
+    argv, sglang = split_sglang_args(_recipe_argv())
+    args = build_parser().parse_args(argv)
+    args.sglang_args = sglang
+    env = Environment(model=ModelSpec(family="llama"), cpus=tuple(range(8)),
+                      ray_address="10.0.0.1:6379", auth_token=TOKEN)  # fmt: skip
+    cfg = validate(args, env)
+    assert cfg.engines.backend == "sglang" and cfg.engines.num_engines == 4
+    assert cfg.engines.gpus_per_engine == 2 and cfg.engines.start_timeout_s == 1200
+    assert cfg.trainer.world_size == 8 and cfg.trainer.data_parallel_size == 4
+    assert cfg.ray_address == "10.0.0.1:6379" and cfg.engine.auth_token == TOKEN
+    assert cfg.router.auth_token == TOKEN and not cfg.trainer_cores  # cores: per node
+    launch = EngineLaunch(index=3, model_dir=args.hf_checkpoint, weight_version=0, seed=1,
+                          host="10.0.0.2")  # fmt: skip
+    cmd = " ".join(build_command(sglang_config(cfg.engine, launch, port=30000, fleet=cfg.engines)))
+    assert "--tp-size 2" in cmd and "--host 10.0.0.2" in cmd
+    assert "--mem-fraction-static 0.8 --cuda-graph-max-bs 256" in cmd and TOKEN not in cmd
