@@ -1,13 +1,15 @@
 """Ray roles of a run: the router actor, core pinning, and the handle set the controller holds.
 
-Owns `RouterActor`, `init_ray`, `pin_actor` and `Cluster` (the run's engines as backend handles,
-the router URL + client). Engines are started, checked, replaced and stopped only through the
-engine backend protocol (`slime_async.contracts.engine`); which backend runs them (embedded Ray
-actors, SGLang servers, attached external servers, a plugin) is chosen by the caller from the
-registry in `slime_async.engine.backends`. Every actor is created with `num_cpus=0`: on a
-2-core node three `num_cpus=1` actors never schedule and `ray.get` hangs silently
-(cpu-stack.md §4). Cores are given out explicitly instead (`pin_cores` inside the process): the
-CPU analogue of separate rollout and training GPU pools.
+Owns `RouterActor`, `ray_address`/`init_ray` (join a cluster or start a local node),
+`pin_actor` and `Cluster` (the run's engines as backend handles, the router URL + client).
+Engines are started, checked, replaced and stopped only through the engine backend protocol
+(`slime_async.contracts.engine`); which backend runs them (embedded Ray actors, SGLang servers,
+attached external servers, a plugin) is chosen by the caller from the registry in
+`slime_async.engine.backends`. A run places trainer ranks and engines in placement-group bundles
+(`slime_async.placement`; a local node gets logical CPUs for all of them, so nothing waits on
+a 2-core machine, cpu-stack.md §4); actors outside bundles (the router) take `num_cpus=0`.
+Cores are given out explicitly (`pin_cores` inside the process, per node): the CPU analogue of
+separate rollout and training GPU pools. See docs/cluster.md.
 Never imports the controller, the supervisor or a backend implementation.
 """
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
@@ -20,9 +20,6 @@ from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
-
-if TYPE_CHECKING:
-    from slime_async.placement import Slot
 
 DEFAULT_NUM_CPUS = 0.25
 """Logical CPUs per trainer actor (fractional: see ARCHITECTURE.md, Ray on 2 cores)."""
@@ -123,11 +120,12 @@ class TrainerGroup:
         num_gpus_per_actor: float = 0.0,
         num_threads: int = 1,
         timeout_s: float = 600.0,
-        slots: Sequence[Slot] | None = None,
+        slots: Sequence[Any] | None = None,
     ) -> None:
         """Without `slots`, `world_size` ranks anywhere on this node, rendezvous on loopback.
-        With them (`slime_async.placement`), rank r runs in bundle `slots[r]` and the ranks
-        rendezvous on rank 0's node IP at a port found free there."""
+        With them (`slime_async.placement.Slot`s: `node_ip`, `port`, `actor_options()`), rank r
+        runs in bundle `slots[r]` and the ranks rendezvous on rank 0's node IP at a port found
+        free there."""
         if slots is not None and len(slots) != world_size:
             raise ValueError(f"{len(slots)} trainer slots for world size {world_size}")
         self.timeout_s = timeout_s
