@@ -141,31 +141,60 @@ def _skip_reason() -> str | None:
     return None
 
 
-def _train_argv(run_dir: Path, steps: int) -> list[str]:
+def _train_argv(run_dir: Path, steps: int, *extra: str) -> list[str]:
     argv = [sys.executable, "train_async.py", "--ray-address", f"{TRAINER_IP}:6379",
             "--run-dir", str(run_dir), "--num-steps", str(steps), "--warmstart-steps", "0",
             "--eval-interval", "0", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
             "--rollout-max-response-len", "8", "--micro-batch-size", "2",
             "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
             "--actor-num-cpus-per-rank", "2", "--num-engines", "2",
-            "--rollout-num-cpus-per-engine", "1", "--max-staleness", "1"]  # fmt: skip
-    if _distributed_transport():
-        argv += ["--update-weight-transport", "distributed"]
+            "--rollout-num-cpus-per-engine", "1", "--max-staleness", "1", *extra]  # fmt: skip
     return argv
 
 
+def _shared_model(root: Path) -> Path:
+    """A tiny dense model at a path both nodes see (a cluster's shared model store)."""
+    from slime_async.contracts.model import ModelSpec
+    from slime_async.engine.config import EngineConfig
+    from slime_async.engine.model import load_model
+
+    path = root / "shared_model"
+    spec = ModelSpec(family="llama").to_dict()
+    load_model(EngineConfig(dtype="fp32", model_spec=spec)).model.save_pretrained(str(path))
+    return path
+
+
 def test_train_async_on_two_network_namespaces(tmp_path: Path) -> None:
+    """Disk transport: the run directory is shared (as an NFS mount would be)."""
+    disk = ("--update-weight-transport", "disk") if _distributed_transport() else ()
+    _two_node_run(tmp_path, hidden=False, extra=disk)
+
+
+@pytest.mark.slow
+def test_distributed_transport_needs_no_shared_filesystem(tmp_path: Path) -> None:
+    """Distributed transport: the engine node cannot see the run directory at all; engines
+    start from the model path every node has and get the trainer's weights over gloo."""
+    if not _distributed_transport():
+        pytest.skip("this build has no --update-weight-transport distributed")
+    model = _shared_model(tmp_path.parent / f"{tmp_path.name}_shared")
+    try:
+        _two_node_run(tmp_path, hidden=True, extra=("--update-weight-transport", "distributed",
+                                                    "--hf-checkpoint", str(model)))  # fmt: skip
+    finally:
+        shutil.rmtree(model.parent, ignore_errors=True)
+
+
+def _two_node_run(tmp_path: Path, *, hidden: bool, extra: tuple[str, ...] = ()) -> None:
     if reason := _skip_reason():
         pytest.skip(reason)
-    hidden = _distributed_transport()  # files only the driver's node sees, unless disk transport
     run_dir = tmp_path / "run"
     nodes = TwoNodes(tmp_path, hide=[tmp_path] if hidden else [])
-    steps = 3
+    steps = 2
     try:
         nodes.net()
         nodes.ray_up()
         env = {**nodes.env, "SLIME_ASYNC_AUTH_TOKEN": TOKEN}
-        cmd = ["ip", "netns", "exec", nodes.ns_t, *_train_argv(run_dir, steps)]
+        cmd = ["ip", "netns", "exec", nodes.ns_t, *_train_argv(run_dir, steps, *extra)]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
         tail = (res.stdout + res.stderr)[-6000:]
         assert res.returncode == 0, tail
