@@ -70,6 +70,8 @@ class Run:
     started: float = dataclasses.field(default_factory=time.perf_counter)
     placement: Placement | None = None
     """The reserved bundles (given back at close)."""
+    pushed_version: int = -1
+    """The last version pushed to the engines (-1: none yet)."""
     _logged_once: bool = False
     _rollout_idle_mark: float = 0.0
 
@@ -85,6 +87,7 @@ class Run:
                 await self.cluster.control.continue_generation()
                 await self.worker.resume()
         self.worker.set_served_version(version)
+        self.pushed_version = version
         self.served = (self.transport.path(version), version)
         return metrics
 
@@ -121,7 +124,7 @@ class Run:
         """`run_dir/served_versions.json`: the version each engine serves at the end (the last
         push reached every engine when all equal the trainer's version)."""
         versions = await self.cluster.served_versions(token=self.cfg.engine.auth_token)
-        record = {"trainer_version": self.version, "pushed_version": self.served[1],
+        record = {"trainer_version": self.version, "pushed_version": self.pushed_version,
                   "engines": dict(zip(self.cluster.engine_urls, versions, strict=True))}  # fmt: skip
         (self.cfg.run_dir / "served_versions.json").write_text(json.dumps(record))
 

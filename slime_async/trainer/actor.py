@@ -9,7 +9,6 @@ engine, rollout or data-worker parts of `slime_async`.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -81,20 +80,11 @@ class _TrainerActorImpl:
 
 
 def _gloo_interface(master_addr: str) -> None:
-    """Off loopback, point gloo at the interface that holds this node's IP (unless the user
-    set GLOO_SOCKET_IFNAME): gloo otherwise resolves the host name, which on a multi-homed
-    node (or one whose name maps to another address) is not the address peers can reach."""
-    if master_addr.startswith("127.") or master_addr == "localhost":
-        return
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return
-    import psutil
+    """Off loopback, gloo uses the interface of this node's IP (`host.gloo_interface`)."""
+    if not (master_addr.startswith("127.") or master_addr == "localhost"):
+        from slime_async.host import gloo_interface
 
-    ip = ray.util.get_node_ip_address()
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == ip for a in addrs):
-            os.environ["GLOO_SOCKET_IFNAME"] = name
-            return
+        gloo_interface(ray.util.get_node_ip_address())
 
 
 TrainerActor = ray.remote(num_cpus=DEFAULT_NUM_CPUS)(_TrainerActorImpl)
