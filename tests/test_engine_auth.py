@@ -148,3 +148,18 @@ async def test_router_presents_the_shared_token_to_its_engines(engine) -> None:
                 assert r.status == 401
     finally:
         await router.stop()
+
+
+async def test_attaching_a_token_protected_engine_uses_the_run_token(engine) -> None:
+    from slime_async.contracts.engine import EngineLaunch
+    from slime_async.engine.backends import EngineFleetConfig
+    from slime_async.engine.backends.external import EngineAttachError, ExternalBackend
+
+    fleet = EngineFleetConfig(backend="external", urls=(engine,), attach_timeout_s=2)
+    with_token = ExternalBackend(fleet, EngineConfig(auth_token=TOKEN))
+    await with_token.preflight()
+    h = await with_token.start(EngineLaunch(index=0, model_dir="", weight_version=0, seed=0))
+    assert await with_token.alive(h)
+    without = ExternalBackend(fleet, EngineConfig())
+    with pytest.raises(EngineAttachError, match="401"):
+        await without.preflight()
