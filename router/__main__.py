@@ -35,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_router_args(parser, prefix="")
     args = parser.parse_args(argv)
+    if args.auth_token:
+        print(
+            "warning: --auth-token is visible to every user of this machine (ps, /proc); "
+            "use $SLIME_ASYNC_AUTH_TOKEN or --auth-token-file instead",
+            file=sys.stderr,
+            flush=True,
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         cfg = router_config_from_args(args, prefix="")

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 POLICY_NAMES: tuple[str, ...] = ("least_expected_tokens", "least_requests", "round_robin")
 
+AUTH_TOKEN_ENV = "SLIME_ASYNC_AUTH_TOKEN"
+"""Environment variable holding the shared token of a run's router and engines."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RouterConfig:
@@ -34,8 +37,9 @@ class RouterConfig:
     budget); beyond that an engine only queues internally. 0 binds every request on arrival."""
     default_expected_tokens: int = 1024
     """Expected tokens assumed for a request that sends no `X-Expected-Tokens` header."""
-    auth_token: str | None = None
-    """Bearer token required on management/control routes (always required off loopback)."""
+    auth_token: str | None = field(default=None, repr=False)
+    """Bearer token required on management/control routes (always required off loopback), and
+    sent to the engines (the run's shared token)."""
     health_interval_s: float = 1.0
     """Seconds between `/health` probes of each engine."""
     health_timeout_s: float = 2.0
@@ -84,6 +88,24 @@ def _flag(field: str) -> str:
     """How the flag of `field` is spelled in train_async.py and in `python -m router`."""
     dashed = field.replace("_", "-")
     return f"--router-{dashed} (python -m router: --{dashed})"
+def load_auth_token(token_file: str | None = None, *, environ: dict | None = None) -> str | None:
+    """The shared token: the content of `token_file` (surrounding whitespace stripped) when
+    given, else `$SLIME_ASYNC_AUTH_TOKEN`; None when neither is set. Raises ValueError for a
+    file that cannot be read or is empty."""
+    import os
+
+    if token_file:
+        try:
+            with open(token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ValueError(
+                f"auth token file {token_file}: {e.strerror}; give a readable file"
+            ) from None
+        if not token:
+            raise ValueError(f"auth token file {token_file} is empty; write the token into it")
+        return token
+    return (os.environ if environ is None else environ).get(AUTH_TOKEN_ENV) or None
 
 
 def validate_config(cfg: RouterConfig) -> None:
@@ -94,10 +116,9 @@ def validate_config(cfg: RouterConfig) -> None:
         )
     if not is_loopback(cfg.host) and not cfg.auth_token:
         raise ValueError(
-            f"router bound to non-loopback host {cfg.host!r} without a token: pass an auth "
-            "token (--auth-token for `python -m router`, --router-auth-token in the training "
-            "CLI; management and control routes then need 'Authorization: Bearer <token>'), "
-            "or bind 127.0.0.1"
+            f"router bound to non-loopback host {cfg.host!r} without a token: export "
+            f"{AUTH_TOKEN_ENV}=<token> or pass --auth-token-file PATH (management and control "
+            "routes then need 'Authorization: Bearer <token>'), or bind 127.0.0.1"
         )
     if cfg.auth_token is not None and (
         not cfg.auth_token.strip() or cfg.auth_token.strip() != cfg.auth_token
@@ -163,7 +184,8 @@ _FLAG_HELP: dict[str, str] = {
     "worker_capacity_tokens": "Late binding: outstanding expected tokens per engine before "
     "requests wait in the router's queue (0 = bind on arrival).",
     "default_expected_tokens": "Expected tokens of a request without an X-Expected-Tokens header.",
-    "auth_token": "Bearer token required on /workers and control routes.",
+    "auth_token": f"Bearer token of /workers and control routes (visible in `ps`: prefer "
+    f"${AUTH_TOKEN_ENV} or the token file).",
     "health_interval_s": "Seconds between /health probes of each engine.",
     "health_timeout_s": "Timeout of one health probe.",
     "failure_threshold": "Consecutive failed probes or requests that quarantine an engine.",
@@ -204,6 +226,12 @@ def add_router_args(parser: argparse.ArgumentParser, *, prefix: str = "router-")
             help=f"{_FLAG_HELP[f.name]} (default: {default})",
             **kwargs,
         )
+    if not prefix:  # the router's own CLI; train_async.py reads the run's --auth-token-file
+        group.add_argument(
+            "--auth-token-file",
+            default=None,
+            help=f"File holding the bearer token (default: ${AUTH_TOKEN_ENV}).",
+        )
 
 
 def router_config_from_args(args: argparse.Namespace, *, prefix: str = "router-") -> RouterConfig:
@@ -217,6 +245,8 @@ def router_config_from_args(args: argparse.Namespace, *, prefix: str = "router-"
         if hasattr(args, key):
             kwargs[f.name] = getattr(args, key)
     kwargs["worker_urls"] = tuple(kwargs.get("worker_urls") or ())
+    if not kwargs.get("auth_token"):
+        kwargs["auth_token"] = load_auth_token(getattr(args, attr + "auth_token_file", None))
     cfg = RouterConfig(**kwargs)
     validate_config(cfg)
     return cfg

@@ -112,6 +112,10 @@ class Router:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
             cookie_jar=aiohttp.DummyCookieJar(),
+            # the run's shared token: engines off loopback require it on every route
+            headers={"Authorization": f"Bearer {self.cfg.auth_token}"}
+            if self.cfg.auth_token
+            else None,
         )
         app = build_app(self)
         # handler_cancellation: a client that disconnects cancels its handler, which closes the

@@ -22,15 +22,17 @@ import dataclasses
 import enum
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from data_worker.budget import worst_case_staleness
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
-from router.config import add_router_args, router_config_from_args
+from router.config import add_router_args, load_auth_token, router_config_from_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig
+from slime_async.engine.backends.config import split_sglang_args
 from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
 from slime_async.rollout.config import RolloutConfig, add_rollout_args, rollout_config_from_args
 from slime_async.run_config import (
@@ -101,13 +103,19 @@ def read_environment(args: argparse.Namespace) -> Environment:
                 "a local Hugging Face model directory"
             ) from None
         model = ModelSpec.from_hf_config(hf)
-    return Environment(model=model, cpus=tuple(sorted(os.sched_getaffinity(0))))
+    from slime_async.roles import ray_address
+
+    return Environment(model=model, cpus=tuple(sorted(os.sched_getaffinity(0))),
+                       ray_address=ray_address(args.ray_address),
+                       auth_token=load_auth_token(args.auth_token_file))  # fmt: skip
 
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
     """Parse flags, read the environment, validate; exits with the message on bad input."""
     parser = build_parser()
+    argv, sglang_args = split_sglang_args(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
+    args.sglang_args = sglang_args
     try:
         return validate(args, read_environment(args))
     except ValueError as e:
@@ -169,11 +177,24 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     engines = EngineFleetConfig.from_args(a)
     if f.unset("num_engines"):
         why = "one per --engine-urls URL" if engines.urls else "the default"
+        if a.rollout_num_gpus is not None:
+            why = (f"--rollout-num-gpus {a.rollout_num_gpus} / --rollout-num-gpus-per-engine "
+                   f"{engines.gpus_per_engine}")  # fmt: skip
         f.note("num_engines", engines.num_engines, why)
+    if a.rollout_num_gpus is None:
+        f.note("rollout_num_gpus", engines.rollout_num_gpus,
+               "--num-engines x --rollout-num-gpus-per-engine")  # fmt: skip
     colocate, trainer_cores, rollout_cores = _placement(f, env)
+    router, token = _shared_token(a, env)
     _derive_warmstart(f, embedded=embedded)
+    engine = engine_run_config_from_args(
+        a, seed=a.seed if rollout.seed is None else rollout.seed,
+        num_threads=None if colocate else 1,
+    )  # fmt: skip
     return RunConfig(
         run_dir=Path(a.run_dir),
+        ray_address=env.ray_address,
+        auth_token_file=a.auth_token_file,
         num_steps=a.num_steps,
         update_weights_interval=a.update_weights_interval,
         save_interval=a.save_interval,
@@ -188,17 +209,35 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         model=env.model,
         rollout=rollout,
         data_worker=data_worker,
-        router=router_config_from_args(a, prefix="router-"),
-        engine=engine_run_config_from_args(
-            a,
-            seed=a.seed if rollout.seed is None else rollout.seed,
-            num_threads=None if colocate else 1,
-        ),
+        router=router,
+        engine=dataclasses.replace(engine, auth_token=token),
         trainer=trainer,
         supervisor=supervisor_config_from_args(a),
         weights=weight_sync_config_from_args(a),
         derived=f.derived,
     )
+
+
+def _shared_token(a: argparse.Namespace, env: Environment) -> tuple[Any, str | None]:
+    """(router config, the run's shared token). One token guards the router and every engine
+    (the router presents it to them): `$SLIME_ASYNC_AUTH_TOKEN` / `--auth-token-file`, or a
+    deprecated `--router-auth-token`. Joining a cluster puts servers on node IPs, so it needs one."""
+    flag = a.router_auth_token
+    if flag and env.auth_token and flag != env.auth_token:
+        raise ValueError(
+            "--router-auth-token differs from the run's shared token ($SLIME_ASYNC_AUTH_TOKEN / "
+            "--auth-token-file); router and engines use one token: drop --router-auth-token"
+        )
+    token = flag or env.auth_token
+    if env.ray_address is not None and not token:
+        raise ValueError(
+            f"joining the Ray cluster at {env.ray_address} puts the engines and the router on "
+            "their nodes' IPs, which needs the run's shared token: export "
+            "SLIME_ASYNC_AUTH_TOKEN=<token> or pass --auth-token-file PATH (never the token "
+            "itself on the command line)"
+        )
+    a = argparse.Namespace(**{**vars(a), "router_auth_token": token})
+    return router_config_from_args(a, prefix="router-"), token
 
 
 def _raise_all(errors: list[str]) -> None:
@@ -318,8 +357,21 @@ def _cores(flag: str, text: str) -> tuple[int, ...]:
 
 
 def _placement(f: _Flags, env: Environment) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
-    """(colocate, trainer cores, rollout cores) on the cores this process may use."""
+    """(colocate, trainer cores, rollout cores) on the cores this process may use. On a joined
+    cluster the roles run on other nodes: each pins cores of its own node at start-up
+    (`slime_async.placement`), so none are derived from this machine."""
     a, cpus = f.args, env.cpus
+    if env.ray_address is not None:
+        if a.trainer_cores is not None or a.rollout_cores is not None:
+            raise ValueError(
+                "--trainer-cores/--rollout-cores name cores of this machine, but on a joined "
+                "Ray cluster every role pins cores of its own node (split by the CPUs it "
+                "reserves); drop them (or size --actor-num-cpus-per-rank / "
+                "--rollout-num-cpus-per-engine)"
+            )
+        if f.unset("colocate"):
+            f.fill("colocate", False, "joined Ray cluster: cores are pinned per node")
+        return bool(a.colocate), (), ()
     given = {k: _cores(k, v) for k in ("trainer-cores", "rollout-cores")
              if (v := getattr(a, k.replace("-", "_"))) is not None}  # fmt: skip
     if a.colocate and a.engine_backend == "sglang":

@@ -25,8 +25,23 @@ def pin_cores(cores: tuple[int, ...]) -> None:
     torch.set_num_threads(len(cores))
 
 
-def free_port() -> int:
-    """An ephemeral loopback TCP port (a rendezvous or server port on this host)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """An ephemeral TCP port free on `host` of this node (a rendezvous or server port)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def gloo_interface(ip: str) -> None:
+    """Point gloo at the network interface that holds `ip` (this node's address), unless the
+    user set GLOO_SOCKET_IFNAME or `ip` is loopback: by default gloo resolves the host name,
+    which on a multi-homed node (or one whose name maps to another address) is not the
+    address peers reach."""
+    if ip.startswith("127.") or ip == "localhost" or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return

@@ -31,7 +31,9 @@ from slime_async.config import RunConfig
 from slime_async.contracts.engine import EngineBackend
 from slime_async.contracts.rollout import Batch, GenerationRequest, Group
 from slime_async.engine.backends import get_engine_backend
+from slime_async.host import free_port
 from slime_async.metrics import MetricsLogger
+from slime_async.placement import Placement, place_roles
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate
 from slime_async.rollout.behavior import BehaviorAnnotate
@@ -43,6 +45,7 @@ from slime_async.rollout.warmstart import WarmStartConfig, warm_start
 from slime_async.supervisor import EnginesDownError, EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
 from slime_async.trainer.behavior_role import BehaviorRole
+from slime_async.trainer.config import TrainerConfig
 from slime_async.weights import DiskTransport, DistributedTransport, TransportKind
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,10 @@ class Run:
     behavior_role: Any = None
     """The forward-only role computing π_j^Meg (`--behavior-forward role`), or None."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    placement: Placement | None = None
+    """The reserved bundles (given back at close)."""
+    pushed_version: int = -1
+    """The last version pushed to the engines (-1: none yet)."""
     _logged_once: bool = False
     _rollout_idle_mark: float = 0.0
 
@@ -86,9 +93,10 @@ class Run:
                 await self.cluster.control.continue_generation()
                 await self.worker.resume()
         self.worker.set_served_version(version)
+        self.pushed_version = version
         if isinstance(self.transport, DiskTransport):
             # replacements start on the newest directory; with the distributed transport they
-            # start on the first export (labelled with its version) and join at the next push
+            # start on the run's start source and join at the next push
             self.served = (self.transport.path(version), version)
         return metrics
 
@@ -136,6 +144,14 @@ class Run:
         tmp = self.cfg.run_dir / "roles.json.tmp"
         tmp.write_text(json.dumps(roles))
         os.replace(tmp, self.cfg.run_dir / "roles.json")
+
+    async def _record_served_versions(self) -> None:
+        """`run_dir/served_versions.json`: the version each engine serves at the end (the last
+        push reached every engine when all equal the trainer's version)."""
+        versions = await self.cluster.served_versions(token=self.cfg.engine.auth_token)
+        record = {"trainer_version": self.version, "pushed_version": self.pushed_version,
+                  "engines": dict(zip(self.cluster.engine_urls, versions, strict=True))}  # fmt: skip
+        (self.cfg.run_dir / "served_versions.json").write_text(json.dumps(record))
 
     async def evaluate(self, *, step: int) -> None:
         """Held-out pass rate (one sample per prompt, rollout temperature), logged at `step`."""
@@ -216,10 +232,13 @@ class Run:
             await self.transport.close()
         except Exception as e:  # shutting down: report, keep closing
             log.warning("weight transport did not close cleanly: %s", e)
+        await self._record_served_versions()
         await self.cluster.stop()
         self.trainer.shutdown()
         if self.behavior_role is not None:
             self.behavior_role.shutdown()
+        if self.placement is not None:
+            self.placement.remove()
         self.logger.close()
 
 
@@ -332,12 +351,8 @@ async def setup_run(cfg: RunConfig) -> Run:
         )  # fmt: skip
         trainer_cfg = dataclasses.replace(trainer_cfg, hf_checkpoint=str(ws.path))
 
-    init_ray()
-    trainer = await asyncio.to_thread(
-        TrainerGroup, trainer_cfg, cfg.model, num_threads=max(1, len(cfg.trainer_cores))
-    )
-    for actor in trainer.actors:
-        await pin_actor(actor, cfg.trainer_cores)
+    placement = await _place(cfg)
+    trainer = await _start_trainer(cfg, trainer_cfg, placement)
     extra = await asyncio.to_thread(trainer.extra_state)
     version = await asyncio.to_thread(trainer.version)
     start_step = int(extra.get("step", 0)) if trainer_cfg.load else 0
@@ -366,10 +381,11 @@ async def setup_run(cfg: RunConfig) -> Run:
     if role is not None:
         role.add_version(version, first)
     cluster, transport = await _start_engines(cfg, backend, trainer, first=first, version=version,
-                                              role=role)  # fmt: skip
+                                              placement=placement, role=role)  # fmt: skip
     if trainer_cfg.routing_replay.value == "r3" and cfg.model.is_moe:
         try:  # refuse now what would otherwise surface only at the first train step
-            await asyncio.gather(*(check_routed_experts(u) for u in cluster.engine_urls))
+            await asyncio.gather(*(check_routed_experts(u, token=cfg.engine.auth_token)
+                                   for u in cluster.engine_urls))  # fmt: skip
         except BaseException:
             await cluster.stop()
             raise
@@ -420,6 +436,7 @@ async def setup_run(cfg: RunConfig) -> Run:
         transport=transport, logger=logger, plan=plan, start_step=start_step, version=version,
         served=(first, version), supervisor=supervisor, generate=generate, sample_fn=sample_fn,
         behavior_role=role,
+        placement=placement,
     )  # fmt: skip
     supervisor.start()
     await run.write_roles()
@@ -441,6 +458,48 @@ async def _start_behavior_role(cfg: RunConfig, trainer_cfg: Any) -> BehaviorRole
     return role
 
 
+async def _place(cfg: RunConfig) -> Placement | None:
+    """Join (or start) Ray and reserve the trainer's and engines' bundles (`placement`).
+    Engines a backend attaches run nowhere on the cluster: only the trainer is placed then."""
+    t, e = cfg.trainer, cfg.engines
+    starts_engines = not get_engine_backend(e.backend).needs.urls
+    need = t.world_size * t.actor_num_cpus_per_rank + e.num_engines * e.cpus_per_engine
+    joined = init_ray(address=cfg.ray_address, num_cpus=need)
+    if cfg.ray_address is not None and not joined:
+        raise RuntimeError("Ray was already started locally in this process; cannot join "
+                           f"{cfg.ray_address}")  # fmt: skip
+    return await asyncio.to_thread(
+        place_roles, actor_num_nodes=t.actor_num_nodes,
+        actor_num_gpus_per_node=t.actor_num_gpus_per_node,
+        actor_num_cpus_per_rank=t.actor_num_cpus_per_rank,
+        num_engines=e.num_engines if starts_engines else 0,
+        gpus_per_engine=e.gpus_per_engine, cpus_per_engine=e.cpus_per_engine,
+    )  # fmt: skip
+
+
+async def _start_trainer(
+    cfg: RunConfig, trainer_cfg: TrainerConfig, placement: Placement | None
+) -> TrainerGroup:
+    """`world_size` trainer ranks in their bundles, rendezvous on rank 0's node IP (a local
+    run: loopback); each pins its cores (a local run: `--trainer-cores`, shared)."""
+    joined = cfg.ray_address is not None
+    slots = placement.trainer if placement is not None else None
+    cores = [cfg.trainer_cores] * trainer_cfg.world_size
+    if joined and slots is not None:
+        cores = [() if cfg.colocate else s.cores for s in slots]
+    threads = max(1, min(len(c) for c in cores)) if all(cores) else 1
+    if not joined:  # a local node: rendezvous on loopback, ranks in their bundles
+        slots = [dataclasses.replace(s, node_ip="127.0.0.1", port=free_port())
+                 for s in slots[:1]] + list(slots[1:]) if slots else None  # fmt: skip
+    trainer = await asyncio.to_thread(
+        TrainerGroup, trainer_cfg, cfg.model, world_size=trainer_cfg.world_size,
+        num_threads=threads if joined else max(1, len(cfg.trainer_cores)), slots=slots,
+    )  # fmt: skip
+    for actor, c in zip(trainer.actors, cores, strict=True):
+        await pin_actor(actor, c)
+    return trainer
+
+
 async def _start_engines(
     cfg: RunConfig,
     backend: EngineBackend,
@@ -448,27 +507,42 @@ async def _start_engines(
     *,
     first: Path,
     version: int,
+    placement: Placement | None = None,
     role: BehaviorRole | None = None,
 ) -> tuple[Cluster, DiskTransport | DistributedTransport]:
-    """Engines on the trainer's export `first` of `version`, a router in front, the weight
-    transport (`--update-weight-transport`). Engines a backend attaches (instead of starting
-    them on that export) get `version` pushed through the transport before anything generates,
-    so every engine begins on it. A disk transport hands each directory it writes to the
-    forward-only `role`; otherwise `Run._feed_role` exports one for it."""
+    """Engines, a router in front, the weight transport (`--update-weight-transport`).
+    Engines a backend attaches, and every engine under the distributed transport (which needs no
+    shared filesystem: they start from `--hf-checkpoint`, a path every node has as in slime, or
+    build the model's architecture, and never read the run directory), get `version` pushed
+    through the transport before anything generates; others start on the trainer's export
+    `first`. On a joined cluster engines bind their nodes' IPs and the router this driver's
+    node IP. A disk transport hands each directory it writes to the forward-only `role`;
+    otherwise `Run._feed_role` exports one for it."""
+    import ray
+
+    joined = cfg.ray_address is not None
+    distributed = cfg.weights.transport is TransportKind.DISTRIBUTED
+    slots = placement.engines if placement is not None and placement.engines else None
+    start_from = start_source(cfg, first)
+    if distributed and not start_from:
+        backend.engine = dataclasses.replace(backend.engine, model_spec=cfg.model.to_dict())
     cluster = await Cluster.start(backend=backend, num_engines=cfg.engines.num_engines,
-                                  model_dir=first.resolve(), version=version,
+                                  model_dir=start_from, version=version,
                                   seed=cfg.engine.seed, router_cfg=cfg.router,
-                                  rollout_cores=cfg.rollout_cores)  # fmt: skip
+                                  rollout_cores=cfg.rollout_cores, slots=slots,
+                                  bind_node_ips=joined, pin_slot_cores=joined and not cfg.colocate,
+                                  router_host=ray.util.get_node_ip_address() if joined else None)  # fmt: skip
     transport: DiskTransport | DistributedTransport
-    if cfg.weights.transport is TransportKind.DISTRIBUTED:
+    if distributed:
         transport = DistributedTransport(
             sender=trainer, control=cluster.control, engine_urls=lambda: cluster.engine_urls,
             cfg=cfg.weights, backend="nccl" if cfg.engines.backend == "sglang" else "gloo",
+            token=cfg.engine.auth_token,
         )  # fmt: skip
     else:
         transport = DiskTransport(first.parent, trainer=trainer, control=cluster.control,
                                   on_written=None if role is None else role.add_version)  # fmt: skip
-    if not backend.needs.model_dir:
+    if not backend.needs.model_dir or distributed:
         try:
             await transport.load(version)
         except BaseException:
@@ -476,6 +550,15 @@ async def _start_engines(
             raise
         log.info("engines attached and serving the trainer's weights v%d", version)
     return cluster, transport
+
+
+def start_source(cfg: RunConfig, first: Path) -> str:
+    """What engines (and replacements) start on: the trainer's export `first` with the disk
+    transport; with the distributed one, `--hf-checkpoint` or "" (build the architecture), the
+    transport then loading the trainer's weights."""
+    if cfg.weights.transport is TransportKind.DISTRIBUTED:
+        return cfg.trainer.hf_checkpoint or ""
+    return str(first.resolve())
 
 
 def _slime_args(cfg: RunConfig, router_url: str) -> Any:
@@ -498,12 +581,19 @@ def _json_value(obj: object) -> object:
     return obj.value if isinstance(obj, enum.Enum) else str(obj)
 
 
+def _redact(obj: Any) -> Any:
+    """The config as recorded: a token's value never reaches the run directory."""
+    if isinstance(obj, dict):
+        return {k: ("<set>" if k == "auth_token" and v else _redact(v)) for k, v in obj.items()}
+    return obj
+
+
 def record_config(cfg: RunConfig) -> None:
     """Say once what the run derived, and save the whole config (with `derived`) in the run dir."""
     for flag, d in cfg.derived.items():
         log.info("derived: %s %s (%s)", flag, d.value, d.why)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(dataclasses.asdict(cfg), indent=2, default=_json_value)
+    text = json.dumps(_redact(dataclasses.asdict(cfg)), indent=2, default=_json_value)
     tmp = cfg.run_dir / "config.json.tmp"
     tmp.write_text(text)
     os.replace(tmp, cfg.run_dir / "config.json")

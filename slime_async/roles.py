@@ -1,13 +1,15 @@
 """Ray roles of a run: the router actor, core pinning, and the handle set the controller holds.
 
-Owns `RouterActor`, `init_ray`, `pin_actor` and `Cluster` (the run's engines as backend handles,
-the router URL + client). Engines are started, checked, replaced and stopped only through the
-engine backend protocol (`slime_async.contracts.engine`); which backend runs them (embedded Ray
-actors, SGLang servers, attached external servers, a plugin) is chosen by the caller from the
-registry in `slime_async.engine.backends`. Every actor is created with `num_cpus=0`: on a
-2-core node three `num_cpus=1` actors never schedule and `ray.get` hangs silently
-(cpu-stack.md §4). Cores are given out explicitly instead (`pin_cores` inside the process): the
-CPU analogue of separate rollout and training GPU pools.
+Owns `RouterActor`, `ray_address`/`init_ray` (join a cluster or start a local node),
+`pin_actor` and `Cluster` (the run's engines as backend handles, the router URL + client).
+Engines are started, checked, replaced and stopped only through the engine backend protocol
+(`slime_async.contracts.engine`); which backend runs them (embedded Ray actors, SGLang servers,
+attached external servers, a plugin) is chosen by the caller from the registry in
+`slime_async.engine.backends`. A run places trainer ranks and engines in placement-group bundles
+(`slime_async.placement`; a local node gets logical CPUs for all of them, so nothing waits on
+a 2-core machine, cpu-stack.md §4); actors outside bundles (the router) take `num_cpus=0`.
+Cores are given out explicitly (`pin_cores` inside the process, per node): the CPU analogue of
+separate rollout and training GPU pools. See docs/cluster.md.
 Never imports the controller, the supervisor or a backend implementation.
 """
 
@@ -17,15 +19,19 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from router.client import RouterClient
 from router.config import RouterConfig
 from slime_async.contracts.engine import EngineBackend, EngineHandle, EngineLaunch
 from slime_async.host import pin_cores
+from slime_async.placement import Slot
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +65,35 @@ class RouterActor:
         await self._router.stop()
 
 
-def init_ray(*, num_cpus: int | None = None) -> None:
-    """Start a local Ray node quietly (no dashboard); a no-op when Ray is already up."""
+def ray_address(flag: str | None = None) -> str | None:
+    """The cluster to join: `--ray-address`, else `RAY_ADDRESS`; None (or "local") starts a
+    local one."""
+    address = flag or os.environ.get("RAY_ADDRESS") or None
+    return None if address == "local" else address
+
+
+def init_ray(*, address: str | None = None, num_cpus: float | None = None) -> bool:
+    """Join the Ray cluster at `address` (see `ray_address`), or start a local node quietly (no
+    dashboard, `num_cpus` logical CPUs, at least this machine's). A stale
+    /tmp/ray/ray_current_cluster never hijacks a local run. A no-op when Ray is already up.
+    Returns True when a cluster was joined (servers must then bind their node's IP)."""
     if ray.is_initialized():
-        return
+        return not _LOCAL[0]
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        num_cpus=num_cpus or max(2, os.cpu_count() or 2),
-        include_dashboard=False,
-        log_to_driver=True,
-        logging_level=logging.WARNING,
-        configure_logging=False,
-    )
+    quiet = {"log_to_driver": True, "logging_level": logging.WARNING, "configure_logging": False}
+    if address is not None:  # an existing cluster: its nodes say what they have
+        ray.init(address=address, **quiet)
+        _LOCAL[0] = False
+        log.info("joined the Ray cluster at %s: %s", address, ray.cluster_resources())
+        return True
+    cpus = max(2, os.cpu_count() or 2, math.ceil(num_cpus or 0))
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
+    _LOCAL[0] = True
+    return False
+
+
+_LOCAL = [True]
+"""Whether this process started its own Ray node (set by `init_ray`)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -85,6 +108,11 @@ class Cluster:
     engine_cores: list[tuple[int, ...]]
     seed: int
     """Base sampling seed; engine i starts with `seed + 1000 i` (restarts add `7 (version + 1)`)."""
+    slots: list[Slot] | None = None
+    """Engine i's reserved bundle on the cluster (a replacement goes back into it); None: the
+    engines run anywhere on the local node."""
+    bind_node_ips: bool = False
+    """Engines bind their node's IP (a joined cluster) instead of loopback."""
 
     @property
     def engine_urls(self) -> list[str]:
@@ -106,15 +134,27 @@ class Cluster:
         seed: int,
         router_cfg: RouterConfig,
         rollout_cores: tuple[int, ...],
+        slots: list[Slot] | None = None,
+        bind_node_ips: bool = False,
+        pin_slot_cores: bool = False,
+        router_host: str | None = None,
     ) -> Cluster:
-        """Start `num_engines` engines on `model_dir` (weights of `version`; cores split between
-        them) and a router in front. Nothing is left running if any part fails."""
-        per = _split(rollout_cores, num_engines)
-        launches = [
-            EngineLaunch(index=i, model_dir=str(model_dir), weight_version=version,
-                         seed=seed + 1000 * i, cores=per[i])
-            for i in range(num_engines)
-        ]  # fmt: skip
+        """Start `num_engines` engines on `model_dir` (weights of `version`) and a router in
+        front. Engine i runs in bundle `slots[i]` when given (anywhere otherwise); it binds that
+        bundle's node IP with `bind_node_ips` (loopback otherwise) and pins the bundle's cores
+        with `pin_slot_cores` (its share of `rollout_cores` otherwise).
+        With `router_host` (this driver's node IP) the router runs on the driver's node and
+        binds it. Nothing is left running if any part fails."""
+        if slots is not None and len(slots) != num_engines:
+            raise ValueError(f"{len(slots)} engine slots for {num_engines} engines")
+        per = (
+            [s.cores for s in slots]
+            if slots and pin_slot_cores
+            else _split(rollout_cores, num_engines)
+        )
+        launches = [_launch(i, model_dir=model_dir, version=version, seed=seed + 1000 * i,
+                            cores=per[i], slot=None if slots is None else slots[i], bind=bind_node_ips)
+                    for i in range(num_engines)]  # fmt: skip
         results = await asyncio.gather(
             *(backend.start(x) for x in launches), return_exceptions=True
         )
@@ -125,7 +165,14 @@ class Cluster:
             if errors:
                 raise errors[0]
             rcfg = dataclasses.replace(router_cfg, worker_urls=tuple(h.url for h in engines))
-            router = RouterActor.remote(rcfg)
+            actor = RouterActor
+            if router_host is not None:  # explicitly the driver's node, bound to its IP
+                rcfg = dataclasses.replace(rcfg, host=router_host)
+                here = ray.get_runtime_context().get_node_id()
+                actor = RouterActor.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)
+                )
+            router = actor.remote(rcfg)
             router_url = await router.start.remote()
         except BaseException:
             await asyncio.gather(*(backend.stop(h) for h in engines), return_exceptions=True)
@@ -142,6 +189,8 @@ class Cluster:
             control=RouterClient(router_url, token=rcfg.auth_token),
             engine_cores=per,
             seed=seed,
+            slots=slots,
+            bind_node_ips=bind_node_ips,
         )
 
     async def engine_alive(self, i: int) -> bool:
@@ -158,9 +207,9 @@ class Cluster:
             )
         old = self.engines[i]
         await self.backend.stop(old, timeout_s=REPLACE_STOP_TIMEOUT_S)
-        launch = EngineLaunch(index=i, model_dir=str(model_dir), weight_version=version,
-                              seed=self.seed + 1000 * i + 7 * (version + 1),
-                              cores=self.engine_cores[i])  # fmt: skip
+        launch = _launch(i, model_dir=model_dir, version=version,
+                         seed=self.seed + 1000 * i + 7 * (version + 1), cores=self.engine_cores[i],
+                         slot=None if self.slots is None else self.slots[i], bind=self.bind_node_ips)  # fmt: skip
         new = await self.backend.start(launch)
         try:
             await self.control.add_worker(new.url, wait_healthy_s=60.0)
@@ -174,6 +223,23 @@ class Cluster:
         self.engines[i] = new
         return new.url
 
+    async def served_versions(self, *, token: str | None, timeout_s: float = 10.0) -> list[Any]:
+        """`weight_version` each engine reports on `/model_info` (None where it did not answer)."""
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+        async def one(s: aiohttp.ClientSession, url: str) -> Any:
+            try:
+                async with s.get(f"{url}/model_info", headers=headers) as r:
+                    return (await r.json()).get("weight_version") if r.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return None
+
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            return list(await asyncio.gather(*(one(s, u) for u in self.engine_urls)))
+
     async def stop(self) -> None:
         """Stop the router and every engine the backend owns (bounded; never hangs)."""
         await self.control.close()
@@ -184,6 +250,22 @@ class Cluster:
         await asyncio.gather(*(self.backend.stop(h) for h in self.engines), return_exceptions=True)
         with contextlib.suppress(Exception):
             ray.kill(self.router)
+
+
+def _launch(
+    i: int,
+    *,
+    model_dir: str | Path,
+    version: int,
+    seed: int,
+    cores: tuple[int, ...],
+    slot: Slot | None,
+    bind: bool,
+) -> EngineLaunch:
+    """Engine i's launch, in its reserved bundle (if any), bound to that node's IP if `bind`."""
+    return EngineLaunch(index=i, model_dir=str(model_dir), weight_version=version, seed=seed,
+                        cores=cores, host=slot.node_ip if slot is not None and bind else None,
+                        placement=None if slot is None else slot.actor_options())  # fmt: skip
 
 
 def _split(cores: tuple[int, ...], n: int) -> list[tuple[int, ...]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from data_worker.config import DataWorkerConfig
-from router.config import RouterConfig
+from router.config import AUTH_TOKEN_ENV, RouterConfig
 from slime_async.contracts.model import ModelSpec
 from slime_async.engine.backends.config import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
@@ -46,6 +46,10 @@ class Environment:
     """Architecture: read from --hf-checkpoint, else the tiny MoE."""
     cpus: tuple[int, ...]
     """CPU cores this process may run on."""
+    ray_address: str | None = None
+    """Ray cluster to join (`--ray-address`, else `RAY_ADDRESS`); None: start a local one."""
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
+    """The run's shared token (`SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`), if any."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +65,12 @@ class RunConfig:
     save_interval: int = 0
     """Checkpoint every this many rollouts, slime's unit (= train steps with
     --num-steps-per-rollout 1) (0: only at the end)."""
+    ray_address: str | None = None
+    """Ray cluster joined (engines and router then bind their nodes' IPs, with the token);
+    None: a local Ray node, everything on loopback."""
+    auth_token_file: str | None = None
+    """File the shared token was read from (`--auth-token-file`); the token itself is never
+    recorded."""
     engines: EngineFleetConfig = dataclasses.field(default_factory=EngineFleetConfig)
     """The rollout engines: backend, count, URLs to attach (flags owned by the backends)."""
     colocate: bool = False
@@ -136,6 +146,19 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
         help="Supervised warm-start steps on the built-in tasks, cached in the run "
         f"dir (default: {run_default('warmstart_steps')} for the embedded default run; "
         "0 with --hf-checkpoint, --prompt-data or --load, where it cannot apply).",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster to join (e.g. 10.0.0.1:6379; default: $RAY_ADDRESS, else a local "
+        "node). Joined, engines and the router listen on their nodes' IPs and need the shared "
+        "token. See docs/cluster.md.",
+    )
+    g.add_argument(
+        "--auth-token-file",
+        default=None,
+        help=f"File holding the shared token of engines and router (default: ${AUTH_TOKEN_ENV}"
+        "); never pass the token itself on the command line.",
     )
     g.add_argument("--use-wandb", action="store_true", help="Log to Weights & Biases.")
     g.add_argument("--use-tensorboard", action="store_true", help="Log to TensorBoard.")

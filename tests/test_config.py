@@ -189,7 +189,11 @@ _OWNERS = {
     "run": (RunConfig, {}, ""),
     "placement": (RunConfig, {}, ""),
     "rollout engines": (EngineFleetConfig, {"engine_backend": "backend", "engine_urls": "urls",
-                                            "engine_attach_timeout": "attach_timeout_s"}, ""),
+                                            "engine_attach_timeout": "attach_timeout_s",
+                                            "rollout_num_gpus_per_engine": "gpus_per_engine",
+                                            "rollout_num_cpus_per_engine": "cpus_per_engine",
+                                            "engine_start_timeout": "start_timeout_s"},
+                        ""),
     "rollout and data": (RolloutConfig, {"rollout_max_response_len": "max_response_len",
                                          "rollout_temperature": "temperature",
                                          "rollout_top_p": "top_p", "rollout_top_k": "top_k",
@@ -206,7 +210,8 @@ _OWNERS = {
                                        "update_weight_timeout": "timeout_s"}, "update_weight_"),
 }  # fmt: skip
 # flags that select behaviour rather than set a config field
-_NOT_FIELDS = {"help", "num_rollout", "use_rollout_routing_replay", "rollout_function_path"}
+_NOT_FIELDS = {"help", "num_rollout", "use_rollout_routing_replay", "rollout_function_path",
+               "rollout_num_gpus"}  # fmt: skip
 
 
 _REQUIRED = object()

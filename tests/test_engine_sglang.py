@@ -64,8 +64,12 @@ def test_full_command_maps_every_field() -> None:
         dist_init_addr="10.0.0.1:5000",
         disable_radix_cache=True,
         extra_args=("--cuda-graph-max-bs", "256"),
+        api_key="k3y-off-the-command-line",  # off loopback a token is required
     )
-    f = _flags(build_command(cfg))
+    cmd = build_command(cfg)
+    assert cmd[1:4] == ["-m", "slime_async.engine.sglang_launch", "sglang.launch_server"]
+    assert not any("k3y" in a for a in cmd)
+    f = _flags(cmd)
     assert f == {
         "--model-path": "/m",
         "--host": "10.0.0.2",
@@ -105,6 +109,8 @@ def test_full_command_maps_every_field() -> None:
         ({"node_rank": 1}, "node_rank"),
         ({"extra_args": ("--tp-size", "2")}, "repeat flags"),
         ({"extra_args": ("--port=1",)}, "repeat flags"),
+        ({"extra_args": ("--api-key", "x")}, "repeat flags"),
+        ({"host": "0.0.0.0"}, "SLIME_ASYNC_AUTH_TOKEN"),
     ],
 )
 def test_bad_config_names_the_problem(kwargs: dict, needle: str) -> None:

@@ -39,6 +39,12 @@ class EngineLaunch:
     """Sampling seed of this engine; distinct per engine and per restart."""
     cores: tuple[int, ...] = ()
     """CPU cores the engine may use (empty: no pinning)."""
+    host: str | None = None
+    """Address the engine binds: its node's IP when the run places it on a cluster node (the
+    URL is built from it); None keeps the backend's configured host (loopback)."""
+    placement: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
+    """Ray actor options placing the engine in its reserved bundle (scheduling strategy, CPUs,
+    GPUs), for backends that start Ray actors; None: anywhere, no reservation."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

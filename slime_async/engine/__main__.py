@@ -23,7 +23,10 @@ def main(argv: list[str] | None = None) -> None:
         description="Embedded inference engine speaking SGLang's HTTP API (CPU or any device).",
     )
     args = add_engine_args(parser).parse_args(argv)
-    cfg = engine_config_from_args(args)
+    try:
+        cfg = engine_config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
 

@@ -69,6 +69,9 @@ class EngineConfig:
     sglang-router's 90 s), so a client never reuses a connection the engine is closing."""
     max_connections: int = 1024
     """Most open client connections; one more is answered 503 and closed at once."""
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
+    """Shared bearer token required on every endpoint (`Authorization: Bearer <token>`);
+    mandatory off loopback. Read from `$SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -104,6 +107,23 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 (or unset), got {self.num_threads}")
+        if not self.auth_token and not _is_loopback(self.host):
+            raise ValueError(
+                f"the engine would listen on {self.host!r}, off loopback, without a token: "
+                "export SLIME_ASYNC_AUTH_TOKEN=<token> (or pass --auth-token-file PATH) so every "
+                "endpoint requires 'Authorization: Bearer <token>', or bind 127.0.0.1"
+            )
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -114,6 +134,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default=d.host, help="address to bind (default: loopback)")
     g.add_argument("--port", type=int, default=d.port, help="port; 0 = pick a free one")
     g.add_argument("--port-file", default=None, help="write the bound port to this file (atomic)")
+    g.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="file holding the bearer token every endpoint then requires (default: "
+        "$SLIME_ASYNC_AUTH_TOKEN; required off loopback; never pass the token itself)",
+    )
     _add_model_args(g, d)
     g.add_argument(
         "--max-running-requests",
@@ -209,6 +235,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         from pathlib import Path
 
         spec = json.loads(Path(args.model_spec_json).read_text())
+    from router.config import load_auth_token
+
     return EngineConfig(
         host=args.host,
         port=args.port,
@@ -230,6 +258,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_request_mb=args.max_request_mb,
         client_timeout_s=args.client_timeout_s,
         max_connections=args.max_connections,
+        auth_token=load_auth_token(getattr(args, "auth_token_file", None)),
     )
 
 

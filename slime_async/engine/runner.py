@@ -176,14 +176,23 @@ def config_to_argv(cfg: EngineConfig) -> list[str]:
     return argv
 
 
-def wait_healthy(url: str, *, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """Poll `GET url/health` until 200; raise if `proc` exits or `timeout` passes."""
+def wait_healthy(
+    url: str,
+    *,
+    timeout: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    token: str | None = None,
+) -> None:
+    """Poll `GET url/health` (with the bearer `token`, if any) until 200; raise if `proc` exits
+    or `timeout` passes."""
     deadline = time.monotonic() + timeout
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server process exited with code {proc.returncode} before healthy")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            req = urllib.request.Request(f"{url}/health", headers=headers)
+            with urllib.request.urlopen(req, timeout=2) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -216,6 +225,8 @@ class EngineProcess:
             cmd = [sys.executable, "-m", "slime_async.engine", *config_to_argv(self.cfg)]
             cmd += [*self.extra_args, "--port-file", port_file]
             env = {**os.environ, "HF_HUB_OFFLINE": "1", **(self.env or {})}
+            if self.cfg.auth_token:  # through the environment: argv is visible in `ps`
+                env["SLIME_ASYNC_AUTH_TOKEN"] = self.cfg.auth_token
             out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
             deadline = time.monotonic() + timeout
@@ -231,7 +242,8 @@ class EngineProcess:
                 time.sleep(0.05)
             port = int(Path(port_file).read_text())
         self.url = f"http://{self.cfg.host}:{port}"
-        wait_healthy(self.url, timeout=max(1.0, deadline - time.monotonic()), proc=self.proc)
+        wait_healthy(self.url, timeout=max(1.0, deadline - time.monotonic()), proc=self.proc,
+                     token=self.cfg.auth_token)  # fmt: skip
         return self.url
 
     def stop(self, timeout: float = 15.0) -> None:

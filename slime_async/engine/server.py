@@ -8,6 +8,7 @@ directly (it talks to `Engine`).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from typing import Any
@@ -471,14 +472,34 @@ async def v1_loads(request: web.Request) -> web.Response:
     return web.json_response({"loads": [_eng(request).load()]})
 
 
+def _auth_middleware(token: str) -> Any:
+    """Every route needs `Authorization: Bearer <token>` (compared in constant time)."""
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            return _err(
+                f"{request.path} needs 'Authorization: Bearer <token>' (the run's shared token, "
+                "$SLIME_ASYNC_AUTH_TOKEN)",
+                status=401,
+            )
+        return await handler(request)
+
+    return auth
+
+
 def build_app(engine: Engine) -> web.Application:
-    """The aiohttp application serving `engine` (SGLang paths, plus the `get_` aliases)."""
+    """The aiohttp application serving `engine` (SGLang paths, plus the `get_` aliases); with
+    `auth_token` set, every route requires it."""
     log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _DropHttp2Probe) for f in log.filters):
         log.addFilter(_DropHttp2Probe())
+    token = engine.cfg.auth_token
     app = web.Application(
         client_max_size=int(engine.cfg.max_request_mb * 1024**2),
-        middlewares=[_limits_middleware(engine)],
+        middlewares=[_limits_middleware(engine)] + ([_auth_middleware(token)] if token else []),
     )
     app[ENGINE_KEY] = engine
     r = app.router

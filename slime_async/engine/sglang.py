@@ -81,6 +81,10 @@ class SGLangConfig:
     """Module run with `python -m`."""
     extra_args: tuple[str, ...] = ()
     """Further SGLang flags, passed through verbatim (must not repeat a flag set above)."""
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """Bearer token SGLang requires (its `--api-key`); handed over through the environment and
+    added to the server's own argv in-process (`sglang_launch`), so it is never on a command
+    line. Required off loopback."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -102,7 +106,14 @@ class SGLangConfig:
             raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank ({self.node_rank}) must be in [0, nnodes={self.nnodes})")
+        if not self.api_key and not _is_loopback(self.host):
+            raise ValueError(
+                f"the SGLang server would listen on {self.host!r}, off loopback, without a token: "
+                "export SLIME_ASYNC_AUTH_TOKEN=<token> (or --auth-token-file PATH), or bind "
+                "127.0.0.1"
+            )
         ours = {a for a in build_command(self, _with_extra=False) if a.startswith("--")}
+        ours.add("--api-key")
         clash = sorted(ours & {a.split("=")[0] for a in self.extra_args if a.startswith("--")})
         if clash:
             raise ValueError(
@@ -115,9 +126,28 @@ class SGLangConfig:
         return f"http://{self.host}:{self.port}"
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+API_KEY_ENV = "SLIME_ASYNC_SGLANG_API_KEY"
+"""Environment variable the launcher hands the token over in (see `sglang_launch`)."""
+
+
 def build_command(cfg: SGLangConfig, *, _with_extra: bool = True) -> list[str]:
-    """The argv that starts `cfg` (`[python, -m, sglang.launch_server, --model-path, ...]`)."""
-    cmd = [cfg.python, "-m", cfg.launch_module, "--model-path", cfg.model_path]
+    """The argv that starts `cfg` (`[python, -m, sglang.launch_server, --model-path, ...]`; with
+    an `api_key`, `[python, -m, slime_async.engine.sglang_launch, sglang.launch_server, ...]`,
+    which adds `--api-key` in-process)."""
+    shim = ["-m", "slime_async.engine.sglang_launch"] if cfg.api_key else []
+    cmd = [cfg.python, *shim, "-m" if not shim else "", cfg.launch_module]
+    cmd = [c for c in cmd if c] + ["--model-path", cfg.model_path]
     cmd += ["--host", cfg.host, "--port", str(cfg.port)]
     cmd += ["--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size)]
     cmd += ["--ep-size", str(cfg.ep_size), "--dtype", cfg.dtype]
@@ -149,6 +179,27 @@ def build_command(cfg: SGLangConfig, *, _with_extra: bool = True) -> list[str]:
     return cmd
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that launched it dies (a Ray
+    actor killed without `stop()`), so no server outlives its owner holding a GPU."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _tail(path: str | None, n: int = 2000) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 class SGLangServer:
     """A launched SGLang server. `start()` returns its URL once `/health` answers 200."""
 
@@ -178,13 +229,27 @@ class SGLangServer:
         env = dict(os.environ)
         if self.cfg.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.cuda_visible_devices
+        if self.cfg.api_key:
+            env[API_KEY_ENV] = self.cfg.api_key
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         # own process group: SGLang forks scheduler/detokenizer children; stop() ends them all
         self.proc = subprocess.Popen(
-            self.command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+            self.command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
         try:
-            wait_healthy(self.cfg.url, timeout=timeout, proc=self.proc)
+            wait_healthy(self.cfg.url, timeout=timeout, proc=self.proc, token=self.cfg.api_key)
+        except (TimeoutError, RuntimeError) as e:
+            self.stop()
+            why = (f"did not answer /health within {timeout:.0f} s (raise the engine start "
+                   "timeout, --engine-start-timeout, if loading is just slow)"
+                   if isinstance(e, TimeoutError) else str(e))  # fmt: skip
+            log = (
+                f"; its log ({self.log_path}) ends:\n{_tail(self.log_path)}"
+                if self.log_path
+                else ""
+            )
+            raise RuntimeError(f"SGLang server {self.cfg.url} {why}{log}") from e
         except BaseException:
             self.stop()
             raise

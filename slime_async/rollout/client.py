@@ -200,7 +200,9 @@ class GenerateClient:
         )
 
 
-async def check_routed_experts(url: str, *, timeout_s: float = 60.0) -> None:
+async def check_routed_experts(
+    url: str, *, timeout_s: float = 60.0, token: str | None = None
+) -> None:
     """Ask `url` for one token with `return_routed_experts`; raise `GenerateError` naming the
     fix unless `meta_info.routed_experts` comes back. Rollout routing replay (R3) needs them on
     every sample; the stock sglang-router re-serialises requests and drops the field, so an
@@ -210,7 +212,11 @@ async def check_routed_experts(url: str, *, timeout_s: float = 60.0) -> None:
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s,
-            s.post(f"{url.rstrip('/')}/generate", json=body) as r,
+            s.post(
+                f"{url.rstrip('/')}/generate",
+                json=body,
+                headers={"Authorization": f"Bearer {token}"} if token else None,
+            ) as r,  # fmt: skip
         ):
             text = await r.text()
             data = json.loads(text) if r.status == 200 else None

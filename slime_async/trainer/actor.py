@@ -46,6 +46,7 @@ class _TrainerActorImpl:
         import torch
 
         torch.set_num_threads(num_threads)
+        _gloo_interface(master_addr)
         from slime_async.trainer.trainer import MegatronTrainer
 
         self.trainer = MegatronTrainer(
@@ -117,6 +118,14 @@ class _TrainerActorImpl:
             g.close()
 
 
+def _gloo_interface(master_addr: str) -> None:
+    """Off loopback, gloo uses the interface of this node's IP (`host.gloo_interface`)."""
+    if not (master_addr.startswith("127.") or master_addr == "localhost"):
+        from slime_async.host import gloo_interface
+
+        gloo_interface(ray.util.get_node_ip_address())
+
+
 TrainerActor = ray.remote(num_cpus=DEFAULT_NUM_CPUS)(_TrainerActorImpl)
 
 
@@ -140,18 +149,31 @@ class TrainerGroup:
         num_gpus_per_actor: float = 0.0,
         num_threads: int = 1,
         timeout_s: float = 600.0,
+        slots: Sequence[Any] | None = None,
     ) -> None:
-        port = free_port()
+        """Without `slots`, `world_size` ranks anywhere on this node, rendezvous on loopback.
+        With them (`slime_async.placement.Slot`s: `node_ip`, `port`, `actor_options()`), rank r
+        runs in bundle `slots[r]` and the ranks rendezvous on rank 0's node IP at a port found
+        free there."""
+        if slots is not None and len(slots) != world_size:
+            raise ValueError(f"{len(slots)} trainer slots for world size {world_size}")
         self.timeout_s = timeout_s
-        self.master_addr = "127.0.0.1"
+        if slots is None:
+            addr, port = "127.0.0.1", free_port()
+            opts = [{"num_cpus": num_cpus_per_actor, "num_gpus": num_gpus_per_actor}] * world_size
+        else:
+            addr, port = slots[0].node_ip, slots[0].port
+            opts = [s.actor_options() for s in slots]
+        self.master = (addr, port)
+        self.master_addr = addr
         """Rank 0's rendezvous address (also the weight group's, unless configured)."""
         self.actors = [
-            TrainerActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor).remote(
+            TrainerActor.options(**opts[r]).remote(
                 cfg,
                 spec,
                 rank=r,
                 world_size=world_size,
-                master_addr=self.master_addr,
+                master_addr=addr,
                 master_port=port,
                 num_threads=num_threads,
             )

@@ -82,6 +82,26 @@ def _check_ranges(c: TrainerConfig) -> None:
         )
     if c.lr_decay_steps is not None and c.lr_decay_steps < 0:
         raise ValueError(f"--lr-decay-iters must be >= 0, got {c.lr_decay_steps}")
+def check_world(c: TrainerConfig) -> None:
+    """Ranks (nodes x GPUs per node) against TP x PP x DP with EP inside DP (ValueError).
+    Checked for `train_async.py`'s flags; a `TrainerGroup` built directly gives its own
+    world size."""
+    if c.actor_num_nodes < 1 or c.actor_num_gpus_per_node < 1:
+        raise ValueError(
+            f"--actor-num-nodes ({c.actor_num_nodes}) and --actor-num-gpus-per-node "
+            f"({c.actor_num_gpus_per_node}) must be >= 1"
+        )
+    if c.actor_num_cpus_per_rank < 0:
+        raise ValueError(f"--actor-num-cpus-per-rank must be >= 0, got {c.actor_num_cpus_per_rank}")
+    world, tp, pp = c.world_size, c.tensor_model_parallel_size, c.pipeline_model_parallel_size
+    ep = c.expert_model_parallel_size
+    if tp < 1 or pp < 1 or ep < 1 or world % (tp * pp) or (world // (tp * pp)) % ep:
+        raise ValueError(
+            f"{world} trainer ranks (--actor-num-nodes {c.actor_num_nodes} x "
+            f"--actor-num-gpus-per-node {c.actor_num_gpus_per_node}) do not split into "
+            f"TP {tp} x PP {pp} x DP with EP {ep} dividing DP; make the rank count a multiple "
+            "of TP x PP x EP (or change the parallel sizes)"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,6 +116,13 @@ class TrainerConfig:
     """PP size (layers split evenly; megatron's 1F1B schedule)."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank (megatron's interleaved 1F1B); None: not interleaved."""
+    actor_num_nodes: int = 1
+    """Nodes the trainer ranks span (slime's `--actor-num-nodes`)."""
+    actor_num_gpus_per_node: int = 1
+    """Trainer ranks per node, one GPU each (slime's `--actor-num-gpus-per-node`); on a
+    cluster without GPUs each rank takes `actor_num_cpus_per_rank` CPUs instead."""
+    actor_num_cpus_per_rank: float = 1.0
+    """Logical CPUs each trainer rank reserves in its placement-group bundle."""
     micro_batch_size: int = 4
     """Samples per forward/backward micro-batch (per data-parallel rank), unless
     `use_dynamic_batch_size`."""
@@ -167,6 +194,18 @@ class TrainerConfig:
     loss: LossSelection = dataclasses.field(default_factory=LossSelection)
     """The loss (registry name or dotted path) and its config object, from the `loss`
     package's own flags (`loss.loss_settings_from_args`)."""
+
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks: `actor_num_nodes x actor_num_gpus_per_node` (= TP x PP x DP)."""
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        """DP = ranks / (TP x PP); EP splits experts inside it."""
+        return self.world_size // (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        )
 
     def __post_init__(self) -> None:
         try:
@@ -250,6 +289,26 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def _add_parallel_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
+    g.add_argument(
+        "--actor-num-nodes",
+        type=int,
+        default=d.actor_num_nodes,
+        help="Nodes of the trainer ranks (slime's name); ranks = this x "
+        "--actor-num-gpus-per-node = TP x PP x DP. See docs/cluster.md.",
+    )
+    g.add_argument(
+        "--actor-num-gpus-per-node",
+        type=int,
+        default=d.actor_num_gpus_per_node,
+        help="Trainer ranks per node, one GPU each (slime's name); on a cluster without GPUs "
+        "each rank reserves --actor-num-cpus-per-rank CPUs instead.",
+    )
+    g.add_argument(
+        "--actor-num-cpus-per-rank",
+        type=float,
+        default=d.actor_num_cpus_per_rank,
+        help="Logical Ray CPUs each trainer rank reserves in its placement-group bundle.",
+    )
     g.add_argument(
         "--tensor-model-parallel-size",
         type=int,
@@ -478,4 +537,6 @@ def trainer_config_from_args(args: argparse.Namespace) -> TrainerConfig:
                 f"{kw['routing_replay']} was also given; keep one of the two flags"
             )
         kw["routing_replay"] = RoutingReplay.R3
-    return TrainerConfig(**kw)
+    cfg = TrainerConfig(**kw)
+    check_world(cfg)
+    return cfg

@@ -53,8 +53,11 @@ class DistributedTransport:
         engine_urls: Callable[[], Sequence[str]],
         cfg: WeightSyncConfig,
         backend: str = "gloo",
+        token: str | None = None,
     ) -> None:
         self.sender, self.control, self.engine_urls, self.cfg = sender, control, engine_urls, cfg
+        self._headers = {"Authorization": f"Bearer {token}"} if token else None
+        """The run's shared token: engines off loopback require it on every route."""
         self.backend = cfg.backend or backend
         self.members: tuple[str, ...] = ()
         """Engines in the current group (rank i + 1 is members[i]); empty: no group."""
@@ -68,7 +71,7 @@ class DistributedTransport:
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
             timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s + 30.0, sock_connect=10.0)
-            self._http = aiohttp.ClientSession(timeout=timeout)
+            self._http = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
         return self._http
 
     async def _call(self, url: str, path: str, body: dict[str, Any]) -> tuple[bool, str]:

@@ -15,7 +15,7 @@ from slime_async.contracts.engine import EngineLaunch, EngineNeeds
 from slime_async.engine.backends.config import launch_engine_config
 from slime_async.engine.backends.ray_actor import RayActorBackend
 from slime_async.engine.config import EngineConfig
-from slime_async.host import pin_cores
+from slime_async.host import gloo_interface, pin_cores
 
 
 @ray.remote(num_cpus=0)
@@ -24,6 +24,7 @@ class EngineActor:
 
     def __init__(self, cfg: EngineConfig, cores: tuple[int, ...] = ()) -> None:
         pin_cores(cores)
+        gloo_interface(cfg.host)  # a weight-update group reaches peers from the bound address
         from slime_async.engine import EngineServer
 
         self._server = EngineServer(cfg)
@@ -48,4 +49,5 @@ class EmbeddedBackend(RayActorBackend):
     label: ClassVar[str] = "embedded engine"
 
     def make_actor(self, launch: EngineLaunch) -> ray.actor.ActorHandle:
-        return EngineActor.remote(launch_engine_config(self.engine, launch), launch.cores)
+        actor = EngineActor.options(**launch.placement) if launch.placement else EngineActor
+        return actor.remote(launch_engine_config(self.engine, launch), launch.cores)

@@ -43,12 +43,17 @@ async def _get(session: aiohttp.ClientSession, url: str, timeout: float) -> tupl
         return r.status, body
 
 
-async def probe(url: str, *, timeout_s: float) -> dict[str, Any]:
+def _auth(token: str | None) -> dict[str, str] | None:
+    return {"Authorization": f"Bearer {token}"} if token else None
+
+
+async def probe(url: str, *, timeout_s: float, token: str | None = None) -> dict[str, Any]:
     """Poll `url` until `/health` is 200 and `/model_info` a JSON object (returned), or raise
-    `EngineAttachError` after `timeout_s` with the last answer."""
+    `EngineAttachError` after `timeout_s` with the last answer. `token`: the run's shared token
+    (servers started with it, e.g. SGLang's `--api-key`, require it)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=_auth(token)) as s:
         while True:
             left = deadline - time.monotonic()
             try:
@@ -78,13 +83,15 @@ class ExternalBackend:
     can_restart: ClassVar[bool] = False
 
     def __init__(self, fleet: Any, engine: Any = None) -> None:
-        del engine  # the servers were configured by whoever launched them
+        # the servers were configured by whoever launched them; only the run's token is used
+        self.token: str | None = getattr(engine, "auth_token", None)
         self.urls: tuple[str, ...] = tuple(fleet.urls)
         self.timeout_s: float = fleet.attach_timeout_s
 
     async def preflight(self) -> None:
         results = await asyncio.gather(
-            *(probe(u, timeout_s=self.timeout_s) for u in self.urls), return_exceptions=True
+            *(probe(u, timeout_s=self.timeout_s, token=self.token) for u in self.urls),
+            return_exceptions=True,
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if len(errors) == 1:
@@ -94,7 +101,7 @@ class ExternalBackend:
 
     async def start(self, launch: EngineLaunch) -> EngineHandle:
         url = self.urls[launch.index]
-        info = await probe(url, timeout_s=self.timeout_s)
+        info = await probe(url, timeout_s=self.timeout_s, token=self.token)
         log.info("attached external engine %d at %s (model %s, serving weight version %s; the "
                  "run's weights are pushed before the first generate)", launch.index, url,
                  info.get("model_path"), info.get("weight_version"))  # fmt: skip
@@ -102,7 +109,7 @@ class ExternalBackend:
 
     async def alive(self, handle: EngineHandle) -> bool:
         try:
-            async with aiohttp.ClientSession() as s:
+            async with aiohttp.ClientSession(headers=_auth(self.token)) as s:
                 status, _ = await _get(s, f"{handle.url}/health", PROBE_TIMEOUT_S)
             return status == 200
         except (aiohttp.ClientError, TimeoutError, ValueError):

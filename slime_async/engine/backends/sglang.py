@@ -1,16 +1,24 @@
-"""The `sglang` engine backend: a real SGLang server per engine, launched by a Ray actor on a GPU.
+"""The `sglang` engine backend: a real SGLang server per engine, launched by a Ray actor in the
+engine's placement-group bundle.
 
-Owns `sglang_config` (the run's `EngineConfig` + one launch → `SGLangConfig`), `SGLangActor` and
-`SGLangBackend`. Ray's GPU assignment (`CUDA_VISIBLE_DEVICES`) gives each engine its own device;
-the port is picked on the actor's node. The handle's pid is the SGLang server's (the leader of
+Owns `sglang_config` (the run's `EngineConfig` + fleet + one launch → `SGLangConfig`),
+`SGLangActor` and `SGLangBackend`. Each engine's bundle holds `--rollout-num-gpus-per-engine`
+GPUs (Ray's `CUDA_VISIBLE_DEVICES`), which is the server's tensor parallelism; `--sglang-*`
+flags of the run reach every server verbatim (prefix removed). The port is picked on the actor's
+node, on the address the server binds (its node's IP on a joined cluster, with the run's token
+handed over outside the command line). The handle's pid is the SGLang server's (the leader of
 its process group): killing it kills the engine, and `alive()` notices. Stopping ends the whole
-group (scheduler and detokenizer children included), then the actor. Exercised only where GPUs
-exist; the launcher itself is tested by replacing the SGLang process (tests/test_engine_sglang.py).
+group (scheduler and detokenizer children included), then the actor; a server whose actor dies
+without stopping it gets SIGKILL from the kernel (parent-death signal), so a replaced engine
+leaves no orphan holding a GPU. Exercised only where GPUs exist; the launcher and this backend
+are tested by replacing the SGLang process alone (tests/test_engine_sglang_launch.py).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import os
+import tempfile
+from typing import Any, ClassVar
 
 import ray
 
@@ -20,18 +28,24 @@ from slime_async.engine.config import EngineConfig
 from slime_async.engine.sglang import SGLangConfig, SGLangServer
 
 
-def sglang_config(engine: EngineConfig, launch: EngineLaunch, *, port: int) -> SGLangConfig:
-    """The SGLang server of `launch`: token-ids only, routed experts on (R3)."""
+def sglang_config(
+    engine: EngineConfig, launch: EngineLaunch, *, port: int, fleet: Any = None
+) -> SGLangConfig:
+    """The SGLang server of `launch`: token-ids only, routed experts on (R3), TP = the GPUs of
+    one engine, the fleet's `--sglang-*` flags passed through."""
     return SGLangConfig(
         model_path=launch.model_dir,
-        host=engine.host,
+        host=launch.host or engine.host,
         port=port,
+        tp_size=getattr(fleet, "gpus_per_engine", 1),
         random_seed=launch.seed,
         weight_version=str(launch.weight_version),
         max_running_requests=engine.max_running_requests,
         context_length=engine.context_length,
         enable_return_routed_experts=True,
         skip_tokenizer_init=True,
+        extra_args=tuple(getattr(fleet, "sglang_args", ())),
+        api_key=engine.auth_token,
     )
 
 
@@ -39,13 +53,21 @@ def sglang_config(engine: EngineConfig, launch: EngineLaunch, *, port: int) -> S
 class SGLangActor:
     """Launches and owns one SGLang server process group."""
 
-    def __init__(self, engine: EngineConfig, launch: EngineLaunch) -> None:
+    def __init__(
+        self, engine: EngineConfig, launch: EngineLaunch, fleet: Any, start_timeout_s: float
+    ) -> None:
         from slime_async.host import free_port
 
-        self._server = SGLangServer(sglang_config(engine, launch, port=free_port()))
+        host = launch.host or engine.host
+        cfg = sglang_config(engine, launch, port=free_port(host), fleet=fleet)
+        logs = os.path.join(tempfile.gettempdir(), "slime_async_sglang")
+        os.makedirs(logs, exist_ok=True)
+        log = os.path.join(logs, f"engine{launch.index}_{cfg.port}.log")
+        self._server = SGLangServer(cfg, log_path=log)
+        self._timeout = start_timeout_s
 
     def start(self) -> str:
-        return self._server.start()
+        return self._server.start(timeout=self._timeout)
 
     def stop(self) -> None:
         self._server.stop()
@@ -58,11 +80,12 @@ class SGLangActor:
 
 
 class SGLangBackend(RayActorBackend):
-    """One `SGLangActor` (one GPU) per engine; restartable."""
+    """One `SGLangActor` (its bundle's GPUs) per engine; restartable."""
 
     needs: ClassVar[EngineNeeds] = EngineNeeds(model_dir=True, gpus_per_engine=1)
     label: ClassVar[str] = "sglang server"
 
     def make_actor(self, launch: EngineLaunch) -> ray.actor.ActorHandle:
-        gpus = self.needs.gpus_per_engine
-        return SGLangActor.options(num_gpus=gpus).remote(self.engine, launch)
+        opts = launch.placement or {"num_gpus": getattr(self.fleet, "gpus_per_engine", 1)}
+        timeout = getattr(self.fleet, "start_timeout_s", 900.0)
+        return SGLangActor.options(**opts).remote(self.engine, launch, self.fleet, timeout)

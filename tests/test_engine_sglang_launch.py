@@ -1,0 +1,256 @@
+"""The SGLang launch path of a run with only the SGLang process replaced: a stand-in
+`sglang.launch_server` (tests/fake_sglang) takes SGLang's command line and serves our embedded
+engine. Everything else is the real code: the run's flags, the placement groups, the Ray actor
+backend, the launcher, the token hand-over, the router, replacement and shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import ray
+
+from router.config import RouterConfig
+from slime_async.config import parse_config
+from slime_async.engine.backends import EngineFleetConfig
+from slime_async.engine.backends.sglang import SGLangBackend, sglang_config
+from slime_async.engine.config import EngineConfig
+from slime_async.engine.model import load_model
+from slime_async.engine.sglang import SGLangConfig, SGLangServer, build_command
+from slime_async.placement import place_roles
+from slime_async.roles import Cluster, init_ray
+
+pytestmark = pytest.mark.timeout(300)
+FAKE = Path(__file__).resolve().parent / "fake_sglang"
+REPO = FAKE.parents[1]
+TOKEN = "sglang-launch-token-abcdef0123456789"
+GEN = {"input_ids": [3, 1, 4], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return True
+    return state == "Z"
+
+
+def _wait_gone(pid: int, seconds: float = 30) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _gone(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_run_flags_reach_the_sglang_command() -> None:
+    cfg = parse_config(["--engine-backend", "sglang", "--rollout-num-gpus", "16",
+                        "--rollout-num-gpus-per-engine", "4", "--sglang-mem-fraction-static",
+                        "0.8", "--sglang-enable-torch-compile", "--sglang-cuda-graph-max-bs=64",
+                        "--engine-start-timeout", "1200"])  # fmt: skip
+    assert cfg.engines.num_engines == 4 and cfg.engines.rollout_num_gpus == 16
+    assert "rollout-num-gpus 16" in cfg.derived["--num-engines"].why
+    assert cfg.engines.sglang_args == ("--mem-fraction-static", "0.8", "--enable-torch-compile",
+                                       "--cuda-graph-max-bs=64")  # fmt: skip
+    from slime_async.contracts.engine import EngineLaunch
+
+    launch = EngineLaunch(index=1, model_dir="/w/v000000", weight_version=0, seed=7,
+                          host="10.0.0.2")  # fmt: skip
+    engine = EngineConfig(host="127.0.0.1", auth_token=TOKEN)
+    cmd = build_command(sglang_config(engine, launch, port=30001, fleet=cfg.engines))
+    text = " ".join(cmd)
+    assert "--tp-size 4" in text and "--host 10.0.0.2" in text
+    assert "--mem-fraction-static 0.8 --enable-torch-compile --cuda-graph-max-bs=64" in text
+    assert TOKEN not in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--rollout-num-gpus", "6", "--rollout-num-gpus-per-engine", "4"], "multiple"),
+        (["--rollout-num-gpus", "8", "--num-engines", "3"], "contradicts"),
+        (["--sglang-mem-fraction-static", "0.8"], "--engine-backend sglang"),
+        (["--actor-num-gpus-per-node", "3", "--tensor-model-parallel-size", "2"], "TP 2"),
+    ],
+)
+def test_bad_placement_flags_name_the_fix(argv: list[str], needle: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(argv)
+    assert needle in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_sglang(tmp_path: Path, monkeypatch):
+    """PYTHONPATH with the stand-in first (Ray workers started after this inherit it)."""
+    record = tmp_path / "record"
+    record.mkdir()
+    monkeypatch.setenv("PYTHONPATH", f"{FAKE}:{REPO}")
+    monkeypatch.setenv("FAKE_SGLANG_RECORD", str(record))
+    model = tmp_path / "model"
+    load_model(EngineConfig(dtype="fp32")).model.save_pretrained(str(model))
+    return record, model
+
+
+def _records(record: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(record.glob("*.json"))]
+
+
+async def _generate(url: str, token: str | None = None) -> int:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as s, s.post(url + "/generate", json=GEN,
+                                                    headers=headers) as r:  # fmt: skip
+        await r.read()
+        return r.status
+
+
+async def test_sglang_engines_in_bundles_replaced_and_stopped_without_orphans(fake_sglang):
+    record, model = fake_sglang
+    init_ray(num_cpus=4)
+    fleet = EngineFleetConfig(backend="sglang", num_engines=2, gpus_per_engine=2,
+                              cpus_per_engine=1, start_timeout_s=240,
+                              sglang_args=("--cuda-graph-max-bs", "8"))  # fmt: skip
+    placement = place_roles(actor_num_nodes=1, actor_num_gpus_per_node=1,
+                            actor_num_cpus_per_rank=1, num_engines=2, gpus_per_engine=2,
+                            cpus_per_engine=1, use_gpus=False)  # fmt: skip
+    engine = EngineConfig(auth_token=TOKEN, max_running_requests=8)
+    cluster = await Cluster.start(backend=SGLangBackend(fleet, engine), num_engines=2,
+                                  model_dir=model, version=0, seed=1,
+                                  router_cfg=RouterConfig(auth_token=TOKEN), rollout_cores=(),
+                                  slots=placement.engines)  # fmt: skip
+    try:
+        recs = _records(record)
+        assert len(recs) == 2
+        for rec in recs:
+            argv = rec["argv"]
+            assert argv[argv.index("--tp-size") + 1] == "2"
+            assert argv[argv.index("--cuda-graph-max-bs") + 1] == "8"
+            assert argv[-2:] == ["--api-key", TOKEN]  # added inside the process ...
+            assert TOKEN not in rec["cmdline"]  # ... never on its command line
+        assert sorted(cluster.engine_pids) == sorted(r["pid"] for r in recs)
+        assert await _generate(cluster.router_url) == 200  # the router presents the token
+        assert await _generate(cluster.engine_urls[0]) == 401
+        assert await _generate(cluster.engine_urls[0], TOKEN) == 200
+
+        old = cluster.engine_pids[0]
+        new_url = await cluster.replace_engine(0, model_dir=model, version=1)
+        assert _wait_gone(old), "the replaced SGLang server outlived its replacement"
+        assert new_url == cluster.engine_urls[0] and await _generate(new_url, TOKEN) == 200
+
+        # an actor killed without stop(): its server gets the parent-death signal
+        victim = cluster.engines[1]
+        ray.kill(victim.ref)
+        assert _wait_gone(victim.pid), "SGLang server orphaned by a killed actor"
+        assert not await cluster.engine_alive(1)
+    finally:
+        pids = [p for p in cluster.engine_pids if p]
+        await cluster.stop()
+        placement.remove()
+    assert all(_wait_gone(p) for p in pids)
+
+
+def _server(tmp_path: Path, **env: str) -> SGLangServer:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(env)
+    return SGLangServer(SGLangConfig(model_path=str(tmp_path), port=port),
+                        log_path=str(tmp_path / "server.log"))  # fmt: skip
+
+
+def test_health_timeout_is_a_clear_error_and_leaves_nothing(fake_sglang, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SGLANG_HANG", "1")
+    srv = _server(tmp_path)
+    with pytest.raises(RuntimeError, match=r"did not answer /health within 3 s") as e:
+        srv.start(timeout=3)
+    assert "--engine-start-timeout" in str(e.value) and "server.log" in str(e.value)
+    assert srv.proc is not None and _wait_gone(srv.proc.pid)
+
+
+def test_server_exiting_early_reports_its_log(fake_sglang, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SGLANG_EXIT", "1")
+    srv = _server(tmp_path)
+    with pytest.raises(RuntimeError, match="exited with code 3") as e:
+        srv.start(timeout=60)
+    assert "CUDA out of memory (simulated)" in str(e.value)
+
+
+def test_train_async_with_sglang_backend(fake_sglang, tmp_path: Path) -> None:
+    """The docs/cluster.md launch path end to end on CPU: --engine-backend sglang, TP per engine,
+    --sglang-* pass-through, the shared token, two steps."""
+    import subprocess
+    import sys
+
+    record, _ = fake_sglang
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "SLIME_ASYNC_AUTH_TOKEN": TOKEN, "RAY_ADDRESS": "local"}
+    argv = [sys.executable, "train_async.py", "--engine-backend", "sglang",
+            "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+            "--sglang-cuda-graph-max-bs", "16", "--run-dir", str(run_dir), "--num-steps", "2",
+            "--warmstart-steps", "0", "--eval-interval", "0", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
+            "--micro-batch-size", "2"]  # fmt: skip
+    res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=280)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    recs = _records(record)
+    assert len(recs) == 1
+    argv_seen = recs[0]["argv"]
+    assert argv_seen[argv_seen.index("--tp-size") + 1] == "2"
+    assert argv_seen[argv_seen.index("--cuda-graph-max-bs") + 1] == "16"
+    served = json.loads((run_dir / "served_versions.json").read_text())
+    assert list(served["engines"].values()) == ["2"], served
+    assert _wait_gone(recs[0]["pid"]), "the SGLang server outlived the run"
+    assert TOKEN not in (run_dir / "config.json").read_text()
+
+
+@pytest.fixture(autouse=True)
+def _restore_env():
+    keep = dict(os.environ)
+    yield
+    for k in ("FAKE_SGLANG_HANG", "FAKE_SGLANG_EXIT"):
+        if k not in keep:
+            os.environ.pop(k, None)
+
+
+def _recipe_argv() -> list[str]:
+    """The `python train_async.py ...` command of docs/cluster.md's GPU recipe."""
+    import re
+    import shlex
+
+    text = (REPO / "docs" / "cluster.md").read_text()
+    block = text.split("## GPU recipe", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    cmd = re.sub(r"\\\n", " ", block).split("python train_async.py", 1)[1].splitlines()[0]
+    return shlex.split(cmd)
+
+
+def test_the_docs_gpu_recipe_derives_what_it_says() -> None:
+    """docs/cluster.md's command, validated against a 2-node cluster's environment: 4 engines
+    of TP 2, 8 trainer ranks as TP 2 x DP 4, the --sglang-* flags on every server's command."""
+    from slime_async.config import build_parser, validate
+    from slime_async.contracts.engine import EngineLaunch
+    from slime_async.contracts.model import ModelSpec
+    from slime_async.engine.backends.config import split_sglang_args
+    from slime_async.run_config import Environment
+
+    argv, sglang = split_sglang_args(_recipe_argv())
+    args = build_parser().parse_args(argv)
+    args.sglang_args = sglang
+    env = Environment(model=ModelSpec(family="llama"), cpus=tuple(range(8)),
+                      ray_address="10.0.0.1:6379", auth_token=TOKEN)  # fmt: skip
+    cfg = validate(args, env)
+    assert cfg.engines.backend == "sglang" and cfg.engines.num_engines == 4
+    assert cfg.engines.gpus_per_engine == 2 and cfg.engines.start_timeout_s == 1200
+    assert cfg.trainer.world_size == 8 and cfg.trainer.data_parallel_size == 4
+    assert cfg.ray_address == "10.0.0.1:6379" and cfg.engine.auth_token == TOKEN
+    assert cfg.router.auth_token == TOKEN and not cfg.trainer_cores  # cores: per node
+    launch = EngineLaunch(index=3, model_dir=args.hf_checkpoint, weight_version=0, seed=1,
+                          host="10.0.0.2")  # fmt: skip
+    cmd = " ".join(build_command(sglang_config(cfg.engine, launch, port=30000, fleet=cfg.engines)))
+    assert "--tp-size 2" in cmd and "--host 10.0.0.2" in cmd
+    assert "--mem-fraction-static 0.8 --cuda-graph-max-bs 256" in cmd and TOKEN not in cmd
