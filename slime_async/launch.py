@@ -230,7 +230,9 @@ async def setup_run(cfg: RunConfig) -> Run:
                           hf_checkpoint=cfg.trainer.hf_checkpoint, input_key=r.input_key,
                           label_key=r.label_key, apply_chat_template=r.apply_chat_template,
                           strict_data=r.strict_data, custom_rm_path=r.custom_rm_path,
-                          eval_prompts=r.eval_prompts if r.eval_interval else 0)  # fmt: skip
+                          eval_prompts=r.eval_prompts if r.eval_interval else 0,
+                          reasoning_gym=r.reasoning_gym_config(cfg.seed if r.seed is None
+                                                               else r.seed))  # fmt: skip
     logger = MetricsLogger(cfg.run_dir, use_tensorboard=cfg.use_tensorboard,
                            use_wandb=cfg.use_wandb, total_steps=cfg.num_steps)  # fmt: skip
     trainer_cfg = cfg.trainer

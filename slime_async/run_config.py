@@ -45,6 +45,8 @@ class Environment:
     """Architecture: read from --hf-checkpoint, else the tiny MoE."""
     cpus: tuple[int, ...]
     """CPU cores this process may run on."""
+    converted_checkpoint: str | None = None
+    """HF directory converted from the .gguf file that --hf-checkpoint names (None: no GGUF)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
