@@ -58,7 +58,8 @@ class RolloutConfig:
     reasoning_gym_system_prompt: str | None = "direct"
     """System prompt of reasoning-gym prompts: a `SYSTEM_PROMPTS` name, literal text, or None."""
     reasoning_gym_answer_format: str = "answer_tag"
-    """'answer_tag' (reasoning-gym's ``<answer>`` format) or 'response' (the whole response)."""
+    """'answer_tag' (reasoning-gym's ``<answer>`` format), 'response' (the whole response) or
+    'last_number' (the last number in it)."""
     input_key: str = "prompt"
     """Field holding the prompt in `prompt_data`."""
     label_key: str = "label"
@@ -224,7 +225,8 @@ def _add_data_and_reward_args(g: argparse._ArgumentGroup, d: RolloutConfig) -> N
     g.add_argument("--reasoning-gym-answer-format", default=d.reasoning_gym_answer_format,
                    choices=list(ANSWER_FORMATS),
                    help="answer_tag: score the last <answer>...</answer> (reasoning-gym's "
-                   "format); response: score the whole response.")  # fmt: skip
+                   "format); response: the whole response; last_number: the last number in "
+                   "it (numeric tasks).")  # fmt: skip
     g.add_argument("--input-key", default=d.input_key, help="Prompt field of --prompt-data.")
     g.add_argument("--label-key", default=d.label_key, help="Label field of --prompt-data.")
     g.add_argument(

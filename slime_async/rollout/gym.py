@@ -10,7 +10,9 @@ answer the way the prompt asked for it and calls the task's own `score_answer`).
 
 Answer formats: ``answer_tag`` is reasoning-gym's convention (the system prompt asks for
 ``<answer>...</answer>``; the last such span is scored, none scores 0); ``response`` scores the
-whole response, stripped (for a prompt that asks for the answer alone). The scorer is the task's:
+whole response, stripped (for a prompt that asks for the answer alone); ``last_number`` scores the
+last number in the response (for tasks whose answer is a number, GSM8K-style: "so 3 + 4 = 7."
+gives "7"; a response without a number scores as no answer). The scorer is the task's:
 e.g. the arithmetic families accept "+01,000.00" for "1000" and give partial credit
 len(answer)/len(response) when the answer appears inside a longer response.
 
@@ -24,6 +26,7 @@ import functools
 import hashlib
 import json
 import random
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,12 +34,13 @@ from slime_async.contracts.rollout import Prompt
 
 SPEC_PREFIX = "reasoning_gym:"
 """`--prompt-source` prefix naming reasoning-gym task families."""
-ANSWER_FORMATS = ("answer_tag", "response")
+ANSWER_FORMATS = ("answer_tag", "response", "last_number")
 """How the answer is read from a response (see the module docstring)."""
 EVAL_SEED_OFFSET = 1_000_003_711
 """Held-out prompts come from seed + this: reasoning-gym seeds item i with `Random(seed + i)`,
 so a nearby seed would replay the training stream shifted by a few items."""
 RESERVED_KEYS = ("weight",)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 """Task settings that are ours, not the task config's."""
 
 
@@ -75,7 +79,7 @@ class ReasoningGymConfig:
     """A name in `reasoning_gym.utils.SYSTEM_PROMPTS` ('direct', 'default', ...), literal text,
     or None for none (the chat template's own default then applies)."""
     answer_format: str = "answer_tag"
-    """'answer_tag' or 'response' (see the module docstring)."""
+    """'answer_tag', 'response' or 'last_number' (see the module docstring)."""
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -272,6 +276,9 @@ class ReasoningGymTasks:
             from reasoning_gym.utils import extract_answer
 
             return extract_answer(response)
+        if self.config.answer_format == "last_number":
+            found = _NUMBER.findall(response)
+            return found[-1].replace(",", "") if found else None
         return response.strip()
 
     def score(self, response: str, metadata: Mapping[str, Any]) -> float:
