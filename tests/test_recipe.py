@@ -48,6 +48,13 @@ def test_the_recipe_parses_and_command_line_flags_win():
     assert str(over.run_dir) == "/tmp/x"
 
 
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_validates(recipe):
+    pytest.importorskip("reasoning_gym")
+    cfg = _parse(recipe=recipe)
+    assert cfg.rollout.reasoning_gym_config(0) is not None and cfg.trainer.lr <= 2e-5
+
+
 def test_bad_recipes_are_refused_with_the_key(tmp_path):
     def bad(text: str, match: str) -> None:
         f = tmp_path / "r.yaml"
