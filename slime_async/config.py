@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import logging
 import math
 import os
 import sys
@@ -34,6 +35,7 @@ from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.backends.config import split_sglang_args
 from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
+from slime_async.recipe import add_config_arg, apply_config_file
 from slime_async.rollout.config import RolloutConfig, add_rollout_args, rollout_config_from_args
 from slime_async.run_config import (
     DEFAULT_NUM_ROLLOUT,
@@ -46,12 +48,16 @@ from slime_async.run_config import (
 )
 from slime_async.supervisor import add_supervisor_args, supervisor_config_from_args
 from slime_async.trainer.config import (
+    REAL_MODEL_LR,
+    REAL_MODEL_LR_WARN,
     TrainerConfig,
     add_trainer_args,
     run_kind_defaults,
     trainer_config_from_args,
 )
 from slime_async.weights.config import add_weight_sync_args, weight_sync_config_from_args
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Environment", "RunConfig", "build_parser", "parse_config", "validate"]
 
@@ -75,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "saved in <run-dir>/config.json.",
         formatter_class=_HelpFormatter,
     )
+    add_config_arg(parser)
     add_run_args(parser)
     add_placement_args(parser)
     EngineFleetConfig.add_args(parser)
@@ -92,11 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
 def read_environment(args: argparse.Namespace) -> Environment:
     """The I/O validation needs: the model's config (from --hf-checkpoint) and the usable cores."""
     model = TINY_MOE
+    converted = None
     if args.hf_checkpoint:
         from transformers import AutoConfig
 
+        from slime_async.tools.convert_gguf import converted_checkpoint
+
+        try:  # a .gguf file is converted once into the run directory
+            converted = converted_checkpoint(
+                args.hf_checkpoint, Path(args.run_dir) / "hf_from_gguf"
+            )
+        except (FileNotFoundError, ImportError) as e:
+            raise ValueError(str(e)) from None
         try:
-            hf = AutoConfig.from_pretrained(args.hf_checkpoint)
+            hf = AutoConfig.from_pretrained(str(converted or args.hf_checkpoint))
         except (OSError, ValueError) as e:
             raise ValueError(
                 f"--hf-checkpoint {args.hf_checkpoint}: cannot read its config.json ({e}); give "
@@ -107,13 +123,20 @@ def read_environment(args: argparse.Namespace) -> Environment:
 
     return Environment(model=model, cpus=tuple(sorted(os.sched_getaffinity(0))),
                        ray_address=ray_address(args.ray_address),
-                       auth_token=load_auth_token(args.auth_token_file))  # fmt: skip
+                       auth_token=load_auth_token(args.auth_token_file),
+                       converted_checkpoint=None if converted is None else str(converted))  # fmt: skip
 
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
     """Parse flags, read the environment, validate; exits with the message on bad input."""
     parser = build_parser()
     argv, sglang_args = split_sglang_args(sys.argv[1:] if argv is None else list(argv))
+    pre, _ = parser.parse_known_args(argv)  # --config first: its values become the defaults
+    try:
+        if pre.config:
+            apply_config_file(parser, pre.config)
+    except ValueError as e:
+        parser.error(str(e))
     args = parser.parse_args(argv)
     args.sglang_args = sglang_args
     try:
@@ -152,7 +175,12 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     """
     f = _Flags(args)
     a = f.args
-    embedded = a.hf_checkpoint is None and a.prompt_data is None
+    if env.converted_checkpoint is not None:  # the same weights, in the form the trainer reads
+        a.hf_checkpoint = env.converted_checkpoint
+        f.note(
+            "hf_checkpoint", a.hf_checkpoint, f"converted from the GGUF file {args.hf_checkpoint}"
+        )
+    embedded = a.hf_checkpoint is None and a.prompt_data is None and a.prompt_source is None
     _raise_all(_run_errors(a))
     rollout = rollout_config_from_args(a)
     if a.global_batch_size is None:
@@ -298,7 +326,12 @@ def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool, loss_nam
     """Run-kind defaults (see `trainer.config.EMBEDDED_RUN`) and the snapshot count. Snapshots
     are kept by default only for a loss that reads π_j^Meg (its `LossNeeds`)."""
     a = f.args
-    kind = "the embedded default run" if embedded else "a run with --hf-checkpoint/--prompt-data"
+    kind = (
+        "the embedded default run"
+        if embedded
+        else "a run with --hf-checkpoint/--prompt-data/--prompt-source"
+    )
+    _derive_lr(f, embedded=embedded)
     reads_behavior = resolve_loss_spec(loss_name).needs.behavior_logprobs
     for dest, value in run_kind_defaults(embedded=embedded).items():
         aliased = dest == "routing_replay" and a.use_rollout_routing_replay
@@ -337,6 +370,23 @@ def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool, loss_nam
             f"can come from any of {need} versions ({why}); give --max-snapshots {need} or more "
             "(or drop the flag), or lower --max-staleness / --fifo-window"
         )
+
+
+def _derive_lr(f: _Flags, *, embedded: bool) -> None:
+    """The learning rate by run kind; a user lr far above what RL on a pretrained model takes is
+    kept, with a warning (it is the user's flag)."""
+    if f.unset("lr"):
+        if embedded:
+            f.fill("lr", TrainerConfig().lr, "default of the embedded default run (tiny model)")
+        else:
+            f.fill("lr", REAL_MODEL_LR, "default of a run with --hf-checkpoint/--prompt-data/"
+                   "--prompt-source: RL on a pretrained model")  # fmt: skip
+    elif not embedded and f.args.lr > REAL_MODEL_LR_WARN:
+        log.warning(
+            "--lr %g is far above what RL on a pretrained model takes (~%g): expect the policy "
+            "entropy to collapse and the train-rollout log-prob gap to jump after one update",
+            f.args.lr, REAL_MODEL_LR,
+        )  # fmt: skip
 
 
 def _check_model(trainer: TrainerConfig, model: ModelSpec, *, hf_checkpoint: str | None) -> None:
@@ -421,7 +471,7 @@ def _derive_warmstart(f: _Flags, *, embedded: bool) -> None:
         why_not = "the run resumes from --load, whose checkpoint holds the trained weights"
     elif not embedded:
         why_not = ("warm start trains the tiny MoE on the built-in tasks, and this run has "
-                   "--hf-checkpoint/--prompt-data")  # fmt: skip
+                   "--hf-checkpoint/--prompt-data/--prompt-source")  # fmt: skip
     if f.unset("warmstart_steps"):
         default = run_default("warmstart_steps")
         f.fill("warmstart_steps", 0 if why_not else default,

@@ -30,6 +30,8 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
     try:
         await run.worker.start()
         eval_task: asyncio.Task | None = None
+        if cfg.rollout.eval_interval and run.start_step == 0:  # the baseline: the initial weights
+            eval_task = asyncio.create_task(run.evaluate(step=0))
         for step in range(run.start_step, cfg.num_steps):
             k = run.version  # trainer version = optimizer updates so far
             t0 = time.perf_counter()

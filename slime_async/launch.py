@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -172,6 +173,9 @@ class Run:
             by_level.setdefault(level, []).append(float(res.payload.get("reward", 0.0)))
         allr = [r for rs in by_level.values() for r in rs]
         metrics = {"eval/reward": sum(allr) / max(1, len(allr)),
+                   "eval/reward_se": _standard_error(allr),
+                   "eval/pass": sum(r >= 1.0 for r in allr) / max(1, len(allr)),
+                   "eval/pass_se": _standard_error([float(r >= 1.0) for r in allr]),
                    "timing/eval_s": time.perf_counter() - t0}  # fmt: skip
         for level, rs in sorted(by_level.items()):
             metrics[f"eval/reward_level{level}"] = sum(rs) / len(rs)
@@ -246,6 +250,15 @@ def _dapo_filter(group: Group) -> bool:
     """DAPO dynamic sampling: drop a group whose rewards all agree (no learning signal)."""
     rewards = [float(s.payload.get("reward", 0.0)) for s in group.samples]
     return dynamic_sampling_keep([rewards])[0]
+
+
+def _standard_error(xs: list[float]) -> float:
+    """Standard error of the mean of `xs` (0 for fewer than two values)."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    m = sum(xs) / n
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
 
 
 def _truncate_ledger(path: Path, *, keep_through: int) -> None:
@@ -337,7 +350,9 @@ async def setup_run(cfg: RunConfig) -> Run:
                           hf_checkpoint=cfg.trainer.hf_checkpoint, input_key=r.input_key,
                           label_key=r.label_key, apply_chat_template=r.apply_chat_template,
                           strict_data=r.strict_data, custom_rm_path=r.custom_rm_path,
-                          eval_prompts=r.eval_prompts if r.eval_interval else 0)  # fmt: skip
+                          eval_prompts=r.eval_prompts if r.eval_interval else 0,
+                          reasoning_gym=r.reasoning_gym_config(cfg.seed if r.seed is None
+                                                               else r.seed))  # fmt: skip
     logger = MetricsLogger(cfg.run_dir, use_tensorboard=cfg.use_tensorboard,
                            use_wandb=cfg.use_wandb, total_steps=cfg.num_steps)  # fmt: skip
     trainer_cfg = cfg.trainer

@@ -125,7 +125,15 @@ def _panel_reward(ax: Any, h: MetricsHistory) -> None:
     s, v = h.series("eval/reward")
     if s:
         any_data = True
-        ax.plot(s, v, "o-", color="tab:red", ms=3.5, lw=1.5, label="eval")
+        se_s, se_v = h.series("eval/reward_se")
+        if se_s == s:  # standard error bars when the run logged them
+            ax.errorbar(s, v, yerr=se_v, fmt="o-", color="tab:red", ms=3.5, lw=1.5, capsize=2,
+                        label="eval (± s.e.)")  # fmt: skip
+        else:
+            ax.plot(s, v, "o-", color="tab:red", ms=3.5, lw=1.5, label="eval")
+    s, v = h.series("eval/pass")
+    if s:
+        ax.plot(s, v, "s--", color="tab:orange", ms=3, lw=1.0, label="eval pass (=1)")
     levels = sorted(k for k in h.metric_keys() if k.startswith("eval/reward_level"))
     for i, k in enumerate(levels):
         s, v = h.series(k)

@@ -50,6 +50,8 @@ class Environment:
     """Ray cluster to join (`--ray-address`, else `RAY_ADDRESS`); None: start a local one."""
     auth_token: str | None = dataclasses.field(default=None, repr=False)
     """The run's shared token (`SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`), if any."""
+    converted_checkpoint: str | None = None
+    """HF directory converted from the .gguf file that --hf-checkpoint names (None: no GGUF)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -160,3 +160,18 @@ def test_chat_template_and_tokenization(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="has no chat template"):
         load_dataset(DatasetConfig(path=str(path), apply_chat_template=True),
                      tokenizer=_tokenizer(chat=False))  # fmt: skip
+
+
+def test_repeated_rows_are_kept_as_prompts_of_their_own(tmp_path: Path, caplog) -> None:
+    from slime_async.rollout.sources import dataset_source
+
+    other = {"prompt": "What is 3+3?", "label": "6"}
+    path = _write_jsonl(tmp_path / "dup.jsonl", [json.dumps(r) for r in (GOOD, other, GOOD, GOOD)])
+    with caplog.at_level("WARNING"):
+        src = dataset_source(load_dataset(DatasetConfig(path=str(path)),
+                                          tokenizer=_tokenizer(chat=False)), seed=0, num_epochs=1)  # fmt: skip
+    prompts = list(iter(src.next_prompt, None))
+    assert len(prompts) == 4  # every row is trained on; none refused, none dropped
+    keys = sorted(p.key for p in prompts)
+    assert len(set(keys)) == 4 and sum("@" in k for k in keys) == 2  # repeats keyed by line
+    assert "2 row(s) repeat an earlier row" in caplog.text

@@ -1,6 +1,7 @@
 """`RolloutConfig`: what is generated, how it is scored, and how advantages are formed.
 
-Owns the rollout settings of a run (batch shape, sampling, data source, rewards, eval cadence),
+Owns the rollout settings of a run (batch shape, sampling, data source (built-in tasks, a
+jsonl/parquet file, or reasoning-gym tasks, `rollout.gym`), rewards, eval cadence),
 their command-line flags (`add_rollout_args` / `rollout_config_from_args`, every default read from
 `RolloutConfig`), and the rules among them (batch-shape divisibility). Rules that involve other
 components live in `slime_async.config`. Must never import other `slime_async` components.
@@ -14,6 +15,7 @@ import math
 
 from loss import DEFAULT_ADVANTAGE_ESTIMATOR
 from loss.slime_cli import advantage_estimator_from_args
+from slime_async.rollout.gym import ANSWER_FORMATS, ReasoningGymConfig, parse_prompt_source
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +51,16 @@ class RolloutConfig:
     """DAPO: drop groups whose rewards all agree (no learning signal) and refill."""
     prompt_data: str | None = None
     """jsonl/parquet prompts; None uses the built-in verifiable task family."""
+    prompt_source: str | None = None
+    """``reasoning_gym:NAME[,NAME...]``: reasoning-gym tasks as the prompt source
+    (`rollout.gym`); None: `prompt_data` or the built-in tasks."""
+    reasoning_gym_task: tuple[str, ...] = ()
+    """Per-task settings ``TASK.KEY=VALUE`` (difficulty fields of the task's config, ``weight``)."""
+    reasoning_gym_system_prompt: str | None = "direct"
+    """System prompt of reasoning-gym prompts: a `SYSTEM_PROMPTS` name, literal text, or None."""
+    reasoning_gym_answer_format: str = "answer_tag"
+    """'answer_tag' (reasoning-gym's ``<answer>`` format), 'response' (the whole response) or
+    'last_number' (the last number in it)."""
     input_key: str = "prompt"
     """Field holding the prompt in `prompt_data`."""
     label_key: str = "label"
@@ -74,6 +86,17 @@ class RolloutConfig:
     """Held-out prompts per evaluation."""
 
     def __post_init__(self) -> None:
+        if self.prompt_source is not None and self.prompt_data is not None:
+            raise ValueError(
+                f"--prompt-source {self.prompt_source} and --prompt-data {self.prompt_data} both "
+                "name the prompts; give one of them"
+            )
+        if self.reasoning_gym_task and self.prompt_source is None:
+            raise ValueError(
+                "--reasoning-gym-task needs --prompt-source reasoning_gym:NAME,... naming the tasks"
+            )
+        if self.prompt_source is not None:
+            self.reasoning_gym_config(0)  # bad names / settings fail at start-up
         n, steps = self.n_samples_per_prompt, self.num_steps_per_rollout
         if n < 1:
             raise ValueError("--n-samples-per-prompt must be >= 1")
@@ -113,6 +136,16 @@ class RolloutConfig:
                 f"--global-batch-size {gbs} must be a multiple of --n-samples-per-prompt {n} "
                 "(whole groups are trained together)"
             )
+
+    def reasoning_gym_config(self, seed: int) -> ReasoningGymConfig | None:
+        """The reasoning-gym tasks of `prompt_source` with the run's rollout seed, or None."""
+        if self.prompt_source is None:
+            return None
+        return parse_prompt_source(
+            self.prompt_source, task_settings=self.reasoning_gym_task, seed=seed,
+            system_prompt=self.reasoning_gym_system_prompt,
+            answer_format=self.reasoning_gym_answer_format,
+        )  # fmt: skip
 
     @property
     def groups_per_step(self) -> int:
@@ -192,6 +225,24 @@ def _add_data_and_reward_args(g: argparse._ArgumentGroup, d: RolloutConfig) -> N
         default=d.prompt_data,
         help="jsonl/parquet prompts (default: built-in verifiable tasks).",
     )
+    g.add_argument(
+        "--prompt-source",
+        default=d.prompt_source,
+        help="reasoning_gym:NAME[,NAME...]: endless procedural reasoning-gym tasks scored by "
+        "their own score_answer (held-out eval from a disjoint seed; needs --hf-checkpoint "
+        "for the tokenizer). Default: --prompt-data, else the built-in tasks.",
+    )
+    g.add_argument("--reasoning-gym-task", nargs="+", default=None, metavar="TASK.KEY=VALUE",
+                   help="Per-task settings: the task's difficulty fields (e.g. "
+                   "chain_sum.max_terms=3) and its weight (chain_sum.weight=2).")  # fmt: skip
+    g.add_argument("--reasoning-gym-system-prompt", default=d.reasoning_gym_system_prompt,
+                   help="System prompt: a reasoning_gym.utils.SYSTEM_PROMPTS name, literal "
+                   "text, or 'none'.")  # fmt: skip
+    g.add_argument("--reasoning-gym-answer-format", default=d.reasoning_gym_answer_format,
+                   choices=list(ANSWER_FORMATS),
+                   help="answer_tag: score the last <answer>...</answer> (reasoning-gym's "
+                   "format); response: the whole response; last_number: the last number in "
+                   "it (numeric tasks).")  # fmt: skip
     g.add_argument("--input-key", default=d.input_key, help="Prompt field of --prompt-data.")
     g.add_argument("--label-key", default=d.label_key, help="Label field of --prompt-data.")
     g.add_argument(
@@ -243,6 +294,12 @@ def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
             "have had to filter it by reward; drop one of them"
         )
     return RolloutConfig(
+        prompt_source=args.prompt_source,
+        reasoning_gym_task=tuple(args.reasoning_gym_task or ()),
+        reasoning_gym_system_prompt=None
+        if args.reasoning_gym_system_prompt in (None, "none")
+        else args.reasoning_gym_system_prompt,
+        reasoning_gym_answer_format=args.reasoning_gym_answer_format,
         rollout_batch_size=args.rollout_batch_size,
         n_samples_per_prompt=args.n_samples_per_prompt,
         num_steps_per_rollout=args.num_steps_per_rollout,

@@ -1,6 +1,7 @@
 """What a run generates and how it is scored: the built-in tasks or a real dataset.
 
-Owns `DataPlan` and `make_data_plan`: the prompt source handed to the data worker, the held-out
+Owns `DataPlan` and `make_data_plan`: the prompt source handed to the data worker (built-in
+tasks, a jsonl/parquet file, or reasoning-gym tasks from `rollout.gym`), the held-out
 eval prompts, the reward function, the EOS id and (for real data) the tokenizer's decoder that
 text rewards such as math-verify need. Real data reads jsonl/parquet through
 `rollout.datasets` (bad rows skipped with a count, or an error naming file:line under
@@ -17,6 +18,12 @@ from data_worker.source import PromptSource
 from slime_async.contracts.rollout import Prompt
 from slime_async.rollout import rewards as rw
 from slime_async.rollout.datasets import DatasetConfig, load_dataset
+from slime_async.rollout.gym import (
+    GymPromptSource,
+    GymReward,
+    ReasoningGymConfig,
+    ReasoningGymTasks,
+)
 from slime_async.rollout.sources import TaskPromptSource, dataset_source, task_prompt
 from slime_async.rollout.tasks import EOS, TaskFamily, TaskFamilyConfig
 
@@ -50,8 +57,13 @@ def make_data_plan(
     strict_data: bool,
     custom_rm_path: str | None,
     eval_prompts: int,
+    reasoning_gym: ReasoningGymConfig | None = None,
 ) -> DataPlan:
-    """Built-in verifiable tasks when `prompt_data` is None, else the dataset."""
+    """reasoning-gym tasks when given, else built-in verifiable tasks when `prompt_data` is None,
+    else the dataset."""
+    if reasoning_gym is not None:
+        return _gym_plan(reasoning_gym, hf_checkpoint=hf_checkpoint,
+                         custom_rm_path=custom_rm_path, eval_prompts=eval_prompts)  # fmt: skip
     if prompt_data is None:
         family = TaskFamily(TaskFamilyConfig(seed=seed))
         per_level = max(1, eval_prompts // family.config.num_levels) if eval_prompts else 0
@@ -64,17 +76,13 @@ def make_data_plan(
             "--prompt-data needs --hf-checkpoint DIR holding the model and its tokenizer "
             "(prompts are tokenized with it)"
         )
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(hf_checkpoint)
+    tok = _tokenizer(hf_checkpoint)
     data = load_dataset(
         DatasetConfig(path=prompt_data, prompt_key=input_key, label_key=label_key,
                       strict=strict_data, apply_chat_template=apply_chat_template or None),
         tokenizer=tok,
     )  # fmt: skip
     reward = rw.load_reward_fn(custom_rm_path) if custom_rm_path else rw.math_verify_reward
-    if tok.eos_token_id is None:
-        raise ValueError(f"the tokenizer in {hf_checkpoint} has no eos_token_id; set one")
     return DataPlan(
         source=dataset_source(data, seed=seed),
         eval_prompts=(),
@@ -82,4 +90,34 @@ def make_data_plan(
         eos_id=int(tok.eos_token_id),
         decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
         metrics=data.metrics(),
+    )
+
+
+def _tokenizer(hf_checkpoint: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_checkpoint)
+    if tok.eos_token_id is None:
+        raise ValueError(f"the tokenizer in {hf_checkpoint} has no eos_token_id; set one")
+    return tok
+
+
+def _gym_plan(config: ReasoningGymConfig, *, hf_checkpoint: str | None,
+              custom_rm_path: str | None, eval_prompts: int) -> DataPlan:  # fmt: skip
+    if hf_checkpoint is None:
+        raise ValueError(
+            "--prompt-source reasoning_gym:... needs --hf-checkpoint DIR holding the model and "
+            "its tokenizer (prompts are chat-templated and tokenized with it)"
+        )
+    tok = _tokenizer(hf_checkpoint)
+    tasks = ReasoningGymTasks(config, tokenizer=tok)
+    held_out = tasks.eval_set(eval_prompts)  # before any training prompt: the split is exact
+    reward = rw.load_reward_fn(custom_rm_path) if custom_rm_path else GymReward(tasks)
+    return DataPlan(
+        source=GymPromptSource(tasks),
+        eval_prompts=tuple(held_out),
+        reward_fn=reward,
+        eos_id=int(tok.eos_token_id),
+        decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
+        metrics={"data/eval_prompts": float(len(held_out))},
     )

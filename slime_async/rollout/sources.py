@@ -2,11 +2,13 @@
 
 Owns `TaskPromptSource` (an endless, resumable stream over `TaskFamily`: the prompt at cursor
 i depends only on (seed, i), so a restored cursor replays nothing and skips nothing) and
-`dataset_source` (a loaded jsonl/parquet dataset as an epoch-based in-memory source).
+`dataset_source` (a loaded jsonl/parquet dataset as an epoch-based in-memory source; repeated
+rows are kept, keyed by their line). reasoning-gym tasks are `rollout.gym.GymPromptSource`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +16,8 @@ from data_worker.source import InMemoryPromptSource
 from slime_async.contracts.rollout import Prompt
 from slime_async.rollout.datasets import LoadedDataset
 from slime_async.rollout.tasks import TaskFamily, TaskPrompt
+
+log = logging.getLogger(__name__)
 
 
 def task_prompt(p: TaskPrompt, *, index: int = 0) -> Prompt:
@@ -53,18 +57,35 @@ class TaskPromptSource:
 def dataset_source(
     data: LoadedDataset, *, seed: int, num_epochs: int | None = None
 ) -> InMemoryPromptSource:
-    """A tokenized dataset as a shuffled, resumable, epoch-based source."""
+    """A tokenized dataset as a shuffled, resumable, epoch-based source.
+
+    A row repeated in the file (same prompt and label, or the same id) is kept as a prompt of its
+    own: its key gets the row's line (``KEY@LINE``), and a warning counts them.
+    """
     prompts = []
+    seen: set[str] = set()
+    repeats = 0
     for row in data.rows:
         if not row.prompt_ids:
             raise ValueError(
                 f"{data.path}:{row.line}: row has no token ids; load the dataset with a tokenizer"
             )
+        key = row.key
+        if key in seen:
+            repeats += 1
+            key = f"{row.key}@{row.line}"
+        seen.add(key)
         prompts.append(
             Prompt(
-                key=row.key,
+                key=key,
                 prompt_ids=list(row.prompt_ids),
                 payload={"label": row.label, "metadata": dict(row.metadata)},
             )
         )
+    if repeats:
+        log.warning(
+            "%s: %d row(s) repeat an earlier row; each is kept as a prompt of its own (keyed by "
+            "its line); remove them from the file to train on each prompt once per epoch",
+            data.path, repeats,
+        )  # fmt: skip
     return InMemoryPromptSource(prompts, num_epochs=num_epochs, shuffle=True, seed=seed)

@@ -259,6 +259,14 @@ is an MoE) and version snapshots (CompIS's r2/r3 split). A run with a user model
 `TrainerConfig()` values. `slime_async.config` applies these to flags the user did not give."""
 
 
+REAL_MODEL_LR = 1e-6
+"""`--lr` of a run with --hf-checkpoint/--prompt-data/--prompt-source when the user gives none:
+RL on a pretrained model takes ~1e-6 (the embedded default's 1e-4 collapses a 135M model's
+entropy within a few steps)."""
+REAL_MODEL_LR_WARN = 2e-5
+"""A user `--lr` above this on a pretrained model is warned about at start-up."""
+
+
 def run_kind_defaults(*, embedded: bool) -> dict[str, object]:
     """{field: value} of every field where `EMBEDDED_RUN` differs from `TrainerConfig()`, with the
     value for this run kind (their flags default to None so the run can tell them apart)."""
@@ -407,7 +415,13 @@ def _add_batching_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
 
 
 def _add_optimizer_args(g: argparse._ArgumentGroup, d: TrainerConfig) -> None:
-    g.add_argument("--lr", type=float, default=d.lr, help="Peak learning rate.")
+    g.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"Peak learning rate (default: {d.lr:g} for the embedded default run, "
+        f"{REAL_MODEL_LR:g} with --hf-checkpoint/--prompt-data/--prompt-source).",
+    )
     g.add_argument("--min-lr", type=float, default=d.min_lr, help="Final learning rate.")
     g.add_argument(
         "--lr-warmup-init",
