@@ -31,6 +31,7 @@ from slime_async.contracts.engine import EngineBackend
 from slime_async.contracts.rollout import Batch, GenerationRequest, Group
 from slime_async.engine.backends import get_engine_backend
 from slime_async.metrics import MetricsLogger
+from slime_async.metrics.stability import mean_and_se
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate
 from slime_async.rollout.client import GenerateClient, GenerateClientConfig, check_routed_experts
@@ -113,7 +114,8 @@ class Run:
         os.replace(tmp, self.cfg.run_dir / "roles.json")
 
     async def evaluate(self, *, step: int) -> None:
-        """Held-out pass rate (one sample per prompt, rollout temperature), logged at `step`."""
+        """Held-out pass rate (`--n-samples-per-eval-prompt` samples per prompt, rollout
+        temperature) and its standard error, logged at `step`."""
         if not self.plan.eval_prompts:
             return
         t0 = time.perf_counter()
@@ -121,16 +123,18 @@ class Run:
                                 eos_id=self.plan.eos_id, decode=self.plan.decode,
                                 reward_args=self.generate.reward_args,
                                 group_rm=self.cfg.rollout.group_rm, score_alone=True)  # fmt: skip
-        reqs = [GenerationRequest(prompt=p, group_seq=-1 - i, sample_index=0)
-                for i, p in enumerate(self.plan.eval_prompts)]  # fmt: skip
+        k = self.cfg.rollout.n_samples_per_eval_prompt
+        prompts = [p for p in self.plan.eval_prompts for _ in range(k)]
+        reqs = [GenerationRequest(prompt=p, group_seq=-1 - i // k, sample_index=i % k)
+                for i, p in enumerate(prompts)]  # fmt: skip
         expected = self.cfg.rollout.max_response_len
         results = await asyncio.gather(*(scored(r, 0.0, expected) for r in reqs))
         by_level: dict[int, list[float]] = {}
-        for p, res in zip(self.plan.eval_prompts, results, strict=True):
+        for p, res in zip(prompts, results, strict=True):
             level = int(p.payload.get("level", 0))
             by_level.setdefault(level, []).append(float(res.payload.get("reward", 0.0)))
-        allr = [r for rs in by_level.values() for r in rs]
-        metrics = {"eval/reward": sum(allr) / max(1, len(allr)),
+        mean, se = mean_and_se([r for rs in by_level.values() for r in rs])
+        metrics = {"eval/reward": mean, "eval/reward_se": se,
                    "timing/eval_s": time.perf_counter() - t0}  # fmt: skip
         for level, rs in sorted(by_level.items()):
             metrics[f"eval/reward_level{level}"] = sum(rs) / len(rs)
