@@ -11,7 +11,8 @@ reads each run's `metrics.jsonl` and writes, under `--out`:
 * `stability.png`: rows = train reward, eval reward, train–rollout log-prob gap, entropy, IS
   p99 of each source (staleness r3, engine r2, drift r1), grad norm, over samples trained;
   columns = (staleness, steps per rollout); one line per (loss, replay), mean ± one standard
-  deviation over seeds (curves smoothed over `--smooth` of the steps);
+  deviation over seeds (curves smoothed over `--smooth` of the steps). The per-source split
+  (r2/r3) needs π_j^Meg, which only `compis` reads; the other losses show the combined ratio;
 * `stability.md`: the table of final values (mean ± 95% t-interval over seeds), the verdict
   of every run and cell (`slime_async.metrics.stability`: stable / drifting / collapsed), the
   issue's goal checks and the divergence guards' hit rates on unstable vs stable runs;
@@ -252,12 +253,16 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("eval/reward", "eval reward"),
     (GAP_KEY, "train–rollout |Δ log-prob|"),
     ("policy/entropy", "entropy"),
+    ("is/combined/p99", "π_k/π_SGL IS p99"),
     ("is/staleness/p99", "staleness r3 IS p99"),
     ("is/engine/p99", "engine r2 IS p99"),
     ("is/drift/p99", "drift r1 IS p99"),
     ("train/grad_norm", "grad norm"),
 )
 """(metric key, row title) of the figure."""
+
+SOURCES = ("combined", "staleness", "engine", "drift")
+"""IS ratio sources in the diagnostics (compis_metrics): π_k/π_SGL, r3, r2, r1."""
 
 GUARD_SWEEP: dict[str, tuple[str, tuple[float, ...]]] = {
     str(GuardKind.LOGPROB_DIFF_DRIFT): ("diff_factor", (1.5, 2.0, 3.0, 5.0)),
@@ -276,6 +281,17 @@ class RunData:
     records: list[dict[str, Any]]
     gbs: int
     wall_s: float
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The run's config.json (what it actually ran with)."""
+
+    def budget(self) -> str:
+        """Rollouts, samples and eval size this run had, from its config.json."""
+        ro = self.config.get("rollout", {})
+        nspr = ro.get("num_steps_per_rollout", 1)
+        steps = self.config.get("num_steps", 0)
+        return (f"{steps // max(1, nspr)} rollouts = {steps * self.gbs} samples; eval every "
+                f"{ro.get('eval_interval')} rollouts on {ro.get('eval_prompts')} prompts × "
+                f"{ro.get('n_samples_per_eval_prompt', 1)} samples")  # fmt: skip
 
     def series(self, key: str) -> tuple[list[float], list[float]]:
         """(samples trained, values) where `key` is a finite number."""
@@ -304,7 +320,7 @@ def load_runs(out: Path, cells: Sequence[Cell]) -> list[RunData]:
         gbs = _find(cfg, "global_batch_size") or 1
         res = json.loads((d / RESULT).read_text())
         runs.append(RunData(cell=c, records=read_metrics(d / "metrics.jsonl").records,
-                            gbs=int(gbs), wall_s=float(res["wall_s"])))  # fmt: skip
+                            gbs=int(gbs), wall_s=float(res["wall_s"]), config=cfg))  # fmt: skip
     return runs
 
 
@@ -339,7 +355,10 @@ def analyse(runs: Sequence[RunData], rules: VerdictRules) -> dict[str, Any]:
             "eval_final": r.last("eval/reward"), "eval_se": r.last("eval/reward_se"),
             "staleness_mean": _mean_of(r, "staleness/mean"),
             "staleness_max": max(r.series("staleness/max")[1], default=math.nan),
-            "is_p99": {src: r.last(f"is/{src}/p99") for src in ("staleness", "engine", "drift")},
+            "engine_gap": _mean_of(r, "mismatch/engine_logprob_abs_diff"),
+            "is_p99": {src: _mean_of(r, f"is/{src}/p99") for src in SOURCES},
+            "clipped_frac": {src: _mean_of(r, f"is/{src}/clipped_frac") for src in SOURCES},
+            "ppo_clipfrac": _mean_of(r, "policy/clipfrac"),
             "guards": sorted(guard_hits(r.records)), "wall_s": r.wall_s,
         }  # fmt: skip
         groups.setdefault(r.cell.group, []).append(r)
@@ -349,7 +368,11 @@ def analyse(runs: Sequence[RunData], rules: VerdictRules) -> dict[str, Any]:
         v, counts = cell_verdict([Verdict(x["verdict"]) for x in rows])
         agg = {k: mean_ci([x[k] for x in rows])
                for k in ("reward_end", "eval_final", "gap_start", "gap_end", "gap_ratio",
-                         "staleness_mean", "staleness_max", "wall_s")}  # fmt: skip
+                         "staleness_mean", "staleness_max", "wall_s", "engine_gap",
+                         "ppo_clipfrac")}  # fmt: skip
+        for part in ("is_p99", "clipped_frac"):
+            for src in SOURCES:
+                agg[f"{part}/{src}"] = mean_ci([x[part][src] for x in rows])
         agg["eval_se"] = (max(x["eval_se"] for x in rows), math.nan)
         cells[g] = {"verdict": str(v), "counts": counts, "seeds": len(rs),
                     **{k: list(val) for k, val in agg.items()}}  # fmt: skip
@@ -417,7 +440,7 @@ def render_figure(runs: Sequence[RunData], path: Path, *, smooth: float) -> None
                 ax.set_title(f"staleness {s}, {n} step(s)/rollout", fontsize=9)
             if j == 0:
                 ax.set_ylabel(title, fontsize=8)
-            ax.tick_params(labelsize=7)
+            ax.tick_params(which="both", labelsize=7)
             for loss, rr in lines:
                 seeds = [r for r in runs if (r.cell.staleness, r.cell.nspr, r.cell.loss,
                                              r.cell.replay) == (s, n, loss, rr)]  # fmt: skip
@@ -448,12 +471,11 @@ def render_figure(runs: Sequence[RunData], path: Path, *, smooth: float) -> None
     fig.savefig(path, dpi=90)
 
 
-def render_markdown(an: dict[str, Any], budget: Budget, command: str) -> str:
+def render_markdown(an: dict[str, Any], runs: Sequence[RunData], command: str) -> str:
     """The table of final values, the verdicts, the goal checks and the guard calibration."""
+    budgets = sorted({r.budget() for r in runs})
     lines = [f"Command: `{command}`", "",
-             f"Budget per run: {budget.num_rollout} rollouts of the default size at every cell "
-             f"(equal samples); held-out eval every {budget.eval_interval} rollouts on "
-             f"{budget.eval_prompts} prompts × {budget.eval_samples} samples.", "",
+             f"Budget per run (from each run's config.json): {'; or '.join(budgets)}.", "",
              "| cell | seeds | verdict | final eval reward | eval SE (max) | end train reward "
              "| gap start | gap end | gap end/start | staleness mean | staleness max | wall s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -466,7 +488,25 @@ def render_markdown(an: dict[str, Any], budget: Budget, command: str) -> str:
             f"| {_fmt(*c['staleness_mean'], 2)} | {_fmt(*c['staleness_max'], 1)} "
             f"| {c['wall_s'][0]:.0f} |"
         )
-    lines += ["", "Values are mean ± the 95% Student-t half-width over seeds.", "",
+    lines += [
+        "",
+        "Values are mean ± the 95% Student-t half-width over seeds.",
+        "",
+        "Per-source diagnostics (run means; r2/r3 need π_j^Meg, which only compis reads):",
+        "",
+        "| cell | engine gap | π_k/π_SGL p99 | r3 p99 | r2 p99 | r1 p99 "
+        "| r3 clipped | r2 clipped | PPO clipfrac |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for g in sorted(an["cells"], key=_group_key):
+        c = an["cells"][g]
+        p99 = " | ".join(_fmt(*c[f"is_p99/{s}"], 3) for s in SOURCES)
+        lines.append(
+            f"| `{g}` | {_fmt(*c['engine_gap'], 4)} | {p99} "
+            f"| {_fmt(*c['clipped_frac/staleness'], 4)} "
+            f"| {_fmt(*c['clipped_frac/engine'], 4)} | {_fmt(*c['ppo_clipfrac'], 4)} |"
+        )
+    lines += ["",
               "Per run (verdict, the rule that decided it, guards that fired):", ""]  # fmt: skip
     for name in sorted(an["runs"], key=_group_key):
         r = an["runs"][name]
@@ -511,9 +551,12 @@ def goal_checks(an: dict[str, Any]) -> list[str]:
         s, loss, rr, n = _parts(g)
         if rr == "rroff" and (on := cells.get(f"s{s}-{loss}-rron-{n}")):
             red = 1 - on["gap_end"][0] / c["gap_end"][0]
-            out.append(f"* routing replay at `s{s}-{loss}-{n}`: end gap {on['gap_end'][0]:.4f} "
-                       f"with vs {c['gap_end'][0]:.4f} without, reduction {100 * red:.0f}% "
-                       f"(Relax's figure: ≥ 38%)")  # fmt: skip
+            red_e = 1 - on["engine_gap"][0] / c["engine_gap"][0]
+            out.append(f"* routing replay at `s{s}-{loss}-{n}`: train–rollout gap (end window) "
+                       f"{on['gap_end'][0]:.4f} with vs {c['gap_end'][0]:.4f} without "
+                       f"({100 * red:+.0f}% reduction); engine gap |log π_j^Meg − log π_SGL| "
+                       f"(run mean) {on['engine_gap'][0]:.4f} vs {c['engine_gap'][0]:.4f} "
+                       f"({100 * red_e:+.0f}%); Relax's figure: ≥ 38%")  # fmt: skip
     return out
 
 
@@ -627,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv
     )
     render_figure(runs, out / "stability.png", smooth=a.smooth)
-    (out / "stability.md").write_text(render_markdown(an, budget, command))
+    (out / "stability.md").write_text(render_markdown(an, runs, command))
     (out / "summary.json").write_text(json.dumps(an, indent=1, default=str))
     print((out / "stability.md").read_text())
     print(f"wrote {out / 'stability.png'}, {out / 'stability.md'}, {out / 'summary.json'} "
