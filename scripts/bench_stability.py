@@ -538,7 +538,7 @@ def goal_checks(an: dict[str, Any]) -> list[str]:
                        f"{'yes' if ok else 'no'} (gap end/start {_fmt(*c['gap_ratio'], 2)}, "
                        f"verdict {c['verdict']})")  # fmt: skip
         if loss == "compis":
-            sync = cells.get(f"s0-compis-{rr}-{n}")
+            sync = cells.get(f"s0-compis-{rr}-{n}") if s else None
             flat = c["gap_ratio"][0] <= 1.2
             line = (f"* `{g}` CompIS flat (gap end/start ≤ 1.2): {'yes' if flat else 'no'} "
                     f"({_fmt(*c['gap_ratio'], 2)})")  # fmt: skip
