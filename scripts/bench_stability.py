@@ -376,8 +376,28 @@ def analyse(runs: Sequence[RunData], rules: VerdictRules) -> dict[str, Any]:
         agg["eval_se"] = (max(x["eval_se"] for x in rows), math.nan)
         cells[g] = {"verdict": str(v), "counts": counts, "seeds": len(rs),
                     **{k: list(val) for k, val in agg.items()}}  # fmt: skip
+    for g, c in cells.items():
+        st, loss, rr, n = _parts(g)
+        c["vs_sync"] = paired(per_run, g, f"s0-{loss}-{rr}-{n}") if st else None
+        c["vs_ppo"] = paired(per_run, g, f"s{st}-ppo-{rr}-{n}") if loss != "ppo" else None
+        c["vs_rron"] = paired(per_run, g, f"s{st}-{loss}-rron-{n}") if rr == "rroff" else None
     return {"runs": per_run, "cells": cells, "guards": calibrate(runs, per_run),
             "rules": dataclasses.asdict(rules)}  # fmt: skip
+
+
+def paired(per_run: dict[str, Any], group: str, other: str) -> dict[str, list[float]] | None:
+    """Seed-paired differences `group − other` (same seed: same warm start, eval set and
+    prompt order) of the final eval, end train reward and gaps, mean ± 95% t half-width; None
+    when no seed ran in both."""
+    seeds = {n.rsplit("-seed", 1)[1] for n, r in per_run.items() if r["group"] == group}
+    both = sorted(x for x in seeds if f"{other}-seed{x}" in per_run)
+    if not both:
+        return None
+    out: dict[str, list[float]] = {"seeds": [float(len(both)), math.nan]}
+    for key in ("eval_final", "reward_end", "gap_end", "engine_gap"):
+        diffs = [per_run[f"{group}-seed{x}"][key] - per_run[f"{other}-seed{x}"][key] for x in both]
+        out[key] = list(mean_ci(diffs))
+    return out
 
 
 def _mean_of(r: RunData, key: str) -> float:
@@ -506,6 +526,18 @@ def render_markdown(an: dict[str, Any], runs: Sequence[RunData], command: str) -
             f"| {_fmt(*c['clipped_frac/staleness'], 4)} "
             f"| {_fmt(*c['clipped_frac/engine'], 4)} | {_fmt(*c['ppo_clipfrac'], 4)} |"
         )
+    lines += ["", "Seed-paired differences (same seed = same warm start, eval prompts and prompt "
+              "order; the seeds differ far more than the cells do):", "",
+              "| cell | minus | seeds | Δ final eval | Δ end train reward | Δ gap end |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for g in sorted(an["cells"], key=_group_key):
+        c = an["cells"][g]
+        for key, label in (("vs_sync", "sync, same loss"), ("vs_ppo", "ppo, same staleness"),
+                           ("vs_rron", "R3 on")):  # fmt: skip
+            if d := c.get(key):
+                lines.append(f"| `{g}` | {label} | {d['seeds'][0]:.0f} "
+                             f"| {_fmt(*d['eval_final'])} | {_fmt(*d['reward_end'])} "
+                             f"| {_fmt(*d['gap_end'], 4)} |")  # fmt: skip
     lines += ["",
               "Per run (verdict, the rule that decided it, guards that fired):", ""]  # fmt: skip
     for name in sorted(an["runs"], key=_group_key):
@@ -542,10 +574,11 @@ def goal_checks(an: dict[str, Any]) -> list[str]:
             flat = c["gap_ratio"][0] <= 1.2
             line = (f"* `{g}` CompIS flat (gap end/start ≤ 1.2): {'yes' if flat else 'no'} "
                     f"({_fmt(*c['gap_ratio'], 2)})")  # fmt: skip
-            if sync is not None:
-                d = c["eval_final"][0] - sync["eval_final"][0]
+            if sync is not None and c.get("vs_sync"):
+                d, h = c["vs_sync"]["eval_final"]
                 line += (f"; final eval within 0.05 of sync `s0-compis-{rr}-{n}`: "
-                         f"{'yes' if abs(d) <= 0.05 else 'no'} (difference {d:+.3f})")  # fmt: skip
+                         f"{'yes' if abs(d) <= 0.05 else 'no'} (seed-paired difference "
+                         f"{_fmt(d, h)}, {c['vs_sync']['seeds'][0]:.0f} seeds)")  # fmt: skip
             out.append(line)
     for g, c in sorted(cells.items()):
         s, loss, rr, n = _parts(g)

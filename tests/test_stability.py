@@ -209,6 +209,8 @@ def test_report_from_logged_runs_has_figure_table_verdicts_and_guards(bench, tmp
     assert "| `s16-compis-rron-n4` | 2 | stable (2 stable) |" in md
     assert "uncorrected PPO drifts (gap end/start ≥ 2 or reward falling): yes" in md
     assert "CompIS flat (gap end/start ≤ 1.2): yes" in md
+    assert "| `s16-compis-rron-n4` | sync, same loss | 2 | 0.000 ± 0.000 |" in md  # paired
+    assert "final eval within 0.05 of sync `s0-compis-rron-n4`: yes" in md
     summary = json.loads((tmp_path / "summary.json").read_text())
     sweep = summary["guards"]["sweep"][str(GuardKind.LOGPROB_DIFF_DRIFT)]["rows"]
     default = next(r for r in sweep if r["default"])
