@@ -90,6 +90,12 @@ def test_reward_falling_from_its_peak_drifts_then_collapses() -> None:
     assert judge(curves(reward=rise_fall(0.45))) is Verdict.COLLAPSED
 
 
+def test_a_run_without_the_gap_metric_is_judged_on_reward_alone() -> None:
+    recs = [{k: v for k, v in r.items() if k != GAP_KEY} for r in curves()]
+    v, why = verdict(summarize(recs, RULES), RULES)
+    assert v is Verdict.STABLE and why.startswith("no log-prob gap logged")
+
+
 def test_a_non_finite_gradient_norm_is_collapsed() -> None:
     recs = curves()
     recs[50]["train/grad_norm"] = float("nan")

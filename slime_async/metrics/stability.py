@@ -209,6 +209,8 @@ def verdict(s: RunSummary, rules: VerdictRules) -> tuple[Verdict, str]:
         return Verdict.DRIFTING, f"log-prob gap end/start {ratio:.2f}"
     if math.isnan(ratio) and math.isnan(fall):
         return Verdict.STABLE, "too few steps to judge"
+    if math.isnan(ratio):  # e.g. a loss that logs no train/rollout mismatch
+        return Verdict.STABLE, f"no log-prob gap logged, reward fall {fall:.2f}"
     flat = "flat" if ratio <= rules.flat_gap_ratio else "not flat"
     return Verdict.STABLE, f"gap end/start {ratio:.2f} ({flat}), reward fall {fall:.2f}"
 
