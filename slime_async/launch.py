@@ -18,7 +18,6 @@ import dataclasses
 import enum
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -34,6 +33,7 @@ from slime_async.contracts.rollout import Batch, GenerationRequest, Group
 from slime_async.engine.backends import get_engine_backend
 from slime_async.host import free_port
 from slime_async.metrics import MetricsLogger
+from slime_async.metrics.stability import mean_and_se
 from slime_async.placement import Placement, place_roles
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate
@@ -155,7 +155,8 @@ class Run:
         (self.cfg.run_dir / "served_versions.json").write_text(json.dumps(record))
 
     async def evaluate(self, *, step: int) -> None:
-        """Held-out pass rate (one sample per prompt, rollout temperature), logged at `step`."""
+        """Held-out pass rate (`--n-samples-per-eval-prompt` samples per prompt, rollout
+        temperature) and its standard error, logged at `step`."""
         if not self.plan.eval_prompts:
             return
         t0 = time.perf_counter()
@@ -163,19 +164,21 @@ class Run:
                                 eos_id=self.plan.eos_id, decode=self.plan.decode,
                                 reward_args=self.generate.reward_args,
                                 group_rm=self.cfg.rollout.group_rm, score_alone=True)  # fmt: skip
-        reqs = [GenerationRequest(prompt=p, group_seq=-1 - i, sample_index=0)
-                for i, p in enumerate(self.plan.eval_prompts)]  # fmt: skip
+        k = self.cfg.rollout.n_samples_per_eval_prompt
+        prompts = [p for p in self.plan.eval_prompts for _ in range(k)]
+        reqs = [GenerationRequest(prompt=p, group_seq=-1 - i // k, sample_index=i % k)
+                for i, p in enumerate(prompts)]  # fmt: skip
         expected = self.cfg.rollout.max_response_len
         results = await asyncio.gather(*(scored(r, 0.0, expected) for r in reqs))
         by_level: dict[int, list[float]] = {}
-        for p, res in zip(self.plan.eval_prompts, results, strict=True):
+        for p, res in zip(prompts, results, strict=True):
             level = int(p.payload.get("level", 0))
             by_level.setdefault(level, []).append(float(res.payload.get("reward", 0.0)))
         allr = [r for rs in by_level.values() for r in rs]
-        metrics = {"eval/reward": sum(allr) / max(1, len(allr)),
-                   "eval/reward_se": _standard_error(allr),
-                   "eval/pass": sum(r >= 1.0 for r in allr) / max(1, len(allr)),
-                   "eval/pass_se": _standard_error([float(r >= 1.0) for r in allr]),
+        mean, se = mean_and_se(allr)
+        pass_mean, pass_se = mean_and_se([float(r >= 1.0) for r in allr])
+        metrics = {"eval/reward": mean, "eval/reward_se": se,
+                   "eval/pass": pass_mean, "eval/pass_se": pass_se,
                    "timing/eval_s": time.perf_counter() - t0}  # fmt: skip
         for level, rs in sorted(by_level.items()):
             metrics[f"eval/reward_level{level}"] = sum(rs) / len(rs)
@@ -250,15 +253,6 @@ def _dapo_filter(group: Group) -> bool:
     """DAPO dynamic sampling: drop a group whose rewards all agree (no learning signal)."""
     rewards = [float(s.payload.get("reward", 0.0)) for s in group.samples]
     return dynamic_sampling_keep([rewards])[0]
-
-
-def _standard_error(xs: list[float]) -> float:
-    """Standard error of the mean of `xs` (0 for fewer than two values)."""
-    n = len(xs)
-    if n < 2:
-        return 0.0
-    m = sum(xs) / n
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
 
 
 def _truncate_ledger(path: Path, *, keep_through: int) -> None:

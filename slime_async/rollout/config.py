@@ -84,6 +84,10 @@ class RolloutConfig:
     `num_steps_per_rollout` train steps) (0: never)."""
     eval_prompts: int = 64
     """Held-out prompts per evaluation."""
+    n_samples_per_eval_prompt: int = 1
+    """Samples per held-out prompt at each evaluation (slime's flag): the eval reward averages
+    them, so repeats shrink its standard error (logged as `eval/reward_se`) past the size of
+    the held-out set."""
 
     def __post_init__(self) -> None:
         if self.prompt_source is not None and self.prompt_data is not None:
@@ -104,6 +108,10 @@ class RolloutConfig:
             raise ValueError("--rollout-batch-size and --num-steps-per-rollout must be >= 1")
         if self.eval_interval < 0 or self.eval_prompts < 0:
             raise ValueError("--eval-interval and --eval-prompts must be >= 0")
+        if self.n_samples_per_eval_prompt < 1:
+            raise ValueError(
+                f"--n-samples-per-eval-prompt {self.n_samples_per_eval_prompt} must be >= 1"
+            )
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"--rollout-top-k {self.top_k}: give -1 (off) or k >= 1")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
@@ -168,6 +176,13 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--eval-prompts", type=int, default=d.eval_prompts, help="Held-out prompts per evaluation."
+    )
+    g.add_argument(
+        "--n-samples-per-eval-prompt",
+        type=int,
+        default=d.n_samples_per_eval_prompt,
+        help="Samples per held-out prompt at each evaluation; the eval reward averages them "
+        "(its standard error is logged as eval/reward_se).",
     )
 
 
@@ -323,4 +338,5 @@ def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
         seed=args.rollout_seed,
         eval_interval=args.eval_interval,
         eval_prompts=args.eval_prompts,
+        n_samples_per_eval_prompt=args.n_samples_per_eval_prompt,
     )

@@ -1,0 +1,247 @@
+"""Stability lab: the verdict rules on synthetic curves, the grid's plumbing (names, flags the
+real parser accepts, the report from runs logged through the real MetricsLogger), the eval's
+standard error, and (slow) a two-cell few-step grid of real train_async.py runs end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slime_async.config import parse_config
+from slime_async.metrics import GuardKind, MetricsLogger
+from slime_async.metrics.stability import (
+    GAP_KEY,
+    REWARD_KEY,
+    Verdict,
+    VerdictRules,
+    cell_verdict,
+    guard_hits,
+    mean_and_se,
+    mean_ci,
+    summarize,
+    verdict,
+    windows,
+)
+from slime_async.rollout.config import RolloutConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+_PATH = ROOT / "scripts" / "bench_stability.py"
+RULES = VerdictRules()
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_stability", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_stability"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def curves(n=100, *, gap=lambda t: 0.01, reward=lambda t: 0.5, seed=0, noise=0.01):
+    """Records of a synthetic run: gap(t) and reward(t) for t in [0, 1), with noise."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        t = k / n
+        out.append({"step": k + 1, GAP_KEY: gap(t) * (1 + rng.gauss(0, noise)),
+                    REWARD_KEY: reward(t) + rng.gauss(0, noise), "train/grad_norm": 0.5,
+                    "loss/total": 0.1})  # fmt: skip
+    return out
+
+
+def judge(records):
+    return verdict(summarize(records, RULES), RULES)[0]
+
+
+# ------------------------------------------------------------------------- verdict rules
+def test_flat_gap_and_rising_reward_is_stable() -> None:
+    recs = curves(reward=lambda t: 0.4 + 0.3 * t)
+    s = summarize(recs, RULES)
+    assert abs(s.gap_ratio - 1.0) < 0.05 and s.reward_fall < 0.02
+    v, why = verdict(s, RULES)
+    assert v is Verdict.STABLE and "(flat)" in why
+
+
+def test_gap_doubling_is_drifting_and_fivefold_is_collapsed() -> None:
+    def step_up(factor):  # flat, then `factor` x from half-way
+        return lambda t: 0.01 if t < 0.5 else 0.01 * factor
+
+    assert judge(curves(gap=step_up(2.5))) is Verdict.DRIFTING
+    assert judge(curves(gap=step_up(6.0))) is Verdict.COLLAPSED
+    v, why = verdict(summarize(curves(gap=step_up(1.6)), RULES), RULES)
+    assert v is Verdict.STABLE and "not flat" in why  # grew, but under the drift bar
+
+
+def test_reward_falling_from_its_peak_drifts_then_collapses() -> None:
+    def rise_fall(drop):
+        return lambda t: 0.3 + 0.4 * min(t, 0.5) * 2 - drop * max(0.0, t - 0.5) * 2
+
+    assert judge(curves(reward=rise_fall(0.0))) is Verdict.STABLE
+    assert judge(curves(reward=rise_fall(0.18))) is Verdict.DRIFTING
+    assert judge(curves(reward=rise_fall(0.45))) is Verdict.COLLAPSED
+
+
+def test_a_run_without_the_gap_metric_is_judged_on_reward_alone() -> None:
+    recs = [{k: v for k, v in r.items() if k != GAP_KEY} for r in curves()]
+    v, why = verdict(summarize(recs, RULES), RULES)
+    assert v is Verdict.STABLE and why.startswith("no log-prob gap logged")
+
+
+def test_a_non_finite_gradient_norm_is_collapsed() -> None:
+    recs = curves()
+    recs[50]["train/grad_norm"] = float("nan")
+    v, why = verdict(summarize(recs, RULES), RULES)
+    assert v is Verdict.COLLAPSED and "non-finite" in why
+
+
+def test_the_start_window_skips_the_staleness_fill() -> None:
+    # gap is small for the first 10% of steps (budget filling), then flat: not drift
+    recs = curves(gap=lambda t: 0.002 if t < 0.1 else 0.01)
+    assert judge(recs) is Verdict.STABLE
+    assert summarize(recs, RULES).gap_ratio == pytest.approx(1.0, abs=0.05)
+    # judged from step 0, the same curve would read as a growth
+    assert summarize(recs, VerdictRules(skip_frac=0.0)).gap_ratio > 1.6
+
+
+def test_windows_on_an_exact_series() -> None:
+    xs = list(range(10))  # window 3 (min_window), skip 1: start = mean(1,2,3), end = mean(7,8,9)
+    start, peak, end = windows(xs, VerdictRules())
+    assert (start, peak, end) == (2.0, 8.0, 8.0)
+    assert all(math.isnan(v) for v in windows([1.0, 2.0], VerdictRules()))
+
+
+def test_cell_verdict_is_the_median_with_counts() -> None:
+    s, d, c = Verdict.STABLE, Verdict.DRIFTING, Verdict.COLLAPSED
+    assert cell_verdict([s, s, c]) == (s, "2 stable, 1 collapsed")
+    assert cell_verdict([s, d, c])[0] is d
+    assert cell_verdict([s, d])[0] is d  # ties go to the worse
+    with pytest.raises(ValueError, match="at least one run"):
+        cell_verdict([])
+
+
+def test_rules_refuse_inconsistent_thresholds() -> None:
+    with pytest.raises(ValueError, match="flat_gap_ratio"):
+        VerdictRules(drift_gap_ratio=1.1)
+    with pytest.raises(ValueError, match="window_frac"):
+        VerdictRules(window_frac=0.9)
+
+
+def test_mean_se_and_t_interval_on_known_vectors() -> None:
+    m, se = mean_and_se([0, 1, 1, 0])
+    assert m == 0.5 and se == pytest.approx(math.sqrt((1 / 3) / 4))
+    assert mean_and_se([0.7]) == (0.7, 0.0)
+    m, h = mean_ci([1.0, 2.0, 3.0])
+    assert m == 2.0 and h == pytest.approx(4.303 / math.sqrt(3))
+    assert math.isnan(mean_ci([1.0])[1]) and math.isnan(mean_ci([])[0])
+
+
+def test_guard_hits_sees_a_doubling_gap() -> None:
+    assert GuardKind.LOGPROB_DIFF_DRIFT in guard_hits(curves(gap=lambda t: 0.01 * (1 + 4 * t)))
+    assert GuardKind.LOGPROB_DIFF_DRIFT not in guard_hits(curves())
+
+
+def test_eval_samples_per_prompt_is_validated() -> None:
+    with pytest.raises(ValueError, match="--n-samples-per-eval-prompt 0 must be >= 1"):
+        RolloutConfig(n_samples_per_eval_prompt=0)
+
+
+# ------------------------------------------------------------------------- grid plumbing
+def test_grid_names_filter_and_flags_parse(bench, tmp_path) -> None:
+    cells = bench.grid((0, 16), ("ppo", "tis", "compis"), ("on", "off"), (1, 4), (1, 2, 3))
+    assert len(cells) == 2 * 3 * 2 * 2 * 3
+    assert len({c.name for c in cells}) == len(cells)
+    picked = bench.select(cells, "s16-compis-*-n4-*,s0-ppo-rron-n1-seed1")
+    assert {c.name for c in picked} == {
+        *(f"s16-compis-rr{r}-n4-seed{s}" for r in ("on", "off") for s in (1, 2, 3)),
+        "s0-ppo-rron-n1-seed1",
+    }
+    with pytest.raises(ValueError, match="unknown loss 'bogus'"):
+        bench.grid((0,), ("bogus",), ("on",), (1,), (1,))
+    budget = bench.Budget(num_rollout=5, eval_interval=5, eval_prompts=172, eval_samples=4,
+                          warmstart_steps=None)  # fmt: skip
+    for cell in bench.grid((0, 16), tuple(bench.LOSSES), ("on", "off"), (1, 4), (1,)):
+        cfg = parse_config(bench.train_args(cell, budget, tmp_path / cell.name, None))
+        assert cfg.data_worker.max_staleness == cell.staleness
+        assert cfg.rollout.num_steps_per_rollout == cell.nspr
+        assert cfg.trainer.routing_replay.value == ("r3" if cell.replay else "none")
+        assert cfg.rollout.n_samples_per_eval_prompt == 4
+        # equal sample budget: every cell trains num_rollout x the same rollout
+        assert cfg.num_steps * cfg.rollout.global_batch_size == 5 * 64
+
+
+def _fake_run(bench, out: Path, cell, *, steps: int, gap, seed: int) -> None:
+    """A finished run directory whose metrics went through the real MetricsLogger."""
+    d = out / "runs" / cell.name
+    rng = random.Random(seed)
+    with MetricsLogger(d, console=False, progress=False, stderr=io.StringIO()) as ml:
+        for k in range(1, steps + 1):
+            t = k / steps
+            m = {GAP_KEY: gap(t) * (1 + rng.gauss(0, 0.02)),
+                 REWARD_KEY: 0.4 + 0.2 * t + rng.gauss(0, 0.02), "policy/entropy": 0.5,
+                 "is/staleness/p99": 1.1, "is/engine/p99": 1.02, "is/drift/p99": 1.05,
+                 "train/grad_norm": 0.3, "staleness/mean": float(cell.staleness)}  # fmt: skip
+            ml.log(k, m)
+            if k % 5 == 0:
+                ml.log(k, {"eval/reward": 0.3 + 0.2 * t, "eval/reward_se": 0.018})
+    ro = {"global_batch_size": 16, "num_steps_per_rollout": 4, "eval_interval": 5,
+          "eval_prompts": 172, "n_samples_per_eval_prompt": 4}  # fmt: skip
+    (d / "config.json").write_text(json.dumps({"num_steps": steps, "rollout": ro}))
+    (d / bench.RESULT).write_text(json.dumps({"status": "ok", "wall_s": 1.0}))
+
+
+def test_report_from_logged_runs_has_figure_table_verdicts_and_guards(bench, tmp_path) -> None:
+    cells = bench.grid((0, 16), ("ppo", "compis"), ("on",), (4,), (1, 2))
+    for i, c in enumerate(cells):
+        drift = c.staleness == 16 and c.loss == "ppo"
+        _fake_run(bench, tmp_path, c, steps=40, seed=i,
+                  gap=(lambda t: 0.01 * (1 + 3 * t)) if drift else (lambda t: 0.01))  # fmt: skip
+    argv = ["--out", str(tmp_path), "--staleness", "0,16", "--losses", "ppo,compis",
+            "--replay", "on", "--nspr", "4", "--seeds", "1,2", "--report-only"]  # fmt: skip
+    assert bench.main(argv) == 0
+    png = (tmp_path / "stability.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    md = (tmp_path / "stability.md").read_text()
+    assert "10 rollouts = 640 samples; eval every 5 rollouts on 172 prompts × 4 samples" in md
+    assert "| `s16-ppo-rron-n4` | 2 | drifting (2 drifting) |" in md
+    assert "| `s16-compis-rron-n4` | 2 | stable (2 stable) |" in md
+    assert "uncorrected PPO drifts (gap end/start ≥ 2 or reward falling): yes" in md
+    assert "CompIS flat (gap end/start ≤ 1.2): yes" in md
+    assert "| `s16-compis-rron-n4` | sync, same loss | 2 | 0.000 ± 0.000 |" in md  # paired
+    assert "final eval within 0.05 of sync `s0-compis-rron-n4`: yes" in md
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    sweep = summary["guards"]["sweep"][str(GuardKind.LOGPROB_DIFF_DRIFT)]["rows"]
+    default = next(r for r in sweep if r["default"])
+    assert (default["unstable_hits"], default["stable_hits"]) == (2, 0)
+    assert summary["cells"]["s0-compis-rron-n4"]["eval_final"][0] == pytest.approx(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_cell_grid_runs_end_to_end_and_resumes(tmp_path) -> None:
+    """Two real train_async.py runs (sync and staleness 4, CompIS), a few steps each."""
+    cmd = [sys.executable, str(_PATH), "--out", str(tmp_path), "--staleness", "0,4",
+           "--losses", "compis", "--replay", "on", "--nspr", "1", "--seeds", "1",
+           "--num-rollout", "3", "--eval-interval", "3", "--eval-prompts", "8",
+           "--eval-samples", "2", "--warmstart-steps", "10"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "0 of 2 runs already done" in done.stdout
+    assert (tmp_path / "stability.png").stat().st_size > 10_000
+    md = (tmp_path / "stability.md").read_text()
+    assert "| `s0-compis-rron-n1` | 1 |" in md and "| `s4-compis-rron-n1` | 1 |" in md
+    for name in ("s0-compis-rron-n1-seed1", "s4-compis-rron-n1-seed1"):
+        log = (tmp_path / "runs" / name / "train.log").read_text()
+        assert "warm start: reusing" in log  # the per-seed warm start was shared, not retrained
+        recs = [json.loads(x) for x in (tmp_path / "runs" / name / "metrics.jsonl").open()]
+        assert any("eval/reward_se" in r for r in recs)
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0 and "2 of 2 runs already done; 0 to run" in again.stdout
