@@ -37,6 +37,8 @@ INFO_PATHS: tuple[str, ...] = (
     "/health_generate",
 )
 _PROTECTED_PREFIXES: tuple[str, ...] = ("/workers", *CONTROL_PATHS)
+_PROBE_PATHS: frozenset[str] = frozenset({"/health", "/liveness", "/readiness"})
+"""Off loopback, the only routes open without the token (load-balancer and k8s probes)."""
 
 
 class Router:
@@ -189,12 +191,16 @@ class Router:
         }
 
 
-def _auth_middleware(token: str):
+def _auth_middleware(token: str, *, everything: bool):
+    """Management and control routes need the token; with `everything` (bound off loopback)
+    every route but the probes does, generation included."""
     expected = f"Bearer {token}".encode()
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if request.path.startswith(_PROTECTED_PREFIXES):
+        if request.path.startswith(_PROTECTED_PREFIXES) or (
+            everything and request.path not in _PROBE_PATHS
+        ):
             got = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(got, expected):
                 return error_response(
@@ -211,7 +217,10 @@ def _auth_middleware(token: str):
 def build_app(router: Router) -> web.Application:
     """The aiohttp application with every route of the router."""
     cfg = router.cfg
-    middlewares = [_auth_middleware(cfg.auth_token)] if cfg.auth_token else []
+    off_loopback = not is_loopback(cfg.host)
+    middlewares = (
+        [_auth_middleware(cfg.auth_token, everything=off_loopback)] if cfg.auth_token else []
+    )
     app = web.Application(middlewares=middlewares, client_max_size=cfg.max_body_bytes)
     reg = router.registry
 
@@ -351,4 +360,5 @@ def warn_if_exposed(cfg: RouterConfig) -> str | None:
     """A one-line note for logs when the router listens beyond loopback."""
     if is_loopback(cfg.host):
         return None
-    return f"router listens on {cfg.host}: management and control routes require the bearer token"
+    return (f"router listens on {cfg.host}: every route but /health, /liveness and /readiness "
+            "requires the bearer token")

@@ -409,6 +409,7 @@ async def setup_run(cfg: RunConfig) -> Run:
             top_k=r.top_k,
             stop=r.stop,
             stop_token_ids=(plan.eos_id, *r.stop_token_ids),
+            auth_token=cfg.engine.auth_token,
         ),
         num_layers=cfg.model.num_layers,
         topk=cfg.model.moe_topk,
@@ -574,7 +575,9 @@ def _slime_args(cfg: RunConfig, router_url: str) -> Any:
     """`args` of slime-style plugins (rewards, custom generate): slime's names for our settings."""
     r = cfg.rollout
     return slime_args(
-        router_url, hf_checkpoint=cfg.trainer.hf_checkpoint, rollout_batch_size=r.rollout_batch_size,
+        router_url, router_headers=(
+            {"Authorization": f"Bearer {cfg.engine.auth_token}"} if cfg.engine.auth_token else {}
+        ), hf_checkpoint=cfg.trainer.hf_checkpoint, rollout_batch_size=r.rollout_batch_size,
         n_samples_per_prompt=r.n_samples_per_prompt, global_batch_size=r.global_batch_size,
         rollout_max_response_len=r.max_response_len, rollout_temperature=r.temperature,
         rollout_top_p=r.top_p, rollout_top_k=r.top_k, rollout_stop=list(r.stop) or None,

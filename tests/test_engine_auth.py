@@ -163,3 +163,20 @@ async def test_attaching_a_token_protected_engine_uses_the_run_token(engine) -> 
     without = ExternalBackend(fleet, EngineConfig())
     with pytest.raises(EngineAttachError, match="401"):
         await without.preflight()
+
+
+async def test_router_off_loopback_needs_the_token_on_every_route_but_the_probes(engine) -> None:
+    """Bound beyond loopback (here the wildcard address; the test talks to it on 127.0.0.1),
+    generation and info routes need the token too; only the health probes stay open."""
+    router = Router(RouterConfig(worker_urls=(engine,), auth_token=TOKEN, host="0.0.0.0"))
+    url = await router.start()
+    base = "http://127.0.0.1:" + url.rsplit(":", 1)[1]
+    try:
+        assert await _status(base, "POST", "/generate", None, GEN) == 401
+        assert await _status(base, "GET", "/model_info", None) == 401
+        assert await _status(base, "GET", "/metrics", "wrong") == 401
+        assert await _status(base, "POST", "/generate", TOKEN, GEN) == 200
+        for probe in ("/health", "/liveness", "/readiness"):
+            assert await _status(base, "GET", probe, None) in (200, 503)
+    finally:
+        await router.stop()

@@ -52,6 +52,9 @@ class GenerateClientConfig:
     """Per-request timeout."""
     max_connection_retries: int = 20
     """Connection-level retries (the router itself retries on engines); waits 0.5 s each."""
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
+    """The run's shared token, sent as `Authorization: Bearer` (a router or engine off loopback
+    requires it on every route)."""
 
 
 class GenerateError(RuntimeError):
@@ -95,8 +98,10 @@ class GenerateClient:
 
     def _s(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            token = self.cfg.auth_token
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)
+                timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s),
+                headers={"Authorization": f"Bearer {token}"} if token else None,
             )
         return self._session
 
