@@ -172,6 +172,14 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         f.note("num_engines", engines.num_engines, why)
     colocate, trainer_cores, rollout_cores = _placement(f, env)
     _derive_warmstart(f, embedded=embedded)
+    if f.unset("update_weight_transport"):
+        if engines.backend == "external":
+            f.fill("update_weight_transport", "disk", "--engine-backend external: servers the "
+                   "run does not own come back on their own weights, and the router replays the "
+                   "newest disk load on them before re-admission")  # fmt: skip
+        else:
+            f.fill("update_weight_transport", "distributed",
+                   "no shared filesystem needed (docs/weight-sync.md)")  # fmt: skip
     return RunConfig(
         run_dir=Path(a.run_dir),
         num_steps=a.num_steps,
@@ -196,7 +204,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         ),
         trainer=trainer,
         supervisor=supervisor_config_from_args(a),
-        weights=weight_sync_config_from_args(a),
+        weights=weight_sync_config_from_args(f.args),
         derived=f.derived,
     )
 
