@@ -219,6 +219,14 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         a, seed=a.seed if rollout.seed is None else rollout.seed,
         num_threads=None if colocate else 1,
     )  # fmt: skip
+    if f.unset("update_weight_transport"):
+        if engines.backend == "external":
+            f.fill("update_weight_transport", "disk", "--engine-backend external: servers the "
+                   "run does not own come back on their own weights, and the router replays the "
+                   "newest disk load on them before re-admission")  # fmt: skip
+        else:
+            f.fill("update_weight_transport", "distributed",
+                   "no shared filesystem needed (docs/weight-sync.md)")  # fmt: skip
     return RunConfig(
         run_dir=Path(a.run_dir),
         ray_address=env.ray_address,
@@ -241,7 +249,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         engine=dataclasses.replace(engine, auth_token=token),
         trainer=trainer,
         supervisor=supervisor_config_from_args(a),
-        weights=weight_sync_config_from_args(a),
+        weights=weight_sync_config_from_args(f.args),
         derived=f.derived,
     )
 

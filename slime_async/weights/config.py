@@ -66,10 +66,11 @@ def add_weight_sync_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--update-weight-transport",
         choices=[k.value for k in TransportKind],
-        default=d.transport.value,
+        default=None,
         help="How weights reach the engines: 'distributed' (trainer rank 0 broadcasts over a "
         "process group the engines join; no shared filesystem) or 'disk' (an HF directory in "
-        "the run dir that every engine loads). See docs/weight-sync.md.",
+        f"the run dir that every engine loads). Default: {d.transport.value}, or disk with "
+        "--engine-backend external. See docs/weight-sync.md.",
     )
     g.add_argument(
         "--update-weight-buffer-size",
@@ -112,7 +113,7 @@ def add_weight_sync_args(parser: argparse.ArgumentParser) -> None:
 
 def weight_sync_config_from_args(args: argparse.Namespace) -> WeightSyncConfig:
     return WeightSyncConfig(
-        transport=TransportKind(args.update_weight_transport),
+        transport=TransportKind(args.update_weight_transport or WeightSyncConfig().transport),
         bucket_bytes=args.update_weight_buffer_size,
         flatten_buckets=args.update_weight_flatten,
         master_address=args.update_weight_master_address,
