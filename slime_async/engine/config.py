@@ -13,6 +13,8 @@ import argparse
 import dataclasses
 from typing import Any, Literal, get_args
 
+from router.config import is_loopback
+
 Dtype = Literal["bf16", "fp32"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
@@ -107,23 +109,12 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 (or unset), got {self.num_threads}")
-        if not self.auth_token and not _is_loopback(self.host):
+        if not self.auth_token and not is_loopback(self.host):
             raise ValueError(
                 f"the engine would listen on {self.host!r}, off loopback, without a token: "
                 "export SLIME_ASYNC_AUTH_TOKEN=<token> (or pass --auth-token-file PATH) so every "
                 "endpoint requires 'Authorization: Bearer <token>', or bind 127.0.0.1"
             )
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

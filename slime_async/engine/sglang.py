@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from router.config import is_loopback
 from slime_async.engine.runner import wait_healthy
 
 SGLANG_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -106,7 +107,7 @@ class SGLangConfig:
             raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank ({self.node_rank}) must be in [0, nnodes={self.nnodes})")
-        if not self.api_key and not _is_loopback(self.host):
+        if not self.api_key and not is_loopback(self.host):
             raise ValueError(
                 f"the SGLang server would listen on {self.host!r}, off loopback, without a token: "
                 "export SLIME_ASYNC_AUTH_TOKEN=<token> (or --auth-token-file PATH), or bind "
@@ -124,17 +125,6 @@ class SGLangConfig:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 API_KEY_ENV = "SLIME_ASYNC_SGLANG_API_KEY"
