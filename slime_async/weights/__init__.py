@@ -28,6 +28,7 @@ from slime_async.weights.config import (
     weight_sync_config_from_args,
 )
 from slime_async.weights.distributed import DistributedTransport, WeightSyncError
+from slime_async.weights.pause import paused_in_place
 from slime_async.weights.sender import InProcessSender, WeightSender
 
 __all__ = [
@@ -90,25 +91,18 @@ class DiskTransport:
             self.on_written(version, path)
         t1 = time.perf_counter()
         failed = 0
-        try:
-            await self.control.pause_generation(mode="in_place")
-        except FanoutError as e:  # an unpaused engine still takes the update, after a drain
-            log.warning("pause before weight push v%d: %s", version, e)
-        try:
-            await self.control.update_weights_from_disk(
-                str(path.resolve()), weight_version=version, flush_cache=False
-            )
-        except FanoutError as e:
-            # Engines that failed are quarantined by the router and get this version replayed
-            # before re-admission; dead ones are restarted on it by the supervisor. The run goes
-            # on; if no engine ever recovers, the supervisor's timeout stops it.
-            failed = len(e.reply.get("failed", [])) or 1
-            log.warning("weight push v%d did not reach every engine: %s", version, e)
-        finally:
+        async with paused_in_place(self.control, version):
             try:
-                await self.control.continue_generation()
+                await self.control.update_weights_from_disk(
+                    str(path.resolve()), weight_version=version, flush_cache=False
+                )
             except FanoutError as e:
-                log.warning("continue after weight push v%d: %s", version, e)
+                # Engines that failed are quarantined by the router and get this version
+                # replayed before re-admission; dead ones are restarted on it by the
+                # supervisor. The run goes on; if no engine ever recovers, the supervisor's
+                # timeout stops it.
+                failed = len(e.reply.get("failed", [])) or 1
+                log.warning("weight push v%d did not reach every engine: %s", version, e)
         t2 = time.perf_counter()
         self._prune(version)
         return {

@@ -28,10 +28,11 @@ from typing import Any
 
 import aiohttp
 
-from router.client import FanoutError, RouterClient
+from router.client import RouterClient
 from slime_async.contracts.weight_group import bucket_body, plan_buckets
 from slime_async.contracts.weights import WeightManifest
 from slime_async.weights.config import WeightSyncConfig
+from slime_async.weights.pause import paused_in_place
 from slime_async.weights.sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -209,21 +210,15 @@ class DistributedTransport:
         """Pause in place, send `version` to every engine, continue; returns timings."""
         async with self._lock:
             t0 = time.perf_counter()
-            try:
-                await self.control.pause_generation(mode="in_place")
-            except FanoutError as e:  # an unpaused engine still takes the update: after a drain
-                log.warning("pause before weight push v%d: %s", version, e)
-            t1 = time.perf_counter()
-            try:
-                failed = await asyncio.wait_for(self._push_locked(version), self.cfg.timeout_s * 3)
-            except WeightSyncError as e:
-                log.warning("weight push v%d: %s", version, e)
-                failed = len(self.engine_urls())
-            finally:
+            async with paused_in_place(self.control, version):
+                t1 = time.perf_counter()
                 try:
-                    await self.control.continue_generation()
-                except FanoutError as e:
-                    log.warning("continue after weight push v%d: %s", version, e)
+                    failed = await asyncio.wait_for(
+                        self._push_locked(version), self.cfg.timeout_s * 3
+                    )
+                except WeightSyncError as e:
+                    log.warning("weight push v%d: %s", version, e)
+                    failed = len(self.engine_urls())
             t2 = time.perf_counter()
         return {
             "timing/weight_pause_s": t1 - t0,
