@@ -59,3 +59,17 @@ def test_start_failure_is_reported(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="not a directory"):
         srv.start(timeout=60)
     srv.stop()
+
+
+def test_a_built_architecture_travels_on_the_command_line() -> None:
+    """An engine that builds its model (weights arrive by the distributed transport) gets the
+    spec on its command line and rebuilds exactly that config; bad input names the flag."""
+    from slime_async.contracts.model import ModelSpec
+
+    spec = ModelSpec(hidden_size=64, head_dim=16).to_dict()
+    cfg = EngineConfig(model_spec=spec)
+    args = add_engine_args(argparse.ArgumentParser()).parse_args(config_to_argv(cfg))
+    assert engine_config_from_args(args).model_spec == spec
+    bad = add_engine_args(argparse.ArgumentParser()).parse_args(["--model-spec", "[1]"])
+    with pytest.raises(ValueError, match="--model-spec must be a JSON object"):
+        engine_config_from_args(bad)

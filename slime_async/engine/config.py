@@ -206,6 +206,11 @@ def _add_model_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
         "--model-spec-json", default=None, help="ModelSpec JSON file to build instead of TINY_MOE"
     )
     g.add_argument(
+        "--model-spec",
+        default=None,
+        help="ModelSpec as inline JSON (what a launcher passes; --model-spec-json reads a file)",
+    )
+    g.add_argument(
         "--seed", "--random-seed", dest="seed", type=int, default=d.seed, help="init/sampling seed"
     )
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="inference dtype")
@@ -220,12 +225,24 @@ def _add_model_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build an `EngineConfig` from parsed `add_engine_args` flags."""
+    import json
+
     spec = None
+    if args.model_spec_json and args.model_spec:
+        raise ValueError("give --model-spec-json FILE or --model-spec JSON, not both")
     if args.model_spec_json:
-        import json
         from pathlib import Path
 
         spec = json.loads(Path(args.model_spec_json).read_text())
+    elif args.model_spec:
+        try:
+            spec = json.loads(args.model_spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"--model-spec is not valid JSON ({e}); pass ModelSpec.to_dict()"
+            ) from None
+        if not isinstance(spec, dict):
+            raise ValueError("--model-spec must be a JSON object (ModelSpec.to_dict())")
     from router.config import load_auth_token
 
     return EngineConfig(

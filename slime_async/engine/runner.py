@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -152,11 +153,8 @@ def config_to_argv(cfg: EngineConfig) -> list[str]:
         argv += ["--model-dir", cfg.model_dir]
     if cfg.gguf_file is not None:
         argv += ["--gguf-file", cfg.gguf_file]
-    if cfg.model_spec is not None:
-        raise ValueError(
-            "config_to_argv cannot pass model_spec; save it with ModelSpec.save and use "
-            "--model-spec-json, or pass extra_args"
-        )
+    if cfg.model_spec is not None:  # build the architecture (weights come by the transport)
+        argv += ["--model-spec", json.dumps(cfg.model_spec, separators=(",", ":"))]
     if cfg.context_length is not None:
         argv += ["--context-length", str(cfg.context_length)]
     if cfg.served_model_name is not None:
