@@ -567,7 +567,12 @@ def start_source(cfg: RunConfig, first: Path) -> str:
     transport; with the distributed one, `--hf-checkpoint` or "" (build the architecture), the
     transport then loading the trainer's weights."""
     if cfg.weights.transport is TransportKind.DISTRIBUTED:
-        return cfg.trainer.hf_checkpoint or ""
+        if cfg.trainer.hf_checkpoint:
+            return cfg.trainer.hf_checkpoint
+        if cfg.engines.backend != "sglang":  # our engine builds the architecture from the spec
+            return ""
+        # SGLang cannot start without a checkpoint: the trainer's export, which the engine
+        # nodes must then be able to read (give --hf-checkpoint on a cluster, as in slime)
     return str(first.resolve())
 
 

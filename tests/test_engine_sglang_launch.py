@@ -195,7 +195,9 @@ def test_train_async_with_sglang_backend(fake_sglang, tmp_path: Path) -> None:
             "--sglang-cuda-graph-max-bs", "16", "--run-dir", str(run_dir), "--num-steps", "2",
             "--warmstart-steps", "0", "--eval-interval", "0", "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
-            "--micro-batch-size", "2"]  # fmt: skip
+            "--micro-batch-size", "2",
+            # the stand-in SGLang is our CPU engine: the weight group runs over gloo, not NCCL
+            "--update-weight-backend", "gloo"]  # fmt: skip
     res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=280)
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
     recs = _records(record)

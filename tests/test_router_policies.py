@@ -109,7 +109,7 @@ def test_expected_tokens_header_parsing() -> None:
 
 
 def test_config_refuses_off_loopback_without_token() -> None:
-    with pytest.raises(ValueError, match="auth token"):
+    with pytest.raises(ValueError, match="without a token"):
         validate_config(RouterConfig(host="0.0.0.0"))
     validate_config(RouterConfig(host="0.0.0.0", auth_token="t0k"))
     validate_config(RouterConfig(host="::1"))
