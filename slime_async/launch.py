@@ -19,7 +19,6 @@ import enum
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -104,18 +103,12 @@ class Run:
     async def _feed_role(self, version: int) -> None:
         """Give the forward-only role `version`'s weights before any engine serves it. A disk
         transport hands over the directory it writes (`on_written`); any other transport has
-        no such directory, so the trainer exports one for the role here (kept for a few
-        versions: the role loads them in order)."""
+        no such directory, so the trainer's in-memory export goes to the role through Ray's
+        object store (the trainer pays the export, no file write; the role loads it in order)."""
         role = self.behavior_role
         if role is None or getattr(self.transport, "on_written", None) is not None:
             return
-        root = self.cfg.run_dir / "weights_role"
-        path = root / f"v{version:06d}"
-        await asyncio.to_thread(self.trainer.save_weights, path)
-        role.add_version(version, path)
-        for d in root.glob("v*"):
-            if d.name[1:].isdigit() and int(d.name[1:]) <= version - 4:
-                shutil.rmtree(d, ignore_errors=True)
+        role.add_version(version, await self.trainer.export_weights_ref())
 
     async def score(self, batch: Batch) -> Batch:
         """Rewards that need a whole group (slime's `--group-rm`); a no-op otherwise."""

@@ -76,6 +76,45 @@ def test_role_logprobs_equal_the_train_steps_and_the_step_reads_them(tmp_path, r
     tr.shutdown()
 
 
+def test_role_fed_through_the_object_store_equals_the_role_fed_from_directories(tmp_path, ray_up):
+    """The distributed transport writes no directory: the trainer's in-memory export reaches
+    the role as a Ray ref. Same weights, same log-probs (bit for bit); a ref whose version
+    does not match is refused."""
+    import ray
+
+    from slime_async.trainer.behavior_role import BehaviorRole
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    cfg = _parse("--keep-old-actor", "--routing-replay", "r3")
+    tr = MegatronTrainer(cfg.trainer, cfg.model)
+    dirs, refs = {}, {}
+    for v in (0, 1, 2):
+        if v:
+            tr.train_step(_batch(v, routed=True))
+        dirs[v] = tr.save_weights(tmp_path / f"v{v}")
+        refs[v] = ray.put(tr.export_weights())  # a copy, as an actor's return value is
+    b = _batch(7, versions=(0, 1, 2), routed=True)
+    from_dirs, from_refs = (
+        BehaviorRole(cfg.trainer, cfg.model),
+        BehaviorRole(cfg.trainer, cfg.model),
+    )
+    try:
+        for v in (0, 1, 2):
+            from_dirs.add_version(v, dirs[v])
+            from_refs.add_version(v, refs[v])
+        a = torch.as_tensor(asyncio_run(from_dirs.logprobs(b)))
+        c = torch.as_tensor(asyncio_run(from_refs.logprobs(b)))
+        with pytest.raises(ray.exceptions.RayTaskError, match="version 2 given as version 5"):
+            ray.get(from_refs.add_version(5, refs[2]))
+    finally:
+        from_dirs.shutdown()
+        from_refs.shutdown()
+        tr.shutdown()
+    m = b.loss_mask
+    assert bool(torch.isfinite(c[m]).all())
+    assert torch.equal(a[m], c[m])
+
+
 def asyncio_run(coro):
     import asyncio
 

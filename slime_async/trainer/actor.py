@@ -21,7 +21,7 @@ import ray
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weight_group import WeightGroup, send_buckets
-from slime_async.contracts.weights import TensorEntry, WeightManifest
+from slime_async.contracts.weights import HFWeights, TensorEntry, WeightManifest
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
 
@@ -78,6 +78,12 @@ class _TrainerActorImpl:
 
     def save_weights(self, path: str) -> str:
         return str(self.trainer.save_weights(path))
+
+    def export_weights(self) -> HFWeights | None:
+        """The current version's HF tensors in memory (a collective: every rank calls it);
+        rank 0 returns them, the others None."""
+        w = self.trainer.export_weights()
+        return w if self.rank == 0 else None
 
     def save_checkpoint(self, save_dir: str | None, extra_state: dict[str, object]) -> str:
         return str(self.trainer.save_checkpoint(save_dir, extra_state=extra_state))
@@ -205,6 +211,17 @@ class TrainerGroup:
 
     def save_weights(self, path: str | Path) -> Path:
         return Path(self._all("save_weights", str(path))[0])
+
+    async def export_weights_ref(self) -> Any:
+        """A Ray ref to the current version's HF tensors (`HFWeights`), held in the object
+        store and not fetched here: hand it to another actor, which receives the tensors."""
+        refs = [a.export_weights.remote() for a in self.actors]
+        _, waiting = await asyncio.to_thread(
+            ray.wait, refs, num_returns=len(refs), timeout=self.timeout_s
+        )
+        if waiting:
+            raise TimeoutError(f"weight export not done after {self.timeout_s:.0f} s")
+        return refs[0]
 
     def save_checkpoint(
         self, save_dir: str | Path | None = None, *, extra_state: dict[str, object] | None = None

@@ -4,8 +4,9 @@ Owns: `BehaviorForwarder` (in the role's own process: a megatron model built exa
 trainer's, world size 1, with the weights of every version the engines served, computing each
 sample's token log-probs under the version that sampled the token), its Ray actor
 `BehaviorActor` and the driver-side handle `BehaviorRole`. With `--behavior-forward role` the
-run gives it each version's exported weights (the directory the engines load, written before
-they load it) and asks it for every finished sample's log-probs; the trainer then reads them
+run gives it each version's exported weights before the engines load them (the directory the
+disk transport writes; otherwise the trainer's HF tensors through Ray's object store, so no
+file is written on the trainer's critical path) and asks it for every finished sample's log-probs; the trainer then reads them
 from `TrainerBatch.behavior_logprobs` instead of swapping in snapshots during the train step.
 Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
 
@@ -30,6 +31,7 @@ import torch
 from loss import LossSelection
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
+from slime_async.contracts.weights import HFWeights
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.snapshots import SnapshotStore
 
@@ -70,9 +72,15 @@ class BehaviorForwarder:
     def versions(self) -> list[int]:
         return self.store.versions()
 
-    def add_version(self, version: int, path: str | Path) -> list[int]:
-        """Load version `version`'s exported HF directory and keep it; returns evicted versions."""
-        self.trainer.import_hf(path)
+    def add_version(self, version: int, source: str | Path | HFWeights) -> list[int]:
+        """Load version `version` from its exported HF directory or the exported tensors
+        themselves, and keep it; returns the evicted versions."""
+        if isinstance(source, HFWeights):
+            if source.version != version:
+                raise ValueError(f"weights of version {source.version} given as version {version}")
+            self.trainer.import_weights(source, where=f"the trainer's export of v{version}")
+        else:
+            self.trainer.import_hf(source)
         return self.store.snapshot(self.trainer.model, version)
 
     @torch.no_grad()
@@ -108,8 +116,8 @@ class _BehaviorActorImpl:
     def ready(self) -> bool:
         return True
 
-    def add_version(self, version: int, path: str) -> list[int]:
-        return self.fwd.add_version(version, path)
+    def add_version(self, version: int, source: str | HFWeights) -> list[int]:
+        return self.fwd.add_version(version, source)
 
     def versions(self) -> list[int]:
         return self.fwd.versions()
@@ -137,9 +145,13 @@ class BehaviorRole:
         )
         ray.get(self.actor.ready.remote(), timeout=timeout_s)  # raises the build error, if any
 
-    def add_version(self, version: int, path: str | Path) -> Any:
-        """Queue loading `version` from its export at `path`; returns the Ray ref."""
-        return self.actor.add_version.remote(version, str(path))
+    def add_version(self, version: int, source: str | Path | Any) -> Any:
+        """Queue loading `version` from its export: an HF directory, or a Ray ref to the
+        trainer's `HFWeights` (`TrainerGroup.export_weights_ref`; the role's process fetches
+        the tensors, the driver never does). Returns the Ray ref of the call."""
+        if isinstance(source, (str, Path)):
+            source = str(source)
+        return self.actor.add_version.remote(version, source)
 
     async def logprobs(self, batch: TrainerBatch) -> np.ndarray:
         """`BehaviorForwarder.logprobs` in the role's process."""

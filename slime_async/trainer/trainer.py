@@ -276,8 +276,12 @@ class MegatronTrainer(LogprobForwards):
 
     def import_hf(self, path: str | Path) -> None:
         """Load weights from an HF directory (warm start / reference); spec must match."""
-        w = weights_io.read_hf_dir(path)
-        checkpoint.check_spec(w.spec, self.spec, where=str(path))
+        self.import_weights(weights_io.read_hf_dir(path), where=str(path))
+
+    def import_weights(self, w: HFWeights, *, where: str = "exported weights") -> None:
+        """Load exported weights held in memory (`export_weights` of a trainer with the same
+        spec); `where` names their source in the spec-mismatch error."""
+        checkpoint.check_spec(w.spec, self.spec, where=where)
         hf_convert.hf_to_megatron(self.chunks, self.spec, w.tensors)
         self.optim.reload_main_params()
 
