@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this tree
 
 from slime_async.metrics import GuardConfig, GuardKind, read_metrics  # noqa: E402
+from slime_async.metrics.guards import staleness_fill_steps  # noqa: E402
 from slime_async.metrics.stability import (  # noqa: E402
     GAP_KEY,
     Verdict,
@@ -359,7 +360,7 @@ def analyse(runs: Sequence[RunData], rules: VerdictRules) -> dict[str, Any]:
             "is_p99": {src: _mean_of(r, f"is/{src}/p99") for src in SOURCES},
             "clipped_frac": {src: _mean_of(r, f"is/{src}/clipped_frac") for src in SOURCES},
             "ppo_clipfrac": _mean_of(r, "policy/clipfrac"),
-            "guards": sorted(guard_hits(r.records)), "wall_s": r.wall_s,
+            "guards": sorted(guard_hits(r.records, run_guards(r))), "wall_s": r.wall_s,
         }  # fmt: skip
         groups.setdefault(r.cell.group, []).append(r)
     cells: dict[str, Any] = {}
@@ -405,6 +406,17 @@ def _mean_of(r: RunData, key: str) -> float:
     return sum(ys) / len(ys) if ys else math.nan
 
 
+def run_guards(r: RunData) -> GuardConfig:
+    """The guards as the run applied them live: defaults, with the log-prob-gap baseline taken
+    once its staleness budget filled (`staleness_fill_steps` of its config.json)."""
+    return GuardConfig(diff_baseline_skip=staleness_fill_steps(r.config.get("data_worker", {})))
+
+
+def _hits(r: RunData, field: str, value: float) -> set[str]:
+    """The guards that fire on run `r` with `field` of its guard settings set to `value`."""
+    return guard_hits(r.records, dataclasses.replace(run_guards(r), **{field: value}))
+
+
 def calibrate(runs: Sequence[RunData], per_run: dict[str, Any]) -> dict[str, Any]:
     """Each guard's hit rate on unstable (drifting/collapsed) vs stable runs, at each value of
     its main threshold in GUARD_SWEEP (the others at their defaults)."""
@@ -415,9 +427,9 @@ def calibrate(runs: Sequence[RunData], per_run: dict[str, Any]) -> dict[str, Any
     for kind, (field, values) in GUARD_SWEEP.items():
         rows = []
         for value in values:
-            cfg = dataclasses.replace(default, **{field: value})
-            hit_u = sum(kind in guard_hits(r.records, cfg) for r in unstable)
-            hit_s = sum(kind in guard_hits(r.records, cfg) for r in stable)
+            hit_u, hit_s = (
+                sum(kind in _hits(r, field, value) for r in group) for group in (unstable, stable)
+            )
             rows.append({"value": value, "default": value == getattr(default, field),
                          "unstable_hits": hit_u, "stable_hits": hit_s})  # fmt: skip
         out["sweep"][kind] = {"field": field, "rows": rows}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -20,7 +21,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from slime_async.metrics.guards import GuardConfig, GuardKind, GuardWarning, scan
+from slime_async.metrics.guards import (
+    GuardConfig,
+    GuardKind,
+    GuardWarning,
+    scan,
+    staleness_fill_steps,
+)
 from slime_async.metrics.history import MetricsHistory, read_metrics
 from slime_async.metrics.logger import METRICS_FILE
 
@@ -327,6 +334,16 @@ def render_png(history: MetricsHistory, warnings: Sequence[GuardWarning], out: P
     return out
 
 
+def guards_for_run(run_dir: Path) -> GuardConfig:
+    """The guards the run itself used: the default thresholds, with the log-prob-gap baseline
+    taken after its staleness budget filled (from its config.json; none skipped without one)."""
+    try:
+        dw = json.loads((run_dir / "config.json").read_text()).get("data_worker", {})
+    except (OSError, ValueError):
+        return GuardConfig()
+    return GuardConfig(diff_baseline_skip=staleness_fill_steps(dw))
+
+
 def render_report(
     run_dir: str | Path,
     *,
@@ -337,7 +354,7 @@ def render_report(
     """Read ``run_dir/metrics.jsonl``; write ``run_dir/report.png`` (or ``out``) and a verdict."""
     run_dir = Path(run_dir)
     history = read_metrics(run_dir / METRICS_FILE)
-    warnings = scan(history.records, guards or GuardConfig())
+    warnings = scan(history.records, guards or guards_for_run(run_dir))
     text = verdict(history, warnings)
     png = None
     if plot:

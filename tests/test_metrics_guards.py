@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -15,6 +16,7 @@ from slime_async.metrics.guards import (
     is_weight_out_of_range,
     logprob_diff_drift,
     scan,
+    staleness_fill_steps,
     trend_drop,
 )
 
@@ -139,3 +141,35 @@ def test_a_one_step_blip_is_not_reported_but_a_persistent_spike_is():
     mon = GuardMonitor(cfg)
     fired = [w.step for rec in spike for w in mon.update(rec)]
     assert fired == [14]
+
+
+def test_the_gap_baseline_waits_for_the_staleness_budget_to_fill() -> None:
+    """An async run's gap rises while stale samples start arriving (here steps 1-10), then
+    stays flat: staleness arriving, not drift. Taken from the first steps the baseline makes the
+    drift guard fire on such a run; taken after the fill it stays quiet, and a real rise later
+    still fires, live and in the replay alike."""
+    key = "mismatch/train_rollout_logprob_abs_diff"
+    run = healthy(120)
+    for r in run:
+        r[key] = 0.005 + 0.045 * min(r["step"], 10) / 10  # 0.0095 ... 0.05, then flat
+    fired = [w for w in scan(run, CFG) if w.kind is GuardKind.LOGPROB_DIFF_DRIFT]
+    assert fired  # the on-policy start as the baseline
+    after_fill = dataclasses.replace(CFG, diff_baseline_skip=10)
+    assert [w for w in scan(run, after_fill) if w.kind is GuardKind.LOGPROB_DIFF_DRIFT] == []
+    for r in run[80:]:
+        r[key] = 0.2  # drift: 4x the filled level
+    hits = [w for w in scan(run, after_fill) if w.kind is GuardKind.LOGPROB_DIFF_DRIFT]
+    assert hits and min(w.step for w in hits) > 80
+    mon = GuardMonitor(after_fill, repeat_every=1)
+    live = [(w.kind, w.step) for r in run for w in mon.update(r)]
+    assert live == [(w.kind, w.step) for w in scan(run, after_fill)]
+
+
+def test_staleness_fill_steps_is_the_staleness_bound() -> None:
+    dw = {"max_staleness": 16, "fifo_window": 4, "groups_per_step": 2, "max_off_policy_steps": None}
+    assert staleness_fill_steps(dw) == 16 + 2  # S + ceil((W - 1) / B)
+    assert staleness_fill_steps({**dw, "max_off_policy_steps": 5}) == 5
+    assert staleness_fill_steps({**dw, "fifo_window": "inf"}) == 17  # unbounded: S + 1
+    assert staleness_fill_steps({**dw, "max_staleness": 0, "fifo_window": 1}) == 0
+    with pytest.raises(ValueError, match="diff_baseline_skip"):
+        GuardConfig(diff_baseline_skip=-1)

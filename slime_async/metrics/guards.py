@@ -47,6 +47,10 @@ class GuardConfig:
     """Train/rollout log-prob mismatch metric."""
     diff_baseline_steps: int = 5
     """First finite values whose median is the early baseline."""
+    diff_baseline_skip: int = 0
+    """Steps skipped before the baseline is taken. An async run's gap rises while its
+    staleness budget fills (the first steps train near-on-policy samples), which is staleness
+    arriving, not drift: the run sets this to its staleness bound `S + ceil((W - 1) / B)`."""
     diff_window: int = 5
     """Recent values averaged before comparing with the baseline."""
     diff_factor: float = 2.0
@@ -74,6 +78,8 @@ class GuardConfig:
         if min(self.entropy_window, self.diff_baseline_steps, self.diff_window,
                self.persist_steps) < 1:  # fmt: skip
             raise ValueError("guard windows must be >= 1")
+        if self.diff_baseline_skip < 0:
+            raise ValueError(f"diff_baseline_skip must be >= 0, got {self.diff_baseline_skip}")
         if self.trend_window < 3:
             raise ValueError(f"trend_window must be >= 3, got {self.trend_window}")
         if not 0.0 < self.is_lower < 1.0 < self.is_upper:
@@ -168,15 +174,33 @@ def trend_drop(
     return (drop, min_drop) if drop > min_drop else None
 
 
+def staleness_fill_steps(data_worker: Mapping[str, Any]) -> int:
+    """`GuardConfig.diff_baseline_skip` for a run: its staleness bound `S + ceil((W - 1) / B)`
+    (capped by `max_off_policy_steps`), from the data worker's settings as config.json holds
+    them; `S + 1` when the window is unbounded and nothing caps it."""
+    from data_worker.budget import worst_case_staleness
+
+    s = int(data_worker.get("max_staleness", 0))
+    bound = worst_case_staleness(max_staleness=s, fifo_window=float(data_worker.get("fifo_window", 1)),
+                                 groups_per_step=int(data_worker.get("groups_per_step", 1)))  # fmt: skip
+    cap = data_worker.get("max_off_policy_steps")
+    if cap is not None:
+        bound = min(bound, cap)
+    return int(bound) if math.isfinite(bound) else s + 1
+
+
 # ---------------------------------------------------------------------------- composition
 def _series(history: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
     return [rec.get(key) for rec in history]
 
 
-def early_values(history: Sequence[Mapping[str, Any]], key: str, n: int) -> list[float]:
-    """The first ``n`` finite values of ``key`` (fewer if the history has fewer)."""
+def early_values(
+    history: Sequence[Mapping[str, Any]], key: str, n: int, *, skip: int = 0
+) -> list[float]:
+    """The first ``n`` finite values of ``key`` after the first ``skip`` records (fewer if the
+    history has fewer)."""
     out: list[float] = []
-    for rec in history:
+    for rec in history[skip:]:
         out.extend(_finite([rec.get(key)]))
         if len(out) >= n:
             break
@@ -221,11 +245,15 @@ def check_step(
             )
     if history[-1].get(cfg.diff_key) is not None:
         if diff_baseline is None:
-            diff_baseline = early_values(history, cfg.diff_key, cfg.diff_baseline_steps)
+            diff_baseline = early_values(
+                history, cfg.diff_key, cfg.diff_baseline_steps, skip=cfg.diff_baseline_skip
+            )
         n_base = len(diff_baseline)
         hit = None
         total = len(history) if num_records is None else num_records
-        if n_base == cfg.diff_baseline_steps and total >= n_base + cfg.diff_window:
+        if n_base == cfg.diff_baseline_steps and total >= (
+            cfg.diff_baseline_skip + n_base + cfg.diff_window
+        ):
             hit = logprob_diff_drift(
                 diff_baseline,
                 _series(history[-cfg.diff_window :], cfg.diff_key),
@@ -291,7 +319,7 @@ def scan(history: Sequence[Mapping[str, Any]], cfg: GuardConfig) -> list[GuardWa
     out: list[GuardWarning] = []
     streak: dict[tuple[GuardKind, str], int] = {}
     for i, rec in enumerate(history):
-        if len(base) < cfg.diff_baseline_steps:
+        if i >= cfg.diff_baseline_skip and len(base) < cfg.diff_baseline_steps:
             base.extend(_finite([rec.get(cfg.diff_key)]))
         window = history[max(0, i + 1 - tail) : i + 1]
         fired = check_step(window, cfg, diff_baseline=list(base), num_records=i + 1)
@@ -341,7 +369,7 @@ class GuardMonitor:
             self.history = [r for r in self.history if r.get("step", -1) < step]
         self.history.append(dict(record))
         self._count += 1
-        if len(self._baseline) < cfg.diff_baseline_steps:
+        if self._count > cfg.diff_baseline_skip and len(self._baseline) < cfg.diff_baseline_steps:
             self._baseline.extend(_finite([record.get(cfg.diff_key)]))
         self.history = self.history[-_tail_len(cfg) :]  # all any guard reads
         fired = check_step(
