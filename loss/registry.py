@@ -190,6 +190,20 @@ def _ppo_loss(inputs: LossInputs, cfg: PPOConfig | None = None) -> LossOutputs:
     against are CompIS's (its defaults for a plain `PPOConfig`)."""
     cfg = cfg or PPOConfig()
     out = decoupled_ppo_loss(inputs, DecoupledPPOConfig(**cfg.ppo_knobs(), action=None))
+    return _with_source_diagnostics(out, inputs, cfg)
+
+
+def _single_ratio_loss(inputs: LossInputs, cfg: SingleRatioConfig | None = None) -> LossOutputs:
+    """`single_ratio_loss` plus the same per-source diagnostics as plain PPO (its own weight
+    stays `is/weight/*`), so a TIS/IcePop run logs the train-rollout gap and the combined
+    ratio like every other loss."""
+    cfg = cfg or SingleRatioConfig()
+    return _with_source_diagnostics(single_ratio_loss(inputs, cfg), inputs, cfg)
+
+
+def _with_source_diagnostics(out: LossOutputs, inputs: LossInputs, cfg: Any) -> LossOutputs:
+    """`out` with CompIS's per-source diagnostics of `inputs` added (not its weight or loss
+    terms), against CompIS's default bounds unless `cfg` is a `CompISConfig`."""
     if not cfg.diagnostics:
         return out
     diag = cfg if isinstance(cfg, CompISConfig) else CompISConfig(**cfg.ppo_knobs())
@@ -220,7 +234,7 @@ _BUILTINS: list[tuple[str, Callable, type, LossNeeds, Callable[[CompISConfig], A
      lambda c: c),
     ("ppo", _ppo_loss, PPOConfig, _PI_K_AND_SGL, lambda c: c),
     ("decoupled_ppo", decoupled_ppo_loss, DecoupledPPOConfig, _PI_K_AND_SGL, _decoupled_from),
-    ("single_ratio", single_ratio_loss, SingleRatioConfig,
+    ("single_ratio", _single_ratio_loss, SingleRatioConfig,
      dataclasses.replace(_PI_K_AND_SGL, denominators=single_ratio_denominators,
                          denominators_read_logprobs=single_ratio_denominators_read_logprobs),
      _single_from),

@@ -144,7 +144,8 @@ def train_args(
     args = [
         "--run-dir", str(run_dir), "--seed", str(cell.seed),
         "--max-staleness", str(cell.staleness), "--num-steps-per-rollout", str(cell.nspr),
-        "--num-rollout", str(budget.num_rollout),
+        "--num-steps", str(budget.num_rollout * cell.nspr),  # = --num-rollout, and wins over
+        # a recipe's num-steps (--config), which --num-rollout would conflict with
         "--routing-replay", "r3" if cell.replay else "none",
         "--eval-interval", str(budget.eval_interval), "--eval-prompts", str(budget.eval_prompts),
         "--n-samples-per-eval-prompt", str(budget.eval_samples),
@@ -217,7 +218,8 @@ def run_grid(cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int) -> 
           f"({jobs} at a time)", flush=True)  # fmt: skip
     if not todo:
         return
-    embedded = not any(f in budget.extra for f in ("--hf-checkpoint", "--prompt-data", "--load"))
+    own = ("--hf-checkpoint", "--prompt-data", "--prompt-source", "--load", "--config")
+    embedded = not any(f in budget.extra for f in own)  # else no tiny-model warm start
     ws = {}
     if embedded and budget.warmstart_steps != 0:
         for seed in sorted({c.seed for c in todo}):

@@ -84,6 +84,18 @@ def test_every_registered_loss_accepts_a_compis_config():
         get_loss("m2po")(inputs, 3)
 
 
+def test_the_uncorrected_and_single_ratio_baselines_log_the_train_rollout_gap():
+    """The stability lab compares losses by the train-rollout log-prob gap: ppo, decoupled_ppo
+    and single_ratio (TIS/IcePop) log it like compis, from the same π_k and π_SGL."""
+    _, inputs = c_inputs()
+    want = (inputs.proximal_logprobs - inputs.rollout_logprobs).abs().mean().item()
+    for name in ("compis", "ppo", "decoupled_ppo", "single_ratio"):
+        m = get_loss(name)(inputs).metrics
+        assert m["mismatch/train_rollout_logprob_abs_diff"] == pytest.approx(want), name
+        assert "is/combined/p99" in m, name
+    assert "is/weight/mean" in get_loss("single_ratio")(inputs).metrics  # its own weight kept
+
+
 def test_unknown_and_duplicate_names():
     with pytest.raises(ValueError, match="unknown loss 'nope'; choose one of"):
         get_loss("nope")
