@@ -349,7 +349,7 @@ def analyse(runs: Sequence[RunData], rules: VerdictRules) -> dict[str, Any]:
     per_run: dict[str, Any] = {}
     groups: dict[str, list[RunData]] = {}
     for r in runs:
-        s = summarize(r.records, rules)
+        s = summarize(r.records, rules, fill_steps=fill_steps(r))
         v, why = verdict(s, rules)
         per_run[r.cell.name] = {
             "group": r.cell.group, "verdict": str(v), "why": why, "gap_ratio": s.gap_ratio,
@@ -408,10 +408,15 @@ def _mean_of(r: RunData, key: str) -> float:
     return sum(ys) / len(ys) if ys else math.nan
 
 
+def fill_steps(r: RunData) -> int:
+    """Steps until the run's staleness budget filled: its bound `S + ceil((W - 1) / B)`."""
+    return staleness_fill_steps(r.config.get("data_worker", {}))
+
+
 def run_guards(r: RunData) -> GuardConfig:
     """The guards as the run applied them live: defaults, with the log-prob-gap baseline taken
     once its staleness budget filled (`staleness_fill_steps` of its config.json)."""
-    return GuardConfig(diff_baseline_skip=staleness_fill_steps(r.config.get("data_worker", {})))
+    return GuardConfig(diff_baseline_skip=fill_steps(r))
 
 
 def _hits(r: RunData, field: str, value: float) -> set[str]:

@@ -112,6 +112,21 @@ def test_the_start_window_skips_the_staleness_fill() -> None:
     assert summarize(recs, VerdictRules(skip_frac=0.0)).gap_ratio > 1.6
 
 
+def test_a_long_staleness_fill_is_skipped_by_the_runs_bound() -> None:
+    """At S = 64 the budget fills over the first third of a 200-step run: the gap rises 4x
+    while staler samples arrive, then stays flat. With the run's bound as `fill_steps` the
+    start window begins after the fill (stable); a gap that keeps rising after it still
+    drifts."""
+    fill = 66
+    recs = curves(200, gap=lambda t: 0.02 + 0.06 * min(t * 200, fill) / fill)
+    assert summarize(recs, RULES).gap_ratio > 1.3  # the 10% skip alone reads the fill as growth
+    s = summarize(recs, RULES, fill_steps=fill)
+    assert s.gap_ratio == pytest.approx(1.0, abs=0.05)
+    assert verdict(s, RULES)[0] is Verdict.STABLE
+    rising = curves(200, gap=lambda t: 0.02 + 0.06 * min(t * 200, fill) / fill + 0.4 * t * t)
+    assert verdict(summarize(rising, RULES, fill_steps=fill), RULES)[0] is not Verdict.STABLE
+
+
 def test_windows_on_an_exact_series() -> None:
     xs = list(range(10))  # window 3 (min_window), skip 1: start = mean(1,2,3), end = mean(7,8,9)
     start, peak, end = windows(xs, VerdictRules())

@@ -18,8 +18,9 @@ The rules, in order (the first that holds wins):
 * **stable**: otherwise. A stable run is also *flat* when the gap ratio is at most
   `flat_gap_ratio` (the issue's bar for CompIS).
 
-"Start" is the first window after the first `skip_frac` of the logged steps (the staleness
-budget fills up during those steps, so the very first steps are always on-policy), "end" the
+"Start" is the first window after the first `skip_frac` of the logged steps (for the gap: also
+after the run's staleness bound `S + ceil((W - 1) / B)` in steps, while which the staleness
+budget fills and the gap rises because staler samples arrive, not because of drift), "end" the
 last window, "peak" the best of the non-overlapping windows; every window is `window_frac` of
 the steps (at least `min_window` of them).
 """
@@ -165,14 +166,17 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def windows(values: Sequence[Any], rules: VerdictRules) -> tuple[float, float, float]:
-    """(start, peak, end) window means of a series (NaN-free values only; NaN if too short)."""
+def windows(
+    values: Sequence[Any], rules: VerdictRules, *, fill_steps: int = 0
+) -> tuple[float, float, float]:
+    """(start, peak, end) window means of a series (NaN-free values only; NaN if too short);
+    the start and peak windows begin after `skip_frac` of the values and after `fill_steps`."""
     xs = _finite(values)
     n = len(xs)
     w = max(rules.min_window, round(n * rules.window_frac))
     if n < w:
         return math.nan, math.nan, math.nan
-    skip = min(int(n * rules.skip_frac), n - w)
+    skip = min(max(int(n * rules.skip_frac), fill_steps), n - w)
     start = _mean(xs[skip : skip + w])
     end = _mean(xs[n - w :])
     chunks = [xs[i : i + w] for i in range(skip, n - w + 1, w)] + [xs[n - w :]]
@@ -180,15 +184,21 @@ def windows(values: Sequence[Any], rules: VerdictRules) -> tuple[float, float, f
     return start, peak, end
 
 
-def summarize(records: Sequence[Mapping[str, Any]], rules: VerdictRules) -> RunSummary:
-    """The window statistics of one run's merged per-step records (ordered by step)."""
+def summarize(
+    records: Sequence[Mapping[str, Any]], rules: VerdictRules, *, fill_steps: int = 0
+) -> RunSummary:
+    """The window statistics of one run's merged per-step records (ordered by step).
+
+    `fill_steps`: the run's staleness bound (`guards.staleness_fill_steps`). The gap's start
+    window begins after it: until the staleness budget has filled, the gap rises because
+    staler samples arrive, which is not drift."""
     train = [r for r in records if REWARD_KEY in r or GAP_KEY in r]
     nonfinite = any(
         isinstance(r.get(k), float) and not math.isfinite(r[k])
         for r in records
         for k in NONFINITE_KEYS
     )
-    g_start, _, g_end = windows([r.get(GAP_KEY) for r in train], rules)
+    g_start, _, g_end = windows([r.get(GAP_KEY) for r in train], rules, fill_steps=fill_steps)
     r_start, r_peak, r_end = windows([r.get(REWARD_KEY) for r in train], rules)
     return RunSummary(steps=len(train), nonfinite=nonfinite, gap_start=g_start, gap_end=g_end,
                       reward_start=r_start, reward_peak=r_peak, reward_end=r_end)  # fmt: skip
