@@ -8,7 +8,10 @@ requests are refused with the fix; a short `train_async.py` run pushes this way 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
+import signal
 from pathlib import Path
 
 import aiohttp
@@ -55,6 +58,21 @@ class _KillingSender(InProcessSender):
         if self.victim is not None:
             self.victim.proc.kill()  # type: ignore[union-attr]
             self.victim.proc.wait()  # type: ignore[union-attr]
+            self.victim = None
+        return await super().send(buckets, flatten=flatten)
+
+
+class _StoppingSender(InProcessSender):
+    """A sender whose peer `victim` is SIGSTOPped just as the broadcast starts: alive, in the
+    group, its socket open, never receiving (a hung engine)."""
+
+    def __init__(self, weights: Weights) -> None:
+        super().__init__(weights)
+        self.victim: EngineProcess | None = None
+
+    async def send(self, buckets, *, flatten: bool) -> int:
+        if self.victim is not None:
+            os.kill(self.victim.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
             self.victim = None
         return await super().send(buckets, flatten=flatten)
 
@@ -267,6 +285,39 @@ async def test_engine_dying_as_the_broadcast_starts(fleet) -> None:
             await t.close()
     finally:
         await router.stop()
+
+
+@pytest.mark.timeout(240)
+async def test_hung_engine_is_aborted_long_before_the_op_timeout(fleet) -> None:
+    """One member is SIGSTOPped as rank 0 starts a push (op timeout 300 s). The driver sees it
+    silent long after the other member took the bucket, aborts the group through its store,
+    and resends to the other member alone: the push ends well before the op timeout (the
+    pytest timeout is shorter), reports the hung engine, and the other serves the version."""
+    hung = _start()
+    urls = [fleet[0].url, hung.url]
+    weights = Weights()
+    router, rurl = await _router([fleet[0].url])  # pause/continue reach the live engine
+    cfg = dataclasses.replace(CFG, timeout_s=300.0)
+    try:
+        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
+            sender = _StoppingSender(weights)
+            t = DistributedTransport(sender=sender, control=rc, engine_urls=lambda: urls,
+                                     cfg=cfg)  # fmt: skip
+            weights.set(60, 60)
+            assert (await t.push(60))["weights/push_failed_engines"] == 0.0
+            sender.victim = hung
+            weights.set(61, 61)
+            m = await t.push(61)
+            assert m["weights/push_failed_engines"] == 1.0
+            assert t.members == (fleet[0].url,)
+            served, answer = await _served(s, fleet[0].url)
+            assert served == "61" and _exact(weights, answer)
+            await t.close()
+    finally:
+        await router.stop()
+        if hung.proc is not None and hung.proc.poll() is None:
+            os.kill(hung.proc.pid, signal.SIGCONT)
+        hung.stop()
 
 
 @pytest.mark.timeout(600)

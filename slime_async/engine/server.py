@@ -275,18 +275,18 @@ def _version_field(body: dict[str, Any]) -> str | None:
 
 
 def _update_reply(res: Any) -> web.Response:
-    return web.json_response(
-        {
-            "success": res.success,
-            "message": res.message,
-            "num_paused_requests": res.num_paused_requests,
-        },
-        status=200 if res.success else 400,
-    )
+    body = {
+        "success": res.success,
+        "message": res.message,
+        "num_paused_requests": res.num_paused_requests,
+    }
+    if res.received is not None:
+        body["received"] = res.received
+    return web.json_response(body, status=200 if res.success else 400)
 
 
-def _refuse(message: str) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=400)
+def _refuse(message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": False, "message": message, **extra}, status=400)
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -380,7 +380,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         abort_all = _bool_field(body, "abort_all_requests", False)
         flush = _bool_field(body, "flush_cache", True)
     except RequestError as e:
-        return _refuse(str(e))
+        # refused before receiving: the sender must abort the group (docs/weight-sync.md)
+        return _refuse(str(e), received=False)
     res = await eng.update_weights_from_distributed(
         entries, group_name=name, load_format=fmt, weight_version=version,
         abort_all_requests=abort_all, flush_cache=flush,
