@@ -255,6 +255,38 @@ async def test_bad_requests_name_the_fix(fleet) -> None:
             assert st == 400 and res["success"] is False and needle in res["message"], (path, res)
 
 
+async def test_engine_refusing_before_receiving_is_left_out_of_the_resend(fleet) -> None:
+    """An engine that lost its group refuses the next bucket without receiving it (`received:
+    false`): the driver aborts the group at once, the resend goes to the other engine alone
+    (it serves the version), and the next push re-forms the group with both."""
+    urls = [e.url for e in fleet]
+    weights = Weights()
+    router, rurl = await _router(urls)
+    try:
+        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
+            t = DistributedTransport(sender=InProcessSender(weights), control=rc,
+                                     engine_urls=lambda: urls, cfg=CFG)  # fmt: skip
+            weights.set(70, 70)
+            assert (await t.push(70))["weights/push_failed_engines"] == 0.0
+            st, res = await post(s, urls[1] + "/destroy_weights_update_group",
+                                 {"group_name": CFG.group_name})  # fmt: skip
+            assert st == 200, res
+            weights.set(71, 71)
+            m = await t.push(71)
+            assert m["weights/push_failed_engines"] == 1.0 and t.members == (urls[0],)
+            served, answer = await _served(s, urls[0])
+            assert served == "71" and _exact(weights, answer)
+            weights.set(72, 72)
+            m = await t.push(72)
+            assert m["weights/push_failed_engines"] == 0.0 and t.members == tuple(urls)
+            for u in urls:
+                served, answer = await _served(s, u)
+                assert served == "72" and _exact(weights, answer)
+            await t.close()
+    finally:
+        await router.stop()
+
+
 async def test_engine_dying_as_the_broadcast_starts(fleet) -> None:
     """The group holds both engines; one is killed as rank 0 starts sending. The push re-forms
     the group with the survivor and sends the whole version again before generation continues:

@@ -147,6 +147,8 @@ class WeightGroup:
         """The group's `PrefixStore` (rank 0 hosts it): the `abort` and `sent` keys."""
         self._work: object | None = None
         """The op in flight, if any (`close` must not wait for it)."""
+        self._next_look = 0.0
+        """When `_wait` next reads the `abort` key (at most every `ABORT_POLL_S`)."""
 
     @classmethod
     def open(
@@ -211,21 +213,25 @@ class WeightGroup:
             self._work = None
 
     def _wait(self) -> None:
-        """Poll the op in flight until it completes (then raise its error, if any); between
-        polls, every `ABORT_POLL_S`, look at the `abort` key. Raises `WeightGroupAborted` once
-        the group is aborted or left by another thread."""
-        work, pause, next_look = self._work, 0.0002, time.monotonic() + ABORT_POLL_S
-        while not work.is_completed():  # type: ignore[attr-defined]
+        """Wait for the op in flight (then raise its error, if any), looking at the `abort` key
+        every `ABORT_POLL_S` meanwhile. Raises `WeightGroupAborted` once the group is aborted
+        or left by another thread. gloo wakes this thread the moment the op ends (its future's
+        callback), so many small broadcasts cost no polling delay; NCCL's future completes at
+        enqueue, so there the op's CUDA event is polled."""
+        work, done = self._work, threading.Event()
+        if self.backend == "gloo":
+            work.get_future().add_done_callback(lambda _: done.set())  # type: ignore[attr-defined]
+        while not done.wait(ABORT_POLL_S if self.backend == "gloo" else 0.002):
+            if work.is_completed():  # type: ignore[attr-defined]
+                break
             if self.pg is None:  # another thread left the group (`close`, `abort`)
                 raise WeightGroupAborted("the weight update group was left during a broadcast")
-            if time.monotonic() >= next_look:
+            if time.monotonic() >= self._next_look:
+                self._next_look = time.monotonic() + ABORT_POLL_S
                 why = self.abort_reason()
                 if why is not None:
                     self.abandon()
                     raise WeightGroupAborted(f"the weight update group was aborted: {why}")
-                next_look = time.monotonic() + ABORT_POLL_S
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
         work.wait()  # type: ignore[attr-defined]  # raises the op's error
 
     def abort_reason(self) -> str | None:
@@ -256,7 +262,7 @@ class WeightGroup:
         process group once that op ends (it fails at the op timeout at the latest)."""
         pg, work, self.pg, self.store, self._work = self.pg, self._work, None, None, None
         if pg is not None:
-            threading.Thread(target=_release, args=(pg, work), daemon=True,
+            threading.Thread(target=_release, args=(pg, work, self.backend), daemon=True,
                              name="weight-group-release").start()  # fmt: skip
 
     def close(self) -> None:
@@ -284,10 +290,15 @@ def _shutdown(pg: object) -> None:
             shutdown()
 
 
-def _release(pg: object, work: object | None) -> None:
-    """Daemon: wait out an abandoned group's op (it fails at the op timeout at the latest),
-    then release the group."""
-    if work is not None:
+def _release(pg: object, work: object | None, backend: str) -> None:
+    """Daemon: release an abandoned group. gloo: wait out its op first (gloo's `abort()` does
+    not end an op in flight; it fails at the op timeout at the latest). NCCL: `abort()` the
+    communicator at once (its watchdog would otherwise end the process at the op timeout;
+    untested here: one GPU cannot hold a two-rank NCCL group)."""
+    if backend == "nccl":
+        with contextlib.suppress(RuntimeError):
+            pg.abort()  # type: ignore[attr-defined]
+    elif work is not None:
         with contextlib.suppress(RuntimeError):
             work.wait()  # type: ignore[attr-defined]
     _shutdown(pg)

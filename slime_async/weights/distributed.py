@@ -375,8 +375,10 @@ class DistributedTransport:
                 watch.suspects.clear()  # they received it and refused: the group is in step
             elif await self._abort(f"bucket {i}: " + "; ".join(
                 f"{u} ({failed.get(u, 'silent')})" for u in sorted(due)
-            )) or sending.done():  # fmt: skip
-                watch.aborted(due)  # (rank 0 no longer sending: it aborted the group itself)
+            )) or sending.done() or watch.out_of_step & due:  # fmt: skip
+                # (rank 0 no longer sending: it aborted the group itself; out of step: the
+                # group is lost for them whether or not its store still answers)
+                watch.aborted(due)
             else:
                 watch.suspects.clear()  # cannot abort: the op timeout bounds the wait
         return watch.culprits
