@@ -31,7 +31,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import aiohttp
@@ -51,9 +51,12 @@ driver concludes the member refused without receiving it and aborts the group.""
 STALL_MIN_S = 30.0
 """A member still silent this long (at least; see `_stall_after`) after another member took
 the bucket is taken as stuck (hung, stopped) and the group is aborted."""
-HEALTH_TIMEOUT_S = 10.0
-"""`/health` and `/destroy_weights_update_group` answer at once on a live engine; a hung one
-must not hold the push."""
+HEALTH_TIMEOUT_S = 30.0
+"""Bound of `/health` (SGLang's own health check gives up after 20 s) and of
+`/destroy_weights_update_group` to a member the group was aborted for: a hung engine must not
+hold the push for the session's timeout."""
+STORE_TIMEOUT_S = 10.0
+"""Bound of connecting the driver's client to a new group's store (rank 0 hosts it)."""
 POLL_S = 0.2
 """How often `_watch_bucket` re-checks its deadlines while bucket calls are out."""
 
@@ -228,18 +231,22 @@ class DistributedTransport:
             return False
 
     # ------------------------------------------------------------------ group membership
-    async def _teardown(self) -> None:
+    async def _teardown(self, stopped: Collection[str] = ()) -> None:
+        """Destroy the group on every member (`stopped` ones, which may hang, get
+        `HEALTH_TIMEOUT_S` to answer) and on the sender."""
         members, self.members, self._control = self.members, (), None
         body = {"group_name": self.cfg.group_name}
         await asyncio.gather(*(
-            self._call(u, "/destroy_weights_update_group", body, timeout_s=HEALTH_TIMEOUT_S)
+            self._call(u, "/destroy_weights_update_group", body,
+                       timeout_s=HEALTH_TIMEOUT_S if u in stopped else None)
             for u in members
         ))  # fmt: skip
         await self.sender.close_group()
 
-    async def _form(self, urls: Sequence[str]) -> None:
-        """A new group of the sender and `urls` (any old one is destroyed first)."""
-        await self._teardown()
+    async def _form(self, urls: Sequence[str], stopped: Collection[str] = ()) -> None:
+        """A new group of the sender and `urls` (any old one is destroyed first; see
+        `_teardown` for `stopped`)."""
+        await self._teardown(stopped)
         addr, port = await self.sender.endpoint()
         addr = self.cfg.master_address or addr
         port = self.cfg.master_port or port
@@ -279,7 +286,7 @@ class DistributedTransport:
         try:
             return await asyncio.to_thread(
                 GroupControl.connect, master_address=addr, master_port=port,
-                group_name=self.cfg.group_name, timeout_s=HEALTH_TIMEOUT_S,
+                group_name=self.cfg.group_name, timeout_s=STORE_TIMEOUT_S,
             )  # fmt: skip
         except (RuntimeError, OSError) as e:
             log.warning("cannot reach the weight group's store at %s:%d (%s): a member that "
@@ -405,9 +412,9 @@ class DistributedTransport:
                     "; ".join(f"{u} ({why})" for u, why in failed.items()))  # fmt: skip
         healthy = [u for u in await self._healthy_of(urls) if u not in stopped]
         if not healthy:
-            await self._teardown()
+            await self._teardown(stopped)
             return len(urls)
-        await self._form(healthy)
+        await self._form(healthy, stopped)
         again, _ = await self._send(version)
         if again:
             log.warning("weight push v%d failed again on %s; they get the whole version at the "
