@@ -253,6 +253,14 @@ async def test_bad_requests_name_the_fix(fleet) -> None:
         for path, body, needle in cases:
             st, res = await post(s, url + path, body)
             assert st == 400 and res["success"] is False and needle in res["message"], (path, res)
+            if path == "/update_weights_from_distributed":  # refused before the receive
+                assert res["received"] is False, res
+        # a bucket call refused before its handler ran (body over the control-route limit) says
+        # so too: the sender must abort the group rather than wait on this engine
+        huge = {"names": ["x" * 100] * 20_000, "dtypes": ["float32"] * 20_000,
+                "shapes": [[1]] * 20_000}  # fmt: skip
+        st, res = await post(s, url + "/update_weights_from_distributed", huge)
+        assert st == 413 and res["received"] is False, res
 
 
 async def test_engine_refusing_before_receiving_is_left_out_of_the_resend(fleet) -> None:
