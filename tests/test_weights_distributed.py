@@ -8,7 +8,10 @@ requests are refused with the fix; a short `train_async.py` run pushes this way 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
+import signal
 from pathlib import Path
 
 import aiohttp
@@ -55,6 +58,21 @@ class _KillingSender(InProcessSender):
         if self.victim is not None:
             self.victim.proc.kill()  # type: ignore[union-attr]
             self.victim.proc.wait()  # type: ignore[union-attr]
+            self.victim = None
+        return await super().send(buckets, flatten=flatten)
+
+
+class _StoppingSender(InProcessSender):
+    """A sender whose peer `victim` is SIGSTOPped just as the broadcast starts: alive, in the
+    group, its socket open, never receiving (a hung engine)."""
+
+    def __init__(self, weights: Weights) -> None:
+        super().__init__(weights)
+        self.victim: EngineProcess | None = None
+
+    async def send(self, buckets, *, flatten: bool) -> int:
+        if self.victim is not None:
+            os.kill(self.victim.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
             self.victim = None
         return await super().send(buckets, flatten=flatten)
 
@@ -235,6 +253,46 @@ async def test_bad_requests_name_the_fix(fleet) -> None:
         for path, body, needle in cases:
             st, res = await post(s, url + path, body)
             assert st == 400 and res["success"] is False and needle in res["message"], (path, res)
+            if path == "/update_weights_from_distributed":  # refused before the receive
+                assert res["received"] is False, res
+        # a bucket call refused before its handler ran (body over the control-route limit) says
+        # so too: the sender must abort the group rather than wait on this engine
+        huge = {"names": ["x" * 100] * 20_000, "dtypes": ["float32"] * 20_000,
+                "shapes": [[1]] * 20_000}  # fmt: skip
+        st, res = await post(s, url + "/update_weights_from_distributed", huge)
+        assert st == 413 and res["received"] is False, res
+
+
+async def test_engine_refusing_before_receiving_is_left_out_of_the_resend(fleet) -> None:
+    """An engine that lost its group refuses the next bucket without receiving it (`received:
+    false`): the driver aborts the group at once, the resend goes to the other engine alone
+    (it serves the version), and the next push re-forms the group with both."""
+    urls = [e.url for e in fleet]
+    weights = Weights()
+    router, rurl = await _router(urls)
+    try:
+        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
+            t = DistributedTransport(sender=InProcessSender(weights), control=rc,
+                                     engine_urls=lambda: urls, cfg=CFG)  # fmt: skip
+            weights.set(70, 70)
+            assert (await t.push(70))["weights/push_failed_engines"] == 0.0
+            st, res = await post(s, urls[1] + "/destroy_weights_update_group",
+                                 {"group_name": CFG.group_name})  # fmt: skip
+            assert st == 200, res
+            weights.set(71, 71)
+            m = await t.push(71)
+            assert m["weights/push_failed_engines"] == 1.0 and t.members == (urls[0],)
+            served, answer = await _served(s, urls[0])
+            assert served == "71" and _exact(weights, answer)
+            weights.set(72, 72)
+            m = await t.push(72)
+            assert m["weights/push_failed_engines"] == 0.0 and t.members == tuple(urls)
+            for u in urls:
+                served, answer = await _served(s, u)
+                assert served == "72" and _exact(weights, answer)
+            await t.close()
+    finally:
+        await router.stop()
 
 
 async def test_engine_dying_as_the_broadcast_starts(fleet) -> None:
@@ -267,6 +325,41 @@ async def test_engine_dying_as_the_broadcast_starts(fleet) -> None:
             await t.close()
     finally:
         await router.stop()
+
+
+@pytest.mark.timeout(300)
+async def test_hung_engine_is_aborted_long_before_the_op_timeout(fleet) -> None:
+    """One member is SIGSTOPped as rank 0 starts a push (op timeout 300 s). The driver sees it
+    silent long after the other member took the bucket, aborts the group through its store,
+    and resends to the other member alone: the push ends before the op timeout, reports the
+    hung engine, and the other serves the version. (Before the abort, rank 0 sat in its
+    broadcast for the op timeout and the push waited for the stopped engine's bucket call, 330
+    s: past this test's timeout.)"""
+    hung = _start()
+    urls = [fleet[0].url, hung.url]
+    weights = Weights()
+    router, rurl = await _router([fleet[0].url])  # pause/continue reach the live engine
+    cfg = dataclasses.replace(CFG, timeout_s=300.0)
+    try:
+        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
+            sender = _StoppingSender(weights)
+            t = DistributedTransport(sender=sender, control=rc, engine_urls=lambda: urls,
+                                     cfg=cfg)  # fmt: skip
+            weights.set(60, 60)
+            assert (await t.push(60))["weights/push_failed_engines"] == 0.0
+            sender.victim = hung
+            weights.set(61, 61)
+            m = await t.push(61)
+            assert m["weights/push_failed_engines"] == 1.0
+            assert t.members == (fleet[0].url,)
+            served, answer = await _served(s, fleet[0].url)
+            assert served == "61" and _exact(weights, answer)
+            await t.close()
+    finally:
+        await router.stop()
+        if hung.proc is not None and hung.proc.poll() is None:
+            os.kill(hung.proc.pid, signal.SIGCONT)
+        hung.stop()
 
 
 @pytest.mark.timeout(600)

@@ -11,6 +11,15 @@ of the bucket's tensors concatenated, all of one dtype) and `torch_dtype` (SGLan
 Both ends must agree on all of it, which is why it is a contract. Imports nothing from the rest
 of slime_async but the weights contract.
 
+Aborting a group. A member that stops receiving (its bucket call failed or was refused before
+the receive, or it hangs) would hold every broadcast until the op timeout. The group's own
+TCPStore (hosted by rank 0) carries two keys for that: `sent`, the count of buckets rank 0
+finished, and `abort`, the reason the group is given up. Every member's `broadcast` polls its op
+and the `abort` key; once it is set the member raises `WeightGroupAborted` at once and hands the
+process group (with its op still in flight) to a daemon thread that releases it, so no caller
+ever blocks in a broadcast or in `close` on a member that stopped. `GroupControl` is the
+driver's client on that store: it reads `sent` and sets `abort`.
+
 Worked example (bucket_bytes = 1 MiB; fp32 tensors a: 0.6 MiB, b: 0.6 MiB, c: 0.2 MiB, a bf16
 tensor d): buckets [a], [b, c], [d]; with the flattened format each bucket is one broadcast of
 a flat buffer (a: 0.6 MiB; b ++ c: 0.8 MiB; d).
@@ -22,6 +31,8 @@ import contextlib
 import datetime
 import gc
 import socket
+import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -41,6 +52,18 @@ _DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
+
+
+ABORT_KEY = "abort"
+"""Store key: set (to the reason) when the group is given up; every member's op stops."""
+SENT_KEY = "sent"
+"""Store key: how many buckets rank 0 finished sending (a counter, `store.add`)."""
+ABORT_POLL_S = 0.05
+"""How often a member waiting on its op looks at the `abort` key (one store round trip)."""
+
+
+class WeightGroupAborted(RuntimeError):
+    """The group was given up while this member waited on an op; form a new group."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -115,10 +138,17 @@ class WeightGroup:
     """
 
     def __init__(
-        self, pg: object, *, rank: int, world_size: int, backend: str, device: str
-    ) -> None:
+        self, pg: object, *, rank: int, world_size: int, backend: str, device: str,
+        store: object | None = None,
+    ) -> None:  # fmt: skip
         self.pg, self.rank, self.world_size = pg, rank, world_size
         self.backend, self.device = backend, device
+        self.store = store
+        """The group's `PrefixStore` (rank 0 hosts it): the `abort` and `sent` keys."""
+        self._work: object | None = None
+        """The op in flight, if any (`close` must not wait for it)."""
+        self._next_look = 0.0
+        """When `_wait` next reads the `abort` key (at most every `ABORT_POLL_S`)."""
 
     @classmethod
     def open(
@@ -150,7 +180,7 @@ class WeightGroup:
             master_address, int(master_port), world_size, is_master=rank == 0,
             timeout=join, wait_for_workers=False,
         )  # fmt: skip
-        store = dist.PrefixStore(f"weight_group/{group_name}", tcp)
+        store = dist.PrefixStore(_prefix(group_name), tcp)
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = join
@@ -165,26 +195,152 @@ class WeightGroup:
             nopts._timeout = timeout
             pg = dist.ProcessGroupNCCL(store, rank, world_size, nopts)
             device = f"cuda:{torch.cuda.current_device()}"
-        return cls(pg, rank=rank, world_size=world_size, backend=backend, device=device)
+        return cls(pg, rank=rank, world_size=world_size, backend=backend, device=device,
+                   store=store)  # fmt: skip
 
     def broadcast(self, t: torch.Tensor) -> None:
-        """Broadcast `t` from rank 0 (in place on the other ranks)."""
+        """Broadcast `t` from rank 0 (in place on the other ranks). Raises the op's error, or
+        `WeightGroupAborted` soon after the group's `abort` key is set (the group is then
+        left: see `abandon`)."""
         if self.pg is None:
             raise RuntimeError("the weight update group is closed")
         # no local reference to the group: a failed broadcast's traceback must not keep it
         # alive, or `close` could not release its connections
-        self.pg.broadcast(t, 0).wait()  # type: ignore[attr-defined]
+        self._work = self.pg.broadcast(t, 0)  # type: ignore[attr-defined]
+        try:
+            self._wait()
+        finally:
+            self._work = None
+
+    def _wait(self) -> None:
+        """Wait for the op in flight (then raise its error, if any), looking at the `abort` key
+        every `ABORT_POLL_S` meanwhile. Raises `WeightGroupAborted` once the group is aborted
+        or left by another thread. gloo wakes this thread the moment the op ends (its future's
+        callback), so many small broadcasts cost no polling delay; NCCL's future completes at
+        enqueue, so there the op's CUDA event is polled."""
+        work, done = self._work, threading.Event()
+        if self.backend == "gloo":
+            work.get_future().add_done_callback(lambda _: done.set())  # type: ignore[attr-defined]
+        while not done.wait(ABORT_POLL_S if self.backend == "gloo" else 0.002):
+            if work.is_completed():  # type: ignore[attr-defined]
+                break
+            if self.pg is None:  # another thread left the group (`close`, `abort`)
+                raise WeightGroupAborted("the weight update group was left during a broadcast")
+            if time.monotonic() >= self._next_look:
+                self._next_look = time.monotonic() + ABORT_POLL_S
+                why = self.abort_reason()
+                if why is not None:
+                    self.abandon()
+                    raise WeightGroupAborted(f"the weight update group was aborted: {why}")
+        work.wait()  # type: ignore[attr-defined]  # raises the op's error
+
+    def abort_reason(self) -> str | None:
+        """The `abort` key's value, None while the group is not aborted (or has no store)."""
+        if self.store is None:
+            return None
+        try:
+            if not self.store.check([ABORT_KEY]):  # type: ignore[attr-defined]
+                return None
+            return bytes(self.store.get(ABORT_KEY)).decode(errors="replace")  # type: ignore[attr-defined]
+        except RuntimeError as e:  # rank 0's store is gone: the group is gone with it
+            return f"the group's store is unreachable ({e})"
+
+    def mark_sent(self) -> None:
+        """Rank 0: one more bucket finished (`GroupControl.sent` reads the count)."""
+        if self.store is not None:
+            self.store.add(SENT_KEY, 1)  # type: ignore[attr-defined]
+
+    def abort(self, reason: str) -> None:
+        """Give the group up for every member (they stop at their next poll), then leave it."""
+        if self.store is not None:
+            with contextlib.suppress(RuntimeError):
+                self.store.set(ABORT_KEY, reason)  # type: ignore[attr-defined]
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Leave the group without waiting for its op in flight: a daemon thread releases the
+        process group once that op ends (it fails at the op timeout at the latest)."""
+        pg, work, self.pg, self.store, self._work = self.pg, self._work, None, None, None
+        if pg is not None:
+            threading.Thread(target=_release, args=(pg, work, self.backend), daemon=True,
+                             name="weight-group-release").start()  # fmt: skip
 
     def close(self) -> None:
         """Leave the group. Releasing the process group closes its connections, so members
-        blocked in a broadcast from this rank fail at once instead of at the timeout."""
-        pg, self.pg = self.pg, None
-        shutdown = getattr(pg, "shutdown", None)
-        if shutdown is not None:
-            with contextlib.suppress(RuntimeError):  # a broken group: nothing left to release
-                shutdown()
+        blocked in a broadcast from this rank fail at once instead of at the timeout. With an
+        op in flight (another thread is in `broadcast`) it abandons the group instead: it
+        never blocks."""
+        if self._work is not None:
+            self.abandon()
+            return
+        pg, self.pg, self.store = self.pg, None, None
+        _shutdown(pg)
         del pg
         gc.collect()
+
+
+def _prefix(group_name: str) -> str:
+    return f"weight_group/{group_name}"
+
+
+def _shutdown(pg: object) -> None:
+    shutdown = getattr(pg, "shutdown", None)
+    if shutdown is not None:
+        with contextlib.suppress(RuntimeError):  # a broken group: nothing left to release
+            shutdown()
+
+
+def _release(pg: object, work: object | None, backend: str) -> None:
+    """Daemon: release an abandoned group. gloo: wait out its op first (gloo's `abort()` does
+    not end an op in flight; it fails at the op timeout at the latest). NCCL: `abort()` the
+    communicator at once (its watchdog would otherwise end the process at the op timeout;
+    untested here: one GPU cannot hold a two-rank NCCL group)."""
+    if backend == "nccl":
+        with contextlib.suppress(RuntimeError):
+            pg.abort()  # type: ignore[attr-defined]
+    elif work is not None:
+        with contextlib.suppress(RuntimeError):
+            work.wait()  # type: ignore[attr-defined]
+    _shutdown(pg)
+    del pg, work
+    gc.collect()
+
+
+class GroupControl:
+    """The driver's client on a group's store (rank 0 hosts it at `master_address:port`).
+
+    Example::
+
+        ctl = GroupControl.connect(master_address="10.0.0.1", master_port=29600,
+                                   group_name="weights")
+        if ctl.sent() < 3:
+            ctl.abort("engine 2 refused bucket 2 before receiving it")
+    """
+
+    def __init__(self, store: object) -> None:
+        self.store = store
+
+    @classmethod
+    def connect(
+        cls, *, master_address: str, master_port: int, group_name: str, timeout_s: float = 10.0
+    ) -> GroupControl:
+        """Connect to the store of the group formed at `master_address:master_port` (blocks up
+        to `timeout_s`; raises RuntimeError/OSError if rank 0 does not answer)."""
+        import torch.distributed as dist
+
+        tcp = dist.TCPStore(
+            master_address, int(master_port), is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+        )  # fmt: skip
+        return cls(dist.PrefixStore(_prefix(group_name), tcp))
+
+    def sent(self) -> int:
+        """How many buckets rank 0 finished sending."""
+        return int(self.store.add(SENT_KEY, 0))  # type: ignore[attr-defined]
+
+    def abort(self, reason: str) -> None:
+        """Give the group up: every member's op stops waiting and raises `WeightGroupAborted`."""
+        self.store.set(ABORT_KEY, reason)  # type: ignore[attr-defined]
 
 
 def send_bucket(
@@ -204,13 +360,18 @@ def send_buckets(
     g: WeightGroup, tensors: Mapping[str, torch.Tensor],
     buckets: Sequence[Sequence[TensorEntry]], *, flatten: bool,
 ) -> None:  # fmt: skip
-    """Rank 0: send every bucket in order. On any failure (a member died) the group is closed,
-    so the other members' receives fail now rather than at the timeout; then it raises."""
+    """Rank 0: send every bucket in order, counting each one finished in the `sent` key. On any
+    failure (a member died, the group was aborted) the group is aborted and left, so the other
+    members' receives stop now rather than at the timeout; then it raises.
+
+    The tensors handed to the process group may be views of `tensors`: an op abandoned in
+    flight only reads them (a member that stopped receiving gets nothing usable)."""
     try:
         for b in buckets:
             send_bucket(g, tensors, b, flatten=flatten)
-    except BaseException:
-        g.close()
+            g.mark_sent()
+    except BaseException as e:
+        g.abort(f"rank 0 stopped sending: {type(e).__name__}: {e}")
         raise
 
 

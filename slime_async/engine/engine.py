@@ -54,6 +54,9 @@ class UpdateResult:
     success: bool
     message: str
     num_paused_requests: int = 0
+    received: bool | None = None
+    """`update_weights_from_distributed` only: whether the bucket was received (a refusal
+    without it leaves this engine out of step with its group: the sender must abort it)."""
 
 
 class Engine:
@@ -308,16 +311,39 @@ class Engine:
         Under SGLang's lock rule (`_update_access`). The bucket is always received in full
         (leaving a broadcast half-way would hang every other member), and only then checked
         against the served model: a bucket that does not fit, or a flush refused while requests
-        are in the engine, answers `success: false` with the served weights unchanged."""
-        assert self.lm is not None and self.scheduler is not None
-        lm, sched = self.lm, self.scheduler
+        are in the engine, answers `success: false` with the served weights unchanged.
+        `received` says whether the bucket was received: a refusal without it (no such group, a
+        failed or aborted receive) leaves this engine out of step with the group."""
         g = self.groups.get(group_name)
         if g is None:
             return UpdateResult(
                 success=False,
                 message=f"no weight update group {group_name!r} on this engine; call "
                 "init_weights_update_group first",
+                received=False,
             )
+        res = await self._receive_and_apply(
+            g, entries, group_name=group_name, load_format=load_format,
+            weight_version=weight_version, abort_all_requests=abort_all_requests,
+            flush_cache=flush_cache,
+        )  # fmt: skip
+        return dataclasses.replace(res, received=res.received is not False)
+
+    async def _receive_and_apply(
+        self,
+        g: WeightGroup,
+        entries: tuple[TensorEntry, ...],
+        *,
+        group_name: str,
+        load_format: str | None,
+        weight_version: str | None,
+        abort_all_requests: bool,
+        flush_cache: bool,
+    ) -> UpdateResult:
+        """`update_weights_from_distributed` once the group is known: receive, check, stage or
+        swap. A failed receive answers `received=False`."""
+        assert self.lm is not None and self.scheduler is not None
+        lm, sched = self.lm, self.scheduler
         what = "update_weights_from_distributed"
         async with self._update_access(abort_all_requests=abort_all_requests, what=what):
             t0 = time.monotonic()
@@ -330,6 +356,7 @@ class Engine:
                     success=False,
                     message=f"Failed to receive the bucket over group {group_name!r} ({e}); it "
                     "was not applied. Destroy and re-init the group.",
+                    received=False,
                 )
             asm = self._assemblers[group_name]
             ready, bad = asm.add(got)

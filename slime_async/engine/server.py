@@ -38,9 +38,15 @@ _dumps = json.dumps
 _TOO_DEEP = "body nests JSON arrays/objects too deeply to parse; send a flat request"
 
 
-def _err(message: str, status: int = 400) -> web.Response:
+def _err(message: str, status: int = 400, **extra: Any) -> web.Response:
     body = {"error": {"message": message, "type": "invalid_request_error", "code": status}}
-    return web.json_response(body, status=status)
+    return web.json_response({**body, **extra}, status=status)
+
+
+def _unreceived(request: web.Request) -> dict[str, bool]:
+    """On a bucket call refused before its handler ran: `received: false`, so the sender
+    aborts the weight group instead of waiting on this engine (docs/weight-sync.md)."""
+    return {"received": False} if request.path == "/update_weights_from_distributed" else {}
 
 
 async def _json_body(request: web.Request, *, required: bool) -> dict[str, Any]:
@@ -79,17 +85,18 @@ def _limits_middleware(engine: Engine) -> Any:
             "(the /generate limit is --max-request-mb)"
         )
         if n is not None and n > limit:
-            return _err(too_big, status=413)
+            return _err(too_big, status=413, **_unreceived(request))
         if request.body_exists:
             try:
                 async with asyncio.timeout(timeout):
                     body = await request.read()
             except TimeoutError:
-                return _err(f"request body not received within {timeout:g}s", status=408)
+                return _err(f"request body not received within {timeout:g}s", status=408,
+                            **_unreceived(request))  # fmt: skip
             except web.HTTPRequestEntityTooLarge:
-                return _err(too_big, status=413)
+                return _err(too_big, status=413, **_unreceived(request))
             if len(body) > limit:
-                return _err(too_big, status=413)
+                return _err(too_big, status=413, **_unreceived(request))
         return await handler(request)
 
     return limits
@@ -275,18 +282,18 @@ def _version_field(body: dict[str, Any]) -> str | None:
 
 
 def _update_reply(res: Any) -> web.Response:
-    return web.json_response(
-        {
-            "success": res.success,
-            "message": res.message,
-            "num_paused_requests": res.num_paused_requests,
-        },
-        status=200 if res.success else 400,
-    )
+    body = {
+        "success": res.success,
+        "message": res.message,
+        "num_paused_requests": res.num_paused_requests,
+    }
+    if res.received is not None:
+        body["received"] = res.received
+    return web.json_response(body, status=200 if res.success else 400)
 
 
-def _refuse(message: str) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=400)
+def _refuse(message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": False, "message": message, **extra}, status=400)
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -380,7 +387,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         abort_all = _bool_field(body, "abort_all_requests", False)
         flush = _bool_field(body, "flush_cache", True)
     except RequestError as e:
-        return _refuse(str(e))
+        # refused before receiving: the sender must abort the group (docs/weight-sync.md)
+        return _refuse(str(e), received=False)
     res = await eng.update_weights_from_distributed(
         entries, group_name=name, load_format=fmt, weight_version=version,
         abort_all_requests=abort_all, flush_cache=flush,
@@ -484,6 +492,7 @@ def _auth_middleware(token: str) -> Any:
                 f"{request.path} needs 'Authorization: Bearer <token>' (the run's shared token, "
                 "$SLIME_ASYNC_AUTH_TOKEN)",
                 status=401,
+                **_unreceived(request),
             )
         return await handler(request)
 

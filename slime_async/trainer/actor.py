@@ -114,7 +114,7 @@ class _TrainerActorImpl:
             if self.weight_group is None:
                 raise RuntimeError("send_weights before open_weight_group")
             g, self.weight_group = self.weight_group, None
-            send_buckets(g, w.tensors, buckets, flatten=flatten)  # closes the group on failure
+            send_buckets(g, w.tensors, buckets, flatten=flatten)  # aborts the group on failure
             self.weight_group = g
         return w.version
 

@@ -16,20 +16,28 @@ died or refused) is sent again, whole, to the engines that still answer `/health
 generation continues; so an engine that failed never leaves the others with half a version.
 Engines that could not take it are counted in `weights/push_failed_engines` and get the whole
 version at the next push. Must never import Ray or the trainer.
+
+A member that stops receiving must not hold rank 0 for the op timeout (`_watch_bucket`): when
+its bucket call gets no answer (connection refused or reset, timeout), when it refuses and rank
+0 has not finished the bucket `REFUSAL_GRACE_S` later (it refused before receiving), or when it
+has not answered long after another member took the bucket, the driver aborts the group through
+the group's store (`GroupControl`): every member's broadcast stops at once, and the resend goes
+to the healthy engines without the ones that stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import aiohttp
 
 from router.client import RouterClient
-from slime_async.contracts.weight_group import bucket_body, plan_buckets
+from slime_async.contracts.weight_group import GroupControl, bucket_body, plan_buckets
 from slime_async.contracts.weights import WeightManifest
 from slime_async.weights.config import WeightSyncConfig
 from slime_async.weights.pause import paused_in_place
@@ -37,9 +45,124 @@ from slime_async.weights.sender import WeightSender
 
 log = logging.getLogger(__name__)
 
+REFUSAL_GRACE_S = 10.0
+"""After a member refused a bucket, how long rank 0 may take to finish that bucket before the
+driver concludes the member refused without receiving it and aborts the group."""
+STALL_MIN_S = 30.0
+"""A member still silent this long (at least; see `_stall_after`) after another member took
+the bucket is taken as stuck (hung, stopped) and the group is aborted."""
+HEALTH_TIMEOUT_S = 30.0
+"""Bound of `/health` (SGLang's own health check gives up after 20 s) and of
+`/destroy_weights_update_group` to a member the group was aborted for: a hung engine must not
+hold the push for the session's timeout."""
+STORE_TIMEOUT_S = 10.0
+"""Bound of connecting the driver's client to a new group's store (rank 0 hosts it)."""
+POLL_S = 0.2
+"""How often `_watch_bucket` re-checks its deadlines while bucket calls are out."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Reply:
+    """One engine's answer to a call: `answered` is False when no HTTP answer came (connection
+    refused or reset, timeout): the engine may not be there at all."""
+
+    ok: bool
+    why: str = ""
+    answered: bool = True
+    received: bool | None = None
+    """A refused bucket call's `received` field: False when the engine refused without
+    receiving the bucket (it is out of step with the group), True when it received and then
+    refused; None when the engine does not say (SGLang)."""
+
 
 class WeightSyncError(RuntimeError):
     """A weight update group could not be formed or a version reached no engine."""
+
+
+def _stall_after(first_s: float, members: int) -> float:
+    """Silence allowed after the first member took a bucket in `first_s`: rank 0 may serve the
+    members one after another, so the last may need `members` times as long."""
+    return max(STALL_MIN_S, members * first_s)
+
+
+def _grace(elapsed_s: float, members: int) -> float:
+    """How long after a refusal (`elapsed_s` into the bucket) rank 0 may still need to finish
+    the bucket for the other members (served one after another, at worst)."""
+    return max(REFUSAL_GRACE_S, members * elapsed_s)
+
+
+class _BucketWatch:
+    """The bucket calls of one bucket, and which members look like they stopped taking part.
+
+    A member is a suspect from its failure on: at once when its call got no answer or it
+    refused saying it did not receive the bucket (`received: false`, the embedded engine), after
+    `_grace` when it refused without saying (it may have received the bucket first, and rank 0
+    may still be sending to the others), and at once when it is still silent `_stall_after` the
+    first member took the bucket. A refusal saying `received: true` leaves the group in step. A
+    suspect is due once that time passed; the driver then aborts the group unless rank 0
+    finished the bucket and every due member may have received it (the due members are the
+    culprits)."""
+
+    def __init__(self, i: int, calls: dict[asyncio.Future, str], failed: dict[str, str]) -> None:
+        self.i, self.calls, self.failed = i, calls, failed
+        self.pending = set(calls)
+        self.suspects: dict[str, float] = {}
+        """member -> when it is due."""
+        self.out_of_step: set[str] = set()
+        """Suspects that did not receive the bucket (said so, or silent long after another
+        member took it): aborted for even when rank 0 finished the bucket (it fit in their
+        socket buffers, and they would read it as the next one)."""
+        self.culprits: set[str] = set()
+        self.loop = asyncio.get_running_loop()
+        self.t0 = self.loop.time()
+        self.first_ok: float | None = None
+        self.aborted_at: float | None = None
+
+    async def collect(self) -> None:
+        """Wait up to `POLL_S` for answers; note successes and failures."""
+        done, self.pending = await asyncio.wait(
+            self.pending, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED
+        )
+        now = self.loop.time()
+        for f in done:
+            u, r = self.calls[f], f.result()
+            if r.ok:
+                self.first_ok = now if self.first_ok is None else self.first_ok
+                self.suspects.pop(u, None)
+                continue
+            self.failed.setdefault(u, r.why)
+            if self.aborted_at is None and r.received is not True:
+                if r.received is False:
+                    self.out_of_step.add(u)
+                wait = _grace(now - self.t0, len(self.calls)) if r.received is None else 0.0
+                self.suspects.setdefault(u, now + (wait if r.answered else 0.0))
+
+    def due(self) -> set[str]:
+        """Suspects whose time came, the silent ones included once they stalled."""
+        now = self.loop.time()
+        if self.first_ok is not None and now >= self.first_ok + _stall_after(
+            self.first_ok - self.t0, len(self.calls)
+        ):
+            for f in self.pending:
+                self.out_of_step.add(self.calls[f])
+                self.suspects.setdefault(self.calls[f], now)
+        return {u for u, t in self.suspects.items() if now >= t}
+
+    def aborted(self, culprits: set[str]) -> None:
+        self.aborted_at, self.culprits = self.loop.time(), culprits
+        for u in culprits:
+            self.failed.setdefault(u, f"no answer to bucket {self.i} long after another engine "
+                                      "took it (hung or stopped)")  # fmt: skip
+
+    def give_up_on_hung(self) -> None:
+        """After an abort every receiving member answers at once; stop waiting for the rest
+        after `REFUSAL_GRACE_S` (they are hung)."""
+        assert self.aborted_at is not None
+        if self.pending and self.loop.time() - self.aborted_at > REFUSAL_GRACE_S:
+            for f in self.pending:
+                f.cancel()
+                self.failed.setdefault(self.calls[f], "no answer after the group was aborted")
+            self.pending = set()
 
 
 class DistributedTransport:
@@ -63,6 +186,10 @@ class DistributedTransport:
         self.members: tuple[str, ...] = ()
         """Engines in the current group (rank i + 1 is members[i]); empty: no group."""
         self.groups_formed = 0
+        self._control: GroupControl | None = None
+        """The driver's client on the current group's store (abort, rank 0's progress)."""
+        self._group_ok = True
+        """False once the current group was aborted: re-formed before it is used again."""
         self._manifest: WeightManifest | None = None
         """Names, dtypes and shapes of what the sender sends (fixed for a run: asked once)."""
         self._lock = asyncio.Lock()
@@ -75,38 +202,51 @@ class DistributedTransport:
             self._http = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
         return self._http
 
-    async def _call(self, url: str, path: str, body: dict[str, Any]) -> tuple[bool, str]:
-        """POST `path` to one engine: (succeeded, why not)."""
+    async def _call(
+        self, url: str, path: str, body: dict[str, Any], timeout_s: float | None = None
+    ) -> _Reply:
+        """POST `path` to one engine (`timeout_s`: a total bound shorter than the session's)."""
+        timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
         try:
-            async with self._session().post(url + path, json=body) as r:
+            async with self._session().post(url + path, json=body, timeout=timeout) as r:
                 data = await r.json(content_type=None)
                 ok = r.status == 200 and not (
                     isinstance(data, dict) and data.get("success") is False
                 )
                 msg = data.get("message", "") if isinstance(data, dict) else str(data)
-                return ok, "" if ok else f"HTTP {r.status}: {msg}"
-        except (aiohttp.ClientError, TimeoutError, ConnectionError, ValueError) as e:
-            return False, f"{type(e).__name__}: {e}"
+                got = data.get("received") if isinstance(data, dict) else None
+                received = got if isinstance(got, bool) else None
+                return _Reply(ok, "" if ok else f"HTTP {r.status}: {msg}", received=received)
+        except ValueError as e:  # an answer that is not JSON
+            return _Reply(False, f"{type(e).__name__}: {e}")
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+            return _Reply(False, f"{type(e).__name__}: {e}", answered=False)
 
     async def _healthy(self, url: str) -> bool:
         try:
-            async with self._session().get(url + "/health") as r:
+            timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+            async with self._session().get(url + "/health", timeout=timeout) as r:
                 return r.status == 200
         except (aiohttp.ClientError, TimeoutError, ConnectionError):
             return False
 
     # ------------------------------------------------------------------ group membership
-    async def _teardown(self) -> None:
-        members, self.members = self.members, ()
+    async def _teardown(self, stopped: Collection[str] = ()) -> None:
+        """Destroy the group on every member (`stopped` ones, which may hang, get
+        `HEALTH_TIMEOUT_S` to answer) and on the sender."""
+        members, self.members, self._control = self.members, (), None
         body = {"group_name": self.cfg.group_name}
-        await asyncio.gather(
-            *(self._call(u, "/destroy_weights_update_group", body) for u in members)
-        )
+        await asyncio.gather(*(
+            self._call(u, "/destroy_weights_update_group", body,
+                       timeout_s=HEALTH_TIMEOUT_S if u in stopped else None)
+            for u in members
+        ))  # fmt: skip
         await self.sender.close_group()
 
-    async def _form(self, urls: Sequence[str]) -> None:
-        """A new group of the sender and `urls` (any old one is destroyed first)."""
-        await self._teardown()
+    async def _form(self, urls: Sequence[str], stopped: Collection[str] = ()) -> None:
+        """A new group of the sender and `urls` (any old one is destroyed first; see
+        `_teardown` for `stopped`)."""
+        await self._teardown(stopped)
         addr, port = await self.sender.endpoint()
         addr = self.cfg.master_address or addr
         port = self.cfg.master_port or port
@@ -123,32 +263,49 @@ class DistributedTransport:
             })
             for i, u in enumerate(urls)
         ))  # fmt: skip
+        failed = [f"{u}: {r.why}" for u, r in zip(urls, joins) if not r.ok]
         try:
             await opened
         except Exception as e:
-            joins.append((False, f"sender: {type(e).__name__}: {e}"))
-        failed = [f"{u}: {why}" for u, (ok, why) in zip(urls, joins) if not ok]
-        if failed or not all(ok for ok, _ in joins):
+            failed.append(f"sender: {type(e).__name__}: {e}")
+        if failed:
             self.members = tuple(urls)
             await self._teardown()
             raise WeightSyncError(
                 f"could not form the weight update group at {addr}:{port} "
-                f"(world size {world}): {'; '.join(failed) or joins[-1][1]}. Check that every "
+                f"(world size {world}): {'; '.join(failed)}. Check that every "
                 "engine can reach that address (--update-weight-master-address) and port."
             )
-        self.members = tuple(urls)
+        self.members, self._group_ok = tuple(urls), True
         self.groups_formed += 1
+        self._control = await self._connect_control(addr, port)
+
+    async def _connect_control(self, addr: str, port: int) -> GroupControl | None:
+        """The driver's client on the new group's store; None (with a warning) if rank 0's
+        store cannot be reached from here: pushes then cannot be aborted early."""
+        try:
+            return await asyncio.to_thread(
+                GroupControl.connect, master_address=addr, master_port=port,
+                group_name=self.cfg.group_name, timeout_s=STORE_TIMEOUT_S,
+            )  # fmt: skip
+        except (RuntimeError, OSError) as e:
+            log.warning("cannot reach the weight group's store at %s:%d (%s): a member that "
+                        "stops receiving holds a push for --update-weight-timeout", addr, port, e)  # fmt: skip
+            return None
 
     # ------------------------------------------------------------------ sending
-    async def _send(self, version: int) -> dict[str, str]:
-        """Send the sender's current weights as `version` to `members`; returns the engines
-        that did not take every bucket, with why (empty: all did)."""
+    async def _send(self, version: int) -> tuple[dict[str, str], set[str]]:
+        """Send the sender's current weights as `version` to `members`. Returns the engines
+        that did not take every bucket, with why (empty: all did), and those among them that
+        stopped taking part (the group was aborted for them: leave them out of a resend)."""
         if self._manifest is None:
             self._manifest = await self.sender.manifest()
         buckets = plan_buckets(self._manifest, self.cfg.bucket_bytes)
         flatten = self.cfg.flatten_buckets
+        base = await self._sent()
         sending = asyncio.ensure_future(self.sender.send(buckets, flatten=flatten))
         failed: dict[str, str] = {}
+        stopped: set[str] = set()
         for i, b in enumerate(buckets):
             body: dict[str, Any] = {
                 **bucket_body(b, group_name=self.cfg.group_name, flatten=flatten),
@@ -156,23 +313,82 @@ class DistributedTransport:
             }
             if i == len(buckets) - 1:
                 body["weight_version"] = str(version)
-            # every member gets every bucket, even one that refused an earlier one: it still
-            # receives (a member that skipped a broadcast would stall the sender)
-            outs = await asyncio.gather(
-                *(self._call(u, "/update_weights_from_distributed", body) for u in self.members)
-            )
-            for u, (ok, why) in zip(self.members, outs):
-                if not ok:
-                    failed.setdefault(u, why)
+            # every member gets every bucket, even one that refused an earlier one after
+            # receiving it; one that stopped receiving aborts the group (`_watch_bucket`)
+            target = None if base is None else base + i + 1
+            stopped = await self._watch_bucket(i, body, sending, target, failed)
+            if stopped:
+                break
         try:
             sent = await sending
-        except Exception as e:  # the sender closed the group: every member not done failed
+        except Exception as e:  # the group was aborted: every member not done failed
             for u in self.members:
                 failed.setdefault(u, f"sender failed: {type(e).__name__}: {e}")
-            return failed
+            return failed, stopped
         if sent != version:
             raise WeightSyncError(f"the sender holds version {sent}, not {version}")
-        return failed
+        return failed, stopped
+
+    async def _sent(self) -> int | None:
+        """Buckets rank 0 finished in this group so far (None: not known here)."""
+        if self._control is None:
+            return None
+        try:
+            return await asyncio.to_thread(self._control.sent)
+        except (RuntimeError, OSError):
+            return None
+
+    async def _bucket_done(self, sending: asyncio.Future, target: int | None) -> bool:
+        """Rank 0 is past this bucket: it finished it (the `sent` count reached `target`) or
+        it is no longer sending at all (done, or failed and aborted the group itself)."""
+        if sending.done():
+            return True
+        sent = await self._sent()
+        return sent is not None and target is not None and sent >= target
+
+    async def _abort(self, why: str) -> bool:
+        """Abort the current group: every member's broadcast stops; the group is re-formed
+        before it is used again in any case. False when its store could not be reached."""
+        ctl, self._control, self._group_ok = self._control, None, False
+        if ctl is None:
+            return False
+        try:
+            await asyncio.to_thread(ctl.abort, why)
+        except (RuntimeError, OSError) as e:
+            log.warning("could not abort the weight group: %s", e)
+            return False
+        log.warning("weight group aborted: %s", why)
+        return True
+
+    async def _watch_bucket(
+        self, i: int, body: dict[str, Any], sending: asyncio.Future, target: int | None,
+        failed: dict[str, str],
+    ) -> set[str]:  # fmt: skip
+        """Post bucket `i` to every member while rank 0 broadcasts it; record failures in
+        `failed`. Aborts the group when a member cannot be taking part (`_BucketWatch`) and
+        returns those members (empty: no abort)."""
+        path = "/update_weights_from_distributed"
+        calls = {asyncio.ensure_future(self._call(u, path, body)): u for u in self.members}
+        watch = _BucketWatch(i, calls, failed)
+        while watch.pending:
+            await watch.collect()
+            if watch.aborted_at is not None:
+                watch.give_up_on_hung()
+                continue
+            due = watch.due()
+            if not due:
+                continue
+            if not watch.out_of_step & due and await self._bucket_done(sending, target):
+                watch.suspects.clear()  # they received it and refused: the group is in step
+            elif await self._abort(f"bucket {i}: " + "; ".join(
+                f"{u} ({failed.get(u, 'silent')})" for u in sorted(due)
+            )) or sending.done() or watch.out_of_step & due:  # fmt: skip
+                # (rank 0 no longer sending: it aborted the group itself; out of step: the
+                # group is lost for them whether or not its store still answers)
+                watch.aborted(due)
+            else:
+                watch.suspects.clear()  # cannot abort: the op timeout bounds the wait
+        return watch.culprits
 
     async def _healthy_of(self, urls: Sequence[str]) -> list[str]:
         oks = await asyncio.gather(*map(self._healthy, urls))
@@ -187,19 +403,19 @@ class DistributedTransport:
         if not healthy:
             await self._teardown()
             return len(urls)
-        if tuple(healthy) != self.members:
+        if tuple(healthy) != self.members or not self._group_ok:
             await self._form(healthy)
-        failed = await self._send(version)
+        failed, stopped = await self._send(version)
         if not failed:
             return len(urls) - len(healthy)
         log.warning("weight push v%d failed on %d engine(s): %s", version, len(failed),
                     "; ".join(f"{u} ({why})" for u, why in failed.items()))  # fmt: skip
-        healthy = await self._healthy_of(urls)
+        healthy = [u for u in await self._healthy_of(urls) if u not in stopped]
         if not healthy:
-            await self._teardown()
+            await self._teardown(stopped)
             return len(urls)
-        await self._form(healthy)
-        again = await self._send(version)
+        await self._form(healthy, stopped)
+        again, _ = await self._send(version)
         if again:
             log.warning("weight push v%d failed again on %s; they get the whole version at the "
                         "next push", version, ", ".join(again))  # fmt: skip
@@ -232,7 +448,7 @@ class DistributedTransport:
         async with self._lock:
             urls = list(self.engine_urls())
             await self._form(urls)
-            failed = await self._send(version)
+            failed, _ = await self._send(version)
         if failed:
             raise WeightSyncError(
                 f"engines did not take version {version}: "

@@ -39,8 +39,10 @@ class WeightSender(Protocol):
         ...
 
     async def send(self, buckets: Sequence[Sequence[TensorEntry]], *, flatten: bool) -> int:
-        """Broadcast the current weights bucket by bucket; returns their version. On failure the
-        group is closed (the members' receives fail at once) and it raises."""
+        """Broadcast the current weights bucket by bucket; returns their version. On failure,
+        or once the driver aborted the group (`GroupControl.abort`), the group is aborted and
+        left without waiting for the op in flight (the members' receives stop at once) and it
+        raises."""
         ...
 
     async def close_group(self) -> None:
