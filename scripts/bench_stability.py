@@ -268,10 +268,10 @@ SOURCES = ("combined", "staleness", "engine", "drift")
 """IS ratio sources in the diagnostics (compis_metrics): π_k/π_SGL, r3, r2, r1."""
 
 GUARD_SWEEP: dict[str, tuple[str, tuple[float, ...]]] = {
-    str(GuardKind.LOGPROB_DIFF_DRIFT): ("diff_factor", (1.5, 2.0, 3.0, 5.0)),
-    str(GuardKind.ENTROPY_SPIKE): ("entropy_factor", (1.25, 1.5, 2.0)),
+    str(GuardKind.LOGPROB_DIFF_DRIFT): ("diff_factor", (2.0, 3.0, 5.0)),
+    str(GuardKind.ENTROPY_SPIKE): ("entropy_factor", (1.5, 2.0, 3.0)),
     str(GuardKind.IS_WEIGHT_RANGE): ("is_upper", (1.1, 1.25, 1.5)),
-    str(GuardKind.ROLLOUT_LOGPROB_TREND): ("trend_min_drop", (0.1, 0.25, 0.5)),
+    str(GuardKind.ROLLOUT_LOGPROB_TREND): ("trend_min_drop", (0.25, 0.35, 0.5)),
 }
 """Each guard's main threshold and the values the calibration tries (the default among them)."""
 

@@ -218,7 +218,7 @@ def test_report_from_logged_runs_has_figure_table_verdicts_and_guards(bench, tmp
     for i, c in enumerate(cells):
         drift = c.staleness == 16 and c.loss == "ppo"
         _fake_run(bench, tmp_path, c, steps=40, seed=i,
-                  gap=(lambda t: 0.01 * (1 + 3 * t)) if drift else (lambda t: 0.01))  # fmt: skip
+                  gap=(lambda t: 0.01 * (1 + 6 * t)) if drift else (lambda t: 0.01))  # fmt: skip
     argv = ["--out", str(tmp_path), "--staleness", "0,16", "--losses", "ppo,compis",
             "--replay", "on", "--nspr", "4", "--seeds", "1,2", "--report-only"]  # fmt: skip
     assert bench.main(argv) == 0

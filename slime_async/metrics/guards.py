@@ -33,27 +33,29 @@ class GuardKind(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class GuardConfig:
-    """Thresholds of the divergence guards (see metrics/README.md)."""
+    """Thresholds of the divergence guards (see metrics/README.md). The defaults are the
+    stability lab's calibration (docs/stability.md#divergence-guards): each one the setting
+    that best separated its unstable runs from its stable ones."""
 
     entropy_key: str = "policy/entropy"
     """Metric checked for spikes."""
-    entropy_window: int = 10
+    entropy_window: int = 30
     """Trailing steps whose median is the entropy reference."""
-    entropy_factor: float = 1.5
+    entropy_factor: float = 2.0
     """Spike when entropy > factor x trailing median ..."""
     entropy_min_delta: float = 0.1
     """... and exceeds that median by at least this many nats."""
     diff_key: str = "mismatch/train_rollout_logprob_abs_diff"
     """Train/rollout log-prob mismatch metric."""
-    diff_baseline_steps: int = 5
-    """First finite values whose median is the early baseline."""
+    diff_baseline_steps: int = 10
+    """First finite values (after `diff_baseline_skip`) whose median is the baseline."""
     diff_baseline_skip: int = 0
     """Steps skipped before the baseline is taken. An async run's gap rises while its
     staleness budget fills (the first steps train near-on-policy samples), which is staleness
     arriving, not drift: the run sets this to its staleness bound `S + ceil((W - 1) / B)`."""
     diff_window: int = 5
     """Recent values averaged before comparing with the baseline."""
-    diff_factor: float = 2.0
+    diff_factor: float = 3.0
     """Drift when the recent mean > factor x baseline ..."""
     diff_min: float = 0.005
     """... and is above this absolute level (tiny diffs doubling is noise)."""
@@ -65,9 +67,9 @@ class GuardConfig:
     """Upper bound of a healthy per-source IS weight mean."""
     trend_key: str = "rollout/logprob_mean"
     """Mean log-prob of sampled tokens; a steady fall means the policy is losing confidence."""
-    trend_window: int = 20
+    trend_window: int = 40
     """Steps over which the least-squares trend is fitted."""
-    trend_min_drop: float = 0.25
+    trend_min_drop: float = 0.35
     """Trend when the fitted fall across the window exceeds this many nats per token (the
     healthy default run wanders by up to ~0.2; its lr=1e-3 collapse fell ~1.0)."""
     persist_steps: int = 3
