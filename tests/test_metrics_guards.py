@@ -20,7 +20,9 @@ from slime_async.metrics.guards import (
     trend_drop,
 )
 
-CFG = GuardConfig(persist_steps=1)  # the detectors' maths; persistence is tested below
+CFG = GuardConfig(persist_steps=1, diff_window=5, is_lower=0.8)
+"""The detectors' maths with short windows (persistence and the calibrated defaults are
+tested below)."""
 
 
 def healthy(n: int = 60, seed: int = 0) -> list[dict]:
@@ -122,7 +124,7 @@ def test_monitor_matches_scan_with_bounded_memory() -> None:
     mon = GuardMonitor(CFG, repeat_every=1)
     live = [(w.kind, w.step) for r in run for w in mon.update(r)]
     assert live == [(w.kind, w.step) for w in scan(run, CFG)] != []
-    assert len(mon.history) <= max(CFG.entropy_window + 1, CFG.trend_window)  # bounded tail
+    assert len(mon.history) <= max(CFG.entropy_window + 1, CFG.trend_window, CFG.diff_window)
 
 
 def test_config_validation() -> None:
@@ -173,3 +175,18 @@ def test_staleness_fill_steps_is_the_staleness_bound() -> None:
     assert staleness_fill_steps({**dw, "max_staleness": 0, "fifo_window": 1}) == 0
     with pytest.raises(ValueError, match="diff_baseline_skip"):
         GuardConfig(diff_baseline_skip=-1)
+
+
+def test_the_calibrated_defaults_stay_quiet_on_a_healthy_run_and_fire_on_a_drift() -> None:
+    """The defaults (docs/stability.md#divergence-guards) with their persistence: nothing on
+    noisy healthy runs; a gap that triples after a flat start, and a log-prob that falls
+    steadily, are reported."""
+    cfg = GuardConfig()
+    for seed in range(5):
+        assert scan(healthy(120, seed=seed), cfg) == []
+    run = healthy(120)
+    for i, r in enumerate(run[60:]):
+        r["mismatch/train_rollout_logprob_abs_diff"] = 0.05
+        r["rollout/logprob_mean"] = -0.8 - 0.02 * i
+    kinds = {w.kind for w in scan(run, cfg)}
+    assert {GuardKind.LOGPROB_DIFF_DRIFT, GuardKind.ROLLOUT_LOGPROB_TREND} <= kinds

@@ -34,8 +34,9 @@ class GuardKind(enum.StrEnum):
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class GuardConfig:
     """Thresholds of the divergence guards (see metrics/README.md). The defaults are the
-    stability lab's calibration (docs/stability.md#divergence-guards): each one the setting
-    that best separated its unstable runs from its stable ones."""
+    stability lab's calibration (docs/stability.md#divergence-guards,
+    scripts/calibrate_guards.py): per guard, the setting that best separated the unstable runs
+    from the stable ones among those firing on at most a third of the stable runs."""
 
     entropy_key: str = "policy/entropy"
     """Metric checked for spikes."""
@@ -47,13 +48,13 @@ class GuardConfig:
     """... and exceeds that median by at least this many nats."""
     diff_key: str = "mismatch/train_rollout_logprob_abs_diff"
     """Train/rollout log-prob mismatch metric."""
-    diff_baseline_steps: int = 10
+    diff_baseline_steps: int = 5
     """First finite values (after `diff_baseline_skip`) whose median is the baseline."""
     diff_baseline_skip: int = 0
     """Steps skipped before the baseline is taken. An async run's gap rises while its
     staleness budget fills (the first steps train near-on-policy samples), which is staleness
     arriving, not drift: the run sets this to its staleness bound `S + ceil((W - 1) / B)`."""
-    diff_window: int = 5
+    diff_window: int = 20
     """Recent values averaged before comparing with the baseline."""
     diff_factor: float = 3.0
     """Drift when the recent mean > factor x baseline ..."""
@@ -61,7 +62,7 @@ class GuardConfig:
     """... and is above this absolute level (tiny diffs doubling is noise)."""
     is_sources: tuple[str, ...] = IS_SOURCES
     """IS sources whose weight mean must stay inside [is_lower, is_upper]."""
-    is_lower: float = 0.8
+    is_lower: float = 0.9
     """Lower bound of a healthy per-source IS weight mean."""
     is_upper: float = 1.25
     """Upper bound of a healthy per-source IS weight mean."""

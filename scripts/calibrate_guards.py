@@ -1,0 +1,108 @@
+"""Calibrate the divergence guards on finished stability-lab runs.
+
+Reads every finished run under each `--out` directory of `scripts/bench_stability.py`, labels
+it unstable (drifting or collapsed by `slime_async.metrics.stability`'s verdict rules, the gap's
+start taken after the run's staleness bound) or stable, and replays each guard over every run
+(`slime_async.metrics.guards.scan`) at every setting of a small grid of its threshold and
+window. Prints, per guard and setting, how many unstable and stable runs it fired on, best
+separating setting first (hits on unstable runs minus hits on stable ones, as fractions);
+`*` marks the settings that fire on at most `MAX_FALSE_ALARMS` of the stable runs (an alarm
+that fires on most healthy runs is ignored). The defaults in `GuardConfig` are, per guard, the
+best-separating `*` row on the runs named in docs/stability.md#divergence-guards.
+
+    .venv/bin/python scripts/calibrate_guards.py runs/stab runs/stab_lr
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from slime_async.metrics.stability import (  # noqa: E402
+    Verdict,
+    VerdictRules,
+    guard_hits,
+    summarize,
+    verdict,
+)
+
+SWEEP: dict[str, dict[str, tuple[Any, ...]]] = {
+    "rollout_logprob_trend": {"trend_min_drop": (0.25, 0.35, 0.4, 0.5), "trend_window": (20, 40, 60)},
+    "logprob_diff_drift": {"diff_factor": (2.0, 3.0), "diff_window": (5, 10, 20),
+                           "diff_baseline_steps": (5, 10, 20)},
+    "entropy_spike": {"entropy_factor": (1.5, 2.0), "entropy_window": (10, 30),
+                      "persist_steps": (3, 5)},
+    "is_weight_range": {"is_upper": (1.1, 1.25), "is_lower": (0.8, 0.9)},
+}  # fmt: skip
+"""Guard -> the `GuardConfig` fields swept and their values (every combination)."""
+MAX_FALSE_ALARMS = 1 / 3
+"""Largest share of stable runs a default may fire on."""
+
+
+def _bench() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_stability", ROOT / "scripts" /
+                                                  "bench_stability.py")  # fmt: skip
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_stability"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load(outs: list[str]) -> list[Any]:
+    """Every finished run (`result.json` status ok) under the given output directories."""
+    bs = _bench()
+    runs = []
+    for out in outs:
+        o = Path(out).resolve()
+        cells = [bs.Cell(**json.loads((p / bs.RESULT).read_text())["cell"])
+                 for p in sorted((o / "runs").iterdir()) if bs.is_done(p)]  # fmt: skip
+        runs += bs.load_runs(o, cells)
+    return runs
+
+
+def _fired(bs: Any, r: Any, setting: dict[str, Any]) -> set[str]:
+    """The guards that fire on run `r` with its own guard settings changed by `setting`."""
+    return guard_hits(r.records, dataclasses.replace(bs.run_guards(r), **setting))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("outs", nargs="+", help="bench_stability.py --out directories")
+    a = p.parse_args(argv)
+    bs, rules = _bench(), VerdictRules()
+    runs = load(a.outs)
+    bad = [r for r in runs
+           if verdict(summarize(r.records, rules, fill_steps=bs.fill_steps(r)), rules)[0]
+           is not Verdict.STABLE]  # fmt: skip
+    good = [r for r in runs if r not in bad]
+    print(f"{len(bad)} unstable, {len(good)} stable runs: "
+          f"{', '.join(r.cell.name for r in bad)}")  # fmt: skip
+    for kind, fields in SWEEP.items():
+        rows = []
+        for values in itertools.product(*fields.values()):
+            setting = dict(zip(fields, values, strict=True))
+
+            u, s = (sum(kind in _fired(bs, r, setting) for r in group)
+                    for group in (bad, good))  # fmt: skip
+            score = u / max(1, len(bad)) - s / max(1, len(good))
+            rows.append((score, setting, u, s))
+        print(f"\n{kind}")
+        for score, setting, u, s in sorted(rows, key=lambda t: -t[0]):
+            mark = "*" if s <= MAX_FALSE_ALARMS * len(good) else " "
+            print(
+                f" {mark}{score:+.2f}  unstable {u}/{len(bad)}  stable {s}/{len(good)}  {setting}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
