@@ -195,6 +195,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     if a.fifo_window is None:
         f.note("fifo_window", data_worker.fifo_window, f"2 x groups per step (B = {b})")
     _raise_all(_schedule_errors(a, data_worker))
+    data_worker = _derive_off_policy_drop(f, data_worker)
     loss = loss_settings_from_args(a, default_loss_scale_factor=float(rollout.max_response_len))
     for flag, value, why in loss.derived:
         f.derived[flag] = Derived(value, why)
@@ -328,6 +329,28 @@ def _schedule_errors(a: argparse.Namespace, dw: DataWorkerConfig) -> list[str]:
             "so the staleness budget would stall generation"
         )
     return errors
+
+
+def _derive_off_policy_drop(f: _Flags, dw: DataWorkerConfig) -> DataWorkerConfig:
+    """Unset `--max-off-policy-steps`: the staleness bound S + ceil((W - 1) / B) (+ the push
+    interval's lag), so the run never trains a group past the bound it states. The budget keeps
+    every group inside it while the engines serve the pushed weights; a group sampled on older
+    ones (a replacement engine before its first push: it starts on the run's start weights) is
+    dropped and counted instead of trained. Unbounded window: nothing to derive."""
+    if not f.unset("max_off_policy_steps"):
+        return dw
+    bound = worst_case_staleness(max_staleness=dw.max_staleness, fifo_window=dw.fifo_window,
+                                 groups_per_step=dw.groups_per_step)  # fmt: skip
+    if math.isinf(bound):
+        return dw
+    lag = f.args.update_weights_interval - 1
+    steps = int(bound) + lag
+    f.fill("max_off_policy_steps", steps,
+           f"the staleness bound S {dw.max_staleness} + ceil((W {dw.fifo_window:g} - 1) / B "
+           f"{dw.groups_per_step})" + (f" + push lag {lag}" if lag else "") + ": a group sampled "
+           "on weights older than the pushed ones (a replacement engine before its first push) "
+           "is dropped, not trained")  # fmt: skip
+    return dataclasses.replace(dw, max_off_policy_steps=steps)
 
 
 def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool, loss_name: str) -> None:

@@ -283,3 +283,22 @@ def test_snapshots_are_kept_by_default_only_for_a_loss_that_reads_them():
     assert "does not read" in ppo.derived["--keep-old-actor"].why
     forced = _cfg("--loss", "ppo", "--keep-old-actor")  # the user's choice stands
     assert forced.trainer.keep_old_actor and "--keep-old-actor" not in forced.derived
+
+
+def test_unset_max_off_policy_steps_is_the_staleness_bound_and_a_given_one_is_kept(tmp_path):
+    """The run never trains past the bound it states: unset, N is S + ceil((W - 1) / B) (+ the
+    push lag), derived and recorded; a value the user gave is kept; an unbounded window derives
+    nothing."""
+    from slime_async.config import parse_config
+
+    base = ["--run-dir", str(tmp_path), "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
+    cfg = parse_config([*base, "--max-staleness", "3", "--fifo-window", "6"])
+    assert cfg.data_worker.max_off_policy_steps == 3 + 2  # ceil(5 / 4) = 2
+    assert cfg.derived["--max-off-policy-steps"].value == 5
+    cfg = parse_config([*base, "--max-staleness", "3", "--update-weights-interval", "3"])
+    assert cfg.data_worker.max_off_policy_steps == 3 + 2 + 2  # W = 2B = 8: ceil(7 / 4) = 2
+    cfg = parse_config([*base, "--max-staleness", "3", "--max-off-policy-steps", "9"])
+    assert cfg.data_worker.max_off_policy_steps == 9
+    assert "--max-off-policy-steps" not in cfg.derived
+    cfg = parse_config([*base, "--fifo-window", "inf", "--no-keep-old-actor"])
+    assert cfg.data_worker.max_off_policy_steps is None

@@ -8,6 +8,7 @@ requests are refused with the fix; a short `train_async.py` run pushes this way 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -118,62 +119,67 @@ def test_buckets_group_by_dtype_and_respect_the_size() -> None:
         plan_buckets(WeightManifest.of(t, version=0), bucket_bytes=0)
 
 
-async def test_versions_advance_on_both_engines(fleet) -> None:
-    urls = [e.url for e in fleet]
-    weights = Weights()
+@contextlib.asynccontextmanager
+async def _pushing(urls: list[str], sender: object, *, cfg: WeightSyncConfig = CFG):
+    """(transport, HTTP session, router client): a `DistributedTransport` from `sender` to the
+    engines `urls`, pausing and continuing them through a router over the same engines; the
+    transport and the router are closed on the way out."""
     router, rurl = await _router(urls)
     try:
         async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
-            t = DistributedTransport(sender=InProcessSender(weights), control=rc,
-                                     engine_urls=lambda: urls, cfg=CFG)  # fmt: skip
-            for version, seed in ((1, 11), (2, 12)):
-                weights.set(version, seed)
-                m = await t.push(version)
-                assert m["weights/push_failed_engines"] == 0.0
-                for u in urls:
-                    served, answer = await _served(s, u)
-                    assert served == str(version) and _exact(weights, answer)
-            assert t.groups_formed == 1  # the same group carried both versions
-            await t.close()
-            # per-tensor broadcasts (SGLang's default load format), on a fresh group
-            per_tensor = WeightSyncConfig(bucket_bytes=CFG.bucket_bytes, flatten_buckets=False,
-                                          group_name="per_tensor", timeout_s=60.0)  # fmt: skip
-            t2 = DistributedTransport(sender=InProcessSender(weights), control=rc,
-                                      engine_urls=lambda: urls, cfg=per_tensor)  # fmt: skip
-            weights.set(3, 13)
-            assert (await t2.push(3))["weights/push_failed_engines"] == 0.0
-            for u in urls:
-                served, answer = await _served(s, u)
-                assert served == "3" and _exact(weights, answer)
-            await t2.close()
-            async with s.get(urls[0] + "/server_info") as r:
-                assert (await r.json())["internal_states"][0]["weight_update_groups"] == []
+            t = DistributedTransport(sender=sender, control=rc, engine_urls=lambda: urls, cfg=cfg)
+            try:
+                yield t, s, rc
+            finally:
+                await t.close()
     finally:
         await router.stop()
+
+
+async def test_versions_advance_on_both_engines(fleet) -> None:
+    urls = [e.url for e in fleet]
+    weights = Weights()
+    async with _pushing(urls, InProcessSender(weights)) as (t, s, rc):
+        for version, seed in ((1, 11), (2, 12)):
+            weights.set(version, seed)
+            m = await t.push(version)
+            assert m["weights/push_failed_engines"] == 0.0
+            for u in urls:
+                served, answer = await _served(s, u)
+                assert served == str(version) and _exact(weights, answer)
+        assert t.groups_formed == 1  # the same group carried both versions
+        await t.close()
+        # per-tensor broadcasts (SGLang's default load format), on a fresh group
+        per_tensor = WeightSyncConfig(bucket_bytes=CFG.bucket_bytes, flatten_buckets=False,
+                                      group_name="per_tensor", timeout_s=60.0)  # fmt: skip
+        t2 = DistributedTransport(sender=InProcessSender(weights), control=rc,
+                                  engine_urls=lambda: urls, cfg=per_tensor)  # fmt: skip
+        weights.set(3, 13)
+        assert (await t2.push(3))["weights/push_failed_engines"] == 0.0
+        for u in urls:
+            served, answer = await _served(s, u)
+            assert served == "3" and _exact(weights, answer)
+        await t2.close()
+        async with s.get(urls[0] + "/server_info") as r:
+            assert (await r.json())["internal_states"][0]["weight_update_groups"] == []
 
 
 async def test_request_in_flight_crosses_a_distributed_push(fleet) -> None:
     urls = [e.url for e in fleet]
     weights = Weights()
-    router, rurl = await _router(urls)
-    try:
-        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
-            t = DistributedTransport(sender=InProcessSender(weights), control=rc,
-                                     engine_urls=lambda: urls, cfg=CFG)  # fmt: skip
-            before, _ = await _served(s, urls[0])
-            running = asyncio.ensure_future(post(s, urls[0] + "/generate", {
-                "input_ids": [9, 9], "sampling_params": LONG}))  # fmt: skip
-            for _ in range(2000):
-                async with s.get(urls[0] + "/get_load") as r:
-                    if (await r.json())[0]["num_tokens"] >= 20:
-                        break
-                await asyncio.sleep(0.02)
-            weights.set(int(before) + 1, 21)
-            await t.push(int(before) + 1)
-            _, r = await running
-            await t.close()
-    finally:
-        await router.stop()
+    async with _pushing(urls, InProcessSender(weights)) as (t, s, _rc):
+        before, _ = await _served(s, urls[0])
+        running = asyncio.ensure_future(post(s, urls[0] + "/generate", {
+            "input_ids": [9, 9], "sampling_params": LONG}))  # fmt: skip
+        for _ in range(2000):
+            async with s.get(urls[0] + "/get_load") as r:
+                if (await r.json())[0]["num_tokens"] >= 20:
+                    break
+            await asyncio.sleep(0.02)
+        weights.set(int(before) + 1, 21)
+        await t.push(int(before) + 1)
+        _, r = await running
+        await t.close()
     spans = r["meta_info"]["weight_versions"]
     assert [sp["version"] for sp in spans] == [before, str(int(before) + 1)]
     assert spans[0]["end"] == spans[1]["start"] > 0 and spans[1]["end"] == LONG["max_new_tokens"]
@@ -187,11 +193,8 @@ async def test_refusing_engine_leaves_the_others_whole(fleet, tmp_path: Path) ->
     odd = _start(extra_args=["--model-spec-json", str(spec)])
     urls = [fleet[0].url, odd.url, fleet[1].url]
     weights = Weights()
-    router, rurl = await _router(urls)
     try:
-        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
-            t = DistributedTransport(sender=InProcessSender(weights), control=rc,
-                                     engine_urls=lambda: urls, cfg=CFG)  # fmt: skip
+        async with _pushing(urls, InProcessSender(weights)) as (t, s, _rc):
             weights.set(40, 40)
             m = await t.push(40)
             assert m["weights/push_failed_engines"] == 1.0
@@ -202,7 +205,6 @@ async def test_refusing_engine_leaves_the_others_whole(fleet, tmp_path: Path) ->
                 assert (await r.json())["weight_version"] == "0"
             await t.close()
     finally:
-        await router.stop()
         odd.stop()
 
 
@@ -211,25 +213,19 @@ async def test_non_finite_weights_are_refused_and_the_old_ones_kept(fleet) -> No
     keep serving the weights they had, under their old label."""
     urls = [e.url for e in fleet]
     weights = Weights()
-    router, rurl = await _router(urls)
-    try:
-        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
-            t = DistributedTransport(sender=InProcessSender(weights), control=rc,
-                                     engine_urls=lambda: urls, cfg=CFG)  # fmt: skip
-            weights.set(50, 50)
-            await t.push(50)
-            weights.set(51, 51)
-            with torch.no_grad():
-                next(iter(weights.lm.model.parameters())).view(-1)[0] = float("nan")
-            m = await t.push(51)
-            assert m["weights/push_failed_engines"] == 2.0
-            weights.set(50, 50)  # what the engines must still serve
-            for u in urls:
-                served, answer = await _served(s, u)
-                assert served == "50" and _exact(weights, answer)
-            await t.close()
-    finally:
-        await router.stop()
+    async with _pushing(urls, InProcessSender(weights)) as (t, s, _rc):
+        weights.set(50, 50)
+        await t.push(50)
+        weights.set(51, 51)
+        with torch.no_grad():
+            next(iter(weights.lm.model.parameters())).view(-1)[0] = float("nan")
+        m = await t.push(51)
+        assert m["weights/push_failed_engines"] == 2.0
+        weights.set(50, 50)  # what the engines must still serve
+        for u in urls:
+            served, answer = await _served(s, u)
+            assert served == "50" and _exact(weights, answer)
+        await t.close()
 
 
 async def test_bad_requests_name_the_fix(fleet) -> None:
@@ -269,30 +265,24 @@ async def test_engine_refusing_before_receiving_is_left_out_of_the_resend(fleet)
     (it serves the version), and the next push re-forms the group with both."""
     urls = [e.url for e in fleet]
     weights = Weights()
-    router, rurl = await _router(urls)
-    try:
-        async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
-            t = DistributedTransport(sender=InProcessSender(weights), control=rc,
-                                     engine_urls=lambda: urls, cfg=CFG)  # fmt: skip
-            weights.set(70, 70)
-            assert (await t.push(70))["weights/push_failed_engines"] == 0.0
-            st, res = await post(s, urls[1] + "/destroy_weights_update_group",
-                                 {"group_name": CFG.group_name})  # fmt: skip
-            assert st == 200, res
-            weights.set(71, 71)
-            m = await t.push(71)
-            assert m["weights/push_failed_engines"] == 1.0 and t.members == (urls[0],)
-            served, answer = await _served(s, urls[0])
-            assert served == "71" and _exact(weights, answer)
-            weights.set(72, 72)
-            m = await t.push(72)
-            assert m["weights/push_failed_engines"] == 0.0 and t.members == tuple(urls)
-            for u in urls:
-                served, answer = await _served(s, u)
-                assert served == "72" and _exact(weights, answer)
-            await t.close()
-    finally:
-        await router.stop()
+    async with _pushing(urls, InProcessSender(weights)) as (t, s, _rc):
+        weights.set(70, 70)
+        assert (await t.push(70))["weights/push_failed_engines"] == 0.0
+        st, res = await post(s, urls[1] + "/destroy_weights_update_group",
+                             {"group_name": CFG.group_name})  # fmt: skip
+        assert st == 200, res
+        weights.set(71, 71)
+        m = await t.push(71)
+        assert m["weights/push_failed_engines"] == 1.0 and t.members == (urls[0],)
+        served, answer = await _served(s, urls[0])
+        assert served == "71" and _exact(weights, answer)
+        weights.set(72, 72)
+        m = await t.push(72)
+        assert m["weights/push_failed_engines"] == 0.0 and t.members == tuple(urls)
+        for u in urls:
+            served, answer = await _served(s, u)
+            assert served == "72" and _exact(weights, answer)
+        await t.close()
 
 
 async def test_engine_dying_as_the_broadcast_starts(fleet) -> None:
