@@ -57,6 +57,10 @@ class UpdateResult:
     received: bool | None = None
     """`update_weights_from_distributed` only: whether the bucket was received (a refusal
     without it leaves this engine out of step with its group: the sender must abort it)."""
+    group_broken: bool = False
+    """`update_weights_from_distributed` only: the receive had started and failed because the
+    group broke under it (rank 0 or another member failed): this engine was in step and is
+    not the cause, so the sender does not leave it out of the resend."""
 
 
 class Engine:
@@ -357,6 +361,7 @@ class Engine:
                     message=f"Failed to receive the bucket over group {group_name!r} ({e}); it "
                     "was not applied. Destroy and re-init the group.",
                     received=False,
+                    group_broken=True,
                 )
             asm = self._assemblers[group_name]
             ready, bad = asm.add(got)

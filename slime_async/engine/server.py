@@ -289,6 +289,8 @@ def _update_reply(res: Any) -> web.Response:
     }
     if res.received is not None:
         body["received"] = res.received
+    if getattr(res, "group_broken", False):
+        body["group_broken"] = True
     return web.json_response(body, status=200 if res.success else 400)
 
 

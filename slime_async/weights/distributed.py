@@ -73,6 +73,9 @@ class _Reply:
     """A refused bucket call's `received` field: False when the engine refused without
     receiving the bucket (it is out of step with the group), True when it received and then
     refused; None when the engine does not say (SGLang)."""
+    group_broken: bool = False
+    """The engine's receive started and failed because the group broke under it (another
+    member or rank 0 failed): a consequence of someone else's failure, never a culprit."""
 
 
 class WeightSyncError(RuntimeError):
@@ -131,6 +134,8 @@ class _BucketWatch:
                 self.suspects.pop(u, None)
                 continue
             self.failed.setdefault(u, r.why)
+            if r.group_broken:  # it was receiving when the group broke: not the cause
+                continue
             if self.aborted_at is None and r.received is not True:
                 if r.received is False:
                     self.out_of_step.add(u)
@@ -216,7 +221,9 @@ class DistributedTransport:
                 msg = data.get("message", "") if isinstance(data, dict) else str(data)
                 got = data.get("received") if isinstance(data, dict) else None
                 received = got if isinstance(got, bool) else None
-                return _Reply(ok, "" if ok else f"HTTP {r.status}: {msg}", received=received)
+                broken = isinstance(data, dict) and data.get("group_broken") is True
+                return _Reply(ok, "" if ok else f"HTTP {r.status}: {msg}", received=received,
+                              group_broken=broken)  # fmt: skip
         except ValueError as e:  # an answer that is not JSON
             return _Reply(False, f"{type(e).__name__}: {e}")
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
