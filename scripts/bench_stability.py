@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this tree
 
 from slime_async.metrics import GuardConfig, GuardKind, read_metrics  # noqa: E402
-from slime_async.metrics.guards import staleness_fill_steps  # noqa: E402
+from slime_async.metrics.guards import run_guard_config, staleness_fill_steps  # noqa: E402
 from slime_async.metrics.stability import (  # noqa: E402
     GAP_KEY,
     Verdict,
@@ -416,7 +416,7 @@ def fill_steps(r: RunData) -> int:
 def run_guards(r: RunData) -> GuardConfig:
     """The guards as the run applied them live: defaults, with the log-prob-gap baseline taken
     once its staleness budget filled (`staleness_fill_steps` of its config.json)."""
-    return GuardConfig(diff_baseline_skip=fill_steps(r))
+    return run_guard_config(r.config.get("data_worker", {}))
 
 
 def _hits(r: RunData, field: str, value: float) -> set[str]:

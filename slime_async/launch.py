@@ -32,7 +32,7 @@ from slime_async.contracts.rollout import Batch, GenerationRequest, Group
 from slime_async.engine.backends import get_engine_backend
 from slime_async.host import free_port
 from slime_async.metrics import MetricsLogger
-from slime_async.metrics.guards import GuardConfig, staleness_fill_steps
+from slime_async.metrics.guards import run_guard_config
 from slime_async.metrics.stability import mean_and_se
 from slime_async.placement import Placement, place_roles
 from slime_async.roles import Cluster, init_ray, pin_actor
@@ -342,10 +342,7 @@ async def setup_run(cfg: RunConfig) -> Run:
                           reasoning_gym=r.reasoning_gym_config(cfg.seed if r.seed is None
                                                                else r.seed))  # fmt: skip
     dw = cfg.data_worker
-    guards = GuardConfig(diff_baseline_skip=staleness_fill_steps({
-        "max_staleness": dw.max_staleness, "fifo_window": dw.fifo_window,
-        "groups_per_step": dw.groups_per_step, "max_off_policy_steps": dw.max_off_policy_steps,
-    }))  # fmt: skip
+    guards = run_guard_config(dataclasses.asdict(dw))
     logger = MetricsLogger(cfg.run_dir, use_tensorboard=cfg.use_tensorboard,
                            use_wandb=cfg.use_wandb, total_steps=cfg.num_steps,
                            guards=guards)  # fmt: skip

@@ -25,8 +25,8 @@ from slime_async.metrics.guards import (
     GuardConfig,
     GuardKind,
     GuardWarning,
+    run_guard_config,
     scan,
-    staleness_fill_steps,
 )
 from slime_async.metrics.history import MetricsHistory, read_metrics
 from slime_async.metrics.logger import METRICS_FILE
@@ -341,7 +341,7 @@ def guards_for_run(run_dir: Path) -> GuardConfig:
         dw = json.loads((run_dir / "config.json").read_text()).get("data_worker", {})
     except (OSError, ValueError):
         return GuardConfig()
-    return GuardConfig(diff_baseline_skip=staleness_fill_steps(dw))
+    return run_guard_config(dw)
 
 
 def render_report(

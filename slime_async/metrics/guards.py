@@ -192,6 +192,12 @@ def staleness_fill_steps(data_worker: Mapping[str, Any]) -> int:
     return int(bound) if math.isfinite(bound) else s + 1
 
 
+def run_guard_config(data_worker: Mapping[str, Any]) -> GuardConfig:
+    """The guards a run applies: the defaults, with the gap baseline taken once its staleness
+    budget filled (`staleness_fill_steps` of its data-worker settings)."""
+    return GuardConfig(diff_baseline_skip=staleness_fill_steps(data_worker))
+
+
 # ---------------------------------------------------------------------------- composition
 def _series(history: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
     return [rec.get(key) for rec in history]
