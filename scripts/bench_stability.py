@@ -77,8 +77,10 @@ RESULT = "result.json"
 """Written in a run directory once its run finished; its presence makes a resume skip it."""
 
 FULL = dict(staleness=(0, 1, 4, 8, 16), losses=("ppo", "decoupled_ppo", "tis", "compis"),
-            replay=("on", "off"), nspr=(1, 4), seeds=(1, 2, 3), num_rollout=200,
-            eval_interval=20)  # fmt: skip
+            replay=("on", "off"), nspr=(1, 4), seeds=(1, 2, 3), num_rollout=50,
+            eval_interval=10)  # fmt: skip
+"""The issue's grid: every axis, at the quick form's budget (so the quick runs are its runs;
+240 runs of 50 rollouts are ~5 hours on 2 cores, of 200 rollouts ~27; `--num-rollout 200`)."""
 QUICK = dict(staleness=(0, 16), losses=("ppo", "compis"), replay=("on",), nspr=(4,),
              seeds=(1, 2, 3), num_rollout=50, eval_interval=10)  # fmt: skip
 
@@ -176,12 +178,38 @@ def prepare_warmstart(out: Path, seed: int, steps: int | None) -> Path:
     return res.path
 
 
-def is_done(run_dir: Path) -> bool:
-    """The run finished (its result.json says so)."""
+def budget_record(budget: Budget) -> dict[str, Any]:
+    """What result.json records of the budget a run had (JSON-comparable)."""
+    return {**dataclasses.asdict(budget), "extra": list(budget.extra)}
+
+
+class BudgetMismatch(RuntimeError):
+    """A finished run in `--out` had another budget than the one asked for."""
+
+
+def is_done(run_dir: Path, budget: Budget | None = None) -> bool:
+    """The run finished (its result.json says so) with this budget (None: with any).
+
+    A run that finished with another budget (rollouts, eval, warm start, extra flags) is never
+    re-run over, nor mixed into this budget's report: that raises `BudgetMismatch`, naming both
+    budgets and the fix."""
     try:
-        return json.loads((run_dir / RESULT).read_text()).get("status") == "ok"
+        res = json.loads((run_dir / RESULT).read_text())
     except (OSError, json.JSONDecodeError):
         return False
+    if res.get("status") != "ok":
+        return False
+    if budget is None:
+        return True
+    had, want = res.get("budget"), budget_record(budget)
+    if had != want:
+        raise BudgetMismatch(
+            f"{run_dir} finished with budget {had} (None: recorded before budgets were), but "
+            f"this grid asks for {want}. Runs of different budgets are not comparable: give "
+            f"another --out, or the flags that budget was run with (--num-rollout, "
+            f"--eval-interval, --eval-prompts, --eval-samples, --warmstart-steps, -- extra)."
+        )
+    return True
 
 
 def run_cell(cell: Cell, budget: Budget, out: Path, *, cores: tuple[int, int] | None,
@@ -206,14 +234,14 @@ def run_cell(cell: Cell, budget: Budget, out: Path, *, cores: tuple[int, int] | 
     status = "ok" if rc == 0 and steps >= expected else "failed"
     result = {"status": status, "cell": dataclasses.asdict(cell), "group": cell.group,
               "rc": rc, "steps": steps, "expected_steps": expected, "wall_s": round(wall, 1),
-              "command": cmd[1:]}  # fmt: skip
+              "command": cmd[1:], "budget": budget_record(budget)}  # fmt: skip
     (run_dir / RESULT).write_text(json.dumps(result, indent=1))
     return result
 
 
 def run_grid(cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int) -> None:
     """Run the cells not done yet, `jobs` at a time; print one line per finished run."""
-    todo = [c for c in cells if not is_done(out / "runs" / c.name)]
+    todo = [c for c in cells if not is_done(out / "runs" / c.name, budget)]
     print(f"{len(cells) - len(todo)} of {len(cells)} runs already done; {len(todo)} to run "
           f"({jobs} at a time)", flush=True)  # fmt: skip
     if not todo:
@@ -312,12 +340,13 @@ class RunData:
         return ys[-1] if ys else math.nan
 
 
-def load_runs(out: Path, cells: Sequence[Cell]) -> list[RunData]:
-    """The finished runs among `cells` (failed or missing ones are left out)."""
+def load_runs(out: Path, cells: Sequence[Cell], budget: Budget | None = None) -> list[RunData]:
+    """The finished runs among `cells` with `budget` (None: any); failed or missing ones are
+    left out."""
     runs = []
     for c in cells:
         d = out / "runs" / c.name
-        if not is_done(d):
+        if not is_done(d, budget):
             continue
         cfg = json.loads((d / "config.json").read_text())
         gbs = _find(cfg, "global_batch_size") or 1
@@ -713,9 +742,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(c.name, " ".join(train_args(c, budget, out / "runs" / c.name, None)))
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    if not a.report_only:
-        run_grid(cells, budget, out, jobs=a.jobs)
-    runs = load_runs(out, cells)
+    try:
+        if not a.report_only:
+            run_grid(cells, budget, out, jobs=a.jobs)
+        runs = load_runs(out, cells, budget)
+    except BudgetMismatch as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not runs:
         print("no finished runs to report", file=sys.stderr)
         return 1

@@ -210,7 +210,10 @@ def _fake_run(bench, out: Path, cell, *, steps: int, gap, seed: int) -> None:
     ro = {"global_batch_size": 16, "num_steps_per_rollout": 4, "eval_interval": 5,
           "eval_prompts": 172, "n_samples_per_eval_prompt": 4}  # fmt: skip
     (d / "config.json").write_text(json.dumps({"num_steps": steps, "rollout": ro}))
-    (d / bench.RESULT).write_text(json.dumps({"status": "ok", "wall_s": 1.0}))
+    budget = bench.Budget(num_rollout=steps // 4, eval_interval=5, eval_prompts=172,
+                          eval_samples=4, warmstart_steps=None)  # fmt: skip
+    (d / bench.RESULT).write_text(json.dumps({"status": "ok", "wall_s": 1.0,
+                                              "budget": bench.budget_record(budget)}))  # fmt: skip
 
 
 def test_report_from_logged_runs_has_figure_table_verdicts_and_guards(bench, tmp_path) -> None:
@@ -220,7 +223,8 @@ def test_report_from_logged_runs_has_figure_table_verdicts_and_guards(bench, tmp
         _fake_run(bench, tmp_path, c, steps=40, seed=i,
                   gap=(lambda t: 0.01 * (1 + 6 * t)) if drift else (lambda t: 0.01))  # fmt: skip
     argv = ["--out", str(tmp_path), "--staleness", "0,16", "--losses", "ppo,compis",
-            "--replay", "on", "--nspr", "4", "--seeds", "1,2", "--report-only"]  # fmt: skip
+            "--replay", "on", "--nspr", "4", "--seeds", "1,2", "--num-rollout", "10",
+            "--eval-interval", "5", "--report-only"]  # fmt: skip
     assert bench.main(argv) == 0
     png = (tmp_path / "stability.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
@@ -237,6 +241,22 @@ def test_report_from_logged_runs_has_figure_table_verdicts_and_guards(bench, tmp
     default = next(r for r in sweep if r["default"])
     assert (default["unstable_hits"], default["stable_hits"]) == (2, 0)
     assert summary["cells"]["s0-compis-rron-n4"]["eval_final"][0] == pytest.approx(0.5)
+
+
+def test_a_run_of_another_budget_is_refused_not_rerun_or_mixed(bench, tmp_path, capsys) -> None:
+    cells = bench.grid((0,), ("ppo",), ("on",), (4,), (1,))
+    _fake_run(bench, tmp_path, cells[0], steps=40, gap=lambda t: 0.01, seed=0)  # 10 rollouts
+    before = (tmp_path / "runs" / cells[0].name / "metrics.jsonl").read_bytes()
+    base = ["--out", str(tmp_path), "--staleness", "0", "--losses", "ppo", "--replay", "on",
+            "--nspr", "4", "--seeds", "1", "--eval-interval", "5"]  # fmt: skip
+    # asked for 20 rollouts: neither a run nor a report over the 10-rollout run
+    for extra in (["--num-rollout", "20"], ["--num-rollout", "20", "--report-only"],
+                  ["--num-rollout", "10", "--report-only", "--", "--lr", "1e-3"]):  # fmt: skip
+        assert bench.main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert "finished with budget" in err and "give another --out" in err
+    assert (tmp_path / "runs" / cells[0].name / "metrics.jsonl").read_bytes() == before
+    assert bench.main([*base, "--num-rollout", "10", "--report-only"]) == 0  # its own budget
 
 
 @pytest.mark.slow
