@@ -335,8 +335,8 @@ def _derive_off_policy_drop(f: _Flags, dw: DataWorkerConfig) -> DataWorkerConfig
     """Unset `--max-off-policy-steps`: the staleness bound S + ceil((W - 1) / B) (+ the push
     interval's lag), so the run never trains a group past the bound it states. The budget keeps
     every group inside it while the engines serve the pushed weights; a group sampled on older
-    ones (a replacement engine before its first push: it starts on the run's start weights) is
-    dropped and counted instead of trained. Unbounded window: nothing to derive."""
+    ones (the backstop: a replacement engine is held out of the router until it has the fleet's
+    weights) is dropped and counted instead of trained. Unbounded window: nothing to derive."""
     if not f.unset("max_off_policy_steps"):
         return dw
     bound = worst_case_staleness(max_staleness=dw.max_staleness, fifo_window=dw.fifo_window,
@@ -348,8 +348,7 @@ def _derive_off_policy_drop(f: _Flags, dw: DataWorkerConfig) -> DataWorkerConfig
     f.fill("max_off_policy_steps", steps,
            f"the staleness bound S {dw.max_staleness} + ceil((W {dw.fifo_window:g} - 1) / B "
            f"{dw.groups_per_step})" + (f" + push lag {lag}" if lag else "") + ": a group sampled "
-           "on weights older than the pushed ones (a replacement engine before its first push) "
-           "is dropped, not trained")  # fmt: skip
+           "on weights older than the pushed ones is dropped, not trained")  # fmt: skip
     return dataclasses.replace(dw, max_off_policy_steps=steps)
 
 

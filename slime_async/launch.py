@@ -1,7 +1,7 @@
 """Everything `controller.train` needs before its first step, and the run's small services.
 
-Owns `setup_run` (prompt source and rewards, warm start, Ray roles in the right order, resume)
-and `Run` (weight push, evaluation, checkpoint, logging, timing, shutdown). Order matters:
+Owns `setup_run` (prompt source and rewards, warm start, Ray roles in the right order, resume),
+which returns the live `slime_async.run.Run`. Order matters:
 the trainer comes up first (fresh, from an HF directory, or resumed from `--load` through the
 guarded checkpoint loader), then its weights are exported and the engines start *from that
 export* (engines a backend attaches instead of starting, `--engine-backend external`, load it
@@ -16,231 +16,41 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import inspect
 import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep, resolve_loss_spec
 from slime_async.config import RunConfig
 from slime_async.contracts.engine import EngineBackend
-from slime_async.contracts.rollout import Batch, GenerationRequest, Group
+from slime_async.contracts.rollout import Group
 from slime_async.engine.backends import get_engine_backend
 from slime_async.host import free_port
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.guards import run_guard_config
-from slime_async.metrics.stability import mean_and_se
 from slime_async.placement import Placement, place_roles
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate
 from slime_async.rollout.behavior import BehaviorAnnotate
 from slime_async.rollout.client import GenerateClient, GenerateClientConfig, check_routed_experts
 from slime_async.rollout.custom_generate import CustomGenerate, load_custom_generate, slime_args
-from slime_async.rollout.plan import DataPlan, make_data_plan
+from slime_async.rollout.plan import make_data_plan
 from slime_async.rollout.tasks import TaskFamilyConfig
 from slime_async.rollout.warmstart import WarmStartConfig, warm_start
-from slime_async.supervisor import EnginesDownError, EngineSupervisor
+from slime_async.run import Run, check_batch_shape
+from slime_async.supervisor import EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
 from slime_async.trainer.behavior_role import BehaviorRole
 from slime_async.trainer.config import TrainerConfig
 from slime_async.weights import DiskTransport, DistributedTransport, TransportKind
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(kw_only=True)
-class Run:
-    """Live state of one run (the controller reads `version`, calls the methods)."""
-
-    cfg: RunConfig
-    trainer: TrainerGroup
-    cluster: Cluster
-    worker: RolloutDataWorker
-    client: GenerateClient
-    transport: DiskTransport | DistributedTransport
-    logger: MetricsLogger
-    plan: DataPlan
-    supervisor: EngineSupervisor
-    start_step: int
-    version: int
-    served: tuple[Path, int]
-    generate: ScoredGenerate
-    sample_fn: Any = None
-    """What generates one sample: the generate client or a custom generate function."""
-    behavior_role: Any = None
-    """The forward-only role computing π_j^Meg (`--behavior-forward role`), or None."""
-    started: float = dataclasses.field(default_factory=time.perf_counter)
-    placement: Placement | None = None
-    """The reserved bundles (given back at close)."""
-    pushed_version: int = -1
-    """The last version pushed to the engines (-1: none yet)."""
-    _logged_once: bool = False
-    _rollout_idle_mark: float = 0.0
-
-    async def push_weights(self, version: int) -> dict[str, float]:
-        """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
-        await self._feed_role(version)
-        requeue = self.cfg.data_worker.partial_rollout is PartialRolloutPolicy.REQUEUE
-        if requeue:  # abort in-flight generations; the data worker re-issues them whole
-            await self.worker.pause()
-        try:  # pause in place, update without a flush, continue: per-token versions record it
-            metrics = await self.transport.push(version)
-        finally:
-            if requeue:
-                await self.cluster.control.continue_generation()
-                await self.worker.resume()
-        self.worker.set_served_version(version)
-        self.pushed_version = version
-        if isinstance(self.transport, DiskTransport):
-            # replacements start on the newest directory; with the distributed transport they
-            # start on the run's start source and join at the next push
-            self.served = (self.transport.path(version), version)
-        return metrics
-
-    async def _feed_role(self, version: int) -> None:
-        """Give the forward-only role `version`'s weights before any engine serves it. A disk
-        transport hands over the directory it writes (`on_written`); any other transport has
-        no such directory, so the trainer's in-memory export goes to the role through Ray's
-        object store (the trainer pays the export, no file write; the role loads it in order)."""
-        role = self.behavior_role
-        if role is None or getattr(self.transport, "on_written", None) is not None:
-            return
-        role.add_version(version, await self.trainer.export_weights_ref())
-
-    async def score(self, batch: Batch) -> Batch:
-        """Rewards that need a whole group (slime's `--group-rm`); a no-op otherwise."""
-        return await self.generate.score_groups(batch)
-
-    async def next_batch(self, num_groups: int) -> Batch:
-        """The next batch for train step `self.version`, unless every engine stays down."""
-        get = asyncio.ensure_future(self.worker.get_batch(num_groups, current_version=self.version))
-        down = asyncio.ensure_future(self.supervisor.failed.wait())
-        done, _ = await asyncio.wait({get, down}, return_when=asyncio.FIRST_COMPLETED)
-        if get in done:
-            down.cancel()
-            return get.result()
-        get.cancel()
-        raise EnginesDownError(self.supervisor.reason)
-
-    async def write_roles(self) -> None:
-        """`run_dir/roles.json`: live pids (driver, engines) for operators and chaos tests; an
-        engine's pid is null where the run does not own its process (external backend)."""
-        roles = {
-            "driver_pid": os.getpid(),
-            "engine_backend": self.cfg.engines.backend,
-            "engine_pids": self.cluster.engine_pids,
-            "engine_urls": self.cluster.engine_urls,
-            "router_url": self.cluster.router_url,
-        }
-        tmp = self.cfg.run_dir / "roles.json.tmp"
-        tmp.write_text(json.dumps(roles))
-        os.replace(tmp, self.cfg.run_dir / "roles.json")
-
-    async def _record_served_versions(self) -> None:
-        """`run_dir/served_versions.json`: the version each engine serves at the end (the last
-        push reached every engine when all equal the trainer's version)."""
-        versions = await self.cluster.served_versions(token=self.cfg.engine.auth_token)
-        record = {"trainer_version": self.version, "pushed_version": self.pushed_version,
-                  "engines": dict(zip(self.cluster.engine_urls, versions, strict=True))}  # fmt: skip
-        (self.cfg.run_dir / "served_versions.json").write_text(json.dumps(record))
-
-    async def evaluate(self, *, step: int) -> None:
-        """Held-out pass rate (`--n-samples-per-eval-prompt` samples per prompt, rollout
-        temperature) and its standard error, logged at `step`."""
-        if not self.plan.eval_prompts:
-            return
-        t0 = time.perf_counter()
-        scored = ScoredGenerate(self.sample_fn or self.client, self.plan.reward_fn,
-                                eos_id=self.plan.eos_id, decode=self.plan.decode,
-                                reward_args=self.generate.reward_args,
-                                group_rm=self.cfg.rollout.group_rm, score_alone=True)  # fmt: skip
-        k = self.cfg.rollout.n_samples_per_eval_prompt
-        prompts = [p for p in self.plan.eval_prompts for _ in range(k)]
-        reqs = [GenerationRequest(prompt=p, group_seq=-1 - i // k, sample_index=i % k)
-                for i, p in enumerate(prompts)]  # fmt: skip
-        expected = self.cfg.rollout.max_response_len
-        results = await asyncio.gather(*(scored(r, 0.0, expected) for r in reqs))
-        by_level: dict[int, list[float]] = {}
-        for p, res in zip(prompts, results, strict=True):
-            level = int(p.payload.get("level", 0))
-            by_level.setdefault(level, []).append(float(res.payload.get("reward", 0.0)))
-        allr = [r for rs in by_level.values() for r in rs]
-        mean, se = mean_and_se(allr)
-        pass_mean, pass_se = mean_and_se([float(r >= 1.0) for r in allr])
-        metrics = {"eval/reward": mean, "eval/reward_se": se,
-                   "eval/pass": pass_mean, "eval/pass_se": pass_se,
-                   "timing/eval_s": time.perf_counter() - t0}  # fmt: skip
-        for level, rs in sorted(by_level.items()):
-            metrics[f"eval/reward_level{level}"] = sum(rs) / len(rs)
-        self.logger.log(step, metrics)
-
-    def should_save(self, version: int) -> bool:
-        every = self.cfg.save_interval * self.cfg.rollout.num_steps_per_rollout  # rollouts
-        return bool(self.cfg.trainer.save and every and version % every == 0)
-
-    async def save(self, version: int) -> None:
-        state = {"step": version, "worker": self.worker.state_dict(),
-                 "accounting": self.accounting(), "batch_shape": batch_shape(self.cfg)}  # fmt: skip
-        path = await asyncio.to_thread(self.trainer.save_checkpoint, None, extra_state=state)
-        log.info("checkpoint saved: %s", path)
-
-    def timing(self, *, wait_s: float, train_s: float, sync_s: float) -> dict[str, float]:
-        total = max(1e-9, wait_s + train_s + sync_s)
-        idle = self.generate.idle_seconds()
-        rollout_idle, self._rollout_idle_mark = idle - self._rollout_idle_mark, idle
-        return {
-            "idle/rollout_ratio": min(1.0, rollout_idle / total),
-            "timing/wait_batch_s": wait_s,
-            "timing/train_s": train_s,
-            "timing/weight_sync_s": sync_s,
-            "timing/step_s": total,
-            "timing/elapsed_s": time.perf_counter() - self.started,
-            "idle/trainer_ratio": wait_s / total,
-        }
-
-    def accounting(self) -> dict[str, float]:
-        a = self.worker.accounting()
-        return {"accounting/dispatched": a.dispatched, "accounting/consumed": a.consumed,
-                "accounting/dropped": a.dropped, "accounting/filtered": a.filtered,
-                "accounting/pending": a.pending}  # fmt: skip
-
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
-        if not self._logged_once:  # data-loading counters (rows, skipped) go with the first step
-            metrics = {**self.plan.metrics, **metrics}
-            self._logged_once = True
-        self.logger.log(step, metrics)
-
-    def record_trained(self, step: int, batch: Any) -> None:
-        """Append which prompt groups step `step` trained on (the prompt ledger)."""
-        row = {"step": step, "version": batch.current_version,
-               "groups": [[g.prompt.key, g.seq, g.min_version] for g in batch.groups],
-               "dropped": batch.dropped, "filtered": batch.filtered}  # fmt: skip
-        with open(self.cfg.run_dir / "trained.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    async def close(self) -> None:
-        try:
-            await self.worker.stop()
-        except Exception as e:  # shutting down after an error: report, keep closing
-            log.warning("data worker did not stop cleanly: %s", e)
-        await self.supervisor.stop()
-        await self.client.close()
-        try:
-            await self.transport.close()
-        except Exception as e:  # shutting down: report, keep closing
-            log.warning("weight transport did not close cleanly: %s", e)
-        await self._record_served_versions()
-        await self.cluster.stop()
-        self.trainer.shutdown()
-        if self.behavior_role is not None:
-            self.behavior_role.shutdown()
-        if self.placement is not None:
-            self.placement.remove()
-        self.logger.close()
 
 
 def _dapo_filter(group: Group) -> bool:
@@ -261,41 +71,6 @@ def _truncate_ledger(path: Path, *, keep_through: int) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(x + "\n" for x in kept))
         os.replace(tmp, path)
-
-
-_SHAPE_FLAGS = {
-    "rollout_batch_size": "--rollout-batch-size",
-    "n_samples_per_prompt": "--n-samples-per-prompt",
-    "global_batch_size": "--global-batch-size",
-    "num_steps_per_rollout": "--num-steps-per-rollout",
-}
-
-
-def batch_shape(cfg: RunConfig) -> dict[str, int]:
-    """The flags that fix what one step trains on; a resume must keep them (saved in the
-    checkpoint's extra state)."""
-    return {k: int(getattr(cfg.rollout, k)) for k in _SHAPE_FLAGS}
-
-
-def check_batch_shape(saved: object, cfg: RunConfig, *, where: str) -> None:
-    """Refuse a resume whose batch shape differs from the checkpoint's: the data worker's pending
-    groups, the ledger and the step counter all assume the saved shape."""
-    if saved is None:  # a checkpoint from before the shape was recorded
-        return
-    now = batch_shape(cfg)
-    if not isinstance(saved, dict):
-        raise ValueError(f"checkpoint in {where}: batch_shape is {saved!r}, not an object")
-    diff = [
-        (flag, saved.get(k), now[k]) for k, flag in _SHAPE_FLAGS.items() if saved.get(k) != now[k]
-    ]
-    if diff:
-        was = " ".join(f"{flag} {old}" for flag, old, _ in diff)
-        now_s = ", ".join(f"{flag} {new}" for flag, _, new in diff)
-        raise ValueError(
-            f"--load {where}: the checkpoint was trained with {was}, this run has {now_s}; a "
-            f"resume must keep the batch shape (pending groups and the prompt ledger assume it). "
-            f"Pass {was}, or start a new run from its weights with --hf-checkpoint."
-        )
 
 
 def _archive_stale_ledger(path: Path) -> Path | None:
@@ -329,7 +104,26 @@ def _ledger_step(line: str) -> float:
 
 
 async def setup_run(cfg: RunConfig) -> Run:
-    """Bring every role up and restore state when resuming."""
+    """Bring every role up and restore state when resuming. A failure part-way (a refused
+    resume, an engine that never came up) releases what was already up, in reverse order: the
+    reservation, the trainer, the role, the engines and router, the logger; a process that goes
+    on (a test, a notebook, a retry) keeps its cluster's CPUs."""
+    undo: list[Callable[[], Any]] = []
+    try:
+        return await _build_run(cfg, undo)
+    except BaseException:
+        for release in reversed(undo):
+            try:
+                done = release()
+                if inspect.isawaitable(done):
+                    await done
+            except Exception as e:  # report, keep releasing the rest
+                log.warning("releasing %s after a failed start: %s", release, e)
+        raise
+
+
+async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
+    """`setup_run`'s body; each thing it brings up goes onto `undo` as it comes up."""
     record_config(cfg)
     backend = get_engine_backend(cfg.engines.backend)(cfg.engines, cfg.engine)
     await backend.preflight()  # e.g. attached URLs answer: fail in seconds, before the trainer
@@ -346,6 +140,7 @@ async def setup_run(cfg: RunConfig) -> Run:
     logger = MetricsLogger(cfg.run_dir, use_tensorboard=cfg.use_tensorboard,
                            use_wandb=cfg.use_wandb, total_steps=cfg.num_steps,
                            guards=guards)  # fmt: skip
+    undo.append(logger.close)
     trainer_cfg = cfg.trainer
     if cfg.warmstart_steps:  # validation leaves it 0 unless a fresh embedded default run
         threads = max(1, len(cfg.trainer_cores + cfg.rollout_cores))
@@ -358,7 +153,10 @@ async def setup_run(cfg: RunConfig) -> Run:
         trainer_cfg = dataclasses.replace(trainer_cfg, hf_checkpoint=str(ws.path))
 
     placement = await _place(cfg)
+    if placement is not None:
+        undo.append(placement.remove)
     trainer = await _start_trainer(cfg, trainer_cfg, placement)
+    undo.append(trainer.shutdown)
     extra = await asyncio.to_thread(trainer.extra_state)
     version = await asyncio.to_thread(trainer.version)
     start_step = int(extra.get("step", 0)) if trainer_cfg.load else 0
@@ -385,16 +183,16 @@ async def setup_run(cfg: RunConfig) -> Run:
     await asyncio.to_thread(trainer.save_weights, first)
     role = await _start_behavior_role(cfg, trainer_cfg)
     if role is not None:
+        undo.append(role.shutdown)
         role.add_version(version, first)
     cluster, transport = await _start_engines(cfg, backend, trainer, first=first, version=version,
                                               placement=placement, role=role)  # fmt: skip
+    undo.append(cluster.stop)
+    undo.append(transport.close)
     if trainer_cfg.routing_replay.value == "r3" and cfg.model.is_moe:
-        try:  # refuse now what would otherwise surface only at the first train step
-            await asyncio.gather(*(check_routed_experts(u, token=cfg.engine.auth_token)
-                                   for u in cluster.engine_urls))  # fmt: skip
-        except BaseException:
-            await cluster.stop()
-            raise
+        # refuse now what would otherwise surface only at the first train step
+        await asyncio.gather(*(check_routed_experts(u, token=cfg.engine.auth_token)
+                               for u in cluster.engine_urls))  # fmt: skip
 
     client = GenerateClient(
         GenerateClientConfig(
@@ -436,6 +234,7 @@ async def setup_run(cfg: RunConfig) -> Run:
     supervisor = EngineSupervisor(
         cluster, cfg.supervisor,
         current_weights=lambda: run.served,  # late-bound: the run below
+        fleet_version=lambda: run.fleet_version,
         on_replace=lambda: run.write_roles(),
     )  # fmt: skip
     run = Run(

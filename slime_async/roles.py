@@ -113,6 +113,10 @@ class Cluster:
     engines run anywhere on the local node."""
     bind_node_ips: bool = False
     """Engines bind their node's IP (a joined cluster) instead of loopback."""
+    pending: set[str] = dataclasses.field(default_factory=set)
+    """Replacements started on older weights than the fleet serves: up, but not registered
+    with the router (no generation) until a push gave them the fleet's version
+    (`admit_caught_up`)."""
 
     @property
     def engine_urls(self) -> list[str]:
@@ -197,10 +201,15 @@ class Cluster:
         """Whether engine `i` still exists as far as its backend can tell."""
         return await self.backend.alive(self.engines[i])
 
-    async def replace_engine(self, i: int, *, model_dir: Path, version: int) -> str:
+    async def replace_engine(
+        self, i: int, *, model_dir: Path, version: int, admit: bool = True
+    ) -> str:
         """Stop engine `i` and start a new one on `model_dir` (serving `version`); the router
         learns about it only once it is up (weight calls it missed replayed), then forgets the
-        old one. Returns the new url. Raises for a backend that cannot restart engines."""
+        old one. With `admit` False (`version` is older than the fleet's and no router call can
+        bring it up to date: the distributed transport) the router forgets the old one and the
+        new one waits in `pending` for a push. Returns the new url. Raises for a backend that
+        cannot restart engines."""
         if not self.backend.can_restart:
             raise RuntimeError(
                 f"engine backend {type(self.backend).__name__} cannot restart engines"
@@ -211,6 +220,13 @@ class Cluster:
                          seed=self.seed + 1000 * i + 7 * (version + 1), cores=self.engine_cores[i],
                          slot=None if self.slots is None else self.slots[i], bind=self.bind_node_ips)  # fmt: skip
         new = await self.backend.start(launch)
+        if not admit:
+            with contextlib.suppress(KeyError):
+                await self.control.remove_worker(old.url)
+            self.pending.discard(old.url)
+            self.engines[i] = new
+            self.pending.add(new.url)
+            return new.url
         try:
             await self.control.add_worker(new.url, wait_healthy_s=60.0)
         except BaseException:  # never leave a half-registered replacement behind
@@ -223,8 +239,26 @@ class Cluster:
         self.engines[i] = new
         return new.url
 
-    async def served_versions(self, *, token: str | None, timeout_s: float = 10.0) -> list[Any]:
-        """`weight_version` each engine reports on `/model_info` (None where it did not answer)."""
+    async def admit_caught_up(self, version: int, *, token: str | None) -> list[str]:
+        """Register with the router every pending replacement that now serves `version` (a push
+        reached it); returns their urls. The others stay pending."""
+        self.pending &= set(self.engine_urls)  # a pending engine replaced again is gone
+        urls = sorted(self.pending)
+        if not urls:
+            return []
+        served = await self.served_versions(token=token, urls=urls)
+        admitted = []
+        for url, v in zip(urls, served, strict=True):
+            if v is not None and str(v) == str(version):
+                await self.control.add_worker(url, wait_healthy_s=60.0)
+                self.pending.discard(url)
+                admitted.append(url)
+        return admitted
+
+    async def served_versions(self, *, token: str | None, timeout_s: float = 10.0,
+                              urls: list[str] | None = None) -> list[Any]:  # fmt: skip
+        """`weight_version` each engine (or each of `urls`) reports on `/model_info` (None
+        where it did not answer)."""
         import aiohttp
 
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -238,7 +272,8 @@ class Cluster:
 
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as s:
-            return list(await asyncio.gather(*(one(s, u) for u in self.engine_urls)))
+            targets = self.engine_urls if urls is None else urls
+            return list(await asyncio.gather(*(one(s, u) for u in targets)))
 
     async def stop(self) -> None:
         """Stop the router and every engine the backend owns (bounded; never hangs)."""

@@ -13,6 +13,10 @@ through the engine backend (`Cluster.backend`, the protocol in `slime_async.cont
   newest pushed directory and its version), and is registered with the router only once it is
   up (the router replays weight calls it missed before admitting it), so it never serves stale
   weights; the dead one is deregistered;
+* where no directory holds the fleet's weights (the distributed transport: a replacement starts
+  on the run's start weights, older than `fleet_version()`), the replacement is held out of the
+  router (`Cluster.pending`, watched only for being alive) and `behind` is set: the run sends it
+  the fleet's version and registers it (`Run.catch_up_replacements`, docs/weight-sync.md);
 * with a backend that cannot restart engines (external servers): nothing is replaced; an
   unhealthy engine is reported once, and the router re-admits it (after replaying the weight
   calls it missed) when its `/health` answers again;
@@ -102,10 +106,15 @@ class EngineSupervisor:
         cfg: SupervisorConfig,
         *,
         current_weights: Callable[[], tuple[Path, int]],
+        fleet_version: Callable[[], int] | None = None,
         on_replace: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.cluster, self.cfg, self.current_weights = cluster, cfg, current_weights
+        self.fleet_version = fleet_version
+        """The version the admitted engines serve (None: always `current_weights()`'s)."""
         self._on_replace = on_replace
+        self.behind = asyncio.Event()
+        """Set when a replacement started on older weights than the fleet's (it is pending)."""
         self.failed = asyncio.Event()
         self.reason = ""
         self.restarts = 0
@@ -144,6 +153,10 @@ class EngineSupervisor:
         healthy = {w["url"]: bool(w["is_healthy"]) for w in workers}
         state = {w["url"]: w.get("state") for w in workers}
         for i, url in enumerate(list(self.cluster.engine_urls)):
+            if url in self.cluster.pending:  # not in the router yet: only its process counts
+                if not await self.cluster.engine_alive(i):
+                    await self._replace(i, "its process is gone (while waiting for weights)")
+                continue
             if healthy.get(url, False):
                 self._unhealthy_since.pop(url, None)
                 self._reported.discard(url)
@@ -187,14 +200,23 @@ class EngineSupervisor:
             return  # the all-down timeout will stop the run with a clear message
         old = self.cluster.engine_urls[i]
         path, version = self.current_weights()
+        fleet = version if self.fleet_version is None else self.fleet_version()
         log.warning("engine %d at %s: %s; restarting it on weights v%d", i, old, why, version)
         self.restarts += 1
         try:
-            url = await self.cluster.replace_engine(i, model_dir=path, version=version)
+            url = await self.cluster.replace_engine(
+                i, model_dir=path, version=version, admit=version >= fleet
+            )
         except Exception as e:
             log.warning("restart of engine %d failed: %s", i, e)
             return
         self._unhealthy_since.pop(old, None)
-        log.info("engine %d replaced: %s -> %s (serving v%d)", i, old, url, version)
+        if version < fleet:
+            log.warning("engine %d replaced: %s -> %s; it holds v%d, the fleet serves v%d: no "
+                        "generation until a push gives it v%d", i, old, url, version, fleet,
+                        fleet)  # fmt: skip
+            self.behind.set()
+        else:
+            log.info("engine %d replaced: %s -> %s (serving v%d)", i, old, url, version)
         if self._on_replace is not None:
             await self._on_replace()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from slime_async.config import parse_config
 from slime_async.controller import train
@@ -149,3 +150,35 @@ async def test_fresh_run_archives_a_dead_runs_ledger_and_resume_keeps_the_batch_
     assert [
         json.loads(x)["step"] for x in (tmp_path / "trained.jsonl").read_text().splitlines()
     ] == [1, 2]
+    # the refused resume gave back what it had reserved: the next run in this process gets it
+    assert await _cpus_all_free(), (ray.available_resources(), ray.cluster_resources())
+
+
+async def _cpus_all_free() -> bool:
+    """Every CPU of the test's Ray node is unreserved (removal is asynchronous: wait for it)."""
+    for _ in range(200):
+        if ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU"):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_a_replacement_serves_only_once_it_has_the_fleets_weights(tmp_path):
+    """Distributed transport: a replacement starts on the run's start weights (v0), so it must
+    not get generation before a push gave it the current version (else its groups are stale
+    past the bound and dropped, or, before the derived drop, trained)."""
+    cfg = parse_config(_argv(tmp_path, "--num-steps", "6", "--max-staleness", "0",
+                             "--update-weight-transport", "distributed"))  # fmt: skip
+    task = asyncio.create_task(train(cfg))
+    await _wait_for_step(tmp_path, 2, task)
+    pid = json.loads((tmp_path / "roles.json").read_text())["engine_pids"][0]
+    os.kill(pid, signal.SIGKILL)
+    summary = await task
+    assert summary["train/version"] == 6 and summary["engines/restarts"] >= 1
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "staleness/max" in r]
+    assert len(steps) == 6
+    assert sum(r["staleness/dropped"] for r in steps) == 0  # nothing sampled on old weights
+    assert max(r["staleness/max"] for r in steps) == 0  # the stated bound, every step
+    served = json.loads((tmp_path / "served_versions.json").read_text())
+    assert set(map(str, served["engines"].values())) == {"6"}, served

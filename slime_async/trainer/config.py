@@ -82,6 +82,8 @@ def _check_ranges(c: TrainerConfig) -> None:
         )
     if c.lr_decay_steps is not None and c.lr_decay_steps < 0:
         raise ValueError(f"--lr-decay-iters must be >= 0, got {c.lr_decay_steps}")
+
+
 def check_world(c: TrainerConfig) -> None:
     """Ranks (nodes x GPUs per node) against TP x PP x DP with EP inside DP (ValueError).
     Checked for `train_async.py`'s flags; a `TrainerGroup` built directly gives its own

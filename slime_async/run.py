@@ -1,0 +1,300 @@
+"""The live run: what the step loop (`controller.train`) calls between and around steps.
+
+Owns `Run` (weight push and the replacement engines' catch-up, the next batch, evaluation,
+checkpoint, timing, the prompt ledger, logging, shutdown) and the batch shape a checkpoint
+records (`batch_shape`, `check_batch_shape`). `slime_async.launch.setup_run` builds a `Run`;
+nothing here starts a role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from data_worker.config import PartialRolloutPolicy
+from data_worker.worker import RolloutDataWorker
+from slime_async.config import RunConfig
+from slime_async.contracts.rollout import Batch, GenerationRequest
+from slime_async.metrics import MetricsLogger
+from slime_async.metrics.stability import mean_and_se
+from slime_async.placement import Placement
+from slime_async.roles import Cluster
+from slime_async.rollout.assemble import ScoredGenerate
+from slime_async.rollout.client import GenerateClient
+from slime_async.rollout.plan import DataPlan
+from slime_async.supervisor import EnginesDownError, EngineSupervisor
+from slime_async.trainer.actor import TrainerGroup
+from slime_async.weights import DiskTransport, DistributedTransport
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Run:
+    """Live state of one run (the controller reads `version`, calls the methods)."""
+
+    cfg: RunConfig
+    trainer: TrainerGroup
+    cluster: Cluster
+    worker: RolloutDataWorker
+    client: GenerateClient
+    transport: DiskTransport | DistributedTransport
+    logger: MetricsLogger
+    plan: DataPlan
+    supervisor: EngineSupervisor
+    start_step: int
+    version: int
+    served: tuple[Path, int]
+    generate: ScoredGenerate
+    sample_fn: Any = None
+    """What generates one sample: the generate client or a custom generate function."""
+    behavior_role: Any = None
+    """The forward-only role computing π_j^Meg (`--behavior-forward role`), or None."""
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    placement: Placement | None = None
+    """The reserved bundles (given back at close)."""
+    pushed_version: int = -1
+    """The last version pushed to the engines (-1: none yet)."""
+    _logged_once: bool = False
+    _rollout_idle_mark: float = 0.0
+
+    async def push_weights(self, version: int) -> dict[str, float]:
+        """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
+        await self._feed_role(version)
+        requeue = self.cfg.data_worker.partial_rollout is PartialRolloutPolicy.REQUEUE
+        if requeue:  # abort in-flight generations; the data worker re-issues them whole
+            await self.worker.pause()
+        try:  # pause in place, update without a flush, continue: per-token versions record it
+            metrics = await self.transport.push(version)
+        finally:
+            if requeue:
+                await self.cluster.control.continue_generation()
+                await self.worker.resume()
+        self.worker.set_served_version(version)
+        self.pushed_version = version
+        if isinstance(self.transport, DiskTransport):
+            # replacements start on the newest directory; with the distributed transport they
+            # start on the run's start source and join at the next push (Cluster.pending)
+            self.served = (self.transport.path(version), version)
+        await self._admit_caught_up(version)
+        return metrics
+
+    @property
+    def fleet_version(self) -> int:
+        """The version the engines in the router serve."""
+        return self.pushed_version if self.pushed_version >= 0 else self.served[1]
+
+    async def _admit_caught_up(self, version: int) -> None:
+        for url in await self.cluster.admit_caught_up(version, token=self.cfg.engine.auth_token):
+            log.info("replacement engine %s has v%d: admitted to the router", url, version)
+
+    async def catch_up_replacements(self) -> None:
+        """Give pending replacements (started on older weights, `Cluster.pending`) the fleet's
+        version, between steps: the trainer is idle and holds `self.version`. When that is the
+        fleet's version it is sent again (the replacement joins the weight group; the others
+        take the same version); when the trainer is ahead (`--update-weights-interval` > 1) the
+        replacement waits for the next push, unless no other engine serves: then that push
+        comes now, early, and says so."""
+        self.cluster.pending &= set(self.cluster.engine_urls)
+        if not self.cluster.pending:
+            return
+        if self.version == self.fleet_version:
+            await self.transport.push(self.version)
+            await self._admit_caught_up(self.version)
+        elif len(self.cluster.pending) == len(self.cluster.engines):
+            log.warning("every engine is a replacement waiting for weights: pushing v%d now, "
+                        "before --update-weights-interval %d is due", self.version,
+                        self.cfg.update_weights_interval)  # fmt: skip
+            await self.push_weights(self.version)
+
+    async def _feed_role(self, version: int) -> None:
+        """Give the forward-only role `version`'s weights before any engine serves it. A disk
+        transport hands over the directory it writes (`on_written`); any other transport has
+        no such directory, so the trainer's in-memory export goes to the role through Ray's
+        object store (the trainer pays the export, no file write; the role loads it in order)."""
+        role = self.behavior_role
+        if role is None or getattr(self.transport, "on_written", None) is not None:
+            return
+        role.add_version(version, await self.trainer.export_weights_ref())
+
+    async def score(self, batch: Batch) -> Batch:
+        """Rewards that need a whole group (slime's `--group-rm`); a no-op otherwise."""
+        return await self.generate.score_groups(batch)
+
+    async def next_batch(self, num_groups: int) -> Batch:
+        """The next batch for train step `self.version`, unless every engine stays down."""
+        get = asyncio.ensure_future(self.worker.get_batch(num_groups, current_version=self.version))
+        down = asyncio.ensure_future(self.supervisor.failed.wait())
+        try:
+            while True:
+                behind = asyncio.ensure_future(self.supervisor.behind.wait())
+                done, _ = await asyncio.wait({get, down, behind},
+                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                behind.cancel()
+                if get in done:
+                    return get.result()
+                if down in done:
+                    raise EnginesDownError(self.supervisor.reason)
+                self.supervisor.behind.clear()  # a replacement waits for the fleet's weights
+                await self.catch_up_replacements()
+        finally:
+            for f in (get, down):
+                f.cancel()
+
+    async def write_roles(self) -> None:
+        """`run_dir/roles.json`: live pids (driver, engines) for operators and chaos tests; an
+        engine's pid is null where the run does not own its process (external backend)."""
+        roles = {
+            "driver_pid": os.getpid(),
+            "engine_backend": self.cfg.engines.backend,
+            "engine_pids": self.cluster.engine_pids,
+            "engine_urls": self.cluster.engine_urls,
+            "router_url": self.cluster.router_url,
+        }
+        tmp = self.cfg.run_dir / "roles.json.tmp"
+        tmp.write_text(json.dumps(roles))
+        os.replace(tmp, self.cfg.run_dir / "roles.json")
+
+    async def _record_served_versions(self) -> None:
+        """`run_dir/served_versions.json`: the version each engine serves at the end (the last
+        push reached every engine when all equal the trainer's version)."""
+        versions = await self.cluster.served_versions(token=self.cfg.engine.auth_token)
+        record = {"trainer_version": self.version, "pushed_version": self.pushed_version,
+                  "engines": dict(zip(self.cluster.engine_urls, versions, strict=True))}  # fmt: skip
+        (self.cfg.run_dir / "served_versions.json").write_text(json.dumps(record))
+
+    async def evaluate(self, *, step: int) -> None:
+        """Held-out pass rate (`--n-samples-per-eval-prompt` samples per prompt, rollout
+        temperature) and its standard error, logged at `step`."""
+        if not self.plan.eval_prompts:
+            return
+        t0 = time.perf_counter()
+        scored = ScoredGenerate(self.sample_fn or self.client, self.plan.reward_fn,
+                                eos_id=self.plan.eos_id, decode=self.plan.decode,
+                                reward_args=self.generate.reward_args,
+                                group_rm=self.cfg.rollout.group_rm, score_alone=True)  # fmt: skip
+        k = self.cfg.rollout.n_samples_per_eval_prompt
+        prompts = [p for p in self.plan.eval_prompts for _ in range(k)]
+        reqs = [GenerationRequest(prompt=p, group_seq=-1 - i // k, sample_index=i % k)
+                for i, p in enumerate(prompts)]  # fmt: skip
+        expected = self.cfg.rollout.max_response_len
+        results = await asyncio.gather(*(scored(r, 0.0, expected) for r in reqs))
+        by_level: dict[int, list[float]] = {}
+        for p, res in zip(prompts, results, strict=True):
+            level = int(p.payload.get("level", 0))
+            by_level.setdefault(level, []).append(float(res.payload.get("reward", 0.0)))
+        allr = [r for rs in by_level.values() for r in rs]
+        mean, se = mean_and_se(allr)
+        pass_mean, pass_se = mean_and_se([float(r >= 1.0) for r in allr])
+        metrics = {"eval/reward": mean, "eval/reward_se": se,
+                   "eval/pass": pass_mean, "eval/pass_se": pass_se,
+                   "timing/eval_s": time.perf_counter() - t0}  # fmt: skip
+        for level, rs in sorted(by_level.items()):
+            metrics[f"eval/reward_level{level}"] = sum(rs) / len(rs)
+        self.logger.log(step, metrics)
+
+    def should_save(self, version: int) -> bool:
+        every = self.cfg.save_interval * self.cfg.rollout.num_steps_per_rollout  # rollouts
+        return bool(self.cfg.trainer.save and every and version % every == 0)
+
+    async def save(self, version: int) -> None:
+        state = {"step": version, "worker": self.worker.state_dict(),
+                 "accounting": self.accounting(), "batch_shape": batch_shape(self.cfg)}  # fmt: skip
+        path = await asyncio.to_thread(self.trainer.save_checkpoint, None, extra_state=state)
+        log.info("checkpoint saved: %s", path)
+
+    def timing(self, *, wait_s: float, train_s: float, sync_s: float) -> dict[str, float]:
+        total = max(1e-9, wait_s + train_s + sync_s)
+        idle = self.generate.idle_seconds()
+        rollout_idle, self._rollout_idle_mark = idle - self._rollout_idle_mark, idle
+        return {
+            "idle/rollout_ratio": min(1.0, rollout_idle / total),
+            "timing/wait_batch_s": wait_s,
+            "timing/train_s": train_s,
+            "timing/weight_sync_s": sync_s,
+            "timing/step_s": total,
+            "timing/elapsed_s": time.perf_counter() - self.started,
+            "idle/trainer_ratio": wait_s / total,
+        }
+
+    def accounting(self) -> dict[str, float]:
+        a = self.worker.accounting()
+        return {"accounting/dispatched": a.dispatched, "accounting/consumed": a.consumed,
+                "accounting/dropped": a.dropped, "accounting/filtered": a.filtered,
+                "accounting/pending": a.pending}  # fmt: skip
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self._logged_once:  # data-loading counters (rows, skipped) go with the first step
+            metrics = {**self.plan.metrics, **metrics}
+            self._logged_once = True
+        self.logger.log(step, metrics)
+
+    def record_trained(self, step: int, batch: Any) -> None:
+        """Append which prompt groups step `step` trained on (the prompt ledger)."""
+        row = {"step": step, "version": batch.current_version,
+               "groups": [[g.prompt.key, g.seq, g.min_version] for g in batch.groups],
+               "dropped": batch.dropped, "filtered": batch.filtered}  # fmt: skip
+        with open(self.cfg.run_dir / "trained.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    async def close(self) -> None:
+        try:
+            await self.worker.stop()
+        except Exception as e:  # shutting down after an error: report, keep closing
+            log.warning("data worker did not stop cleanly: %s", e)
+        await self.supervisor.stop()
+        await self.client.close()
+        try:
+            await self.transport.close()
+        except Exception as e:  # shutting down: report, keep closing
+            log.warning("weight transport did not close cleanly: %s", e)
+        await self._record_served_versions()
+        await self.cluster.stop()
+        self.trainer.shutdown()
+        if self.behavior_role is not None:
+            self.behavior_role.shutdown()
+        if self.placement is not None:
+            self.placement.remove()
+        self.logger.close()
+
+
+_SHAPE_FLAGS = {
+    "rollout_batch_size": "--rollout-batch-size",
+    "n_samples_per_prompt": "--n-samples-per-prompt",
+    "global_batch_size": "--global-batch-size",
+    "num_steps_per_rollout": "--num-steps-per-rollout",
+}
+"""The rollout fields that fix what one step trains on -> their flags."""
+
+
+def batch_shape(cfg: RunConfig) -> dict[str, int]:
+    """The flags that fix what one step trains on; a resume must keep them (saved in the
+    checkpoint's extra state)."""
+    return {k: int(getattr(cfg.rollout, k)) for k in _SHAPE_FLAGS}
+
+
+def check_batch_shape(saved: object, cfg: RunConfig, *, where: str) -> None:
+    """Refuse a resume whose batch shape differs from the checkpoint's: the data worker's pending
+    groups, the ledger and the step counter all assume the saved shape."""
+    if saved is None:  # a checkpoint from before the shape was recorded
+        return
+    now = batch_shape(cfg)
+    if not isinstance(saved, dict):
+        raise ValueError(f"checkpoint in {where}: batch_shape is {saved!r}, not an object")
+    diff = [
+        (flag, saved.get(k), now[k]) for k, flag in _SHAPE_FLAGS.items() if saved.get(k) != now[k]
+    ]
+    if diff:
+        was = " ".join(f"{flag} {old}" for flag, old, _ in diff)
+        now_s = ", ".join(f"{flag} {new}" for flag, _, new in diff)
+        raise ValueError(
+            f"--load {where}: the checkpoint was trained with {was}, this run has {now_s}; a "
+            f"resume must keep the batch shape (pending groups and the prompt ledger assume it). "
+            f"Pass {was}, or start a new run from its weights with --hf-checkpoint."
+        )
