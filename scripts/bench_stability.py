@@ -414,7 +414,43 @@ def analyse(runs: Sequence[RunData], rules: VerdictRules) -> dict[str, Any]:
         c["vs_ppo"] = paired(per_run, g, f"s{st}-ppo-{rr}-{n}") if loss != "ppo" else None
         c["vs_rron"] = paired(per_run, g, f"s{st}-{loss}-rron-{n}") if rr == "rroff" else None
     return {"runs": per_run, "cells": cells, "guards": calibrate(runs, per_run),
-            "rules": dataclasses.asdict(rules)}  # fmt: skip
+            "replay": replay_effect(per_run), "rules": dataclasses.asdict(rules)}  # fmt: skip
+
+
+def replay_effect(per_run: dict[str, Any]) -> dict[str, Any]:
+    """Routing replay's change of the train–rollout gap (end window) and of the engine gap,
+    pooled over every seed-paired (R3 on, R3 off) pair of runs of the same staleness, loss and
+    steps per rollout: the geometric mean ratio on/off − 1 with its 95% t-interval (a change
+    of −38% is Relax's figure), over all pairs and per staleness. One cell holds one to three
+    pairs, too few to see a −38% effect through this noise; the grid holds up to 60."""
+
+    def pooled(pairs: list[tuple[float, float]]) -> list[float]:
+        logs = [math.log(on / off) for on, off in pairs
+                if on > 0 and off > 0 and math.isfinite(on) and math.isfinite(off)]  # fmt: skip
+        if not logs:
+            return [math.nan, math.nan, math.nan, 0.0]
+        m, h = mean_ci(logs)
+        h = 0.0 if math.isnan(h) else h
+        return [math.exp(m) - 1, math.exp(m - h) - 1, math.exp(m + h) - 1, float(len(logs))]
+
+    out: dict[str, Any] = {}
+    for key in ("gap_end", "engine_gap"):
+        pairs: dict[str, list[tuple[float, float]]] = {"all": []}
+        for name, off in per_run.items():
+            if "-rroff-" not in name:
+                continue
+            on = per_run.get(name.replace("-rroff-", "-rron-"))
+            if on is None:
+                continue
+            pair = (on[key], off[key])
+            pairs["all"].append(pair)
+            pairs.setdefault(f"s{_parts(off['group'])[0]}", []).append(pair)
+        out[key] = {k: pooled(v) for k, v in sorted(pairs.items(), key=lambda kv: _by_s(kv[0]))}
+    return out
+
+
+def _by_s(k: str) -> tuple[int, int]:
+    return (0, 0) if k == "all" else (1, int(k[1:]))
 
 
 def paired(per_run: dict[str, Any], group: str, other: str) -> dict[str, list[float]] | None:
@@ -607,7 +643,7 @@ def goal_checks(an: dict[str, Any]) -> list[str]:
     out = ["Goal checks (the issue's bars, on the cells that ran):", ""]
     top = max((int(g.split("-")[0][1:]) for g in cells), default=None)
     if top is None:
-        return [*out, "* no cells"]
+        out.append("* no cells")
     for g, c in sorted(cells.items()):
         s, loss, rr, n = _parts(g)
         if s != top:
@@ -641,6 +677,18 @@ def goal_checks(an: dict[str, Any]) -> list[str]:
             out.append(f"* routing replay at `s{s}-{loss}-{n}`, change with R3 vs without "
                        f"({k:.0f} seed-paired): {'; '.join(parts)}; Relax's figure: −38% "
                        f"or better")  # fmt: skip
+    for key, what in (("gap_end", "train–rollout gap (end window)"),
+                      ("engine_gap", "engine gap |log π_j^Meg − log π_SGL|")):  # fmt: skip
+        rows = an.get("replay", {}).get(key, {})
+        if not rows or not rows["all"][3]:
+            continue
+        each = ", ".join(f"{k} {100 * v[0]:+.0f}% ({v[3]:.0f})" for k, v in rows.items()
+                         if k != "all")  # fmt: skip
+        m, lo, hi, k = rows["all"]
+        met = "yes" if hi <= -0.38 else ("no" if lo > -0.38 else "not resolved")
+        out.append(f"* routing replay, pooled over {k:.0f} seed-paired run pairs, {what}: "
+                   f"{100 * m:+.0f}% [{100 * lo:+.0f}%, {100 * hi:+.0f}%] (geometric mean "
+                   f"on/off, 95% interval); −38% or better: {met}. By staleness: {each}")  # fmt: skip
     return out
 
 

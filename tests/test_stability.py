@@ -243,6 +243,27 @@ def test_report_from_logged_runs_has_figure_table_verdicts_and_guards(bench, tmp
     assert summary["cells"]["s0-compis-rron-n4"]["eval_final"][0] == pytest.approx(0.5)
 
 
+def test_replay_effect_pools_seed_paired_runs_as_a_geometric_mean(bench) -> None:
+    per_run = {}
+    for s, ratio in ((0, 0.5), (16, 0.8)):  # R3 on / off gap ratio per staleness
+        for seed, off in ((1, 0.01), (2, 0.02), (3, 0.04)):
+            for rr, gap in (("rroff", off), ("rron", off * ratio)):
+                g = f"s{s}-compis-{rr}-n4"
+                per_run[f"{g}-seed{seed}"] = {"group": g, "gap_end": gap, "engine_gap": math.nan}
+    per_run["s16-ppo-rroff-n4-seed9"] = {"group": "s16-ppo-rroff-n4", "gap_end": 1.0,
+                                         "engine_gap": 1.0}  # no R3-on partner: left out
+    eff = bench.replay_effect(per_run)
+    gm = math.sqrt(0.5 * 0.8) - 1  # three pairs at each ratio
+    m, lo, hi, k = eff["gap_end"]["all"]
+    assert k == 6 and m == pytest.approx(gm) and lo < m < hi
+    assert eff["gap_end"]["s0"] == pytest.approx([-0.5, -0.5, -0.5, 3])  # no spread: exact
+    assert eff["gap_end"]["s16"][0] == pytest.approx(-0.2)
+    assert eff["engine_gap"]["all"][3] == 0  # NaN gaps are not pairs
+    lines = "\n".join(bench.goal_checks({"cells": {}, "replay": eff}))
+    assert "pooled over 6 seed-paired run pairs, train–rollout gap" in lines
+    assert "engine gap" not in lines
+
+
 def test_a_run_of_another_budget_is_refused_not_rerun_or_mixed(bench, tmp_path, capsys) -> None:
     cells = bench.grid((0,), ("ppo",), ("on",), (4,), (1,))
     _fake_run(bench, tmp_path, cells[0], steps=40, gap=lambda t: 0.01, seed=0)  # 10 rollouts
