@@ -18,10 +18,12 @@ class FanoutError(RuntimeError):
 
     def __init__(self, path: str, reply: dict) -> None:
         failed = ", ".join(f"{f['url']} ({f['error']})" for f in reply.get("failed", []))
-        super().__init__(
-            f"{path}: {reply.get('succeeded', 0)}/{reply.get('total', 0)} engines succeeded; "
-            f"failed: {failed or 'none'}"
-        )
+        if not reply.get("total", 0):
+            msg = f"{path}: no engine is registered with the router (none to call)"
+        else:
+            msg = (f"{path}: {reply.get('succeeded', 0)}/{reply['total']} engines succeeded; "
+                   f"failed: {failed or 'none'}")  # fmt: skip
+        super().__init__(msg)
         self.reply = reply
 
 
