@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import fnmatch
 import itertools
@@ -41,6 +42,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -212,8 +214,31 @@ def is_done(run_dir: Path, budget: Budget | None = None) -> bool:
     return True
 
 
+TIMED_OUT = 124
+"""A run's return code when it ran past `--run-timeout` (as `timeout(1)` reports it)."""
+
+
+def run_logged(cmd: Sequence[str], log: Any, *, env: dict[str, str],
+               timeout_s: float | None) -> int:  # fmt: skip
+    """Run `cmd` (in its own process group, output to `log`) and return its exit code; past
+    `timeout_s` the whole group (the run's Ray node and actors too) is killed and the code is
+    `TIMED_OUT`, so one hung run never stalls the grid."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.seek(0, os.SEEK_END)  # after what the run wrote through the shared descriptor
+        log.write(f"\n[bench_stability] killed after --run-timeout {timeout_s:.0f}s\n")
+        return TIMED_OUT
+
+
 def run_cell(cell: Cell, budget: Budget, out: Path, *, cores: tuple[int, int] | None,
-             warmstart: Path | None, python: str) -> dict[str, Any]:  # fmt: skip
+             warmstart: Path | None, python: str,
+             timeout_s: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Run one cell to completion (or failure) and write its result.json."""
     run_dir = out / "runs" / cell.name
     if run_dir.exists():
@@ -225,7 +250,7 @@ def run_cell(cell: Cell, budget: Budget, out: Path, *, cores: tuple[int, int] | 
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
     with (run_dir / "train.log").open("w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        rc = run_logged(cmd, log, env=env, timeout_s=timeout_s)
     wall = time.monotonic() - t0
     steps = 0
     if (run_dir / "metrics.jsonl").exists():
@@ -239,7 +264,8 @@ def run_cell(cell: Cell, budget: Budget, out: Path, *, cores: tuple[int, int] | 
     return result
 
 
-def run_grid(cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int) -> None:
+def run_grid(cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int,
+             timeout_s: float | None = None) -> None:  # fmt: skip
     """Run the cells not done yet, `jobs` at a time; print one line per finished run."""
     todo = [c for c in cells if not is_done(out / "runs" / c.name, budget)]
     print(f"{len(cells) - len(todo)} of {len(cells)} runs already done; {len(todo)} to run "
@@ -263,7 +289,8 @@ def run_grid(cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int) -> 
             slot = free.pop()
         try:
             return run_cell(cell, budget, out, cores=pairs[slot] if pairs else None,
-                            warmstart=ws.get(cell.seed), python=sys.executable)  # fmt: skip
+                            warmstart=ws.get(cell.seed), python=sys.executable,
+                            timeout_s=timeout_s)  # fmt: skip
         finally:
             with lock:
                 free.append(slot)
@@ -756,6 +783,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cells", help="Comma-separated fnmatch patterns on run names, e.g. "
                                    "'s16-compis-*,s0-*-seed1'.")  # fmt: skip
     p.add_argument("--jobs", type=int, default=1, help="Runs at a time (default: 1).")
+    p.add_argument("--run-timeout", type=float, default=3600.0,
+                   help="Kill a run (its whole process group) after this many seconds and "
+                        "count it failed; a resume runs it again. 0: no limit (default: "
+                        "%(default)s).")  # fmt: skip
     p.add_argument(
         "--smooth",
         type=float,
@@ -772,6 +803,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             setattr(a, k, base[k])
     if a.jobs < 1:
         p.error(f"--jobs {a.jobs}: give 1 or more")
+    if not 0 <= a.run_timeout < float("inf"):
+        p.error(f"--run-timeout {a.run_timeout}: give seconds > 0, or 0 for no limit")
     return a
 
 
@@ -792,7 +825,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         if not a.report_only:
-            run_grid(cells, budget, out, jobs=a.jobs)
+            run_grid(cells, budget, out, jobs=a.jobs, timeout_s=a.run_timeout or None)
         runs = load_runs(out, cells, budget)
     except BudgetMismatch as e:
         print(f"error: {e}", file=sys.stderr)

@@ -8,9 +8,11 @@ import importlib.util
 import io
 import json
 import math
+import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -262,6 +264,30 @@ def test_replay_effect_pools_seed_paired_runs_as_a_geometric_mean(bench) -> None
     lines = "\n".join(bench.goal_checks({"cells": {}, "replay": eff}))
     assert "pooled over 6 seed-paired run pairs, train–rollout gap" in lines
     assert "engine gap" not in lines
+
+
+def test_a_run_past_its_timeout_is_killed_with_its_children(bench, tmp_path) -> None:
+    pidfile = tmp_path / "child.pid"
+    cmd = ["bash", "-c", f"echo started; sleep 300 & echo $! > {pidfile}; wait"]
+    t0 = time.monotonic()
+    with (tmp_path / "train.log").open("w") as log:
+        rc = bench.run_logged(cmd, log, env=dict(os.environ), timeout_s=2.0)
+    assert rc == bench.TIMED_OUT and time.monotonic() - t0 < 60
+    assert (tmp_path / "train.log").read_text().startswith("started\n")  # the run's output kept
+    assert "killed after --run-timeout 2s" in (tmp_path / "train.log").read_text()
+    child = int(pidfile.read_text())
+    for _ in range(200):  # killed: gone, or a zombie where PID 1 does not reap orphans
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the run's child {child} outlived the timeout")
+    with (tmp_path / "ok.log").open("w") as log:
+        assert bench.run_logged(["true"], log, env=dict(os.environ), timeout_s=30.0) == 0
 
 
 def test_a_run_of_another_budget_is_refused_not_rerun_or_mixed(bench, tmp_path, capsys) -> None:
