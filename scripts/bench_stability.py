@@ -72,9 +72,11 @@ LOSSES: dict[str, tuple[str, ...]] = {
     "decoupled_ppo": ("--loss", "decoupled_ppo"),
     "tis": ("--loss", "single_ratio"),  # token-level truncated IS, clip(π_k/π_SGL, 0, 2)
     "icepop": ("--loss", "single_ratio", "--loss-config", "method=icepop", "low=0.5", "high=2.0"),
-    "compis": ("--loss", "compis"),
+    "compis": ("--loss", "compis", "--keep-old-actor"),
 }
-"""Grid name of a loss -> its train_async.py flags."""
+"""Grid name of a loss -> its train_async.py flags. `compis` is the method with its true π_j
+(snapshots; the default of the embedded run, not of an `--hf-checkpoint` run, where CompIS
+would fall back to the combined ratio, a single-ratio correction like `decoupled_ppo`'s)."""
 RESULT = "result.json"
 """Written in a run directory once its run finished; its presence makes a resume skip it."""
 

@@ -191,6 +191,8 @@ def test_grid_names_filter_and_flags_parse(bench, tmp_path) -> None:
         assert cfg.rollout.num_steps_per_rollout == cell.nspr
         assert cfg.trainer.routing_replay.value == ("r3" if cell.replay else "none")
         assert cfg.rollout.n_samples_per_eval_prompt == 4
+        if cell.loss == "compis":  # the method with its true pi_j, not the fallback
+            assert cfg.trainer.keep_old_actor
         # equal sample budget: every cell trains num_rollout x the same rollout
         assert cfg.num_steps * cfg.rollout.global_batch_size == 5 * 64
 
