@@ -217,30 +217,44 @@ def is_done(run_dir: Path, budget: Budget | None = None) -> bool:
 
 
 TIMED_OUT = 124
-"""A run's return code when it ran past `--run-timeout` (as `timeout(1)` reports it)."""
+"""A run's return code when it was killed as stalled (as `timeout(1)` reports a timeout)."""
+POLL_S = 2.0
+"""How often `run_logged` looks at a run's progress."""
 
 
-def run_logged(cmd: Sequence[str], log: Any, *, env: dict[str, str],
-               timeout_s: float | None) -> int:  # fmt: skip
-    """Run `cmd` (in its own process group, output to `log`) and return its exit code; past
-    `timeout_s` the whole group (the run's Ray node and actors too) is killed and the code is
-    `TIMED_OUT`, so one hung run never stalls the grid."""
+def run_logged(cmd: Sequence[str], log: Any, *, env: dict[str, str], progress: Sequence[Path],
+               stall_s: float | None) -> int:  # fmt: skip
+    """Run `cmd` (in its own process group, output to `log`) and return its exit code. A run
+    whose progress file (the first of `progress` that exists: its metrics.jsonl, else its log)
+    has not changed for `stall_s` is hung: the whole group (the run's Ray node and actors too)
+    is killed and the code is `TIMED_OUT`, so one hung run never stalls the grid, while a slow
+    one (a real model's step can take minutes) runs as long as it moves."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        log.seek(0, os.SEEK_END)  # after what the run wrote through the shared descriptor
-        log.write(f"\n[bench_stability] killed after --run-timeout {timeout_s:.0f}s\n")
-        return TIMED_OUT
+    last, mark = time.monotonic(), None
+    while True:
+        try:
+            return proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        state = next(((p, p.stat().st_mtime_ns, p.stat().st_size)
+                      for p in progress if p.exists()), None)  # fmt: skip
+        if state != mark:
+            last, mark = now, state
+        if stall_s is not None and now - last > stall_s:
+            break
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    log.seek(0, os.SEEK_END)  # after what the run wrote through the shared descriptor
+    log.write(f"\n[bench_stability] killed: no progress for --stall-timeout {stall_s:.0f}s\n")
+    return TIMED_OUT
 
 
 def run_cell(cell: Cell, budget: Budget, out: Path, *, cores: tuple[int, int] | None,
              warmstart: Path | None, python: str,
-             timeout_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+             stall_s: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Run one cell to completion (or failure) and write its result.json."""
     run_dir = out / "runs" / cell.name
     if run_dir.exists():
@@ -252,7 +266,8 @@ def run_cell(cell: Cell, budget: Budget, out: Path, *, cores: tuple[int, int] | 
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
     with (run_dir / "train.log").open("w") as log:
-        rc = run_logged(cmd, log, env=env, timeout_s=timeout_s)
+        rc = run_logged(cmd, log, env=env, stall_s=stall_s,
+                        progress=(run_dir / "metrics.jsonl", run_dir / "train.log"))  # fmt: skip
     wall = time.monotonic() - t0
     steps = 0
     if (run_dir / "metrics.jsonl").exists():
@@ -267,7 +282,7 @@ def run_cell(cell: Cell, budget: Budget, out: Path, *, cores: tuple[int, int] | 
 
 
 def run_grid(cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int,
-             timeout_s: float | None = None) -> None:  # fmt: skip
+             stall_s: float | None = None) -> None:  # fmt: skip
     """Run the cells not done yet, `jobs` at a time; print one line per finished run."""
     todo = [c for c in cells if not is_done(out / "runs" / c.name, budget)]
     print(f"{len(cells) - len(todo)} of {len(cells)} runs already done; {len(todo)} to run "
@@ -292,7 +307,7 @@ def run_grid(cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int,
         try:
             return run_cell(cell, budget, out, cores=pairs[slot] if pairs else None,
                             warmstart=ws.get(cell.seed), python=sys.executable,
-                            timeout_s=timeout_s)  # fmt: skip
+                            stall_s=stall_s)  # fmt: skip
         finally:
             with lock:
                 free.append(slot)
@@ -785,10 +800,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cells", help="Comma-separated fnmatch patterns on run names, e.g. "
                                    "'s16-compis-*,s0-*-seed1'.")  # fmt: skip
     p.add_argument("--jobs", type=int, default=1, help="Runs at a time (default: 1).")
-    p.add_argument("--run-timeout", type=float, default=3600.0,
-                   help="Kill a run (its whole process group) after this many seconds and "
-                        "count it failed; a resume runs it again. 0: no limit (default: "
-                        "%(default)s).")  # fmt: skip
+    p.add_argument("--stall-timeout", type=float, default=1800.0,
+                   help="Kill a run (its whole process group) whose metrics.jsonl (before its "
+                        "first step: its log) has not changed for this many seconds, and count "
+                        "it failed; a resume runs it again. 0: never (default: %(default)s).")  # fmt: skip
     p.add_argument(
         "--smooth",
         type=float,
@@ -805,8 +820,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             setattr(a, k, base[k])
     if a.jobs < 1:
         p.error(f"--jobs {a.jobs}: give 1 or more")
-    if not 0 <= a.run_timeout < float("inf"):
-        p.error(f"--run-timeout {a.run_timeout}: give seconds > 0, or 0 for no limit")
+    if not 0 <= a.stall_timeout < float("inf"):
+        p.error(f"--stall-timeout {a.stall_timeout}: give seconds > 0, or 0 for never")
     return a
 
 
@@ -827,7 +842,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         if not a.report_only:
-            run_grid(cells, budget, out, jobs=a.jobs, timeout_s=a.run_timeout or None)
+            run_grid(cells, budget, out, jobs=a.jobs, stall_s=a.stall_timeout or None)
         runs = load_runs(out, cells, budget)
     except BudgetMismatch as e:
         print(f"error: {e}", file=sys.stderr)

@@ -268,15 +268,16 @@ def test_replay_effect_pools_seed_paired_runs_as_a_geometric_mean(bench) -> None
     assert "engine gap" not in lines
 
 
-def test_a_run_past_its_timeout_is_killed_with_its_children(bench, tmp_path) -> None:
-    pidfile = tmp_path / "child.pid"
-    cmd = ["bash", "-c", f"echo started; sleep 300 & echo $! > {pidfile}; wait"]
+def test_a_stalled_run_is_killed_with_its_children_a_moving_one_is_not(bench, tmp_path) -> None:
+    pidfile, metrics = tmp_path / "child.pid", tmp_path / "metrics.jsonl"
+    stalls = ["bash", "-c", f"echo started; sleep 300 & echo $! > {pidfile}; wait"]
     t0 = time.monotonic()
     with (tmp_path / "train.log").open("w") as log:
-        rc = bench.run_logged(cmd, log, env=dict(os.environ), timeout_s=2.0)
+        rc = bench.run_logged(stalls, log, env=dict(os.environ), progress=(metrics,), stall_s=3.0)
     assert rc == bench.TIMED_OUT and time.monotonic() - t0 < 60
-    assert (tmp_path / "train.log").read_text().startswith("started\n")  # the run's output kept
-    assert "killed after --run-timeout 2s" in (tmp_path / "train.log").read_text()
+    text = (tmp_path / "train.log").read_text()
+    assert text.startswith("started\n")  # the run's own output is kept
+    assert "killed: no progress for --stall-timeout 3s" in text
     child = int(pidfile.read_text())
     for _ in range(200):  # killed: gone, or a zombie where PID 1 does not reap orphans
         try:
@@ -287,9 +288,12 @@ def test_a_run_past_its_timeout_is_killed_with_its_children(bench, tmp_path) -> 
             break
         time.sleep(0.05)
     else:
-        raise AssertionError(f"the run's child {child} outlived the timeout")
+        raise AssertionError(f"the run's child {child} outlived the stall")
+    # a run that logs a step every second runs 8 s, well past a 3 s stall window
+    moves = ["bash", "-c", f"for i in 1 2 3 4 5 6 7 8; do echo $i >> {metrics}; sleep 1; done"]
     with (tmp_path / "ok.log").open("w") as log:
-        assert bench.run_logged(["true"], log, env=dict(os.environ), timeout_s=30.0) == 0
+        rc = bench.run_logged(moves, log, env=dict(os.environ), progress=(metrics,), stall_s=3.0)
+    assert rc == 0 and metrics.read_text().split() == [str(i) for i in range(1, 9)]
 
 
 def test_a_run_of_another_budget_is_refused_not_rerun_or_mixed(bench, tmp_path, capsys) -> None:
