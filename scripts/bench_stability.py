@@ -458,7 +458,30 @@ def analyse(runs: Sequence[RunData], rules: VerdictRules) -> dict[str, Any]:
         c["vs_ppo"] = paired(per_run, g, f"s{st}-ppo-{rr}-{n}") if loss != "ppo" else None
         c["vs_rron"] = paired(per_run, g, f"s{st}-{loss}-rron-{n}") if rr == "rroff" else None
     return {"runs": per_run, "cells": cells, "guards": calibrate(runs, per_run),
-            "replay": replay_effect(per_run), "rules": dataclasses.asdict(rules)}  # fmt: skip
+            "replay": replay_effect(per_run), "vs_sync": pooled_vs_sync(per_run),
+            "rules": dataclasses.asdict(rules)}  # fmt: skip
+
+
+def pooled_vs_sync(per_run: dict[str, Any]) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """loss -> staleness -> key -> [mean, 95% t half-width, pairs]: each async run minus the
+    synchronous run of the same loss, routing replay, steps per rollout and seed, pooled over
+    those (a cell of the full grid holds 3 pairs; pooled, 12), for the final eval, the end
+    train reward and the end gap."""
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    diffs: dict[tuple[str, int, str], list[float]] = {}
+    for name, r in per_run.items():
+        st, loss, _, _ = _parts(r["group"])
+        sync = per_run.get(name.replace(f"s{st}-", "s0-", 1)) if st else None
+        if sync is None:
+            continue
+        for key in ("eval_final", "reward_end", "gap_end"):
+            d = r[key] - sync[key]
+            if math.isfinite(d):
+                diffs.setdefault((loss, st, key), []).append(d)
+    for (loss, st, key), ds in sorted(diffs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        m, h = mean_ci(ds)
+        out.setdefault(loss, {}).setdefault(f"s{st}", {})[key] = [m, h, float(len(ds))]
+    return out
 
 
 def replay_effect(per_run: dict[str, Any]) -> dict[str, Any]:
@@ -666,6 +689,7 @@ def render_markdown(an: dict[str, Any], runs: Sequence[RunData], command: str) -
                 lines.append(f"| `{g}` | {label} | {d['seeds'][0]:.0f} "
                              f"| {_fmt(*d['eval_final'])} | {_fmt(*d['reward_end'])} "
                              f"| {_fmt(*d['gap_end'], 4)} |")  # fmt: skip
+    lines += pooled_table(an.get("vs_sync", {}))
     lines += ["",
               "Per run (verdict, the rule that decided it, guards that fired):", ""]  # fmt: skip
     for name in sorted(an["runs"], key=_group_key):
@@ -674,6 +698,26 @@ def render_markdown(an: dict[str, Any], runs: Sequence[RunData], command: str) -
                      f"{', '.join(r['guards']) or 'none'}")  # fmt: skip
     lines += ["", *goal_checks(an), "", *guard_table(an["guards"])]
     return "\n".join(lines) + "\n"
+
+
+def pooled_table(vs: dict[str, dict[str, dict[str, list[float]]]]) -> list[str]:
+    """The pooled async − sync differences as one table per measure: loss × staleness."""
+    if not vs:
+        return []
+    cols = sorted({st for by in vs.values() for st in by}, key=lambda k: int(k[1:]))
+    out = ["", "Async minus sync, seed-paired and pooled over routing replay and steps per "
+           "rollout (mean ± 95% t half-width, pairs):"]  # fmt: skip
+    for key, what in (("reward_end", "end train reward"), ("eval_final", "final eval reward"),
+                      ("gap_end", "train–rollout gap at the end")):  # fmt: skip
+        out += ["", f"| {what} | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+        for loss in sorted(vs, key=lambda x: list(LOSSES).index(x) if x in LOSSES else 99):
+            cells = []
+            for st in cols:
+                v = vs[loss].get(st, {}).get(key)
+                cells.append("–" if v is None else
+                             f"{_fmt(v[0], v[1], 4 if key == 'gap_end' else 3)} ({v[2]:.0f})")  # fmt: skip
+            out.append(f"| `{loss}` | " + " | ".join(cells) + " |")
+    return out
 
 
 def _group_key(g: str) -> tuple:

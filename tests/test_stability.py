@@ -245,6 +245,11 @@ def test_report_from_logged_runs_has_figure_table_verdicts_and_guards(bench, tmp
     default = next(r for r in sweep if r["default"])
     assert (default["unstable_hits"], default["stable_hits"]) == (2, 0)
     assert summary["cells"]["s0-compis-rron-n4"]["eval_final"][0] == pytest.approx(0.5)
+    # pooled async - sync: the drifting ppo's end gap is far above sync's, CompIS's is not
+    pooled = summary["vs_sync"]
+    assert pooled["ppo"]["s16"]["gap_end"][2] == 2 and pooled["ppo"]["s16"]["gap_end"][0] > 0.04
+    assert abs(pooled["compis"]["s16"]["gap_end"][0]) < 0.005
+    assert "| train–rollout gap at the end | s16 |" in md
 
 
 def test_replay_effect_pools_seed_paired_runs_as_a_geometric_mean(bench) -> None:
