@@ -249,10 +249,17 @@ class Cluster:
         served = await self.served_versions(token=token, urls=urls)
         admitted = []
         for url, v in zip(urls, served, strict=True):
-            if v is not None and str(v) == str(version):
+            if v is None or str(v) != str(version):
+                continue
+            try:
                 await self.control.add_worker(url, wait_healthy_s=60.0)
-                self.pending.discard(url)
-                admitted.append(url)
+            except Exception as e:  # stays pending: the next push tries again
+                log.warning("replacement %s has v%d but was not admitted: %s", url, version, e)
+                with contextlib.suppress(Exception):
+                    await self.control.remove_worker(url)
+                continue
+            self.pending.discard(url)
+            admitted.append(url)
         return admitted
 
     async def served_versions(self, *, token: str | None, timeout_s: float = 10.0,
