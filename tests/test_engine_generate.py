@@ -217,6 +217,23 @@ async def test_stop_token_ids_and_trim(engine) -> None:
     assert sstr["text"] == full[: full.find(stop_str)]
 
 
+async def test_ignore_eos_turns_off_stop_token_ids_as_in_sglang(engine) -> None:
+    """SGLang checks stop_token_ids and EOS only `if not ignore_eos`: with it, a request runs to
+    max_new_tokens whatever it samples (every id a stop token here), as in its check_finished."""
+    url, _, _ = engine
+    every = list(range(4096))
+    sp = {"max_new_tokens": 6, "stop_token_ids": every, "sampling_seed": 1}
+    async with aiohttp.ClientSession() as s:
+        _, stops = await post(
+            s, url + "/generate", {"input_ids": _prompt(5, 1), "sampling_params": sp}
+        )
+        _, runs = await post(s, url + "/generate", {"input_ids": _prompt(5, 1),
+                                                    "sampling_params": {**sp, "ignore_eos": True}})  # fmt: skip
+    assert len(stops["output_ids"]) == 1 and stops["meta_info"]["finish_reason"]["type"] == "stop"
+    assert len(runs["output_ids"]) == 6
+    assert runs["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+
+
 async def test_streaming_is_cumulative_and_ends_with_done(engine) -> None:
     url, _, _ = engine
     body = {

@@ -125,12 +125,12 @@ def check_finish(
     tokenizer: Any,
 ) -> dict[str, Any] | None:
     """Finish reason after the last sampled token, or None to keep going (SGLang's rules:
-    stop token/EOS, then stop strings, then max_new_tokens / context length)."""
+    stop token/EOS, then stop strings, then max_new_tokens / context length). As in SGLang,
+    `ignore_eos` turns off `stop_token_ids` too, not stop strings."""
     p = seq.params
     tok = seq.output[-1]
-    if len(seq.output) >= p.min_new_tokens and (
-        tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_ids)
-    ):
+    if (not p.ignore_eos and len(seq.output) >= p.min_new_tokens
+            and (tok in p.stop_token_ids or tok in eos_ids)):  # fmt: skip
         return {"type": "stop", "matched": tok}
     if p.stop:
         text = tokenizer.decode(seq.output, skip_special_tokens=p.skip_special_tokens)
