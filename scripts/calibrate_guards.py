@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import itertools
 import json
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from slime_async.metrics import lab  # noqa: E402
 from slime_async.metrics.stability import (  # noqa: E402
     Verdict,
     VerdictRules,
@@ -48,40 +48,30 @@ MAX_FALSE_ALARMS = 1 / 3
 """Largest share of stable runs a default may fire on."""
 
 
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_stability", ROOT / "scripts" /
-                                                  "bench_stability.py")  # fmt: skip
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_stability"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def load(outs: list[str]) -> list[Any]:
     """Every finished run (`result.json` status ok) under the given output directories."""
-    bs = _bench()
     runs = []
     for out in outs:
         o = Path(out).resolve()
-        cells = [bs.Cell(**json.loads((p / bs.RESULT).read_text())["cell"])
-                 for p in sorted((o / "runs").iterdir()) if bs.is_done(p)]  # fmt: skip
-        runs += bs.load_runs(o, cells)
+        cells = [lab.Cell(**json.loads((p / lab.RESULT).read_text())["cell"])
+                 for p in sorted((o / "runs").iterdir()) if lab.is_done(p)]  # fmt: skip
+        runs += lab.load_runs(o, cells)
     return runs
 
 
-def _fired(bs: Any, r: Any, setting: dict[str, Any]) -> set[str]:
+def _fired(r: Any, setting: dict[str, Any]) -> set[str]:
     """The guards that fire on run `r` with its own guard settings changed by `setting`."""
-    return guard_hits(r.records, dataclasses.replace(bs.run_guards(r), **setting))
+    return guard_hits(r.records, dataclasses.replace(lab.run_guards(r), **setting))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("outs", nargs="+", help="bench_stability.py --out directories")
     a = p.parse_args(argv)
-    bs, rules = _bench(), VerdictRules()
+    rules = VerdictRules()
     runs = load(a.outs)
     bad = [r for r in runs
-           if verdict(summarize(r.records, rules, fill_steps=bs.fill_steps(r)), rules)[0]
+           if verdict(summarize(r.records, rules, fill_steps=lab.fill_steps(r)), rules)[0]
            is not Verdict.STABLE]  # fmt: skip
     good = [r for r in runs if r not in bad]
     print(f"{len(bad)} unstable, {len(good)} stable runs: "
@@ -91,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         for values in itertools.product(*fields.values()):
             setting = dict(zip(fields, values, strict=True))
 
-            u, s = (sum(kind in _fired(bs, r, setting) for r in group)
+            u, s = (sum(kind in _fired(r, setting) for r in group)
                     for group in (bad, good))  # fmt: skip
             score = u / max(1, len(bad)) - s / max(1, len(good))
             rows.append((score, setting, u, s))

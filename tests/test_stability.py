@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from slime_async.config import parse_config
-from slime_async.metrics import GuardKind, MetricsLogger
+from slime_async.metrics import GuardKind, MetricsLogger, lab, lab_report
 from slime_async.metrics.stability import (
     GAP_KEY,
     REWARD_KEY,
@@ -173,20 +173,20 @@ def test_eval_samples_per_prompt_is_validated() -> None:
 
 # ------------------------------------------------------------------------- grid plumbing
 def test_grid_names_filter_and_flags_parse(bench, tmp_path) -> None:
-    cells = bench.grid((0, 16), ("ppo", "tis", "compis"), ("on", "off"), (1, 4), (1, 2, 3))
+    cells = lab.grid((0, 16), ("ppo", "tis", "compis"), ("on", "off"), (1, 4), (1, 2, 3))
     assert len(cells) == 2 * 3 * 2 * 2 * 3
     assert len({c.name for c in cells}) == len(cells)
-    picked = bench.select(cells, "s16-compis-*-n4-*,s0-ppo-rron-n1-seed1")
+    picked = lab.select(cells, "s16-compis-*-n4-*,s0-ppo-rron-n1-seed1")
     assert {c.name for c in picked} == {
         *(f"s16-compis-rr{r}-n4-seed{s}" for r in ("on", "off") for s in (1, 2, 3)),
         "s0-ppo-rron-n1-seed1",
     }
     with pytest.raises(ValueError, match="unknown loss 'bogus'"):
-        bench.grid((0,), ("bogus",), ("on",), (1,), (1,))
-    budget = bench.Budget(num_rollout=5, eval_interval=5, eval_prompts=172, eval_samples=4,
+        lab.grid((0,), ("bogus",), ("on",), (1,), (1,))
+    budget = lab.Budget(num_rollout=5, eval_interval=5, eval_prompts=172, eval_samples=4,
                           warmstart_steps=None)  # fmt: skip
-    for cell in bench.grid((0, 16), tuple(bench.LOSSES), ("on", "off"), (1, 4), (1,)):
-        cfg = parse_config(bench.train_args(cell, budget, tmp_path / cell.name, None))
+    for cell in lab.grid((0, 16), tuple(lab.LOSSES), ("on", "off"), (1, 4), (1,)):
+        cfg = parse_config(lab.train_args(cell, budget, tmp_path / cell.name, None))
         assert cfg.data_worker.max_staleness == cell.staleness
         assert cfg.rollout.num_steps_per_rollout == cell.nspr
         assert cfg.trainer.routing_replay.value == ("r3" if cell.replay else "none")
@@ -214,14 +214,14 @@ def _fake_run(bench, out: Path, cell, *, steps: int, gap, seed: int) -> None:
     ro = {"global_batch_size": 16, "num_steps_per_rollout": 4, "eval_interval": 5,
           "eval_prompts": 172, "n_samples_per_eval_prompt": 4}  # fmt: skip
     (d / "config.json").write_text(json.dumps({"num_steps": steps, "rollout": ro}))
-    budget = bench.Budget(num_rollout=steps // 4, eval_interval=5, eval_prompts=172,
+    budget = lab.Budget(num_rollout=steps // 4, eval_interval=5, eval_prompts=172,
                           eval_samples=4, warmstart_steps=None)  # fmt: skip
-    (d / bench.RESULT).write_text(json.dumps({"status": "ok", "wall_s": 1.0,
-                                              "budget": bench.budget_record(budget)}))  # fmt: skip
+    (d / lab.RESULT).write_text(json.dumps({"status": "ok", "wall_s": 1.0,
+                                              "budget": lab.budget_record(budget)}))  # fmt: skip
 
 
 def test_report_from_logged_runs_has_figure_table_verdicts_and_guards(bench, tmp_path) -> None:
-    cells = bench.grid((0, 16), ("ppo", "compis"), ("on",), (4,), (1, 2))
+    cells = lab.grid((0, 16), ("ppo", "compis"), ("on",), (4,), (1, 2))
     for i, c in enumerate(cells):
         drift = c.staleness == 16 and c.loss == "ppo"
         _fake_run(bench, tmp_path, c, steps=40, seed=i,
@@ -261,14 +261,14 @@ def test_replay_effect_pools_seed_paired_runs_as_a_geometric_mean(bench) -> None
                 per_run[f"{g}-seed{seed}"] = {"group": g, "gap_end": gap, "engine_gap": math.nan}
     per_run["s16-ppo-rroff-n4-seed9"] = {"group": "s16-ppo-rroff-n4", "gap_end": 1.0,
                                          "engine_gap": 1.0}  # no R3-on partner: left out
-    eff = bench.replay_effect(per_run)
+    eff = lab.replay_effect(per_run)
     gm = math.sqrt(0.5 * 0.8) - 1  # three pairs at each ratio
     m, lo, hi, k = eff["gap_end"]["all"]
     assert k == 6 and m == pytest.approx(gm) and lo < m < hi
     assert eff["gap_end"]["s0"] == pytest.approx([-0.5, -0.5, -0.5, 3])  # no spread: exact
     assert eff["gap_end"]["s16"][0] == pytest.approx(-0.2)
     assert eff["engine_gap"]["all"][3] == 0  # NaN gaps are not pairs
-    lines = "\n".join(bench.goal_checks({"cells": {}, "replay": eff}))
+    lines = "\n".join(lab_report.goal_checks({"cells": {}, "replay": eff}))
     assert "pooled over 6 seed-paired run pairs, train–rollout gap" in lines
     assert "engine gap" not in lines
 
@@ -302,7 +302,7 @@ def test_a_stalled_run_is_killed_with_its_children_a_moving_one_is_not(bench, tm
 
 
 def test_a_run_of_another_budget_is_refused_not_rerun_or_mixed(bench, tmp_path, capsys) -> None:
-    cells = bench.grid((0,), ("ppo",), ("on",), (4,), (1,))
+    cells = lab.grid((0,), ("ppo",), ("on",), (4,), (1,))
     _fake_run(bench, tmp_path, cells[0], steps=40, gap=lambda t: 0.01, seed=0)  # 10 rollouts
     before = (tmp_path / "runs" / cells[0].name / "metrics.jsonl").read_bytes()
     base = ["--out", str(tmp_path), "--staleness", "0", "--losses", "ppo", "--replay", "on",
