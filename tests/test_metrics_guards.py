@@ -9,12 +9,14 @@ import random
 import pytest
 
 from slime_async.metrics.guards import (
+    BASELINE_AFTER_BOUNDS,
     GuardConfig,
     GuardKind,
     GuardMonitor,
     entropy_spike,
     is_weight_out_of_range,
     logprob_diff_drift,
+    run_guard_config,
     scan,
     staleness_fill_steps,
     trend_drop,
@@ -159,7 +161,7 @@ def test_the_gap_baseline_waits_for_the_staleness_budget_to_fill() -> None:
     after_fill = dataclasses.replace(CFG, diff_baseline_skip=20)
     assert [w for w in scan(run, after_fill) if w.kind is GuardKind.LOGPROB_DIFF_DRIFT] == []
     for r in run[80:]:
-        r[key] = 0.2  # drift: 4x the filled level
+        r[key] = 0.25  # drift: 5x the filled level
     hits = [w for w in scan(run, after_fill) if w.kind is GuardKind.LOGPROB_DIFF_DRIFT]
     assert hits and min(w.step for w in hits) > 80
     mon = GuardMonitor(after_fill, repeat_every=1)
@@ -175,6 +177,31 @@ def test_staleness_fill_steps_is_the_staleness_bound() -> None:
     assert staleness_fill_steps({**dw, "max_staleness": 0, "fifo_window": 1}) == 0
     with pytest.raises(ValueError, match="diff_baseline_skip"):
         GuardConfig(diff_baseline_skip=-1)
+
+
+def test_a_run_takes_its_gap_baseline_once_the_staleness_settled() -> None:
+    """As the lab's runs do: the staleness climbs to S, the queue drains (staleness 0 again),
+    and only the refill settles near S, between one and two bounds in; the gap grows with the
+    lag (`s4-ppo-rron-n4-seed1`: median 0.009 one bound in, 0.02-0.03 settled). A baseline one
+    bound in falls in the refill and reads the settled gap as drift; the run's, two bounds in,
+    stays quiet on it and still fires on a real rise."""
+    key = "mismatch/train_rollout_logprob_abs_diff"
+    dw = {"max_staleness": 8, "fifo_window": 4, "groups_per_step": 2, "max_off_policy_steps": None}
+    bound = staleness_fill_steps(dw)
+    cfg = run_guard_config(dw)
+    assert bound == 10 and cfg.diff_baseline_skip == BASELINE_AFTER_BOUNDS * bound == 20
+    run = healthy(150)
+    for r in run:
+        k = r["step"]
+        lag = k - 1 if k <= 9 else (k - 10 if k <= 18 else 8)  # 0..8, drained, 0..8, settled
+        r[key] = 0.003 + 0.0006 * lag**2
+    one_bound = dataclasses.replace(cfg, diff_baseline_skip=bound)
+    assert [w for w in scan(run, one_bound) if w.kind is GuardKind.LOGPROB_DIFF_DRIFT]
+    assert [w for w in scan(run, cfg) if w.kind is GuardKind.LOGPROB_DIFF_DRIFT] == []
+    for r in run[100:]:
+        r[key] = 0.2  # 5x the settled gap
+    hits = [w for w in scan(run, cfg) if w.kind is GuardKind.LOGPROB_DIFF_DRIFT]
+    assert hits and min(w.step for w in hits) > 100
 
 
 def test_the_calibrated_defaults_stay_quiet_on_a_healthy_run_and_fire_on_a_drift() -> None:

@@ -225,7 +225,7 @@ def test_report_from_logged_runs_has_figure_table_verdicts_and_guards(bench, tmp
     for i, c in enumerate(cells):
         drift = c.staleness == 16 and c.loss == "ppo"
         _fake_run(bench, tmp_path, c, steps=40, seed=i,
-                  gap=(lambda t: 0.01 * (1 + 6 * t)) if drift else (lambda t: 0.01))  # fmt: skip
+                  gap=(lambda t: 0.01 * (1 + 10 * t)) if drift else (lambda t: 0.01))  # fmt: skip
     argv = ["--out", str(tmp_path), "--staleness", "0,16", "--losses", "ppo,compis",
             "--replay", "on", "--nspr", "4", "--seeds", "1,2", "--num-rollout", "10",
             "--eval-interval", "5", "--report-only"]  # fmt: skip
@@ -338,3 +338,14 @@ def test_two_cell_grid_runs_end_to_end_and_resumes(tmp_path) -> None:
         assert any("eval/reward_se" in r for r in recs)
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert again.returncode == 0 and "2 of 2 runs already done; 0 to run" in again.stdout
+
+
+def test_guard_calibration_picks_the_quietest_of_the_settings_within_one_unstable_run() -> None:
+    """9 unstable and 270 stable runs (a third: 90). The best separation among the settings
+    under the false-alarm cap is `loud` (+0.45); `quiet` is within one unstable run of it
+    (+0.40 >= 0.45 - 1/9) and fires on far fewer healthy runs, so it is picked; `silent` is
+    quieter still but two unstable runs worse, and `over` breaks the cap."""
+    rows = [("over", 9, 100), ("loud", 7, 89), ("quiet", 4, 12), ("silent", 2, 0)]
+    assert lab.choose_setting(rows, 9, 270) == ("quiet", 4, 12)
+    assert lab.choose_setting([("loud", 7, 89), ("silent", 2, 0)], 9, 270)[0] == "loud"
+    assert lab.choose_setting([("over", 9, 100)], 9, 270) is None

@@ -35,8 +35,9 @@ class GuardKind(enum.StrEnum):
 class GuardConfig:
     """Thresholds of the divergence guards (see metrics/README.md). The defaults are the
     stability lab's calibration (docs/stability.md#divergence-guards,
-    scripts/calibrate_guards.py): per guard, the setting that best separated the unstable runs
-    from the stable ones among those firing on at most a third of the stable runs."""
+    scripts/calibrate_guards.py, `metrics.lab.choose_setting`): per guard, of the settings
+    firing on at most a third of the stable runs and within one unstable run of the best
+    separation, the one firing on the fewest stable runs."""
 
     entropy_key: str = "policy/entropy"
     """Metric checked for spikes."""
@@ -53,10 +54,11 @@ class GuardConfig:
     diff_baseline_skip: int = 0
     """Steps skipped before the baseline is taken. An async run's gap rises while its
     staleness budget fills (the first steps train near-on-policy samples), which is staleness
-    arriving, not drift: the run sets this to its staleness bound `S + ceil((W - 1) / B)`."""
+    arriving, not drift: the run sets this to `BASELINE_AFTER_BOUNDS` times its staleness
+    bound `S + ceil((W - 1) / B)` (`run_guard_config`)."""
     diff_window: int = 20
     """Recent values averaged before comparing with the baseline."""
-    diff_factor: float = 3.0
+    diff_factor: float = 4.0
     """Drift when the recent mean > factor x baseline ..."""
     diff_min: float = 0.005
     """... and is above this absolute level (tiny diffs doubling is noise)."""
@@ -70,7 +72,7 @@ class GuardConfig:
     """Mean log-prob of sampled tokens; a steady fall means the policy is losing confidence."""
     trend_window: int = 40
     """Steps over which the least-squares trend is fitted."""
-    trend_min_drop: float = 0.35
+    trend_min_drop: float = 0.4
     """Trend when the fitted fall across the window exceeds this many nats per token (the
     healthy default run wanders by up to ~0.2; its lr=1e-3 collapse fell ~1.0)."""
     persist_steps: int = 3
@@ -192,10 +194,18 @@ def staleness_fill_steps(data_worker: Mapping[str, Any]) -> int:
     return int(bound) if math.isfinite(bound) else s + 1
 
 
+BASELINE_AFTER_BOUNDS = 2
+"""The gap baseline is taken after this many staleness bounds. The first bound's worth of steps
+does not settle the staleness: the lab's runs drain the queue and refill it once (staleness
+0, 1, ..., S, then 0, 1, ... again) before it holds near S, between one and two bounds in.
+A baseline taken in that refill is too low, and the steady gap read as drift (the lab's
+calibration, docs/stability.md#divergence-guards)."""
+
+
 def run_guard_config(data_worker: Mapping[str, Any]) -> GuardConfig:
     """The guards a run applies: the defaults, with the gap baseline taken once its staleness
-    budget filled (`staleness_fill_steps` of its data-worker settings)."""
-    return GuardConfig(diff_baseline_skip=staleness_fill_steps(data_worker))
+    settled: `BASELINE_AFTER_BOUNDS` x `staleness_fill_steps` of its data-worker settings."""
+    return GuardConfig(diff_baseline_skip=BASELINE_AFTER_BOUNDS * staleness_fill_steps(data_worker))
 
 
 # ---------------------------------------------------------------------------- composition

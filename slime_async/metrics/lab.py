@@ -358,15 +358,15 @@ def fill_steps(r: RunData) -> int:
 
 def run_guards(r: RunData) -> GuardConfig:
     """The guards as the run applied them live: defaults, with the log-prob-gap baseline taken
-    once its staleness budget filled (`staleness_fill_steps` of its config.json)."""
+    once its staleness settled (`guards.run_guard_config` of its config.json)."""
     return run_guard_config(r.config.get("data_worker", {}))
 
 
 GUARD_SWEEP: dict[str, tuple[str, tuple[float, ...]]] = {
-    str(GuardKind.LOGPROB_DIFF_DRIFT): ("diff_factor", (2.0, 3.0, 5.0)),
+    str(GuardKind.LOGPROB_DIFF_DRIFT): ("diff_factor", (3.0, 4.0, 5.0)),
     str(GuardKind.ENTROPY_SPIKE): ("entropy_factor", (1.5, 2.0, 3.0)),
     str(GuardKind.IS_WEIGHT_RANGE): ("is_upper", (1.1, 1.25, 1.5)),
-    str(GuardKind.ROLLOUT_LOGPROB_TREND): ("trend_min_drop", (0.25, 0.35, 0.5)),
+    str(GuardKind.ROLLOUT_LOGPROB_TREND): ("trend_min_drop", (0.35, 0.4, 0.5)),
 }
 """Each guard's main threshold and the values the calibration tries (the default among them)."""
 
@@ -393,6 +393,30 @@ def calibrate(runs: Sequence[RunData], per_run: dict[str, Any]) -> dict[str, Any
                          "unstable_hits": hit_u, "stable_hits": hit_s})  # fmt: skip
         out["sweep"][kind] = {"field": field, "rows": rows}
     return out
+
+
+MAX_FALSE_ALARMS = 1 / 3
+"""Largest share of the stable runs a guard's default may fire on."""
+
+
+def choose_setting(rows: Sequence[tuple[Any, int, int]], n_unstable: int,
+                   n_stable: int) -> tuple[Any, int, int] | None:  # fmt: skip
+    """The default a guard's calibration picks from its sweep's `(setting, unstable hits,
+    stable hits)` rows: among the settings firing on at most `MAX_FALSE_ALARMS` of the stable
+    runs, those whose separation (share of unstable runs hit minus share of stable runs hit)
+    is within one unstable run (1 / n_unstable) of the best, and of those the one firing on
+    the fewest stable runs. A difference smaller than one unstable run is not evidence; a
+    false alarm on a healthy run is what gets a guard ignored. None when no setting qualifies."""
+
+    def score(row: tuple[Any, int, int]) -> float:
+        return row[1] / max(1, n_unstable) - row[2] / max(1, n_stable)
+
+    ok = [r for r in rows if r[2] <= MAX_FALSE_ALARMS * n_stable]
+    if not ok:
+        return None
+    best = max(score(r) for r in ok)
+    near = [r for r in ok if score(r) >= best - 1 / max(1, n_unstable) - 1e-12]
+    return min(near, key=lambda r: (r[2], -score(r)))
 
 
 def split_group(g: str) -> tuple[int, str, str, str]:
