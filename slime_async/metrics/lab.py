@@ -6,7 +6,8 @@ flags; `train_args`: the run's command line), how a finished run is recognised a
 (`is_done`, which refuses mixing budgets; `RunData`, `load_runs`), and the analysis: per-run
 summaries and verdicts (`slime_async.metrics.stability`'s rules), per-cell aggregates,
 seed-paired differences (`paired`), the pooled async − sync (`pooled_vs_sync`) and routing
-replay (`replay_effect`) statistics, and the divergence guards' hit rates (`calibrate`).
+replay (`replay_effect`) statistics, the divergence guards' hit rates (`calibrate`) and the
+rule that picks a guard's default from a calibration sweep (`choose_setting`).
 Pure over files: running the grid is `scripts/bench_stability.py`, rendering the figure and
 the markdown is `slime_async.metrics.lab_report`. See docs/stability.md.
 """
