@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 
+from clifields import HelpFormatter
 from router.config import add_router_args, router_config_from_args
 from router.server import Router, warn_if_exposed
 
@@ -31,7 +32,9 @@ async def _run(router: Router) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse flags (`--router-*`, or the short `--host/--port/--worker-urls/--policy`) and serve."""
     parser = argparse.ArgumentParser(
-        prog="python -m router", description="Work-aware, fault-tolerant router for SGLang engines."
+        prog="python -m router",
+        description="Work-aware, fault-tolerant router for SGLang engines.",
+        formatter_class=HelpFormatter,
     )
     add_router_args(parser, prefix="")
     args = parser.parse_args(argv)

@@ -7,10 +7,12 @@ Must never import: `slime_async` (the router is a leaf package), nor any other r
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ipaddress
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
+
+from clifields import add_flags, flag, from_args
 
 POLICY_NAMES: tuple[str, ...] = ("least_expected_tokens", "least_requests", "round_robin")
 
@@ -22,13 +24,16 @@ AUTH_TOKEN_ENV = "SLIME_ASYNC_AUTH_TOKEN"
 class RouterConfig:
     """Everything the router needs; built once, never mutated at run time."""
 
+    FLAG_PREFIX: ClassVar[str] = "router-"
+    """Its flags in train_async.py are `--router-*` (`python -m router` drops the prefix)."""
+
     host: str = "127.0.0.1"
     """Interface to bind. Anything but a loopback address requires `auth_token`."""
     port: int = 0
     """TCP port to bind; 0 picks a free ephemeral port (the runner reports the real one)."""
-    worker_urls: tuple[str, ...] = ()
+    worker_urls: tuple[str, ...] = flag((), nargs="*")
     """Engines registered at start-up (`http://host:port`); more can join via `POST /workers`."""
-    policy: str = "least_expected_tokens"
+    policy: str = flag("least_expected_tokens", choices=POLICY_NAMES)
     """Balancing policy: least_expected_tokens | least_requests | round_robin."""
     worker_capacity_tokens: int = 0
     """Late binding: an engine takes a new request only while its outstanding expected tokens
@@ -37,9 +42,10 @@ class RouterConfig:
     budget); beyond that an engine only queues internally. 0 binds every request on arrival."""
     default_expected_tokens: int = 1024
     """Expected tokens assumed for a request that sends no `X-Expected-Tokens` header."""
-    auth_token: str | None = field(default=None, repr=False)
+    auth_token: str | None = flag(None, repr=False)
     """Bearer token required on management/control routes (always required off loopback), and
-    sent to the engines (the run's shared token)."""
+    sent to the engines (the run's shared token). A flag's value is visible in `ps`: prefer
+    $SLIME_ASYNC_AUTH_TOKEN or the token file."""
     health_interval_s: float = 1.0
     """Seconds between `/health` probes of each engine."""
     health_timeout_s: float = 2.0
@@ -70,7 +76,7 @@ class RouterConfig:
     client_timeout_s: float = 120.0
     """A client must send a request within this many seconds, and a connection may sit idle
     this long (closed after): slow or silent clients cannot hold connections forever."""
-    extra: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, str] = flag(default_factory=dict, cli=False)
     """Free-form labels echoed in `/metrics` (e.g. run id); not interpreted."""
 
 
@@ -177,57 +183,11 @@ def check_worker_url(url: str) -> str:
     return url.rstrip("/")
 
 
-_FLAG_HELP: dict[str, str] = {
-    "host": "Interface to bind; off loopback an auth token is required.",
-    "port": "TCP port (0 = ephemeral; the real one is printed).",
-    "policy": "Balancing policy.",
-    "worker_capacity_tokens": "Late binding: outstanding expected tokens per engine before "
-    "requests wait in the router's queue (0 = bind on arrival).",
-    "default_expected_tokens": "Expected tokens of a request without an X-Expected-Tokens header.",
-    "auth_token": f"Bearer token of /workers and control routes (visible in `ps`: prefer "
-    f"${AUTH_TOKEN_ENV} or the token file).",
-    "health_interval_s": "Seconds between /health probes of each engine.",
-    "health_timeout_s": "Timeout of one health probe.",
-    "failure_threshold": "Consecutive failed probes or requests that quarantine an engine.",
-    "success_threshold": "Consecutive good probes that re-admit a quarantined engine.",
-    "readmit_probe_path": "Probe path of a quarantined engine (a real 1-token generation).",
-    "max_retries": "Extra attempts of a request on other engines (0 = none).",
-    "retry_backoff_s": "First retry pause; doubles per attempt, capped at 1 s.",
-    "wait_for_worker_s": "Longest wait for a healthy engine before answering 503.",
-    "request_timeout_s": "Total timeout of one proxied attempt.",
-    "connect_timeout_s": "TCP connect timeout to an engine.",
-    "control_timeout_s": "Timeout of one fan-out control call per engine.",
-    "max_connections": "Connection pool limit to engines (0 = unlimited).",
-    "max_body_bytes": "Largest accepted request body.",
-    "client_timeout_s": "Seconds a client may take to send a request, or sit idle.",
-}
-
-
 def add_router_args(parser: argparse.ArgumentParser, *, prefix: str = "router-") -> None:
-    """Add one `--<prefix><field>` flag per `RouterConfig` field (`extra` excepted)."""
-    group = parser.add_argument_group("router")
-    d = RouterConfig()
-    group.add_argument(
-        f"--{prefix}worker-urls",
-        nargs="*",
-        default=list(d.worker_urls),
-        help="Engine URLs registered at start (http://host:port); more via POST /workers.",
-    )
-    for f in dataclasses.fields(RouterConfig):
-        if f.name in ("worker_urls", "extra"):
-            continue
-        default = getattr(d, f.name)
-        kind = {"int": int, "float": float}.get(str(f.type), str)
-        kwargs: dict = {"type": kind, "default": default}
-        if f.name == "policy":
-            kwargs["choices"] = POLICY_NAMES
-        group.add_argument(
-            f"--{prefix}{f.name.replace('_', '-')}",
-            help=f"{_FLAG_HELP[f.name]} (default: {default})",
-            **kwargs,
-        )
+    """One `--<prefix><field>` flag per `RouterConfig` field (`clifields`; `extra` is not one)."""
+    add_flags(parser, RouterConfig, group="router", prefix=prefix)
     if not prefix:  # the router's own CLI; train_async.py reads the run's --auth-token-file
-        group.add_argument(
+        parser.add_argument(
             "--auth-token-file",
             default=None,
             help=f"File holding the bearer token (default: ${AUTH_TOKEN_ENV}).",
@@ -237,16 +197,9 @@ def add_router_args(parser: argparse.ArgumentParser, *, prefix: str = "router-")
 def router_config_from_args(args: argparse.Namespace, *, prefix: str = "router-") -> RouterConfig:
     """Build and validate a `RouterConfig` from flags added by `add_router_args`."""
     attr = prefix.replace("-", "_")
-    kwargs = {}
-    for f in dataclasses.fields(RouterConfig):
-        if f.name == "extra":
-            continue
-        key = attr + f.name
-        if hasattr(args, key):
-            kwargs[f.name] = getattr(args, key)
-    kwargs["worker_urls"] = tuple(kwargs.get("worker_urls") or ())
-    if not kwargs.get("auth_token"):
-        kwargs["auth_token"] = load_auth_token(getattr(args, attr + "auth_token_file", None))
-    cfg = RouterConfig(**kwargs)
+    token = getattr(args, attr + "auth_token", None)
+    if not token:
+        token = load_auth_token(getattr(args, attr + "auth_token_file", None))
+    cfg = from_args(RouterConfig, args, prefix=prefix, auth_token=token)
     validate_config(cfg)
     return cfg
