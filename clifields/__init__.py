@@ -245,8 +245,10 @@ def add_flags(
     group: str | None = None,
     prefix: str | None = None,
     exclude: Sequence[str] = (),
+    only: Sequence[str] | None = None,
 ) -> argparse._ArgumentGroup | argparse.ArgumentParser:
-    """Add one flag per field of `cls` (into a new group `group`, else into `parser` as given).
+    """Add one flag per field of `cls` (into a new group `group`, else into `parser` as given);
+    `only`/`exclude` pick fields (a program that sets some fields itself).
 
     Defaults come from the class (None for a derived field); help is the field's docstring.
     Every action records its field (`flag_of`)."""
@@ -256,6 +258,8 @@ def add_flags(
     for f in dataclasses.fields(cls):
         spec = f.metadata.get(_KEY, FlagSpec())
         if not f.init or not spec.cli or f.name in exclude:
+            continue
+        if only is not None and f.name not in only:
             continue
         default = f.default if f.default is not _MISSING else f.default_factory()  # type: ignore[misc]
         if spec.derived:
@@ -308,8 +312,9 @@ def from_args(
 ) -> Any:
     """`cls(...)` from the flags `add_flags` added, plus `given` (fields the caller fills).
 
-    A flag still None where its command-line default is None (unset, not derived by the caller)
-    leaves the class default; a flag absent from `args` does too."""
+    A flag still None (unset, and not derived by the caller) leaves the class default; so does a
+    flag absent from `args`. A field whose command-line value may be None on purpose maps it with
+    its `parse` (e.g. 'none' -> None) and keeps a non-None command-line default."""
     hints = _hints(cls)
     pre = getattr(cls, "FLAG_PREFIX", "") if prefix is None else prefix
     kwargs: dict[str, Any] = {}
