@@ -238,6 +238,15 @@ def _help(doc: str, spec: FlagSpec) -> str:
     return text.replace("%", "%%")
 
 
+def _cli_default(f: dataclasses.Field, spec: FlagSpec) -> Any:
+    """The flag's default: None for a derived field, else the field's (or `cli_default`)."""
+    if spec.derived:
+        return None
+    if spec.cli_default is not _UNSET:
+        return spec.cli_default
+    return f.default if f.default is not _MISSING else f.default_factory()  # type: ignore[misc]
+
+
 def add_flags(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
@@ -261,11 +270,7 @@ def add_flags(
             continue
         if only is not None and f.name not in only:
             continue
-        default = f.default if f.default is not _MISSING else f.default_factory()  # type: ignore[misc]
-        if spec.derived:
-            default = None
-        elif spec.cli_default is not _UNSET:
-            default = spec.cli_default
+        default = _cli_default(f, spec)
         if isinstance(default, enum.Enum):
             default = default.value
         elif isinstance(default, tuple):
@@ -318,13 +323,17 @@ def from_args(
     hints = _hints(cls)
     pre = getattr(cls, "FLAG_PREFIX", "") if prefix is None else prefix
     kwargs: dict[str, Any] = {}
-    for name, spec in flag_specs(cls).items():
-        if name in given or not spec.cli:
+    for f in dataclasses.fields(cls):
+        spec = f.metadata.get(_KEY, FlagSpec())
+        if not f.init or f.name in given or not spec.cli:
             continue
-        value = getattr(args, _dest(cls, name, pre), None)
-        if value is None:
+        dest = _dest(cls, f.name, pre)
+        if not hasattr(args, dest):
             continue
-        kwargs[name] = _value(hints[name], value)
+        value = getattr(args, dest)
+        if value is None and _cli_default(f, spec) is None:
+            continue  # unset: the class default
+        kwargs[f.name] = _value(hints[f.name], value)
     return cls(**kwargs, **given)
 
 
