@@ -49,6 +49,7 @@ from typing import Any
 __all__ = [
     "FlagSpec",
     "HelpFormatter",
+    "Switch",
     "add_flags",
     "check_ranges",
     "field_docs",
@@ -179,7 +180,7 @@ def _is_enum(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, enum.Enum)
 
 
-class _Switch(argparse.Action):
+class Switch(argparse.Action):
     """A bool flag: its names set True, `--no-NAME` and the `off` spellings set False."""
 
     def __init__(self, option_strings: list[str], dest: str, off: Sequence[str] = (),
@@ -200,7 +201,7 @@ def _kwargs(cls: type, name: str, spec: FlagSpec, tp: Any, default: Any) -> dict
     kw: dict[str, Any] = {"default": default}
     choices = spec.choices() if callable(spec.choices) else spec.choices
     if inner is bool:
-        return {**kw, "action": _Switch, "off": spec.off}
+        return {**kw, "action": Switch, "off": spec.off}
     origin = typing.get_origin(inner)
     if origin is tuple and spec.parse is None:
         item = typing.get_args(inner)[0]
@@ -239,12 +240,21 @@ def _help(doc: str, spec: FlagSpec) -> str:
 
 
 def _cli_default(f: dataclasses.Field, spec: FlagSpec) -> Any:
-    """The flag's default: None for a derived field, else the field's (or `cli_default`)."""
+    """The flag's default as argparse holds it: None for a derived field, else the field's (or
+    `cli_default`); an enum by its value, an empty tuple as None."""
     if spec.derived:
         return None
     if spec.cli_default is not _UNSET:
-        return spec.cli_default
-    return f.default if f.default is not _MISSING else f.default_factory()  # type: ignore[misc]
+        default = spec.cli_default
+    elif f.default is not _MISSING:
+        default = f.default
+    else:
+        default = f.default_factory()  # type: ignore[misc]
+    if isinstance(default, enum.Enum):
+        return default.value
+    if isinstance(default, tuple):
+        return list(default) or None
+    return default
 
 
 def add_flags(
@@ -271,13 +281,9 @@ def add_flags(
         if only is not None and f.name not in only:
             continue
         default = _cli_default(f, spec)
-        if isinstance(default, enum.Enum):
-            default = default.value
-        elif isinstance(default, tuple):
-            default = list(default) or None
         names = [flag_name(cls, f.name, prefix=pre), *spec.aliases]
         kw = _kwargs(cls, f.name, spec, hints[f.name], default)
-        if kw.get("action") is _Switch:
+        if kw.get("action") is Switch:
             names.insert(1, "--no-" + names[0][2:])
         action = target.add_argument(
             *names, dest=_dest(cls, f.name, pre), help=_help(docs.get(f.name, ""), spec), **kw

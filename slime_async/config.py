@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from clifields import HelpFormatter
 from data_worker.budget import worst_case_staleness
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
@@ -35,7 +36,7 @@ from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.backends.config import split_sglang_args
 from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
-from slime_async.recipe import add_config_arg, apply_config_file
+from slime_async.recipe import add_config_arg, apply_config_file, config_json, derived_lines
 from slime_async.rollout.config import RolloutConfig, add_rollout_args, rollout_config_from_args
 from slime_async.run_config import (
     DEFAULT_NUM_ROLLOUT,
@@ -59,17 +60,13 @@ from slime_async.weights.config import add_weight_sync_args, weight_sync_config_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Environment", "RunConfig", "build_parser", "parse_config", "validate"]
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default unless its help states it, it has none, or it takes no value."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default is None or action.nargs == 0 or "default" in text:
-            return text
-        return super()._get_help_string(action)
+__all__ = [
+    "Environment",
+    "RunConfig",
+    "build_parser",
+    "parse_config",
+    "validate",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training (see README.md for the common flags). "
         "Defaults that depend on the run are derived at start-up, logged as 'derived: ...' and "
         "saved in <run-dir>/config.json.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_config_arg(parser)
     add_run_args(parser)
@@ -140,10 +137,16 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     args = parser.parse_args(argv)
     args.sglang_args = sglang_args
     try:
-        return validate(args, read_environment(args))
+        cfg = validate(args, read_environment(args))
     except ValueError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits
+    if args.dry_run:
+        for line in derived_lines(cfg):
+            print(line, file=sys.stderr)
+        print(config_json(cfg))
+        raise SystemExit(0)
+    return cfg
 
 
 class _Flags:
@@ -175,6 +178,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     """
     f = _Flags(args)
     a = f.args
+    flags = {k: v for k, v in vars(args).items() if k not in ("sglang_args", "config", "dry_run")}
     if env.converted_checkpoint is not None:  # the same weights, in the form the trainer reads
         a.hf_checkpoint = env.converted_checkpoint
         f.note(
@@ -252,6 +256,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         supervisor=supervisor_config_from_args(a),
         weights=weight_sync_config_from_args(f.args),
         derived=f.derived,
+        flags=flags,
     )
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import inspect
 import json
 import logging
@@ -35,6 +34,7 @@ from slime_async.host import free_port
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.guards import run_guard_config
 from slime_async.placement import Placement, place_roles
+from slime_async.recipe import config_json, derived_lines
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.assemble import ScoredGenerate
 from slime_async.rollout.behavior import BehaviorAnnotate
@@ -390,23 +390,11 @@ def _slime_args(cfg: RunConfig, router_url: str) -> Any:
     )  # fmt: skip
 
 
-def _json_value(obj: object) -> object:
-    return obj.value if isinstance(obj, enum.Enum) else str(obj)
-
-
-def _redact(obj: Any) -> Any:
-    """The config as recorded: a token's value never reaches the run directory."""
-    if isinstance(obj, dict):
-        return {k: ("<set>" if k == "auth_token" and v else _redact(v)) for k, v in obj.items()}
-    return obj
-
-
 def record_config(cfg: RunConfig) -> None:
-    """Say once what the run derived, and save the whole config (with `derived`) in the run dir."""
-    for flag, d in cfg.derived.items():
-        log.info("derived: %s %s (%s)", flag, d.value, d.why)
+    """Say once what the run derived, and save the whole config (`config_json`) in the run dir."""
+    for line in derived_lines(cfg):
+        log.info("%s", line)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_redact(dataclasses.asdict(cfg)), indent=2, default=_json_value)
     tmp = cfg.run_dir / "config.json.tmp"
-    tmp.write_text(text)
+    tmp.write_text(config_json(cfg))
     os.replace(tmp, cfg.run_dir / "config.json")

@@ -101,6 +101,9 @@ class RunConfig:
     """How weights reach the engines (`--update-weight-transport`, ...)."""
     derived: dict[str, Derived] = dataclasses.field(default_factory=dict)
     """Flag -> the value the run derived for it (the user left it unset) and why."""
+    flags: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Every flag's value as parsed (recipe and command line; None where the run derived it):
+    what `--config <run-dir>/config.json` replays."""
 
 
 def run_default(name: str) -> Any:
