@@ -1,4 +1,4 @@
-"""CompIS and baselines as pure tensor functions (public surface; see ARCHITECTURE.md).
+"""CompIS and baselines as pure tensor functions (public surface; see docs/architecture.md).
 
 Must never import `slime_async`: this package is a leaf. See loss/README.md for the math.
 """

@@ -1,4 +1,4 @@
-"""Advantage estimators (spec §8) and DAPO extras (§9).
+"""Advantage estimators (docs/loss-spec.md §8) and DAPO extras (docs/loss-spec.md §9).
 
 Owns: `grpo_advantages` (unbiased std; `std_normalize=False` is Dr.GRPO), `reinforce_pp_returns`,
 `reinforce_pp_advantages` (global token whitening), `reinforce_pp_baseline_advantages`,

@@ -1,4 +1,4 @@
-"""Loss aggregation (spec §10) with global (whole mini-batch, all DP ranks) denominators.
+"""Loss aggregation (docs/loss-spec.md §10) with global (whole mini-batch, all DP ranks) denominators.
 
 Owns: `aggregate`, `denominators`. With the global denominators of the whole mini-batch,
 the aggregated loss of one micro-batch is its *share*: summing micro-batches (and DP ranks)

@@ -35,7 +35,7 @@ _ACTIONS = {"mask": Method.CAP, "clamp": Method.CLIP, None: Method.NONE}
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class DecoupledPPOConfig(PPOConfig):
-    """AReaL decoupled PPO (spec §4): one behaviour weight π_k/π_j^SGL with a one-sided cap."""
+    """AReaL decoupled PPO (docs/loss-spec.md §4): one behaviour weight π_k/π_j^SGL with a one-sided cap."""
 
     cap: float = 5.0
     """Bound of the behaviour weight (AReaL default 5.0; must be > 1)."""
@@ -60,7 +60,7 @@ class DecoupledPPOConfig(PPOConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SingleRatioConfig(WeightedPPOConfig):
-    """One IS weight on the combined ratio ρ = π_k/π_j^SGL (decoupled mode), spec §5."""
+    """One IS weight on the combined ratio ρ = π_k/π_j^SGL (decoupled mode), docs/loss-spec.md §5."""
 
     level: str = "token"
     """"token" (w_t = f(ρ_t)) or "sequence" (w = f(∏_t ρ_t) on every token of the sequence)."""
@@ -91,7 +91,7 @@ class SingleRatioConfig(WeightedPPOConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class M2POConfig(PPOConfig):
-    """M2PO (spec §6, paper/AReaL masking form): second-moment token mask, then decoupled PPO."""
+    """M2PO (docs/loss-spec.md §6, paper/AReaL masking form): second-moment token mask, then decoupled PPO."""
 
     tau: float = 0.04
     """Budget τ: remove the fewest top-(log ρ)² tokens until their mean is below τ (paper 0.04)."""
@@ -108,7 +108,7 @@ class M2POConfig(PPOConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class GSPOConfig:
-    """GSPO (spec §7): sequence-level geometric-mean ratio, seq-mean-token-mean."""
+    """GSPO (docs/loss-spec.md §7): sequence-level geometric-mean ratio, seq-mean-token-mean."""
 
     eps_low: float = 3e-4
     """Clip below at 1 − eps_low on the sequence ratio (paper 3e-4)."""
@@ -130,7 +130,7 @@ class GSPOConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PrimeMaskedISConfig:
-    """prime-rl (pre-IPO) masked IS (spec §12): token, geometric-mean and sequence masks."""
+    """prime-rl (pre-IPO) masked IS (docs/loss-spec.md §12): token, geometric-mean and sequence masks."""
 
     token_low: float = 0.125
     """Mask tokens with ρ_t below this."""

@@ -1,11 +1,11 @@
 """Baseline off-policy losses in the same shape as CompIS: `fn(LossInputs, ...) -> LossOutputs`.
 
-Owns: `decoupled_ppo_loss` (AReaL single combined ratio, cap 5.0, spec §4), `single_ratio_loss`
-(token/sequence TIS, MIS, IcePop, Geo-RS, veto, batch norm; §5), `m2po_mask`/`m2po_loss`
-(second-moment masking, paper/AReaL form; §6), `gspo_loss` (§7) and `prime_masked_is_loss`
-(prime-rl pre-IPO token/geo/sequence masks; §12). Each takes its config from
-`loss.baseline_configs` (or the same settings as keyword arguments). Must never import
-`slime_async`.
+Owns, by section of docs/loss-spec.md: `decoupled_ppo_loss` (AReaL single combined ratio,
+cap 5.0; §4), `single_ratio_loss` (token/sequence TIS, MIS, IcePop, Geo-RS, veto, batch norm;
+§5), `m2po_mask`/`m2po_loss` (second-moment masking, paper/AReaL form; §6), `gspo_loss` (§7)
+and `prime_masked_is_loss` (prime-rl pre-IPO token/geo/sequence masks; §12). Each takes its
+config from `loss.baseline_configs` (or the same settings as keyword arguments). Must never
+import `slime_async`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CompIS: composable off-policy loss with the importance ratio split by source (spec §3).
+"""CompIS: composable off-policy loss with the importance ratio split by source (docs/loss-spec.md §3).
 
 Owns: `compis_loss`, `compis_terms` (per-token loss before reduction, used by the slime adapter)
 and `compis_denominators` (a micro-batch's share of the global denominators, honouring
@@ -172,7 +172,7 @@ def compis_denominators(inputs: LossInputs, cfg: CompISConfig) -> tuple[float, f
 
 
 def compis_loss(inputs: LossInputs, cfg: CompISConfig) -> LossOutputs:
-    """CompIS loss of one micro-batch and its metrics (see module docstring, spec §3, §13).
+    """CompIS loss of one micro-batch and its metrics (see module docstring, docs/loss-spec.md §3, §13).
 
     With `global_num_tokens`/`global_num_seqs` (from `compis_denominators`, summed over the
     mini-batch) the loss is this micro-batch's share: micro-batch losses add up exactly.

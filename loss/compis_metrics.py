@@ -1,4 +1,4 @@
-"""Diagnostics of the CompIS loss (spec §13), per source: r1 drift, r2 engine, r3 staleness,
+"""Diagnostics of the CompIS loss (docs/loss-spec.md §13), per source: r1 drift, r2 engine, r3 staleness,
 r2·r3 combined, and the final weight w; plus PPO clip fractions and mismatch metrics.
 
 Owns: `compis_metrics`. All statistics are over valid tokens *before* any correction mask.

@@ -1,4 +1,4 @@
-"""Per-source correction functions f(r; l, u): cap, clip, icepop, none (spec §1).
+"""Per-source correction functions f(r; l, u): cap, clip, icepop, none (docs/loss-spec.md §1).
 
 Owns the rule, written once: `clip_bounds` (where `clip` truncates) and `mask_excess` (where
 `cap`/`icepop` zero the weight), each in ratio space or, since log is monotone, in log space

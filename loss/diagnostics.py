@@ -1,4 +1,4 @@
-"""Off-policy diagnostics (spec §13): ratio statistics, KL estimators, mismatch metrics.
+"""Off-policy diagnostics (docs/loss-spec.md §13): ratio statistics, KL estimators, mismatch metrics.
 
 Owns: `ratio_stats` (mean/std/min/max/p50/p90/p99, fractions beyond bounds, masked/clipped
 fractions, ESS, χ², KL k1/k2/k3), `kl_estimators`, `percentiles` (numpy "linear" on a CPU copy,
@@ -140,7 +140,7 @@ def ratio_stats(
 
     mean, std (population), min, max, p50/p90/p99, frac_above_high (r > high), frac_below_low
     (r < low), masked_frac, clipped_frac, ess = (Σr)²/(N·Σr²), chi2_token = mean(r²) − 1, and
-    with `log_ratio` the KL estimators kl_k1/kl_k2/kl_k3 (means) of §13.
+    with `log_ratio` the KL estimators kl_k1/kl_k2/kl_k3 (means) of docs/loss-spec.md §13.
     """
     d = log_ratio if log_ratio is not None else torch.log(ratio.detach())
     return multi_ratio_stats(

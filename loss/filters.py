@@ -1,4 +1,4 @@
-"""`--max-off-policy-steps N` group filter (spec §11).
+"""`--max-off-policy-steps N` group filter (docs/loss-spec.md §11).
 
 Owns: `max_off_policy_filter`. A sample's staleness is k − j_min, with j_min the oldest version
 that produced any of its trainable tokens; whole groups are evicted when any member exceeds N

@@ -1,4 +1,4 @@
-"""PPO surrogate on the drift ratio r1 = π_θ / π_k: clip, DAPO clip-higher, optional dual clip (§2).
+"""PPO surrogate on the drift ratio r1 = π_θ / π_k: clip, DAPO clip-higher, optional dual clip (docs/loss-spec.md §2).
 
 Owns: `ppo_surrogate` and `ppo_core` (the same, also returning r1 and the dual-clip flags for
 diagnostics). r1 is the only ratio that carries gradient. Must never import `slime_async`.

@@ -1,4 +1,4 @@
-"""Single-ratio importance weights at token and sequence level (spec §5): TIS / MIS / IcePop,
+"""Single-ratio importance weights at token and sequence level (docs/loss-spec.md §5): TIS / MIS / IcePop,
 Seq-TIS / Seq-MIS, geometric-mean (Geo-RS) masks, veto, batch normalisation.
 
 Owns the building blocks; `loss.baselines.single_ratio_loss` composes them into a loss.

@@ -19,7 +19,7 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class Method(enum.StrEnum):
-    """Per-source correction f(r; l, u) (spec §1)."""
+    """Per-source correction f(r; l, u) (docs/loss-spec.md §1)."""
 
     NONE = "none"
     """w = r (raw, unbounded importance weight)."""
@@ -32,7 +32,7 @@ class Method(enum.StrEnum):
 
 
 class AggMode(enum.StrEnum):
-    """Loss aggregation over tokens and sequences (spec §10)."""
+    """Loss aggregation over tokens and sequences (docs/loss-spec.md §10)."""
 
     TOKEN_MEAN = "token-mean"
     SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
@@ -41,7 +41,7 @@ class AggMode(enum.StrEnum):
 
 
 class Denom(enum.StrEnum):
-    """Whether tokens zeroed by a masking correction stay in the loss denominator (spec §0.3)."""
+    """Whether tokens zeroed by a masking correction stay in the loss denominator (docs/loss-spec.md §0.3)."""
 
     KEEP = "keep"
     """Masked tokens contribute 0 to the numerator but still count (default; AReaL, slime)."""
@@ -92,7 +92,7 @@ class Correction:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PPOConfig:
-    """The PPO knobs every PPO-style loss shares (spec §2, §10): clip on r1 and the reducer.
+    """The PPO knobs every PPO-style loss shares (docs/loss-spec.md §2, §10): clip on r1 and the reducer.
 
     The configs of CompIS and of the PPO-style baselines extend this class, so each knob (and
     its validation) is written once.
@@ -105,7 +105,7 @@ class PPOConfig:
     dual_clip_c: float | None = None
     """Dual-clip constant c > 1 for A < 0 tokens (None = off, as in AReaL and slime)."""
     agg_mode: AggMode | str = AggMode.TOKEN_MEAN
-    """How per-token losses are reduced to a scalar (spec §10)."""
+    """How per-token losses are reduced to a scalar (docs/loss-spec.md §10)."""
     loss_scale_factor: float | None = None
     """Constant H for seq-mean-token-sum-norm (e.g. the max response length); required there."""
     diagnostics: bool = True
@@ -152,7 +152,7 @@ class WeightedPPOConfig(PPOConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CompISConfig(WeightedPPOConfig):
-    """Configuration of the CompIS loss (spec §3): per-source corrections + PPO core + reducer."""
+    """Configuration of the CompIS loss (docs/loss-spec.md §3): per-source corrections + PPO core + reducer."""
 
     staleness_method: Method | str = Method.CLIP
     """f3, the correction applied to r3 = π_k^Meg / π_j^Meg (staleness)."""

@@ -7,7 +7,7 @@ Engines are started, checked, replaced and stopped only through the engine backe
 attached external servers, a plugin) is chosen by the caller from the registry in
 `slime_async.engine.backends`. A run places trainer ranks and engines in placement-group bundles
 (`slime_async.placement`; a local node gets logical CPUs for all of them, so nothing waits on
-a 2-core machine, cpu-stack.md §4); actors outside bundles (the router) take `num_cpus=0`.
+a 2-core machine, docs/cpu.md); actors outside bundles (the router) take `num_cpus=0`.
 Cores are given out explicitly (`pin_cores` inside the process, per node): the CPU analogue of
 separate rollout and training GPU pools. See docs/cluster.md.
 Never imports the controller, the supervisor or a backend implementation.

@@ -2,16 +2,20 @@
 
 Checks, on the files themselves (no network, no git): every markdown link in the repository
 points at a file or directory inside it that exists (and at a heading that exists, when it names
-one); every file path a `docs/` page mentions exists; and every rule doc names, under
+one); every file path a `docs/` page mentions exists; every rule doc names, under
 "Where it lives", code locations whose files exist and whose named functions and classes occur
-in those files. A refactor that moves or renames what a doc points at fails here until the doc
-is updated.
+in those files; every `.md`/`.py`/`.yaml`/`.sh` file a Python docstring or comment names exists
+in the repository; rule pages carry no work-item narrative; and a number measured on a
+`docs/results/` page is not repeated on a rule page. A refactor that moves or renames what a doc
+points at fails here until the doc is updated.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -223,3 +227,170 @@ def test_rule_doc_names_code_that_exists(md: Path) -> None:
                 if not re.search(rf"\b{re.escape(part)}\b", text):
                     problems.append(f"{rel} has no {part!r} (named as `{name}`)")
     assert not problems, f"docs/{md.name} 'Where it lives' is stale:\n  " + "\n  ".join(problems)
+
+
+# ---------------------------------------------------------------- file names in Python prose
+
+CODE_DIRS = ("slime_async", "loss", "data_worker", "router", "scripts", "tests")
+CODE_REF = re.compile(
+    r"(?<![\w./\-*{}$<~])((?:[\w.-]+/)*[\w-][\w.-]*\.(?:md|py|yaml|yml|sh))(?![\w/*{}-])"
+)
+# Files of other projects that a docstring names on purpose (not paths in this repository).
+EXTERNAL_PREFIXES = ("slime/", "verl/", "areal/", "megatron/", "sglang/", "transformers/", "torch/")
+NOT_REPO_FILES = {
+    "FILE.yaml": "a placeholder in usage text",
+    "dispatch.md": "written by scripts/simulate_dispatch.py under its --out directory",
+    "run-qwen3-4B.sh": "slime's example launch script",
+}
+
+
+def python_files() -> list[Path]:
+    out = [ROOT / "train_async.py"]
+    for name in CODE_DIRS:
+        for f in sorted((ROOT / name).rglob("*.py")):
+            rel = f.relative_to(ROOT).parts
+            if not any(p in SKIP_DIRS or p.startswith(".") for p in rel):
+                out.append(f)
+    return out
+
+
+STATEMENT_START = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.NL)
+
+
+def python_prose(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and docstring-position string of a Python source."""
+    out = []
+    prev = tokenize.NEWLINE
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        docstring = tok.type == tokenize.STRING and prev in STATEMENT_START
+        if tok.type == tokenize.COMMENT or docstring:
+            out.append((tok.start[0], tok.string))
+        if tok.type not in (tokenize.COMMENT, tokenize.NL):
+            prev = tok.type
+    return out
+
+
+def repo_file_names() -> set[str]:
+    names = set()
+    for _folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not (d.startswith(".") or d in SKIP_DIRS)]
+        names.update(files)
+    return names
+
+
+def missing_file_refs(path: Path, source: str, names: set[str]) -> list[str]:
+    """File names in `path`'s docstrings and comments that resolve to no file of the repository:
+    tried from the root, from the file's folder and each folder above it, and as a bare name
+    anywhere in the repository. Generated paths under runs/ are not checked."""
+    bad = []
+    bases = [ROOT, *[d for d in path.parents if ROOT in (d, *d.parents)]]
+    for line, text in python_prose(source):
+        for ref in CODE_REF.findall(text):
+            if ref.startswith(("runs/", *EXTERNAL_PREFIXES)) or ref in NOT_REPO_FILES:
+                continue
+            if "/" not in ref and ref in names:
+                continue
+            if any((base / ref).exists() for base in bases):
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{line}: {ref}")
+    return bad
+
+
+def test_python_prose_names_only_files_that_exist() -> None:
+    names = repo_file_names()
+    bad = []
+    for f in python_files():
+        bad += missing_file_refs(f, f.read_text(encoding="utf-8"), names)
+    assert not bad, "docstrings or comments name files that do not exist:\n  " + "\n  ".join(bad)
+
+
+def test_file_reference_checker_catches_what_it_should() -> None:
+    source = (
+        '"""See docs/compis.md and loss/README.md, specs/compis-loss.md §3, cpu-stack.md."""\n'
+        "x = 1  # writes config.json, metrics.jsonl and model.pt; runs/default/x.md is generated\n"
+        "y = 'docs/not-a-docstring.md'\n"
+        'def f():\n    """Loads recipes/F.yaml from slime/backends/loss.py."""\n'
+    )
+    bad = missing_file_refs(ROOT / "loss" / "example.py", source, repo_file_names())
+    assert bad == [
+        "loss/example.py:1: specs/compis-loss.md",
+        "loss/example.py:1: cpu-stack.md",
+        "loss/example.py:5: recipes/F.yaml",
+    ]
+
+
+# ---------------------------------------------------------------- rule pages: no narrative
+
+NARRATIVE = re.compile(
+    r"(?<![-\w])(?:issues?|sessions?)\b|\bthis change\b|\bprevious version of this page\b"
+    r"|\b(?:the )?commit before\b|\bbase commit\b|\bstop notes?\b",
+    re.IGNORECASE,
+)
+
+
+def narrative_hits(text: str) -> list[str]:
+    return [line.strip() for line in prose_lines(text) if NARRATIVE.search(line)]
+
+
+@pytest.mark.parametrize("md", DOC_PAGES, ids=lambda p: p.name)
+def test_rule_pages_state_rules_without_work_history(md: Path) -> None:
+    hits = narrative_hits(md.read_text(encoding="utf-8"))
+    assert not hits, f"docs/{md.name} tells work history (keep that out of the docs):\n  " + (
+        "\n  ".join(hits)
+    )
+
+
+def test_narrative_check_catches_what_it_should() -> None:
+    assert narrative_hits("The issue asked for 16.\nRe-issue the prompt.\nAs before this change.")
+    assert narrative_hits("the session's load") and not narrative_hits("re-issued groups")
+
+
+# ---------------------------------------------------------------- numbers: one place each
+
+RESULTS = DOCS / "results"
+NUMBER = re.compile(
+    r"(?<![\w.^/\-−])(\d+(?:\.\d+)?)\s?(%|×|ms\b|s\b|min\b|GB\b|MB\b|µs\b)?(?![\w.]*\d)"
+)
+# Constants a rule page states and a results page happens to contain too.
+RULE_CONSTANTS = {
+    "2×": "a product of sizes (TP 2 × DP 4) or a bound's factor",
+    "5×": "the collapse rule of the stability verdicts",
+    "10%": "the verdict rules' start window",
+    "1.25": "the IS range guard's upper default",
+    "120s": "the router's client timeout",
+    "30s": "the health bound of a resend",
+}
+
+
+def measured_numbers(text: str) -> set[str]:
+    """Numbers that look measured: decimals of three or more significant digits, and numbers
+    with a unit (%, ×, ms, s, min, GB, MB, µs); outside code spans, code blocks and link targets."""
+    out = set()
+    for line in prose_lines(text):
+        line = re.sub(r"\]\([^)]*\)", "]", CODE_SPAN.sub(" ", line))
+        for m in NUMBER.finditer(line):
+            number, unit = m.groups()
+            if unit or ("." in number and len(number.replace(".", "").lstrip("0")) >= 3):
+                out.add(number + (unit or ""))
+    return out
+
+
+def test_rule_pages_link_to_results_instead_of_repeating_numbers() -> None:
+    results = set()
+    for md in sorted(RESULTS.glob("*.md")):
+        results |= measured_numbers(md.read_text(encoding="utf-8"))
+    bad = []
+    for md in [*DOC_PAGES, ROOT / "README.md"]:
+        numbers = measured_numbers(md.read_text(encoding="utf-8"))
+        repeated = sorted(numbers & results - set(RULE_CONSTANTS))
+        if repeated:
+            bad.append(f"{md.relative_to(ROOT)}: {repeated}")
+    assert not bad, "numbers measured in docs/results/ repeated on a rule page:\n  " + (
+        "\n  ".join(bad)
+    )
+
+
+def test_number_check_catches_what_it_should() -> None:
+    found = measured_numbers("took **2 min 2 s**, 831 MB, r2 p99 1.04, 89%, `0.123` [x](a1.25.md)")
+    assert found == {"2min", "2s", "831MB", "1.04", "89%"}
+    assert not measured_numbers("S = 8, B = 64, lr 1e-5, version 0.16.1, step 40")

@@ -1,4 +1,4 @@
-"""Spec vectors of specs/compis-loss.md §1–§7: F (corrections), P (PPO core), C (CompIS),
+"""Spec vectors of docs/loss-spec.md §1–§7: F (corrections), P (PPO core), C (CompIS),
 B (AReaL decoupled), S (sequence-level IS), M (M2PO), G (GSPO). §8–§14 are in
 test_loss_vectors_more.py."""
 

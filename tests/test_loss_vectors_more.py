@@ -1,4 +1,4 @@
-"""Spec vectors of specs/compis-loss.md §8–§14: A (advantages), D (DAPO), L (aggregation),
+"""Spec vectors of docs/loss-spec.md §8–§14: A (advantages), D (DAPO), L (aggregation),
 O (staleness filter), R (prime-rl masked IS), K (diagnostics), N (pitfalls)."""
 
 from __future__ import annotations

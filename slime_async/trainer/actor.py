@@ -26,7 +26,7 @@ from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
 
 DEFAULT_NUM_CPUS = 0.25
-"""Logical CPUs per trainer actor (fractional: see ARCHITECTURE.md, Ray on 2 cores)."""
+"""Logical CPUs per trainer actor (fractional: see docs/cpu.md, Ray actors on a small node)."""
 
 
 class _TrainerActorImpl:

@@ -1,7 +1,7 @@
 """CPU compatibility shim for megatron-core 0.16.1 (the ONLY place that patches Megatron/torch).
 
 Owns: the handful of patches that let megatron-core run without CUDA (see
-`specs/cpu-stack.md` §1). Every patch is a no-op when CUDA is available, and `apply()` is
+docs/cpu.md, "megatron-core without CUDA"). Every patch is a no-op when CUDA is available, and `apply()` is
 idempotent. Must never import anything from the rest of `slime_async`.
 
 Patches (CPU only):

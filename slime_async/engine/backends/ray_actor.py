@@ -3,7 +3,7 @@
 Owns `RayActorBackend` (start an actor, wait for its URL, check it, stop it and then kill it). A
 subclass names its needs and builds the actor; the actor exposes `start() -> url`, `stop()`,
 `pid() -> int` (the process that serves) and `alive() -> bool`. Every actor is created with
-`num_cpus=0`: on a 2-core node actors asking for a CPU each never schedule (cpu-stack.md §4).
+`num_cpus=0`: on a 2-core node actors asking for a CPU each never schedule (docs/cpu.md).
 Must never import roles, the controller or the trainer.
 """
 
