@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The `train_async.py` parser: one flag group per component, each from its own module."""
     parser = argparse.ArgumentParser(
         prog="train_async.py",
-        description="Asynchronous RL post-training (see README.md for the common flags). "
+        description="Asynchronous RL post-training (README.md; every flag below comes from a "
+        "config dataclass field, its help from the field docstring). "
         "Defaults that depend on the run are derived at start-up, logged as 'derived: ...' and "
         "saved in <run-dir>/config.json.",
         formatter_class=HelpFormatter,
