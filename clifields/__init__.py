@@ -98,6 +98,9 @@ class FlagSpec:
     """Converts one command-line string (default: from the annotation)."""
     nargs: str | int | None = None
     """argparse nargs (default: "+" for a tuple, one value otherwise)."""
+    extend: bool = False
+    """A tuple flag that may be repeated, its values accumulating (`--x a b --x c`: a, b, c);
+    otherwise the last occurrence wins."""
     const: Any = _UNSET
     """With nargs="?": the value of the bare flag (slime's `--partial-rollout` switch)."""
     metavar: str | None = None
@@ -211,6 +214,8 @@ def _kwargs(cls: type, name: str, spec: FlagSpec, tp: Any, default: Any) -> dict
         kw["nargs"] = spec.nargs
     if spec.const is not _UNSET:
         kw["const"] = spec.const
+    if spec.extend:
+        kw["action"] = "extend"
     if typing.get_origin(inner) is typing.Literal:
         choices = choices or typing.get_args(inner)
         inner = type(typing.get_args(inner)[0])

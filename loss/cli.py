@@ -1,19 +1,15 @@
 """The loss package's command line: which loss, its settings, and the advantage estimator.
 
-Owns: `add_loss_args(parser)` (the flags below) and `loss_settings_from_args(args) ->
-LossSettings` (the selected loss, its config object, the advantage estimator). Must never
-import `slime_async`.
+Owns: `LossFlags` and `LossConfigFlags` (the flags, one dataclass field each: its docstring is
+the help), `add_loss_args(parser)` (adds them and slime's, `loss.slime_cli.SlimeLossFlags`, as
+one group) and `loss_settings_from_args(args) -> LossSettings` (the selected loss, its config
+object, the advantage estimator). Must never import `slime_async`.
 
-Flags:
-* `--loss NAME|PATH` or `--custom-loss-function-path PATH` (slime's name): a registered loss or
-  a dotted path to a `LossSpec` / plugin function. Give one of them.
-* `--loss-config KEY=VALUE ...` (repeatable) and `--loss-config-file settings.{json,yaml}`:
-  fields of the selected loss's config class, converted to the field's type.
-* The dedicated CompIS/PPO flags (`--eps-clip`, `--staleness-correction-method`, ...) set the
-  config field of the same meaning, for every loss whose config has that field.
-* `--advantage-estimator` (`loss.available_advantages()`; slime's names are refused with
-  our equivalent) and slime's loss flags (`loss.slime_cli`: `--loss-type`, `--use-tis`,
-  `--tis-clip(-low)`, `--calculate-per-token-loss`, `--disable-grpo-std-normalization`).
+How a loss gets its settings: `--loss-config KEY=VALUE ...` and `--loss-config-file` give
+fields of the selected loss's config class (converted to the field's type); each
+`LossConfigFlags` field is a dedicated flag (slime's name where slime has one) of the config
+field of the same name, for every loss whose config has it; slime's flags set the fields
+`slime_loss_settings` says. A flag left unset (None) leaves the config class's default.
 
 Rules (never silent): a setting is given once. A key in both `--loss-config` and the file, or
 in either and through its dedicated flag, or twice in `--loss-config`, is refused; so is a
@@ -34,7 +30,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from loss.advantages import DEFAULT_ADVANTAGE_ESTIMATOR, available_advantages
+from clifields import add_flags, flag, flag_name, from_args
+from loss.advantages import DEFAULT_ADVANTAGE_ESTIMATOR
 from loss.registry import resolve_loss_spec
 from loss.slime_cli import (
     add_slime_loss_args,
@@ -60,81 +57,106 @@ class LossSettings:
     says so once at start-up and records it (the values are also in `loss.config`)."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Flag:
-    flag: str
-    """The dedicated flag (slime's name where slime has one)."""
-    field: str
-    """The config field it sets."""
-    kwargs: dict[str, Any]
-    """`add_argument` keyword arguments besides the default."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LossFlags:
+    """Which loss, where its settings come from, and the advantage estimator."""
+
+    loss: str | None = None
+    """Loss by registry name (compis = default; ppo = no behaviour weight; decoupled_ppo,
+    single_ratio, m2po, gspo, prime_masked_is) or a dotted path to a LossSpec or plugin
+    fn(inputs, cfg) -> LossOutputs"""
+    custom_loss_function_path: str | None = None
+    """slime's name for --loss PATH (give one of the two)"""
+    loss_config: tuple[str, ...] = flag((), extend=True, metavar="KEY=VALUE")
+    """Settings of the selected loss: fields of its config class (repeatable; e.g. --loss-config
+    tau=0.02 cap=5)"""
+    loss_config_file: str | None = flag(None, metavar="PATH")
+    """JSON or YAML mapping of the selected loss's settings"""
+    advantage_estimator: str = DEFAULT_ADVANTAGE_ESTIMATOR
+    """Advantage estimator: one of loss.available_advantages() (loss.register_advantage adds
+    one); slime's gspo, cispo and ppo are refused with the equivalent"""
 
 
-def _dedicated() -> tuple[_Flag, ...]:
-    d = CompISConfig()
-    methods = [m.value for m in Method]
-    out = []
-    for src, ratio in (
-        ("staleness", "staleness (r3 = pi_k / pi_j^Meg)"),
-        ("engine", "engine mismatch (r2 = pi_j^Meg / pi_j^SGL)"),
-    ):
-        out += [
-            _Flag(f"--{src}-correction-method", f"{src}_method", dict(choices=methods,
-                  help=f"Correction of the {ratio} ratio (default: "
-                  f"{getattr(d, f'{src}_method')})")),
-            _Flag(f"--{src}-correction-low", f"{src}_low", dict(type=float,
-                  help=f"Lower bound l of the {src} correction, clip/icepop (default: "
-                  f"{getattr(d, f'{src}_low')})")),
-            _Flag(f"--{src}-correction-high", f"{src}_high", dict(type=float,
-                  help=f"Upper bound u of the {src} correction (default: "
-                  f"{getattr(d, f'{src}_high')})")),
-        ]  # fmt: skip
-    return (
-        *out,
-        _Flag("--eps-clip", "eps_clip", dict(type=float,
-              help=f"PPO clip epsilon, low side (default: {d.eps_clip})")),
-        _Flag("--eps-clip-high", "eps_clip_high", dict(type=float,
-              help="PPO clip epsilon, high side; DAPO clip-higher uses 0.28 (default: "
-              "--eps-clip)")),
-        _Flag("--eps-clip-c", "dual_clip_c", dict(type=float,
-              help="Dual-clip constant c > 1 (default: off)")),
-        _Flag("--loss-agg-mode", "agg_mode", dict(choices=[m.value for m in AggMode],
-              help=f"Loss aggregation (default: {d.agg_mode})")),
-        _Flag("--loss-scale-factor", "loss_scale_factor", dict(type=float,
-              help="Constant H of seq-mean-token-sum-norm (default: max response length)")),
-        _Flag("--denom", "denom", dict(choices=[m.value for m in Denom],
-              help=f"Masked tokens keep or leave the loss denominator (default: {d.denom})")),
-        _Flag("--no-loss-diagnostics", "diagnostics", dict(action="store_false",
-              help="Skip the loss's diagnostics (is/*, policy/*; slightly faster)")),
-    )  # fmt: skip
+_COMPIS = CompISConfig()
 
 
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
+def _config_default(field: str) -> str:
+    """Help text of a dedicated flag left unset: the selected loss's own default (CompIS's
+    shown, read from `CompISConfig`)."""
+    value = getattr(_COMPIS, field)
+    return f"the selected loss's config; compis: {'off' if value is None else value}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LossConfigFlags:
+    """Dedicated flags of loss settings: each sets the selected loss's config field of the same
+    name (refused for a loss whose config lacks it). Unset (None): the config's default."""
+
+    staleness_method: Method | None = flag(
+        None, name="staleness-correction-method", derived=_config_default("staleness_method")
+    )
+    """Correction of the staleness (r3 = pi_k / pi_j^Meg) ratio"""
+    staleness_low: float | None = flag(
+        None, name="staleness-correction-low", derived=_config_default("staleness_low")
+    )
+    """Lower bound l of the staleness correction, clip/icepop"""
+    staleness_high: float | None = flag(
+        None, name="staleness-correction-high", derived=_config_default("staleness_high")
+    )
+    """Upper bound u of the staleness correction"""
+    engine_method: Method | None = flag(
+        None, name="engine-correction-method", derived=_config_default("engine_method")
+    )
+    """Correction of the engine mismatch (r2 = pi_j^Meg / pi_j^SGL) ratio"""
+    engine_low: float | None = flag(
+        None, name="engine-correction-low", derived=_config_default("engine_low")
+    )
+    """Lower bound l of the engine correction, clip/icepop"""
+    engine_high: float | None = flag(
+        None, name="engine-correction-high", derived=_config_default("engine_high")
+    )
+    """Upper bound u of the engine correction"""
+    eps_clip: float | None = flag(None, derived=_config_default("eps_clip"))
+    """PPO clip epsilon, low side"""
+    eps_clip_high: float | None = flag(
+        None, derived="--eps-clip when only it is given, else " + _config_default("eps_clip_high")
+    )
+    """PPO clip epsilon, high side; DAPO clip-higher uses 0.28"""
+    dual_clip_c: float | None = flag(
+        None, name="eps-clip-c", derived=_config_default("dual_clip_c")
+    )
+    """Dual-clip constant c > 1"""
+    agg_mode: AggMode | None = flag(None, name="loss-agg-mode", derived=_config_default("agg_mode"))
+    """Loss aggregation"""
+    loss_scale_factor: float | None = flag(
+        None, derived="the max response length, for a loss whose config has it"
+    )
+    """Constant H of seq-mean-token-sum-norm"""
+    denom: Denom | None = flag(None, derived=_config_default("denom"))
+    """Masked tokens keep or leave the loss denominator"""
+    diagnostics: bool | None = flag(
+        None, name="loss-diagnostics", derived=_config_default("diagnostics")
+    )
+    """Compute the loss's diagnostics (is/*, policy/*); --no-loss-diagnostics skips them
+    (slightly faster)"""
+
+
+def _given(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """{field: value as parsed} of each flag of `cls` that is set (not None) in `args`."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(args, flag_name(cls, f.name)[2:].replace("-", "_"), None)
+        if value is not None:
+            out[f.name] = value
+    return out
 
 
 def add_loss_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the loss flag group. Flags that can conflict have no argparse default, so an unset
-    flag is absent from the namespace (defaults come from the loss's config class)."""
+    """Add the loss flag group: `LossFlags`, `LossConfigFlags` and slime's `SlimeLossFlags`.
+    Flags that can conflict default to None (unset: the loss's config class decides)."""
     g = parser.add_argument_group("loss")
-    unset = argparse.SUPPRESS
-    g.add_argument("--loss", default=unset,
-                   help="Loss by registry name (compis = default; ppo = no behaviour weight; "
-                   "decoupled_ppo, single_ratio, m2po, gspo, prime_masked_is) or a dotted path "
-                   "to a LossSpec or plugin fn(inputs, cfg) -> LossOutputs")  # fmt: skip
-    g.add_argument("--custom-loss-function-path", default=unset,
-                   help="slime's name for --loss PATH (give one of the two)")  # fmt: skip
-    g.add_argument("--loss-config", action="extend", nargs="+", default=unset,
-                   metavar="KEY=VALUE",
-                   help="Settings of the selected loss: fields of its config class "
-                   "(repeatable; e.g. --loss-config tau=0.02 cap=5)")  # fmt: skip
-    g.add_argument("--loss-config-file", default=unset, metavar="PATH",
-                   help="JSON or YAML mapping of the selected loss's settings")  # fmt: skip
-    for f in _dedicated():
-        g.add_argument(f.flag, default=unset, **f.kwargs)
-    g.add_argument("--advantage-estimator", default=DEFAULT_ADVANTAGE_ESTIMATOR,
-                   help=f"Advantage estimator: {', '.join(available_advantages())} "
-                   "(loss.register_advantage adds one)")  # fmt: skip
+    add_flags(g, LossFlags)
+    add_flags(g, LossConfigFlags)
     add_slime_loss_args(g)
     return parser
 
@@ -224,7 +246,7 @@ def _read_file(path: str) -> dict[str, Any]:
     return data
 
 
-def _pairs(items: list[str]) -> list[tuple[str, str]]:
+def _pairs(items: tuple[str, ...]) -> list[tuple[str, str]]:
     out = []
     for item in items:
         key, sep, value = item.partition("=")
@@ -238,7 +260,8 @@ def _pairs(items: list[str]) -> list[tuple[str, str]]:
 
 
 def _loss_name(args: argparse.Namespace) -> str:
-    name, path = getattr(args, "loss", None), getattr(args, "custom_loss_function_path", None)
+    flags = from_args(LossFlags, args)
+    name, path = flags.loss, flags.custom_loss_function_path
     if name is not None and path is not None:
         raise ValueError(
             f"--loss {name} and --custom-loss-function-path {path} both select the loss; "
@@ -251,8 +274,8 @@ def loss_config_from_args(
     spec: LossSpec, args: argparse.Namespace, *, default_loss_scale_factor: float | None = None
 ) -> tuple[Any, tuple[tuple[str, Any, str], ...]]:
     """(`spec`'s config object from the flags, (flag, value, why) of each derived setting);
-    ValueError on conflicts,
-    unknown keys or bad values (the message names the flag and the valid keys)."""
+    ValueError on conflicts, unknown keys or bad values (the message names the flag and the
+    valid keys)."""
     cls = spec.config_cls
     given: dict[str, tuple[str, Any]] = {}  # field -> (where it was given, raw value)
     errors: list[str] = []
@@ -268,28 +291,29 @@ def loss_config_from_args(
         else:
             given[key] = (where, value)
 
-    for f in _dedicated():
-        if hasattr(args, _dest(f.flag)):
-            give(f.field, f.flag, getattr(args, _dest(f.flag)))
+    for key, value in _given(LossConfigFlags, args).items():
+        where = flag_name(LossConfigFlags, key)
+        give(key, where if value is not False else "--no-" + where[2:], value)
     for key, where, value in slime_loss_settings(args):
         give(key, where, value)
-    if getattr(args, "loss_config_file", None) is not None:
-        for key, value in _read_file(args.loss_config_file).items():
-            give(key, f"--loss-config-file {args.loss_config_file}", value)
-    for key, value in _pairs(getattr(args, "loss_config", None) or []):
+    flags = from_args(LossFlags, args)
+    if flags.loss_config_file is not None:
+        for key, value in _read_file(flags.loss_config_file).items():
+            give(key, f"--loss-config-file {flags.loss_config_file}", value)
+    for key, value in _pairs(flags.loss_config):
         give(key, f"--loss-config {key}={value}", value)
     derived: list[tuple[str, Any, str]] = []
-    if (
-        "eps_clip" in given
-        and "eps_clip_high" not in given
-        and given["eps_clip"][0] == "--eps-clip"
-    ):
-        given["eps_clip_high"] = ("--eps-clip", given["eps_clip"][1])
-        derived.append(("--eps-clip-high", given["eps_clip"][1], "follows --eps-clip"))
+    eps_clip = flag_name(LossConfigFlags, "eps_clip")
+    if "eps_clip" in given and "eps_clip_high" not in given and given["eps_clip"][0] == eps_clip:
+        given["eps_clip_high"] = (eps_clip, given["eps_clip"][1])
+        high = flag_name(LossConfigFlags, "eps_clip_high")
+        derived.append((high, given["eps_clip"][1], f"follows {eps_clip}"))
     lsf = default_loss_scale_factor
     if "loss_scale_factor" in fields and "loss_scale_factor" not in given and lsf is not None:
         given["loss_scale_factor"] = ("default", lsf)
-        derived.append(("--loss-scale-factor", lsf, "the max response length"))
+        derived.append(
+            (flag_name(LossConfigFlags, "loss_scale_factor"), lsf, "the max response length")
+        )
     values: dict[str, Any] = {}
     for key, (where, raw) in given.items():
         try:

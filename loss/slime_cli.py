@@ -1,31 +1,24 @@
 """slime's loss-side flags, each with slime's meaning or refused with our equivalent.
 
-Owns: `add_slime_loss_args` (the flags below, added to the loss group by `loss.cli`),
-`slime_loss_settings` (what they set, as config fields of the selected loss, so conflicts
-with our own flags are refused like any setting given twice), `check_loss_type` and
-`advantage_estimator_from_args`. Must never import `slime_async`.
+Owns: `SlimeLossFlags` (the flags: one field each, its docstring the help and what it means
+here; docs/coming-from-slime.md has the whole slime-to-here table), `add_slime_loss_args`
+(adds them to the loss group of `loss.cli`), `slime_loss_settings` (what they set, as config
+fields of the selected loss, so conflicts with our own flags are refused like any setting given
+twice), `regularizers_from_args`, `check_loss_type` and `advantage_estimator_from_args`. Must
+never import `slime_async`.
 
-| slime flag | here |
-|---|---|
-| `--loss-type policy_loss` | the default loss; `--custom-loss-function-path` is then refused (slime ignores it there) |
-| `--loss-type custom_loss` | needs `--custom-loss-function-path` (our contract `fn(inputs, cfg)`; a slime-signature loss is refused) |
-| `--loss-type sft_loss` | refused: no SFT loss here |
-| `--use-tis --tis-clip C --tis-clip-low L` | CompIS's engine correction `clip(L, C)` (slime's TIS truncates π_old/π_rollout, which is the engine ratio r2 when π_j^Meg is known) |
-| `--calculate-per-token-loss` | `--loss-agg-mode token-mean` (slime's default is the per-sample mean: `seq-mean-token-mean`) |
-| `--advantage-estimator grpo/reinforce_plus_plus/reinforce_plus_plus_baseline` | the same estimators |
-| `--disable-grpo-std-normalization` | Dr.GRPO: `--advantage-estimator dr_grpo` |
-| `--advantage-estimator gspo` | refused: `--advantage-estimator grpo --loss gspo` |
-| `--advantage-estimator cispo`, `ppo` | refused: no CISPO loss, no critic |
-| `--entropy-coef E` | the entropy bonus of `loss.regularizers` (any loss) |
-| `--use-kl-loss --kl-loss-coef C --kl-loss-type T` | the KL penalty to the reference policy (the run's initial weights, or `--ref-load`); slime's default type k1 |
+A flag whose unset state matters (a rule refuses it without another flag) defaults to None on
+the command line: given = not None; a recipe's value counts as given.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
-from typing import Any
+from typing import Any, Literal
 
+from clifields import add_flags, flag, flag_name, from_args
 from loss.advantages import DEFAULT_ADVANTAGE_ESTIMATOR, available_advantages
 from loss.kl import KLType
 from loss.regularizers import RegularizerConfig
@@ -39,35 +32,49 @@ _SLIME_ESTIMATORS = {
     "dr_grpo, reinforce_plus_plus or reinforce_plus_plus_baseline",
 }
 
+_TIS_CLIP, _TIS_CLIP_LOW = 2.0, 0.0
+"""slime's defaults of `--tis-clip` and `--tis-clip-low`."""
+_REG = RegularizerConfig()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SlimeLossFlags:
+    """slime's loss flags (`add_slime_loss_args`), with slime's spelling and meaning."""
+
+    loss_type: Literal["policy_loss", "custom_loss", "sft_loss"] | None = None
+    """slime's: policy_loss (the selected --loss; --custom-loss-function-path is then refused,
+    slime ignores it there) or custom_loss (with --custom-loss-function-path, our contract
+    fn(inputs, cfg); a slime-signature loss is refused); sft_loss is not supported"""
+    use_tis: bool = False
+    """slime's TIS: CompIS's engine correction clip(--tis-clip-low, --tis-clip) (slime's TIS
+    truncates pi_old/pi_rollout, which is the engine ratio r2 when pi_j^Meg is known)"""
+    tis_clip: float | None = flag(None, derived=f"slime's {_TIS_CLIP}")
+    """slime's TIS upper bound C, with --use-tis"""
+    tis_clip_low: float | None = flag(None, derived=f"slime's {_TIS_CLIP_LOW}")
+    """slime's TIS lower bound, with --use-tis"""
+    calculate_per_token_loss: bool = False
+    """slime's: average the loss over tokens (= --loss-agg-mode token-mean; slime's default is
+    the per-sample mean, seq-mean-token-mean)"""
+    disable_grpo_std_normalization: bool = False
+    """slime's Dr.GRPO switch (= --advantage-estimator dr_grpo)"""
+    entropy_coef: float = _REG.entropy_coef
+    """Entropy bonus weight, subtracted from the loss (any loss)"""
+    use_kl_loss: bool = False
+    """Add the KL penalty to the reference policy (the run's initial weights, or --ref-load)
+    with --kl-loss-coef"""
+    kl_loss_coef: float | None = flag(None, derived=f"{_REG.kl_coef}")
+    """KL penalty weight, with --use-kl-loss"""
+    kl_loss_type: KLType | None = flag(None, derived=f"{_REG.kl_type}, slime's")
+    """Per-token KL estimator, with --use-kl-loss"""
+
 
 def add_slime_loss_args(g: argparse._ArgumentGroup) -> None:
-    """slime's loss flags (no argparse default where a conflict must be detectable)."""
-    unset = argparse.SUPPRESS
-    g.add_argument("--loss-type", choices=["policy_loss", "custom_loss", "sft_loss"],
-                   default=unset,
-                   help="slime's: policy_loss (the selected --loss) or custom_loss (with "
-                   "--custom-loss-function-path); sft_loss is not supported")  # fmt: skip
-    g.add_argument("--use-tis", action="store_true", default=unset,
-                   help="slime's TIS: CompIS's engine correction clip(--tis-clip-low, "
-                   "--tis-clip)")  # fmt: skip
-    g.add_argument("--tis-clip", type=float, default=unset,
-                   help="slime's TIS upper bound C, with --use-tis (default 2.0)")  # fmt: skip
-    g.add_argument("--tis-clip-low", type=float, default=unset,
-                   help="slime's TIS lower bound, with --use-tis (default 0.0)")  # fmt: skip
-    g.add_argument("--calculate-per-token-loss", action="store_true", default=unset,
-                   help="slime's: average the loss over tokens (= --loss-agg-mode "
-                   "token-mean)")  # fmt: skip
-    g.add_argument("--disable-grpo-std-normalization", action="store_true", default=unset,
-                   help="slime's Dr.GRPO switch (= --advantage-estimator dr_grpo)")  # fmt: skip
-    g.add_argument("--entropy-coef", type=float, default=unset,
-                   help="Entropy bonus weight, subtracted from the loss (default 0)")  # fmt: skip
-    g.add_argument("--use-kl-loss", action="store_true", default=unset,
-                   help="Add the KL penalty to the reference policy (the run's initial weights, "
-                   "or --ref-load) with --kl-loss-coef")  # fmt: skip
-    g.add_argument("--kl-loss-coef", type=float, default=unset,
-                   help="KL penalty weight, with --use-kl-loss (default 0)")  # fmt: skip
-    g.add_argument("--kl-loss-type", choices=[k.value for k in KLType], default=unset,
-                   help="Per-token KL estimator, with --use-kl-loss (default k1, slime's)")  # fmt: skip
+    """slime's loss flags (`SlimeLossFlags`)."""
+    add_flags(g, SlimeLossFlags)
+
+
+def _flag(field: str) -> str:
+    return flag_name(SlimeLossFlags, field)
 
 
 def advantage_estimator_from_args(args: argparse.Namespace) -> str:
@@ -125,17 +132,22 @@ def check_loss_type(args: argparse.Namespace, fn: Any) -> None:
 
 def slime_loss_settings(args: argparse.Namespace) -> list[tuple[str, str, Any]]:
     """(config field, flag, value) for every slime flag given that sets a loss setting."""
+    s = from_args(SlimeLossFlags, args)
     out: list[tuple[str, str, Any]] = []
-    tis = getattr(args, "use_tis", False)
-    for flag, dest, field, default in (("--tis-clip", "tis_clip", "engine_high", 2.0),
-                                       ("--tis-clip-low", "tis_clip_low", "engine_low", 0.0)):  # fmt: skip
-        if hasattr(args, dest) and not tis:
-            raise ValueError(f"{flag} applies only with --use-tis (slime's rule); add --use-tis")
-        if tis:
-            out.append((field, f"--use-tis {flag}", getattr(args, dest, default)))
-    if tis:
+    for name, field, default in (
+        ("tis_clip", "engine_high", _TIS_CLIP),
+        ("tis_clip_low", "engine_low", _TIS_CLIP_LOW),
+    ):
+        value = getattr(s, name)
+        if value is not None and not s.use_tis:
+            raise ValueError(
+                f"{_flag(name)} applies only with --use-tis (slime's rule); add --use-tis"
+            )
+        if s.use_tis:
+            out.append((field, f"--use-tis {_flag(name)}", default if value is None else value))
+    if s.use_tis:
         out.append(("engine_method", "--use-tis", "clip"))
-    if getattr(args, "calculate_per_token_loss", False):
+    if s.calculate_per_token_loss:
         out.append(("agg_mode", "--calculate-per-token-loss", "token-mean"))
     return out
 
@@ -143,13 +155,14 @@ def slime_loss_settings(args: argparse.Namespace) -> list[tuple[str, str, Any]]:
 def regularizers_from_args(args: argparse.Namespace) -> RegularizerConfig | None:
     """`--entropy-coef` and `--use-kl-loss/--kl-loss-coef/--kl-loss-type` (slime's rules: the KL
     settings apply only with `--use-kl-loss`); None when neither term is on."""
-    kl_on = getattr(args, "use_kl_loss", False)
-    for flag in ("kl_loss_coef", "kl_loss_type"):
-        if hasattr(args, flag) and not kl_on:
-            raise ValueError(f"--{flag.replace('_', '-')} applies only with --use-kl-loss")
-    reg = RegularizerConfig(
-        entropy_coef=getattr(args, "entropy_coef", 0.0),
-        kl_coef=getattr(args, "kl_loss_coef", 0.0) if kl_on else 0.0,
-        kl_type=getattr(args, "kl_loss_type", KLType.K1),
-    )
+    s = from_args(SlimeLossFlags, args)
+    for name in ("kl_loss_coef", "kl_loss_type"):
+        if getattr(s, name) is not None and not s.use_kl_loss:
+            raise ValueError(f"{_flag(name)} applies only with --use-kl-loss")
+    kl = {}
+    if s.use_kl_loss and s.kl_loss_coef is not None:
+        kl["kl_coef"] = s.kl_loss_coef
+    if s.kl_loss_type is not None:
+        kl["kl_type"] = s.kl_loss_type
+    reg = RegularizerConfig(entropy_coef=s.entropy_coef, **kl)
     return reg if reg.active else None

@@ -278,11 +278,22 @@ def test_loss_config_types_file_and_precedence(tmp_path):
         (["--loss", "m2po", "--loss-config", "tau=0"], r"--loss m2po \(M2POConfig\): tau=0.0 must"),
         (["--eps-clip-c", "0.5"], "dual clip"),
         (["--loss-config-file", "/nonexistent.json"], "does not exist"),
+        (["--no-loss-diagnostics", "--loss-config", "diagnostics=true"],
+         r"'diagnostics' is given twice \(--no-loss-diagnostics and --loss-config"),
     ],
 )  # fmt: skip
 def test_loss_config_errors_name_the_problem(argv, message):
     with pytest.raises(ValueError, match=message):
         _parse(*argv)
+
+
+def test_unset_dedicated_flags_leave_the_config_defaults():
+    """A dedicated flag not given (None) leaves its field to the loss's config class."""
+    from loss import CompISConfig
+
+    cfg = _parse().trainer.loss.config
+    assert dataclasses.replace(cfg, loss_scale_factor=None) == CompISConfig()
+    assert _parse("--no-loss-diagnostics").trainer.loss.config.diagnostics is False
 
 
 def test_loss_config_file_conflicts_and_plain_plugins(tmp_path):
