@@ -52,6 +52,7 @@ __all__ = [
     "Switch",
     "add_flags",
     "check_ranges",
+    "dest_of",
     "field_docs",
     "flag",
     "flag_name",
@@ -160,8 +161,10 @@ def flag_name(cls: type, field: str, *, prefix: str | None = None) -> str:
     return "--" + prefix + (spec.name or field.replace("_", "-"))
 
 
-def _dest(cls: type, field: str, prefix: str) -> str:
+def dest_of(cls: type, field: str, *, prefix: str | None = None) -> str:
+    """The argparse dest of `cls.field`'s flag (its name, underscored)."""
     return flag_name(cls, field, prefix=prefix)[2:].replace("-", "_")
+
 
 
 # ------------------------------------------------------------------------------- types
@@ -291,7 +294,7 @@ def add_flags(
         if kw.get("action") is Switch:
             names.insert(1, "--no-" + names[0][2:])
         action = target.add_argument(
-            *names, dest=_dest(cls, f.name, pre), help=_help(docs.get(f.name, ""), spec), **kw
+            *names, dest=dest_of(cls, f.name, prefix=pre), help=_help(docs.get(f.name, ""), spec), **kw
         )
         action.clifield = (cls, f.name)  # type: ignore[attr-defined]
     return target
@@ -338,7 +341,7 @@ def from_args(
         spec = f.metadata.get(_KEY, FlagSpec())
         if not f.init or f.name in given or not spec.cli:
             continue
-        dest = _dest(cls, f.name, pre)
+        dest = dest_of(cls, f.name, prefix=pre)
         if not hasattr(args, dest):
             continue
         value = getattr(args, dest)

@@ -30,7 +30,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from clifields import add_flags, flag, flag_name, from_args
+from clifields import add_flags, dest_of, flag, flag_name, from_args
 from loss.advantages import DEFAULT_ADVANTAGE_ESTIMATOR
 from loss.registry import resolve_loss_spec
 from loss.slime_cli import (
@@ -145,7 +145,7 @@ def _given(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     """{field: value as parsed} of each flag of `cls` that is set (not None) in `args`."""
     out = {}
     for f in dataclasses.fields(cls):
-        value = getattr(args, flag_name(cls, f.name)[2:].replace("-", "_"), None)
+        value = getattr(args, dest_of(cls, f.name), None)
         if value is not None:
             out[f.name] = value
     return out

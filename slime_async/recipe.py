@@ -75,6 +75,8 @@ def _convert(path: Path, key: str, action: argparse.Action, value: Any) -> Any:
             raise ValueError(f"{where}: this switch cannot be set from a recipe; pass it as a flag")
         if not isinstance(value, bool):
             raise ValueError(f"{where}: {value!r} must be true or false (it is a switch)")
+        if isinstance(action, Switch) and "--" + key in action.off:  # no-x: true means x false
+            return not value
         return value
     many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
     items = value if isinstance(value, list) else [value]
