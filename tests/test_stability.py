@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from lab import analysis as lab
+from lab import report as lab_report
 from slime_async.config import parse_config
-from slime_async.metrics import GuardKind, MetricsLogger, lab, lab_report
+from slime_async.metrics import GuardKind, MetricsLogger
 from slime_async.metrics.stability import (
     GAP_KEY,
     REWARD_KEY,

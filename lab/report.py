@@ -3,8 +3,9 @@
 Owns `render_figure` (rows = the `PANELS` metrics over samples trained, columns = (staleness,
 steps per rollout), one line per (loss, replay), mean ± one standard deviation over seeds) and
 `render_markdown` (the table of final values, per-source diagnostics, seed-paired and pooled
-differences, per-run verdicts, the issue's goal checks, the guards' hit rates), both from
-`slime_async.metrics.lab`'s analysis. matplotlib is imported only to draw.
+differences, per-run verdicts, the goal checks, the guards' hit rates), both from
+`lab.analysis`. matplotlib is imported only to draw. May import `slime_async`; `slime_async`
+must never import it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from slime_async.metrics.lab import LOSSES, SOURCES, RunData, group_key, split_group
+from lab.analysis import LOSSES, SOURCES, RunData, group_key, split_group
 from slime_async.metrics.stability import GAP_KEY
 
 PANELS: tuple[tuple[str, str], ...] = (

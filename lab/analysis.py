@@ -9,7 +9,8 @@ seed-paired differences (`paired`), the pooled async − sync (`pooled_vs_sync`)
 replay (`replay_effect`) statistics, the divergence guards' hit rates (`calibrate`) and the
 rule that picks a guard's default from a calibration sweep (`choose_setting`).
 Pure over files: running the grid is `scripts/bench_stability.py`, rendering the figure and
-the markdown is `slime_async.metrics.lab_report`. See docs/stability.md.
+the markdown is `lab.report`. May import `slime_async`; `slime_async` must never import
+it. See docs/stability.md.
 """
 
 from __future__ import annotations
