@@ -15,7 +15,7 @@ reads each run's `metrics.jsonl` and writes, under `--out`:
   (r2/r3) needs π_j^Meg, which only `compis` reads; the other losses show the combined ratio;
 * `stability.md`: the table of final values (mean ± 95% t-interval over seeds), the verdict
   of every run and cell (`slime_async.metrics.stability`: stable / drifting / collapsed), the
-  lab's goal checks and the divergence guards' hit rates on unstable vs stable runs;
+  goal checks (`lab.goals`) and the divergence guards' hit rates on unstable vs stable runs;
 * `summary.json`: the same numbers, machine-readable.
 
 Resumable: a run whose `result.json` says it finished is skipped (`--report-only` skips all
