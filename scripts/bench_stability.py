@@ -15,7 +15,7 @@ reads each run's `metrics.jsonl` and writes, under `--out`:
   (r2/r3) needs π_j^Meg, which only `compis` reads; the other losses show the combined ratio;
 * `stability.md`: the table of final values (mean ± 95% t-interval over seeds), the verdict
   of every run and cell (`slime_async.metrics.stability`: stable / drifting / collapsed), the
-  issue's goal checks and the divergence guards' hit rates on unstable vs stable runs;
+  goal checks (`lab.goals`) and the divergence guards' hit rates on unstable vs stable runs;
 * `summary.json`: the same numbers, machine-readable.
 
 Resumable: a run whose `result.json` says it finished is skipped (`--report-only` skips all
@@ -49,10 +49,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this tree
+sys.path.insert(0, str(ROOT))  # this tree: slime_async and the lab package
 
-from slime_async.metrics import read_metrics  # noqa: E402
-from slime_async.metrics.lab import (  # noqa: E402
+from lab.analysis import (  # noqa: E402
     LOSSES,
     RESULT,
     Budget,
@@ -66,13 +65,14 @@ from slime_async.metrics.lab import (  # noqa: E402
     select,
     train_args,
 )
-from slime_async.metrics.lab_report import render_figure, render_markdown  # noqa: E402
+from lab.report import render_figure, render_markdown  # noqa: E402
+from slime_async.metrics import read_metrics  # noqa: E402
 from slime_async.metrics.stability import VerdictRules  # noqa: E402
 
 FULL = dict(staleness=(0, 1, 4, 8, 16), losses=("ppo", "decoupled_ppo", "tis", "compis"),
             replay=("on", "off"), nspr=(1, 4), seeds=(1, 2, 3), num_rollout=50,
             eval_interval=10)  # fmt: skip
-"""The issue's grid: every axis, at the quick form's budget (so the quick runs are its runs;
+"""The lab's full grid: every axis, at the quick form's budget (so the quick runs are its runs;
 240 runs of 50 rollouts are ~5 hours on 2 cores, of 200 rollouts ~27; `--num-rollout 200`)."""
 
 

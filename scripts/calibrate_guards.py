@@ -28,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from slime_async.metrics import lab  # noqa: E402
+from lab import analysis as lab  # noqa: E402
 from slime_async.metrics.guards import BASELINE_AFTER_BOUNDS  # noqa: E402
 from slime_async.metrics.stability import (  # noqa: E402
     Verdict,

@@ -3,6 +3,8 @@
 * The leaves (`loss`, `data_worker`, `router`) import nothing from `slime_async`.
 * Inside `slime_async`, the components (trainer, engine, rollout, weights, metrics) import only
   the contracts (`slime_async.contracts`), the host helpers (`slime_async.host`) and themselves.
+* The stability lab (`lab`, a repository tool, not installed) may import the runtime; the
+  runtime (`slime_async` and the leaves) never imports it.
 * No import cycle among the project's modules, `TYPE_CHECKING` imports included.
 """
 
@@ -14,13 +16,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("slime_async", "loss", "data_worker", "router")
 LEAVES = ("loss", "data_worker", "router")
+TOOLS = ("lab",)
 COMPONENTS = ("trainer", "engine", "rollout", "weights", "metrics")
 SHARED = ("contracts", "host")
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
+    for pkg in (*PACKAGES, *TOOLS):
         for f in (ROOT / pkg).rglob("*.py"):
             parts = f.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -60,6 +63,14 @@ def test_leaves_never_import_the_orchestrator():
     bad = [(m, d) for m, deps in _graph().items() if m.split(".")[0] in LEAVES
            for d in deps if d.split(".")[0] == "slime_async"]  # fmt: skip
     assert not bad, f"leaf modules importing slime_async: {bad}"
+
+
+def test_the_runtime_never_imports_the_lab_tools():
+    graph = _graph()
+    assert any(m.split(".")[0] in TOOLS for m in graph), "the lab package was not found"
+    bad = [(m, d) for m, deps in graph.items() if m.split(".")[0] in PACKAGES
+           for d in deps if d.split(".")[0] in TOOLS]  # fmt: skip
+    assert not bad, f"runtime modules importing the lab tools: {bad}"
 
 
 def test_components_meet_only_through_the_contracts():

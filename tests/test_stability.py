@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from lab import analysis as lab
+from lab import report as lab_report
+from lab.goals import Goals
 from slime_async.config import parse_config
-from slime_async.metrics import GuardKind, MetricsLogger, lab, lab_report
+from slime_async.metrics import GuardKind, MetricsLogger
 from slime_async.metrics.stability import (
     GAP_KEY,
     REWARD_KEY,
@@ -271,6 +274,11 @@ def test_replay_effect_pools_seed_paired_runs_as_a_geometric_mean(bench) -> None
     lines = "\n".join(lab_report.goal_checks({"cells": {}, "replay": eff}))
     assert "pooled over 6 seed-paired run pairs, train–rollout gap" in lines
     assert "engine gap" not in lines
+    # the bar is `Goals.replay_change` (Relax's −38%): [−52%, −17%] straddles it; −10% is met
+    assert "−38% or better: not resolved" in lines
+    looser = "\n".join(lab_report.goal_checks({"cells": {}, "replay": eff},
+                                               Goals(replay_change=-0.1)))  # fmt: skip
+    assert "−10% or better: yes" in looser
 
 
 def test_a_stalled_run_is_killed_with_its_children_a_moving_one_is_not(bench, tmp_path) -> None:

@@ -65,19 +65,6 @@ class WeightManifest:
             ),
         )
 
-    def mismatches(self, tensors: Mapping[str, torch.Tensor]) -> list[str]:
-        """Every way `tensors` differs from this manifest (empty when they match exactly)."""
-        want = {e.name: e for e in self.entries}
-        out = [f"missing tensor {n!r}" for n in sorted(set(want) - set(tensors))]
-        out += [f"unexpected tensor {n!r}" for n in sorted(set(tensors) - set(want))]
-        for n in sorted(set(want) & set(tensors)):
-            e, t = want[n], tensors[n]
-            if tuple(t.shape) != e.shape:
-                out.append(f"{n!r} has shape {tuple(t.shape)}, expected {e.shape}")
-            if str(t.dtype).removeprefix("torch.") != e.dtype:
-                out.append(f"{n!r} has dtype {t.dtype}, expected {e.dtype}")
-        return out
-
     def to_json(self) -> dict[str, Any]:
         return {
             "version": self.version,

@@ -25,11 +25,6 @@ class RWLock:
         self.writer_active = False
         self.writers_waiting = 0
 
-    @property
-    def locked(self) -> bool:
-        """Someone holds the lock (a reader or the writer)."""
-        return self.readers > 0 or self.writer_active
-
     @contextlib.asynccontextmanager
     async def reader(self) -> AsyncIterator[None]:
         async with self._cond:

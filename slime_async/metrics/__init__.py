@@ -2,9 +2,9 @@
 
 Public surface: `MetricsLogger` / `MetricsConfig` (logger.py), `GuardConfig` / `GuardWarning` /
 `GuardMonitor` / `scan` (guards.py), `read_metrics` (history.py). The PNG report lives in
-`slime_async.report`; the stability lab's analysis and outputs in `lab.py` and `lab_report.py`
-(imported on use, not here). This package never imports the trainer, engine, rollout or
-controller.
+`slime_async.report`; the stability lab's analysis and outputs are the repository's `lab/`
+package (not installed), which this package must never import. This package never imports the
+trainer, engine, rollout or controller.
 """
 
 from __future__ import annotations

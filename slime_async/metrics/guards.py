@@ -35,7 +35,7 @@ class GuardKind(enum.StrEnum):
 class GuardConfig:
     """Thresholds of the divergence guards (see metrics/README.md). The defaults are the
     stability lab's calibration (docs/stability.md#divergence-guards,
-    scripts/calibrate_guards.py, `metrics.lab.choose_setting`): per guard, of the settings
+    scripts/calibrate_guards.py, `lab.analysis.choose_setting`): per guard, of the settings
     firing on at most a third of the stable runs and within one unstable run of the best
     separation, the one firing on the fewest stable runs."""
 

@@ -110,6 +110,8 @@ def transformer_config(
         attention_softmax_in_fp32=True,
         cross_entropy_loss_fusion=False,
         calculate_per_token_loss=True,
+        # megatron's default "full" warns that it is deprecated and becomes [], the same scope
+        cuda_graph_scope=[],
         # gloo matches messages between two ranks in posting order: megatron's batched p2p
         # would pair an activation with a gradient when PP=2 sends both ways at once (the
         # interleaved schedule); the unbatched path keeps the two directions apart

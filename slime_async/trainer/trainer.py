@@ -26,7 +26,7 @@ from loss.regularizers import with_regularizers
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
-from slime_async.trainer import checkpoint, cpu_compat, hf_convert, parallel, weights_io
+from slime_async.trainer import checkpoint, cpu_compat, hf_convert, parallel, quiet, weights_io
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.forward import position_logprobs
 from slime_async.trainer.logprobs import LogprobForwards
@@ -69,6 +69,7 @@ class MegatronTrainer(LogprobForwards):
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
     ) -> None:
+        quiet.quiet_optional_dependency_warnings()  # before megatron's first import here
         self.cfg, self.spec = cfg, spec
         # fails fast on a bad name or path; entropy / KL-to-reference terms wrap the loss
         self.loss_spec = with_regularizers(resolve_loss_spec(cfg.loss.name), cfg.loss.regularizers)

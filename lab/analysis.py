@@ -9,7 +9,8 @@ seed-paired differences (`paired`), the pooled async − sync (`pooled_vs_sync`)
 replay (`replay_effect`) statistics, the divergence guards' hit rates (`calibrate`) and the
 rule that picks a guard's default from a calibration sweep (`choose_setting`).
 Pure over files: running the grid is `scripts/bench_stability.py`, rendering the figure and
-the markdown is `slime_async.metrics.lab_report`. See docs/stability.md.
+the markdown is `lab.report`, the goals checked are `lab.goals`. May import `slime_async`;
+`slime_async` must never import it. See docs/stability.md.
 """
 
 from __future__ import annotations
@@ -299,9 +300,10 @@ def pooled_vs_sync(per_run: dict[str, Any]) -> dict[str, dict[str, dict[str, lis
 def replay_effect(per_run: dict[str, Any]) -> dict[str, Any]:
     """Routing replay's change of the train–rollout gap (end window) and of the engine gap,
     pooled over every seed-paired (R3 on, R3 off) pair of runs of the same staleness, loss and
-    steps per rollout: the geometric mean ratio on/off − 1 with its 95% t-interval (a change
-    of −38% is Relax's figure), over all pairs and per staleness. One cell holds one to three
-    pairs, too few to see a −38% effect through this noise; the grid holds up to 60."""
+    steps per rollout: the geometric mean ratio on/off − 1 with its 95% t-interval, over all
+    pairs and per staleness. One cell holds one to three pairs, too few to see the goal
+    (`lab.goals.Goals.replay_change`, Relax's −38%) through this noise; the grid holds up
+    to 60."""
 
     def pooled(pairs: list[tuple[float, float]]) -> list[float]:
         logs = [math.log(on / off) for on, off in pairs

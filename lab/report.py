@@ -3,8 +3,9 @@
 Owns `render_figure` (rows = the `PANELS` metrics over samples trained, columns = (staleness,
 steps per rollout), one line per (loss, replay), mean ± one standard deviation over seeds) and
 `render_markdown` (the table of final values, per-source diagnostics, seed-paired and pooled
-differences, per-run verdicts, the issue's goal checks, the guards' hit rates), both from
-`slime_async.metrics.lab`'s analysis. matplotlib is imported only to draw.
+differences, per-run verdicts, the goal checks against `lab.goals.GOALS`, the guards' hit
+rates), both from `lab.analysis`. matplotlib is imported only to draw. May import
+`slime_async`; `slime_async` must never import it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from slime_async.metrics.lab import LOSSES, SOURCES, RunData, group_key, split_group
+from lab.analysis import LOSSES, SOURCES, RunData, group_key, split_group
+from lab.goals import GOALS, Goals
 from slime_async.metrics.stability import GAP_KEY
 
 PANELS: tuple[tuple[str, str], ...] = (
@@ -181,10 +183,11 @@ def pooled_table(vs: dict[str, dict[str, dict[str, list[float]]]]) -> list[str]:
     return out
 
 
-def goal_checks(an: dict[str, Any]) -> list[str]:
-    """The issue's goals, checked on whatever cells ran."""
+def goal_checks(an: dict[str, Any], goals: Goals = GOALS) -> list[str]:
+    """The lab's `goals`, checked on whatever cells ran."""
     cells = an["cells"]
-    out = ["Goal checks (the issue's bars, on the cells that ran):", ""]
+    relax = f"{100 * goals.replay_change:.0f}%".replace("-", "\u2212")
+    out = ["Goal checks (the lab's bars, on the cells that ran):", ""]
     top = max((int(g.split("-")[0][1:]) for g in cells), default=None)
     if top is None:
         out.append("* no cells")
@@ -193,20 +196,23 @@ def goal_checks(an: dict[str, Any]) -> list[str]:
         if s != top:
             continue
         if loss == "ppo":
-            ok = c["gap_ratio"][0] >= 2.0 or c["verdict"] != "stable"
-            out.append(f"* `{g}` uncorrected PPO drifts (gap end/start ≥ 2 or reward falling): "
+            ok = c["gap_ratio"][0] >= goals.drift_gap_ratio or c["verdict"] != "stable"
+            out.append(f"* `{g}` uncorrected PPO drifts (gap end/start "
+                       f"≥ {goals.drift_gap_ratio:g} or reward falling): "
                        f"{'yes' if ok else 'no'} (gap end/start {_fmt(*c['gap_ratio'], 2)}, "
                        f"verdict {c['verdict']})")  # fmt: skip
         if loss == "compis":
             sync = cells.get(f"s0-compis-{rr}-{n}") if s else None
-            flat = c["gap_ratio"][0] <= 1.2
-            line = (f"* `{g}` CompIS flat (gap end/start ≤ 1.2): {'yes' if flat else 'no'} "
+            flat = c["gap_ratio"][0] <= goals.flat_gap_ratio
+            line = (f"* `{g}` CompIS flat (gap end/start ≤ {goals.flat_gap_ratio:g}): "
+                    f"{'yes' if flat else 'no'} "
                     f"({_fmt(*c['gap_ratio'], 2)})")  # fmt: skip
             if sync is not None and c.get("vs_sync"):
                 d, h = c["vs_sync"]["eval_final"]
-                line += (f"; final eval within 0.05 of sync `s0-compis-{rr}-{n}`: "
-                         f"{'yes' if abs(d) <= 0.05 else 'no'} (seed-paired difference "
-                         f"{_fmt(d, h)}, {c['vs_sync']['seeds'][0]:.0f} seeds)")  # fmt: skip
+                near = abs(d) <= goals.eval_vs_sync
+                line += (f"; final eval within {goals.eval_vs_sync:g} of sync "
+                         f"`s0-compis-{rr}-{n}`: {'yes' if near else 'no'} (seed-paired "
+                         f"difference {_fmt(d, h)}, {c['vs_sync']['seeds'][0]:.0f} seeds)")  # fmt: skip
             out.append(line)
     for g, c in sorted(cells.items()):
         s, loss, rr, n = split_group(g)
@@ -219,7 +225,7 @@ def goal_checks(an: dict[str, Any]) -> list[str]:
                 red, h = -d[key][0] / off, d[key][1] / off
                 parts.append(f"{what} {100 * red:+.0f}% ± {100 * h:.0f}% (R3 off: {off:.4f})")
             out.append(f"* routing replay at `s{s}-{loss}-{n}`, change with R3 vs without "
-                       f"({k:.0f} seed-paired): {'; '.join(parts)}; Relax's figure: −38% "
+                       f"({k:.0f} seed-paired): {'; '.join(parts)}; Relax's figure: {relax} "
                        f"or better")  # fmt: skip
     for key, what in (("gap_end", "train–rollout gap (end window)"),
                       ("engine_gap", "engine gap |log π_j^Meg − log π_SGL|")):  # fmt: skip
@@ -229,10 +235,11 @@ def goal_checks(an: dict[str, Any]) -> list[str]:
         each = ", ".join(f"{k} {100 * v[0]:+.0f}% ({v[3]:.0f})" for k, v in rows.items()
                          if k != "all")  # fmt: skip
         m, lo, hi, k = rows["all"]
-        met = "yes" if hi <= -0.38 else ("no" if lo > -0.38 else "not resolved")
+        bar = goals.replay_change
+        met = "yes" if hi <= bar else ("no" if lo > bar else "not resolved")
         out.append(f"* routing replay, pooled over {k:.0f} seed-paired run pairs, {what}: "
                    f"{100 * m:+.0f}% [{100 * lo:+.0f}%, {100 * hi:+.0f}%] (geometric mean "
-                   f"on/off, 95% interval); −38% or better: {met}. By staleness: {each}")  # fmt: skip
+                   f"on/off, 95% interval); {relax} or better: {met}. By staleness: {each}")  # fmt: skip
     return out
 
 
