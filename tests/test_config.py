@@ -120,9 +120,17 @@ def test_max_snapshots_is_derived_when_unset_kept_when_enough_refused_when_too_f
     ],
 )  # fmt: skip
 def test_drop_and_snapshots_come_from_one_bound_for_any_push_interval(interval, forward, snapshots):
+    from data_worker.budget import snapshot_count
+
     cfg = _cfg("--update-weights-interval", str(interval), "--behavior-forward", forward)
     assert cfg.data_worker.max_off_policy_steps == 4
     assert cfg.trainer.max_snapshots == snapshots
+    # every group the drop lets through has its versions' snapshots (with the drop at
+    # bound + I - 1 and bound + 1 snapshots, a group the backstop should drop was trained on
+    # the combined ratio instead)
+    every = interval if forward == "role" else 1
+    n = cfg.data_worker.max_off_policy_steps
+    assert cfg.trainer.max_snapshots >= snapshot_count(bound=n, versions_every=every)
     assert cfg.derived["--max-snapshots"].why.startswith("staleness bound 4 (S 2 + ceil((W 16")
     assert "update-weights-interval" in cfg.derived["--max-off-policy-steps"].why
     with pytest.raises(ValueError, match=f"--max-snapshots {snapshots}"):
