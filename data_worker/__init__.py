@@ -48,6 +48,8 @@ from __future__ import annotations
 from data_worker.budget import (
     admission_limit,
     batch_reachable,
+    snapshot_count,
+    staleness_bound,
     window_slack_steps,
     worst_case_staleness,
 )
@@ -95,6 +97,8 @@ __all__ = [
     "WorkerState",
     "admission_limit",
     "batch_reachable",
+    "snapshot_count",
+    "staleness_bound",
     "window_slack_steps",
     "worst_case_staleness",
 ]

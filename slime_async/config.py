@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from clifields import HelpFormatter
-from data_worker.budget import worst_case_staleness
+from data_worker.budget import snapshot_count, staleness_bound
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
 from router.config import add_router_args, load_auth_token, router_config_from_args
@@ -338,23 +338,24 @@ def _schedule_errors(a: argparse.Namespace, dw: DataWorkerConfig) -> list[str]:
 
 
 def _derive_off_policy_drop(f: _Flags, dw: DataWorkerConfig) -> DataWorkerConfig:
-    """Unset `--max-off-policy-steps`: the staleness bound S + ceil((W - 1) / B) (+ the push
-    interval's lag), so the run never trains a group past the bound it states. The budget keeps
-    every group inside it while the engines serve the pushed weights; a group sampled on older
-    ones (the backstop: a replacement engine is held out of the router until it has the fleet's
+    """Unset `--max-off-policy-steps`: the staleness bound S + ceil((W - 1) / B)
+    (`staleness_bound`; the push interval adds nothing: the budget counts against the pushed
+    version), so the run never trains a group past the bound it states. The budget keeps every
+    group inside it while the engines serve the pushed weights; a group sampled on older ones
+    (the backstop: a replacement engine is held out of the router until it has the fleet's
     weights) is dropped and counted instead of trained. Unbounded window: nothing to derive."""
     if not f.unset("max_off_policy_steps"):
         return dw
-    bound = worst_case_staleness(max_staleness=dw.max_staleness, fifo_window=dw.fifo_window,
-                                 groups_per_step=dw.groups_per_step)  # fmt: skip
+    bound = staleness_bound(max_staleness=dw.max_staleness, fifo_window=dw.fifo_window,
+                            groups_per_step=dw.groups_per_step)  # fmt: skip
     if math.isinf(bound):
         return dw
-    lag = f.args.update_weights_interval - 1
-    steps = int(bound) + lag
+    steps = int(bound)
     f.fill("max_off_policy_steps", steps,
            f"the staleness bound S {dw.max_staleness} + ceil((W {dw.fifo_window:g} - 1) / B "
-           f"{dw.groups_per_step})" + (f" + push lag {lag}" if lag else "") + ": a group sampled "
-           "on weights older than the pushed ones is dropped, not trained")  # fmt: skip
+           f"{dw.groups_per_step}) (any --update-weights-interval: the budget counts against the "
+           "pushed version): a group sampled on weights older than the pushed ones is dropped, "
+           "not trained")  # fmt: skip
     return dataclasses.replace(dw, max_off_policy_steps=steps)
 
 
@@ -385,19 +386,28 @@ def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool, loss_nam
             f.fill("behavior_forward", "trainer", "nothing to move off the train step")
     if not a.keep_old_actor:
         return  # no snapshots are kept, so --max-snapshots has nothing to size
-    bound = worst_case_staleness(max_staleness=dw.max_staleness, fifo_window=dw.fifo_window,
-                                 groups_per_step=dw.groups_per_step)  # fmt: skip
-    why = f"S {dw.max_staleness} + ceil((W {dw.fifo_window} - 1) / B {dw.groups_per_step})"
-    if dw.max_off_policy_steps is not None and dw.max_off_policy_steps < bound:
-        bound, why = dw.max_off_policy_steps, f"--max-off-policy-steps {dw.max_off_policy_steps}"
+    window = dict(max_staleness=dw.max_staleness, fifo_window=dw.fifo_window,
+                  groups_per_step=dw.groups_per_step)  # fmt: skip
+    bound = staleness_bound(**window, max_off_policy_steps=dw.max_off_policy_steps)
     if math.isinf(bound):
         raise ValueError(
             "--keep-old-actor with --fifo-window inf has no staleness bound, so no finite number "
             "of weight snapshots suffices; use a finite --fifo-window or --max-off-policy-steps, "
             "or --no-keep-old-actor"
         )
-    need = int(bound) + 1
-    why = f"staleness bound {int(bound)} ({why}) + the current version"
+    b = int(bound)
+    why = f"S {dw.max_staleness} + ceil((W {dw.fifo_window:g} - 1) / B {dw.groups_per_step})"
+    if bound < staleness_bound(**window):
+        why = f"--max-off-policy-steps {b}"
+    # the trainer snapshots every version; the forward-only role only the pushed ones
+    every = a.update_weights_interval if a.behavior_forward == "role" else 1
+    need = int(snapshot_count(bound=b, versions_every=every))
+    if every == 1:
+        why = f"staleness bound {b} ({why}) + the current version"
+    else:
+        why = (f"staleness bound {b} ({why}), the role holding only versions pushed every "
+               f"--update-weights-interval {every}: floor({b} / {every}) + 1 of them, + 1 off "
+               "that grid (a resumed start or an early push)")  # fmt: skip
     if f.unset("max_snapshots"):
         f.fill("max_snapshots", need, why)
     elif a.max_snapshots < need:

@@ -111,6 +111,33 @@ def test_max_snapshots_is_derived_when_unset_kept_when_enough_refused_when_too_f
     assert not off.trainer.keep_old_actor and "--max-snapshots" not in off.derived
 
 
+@pytest.mark.parametrize(
+    ("interval", "forward", "snapshots"),
+    [
+        # bound S 2 + ceil((W 16 - 1) / B 8) = 4 for every interval: the drop is 4, not 4 + I - 1
+        (1, "trainer", 5), (2, "trainer", 5), (3, "trainer", 5),  # every version: bound + 1
+        (1, "role", 5), (2, "role", 4), (3, "role", 3),  # pushed ones: floor(4 / I) + 2
+    ],
+)  # fmt: skip
+def test_drop_and_snapshots_come_from_one_bound_for_any_push_interval(interval, forward, snapshots):
+    from data_worker.budget import snapshot_count
+
+    cfg = _cfg("--update-weights-interval", str(interval), "--behavior-forward", forward)
+    assert cfg.data_worker.max_off_policy_steps == 4
+    assert cfg.trainer.max_snapshots == snapshots
+    # every group the drop lets through has its versions' snapshots (with the drop at
+    # bound + I - 1 and bound + 1 snapshots, a group the backstop should drop was trained on
+    # the combined ratio instead)
+    every = interval if forward == "role" else 1
+    n = cfg.data_worker.max_off_policy_steps
+    assert cfg.trainer.max_snapshots >= snapshot_count(bound=n, versions_every=every)
+    assert cfg.derived["--max-snapshots"].why.startswith("staleness bound 4 (S 2 + ceil((W 16")
+    assert "update-weights-interval" in cfg.derived["--max-off-policy-steps"].why
+    with pytest.raises(ValueError, match=f"--max-snapshots {snapshots}"):
+        _cfg("--update-weights-interval", str(interval), "--behavior-forward", forward,
+             "--max-snapshots", str(snapshots - 1))  # fmt: skip
+
+
 def test_warm_start_is_off_for_user_data_and_resumes_and_refused_when_asked_for():
     data = _cfg("--prompt-data", "data.jsonl")
     assert data.warmstart_steps == 0
@@ -286,9 +313,9 @@ def test_snapshots_are_kept_by_default_only_for_a_loss_that_reads_them():
 
 
 def test_unset_max_off_policy_steps_is_the_staleness_bound_and_a_given_one_is_kept(tmp_path):
-    """The run never trains past the bound it states: unset, N is S + ceil((W - 1) / B) (+ the
-    push lag), derived and recorded; a value the user gave is kept; an unbounded window derives
-    nothing."""
+    """The run never trains past the bound it states: unset, N is S + ceil((W - 1) / B) for any
+    push interval (the budget counts against the pushed version), derived and recorded; a value
+    the user gave is kept; an unbounded window derives nothing."""
     from slime_async.config import parse_config
 
     base = ["--run-dir", str(tmp_path), "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
@@ -296,7 +323,7 @@ def test_unset_max_off_policy_steps_is_the_staleness_bound_and_a_given_one_is_ke
     assert cfg.data_worker.max_off_policy_steps == 3 + 2  # ceil(5 / 4) = 2
     assert cfg.derived["--max-off-policy-steps"].value == 5
     cfg = parse_config([*base, "--max-staleness", "3", "--update-weights-interval", "3"])
-    assert cfg.data_worker.max_off_policy_steps == 3 + 2 + 2  # W = 2B = 8: ceil(7 / 4) = 2
+    assert cfg.data_worker.max_off_policy_steps == 3 + 2  # W = 2B = 8: ceil(7 / 4) = 2; no lag
     cfg = parse_config([*base, "--max-staleness", "3", "--max-off-policy-steps", "9"])
     assert cfg.data_worker.max_off_policy_steps == 9
     assert "--max-off-policy-steps" not in cfg.derived

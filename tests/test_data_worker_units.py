@@ -16,6 +16,8 @@ from data_worker import (
     PartialRolloutPolicy,
     VersionRuns,
     admission_limit,
+    snapshot_count,
+    staleness_bound,
     window_slack_steps,
     worst_case_staleness,
 )
@@ -110,6 +112,23 @@ def test_budget_formulas() -> None:
     assert worst_case_staleness(max_staleness=1, fifo_window=math.inf, groups_per_step=8) == (
         math.inf
     )
+
+
+def test_staleness_bound_and_snapshot_count_by_hand() -> None:
+    """Hand-derived: S 2, W 16, B 8 -> 2 + ceil(15 / 8) = 4; a cap N below it wins; no push
+    interval enters the bound. Snapshots: every version k - 4 .. k -> 5; only versions pushed
+    every I -> floor(4 / I) + 1 on the grid + 1 off it (I 2: 4, I 3: 3, I 4: 3, I 8: 2)."""
+    win = {"max_staleness": 2, "fifo_window": 16, "groups_per_step": 8}
+    assert staleness_bound(**win) == 4
+    assert staleness_bound(**win, max_off_policy_steps=3) == 3
+    assert staleness_bound(**win, max_off_policy_steps=9) == 4
+    assert staleness_bound(max_staleness=3, fifo_window=1, groups_per_step=8) == 3
+    assert math.isinf(staleness_bound(max_staleness=1, fifo_window=math.inf, groups_per_step=8))
+    assert staleness_bound(max_staleness=1, fifo_window=math.inf, groups_per_step=8,
+                           max_off_policy_steps=5) == 5  # fmt: skip
+    assert [snapshot_count(bound=4, versions_every=i) for i in (1, 2, 3, 4, 8)] == [5, 4, 3, 3, 2]
+    assert snapshot_count(bound=1, versions_every=2) == 2  # never more than bound + 1
+    assert math.isinf(snapshot_count(bound=math.inf, versions_every=1))
 
 
 def test_length_cache_ema() -> None:

@@ -104,3 +104,37 @@ async def test_resume_continues_without_loss_or_repeat(tmp_path):
         + summary["accounting/filtered"]
         + summary["accounting/pending"]
     )
+
+
+@pytest.mark.parametrize(
+    ("interval", "forward"), [(2, "trainer"), (3, "trainer"), (3, "role")]
+)  # fmt: skip
+async def test_pushes_every_few_steps_keep_a_snapshot_of_every_trained_version(
+    tmp_path, interval, forward
+):
+    """With weights pushed every `interval` steps, CompIS with `--keep-old-actor` has π_j^Meg of
+    every trained token (no combined-ratio fallback): the staleness bound S + ceil((W - 1) / B)
+    holds against the trainer's version whatever the interval, and the derived snapshot count
+    covers it, for the trainer's every-version snapshots and for the role's pushed ones."""
+    steps = 6
+    cfg = parse_config(_argv(tmp_path, "--num-steps", str(steps), "--max-staleness", "2",
+                             "--update-weights-interval", str(interval),
+                             "--behavior-forward", forward))  # fmt: skip
+    await train(cfg)
+    bound = cfg.data_worker.max_off_policy_steps
+    assert bound == 2 + math.ceil((cfg.data_worker.fifo_window - 1) / cfg.rollout.groups_per_step)
+    ledger = _ledger(tmp_path)
+    assert [row["step"] for row in ledger] == list(range(1, steps + 1))
+    ages = [row["version"] - j for row in ledger for _, _, j in row["groups"]]
+    assert all(0 <= a <= bound for a in ages), ages
+    assert max(ages) >= 2  # tokens two versions old were trained: their π_j^Meg is a snapshot's
+    per_step = _metrics(tmp_path)
+    assert len(per_step) == steps
+    fallback = sum(m["loss/compis_fallback"] for m in per_step)
+    missing = sum(m.get("train/behavior_missing_tokens", 0.0) for m in per_step)
+    print(f"I {interval} {forward}: snapshots {cfg.trainer.max_snapshots}, ages {sorted(ages)}, "
+          f"fallback steps {fallback}, missing tokens {missing}")  # fmt: skip
+    assert (fallback, missing) == (0, 0), [(m["train/version"], m["loss/compis_fallback"])
+                                           for m in per_step]  # fmt: skip
+    if forward == "role":
+        assert all(m["train/behavior_forwards"] == 0 for m in per_step)  # the role computed them

@@ -180,17 +180,16 @@ def trend_drop(
 
 
 def staleness_fill_steps(data_worker: Mapping[str, Any]) -> int:
-    """`GuardConfig.diff_baseline_skip` for a run: its staleness bound `S + ceil((W - 1) / B)`
-    (capped by `max_off_policy_steps`), from the data worker's settings as config.json holds
-    them; `S + 1` when the window is unbounded and nothing caps it."""
-    from data_worker.budget import worst_case_staleness
+    """`GuardConfig.diff_baseline_skip` for a run: its staleness bound
+    (`data_worker.budget.staleness_bound`: `S + ceil((W - 1) / B)` capped by
+    `max_off_policy_steps`, for any push interval), from the data worker's settings as
+    config.json holds them; `S + 1` when the window is unbounded and nothing caps it."""
+    from data_worker.budget import staleness_bound
 
     s = int(data_worker.get("max_staleness", 0))
-    bound = worst_case_staleness(max_staleness=s, fifo_window=float(data_worker.get("fifo_window", 1)),
-                                 groups_per_step=int(data_worker.get("groups_per_step", 1)))  # fmt: skip
-    cap = data_worker.get("max_off_policy_steps")
-    if cap is not None:
-        bound = min(bound, cap)
+    bound = staleness_bound(max_staleness=s, fifo_window=float(data_worker.get("fifo_window", 1)),
+                            groups_per_step=int(data_worker.get("groups_per_step", 1)),
+                            max_off_policy_steps=data_worker.get("max_off_policy_steps"))  # fmt: skip
     return int(bound) if math.isfinite(bound) else s + 1
 
 
