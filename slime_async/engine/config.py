@@ -66,7 +66,7 @@ class EngineConfig:
     request flag, e.g. the stock sglang-router 0.3.2, which re-serialises request bodies)."""
     num_threads: int | None = flag(None, ge=1)
     """torch intra-op threads for the model step; None leaves torch's default."""
-    health_generate_timeout_s: float = flag(20.0, gt=0, cli=False)
+    health_generate_timeout_s: float = flag(20.0, cli=False)
     """`/health_generate` answers 503 if a 1-token generation takes longer than this."""
     weight_group_timeout_s: float = flag(300.0, name="weight-group-timeout", gt=0)
     """Seconds before a weight-update group's rendezvous or a broadcast fails (a member that
@@ -98,6 +98,10 @@ class EngineConfig:
         if self.always_return_routed_experts and not self.enable_return_routed_experts:
             raise ValueError(
                 "always_return_routed_experts needs enable_return_routed_experts (drop one flag)"
+            )
+        if not self.health_generate_timeout_s > 0:  # not a flag: named by its field
+            raise ValueError(
+                f"health_generate_timeout_s must be > 0, got {self.health_generate_timeout_s}"
             )
         if not self.auth_token and not is_loopback(self.host):
             raise ValueError(
