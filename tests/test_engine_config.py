@@ -15,12 +15,12 @@ from slime_async.engine.runner import config_to_argv
     ("kwargs", "needle"),
     [
         ({"dtype": "fp16"}, "dtype must be"),
-        ({"max_running_requests": 0}, "max_running_requests"),
-        ({"max_prefill_tokens": 0}, "max_prefill_tokens"),
+        ({"max_running_requests": 0}, "max.running.requests"),
+        ({"max_prefill_tokens": 0}, "max.prefill.tokens"),
         ({"port": 70000}, "port"),
         ({"model_dir": "/x", "model_spec": {}}, "not both"),
         ({"gguf_file": "a.gguf"}, "gguf_file needs model_dir"),
-        ({"context_length": 1}, "context_length"),
+        ({"context_length": 1}, "context.length"),
         (
             {"always_return_routed_experts": True, "enable_return_routed_experts": False},
             "always_return_routed_experts",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from clifields import flag_name, flag_specs
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.engine import Engine
 from slime_async.engine.server import build_app, cap_connections
@@ -144,33 +146,25 @@ class EngineServer:
 
 
 def config_to_argv(cfg: EngineConfig) -> list[str]:
-    """Command-line flags of `python -m slime_async.engine` that reproduce `cfg`."""
-    argv = ["--host", cfg.host, "--port", str(cfg.port), "--seed", str(cfg.seed)]
-    argv += ["--dtype", cfg.dtype, "--max-running-requests", str(cfg.max_running_requests)]
-    argv += ["--max-prefill-tokens", str(cfg.max_prefill_tokens)]
-    argv += ["--weight-version", cfg.weight_version]
-    if cfg.model_dir is not None:
-        argv += ["--model-dir", cfg.model_dir]
-    if cfg.gguf_file is not None:
-        argv += ["--gguf-file", cfg.gguf_file]
+    """Command-line flags of `python -m slime_async.engine` that reproduce `cfg`: one per field
+    that differs from its default, spelled as `add_engine_args` spells it (`clifields`), plus
+    `--model-spec` JSON. The token never goes on the command line (`EngineProcess` passes it in
+    the environment)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(EngineConfig):
+        spec = flag_specs(EngineConfig)[f.name]
+        value = getattr(cfg, f.name)
+        if not spec.cli or value == f.default:
+            continue
+        name = flag_name(EngineConfig, f.name)
+        if isinstance(value, bool):
+            argv.append(name if value else (spec.off or ("--no-" + name[2:],))[0])
+        elif value is None:
+            raise ValueError(f"{name} cannot be set back to None on the command line")
+        else:
+            argv += [name, str(value)]
     if cfg.model_spec is not None:  # build the architecture (weights come by the transport)
         argv += ["--model-spec", json.dumps(cfg.model_spec, separators=(",", ":"))]
-    if cfg.context_length is not None:
-        argv += ["--context-length", str(cfg.context_length)]
-    if cfg.served_model_name is not None:
-        argv += ["--served-model-name", cfg.served_model_name]
-    if not cfg.enable_return_routed_experts:
-        argv.append("--disable-return-routed-experts")
-    if not cfg.bf16_via_fp32:
-        argv.append("--bf16-native-matmul")
-    if cfg.always_return_routed_experts:
-        argv.append("--always-return-routed-experts")
-    if cfg.num_threads is not None:
-        argv += ["--num-threads", str(cfg.num_threads)]
-    if cfg.weight_group_timeout_s != EngineConfig.weight_group_timeout_s:
-        argv += ["--weight-group-timeout", str(cfg.weight_group_timeout_s)]
-    argv += ["--max-request-mb", str(cfg.max_request_mb), "--client-timeout-s"]
-    argv += [str(cfg.client_timeout_s), "--max-connections", str(cfg.max_connections)]
     return argv
 
 
