@@ -216,7 +216,6 @@ _OWNERS = {
                                               "engine_down_timeout": "all_down_timeout_s"}, ""),
     "router": (RouterConfig, {}, "router_"),
     "weight sync": (WeightSyncConfig, {"update_weight_buffer_size": "bucket_bytes",
-                                       "update_weight_flatten": "flatten_buckets",
                                        "update_weight_timeout": "timeout_s"}, "update_weight_"),
 }  # fmt: skip
 # flags that select behaviour rather than set a config field
