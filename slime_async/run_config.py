@@ -14,8 +14,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from clifields import add_flags, check_ranges, flag
 from data_worker.config import DataWorkerConfig
-from router.config import AUTH_TOKEN_ENV, RouterConfig
+from router.config import RouterConfig
 from slime_async.contracts.model import ModelSpec
 from slime_async.engine.backends.config import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
@@ -26,6 +27,22 @@ from slime_async.weights.config import WeightSyncConfig
 
 DEFAULT_NUM_ROLLOUT = 200
 """Rollouts of a run that gives neither --num-steps nor --num-rollout."""
+DEFAULT_WARMSTART_STEPS = 300
+"""Warm-start steps of the embedded default run (`RunConfig.warmstart_steps`)."""
+
+
+def parse_cores(text: str) -> tuple[int, ...]:
+    """`--trainer-cores 0,1` -> (0, 1); a usage error names the flag's expected form."""
+    try:
+        return tuple(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be comma-separated integers (e.g. 0,1)"
+        ) from None
+
+
+def _trainer_default(name: str) -> Any:
+    return TrainerConfig.__dataclass_fields__[name].default
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,54 +73,79 @@ class Environment:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
-    """Everything one run needs; each component receives only its own part."""
+    """Everything one run needs; each component receives only its own part. The run-level
+    fields are the `run` and `placement` flag groups; a component's part has flags of its own."""
 
-    run_dir: Path = Path("runs/default")
-    """Where metrics.jsonl, weights/, warmstart/ and (by default) checkpoints/ live."""
-    num_steps: int
+    run_dir: Path = flag(Path("runs/default"), parse=Path)
+    """Run directory: metrics.jsonl, weights/, warmstart/, config.json and (by default)
+    checkpoints/."""
+    num_steps: int = flag(derived="--num-rollout x --num-steps-per-rollout", ge=1)
     """Train steps (optimizer updates) to run."""
-    update_weights_interval: int = 1
+    num_rollout: int | None = flag(
+        None, derived=f"{DEFAULT_NUM_ROLLOUT} unless --num-steps is given", ge=1
+    )
+    """slime-style: rollouts to run (--num-steps = this x --num-steps-per-rollout)."""
+    update_weights_interval: int = flag(1, ge=1)
     """Push weights to the engines every this many train steps."""
-    save_interval: int = 0
-    """Checkpoint every this many rollouts, slime's unit (= train steps with
-    --num-steps-per-rollout 1) (0: only at the end)."""
+    save_interval: int = flag(0, ge=0, hint="0 = only at the end")
+    """Checkpoint every this many rollouts, slime's unit (this x --num-steps-per-rollout train
+    steps); 0: only at the end, when --save is given."""
     ray_address: str | None = None
-    """Ray cluster joined (engines and router then bind their nodes' IPs, with the token);
-    None: a local Ray node, everything on loopback."""
+    """Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray node
+    with everything on loopback). Joined, the engines and the router listen on their nodes' IPs
+    and need the shared token. See docs/cluster.md."""
     auth_token_file: str | None = None
-    """File the shared token was read from (`--auth-token-file`); the token itself is never
-    recorded."""
-    engines: EngineFleetConfig = dataclasses.field(default_factory=EngineFleetConfig)
+    """File holding the shared token of engines and router (default: $SLIME_ASYNC_AUTH_TOKEN);
+    never pass the token itself on the command line (nor is it ever recorded)."""
+    engines: EngineFleetConfig = flag(default_factory=EngineFleetConfig, cli=False)
     """The rollout engines: backend, count, URLs to attach (flags owned by the backends)."""
-    colocate: bool = False
-    """Share all cores between trainer and engines instead of pinning them to disjoint cores."""
-    trainer_cores: tuple[int, ...] = ()
-    """CPU cores of the trainer actor (empty: no pinning)."""
-    rollout_cores: tuple[int, ...] = ()
-    """CPU cores of the engines (empty: no pinning)."""
-    warmstart_steps: int = 300
-    """Supervised warm-start steps of the embedded default run (0: start from the random model)."""
-    seed: int
-    """Run seed (data order, sampling, init); the trainer's `--seed`."""
+    colocate: bool = flag(False, derived="on only when this process may use a single core")
+    """Share all CPU cores between trainer and engines instead of pinning them to disjoint
+    cores. Not slime's GPU colocation: refused with --engine-backend sglang."""
+    trainer_cores: tuple[int, ...] = flag(
+        (), parse=parse_cores, derived="the first half of the usable cores"
+    )
+    """CPU cores of the trainer, comma-separated (empty: no pinning)."""
+    rollout_cores: tuple[int, ...] = flag(
+        (), parse=parse_cores, derived="the second half of the usable cores"
+    )
+    """CPU cores of the engines, comma-separated (empty: no pinning)."""
+    warmstart_steps: int = flag(
+        DEFAULT_WARMSTART_STEPS,
+        derived=f"{DEFAULT_WARMSTART_STEPS} for the embedded default run; 0 with --hf-checkpoint, "
+        "--prompt-data or --load, where it cannot apply",
+        ge=0,
+    )
+    """Supervised warm-start steps on the built-in tasks, cached in the run directory (0: start
+    from the random model)."""
+    seed: int = flag(_trainer_default("seed"), ge=0)
+    """Run seed: model init, data order, sampling and the engines."""
     use_wandb: bool = False
     """Also log to Weights & Biases."""
     use_tensorboard: bool = False
     """Also log to TensorBoard."""
-    model: ModelSpec
+    model: ModelSpec = flag(cli=False)
     """Architecture (read from --hf-checkpoint when given, else the tiny MoE)."""
-    rollout: RolloutConfig
-    data_worker: DataWorkerConfig
-    router: RouterConfig
-    engine: EngineConfig
-    trainer: TrainerConfig
-    supervisor: SupervisorConfig
-    weights: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
+    rollout: RolloutConfig = flag(cli=False)
+    data_worker: DataWorkerConfig = flag(cli=False)
+    router: RouterConfig = flag(cli=False)
+    engine: EngineConfig = flag(cli=False)
+    trainer: TrainerConfig = flag(cli=False)
+    supervisor: SupervisorConfig = flag(cli=False)
+    weights: WeightSyncConfig = flag(default_factory=WeightSyncConfig, cli=False)
     """How weights reach the engines (`--update-weight-transport`, ...)."""
-    derived: dict[str, Derived] = dataclasses.field(default_factory=dict)
+    derived: dict[str, Derived] = flag(default_factory=dict, cli=False)
     """Flag -> the value the run derived for it (the user left it unset) and why."""
     flags: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Every flag's value as parsed (recipe and command line; None where the run derived it):
     what `--config <run-dir>/config.json` replays."""
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
+
+_PLACEMENT = ("colocate", "trainer_cores", "rollout_cores")
+"""`RunConfig` fields of the `placement` flag group; the others are the `run` group."""
 
 
 def run_default(name: str) -> Any:
@@ -112,81 +154,10 @@ def run_default(name: str) -> Any:
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
-    """The run's own flags (defaults from `RunConfig`)."""
-    g = parser.add_argument_group("run")
-    g.add_argument(
-        "--run-dir",
-        default=str(run_default("run_dir")),
-        help="Run directory (metrics, weights, config.json).",
-    )
-    g.add_argument(
-        "--num-steps",
-        type=int,
-        default=None,
-        help="Train steps to run (default: --num-rollout x --num-steps-per-rollout).",
-    )
-    g.add_argument(
-        "--num-rollout",
-        type=int,
-        default=None,
-        help=f"slime-style: rollouts to run (default: {DEFAULT_NUM_ROLLOUT}).",
-    )
-    g.add_argument(
-        "--save-interval",
-        type=int,
-        default=run_default("save_interval"),
-        help="Checkpoint every N rollouts, slime's unit (N x --num-steps-per-rollout train "
-        "steps; 0: only at the end, when --save is given).",
-    )
-    g.add_argument(
-        "--update-weights-interval",
-        type=int,
-        default=run_default("update_weights_interval"),
-        help="Push weights to the engines every N train steps.",
-    )
-    g.add_argument(
-        "--warmstart-steps",
-        type=int,
-        default=None,
-        help="Supervised warm-start steps on the built-in tasks, cached in the run "
-        f"dir (default: {run_default('warmstart_steps')} for the embedded default run; "
-        "0 with --hf-checkpoint, --prompt-data or --load, where it cannot apply).",
-    )
-    g.add_argument(
-        "--ray-address",
-        default=None,
-        help="Ray cluster to join (e.g. 10.0.0.1:6379; default: $RAY_ADDRESS, else a local "
-        "node). Joined, engines and the router listen on their nodes' IPs and need the shared "
-        "token. See docs/cluster.md.",
-    )
-    g.add_argument(
-        "--auth-token-file",
-        default=None,
-        help=f"File holding the shared token of engines and router (default: ${AUTH_TOKEN_ENV}"
-        "); never pass the token itself on the command line.",
-    )
-    g.add_argument("--use-wandb", action="store_true", help="Log to Weights & Biases.")
-    g.add_argument("--use-tensorboard", action="store_true", help="Log to TensorBoard.")
+    """The run's own flags: one per `RunConfig` field (defaults from `RunConfig`)."""
+    add_flags(parser, RunConfig, group="run", exclude=_PLACEMENT)
 
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
     """Which CPU cores the trainer and the engines run on."""
-    g = parser.add_argument_group("placement")
-    g.add_argument(
-        "--colocate",
-        action="store_true",
-        default=None,
-        help="Share all CPU cores between trainer and engines, no pinning (default: on "
-        "only when this process may use a single core). Not slime's GPU colocation: refused "
-        "with --engine-backend sglang.",
-    )
-    g.add_argument(
-        "--trainer-cores",
-        default=None,
-        help="Comma-separated CPU cores for the trainer (default: first half).",
-    )
-    g.add_argument(
-        "--rollout-cores",
-        default=None,
-        help="Comma-separated CPU cores for the engines (default: second half).",
-    )
+    add_flags(parser, RunConfig, group="placement", only=_PLACEMENT)

@@ -34,10 +34,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from clifields import add_flags, check_ranges, flag, from_args
 from slime_async.roles import Cluster
 
 log = logging.getLogger(__name__)
@@ -51,50 +53,35 @@ class EnginesDownError(RuntimeError):
 class SupervisorConfig:
     """When to restart engines and when to give up."""
 
-    interval_s: float = 1.0
+    interval_s: float = flag(1.0, cli=False)
     """Seconds between checks."""
-    restart_after_s: float = 10.0
-    """Replace an engine the router has held unhealthy for this long (dead actors at once)."""
-    all_down_timeout_s: float = 120.0
-    """Stop the run (with a checkpoint) after this long without any healthy engine."""
-    log_every_s: float = 10.0
+    restart_after_s: float = flag(10.0, name="engine-restart-after", gt=0, lt=math.inf)
+    """Restart an engine the router has held unhealthy this many seconds (dead actors at
+    once)."""
+    all_down_timeout_s: float = flag(120.0, name="engine-down-timeout", gt=0, lt=math.inf)
+    """With no healthy engine for this many seconds, stop the run with a checkpoint."""
+    log_every_s: float = flag(10.0, cli=False)
     """How often to repeat the 'no healthy engine' line while waiting."""
-    max_restarts: int = 20
+    max_restarts: int = flag(20, cli=False)
     """Give up after this many restarts in one run (an engine that keeps dying is a bug)."""
 
     def __post_init__(self) -> None:
-        for flag, v in (("--engine-restart-after", self.restart_after_s),
-                        ("--engine-down-timeout", self.all_down_timeout_s),
-                        ("interval_s", self.interval_s), ("log_every_s", self.log_every_s)):  # fmt: skip
-            if not 0 < v < float("inf"):
-                raise ValueError(f"{flag} must be a finite number of seconds > 0, got {v}")
+        check_ranges(self)
+        for name in ("interval_s", "log_every_s"):  # no flags: named as fields
+            if not 0 < (v := getattr(self, name)) < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {v}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
 
 
 def add_supervisor_args(parser: argparse.ArgumentParser) -> None:
-    """Add the engine-supervision flags (defaults from `SupervisorConfig`)."""
-    g = parser.add_argument_group("engine supervision")
-    d = SupervisorConfig()
-    g.add_argument(
-        "--engine-restart-after",
-        type=float,
-        default=d.restart_after_s,
-        help="Restart an engine the router has held unhealthy this many seconds.",
-    )
-    g.add_argument(
-        "--engine-down-timeout",
-        type=float,
-        default=d.all_down_timeout_s,
-        help="With no healthy engine for this long, stop the run with a checkpoint.",
-    )
+    """Add the engine-supervision flags: the `SupervisorConfig` fields that are flags."""
+    add_flags(parser, SupervisorConfig, group="engine supervision")
 
 
 def supervisor_config_from_args(args: argparse.Namespace) -> SupervisorConfig:
     """Build the config from `add_supervisor_args` flags."""
-    return SupervisorConfig(
-        restart_after_s=args.engine_restart_after, all_down_timeout_s=args.engine_down_timeout
-    )
+    return from_args(SupervisorConfig, args)
 
 
 class EngineSupervisor:

@@ -79,7 +79,6 @@ def test_slime_names_map_onto_component_configs():
         (["--colocate", "--trainer-cores", "0"], "--colocate shares all cores"),
         (["--trainer-cores", "0,1", "--rollout-cores", "1"], "overlap"),
         (["--trainer-cores", "0", "--rollout-cores", "5"], r"core\(s\) \[5\] this process"),
-        (["--trainer-cores", "zero"], "comma-separated integers"),
         (["--fifo-window", "0"], "fifo_window .W. must be >= 1"),
         (["--fifo-window", "2.5"], "whole number"),  # was silently truncated to 2
         (["--keep-old-actor", "--fifo-window", "inf"], "no staleness bound"),
@@ -90,6 +89,14 @@ def test_slime_names_map_onto_component_configs():
 def test_contradictory_flags_fail_with_an_actionable_message(argv, message):
     with pytest.raises(ValueError, match=message):
         _cfg(*argv)
+
+
+def test_cores_that_are_not_comma_separated_integers_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--trainer-cores", "zero"])
+    assert "argument --trainer-cores: 'zero' must be comma-separated integers" in (
+        capsys.readouterr().err
+    )
 
 
 def test_parse_config_exits_with_the_message(capsys):
@@ -227,13 +234,15 @@ _OWNERS = {
                                          "rollout_stop": "stop", "rollout_seed": "seed",
                                          "rollout_stop_token_ids": "stop_token_ids"}, ""),
     "async schedule and staleness (data worker)": (DataWorkerConfig, {}, ""),
-    "trainer": (TrainerConfig, {}, ""),
+    "trainer": (TrainerConfig, {"num_virtual_stages_per_pipeline_rank":
+                                "virtual_pipeline_model_parallel_size",
+                                "lr_warmup_iters": "lr_warmup_steps",
+                                "lr_decay_iters": "lr_decay_steps"}, ""),
     "embedded engine": (EngineConfig, {}, "engine_"),
     "engine supervision": (SupervisorConfig, {"engine_restart_after": "restart_after_s",
                                               "engine_down_timeout": "all_down_timeout_s"}, ""),
     "router": (RouterConfig, {}, "router_"),
     "weight sync": (WeightSyncConfig, {"update_weight_buffer_size": "bucket_bytes",
-                                       "update_weight_flatten": "flatten_buckets",
                                        "update_weight_timeout": "timeout_s"}, "update_weight_"),
 }  # fmt: skip
 # flags that select behaviour rather than set a config field

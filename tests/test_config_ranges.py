@@ -66,7 +66,7 @@ def test_the_command_line_refuses_before_starting_anything() -> None:
         text=True,
     )
     assert r.returncode == 2
-    assert "--adam-beta1 must be in [0, 1)" in r.stderr
+    assert "--adam-beta1 must be < 1 (e.g. 0.9 / 0.98), got 2.0" in r.stderr
     error = r.stderr.split("train_async.py: error:")[-1]  # past the usage (it names --ray-address)
     assert "ray" not in error.lower() and "Started a local Ray instance" not in r.stderr
 

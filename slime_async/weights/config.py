@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from enum import StrEnum
+from typing import ClassVar
+
+from clifields import add_flags, check_ranges, flag, from_args
 
 
 class TransportKind(StrEnum):
@@ -23,101 +26,48 @@ class TransportKind(StrEnum):
 class WeightSyncConfig:
     """How weights travel from the trainer to the engines."""
 
-    transport: TransportKind = TransportKind.DISTRIBUTED
-    """`distributed` (default: no shared filesystem, nothing written per push) or `disk`."""
-    bucket_bytes: int = 512 * 1024**2
-    """Largest bucket of the distributed transport (one `/update_weights_from_distributed`
-    call and, flattened, one broadcast per bucket)."""
-    flatten_buckets: bool = True
-    """Send each bucket as one flat broadcast (SGLang's `load_format: flattened_bucket`)
-    instead of one broadcast per tensor."""
+    FLAG_PREFIX: ClassVar[str] = "update-weight-"
+    """Its flags are `--update-weight-*` (slime's names)."""
+
+    transport: TransportKind = flag(
+        TransportKind.DISTRIBUTED,
+        derived="distributed, or disk with an engine backend that does not own its servers",
+    )
+    """How weights reach the engines: 'distributed' (trainer rank 0 broadcasts over a process
+    group the engines join; no shared filesystem, nothing written per push) or 'disk' (an HF
+    directory in the run dir that every engine loads). See docs/weight-sync.md."""
+    bucket_bytes: int = flag(512 * 1024**2, name="buffer-size", ge=1024)
+    """Bytes per bucket of the distributed transport (slime's flag): one
+    `/update_weights_from_distributed` call and, flattened, one broadcast per bucket."""
+    flatten_buckets: bool = flag(True, name="flatten-buckets", off=("--update-weight-per-tensor",))
+    """Send each bucket as one flat broadcast (SGLang's `load_format: flattened_bucket`);
+    --update-weight-per-tensor broadcasts each tensor separately."""
     master_address: str | None = None
-    """Rendezvous address of the weight group: trainer rank 0's node IP. None: the address the
-    trainer ranks rendezvous on."""
-    master_port: int = 0
-    """Rendezvous port on rank 0's node; 0 picks a free one there for every group formed."""
-    group_name: str = "slime_async_weights"
+    """Weight group rendezvous address: trainer rank 0's node IP (default: the address the
+    trainer ranks rendezvous on)."""
+    master_port: int = flag(0, ge=0, lt=65536, hint="a TCP port; 0 = a free one")
+    """Weight group rendezvous port on rank 0's node; 0 picks a free one there for every group
+    formed."""
+    group_name: str = flag("slime_async_weights", cli=False)
     """`group_name` of the weight update group on the engines."""
-    backend: str | None = None
-    """Collective backend: None picks gloo for CPU engines (the embedded engine) and NCCL for
-    SGLang engines on GPUs."""
-    timeout_s: float = 300.0
-    """A group rendezvous, a bucket or a whole push fails after this long."""
+    backend: str | None = flag(None, choices=("gloo", "nccl"))
+    """Weight group collective backend (default: gloo for CPU engines (the embedded engine),
+    NCCL for SGLang engines on GPUs)."""
+    timeout_s: float = flag(300.0, name="timeout", gt=0)
+    """Seconds before a weight group rendezvous, a bucket or a whole push fails."""
 
     def __post_init__(self) -> None:
-        if self.bucket_bytes < 1024:
-            raise ValueError(
-                f"--update-weight-buffer-size must be at least 1024 bytes, got {self.bucket_bytes}"
-            )
-        if not 0 <= self.master_port < 65536:
-            raise ValueError(
-                f"--update-weight-master-port must be a TCP port, got {self.master_port}"
-            )
+        check_ranges(self)
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"--update-weight-backend must be gloo or nccl, got {self.backend!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"--update-weight-timeout must be positive, got {self.timeout_s}")
 
 
 def add_weight_sync_args(parser: argparse.ArgumentParser) -> None:
-    """The weight-transport flags (defaults from `WeightSyncConfig`)."""
-    g = parser.add_argument_group("weight sync")
-    d = WeightSyncConfig()
-    g.add_argument(
-        "--update-weight-transport",
-        choices=[k.value for k in TransportKind],
-        default=None,
-        help="How weights reach the engines: 'distributed' (trainer rank 0 broadcasts over a "
-        "process group the engines join; no shared filesystem) or 'disk' (an HF directory in "
-        f"the run dir that every engine loads). Default: {d.transport.value}, or disk with "
-        "--engine-backend external. See docs/weight-sync.md.",
-    )
-    g.add_argument(
-        "--update-weight-buffer-size",
-        type=int,
-        default=d.bucket_bytes,
-        help="Bytes per bucket of the distributed transport (slime's flag).",
-    )
-    g.add_argument(
-        "--update-weight-per-tensor",
-        dest="update_weight_flatten",
-        action="store_false",
-        default=d.flatten_buckets,
-        help="Broadcast each tensor separately instead of one flattened buffer per bucket.",
-    )
-    g.add_argument(
-        "--update-weight-master-address",
-        default=d.master_address,
-        help="Weight group rendezvous address: trainer rank 0's node IP (default: the trainer's "
-        "own rendezvous address).",
-    )
-    g.add_argument(
-        "--update-weight-master-port",
-        type=int,
-        default=d.master_port,
-        help="Weight group rendezvous port on rank 0's node (0: a free one).",
-    )
-    g.add_argument(
-        "--update-weight-backend",
-        choices=["gloo", "nccl"],
-        default=d.backend,
-        help="Weight group backend (default: gloo for embedded CPU engines, nccl for SGLang).",
-    )
-    g.add_argument(
-        "--update-weight-timeout",
-        type=float,
-        default=d.timeout_s,
-        help="Seconds before a weight group rendezvous or broadcast fails.",
-    )
+    """The weight-transport flags: one per `WeightSyncConfig` field (`group_name` is not one)."""
+    add_flags(parser, WeightSyncConfig, group="weight sync")
 
 
 def weight_sync_config_from_args(args: argparse.Namespace) -> WeightSyncConfig:
-    return WeightSyncConfig(
-        transport=TransportKind(args.update_weight_transport or WeightSyncConfig().transport),
-        bucket_bytes=args.update_weight_buffer_size,
-        flatten_buckets=args.update_weight_flatten,
-        master_address=args.update_weight_master_address,
-        master_port=args.update_weight_master_port,
-        backend=args.update_weight_backend,
-        timeout_s=args.update_weight_timeout,
-    )
+    """Build the config from `add_weight_sync_args` flags; an unset `--update-weight-transport`
+    (not derived by the run) is the `WeightSyncConfig` default."""
+    return from_args(WeightSyncConfig, args)
