@@ -445,13 +445,6 @@ def _check_model(trainer: TrainerConfig, model: ModelSpec, *, hf_checkpoint: str
         )
 
 
-def _cores(flag: str, text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(c) for c in text.split(",") if c.strip())
-    except ValueError:
-        raise ValueError(f"--{flag} {text!r} must be comma-separated integers") from None
-
-
 def _placement(f: _Flags, env: Environment) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
     """(colocate, trainer cores, rollout cores) on the cores this process may use. On a joined
     cluster the roles run on other nodes: each pins cores of its own node at start-up
@@ -468,7 +461,7 @@ def _placement(f: _Flags, env: Environment) -> tuple[bool, tuple[int, ...], tupl
         if f.unset("colocate"):
             f.fill("colocate", False, "joined Ray cluster: cores are pinned per node")
         return bool(a.colocate), (), ()
-    given = {k: _cores(k, v) for k in ("trainer-cores", "rollout-cores")
+    given = {k: tuple(v) for k in ("trainer-cores", "rollout-cores")
              if (v := getattr(a, k.replace("-", "_"))) is not None}  # fmt: skip
     if a.colocate and a.engine_backend == "sglang":
         raise ValueError(

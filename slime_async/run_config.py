@@ -136,7 +136,7 @@ class RunConfig:
     """How weights reach the engines (`--update-weight-transport`, ...)."""
     derived: dict[str, Derived] = flag(default_factory=dict, cli=False)
     """Flag -> the value the run derived for it (the user left it unset) and why."""
-    flags: dict[str, Any] = dataclasses.field(default_factory=dict)
+    flags: dict[str, Any] = flag(default_factory=dict, cli=False)
     """Every flag's value as parsed (recipe and command line; None where the run derived it):
     what `--config <run-dir>/config.json` replays."""
 
