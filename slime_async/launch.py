@@ -30,6 +30,7 @@ from loss import dynamic_sampling_keep, resolve_loss_spec
 from slime_async.config import RunConfig
 from slime_async.contracts.engine import EngineBackend
 from slime_async.contracts.rollout import Group
+from slime_async.contracts.weights import WeightTransport, version_dir_name
 from slime_async.engine.backends import get_engine_backend
 from slime_async.host import free_port
 from slime_async.metrics import MetricsLogger
@@ -179,7 +180,7 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
 
     # the engines start from (attached ones: load) the trainer's own export: identical weights
     weights_root = cfg.run_dir / "weights"
-    first = weights_root / f"v{version:06d}"
+    first = weights_root / version_dir_name(version)
     await asyncio.to_thread(trainer.save_weights, first)
     role = await _start_behavior_role(cfg, trainer_cfg)
     if role is not None:
@@ -315,7 +316,7 @@ async def _start_engines(
     version: int,
     placement: Placement | None = None,
     role: BehaviorRole | None = None,
-) -> tuple[Cluster, DiskTransport | DistributedTransport]:
+) -> tuple[Cluster, WeightTransport]:
     """Engines, a router in front, the weight transport (`--update-weight-transport`).
     Engines a backend attaches, and every engine under the distributed transport (which needs no
     shared filesystem: they start from `--hf-checkpoint`, a path every node has as in slime, or
@@ -338,7 +339,7 @@ async def _start_engines(
                                   rollout_cores=cfg.rollout_cores, slots=slots,
                                   bind_node_ips=joined, pin_slot_cores=joined and not cfg.colocate,
                                   router_host=ray.util.get_node_ip_address() if joined else None)  # fmt: skip
-    transport: DiskTransport | DistributedTransport
+    transport: WeightTransport
     if distributed:
         transport = DistributedTransport(
             sender=trainer, control=cluster.control, engine_urls=lambda: cluster.engine_urls,

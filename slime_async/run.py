@@ -21,6 +21,7 @@ from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
 from slime_async.config import RunConfig
 from slime_async.contracts.rollout import Batch, GenerationRequest
+from slime_async.contracts.weights import WeightTransport
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.stability import mean_and_se
 from slime_async.placement import Placement
@@ -30,7 +31,6 @@ from slime_async.rollout.client import GenerateClient
 from slime_async.rollout.plan import DataPlan
 from slime_async.supervisor import EnginesDownError, EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
-from slime_async.weights import DiskTransport, DistributedTransport
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class Run:
     cluster: Cluster
     worker: RolloutDataWorker
     client: GenerateClient
-    transport: DiskTransport | DistributedTransport
+    transport: WeightTransport
     logger: MetricsLogger
     plan: DataPlan
     supervisor: EngineSupervisor
@@ -78,10 +78,10 @@ class Run:
                 await self.worker.resume()
         self.worker.set_served_version(version)
         self.pushed_version = version
-        if isinstance(self.transport, DiskTransport):
+        if self.transport.writes_directories:
             # replacements start on the newest directory; with the distributed transport they
             # start on the run's start source and join at the next push (Cluster.pending)
-            self.served = (self.transport.path(version), version)
+            self.served = (self.transport.directory(version), version)
         await self._admit_caught_up(version)
         return metrics
 
@@ -119,7 +119,7 @@ class Run:
         no such directory, so the trainer's in-memory export goes to the role through Ray's
         object store (the trainer pays the export, no file write; the role loads it in order)."""
         role = self.behavior_role
-        if role is None or getattr(self.transport, "on_written", None) is not None:
+        if role is None or self.transport.on_written is not None:
             return
         role.add_version(version, await self.trainer.export_weights_ref())
 
