@@ -221,7 +221,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         num_threads=None if colocate else 1,
     )  # fmt: skip
     if f.unset("update_weight_transport"):
-        if engines.backend == "external":
+        if not engines.needs.owns_processes:
             f.fill("update_weight_transport", "disk", "--engine-backend external: servers the "
                    "run does not own come back on their own weights, and the router replays the "
                    "newest disk load on them before re-admission")  # fmt: skip

@@ -343,7 +343,7 @@ async def _start_engines(
     if distributed:
         transport = DistributedTransport(
             sender=trainer, control=cluster.control, engine_urls=lambda: cluster.engine_urls,
-            cfg=cfg.weights, backend="nccl" if cfg.engines.backend == "sglang" else "gloo",
+            cfg=cfg.weights, backend=backend.needs.collective_backend,
             token=cfg.engine.auth_token,
         )  # fmt: skip
     else:
@@ -366,7 +366,7 @@ def start_source(cfg: RunConfig, first: Path) -> str:
     if cfg.weights.transport is TransportKind.DISTRIBUTED:
         if cfg.trainer.hf_checkpoint:
             return cfg.trainer.hf_checkpoint
-        if cfg.engines.backend != "sglang":  # our engine builds the architecture from the spec
+        if not cfg.engines.needs.checkpoint_to_start:  # built from the spec
             return ""
         # SGLang cannot start without a checkpoint: the trainer's export, which the engine
         # nodes must then be able to read (give --hf-checkpoint on a cluster, as in slime)
