@@ -29,7 +29,7 @@ from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep, resolve_loss_spec
 from slime_async.config import RunConfig
 from slime_async.contracts.engine import EngineBackend
-from slime_async.contracts.rollout import Group
+from slime_async.contracts.rollout import Group, segment_payload
 from slime_async.contracts.weights import WeightTransport, version_dir_name
 from slime_async.engine.backends import get_engine_backend
 from slime_async.host import free_port
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 def _dapo_filter(group: Group) -> bool:
     """DAPO dynamic sampling: drop a group whose rewards all agree (no learning signal)."""
-    rewards = [float(s.payload.get("reward", 0.0)) for s in group.samples]
+    rewards = [float(segment_payload(s.payload).get("reward", 0.0)) for s in group.samples]
     return dynamic_sampling_keep([rewards])[0]
 
 

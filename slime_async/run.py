@@ -20,7 +20,7 @@ from typing import Any
 from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
 from slime_async.config import RunConfig
-from slime_async.contracts.rollout import Batch, GenerationRequest
+from slime_async.contracts.rollout import Batch, GenerationRequest, segment_payload
 from slime_async.contracts.weights import WeightTransport
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.stability import mean_and_se
@@ -188,7 +188,8 @@ class Run:
         by_level: dict[int, list[float]] = {}
         for p, res in zip(prompts, results, strict=True):
             level = int(p.payload.get("level", 0))
-            by_level.setdefault(level, []).append(float(res.payload.get("reward", 0.0)))
+            reward = segment_payload(res.payload).get("reward", 0.0)
+            by_level.setdefault(level, []).append(float(reward))
         allr = [r for rs in by_level.values() for r in rs]
         mean, se = mean_and_se(allr)
         pass_mean, pass_se = mean_and_se([float(r >= 1.0) for r in allr])
