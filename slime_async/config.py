@@ -217,7 +217,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     router, token = _shared_token(a, env)
     _derive_warmstart(f, embedded=embedded)
     engine = engine_run_config_from_args(
-        a, seed=a.seed if rollout.seed is None else rollout.seed,
+        a, seed=rollout.seed_or(a.seed),
         num_threads=None if colocate else 1,
     )  # fmt: skip
     if f.unset("update_weight_transport"):

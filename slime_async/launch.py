@@ -129,13 +129,12 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     backend = get_engine_backend(cfg.engines.backend)(cfg.engines, cfg.engine)
     await backend.preflight()  # e.g. attached URLs answer: fail in seconds, before the trainer
     r = cfg.rollout
-    plan = make_data_plan(seed=cfg.seed if r.seed is None else r.seed, prompt_data=r.prompt_data,
+    plan = make_data_plan(seed=cfg.rollout_seed, prompt_data=r.prompt_data,
                           hf_checkpoint=cfg.trainer.hf_checkpoint, input_key=r.input_key,
                           label_key=r.label_key, apply_chat_template=r.apply_chat_template,
                           strict_data=r.strict_data, custom_rm_path=r.custom_rm_path,
                           eval_prompts=r.eval_prompts if r.eval_interval else 0,
-                          reasoning_gym=r.reasoning_gym_config(cfg.seed if r.seed is None
-                                                               else r.seed))  # fmt: skip
+                          reasoning_gym=r.reasoning_gym_config(cfg.rollout_seed))  # fmt: skip
     dw = cfg.data_worker
     guards = run_guard_config(dataclasses.asdict(dw))
     logger = MetricsLogger(cfg.run_dir, use_tensorboard=cfg.use_tensorboard,
@@ -190,7 +189,7 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
                                               placement=placement, role=role)  # fmt: skip
     undo.append(cluster.stop)
     undo.append(transport.close)
-    if trainer_cfg.routing_replay.value == "r3" and cfg.model.is_moe:
+    if trainer_cfg.routing_replay.replays_engine_routing and cfg.model.is_moe:
         # refuse now what would otherwise surface only at the first train step
         await asyncio.gather(*(check_routed_experts(u, token=cfg.engine.auth_token)
                                for u in cluster.engine_urls))  # fmt: skip
@@ -201,7 +200,7 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
             max_response_len=r.max_response_len,
             temperature=r.temperature,
             top_p=r.top_p,
-            return_routed_experts=trainer_cfg.routing_replay.value == "r3",
+            return_routed_experts=trainer_cfg.routing_replay.replays_engine_routing,
             top_k=r.top_k,
             stop=r.stop,
             stop_token_ids=(plan.eos_id, *r.stop_token_ids),
@@ -384,10 +383,10 @@ def _slime_args(cfg: RunConfig, router_url: str) -> Any:
         rollout_max_response_len=r.max_response_len, rollout_temperature=r.temperature,
         rollout_top_p=r.top_p, rollout_top_k=r.top_k, rollout_stop=list(r.stop) or None,
         rollout_stop_token_ids=list(r.stop_token_ids) or None,
-        rollout_seed=cfg.seed if r.seed is None else r.seed, custom_rm_path=r.custom_rm_path,
+        rollout_seed=cfg.rollout_seed, custom_rm_path=r.custom_rm_path,
         group_rm=r.group_rm, custom_generate_function_path=r.custom_generate_function_path,
         partial_rollout=cfg.data_worker.partial_rollout.value == "continue",
-        use_rollout_routing_replay=cfg.trainer.routing_replay.value == "r3",
+        use_rollout_routing_replay=cfg.trainer.routing_replay.replays_engine_routing,
     )  # fmt: skip
 
 

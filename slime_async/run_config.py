@@ -102,6 +102,11 @@ class RunConfig:
     derived: dict[str, Derived] = dataclasses.field(default_factory=dict)
     """Flag -> the value the run derived for it (the user left it unset) and why."""
 
+    @property
+    def rollout_seed(self) -> int:
+        """Seed of the prompt order and the engines' sampling (`--rollout-seed`, else `--seed`)."""
+        return self.rollout.seed_or(self.seed)
+
 
 def run_default(name: str) -> Any:
     """The `RunConfig` default of field `name` (the one place it is written)."""
