@@ -19,16 +19,15 @@ from typing import Any
 
 from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
-from slime_async.config import RunConfig
 from slime_async.contracts.rollout import Batch, GenerationRequest, segment_payload
 from slime_async.contracts.weights import WeightTransport
+from slime_async.generate_chain import GenerateChain
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.stability import mean_and_se
 from slime_async.placement import Placement
 from slime_async.roles import Cluster
-from slime_async.rollout.assemble import ScoredGenerate
-from slime_async.rollout.client import GenerateClient
 from slime_async.rollout.plan import DataPlan
+from slime_async.run_config import RunConfig
 from slime_async.supervisor import EnginesDownError, EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
 
@@ -43,7 +42,8 @@ class Run:
     trainer: TrainerGroup
     cluster: Cluster
     worker: RolloutDataWorker
-    client: GenerateClient
+    chain: GenerateChain
+    """What the data worker calls to generate and score a sample (`slime_async.generate_chain`)."""
     transport: WeightTransport
     logger: MetricsLogger
     plan: DataPlan
@@ -51,9 +51,6 @@ class Run:
     start_step: int
     version: int
     served: tuple[Path, int]
-    generate: ScoredGenerate
-    sample_fn: Any = None
-    """What generates one sample: the generate client or a custom generate function."""
     behavior_role: Any = None
     """The forward-only role computing π_j^Meg (`--behavior-forward role`), or None."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -125,7 +122,7 @@ class Run:
 
     async def score(self, batch: Batch) -> Batch:
         """Rewards that need a whole group (slime's `--group-rm`); a no-op otherwise."""
-        return await self.generate.score_groups(batch)
+        return await self.chain.scored.score_groups(batch)
 
     async def next_batch(self, num_groups: int) -> Batch:
         """The next batch for train step `self.version`, unless every engine stays down."""
@@ -175,10 +172,7 @@ class Run:
         if not self.plan.eval_prompts:
             return
         t0 = time.perf_counter()
-        scored = ScoredGenerate(self.sample_fn or self.client, self.plan.reward_fn,
-                                eos_id=self.plan.eos_id, decode=self.plan.decode,
-                                reward_args=self.generate.reward_args,
-                                group_rm=self.cfg.rollout.group_rm, score_alone=True)  # fmt: skip
+        scored = self.chain.scored_alone()
         k = self.cfg.rollout.n_samples_per_eval_prompt
         prompts = [p for p in self.plan.eval_prompts for _ in range(k)]
         reqs = [GenerationRequest(prompt=p, group_seq=-1 - i // k, sample_index=i % k)
@@ -212,7 +206,7 @@ class Run:
 
     def timing(self, *, wait_s: float, train_s: float, sync_s: float) -> dict[str, float]:
         total = max(1e-9, wait_s + train_s + sync_s)
-        idle = self.generate.idle_seconds()
+        idle = self.chain.scored.idle_seconds()
         rollout_idle, self._rollout_idle_mark = idle - self._rollout_idle_mark, idle
         return {
             "idle/rollout_ratio": min(1.0, rollout_idle / total),
@@ -250,7 +244,7 @@ class Run:
         except Exception as e:  # shutting down after an error: report, keep closing
             log.warning("data worker did not stop cleanly: %s", e)
         await self.supervisor.stop()
-        await self.client.close()
+        await self.chain.client.close()
         try:
             await self.transport.close()
         except Exception as e:  # shutting down: report, keep closing

@@ -69,6 +69,13 @@ class ScoredGenerate:
         self._inflight, self._idle_total = 0, 0.0
         self._idle_since: float | None = time.perf_counter()
 
+    def scoring_alone(self) -> ScoredGenerate:
+        """A fresh copy (same generate, reward function and settings) that scores every
+        finished sample on its own, a group reward seeing a group of one (held-out eval)."""
+        return ScoredGenerate(self._generate, self._reward_fn, eos_id=self._eos,
+                              decode=self._decode, reward_args=self.reward_args,
+                              group_rm=self.group_rm, score_alone=True)  # fmt: skip
+
     def idle_seconds(self) -> float:
         """Total time so far with no generate call in flight (the rollout side had no work)."""
         ongoing = 0.0 if self._idle_since is None else time.perf_counter() - self._idle_since
