@@ -218,8 +218,8 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     )  # fmt: skip
     run = Run(
         cfg=cfg, trainer=trainer, cluster=cluster, worker=worker, chain=chain,
-        transport=transport, logger=logger, plan=plan, start_step=start_step, version=version,
-        served=(first, version), supervisor=supervisor, behavior_role=role, placement=placement,
+        transport=transport, logger=logger, plan=plan, version=version, start_dir=first,
+        supervisor=supervisor, behavior_role=role, placement=placement,
     )  # fmt: skip
     supervisor.start()
     await run.write_roles()

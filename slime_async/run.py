@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(kw_only=True)
 class Run:
-    """Live state of one run (the controller reads `version`, calls the methods)."""
+    """Live state of one run (the controller reads and advances `version`, calls the methods)."""
 
     cfg: RunConfig
     trainer: TrainerGroup
@@ -48,18 +48,41 @@ class Run:
     logger: MetricsLogger
     plan: DataPlan
     supervisor: EngineSupervisor
-    start_step: int
     version: int
-    served: tuple[Path, int]
+    """The trainer's version (optimizer updates so far), the one version the run holds: read
+    from the trainer at start-up, advanced by the controller after each train step as the
+    trainer actor advances its own count. The versions below are recorded from it or derived."""
+    start_dir: Path
+    """The trainer's export at start-up (version `start_step`), which the engines started on."""
     behavior_role: Any = None
     """The forward-only role computing π_j^Meg (`--behavior-forward role`), or None."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
     placement: Placement | None = None
     """The reserved bundles (given back at close)."""
-    pushed_version: int = -1
-    """The last version pushed to the engines (-1: none yet)."""
+    start_step: int = dataclasses.field(init=False)
+    """`version` at start-up (the checkpoint's step on resume, else 0): this run's first step."""
+    fleet_version: int = dataclasses.field(init=False)
+    """The version the engines in the router serve: `start_step`, then each version pushed."""
     _logged_once: bool = False
     _rollout_idle_mark: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.start_step = self.fleet_version = self.version
+
+    @property
+    def pushed_version(self) -> int:
+        """The last version pushed to the engines (-1: none yet; a push only ever sends a
+        version trained in this run, so a fleet past `start_step` has had one)."""
+        return self.fleet_version if self.fleet_version != self.start_step else -1
+
+    @property
+    def served(self) -> tuple[Path, int]:
+        """(directory, version) a replacement engine starts on: the fleet's version where the
+        transport writes directories; otherwise the start-up export, and the distributed
+        transport brings the replacement up to date at the next push (`Cluster.pending`)."""
+        if self.transport.writes_directories and self.pushed_version >= 0:
+            return self.transport.directory(self.fleet_version), self.fleet_version
+        return self.start_dir, self.start_step
 
     async def push_weights(self, version: int) -> dict[str, float]:
         """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
@@ -74,18 +97,9 @@ class Run:
                 await self.cluster.control.continue_generation()
                 await self.worker.resume()
         self.worker.set_served_version(version)
-        self.pushed_version = version
-        if self.transport.writes_directories:
-            # replacements start on the newest directory; with the distributed transport they
-            # start on the run's start source and join at the next push (Cluster.pending)
-            self.served = (self.transport.directory(version), version)
+        self.fleet_version = version
         await self._admit_caught_up(version)
         return metrics
-
-    @property
-    def fleet_version(self) -> int:
-        """The version the engines in the router serve."""
-        return self.pushed_version if self.pushed_version >= 0 else self.served[1]
 
     async def _admit_caught_up(self, version: int) -> None:
         for url in await self.cluster.admit_caught_up(version, token=self.cfg.engine.auth_token):
