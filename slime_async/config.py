@@ -33,7 +33,7 @@ from data_worker.config import DataWorkerConfig, add_data_worker_args, data_work
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
 from router.config import add_router_args, load_auth_token, router_config_from_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.engine.backends import EngineFleetConfig
+from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
 from slime_async.engine.backends.config import split_sglang_args
 from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
 from slime_async.recipe import add_config_arg, apply_config_file, config_json, derived_lines
@@ -222,11 +222,11 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     router, token = _shared_token(a, env)
     _derive_warmstart(f, embedded=embedded)
     engine = engine_run_config_from_args(
-        a, seed=a.seed if rollout.seed is None else rollout.seed,
+        a, seed=rollout.seed_or(a.seed),
         num_threads=None if colocate else 1,
     )  # fmt: skip
     if f.unset("update_weight_transport"):
-        if engines.backend == "external":
+        if not engines.needs.owns_processes:
             f.fill("update_weight_transport", "disk", "--engine-backend external: servers the "
                    "run does not own come back on their own weights, and the router replays the "
                    "newest disk load on them before re-admission")  # fmt: skip
@@ -463,11 +463,12 @@ def _placement(f: _Flags, env: Environment) -> tuple[bool, tuple[int, ...], tupl
         return bool(a.colocate), (), ()
     given = {k: tuple(v) for k in ("trainer-cores", "rollout-cores")
              if (v := getattr(a, k.replace("-", "_"))) is not None}  # fmt: skip
-    if a.colocate and a.engine_backend == "sglang":
+    if a.colocate and get_engine_backend(a.engine_backend).needs.gpus_per_engine > 0:
         raise ValueError(
             "--colocate here shares CPU cores between trainer and engines; slime's --colocate "
             "(engines and trainer time-sharing the GPUs, with offload) is not implemented for "
-            "--engine-backend sglang; drop --colocate and give the engines their own GPUs"
+            f"--engine-backend {a.engine_backend} (GPU engines); drop --colocate and give the "
+            "engines their own GPUs"
         )
     if a.colocate and given:
         raise ValueError(

@@ -15,9 +15,9 @@ import logging
 import time
 from typing import Any
 
-from slime_async.config import RunConfig
 from slime_async.launch import setup_run
 from slime_async.rollout.assemble import assemble
+from slime_async.run_config import RunConfig
 from slime_async.supervisor import EnginesDownError
 
 log = logging.getLogger(__name__)

@@ -26,24 +26,23 @@ from typing import Any
 
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep, resolve_loss_spec
-from slime_async.config import RunConfig
 from slime_async.contracts.engine import EngineBackend
-from slime_async.contracts.rollout import Group
+from slime_async.contracts.rollout import Group, segment_payload
+from slime_async.contracts.weights import WeightTransport, version_dir_name
 from slime_async.engine.backends import get_engine_backend
+from slime_async.generate_chain import build_generate_chain
 from slime_async.host import free_port
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.guards import run_guard_config
 from slime_async.placement import Placement, place_roles
 from slime_async.recipe import config_json, derived_lines
 from slime_async.roles import Cluster, init_ray, pin_actor
-from slime_async.rollout.assemble import ScoredGenerate
-from slime_async.rollout.behavior import BehaviorAnnotate
-from slime_async.rollout.client import GenerateClient, GenerateClientConfig, check_routed_experts
-from slime_async.rollout.custom_generate import CustomGenerate, load_custom_generate, slime_args
+from slime_async.rollout.client import check_routed_experts
 from slime_async.rollout.plan import make_data_plan
 from slime_async.rollout.tasks import TaskFamilyConfig
 from slime_async.rollout.warmstart import WarmStartConfig, warm_start
 from slime_async.run import Run, check_batch_shape
+from slime_async.run_config import RunConfig
 from slime_async.supervisor import EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
 from slime_async.trainer.behavior_role import BehaviorRole
@@ -55,7 +54,7 @@ log = logging.getLogger(__name__)
 
 def _dapo_filter(group: Group) -> bool:
     """DAPO dynamic sampling: drop a group whose rewards all agree (no learning signal)."""
-    rewards = [float(s.payload.get("reward", 0.0)) for s in group.samples]
+    rewards = [float(segment_payload(s.payload).get("reward", 0.0)) for s in group.samples]
     return dynamic_sampling_keep([rewards])[0]
 
 
@@ -128,13 +127,12 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     backend = get_engine_backend(cfg.engines.backend)(cfg.engines, cfg.engine)
     await backend.preflight()  # e.g. attached URLs answer: fail in seconds, before the trainer
     r = cfg.rollout
-    plan = make_data_plan(seed=cfg.seed if r.seed is None else r.seed, prompt_data=r.prompt_data,
+    plan = make_data_plan(seed=cfg.rollout_seed, prompt_data=r.prompt_data,
                           hf_checkpoint=cfg.trainer.hf_checkpoint, input_key=r.input_key,
                           label_key=r.label_key, apply_chat_template=r.apply_chat_template,
                           strict_data=r.strict_data, custom_rm_path=r.custom_rm_path,
                           eval_prompts=r.eval_prompts if r.eval_interval else 0,
-                          reasoning_gym=r.reasoning_gym_config(cfg.seed if r.seed is None
-                                                               else r.seed))  # fmt: skip
+                          reasoning_gym=r.reasoning_gym_config(cfg.rollout_seed))  # fmt: skip
     dw = cfg.data_worker
     guards = run_guard_config(dataclasses.asdict(dw))
     logger = MetricsLogger(cfg.run_dir, use_tensorboard=cfg.use_tensorboard,
@@ -179,7 +177,7 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
 
     # the engines start from (attached ones: load) the trainer's own export: identical weights
     weights_root = cfg.run_dir / "weights"
-    first = weights_root / f"v{version:06d}"
+    first = weights_root / version_dir_name(version)
     await asyncio.to_thread(trainer.save_weights, first)
     role = await _start_behavior_role(cfg, trainer_cfg)
     if role is not None:
@@ -189,34 +187,15 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
                                               placement=placement, role=role)  # fmt: skip
     undo.append(cluster.stop)
     undo.append(transport.close)
-    if trainer_cfg.routing_replay.value == "r3" and cfg.model.is_moe:
+    if trainer_cfg.routing_replay.replays_engine_routing and cfg.model.is_moe:
         # refuse now what would otherwise surface only at the first train step
         await asyncio.gather(*(check_routed_experts(u, token=cfg.engine.auth_token)
                                for u in cluster.engine_urls))  # fmt: skip
 
-    client = GenerateClient(
-        GenerateClientConfig(
-            url=cluster.router_url,
-            max_response_len=r.max_response_len,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            return_routed_experts=trainer_cfg.routing_replay.value == "r3",
-            top_k=r.top_k,
-            stop=r.stop,
-            stop_token_ids=(plan.eos_id, *r.stop_token_ids),
-            auth_token=cfg.engine.auth_token,
-        ),
-        num_layers=cfg.model.num_layers,
-        topk=cfg.model.moe_topk,
-    )
-    args = _slime_args(cfg, cluster.router_url)
-    sample_fn: Any = client
-    if r.custom_generate_function_path:
-        sample_fn = CustomGenerate(load_custom_generate(r.custom_generate_function_path), client,
-                                   eos_id=plan.eos_id, args=args,
-                                   served_version=lambda: run.version)  # fmt: skip
-    generate = ScoredGenerate(sample_fn, plan.reward_fn, eos_id=plan.eos_id, decode=plan.decode,
-                              reward_args=args, group_rm=r.group_rm)  # fmt: skip
+    # served_version is late-bound: the run is built below
+    chain = build_generate_chain(cfg, router_url=cluster.router_url, plan=plan,
+                                 behavior=None if role is None else role.logprobs,
+                                 served_version=lambda: run.version)  # fmt: skip
 
     async def abort_all() -> None:
         await cluster.control.pause_generation(mode="abort")
@@ -224,7 +203,7 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     worker = RolloutDataWorker(
         cfg.data_worker,
         plan.source,
-        generate if role is None else BehaviorAnnotate(generate, role.logprobs),
+        chain.head,
         group_filter=_dapo_filter if r.dynamic_sampling else None,
         abort_fn=abort_all,
     )
@@ -238,11 +217,9 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
         on_replace=lambda: run.write_roles(),
     )  # fmt: skip
     run = Run(
-        cfg=cfg, trainer=trainer, cluster=cluster, worker=worker, client=client,
-        transport=transport, logger=logger, plan=plan, start_step=start_step, version=version,
-        served=(first, version), supervisor=supervisor, generate=generate, sample_fn=sample_fn,
-        behavior_role=role,
-        placement=placement,
+        cfg=cfg, trainer=trainer, cluster=cluster, worker=worker, chain=chain,
+        transport=transport, logger=logger, plan=plan, version=version, start_dir=first,
+        supervisor=supervisor, behavior_role=role, placement=placement,
     )  # fmt: skip
     supervisor.start()
     await run.write_roles()
@@ -315,7 +292,7 @@ async def _start_engines(
     version: int,
     placement: Placement | None = None,
     role: BehaviorRole | None = None,
-) -> tuple[Cluster, DiskTransport | DistributedTransport]:
+) -> tuple[Cluster, WeightTransport]:
     """Engines, a router in front, the weight transport (`--update-weight-transport`).
     Engines a backend attaches, and every engine under the distributed transport (which needs no
     shared filesystem: they start from `--hf-checkpoint`, a path every node has as in slime, or
@@ -338,11 +315,11 @@ async def _start_engines(
                                   rollout_cores=cfg.rollout_cores, slots=slots,
                                   bind_node_ips=joined, pin_slot_cores=joined and not cfg.colocate,
                                   router_host=ray.util.get_node_ip_address() if joined else None)  # fmt: skip
-    transport: DiskTransport | DistributedTransport
+    transport: WeightTransport
     if distributed:
         transport = DistributedTransport(
             sender=trainer, control=cluster.control, engine_urls=lambda: cluster.engine_urls,
-            cfg=cfg.weights, backend="nccl" if cfg.engines.backend == "sglang" else "gloo",
+            cfg=cfg.weights, backend=backend.needs.collective_backend,
             token=cfg.engine.auth_token,
         )  # fmt: skip
     else:
@@ -365,29 +342,13 @@ def start_source(cfg: RunConfig, first: Path) -> str:
     if cfg.weights.transport is TransportKind.DISTRIBUTED:
         if cfg.trainer.hf_checkpoint:
             return cfg.trainer.hf_checkpoint
-        if cfg.engines.backend != "sglang":  # our engine builds the architecture from the spec
+        if not cfg.engines.needs.checkpoint_to_start:  # built from the spec
             return ""
         # SGLang cannot start without a checkpoint: the trainer's export, which the engine
         # nodes must then be able to read (give --hf-checkpoint on a cluster, as in slime)
     return str(first.resolve())
 
 
-def _slime_args(cfg: RunConfig, router_url: str) -> Any:
-    """`args` of slime-style plugins (rewards, custom generate): slime's names for our settings."""
-    r = cfg.rollout
-    return slime_args(
-        router_url, router_headers=(
-            {"Authorization": f"Bearer {cfg.engine.auth_token}"} if cfg.engine.auth_token else {}
-        ), hf_checkpoint=cfg.trainer.hf_checkpoint, rollout_batch_size=r.rollout_batch_size,
-        n_samples_per_prompt=r.n_samples_per_prompt, global_batch_size=r.global_batch_size,
-        rollout_max_response_len=r.max_response_len, rollout_temperature=r.temperature,
-        rollout_top_p=r.top_p, rollout_top_k=r.top_k, rollout_stop=list(r.stop) or None,
-        rollout_stop_token_ids=list(r.stop_token_ids) or None,
-        rollout_seed=cfg.seed if r.seed is None else r.seed, custom_rm_path=r.custom_rm_path,
-        group_rm=r.group_rm, custom_generate_function_path=r.custom_generate_function_path,
-        partial_rollout=cfg.data_worker.partial_rollout.value == "continue",
-        use_rollout_routing_replay=cfg.trainer.routing_replay.value == "r3",
-    )  # fmt: skip
 
 
 def record_config(cfg: RunConfig) -> None:

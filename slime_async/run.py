@@ -19,50 +19,70 @@ from typing import Any
 
 from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
-from slime_async.config import RunConfig
-from slime_async.contracts.rollout import Batch, GenerationRequest
+from slime_async.contracts.rollout import Batch, GenerationRequest, segment_payload
+from slime_async.contracts.weights import WeightTransport
+from slime_async.generate_chain import GenerateChain
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.stability import mean_and_se
 from slime_async.placement import Placement
 from slime_async.roles import Cluster
-from slime_async.rollout.assemble import ScoredGenerate
-from slime_async.rollout.client import GenerateClient
 from slime_async.rollout.plan import DataPlan
+from slime_async.run_config import RunConfig
 from slime_async.supervisor import EnginesDownError, EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
-from slime_async.weights import DiskTransport, DistributedTransport
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True)
 class Run:
-    """Live state of one run (the controller reads `version`, calls the methods)."""
+    """Live state of one run (the controller reads and advances `version`, calls the methods)."""
 
     cfg: RunConfig
     trainer: TrainerGroup
     cluster: Cluster
     worker: RolloutDataWorker
-    client: GenerateClient
-    transport: DiskTransport | DistributedTransport
+    chain: GenerateChain
+    """What the data worker calls to generate and score a sample (`slime_async.generate_chain`)."""
+    transport: WeightTransport
     logger: MetricsLogger
     plan: DataPlan
     supervisor: EngineSupervisor
-    start_step: int
     version: int
-    served: tuple[Path, int]
-    generate: ScoredGenerate
-    sample_fn: Any = None
-    """What generates one sample: the generate client or a custom generate function."""
+    """The trainer's version (optimizer updates so far), the one version the run holds: read
+    from the trainer at start-up, advanced by the controller after each train step as the
+    trainer actor advances its own count. The versions below are recorded from it or derived."""
+    start_dir: Path
+    """The trainer's export at start-up (version `start_step`), which the engines started on."""
     behavior_role: Any = None
     """The forward-only role computing π_j^Meg (`--behavior-forward role`), or None."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
     placement: Placement | None = None
     """The reserved bundles (given back at close)."""
-    pushed_version: int = -1
-    """The last version pushed to the engines (-1: none yet)."""
+    start_step: int = dataclasses.field(init=False)
+    """`version` at start-up (the checkpoint's step on resume, else 0): this run's first step."""
+    fleet_version: int = dataclasses.field(init=False)
+    """The version the engines in the router serve: `start_step`, then each version pushed."""
     _logged_once: bool = False
     _rollout_idle_mark: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.start_step = self.fleet_version = self.version
+
+    @property
+    def pushed_version(self) -> int:
+        """The last version pushed to the engines (-1: none yet; a push only ever sends a
+        version trained in this run, so a fleet past `start_step` has had one)."""
+        return self.fleet_version if self.fleet_version != self.start_step else -1
+
+    @property
+    def served(self) -> tuple[Path, int]:
+        """(directory, version) a replacement engine starts on: the fleet's version where the
+        transport writes directories; otherwise the start-up export, and the distributed
+        transport brings the replacement up to date at the next push (`Cluster.pending`)."""
+        if self.transport.writes_directories and self.pushed_version >= 0:
+            return self.transport.directory(self.fleet_version), self.fleet_version
+        return self.start_dir, self.start_step
 
     async def push_weights(self, version: int) -> dict[str, float]:
         """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
@@ -77,18 +97,9 @@ class Run:
                 await self.cluster.control.continue_generation()
                 await self.worker.resume()
         self.worker.set_served_version(version)
-        self.pushed_version = version
-        if isinstance(self.transport, DiskTransport):
-            # replacements start on the newest directory; with the distributed transport they
-            # start on the run's start source and join at the next push (Cluster.pending)
-            self.served = (self.transport.path(version), version)
+        self.fleet_version = version
         await self._admit_caught_up(version)
         return metrics
-
-    @property
-    def fleet_version(self) -> int:
-        """The version the engines in the router serve."""
-        return self.pushed_version if self.pushed_version >= 0 else self.served[1]
 
     async def _admit_caught_up(self, version: int) -> None:
         for url in await self.cluster.admit_caught_up(version, token=self.cfg.engine.auth_token):
@@ -119,13 +130,13 @@ class Run:
         no such directory, so the trainer's in-memory export goes to the role through Ray's
         object store (the trainer pays the export, no file write; the role loads it in order)."""
         role = self.behavior_role
-        if role is None or getattr(self.transport, "on_written", None) is not None:
+        if role is None or self.transport.on_written is not None:
             return
         role.add_version(version, await self.trainer.export_weights_ref())
 
     async def score(self, batch: Batch) -> Batch:
         """Rewards that need a whole group (slime's `--group-rm`); a no-op otherwise."""
-        return await self.generate.score_groups(batch)
+        return await self.chain.scored.score_groups(batch)
 
     async def next_batch(self, num_groups: int) -> Batch:
         """The next batch for train step `self.version`, unless every engine stays down."""
@@ -175,10 +186,7 @@ class Run:
         if not self.plan.eval_prompts:
             return
         t0 = time.perf_counter()
-        scored = ScoredGenerate(self.sample_fn or self.client, self.plan.reward_fn,
-                                eos_id=self.plan.eos_id, decode=self.plan.decode,
-                                reward_args=self.generate.reward_args,
-                                group_rm=self.cfg.rollout.group_rm, score_alone=True)  # fmt: skip
+        scored = self.chain.scored_alone()
         k = self.cfg.rollout.n_samples_per_eval_prompt
         prompts = [p for p in self.plan.eval_prompts for _ in range(k)]
         reqs = [GenerationRequest(prompt=p, group_seq=-1 - i // k, sample_index=i % k)
@@ -188,7 +196,8 @@ class Run:
         by_level: dict[int, list[float]] = {}
         for p, res in zip(prompts, results, strict=True):
             level = int(p.payload.get("level", 0))
-            by_level.setdefault(level, []).append(float(res.payload.get("reward", 0.0)))
+            reward = segment_payload(res.payload).get("reward", 0.0)
+            by_level.setdefault(level, []).append(float(reward))
         allr = [r for rs in by_level.values() for r in rs]
         mean, se = mean_and_se(allr)
         pass_mean, pass_se = mean_and_se([float(r >= 1.0) for r in allr])
@@ -211,7 +220,7 @@ class Run:
 
     def timing(self, *, wait_s: float, train_s: float, sync_s: float) -> dict[str, float]:
         total = max(1e-9, wait_s + train_s + sync_s)
-        idle = self.generate.idle_seconds()
+        idle = self.chain.scored.idle_seconds()
         rollout_idle, self._rollout_idle_mark = idle - self._rollout_idle_mark, idle
         return {
             "idle/rollout_ratio": min(1.0, rollout_idle / total),
@@ -249,7 +258,7 @@ class Run:
         except Exception as e:  # shutting down after an error: report, keep closing
             log.warning("data worker did not stop cleanly: %s", e)
         await self.supervisor.stop()
-        await self.client.close()
+        await self.chain.client.close()
         try:
             await self.transport.close()
         except Exception as e:  # shutting down: report, keep closing

@@ -143,6 +143,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_ranges(self)
 
+    @property
+    def rollout_seed(self) -> int:
+        """Seed of the prompt order and the engines' sampling (`--rollout-seed`, else `--seed`)."""
+        return self.rollout.seed_or(self.seed)
+
 
 _PLACEMENT = ("colocate", "trainer_cores", "rollout_cores")
 """`RunConfig` fields of the `placement` flag group; the others are the `run` group."""

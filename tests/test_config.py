@@ -48,6 +48,17 @@ def test_defaults_are_the_embedded_async_run():
     assert "staleness bound 4" in cfg.derived["--max-snapshots"].why
 
 
+def test_rollout_seed_and_routing_replay_have_one_owner_each():
+    """`RunConfig.rollout_seed` falls back to `--seed`; the engines sample with it; R3 is the
+    one replay that needs the engines' routing."""
+    from slime_async.trainer.replay import RoutingReplay
+
+    assert _cfg("--seed", "7").rollout_seed == 7 == _cfg("--seed", "7").engine.seed
+    cfg = _cfg("--seed", "7", "--rollout-seed", "3")
+    assert cfg.rollout_seed == 3 == cfg.engine.seed and cfg.seed == 7
+    assert [m.replays_engine_routing for m in RoutingReplay] == [False, False, True]
+
+
 def test_slime_names_map_onto_component_configs():
     cfg = _cfg("--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
                "--num-steps-per-rollout", "2", "--num-rollout", "3", "--eps-clip", "0.1",

@@ -75,6 +75,16 @@ def test_builtin_backends_are_registered_with_their_needs() -> None:
     assert not ext.can_restart and ext.needs.urls and not ext.needs.model_dir
 
 
+def test_capabilities_say_what_the_backend_names_used_to() -> None:
+    """Call sites ask capabilities, never names: the built-ins declare theirs."""
+    emb, sgl, ext = (get_engine_backend(n).needs for n in ("embedded", "sglang", "external"))
+    assert (emb.owns_processes, sgl.owns_processes, ext.owns_processes) == (True, True, False)
+    assert (emb.collective_backend, sgl.collective_backend, ext.collective_backend) == (
+        "gloo", "nccl", "gloo")  # fmt: skip
+    assert [n.checkpoint_to_start for n in (emb, sgl, ext)] == [False, True, False]
+    assert [n.sglang_flags for n in (emb, sgl, ext)] == [False, True, False]
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

@@ -182,3 +182,24 @@ async def test_a_replacement_serves_only_once_it_has_the_fleets_weights(tmp_path
     assert max(r["staleness/max"] for r in steps) == 0  # the stated bound, every step
     served = json.loads((tmp_path / "served_versions.json").read_text())
     assert set(map(str, served["engines"].values())) == {"6"}, served
+
+
+def test_the_run_derives_what_replacements_start_on_from_its_versions(tmp_path):
+    """`Run.version` is the one counter; `start_step` is recorded from it, and the pushed
+    version and a replacement's start weights derive from the fleet's version: the newest
+    directory with the disk transport, the start-up export with the distributed one."""
+    from slime_async.run import Run
+    from slime_async.weights import DiskTransport, DistributedTransport, WeightSyncConfig
+
+    first = tmp_path / "weights" / "v000003"
+    disk = DiskTransport(first.parent, trainer=None, control=None)  # type: ignore[arg-type]
+    dist = DistributedTransport(sender=None, control=None, engine_urls=list,  # type: ignore[arg-type]
+                                cfg=WeightSyncConfig())  # fmt: skip
+    for transport, after_push in ((disk, first.parent / "v000005"), (dist, first)):
+        run = Run(cfg=None, trainer=None, cluster=None, worker=None, chain=None, logger=None,  # type: ignore[arg-type]
+                  plan=None, supervisor=None, transport=transport, version=3, start_dir=first)  # fmt: skip
+        assert (run.start_step, run.fleet_version, run.pushed_version) == (3, 3, -1)
+        assert run.served == (first, 3)
+        run.version = run.fleet_version = 5  # what push_weights(5) leaves after training twice
+        assert run.start_step == 3 and run.pushed_version == 5
+        assert run.served == (after_push, 5 if transport is disk else 3)

@@ -152,6 +152,22 @@ async def test_calculator_tool_tokens_never_enter_the_loss(engine):
     assert float(lp.grad[tool_pos].abs().sum()) == 0.0 and float(lp.grad.abs().sum()) > 0
 
 
+@pytest.mark.parametrize("custom", [None, calc.generate], ids=["client", "custom"])
+async def test_every_segment_payload_is_a_segment_payload(engine, custom):
+    """What the client and custom generation write, and scoring adds, is `SegmentPayload`:
+    its required keys on every segment, nothing it does not name, the reward on the last."""
+    from slime_async.contracts.rollout import SegmentPayload
+
+    url, _ = engine
+    batch, _ = await _batch(url, calc.reward, groups=1, n=2, custom=custom)
+    allowed = SegmentPayload.__required_keys__ | SegmentPayload.__optional_keys__
+    for s in (s for g in batch.groups for s in g.samples):
+        for p in s.payloads:
+            assert SegmentPayload.__required_keys__ <= p.keys() <= allowed, sorted(p)
+        assert {"reward", "reward_status"} <= s.payload.keys()
+        assert ("loss_mask" in s.payload) == (custom is not None)
+
+
 def test_calculator_reward_reads_the_last_turn():
     p = make_prompt(TaskKind.REVERSE, "417", level=0)
     tool = calc.calculator(TaskKind.REVERSE, [14, 11, 17, EOS])

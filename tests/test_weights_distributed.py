@@ -22,7 +22,7 @@ import torch
 from router import Router, RouterClient, RouterConfig
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weight_group import plan_buckets
-from slime_async.contracts.weights import WeightManifest
+from slime_async.contracts.weights import WeightManifest, version_dir_name
 from slime_async.engine import EngineConfig, EngineProcess
 from slime_async.engine.model import load_model
 from slime_async.engine.testing import check_against_reference, post
@@ -117,6 +117,25 @@ def test_buckets_group_by_dtype_and_respect_the_size() -> None:
     assert [[e.name for e in b] for b in plan] == [["a"], ["b", "c"], ["d"]]
     with pytest.raises(ValueError, match="positive"):
         plan_buckets(WeightManifest.of(t, version=0), bucket_bytes=0)
+
+
+def test_both_transports_state_the_protocol(tmp_path: Path) -> None:
+    """Each transport offers every member of `WeightTransport` and says whether it writes
+    directories; only the disk transport names one (the start-up export's name)."""
+    from slime_async.contracts.weights import WeightTransport
+    from slime_async.weights import DiskTransport
+
+    members = [m for m in vars(WeightTransport) if not m.startswith("_")]
+    members += list(WeightTransport.__annotations__)
+    disk = DiskTransport(tmp_path / "w", trainer=object(), control=object())  # type: ignore[arg-type]
+    dist = DistributedTransport(sender=object(), control=object(), engine_urls=list, cfg=CFG)  # type: ignore[arg-type]
+    for t in (disk, dist):
+        assert [m for m in members if not hasattr(t, m)] == [], t
+    assert disk.writes_directories and disk.on_written is None
+    assert disk.directory(3) == tmp_path / "w" / version_dir_name(3) == tmp_path / "w" / "v000003"
+    assert not dist.writes_directories and dist.on_written is None
+    with pytest.raises(ValueError, match="no directory"):
+        dist.directory(3)
 
 
 @contextlib.asynccontextmanager
@@ -378,10 +397,10 @@ async def test_train_async_pushes_through_each_transport(tmp_path: Path, transpo
     assert max(j for row in ledger for _, _, j in row["groups"]) >= 1  # pushed versions generated
     written = sorted(p.name for p in (tmp_path / "weights").iterdir())
     if transport == "distributed":
-        assert written == ["v000000"]  # the engines' start-up export only
+        assert written == [version_dir_name(0)]  # the engines' start-up export only
         assert all(r["weights/groups_formed"] == 1 for r in pushes)
     else:
-        assert written[-1] == f"v{steps:06d}"
+        assert written[-1] == version_dir_name(steps)
 
 
 def test_checkpoint_names_assemble_as_transformers_loads_them(tmp_path: Path) -> None:

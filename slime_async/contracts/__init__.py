@@ -5,9 +5,11 @@ internals. What lives where:
 
 * `model` — `ModelSpec`: a decoder-only LM's shape; trainer and engine build from the same spec.
 * `rollout` — `Prompt`, `GenerationRequest`/`GenerationResult`, `Sample`/`Group`/`Batch` with
-  per-token versions (the data worker's types, re-exported), and SGLang's `routed_experts` codec.
+  per-token versions (the data worker's types, re-exported), `SegmentPayload` (what a generate
+  segment's payload holds) and SGLang's `routed_experts` codec.
 * `batch` — `TrainerBatch`: the padded, token-aligned batch the trainer trains on.
-* `weights` — `HFWeights` (one exported version) and `WeightManifest` (names/dtypes/shapes).
+* `weights` — `HFWeights` (one exported version), `WeightManifest` (names/dtypes/shapes) and
+  `WeightTransport` (what the run needs from a weight transport).
 * `engine` — the engine backend protocol (`EngineBackend`, `EngineLaunch`, `EngineHandle`,
   `EngineNeeds`); the registry and the backends live in `slime_async.engine.backends`.
 

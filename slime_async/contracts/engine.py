@@ -66,7 +66,8 @@ class EngineHandle:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class EngineNeeds:
-    """What a backend needs from the run."""
+    """What a backend needs from the run and what its engines can do: the run asks these, never
+    a backend's name. The defaults describe engines the run starts itself from an export."""
 
     model_dir: bool = True
     """True: `start` loads `launch.model_dir`, so the run exports its weights first. False: the
@@ -76,6 +77,20 @@ class EngineNeeds:
     """The backend attaches to `--engine-urls` (one engine per URL) instead of starting any."""
     gpus_per_engine: float = 0.0
     """GPUs each engine takes from the cluster (0: CPU engines)."""
+    owns_processes: bool = True
+    """The run starts and stops the engines' processes. False: servers the run does not own,
+    which come back (after a crash) on whatever weights they load themselves; the run's
+    default weight transport is then the disk one, whose newest load the router replays on
+    them before re-admission."""
+    collective_backend: str = "gloo"
+    """torch.distributed backend of the weight update group the engines join (the distributed
+    transport): "gloo" for CPU engines, "nccl" for GPU servers."""
+    checkpoint_to_start: bool = False
+    """The engines cannot start without an HF checkpoint directory (SGLang). False: given no
+    directory, they build the architecture from the run's `ModelSpec` and take the weights
+    through the transport."""
+    sglang_flags: bool = False
+    """The backend passes the run's `--sglang-*` flags to every server it launches."""
 
 
 class EngineBackend(Protocol):

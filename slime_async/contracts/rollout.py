@@ -1,17 +1,21 @@
 """Rollout contracts: what the data worker, the generate client and batch assembly exchange.
 
-Owns nothing new about samples: the value types are the data worker's own (`data_worker.types`,
-a leaf package), re-exported here so that every `slime_async` component names them through the
-contracts. The data worker keeps `GenerationResult.payload` opaque; between the generate side
-(the client, custom generation) and batch assembly it holds, per generate segment,
-`PAYLOAD_KEYS`. A multi-turn response is one sample whose `loss_mask` marks tool output 0. Owns the wire codec of SGLang's `meta_info.routed_experts` (base64 of little-endian
-int32, row-major `[prompt + output - 1 - start, num_layers, topk]`), which the engine writes and
-the generate client reads.
+Owns `SegmentPayload` (what one generate segment's `GenerationResult.payload` holds between the
+generate side, which writes it: the client, custom generation, scoring, the forward-only role's
+annotation; and batch assembly, which reads it) and the wire codec of SGLang's
+`meta_info.routed_experts` (base64 of little-endian int32, row-major
+`[prompt + output - 1 - start, num_layers, topk]`), which the engine writes and the generate
+client reads. The sample value types are the data worker's own (`data_worker.types`, a leaf
+package), re-exported here so that every `slime_async` component names them through the
+contracts; the data worker keeps payloads opaque (`Mapping[str, Any]`), one per segment in
+`Sample.payloads`. A multi-turn response is one sample whose `loss_mask` marks tool output 0.
 """
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
+from typing import Any, TypedDict, cast
 
 import numpy as np
 
@@ -26,22 +30,48 @@ from data_worker.types import (
     Sample,
 )
 
-PAYLOAD_KEYS: dict[str, str] = {
-    "logprobs": "list[float]: π_j^SGL of each new token (0.0 for tool tokens)",
-    "nonfinite": "list[bool]: the engine's log-prob was NaN/inf (the token is masked)",
-    "loss_mask": "list[int], optional: 1 = a model token (trained), 0 = tool/environment "
-    "output (never trained); absent = all 1",
-    "finish": "str | None: how the segment's last model turn ended (stop, length, abort)",
-    "prompt_len": "int: tokens before this segment (prompt + earlier segments)",
-    "routed_experts": "int32 [prompt + response − 1, layers, topk], optional: MoE routing of "
-    "the whole sequence (rollout routing replay)",
-    "reward": "float: set when the sample is scored",
-    "reward_status": "str: ok / non_finite (masked)",
-}
-"""The per-segment payload keys (see the module docstring)."""
+
+class _SegmentPayloadRequired(TypedDict):
+    """The keys every generate segment's payload has (`SegmentPayload`)."""
+
+    logprobs: list[float]
+    """π_j^SGL of each new token (0.0 for tool tokens and non-finite engine values)."""
+    nonfinite: list[bool]
+    """The engine's log-prob of the token was NaN/inf (the token is masked out of the loss)."""
+    finish: str | None
+    """How the segment's last model turn ended (SGLang's `finish_reason.type`: stop, length,
+    abort), None when the engine did not say."""
+    prompt_len: int
+    """Tokens before this segment (the prompt plus earlier segments)."""
+
+
+class SegmentPayload(_SegmentPayloadRequired, total=False):
+    """One generate segment's payload (a sample continued after an abort has several, in order;
+    `Sample.payload` is the last): the keys above always, those below when they apply. A plain
+    dict at run time: it stays in the driver's process (the data worker checkpoints prompts,
+    never samples), so nothing here must survive JSON."""
+
+    loss_mask: list[int]
+    """1 = a model token (trained), 0 = tool/environment output (never trained); absent: all 1."""
+    routed_experts: np.ndarray
+    """int32 `[prompt + response - 1, layers, topk]`: the engine's MoE routing of the whole
+    sequence (rollout routing replay, R3); absent when not asked for or not covering it."""
+    reward: float
+    """The sample's reward, on its last segment once scored."""
+    reward_status: str
+    """`RewardStatus` of that reward as a string ("ok"; anything else masks the sample)."""
+    behavior_logprobs: list[float]
+    """π_j^Meg of every response token (all segments; NaN where the forward-only role had no
+    value), on the last segment (`--behavior-forward role`)."""
+
+
+def segment_payload(payload: Mapping[str, Any]) -> SegmentPayload:
+    """A `GenerationResult.payload` or one of `Sample.payloads` (the data worker types them as
+    opaque mappings) as the `SegmentPayload` it is; nothing is copied or checked."""
+    return cast(SegmentPayload, payload)
+
 
 __all__ = [
-    "PAYLOAD_KEYS",
     "Accounting",
     "Batch",
     "FinishStatus",
@@ -50,8 +80,10 @@ __all__ = [
     "Group",
     "Prompt",
     "Sample",
+    "SegmentPayload",
     "decode_routed_experts",
     "encode_routed_experts",
+    "segment_payload",
 ]
 
 

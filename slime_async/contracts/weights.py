@@ -1,21 +1,40 @@
-"""Weight contracts: one exported policy version, and the manifest that describes its tensors.
+"""Weight contracts: one exported policy version, its manifest, and how a run moves versions.
 
 Owns `HFWeights` (what the trainer exports and every transport moves: HF-named full tensors of
-version `v` plus the `ModelSpec` they fit) and `WeightManifest` (names, dtypes and shapes of a
+version `v` plus the `ModelSpec` they fit), `WeightManifest` (names, dtypes and shapes of a
 version's tensors, in a fixed order: what a receiver checks before it swaps anything in, and
-the order in which a distributed transport sends the tensors). Versions are integers here and
-strings on the wire (`weight_version`, SGLang's convention).
+the order in which a distributed transport sends the tensors), `WeightTransport` (what the run
+needs from a weight transport; the transports live in `slime_async.weights`) and
+`version_dir_name` (the name of a version's exported HF directory). Versions are integers here
+and strings on the wire (`weight_version`, SGLang's convention).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from slime_async.contracts.model import ModelSpec
+
+
+def version_dir_name(version: int) -> str:
+    """Name of the HF directory holding an exported version (`v000007`): the trainer's export
+    at start-up and every version the disk transport writes."""
+    return f"v{version:06d}"
+
+
+def version_of_dir_name(name: str) -> int | None:
+    """Inverse of `version_dir_name`; None for a name that is not one."""
+    if not name.startswith("v"):
+        return None
+    try:
+        return int(name[1:])
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,3 +107,39 @@ class WeightManifest:
                 for n, t, s in zip(names, dtypes, shapes, strict=True)
             ),
         )
+
+
+class WeightTransport(Protocol):
+    """How a run gives its engines a trainer version: what `slime_async.run.Run` and the
+    start-up (`slime_async.launch`) call; built once per run (`--update-weight-transport`).
+
+    Every method is bounded in time; `push` keeps requests in flight alive (pause in place,
+    update, continue) and reports engines it could not reach instead of raising.
+    """
+
+    writes_directories: ClassVar[bool]
+    """True: each pushed version becomes an HF directory (`directory(version)`) on a filesystem
+    the engines share, which replacement engines start on. False: versions go straight to the
+    engines' memory; no directory exists beyond the run's start-up export."""
+    on_written: Callable[[int, Path], object] | None
+    """Called with (version, directory) after a push wrote the directory, before any engine
+    loads it (the forward-only role's feed); None where nothing listens or nothing is written.
+    When set, the run gives the role nothing else."""
+
+    def directory(self, version: int) -> Path:
+        """The directory `version` is (or will be) written to; only where `writes_directories`."""
+        ...
+
+    async def load(self, version: int) -> None:
+        """Have every engine take `version` now (start-up); raises naming any engine that did
+        not."""
+        ...
+
+    async def push(self, version: int) -> Mapping[str, float]:
+        """Give every engine `version` while generation pauses in place; returns timings and
+        `weights/push_failed_engines`."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the transport holds (groups, sessions); written directories stay."""
+        ...

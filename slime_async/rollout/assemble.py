@@ -30,6 +30,8 @@ from slime_async.contracts.rollout import (
     GenerationRequest,
     GenerationResult,
     Group,
+    SegmentPayload,
+    segment_payload,
 )
 from slime_async.rollout.rewards import (
     RewardError,
@@ -67,6 +69,13 @@ class ScoredGenerate:
         self._inflight, self._idle_total = 0, 0.0
         self._idle_since: float | None = time.perf_counter()
 
+    def scoring_alone(self) -> ScoredGenerate:
+        """A fresh copy (same generate, reward function and settings) that scores every
+        finished sample on its own, a group reward seeing a group of one (held-out eval)."""
+        return ScoredGenerate(self._generate, self._reward_fn, eos_id=self._eos,
+                              decode=self._decode, reward_args=self.reward_args,
+                              group_rm=self.group_rm, score_alone=True)  # fmt: skip
+
     def idle_seconds(self) -> float:
         """Total time so far with no generate call in flight (the rollout side had no work)."""
         ongoing = 0.0 if self._idle_since is None else time.perf_counter() - self._idle_since
@@ -92,7 +101,7 @@ class ScoredGenerate:
         res: GenerationResult = await self._generate(req, priority, expected_len)
         if res.status is not FinishStatus.FINISHED or (self.group_rm and not self._alone):
             return res  # --group-rm: scored with its group when a step consumes it
-        payloads = (*req.prefix_payloads, res.payload)
+        payloads = [segment_payload(p) for p in (*req.prefix_payloads, res.payload)]
         inp = self._input(req.prompt, req.sample_index, [*req.prefix_ids, *res.output_ids],
                           payloads)  # fmt: skip
         if self.group_rm:
@@ -100,11 +109,10 @@ class ScoredGenerate:
         else:
             got = await compute_reward(self._reward_fn, inp, args=self.reward_args)
         result = self._check(got, inp)
-        payload = {**res.payload, "reward": result.reward, "reward_status": str(result.status)}
-        return dataclasses.replace(res, payload=payload)
+        return dataclasses.replace(res, payload=_scored(res.payload, result))
 
     def _input(
-        self, prompt: Any, index: int, response: list[int], payloads: Sequence[Mapping[str, Any]]
+        self, prompt: Any, index: int, response: list[int], payloads: Sequence[SegmentPayload]
     ) -> RewardInput:
         mask = _concat(payloads, "loss_mask") if any("loss_mask" in p for p in payloads) else None
         decode = self._decode
@@ -140,14 +148,14 @@ class ScoredGenerate:
         return dataclasses.replace(batch, groups=tuple(groups))
 
     async def _score_group(self, g: Group) -> Group:
-        inps = [self._input(g.prompt, s.sample_index, list(s.output_ids), s.payloads)
+        inps = [self._input(g.prompt, s.sample_index, list(s.output_ids), _payloads(s))
                 for s in g.samples]  # fmt: skip
         results = await compute_group_rewards(self._reward_fn, inps, args=self.reward_args,
                                               group_index=g.seq)  # fmt: skip
         samples = []
         for s, inp, r in zip(g.samples, inps, results, strict=True):
             r = self._check(r, inp)
-            last = {**s.payloads[-1], "reward": r.reward, "reward_status": str(r.status)}
+            last = _scored(s.payloads[-1], r)
             samples.append(dataclasses.replace(s, payloads=(*s.payloads[:-1], last)))
         return dataclasses.replace(g, samples=tuple(samples))
 
@@ -160,14 +168,25 @@ class Assembled:
     metrics: dict[str, float]
 
 
-def _concat(sample_payloads: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
+def _scored(payload: Mapping[str, Any], result: RewardResult) -> SegmentPayload:
+    """The sample's last segment payload with its reward."""
+    return {**segment_payload(payload), "reward": result.reward,
+            "reward_status": str(result.status)}  # fmt: skip
+
+
+def _payloads(sample: Any) -> list[SegmentPayload]:
+    """A data-worker sample's payloads, one per generate segment, as what they are."""
+    return [segment_payload(p) for p in sample.payloads]
+
+
+def _concat(sample_payloads: Sequence[SegmentPayload], key: str) -> list[Any]:
     out: list[Any] = []
     for p in sample_payloads:
         out.extend(p.get(key, ()))
     return out
 
 
-def _concat_mask(payloads: Sequence[Mapping[str, Any]], n: int, *, where: str) -> torch.Tensor:
+def _concat_mask(payloads: Sequence[SegmentPayload], n: int, *, where: str) -> torch.Tensor:
     """The response's loss mask from its segments' payloads (a segment without `loss_mask` is
     all model tokens): bool `[n]`."""
     parts: list[int] = []
@@ -200,10 +219,12 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
     truncated = nonfinite = tool_tokens = 0
     for i, (g, s) in enumerate(rows):
         p, r = len(g.prompt.prompt_ids), len(s.output_ids)
+        segments = _payloads(s)
+        last = segments[-1]
         tokens[i, :p] = torch.as_tensor(list(g.prompt.prompt_ids))
         tokens[i, p : p + r] = torch.as_tensor(list(s.output_ids))
-        lps = _concat(s.payloads, "logprobs")
-        bad = _concat(s.payloads, "nonfinite")
+        lps = _concat(segments, "logprobs")
+        bad = _concat(segments, "nonfinite")
         if len(lps) != r:
             raise ValueError(
                 f"sample {g.prompt.key}/{s.sample_index}: {r} tokens but {len(lps)} log-probs"
@@ -211,25 +232,25 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
         rollout_lp[i, p : p + r] = torch.as_tensor(lps, dtype=torch.float32)
         versions[i, p : p + r] = torch.as_tensor(list(s.token_versions))
         if behavior is not None:
-            blp = s.payloads[-1].get("behavior_logprobs", ())
+            blp = last.get("behavior_logprobs", ())
             if len(blp) == r:
                 behavior[i, p : p + r] = torch.as_tensor(blp, dtype=torch.float32)
         m = torch.ones(r, dtype=torch.bool)
-        if any("loss_mask" in p for p in s.payloads):  # multi-turn: tool output is not trained
-            keep = _concat_mask(s.payloads, r, where=f"sample {g.prompt.key}/{s.sample_index}")
+        if any("loss_mask" in p for p in segments):  # multi-turn: tool output is not trained
+            keep = _concat_mask(segments, r, where=f"sample {g.prompt.key}/{s.sample_index}")
             tool_tokens += int((~keep).sum())
             m &= keep
         if any(bad):
             m &= ~torch.as_tensor(bad, dtype=torch.bool)
             nonfinite += int(sum(bad))
-        status = s.payload.get("reward_status", str(RewardStatus.OK))
+        status = last.get("reward_status", str(RewardStatus.OK))
         if status != str(RewardStatus.OK):
             valid[i] = False
             m[:] = False
         mask[i, p : p + r] = m
-        rewards[i] = float(s.payload.get("reward", 0.0))
-        truncated += int(s.payload.get("finish") == "length")
-        experts = s.payload.get("routed_experts")
+        rewards[i] = float(last.get("reward", 0.0))
+        truncated += int(last.get("finish") == "length")
+        experts = last.get("routed_experts")
         if routed is not None and experts is not None and experts.shape[0] == lengths[i] - 1:
             routed.append(experts)
         else:

@@ -22,7 +22,13 @@ import numpy as np
 import torch
 
 from slime_async.contracts.batch import TrainerBatch
-from slime_async.contracts.rollout import FinishStatus, GenerationRequest, GenerationResult
+from slime_async.contracts.rollout import (
+    FinishStatus,
+    GenerationRequest,
+    GenerationResult,
+    SegmentPayload,
+    segment_payload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +46,7 @@ def sample_batch(items: list[tuple[GenerationRequest, GenerationResult]]) -> Tra
         seqs.append(p + resp)
         prompts.append(len(p))
         versions.append([*req.prefix_versions, *res.token_versions])
-        experts = res.payload.get("routed_experts")
+        experts = segment_payload(res.payload).get("routed_experts")
         ok = experts is not None and experts.shape[0] == len(p) + len(resp) - 1
         routed.append(experts if ok else None)
     n, width = len(seqs), max(len(s) for s in seqs)
@@ -86,7 +92,8 @@ class BehaviorAnnotate:
         lps = await fut
         if lps is None:
             return res
-        return dataclasses.replace(res, payload={**res.payload, "behavior_logprobs": lps})
+        payload: SegmentPayload = {**segment_payload(res.payload), "behavior_logprobs": lps}
+        return dataclasses.replace(res, payload=payload)
 
     async def _run(self) -> None:
         while self._queue:

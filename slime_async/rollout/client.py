@@ -24,6 +24,7 @@ from slime_async.contracts.rollout import (
     FinishStatus,
     GenerationRequest,
     GenerationResult,
+    SegmentPayload,
     decode_routed_experts,
 )
 
@@ -159,7 +160,7 @@ class GenerateClient:
         raise GenerateError(f"/generate failed after retries: {last}")
 
     def parse_response(self, data: dict[str, Any], *, prompt_len: int) -> GenerationResult:
-        """SGLang response -> `GenerationResult` (payload: logprobs, routed_experts, ...)."""
+        """SGLang response -> `GenerationResult` (its payload a `SegmentPayload`)."""
         if isinstance(data, list):
             raise GenerateError("batch response to a single request")
         meta = data.get("meta_info") or {}
@@ -184,12 +185,12 @@ class GenerateClient:
             if isinstance(finish, dict) and finish.get("type") == "abort"
             else FinishStatus.FINISHED
         )
-        payload: dict[str, Any] = {
-            "logprobs": logprobs,
-            "nonfinite": bad,
-            "finish": (finish or {}).get("type") if isinstance(finish, dict) else None,
-            "prompt_len": prompt_len,
-        }
+        payload = SegmentPayload(
+            logprobs=logprobs,
+            nonfinite=bad,
+            finish=(finish or {}).get("type") if isinstance(finish, dict) else None,
+            prompt_len=prompt_len,
+        )
         routed = meta.get("routed_experts")
         if routed and self.cfg.return_routed_experts:
             try:

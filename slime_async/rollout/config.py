@@ -160,6 +160,11 @@ class RolloutConfig:
                 "(whole groups are trained together)"
             )
 
+    def seed_or(self, run_seed: int) -> int:
+        """The rollout seed: `--rollout-seed`, else the run's `--seed` (the one place this
+        fallback is written; `RunConfig.rollout_seed` reads it)."""
+        return run_seed if self.seed is None else self.seed
+
     def reasoning_gym_config(self, seed: int) -> ReasoningGymConfig | None:
         """The reasoning-gym tasks of `prompt_source` with the run's rollout seed, or None."""
         if self.prompt_source is None:

@@ -23,10 +23,11 @@ log_probs=..., meta_info=output["meta_info"])`` and tool output with ``trainable
 slime's examples do): that is how per-token versions are known, so a response whose tokens were
 not all appended that way is refused. An aborted slime-style sample restarts from scratch.
 
-What reaches the trainer (`GenerationResult.payload`, per generate segment): `logprobs`,
-`nonfinite`, `loss_mask` (1 model / 0 tool), `finish`, `prompt_len`, and `routed_experts` when
-the last model turn's routing covers the whole sequence (a response ending in tool tokens has
-none: rollout routing replay then refuses the step, never replays wrong rows).
+What reaches the trainer (`GenerationResult.payload`, a `SegmentPayload` per generate
+segment): `logprobs`, `nonfinite`, `loss_mask` (1 model / 0 tool), `finish`, `prompt_len`, and
+`routed_experts` when the last model turn's routing covers the whole sequence (a response ending
+in tool tokens has none: rollout routing replay then refuses the step, never replays wrong
+rows).
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ from slime_async.contracts.rollout import (
     FinishStatus,
     GenerationRequest,
     GenerationResult,
+    SegmentPayload,
     decode_routed_experts,
+    segment_payload,
 )
 from slime_async.rollout.client import GenerateClient, GenerateError
 from slime_async.rollout.rewards import function_name
@@ -121,13 +124,14 @@ class GenerateContext:
         data = await self.client.post(body, {"X-Expected-Tokens": str(n)})
         res = self.client.parse_response(data, prompt_len=len(body["input_ids"]))
         t.output_ids += res.output_ids
-        t.logprobs += res.payload["logprobs"]
-        t.nonfinite += res.payload["nonfinite"]
+        got = segment_payload(res.payload)
+        t.logprobs += got["logprobs"]
+        t.nonfinite += got["nonfinite"]
         t.loss_mask += [1] * len(res.output_ids)
         t.versions += list(res.token_versions)
-        t.status, t.finish = res.status, res.payload.get("finish")
-        if "routed_experts" in res.payload:
-            t.routed_experts = res.payload["routed_experts"]
+        t.status, t.finish = res.status, got.get("finish")
+        if "routed_experts" in got:
+            t.routed_experts = got["routed_experts"]
         return list(res.output_ids)
 
     def add_tool_tokens(self, ids: Sequence[int]) -> None:
@@ -151,13 +155,13 @@ def _first_version(request: GenerationRequest) -> int:
     return int(runs[0]) if runs else 0
 
 
-def _concat(payloads: Sequence[Any], key: str) -> list[Any]:
+def _concat(payloads: Sequence[SegmentPayload], key: str) -> list[Any]:
     return [x for p in payloads for x in p.get(key, ())]
 
 
 def _resume(request: GenerationRequest, version: int) -> Trajectory:
     """The trajectory so far: the prompt plus a continued sample's earlier segments."""
-    pay = request.prefix_payloads
+    pay = [segment_payload(p) for p in request.prefix_payloads]
     n = len(request.prefix_ids)
     mask = [int(x) for x in _concat(pay, "loss_mask")] if pay else []
     return Trajectory(
@@ -222,13 +226,13 @@ class CustomGenerate:
 def _result(t: Trajectory, start: int, client: GenerateClient) -> GenerationResult:
     """The new segment of `t` (tokens after `start`) as a data-worker result."""
     seq_rows = len(t.prompt_ids) + len(t.output_ids) - 1
-    payload: dict[str, Any] = {
-        "logprobs": t.logprobs[start:],
-        "nonfinite": t.nonfinite[start:],
-        "loss_mask": t.loss_mask[start:],
-        "finish": t.finish,
-        "prompt_len": len(t.prompt_ids) + start,
-    }
+    payload = SegmentPayload(
+        logprobs=t.logprobs[start:],
+        nonfinite=t.nonfinite[start:],
+        loss_mask=t.loss_mask[start:],
+        finish=t.finish,
+        prompt_len=len(t.prompt_ids) + start,
+    )
     if t.routed_experts is not None and t.routed_experts.shape[0] == seq_rows:
         payload["routed_experts"] = t.routed_experts
     return GenerationResult(output_ids=t.output_ids[start:], token_versions=t.versions[start:],
@@ -246,7 +250,9 @@ def _from_slime(
             f"({s.response_length}) response tokens, got {len(s.tokens)} tokens"
         )
     if s.status is SlimeSample.Status.ABORTED:  # restarts from scratch
-        return GenerationResult(output_ids=[], token_versions=[], status=FinishStatus.ABORTED)
+        return GenerationResult(output_ids=[], token_versions=[], status=FinishStatus.ABORTED,
+                                payload=SegmentPayload(logprobs=[], nonfinite=[], finish="abort",
+                                                       prompt_len=len(prompt)))  # fmt: skip
     if len(s.token_versions) != len(resp):
         raise GenerateError(
             f"{name}: {len(resp)} response tokens but {len(s.token_versions)} were recorded with "

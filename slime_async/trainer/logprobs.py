@@ -115,7 +115,7 @@ class LogprobForwards:
     # ------------------------------------------------------------------ forwards
     def _set_engine_routing(self, mbs: list[MicroBatch]) -> None:
         """R3: each micro-batch replays the engine's routing, placed like its tokens."""
-        if self.cfg.routing_replay is not RoutingReplay.R3 or not self.spec.is_moe:
+        if not self.cfg.routing_replay.replays_engine_routing or not self.spec.is_moe:
             return
         for mb in mbs:
             if mb.batch.routed_experts is None:

@@ -41,6 +41,12 @@ class RoutingReplay(enum.Enum):
     R3 = "r3"
     """Replay the rollout engine's routing in every forward."""
 
+    @property
+    def replays_engine_routing(self) -> bool:
+        """The engines must return their routing (`routed_experts`) for the trainer to replay
+        (R3, slime's `--use-rollout-routing-replay`)."""
+        return self is RoutingReplay.R3
+
 
 def engine_routing_to_replay(
     routed: Sequence[np.ndarray],

@@ -8,6 +8,7 @@ the router fans `/update_weights_from_disk` with `weight_version=str(v)` out to 
 failed engine is quarantined by the router, which replays the load before re-admitting it; the
 push logs and counts the failure instead of stopping the run. Old version directories are
 pruned. `DistributedTransport` (`weights.distributed`) broadcasts instead, with no filesystem.
+Both implement `slime_async.contracts.weights.WeightTransport`; the run uses only that protocol.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from router.client import FanoutError, RouterClient
+from slime_async.contracts.weights import version_dir_name, version_of_dir_name
 from slime_async.weights.config import (
     TransportKind,
     WeightSyncConfig,
@@ -53,6 +55,8 @@ class WeightWriter(Protocol):
 class DiskTransport:
     """Export -> safetensors directory -> router fan-out of `/update_weights_from_disk`."""
 
+    writes_directories: ClassVar[bool] = True
+
     def __init__(
         self,
         root: Path,
@@ -67,19 +71,20 @@ class DiskTransport:
         """Called with (version, directory) after a push writes it, before engines load it."""
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def path(self, version: int) -> Path:
-        return self.root / f"v{version:06d}"
+    def directory(self, version: int) -> Path:
+        """`root/v000007` for version 7."""
+        return self.root / version_dir_name(version)
 
     async def write(self, version: int) -> Path:
         """Have the trainer write version `version` (blocking work runs off the event loop)."""
-        path = self.path(version)
+        path = self.directory(version)
         await asyncio.to_thread(self.trainer.save_weights, path)
         return path
 
     async def load(self, version: int) -> None:
         """Have every engine load the already written version `version`; any engine that
         fails raises `FanoutError` naming it (attached engines must all begin on it)."""
-        path = self.path(version).resolve()
+        path = self.directory(version).resolve()
         await self.control.update_weights_from_disk(str(path), weight_version=version, strict=True)
 
     async def push(self, version: int) -> dict[str, Any]:
@@ -116,9 +121,6 @@ class DiskTransport:
 
     def _prune(self, current: int) -> None:
         for d in sorted(self.root.glob("v*")):
-            try:
-                v = int(d.name[1:])
-            except ValueError:
-                continue
-            if v <= current - self.keep_last:
+            v = version_of_dir_name(d.name)
+            if v is not None and v <= current - self.keep_last:
                 shutil.rmtree(d, ignore_errors=True)

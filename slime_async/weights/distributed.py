@@ -32,7 +32,8 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import aiohttp
 
@@ -173,6 +174,10 @@ class _BucketWatch:
 class DistributedTransport:
     """Broadcast versions from `sender` to the engines at `engine_urls()` (read at every push:
     the supervisor may have replaced some)."""
+
+    writes_directories: ClassVar[bool] = False
+    on_written: Callable[[int, Path], object] | None = None
+    """Nothing is written, so nothing is handed over (the run feeds the role itself)."""
 
     def __init__(
         self,
@@ -449,6 +454,9 @@ class DistributedTransport:
             "weights/push_failed_engines": float(failed),
             "weights/groups_formed": float(self.groups_formed),
         }
+
+    def directory(self, version: int) -> Path:
+        raise ValueError(f"the distributed transport writes no directory (asked for v{version})")
 
     async def load(self, version: int) -> None:
         """Every engine must take `version` (start-up of attached engines): raises otherwise."""

@@ -19,7 +19,7 @@ import math
 
 from clifields import add_flags, check_ranges, flag, from_args
 from router.config import check_worker_url
-from slime_async.contracts.engine import EngineLaunch
+from slime_async.contracts.engine import EngineLaunch, EngineNeeds
 from slime_async.engine.backends.registry import (
     get_engine_backend,
     resolve_engine_backend,
@@ -120,6 +120,11 @@ class EngineFleetConfig:
     `sglang-` prefix removed (slime's convention), e.g. `--sglang-mem-fraction-static 0.8`."""
 
     @property
+    def needs(self) -> EngineNeeds:
+        """What the chosen backend needs and can do (its registered class's `needs`)."""
+        return get_engine_backend(self.backend).needs
+
+    @property
     def rollout_num_gpus(self) -> int:
         """GPUs of the whole fleet (slime's `--rollout-num-gpus`)."""
         return self.num_engines * self.gpus_per_engine
@@ -140,7 +145,7 @@ class EngineFleetConfig:
                     f"--rollout-num-gpus-per-engine {per} = {total // per} engines; drop one"
                 )
         check_ranges(self)
-        if self.sglang_args and self.backend != "sglang":
+        if self.sglang_args and not backend.needs.sglang_flags:
             raise ValueError(
                 f"--sglang-* flags ({' '.join(self.sglang_args)}) configure SGLang servers, but "
                 f"--engine-backend is {self.backend!r}: drop them or use --engine-backend sglang"

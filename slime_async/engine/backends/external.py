@@ -79,7 +79,7 @@ async def probe(url: str, *, timeout_s: float, token: str | None = None) -> dict
 class ExternalBackend:
     """Engines are the servers at `fleet.urls`, one per index (see module docstring)."""
 
-    needs: ClassVar[EngineNeeds] = EngineNeeds(model_dir=False, urls=True)
+    needs: ClassVar[EngineNeeds] = EngineNeeds(model_dir=False, urls=True, owns_processes=False)
     can_restart: ClassVar[bool] = False
 
     def __init__(self, fleet: Any, engine: Any = None) -> None:

@@ -82,7 +82,10 @@ class SGLangActor:
 class SGLangBackend(RayActorBackend):
     """One `SGLangActor` (its bundle's GPUs) per engine; restartable."""
 
-    needs: ClassVar[EngineNeeds] = EngineNeeds(model_dir=True, gpus_per_engine=1)
+    needs: ClassVar[EngineNeeds] = EngineNeeds(
+        model_dir=True, gpus_per_engine=1, collective_backend="nccl", checkpoint_to_start=True,
+        sglang_flags=True,
+    )
     label: ClassVar[str] = "sglang server"
 
     def make_actor(self, launch: EngineLaunch) -> ray.actor.ActorHandle:

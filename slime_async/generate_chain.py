@@ -1,0 +1,117 @@
+"""The generate chain: what the data worker calls to turn one request into one scored sample.
+
+Owns `GenerateChain` (its links, as the run keeps them), `build_generate_chain` (the one place
+the chain is assembled from a `RunConfig`) and `slime_plugin_args` (the `args` that slime-style
+plugins, rewards and custom generation, receive). The links, outermost first; each calls the
+next with the same `(request, priority, expected_len)` and returns a `GenerationResult`:
+
+    data worker
+        │  generate(request, priority, expected_len)
+        ▼
+    BehaviorAnnotate   + π_j^Meg from the forward-only role     only with --behavior-forward role
+        ▼
+    ScoredGenerate     + reward of each finished sample         (--custom-rm-path, --group-rm)
+        ▼
+    CustomGenerate     multi-turn / tool use                    only with
+        │                                                       --custom-generate-function-path
+        ▼
+    GenerateClient     SGLang's /generate through the router
+
+Held-out evaluation uses the same chain below `BehaviorAnnotate`, scoring every sample alone
+(`GenerateChain.scored_alone`). Lives beside `launch` (not in `rollout`) because it reads the
+whole `RunConfig`; the links themselves are rollout's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from slime_async.rollout.assemble import Generate, ScoredGenerate
+from slime_async.rollout.behavior import BehaviorAnnotate, Forward
+from slime_async.rollout.client import GenerateClient, GenerateClientConfig
+from slime_async.rollout.custom_generate import CustomGenerate, load_custom_generate, slime_args
+from slime_async.rollout.plan import DataPlan
+from slime_async.rollout.slime_sample import SlimeArgs
+from slime_async.run_config import RunConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerateChain:
+    """The links of one run's chain (see the module docstring for the picture)."""
+
+    client: GenerateClient
+    """The innermost link: SGLang's `/generate` through the router (closed with the run)."""
+    sample: Generate
+    """What generates one sample: `client`, or the custom generate function around it."""
+    scored: ScoredGenerate
+    """`sample` plus rewards (the run scores whole groups and reads idle time through it)."""
+    head: Generate
+    """What the data worker calls: `scored`, or `BehaviorAnnotate` around it."""
+
+    def scored_alone(self) -> ScoredGenerate:
+        """A fresh `ScoredGenerate` over `sample` with `scored`'s reward settings, scoring every
+        sample on its own (a group reward sees a group of one): held-out evaluation."""
+        return self.scored.scoring_alone()
+
+
+def build_generate_chain(
+    cfg: RunConfig,
+    *,
+    router_url: str,
+    plan: DataPlan,
+    behavior: Forward | None = None,
+    served_version: Callable[[], int] = lambda: 0,
+) -> GenerateChain:
+    """The run's chain against the router at `router_url`: sampling settings from
+    `cfg.rollout`, routed experts when the trainer replays the engines' routing, the reward
+    function, EOS and decoder of `plan`, `behavior` (the forward-only role's `logprobs`) when
+    π_j^Meg is computed there, and `served_version()` (what a custom function's context
+    reports as the version it generates with)."""
+    r = cfg.rollout
+    client = GenerateClient(
+        GenerateClientConfig(
+            url=router_url,
+            max_response_len=r.max_response_len,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            return_routed_experts=cfg.trainer.routing_replay.replays_engine_routing,
+            top_k=r.top_k,
+            stop=r.stop,
+            stop_token_ids=(plan.eos_id, *r.stop_token_ids),
+            auth_token=cfg.engine.auth_token,
+        ),
+        num_layers=cfg.model.num_layers,
+        topk=cfg.model.moe_topk,
+    )
+    args = slime_plugin_args(cfg, router_url)
+    sample: Generate = client
+    if r.custom_generate_function_path:
+        sample = CustomGenerate(load_custom_generate(r.custom_generate_function_path), client,
+                                eos_id=plan.eos_id, args=args,
+                                served_version=served_version)  # fmt: skip
+    scored = ScoredGenerate(sample, plan.reward_fn, eos_id=plan.eos_id, decode=plan.decode,
+                            reward_args=args, group_rm=r.group_rm)  # fmt: skip
+    head: Generate = scored if behavior is None else BehaviorAnnotate(scored, behavior)
+    return GenerateChain(client=client, sample=sample, scored=scored, head=head)
+
+
+def slime_plugin_args(cfg: RunConfig, router_url: str) -> SlimeArgs:
+    """`args` of slime-style plugins (rewards, custom generate): slime's names for our settings."""
+    r = cfg.rollout
+    return slime_args(
+        router_url, router_headers=(
+            {"Authorization": f"Bearer {cfg.engine.auth_token}"} if cfg.engine.auth_token else {}
+        ), hf_checkpoint=cfg.trainer.hf_checkpoint, rollout_batch_size=r.rollout_batch_size,
+        n_samples_per_prompt=r.n_samples_per_prompt, global_batch_size=r.global_batch_size,
+        rollout_max_response_len=r.max_response_len, rollout_temperature=r.temperature,
+        rollout_top_p=r.top_p, rollout_top_k=r.top_k, rollout_stop=list(r.stop) or None,
+        rollout_stop_token_ids=list(r.stop_token_ids) or None,
+        rollout_seed=cfg.rollout_seed, custom_rm_path=r.custom_rm_path,
+        group_rm=r.group_rm, custom_generate_function_path=r.custom_generate_function_path,
+        partial_rollout=cfg.data_worker.partial_rollout.value == "continue",
+        use_rollout_routing_replay=cfg.trainer.routing_replay.replays_engine_routing,
+    )  # fmt: skip
+
+
+__all__ = ["GenerateChain", "build_generate_chain", "slime_plugin_args"]
