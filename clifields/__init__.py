@@ -126,9 +126,7 @@ def flag(
 
 def flag_specs(cls: type) -> dict[str, FlagSpec]:
     """{field name: spec} of every init field of `cls` (a plain field gets `FlagSpec()`)."""
-    return {
-        f.name: f.metadata.get(_KEY, FlagSpec()) for f in dataclasses.fields(cls) if f.init
-    }
+    return {f.name: f.metadata.get(_KEY, FlagSpec()) for f in dataclasses.fields(cls) if f.init}
 
 
 @functools.cache
@@ -166,7 +164,6 @@ def dest_of(cls: type, field: str, *, prefix: str | None = None) -> str:
     return flag_name(cls, field, prefix=prefix)[2:].replace("-", "_")
 
 
-
 # ------------------------------------------------------------------------------- types
 
 
@@ -189,8 +186,9 @@ def _is_enum(tp: Any) -> bool:
 class Switch(argparse.Action):
     """A bool flag: its names set True, `--no-NAME` and the `off` spellings set False."""
 
-    def __init__(self, option_strings: list[str], dest: str, off: Sequence[str] = (),
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self, option_strings: list[str], dest: str, off: Sequence[str] = (), **kwargs: Any
+    ) -> None:
         self.off = {s for s in option_strings if s.startswith("--no-")} | set(off)
         super().__init__(option_strings + list(off), dest, nargs=0, **kwargs)
 
@@ -294,7 +292,10 @@ def add_flags(
         if kw.get("action") is Switch:
             names.insert(1, "--no-" + names[0][2:])
         action = target.add_argument(
-            *names, dest=dest_of(cls, f.name, prefix=pre), help=_help(docs.get(f.name, ""), spec), **kw
+            *names,
+            dest=dest_of(cls, f.name, prefix=pre),
+            help=_help(docs.get(f.name, ""), spec),
+            **kw,
         )
         action.clifield = (cls, f.name)  # type: ignore[attr-defined]
     return target

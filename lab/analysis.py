@@ -85,8 +85,13 @@ class Budget:
     extra: tuple[str, ...] = ()
 
 
-def grid(staleness: Sequence[int], losses: Sequence[str], replay: Sequence[str],
-         nspr: Sequence[int], seeds: Sequence[int]) -> list[Cell]:  # fmt: skip
+def grid(
+    staleness: Sequence[int],
+    losses: Sequence[str],
+    replay: Sequence[str],
+    nspr: Sequence[int],
+    seeds: Sequence[int],
+) -> list[Cell]:
     """Every combination, seeds innermost-last so a partial grid has whole cells first."""
     for name in losses:
         if name not in LOSSES:
@@ -94,8 +99,10 @@ def grid(staleness: Sequence[int], losses: Sequence[str], replay: Sequence[str],
     for r in replay:
         if r not in ("on", "off"):
             raise ValueError(f"--replay takes on/off, got {r!r}")
-    return [Cell(staleness=s, loss=lo, replay=r == "on", nspr=n, seed=seed)
-            for seed, s, lo, r, n in itertools.product(seeds, staleness, losses, replay, nspr)]  # fmt: skip
+    return [
+        Cell(staleness=s, loss=lo, replay=r == "on", nspr=n, seed=seed)
+        for seed, s, lo, r, n in itertools.product(seeds, staleness, losses, replay, nspr)
+    ]
 
 
 def select(cells: Sequence[Cell], patterns: str | None) -> list[Cell]:
@@ -111,15 +118,27 @@ def train_args(
 ) -> list[str]:
     """The train_async.py command line of one run."""
     args = [
-        "--run-dir", str(run_dir), "--seed", str(cell.seed),
-        "--max-staleness", str(cell.staleness), "--num-steps-per-rollout", str(cell.nspr),
-        "--num-steps", str(budget.num_rollout * cell.nspr),  # = --num-rollout, and wins over
+        "--run-dir",
+        str(run_dir),
+        "--seed",
+        str(cell.seed),
+        "--max-staleness",
+        str(cell.staleness),
+        "--num-steps-per-rollout",
+        str(cell.nspr),
+        "--num-steps",
+        str(budget.num_rollout * cell.nspr),  # = --num-rollout, and wins over
         # a recipe's num-steps (--config), which --num-rollout would conflict with
-        "--routing-replay", "r3" if cell.replay else "none",
-        "--eval-interval", str(budget.eval_interval), "--eval-prompts", str(budget.eval_prompts),
-        "--n-samples-per-eval-prompt", str(budget.eval_samples),
+        "--routing-replay",
+        "r3" if cell.replay else "none",
+        "--eval-interval",
+        str(budget.eval_interval),
+        "--eval-prompts",
+        str(budget.eval_prompts),
+        "--n-samples-per-eval-prompt",
+        str(budget.eval_samples),
         *LOSSES[cell.loss],
-    ]  # fmt: skip
+    ]
     if budget.warmstart_steps is not None:
         args += ["--warmstart-steps", str(budget.warmstart_steps)]
     if cores is not None:
@@ -182,9 +201,11 @@ class RunData:
         ro = self.config.get("rollout", {})
         nspr = ro.get("num_steps_per_rollout", 1)
         steps = self.config.get("num_steps", 0)
-        return (f"{steps // max(1, nspr)} rollouts = {steps * self.gbs} samples; eval every "
-                f"{ro.get('eval_interval')} rollouts on {ro.get('eval_prompts')} prompts × "
-                f"{ro.get('n_samples_per_eval_prompt', 1)} samples")  # fmt: skip
+        return (
+            f"{steps // max(1, nspr)} rollouts = {steps * self.gbs} samples; eval every "
+            f"{ro.get('eval_interval')} rollouts on {ro.get('eval_prompts')} prompts × "
+            f"{ro.get('n_samples_per_eval_prompt', 1)} samples"
+        )
 
     def series(self, key: str) -> tuple[list[float], list[float]]:
         """(samples trained, values) where `key` is a finite number."""
@@ -213,8 +234,15 @@ def load_runs(out: Path, cells: Sequence[Cell], budget: Budget | None = None) ->
         cfg = json.loads((d / "config.json").read_text())
         gbs = _find(cfg, "global_batch_size") or 1
         res = json.loads((d / RESULT).read_text())
-        runs.append(RunData(cell=c, records=read_metrics(d / "metrics.jsonl").records,
-                            gbs=int(gbs), wall_s=float(res["wall_s"]), config=cfg))  # fmt: skip
+        runs.append(
+            RunData(
+                cell=c,
+                records=read_metrics(d / "metrics.jsonl").records,
+                gbs=int(gbs),
+                wall_s=float(res["wall_s"]),
+                config=cfg,
+            )
+        )
     return runs
 
 
@@ -238,41 +266,69 @@ def analyse(runs: Sequence[RunData], rules: VerdictRules) -> dict[str, Any]:
         s = summarize(r.records, rules, fill_steps=fill_steps(r))
         v, why = verdict(s, rules)
         per_run[r.cell.name] = {
-            "group": r.cell.group, "verdict": str(v), "why": why, "gap_ratio": s.gap_ratio,
-            "gap_start": s.gap_start, "gap_end": s.gap_end, "reward_start": s.reward_start,
-            "reward_peak": s.reward_peak, "reward_end": s.reward_end,
-            "eval_final": r.last("eval/reward"), "eval_se": r.last("eval/reward_se"),
+            "group": r.cell.group,
+            "verdict": str(v),
+            "why": why,
+            "gap_ratio": s.gap_ratio,
+            "gap_start": s.gap_start,
+            "gap_end": s.gap_end,
+            "reward_start": s.reward_start,
+            "reward_peak": s.reward_peak,
+            "reward_end": s.reward_end,
+            "eval_final": r.last("eval/reward"),
+            "eval_se": r.last("eval/reward_se"),
             "staleness_mean": _mean_of(r, "staleness/mean"),
             "staleness_max": max(r.series("staleness/max")[1], default=math.nan),
             "engine_gap": _mean_of(r, "mismatch/engine_logprob_abs_diff"),
             "is_p99": {src: _mean_of(r, f"is/{src}/p99") for src in SOURCES},
             "clipped_frac": {src: _mean_of(r, f"is/{src}/clipped_frac") for src in SOURCES},
             "ppo_clipfrac": _mean_of(r, "policy/clipfrac"),
-            "guards": sorted(guard_hits(r.records, run_guards(r))), "wall_s": r.wall_s,
-        }  # fmt: skip
+            "guards": sorted(guard_hits(r.records, run_guards(r))),
+            "wall_s": r.wall_s,
+        }
         groups.setdefault(r.cell.group, []).append(r)
     cells: dict[str, Any] = {}
     for g, rs in groups.items():
         rows = [per_run[r.cell.name] for r in rs]
         v, counts = cell_verdict([Verdict(x["verdict"]) for x in rows])
-        agg = {k: mean_ci([x[k] for x in rows])
-               for k in ("reward_end", "eval_final", "gap_start", "gap_end", "gap_ratio",
-                         "staleness_mean", "staleness_max", "wall_s", "engine_gap",
-                         "ppo_clipfrac")}  # fmt: skip
+        agg = {
+            k: mean_ci([x[k] for x in rows])
+            for k in (
+                "reward_end",
+                "eval_final",
+                "gap_start",
+                "gap_end",
+                "gap_ratio",
+                "staleness_mean",
+                "staleness_max",
+                "wall_s",
+                "engine_gap",
+                "ppo_clipfrac",
+            )
+        }
         for part in ("is_p99", "clipped_frac"):
             for src in SOURCES:
                 agg[f"{part}/{src}"] = mean_ci([x[part][src] for x in rows])
         agg["eval_se"] = (max(x["eval_se"] for x in rows), math.nan)
-        cells[g] = {"verdict": str(v), "counts": counts, "seeds": len(rs),
-                    **{k: list(val) for k, val in agg.items()}}  # fmt: skip
+        cells[g] = {
+            "verdict": str(v),
+            "counts": counts,
+            "seeds": len(rs),
+            **{k: list(val) for k, val in agg.items()},
+        }
     for g, c in cells.items():
         st, loss, rr, n = split_group(g)
         c["vs_sync"] = paired(per_run, g, f"s0-{loss}-{rr}-{n}") if st else None
         c["vs_ppo"] = paired(per_run, g, f"s{st}-ppo-{rr}-{n}") if loss != "ppo" else None
         c["vs_rron"] = paired(per_run, g, f"s{st}-{loss}-rron-{n}") if rr == "rroff" else None
-    return {"runs": per_run, "cells": cells, "guards": calibrate(runs, per_run),
-            "replay": replay_effect(per_run), "vs_sync": pooled_vs_sync(per_run),
-            "rules": dataclasses.asdict(rules)}  # fmt: skip
+    return {
+        "runs": per_run,
+        "cells": cells,
+        "guards": calibrate(runs, per_run),
+        "replay": replay_effect(per_run),
+        "vs_sync": pooled_vs_sync(per_run),
+        "rules": dataclasses.asdict(rules),
+    }
 
 
 def pooled_vs_sync(per_run: dict[str, Any]) -> dict[str, dict[str, dict[str, list[float]]]]:
@@ -306,8 +362,11 @@ def replay_effect(per_run: dict[str, Any]) -> dict[str, Any]:
     to 60."""
 
     def pooled(pairs: list[tuple[float, float]]) -> list[float]:
-        logs = [math.log(on / off) for on, off in pairs
-                if on > 0 and off > 0 and math.isfinite(on) and math.isfinite(off)]  # fmt: skip
+        logs = [
+            math.log(on / off)
+            for on, off in pairs
+            if on > 0 and off > 0 and math.isfinite(on) and math.isfinite(off)
+        ]
         if not logs:
             return [math.nan, math.nan, math.nan, 0.0]
         m, h = mean_ci(logs)
@@ -392,8 +451,14 @@ def calibrate(runs: Sequence[RunData], per_run: dict[str, Any]) -> dict[str, Any
             hit_u, hit_s = (
                 sum(kind in _hits(r, field, value) for r in group) for group in (unstable, stable)
             )
-            rows.append({"value": value, "default": value == getattr(default, field),
-                         "unstable_hits": hit_u, "stable_hits": hit_s})  # fmt: skip
+            rows.append(
+                {
+                    "value": value,
+                    "default": value == getattr(default, field),
+                    "unstable_hits": hit_u,
+                    "stable_hits": hit_s,
+                }
+            )
         out["sweep"][kind] = {"field": field, "rows": rows}
     return out
 
@@ -402,8 +467,9 @@ MAX_FALSE_ALARMS = 1 / 3
 """Largest share of the stable runs a guard's default may fire on."""
 
 
-def choose_setting(rows: Sequence[tuple[Any, int, int]], n_unstable: int,
-                   n_stable: int) -> tuple[Any, int, int] | None:  # fmt: skip
+def choose_setting(
+    rows: Sequence[tuple[Any, int, int]], n_unstable: int, n_stable: int
+) -> tuple[Any, int, int] | None:
     """The default a guard's calibration picks from its sweep's `(setting, unstable hits,
     stable hits)` rows: among the settings firing on at most `MAX_FALSE_ALARMS` of the stable
     runs, those whose separation (share of unstable runs hit minus share of stable runs hit)

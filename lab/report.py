@@ -56,8 +56,13 @@ def render_figure(runs: Sequence[RunData], path: Path, *, smooth: float) -> None
         {(r.cell.loss, r.cell.replay) for r in runs},
         key=lambda t: (list(LOSSES).index(t[0]), not t[1]),
     )
-    colors = {"ppo": "tab:red", "decoupled_ppo": "tab:orange", "tis": "tab:purple",
-              "icepop": "tab:brown", "compis": "tab:blue"}  # fmt: skip
+    colors = {
+        "ppo": "tab:red",
+        "decoupled_ppo": "tab:orange",
+        "tis": "tab:purple",
+        "icepop": "tab:brown",
+        "compis": "tab:blue",
+    }
     fig = Figure(figsize=(3.4 * len(cols) + 1, 2.1 * len(PANELS)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(PANELS), len(cols), squeeze=False, sharex="col")
@@ -70,8 +75,12 @@ def render_figure(runs: Sequence[RunData], path: Path, *, smooth: float) -> None
                 ax.set_ylabel(title, fontsize=8)
             ax.tick_params(which="both", labelsize=7)
             for loss, rr in lines:
-                seeds = [r for r in runs if (r.cell.staleness, r.cell.nspr, r.cell.loss,
-                                             r.cell.replay) == (s, n, loss, rr)]  # fmt: skip
+                seeds = [
+                    r
+                    for r in runs
+                    if (r.cell.staleness, r.cell.nspr, r.cell.loss, r.cell.replay)
+                    == (s, n, loss, rr)
+                ]
                 curves = [r.series(key) for r in seeds]
                 curves = [c for c in curves if c[0]]
                 if not curves:
@@ -82,13 +91,22 @@ def render_figure(runs: Sequence[RunData], path: Path, *, smooth: float) -> None
                 if grid_x.size == 0:
                     continue
                 w = max(1, int(len(grid_x) * smooth)) if key != "eval/reward" else 1
-                ys = np.array([_smooth([dict(zip(*c, strict=True))[x] for x in grid_x], w)
-                               for c in curves])  # fmt: skip
+                ys = np.array(
+                    [_smooth([dict(zip(*c, strict=True))[x] for x in grid_x], w) for c in curves]
+                )
                 m, sd = ys.mean(0), ys.std(0)
                 style = "-" if rr else "--"
                 label = f"{loss}{'' if rr else ' (no R3)'} ×{len(curves)}"
-                ax.plot(grid_x, m, style, color=colors[loss], lw=1.2, label=label,
-                        marker="o" if key == "eval/reward" else None, ms=3)  # fmt: skip
+                ax.plot(
+                    grid_x,
+                    m,
+                    style,
+                    color=colors[loss],
+                    lw=1.2,
+                    label=label,
+                    marker="o" if key == "eval/reward" else None,
+                    ms=3,
+                )
                 ax.fill_between(grid_x, m - sd, m + sd, color=colors[loss], alpha=0.15, lw=0)
             if key.startswith("is/") or key in (GAP_KEY, "train/grad_norm"):
                 ax.set_yscale("log")
@@ -102,11 +120,15 @@ def render_figure(runs: Sequence[RunData], path: Path, *, smooth: float) -> None
 def render_markdown(an: dict[str, Any], runs: Sequence[RunData], command: str) -> str:
     """The table of final values, the verdicts, the goal checks and the guard calibration."""
     budgets = sorted({r.budget() for r in runs})
-    lines = [f"Command: `{command}`", "",
-             f"Budget per run (from each run's config.json): {'; or '.join(budgets)}.", "",
-             "| cell | seeds | verdict | final eval reward | eval SE (max) | end train reward "
-             "| gap start | gap end | gap end/start | staleness mean | staleness max | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Budget per run (from each run's config.json): {'; or '.join(budgets)}.",
+        "",
+        "| cell | seeds | verdict | final eval reward | eval SE (max) | end train reward "
+        "| gap start | gap end | gap end/start | staleness mean | staleness max | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for g in sorted(an["cells"], key=group_key):
         c = an["cells"][g]
         lines.append(
@@ -134,25 +156,35 @@ def render_markdown(an: dict[str, Any], runs: Sequence[RunData], command: str) -
             f"| {_fmt(*c['clipped_frac/staleness'], 4)} "
             f"| {_fmt(*c['clipped_frac/engine'], 4)} | {_fmt(*c['ppo_clipfrac'], 4)} |"
         )
-    lines += ["", "Seed-paired differences (same seed = same warm start, eval prompts and prompt "
-              "order; the seeds differ far more than the cells do):", "",
-              "| cell | minus | seeds | Δ final eval | Δ end train reward | Δ gap end |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "Seed-paired differences (same seed = same warm start, eval prompts and prompt "
+        "order; the seeds differ far more than the cells do):",
+        "",
+        "| cell | minus | seeds | Δ final eval | Δ end train reward | Δ gap end |",
+        "|---|---|---|---|---|---|",
+    ]
     for g in sorted(an["cells"], key=group_key):
         c = an["cells"][g]
-        for key, label in (("vs_sync", "sync, same loss"), ("vs_ppo", "ppo, same staleness"),
-                           ("vs_rron", "R3 on")):  # fmt: skip
+        for key, label in (
+            ("vs_sync", "sync, same loss"),
+            ("vs_ppo", "ppo, same staleness"),
+            ("vs_rron", "R3 on"),
+        ):
             if d := c.get(key):
-                lines.append(f"| `{g}` | {label} | {d['seeds'][0]:.0f} "
-                             f"| {_fmt(*d['eval_final'])} | {_fmt(*d['reward_end'])} "
-                             f"| {_fmt(*d['gap_end'], 4)} |")  # fmt: skip
+                lines.append(
+                    f"| `{g}` | {label} | {d['seeds'][0]:.0f} "
+                    f"| {_fmt(*d['eval_final'])} | {_fmt(*d['reward_end'])} "
+                    f"| {_fmt(*d['gap_end'], 4)} |"
+                )
     lines += pooled_table(an.get("vs_sync", {}))
-    lines += ["",
-              "Per run (verdict, the rule that decided it, guards that fired):", ""]  # fmt: skip
+    lines += ["", "Per run (verdict, the rule that decided it, guards that fired):", ""]
     for name in sorted(an["runs"], key=group_key):
         r = an["runs"][name]
-        lines.append(f"* `{name}`: **{r['verdict']}**: {r['why']}; guards: "
-                     f"{', '.join(r['guards']) or 'none'}")  # fmt: skip
+        lines.append(
+            f"* `{name}`: **{r['verdict']}**: {r['why']}; guards: "
+            f"{', '.join(r['guards']) or 'none'}"
+        )
     lines += ["", *goal_checks(an), "", *guard_table(an["guards"])]
     return "\n".join(lines) + "\n"
 
@@ -168,17 +200,26 @@ def pooled_table(vs: dict[str, dict[str, dict[str, list[float]]]]) -> list[str]:
     if not vs:
         return []
     cols = sorted({st for by in vs.values() for st in by}, key=lambda k: int(k[1:]))
-    out = ["", "Async minus sync, seed-paired and pooled over routing replay and steps per "
-           "rollout (mean ± 95% t half-width, pairs):"]  # fmt: skip
-    for key, what in (("reward_end", "end train reward"), ("eval_final", "final eval reward"),
-                      ("gap_end", "train–rollout gap at the end")):  # fmt: skip
+    out = [
+        "",
+        "Async minus sync, seed-paired and pooled over routing replay and steps per "
+        "rollout (mean ± 95% t half-width, pairs):",
+    ]
+    for key, what in (
+        ("reward_end", "end train reward"),
+        ("eval_final", "final eval reward"),
+        ("gap_end", "train–rollout gap at the end"),
+    ):
         out += ["", f"| {what} | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
         for loss in sorted(vs, key=lambda x: list(LOSSES).index(x) if x in LOSSES else 99):
             cells = []
             for st in cols:
                 v = vs[loss].get(st, {}).get(key)
-                cells.append("–" if v is None else
-                             f"{_fmt(v[0], v[1], 4 if key == 'gap_end' else 3)} ({v[2]:.0f})")  # fmt: skip
+                cells.append(
+                    "–"
+                    if v is None
+                    else f"{_fmt(v[0], v[1], 4 if key == 'gap_end' else 3)} ({v[2]:.0f})"
+                )
             out.append(f"| `{loss}` | " + " | ".join(cells) + " |")
     return out
 
@@ -197,61 +238,82 @@ def goal_checks(an: dict[str, Any], goals: Goals = GOALS) -> list[str]:
             continue
         if loss == "ppo":
             ok = c["gap_ratio"][0] >= goals.drift_gap_ratio or c["verdict"] != "stable"
-            out.append(f"* `{g}` uncorrected PPO drifts (gap end/start "
-                       f"≥ {goals.drift_gap_ratio:g} or reward falling): "
-                       f"{'yes' if ok else 'no'} (gap end/start {_fmt(*c['gap_ratio'], 2)}, "
-                       f"verdict {c['verdict']})")  # fmt: skip
+            out.append(
+                f"* `{g}` uncorrected PPO drifts (gap end/start "
+                f"≥ {goals.drift_gap_ratio:g} or reward falling): "
+                f"{'yes' if ok else 'no'} (gap end/start {_fmt(*c['gap_ratio'], 2)}, "
+                f"verdict {c['verdict']})"
+            )
         if loss == "compis":
             sync = cells.get(f"s0-compis-{rr}-{n}") if s else None
             flat = c["gap_ratio"][0] <= goals.flat_gap_ratio
-            line = (f"* `{g}` CompIS flat (gap end/start ≤ {goals.flat_gap_ratio:g}): "
-                    f"{'yes' if flat else 'no'} "
-                    f"({_fmt(*c['gap_ratio'], 2)})")  # fmt: skip
+            line = (
+                f"* `{g}` CompIS flat (gap end/start ≤ {goals.flat_gap_ratio:g}): "
+                f"{'yes' if flat else 'no'} "
+                f"({_fmt(*c['gap_ratio'], 2)})"
+            )
             if sync is not None and c.get("vs_sync"):
                 d, h = c["vs_sync"]["eval_final"]
                 near = abs(d) <= goals.eval_vs_sync
-                line += (f"; final eval within {goals.eval_vs_sync:g} of sync "
-                         f"`s0-compis-{rr}-{n}`: {'yes' if near else 'no'} (seed-paired "
-                         f"difference {_fmt(d, h)}, {c['vs_sync']['seeds'][0]:.0f} seeds)")  # fmt: skip
+                line += (
+                    f"; final eval within {goals.eval_vs_sync:g} of sync "
+                    f"`s0-compis-{rr}-{n}`: {'yes' if near else 'no'} (seed-paired "
+                    f"difference {_fmt(d, h)}, {c['vs_sync']['seeds'][0]:.0f} seeds)"
+                )
             out.append(line)
     for g, c in sorted(cells.items()):
         s, loss, rr, n = split_group(g)
         if rr == "rroff" and (d := c.get("vs_rron")):
             k = d["seeds"][0]
             parts = []
-            for key, what in (("gap_end", "train–rollout gap (end window)"),
-                              ("engine_gap", "engine gap |log π_j^Meg − log π_SGL| (run mean)")):  # fmt: skip
+            for key, what in (
+                ("gap_end", "train–rollout gap (end window)"),
+                ("engine_gap", "engine gap |log π_j^Meg − log π_SGL| (run mean)"),
+            ):
                 off = c[key][0]  # the R3-off cell's mean; d[key] = off − on, paired by seed
                 red, h = -d[key][0] / off, d[key][1] / off
                 parts.append(f"{what} {100 * red:+.0f}% ± {100 * h:.0f}% (R3 off: {off:.4f})")
-            out.append(f"* routing replay at `s{s}-{loss}-{n}`, change with R3 vs without "
-                       f"({k:.0f} seed-paired): {'; '.join(parts)}; Relax's figure: {relax} "
-                       f"or better")  # fmt: skip
-    for key, what in (("gap_end", "train–rollout gap (end window)"),
-                      ("engine_gap", "engine gap |log π_j^Meg − log π_SGL|")):  # fmt: skip
+            out.append(
+                f"* routing replay at `s{s}-{loss}-{n}`, change with R3 vs without "
+                f"({k:.0f} seed-paired): {'; '.join(parts)}; Relax's figure: {relax} "
+                f"or better"
+            )
+    for key, what in (
+        ("gap_end", "train–rollout gap (end window)"),
+        ("engine_gap", "engine gap |log π_j^Meg − log π_SGL|"),
+    ):
         rows = an.get("replay", {}).get(key, {})
         if not rows or not rows["all"][3]:
             continue
-        each = ", ".join(f"{k} {100 * v[0]:+.0f}% ({v[3]:.0f})" for k, v in rows.items()
-                         if k != "all")  # fmt: skip
+        each = ", ".join(
+            f"{k} {100 * v[0]:+.0f}% ({v[3]:.0f})" for k, v in rows.items() if k != "all"
+        )
         m, lo, hi, k = rows["all"]
         bar = goals.replay_change
         met = "yes" if hi <= bar else ("no" if lo > bar else "not resolved")
-        out.append(f"* routing replay, pooled over {k:.0f} seed-paired run pairs, {what}: "
-                   f"{100 * m:+.0f}% [{100 * lo:+.0f}%, {100 * hi:+.0f}%] (geometric mean "
-                   f"on/off, 95% interval); {relax} or better: {met}. By staleness: {each}")  # fmt: skip
+        out.append(
+            f"* routing replay, pooled over {k:.0f} seed-paired run pairs, {what}: "
+            f"{100 * m:+.0f}% [{100 * lo:+.0f}%, {100 * hi:+.0f}%] (geometric mean "
+            f"on/off, 95% interval); {relax} or better: {met}. By staleness: {each}"
+        )
     return out
 
 
 def guard_table(cal: dict[str, Any]) -> list[str]:
     """Markdown: each guard's hit rate on unstable vs stable runs per threshold value."""
     nu, ns = cal["n_unstable"], cal["n_stable"]
-    out = [f"Divergence guards (`slime_async/metrics/guards.py`) on the {nu} unstable "
-           f"(drifting/collapsed) and {ns} stable runs; * marks the default threshold:", "",
-           "| guard | threshold | fired on unstable | fired on stable |", "|---|---|---|---|"]  # fmt: skip
+    out = [
+        f"Divergence guards (`slime_async/metrics/guards.py`) on the {nu} unstable "
+        f"(drifting/collapsed) and {ns} stable runs; * marks the default threshold:",
+        "",
+        "| guard | threshold | fired on unstable | fired on stable |",
+        "|---|---|---|---|",
+    ]
     for kind, sw in cal["sweep"].items():
         for row in sw["rows"]:
             star = "*" if row["default"] else ""
-            out.append(f"| {kind} | {sw['field']}={row['value']:g}{star} | "
-                       f"{row['unstable_hits']}/{nu} | {row['stable_hits']}/{ns} |")  # fmt: skip
+            out.append(
+                f"| {kind} | {sw['field']}={row['value']:g}{star} | "
+                f"{row['unstable_hits']}/{nu} | {row['stable_hits']}/{ns} |"
+            )
     return out

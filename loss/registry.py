@@ -70,9 +70,11 @@ _LOSSES: Registry[LossSpec] = Registry(
 )
 
 PLUGIN_NEEDS = LossNeeds(
-    proximal_logprobs=True, behavior_logprobs=True, denominators=compis_denominators,
+    proximal_logprobs=True,
+    behavior_logprobs=True,
+    denominators=compis_denominators,
     denominators_read_logprobs=compis_denominators_read_logprobs,
-)  # fmt: skip
+)
 """What a plain plugin `fn(inputs, cfg)` is given: everything CompIS reads."""
 
 _DEFAULT = object()
@@ -207,8 +209,11 @@ def _with_source_diagnostics(out: LossOutputs, inputs: LossInputs, cfg: Any) -> 
     if not cfg.diagnostics:
         return out
     diag = cfg if isinstance(cfg, CompISConfig) else CompISConfig(**cfg.ppo_knobs())
-    extra = {k: float(v) for k, v in compis_metrics(inputs, diag).items()
-             if not k.startswith(("is/weight/", "loss/"))}  # fmt: skip
+    extra = {
+        k: float(v)
+        for k, v in compis_metrics(inputs, diag).items()
+        if not k.startswith(("is/weight/", "loss/"))
+    }
     return dataclasses.replace(out, metrics={**out.metrics, **extra})
 
 
@@ -230,19 +235,36 @@ def _builtin(
 
 _PI_K_AND_SGL = LossNeeds(proximal_logprobs=True, rollout_logprobs=True)
 _BUILTINS: list[tuple[str, Callable, type, LossNeeds, Callable[[CompISConfig], Any]]] = [
-    ("compis", lambda i, c: compis_loss(i, c or CompISConfig()), CompISConfig, PLUGIN_NEEDS,
-     lambda c: c),
+    (
+        "compis",
+        lambda i, c: compis_loss(i, c or CompISConfig()),
+        CompISConfig,
+        PLUGIN_NEEDS,
+        lambda c: c,
+    ),
     ("ppo", _ppo_loss, PPOConfig, _PI_K_AND_SGL, lambda c: c),
     ("decoupled_ppo", decoupled_ppo_loss, DecoupledPPOConfig, _PI_K_AND_SGL, _decoupled_from),
-    ("single_ratio", _single_ratio_loss, SingleRatioConfig,
-     dataclasses.replace(_PI_K_AND_SGL, denominators=single_ratio_denominators,
-                         denominators_read_logprobs=single_ratio_denominators_read_logprobs),
-     _single_from),
+    (
+        "single_ratio",
+        _single_ratio_loss,
+        SingleRatioConfig,
+        dataclasses.replace(
+            _PI_K_AND_SGL,
+            denominators=single_ratio_denominators,
+            denominators_read_logprobs=single_ratio_denominators_read_logprobs,
+        ),
+        _single_from,
+    ),
     ("m2po", m2po_loss, M2POConfig, _PI_K_AND_SGL, lambda c: M2POConfig(**c.ppo_knobs())),
     ("gspo", gspo_loss, GSPOConfig, LossNeeds(rollout_logprobs=False), lambda c: None),
-    ("prime_masked_is", prime_masked_is_loss, PrimeMaskedISConfig,
-     LossNeeds(proximal_logprobs=False), lambda c: None),
-]  # fmt: skip
+    (
+        "prime_masked_is",
+        prime_masked_is_loss,
+        PrimeMaskedISConfig,
+        LossNeeds(proximal_logprobs=False),
+        lambda c: None,
+    ),
+]
 for _args in _BUILTINS:
     _builtin(*_args)
 

@@ -86,8 +86,9 @@ def with_regularizers(spec: LossSpec, reg: RegularizerConfig | None) -> LossSpec
                 raise ValueError(
                     "kl_coef != 0 needs LossInputs.reference_logprobs (LossNeeds.reference_logprobs)"
                 )
-            kl = _agg(kl_penalty(inputs.logprobs, inputs.reference_logprobs, reg.kl_type),
-                      inputs, cfg)  # fmt: skip
+            kl = _agg(
+                kl_penalty(inputs.logprobs, inputs.reference_logprobs, reg.kl_type), inputs, cfg
+            )
             loss = loss + reg.kl_coef * kl
             metrics["loss/kl_ref"] = float(kl.detach())
         return LossOutputs(loss=loss, metrics=metrics)

@@ -100,8 +100,9 @@ def compis_config_from_args(args: Any) -> CompISConfig:
 
 def _check_args(args: Any) -> None:
     """Refuse slime flags whose effect a custom loss would silently drop."""
-    errors = [f"--{k.replace('_', '-')}: {why}" for k, why in _REFUSED.items()
-              if getattr(args, k, False)]  # fmt: skip
+    errors = [
+        f"--{k.replace('_', '-')}: {why}" for k, why in _REFUSED.items() if getattr(args, k, False)
+    ]
     est = getattr(args, "advantage_estimator", None)
     if est in ("gspo", "cispo"):
         errors.append(

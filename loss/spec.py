@@ -97,8 +97,14 @@ class LossNeeds:
 
     def names(self) -> list[str]:
         """The log-prob inputs and features declared, for logs (e.g. ['proximal_logprobs'])."""
-        flags = ("proximal_logprobs", "behavior_logprobs", "rollout_logprobs", "routing_replay",
-                 "entropy", "reference_logprobs")  # fmt: skip
+        flags = (
+            "proximal_logprobs",
+            "behavior_logprobs",
+            "rollout_logprobs",
+            "routing_replay",
+            "entropy",
+            "reference_logprobs",
+        )
         out = [n for n in flags if getattr(self, n)]
         if self.denominators is not None:
             out.append(f"denominators={getattr(self.denominators, '__name__', 'custom')}")

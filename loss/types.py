@@ -244,8 +244,12 @@ class LossInputs:
             raise ValueError(
                 f"loss_mask must be a bool tensor, got {self.loss_mask.dtype}; pass mask.bool()."
             )
-        for name in ("proximal_logprobs", "rollout_logprobs", "behavior_logprobs",
-                     "reference_logprobs"):  # fmt: skip
+        for name in (
+            "proximal_logprobs",
+            "rollout_logprobs",
+            "behavior_logprobs",
+            "reference_logprobs",
+        ):
             t = getattr(self, name)
             if t is not None and t.requires_grad:
                 raise ValueError(

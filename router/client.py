@@ -21,8 +21,10 @@ class FanoutError(RuntimeError):
         if not reply.get("total", 0):
             msg = f"{path}: no engine is registered with the router (none to call)"
         else:
-            msg = (f"{path}: {reply.get('succeeded', 0)}/{reply['total']} engines succeeded; "
-                   f"failed: {failed or 'none'}")  # fmt: skip
+            msg = (
+                f"{path}: {reply.get('succeeded', 0)}/{reply['total']} engines succeeded; "
+                f"failed: {failed or 'none'}"
+            )
         super().__init__(msg)
         self.reply = reply
 

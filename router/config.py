@@ -94,6 +94,8 @@ def _flag(field: str) -> str:
     """How the flag of `field` is spelled in train_async.py and in `python -m router`."""
     dashed = field.replace("_", "-")
     return f"--router-{dashed} (python -m router: --{dashed})"
+
+
 def load_auth_token(token_file: str | None = None, *, environ: dict | None = None) -> str | None:
     """The shared token: the content of `token_file` (surrounding whitespace stripped) when
     given, else `$SLIME_ASYNC_AUTH_TOKEN`; None when neither is set. Raises ValueError for a
@@ -154,8 +156,14 @@ def validate_config(cfg: RouterConfig) -> None:
         )
     if cfg.max_retries < 0:
         raise ValueError(f"{_flag('max_retries')} must be >= 0 (0 disables retries)")
-    for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "connect_timeout_s",
-                 "control_timeout_s", "client_timeout_s"):  # fmt: skip
+    for name in (
+        "health_interval_s",
+        "health_timeout_s",
+        "request_timeout_s",
+        "connect_timeout_s",
+        "control_timeout_s",
+        "client_timeout_s",
+    ):
         if not 0 < getattr(cfg, name) < math.inf:
             raise ValueError(f"{_flag(name)} must be a finite number of seconds > 0")
     for name in ("wait_for_worker_s", "retry_backoff_s"):

@@ -271,8 +271,11 @@ def build_app(router: Router) -> web.Application:
         except (ValueError, UnicodeDecodeError) as e:
             return error_response(400, str(e), err_type="invalid_request_error")
         except RecursionError:
-            return error_response(400, "POST /workers body nests JSON too deeply; send "
-                                  '{"url": "http://h:p"}', err_type="invalid_request_error")  # fmt: skip
+            return error_response(
+                400,
+                'POST /workers body nests JSON too deeply; send {"url": "http://h:p"}',
+                err_type="invalid_request_error",
+            )
         existed = reg.find_url(url) is not None
         w = reg.add(url)
         router.health.poke(w)
@@ -360,5 +363,7 @@ def warn_if_exposed(cfg: RouterConfig) -> str | None:
     """A one-line note for logs when the router listens beyond loopback."""
     if is_loopback(cfg.host):
         return None
-    return (f"router listens on {cfg.host}: every route but /health, /liveness and /readiness "
-            "requires the bearer token")
+    return (
+        f"router listens on {cfg.host}: every route but /health, /liveness and /readiness "
+        "requires the bearer token"
+    )

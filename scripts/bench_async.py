@@ -89,8 +89,15 @@ def load() -> str:
 
 def run_arm(workload: str, name: str, flags: list[str], out: Path, common: list[str]) -> dict:
     run_dir = out / workload / name
-    cmd = [sys.executable, str(ROOT / "train_async.py"), "--run-dir", str(run_dir), *common,
-           *WORKLOADS[workload], *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "train_async.py"),
+        "--run-dir",
+        str(run_dir),
+        *common,
+        *WORKLOADS[workload],
+        *flags,
+    ]
     before = load()
     print(f"[{workload}/{name}] {' '.join(cmd[2:])} ({before})", flush=True)
     for attempt in (1, 2):  # a start-up failure (e.g. a port taken meanwhile) gets one retry
@@ -196,32 +203,60 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="bench_out/async", help="Output directory.")
     p.add_argument("--num-steps", type=int, default=30, help="Train steps per arm.")
-    p.add_argument("--rollout-batch-size", type=int, default=4,
-                   help="Prompts per step (x 8 samples).")  # fmt: skip
+    p.add_argument(
+        "--rollout-batch-size", type=int, default=4, help="Prompts per step (x 8 samples)."
+    )
     p.add_argument("--seed", type=int, default=1, help="Seed shared by every arm.")
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
-    p.add_argument("--staleness", nargs="*", type=int, default=[2],
-                   help="S of the async arms (the first also gets sync/one-step; the rest "
-                        "compare CompIS's step time with PPO's).")  # fmt: skip
-    p.add_argument("--arms", nargs="*", default=None,
-                   help="Only these arm names, run in this order (e.g. interleaved).")  # fmt: skip
-    p.add_argument("--report-only", action="store_true",
-                   help="Only summarize the arms already run under --out.")  # fmt: skip
-    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
-                   help="Flags passed to every train_async.py run.")  # fmt: skip
+    p.add_argument(
+        "--staleness",
+        nargs="*",
+        type=int,
+        default=[2],
+        help="S of the async arms (the first also gets sync/one-step; the rest "
+        "compare CompIS's step time with PPO's).",
+    )
+    p.add_argument(
+        "--arms",
+        nargs="*",
+        default=None,
+        help="Only these arm names, run in this order (e.g. interleaved).",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="Only summarize the arms already run under --out.",
+    )
+    p.add_argument(
+        "--extra",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="Flags passed to every train_async.py run.",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     for wl in args.workloads:
         (out / wl).mkdir(parents=True, exist_ok=True)
-    common = ["--num-steps", str(args.num_steps), "--seed", str(args.seed),
-              "--rollout-batch-size", str(args.rollout_batch_size), "--micro-batch-size", "16",
-              "--eval-interval", "0", *args.extra]  # fmt: skip
+    common = [
+        "--num-steps",
+        str(args.num_steps),
+        "--seed",
+        str(args.seed),
+        "--rollout-batch-size",
+        str(args.rollout_batch_size),
+        "--micro-batch-size",
+        "16",
+        "--eval-interval",
+        "0",
+        *args.extra,
+    ]
 
     from slime_async.rollout.tasks import TaskFamilyConfig
     from slime_async.rollout.warmstart import WarmStartConfig, warm_start
 
-    ws = warm_start(out, config=WarmStartConfig(seed=args.seed),
-                    task=TaskFamilyConfig(seed=args.seed))  # fmt: skip
+    ws = warm_start(
+        out, config=WarmStartConfig(seed=args.seed), task=TaskFamilyConfig(seed=args.seed)
+    )
     results = []
     if args.report_only:  # re-read finished arms (e.g. of an interrupted run)
         for wl in args.workloads:
@@ -231,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not (wanted and (d / "metrics.jsonl").exists()):
                     continue
                 if any("train/version" in r for r in read_jsonl(d / "metrics.jsonl")):
-                    results.append(summarize(wl, name, d, wall=float("nan"), before="?",
-                                             after="?"))  # fmt: skip
+                    results.append(summarize(wl, name, d, wall=float("nan"), before="?", after="?"))
         table = report(results)
         print(table)
         return 0

@@ -44,10 +44,12 @@ def structured_batch(spec: ModelSpec, *, batch: int, width: int, prompt: int, se
         toks.append([(start + i * stride) % spec.vocab_size for i in range(width)])
     n = width - prompt
     return TrainerBatch.from_lists(
-        tokens=toks, prompt_lengths=[prompt] * batch,
+        tokens=toks,
+        prompt_lengths=[prompt] * batch,
         rollout_logprobs=[[-float(np.log(spec.vocab_size))] * n] * batch,
-        advantages=[1.0] * batch, versions=[0] * batch,
-    )  # fmt: skip
+        advantages=[1.0] * batch,
+        versions=[0] * batch,
+    )
 
 
 def stats(x: torch.Tensor) -> dict[str, float]:
@@ -71,29 +73,45 @@ def main() -> None:
     from slime_async.trainer.testing import hf_sample, load_hf, rollout_batch
     from slime_async.trainer.trainer import MegatronTrainer
 
-    spec = TINY_MOE if args.tiny else ModelSpec(
-        hidden_size=256, num_layers=4, num_experts=8, moe_topk=2, moe_intermediate_size=256,
-        intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        init_std=0.05,
-    )  # fmt: skip
+    spec = (
+        TINY_MOE
+        if args.tiny
+        else ModelSpec(
+            hidden_size=256,
+            num_layers=4,
+            num_experts=8,
+            moe_topk=2,
+            moe_intermediate_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            init_std=0.05,
+        )
+    )
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     # padded layout: the routing maps below are read as seq-major [T * b, E] per micro-batch
     cfg = TrainerConfig(lr=3e-3, micro_batch_size=8, seed=0, qkv_format="bshd")
     tr = MegatronTrainer(cfg, spec)
     n_params = sum(p.numel() for p in tr.model.parameters())
-    print(f"device={dev} params={n_params / 1e6:.1f}M layers={spec.num_layers} "
-          f"experts={spec.num_experts} top{spec.moe_topk}")  # fmt: skip
+    print(
+        f"device={dev} params={n_params / 1e6:.1f}M layers={spec.num_layers} "
+        f"experts={spec.num_experts} top{spec.moe_topk}"
+    )
     warm = structured_batch(spec, batch=16, width=64, prompt=8, seed=1)
     t0 = time.perf_counter()
     for _ in range(args.warm_steps):
         m = tr.train_step(warm)
-    print(f"warm-up: {args.warm_steps} steps in {time.perf_counter() - t0:.1f}s, "
-          f"entropy {m['policy/entropy']:.3f} (uniform {np.log(spec.vocab_size):.2f})")  # fmt: skip
+    print(
+        f"warm-up: {args.warm_steps} steps in {time.perf_counter() - t0:.1f}s, "
+        f"entropy {m['policy/entropy']:.3f} (uniform {np.log(spec.vocab_size):.2f})"
+    )
 
     with tempfile.TemporaryDirectory() as d:
         engine = load_hf(tr.save_weights(f"{d}/w"), torch.bfloat16).to(dev)
-        prompts = structured_batch(spec, batch=args.prompts, width=args.prompt_len,
-                                   prompt=1, seed=3).tokens  # fmt: skip
+        prompts = structured_batch(
+            spec, batch=args.prompts, width=args.prompt_len, prompt=1, seed=3
+        ).tokens
         ro = hf_sample(engine, spec, prompts.to(dev), max_new_tokens=args.new_tokens, seed=11)
     ro = dataclasses.replace(ro, tokens=ro.tokens.cpu(), logprobs=ro.logprobs.cpu())
     batch = rollout_batch(ro, advantages=[1.0 if i % 2 else -1.0 for i in range(args.prompts)])
@@ -107,24 +125,31 @@ def main() -> None:
         # per layer, per micro-batch seq-major [T*b, E]; drop the last position (the engine
         # never routes it, R3 fills it with synthetic ids)
         nl, width = spec.num_layers, batch.width
-        maps[mode] = torch.stack([
-            torch.cat([c.view(width, -1, c.shape[-1])[:-1] for c in caps[layer::nl]], 1)
-            for layer in range(nl)
-        ])  # fmt: skip
+        maps[mode] = torch.stack(
+            [
+                torch.cat([c.view(width, -1, c.shape[-1])[:-1] for c in caps[layer::nl]], 1)
+                for layer in range(nl)
+            ]
+        )
         res[mode] = stats((lp - batch.rollout_logprobs)[mask].abs())
     a, b = res[RoutingReplay.NONE], res[RoutingReplay.R3]
     differ = (maps[RoutingReplay.NONE] != maps[RoutingReplay.R3]).any(-1).float().mean((1, 2))
-    print(f"tokens compared: {int(mask.sum())} (fp32 trainer vs bf16 engine, same tokens); "
-          "trainer top-k set differs from the engine's per layer: "
-          + " / ".join(f"{100 * x:.1f}%" for x in differ.tolist()))  # fmt: skip
+    print(
+        f"tokens compared: {int(mask.sum())} (fp32 trainer vs bf16 engine, same tokens); "
+        "trainer top-k set differs from the engine's per layer: "
+        + " / ".join(f"{100 * x:.1f}%" for x in differ.tolist())
+    )
     for k in ("mean", "p99", "max"):
         red = 100.0 * (1 - b[k] / a[k]) if a[k] > 0 else float("nan")
         print(f"|dlogp| {k:>4}: no-R3 {a[k]:.5f}  R3 {b[k]:.5f}  reduction {red:5.1f}%")
 
     times: dict[RoutingReplay, list[float]] = {RoutingReplay.NONE: [], RoutingReplay.R3: []}
     for i in range(args.timing_steps + 1):
-        for mode in ((RoutingReplay.NONE, RoutingReplay.R3) if i % 2 else
-                     (RoutingReplay.R3, RoutingReplay.NONE)):  # fmt: skip
+        for mode in (
+            (RoutingReplay.NONE, RoutingReplay.R3)
+            if i % 2
+            else (RoutingReplay.R3, RoutingReplay.NONE)
+        ):
             tr.cfg = dataclasses.replace(cfg, routing_replay=mode)
             if dev == "cuda":
                 torch.cuda.synchronize()
@@ -136,9 +161,11 @@ def main() -> None:
                 times[mode].append(time.perf_counter() - t)
     for name, agg in (("median", statistics.median), ("min", min)):
         t_none, t_r3 = agg(times[RoutingReplay.NONE]), agg(times[RoutingReplay.R3])
-        print(f"train step (B={args.prompts}, T={batch.width}) {name} of {args.timing_steps}: "
-              f"no-R3 {t_none * 1e3:.1f} ms, R3 {t_r3 * 1e3:.1f} ms, "
-              f"R3 overhead {100 * (t_r3 / t_none - 1):+.1f}%")  # fmt: skip
+        print(
+            f"train step (B={args.prompts}, T={batch.width}) {name} of {args.timing_steps}: "
+            f"no-R3 {t_none * 1e3:.1f} ms, R3 {t_r3 * 1e3:.1f} ms, "
+            f"R3 overhead {100 * (t_r3 / t_none - 1):+.1f}%"
+        )
     t = time.perf_counter()
     for _ in range(20):
         engine_routing_to_replay(batch.routed_experts, spec=spec, width=batch.width)

@@ -69,15 +69,28 @@ from lab.report import render_figure, render_markdown  # noqa: E402
 from slime_async.metrics import read_metrics  # noqa: E402
 from slime_async.metrics.stability import VerdictRules  # noqa: E402
 
-FULL = dict(staleness=(0, 1, 4, 8, 16), losses=("ppo", "decoupled_ppo", "tis", "compis"),
-            replay=("on", "off"), nspr=(1, 4), seeds=(1, 2, 3), num_rollout=50,
-            eval_interval=10)  # fmt: skip
+FULL = dict(
+    staleness=(0, 1, 4, 8, 16),
+    losses=("ppo", "decoupled_ppo", "tis", "compis"),
+    replay=("on", "off"),
+    nspr=(1, 4),
+    seeds=(1, 2, 3),
+    num_rollout=50,
+    eval_interval=10,
+)
 """The lab's full grid: every axis, at the quick form's budget (so the quick runs are its runs;
 240 runs of 50 rollouts are ~5 hours on 2 cores, of 200 rollouts ~27; `--num-rollout 200`)."""
 
 
-QUICK = dict(staleness=(0, 16), losses=("ppo", "compis"), replay=("on",), nspr=(4,),
-             seeds=(1, 2, 3), num_rollout=50, eval_interval=10)  # fmt: skip
+QUICK = dict(
+    staleness=(0, 16),
+    losses=("ppo", "compis"),
+    replay=("on",),
+    nspr=(4,),
+    seeds=(1, 2, 3),
+    num_rollout=50,
+    eval_interval=10,
+)
 
 
 # ---------------------------------------------------------------------------------- running
@@ -91,10 +104,13 @@ def prepare_warmstart(out: Path, seed: int, steps: int | None) -> Path:
     from slime_async.run_config import run_default
 
     steps = run_default("warmstart_steps") if steps is None else steps
-    res = warm_start(out / "warmstart" / f"seed{seed}", spec=TINY_MOE,
-                     task=TaskFamilyConfig(seed=seed),
-                     config=WarmStartConfig(max_steps=steps, seed=seed, num_threads=1),
-                     say=lambda m: print(f"[warmstart seed {seed}] {m}", flush=True))  # fmt: skip
+    res = warm_start(
+        out / "warmstart" / f"seed{seed}",
+        spec=TINY_MOE,
+        task=TaskFamilyConfig(seed=seed),
+        config=WarmStartConfig(max_steps=steps, seed=seed, num_threads=1),
+        say=lambda m: print(f"[warmstart seed {seed}] {m}", flush=True),
+    )
     return res.path
 
 
@@ -106,15 +122,22 @@ POLL_S = 2.0
 """How often `run_logged` looks at a run's progress."""
 
 
-def run_logged(cmd: Sequence[str], log: Any, *, env: dict[str, str], progress: Sequence[Path],
-               stall_s: float | None) -> int:  # fmt: skip
+def run_logged(
+    cmd: Sequence[str],
+    log: Any,
+    *,
+    env: dict[str, str],
+    progress: Sequence[Path],
+    stall_s: float | None,
+) -> int:
     """Run `cmd` (in its own process group, output to `log`) and return its exit code. A run
     whose progress file (the first of `progress` that exists: its metrics.jsonl, else its log)
     has not changed for `stall_s` is hung: the whole group (the run's Ray node and actors too)
     is killed and the code is `TIMED_OUT`, so one hung run never stalls the grid, while a slow
     one (a real model's step can take minutes) runs as long as it moves."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     last, mark = time.monotonic(), None
     while True:
         try:
@@ -122,8 +145,9 @@ def run_logged(cmd: Sequence[str], log: Any, *, env: dict[str, str], progress: S
         except subprocess.TimeoutExpired:
             pass
         now = time.monotonic()
-        state = next(((p, p.stat().st_mtime_ns, p.stat().st_size)
-                      for p in progress if p.exists()), None)  # fmt: skip
+        state = next(
+            ((p, p.stat().st_mtime_ns, p.stat().st_size) for p in progress if p.exists()), None
+        )
         if state != mark:
             last, mark = now, state
         if stall_s is not None and now - last > stall_s:
@@ -136,9 +160,16 @@ def run_logged(cmd: Sequence[str], log: Any, *, env: dict[str, str], progress: S
     return TIMED_OUT
 
 
-def run_cell(cell: Cell, budget: Budget, out: Path, *, cores: tuple[int, int] | None,
-             warmstart: Path | None, python: str,
-             stall_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+def run_cell(
+    cell: Cell,
+    budget: Budget,
+    out: Path,
+    *,
+    cores: tuple[int, int] | None,
+    warmstart: Path | None,
+    python: str,
+    stall_s: float | None = None,
+) -> dict[str, Any]:
     """Run one cell to completion (or failure) and write its result.json."""
     run_dir = out / "runs" / cell.name
     if run_dir.exists():
@@ -150,27 +181,44 @@ def run_cell(cell: Cell, budget: Budget, out: Path, *, cores: tuple[int, int] | 
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
     with (run_dir / "train.log").open("w") as log:
-        rc = run_logged(cmd, log, env=env, stall_s=stall_s,
-                        progress=(run_dir / "metrics.jsonl", run_dir / "train.log"))  # fmt: skip
+        rc = run_logged(
+            cmd,
+            log,
+            env=env,
+            stall_s=stall_s,
+            progress=(run_dir / "metrics.jsonl", run_dir / "train.log"),
+        )
     wall = time.monotonic() - t0
     steps = 0
     if (run_dir / "metrics.jsonl").exists():
         steps = max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl").records), default=0)
     expected = budget.num_rollout * cell.nspr
     status = "ok" if rc == 0 and steps >= expected else "failed"
-    result = {"status": status, "cell": dataclasses.asdict(cell), "group": cell.group,
-              "rc": rc, "steps": steps, "expected_steps": expected, "wall_s": round(wall, 1),
-              "command": cmd[1:], "budget": budget_record(budget)}  # fmt: skip
+    result = {
+        "status": status,
+        "cell": dataclasses.asdict(cell),
+        "group": cell.group,
+        "rc": rc,
+        "steps": steps,
+        "expected_steps": expected,
+        "wall_s": round(wall, 1),
+        "command": cmd[1:],
+        "budget": budget_record(budget),
+    }
     (run_dir / RESULT).write_text(json.dumps(result, indent=1))
     return result
 
 
-def run_grid(cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int,
-             stall_s: float | None = None) -> None:  # fmt: skip
+def run_grid(
+    cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int, stall_s: float | None = None
+) -> None:
     """Run the cells not done yet, `jobs` at a time; print one line per finished run."""
     todo = [c for c in cells if not is_done(out / "runs" / c.name, budget)]
-    print(f"{len(cells) - len(todo)} of {len(cells)} runs already done; {len(todo)} to run "
-          f"({jobs} at a time)", flush=True)  # fmt: skip
+    print(
+        f"{len(cells) - len(todo)} of {len(cells)} runs already done; {len(todo)} to run "
+        f"({jobs} at a time)",
+        flush=True,
+    )
     if not todo:
         return
     own = ("--hf-checkpoint", "--prompt-data", "--prompt-source", "--load", "--config")
@@ -180,8 +228,11 @@ def run_grid(cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int,
         for seed in sorted({c.seed for c in todo}):
             ws[seed] = prepare_warmstart(out, seed, budget.warmstart_steps)
     usable = sorted(os.sched_getaffinity(0))
-    pairs = ([(usable[2 * i], usable[2 * i + 1]) for i in range(jobs)]
-             if jobs > 1 and len(usable) >= 2 * jobs else None)  # fmt: skip
+    pairs = (
+        [(usable[2 * i], usable[2 * i + 1]) for i in range(jobs)]
+        if jobs > 1 and len(usable) >= 2 * jobs
+        else None
+    )
     free = list(range(jobs))
     lock = threading.Lock()
 
@@ -189,9 +240,15 @@ def run_grid(cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int,
         with lock:
             slot = free.pop()
         try:
-            return run_cell(cell, budget, out, cores=pairs[slot] if pairs else None,
-                            warmstart=ws.get(cell.seed), python=sys.executable,
-                            stall_s=stall_s)  # fmt: skip
+            return run_cell(
+                cell,
+                budget,
+                out,
+                cores=pairs[slot] if pairs else None,
+                warmstart=ws.get(cell.seed),
+                python=sys.executable,
+                stall_s=stall_s,
+            )
         finally:
             with lock:
                 free.append(slot)
@@ -201,9 +258,12 @@ def run_grid(cells: Sequence[Cell], budget: Budget, out: Path, *, jobs: int,
         futures = {pool.submit(one, c): c for c in todo}
         for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
             c, res = futures[fut], fut.result()
-            print(f"[{i}/{len(todo)}] {c.name}: {res['status']} (rc {res['rc']}, "
-                  f"{res['steps']}/{res['expected_steps']} steps, {res['wall_s']:.0f}s; "
-                  f"{time.monotonic() - t0:.0f}s elapsed)", flush=True)  # fmt: skip
+            print(
+                f"[{i}/{len(todo)}] {c.name}: {res['status']} (rc {res['rc']}, "
+                f"{res['steps']}/{res['expected_steps']} steps, {res['wall_s']:.0f}s; "
+                f"{time.monotonic() - t0:.0f}s elapsed)",
+                flush=True,
+            )
 
 
 # ---------------------------------------------------------------------------------- main
@@ -221,14 +281,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "--out", default="runs/stability", help="Output directory (default: %(default)s)."
     )
-    p.add_argument("--quick", action="store_true",
-                   help="Quick grid: staleness 0,16 x ppo,compis x R3 on x 4 steps/rollout x 3 "
-                        "seeds, 50 rollouts each (each axis flag below still overrides).")  # fmt: skip
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="Quick grid: staleness 0,16 x ppo,compis x R3 on x 4 steps/rollout x 3 "
+        "seeds, 50 rollouts each (each axis flag below still overrides).",
+    )
     p.add_argument("--staleness", type=_ints, help="Comma-separated --max-staleness values.")
     p.add_argument("--losses", type=_strs, help=f"Comma-separated losses ({', '.join(LOSSES)}).")
     p.add_argument("--replay", type=_strs, help="Routing replay: on, off or on,off.")
@@ -236,25 +300,39 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", type=_ints, help="Comma-separated seeds.")
     p.add_argument("--num-rollout", type=int, help="Rollouts per run (the sample budget).")
     p.add_argument("--eval-interval", type=int, help="Eval every N rollouts.")
-    p.add_argument("--eval-prompts", type=int, default=172,
-                   help="Held-out prompts per eval (the built-in tasks hold 43 per level; "
-                        "default: %(default)s).")  # fmt: skip
-    p.add_argument("--eval-samples", type=int, default=4,
-                   help="Samples per held-out prompt (--n-samples-per-eval-prompt); 172 x 4 "
-                        "puts the eval's standard error under 0.02 (default: %(default)s).")  # fmt: skip
+    p.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=172,
+        help="Held-out prompts per eval (the built-in tasks hold 43 per level; "
+        "default: %(default)s).",
+    )
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=4,
+        help="Samples per held-out prompt (--n-samples-per-eval-prompt); 172 x 4 "
+        "puts the eval's standard error under 0.02 (default: %(default)s).",
+    )
     p.add_argument(
         "--warmstart-steps",
         type=int,
         default=None,
         help="Passed to every run (default: the run's own default).",
     )
-    p.add_argument("--cells", help="Comma-separated fnmatch patterns on run names, e.g. "
-                                   "'s16-compis-*,s0-*-seed1'.")  # fmt: skip
+    p.add_argument(
+        "--cells",
+        help="Comma-separated fnmatch patterns on run names, e.g. 's16-compis-*,s0-*-seed1'.",
+    )
     p.add_argument("--jobs", type=int, default=1, help="Runs at a time (default: 1).")
-    p.add_argument("--stall-timeout", type=float, default=1800.0,
-                   help="Kill a run (its whole process group) whose metrics.jsonl (before its "
-                        "first step: its log) has not changed for this many seconds, and count "
-                        "it failed; a resume runs it again. 0: never (default: %(default)s).")  # fmt: skip
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=1800.0,
+        help="Kill a run (its whole process group) whose metrics.jsonl (before its "
+        "first step: its log) has not changed for this many seconds, and count "
+        "it failed; a resume runs it again. 0: never (default: %(default)s).",
+    )
     p.add_argument(
         "--smooth",
         type=float,
@@ -283,9 +361,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cells:
         print(f"no run matches --cells {a.cells!r}", file=sys.stderr)
         return 2
-    budget = Budget(num_rollout=a.num_rollout, eval_interval=a.eval_interval,
-                    eval_prompts=a.eval_prompts, eval_samples=a.eval_samples,
-                    warmstart_steps=a.warmstart_steps, extra=a.extra)  # fmt: skip
+    budget = Budget(
+        num_rollout=a.num_rollout,
+        eval_interval=a.eval_interval,
+        eval_prompts=a.eval_prompts,
+        eval_samples=a.eval_samples,
+        warmstart_steps=a.warmstart_steps,
+        extra=a.extra,
+    )
     if a.dry_run:
         for c in cells:
             print(c.name, " ".join(train_args(c, budget, out / "runs" / c.name, None)))
@@ -310,8 +393,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "stability.md").write_text(render_markdown(an, runs, command))
     (out / "summary.json").write_text(json.dumps(an, indent=1, default=str))
     print((out / "stability.md").read_text())
-    print(f"wrote {out / 'stability.png'}, {out / 'stability.md'}, {out / 'summary.json'} "
-          f"({len(runs)} of {len(cells)} runs finished)")  # fmt: skip
+    print(
+        f"wrote {out / 'stability.png'}, {out / 'stability.md'}, {out / 'summary.json'} "
+        f"({len(runs)} of {len(cells)} runs finished)"
+    )
     return 0
 
 

@@ -48,9 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     from slime_async.trainer.trainer import MegatronTrainer
 
     smax = max(args.staleness)
-    cfg = TrainerConfig(lr=1e-4, seed=0, micro_batch_size=16, routing_replay=RoutingReplay.R3,
-                        keep_old_actor=True, max_snapshots=smax + 2,
-                        loss=LossSelection(name="compis"))  # fmt: skip
+    cfg = TrainerConfig(
+        lr=1e-4,
+        seed=0,
+        micro_batch_size=16,
+        routing_replay=RoutingReplay.R3,
+        keep_old_actor=True,
+        max_snapshots=smax + 2,
+        loss=LossSelection(name="compis"),
+    )
     tr = MegatronTrainer(cfg, TINY_MOE)
     compis_spec, compis_cfg = tr.loss_spec, tr.loss_cfg
     before_cfg = dataclasses.replace(compis_cfg, denom="drop", staleness_method="cap")
@@ -58,15 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     ppo_cfg = ppo_spec.config(None)
     # PPO as before this change: the π_k forward ran for every loss (forced here by a
     # denominator function that reads log-probs and returns the mask's counts)
-    ppo_before = dataclasses.replace(ppo_spec, needs=dataclasses.replace(
-        ppo_spec.needs, denominators=lambda i, c: denominators(i.loss_mask)))  # fmt: skip
+    ppo_before = dataclasses.replace(
+        ppo_spec,
+        needs=dataclasses.replace(
+            ppo_spec.needs, denominators=lambda i, c: denominators(i.loss_mask)
+        ),
+    )
     g = torch.Generator().manual_seed(0)
     # the default workload's shapes: prompts of ~8 tokens, answers of 3-12
     lengths = [8 + int(x) for x in torch.randint(3, 13, (32,), generator=g)]
 
     def batch(s: int, seed: int):
-        b = random_batch(TINY_MOE, batch=32, width=max(lengths), prompt=8, seed=seed,
-                         lengths=lengths)  # fmt: skip
+        b = random_batch(
+            TINY_MOE, batch=32, width=max(lengths), prompt=8, seed=seed, lengths=lengths
+        )
         # a sample's tokens share a version; a trainer-bound pipeline at budget S trains
         # samples of k - S and k - S + 1
         lo = max(0, tr.version - s)
@@ -76,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         nl, k, e = TINY_MOE.num_layers, TINY_MOE.moe_topk, TINY_MOE.num_experts
         experts = tuple(
             torch.stack([torch.randperm(e, generator=rng)[:k] for _ in range((n - 1) * nl)])
-            .reshape(n - 1, nl, k).numpy()
+            .reshape(n - 1, nl, k)
+            .numpy()
             for n in b.lengths.tolist()
-        )  # fmt: skip
-        return dataclasses.replace(b, token_versions=torch.where(b.loss_mask, ver, -1),
-                                   routed_experts=experts)  # fmt: skip
+        )
+        return dataclasses.replace(
+            b, token_versions=torch.where(b.loss_mask, ver, -1), routed_experts=experts
+        )
 
     def step(mode: str, b) -> float:
         tr.loss_spec, tr.loss_cfg = compis_spec, compis_cfg

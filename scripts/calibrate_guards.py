@@ -43,13 +43,23 @@ SKIP_FACTOR = "skip_factor"
 staleness bound (`diff_baseline_skip` = factor x `staleness_fill_steps`; a run uses
 `guards.BASELINE_AFTER_BOUNDS`)."""
 SWEEP: dict[str, dict[str, tuple[Any, ...]]] = {
-    "rollout_logprob_trend": {"trend_min_drop": (0.25, 0.35, 0.4, 0.5), "trend_window": (20, 40, 60)},
-    "logprob_diff_drift": {"diff_factor": (2.0, 3.0, 4.0), "diff_window": (5, 10, 20),
-                           "diff_baseline_steps": (5, 10, 20), SKIP_FACTOR: (1, 2)},
-    "entropy_spike": {"entropy_factor": (1.5, 2.0), "entropy_window": (10, 30),
-                      "persist_steps": (3, 5)},
+    "rollout_logprob_trend": {
+        "trend_min_drop": (0.25, 0.35, 0.4, 0.5),
+        "trend_window": (20, 40, 60),
+    },
+    "logprob_diff_drift": {
+        "diff_factor": (2.0, 3.0, 4.0),
+        "diff_window": (5, 10, 20),
+        "diff_baseline_steps": (5, 10, 20),
+        SKIP_FACTOR: (1, 2),
+    },
+    "entropy_spike": {
+        "entropy_factor": (1.5, 2.0),
+        "entropy_window": (10, 30),
+        "persist_steps": (3, 5),
+    },
     "is_weight_range": {"is_upper": (1.1, 1.25), "is_lower": (0.8, 0.9)},
-}  # fmt: skip
+}
 """Guard -> the `GuardConfig` fields swept and their values (every combination)."""
 
 
@@ -58,8 +68,11 @@ def load(outs: list[str]) -> list[Any]:
     runs = []
     for out in outs:
         o = Path(out).resolve()
-        cells = [lab.Cell(**json.loads((p / lab.RESULT).read_text())["cell"])
-                 for p in sorted((o / "runs").iterdir()) if lab.is_done(p)]  # fmt: skip
+        cells = [
+            lab.Cell(**json.loads((p / lab.RESULT).read_text())["cell"])
+            for p in sorted((o / "runs").iterdir())
+            if lab.is_done(p)
+        ]
         runs += lab.load_runs(o, cells)
     return runs
 
@@ -68,8 +81,9 @@ def _fired(r: Any, setting: dict[str, Any]) -> set[str]:
     """The guards that fire on run `r` with its own guard settings changed by `setting`."""
     fields = dict(setting)
     skip = round(fields.pop(SKIP_FACTOR, BASELINE_AFTER_BOUNDS) * lab.fill_steps(r))
-    return guard_hits(r.records, dataclasses.replace(lab.run_guards(r), diff_baseline_skip=skip,
-                                                     **fields))  # fmt: skip
+    return guard_hits(
+        r.records, dataclasses.replace(lab.run_guards(r), diff_baseline_skip=skip, **fields)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,19 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rules = VerdictRules()
     runs = load(a.outs)
-    bad = [r for r in runs
-           if verdict(summarize(r.records, rules, fill_steps=lab.fill_steps(r)), rules)[0]
-           is not Verdict.STABLE]  # fmt: skip
+    bad = [
+        r
+        for r in runs
+        if verdict(summarize(r.records, rules, fill_steps=lab.fill_steps(r)), rules)[0]
+        is not Verdict.STABLE
+    ]
     good = [r for r in runs if r not in bad]
-    print(f"{len(bad)} unstable, {len(good)} stable runs: "
-          f"{', '.join(r.cell.name for r in bad)}")  # fmt: skip
+    print(f"{len(bad)} unstable, {len(good)} stable runs: {', '.join(r.cell.name for r in bad)}")
     for kind, fields in SWEEP.items():
         rows = []
         for values in itertools.product(*fields.values()):
             setting = dict(zip(fields, values, strict=True))
 
-            u, s = (sum(kind in _fired(r, setting) for r in group)
-                    for group in (bad, good))  # fmt: skip
+            u, s = (sum(kind in _fired(r, setting) for r in group) for group in (bad, good))
             score = u / max(1, len(bad)) - s / max(1, len(good))
             rows.append((score, setting, u, s))
         print(f"\n{kind}")
@@ -100,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                 f" {mark}{score:+.2f}  unstable {u}/{len(bad)}  stable {s}/{len(good)}  {setting}"
             )
         pick = lab.choose_setting([(st, u, s) for _, st, u, s in rows], len(bad), len(good))
-        print(f"chosen (lab.choose_setting): {pick[0] if pick else 'none qualifies'}"
-              + (f", unstable {pick[1]}/{len(bad)}, stable {pick[2]}/{len(good)}" if pick else ""))  # fmt: skip
+        print(
+            f"chosen (lab.choose_setting): {pick[0] if pick else 'none qualifies'}"
+            + (f", unstable {pick[1]}/{len(bad)}, stable {pick[2]}/{len(good)}" if pick else "")
+        )
     return 0
 
 

@@ -38,10 +38,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's slime_async (for the checkpoint checks)
 
-RUN_FLAGS = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-             "--rollout-max-response-len", "10", "--warmstart-steps", "0", "--eval-interval", "0",
-             "--micro-batch-size", "8", "--max-staleness", "2", "--engine-restart-after", "3",
-             "--save-interval", "2"]  # fmt: skip
+RUN_FLAGS = [
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "4",
+    "--rollout-max-response-len",
+    "10",
+    "--warmstart-steps",
+    "0",
+    "--eval-interval",
+    "0",
+    "--micro-batch-size",
+    "8",
+    "--max-staleness",
+    "2",
+    "--engine-restart-after",
+    "3",
+    "--save-interval",
+    "2",
+]
 
 
 def steps_done(run_dir: Path) -> int:
@@ -68,9 +84,16 @@ def audit(run_dir: Path, ckpt: Path) -> dict:
     extra = latest_state(ckpt)
     if extra is None:
         print(f"  {run_dir.name}: no complete checkpoint in {ckpt}; nothing to audit")
-        return {"dispatched": 0, "trained": len(set(seqs)), "repeated": len(seqs) - len(set(seqs)),
-                "dropped": 0, "pending": 0, "pending_also_trained": 0, "lost": None,
-                "final_step": max((r["step"] for r in rows), default=0)}  # fmt: skip
+        return {
+            "dispatched": 0,
+            "trained": len(set(seqs)),
+            "repeated": len(seqs) - len(set(seqs)),
+            "dropped": 0,
+            "pending": 0,
+            "pending_also_trained": 0,
+            "lost": None,
+            "final_step": max((r["step"] for r in rows), default=0),
+        }
     state = extra["worker"]
     counters = state["counters"]
     pending = {p["seq"] for p in state["pending"]}
@@ -119,9 +142,19 @@ def one_run(i: int, out: Path, args: argparse.Namespace, deadline: float) -> dic
     # ledger, checkpoints, log) would otherwise be resumed and counted
     shutil.rmtree(run_dir, ignore_errors=True)
     (out / f"run{i}.log").unlink(missing_ok=True)
-    base = [sys.executable, str(ROOT / "train_async.py"), "--run-dir", str(run_dir), "--save",
-            str(ckpt), "--num-steps", str(args.num_steps), "--seed", str(args.seed + i),
-            *RUN_FLAGS]  # fmt: skip
+    base = [
+        sys.executable,
+        str(ROOT / "train_async.py"),
+        "--run-dir",
+        str(run_dir),
+        "--save",
+        str(ckpt),
+        "--num-steps",
+        str(args.num_steps),
+        "--seed",
+        str(args.seed + i),
+        *RUN_FLAGS,
+    ]
     stats = {"run_kills": 0, "engine_kills": 0, "resumes": 0}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     while time.monotonic() < deadline:
@@ -131,8 +164,9 @@ def one_run(i: int, out: Path, args: argparse.Namespace, deadline: float) -> dic
         past_step = int(latest.read_text().strip()) if latest.exists() else 0
         started = time.time()
         with open(out / f"run{i}.log", "a") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         fault_at = time.monotonic() + random.uniform(args.min_wait, args.max_wait)
         while proc.poll() is None and time.monotonic() < deadline:
             if time.monotonic() >= fault_at and progressed(
@@ -185,16 +219,31 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.runs):
         print(f"run {i}")
         results.append(one_run(i, out, args, deadline))
-    cols = ["run_kills", "engine_kills", "resumes", "dispatched", "trained", "repeated",
-            "dropped", "pending", "lost", "final_step"]  # fmt: skip
+    cols = [
+        "run_kills",
+        "engine_kills",
+        "resumes",
+        "dispatched",
+        "trained",
+        "repeated",
+        "dropped",
+        "pending",
+        "lost",
+        "final_step",
+    ]
     print("| run | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for i, r in enumerate(results):
         print(f"| {i} | " + " | ".join(str(r[c]) for c in cols) + " |")
     total = {c: sum(r[c] or 0 for r in results) for c in cols if c != "final_step"}
     print("total:", total)
-    ok = all(r["lost"] == 0 and r["repeated"] == 0 and r["pending_also_trained"] == 0
-             and r["final_step"] == args.num_steps for r in results)  # fmt: skip
+    ok = all(
+        r["lost"] == 0
+        and r["repeated"] == 0
+        and r["pending_also_trained"] == 0
+        and r["final_step"] == args.num_steps
+        for r in results
+    )
     print("CHAOS", "PASSED" if ok else "FAILED")
     return 0 if ok else 1
 

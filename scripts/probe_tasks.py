@@ -39,12 +39,24 @@ def _se(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
 
 
-def probe(model, tok, tasks_spec: str, settings: list[str], a: argparse.Namespace,
-          system: str | None, fmt: str) -> dict[str, float]:  # fmt: skip
+def probe(
+    model,
+    tok,
+    tasks_spec: str,
+    settings: list[str],
+    a: argparse.Namespace,
+    system: str | None,
+    fmt: str,
+) -> dict[str, float]:
     from slime_async.rollout.gym import ReasoningGymTasks, parse_prompt_source
 
-    cfg = parse_prompt_source(f"reasoning_gym:{tasks_spec}", task_settings=settings,
-                              seed=a.seed, system_prompt=system, answer_format=fmt)  # fmt: skip
+    cfg = parse_prompt_source(
+        f"reasoning_gym:{tasks_spec}",
+        task_settings=settings,
+        seed=a.seed,
+        system_prompt=system,
+        answer_format=fmt,
+    )
     tasks = ReasoningGymTasks(cfg, tokenizer=tok)
     prompts = tasks.eval_set(a.n)
     scores, lens, cut = [], [], 0
@@ -54,15 +66,24 @@ def probe(model, tok, tasks_spec: str, settings: list[str], a: argparse.Namespac
         chunk = prompts[i : i + a.batch]
         width = max(len(p.prompt_ids) for p in chunk)
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-        ids = torch.tensor([[pad] * (width - len(p.prompt_ids)) + list(p.prompt_ids)
-                            for p in chunk])  # fmt: skip
-        mask = torch.tensor([[0] * (width - len(p.prompt_ids)) + [1] * len(p.prompt_ids)
-                             for p in chunk])  # fmt: skip
+        ids = torch.tensor(
+            [[pad] * (width - len(p.prompt_ids)) + list(p.prompt_ids) for p in chunk]
+        )
+        mask = torch.tensor(
+            [[0] * (width - len(p.prompt_ids)) + [1] * len(p.prompt_ids) for p in chunk]
+        )
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=a.temperature > 0,
-                                 temperature=a.temperature or None, top_p=1.0, top_k=0,
-                                 max_new_tokens=a.max_new_tokens, eos_token_id=eos,
-                                 pad_token_id=pad)  # fmt: skip
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=a.temperature > 0,
+                temperature=a.temperature or None,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=a.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
         for p, row in zip(chunk, out[:, width:].tolist(), strict=True):
             n = next((k + 1 for k, t in enumerate(row) if t == eos), None)
             cut += n is None
@@ -71,18 +92,32 @@ def probe(model, tok, tasks_spec: str, settings: list[str], a: argparse.Namespac
             text = tok.decode(resp, skip_special_tokens=True)
             scores.append(tasks.score(text, p.payload["metadata"]))
     exact = [float(s >= 1.0) for s in scores]
-    return {"n": len(scores), "reward": sum(scores) / len(scores), "reward_se": _se(scores),
-            "pass": sum(exact) / len(exact), "pass_se": _se(exact),
-            "len": sum(lens) / len(lens), "cut": cut / len(scores)}  # fmt: skip
+    return {
+        "n": len(scores),
+        "reward": sum(scores) / len(scores),
+        "reward_se": _se(scores),
+        "pass": sum(exact) / len(exact),
+        "pass_se": _se(exact),
+        "len": sum(lens) / len(lens),
+        "cut": cut / len(scores),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-checkpoint", required=True)
-    p.add_argument("--tasks", nargs="+", default=["basic_arithmetic", "chain_sum", "leg_counting"],
-                   help="NAME or NAME:key=value,...")  # fmt: skip
-    p.add_argument("--formats", nargs="+", default=["direct/answer_tag", "none/response"],
-                   help="SYSTEM_PROMPT/ANSWER_FORMAT pairs (system 'none': the template's own).")  # fmt: skip
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        default=["basic_arithmetic", "chain_sum", "leg_counting"],
+        help="NAME or NAME:key=value,...",
+    )
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        default=["direct/answer_tag", "none/response"],
+        help="SYSTEM_PROMPT/ANSWER_FORMAT pairs (system 'none': the template's own).",
+    )
     p.add_argument("--n", type=int, default=64, help="Held-out prompts per task.")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -95,19 +130,26 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     tok = AutoTokenizer.from_pretrained(a.hf_checkpoint)
     model = AutoModelForCausalLM.from_pretrained(a.hf_checkpoint, dtype=torch.float32).eval()
-    print(f"model {a.hf_checkpoint}, T={a.temperature}, max_new_tokens={a.max_new_tokens}, "
-          f"one sample per prompt")  # fmt: skip
-    print(f"{'task':40s} {'format':22s} {'n':>4s} {'reward':>14s} {'pass (=1)':>14s} "
-          f"{'len':>5s} {'cut':>5s} {'s':>5s}")  # fmt: skip
+    print(
+        f"model {a.hf_checkpoint}, T={a.temperature}, max_new_tokens={a.max_new_tokens}, "
+        f"one sample per prompt"
+    )
+    print(
+        f"{'task':40s} {'format':22s} {'n':>4s} {'reward':>14s} {'pass (=1)':>14s} "
+        f"{'len':>5s} {'cut':>5s} {'s':>5s}"
+    )
     for spec in a.tasks:
         name, settings = _task(spec)
         for f in a.formats:
             system, _, fmt = f.partition("/")
             t0 = time.perf_counter()
             r = probe(model, tok, name, settings, a, None if system == "none" else system, fmt)
-            print(f"{spec:40s} {f:22s} {r['n']:4d} {r['reward']:6.3f} ± {r['reward_se']:.3f} "
-                  f"{r['pass']:6.3f} ± {r['pass_se']:.3f} {r['len']:5.1f} {r['cut']:5.2f} "
-                  f"{time.perf_counter() - t0:5.0f}", flush=True)  # fmt: skip
+            print(
+                f"{spec:40s} {f:22s} {r['n']:4d} {r['reward']:6.3f} ± {r['reward_se']:.3f} "
+                f"{r['pass']:6.3f} ± {r['pass_se']:.3f} {r['len']:5.1f} {r['cut']:5.2f} "
+                f"{time.perf_counter() - t0:5.0f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

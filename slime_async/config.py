@@ -119,10 +119,13 @@ def read_environment(args: argparse.Namespace) -> Environment:
         model = ModelSpec.from_hf_config(hf)
     from slime_async.roles import ray_address
 
-    return Environment(model=model, cpus=tuple(sorted(os.sched_getaffinity(0))),
-                       ray_address=ray_address(args.ray_address),
-                       auth_token=load_auth_token(args.auth_token_file),
-                       converted_checkpoint=None if converted is None else str(converted))  # fmt: skip
+    return Environment(
+        model=model,
+        cpus=tuple(sorted(os.sched_getaffinity(0))),
+        ray_address=ray_address(args.ray_address),
+        auth_token=load_auth_token(args.auth_token_file),
+        converted_checkpoint=None if converted is None else str(converted),
+    )
 
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
@@ -189,14 +192,19 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     _raise_all(_run_errors(a))
     rollout = rollout_config_from_args(a)
     if a.global_batch_size is None:
-        f.note("global_batch_size", rollout.global_batch_size,
-               "rollout_batch_size x n_samples_per_prompt / num_steps_per_rollout")  # fmt: skip
+        f.note(
+            "global_batch_size",
+            rollout.global_batch_size,
+            "rollout_batch_size x n_samples_per_prompt / num_steps_per_rollout",
+        )
     _derive_num_steps(f, rollout)
     b = rollout.groups_per_step
     data_worker = data_worker_config_from_args(
-        a, n_samples_per_prompt=rollout.n_samples_per_prompt, groups_per_step=b,
+        a,
+        n_samples_per_prompt=rollout.n_samples_per_prompt,
+        groups_per_step=b,
         default_expected_len=rollout.max_response_len,
-    )  # fmt: skip
+    )
     if a.fifo_window is None:
         f.note("fifo_window", data_worker.fifo_window, f"2 x groups per step (B = {b})")
     _raise_all(_schedule_errors(a, data_worker))
@@ -212,27 +220,40 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     if f.unset("num_engines"):
         why = "one per --engine-urls URL" if engines.urls else "the default"
         if a.rollout_num_gpus is not None:
-            why = (f"--rollout-num-gpus {a.rollout_num_gpus} / --rollout-num-gpus-per-engine "
-                   f"{engines.gpus_per_engine}")  # fmt: skip
+            why = (
+                f"--rollout-num-gpus {a.rollout_num_gpus} / --rollout-num-gpus-per-engine "
+                f"{engines.gpus_per_engine}"
+            )
         f.note("num_engines", engines.num_engines, why)
     if a.rollout_num_gpus is None:
-        f.note("rollout_num_gpus", engines.rollout_num_gpus,
-               "--num-engines x --rollout-num-gpus-per-engine")  # fmt: skip
+        f.note(
+            "rollout_num_gpus",
+            engines.rollout_num_gpus,
+            "--num-engines x --rollout-num-gpus-per-engine",
+        )
     colocate, trainer_cores, rollout_cores = _placement(f, env)
     router, token = _shared_token(a, env)
     _derive_warmstart(f, embedded=embedded)
     engine = engine_run_config_from_args(
-        a, seed=rollout.seed_or(a.seed),
+        a,
+        seed=rollout.seed_or(a.seed),
         num_threads=None if colocate else 1,
-    )  # fmt: skip
+    )
     if f.unset("update_weight_transport"):
         if not engines.needs.owns_processes:
-            f.fill("update_weight_transport", "disk", "--engine-backend external: servers the "
-                   "run does not own come back on their own weights, and the router replays the "
-                   "newest disk load on them before re-admission")  # fmt: skip
+            f.fill(
+                "update_weight_transport",
+                "disk",
+                "--engine-backend external: servers the "
+                "run does not own come back on their own weights, and the router replays the "
+                "newest disk load on them before re-admission",
+            )
         else:
-            f.fill("update_weight_transport", "distributed",
-                   "no shared filesystem needed (docs/weight-sync.md)")  # fmt: skip
+            f.fill(
+                "update_weight_transport",
+                "distributed",
+                "no shared filesystem needed (docs/weight-sync.md)",
+            )
     return RunConfig(
         run_dir=Path(a.run_dir),
         ray_address=env.ray_address,
@@ -315,8 +336,11 @@ def _derive_num_steps(f: _Flags, rollout: RolloutConfig) -> None:
         return
     a = f.args
     rollouts = DEFAULT_NUM_ROLLOUT if a.num_rollout is None else a.num_rollout
-    f.fill("num_steps", rollouts * rollout.num_steps_per_rollout,
-           f"--num-rollout {rollouts} x --num-steps-per-rollout {rollout.num_steps_per_rollout}")  # fmt: skip
+    f.fill(
+        "num_steps",
+        rollouts * rollout.num_steps_per_rollout,
+        f"--num-rollout {rollouts} x --num-steps-per-rollout {rollout.num_steps_per_rollout}",
+    )
 
 
 def _schedule_errors(a: argparse.Namespace, dw: DataWorkerConfig) -> list[str]:
@@ -346,16 +370,22 @@ def _derive_off_policy_drop(f: _Flags, dw: DataWorkerConfig) -> DataWorkerConfig
     weights) is dropped and counted instead of trained. Unbounded window: nothing to derive."""
     if not f.unset("max_off_policy_steps"):
         return dw
-    bound = staleness_bound(max_staleness=dw.max_staleness, fifo_window=dw.fifo_window,
-                            groups_per_step=dw.groups_per_step)  # fmt: skip
+    bound = staleness_bound(
+        max_staleness=dw.max_staleness,
+        fifo_window=dw.fifo_window,
+        groups_per_step=dw.groups_per_step,
+    )
     if math.isinf(bound):
         return dw
     steps = int(bound)
-    f.fill("max_off_policy_steps", steps,
-           f"the staleness bound S {dw.max_staleness} + ceil((W {dw.fifo_window:g} - 1) / B "
-           f"{dw.groups_per_step}) (any --update-weights-interval: the budget counts against the "
-           "pushed version): a group sampled on weights older than the pushed ones is dropped, "
-           "not trained")  # fmt: skip
+    f.fill(
+        "max_off_policy_steps",
+        steps,
+        f"the staleness bound S {dw.max_staleness} + ceil((W {dw.fifo_window:g} - 1) / B "
+        f"{dw.groups_per_step}) (any --update-weights-interval: the budget counts against the "
+        "pushed version): a group sampled on weights older than the pushed ones is dropped, "
+        "not trained",
+    )
     return dataclasses.replace(dw, max_off_policy_steps=steps)
 
 
@@ -380,14 +410,21 @@ def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool, loss_nam
             f.fill(dest, value, f"default of {kind}")
     if f.unset("behavior_forward"):
         if a.keep_old_actor and reads_behavior and dw.max_staleness > 0:
-            f.fill("behavior_forward", "role", "an async run whose loss reads pi_j^Meg: the "
-                   "forward-only role computes it off the train step (docs/compis.md)")  # fmt: skip
+            f.fill(
+                "behavior_forward",
+                "role",
+                "an async run whose loss reads pi_j^Meg: the "
+                "forward-only role computes it off the train step (docs/compis.md)",
+            )
         else:
             f.fill("behavior_forward", "trainer", "nothing to move off the train step")
     if not a.keep_old_actor:
         return  # no snapshots are kept, so --max-snapshots has nothing to size
-    window = dict(max_staleness=dw.max_staleness, fifo_window=dw.fifo_window,
-                  groups_per_step=dw.groups_per_step)  # fmt: skip
+    window = dict(
+        max_staleness=dw.max_staleness,
+        fifo_window=dw.fifo_window,
+        groups_per_step=dw.groups_per_step,
+    )
     bound = staleness_bound(**window, max_off_policy_steps=dw.max_off_policy_steps)
     if math.isinf(bound):
         raise ValueError(
@@ -405,9 +442,11 @@ def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool, loss_nam
     if every == 1:
         why = f"staleness bound {b} ({why}) + the current version"
     else:
-        why = (f"staleness bound {b} ({why}), the role holding only versions pushed every "
-               f"--update-weights-interval {every}: floor({b} / {every}) + 1 of them, + 1 off "
-               "that grid (a resumed start or an early push)")  # fmt: skip
+        why = (
+            f"staleness bound {b} ({why}), the role holding only versions pushed every "
+            f"--update-weights-interval {every}: floor({b} / {every}) + 1 of them, + 1 off "
+            "that grid (a resumed start or an early push)"
+        )
     if f.unset("max_snapshots"):
         f.fill("max_snapshots", need, why)
     elif a.max_snapshots < need:
@@ -425,14 +464,19 @@ def _derive_lr(f: _Flags, *, embedded: bool) -> None:
         if embedded:
             f.fill("lr", TrainerConfig().lr, "default of the embedded default run (tiny model)")
         else:
-            f.fill("lr", REAL_MODEL_LR, "default of a run with --hf-checkpoint/--prompt-data/"
-                   "--prompt-source: RL on a pretrained model")  # fmt: skip
+            f.fill(
+                "lr",
+                REAL_MODEL_LR,
+                "default of a run with --hf-checkpoint/--prompt-data/"
+                "--prompt-source: RL on a pretrained model",
+            )
     elif not embedded and f.args.lr > REAL_MODEL_LR_WARN:
         log.warning(
             "--lr %g is far above what RL on a pretrained model takes (~%g): expect the policy "
             "entropy to collapse and the train-rollout log-prob gap to jump after one update",
-            f.args.lr, REAL_MODEL_LR,
-        )  # fmt: skip
+            f.args.lr,
+            REAL_MODEL_LR,
+        )
 
 
 def _check_model(trainer: TrainerConfig, model: ModelSpec, *, hf_checkpoint: str | None) -> None:
@@ -461,8 +505,11 @@ def _placement(f: _Flags, env: Environment) -> tuple[bool, tuple[int, ...], tupl
         if f.unset("colocate"):
             f.fill("colocate", False, "joined Ray cluster: cores are pinned per node")
         return bool(a.colocate), (), ()
-    given = {k: tuple(v) for k in ("trainer-cores", "rollout-cores")
-             if (v := getattr(a, k.replace("-", "_"))) is not None}  # fmt: skip
+    given = {
+        k: tuple(v)
+        for k in ("trainer-cores", "rollout-cores")
+        if (v := getattr(a, k.replace("-", "_"))) is not None
+    }
     if a.colocate and get_engine_backend(a.engine_backend).needs.gpus_per_engine > 0:
         raise ValueError(
             "--colocate here shares CPU cores between trainer and engines; slime's --colocate "
@@ -510,12 +557,17 @@ def _derive_warmstart(f: _Flags, *, embedded: bool) -> None:
     if a.load:
         why_not = "the run resumes from --load, whose checkpoint holds the trained weights"
     elif not embedded:
-        why_not = ("warm start trains the tiny MoE on the built-in tasks, and this run has "
-                   "--hf-checkpoint/--prompt-data/--prompt-source")  # fmt: skip
+        why_not = (
+            "warm start trains the tiny MoE on the built-in tasks, and this run has "
+            "--hf-checkpoint/--prompt-data/--prompt-source"
+        )
     if f.unset("warmstart_steps"):
         default = run_default("warmstart_steps")
-        f.fill("warmstart_steps", 0 if why_not else default,
-               why_not or "default of the embedded default run")  # fmt: skip
+        f.fill(
+            "warmstart_steps",
+            0 if why_not else default,
+            why_not or "default of the embedded default run",
+        )
     elif a.warmstart_steps > 0 and why_not:
         raise ValueError(
             f"--warmstart-steps {a.warmstart_steps} cannot apply: {why_not}; drop --warmstart-steps"

@@ -87,11 +87,21 @@ def build_generate_chain(
     args = slime_plugin_args(cfg, router_url)
     sample: Generate = client
     if r.custom_generate_function_path:
-        sample = CustomGenerate(load_custom_generate(r.custom_generate_function_path), client,
-                                eos_id=plan.eos_id, args=args,
-                                served_version=served_version)  # fmt: skip
-    scored = ScoredGenerate(sample, plan.reward_fn, eos_id=plan.eos_id, decode=plan.decode,
-                            reward_args=args, group_rm=r.group_rm)  # fmt: skip
+        sample = CustomGenerate(
+            load_custom_generate(r.custom_generate_function_path),
+            client,
+            eos_id=plan.eos_id,
+            args=args,
+            served_version=served_version,
+        )
+    scored = ScoredGenerate(
+        sample,
+        plan.reward_fn,
+        eos_id=plan.eos_id,
+        decode=plan.decode,
+        reward_args=args,
+        group_rm=r.group_rm,
+    )
     head: Generate = scored if behavior is None else BehaviorAnnotate(scored, behavior)
     return GenerateChain(client=client, sample=sample, scored=scored, head=head)
 
@@ -100,18 +110,27 @@ def slime_plugin_args(cfg: RunConfig, router_url: str) -> SlimeArgs:
     """`args` of slime-style plugins (rewards, custom generate): slime's names for our settings."""
     r = cfg.rollout
     return slime_args(
-        router_url, router_headers=(
+        router_url,
+        router_headers=(
             {"Authorization": f"Bearer {cfg.engine.auth_token}"} if cfg.engine.auth_token else {}
-        ), hf_checkpoint=cfg.trainer.hf_checkpoint, rollout_batch_size=r.rollout_batch_size,
-        n_samples_per_prompt=r.n_samples_per_prompt, global_batch_size=r.global_batch_size,
-        rollout_max_response_len=r.max_response_len, rollout_temperature=r.temperature,
-        rollout_top_p=r.top_p, rollout_top_k=r.top_k, rollout_stop=list(r.stop) or None,
+        ),
+        hf_checkpoint=cfg.trainer.hf_checkpoint,
+        rollout_batch_size=r.rollout_batch_size,
+        n_samples_per_prompt=r.n_samples_per_prompt,
+        global_batch_size=r.global_batch_size,
+        rollout_max_response_len=r.max_response_len,
+        rollout_temperature=r.temperature,
+        rollout_top_p=r.top_p,
+        rollout_top_k=r.top_k,
+        rollout_stop=list(r.stop) or None,
         rollout_stop_token_ids=list(r.stop_token_ids) or None,
-        rollout_seed=cfg.rollout_seed, custom_rm_path=r.custom_rm_path,
-        group_rm=r.group_rm, custom_generate_function_path=r.custom_generate_function_path,
+        rollout_seed=cfg.rollout_seed,
+        custom_rm_path=r.custom_rm_path,
+        group_rm=r.group_rm,
+        custom_generate_function_path=r.custom_generate_function_path,
         partial_rollout=cfg.data_worker.partial_rollout.value == "continue",
         use_rollout_routing_replay=cfg.trainer.routing_replay.replays_engine_routing,
-    )  # fmt: skip
+    )
 
 
 __all__ = ["GenerateChain", "build_generate_chain", "slime_plugin_args"]

@@ -65,8 +65,11 @@ def _truncate_ledger(path: Path, *, keep_through: int) -> None:
     rows = [x for x in path.read_text().splitlines() if x.strip()]
     kept = [x for x in rows if _ledger_step(x) <= keep_through]
     if len(kept) != len(rows):
-        log.info("resume: %d trained-step records after step %d rolled back",
-                 len(rows) - len(kept), keep_through)  # fmt: skip
+        log.info(
+            "resume: %d trained-step records after step %d rolled back",
+            len(rows) - len(kept),
+            keep_through,
+        )
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(x + "\n" for x in kept))
         os.replace(tmp, path)
@@ -89,8 +92,9 @@ def _archive_stale_ledger(path: Path) -> Path | None:
         "%s holds the prompt ledger of an earlier run in this --run-dir; this run starts fresh "
         "(no --load), so it starts a new ledger and the old one was moved to %s. To continue "
         "the earlier run instead, stop and pass --load <its --save directory>.",
-        path, dest,
-    )  # fmt: skip
+        path,
+        dest,
+    )
     return dest
 
 
@@ -127,27 +131,41 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     backend = get_engine_backend(cfg.engines.backend)(cfg.engines, cfg.engine)
     await backend.preflight()  # e.g. attached URLs answer: fail in seconds, before the trainer
     r = cfg.rollout
-    plan = make_data_plan(seed=cfg.rollout_seed, prompt_data=r.prompt_data,
-                          hf_checkpoint=cfg.trainer.hf_checkpoint, input_key=r.input_key,
-                          label_key=r.label_key, apply_chat_template=r.apply_chat_template,
-                          strict_data=r.strict_data, custom_rm_path=r.custom_rm_path,
-                          eval_prompts=r.eval_prompts if r.eval_interval else 0,
-                          reasoning_gym=r.reasoning_gym_config(cfg.rollout_seed))  # fmt: skip
+    plan = make_data_plan(
+        seed=cfg.rollout_seed,
+        prompt_data=r.prompt_data,
+        hf_checkpoint=cfg.trainer.hf_checkpoint,
+        input_key=r.input_key,
+        label_key=r.label_key,
+        apply_chat_template=r.apply_chat_template,
+        strict_data=r.strict_data,
+        custom_rm_path=r.custom_rm_path,
+        eval_prompts=r.eval_prompts if r.eval_interval else 0,
+        reasoning_gym=r.reasoning_gym_config(cfg.rollout_seed),
+    )
     dw = cfg.data_worker
     guards = run_guard_config(dataclasses.asdict(dw))
-    logger = MetricsLogger(cfg.run_dir, use_tensorboard=cfg.use_tensorboard,
-                           use_wandb=cfg.use_wandb, total_steps=cfg.num_steps,
-                           guards=guards)  # fmt: skip
+    logger = MetricsLogger(
+        cfg.run_dir,
+        use_tensorboard=cfg.use_tensorboard,
+        use_wandb=cfg.use_wandb,
+        total_steps=cfg.num_steps,
+        guards=guards,
+    )
     undo.append(logger.close)
     trainer_cfg = cfg.trainer
     if cfg.warmstart_steps:  # validation leaves it 0 unless a fresh embedded default run
         threads = max(1, len(cfg.trainer_cores + cfg.rollout_cores))
         ws = await asyncio.to_thread(
-            warm_start, cfg.run_dir, spec=cfg.model, task=TaskFamilyConfig(seed=cfg.seed),
-            config=WarmStartConfig(max_steps=cfg.warmstart_steps, seed=cfg.seed,
-                                   num_threads=threads),
+            warm_start,
+            cfg.run_dir,
+            spec=cfg.model,
+            task=TaskFamilyConfig(seed=cfg.seed),
+            config=WarmStartConfig(
+                max_steps=cfg.warmstart_steps, seed=cfg.seed, num_threads=threads
+            ),
             say=lambda m: log.info("%s", m),
-        )  # fmt: skip
+        )
         trainer_cfg = dataclasses.replace(trainer_cfg, hf_checkpoint=str(ws.path))
 
     placement = await _place(cfg)
@@ -183,19 +201,25 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     if role is not None:
         undo.append(role.shutdown)
         role.add_version(version, first)
-    cluster, transport = await _start_engines(cfg, backend, trainer, first=first, version=version,
-                                              placement=placement, role=role)  # fmt: skip
+    cluster, transport = await _start_engines(
+        cfg, backend, trainer, first=first, version=version, placement=placement, role=role
+    )
     undo.append(cluster.stop)
     undo.append(transport.close)
     if trainer_cfg.routing_replay.replays_engine_routing and cfg.model.is_moe:
         # refuse now what would otherwise surface only at the first train step
-        await asyncio.gather(*(check_routed_experts(u, token=cfg.engine.auth_token)
-                               for u in cluster.engine_urls))  # fmt: skip
+        await asyncio.gather(
+            *(check_routed_experts(u, token=cfg.engine.auth_token) for u in cluster.engine_urls)
+        )
 
     # served_version is late-bound: the run is built below
-    chain = build_generate_chain(cfg, router_url=cluster.router_url, plan=plan,
-                                 behavior=None if role is None else role.logprobs,
-                                 served_version=lambda: run.version)  # fmt: skip
+    chain = build_generate_chain(
+        cfg,
+        router_url=cluster.router_url,
+        plan=plan,
+        behavior=None if role is None else role.logprobs,
+        served_version=lambda: run.version,
+    )
 
     async def abort_all() -> None:
         await cluster.control.pause_generation(mode="abort")
@@ -211,16 +235,27 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
         worker.load_state_dict(extra["worker"])
     worker.set_served_version(version)
     supervisor = EngineSupervisor(
-        cluster, cfg.supervisor,
+        cluster,
+        cfg.supervisor,
         current_weights=lambda: run.served,  # late-bound: the run below
         fleet_version=lambda: run.fleet_version,
         on_replace=lambda: run.write_roles(),
-    )  # fmt: skip
+    )
     run = Run(
-        cfg=cfg, trainer=trainer, cluster=cluster, worker=worker, chain=chain,
-        transport=transport, logger=logger, plan=plan, version=version, start_dir=first,
-        supervisor=supervisor, behavior_role=role, placement=placement,
-    )  # fmt: skip
+        cfg=cfg,
+        trainer=trainer,
+        cluster=cluster,
+        worker=worker,
+        chain=chain,
+        transport=transport,
+        logger=logger,
+        plan=plan,
+        version=version,
+        start_dir=first,
+        supervisor=supervisor,
+        behavior_role=role,
+        placement=placement,
+    )
     supervisor.start()
     await run.write_roles()
     return run
@@ -230,9 +265,12 @@ async def _start_behavior_role(cfg: RunConfig, trainer_cfg: Any) -> BehaviorRole
     """The forward-only role, on the rollout cores, when π_j^Meg is computed there: the loss
     reads it, snapshots are on, `--behavior-forward role`, and the run is asynchronous (with
     `--max-staleness 0` every trained token is of the current version: nothing to compute)."""
-    if not (trainer_cfg.keep_old_actor and trainer_cfg.behavior_forward == "role"
-            and resolve_loss_spec(trainer_cfg.loss.name).needs.behavior_logprobs
-            and cfg.data_worker.max_staleness > 0):  # fmt: skip
+    if not (
+        trainer_cfg.keep_old_actor
+        and trainer_cfg.behavior_forward == "role"
+        and resolve_loss_spec(trainer_cfg.loss.name).needs.behavior_logprobs
+        and cfg.data_worker.max_staleness > 0
+    ):
         return None
     role = await asyncio.to_thread(
         BehaviorRole, trainer_cfg, cfg.model, num_threads=max(1, len(cfg.rollout_cores))
@@ -249,15 +287,18 @@ async def _place(cfg: RunConfig) -> Placement | None:
     need = t.world_size * t.actor_num_cpus_per_rank + e.num_engines * e.cpus_per_engine
     joined = init_ray(address=cfg.ray_address, num_cpus=need)
     if cfg.ray_address is not None and not joined:
-        raise RuntimeError("Ray was already started locally in this process; cannot join "
-                           f"{cfg.ray_address}")  # fmt: skip
+        raise RuntimeError(
+            f"Ray was already started locally in this process; cannot join {cfg.ray_address}"
+        )
     return await asyncio.to_thread(
-        place_roles, actor_num_nodes=t.actor_num_nodes,
+        place_roles,
+        actor_num_nodes=t.actor_num_nodes,
         actor_num_gpus_per_node=t.actor_num_gpus_per_node,
         actor_num_cpus_per_rank=t.actor_num_cpus_per_rank,
         num_engines=e.num_engines if starts_engines else 0,
-        gpus_per_engine=e.gpus_per_engine, cpus_per_engine=e.cpus_per_engine,
-    )  # fmt: skip
+        gpus_per_engine=e.gpus_per_engine,
+        cpus_per_engine=e.cpus_per_engine,
+    )
 
 
 async def _start_trainer(
@@ -272,12 +313,20 @@ async def _start_trainer(
         cores = [() if cfg.colocate else s.cores for s in slots]
     threads = max(1, min(len(c) for c in cores)) if all(cores) else 1
     if not joined:  # a local node: rendezvous on loopback, ranks in their bundles
-        slots = [dataclasses.replace(s, node_ip="127.0.0.1", port=free_port())
-                 for s in slots[:1]] + list(slots[1:]) if slots else None  # fmt: skip
+        slots = (
+            [dataclasses.replace(s, node_ip="127.0.0.1", port=free_port()) for s in slots[:1]]
+            + list(slots[1:])
+            if slots
+            else None
+        )
     trainer = await asyncio.to_thread(
-        TrainerGroup, trainer_cfg, cfg.model, world_size=trainer_cfg.world_size,
-        num_threads=threads if joined else max(1, len(cfg.trainer_cores)), slots=slots,
-    )  # fmt: skip
+        TrainerGroup,
+        trainer_cfg,
+        cfg.model,
+        world_size=trainer_cfg.world_size,
+        num_threads=threads if joined else max(1, len(cfg.trainer_cores)),
+        slots=slots,
+    )
     for actor, c in zip(trainer.actors, cores, strict=True):
         await pin_actor(actor, c)
     return trainer
@@ -309,22 +358,36 @@ async def _start_engines(
     start_from = start_source(cfg, first)
     if distributed and not start_from:
         backend.engine = dataclasses.replace(backend.engine, model_spec=cfg.model.to_dict())
-    cluster = await Cluster.start(backend=backend, num_engines=cfg.engines.num_engines,
-                                  model_dir=start_from, version=version,
-                                  seed=cfg.engine.seed, router_cfg=cfg.router,
-                                  rollout_cores=cfg.rollout_cores, slots=slots,
-                                  bind_node_ips=joined, pin_slot_cores=joined and not cfg.colocate,
-                                  router_host=ray.util.get_node_ip_address() if joined else None)  # fmt: skip
+    cluster = await Cluster.start(
+        backend=backend,
+        num_engines=cfg.engines.num_engines,
+        model_dir=start_from,
+        version=version,
+        seed=cfg.engine.seed,
+        router_cfg=cfg.router,
+        rollout_cores=cfg.rollout_cores,
+        slots=slots,
+        bind_node_ips=joined,
+        pin_slot_cores=joined and not cfg.colocate,
+        router_host=ray.util.get_node_ip_address() if joined else None,
+    )
     transport: WeightTransport
     if distributed:
         transport = DistributedTransport(
-            sender=trainer, control=cluster.control, engine_urls=lambda: cluster.engine_urls,
-            cfg=cfg.weights, backend=backend.needs.collective_backend,
+            sender=trainer,
+            control=cluster.control,
+            engine_urls=lambda: cluster.engine_urls,
+            cfg=cfg.weights,
+            backend=backend.needs.collective_backend,
             token=cfg.engine.auth_token,
-        )  # fmt: skip
+        )
     else:
-        transport = DiskTransport(first.parent, trainer=trainer, control=cluster.control,
-                                  on_written=None if role is None else role.add_version)  # fmt: skip
+        transport = DiskTransport(
+            first.parent,
+            trainer=trainer,
+            control=cluster.control,
+            on_written=None if role is None else role.add_version,
+        )
     if not backend.needs.model_dir or distributed:
         try:
             await transport.load(version)
@@ -347,8 +410,6 @@ def start_source(cfg: RunConfig, first: Path) -> str:
         # SGLang cannot start without a checkpoint: the trainer's export, which the engine
         # nodes must then be able to read (give --hf-checkpoint on a cluster, as in slime)
     return str(first.resolve())
-
-
 
 
 def record_config(cfg: RunConfig) -> None:

@@ -138,23 +138,32 @@ def place_roles(
 
     try:
         for n in range(actor_num_nodes):
-            reserve([dict(rank)] * actor_num_gpus_per_node, "STRICT_PACK",
-                    f"trainer node {n}: {actor_num_gpus_per_node} x {rank}")  # fmt: skip
+            reserve(
+                [dict(rank)] * actor_num_gpus_per_node,
+                "STRICT_PACK",
+                f"trainer node {n}: {actor_num_gpus_per_node} x {rank}",
+            )
         if num_engines:
-            reserve([dict(engine)] * num_engines, "SPREAD",
-                    f"engines: {num_engines} x {engine}")  # fmt: skip
-        slots = [_inspect(pg, i, pg.bundle_specs[i]) for pg, _ in groups
-                 for i in range(len(pg.bundle_specs))]  # fmt: skip
+            reserve([dict(engine)] * num_engines, "SPREAD", f"engines: {num_engines} x {engine}")
+        slots = [
+            _inspect(pg, i, pg.bundle_specs[i])
+            for pg, _ in groups
+            for i in range(len(pg.bundle_specs))
+        ]
     except BaseException:
         for pg, _ in groups:
             remove_placement_group(pg)
         raise
     slots = split_node_cores(slots)
     ranks = actor_num_nodes * actor_num_gpus_per_node
-    placement = Placement(trainer=slots[:ranks], engines=slots[ranks:], gpus=use_gpus,
-                          groups=[pg for pg, _ in groups])  # fmt: skip
-    log.info("trainer ranks on %s; engines on %s", [s.node_ip for s in placement.trainer],
-             [s.node_ip for s in placement.engines])  # fmt: skip
+    placement = Placement(
+        trainer=slots[:ranks], engines=slots[ranks:], gpus=use_gpus, groups=[pg for pg, _ in groups]
+    )
+    log.info(
+        "trainer ranks on %s; engines on %s",
+        [s.node_ip for s in placement.trainer],
+        [s.node_ip for s in placement.engines],
+    )
     return placement
 
 
@@ -163,8 +172,15 @@ def _inspect(pg: PlacementGroup, index: int, resources: dict[str, float]) -> Slo
         placement_group=pg, placement_group_bundle_index=index
     )
     node_id, ip, cores, port = ray.get(_where.options(scheduling_strategy=strategy).remote())
-    slot = Slot(pg=pg, index=index, resources=dict(resources), node_id=node_id, node_ip=ip,
-                port=port, cores=cores)  # fmt: skip
+    slot = Slot(
+        pg=pg,
+        index=index,
+        resources=dict(resources),
+        node_id=node_id,
+        node_ip=ip,
+        port=port,
+        cores=cores,
+    )
     return slot
 
 

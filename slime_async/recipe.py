@@ -108,7 +108,9 @@ def _read(p: Path) -> Any:
     try:
         data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
     except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise ValueError(f"--config {p}: not valid {p.suffix[1:].upper() or 'YAML'} ({e})") from None
+        raise ValueError(
+            f"--config {p}: not valid {p.suffix[1:].upper() or 'YAML'} ({e})"
+        ) from None
     if isinstance(data, dict) and p.suffix == ".json":
         if not isinstance(data.get("flags"), dict):
             raise ValueError(
@@ -154,9 +156,7 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str | Path) -> dict
 def _plain(obj: Any) -> Any:
     """`obj` as JSON data: enums by value, paths and other objects as text, secrets hidden."""
     if isinstance(obj, dict):
-        return {
-            k: (_SECRET if k in SECRET_KEYS and v else _plain(v)) for k, v in obj.items()
-        }
+        return {k: (_SECRET if k in SECRET_KEYS and v else _plain(v)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
     if isinstance(obj, enum.Enum):

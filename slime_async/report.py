@@ -66,8 +66,10 @@ def verdict(history: MetricsHistory, warnings: Sequence[GuardWarning]) -> str:
     lines = []
     if not steps:
         return "no metric records in the log"
-    lines.append(f"steps {steps[0]}..{steps[-1]} ({len(steps)} logged, "
-                 f"{history.restarts} resume(s), {history.bad_lines} unreadable line(s))")  # fmt: skip
+    lines.append(
+        f"steps {steps[0]}..{steps[-1]} ({len(steps)} logged, "
+        f"{history.restarts} resume(s), {history.bad_lines} unreadable line(s))"
+    )
     _, rew = history.series("rollout/reward")
     if rew:
         first = sum(rew[: max(1, len(rew) // 10)]) / max(1, len(rew) // 10)
@@ -83,15 +85,18 @@ def verdict(history: MetricsHistory, warnings: Sequence[GuardWarning]) -> str:
         by_kind.setdefault((w.kind, w.key), []).append(w)
     lines.append(f"guards: {len(by_kind)} signal(s) fired")
     for (kind, key), ws in by_kind.items():
-        lines.append(f"  WARNING {kind} on {key}: {len(ws)} step(s), first at step "
-                     f"{ws[0].step}: {ws[0].message}")  # fmt: skip
+        lines.append(
+            f"  WARNING {kind} on {key}: {len(ws)} step(s), first at step "
+            f"{ws[0].step}: {ws[0].message}"
+        )
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- panels
 def _no_data(ax: Any, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} logged", ha="center", va="center", color="0.5",
-            transform=ax.transAxes)  # fmt: skip
+    ax.text(
+        0.5, 0.5, f"no {what} logged", ha="center", va="center", color="0.5", transform=ax.transAxes
+    )
 
 
 def _ema(values: Sequence[float], alpha: float) -> list[float]:
@@ -127,15 +132,29 @@ def _panel_reward(ax: Any, h: MetricsHistory) -> None:
     any_data = bool(s)
     if s:
         ax.plot(s, v, color="tab:blue", alpha=0.3, lw=0.8)
-        ax.plot(s, _ema(v, 2 / (1 + max(2, len(v) // 20))), color="tab:blue", lw=1.8,
-                label="rollout (EMA)")  # fmt: skip
+        ax.plot(
+            s,
+            _ema(v, 2 / (1 + max(2, len(v) // 20))),
+            color="tab:blue",
+            lw=1.8,
+            label="rollout (EMA)",
+        )
     s, v = h.series("eval/reward")
     if s:
         any_data = True
         se_s, se_v = h.series("eval/reward_se")
         if se_s == s:  # standard error bars when the run logged them
-            ax.errorbar(s, v, yerr=se_v, fmt="o-", color="tab:red", ms=3.5, lw=1.5, capsize=2,
-                        label="eval (± s.e.)")  # fmt: skip
+            ax.errorbar(
+                s,
+                v,
+                yerr=se_v,
+                fmt="o-",
+                color="tab:red",
+                ms=3.5,
+                lw=1.5,
+                capsize=2,
+                label="eval (± s.e.)",
+            )
         else:
             ax.plot(s, v, "o-", color="tab:red", ms=3.5, lw=1.5, label="eval")
     s, v = h.series("eval/pass")
@@ -144,8 +163,15 @@ def _panel_reward(ax: Any, h: MetricsHistory) -> None:
     levels = sorted(k for k in h.metric_keys() if k.startswith("eval/reward_level"))
     for i, k in enumerate(levels):
         s, v = h.series(k)
-        ax.plot(s, v, "-", lw=0.8, alpha=0.7, color=f"C{(i + 3) % 10}",
-                label=k.removeprefix("eval/reward_"))  # fmt: skip
+        ax.plot(
+            s,
+            v,
+            "-",
+            lw=0.8,
+            alpha=0.7,
+            color=f"C{(i + 3) % 10}",
+            label=k.removeprefix("eval/reward_"),
+        )
     if not any_data:
         _no_data(ax, "reward")
     ax.set_title("reward")
@@ -262,8 +288,10 @@ def _panel_timing(ax: Any, h: MetricsHistory, *, top: int = 6) -> None:
 
 def _panel_idle(ax: Any, h: MetricsHistory) -> None:
     parts = []
-    for key, name, color in (("idle/trainer_ratio", "trainer", "tab:red"),
-                             ("idle/rollout_ratio", "rollout", "tab:blue")):  # fmt: skip
+    for key, name, color in (
+        ("idle/trainer_ratio", "trainer", "tab:red"),
+        ("idle/rollout_ratio", "rollout", "tab:blue"),
+    ):
         s, v = h.series(key)
         if s:
             ax.plot(s, v, color=color, lw=1.2, label=name)
@@ -290,8 +318,9 @@ def _mark_warnings(axes: dict[str, Any], warnings: Sequence[GuardWarning]) -> No
             ax.axvline(w.step, color="red", alpha=0.25, lw=2)
 
 
-def render_png(history: MetricsHistory, warnings: Sequence[GuardWarning], out: Path,
-               *, title: str) -> Path:  # fmt: skip
+def render_png(
+    history: MetricsHistory, warnings: Sequence[GuardWarning], out: Path, *, title: str
+) -> Path:
     """Draw the dashboard into ``out`` (written atomically)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -300,14 +329,24 @@ def render_png(history: MetricsHistory, warnings: Sequence[GuardWarning], out: P
     FigureCanvasAgg(fig)
     grid = fig.subplots(3, 4)
     axes = {
-        "reward": grid[0][0], "entropy": grid[0][1], "diff": grid[0][2], "rollout": grid[0][3],
-        "staleness": grid[1][0], "engine": grid[1][1], "drift": grid[1][2],
+        "reward": grid[0][0],
+        "entropy": grid[0][1],
+        "diff": grid[0][2],
+        "rollout": grid[0][3],
+        "staleness": grid[1][0],
+        "engine": grid[1][1],
+        "drift": grid[1][2],
         "combined": grid[1][3],
-    }  # fmt: skip
+    }
     _panel_reward(axes["reward"], history)
     _panel_simple(axes["entropy"], history, "policy/entropy", "policy entropy")
-    _panel_simple(axes["diff"], history, "mismatch/train_rollout_logprob_abs_diff",
-                  "|train - rollout| log-prob", log=True)  # fmt: skip
+    _panel_simple(
+        axes["diff"],
+        history,
+        "mismatch/train_rollout_logprob_abs_diff",
+        "|train - rollout| log-prob",
+        log=True,
+    )
     _panel_rollout(axes["rollout"], history)
     for source, name in IS_SOURCES:
         _panel_is(axes[source], history, source, name)
@@ -325,8 +364,7 @@ def render_png(history: MetricsHistory, warnings: Sequence[GuardWarning], out: P
             ax.set_xlabel("train step", fontsize=8)
     n_warn = len({(w.kind, w.key) for w in warnings})
     status = "guards OK" if not warnings else f"{n_warn} guard signal(s) fired (red bands)"
-    fig.suptitle(f"{title}: {status}", fontsize=14,
-                 color="darkred" if warnings else "black")  # fmt: skip
+    fig.suptitle(f"{title}: {status}", fontsize=14, color="darkred" if warnings else "black")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     fig.savefig(tmp, format="png")
@@ -358,8 +396,12 @@ def render_report(
     text = verdict(history, warnings)
     png = None
     if plot:
-        png = render_png(history, warnings, Path(out) if out else run_dir / "report.png",
-                         title=run_dir.resolve().name)  # fmt: skip
+        png = render_png(
+            history,
+            warnings,
+            Path(out) if out else run_dir / "report.png",
+            title=run_dir.resolve().name,
+        )
     return Report(png=png, verdict=text, warnings=warnings)
 
 

@@ -156,9 +156,18 @@ class Cluster:
             if slots and pin_slot_cores
             else _split(rollout_cores, num_engines)
         )
-        launches = [_launch(i, model_dir=model_dir, version=version, seed=seed + 1000 * i,
-                            cores=per[i], slot=None if slots is None else slots[i], bind=bind_node_ips)
-                    for i in range(num_engines)]  # fmt: skip
+        launches = [
+            _launch(
+                i,
+                model_dir=model_dir,
+                version=version,
+                seed=seed + 1000 * i,
+                cores=per[i],
+                slot=None if slots is None else slots[i],
+                bind=bind_node_ips,
+            )
+            for i in range(num_engines)
+        ]
         results = await asyncio.gather(
             *(backend.start(x) for x in launches), return_exceptions=True
         )
@@ -216,9 +225,15 @@ class Cluster:
             )
         old = self.engines[i]
         await self.backend.stop(old, timeout_s=REPLACE_STOP_TIMEOUT_S)
-        launch = _launch(i, model_dir=model_dir, version=version,
-                         seed=self.seed + 1000 * i + 7 * (version + 1), cores=self.engine_cores[i],
-                         slot=None if self.slots is None else self.slots[i], bind=self.bind_node_ips)  # fmt: skip
+        launch = _launch(
+            i,
+            model_dir=model_dir,
+            version=version,
+            seed=self.seed + 1000 * i + 7 * (version + 1),
+            cores=self.engine_cores[i],
+            slot=None if self.slots is None else self.slots[i],
+            bind=self.bind_node_ips,
+        )
         new = await self.backend.start(launch)
         if not admit:
             with contextlib.suppress(KeyError):
@@ -262,8 +277,9 @@ class Cluster:
             admitted.append(url)
         return admitted
 
-    async def served_versions(self, *, token: str | None, timeout_s: float = 10.0,
-                              urls: list[str] | None = None) -> list[Any]:  # fmt: skip
+    async def served_versions(
+        self, *, token: str | None, timeout_s: float = 10.0, urls: list[str] | None = None
+    ) -> list[Any]:
         """`weight_version` each engine (or each of `urls`) reports on `/model_info` (None
         where it did not answer)."""
         import aiohttp
@@ -305,9 +321,15 @@ def _launch(
     bind: bool,
 ) -> EngineLaunch:
     """Engine i's launch, in its reserved bundle (if any), bound to that node's IP if `bind`."""
-    return EngineLaunch(index=i, model_dir=str(model_dir), weight_version=version, seed=seed,
-                        cores=cores, host=slot.node_ip if slot is not None and bind else None,
-                        placement=None if slot is None else slot.actor_options())  # fmt: skip
+    return EngineLaunch(
+        index=i,
+        model_dir=str(model_dir),
+        weight_version=version,
+        seed=seed,
+        cores=cores,
+        host=slot.node_ip if slot is not None and bind else None,
+        placement=None if slot is None else slot.actor_options(),
+    )
 
 
 def _split(cores: tuple[int, ...], n: int) -> list[tuple[int, ...]]:

@@ -119,9 +119,12 @@ class Run:
             await self.transport.push(self.version)
             await self._admit_caught_up(self.version)
         elif len(self.cluster.pending) == len(self.cluster.engines):
-            log.warning("every engine is a replacement waiting for weights: pushing v%d now, "
-                        "before --update-weights-interval %d is due", self.version,
-                        self.cfg.update_weights_interval)  # fmt: skip
+            log.warning(
+                "every engine is a replacement waiting for weights: pushing v%d now, "
+                "before --update-weights-interval %d is due",
+                self.version,
+                self.cfg.update_weights_interval,
+            )
             await self.push_weights(self.version)
 
     async def _feed_role(self, version: int) -> None:
@@ -145,8 +148,9 @@ class Run:
         try:
             while True:
                 behind = asyncio.ensure_future(self.supervisor.behind.wait())
-                done, _ = await asyncio.wait({get, down, behind},
-                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                done, _ = await asyncio.wait(
+                    {get, down, behind}, return_when=asyncio.FIRST_COMPLETED
+                )
                 behind.cancel()
                 if get in done:
                     return get.result()
@@ -176,8 +180,11 @@ class Run:
         """`run_dir/served_versions.json`: the version each engine serves at the end (the last
         push reached every engine when all equal the trainer's version)."""
         versions = await self.cluster.served_versions(token=self.cfg.engine.auth_token)
-        record = {"trainer_version": self.version, "pushed_version": self.pushed_version,
-                  "engines": dict(zip(self.cluster.engine_urls, versions, strict=True))}  # fmt: skip
+        record = {
+            "trainer_version": self.version,
+            "pushed_version": self.pushed_version,
+            "engines": dict(zip(self.cluster.engine_urls, versions, strict=True)),
+        }
         (self.cfg.run_dir / "served_versions.json").write_text(json.dumps(record))
 
     async def evaluate(self, *, step: int) -> None:
@@ -189,8 +196,10 @@ class Run:
         scored = self.chain.scored_alone()
         k = self.cfg.rollout.n_samples_per_eval_prompt
         prompts = [p for p in self.plan.eval_prompts for _ in range(k)]
-        reqs = [GenerationRequest(prompt=p, group_seq=-1 - i // k, sample_index=i % k)
-                for i, p in enumerate(prompts)]  # fmt: skip
+        reqs = [
+            GenerationRequest(prompt=p, group_seq=-1 - i // k, sample_index=i % k)
+            for i, p in enumerate(prompts)
+        ]
         expected = self.cfg.rollout.max_response_len
         results = await asyncio.gather(*(scored(r, 0.0, expected) for r in reqs))
         by_level: dict[int, list[float]] = {}
@@ -201,9 +210,13 @@ class Run:
         allr = [r for rs in by_level.values() for r in rs]
         mean, se = mean_and_se(allr)
         pass_mean, pass_se = mean_and_se([float(r >= 1.0) for r in allr])
-        metrics = {"eval/reward": mean, "eval/reward_se": se,
-                   "eval/pass": pass_mean, "eval/pass_se": pass_se,
-                   "timing/eval_s": time.perf_counter() - t0}  # fmt: skip
+        metrics = {
+            "eval/reward": mean,
+            "eval/reward_se": se,
+            "eval/pass": pass_mean,
+            "eval/pass_se": pass_se,
+            "timing/eval_s": time.perf_counter() - t0,
+        }
         for level, rs in sorted(by_level.items()):
             metrics[f"eval/reward_level{level}"] = sum(rs) / len(rs)
         self.logger.log(step, metrics)
@@ -213,8 +226,12 @@ class Run:
         return bool(self.cfg.trainer.save and every and version % every == 0)
 
     async def save(self, version: int) -> None:
-        state = {"step": version, "worker": self.worker.state_dict(),
-                 "accounting": self.accounting(), "batch_shape": batch_shape(self.cfg)}  # fmt: skip
+        state = {
+            "step": version,
+            "worker": self.worker.state_dict(),
+            "accounting": self.accounting(),
+            "batch_shape": batch_shape(self.cfg),
+        }
         path = await asyncio.to_thread(self.trainer.save_checkpoint, None, extra_state=state)
         log.info("checkpoint saved: %s", path)
 
@@ -234,9 +251,13 @@ class Run:
 
     def accounting(self) -> dict[str, float]:
         a = self.worker.accounting()
-        return {"accounting/dispatched": a.dispatched, "accounting/consumed": a.consumed,
-                "accounting/dropped": a.dropped, "accounting/filtered": a.filtered,
-                "accounting/pending": a.pending}  # fmt: skip
+        return {
+            "accounting/dispatched": a.dispatched,
+            "accounting/consumed": a.consumed,
+            "accounting/dropped": a.dropped,
+            "accounting/filtered": a.filtered,
+            "accounting/pending": a.pending,
+        }
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self._logged_once:  # data-loading counters (rows, skipped) go with the first step
@@ -246,9 +267,13 @@ class Run:
 
     def record_trained(self, step: int, batch: Any) -> None:
         """Append which prompt groups step `step` trained on (the prompt ledger)."""
-        row = {"step": step, "version": batch.current_version,
-               "groups": [[g.prompt.key, g.seq, g.min_version] for g in batch.groups],
-               "dropped": batch.dropped, "filtered": batch.filtered}  # fmt: skip
+        row = {
+            "step": step,
+            "version": batch.current_version,
+            "groups": [[g.prompt.key, g.seq, g.min_version] for g in batch.groups],
+            "dropped": batch.dropped,
+            "filtered": batch.filtered,
+        }
         with open(self.cfg.run_dir / "trained.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 

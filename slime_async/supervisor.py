@@ -155,8 +155,10 @@ class EngineSupervisor:
                     log.warning(
                         "engine %d at %s is quarantined; its backend (%s) cannot restart engines: "
                         "waiting for the router to re-admit it once /health answers again",
-                        i, url, type(self.cluster.backend).__name__,
-                    )  # fmt: skip
+                        i,
+                        url,
+                        type(self.cluster.backend).__name__,
+                    )
                 continue
             dead = not await self.cluster.engine_alive(i)
             if dead or now - since >= self.cfg.restart_after_s:
@@ -172,8 +174,10 @@ class EngineSupervisor:
             log.warning(
                 "no healthy rollout engine for %.0fs (of %.0fs allowed): generation is waiting; "
                 "restarts so far: %d",
-                down, self.cfg.all_down_timeout_s, self.restarts,
-            )  # fmt: skip
+                down,
+                self.cfg.all_down_timeout_s,
+                self.restarts,
+            )
         if down >= self.cfg.all_down_timeout_s:
             self.reason = (
                 f"all {len(self.cluster.engine_urls)} rollout engines were down for "
@@ -199,9 +203,16 @@ class EngineSupervisor:
             return
         self._unhealthy_since.pop(old, None)
         if version < fleet:
-            log.warning("engine %d replaced: %s -> %s; it holds v%d, the fleet serves v%d: no "
-                        "generation until a push gives it v%d", i, old, url, version, fleet,
-                        fleet)  # fmt: skip
+            log.warning(
+                "engine %d replaced: %s -> %s; it holds v%d, the fleet serves v%d: no "
+                "generation until a push gives it v%d",
+                i,
+                old,
+                url,
+                version,
+                fleet,
+                fleet,
+            )
             self.behind.set()
         else:
             log.info("engine %d replaced: %s -> %s (serving v%d)", i, old, url, version)

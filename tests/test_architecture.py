@@ -60,16 +60,26 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_leaves_never_import_the_orchestrator():
-    bad = [(m, d) for m, deps in _graph().items() if m.split(".")[0] in LEAVES
-           for d in deps if d.split(".")[0] == "slime_async"]  # fmt: skip
+    bad = [
+        (m, d)
+        for m, deps in _graph().items()
+        if m.split(".")[0] in LEAVES
+        for d in deps
+        if d.split(".")[0] == "slime_async"
+    ]
     assert not bad, f"leaf modules importing slime_async: {bad}"
 
 
 def test_the_runtime_never_imports_the_lab_tools():
     graph = _graph()
     assert any(m.split(".")[0] in TOOLS for m in graph), "the lab package was not found"
-    bad = [(m, d) for m, deps in graph.items() if m.split(".")[0] in PACKAGES
-           for d in deps if d.split(".")[0] in TOOLS]  # fmt: skip
+    bad = [
+        (m, d)
+        for m, deps in graph.items()
+        if m.split(".")[0] in PACKAGES
+        for d in deps
+        if d.split(".")[0] in TOOLS
+    ]
     assert not bad, f"runtime modules importing the lab tools: {bad}"
 
 

@@ -25,10 +25,17 @@ pytestmark = pytest.mark.timeout(120)
 async def _one_batch(url: str, reward_fn, *, groups: int = 2, n: int = 4):
     client = GenerateClient(GenerateClientConfig(url=url, max_response_len=6))
     scored = ScoredGenerate(client, reward_fn, eos_id=2)
-    prompts = [{"prompt_ids": [1, 5 + i, 9, 3], "key": f"p{i}", "payload": {"label": [7]}}
-               for i in range(groups)]  # fmt: skip
-    cfg = DataWorkerConfig(n_samples_per_prompt=n, groups_per_step=groups, max_staleness=0,
-                           fifo_window=groups, default_expected_len=6)  # fmt: skip
+    prompts = [
+        {"prompt_ids": [1, 5 + i, 9, 3], "key": f"p{i}", "payload": {"label": [7]}}
+        for i in range(groups)
+    ]
+    cfg = DataWorkerConfig(
+        n_samples_per_prompt=n,
+        groups_per_step=groups,
+        max_staleness=0,
+        fifo_window=groups,
+        default_expected_len=6,
+    )
     worker = RolloutDataWorker(cfg, InMemoryPromptSource(prompts), scored)
     await worker.start()
     try:
@@ -63,8 +70,11 @@ async def test_reward_that_returns_nan_masks_the_sample_and_is_counted(engine_ur
     n = sum(len(g.samples) for g in batch.groups)
     assert n == 8 and scored.reward_failures == 4  # 4 NaN, none lost
     assert data.metrics["rollout/reward_masked"] == 4.0
-    bad = [i for i, (g, s) in enumerate((g, s) for g in batch.groups for s in g.samples)
-           if s.payload["reward_status"] != "ok"]  # fmt: skip
+    bad = [
+        i
+        for i, (g, s) in enumerate((g, s) for g in batch.groups for s in g.samples)
+        if s.payload["reward_status"] != "ok"
+    ]
     assert len(bad) == 4
     for i in range(n):
         assert bool(data.batch.loss_mask[i].any()) == (i not in bad)
@@ -82,9 +92,11 @@ async def test_non_finite_engine_logprobs_mask_those_tokens_and_are_counted(unus
         entries = ",".join(
             f"[{'null' if v is None else v}, {t}, null]" for v, t in zip(lp, ids, strict=True)
         )
-        text = ('{"text": "", "output_ids": [7, 8, 9, 2], "meta_info": {"finish_reason": '
-                '{"type": "stop", "matched": 2}, "weight_version": "0", '
-                f'"output_token_logprobs": [{entries}]}}}}')  # fmt: skip
+        text = (
+            '{"text": "", "output_ids": [7, 8, 9, 2], "meta_info": {"finish_reason": '
+            '{"type": "stop", "matched": 2}, "weight_version": "0", '
+            f'"output_token_logprobs": [{entries}]}}}}'
+        )
         return web.Response(text=text, content_type="application/json")
 
     app = web.Application()
@@ -93,8 +105,7 @@ async def test_non_finite_engine_logprobs_mask_those_tokens_and_are_counted(unus
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", unused_tcp_port).start()
     try:
-        batch, _, client = await _one_batch(f"http://127.0.0.1:{unused_tcp_port}",
-                                            lambda inp: 1.0)  # fmt: skip
+        batch, _, client = await _one_batch(f"http://127.0.0.1:{unused_tcp_port}", lambda inp: 1.0)
     finally:
         await runner.cleanup()
     data = assemble(batch, estimator="grpo")
@@ -110,7 +121,8 @@ async def test_non_finite_engine_logprobs_mask_those_tokens_and_are_counted(unus
 def test_engine_without_a_numeric_weight_version_is_a_clear_error():
     from slime_async.rollout.client import GenerateError, token_versions
 
-    assert token_versions({"weight_version": "3", "weight_versions": [
-        {"version": "2", "start": 0, "end": 2}]}, 4) == [2, 2, 3, 3]  # fmt: skip
+    assert token_versions(
+        {"weight_version": "3", "weight_versions": [{"version": "2", "start": 0, "end": 2}]}, 4
+    ) == [2, 2, 3, 3]
     with pytest.raises(GenerateError, match="--weight-version 0"):
         token_versions({"weight_version": "default"}, 2)

@@ -127,12 +127,28 @@ async def test_the_run_computes_pi_j_in_the_role(tmp_path):
     from slime_async.config import parse_config
     from slime_async.controller import train
 
-    cfg = parse_config([
-        "--run-dir", str(tmp_path), "--num-steps", "4", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "4", "--rollout-max-response-len", "12",
-        "--warmstart-steps", "0", "--eval-interval", "0", "--micro-batch-size", "4",
-        "--max-staleness", "2",
-    ])  # fmt: skip
+    cfg = parse_config(
+        [
+            "--run-dir",
+            str(tmp_path),
+            "--num-steps",
+            "4",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "4",
+            "--rollout-max-response-len",
+            "12",
+            "--warmstart-steps",
+            "0",
+            "--eval-interval",
+            "0",
+            "--micro-batch-size",
+            "4",
+            "--max-staleness",
+            "2",
+        ]
+    )
     # the default of an async run whose loss reads pi_j^Meg
     assert cfg.trainer.keep_old_actor and cfg.trainer.behavior_forward == "role"
     summary = await train(cfg)
@@ -162,8 +178,13 @@ def test_a_continued_sample_is_sent_whole_and_assembled_in_place():
     from slime_async.rollout.behavior import sample_batch
 
     prompt = Prompt(key="p", prompt_ids=(1, 5, 3))
-    req = GenerationRequest(prompt=prompt, group_seq=0, sample_index=0, prefix_ids=(11, 12),
-                            prefix_versions=VersionRuns.constant(4, 2))  # fmt: skip
+    req = GenerationRequest(
+        prompt=prompt,
+        group_seq=0,
+        sample_index=0,
+        prefix_ids=(11, 12),
+        prefix_versions=VersionRuns.constant(4, 2),
+    )
     res = GenerationResult(output_ids=(13, 2), token_versions=(5, 5))
     b = sample_batch([(req, res)])
     assert b.tokens.tolist() == [[1, 5, 3, 11, 12, 13, 2]]
@@ -172,14 +193,28 @@ def test_a_continued_sample_is_sent_whole_and_assembled_in_place():
 
     def sample(i: int, payload: dict) -> Sample:
         base = {"logprobs": [-1.0, -1.0], "nonfinite": [False, False], "reward": float(i)}
-        return Sample(sample_index=i, output_ids=(13, 2), token_versions=VersionRuns.constant(5, 2),
-                      payloads=({**base, **payload},), min_version=5, attempts=1)  # fmt: skip
+        return Sample(
+            sample_index=i,
+            output_ids=(13, 2),
+            token_versions=VersionRuns.constant(5, 2),
+            payloads=({**base, **payload},),
+            min_version=5,
+            attempts=1,
+        )
 
-    group = Group(seq=0, prompt=prompt, samples=(sample(0, {"behavior_logprobs": [-0.5, -0.25]}),
-                                                 sample(1, {})),
-                  min_version=5, max_version=5, admitted_version=5, completed_at=0.0)  # fmt: skip
-    tb = assemble(Batch(groups=(group,), dropped=0, filtered=0, current_version=6, wait_s=0.0),
-                  estimator="grpo").batch  # fmt: skip
+    group = Group(
+        seq=0,
+        prompt=prompt,
+        samples=(sample(0, {"behavior_logprobs": [-0.5, -0.25]}), sample(1, {})),
+        min_version=5,
+        max_version=5,
+        admitted_version=5,
+        completed_at=0.0,
+    )
+    tb = assemble(
+        Batch(groups=(group,), dropped=0, filtered=0, current_version=6, wait_s=0.0),
+        estimator="grpo",
+    ).batch
     assert tb.behavior_logprobs[0, 3:].tolist() == [-0.5, -0.25]
     assert bool(tb.behavior_logprobs[0, :3].isnan().all()) and bool(
         tb.behavior_logprobs[1].isnan().all()

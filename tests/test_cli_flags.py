@@ -35,8 +35,11 @@ def test_every_flag_is_one_config_field():
     assert not hand_written, f"flags not generated from a config field: {hand_written}"
     twice = {f"{c.__name__}.{n}": opts for (c, n), opts in seen.items() if len(opts) > 1}
     assert not twice, f"fields with more than one flag: {twice}"
-    undocumented = [a.option_strings[0] for a in parser._actions
-                    if flag_of(a) and a.help.startswith("(undocumented)")]
+    undocumented = [
+        a.option_strings[0]
+        for a in parser._actions
+        if flag_of(a) and a.help.startswith("(undocumented)")
+    ]
     assert not undocumented, f"flags whose field has no docstring: {undocumented}"
     assert len(seen) > 100
 
@@ -54,8 +57,22 @@ def _dry_run(capsys, *argv: str) -> str:
     "argv",
     [
         (),
-        ("--max-staleness", "3", "--loss", "ppo", "--lr", "3e-5", "--rollout-stop", "a", "b",
-         "--fifo-window", "inf", "--max-off-policy-steps", "9", "--keep-old-actor"),
+        (
+            "--max-staleness",
+            "3",
+            "--loss",
+            "ppo",
+            "--lr",
+            "3e-5",
+            "--rollout-stop",
+            "a",
+            "b",
+            "--fifo-window",
+            "inf",
+            "--max-off-policy-steps",
+            "9",
+            "--keep-old-actor",
+        ),
     ],
     ids=["defaults", "given"],
 )
@@ -127,10 +144,25 @@ def test_flags_come_from_the_fields():
     text = parser.format_help()
     assert "Steps to run." in text and "twice the steps" in text and "--hidden" not in text
     assert "--go-fast" in text and "--no-go-fast" in text and "{red,blue}" in text
-    _, cfg = _example("--steps", "5", "--rate", "0.5", "--color", "blue", "--mode", "b",
-                      "--names", "p", "q", "--slow", "--label", "none")
-    assert cfg == Example(steps=5, rate=0.5, color=Color.BLUE, mode="b", names=("p", "q"),
-                          fast=False, label=None)
+    _, cfg = _example(
+        "--steps",
+        "5",
+        "--rate",
+        "0.5",
+        "--color",
+        "blue",
+        "--mode",
+        "b",
+        "--names",
+        "p",
+        "q",
+        "--slow",
+        "--label",
+        "none",
+    )
+    assert cfg == Example(
+        steps=5, rate=0.5, color=Color.BLUE, mode="b", names=("p", "q"), fast=False, label=None
+    )
     assert _example("--no-go-fast")[1].fast is False
 
 

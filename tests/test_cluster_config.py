@@ -45,8 +45,16 @@ def test_one_token_for_router_and_engines() -> None:
 
 
 def test_ranks_and_engines_from_slimes_flags() -> None:
-    cfg = _validate("--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2",
-                    "--expert-model-parallel-size", "2", "--rollout-num-gpus", "3")  # fmt: skip
+    cfg = _validate(
+        "--actor-num-nodes",
+        "2",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--expert-model-parallel-size",
+        "2",
+        "--rollout-num-gpus",
+        "3",
+    )
     assert cfg.trainer.world_size == 4 and cfg.trainer.data_parallel_size == 4
     assert (
         cfg.engines.num_engines == 3 and "--rollout-num-gpus 3" in cfg.derived["--num-engines"].why
@@ -65,8 +73,9 @@ def test_ray_address_flag_env_and_local(monkeypatch) -> None:
 
 
 def _slot(node: str, cpus: float, cores: tuple[int, ...]) -> Slot:
-    return Slot(pg=None, index=0, resources={"CPU": cpus}, node_id=node, node_ip=node, port=1,
-                cores=cores)  # type: ignore[arg-type]  # fmt: skip
+    return Slot(
+        pg=None, index=0, resources={"CPU": cpus}, node_id=node, node_ip=node, port=1, cores=cores
+    )  # type: ignore[arg-type]
 
 
 def test_each_node_splits_its_own_cores_by_reserved_cpus() -> None:

@@ -57,8 +57,13 @@ class TwoNodes:
         self.tmp = tmp
         self.ray_current_existed = RAY_CURRENT.exists()
         self.made: list[str] = []
-        self.env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled",
-                    "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "HF_HUB_OFFLINE": "1",
+        }
         self.env.pop("RAY_ADDRESS", None)
         self.env.pop("SLIME_ASYNC_AUTH_TOKEN", None)
         self.ray = str(Path(sys.executable).with_name("ray"))
@@ -81,21 +86,56 @@ class TwoNodes:
             _sh(*run, "ip", "route", "add", "default", "dev", dev)
 
     def ray_up(self) -> None:
-        head = ["ip", "netns", "exec", self.ns_t, self.ray, "start", "--head",
-                "--node-ip-address", TRAINER_IP, "--port", "6379", "--num-cpus", "4",
-                "--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats",
-                "--object-store-memory", "100000000", "--temp-dir", str(self.ray_tmp)]  # fmt: skip
-        res = subprocess.run(head, capture_output=True, text=True, env=self.env, cwd=REPO,
-                             timeout=120)  # fmt: skip
+        head = [
+            "ip",
+            "netns",
+            "exec",
+            self.ns_t,
+            self.ray,
+            "start",
+            "--head",
+            "--node-ip-address",
+            TRAINER_IP,
+            "--port",
+            "6379",
+            "--num-cpus",
+            "4",
+            "--num-gpus",
+            "0",
+            "--include-dashboard",
+            "false",
+            "--disable-usage-stats",
+            "--object-store-memory",
+            "100000000",
+            "--temp-dir",
+            str(self.ray_tmp),
+        ]
+        res = subprocess.run(
+            head, capture_output=True, text=True, env=self.env, cwd=REPO, timeout=120
+        )
         assert res.returncode == 0, res.stdout + res.stderr
         mounts = " && ".join(f"mkdir -p {p} && mount -t tmpfs tmpfs {p}" for p in self.hide)
-        worker = (f"{mounts} && exec {self.ray} start --address {TRAINER_IP}:6379 "
-                  f"--node-ip-address {ENGINE_IP} --num-cpus 2 --num-gpus 0 "
-                  "--object-store-memory 100000000 --disable-usage-stats")  # fmt: skip
-        cmd = ["ip", "netns", "exec", self.ns_e, "unshare", "--mount", "--propagation", "private",
-               "sh", "-c", worker]  # fmt: skip
-        res = subprocess.run(cmd, capture_output=True, text=True, env=self.env, cwd=REPO,
-                             timeout=120)  # fmt: skip
+        worker = (
+            f"{mounts} && exec {self.ray} start --address {TRAINER_IP}:6379 "
+            f"--node-ip-address {ENGINE_IP} --num-cpus 2 --num-gpus 0 "
+            "--object-store-memory 100000000 --disable-usage-stats"
+        )
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.ns_e,
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            worker,
+        ]
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, env=self.env, cwd=REPO, timeout=120
+        )
         assert res.returncode == 0, res.stdout + res.stderr
 
     def pids(self, ns: str) -> list[int]:
@@ -142,13 +182,41 @@ def _skip_reason() -> str | None:
 
 
 def _train_argv(run_dir: Path, steps: int, *extra: str) -> list[str]:
-    argv = [sys.executable, "train_async.py", "--ray-address", f"{TRAINER_IP}:6379",
-            "--run-dir", str(run_dir), "--num-steps", str(steps), "--warmstart-steps", "0",
-            "--eval-interval", "0", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--rollout-max-response-len", "8", "--micro-batch-size", "2",
-            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
-            "--actor-num-cpus-per-rank", "2", "--num-engines", "2",
-            "--rollout-num-cpus-per-engine", "1", "--max-staleness", "1", *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "train_async.py",
+        "--ray-address",
+        f"{TRAINER_IP}:6379",
+        "--run-dir",
+        str(run_dir),
+        "--num-steps",
+        str(steps),
+        "--warmstart-steps",
+        "0",
+        "--eval-interval",
+        "0",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "8",
+        "--micro-batch-size",
+        "2",
+        "--actor-num-nodes",
+        "1",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--actor-num-cpus-per-rank",
+        "2",
+        "--num-engines",
+        "2",
+        "--rollout-num-cpus-per-engine",
+        "1",
+        "--max-staleness",
+        "1",
+        *extra,
+    ]
     return argv
 
 
@@ -178,8 +246,11 @@ def test_distributed_transport_needs_no_shared_filesystem(tmp_path: Path) -> Non
         pytest.skip("this build has no --update-weight-transport distributed")
     model = _shared_model(tmp_path.parent / f"{tmp_path.name}_shared")
     try:
-        _two_node_run(tmp_path, hidden=True, extra=("--update-weight-transport", "distributed",
-                                                    "--hf-checkpoint", str(model)))  # fmt: skip
+        _two_node_run(
+            tmp_path,
+            hidden=True,
+            extra=("--update-weight-transport", "distributed", "--hf-checkpoint", str(model)),
+        )
     finally:
         shutil.rmtree(model.parent, ignore_errors=True)
 

@@ -60,12 +60,32 @@ def test_rollout_seed_and_routing_replay_have_one_owner_each():
 
 
 def test_slime_names_map_onto_component_configs():
-    cfg = _cfg("--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-               "--num-steps-per-rollout", "2", "--num-rollout", "3", "--eps-clip", "0.1",
-               "--eps-clip-high", "0.28", "--use-rollout-routing-replay", "--keep-old-actor",
-               "--staleness-correction-method", "icepop", "--staleness-correction-low", "0.5",
-               "--staleness-correction-high", "5", "--fifo-window", "inf",
-               "--max-off-policy-steps", "3")  # fmt: skip
+    cfg = _cfg(
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-steps-per-rollout",
+        "2",
+        "--num-rollout",
+        "3",
+        "--eps-clip",
+        "0.1",
+        "--eps-clip-high",
+        "0.28",
+        "--use-rollout-routing-replay",
+        "--keep-old-actor",
+        "--staleness-correction-method",
+        "icepop",
+        "--staleness-correction-low",
+        "0.5",
+        "--staleness-correction-high",
+        "5",
+        "--fifo-window",
+        "inf",
+        "--max-off-policy-steps",
+        "3",
+    )
     assert cfg.rollout.global_batch_size == 8 and cfg.num_steps == 6
     loss = cfg.trainer.loss.config
     assert loss.eps_clip_high == 0.28 and cfg.trainer.routing_replay.value == "r3"
@@ -133,10 +153,14 @@ def test_max_snapshots_is_derived_when_unset_kept_when_enough_refused_when_too_f
     ("interval", "forward", "snapshots"),
     [
         # bound S 2 + ceil((W 16 - 1) / B 8) = 4 for every interval: the drop is 4, not 4 + I - 1
-        (1, "trainer", 5), (2, "trainer", 5), (3, "trainer", 5),  # every version: bound + 1
-        (1, "role", 5), (2, "role", 4), (3, "role", 3),  # pushed ones: floor(4 / I) + 2
+        (1, "trainer", 5),
+        (2, "trainer", 5),
+        (3, "trainer", 5),  # every version: bound + 1
+        (1, "role", 5),
+        (2, "role", 4),
+        (3, "role", 3),  # pushed ones: floor(4 / I) + 2
     ],
-)  # fmt: skip
+)
 def test_drop_and_snapshots_come_from_one_bound_for_any_push_interval(interval, forward, snapshots):
     from data_worker.budget import snapshot_count
 
@@ -152,8 +176,14 @@ def test_drop_and_snapshots_come_from_one_bound_for_any_push_interval(interval, 
     assert cfg.derived["--max-snapshots"].why.startswith("staleness bound 4 (S 2 + ceil((W 16")
     assert "update-weights-interval" in cfg.derived["--max-off-policy-steps"].why
     with pytest.raises(ValueError, match=f"--max-snapshots {snapshots}"):
-        _cfg("--update-weights-interval", str(interval), "--behavior-forward", forward,
-             "--max-snapshots", str(snapshots - 1))  # fmt: skip
+        _cfg(
+            "--update-weights-interval",
+            str(interval),
+            "--behavior-forward",
+            forward,
+            "--max-snapshots",
+            str(snapshots - 1),
+        )
 
 
 def test_warm_start_is_off_for_user_data_and_resumes_and_refused_when_asked_for():
@@ -233,32 +263,62 @@ def test_read_environment_reads_the_model_and_names_a_bad_checkpoint(tmp_path):
 _OWNERS = {
     "run": (RunConfig, {}, ""),
     "placement": (RunConfig, {}, ""),
-    "rollout engines": (EngineFleetConfig, {"engine_backend": "backend", "engine_urls": "urls",
-                                            "engine_attach_timeout": "attach_timeout_s",
-                                            "rollout_num_gpus_per_engine": "gpus_per_engine",
-                                            "rollout_num_cpus_per_engine": "cpus_per_engine",
-                                            "engine_start_timeout": "start_timeout_s"},
-                        ""),
-    "rollout and data": (RolloutConfig, {"rollout_max_response_len": "max_response_len",
-                                         "rollout_temperature": "temperature",
-                                         "rollout_top_p": "top_p", "rollout_top_k": "top_k",
-                                         "rollout_stop": "stop", "rollout_seed": "seed",
-                                         "rollout_stop_token_ids": "stop_token_ids"}, ""),
+    "rollout engines": (
+        EngineFleetConfig,
+        {
+            "engine_backend": "backend",
+            "engine_urls": "urls",
+            "engine_attach_timeout": "attach_timeout_s",
+            "rollout_num_gpus_per_engine": "gpus_per_engine",
+            "rollout_num_cpus_per_engine": "cpus_per_engine",
+            "engine_start_timeout": "start_timeout_s",
+        },
+        "",
+    ),
+    "rollout and data": (
+        RolloutConfig,
+        {
+            "rollout_max_response_len": "max_response_len",
+            "rollout_temperature": "temperature",
+            "rollout_top_p": "top_p",
+            "rollout_top_k": "top_k",
+            "rollout_stop": "stop",
+            "rollout_seed": "seed",
+            "rollout_stop_token_ids": "stop_token_ids",
+        },
+        "",
+    ),
     "async schedule and staleness (data worker)": (DataWorkerConfig, {}, ""),
-    "trainer": (TrainerConfig, {"num_virtual_stages_per_pipeline_rank":
-                                "virtual_pipeline_model_parallel_size",
-                                "lr_warmup_iters": "lr_warmup_steps",
-                                "lr_decay_iters": "lr_decay_steps"}, ""),
+    "trainer": (
+        TrainerConfig,
+        {
+            "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
+            "lr_warmup_iters": "lr_warmup_steps",
+            "lr_decay_iters": "lr_decay_steps",
+        },
+        "",
+    ),
     "embedded engine": (EngineConfig, {}, "engine_"),
-    "engine supervision": (SupervisorConfig, {"engine_restart_after": "restart_after_s",
-                                              "engine_down_timeout": "all_down_timeout_s"}, ""),
+    "engine supervision": (
+        SupervisorConfig,
+        {"engine_restart_after": "restart_after_s", "engine_down_timeout": "all_down_timeout_s"},
+        "",
+    ),
     "router": (RouterConfig, {}, "router_"),
-    "weight sync": (WeightSyncConfig, {"update_weight_buffer_size": "bucket_bytes",
-                                       "update_weight_timeout": "timeout_s"}, "update_weight_"),
-}  # fmt: skip
+    "weight sync": (
+        WeightSyncConfig,
+        {"update_weight_buffer_size": "bucket_bytes", "update_weight_timeout": "timeout_s"},
+        "update_weight_",
+    ),
+}
 # flags that select behaviour rather than set a config field
-_NOT_FIELDS = {"help", "num_rollout", "use_rollout_routing_replay", "rollout_function_path",
-               "rollout_num_gpus"}  # fmt: skip
+_NOT_FIELDS = {
+    "help",
+    "num_rollout",
+    "use_rollout_routing_replay",
+    "rollout_function_path",
+    "rollout_num_gpus",
+}
 
 
 _REQUIRED = object()

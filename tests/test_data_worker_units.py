@@ -124,8 +124,12 @@ def test_staleness_bound_and_snapshot_count_by_hand() -> None:
     assert staleness_bound(**win, max_off_policy_steps=9) == 4
     assert staleness_bound(max_staleness=3, fifo_window=1, groups_per_step=8) == 3
     assert math.isinf(staleness_bound(max_staleness=1, fifo_window=math.inf, groups_per_step=8))
-    assert staleness_bound(max_staleness=1, fifo_window=math.inf, groups_per_step=8,
-                           max_off_policy_steps=5) == 5  # fmt: skip
+    assert (
+        staleness_bound(
+            max_staleness=1, fifo_window=math.inf, groups_per_step=8, max_off_policy_steps=5
+        )
+        == 5
+    )
     assert [snapshot_count(bound=4, versions_every=i) for i in (1, 2, 3, 4, 8)] == [5, 4, 3, 3, 2]
     assert snapshot_count(bound=1, versions_every=2) == 2  # never more than bound + 1
     assert math.isinf(snapshot_count(bound=math.inf, versions_every=1))

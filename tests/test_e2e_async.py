@@ -22,22 +22,34 @@ pytestmark = pytest.mark.timeout(600)
 
 def _argv(run_dir: Path, *extra: str) -> list[str]:
     return [
-        "--run-dir", str(run_dir),
-        "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "4",
-        "--rollout-max-response-len", "12",
-        "--warmstart-steps", "0",
-        "--eval-interval", "0",
+        "--run-dir",
+        str(run_dir),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "12",
+        "--warmstart-steps",
+        "0",
+        "--eval-interval",
+        "0",
         "--use-rollout-routing-replay",
         "--keep-old-actor",
-        "--staleness-correction-method", "clip",
-        "--engine-correction-method", "icepop",
-        "--engine-correction-low", "0.5",
-        "--engine-correction-high", "2.0",
-        "--micro-batch-size", "4",
-        "--lr", "1e-3",
+        "--staleness-correction-method",
+        "clip",
+        "--engine-correction-method",
+        "icepop",
+        "--engine-correction-low",
+        "0.5",
+        "--engine-correction-high",
+        "2.0",
+        "--micro-batch-size",
+        "4",
+        "--lr",
+        "1e-3",
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def _ledger(run_dir: Path) -> list[dict]:
@@ -78,8 +90,10 @@ async def test_async_modes_train_and_respect_staleness(tmp_path, staleness):
     assert summary["accounting/consumed"] == steps * b
     per_step = _metrics(tmp_path)
     assert len(per_step) == steps
-    assert all("is/staleness/mean" in m and "mismatch/train_rollout_logprob_abs_diff" in m
-               for m in per_step)  # fmt: skip
+    assert all(
+        "is/staleness/mean" in m and "mismatch/train_rollout_logprob_abs_diff" in m
+        for m in per_step
+    )
 
 
 async def test_resume_continues_without_loss_or_repeat(tmp_path):
@@ -106,9 +120,7 @@ async def test_resume_continues_without_loss_or_repeat(tmp_path):
     )
 
 
-@pytest.mark.parametrize(
-    ("interval", "forward"), [(2, "trainer"), (3, "trainer"), (3, "role")]
-)  # fmt: skip
+@pytest.mark.parametrize(("interval", "forward"), [(2, "trainer"), (3, "trainer"), (3, "role")])
 async def test_pushes_every_few_steps_keep_a_snapshot_of_every_trained_version(
     tmp_path, interval, forward
 ):
@@ -117,9 +129,19 @@ async def test_pushes_every_few_steps_keep_a_snapshot_of_every_trained_version(
     holds against the trainer's version whatever the interval, and the derived snapshot count
     covers it, for the trainer's every-version snapshots and for the role's pushed ones."""
     steps = 6
-    cfg = parse_config(_argv(tmp_path, "--num-steps", str(steps), "--max-staleness", "2",
-                             "--update-weights-interval", str(interval),
-                             "--behavior-forward", forward))  # fmt: skip
+    cfg = parse_config(
+        _argv(
+            tmp_path,
+            "--num-steps",
+            str(steps),
+            "--max-staleness",
+            "2",
+            "--update-weights-interval",
+            str(interval),
+            "--behavior-forward",
+            forward,
+        )
+    )
     await train(cfg)
     bound = cfg.data_worker.max_off_policy_steps
     assert bound == 2 + math.ceil((cfg.data_worker.fifo_window - 1) / cfg.rollout.groups_per_step)
@@ -132,9 +154,12 @@ async def test_pushes_every_few_steps_keep_a_snapshot_of_every_trained_version(
     assert len(per_step) == steps
     fallback = sum(m["loss/compis_fallback"] for m in per_step)
     missing = sum(m.get("train/behavior_missing_tokens", 0.0) for m in per_step)
-    print(f"I {interval} {forward}: snapshots {cfg.trainer.max_snapshots}, ages {sorted(ages)}, "
-          f"fallback steps {fallback}, missing tokens {missing}")  # fmt: skip
-    assert (fallback, missing) == (0, 0), [(m["train/version"], m["loss/compis_fallback"])
-                                           for m in per_step]  # fmt: skip
+    print(
+        f"I {interval} {forward}: snapshots {cfg.trainer.max_snapshots}, ages {sorted(ages)}, "
+        f"fallback steps {fallback}, missing tokens {missing}"
+    )
+    assert (fallback, missing) == (0, 0), [
+        (m["train/version"], m["loss/compis_fallback"]) for m in per_step
+    ]
     if forward == "role":
         assert all(m["train/behavior_forwards"] == 0 for m in per_step)  # the role computed them

@@ -24,16 +24,38 @@ def _hf_dir(root: Path) -> Path:
 
     from slime_async.contracts.model import ModelSpec
 
-    words = ["<pad>", "<s>", "</s>", "<unk>", *list("0123456789+-=?"), "What", "is", "The",
-             "answer"]  # fmt: skip
+    words = [
+        "<pad>",
+        "<s>",
+        "</s>",
+        "<unk>",
+        *list("0123456789+-=?"),
+        "What",
+        "is",
+        "The",
+        "answer",
+    ]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern=r"\s+|(?=[0-9+\-=?])|(?<=[0-9+\-=?])",
-                                             behavior="removed")  # fmt: skip
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>", unk_token="<unk>")  # fmt: skip
-    spec = ModelSpec(family="llama", vocab_size=32, hidden_size=64, num_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     intermediate_size=128)  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.Split(
+        pattern=r"\s+|(?=[0-9+\-=?])|(?<=[0-9+\-=?])", behavior="removed"
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    spec = ModelSpec(
+        family="llama",
+        vocab_size=32,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+    )
     cfg = spec.to_hf_config()
     cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = 2, 0, 1
     out = root / "hf"
@@ -43,8 +65,11 @@ def _hf_dir(root: Path) -> Path:
 
 
 def _data(root: Path) -> Path:
-    rows = [json.dumps({"prompt": f"What is {a}+{b}?", "label": str(a + b)})
-            for a in range(4) for b in range(3)]  # fmt: skip
+    rows = [
+        json.dumps({"prompt": f"What is {a}+{b}?", "label": str(a + b)})
+        for a in range(4)
+        for b in range(3)
+    ]
     rows.insert(3, "{not json")
     rows.insert(5, "")
     rows.insert(7, json.dumps({"prompt": "What is 1+1?"}))  # no label
@@ -54,10 +79,27 @@ def _data(root: Path) -> Path:
 
 
 def _argv(tmp: Path, hf: Path, data: Path, *extra: str) -> list[str]:
-    return ["--run-dir", str(tmp / "run"), "--prompt-data", str(data), "--hf-checkpoint",
-            str(hf), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--rollout-max-response-len", "6", "--num-steps", "2", "--eval-interval", "0",
-            "--micro-batch-size", "4", *extra]  # fmt: skip
+    return [
+        "--run-dir",
+        str(tmp / "run"),
+        "--prompt-data",
+        str(data),
+        "--hf-checkpoint",
+        str(hf),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "6",
+        "--num-steps",
+        "2",
+        "--eval-interval",
+        "0",
+        "--micro-batch-size",
+        "4",
+        *extra,
+    ]
 
 
 async def test_jsonl_run_with_tokenizer_and_math_verify_skips_bad_rows(tmp_path):
@@ -76,15 +118,31 @@ def test_strict_data_names_file_and_line(tmp_path):
 
     hf, data = _hf_dir(tmp_path), _data(tmp_path)
     with pytest.raises(DatasetError, match=rf"{data}:4: "):
-        make_data_plan(seed=0, prompt_data=str(data), hf_checkpoint=str(hf), input_key="prompt",
-                       label_key="label", apply_chat_template=False, strict_data=True,
-                       custom_rm_path=None, eval_prompts=0)  # fmt: skip
+        make_data_plan(
+            seed=0,
+            prompt_data=str(data),
+            hf_checkpoint=str(hf),
+            input_key="prompt",
+            label_key="label",
+            apply_chat_template=False,
+            strict_data=True,
+            custom_rm_path=None,
+            eval_prompts=0,
+        )
 
 
 def test_prompt_data_without_a_tokenizer_dir_is_refused(tmp_path):
     from slime_async.rollout.plan import make_data_plan
 
     with pytest.raises(ValueError, match="--prompt-data needs --hf-checkpoint"):
-        make_data_plan(seed=0, prompt_data=str(_data(tmp_path)), hf_checkpoint=None,
-                       input_key="prompt", label_key="label", apply_chat_template=False,
-                       strict_data=False, custom_rm_path=None, eval_prompts=0)  # fmt: skip
+        make_data_plan(
+            seed=0,
+            prompt_data=str(_data(tmp_path)),
+            hf_checkpoint=None,
+            input_key="prompt",
+            label_key="label",
+            apply_chat_template=False,
+            strict_data=False,
+            custom_rm_path=None,
+            eval_prompts=0,
+        )

@@ -19,27 +19,75 @@ pytestmark = pytest.mark.timeout(600)
 
 SLIME_FLAGS = [
     # ROLLOUT_ARGS (run-qwen3-4B.sh), scaled down
-    "--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-    "--rollout-max-response-len", "12", "--rollout-temperature", "1", "--global-batch-size", "8",
-    "--rollout-top-p", "1", "--rollout-top-k", "-1", "--rollout-seed", "42",
-    "--rollout-stop-token-ids", "8",
+    "--num-rollout",
+    "3",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "4",
+    "--rollout-max-response-len",
+    "12",
+    "--rollout-temperature",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--rollout-top-p",
+    "1",
+    "--rollout-top-k",
+    "-1",
+    "--rollout-seed",
+    "42",
+    "--rollout-stop-token-ids",
+    "8",
     # EVAL_ARGS
-    "--eval-interval", "2",
+    "--eval-interval",
+    "2",
     # GRPO_ARGS
-    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.01",
-    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.001", "--eps-clip", "0.2",
-    "--eps-clip-high", "0.28",
+    "--advantage-estimator",
+    "grpo",
+    "--use-kl-loss",
+    "--kl-loss-coef",
+    "0.01",
+    "--kl-loss-type",
+    "low_var_kl",
+    "--entropy-coef",
+    "0.001",
+    "--eps-clip",
+    "0.2",
+    "--eps-clip-high",
+    "0.28",
     # TIS (slime's train-infer mismatch example) and slime's loss switches
-    "--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0.0", "--loss-type", "policy_loss",
+    "--use-tis",
+    "--tis-clip",
+    "2.0",
+    "--tis-clip-low",
+    "0.0",
+    "--loss-type",
+    "policy_loss",
     "--calculate-per-token-loss",
     # OPTIMIZER_ARGS
-    "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
-    "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    "--lr",
+    "1e-6",
+    "--lr-decay-style",
+    "constant",
+    "--weight-decay",
+    "0.1",
+    "--adam-beta1",
+    "0.9",
+    "--adam-beta2",
+    "0.98",
     # async / misc
-    "--partial-rollout", "--update-weights-interval", "1", "--save-interval", "20",
-    "--use-rollout-routing-replay", "--micro-batch-size", "4",
-    "--custom-rm-path", "tests.plugins.slime_rm:rm",
-]  # fmt: skip
+    "--partial-rollout",
+    "--update-weights-interval",
+    "1",
+    "--save-interval",
+    "20",
+    "--use-rollout-routing-replay",
+    "--micro-batch-size",
+    "4",
+    "--custom-rm-path",
+    "tests.plugins.slime_rm:rm",
+]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -66,19 +114,35 @@ def test_slime_flags_keep_slime_meanings(tmp_path):
         (["--advantage-estimator", "ppo"], "no critic"),
         (["--loss-type", "sft_loss"], "no SFT loss"),
         (["--loss-type", "custom_loss"], "needs --custom-loss-function-path"),
-        (["--loss-type", "policy_loss", "--custom-loss-function-path",
-          "loss.registry.slime_compis_loss"], "only with --loss-type custom_loss"),
-        (["--loss-type", "custom_loss", "--custom-loss-function-path",
-          "loss.registry.slime_compis_loss"], "has slime's signature"),
+        (
+            [
+                "--loss-type",
+                "policy_loss",
+                "--custom-loss-function-path",
+                "loss.registry.slime_compis_loss",
+            ],
+            "only with --loss-type custom_loss",
+        ),
+        (
+            [
+                "--loss-type",
+                "custom_loss",
+                "--custom-loss-function-path",
+                "loss.registry.slime_compis_loss",
+            ],
+            "has slime's signature",
+        ),
         (["--tis-clip", "3"], "applies only with --use-tis"),
         (["--kl-loss-coef", "0.1"], "applies only with --use-kl-loss"),
         (["--use-tis", "--engine-correction-high", "3"], "given twice"),
-        (["--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout"],
-         "--custom-generate-function-path"),
+        (
+            ["--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout"],
+            "--custom-generate-function-path",
+        ),
         (["--group-rm", "--dynamic-sampling"], "drop one of them"),
         (["--colocate", "--engine-backend", "sglang"], "GPU"),
     ],
-)  # fmt: skip
+)
 def test_slime_flags_without_an_equivalent_are_refused_with_ours(tmp_path, extra, match, capsys):
     with pytest.raises(SystemExit):
         parse_config(["--run-dir", str(tmp_path), *extra])
@@ -86,8 +150,9 @@ def test_slime_flags_without_an_equivalent_are_refused_with_ours(tmp_path, extra
 
 
 async def test_slime_launch_flags_train_a_few_steps(tmp_path):
-    cfg = parse_config([*SLIME_FLAGS, "--run-dir", str(tmp_path), "--warmstart-steps", "0",
-                        "--eval-prompts", "8"])  # fmt: skip
+    cfg = parse_config(
+        [*SLIME_FLAGS, "--run-dir", str(tmp_path), "--warmstart-steps", "0", "--eval-prompts", "8"]
+    )
     summary = await train(cfg)
     assert summary["train/version"] == 3 and math.isfinite(summary["loss/total"])
     assert summary["loss/kl_ref"] > 0 and summary["loss/entropy"] > 0  # slime's GRPO_ARGS terms
@@ -98,13 +163,32 @@ async def test_slime_launch_flags_train_a_few_steps(tmp_path):
 
 
 async def test_calculator_example_trains_end_to_end(tmp_path):
-    cfg = parse_config([
-        "--run-dir", str(tmp_path), "--num-steps", "3", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "4", "--rollout-max-response-len", "40", "--eval-interval", "0",
-        "--warmstart-steps", "0", "--micro-batch-size", "4", "--max-staleness", "1",
-        "--custom-generate-function-path", "slime_async.examples.calculator_tool:generate",
-        "--custom-rm-path", "slime_async.examples.calculator_tool:reward",
-    ])  # fmt: skip
+    cfg = parse_config(
+        [
+            "--run-dir",
+            str(tmp_path),
+            "--num-steps",
+            "3",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "4",
+            "--rollout-max-response-len",
+            "40",
+            "--eval-interval",
+            "0",
+            "--warmstart-steps",
+            "0",
+            "--micro-batch-size",
+            "4",
+            "--max-staleness",
+            "1",
+            "--custom-generate-function-path",
+            "slime_async.examples.calculator_tool:generate",
+            "--custom-rm-path",
+            "slime_async.examples.calculator_tool:reward",
+        ]
+    )
     summary = await train(cfg)
     assert summary["train/version"] == 3 and math.isfinite(summary["loss/total"])
     steps = [r for r in _metrics(tmp_path) if "train/version" in r]

@@ -43,10 +43,16 @@ async def _status(url: str, method: str, path: str, token: str | None, body=None
         return r.status
 
 
-ROUTES = [("GET", "/health", None), ("GET", "/model_info", None), ("GET", "/server_info", None),
-          ("POST", "/generate", GEN), ("POST", "/pause_generation", {"mode": "in_place"}),
-          ("POST", "/continue_generation", {}), ("POST", "/flush_cache", None),
-          ("POST", "/update_weight_version", {"new_version": "7", "abort_all_requests": False})]  # fmt: skip
+ROUTES = [
+    ("GET", "/health", None),
+    ("GET", "/model_info", None),
+    ("GET", "/server_info", None),
+    ("POST", "/generate", GEN),
+    ("POST", "/pause_generation", {"mode": "in_place"}),
+    ("POST", "/continue_generation", {}),
+    ("POST", "/flush_cache", None),
+    ("POST", "/update_weight_version", {"new_version": "7", "abort_all_requests": False}),
+]
 
 
 @pytest.mark.parametrize(("method", "path", "body"), ROUTES)
@@ -70,8 +76,13 @@ def test_off_loopback_without_a_token_is_refused_with_the_fix() -> None:
 
 def test_engine_cli_refuses_off_loopback_without_a_token() -> None:
     env = {k: v for k, v in os.environ.items() if k != AUTH_TOKEN_ENV}
-    res = subprocess.run([sys.executable, "-m", "slime_async.engine", "--host", "0.0.0.0"],
-                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "slime_async.engine", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert res.returncode == 2 and AUTH_TOKEN_ENV in res.stderr, res.stderr
 
 
@@ -128,8 +139,12 @@ def test_router_takes_its_token_from_the_env_var_or_the_file(tmp_path, monkeypat
 
 
 def test_router_cli_warns_that_auth_token_is_visible_in_ps() -> None:
-    res = subprocess.run([sys.executable, "-m", "router", "--auth-token", "t", "--failure-threshold", "0"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "router", "--auth-token", "t", "--failure-threshold", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2  # a bad setting stops it before it serves
     assert "visible" in res.stderr and AUTH_TOKEN_ENV in res.stderr
 

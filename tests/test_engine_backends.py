@@ -38,9 +38,25 @@ PLUGIN = "plugins.subprocess_engine:subprocess"
 
 
 def _argv(run_dir: Path, *extra: str) -> list[str]:
-    return ["--run-dir", str(run_dir), "--rollout-batch-size", "2", "--n-samples-per-prompt",
-            "4", "--rollout-max-response-len", "8", "--warmstart-steps", "0",
-            "--eval-interval", "0", "--micro-batch-size", "8", "--max-staleness", "1", *extra]  # fmt: skip
+    return [
+        "--run-dir",
+        str(run_dir),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "8",
+        "--warmstart-steps",
+        "0",
+        "--eval-interval",
+        "0",
+        "--micro-batch-size",
+        "8",
+        "--max-staleness",
+        "1",
+        *extra,
+    ]
 
 
 def _ledger(run_dir: Path) -> list[dict]:
@@ -80,7 +96,10 @@ def test_capabilities_say_what_the_backend_names_used_to() -> None:
     emb, sgl, ext = (get_engine_backend(n).needs for n in ("embedded", "sglang", "external"))
     assert (emb.owns_processes, sgl.owns_processes, ext.owns_processes) == (True, True, False)
     assert (emb.collective_backend, sgl.collective_backend, ext.collective_backend) == (
-        "gloo", "nccl", "gloo")  # fmt: skip
+        "gloo",
+        "nccl",
+        "gloo",
+    )
     assert [n.checkpoint_to_start for n in (emb, sgl, ext)] == [False, True, False]
     assert [n.sglang_flags for n in (emb, sgl, ext)] == [False, True, False]
 
@@ -185,8 +204,17 @@ async def test_external_engines_get_the_run_weights_and_stay_running(
     procs, urls = external_engines
     assert all(_get(u + "/model_info")[1]["weight_version"] == "boot" for u in urls)
     run_dir = tmp_path / "run"
-    cfg = parse_config(_argv(run_dir, "--num-steps", "3", "--engine-backend", "external",
-                             "--engine-urls", ",".join(urls)))  # fmt: skip
+    cfg = parse_config(
+        _argv(
+            run_dir,
+            "--num-steps",
+            "3",
+            "--engine-backend",
+            "external",
+            "--engine-urls",
+            ",".join(urls),
+        )
+    )
     summary = await asyncio.wait_for(train(cfg), 400)
 
     assert summary["train/version"] == 3
@@ -214,8 +242,19 @@ async def test_unreachable_external_url_fails_before_anything_starts(tmp_path) -
     if ray.is_initialized():  # left by an earlier test of this module
         ray.shutdown()
     url = f"http://127.0.0.1:{_free_port()}"  # nothing listens here
-    cfg = parse_config(_argv(tmp_path, "--num-steps", "2", "--engine-backend", "external",
-                             "--engine-urls", url, "--engine-attach-timeout", "2"))  # fmt: skip
+    cfg = parse_config(
+        _argv(
+            tmp_path,
+            "--num-steps",
+            "2",
+            "--engine-backend",
+            "external",
+            "--engine-urls",
+            url,
+            "--engine-attach-timeout",
+            "2",
+        )
+    )
     with pytest.raises(EngineAttachError, match=f"external engine {url} did not answer /health"):
         await train(cfg)
     assert not ray.is_initialized()  # refused before Ray, the trainer or any engine started
@@ -226,9 +265,21 @@ async def test_external_engine_that_dies_is_waited_for_then_the_run_stops(tmp_pa
     url = ext.start()
     try:
         ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
-        cfg = parse_config(_argv(run_dir, "--num-steps", "50", "--engine-backend", "external",
-                                 "--engine-urls", url, "--save", str(ckpt),
-                                 "--engine-down-timeout", "6"))  # fmt: skip
+        cfg = parse_config(
+            _argv(
+                run_dir,
+                "--num-steps",
+                "50",
+                "--engine-backend",
+                "external",
+                "--engine-urls",
+                url,
+                "--save",
+                str(ckpt),
+                "--engine-down-timeout",
+                "6",
+            )
+        )
         task = asyncio.create_task(train(cfg))
         deadline = time.monotonic() + 300
         while not (run_dir / "trained.jsonl").exists():
@@ -252,8 +303,9 @@ async def test_external_engine_that_comes_back_is_readmitted_on_current_weights(
     back: EngineProcess | None = None
     try:
         run_dir = tmp_path / "run"
-        cfg = parse_config(_argv(run_dir, "--num-steps", "4", "--engine-backend", "external",
-                                 "--engine-urls", url))  # fmt: skip
+        cfg = parse_config(
+            _argv(run_dir, "--num-steps", "4", "--engine-backend", "external", "--engine-urls", url)
+        )
         task = asyncio.create_task(train(cfg))
         deadline = time.monotonic() + 300
         while not (run_dir / "trained.jsonl").exists():

@@ -227,8 +227,11 @@ async def test_ignore_eos_turns_off_stop_token_ids_as_in_sglang(engine) -> None:
         _, stops = await post(
             s, url + "/generate", {"input_ids": _prompt(5, 1), "sampling_params": sp}
         )
-        _, runs = await post(s, url + "/generate", {"input_ids": _prompt(5, 1),
-                                                    "sampling_params": {**sp, "ignore_eos": True}})  # fmt: skip
+        _, runs = await post(
+            s,
+            url + "/generate",
+            {"input_ids": _prompt(5, 1), "sampling_params": {**sp, "ignore_eos": True}},
+        )
     assert len(stops["output_ids"]) == 1 and stops["meta_info"]["finish_reason"]["type"] == "stop"
     assert len(runs["output_ids"]) == 6
     assert runs["meta_info"]["finish_reason"] == {"type": "length", "length": 6}

@@ -70,8 +70,10 @@ async def test_bad_sampling_field_is_a_400_naming_it_and_the_batch_finishes(engi
 async def test_seed_overflow_with_n_leaves_no_orphan_generation(engine):
     """n = 2 from seed 2^64 - 1: the second sample's seed overflows. The request is refused
     whole, before anything is queued (it used to start the first sample and answer 500)."""
-    body = {"input_ids": [1, 5], "sampling_params": {"n": 2, "sampling_seed": 2**64 - 1,
-                                                     "max_new_tokens": 4}}  # fmt: skip
+    body = {
+        "input_ids": [1, 5],
+        "sampling_params": {"n": 2, "sampling_seed": 2**64 - 1, "max_new_tokens": 4},
+    }
     async with aiohttp.ClientSession() as s:
         status, ans = await post(s, engine.url + "/generate", body)
         assert status == 400 and "sampling_seed" in ans["error"]["message"]
@@ -97,12 +99,18 @@ async def test_a_row_that_fails_in_the_shared_step_fails_alone(engine):
 
     eng, loop = engine.engine, engine._loop
     item = GenerateItem(
-        rid="poison", group_rid="poison", prompt=[1, 2, 3],
-        params=dataclasses.replace(SamplingParams(max_new_tokens=8, min_new_tokens=4),
-                                   stop_token_ids=frozenset({10**30})),
-        return_logprob=False, logprob_start_len=-1, return_text_in_logprobs=False,
-        return_routed_experts=False, routed_start=0,
-    )  # fmt: skip
+        rid="poison",
+        group_rid="poison",
+        prompt=[1, 2, 3],
+        params=dataclasses.replace(
+            SamplingParams(max_new_tokens=8, min_new_tokens=4), stop_token_ids=frozenset({10**30})
+        ),
+        return_logprob=False,
+        logprob_start_len=-1,
+        return_text_in_logprobs=False,
+        return_routed_experts=False,
+        routed_start=0,
+    )
 
     async def submit_poison():
         (seq,) = eng.submit(GenerateRequest(items=[item], batch=False, stream=False))

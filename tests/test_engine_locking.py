@@ -23,8 +23,11 @@ from slime_async.weights import DiskTransport
 
 pytestmark = pytest.mark.timeout(240)
 LONG = {"max_new_tokens": 300, "ignore_eos": True}
-PROMPT = {"input_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_new_tokens": 6, "temperature": 0.0},
-          "return_logprob": True}  # fmt: skip
+PROMPT = {
+    "input_ids": [3, 1, 4, 1, 5],
+    "sampling_params": {"max_new_tokens": 6, "temperature": 0.0},
+    "return_logprob": True,
+}
 
 
 def _save(d: Path, *, seed: int) -> str:
@@ -72,8 +75,9 @@ async def test_unpaused_update_waits_for_running_requests(engine) -> None:
     arrives while the update waits runs after it, on the new ones."""
     url, dirs = engine
     async with aiohttp.ClientSession() as s:
-        running = asyncio.ensure_future(post(s, url + "/generate", {"input_ids": [9, 9],
-                                                                     "sampling_params": LONG}))  # fmt: skip
+        running = asyncio.ensure_future(
+            post(s, url + "/generate", {"input_ids": [9, 9], "sampling_params": LONG})
+        )
         await _until(s, url, lambda st: st["num_tokens"] >= 20)
         body = {"model_path": dirs["new"], "weight_version": "1"}  # flush_cache: default true
         update = asyncio.ensure_future(post(s, url + "/update_weights_from_disk", body))
@@ -95,8 +99,9 @@ async def test_paused_in_place_needs_flush_cache_false(engine) -> None:
     and the request continues on the new weights, its tokens labelled 0 then 1."""
     url, dirs = engine
     async with aiohttp.ClientSession() as s:
-        running = asyncio.ensure_future(post(s, url + "/generate", {"input_ids": [9, 9],
-                                                                     "sampling_params": LONG}))  # fmt: skip
+        running = asyncio.ensure_future(
+            post(s, url + "/generate", {"input_ids": [9, 9], "sampling_params": LONG})
+        )
         await _until(s, url, lambda st: st["num_tokens"] >= 20)
         st, res = await post(s, url + "/pause_generation", {"mode": "in_place"})
         assert st == 200 and res["status"] == "ok"
@@ -123,8 +128,9 @@ async def test_retract_keeps_requests_in_engine_abort_empties_it(engine) -> None
     url, dirs = engine
     body = {"model_path": dirs["new"], "weight_version": "1"}
     async with aiohttp.ClientSession() as s:
-        running = asyncio.ensure_future(post(s, url + "/generate", {"input_ids": [9, 9],
-                                                                     "sampling_params": LONG}))  # fmt: skip
+        running = asyncio.ensure_future(
+            post(s, url + "/generate", {"input_ids": [9, 9], "sampling_params": LONG})
+        )
         await _until(s, url, lambda st: st["num_tokens"] >= 20)
         await post(s, url + "/pause_generation", {"mode": "retract"})
         st, refused = await post(s, url + "/update_weights_from_disk", body)
@@ -172,8 +178,9 @@ async def test_disk_push_pauses_in_place_through_the_router(engine, tmp_path: Pa
     try:
         async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
             transport = DiskTransport(tmp_path / "weights", trainer=_Writer(seed=1), control=rc)
-            running = asyncio.ensure_future(post(s, rurl + "/generate", {"input_ids": [9, 9],
-                                                                          "sampling_params": LONG}))  # fmt: skip
+            running = asyncio.ensure_future(
+                post(s, rurl + "/generate", {"input_ids": [9, 9], "sampling_params": LONG})
+            )
             await _until(s, url, lambda st: st["num_tokens"] >= 20)
             metrics = await transport.push(1)
             st_r, r = await running

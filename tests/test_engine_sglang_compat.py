@@ -79,9 +79,17 @@ async def test_what_the_stock_router_drops(engine, stock_router, monkeypatch) ->
         return real(body, **kw)
 
     monkeypatch.setattr(server, "parse_generate", spy)
-    body = {"input_ids": [1, 2, 3], "return_logprob": True, "return_routed_experts": True,
-            "sampling_params": {"max_new_tokens": 2, "temperature": 0.5, "top_p": 0.9,
-                                "custom_params": {"a": 1}}}  # fmt: skip
+    body = {
+        "input_ids": [1, 2, 3],
+        "return_logprob": True,
+        "return_routed_experts": True,
+        "sampling_params": {
+            "max_new_tokens": 2,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "custom_params": {"a": 1},
+        },
+    }
     async with aiohttp.ClientSession() as s:
         status, ans = await post(s, stock_router + "/generate", body)
         assert status == 200 and len(ans["output_ids"]) == 2
@@ -89,8 +97,13 @@ async def test_what_the_stock_router_drops(engine, stock_router, monkeypatch) ->
         assert "return_routed_experts" not in got and "routed_experts" not in ans["meta_info"]
         assert "custom_params" not in got["sampling_params"]
         assert got["sampling_params"]["top_p"] == pytest.approx(0.9)  # sampling keys survive
-        for path in ("/pause_generation", "/continue_generation", "/update_weights_from_disk",
-                     "/abort_request", "/update_weight_version"):  # fmt: skip
+        for path in (
+            "/pause_generation",
+            "/continue_generation",
+            "/update_weights_from_disk",
+            "/abort_request",
+            "/update_weight_version",
+        ):
             async with s.post(stock_router + path, json={}) as r:
                 assert r.status == 404, path
 

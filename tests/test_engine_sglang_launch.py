@@ -49,18 +49,35 @@ def _wait_gone(pid: int, seconds: float = 30) -> bool:
 
 
 def test_run_flags_reach_the_sglang_command() -> None:
-    cfg = parse_config(["--engine-backend", "sglang", "--rollout-num-gpus", "16",
-                        "--rollout-num-gpus-per-engine", "4", "--sglang-mem-fraction-static",
-                        "0.8", "--sglang-enable-torch-compile", "--sglang-cuda-graph-max-bs=64",
-                        "--engine-start-timeout", "1200"])  # fmt: skip
+    cfg = parse_config(
+        [
+            "--engine-backend",
+            "sglang",
+            "--rollout-num-gpus",
+            "16",
+            "--rollout-num-gpus-per-engine",
+            "4",
+            "--sglang-mem-fraction-static",
+            "0.8",
+            "--sglang-enable-torch-compile",
+            "--sglang-cuda-graph-max-bs=64",
+            "--engine-start-timeout",
+            "1200",
+        ]
+    )
     assert cfg.engines.num_engines == 4 and cfg.engines.rollout_num_gpus == 16
     assert "rollout-num-gpus 16" in cfg.derived["--num-engines"].why
-    assert cfg.engines.sglang_args == ("--mem-fraction-static", "0.8", "--enable-torch-compile",
-                                       "--cuda-graph-max-bs=64")  # fmt: skip
+    assert cfg.engines.sglang_args == (
+        "--mem-fraction-static",
+        "0.8",
+        "--enable-torch-compile",
+        "--cuda-graph-max-bs=64",
+    )
     from slime_async.contracts.engine import EngineLaunch
 
-    launch = EngineLaunch(index=1, model_dir="/w/v000000", weight_version=0, seed=7,
-                          host="10.0.0.2")  # fmt: skip
+    launch = EngineLaunch(
+        index=1, model_dir="/w/v000000", weight_version=0, seed=7, host="10.0.0.2"
+    )
     engine = EngineConfig(host="127.0.0.1", auth_token=TOKEN)
     cmd = build_command(sglang_config(engine, launch, port=30001, fleet=cfg.engines))
     text = " ".join(cmd)
@@ -102,8 +119,10 @@ def _records(record: Path) -> list[dict]:
 
 async def _generate(url: str, token: str | None = None) -> int:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with aiohttp.ClientSession() as s, s.post(url + "/generate", json=GEN,
-                                                    headers=headers) as r:  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + "/generate", json=GEN, headers=headers) as r,
+    ):
         await r.read()
         return r.status
 
@@ -111,17 +130,34 @@ async def _generate(url: str, token: str | None = None) -> int:
 async def test_sglang_engines_in_bundles_replaced_and_stopped_without_orphans(fake_sglang):
     record, model = fake_sglang
     init_ray(num_cpus=4)
-    fleet = EngineFleetConfig(backend="sglang", num_engines=2, gpus_per_engine=2,
-                              cpus_per_engine=1, start_timeout_s=240,
-                              sglang_args=("--cuda-graph-max-bs", "8"))  # fmt: skip
-    placement = place_roles(actor_num_nodes=1, actor_num_gpus_per_node=1,
-                            actor_num_cpus_per_rank=1, num_engines=2, gpus_per_engine=2,
-                            cpus_per_engine=1, use_gpus=False)  # fmt: skip
+    fleet = EngineFleetConfig(
+        backend="sglang",
+        num_engines=2,
+        gpus_per_engine=2,
+        cpus_per_engine=1,
+        start_timeout_s=240,
+        sglang_args=("--cuda-graph-max-bs", "8"),
+    )
+    placement = place_roles(
+        actor_num_nodes=1,
+        actor_num_gpus_per_node=1,
+        actor_num_cpus_per_rank=1,
+        num_engines=2,
+        gpus_per_engine=2,
+        cpus_per_engine=1,
+        use_gpus=False,
+    )
     engine = EngineConfig(auth_token=TOKEN, max_running_requests=8)
-    cluster = await Cluster.start(backend=SGLangBackend(fleet, engine), num_engines=2,
-                                  model_dir=model, version=0, seed=1,
-                                  router_cfg=RouterConfig(auth_token=TOKEN), rollout_cores=(),
-                                  slots=placement.engines)  # fmt: skip
+    cluster = await Cluster.start(
+        backend=SGLangBackend(fleet, engine),
+        num_engines=2,
+        model_dir=model,
+        version=0,
+        seed=1,
+        router_cfg=RouterConfig(auth_token=TOKEN),
+        rollout_cores=(),
+        slots=placement.engines,
+    )
     try:
         recs = _records(record)
         assert len(recs) == 2
@@ -160,8 +196,9 @@ def _server(tmp_path: Path, **env: str) -> SGLangServer:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(env)
-    return SGLangServer(SGLangConfig(model_path=str(tmp_path), port=port),
-                        log_path=str(tmp_path / "server.log"))  # fmt: skip
+    return SGLangServer(
+        SGLangConfig(model_path=str(tmp_path), port=port), log_path=str(tmp_path / "server.log")
+    )
 
 
 def test_health_timeout_is_a_clear_error_and_leaves_nothing(fake_sglang, tmp_path, monkeypatch):
@@ -190,14 +227,37 @@ def test_train_async_with_sglang_backend(fake_sglang, tmp_path: Path) -> None:
     record, _ = fake_sglang
     run_dir = tmp_path / "run"
     env = {**os.environ, "SLIME_ASYNC_AUTH_TOKEN": TOKEN, "RAY_ADDRESS": "local"}
-    argv = [sys.executable, "train_async.py", "--engine-backend", "sglang",
-            "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
-            "--sglang-cuda-graph-max-bs", "16", "--run-dir", str(run_dir), "--num-steps", "2",
-            "--warmstart-steps", "0", "--eval-interval", "0", "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
-            "--micro-batch-size", "2",
-            # the stand-in SGLang is our CPU engine: the weight group runs over gloo, not NCCL
-            "--update-weight-backend", "gloo"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "train_async.py",
+        "--engine-backend",
+        "sglang",
+        "--rollout-num-gpus",
+        "2",
+        "--rollout-num-gpus-per-engine",
+        "2",
+        "--sglang-cuda-graph-max-bs",
+        "16",
+        "--run-dir",
+        str(run_dir),
+        "--num-steps",
+        "2",
+        "--warmstart-steps",
+        "0",
+        "--eval-interval",
+        "0",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "8",
+        "--micro-batch-size",
+        "2",
+        # the stand-in SGLang is our CPU engine: the weight group runs over gloo, not NCCL
+        "--update-weight-backend",
+        "gloo",
+    ]
     res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=280)
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
     recs = _records(record)
@@ -243,16 +303,21 @@ def test_the_docs_gpu_recipe_derives_what_it_says() -> None:
     argv, sglang = split_sglang_args(_recipe_argv())
     args = build_parser().parse_args(argv)
     args.sglang_args = sglang
-    env = Environment(model=ModelSpec(family="llama"), cpus=tuple(range(8)),
-                      ray_address="10.0.0.1:6379", auth_token=TOKEN)  # fmt: skip
+    env = Environment(
+        model=ModelSpec(family="llama"),
+        cpus=tuple(range(8)),
+        ray_address="10.0.0.1:6379",
+        auth_token=TOKEN,
+    )
     cfg = validate(args, env)
     assert cfg.engines.backend == "sglang" and cfg.engines.num_engines == 4
     assert cfg.engines.gpus_per_engine == 2 and cfg.engines.start_timeout_s == 1200
     assert cfg.trainer.world_size == 8 and cfg.trainer.data_parallel_size == 4
     assert cfg.ray_address == "10.0.0.1:6379" and cfg.engine.auth_token == TOKEN
     assert cfg.router.auth_token == TOKEN and not cfg.trainer_cores  # cores: per node
-    launch = EngineLaunch(index=3, model_dir=args.hf_checkpoint, weight_version=0, seed=1,
-                          host="10.0.0.2")  # fmt: skip
+    launch = EngineLaunch(
+        index=3, model_dir=args.hf_checkpoint, weight_version=0, seed=1, host="10.0.0.2"
+    )
     cmd = " ".join(build_command(sglang_config(cfg.engine, launch, port=30000, fleet=cfg.engines)))
     assert "--tp-size 2" in cmd and "--host 10.0.0.2" in cmd
     assert "--mem-fraction-static 0.8 --cuda-graph-max-bs 256" in cmd and TOKEN not in cmd

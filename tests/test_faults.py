@@ -32,10 +32,27 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _argv(run_dir: Path, *extra: str) -> list[str]:
-    return ["--run-dir", str(run_dir), "--rollout-batch-size", "2", "--n-samples-per-prompt",
-            "4", "--rollout-max-response-len", "10", "--warmstart-steps", "0",
-            "--eval-interval", "0", "--micro-batch-size", "8", "--max-staleness", "1",
-            "--engine-restart-after", "3", *extra]  # fmt: skip
+    return [
+        "--run-dir",
+        str(run_dir),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "10",
+        "--warmstart-steps",
+        "0",
+        "--eval-interval",
+        "0",
+        "--micro-batch-size",
+        "8",
+        "--max-staleness",
+        "1",
+        "--engine-restart-after",
+        "3",
+        *extra,
+    ]
 
 
 def _steps_logged(run_dir: Path) -> int:
@@ -74,8 +91,9 @@ async def test_killed_engine_is_replaced_and_the_run_finishes(tmp_path):
 
 async def test_all_engines_down_stops_with_a_checkpoint(tmp_path, caplog):
     ckpt = tmp_path / "ckpt"
-    cfg = parse_config(_argv(tmp_path, "--num-steps", "50", "--save", str(ckpt),
-                             "--engine-down-timeout", "8"))  # fmt: skip
+    cfg = parse_config(
+        _argv(tmp_path, "--num-steps", "50", "--save", str(ckpt), "--engine-down-timeout", "8")
+    )
     # no replacement may start (restarts exhausted): the only engine stays down. (Deleting
     # weights/ does not keep it down: the trainer writes the next version, and replacements
     # start and catch up on it.)
@@ -94,8 +112,14 @@ def test_kill_9_of_the_whole_run_resumes_without_loss_or_repeat(tmp_path):
     args = _argv(tmp_path, "--num-steps", "6", "--save", str(ckpt), "--save-interval", "2")
     cmd = [sys.executable, str(ROOT / "train_async.py"), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         while _steps_logged(tmp_path) < 3:  # a checkpoint at step 2 exists, step 3 is not saved
             assert proc.poll() is None, "run exited before the kill"
@@ -105,8 +129,9 @@ def test_kill_9_of_the_whole_run_resumes_without_loss_or_repeat(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    resumed = subprocess.run([*cmd, "--load", str(ckpt)], cwd=ROOT, env=env,
-                             capture_output=True, text=True)  # fmt: skip
+    resumed = subprocess.run(
+        [*cmd, "--load", str(ckpt)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "trained.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # step 3 was rolled back and redone
@@ -129,8 +154,10 @@ async def test_fresh_run_archives_a_dead_runs_ledger_and_resume_keeps_the_batch_
     """A run killed before its first checkpoint leaves `trained.jsonl` behind; a fresh run (no
     --load) in the same directory must not append to it (it would report those groups as
     duplicates): the old ledger is archived. A resume with another batch shape is refused."""
-    stale = [json.dumps({"step": s, "version": s, "groups": [["p0", 0, 0]], "dropped": 0,
-                         "filtered": 0}) for s in (1, 2, 3)]  # fmt: skip
+    stale = [
+        json.dumps({"step": s, "version": s, "groups": [["p0", 0, 0]], "dropped": 0, "filtered": 0})
+        for s in (1, 2, 3)
+    ]
     (tmp_path / "trained.jsonl").write_text("\n".join(stale) + "\n")
     ckpt = tmp_path / "ckpt"
     cfg = parse_config(_argv(tmp_path, "--num-steps", "2", "--save", str(ckpt)))
@@ -141,8 +168,9 @@ async def test_fresh_run_archives_a_dead_runs_ledger_and_resume_keeps_the_batch_
     assert len(groups) == len(set(groups)) == 2 * cfg.rollout.groups_per_step
     (archived,) = tmp_path.glob("trained.jsonl.stale-*")
     assert archived.read_text().splitlines() == stale
-    other = parse_config(_argv(tmp_path, "--num-steps", "3", "--load", str(ckpt),
-                               "--rollout-batch-size", "4"))  # fmt: skip
+    other = parse_config(
+        _argv(tmp_path, "--num-steps", "3", "--load", str(ckpt), "--rollout-batch-size", "4")
+    )
     with pytest.raises(
         ValueError, match=r"trained with --rollout-batch-size 2.*--rollout-batch-size 4"
     ):
@@ -167,8 +195,17 @@ async def test_a_replacement_serves_only_once_it_has_the_fleets_weights(tmp_path
     """Distributed transport: a replacement starts on the run's start weights (v0), so it must
     not get generation before a push gave it the current version (else its groups are stale
     past the bound and dropped, or, before the derived drop, trained)."""
-    cfg = parse_config(_argv(tmp_path, "--num-steps", "6", "--max-staleness", "0",
-                             "--update-weight-transport", "distributed"))  # fmt: skip
+    cfg = parse_config(
+        _argv(
+            tmp_path,
+            "--num-steps",
+            "6",
+            "--max-staleness",
+            "0",
+            "--update-weight-transport",
+            "distributed",
+        )
+    )
     task = asyncio.create_task(train(cfg))
     await _wait_for_step(tmp_path, 2, task)
     pid = json.loads((tmp_path / "roles.json").read_text())["engine_pids"][0]
@@ -193,11 +230,26 @@ def test_the_run_derives_what_replacements_start_on_from_its_versions(tmp_path):
 
     first = tmp_path / "weights" / "v000003"
     disk = DiskTransport(first.parent, trainer=None, control=None)  # type: ignore[arg-type]
-    dist = DistributedTransport(sender=None, control=None, engine_urls=list,  # type: ignore[arg-type]
-                                cfg=WeightSyncConfig())  # fmt: skip
+    dist = DistributedTransport(
+        sender=None,
+        control=None,
+        engine_urls=list,  # type: ignore[arg-type]
+        cfg=WeightSyncConfig(),
+    )
     for transport, after_push in ((disk, first.parent / "v000005"), (dist, first)):
-        run = Run(cfg=None, trainer=None, cluster=None, worker=None, chain=None, logger=None,  # type: ignore[arg-type]
-                  plan=None, supervisor=None, transport=transport, version=3, start_dir=first)  # fmt: skip
+        run = Run(
+            cfg=None,
+            trainer=None,
+            cluster=None,
+            worker=None,
+            chain=None,
+            logger=None,  # type: ignore[arg-type]
+            plan=None,
+            supervisor=None,
+            transport=transport,
+            version=3,
+            start_dir=first,
+        )
         assert (run.start_step, run.fleet_version, run.pushed_version) == (3, 3, -1)
         assert run.served == (first, 3)
         run.version = run.fleet_version = 5  # what push_weights(5) leaves after training twice

@@ -225,9 +225,13 @@ def reference_weight(x, cfg):
 def test_fused_weights_match_reference_corrections(m2, m3):
     x = random_batch(b=16, t=32, seed=6, spread=0.8)
     cfg = CompISConfig(
-        engine_method=m2, engine_low=0.5, engine_high=2.0,
-        staleness_method=m3, staleness_low=0.4, staleness_high=1.8,
-    )  # fmt: skip
+        engine_method=m2,
+        engine_low=0.5,
+        engine_high=2.0,
+        staleness_method=m3,
+        staleness_low=0.4,
+        staleness_high=1.8,
+    )
     w = compis_terms(make_inputs(x)[1], cfg).weight
     torch.testing.assert_close(w, reference_weight(x, cfg), atol=1e-12, rtol=1e-12)
 

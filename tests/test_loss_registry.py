@@ -241,10 +241,14 @@ def test_slime_adapter_equals_compis_with_slime_denominators(with_behavior):
             global_num_seqs=1.0,
         ),
         CompISConfig(
-            engine_method="clip", engine_high=2.0, staleness_method="cap", staleness_high=2.0,
-            agg_mode="seq-mean-token-mean", diagnostics=False,
+            engine_method="clip",
+            engine_high=2.0,
+            staleness_method="cap",
+            staleness_high=2.0,
+            agg_mode="seq-mean-token-mean",
+            diagnostics=False,
         ),
-    )  # fmt: skip
+    )
     assert loss.item() == pytest.approx(ref.loss.item(), abs=1e-12)
     (g_ref,) = torch.autograd.grad(ref.loss, head)
     torch.testing.assert_close(g_adapter, g_ref, atol=1e-12, rtol=0)
@@ -254,10 +258,15 @@ def test_slime_entry_point_reads_config_from_args():
     fn = load_function("loss.registry.slime_compis_loss")
     batch, logits, head = slime_batch(seed=1)
     args = SimpleNamespace(
-        eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, rollout_temperature=1.0,
-        compis_engine_method="icepop", compis_engine_low=0.5, compis_engine_high=2.0,
+        eps_clip=0.2,
+        eps_clip_high=0.28,
+        eps_clip_c=3.0,
+        rollout_temperature=1.0,
+        compis_engine_method="icepop",
+        compis_engine_low=0.5,
+        compis_engine_high=2.0,
         compis_diagnostics=False,
-    )  # fmt: skip
+    )
     cfg = compis_config_from_args(args)
     assert (cfg.eps_clip_high, cfg.dual_clip_c, cfg.engine_method, cfg.diagnostics) == (
         0.28,
@@ -292,10 +301,13 @@ def test_plain_ppo_still_reports_every_off_policy_source():
     g = torch.Generator().manual_seed(0)
     lp_s = -torch.rand(2, 5, generator=g)
     inputs = LossInputs(
-        logprobs=(lp_s + 0.1).requires_grad_(), proximal_logprobs=lp_s + 0.1,
-        rollout_logprobs=lp_s, behavior_logprobs=lp_s + 0.05,
-        advantages=torch.ones(2, 5), loss_mask=torch.ones(2, 5, dtype=torch.bool),
-    )  # fmt: skip
+        logprobs=(lp_s + 0.1).requires_grad_(),
+        proximal_logprobs=lp_s + 0.1,
+        rollout_logprobs=lp_s,
+        behavior_logprobs=lp_s + 0.05,
+        advantages=torch.ones(2, 5),
+        loss_mask=torch.ones(2, 5, dtype=torch.bool),
+    )
     m = get_loss("ppo")(inputs, CompISConfig()).metrics
     assert abs(m["mismatch/train_rollout_logprob_abs_diff"] - 0.1) < 1e-5
     assert abs(m["mismatch/engine_logprob_abs_diff"] - 0.05) < 1e-5
@@ -346,7 +358,8 @@ def test_advantage_registry_covers_the_estimators_and_isolates_invalid_samples()
 
     register_advantage("test_only_constant", constant, replace=True)
     assert get_advantage("test_only_constant") is constant
-    assert torch.equal(compute_advantages("test_only_constant", rewards, groups, valid, mask),
-                       mask.float())  # fmt: skip
+    assert torch.equal(
+        compute_advantages("test_only_constant", rewards, groups, valid, mask), mask.float()
+    )
     with pytest.raises(ValueError, match="already registered"):
         register_advantage("grpo", constant)

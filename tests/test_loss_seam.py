@@ -19,9 +19,20 @@ from slime_async.contracts.model import TINY_MOE
 pytestmark = pytest.mark.timeout(300)
 torch.set_num_threads(1)
 
-BASE = ["--warmstart-steps", "0", "--micro-batch-size", "3", "--routing-replay", "r2",
-        "--behavior-forward", "trainer",
-        "--lr", "2e-3", "--seed", "3"]  # fmt: skip
+BASE = [
+    "--warmstart-steps",
+    "0",
+    "--micro-batch-size",
+    "3",
+    "--routing-replay",
+    "r2",
+    "--behavior-forward",
+    "trainer",
+    "--lr",
+    "2e-3",
+    "--seed",
+    "3",
+]
 
 
 def _parse(*argv: str):
@@ -38,8 +49,9 @@ def _batch(seed: int, versions: tuple[int, ...] = (0,), *, routed: bool = False)
 
     from slime_async.trainer.testing import random_batch
 
-    b = random_batch(TINY_MOE, batch=7, width=20, prompt=6, seed=seed,
-                     lengths=[20, 15, 18, 20, 9, 12, 20])  # fmt: skip
+    b = random_batch(
+        TINY_MOE, batch=7, width=20, prompt=6, seed=seed, lengths=[20, 15, 18, 20, 9, 12, 20]
+    )
     g = torch.Generator().manual_seed(100 + seed)
     noisy = b.rollout_logprobs + 0.5 * torch.randn(b.rollout_logprobs.shape, generator=g)
     ver = torch.tensor(versions)[torch.randint(len(versions), b.token_versions.shape, generator=g)]
@@ -78,11 +90,17 @@ def _inputs(mb, lp, lp_k, lp_j, version, n_tok=None, n_seq=None):
         return None if t is None else t[:, 1:]
 
     return LossInputs(
-        logprobs=cut(lp), proximal_logprobs=cut(lp_k), rollout_logprobs=cut(mb.rollout_logprobs),
-        behavior_logprobs=cut(lp_j), advantages=cut(mb.advantages), loss_mask=cut(mb.loss_mask),
-        token_versions=cut(mb.token_versions), current_version=version,
-        global_num_tokens=n_tok, global_num_seqs=n_seq,
-    )  # fmt: skip
+        logprobs=cut(lp),
+        proximal_logprobs=cut(lp_k),
+        rollout_logprobs=cut(mb.rollout_logprobs),
+        behavior_logprobs=cut(lp_j),
+        advantages=cut(mb.advantages),
+        loss_mask=cut(mb.loss_mask),
+        token_versions=cut(mb.token_versions),
+        current_version=version,
+        global_num_tokens=n_tok,
+        global_num_seqs=n_seq,
+    )
 
 
 def _reference_step(tr, b, loss_fn, denominators):
@@ -128,8 +146,17 @@ def test_default_compis_step_equals_the_loss_called_directly():
     from loss import compis_denominators, compis_loss
     from slime_async.trainer.trainer import MegatronTrainer
 
-    cfg = _parse("--keep-old-actor", "--routing-replay", "r3", "--engine-correction-method",
-                 "icepop", "--engine-correction-low", "0.5", "--denom", "drop")  # fmt: skip
+    cfg = _parse(
+        "--keep-old-actor",
+        "--routing-replay",
+        "r3",
+        "--engine-correction-method",
+        "icepop",
+        "--engine-correction-low",
+        "0.5",
+        "--denom",
+        "drop",
+    )
     assert cfg.trainer.loss.name == "compis"
     tr = MegatronTrainer(cfg.trainer, cfg.model)
     tr.train_step(_batch(0, routed=True))
@@ -153,8 +180,9 @@ def test_plugin_loss_gets_its_flag_and_only_the_inputs_it_declares():
     from loss import denominators, get_loss
     from slime_async.trainer.trainer import MegatronTrainer
 
-    cfg = _parse("--loss", "scaled_ppo", "--loss-config", "scale=3", "--eps-clip", "0.1",
-                 "--keep-old-actor")  # fmt: skip
+    cfg = _parse(
+        "--loss", "scaled_ppo", "--loss-config", "scale=3", "--eps-clip", "0.1", "--keep-old-actor"
+    )
     assert cfg.trainer.loss.name == "scaled_ppo"
     assert cfg.trainer.loss.config == plugin.ScaledPPOConfig(
         scale=3.0, eps_clip=0.1, eps_clip_high=0.1, loss_scale_factor=48.0
@@ -192,8 +220,15 @@ def test_a_loss_without_pi_k_skips_that_forward_unless_r2_records_routing():
     from slime_async.trainer.trainer import MegatronTrainer
 
     b = _batch(2)
-    cfg = _parse("--loss", "prime_masked_is", "--loss-config", "token_low=0.3",
-                 "--routing-replay", "none", "--no-keep-old-actor")  # fmt: skip
+    cfg = _parse(
+        "--loss",
+        "prime_masked_is",
+        "--loss-config",
+        "token_low=0.3",
+        "--routing-replay",
+        "none",
+        "--no-keep-old-actor",
+    )
     assert cfg.trainer.loss.config.token_low == 0.3
     tr = MegatronTrainer(cfg.trainer, cfg.model)
     ref = _reference_step(tr, b, prime_masked_is_loss, lambda i, c: denominators(i.loss_mask))
@@ -213,15 +248,21 @@ def test_needs_are_checked_at_start_up():
 
     with pytest.raises(ValueError, match="needs proximal_logprobs=True"):
         LossNeeds(proximal_logprobs=False, denominators=compis_denominators)
-    register_loss("test_only_needs_replay", lambda i, c: None, config_cls=None,
-                  needs=LossNeeds(routing_replay=True), replace=True)  # fmt: skip
+    register_loss(
+        "test_only_needs_replay",
+        lambda i, c: None,
+        config_cls=None,
+        needs=LossNeeds(routing_replay=True),
+        replace=True,
+    )
     with pytest.raises(ValueError, match="only valid with MoE routing replay; set --routing"):
         MegatronTrainer(TrainerConfig(loss=LossSelection(name="test_only_needs_replay")), TINY_MOE)
     from loss import GSPOConfig
 
     with pytest.raises(ValueError, match="takes a PPOConfig, got a GSPOConfig"):
-        MegatronTrainer(TrainerConfig(loss=LossSelection(name="ppo", config=GSPOConfig())),
-                        TINY_MOE)  # fmt: skip
+        MegatronTrainer(
+            TrainerConfig(loss=LossSelection(name="ppo", config=GSPOConfig())), TINY_MOE
+        )
 
 
 # ------------------------------------------------------------------ --loss-config parsing
@@ -230,14 +271,25 @@ def test_needs_are_checked_at_start_up():
 def test_loss_config_types_file_and_precedence(tmp_path):
     from loss import GSPOConfig, M2POConfig
 
-    m2 = _parse("--loss", "m2po", "--loss-config", "tau=0.02", "cap=none",
-                "--loss-config", "diagnostics=false", "--eps-clip-c", "3").trainer.loss.config  # fmt: skip
-    assert m2 == M2POConfig(tau=0.02, cap=None, diagnostics=False, dual_clip_c=3.0,
-                            loss_scale_factor=48.0)  # fmt: skip
+    m2 = _parse(
+        "--loss",
+        "m2po",
+        "--loss-config",
+        "tau=0.02",
+        "cap=none",
+        "--loss-config",
+        "diagnostics=false",
+        "--eps-clip-c",
+        "3",
+    ).trainer.loss.config
+    assert m2 == M2POConfig(
+        tau=0.02, cap=None, diagnostics=False, dual_clip_c=3.0, loss_scale_factor=48.0
+    )
     f = tmp_path / "gspo.json"
     f.write_text(json.dumps({"eps_low": 1e-3, "eps_high": 2e-3}))
-    gs = _parse("--loss", "gspo", "--loss-config-file", str(f),
-                "--loss-config", "log_ratio_max=5").trainer.loss.config  # fmt: skip
+    gs = _parse(
+        "--loss", "gspo", "--loss-config-file", str(f), "--loss-config", "log_ratio_max=5"
+    ).trainer.loss.config
     assert gs == GSPOConfig(eps_low=1e-3, eps_high=2e-3, log_ratio_max=5.0)
     from loss import loss_settings_from_args
     from slime_async.config import build_parser
@@ -253,24 +305,37 @@ def test_loss_config_types_file_and_precedence(tmp_path):
     c = _parse("--loss-config-file", str(y)).trainer.loss.config
     assert (str(c.engine_method), c.engine_low, str(c.denom)) == ("icepop", 0.5, "drop")
     # a dotted path to a plain function: CompIS settings, as before declared configs existed
-    p = _parse("--custom-loss-function-path", "loss.compis.compis_loss",
-               "--loss-config", "eps_clip_high=0.28").trainer.loss  # fmt: skip
+    p = _parse(
+        "--custom-loss-function-path",
+        "loss.compis.compis_loss",
+        "--loss-config",
+        "eps_clip_high=0.28",
+    ).trainer.loss
     assert p.name == "loss.compis.compis_loss" and p.config.eps_clip_high == 0.28
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--loss-config", "nope=1"],
-         r"--loss compis \(CompISConfig\) has no setting 'nope'; valid keys: eps_clip, "),
-        (["--loss", "gspo", "--loss-config", "eps_low=abc"], r"GSPOConfig\)\.eps_low expected a number"),
+        (
+            ["--loss-config", "nope=1"],
+            r"--loss compis \(CompISConfig\) has no setting 'nope'; valid keys: eps_clip, ",
+        ),
+        (
+            ["--loss", "gspo", "--loss-config", "eps_low=abc"],
+            r"GSPOConfig\)\.eps_low expected a number",
+        ),
         (["--loss", "m2po", "--loss-config", "diagnostics=maybe"], "expected true or false"),
         (["--loss-config", "engine_method=bogus"], "engine_method='bogus' is not supported"),
-        (["--eps-clip", "0.1", "--loss-config", "eps_clip=0.3"],
-         r"'eps_clip' is given twice \(--eps-clip and --loss-config eps_clip=0.3\)"),
+        (
+            ["--eps-clip", "0.1", "--loss-config", "eps_clip=0.3"],
+            r"'eps_clip' is given twice \(--eps-clip and --loss-config eps_clip=0.3\)",
+        ),
         (["--loss-config", "tau=1", "tau=2", "--loss", "m2po"], "'tau' is given twice"),
-        (["--loss", "gspo", "--staleness-correction-method", "cap"],
-         r"--staleness-correction-method: --loss gspo \(GSPOConfig\) has no setting"),
+        (
+            ["--loss", "gspo", "--staleness-correction-method", "cap"],
+            r"--staleness-correction-method: --loss gspo \(GSPOConfig\) has no setting",
+        ),
         (["--loss", "gspo", "--eps-clip", "0.1"], "valid keys: eps_low, eps_high, log_ratio_max"),
         (["--loss", "ppo", "--custom-loss-function-path", "a.b"], "give one of them"),
         (["--loss", "nope"], "unknown loss 'nope'; choose one of"),
@@ -278,10 +343,12 @@ def test_loss_config_types_file_and_precedence(tmp_path):
         (["--loss", "m2po", "--loss-config", "tau=0"], r"--loss m2po \(M2POConfig\): tau=0.0 must"),
         (["--eps-clip-c", "0.5"], "dual clip"),
         (["--loss-config-file", "/nonexistent.json"], "does not exist"),
-        (["--no-loss-diagnostics", "--loss-config", "diagnostics=true"],
-         r"'diagnostics' is given twice \(--no-loss-diagnostics and --loss-config"),
+        (
+            ["--no-loss-diagnostics", "--loss-config", "diagnostics=true"],
+            r"'diagnostics' is given twice \(--no-loss-diagnostics and --loss-config",
+        ),
     ],
-)  # fmt: skip
+)
 def test_loss_config_errors_name_the_problem(argv, message):
     with pytest.raises(ValueError, match=message):
         _parse(*argv)
@@ -325,12 +392,31 @@ async def test_plugin_loss_end_to_end_through_the_controller(tmp_path):
     from slime_async.config import parse_config
     from slime_async.controller import train
 
-    cfg = parse_config([
-        "--run-dir", str(tmp_path), "--num-steps", "2", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "4", "--rollout-max-response-len", "12",
-        "--warmstart-steps", "0", "--eval-interval", "0", "--micro-batch-size", "4",
-        "--loss", "scaled_ppo", "--loss-config", "scale=2", "--keep-old-actor",
-    ])  # fmt: skip
+    cfg = parse_config(
+        [
+            "--run-dir",
+            str(tmp_path),
+            "--num-steps",
+            "2",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "4",
+            "--rollout-max-response-len",
+            "12",
+            "--warmstart-steps",
+            "0",
+            "--eval-interval",
+            "0",
+            "--micro-batch-size",
+            "4",
+            "--loss",
+            "scaled_ppo",
+            "--loss-config",
+            "scale=2",
+            "--keep-old-actor",
+        ]
+    )
     summary = await train(cfg)
     assert summary["train/version"] == 2 and math.isfinite(summary["loss/total"])
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

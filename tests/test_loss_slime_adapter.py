@@ -54,9 +54,11 @@ def make_batch(seed=0, n=8, with_behavior=True, all_masked=False):
         masks = [torch.zeros(r, dtype=torch.long) for r in resp]
     with torch.no_grad():
         cur, _ = response_logprobs(
-            (hidden @ weight.T).unsqueeze(0), unconcat_tokens=tokens,
-            total_lengths=[p + r for p, r in zip(prompt, resp)], response_lengths=resp,
-        )  # fmt: skip
+            (hidden @ weight.T).unsqueeze(0),
+            unconcat_tokens=tokens,
+            total_lengths=[p + r for p, r in zip(prompt, resp)],
+            response_lengths=resp,
+        )
 
     advs = torch.randn(n, generator=g)
 
@@ -92,8 +94,15 @@ def packed_rows(batch, idx, hidden):
     return torch.cat([hidden[starts[i] : starts[i + 1]] for i in idx])
 
 
-ARGS = dict(eps_clip=0.2, eps_clip_high=0.28, rollout_temperature=0.9, entropy_coef=0.01,
-            use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="low_var_kl")  # fmt: skip
+ARGS = dict(
+    eps_clip=0.2,
+    eps_clip_high=0.28,
+    rollout_temperature=0.9,
+    entropy_coef=0.01,
+    use_kl_loss=True,
+    kl_loss_coef=0.05,
+    kl_loss_type="low_var_kl",
+)
 
 
 def run_step(batch, hidden, weight, parts, *, per_token=False, args=None, cfg=None):
@@ -159,8 +168,14 @@ def test_fallback_share_is_reported_per_sample():
     for mb in (sub_batch(with_b, range(4)), sub_batch(without, range(4, 8))):
         idx = range(4) if "behavior_log_probs" in mb else range(4, 8)
         logits = (packed_rows(with_b, list(idx), hidden) @ weight.T).unsqueeze(0)
-        outs.append(fn(SimpleNamespace(**ARGS), mb, logits,
-                       reducer(mb["response_lengths"], mb["loss_masks"]))[1])  # fmt: skip
+        outs.append(
+            fn(
+                SimpleNamespace(**ARGS),
+                mb,
+                logits,
+                reducer(mb["response_lengths"], mb["loss_masks"]),
+            )[1]
+        )
     step = {k: (float(outs[0][k]) + float(outs[1][k])) / 8 for k in outs[0]}
     n_valid = sum(int(m.sum() > 0) for m in without["loss_masks"][4:])
     assert step["compis/fallback_frac"] == pytest.approx(n_valid / 8)
@@ -174,10 +189,12 @@ def test_use_rollout_logprobs_takes_pi_k_from_the_training_forward():
     args = SimpleNamespace(**ARGS, use_rollout_logprobs=True)
     with torch.no_grad():
         cur, _ = response_logprobs(
-            (hidden @ weight.T).unsqueeze(0), unconcat_tokens=batch["unconcat_tokens"],
-            total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
+            (hidden @ weight.T).unsqueeze(0),
+            unconcat_tokens=batch["unconcat_tokens"],
+            total_lengths=batch["total_lengths"],
+            response_lengths=batch["response_lengths"],
             temperature=ARGS["rollout_temperature"],
-        )  # fmt: skip
+        )
     no_key = {k: v for k, v in batch.items() if k != "log_probs"}
     given = {**batch, "log_probs": cur}
     red = reducer(batch["response_lengths"], batch["loss_masks"])
@@ -204,18 +221,24 @@ def test_entropy_and_kl_terms_follow_slime():
         abs=1e-12,
     )
     lps, ents = response_logprobs(
-        logits / ARGS["rollout_temperature"], unconcat_tokens=batch["unconcat_tokens"],
-        total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
+        logits / ARGS["rollout_temperature"],
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
         with_entropy=True,
-    )  # fmt: skip
+    )
     p = torch.softmax(logits[0] / ARGS["rollout_temperature"], -1)
     full_ent = -(p * p.log()).sum(-1)
     assert ents is not None
     # entropy of the response rows matches the full-vocabulary formula
-    rows = torch.cat([torch.arange(sum(batch["total_lengths"][:i]) + t - r - 1,
-                                   sum(batch["total_lengths"][:i]) + t - 1)
-                      for i, (t, r) in enumerate(zip(batch["total_lengths"],
-                                                     batch["response_lengths"]))])  # fmt: skip
+    rows = torch.cat(
+        [
+            torch.arange(
+                sum(batch["total_lengths"][:i]) + t - r - 1, sum(batch["total_lengths"][:i]) + t - 1
+            )
+            for i, (t, r) in enumerate(zip(batch["total_lengths"], batch["response_lengths"]))
+        ]
+    )
     torch.testing.assert_close(torch.cat(ents), full_ent[rows], atol=1e-12, rtol=0)
     kl = kl_penalty(torch.cat(lps), torch.cat(batch["ref_log_probs"]), "low_var_kl")
     assert float(m["kl_loss"]) == pytest.approx(float(red(kl)), abs=1e-12)
@@ -225,8 +248,10 @@ def test_refuses_slime_flags_a_custom_loss_would_drop():
     batch, hidden, weight = make_batch(seed=8)
     red = reducer(batch["response_lengths"], batch["loss_masks"])
     logits = (hidden @ weight.T).unsqueeze(0)
-    for extra, match in [({"use_tis": True}, "compis_engine_high"),
-                         ({"advantage_estimator": "gspo"}, "use grpo")]:  # fmt: skip
+    for extra, match in [
+        ({"use_tis": True}, "compis_engine_high"),
+        ({"advantage_estimator": "gspo"}, "use grpo"),
+    ]:
         with pytest.raises(ValueError, match=match):
             make_slime_loss()(SimpleNamespace(**ARGS, **extra), batch, logits, red)
 
@@ -254,10 +279,15 @@ def _tp_worker(rank: int, port: int, out_dir: str) -> None:
     init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     init_model_parallel(ParallelLayout(tp=2, ep=1, pp=1, dp=1), seed=0)
     batch, hidden, weight = make_batch(seed=11)
-    cfg = ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True,
-                              params_dtype=F64, perform_initialization=False)  # fmt: skip
-    layer = ColumnParallelLinear(HIDDEN, VOCAB, config=cfg, init_method=lambda w: None,
-                                 bias=False, gather_output=False)  # fmt: skip
+    cfg = ModelParallelConfig(
+        tensor_model_parallel_size=2,
+        use_cpu_initialization=True,
+        params_dtype=F64,
+        perform_initialization=False,
+    )
+    layer = ColumnParallelLinear(
+        HIDDEN, VOCAB, config=cfg, init_method=lambda w: None, bias=False, gather_output=False
+    )
     shard = VOCAB // 2
     with torch.no_grad():
         layer.weight.copy_(weight[rank * shard : (rank + 1) * shard])
@@ -267,9 +297,16 @@ def _tp_worker(rank: int, port: int, out_dir: str) -> None:
     red = reducer(batch["response_lengths"], batch["loss_masks"])
     loss, metrics = make_slime_loss()(SimpleNamespace(**ARGS), batch, logits.transpose(0, 1), red)
     loss.backward()
-    torch.save({"loss": loss.detach(), "metrics": metrics, "h_grad": h.grad.squeeze(1),
-                "w_grad": layer.weight.grad, "tp": ps.get_tensor_model_parallel_world_size()},
-               os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
+    torch.save(
+        {
+            "loss": loss.detach(),
+            "metrics": metrics,
+            "h_grad": h.grad.squeeze(1),
+            "w_grad": layer.weight.grad,
+            "tp": ps.get_tensor_model_parallel_world_size(),
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

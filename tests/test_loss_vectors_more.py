@@ -178,10 +178,19 @@ def test_K1_ratio_stats():
     r = t(R_F)
     s = ratio_stats("x", r, torch.log(r), low=0.5, high=2.0)
     expected = {
-        "mean": 1.4375, "p50": 1.25, "p90": 2.55, "p99": 2.955, "max": 3.0,
-        "frac_above_high": 0.25, "frac_below_low": 0.25, "kl_k1": -0.029446, "kl_k2": 0.411645,
-        "kl_k3": 0.408054, "ess": 0.671320, "chi2_token": 2.078125,
-    }  # fmt: skip
+        "mean": 1.4375,
+        "p50": 1.25,
+        "p90": 2.55,
+        "p99": 2.955,
+        "max": 3.0,
+        "frac_above_high": 0.25,
+        "frac_below_low": 0.25,
+        "kl_k1": -0.029446,
+        "kl_k2": 0.411645,
+        "kl_k3": 0.408054,
+        "ess": 0.671320,
+        "chi2_token": 2.078125,
+    }
     for k, v in expected.items():
         assert float(s[f"x/{k}"]) == pytest.approx(v, abs=ATOL), k
 

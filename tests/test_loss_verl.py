@@ -56,14 +56,28 @@ def test_compis_in_verl_equals_verl_vanilla_with_its_weights(agg, global_info):
     lp, old, adv, mask, w = padded(seed=1)
     cfg = actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
     if global_info:  # verl sets these per micro-batch: DP size and whole-batch counts
-        cfg.global_batch_info.update(dp_size=2, batch_num_tokens=40, global_batch_size=9,
-                                     loss_scale_factor=16)  # fmt: skip
+        cfg.global_batch_info.update(
+            dp_size=2, batch_num_tokens=40, global_batch_size=9, loss_scale_factor=16
+        )
     vanilla = core_algos.get_policy_loss_fn("vanilla")
-    ref, ref_m = vanilla(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask,
-                         loss_agg_mode=agg, config=cfg, rollout_is_weights=w)  # fmt: skip
-    got, got_m = compis_verl_loss(old_log_prob=old, log_prob=lp, advantages=adv,
-                                  response_mask=mask, loss_agg_mode=agg, config=cfg,
-                                  rollout_is_weights=w)  # fmt: skip
+    ref, ref_m = vanilla(
+        old_log_prob=old,
+        log_prob=lp,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=agg,
+        config=cfg,
+        rollout_is_weights=w,
+    )
+    got, got_m = compis_verl_loss(
+        old_log_prob=old,
+        log_prob=lp,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=agg,
+        config=cfg,
+        rollout_is_weights=w,
+    )
     assert float(got.detach()) == pytest.approx(float(ref.detach()), abs=1e-12)
     torch.testing.assert_close(grad_of(got, lp), grad_of(ref, lp), atol=1e-12, rtol=0)
     assert got_m["actor/ppo_kl"] == pytest.approx(ref_m["actor/ppo_kl"], abs=1e-12)
@@ -88,8 +102,14 @@ def test_verl_loads_the_adapter_through_its_plugin_mechanisms():
         "print(get_policy_loss_fn('compis').__module__)"
     )
     env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "loss.verl_adapter"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert out.stdout.strip().splitlines()[-1] == "loss.verl_adapter"
     ep = importlib.metadata.EntryPoint(
         name="slime_async", value="loss.verl_adapter", group="verl.plugins"
@@ -101,11 +121,18 @@ def test_verl_loads_the_adapter_through_its_plugin_mechanisms():
 def _gspo_both(lp, old, adv, mask):
     cfg = actor_config(clip_ratio_low=3e-4, clip_ratio_high=4e-4)
     ref, _ = core_algos.get_policy_loss_fn("gspo")(
-        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask,
-        loss_agg_mode="seq-mean-token-mean", config=cfg,
-    )  # fmt: skip
-    ours = gspo_loss(LossInputs(logprobs=lp, proximal_logprobs=old, rollout_logprobs=old,
-                                advantages=adv, loss_mask=mask)).loss  # fmt: skip
+        old_log_prob=old,
+        log_prob=lp,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode="seq-mean-token-mean",
+        config=cfg,
+    )
+    ours = gspo_loss(
+        LossInputs(
+            logprobs=lp, proximal_logprobs=old, rollout_logprobs=old, advantages=adv, loss_mask=mask
+        )
+    ).loss
     return ours, ref
 
 

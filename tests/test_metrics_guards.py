@@ -32,15 +32,17 @@ def healthy(n: int = 60, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for k in range(1, n + 1):
-        out.append({
-            "step": k,
-            "policy/entropy": 1.2 - 0.005 * k + rng.gauss(0, 0.03),
-            "mismatch/train_rollout_logprob_abs_diff": 0.01 + rng.gauss(0, 0.001),
-            "is/staleness/mean": 1.0 + rng.gauss(0, 0.02),
-            "is/engine/mean": 1.0 + rng.gauss(0, 0.01),
-            "is/combined/mean": 1.0 + rng.gauss(0, 0.03),
-            "rollout/logprob_mean": -1.0 + 0.004 * k + rng.gauss(0, 0.02),
-        })  # fmt: skip
+        out.append(
+            {
+                "step": k,
+                "policy/entropy": 1.2 - 0.005 * k + rng.gauss(0, 0.03),
+                "mismatch/train_rollout_logprob_abs_diff": 0.01 + rng.gauss(0, 0.001),
+                "is/staleness/mean": 1.0 + rng.gauss(0, 0.02),
+                "is/engine/mean": 1.0 + rng.gauss(0, 0.01),
+                "is/combined/mean": 1.0 + rng.gauss(0, 0.03),
+                "rollout/logprob_mean": -1.0 + 0.004 * k + rng.gauss(0, 0.02),
+            }
+        )
     return out
 
 

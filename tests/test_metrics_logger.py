@@ -23,9 +23,17 @@ def _lines(path: Path) -> list[dict]:
 def test_jsonl_is_written_and_flushed_per_line(tmp_path: Path) -> None:
     out = io.StringIO()
     ml = MetricsLogger(tmp_path, total_steps=10, stdout=out, stderr=io.StringIO())
-    ml.log(1, {"rollout/reward": 0.25, "policy/entropy": np.float32(1.5),
-               "loss/pg_loss": torch.tensor(-0.125), "staleness/hist": [3, 1, 0],
-               "is/engine/p99": math.nan, "timing/step_s": 2})  # fmt: skip
+    ml.log(
+        1,
+        {
+            "rollout/reward": 0.25,
+            "policy/entropy": np.float32(1.5),
+            "loss/pg_loss": torch.tensor(-0.125),
+            "staleness/hist": [3, 1, 0],
+            "is/engine/p99": math.nan,
+            "timing/step_s": 2,
+        },
+    )
     recs = _lines(tmp_path / "metrics.jsonl")  # read while the logger is still open
     assert recs[0]["event"] == "run_start" and recs[0]["step"] == 1
     rec = recs[1]
@@ -114,8 +122,14 @@ def test_console_every_and_line_format(tmp_path: Path) -> None:
         "step 10",
         "step 7",
     ]
-    line = console_line({"step": 3, "staleness/mean": 1.5, "idle/trainer_ratio": 0.25,
-                         "mismatch/train_rollout_logprob_abs_diff": 0.0123})  # fmt: skip
+    line = console_line(
+        {
+            "step": 3,
+            "staleness/mean": 1.5,
+            "idle/trainer_ratio": 0.25,
+            "mismatch/train_rollout_logprob_abs_diff": 0.0123,
+        }
+    )
     assert line == "step 3 | lp_diff 1.23e-02 | stale 1.50 | idle_T 0.25"
 
 

@@ -128,9 +128,24 @@ def test_the_recipe_runs_two_steps(tmp_path):
     pytest.importorskip("reasoning_gym")
     run = tmp_path / "run"
     env = {**os.environ, "RAY_ADDRESS": "local"}
-    cmd = [sys.executable, "train_async.py", "--config", str(RECIPE), "--run-dir", str(run),
-           "--num-steps", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-           "--eval-interval", "1", "--eval-prompts", "4"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "train_async.py",
+        "--config",
+        str(RECIPE),
+        "--run-dir",
+        str(run),
+        "--num-steps",
+        "2",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--eval-interval",
+        "1",
+        "--eval-prompts",
+        "4",
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=2300)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]

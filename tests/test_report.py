@@ -40,21 +40,36 @@ def synthetic_run(run_dir: Path, *, steps: int = 60, faults: bool = True, seed: 
                 "idle/trainer_ratio": 0.1 + 0.05 * rng.random(),
                 "idle/rollout_ratio": 0.05 + 0.05 * rng.random(),
             }
-            for source, spread in (("staleness", 0.3), ("engine", 0.05), ("drift", 0.02),
-                                   ("combined", 0.35)):  # fmt: skip
+            for source, spread in (
+                ("staleness", 0.3),
+                ("engine", 0.05),
+                ("drift", 0.02),
+                ("combined", 0.35),
+            ):
                 mean = 1.0 + rng.gauss(0, 0.01)
                 if faults and source == "engine" and 40 <= k <= 42:
                     mean = 1.6
-                m |= {f"is/{source}/mean": mean, f"is/{source}/p50": 1.0 - spread / 10,
-                      f"is/{source}/p90": 1 + spread, f"is/{source}/p99": 1 + 2 * spread,
-                      f"is/{source}/max": 1 + 4 * spread, f"is/{source}/masked_frac": 0.001,
-                      f"is/{source}/clipped_frac": spread / 10}  # fmt: skip
+                m |= {
+                    f"is/{source}/mean": mean,
+                    f"is/{source}/p50": 1.0 - spread / 10,
+                    f"is/{source}/p90": 1 + spread,
+                    f"is/{source}/p99": 1 + 2 * spread,
+                    f"is/{source}/max": 1 + 4 * spread,
+                    f"is/{source}/masked_frac": 0.001,
+                    f"is/{source}/clipped_frac": spread / 10,
+                }
             if faults and 30 <= k <= 32:
                 m["policy/entropy"] = 2.5
             ml.log(k, m)
             if k % 10 == 0:
-                ml.log(k, {"eval/reward": reward - 0.05, "eval/reward_level0": reward + 0.2,
-                           "eval/reward_level3": reward - 0.3})  # fmt: skip
+                ml.log(
+                    k,
+                    {
+                        "eval/reward": reward - 0.05,
+                        "eval/reward_level0": reward + 0.2,
+                        "eval/reward_level3": reward - 0.3,
+                    },
+                )
 
 
 def test_report_png_and_verdict_with_faults(tmp_path: Path) -> None:
@@ -102,7 +117,10 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     synthetic_run(tmp_path, steps=35)
     proc = subprocess.run(
         [sys.executable, "-m", "slime_async.report", str(tmp_path), "--no-plot"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("steps 1..35") and "WARNING entropy_spike" in proc.stdout

@@ -123,12 +123,27 @@ def _tokenizer(chat: bool):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<unk>", "<s>", "</s>", "user", "assistant", "system", ":", "what", "is", "2+2?",
-             "hi", "be", "brief", "|"]  # fmt: skip
+    words = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "user",
+        "assistant",
+        "system",
+        ":",
+        "what",
+        "is",
+        "2+2?",
+        "hi",
+        "be",
+        "brief",
+        "|",
+    ]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
     if chat:
         fast.chat_template = (
             "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} | {% endfor %}"
@@ -158,8 +173,10 @@ def test_chat_template_and_tokenization(tmp_path: Path) -> None:
     plain = load_dataset(DatasetConfig(path=str(path)), tokenizer=_tokenizer(chat=False)).rows
     assert plain[0].prompt_text == "what is 2+2?"
     with pytest.raises(DatasetError, match="has no chat template"):
-        load_dataset(DatasetConfig(path=str(path), apply_chat_template=True),
-                     tokenizer=_tokenizer(chat=False))  # fmt: skip
+        load_dataset(
+            DatasetConfig(path=str(path), apply_chat_template=True),
+            tokenizer=_tokenizer(chat=False),
+        )
 
 
 def test_repeated_rows_are_kept_as_prompts_of_their_own(tmp_path: Path, caplog) -> None:
@@ -168,8 +185,11 @@ def test_repeated_rows_are_kept_as_prompts_of_their_own(tmp_path: Path, caplog) 
     other = {"prompt": "What is 3+3?", "label": "6"}
     path = _write_jsonl(tmp_path / "dup.jsonl", [json.dumps(r) for r in (GOOD, other, GOOD, GOOD)])
     with caplog.at_level("WARNING"):
-        src = dataset_source(load_dataset(DatasetConfig(path=str(path)),
-                                          tokenizer=_tokenizer(chat=False)), seed=0, num_epochs=1)  # fmt: skip
+        src = dataset_source(
+            load_dataset(DatasetConfig(path=str(path)), tokenizer=_tokenizer(chat=False)),
+            seed=0,
+            num_epochs=1,
+        )
     prompts = list(iter(src.next_prompt, None))
     assert len(prompts) == 4  # every row is trained on; none refused, none dropped
     keys = sorted(p.key for p in prompts)

@@ -37,8 +37,9 @@ def tokenizer():
 
 
 def _tasks(tokenizer, spec="reasoning_gym:chain_sum,leg_counting", settings=(), **kw):
-    return ReasoningGymTasks(parse_prompt_source(spec, task_settings=settings, **kw),
-                             tokenizer=tokenizer)  # fmt: skip
+    return ReasoningGymTasks(
+        parse_prompt_source(spec, task_settings=settings, **kw), tokenizer=tokenizer
+    )
 
 
 def _take(src: GymPromptSource, n: int) -> list[tuple[str, tuple[int, ...], str]]:
@@ -82,8 +83,10 @@ def test_eval_split_is_disjoint_from_training(tokenizer):
     assert not held_ids & {ids for _, ids, _ in train}
     assert t.skipped_held_out > 0
     # the same eval set for the same seed, another for another seed
-    assert [p.prompt_ids for p in _tasks(tokenizer, "reasoning_gym:chain_sum", EASY_SUM,
-                                         seed=0).eval_set(32)] == [p.prompt_ids for p in held]  # fmt: skip
+    assert [
+        p.prompt_ids
+        for p in _tasks(tokenizer, "reasoning_gym:chain_sum", EASY_SUM, seed=0).eval_set(32)
+    ] == [p.prompt_ids for p in held]
 
 
 @pytest.mark.parametrize(
@@ -102,8 +105,9 @@ def test_the_tasks_own_scorer_is_the_reward(tokenizer, task, fmt, wrap):
     wrong = str(int(right) + 1)
 
     def score(text: str) -> float:
-        inp = RewardInput(response_ids=[1], label=label, response_text=text,
-                          metadata=p.payload["metadata"])  # fmt: skip
+        inp = RewardInput(
+            response_ids=[1], label=label, response_text=text, metadata=p.payload["metadata"]
+        )
         r = compute_reward_sync(reward, inp)
         assert not r.masked, r.error
         return r.reward
@@ -118,17 +122,31 @@ def test_the_tasks_own_scorer_is_the_reward(tokenizer, task, fmt, wrap):
 
 def test_data_plan_wires_source_eval_and_reward(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path)
-    cfg = parse_prompt_source("reasoning_gym:chain_sum", task_settings=EASY_SUM, seed=0,
-                              answer_format="response")  # fmt: skip
-    plan = make_data_plan(seed=0, prompt_data=None, hf_checkpoint=str(tmp_path), input_key="p",
-                          label_key="l", apply_chat_template=False, strict_data=False,
-                          custom_rm_path=None, eval_prompts=8, reasoning_gym=cfg)  # fmt: skip
+    cfg = parse_prompt_source(
+        "reasoning_gym:chain_sum", task_settings=EASY_SUM, seed=0, answer_format="response"
+    )
+    plan = make_data_plan(
+        seed=0,
+        prompt_data=None,
+        hf_checkpoint=str(tmp_path),
+        input_key="p",
+        label_key="l",
+        apply_chat_template=False,
+        strict_data=False,
+        custom_rm_path=None,
+        eval_prompts=8,
+        reasoning_gym=cfg,
+    )
     assert len(plan.eval_prompts) == 8 and plan.eos_id == tokenizer.eos_token_id
     p = plan.source.next_prompt()
     text = tokenizer.decode(p.prompt_ids)
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
-    inp = RewardInput(response_ids=[1], label=p.payload["label"], response_text=p.payload["label"],
-                      metadata=p.payload["metadata"])  # fmt: skip
+    inp = RewardInput(
+        response_ids=[1],
+        label=p.payload["label"],
+        response_text=p.payload["label"],
+        metadata=p.payload["metadata"],
+    )
     assert compute_reward_sync(plan.reward_fn, inp).reward == 1.0
 
 

@@ -46,20 +46,29 @@ def _prompts(n: int) -> list:
 
 
 async def _batch(url, reward_fn, *, groups=2, n=4, custom=None, group_rm=False, abort=False):
-    client = GenerateClient(GenerateClientConfig(url=url, max_response_len=40, stop_token_ids=(EOS,)),
-                            num_layers=2, topk=2)  # fmt: skip
+    client = GenerateClient(
+        GenerateClientConfig(url=url, max_response_len=40, stop_token_ids=(EOS,)),
+        num_layers=2,
+        topk=2,
+    )
     args = slime_args(url, n_samples_per_prompt=n, group_rm=group_rm)
     gen = CustomGenerate(custom, client, eos_id=EOS, args=args) if custom else client
     scored = ScoredGenerate(gen, reward_fn, eos_id=EOS, reward_args=args, group_rm=group_rm)
-    cfg = DataWorkerConfig(n_samples_per_prompt=n, groups_per_step=groups, max_staleness=0,
-                           fifo_window=groups, default_expected_len=8)  # fmt: skip
+    cfg = DataWorkerConfig(
+        n_samples_per_prompt=n,
+        groups_per_step=groups,
+        max_staleness=0,
+        fifo_window=groups,
+        default_expected_len=8,
+    )
 
     async def abort_all() -> None:
         async with aiohttp.ClientSession() as s:
             await post(s, url + "/pause_generation", {"mode": "abort"})
 
-    worker = RolloutDataWorker(cfg, InMemoryPromptSource(_prompts(groups)), scored,
-                               abort_fn=abort_all if abort else None)  # fmt: skip
+    worker = RolloutDataWorker(
+        cfg, InMemoryPromptSource(_prompts(groups)), scored, abort_fn=abort_all if abort else None
+    )
     await worker.start()
     try:
         batch = await worker.get_batch(groups, current_version=0, timeout=60)
@@ -75,8 +84,16 @@ async def test_slime_style_reward_gets_args_and_a_slime_sample(engine):
     seen = []
 
     async def rm(args, sample, **kwargs):
-        seen.append((args.sglang_router_port, args.n_samples_per_prompt, sample.status.value,
-                     sample.response_length, len(sample.tokens), sample.label))  # fmt: skip
+        seen.append(
+            (
+                args.sglang_router_port,
+                args.n_samples_per_prompt,
+                sample.status.value,
+                sample.response_length,
+                len(sample.tokens),
+                sample.label,
+            )
+        )
         return float(sample.response_length % 2)
 
     batch, _ = await _batch(url, rm)
@@ -224,16 +241,24 @@ async def test_partial_rollout_across_a_weight_update_keeps_per_token_versions(e
             worker.set_served_version(1)
             await worker.resume()
 
-    client = GenerateClient(GenerateClientConfig(url=url, max_response_len=40, stop_token_ids=(EOS,)),
-                            num_layers=2, topk=2)  # fmt: skip
+    client = GenerateClient(
+        GenerateClientConfig(url=url, max_response_len=40, stop_token_ids=(EOS,)),
+        num_layers=2,
+        topk=2,
+    )
     scored = ScoredGenerate(CustomGenerate(gated, client, eos_id=EOS), calc.reward, eos_id=EOS)
 
     async def abort_all() -> None:
         async with aiohttp.ClientSession() as s:
             await post(s, url + "/pause_generation", {"mode": "abort"})
 
-    cfg = DataWorkerConfig(n_samples_per_prompt=1, groups_per_step=1, max_staleness=1,
-                           fifo_window=1, default_expected_len=8)  # fmt: skip
+    cfg = DataWorkerConfig(
+        n_samples_per_prompt=1,
+        groups_per_step=1,
+        max_staleness=1,
+        fifo_window=1,
+        default_expected_len=8,
+    )
     worker = RolloutDataWorker(cfg, InMemoryPromptSource(_prompts(1)), scored, abort_fn=abort_all)
     await worker.start()
     try:
@@ -264,14 +289,20 @@ async def test_slime_style_custom_generate_records_versions_through_append_respo
         endpoint = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
         async with aiohttp.ClientSession() as s:
             for turn in range(2):
-                body = {"input_ids": sample.tokens, "return_logprob": True,
-                        "sampling_params": {**sampling_params, "max_new_tokens": 4}}  # fmt: skip
+                body = {
+                    "input_ids": sample.tokens,
+                    "return_logprob": True,
+                    "sampling_params": {**sampling_params, "max_new_tokens": 4},
+                }
                 async with s.post(endpoint, json=body) as r:
                     out = await r.json()
                 lp = out["meta_info"]["output_token_logprobs"]
-                sample.append_response_tokens(args, tokens=[x[1] for x in lp],
-                                              log_probs=[x[0] for x in lp],
-                                              meta_info=out["meta_info"])  # fmt: skip
+                sample.append_response_tokens(
+                    args,
+                    tokens=[x[1] for x in lp],
+                    log_probs=[x[0] for x in lp],
+                    meta_info=out["meta_info"],
+                )
                 if turn == 0:
                     sample.append_response_tokens(args, tokens=[9, 4, 3], trainable=False)
         return sample

@@ -94,8 +94,9 @@ def test_hard_prompts_are_rarer_but_longer() -> None:
     probs = level_probs(fam.config)
     for lv in range(4):  # empirical frequency close to the configured one
         assert abs(counts[lv] / 4000 - probs[lv]) < 0.03
-    mean_len = {lv: sum(p.expected_len for p in prompts if p.level == lv) / counts[lv]
-                for lv in range(4)}  # fmt: skip
+    mean_len = {
+        lv: sum(p.expected_len for p in prompts if p.level == lv) / counts[lv] for lv in range(4)
+    }
     assert mean_len[0] < mean_len[1] < mean_len[2] < mean_len[3]
     assert {len(p.digits) for p in prompts if p.level == 3} == {11}
     assert {p.kind for p in prompts} == set(TaskKind)

@@ -20,12 +20,29 @@ from slime_async.rollout.warmstart import (
     warm_start,
 )
 
-SPEC = ModelSpec(vocab_size=32, hidden_size=32, num_layers=1, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=16, intermediate_size=64, num_experts=2,
-                 moe_topk=1, moe_intermediate_size=32, max_position_embeddings=64)  # fmt: skip
+SPEC = ModelSpec(
+    vocab_size=32,
+    hidden_size=32,
+    num_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    intermediate_size=64,
+    num_experts=2,
+    moe_topk=1,
+    moe_intermediate_size=32,
+    max_position_embeddings=64,
+)
 TASK = TaskFamilyConfig(num_levels=2, eval_per_level=4)
-TINY = WarmStartConfig(max_steps=3, batch_size=8, target_pass_rate=None, probe_per_level=4,
-                       report_per_level=4, report_samples=1, num_threads=1)  # fmt: skip
+TINY = WarmStartConfig(
+    max_steps=3,
+    batch_size=8,
+    target_pass_rate=None,
+    probe_per_level=4,
+    report_per_level=4,
+    report_samples=1,
+    num_threads=1,
+)
 
 
 @pytest.fixture(autouse=True)

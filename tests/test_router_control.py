@@ -301,6 +301,8 @@ def test_threaded_runner_for_synchronous_callers() -> None:
 def test_a_fanout_to_no_engine_says_so() -> None:
     e = FanoutError("/pause_generation", {"total": 0, "succeeded": 0, "failed": []})
     assert str(e) == "/pause_generation: no engine is registered with the router (none to call)"
-    e = FanoutError("/pause_generation", {"total": 2, "succeeded": 1,
-                                          "failed": [{"url": "http://a:1", "error": "HTTP 500"}]})  # fmt: skip
+    e = FanoutError(
+        "/pause_generation",
+        {"total": 2, "succeeded": 1, "failed": [{"url": "http://a:1", "error": "HTTP 500"}]},
+    )
     assert str(e) == "/pause_generation: 1/2 engines succeeded; failed: http://a:1 (HTTP 500)"

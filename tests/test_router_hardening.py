@@ -102,8 +102,15 @@ async def test_sustained_poison_hurts_no_honest_client_and_no_engine(two_engines
 
     async def honest(s: aiohttp.ClientSession, c: int) -> None:
         for i in range(12):
-            body = {"input_ids": [1, c + 4, i + 5], "sampling_params": {"max_new_tokens": 12,
-                    "ignore_eos": True, "min_new_tokens": 2, "stop_token_ids": [2]}}  # fmt: skip
+            body = {
+                "input_ids": [1, c + 4, i + 5],
+                "sampling_params": {
+                    "max_new_tokens": 12,
+                    "ignore_eos": True,
+                    "min_new_tokens": 2,
+                    "stop_token_ids": [2],
+                },
+            }
             async with s.post(url + "/generate", json=body) as r:
                 honest_status.append(r.status)
                 ans = await r.json()

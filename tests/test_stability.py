@@ -57,9 +57,15 @@ def curves(n=100, *, gap=lambda t: 0.01, reward=lambda t: 0.5, seed=0, noise=0.0
     out = []
     for k in range(n):
         t = k / n
-        out.append({"step": k + 1, GAP_KEY: gap(t) * (1 + rng.gauss(0, noise)),
-                    REWARD_KEY: reward(t) + rng.gauss(0, noise), "train/grad_norm": 0.5,
-                    "loss/total": 0.1})  # fmt: skip
+        out.append(
+            {
+                "step": k + 1,
+                GAP_KEY: gap(t) * (1 + rng.gauss(0, noise)),
+                REWARD_KEY: reward(t) + rng.gauss(0, noise),
+                "train/grad_norm": 0.5,
+                "loss/total": 0.1,
+            }
+        )
     return out
 
 
@@ -186,8 +192,9 @@ def test_grid_names_filter_and_flags_parse(bench, tmp_path) -> None:
     }
     with pytest.raises(ValueError, match="unknown loss 'bogus'"):
         lab.grid((0,), ("bogus",), ("on",), (1,), (1,))
-    budget = lab.Budget(num_rollout=5, eval_interval=5, eval_prompts=172, eval_samples=4,
-                          warmstart_steps=None)  # fmt: skip
+    budget = lab.Budget(
+        num_rollout=5, eval_interval=5, eval_prompts=172, eval_samples=4, warmstart_steps=None
+    )
     for cell in lab.grid((0, 16), tuple(lab.LOSSES), ("on", "off"), (1, 4), (1,)):
         cfg = parse_config(lab.train_args(cell, budget, tmp_path / cell.name, None))
         assert cfg.data_worker.max_staleness == cell.staleness
@@ -207,31 +214,70 @@ def _fake_run(bench, out: Path, cell, *, steps: int, gap, seed: int) -> None:
     with MetricsLogger(d, console=False, progress=False, stderr=io.StringIO()) as ml:
         for k in range(1, steps + 1):
             t = k / steps
-            m = {GAP_KEY: gap(t) * (1 + rng.gauss(0, 0.02)),
-                 REWARD_KEY: 0.4 + 0.2 * t + rng.gauss(0, 0.02), "policy/entropy": 0.5,
-                 "is/staleness/p99": 1.1, "is/engine/p99": 1.02, "is/drift/p99": 1.05,
-                 "train/grad_norm": 0.3, "staleness/mean": float(cell.staleness)}  # fmt: skip
+            m = {
+                GAP_KEY: gap(t) * (1 + rng.gauss(0, 0.02)),
+                REWARD_KEY: 0.4 + 0.2 * t + rng.gauss(0, 0.02),
+                "policy/entropy": 0.5,
+                "is/staleness/p99": 1.1,
+                "is/engine/p99": 1.02,
+                "is/drift/p99": 1.05,
+                "train/grad_norm": 0.3,
+                "staleness/mean": float(cell.staleness),
+            }
             ml.log(k, m)
             if k % 5 == 0:
                 ml.log(k, {"eval/reward": 0.3 + 0.2 * t, "eval/reward_se": 0.018})
-    ro = {"global_batch_size": 16, "num_steps_per_rollout": 4, "eval_interval": 5,
-          "eval_prompts": 172, "n_samples_per_eval_prompt": 4}  # fmt: skip
+    ro = {
+        "global_batch_size": 16,
+        "num_steps_per_rollout": 4,
+        "eval_interval": 5,
+        "eval_prompts": 172,
+        "n_samples_per_eval_prompt": 4,
+    }
     (d / "config.json").write_text(json.dumps({"num_steps": steps, "rollout": ro}))
-    budget = lab.Budget(num_rollout=steps // 4, eval_interval=5, eval_prompts=172,
-                          eval_samples=4, warmstart_steps=None)  # fmt: skip
-    (d / lab.RESULT).write_text(json.dumps({"status": "ok", "wall_s": 1.0,
-                                              "budget": lab.budget_record(budget)}))  # fmt: skip
+    budget = lab.Budget(
+        num_rollout=steps // 4,
+        eval_interval=5,
+        eval_prompts=172,
+        eval_samples=4,
+        warmstart_steps=None,
+    )
+    (d / lab.RESULT).write_text(
+        json.dumps({"status": "ok", "wall_s": 1.0, "budget": lab.budget_record(budget)})
+    )
 
 
 def test_report_from_logged_runs_has_figure_table_verdicts_and_guards(bench, tmp_path) -> None:
     cells = lab.grid((0, 16), ("ppo", "compis"), ("on",), (4,), (1, 2))
     for i, c in enumerate(cells):
         drift = c.staleness == 16 and c.loss == "ppo"
-        _fake_run(bench, tmp_path, c, steps=40, seed=i,
-                  gap=(lambda t: 0.01 * (1 + 10 * t)) if drift else (lambda t: 0.01))  # fmt: skip
-    argv = ["--out", str(tmp_path), "--staleness", "0,16", "--losses", "ppo,compis",
-            "--replay", "on", "--nspr", "4", "--seeds", "1,2", "--num-rollout", "10",
-            "--eval-interval", "5", "--report-only"]  # fmt: skip
+        _fake_run(
+            bench,
+            tmp_path,
+            c,
+            steps=40,
+            seed=i,
+            gap=(lambda t: 0.01 * (1 + 10 * t)) if drift else (lambda t: 0.01),
+        )
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--staleness",
+        "0,16",
+        "--losses",
+        "ppo,compis",
+        "--replay",
+        "on",
+        "--nspr",
+        "4",
+        "--seeds",
+        "1,2",
+        "--num-rollout",
+        "10",
+        "--eval-interval",
+        "5",
+        "--report-only",
+    ]
     assert bench.main(argv) == 0
     png = (tmp_path / "stability.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
@@ -262,8 +308,11 @@ def test_replay_effect_pools_seed_paired_runs_as_a_geometric_mean(bench) -> None
             for rr, gap in (("rroff", off), ("rron", off * ratio)):
                 g = f"s{s}-compis-{rr}-n4"
                 per_run[f"{g}-seed{seed}"] = {"group": g, "gap_end": gap, "engine_gap": math.nan}
-    per_run["s16-ppo-rroff-n4-seed9"] = {"group": "s16-ppo-rroff-n4", "gap_end": 1.0,
-                                         "engine_gap": 1.0}  # no R3-on partner: left out
+    per_run["s16-ppo-rroff-n4-seed9"] = {
+        "group": "s16-ppo-rroff-n4",
+        "gap_end": 1.0,
+        "engine_gap": 1.0,
+    }  # no R3-on partner: left out
     eff = lab.replay_effect(per_run)
     gm = math.sqrt(0.5 * 0.8) - 1  # three pairs at each ratio
     m, lo, hi, k = eff["gap_end"]["all"]
@@ -276,8 +325,9 @@ def test_replay_effect_pools_seed_paired_runs_as_a_geometric_mean(bench) -> None
     assert "engine gap" not in lines
     # the bar is `Goals.replay_change` (Relax's −38%): [−52%, −17%] straddles it; −10% is met
     assert "−38% or better: not resolved" in lines
-    looser = "\n".join(lab_report.goal_checks({"cells": {}, "replay": eff},
-                                               Goals(replay_change=-0.1)))  # fmt: skip
+    looser = "\n".join(
+        lab_report.goal_checks({"cells": {}, "replay": eff}, Goals(replay_change=-0.1))
+    )
     assert "−10% or better: yes" in looser
 
 
@@ -313,11 +363,28 @@ def test_a_run_of_another_budget_is_refused_not_rerun_or_mixed(bench, tmp_path, 
     cells = lab.grid((0,), ("ppo",), ("on",), (4,), (1,))
     _fake_run(bench, tmp_path, cells[0], steps=40, gap=lambda t: 0.01, seed=0)  # 10 rollouts
     before = (tmp_path / "runs" / cells[0].name / "metrics.jsonl").read_bytes()
-    base = ["--out", str(tmp_path), "--staleness", "0", "--losses", "ppo", "--replay", "on",
-            "--nspr", "4", "--seeds", "1", "--eval-interval", "5"]  # fmt: skip
+    base = [
+        "--out",
+        str(tmp_path),
+        "--staleness",
+        "0",
+        "--losses",
+        "ppo",
+        "--replay",
+        "on",
+        "--nspr",
+        "4",
+        "--seeds",
+        "1",
+        "--eval-interval",
+        "5",
+    ]
     # asked for 20 rollouts: neither a run nor a report over the 10-rollout run
-    for extra in (["--num-rollout", "20"], ["--num-rollout", "20", "--report-only"],
-                  ["--num-rollout", "10", "--report-only", "--", "--lr", "1e-3"]):  # fmt: skip
+    for extra in (
+        ["--num-rollout", "20"],
+        ["--num-rollout", "20", "--report-only"],
+        ["--num-rollout", "10", "--report-only", "--", "--lr", "1e-3"],
+    ):
         assert bench.main(base + extra) == 2
         err = capsys.readouterr().err
         assert "finished with budget" in err and "give another --out" in err
@@ -329,10 +396,32 @@ def test_a_run_of_another_budget_is_refused_not_rerun_or_mixed(bench, tmp_path, 
 @pytest.mark.timeout(900)
 def test_two_cell_grid_runs_end_to_end_and_resumes(tmp_path) -> None:
     """Two real train_async.py runs (sync and staleness 4, CompIS), a few steps each."""
-    cmd = [sys.executable, str(_PATH), "--out", str(tmp_path), "--staleness", "0,4",
-           "--losses", "compis", "--replay", "on", "--nspr", "1", "--seeds", "1",
-           "--num-rollout", "3", "--eval-interval", "3", "--eval-prompts", "8",
-           "--eval-samples", "2", "--warmstart-steps", "10"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(_PATH),
+        "--out",
+        str(tmp_path),
+        "--staleness",
+        "0,4",
+        "--losses",
+        "compis",
+        "--replay",
+        "on",
+        "--nspr",
+        "1",
+        "--seeds",
+        "1",
+        "--num-rollout",
+        "3",
+        "--eval-interval",
+        "3",
+        "--eval-prompts",
+        "8",
+        "--eval-samples",
+        "2",
+        "--warmstart-steps",
+        "10",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "0 of 2 runs already done" in done.stdout

@@ -78,8 +78,15 @@ def test_denominators_that_read_log_probs_keep_the_pi_k_forward():
     forward, so the π_k forward runs there (and only there)."""
     from slime_async.trainer.trainer import MegatronTrainer
 
-    cfg = _parse("--keep-old-actor", "--routing-replay", "r3", "--denom", "drop",
-                 "--staleness-correction-method", "cap")  # fmt: skip
+    cfg = _parse(
+        "--keep-old-actor",
+        "--routing-replay",
+        "r3",
+        "--denom",
+        "drop",
+        "--staleness-correction-method",
+        "cap",
+    )
     tr = MegatronTrainer(cfg.trainer, cfg.model)
     assert tr.train_step(_batch(0, routed=True))["train/proximal_forwards"] == 3.0
     tr.shutdown()

@@ -15,8 +15,12 @@ torch.set_num_threads(1)
 def ray_session():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})  # fmt: skip
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+    )
     yield ray
     ray.shutdown()
 
@@ -34,10 +38,18 @@ def test_trainer_group_over_ray_matches_in_process(ray_session, tmp_path):
     want = ref.train_step(batch)
     # three actors of 0.25 CPU would not fit as num_cpus=1 each on a 2-CPU node
     group = TrainerGroup(
-        TrainerConfig(lr=1e-3, micro_batch_size=2, seed=2, clip_grad=0.0,
-                      tensor_model_parallel_size=2, hf_checkpoint=str(init)),
-        TINY_MOE, world_size=2, timeout_s=180,
-    )  # fmt: skip
+        TrainerConfig(
+            lr=1e-3,
+            micro_batch_size=2,
+            seed=2,
+            clip_grad=0.0,
+            tensor_model_parallel_size=2,
+            hf_checkpoint=str(init),
+        ),
+        TINY_MOE,
+        world_size=2,
+        timeout_s=180,
+    )
     try:
         got = group.train_step(batch)
         assert group.version() == 1

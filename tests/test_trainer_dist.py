@@ -28,9 +28,13 @@ WS4 = {"tp2pp2": (2, 1, 2), "tp2ep2dp2": (2, 2, 1)}
 VARIANTS = {
     "packed": {},
     "padded_dynamic": dict(qkv_format="bshd", use_dynamic_batch_size=True, max_tokens_per_gpu=30),
-    "recompute_r3": dict(routing_replay="r3", recompute_granularity="full",
-                         recompute_method="uniform", recompute_num_layers=1),
-}  # fmt: skip
+    "recompute_r3": dict(
+        routing_replay="r3",
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+    ),
+}
 DEEP = ModelSpec(num_layers=4)  # 4 layers: PP2 × 2 virtual stages, one layer per chunk
 STEPS = 2
 
@@ -39,8 +43,16 @@ def _cfg(**kw):
     from slime_async.trainer.config import TrainerConfig
 
     # adam_eps 1e-4: near-zero grads (rare tokens) then move weights ∝ grad, not ±lr noise
-    base = dict(lr=1e-3, micro_batch_size=2, seed=5, clip_grad=0.0, keep_old_actor=True,
-                adam_eps=1e-4, routing_replay="r2", max_snapshots=3)  # fmt: skip
+    base = dict(
+        lr=1e-3,
+        micro_batch_size=2,
+        seed=5,
+        clip_grad=0.0,
+        keep_old_actor=True,
+        adam_eps=1e-4,
+        routing_replay="r2",
+        max_snapshots=3,
+    )
     base.update(kw)
     return TrainerConfig(**base)
 
@@ -98,10 +110,15 @@ def _worker(rank, world, port, layouts, variant, spec_d, hf_dir, out_dir) -> Non
     spec = ModelSpec.from_dict(spec_d)
     results: dict[str, object] = {}
     for name, (tp, ep, pp, vp) in layouts.items():
-        cfg = _cfg(hf_checkpoint=hf_dir, tensor_model_parallel_size=tp,
-                   expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
-                   virtual_pipeline_model_parallel_size=vp,
-                   save=os.path.join(out_dir, f"ck_{name}"), **VARIANTS[variant])  # fmt: skip
+        cfg = _cfg(
+            hf_checkpoint=hf_dir,
+            tensor_model_parallel_size=tp,
+            expert_model_parallel_size=ep,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp,
+            save=os.path.join(out_dir, f"ck_{name}"),
+            **VARIANTS[variant],
+        )
         tr = MegatronTrainer(cfg, spec, rank=rank, world_size=world, master_port=port)
         res = _run(tr, spec)
         if name in ("dp2", "tp2"):

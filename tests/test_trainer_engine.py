@@ -17,8 +17,9 @@ torch.set_num_threads(1)
 
 
 def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
@@ -38,10 +39,11 @@ def _batch_from_answers(prompts, answers, version: int):
     from slime_async.contracts.rollout import decode_routed_experts
 
     routed = [
-        decode_routed_experts(a["meta_info"]["routed_experts"],
-                              num_layers=TINY_MOE.num_layers, topk=TINY_MOE.moe_topk)
+        decode_routed_experts(
+            a["meta_info"]["routed_experts"], num_layers=TINY_MOE.num_layers, topk=TINY_MOE.moe_topk
+        )
         for a in answers
-    ]  # fmt: skip
+    ]
     return TrainerBatch.from_lists(
         tokens=[p + a["output_ids"] for p, a in zip(prompts, answers)],
         prompt_lengths=[len(p) for p in prompts],
@@ -62,8 +64,9 @@ def test_r3_replays_embedded_engine_routing_and_weight_update(tmp_path):
     from slime_async.trainer.testing import random_batch
     from slime_async.trainer.trainer import MegatronTrainer
 
-    tr = MegatronTrainer(TrainerConfig(lr=3e-3, micro_batch_size=4, seed=4,
-                                       routing_replay="r3"), TINY_MOE)  # fmt: skip
+    tr = MegatronTrainer(
+        TrainerConfig(lr=3e-3, micro_batch_size=4, seed=4, routing_replay="r3"), TINY_MOE
+    )
     warm = random_batch(TINY_MOE, batch=8, width=24, prompt=6, seed=8)
     plain = dataclasses.replace(tr.cfg, routing_replay=RoutingReplay.NONE)
     r3 = tr.cfg
@@ -72,8 +75,9 @@ def test_r3_replays_embedded_engine_routing_and_weight_update(tmp_path):
         tr.train_step(warm)
     tr.cfg = r3
     w3 = tr.save_weights(tmp_path / "v3")
-    srv = EngineServer(EngineConfig(model_dir=str(w3), dtype="bf16", weight_version="3",
-                                    num_threads=1))  # fmt: skip
+    srv = EngineServer(
+        EngineConfig(model_dir=str(w3), dtype="bf16", weight_version="3", num_threads=1)
+    )
     url = srv.start(timeout=120)
     try:
         rng = np.random.default_rng(0)

@@ -63,9 +63,12 @@ def test_fp32_megatron_matches_fp32_hf_of_export(moe_trainer, tmp_path):
     from slime_async.contracts.batch import TrainerBatch
 
     batch = TrainerBatch.from_lists(
-        tokens=tokens.tolist(), prompt_lengths=[1] * 4,
-        rollout_logprobs=[[0.0] * 39] * 4, advantages=[0.0] * 4, versions=[0] * 4,
-    )  # fmt: skip
+        tokens=tokens.tolist(),
+        prompt_lengths=[1] * 4,
+        rollout_logprobs=[[0.0] * 39] * 4,
+        advantages=[0.0] * 4,
+        versions=[0] * 4,
+    )
     caps: list[torch.Tensor] = []
     with capture_routing(tr.model, caps):
         lp_meg, ent = tr.compute_logprobs(batch)
@@ -220,19 +223,33 @@ def test_batch_validation_messages():
     from slime_async.contracts.batch import TrainerBatch
 
     with pytest.raises(ValueError, match="1 log-probs for 2 tokens"):
-        TrainerBatch.from_lists(tokens=[[1, 2, 3]], prompt_lengths=[1], rollout_logprobs=[[0.0]],
-                                advantages=[1.0], versions=[0])  # fmt: skip
-    ok = TrainerBatch.from_lists(tokens=[[1, 2, 3], [4, 5]], prompt_lengths=[1, 1],
-                                 rollout_logprobs=[[0.1, 0.2], [0.3]], advantages=[1.0, -1.0],
-                                 versions=[[3, 4], [4]])  # fmt: skip
+        TrainerBatch.from_lists(
+            tokens=[[1, 2, 3]],
+            prompt_lengths=[1],
+            rollout_logprobs=[[0.0]],
+            advantages=[1.0],
+            versions=[0],
+        )
+    ok = TrainerBatch.from_lists(
+        tokens=[[1, 2, 3], [4, 5]],
+        prompt_lengths=[1, 1],
+        rollout_logprobs=[[0.1, 0.2], [0.3]],
+        advantages=[1.0, -1.0],
+        versions=[[3, 4], [4]],
+    )
     assert ok.loss_mask.tolist() == [[False, True, True], [False, True, False]]
     assert ok.token_versions.tolist() == [[-1, 3, 4], [-1, 4, -1]]
     with pytest.raises(ValueError, match="not divisible by the data-parallel size 3"):
         ok.dp_shard(0, 3)
     with pytest.raises(ValueError, match="routed_experts\\[0\\] has shape"):
-        TrainerBatch.from_lists(tokens=[[1, 2, 3]], prompt_lengths=[1], rollout_logprobs=[[0.0, 0.0]],
-                                advantages=[1.0], versions=[0],
-                                routed_experts=[np.zeros((3, 2, 2), dtype=np.int32)])  # fmt: skip
+        TrainerBatch.from_lists(
+            tokens=[[1, 2, 3]],
+            prompt_lengths=[1],
+            rollout_logprobs=[[0.0, 0.0]],
+            advantages=[1.0],
+            versions=[0],
+            routed_experts=[np.zeros((3, 2, 2), dtype=np.int32)],
+        )
 
 
 @pytest.mark.parametrize(
@@ -273,9 +290,22 @@ def test_trainer_config_flags_schedule_and_errors():
     from slime_async.trainer.replay import RoutingReplay
 
     p = add_trainer_args(argparse.ArgumentParser())
-    args = p.parse_args(["--use-rollout-routing-replay", "--keep-old-actor", "--lr", "2e-3",
-                         "--lr-warmup-iters", "2", "--lr-decay-iters", "4",
-                         "--lr-decay-style", "cosine", "--min-lr", "1e-4"])  # fmt: skip
+    args = p.parse_args(
+        [
+            "--use-rollout-routing-replay",
+            "--keep-old-actor",
+            "--lr",
+            "2e-3",
+            "--lr-warmup-iters",
+            "2",
+            "--lr-decay-iters",
+            "4",
+            "--lr-decay-style",
+            "cosine",
+            "--min-lr",
+            "1e-4",
+        ]
+    )
     cfg = trainer_config_from_args(args)
     assert cfg.routing_replay is RoutingReplay.R3 and cfg.keep_old_actor
     # megatron's OptimizerParamScheduler: update k uses the LR at step k (warmup from
@@ -283,8 +313,9 @@ def test_trainer_config_flags_schedule_and_errors():
     lrs = [lr_at(s, cfg) for s in range(8)]
     assert lrs[:3] == pytest.approx([0.0, 1e-3, 2e-3])
     assert lrs[3] == pytest.approx((2e-3 + 1e-4) / 2) and lrs[4:] == pytest.approx([1e-4] * 4)
-    warm = trainer_config_from_args(p.parse_args(["--lr-warmup-iters", "2", "--lr-warmup-init",
-                                                  "5e-5"]))  # fmt: skip
+    warm = trainer_config_from_args(
+        p.parse_args(["--lr-warmup-iters", "2", "--lr-warmup-init", "5e-5"])
+    )
     assert [lr_at(s, warm) for s in range(3)] == pytest.approx([5e-5, 7.5e-5, 1e-4])
     with pytest.raises(ValueError, match="needs lr_decay_steps"):
         TrainerConfig(lr_decay_style="linear")

@@ -44,8 +44,10 @@ def test_over_budget_sample_gets_its_own_micro_batch_and_interleaving_needs_a_mu
 
     plan = plan_micro_batches([50, 3, 4, 5], dp=1, micro_batch_size=1, max_tokens=10)[0]
     assert [0] in plan and sorted(i for mb in plan for i in mb) == [0, 1, 2, 3]
-    assert len(plan_micro_batches([3] * 8, dp=1, micro_batch_size=1, max_tokens=100,
-                                  multiple_of=2)[0]) == 2  # fmt: skip
+    assert (
+        len(plan_micro_batches([3] * 8, dp=1, micro_batch_size=1, max_tokens=100, multiple_of=2)[0])
+        == 2
+    )
     with pytest.raises(ValueError, match="multiple of PP=2 micro-batches"):
         plan_micro_batches([3] * 6, dp=1, micro_batch_size=2, multiple_of=2)
     with pytest.raises(ValueError, match="not divisible by the data-parallel size 4"):
@@ -88,8 +90,12 @@ def test_engine_routing_is_placed_like_the_packed_tokens():
     assert packed[1][1].tolist() == a[1, 1].tolist()
     assert packed[0][3 + 2].tolist() == b[2, 0].tolist()
     assert packed[0][2].tolist() == [0, 1]  # sample a's last token: never trained, synthetic
-    halves = [engine_routing_to_replay([a, b], spec=spec, width=8, tp=2, tp_rank=r,
-                                       starts=[(0, 0), (0, 3)], rows=1) for r in (0, 1)]  # fmt: skip
+    halves = [
+        engine_routing_to_replay(
+            [a, b], spec=spec, width=8, tp=2, tp_rank=r, starts=[(0, 0), (0, 3)], rows=1
+        )
+        for r in (0, 1)
+    ]
     assert torch.equal(torch.cat([halves[0][0], halves[1][0]]), packed[0])
 
 
@@ -104,13 +110,20 @@ def _batch():
     prompts = [min(3, n) for n in lengths]
     rng = np.random.default_rng(1)
     nl, k, e = TINY_MOE.num_layers, TINY_MOE.moe_topk, TINY_MOE.num_experts
-    routed = [np.stack([rng.permutation(e)[:k] for _ in range((n - 1) * nl)]).reshape(n - 1, nl, k)
-              if n > 1 else np.zeros((0, nl, k), dtype=np.int64) for n in lengths]  # fmt: skip
+    routed = [
+        np.stack([rng.permutation(e)[:k] for _ in range((n - 1) * nl)]).reshape(n - 1, nl, k)
+        if n > 1
+        else np.zeros((0, nl, k), dtype=np.int64)
+        for n in lengths
+    ]
     return TrainerBatch.from_lists(
-        tokens=toks, prompt_lengths=prompts,
+        tokens=toks,
+        prompt_lengths=prompts,
         rollout_logprobs=[[-8.0] * (n - p) for n, p in zip(lengths, prompts)],
-        advantages=[1.0, -1.0] * 4, versions=[0] * 8, routed_experts=routed,
-    )  # fmt: skip
+        advantages=[1.0, -1.0] * 4,
+        versions=[0] * 8,
+        routed_experts=routed,
+    )
 
 
 def _trainer(**kw):
@@ -118,8 +131,14 @@ def _trainer(**kw):
     from slime_async.trainer.trainer import MegatronTrainer
 
     # adam_eps 1e-4: near-zero grads then move weights ∝ grad, not ±lr noise (comparisons)
-    base = dict(lr=2e-3, seed=3, use_dynamic_batch_size=True, max_tokens_per_gpu=40,
-                routing_replay="r3", adam_eps=1e-4)  # fmt: skip
+    base = dict(
+        lr=2e-3,
+        seed=3,
+        use_dynamic_batch_size=True,
+        max_tokens_per_gpu=40,
+        routing_replay="r3",
+        adam_eps=1e-4,
+    )
     base.update(kw)
     return MegatronTrainer(TrainerConfig(**base), TINY_MOE)
 

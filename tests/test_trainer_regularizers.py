@@ -20,8 +20,14 @@ def _trainer(reg=None, **kw):
     from slime_async.trainer.config import TrainerConfig
     from slime_async.trainer.trainer import MegatronTrainer
 
-    cfg = TrainerConfig(lr=5e-3, micro_batch_size=8, seed=3, clip_grad=0.0,
-                        loss=LossSelection(name="ppo", regularizers=reg), **kw)  # fmt: skip
+    cfg = TrainerConfig(
+        lr=5e-3,
+        micro_batch_size=8,
+        seed=3,
+        clip_grad=0.0,
+        loss=LossSelection(name="ppo", regularizers=reg),
+        **kw,
+    )
     return MegatronTrainer(cfg, TINY_MOE)
 
 

@@ -42,10 +42,13 @@ def test_train_step_lowers_loss_and_microbatch_shares_sum_to_full_loss():
 
     def full_loss(lp: torch.Tensor) -> float:
         inputs = LossInputs(
-            logprobs=lp[:, 1:], proximal_logprobs=lp0[:, 1:],
-            rollout_logprobs=b.rollout_logprobs[:, 1:], behavior_logprobs=None,
-            advantages=b.advantages[:, 1:], loss_mask=b.loss_mask[:, 1:],
-        )  # fmt: skip
+            logprobs=lp[:, 1:],
+            proximal_logprobs=lp0[:, 1:],
+            rollout_logprobs=b.rollout_logprobs[:, 1:],
+            behavior_logprobs=None,
+            advantages=b.advantages[:, 1:],
+            loss_mask=b.loss_mask[:, 1:],
+        )
         return float(compis_loss(inputs, tr.loss_cfg).loss)
 
     m = tr.train_step(b)  # 4 micro-batches of 2: the summed shares are the full-batch loss
@@ -248,10 +251,13 @@ def test_loss_is_selected_by_name_or_dotted_path():
     m = ppo.train_step(b)
     # plain PPO has no behaviour weight: the step's loss is the unweighted surrogate at r1 = 1
     inputs = LossInputs(
-        logprobs=lp0[:, 1:], proximal_logprobs=lp0[:, 1:],
-        rollout_logprobs=b.rollout_logprobs[:, 1:], behavior_logprobs=None,
-        advantages=b.advantages[:, 1:], loss_mask=b.loss_mask[:, 1:],
-    )  # fmt: skip
+        logprobs=lp0[:, 1:],
+        proximal_logprobs=lp0[:, 1:],
+        rollout_logprobs=b.rollout_logprobs[:, 1:],
+        behavior_logprobs=None,
+        advantages=b.advantages[:, 1:],
+        loss_mask=b.loss_mask[:, 1:],
+    )
     assert m["loss/total"] == pytest.approx(float(get_loss("ppo")(inputs, ppo.loss_cfg).loss))
     assert ppo.version == 1
     with pytest.raises(ValueError, match="unknown loss 'nope'"):

@@ -45,8 +45,9 @@ def _stderr(quiet: bool) -> str:
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=150)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr
 
@@ -69,11 +70,14 @@ def test_the_filter_silences_only_megatrons_optional_dependency_warnings() -> No
 def test_importing_the_trainer_module_imports_none_of_the_warning_modules() -> None:
     """`MegatronTrainer.__init__` installs the filter; that is early enough only while the
     module's own imports leave megatron's warning modules unimported."""
-    code = (f"import sys, slime_async.trainer.trainer, slime_async.trainer.actor, "
-            f"slime_async.trainer.behavior_role; "
-            f"print([m for m in {WARNERS!r} if m in sys.modules])")  # fmt: skip
+    code = (
+        f"import sys, slime_async.trainer.trainer, slime_async.trainer.actor, "
+        f"slime_async.trainer.behavior_role; "
+        f"print([m for m in {WARNERS!r} if m in sys.modules])"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=150)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"

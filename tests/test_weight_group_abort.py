@@ -36,9 +36,15 @@ BUCKETS = plan_buckets(WeightManifest.of(TENSORS, version=0), bucket_bytes=NUMEL
 def _member(port: int, rank: int, world: int, stop_after: int, out: mp.Queue) -> None:
     """Rank `rank`: receive every bucket, or `stop_after` of them and then idle (alive, in the
     group, no longer receiving). Reports ("got", sums) or ("aborted", how many it received)."""
-    g = WeightGroup.open(master_address="127.0.0.1", master_port=port, rank=rank,
-                         world_size=world, group_name="w", backend="gloo",
-                         timeout_s=OP_TIMEOUT_S)  # fmt: skip
+    g = WeightGroup.open(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=rank,
+        world_size=world,
+        group_name="w",
+        backend="gloo",
+        timeout_s=OP_TIMEOUT_S,
+    )
     sums = []
     try:
         for b in BUCKETS:
@@ -88,9 +94,15 @@ def test_member_that_stops_receiving_is_aborted_and_a_new_group_works() -> None:
     keeper, q_keep = _start(port, 2, 3, stop_after=len(BUCKETS))
     procs = [stopper, keeper]
     try:
-        g = WeightGroup.open(master_address="127.0.0.1", master_port=port, rank=0,
-                             world_size=3, group_name="w", backend="gloo",
-                             timeout_s=OP_TIMEOUT_S)  # fmt: skip
+        g = WeightGroup.open(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=0,
+            world_size=3,
+            group_name="w",
+            backend="gloo",
+            timeout_s=OP_TIMEOUT_S,
+        )
         ctl = GroupControl.connect(master_address="127.0.0.1", master_port=port, group_name="w")
         sender, result = _send_in_thread(g)
         assert q_stop.get(timeout=60) == ("idle", 2)
@@ -110,9 +122,15 @@ def test_member_that_stops_receiving_is_aborted_and_a_new_group_works() -> None:
         port2 = free_port()
         healthy, q_ok = _start(port2, 1, 2, stop_after=len(BUCKETS))
         procs.append(healthy)
-        g2 = WeightGroup.open(master_address="127.0.0.1", master_port=port2, rank=0,
-                              world_size=2, group_name="w", backend="gloo",
-                              timeout_s=OP_TIMEOUT_S)  # fmt: skip
+        g2 = WeightGroup.open(
+            master_address="127.0.0.1",
+            master_port=port2,
+            rank=0,
+            world_size=2,
+            group_name="w",
+            backend="gloo",
+            timeout_s=OP_TIMEOUT_S,
+        )
         send_buckets(g2, TENSORS, BUCKETS, flatten=True)
         assert q_ok.get(timeout=60) == ("got", _expected())
         g2.close()
@@ -128,9 +146,15 @@ def test_close_with_an_op_in_flight_does_not_block() -> None:
     port = free_port()
     stopper, q_stop = _start(port, 1, 2, stop_after=1)
     try:
-        g = WeightGroup.open(master_address="127.0.0.1", master_port=port, rank=0,
-                             world_size=2, group_name="w", backend="gloo",
-                             timeout_s=OP_TIMEOUT_S)  # fmt: skip
+        g = WeightGroup.open(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=0,
+            world_size=2,
+            group_name="w",
+            backend="gloo",
+            timeout_s=OP_TIMEOUT_S,
+        )
         sender, result = _send_in_thread(g)
         assert q_stop.get(timeout=60) == ("idle", 1)
         g.close()  # must not wait for the op's 300 s timeout

@@ -79,8 +79,10 @@ class _StoppingSender(InProcessSender):
 
 
 def _start(**kw) -> EngineProcess:
-    e = EngineProcess(EngineConfig(dtype="fp32", weight_version="0", num_threads=1,
-                                   weight_group_timeout_s=60.0), **kw)  # fmt: skip
+    e = EngineProcess(
+        EngineConfig(dtype="fp32", weight_version="0", num_threads=1, weight_group_timeout_s=60.0),
+        **kw,
+    )
     e.start()
     return e
 
@@ -111,8 +113,12 @@ async def _router(urls: list[str]) -> tuple[Router, str]:
 
 
 def test_buckets_group_by_dtype_and_respect_the_size() -> None:
-    t = {"a": torch.zeros(150), "b": torch.zeros(150), "c": torch.zeros(50),
-         "d": torch.zeros(10, dtype=torch.bfloat16)}  # fmt: skip
+    t = {
+        "a": torch.zeros(150),
+        "b": torch.zeros(150),
+        "c": torch.zeros(50),
+        "d": torch.zeros(10, dtype=torch.bfloat16),
+    }
     plan = plan_buckets(WeightManifest.of(t, version=0), bucket_bytes=1000)
     assert [[e.name for e in b] for b in plan] == [["a"], ["b", "c"], ["d"]]
     with pytest.raises(ValueError, match="positive"):
@@ -169,10 +175,15 @@ async def test_versions_advance_on_both_engines(fleet) -> None:
         assert t.groups_formed == 1  # the same group carried both versions
         await t.close()
         # per-tensor broadcasts (SGLang's default load format), on a fresh group
-        per_tensor = WeightSyncConfig(bucket_bytes=CFG.bucket_bytes, flatten_buckets=False,
-                                      group_name="per_tensor", timeout_s=60.0)  # fmt: skip
-        t2 = DistributedTransport(sender=InProcessSender(weights), control=rc,
-                                  engine_urls=lambda: urls, cfg=per_tensor)  # fmt: skip
+        per_tensor = WeightSyncConfig(
+            bucket_bytes=CFG.bucket_bytes,
+            flatten_buckets=False,
+            group_name="per_tensor",
+            timeout_s=60.0,
+        )
+        t2 = DistributedTransport(
+            sender=InProcessSender(weights), control=rc, engine_urls=lambda: urls, cfg=per_tensor
+        )
         weights.set(3, 13)
         assert (await t2.push(3))["weights/push_failed_engines"] == 0.0
         for u in urls:
@@ -188,8 +199,9 @@ async def test_request_in_flight_crosses_a_distributed_push(fleet) -> None:
     weights = Weights()
     async with _pushing(urls, InProcessSender(weights)) as (t, s, _rc):
         before, _ = await _served(s, urls[0])
-        running = asyncio.ensure_future(post(s, urls[0] + "/generate", {
-            "input_ids": [9, 9], "sampling_params": LONG}))  # fmt: skip
+        running = asyncio.ensure_future(
+            post(s, urls[0] + "/generate", {"input_ids": [9, 9], "sampling_params": LONG})
+        )
         for _ in range(2000):
             async with s.get(urls[0] + "/get_load") as r:
                 if (await r.json())[0]["num_tokens"] >= 20:
@@ -251,20 +263,44 @@ async def test_bad_requests_name_the_fix(fleet) -> None:
     url = fleet[0].url
     async with aiohttp.ClientSession() as s:
         cases = [
-            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
-                                            "rank_offset": 1, "world_size": 2}, "gloo"),
-            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
-                                            "rank_offset": 0, "world_size": 2,
-                                            "backend": "gloo"}, "rank 0 is the sender"),
-            ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"],
-                                                  "shapes": [[2]], "group_name": "nope"},
-             "init_weights_update_group first"),
-            ("/update_weights_from_distributed", {"names": ["x", "y"], "dtypes": ["float32"],
-                                                  "shapes": [[2]]}, "same length"),
-            ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["complex5"],
-                                                  "shapes": [[2]]}, "unknown dtype"),
+            (
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": 1,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                },
+                "gloo",
+            ),
+            (
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": 1,
+                    "rank_offset": 0,
+                    "world_size": 2,
+                    "backend": "gloo",
+                },
+                "rank 0 is the sender",
+            ),
+            (
+                "/update_weights_from_distributed",
+                {"names": ["x"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "nope"},
+                "init_weights_update_group first",
+            ),
+            (
+                "/update_weights_from_distributed",
+                {"names": ["x", "y"], "dtypes": ["float32"], "shapes": [[2]]},
+                "same length",
+            ),
+            (
+                "/update_weights_from_distributed",
+                {"names": ["x"], "dtypes": ["complex5"], "shapes": [[2]]},
+                "unknown dtype",
+            ),
             ("/destroy_weights_update_group", {"group_name": "nope"}, "no weight update group"),
-        ]  # fmt: skip
+        ]
         for path, body, needle in cases:
             st, res = await post(s, url + path, body)
             assert st == 400 and res["success"] is False and needle in res["message"], (path, res)
@@ -272,8 +308,11 @@ async def test_bad_requests_name_the_fix(fleet) -> None:
                 assert res["received"] is False, res
         # a bucket call refused before its handler ran (body over the control-route limit) says
         # so too: the sender must abort the group rather than wait on this engine
-        huge = {"names": ["x" * 100] * 20_000, "dtypes": ["float32"] * 20_000,
-                "shapes": [[1]] * 20_000}  # fmt: skip
+        huge = {
+            "names": ["x" * 100] * 20_000,
+            "dtypes": ["float32"] * 20_000,
+            "shapes": [[1]] * 20_000,
+        }
         st, res = await post(s, url + "/update_weights_from_distributed", huge)
         assert st == 413 and res["received"] is False, res
 
@@ -287,8 +326,9 @@ async def test_engine_refusing_before_receiving_is_left_out_of_the_resend(fleet)
     async with _pushing(urls, InProcessSender(weights)) as (t, s, _rc):
         weights.set(70, 70)
         assert (await t.push(70))["weights/push_failed_engines"] == 0.0
-        st, res = await post(s, urls[1] + "/destroy_weights_update_group",
-                             {"group_name": CFG.group_name})  # fmt: skip
+        st, res = await post(
+            s, urls[1] + "/destroy_weights_update_group", {"group_name": CFG.group_name}
+        )
         assert st == 200, res
         weights.set(71, 71)
         m = await t.push(71)
@@ -315,8 +355,7 @@ async def test_engine_dying_as_the_broadcast_starts(fleet) -> None:
         async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
             sender = _KillingSender(weights, fleet[1])
             sender.victim = None  # the first push forms the group and succeeds
-            t = DistributedTransport(sender=sender, control=rc, engine_urls=lambda: urls,
-                                     cfg=CFG)  # fmt: skip
+            t = DistributedTransport(sender=sender, control=rc, engine_urls=lambda: urls, cfg=CFG)
             weights.set(50, 50)
             assert (await t.push(50))["weights/push_failed_engines"] == 0.0
             sender.victim = fleet[1]
@@ -352,8 +391,7 @@ async def test_hung_engine_is_aborted_long_before_the_op_timeout(fleet) -> None:
     try:
         async with RouterClient(rurl) as rc, aiohttp.ClientSession() as s:
             sender = _StoppingSender(weights)
-            t = DistributedTransport(sender=sender, control=rc, engine_urls=lambda: urls,
-                                     cfg=cfg)  # fmt: skip
+            t = DistributedTransport(sender=sender, control=rc, engine_urls=lambda: urls, cfg=cfg)
             weights.set(60, 60)
             assert (await t.push(60))["weights/push_failed_engines"] == 0.0
             sender.victim = hung
@@ -381,11 +419,30 @@ async def test_train_async_pushes_through_each_transport(tmp_path: Path, transpo
     from slime_async.controller import train
 
     steps = 3
-    argv = ["--run-dir", str(tmp_path), "--num-steps", str(steps), "--max-staleness", "1",
-            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--rollout-max-response-len", "8", "--warmstart-steps", "0", "--eval-interval", "0",
-            "--micro-batch-size", "4", "--num-engines", "2",
-            "--update-weight-transport", transport]  # fmt: skip
+    argv = [
+        "--run-dir",
+        str(tmp_path),
+        "--num-steps",
+        str(steps),
+        "--max-staleness",
+        "1",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "8",
+        "--warmstart-steps",
+        "0",
+        "--eval-interval",
+        "0",
+        "--micro-batch-size",
+        "4",
+        "--num-engines",
+        "2",
+        "--update-weight-transport",
+        transport,
+    ]
     cfg = parse_config(argv)
     assert cfg.weights.transport.value == transport
     summary = await train(cfg)

@@ -55,8 +55,13 @@ class TrainerBatch:
         b, t = self.tokens.shape if self.tokens.dim() == 2 else (None, None)
         if b is None:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(self.tokens.shape)}")
-        for name in ("loss_mask", "rollout_logprobs", "advantages", "token_versions",
-                     "behavior_logprobs"):  # fmt: skip
+        for name in (
+            "loss_mask",
+            "rollout_logprobs",
+            "advantages",
+            "token_versions",
+            "behavior_logprobs",
+        ):
             if getattr(self, name) is None:
                 continue
             shape = tuple(getattr(self, name).shape)

@@ -138,9 +138,15 @@ class WeightGroup:
     """
 
     def __init__(
-        self, pg: object, *, rank: int, world_size: int, backend: str, device: str,
+        self,
+        pg: object,
+        *,
+        rank: int,
+        world_size: int,
+        backend: str,
+        device: str,
         store: object | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.pg, self.rank, self.world_size = pg, rank, world_size
         self.backend, self.device = backend, device
         self.store = store
@@ -177,9 +183,13 @@ class WeightGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         join = datetime.timedelta(seconds=min(rendezvous_timeout_s, timeout_s))
         tcp = dist.TCPStore(
-            master_address, int(master_port), world_size, is_master=rank == 0,
-            timeout=join, wait_for_workers=False,
-        )  # fmt: skip
+            master_address,
+            int(master_port),
+            world_size,
+            is_master=rank == 0,
+            timeout=join,
+            wait_for_workers=False,
+        )
         store = dist.PrefixStore(_prefix(group_name), tcp)
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
@@ -195,8 +205,9 @@ class WeightGroup:
             nopts._timeout = timeout
             pg = dist.ProcessGroupNCCL(store, rank, world_size, nopts)
             device = f"cuda:{torch.cuda.current_device()}"
-        return cls(pg, rank=rank, world_size=world_size, backend=backend, device=device,
-                   store=store)  # fmt: skip
+        return cls(
+            pg, rank=rank, world_size=world_size, backend=backend, device=device, store=store
+        )
 
     def broadcast(self, t: torch.Tensor) -> None:
         """Broadcast `t` from rank 0 (in place on the other ranks). Raises the op's error, or
@@ -262,8 +273,12 @@ class WeightGroup:
         process group once that op ends (it fails at the op timeout at the latest)."""
         pg, work, self.pg, self.store, self._work = self.pg, self._work, None, None, None
         if pg is not None:
-            threading.Thread(target=_release, args=(pg, work, self.backend), daemon=True,
-                             name="weight-group-release").start()  # fmt: skip
+            threading.Thread(
+                target=_release,
+                args=(pg, work, self.backend),
+                daemon=True,
+                name="weight-group-release",
+            ).start()
 
     def close(self) -> None:
         """Leave the group. Releasing the process group closes its connections, so members
@@ -329,9 +344,12 @@ class GroupControl:
         import torch.distributed as dist
 
         tcp = dist.TCPStore(
-            master_address, int(master_port), is_master=False,
-            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-        )  # fmt: skip
+            master_address,
+            int(master_port),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
         return cls(dist.PrefixStore(_prefix(group_name), tcp))
 
     def sent(self) -> int:
@@ -344,9 +362,12 @@ class GroupControl:
 
 
 def send_bucket(
-    g: WeightGroup, tensors: Mapping[str, torch.Tensor], bucket: Sequence[TensorEntry], *,
+    g: WeightGroup,
+    tensors: Mapping[str, torch.Tensor],
+    bucket: Sequence[TensorEntry],
+    *,
     flatten: bool,
-) -> None:  # fmt: skip
+) -> None:
     """Rank 0: broadcast the bucket's tensors (cast to the bucket's dtypes) in `bucket` order."""
     ts = [tensors[e.name].detach().to(g.device, torch_dtype(e.dtype)) for e in bucket]
     if flatten:
@@ -357,9 +378,12 @@ def send_bucket(
 
 
 def send_buckets(
-    g: WeightGroup, tensors: Mapping[str, torch.Tensor],
-    buckets: Sequence[Sequence[TensorEntry]], *, flatten: bool,
-) -> None:  # fmt: skip
+    g: WeightGroup,
+    tensors: Mapping[str, torch.Tensor],
+    buckets: Sequence[Sequence[TensorEntry]],
+    *,
+    flatten: bool,
+) -> None:
     """Rank 0: send every bucket in order, counting each one finished in the `sent` key. On any
     failure (a member died, the group was aborted) the group is aborted and left, so the other
     members' receives stop now rather than at the timeout; then it raises.
@@ -385,8 +409,9 @@ def receive_bucket(
             raise ValueError(f"a {FLATTENED} bucket holds one dtype, got {sorted(dtypes)}")
         flat = torch.empty(
             sum(entry_nbytes(e) for e in bucket) // torch_dtype(bucket[0].dtype).itemsize,
-            dtype=torch_dtype(bucket[0].dtype), device=g.device,
-        )  # fmt: skip
+            dtype=torch_dtype(bucket[0].dtype),
+            device=g.device,
+        )
         g.broadcast(flat)
         out, at = {}, 0
         for e in bucket:

@@ -65,8 +65,10 @@ class CheckpointAssembler:
             rows = shape[1] // 2 if proj != "down_proj" else shape[1]
             piece = (rows, shape[2])
             if e >= shape[0] or tuple(t.shape) != piece:
-                bad.append(f"{name!r} has shape {tuple(t.shape)} (expert {e}); the model's "
-                           f"experts are {shape[0]} pieces of {piece}")  # fmt: skip
+                bad.append(
+                    f"{name!r} has shape {tuple(t.shape)} (expert {e}); the model's "
+                    f"experts are {shape[0]} pieces of {piece}"
+                )
                 continue
             pieces.append((fused, e, proj, t))
         if bad:

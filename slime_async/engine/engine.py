@@ -277,10 +277,15 @@ class Engine:
             )
         try:
             g = await asyncio.to_thread(
-                WeightGroup.open, master_address=master_address, master_port=master_port,
-                rank=rank_offset, world_size=world_size, group_name=group_name, backend=backend,
+                WeightGroup.open,
+                master_address=master_address,
+                master_port=master_port,
+                rank=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
                 timeout_s=self.cfg.weight_group_timeout_s,
-            )  # fmt: skip
+            )
         except (ValueError, RuntimeError, OSError) as e:
             return UpdateResult(success=False, message=f"Failed to init group {group_name!r}: {e}")
         self.groups[group_name] = g
@@ -327,10 +332,14 @@ class Engine:
                 received=False,
             )
         res = await self._receive_and_apply(
-            g, entries, group_name=group_name, load_format=load_format,
-            weight_version=weight_version, abort_all_requests=abort_all_requests,
+            g,
+            entries,
+            group_name=group_name,
+            load_format=load_format,
+            weight_version=weight_version,
+            abort_all_requests=abort_all_requests,
             flush_cache=flush_cache,
-        )  # fmt: skip
+        )
         return dataclasses.replace(res, received=res.received is not False)
 
     async def _receive_and_apply(
@@ -366,8 +375,11 @@ class Engine:
             asm = self._assemblers[group_name]
             ready, bad = asm.add(got)
             if not bad:  # never serve NaN/inf, whichever transport brought it
-                bad = [f"tensor {k!r} holds non-finite values (NaN or inf)"
-                       for k, t in got.items() if not bool(torch.isfinite(t).all())]  # fmt: skip
+                bad = [
+                    f"tensor {k!r} holds non-finite values (NaN or inf)"
+                    for k, t in got.items()
+                    if not bool(torch.isfinite(t).all())
+                ]
             if not bad and weight_version is not None and asm.incomplete():
                 bad = [f"the version is incomplete: {p} misses pieces" for p in asm.incomplete()]
             staged = self._staged.setdefault(group_name, {})

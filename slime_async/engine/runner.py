@@ -234,8 +234,12 @@ class EngineProcess:
                 time.sleep(0.05)
             port = int(Path(port_file).read_text())
         self.url = f"http://{self.cfg.host}:{port}"
-        wait_healthy(self.url, timeout=max(1.0, deadline - time.monotonic()), proc=self.proc,
-                     token=self.cfg.auth_token)  # fmt: skip
+        wait_healthy(
+            self.url,
+            timeout=max(1.0, deadline - time.monotonic()),
+            proc=self.proc,
+            token=self.cfg.auth_token,
+        )
         return self.url
 
     def stop(self, timeout: float = 15.0) -> None:

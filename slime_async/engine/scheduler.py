@@ -206,8 +206,13 @@ class Scheduler:
         except Exception as e:
             if len(new) == 1:
                 seq = new[0]
-                seq.finish(abort_reason(f"engine prefill failed: {type(e).__name__}: {e}",
-                                        status_code=500, err_type="InternalServerError"))  # fmt: skip
+                seq.finish(
+                    abort_reason(
+                        f"engine prefill failed: {type(e).__name__}: {e}",
+                        status_code=500,
+                        err_type="InternalServerError",
+                    )
+                )
                 return []
         out = []
         for seq in new:
@@ -235,17 +240,23 @@ class Scheduler:
             return toks, lps, failed
         sub = logits if len(ok) == n else logits.index_select(0, torch.tensor(ok))
         try:
-            t, lp = sample(sub, [seqs[i].params for i in ok], [seqs[i].generator for i in ok],
-                           banned=[banned[i] for i in ok])  # fmt: skip
+            t, lp = sample(
+                sub,
+                [seqs[i].params for i in ok],
+                [seqs[i].generator for i in ok],
+                banned=[banned[i] for i in ok],
+            )
             for j, i in enumerate(ok):
                 toks[i], lps[i] = t[j], lp[j]
         except Exception:
             for i in ok:
                 try:
                     (toks[i],), (lps[i],) = sample(
-                        logits[i : i + 1], [seqs[i].params], [seqs[i].generator],
+                        logits[i : i + 1],
+                        [seqs[i].params],
+                        [seqs[i].generator],
                         banned=[banned[i]],
-                    )  # fmt: skip
+                    )
                 except Exception as e:
                     failed[i] = f"{type(e).__name__}: {e}"
         return toks, lps, failed
@@ -324,8 +335,13 @@ class Scheduler:
                 tokenizer=self.lm.tokenizer,
             )
         except Exception as e:  # e.g. the tokenizer cannot decode this output: this row only
-            seq.finish(abort_reason(f"checking the stop rules failed: {type(e).__name__}: {e}",
-                                    status_code=500, err_type="InternalServerError"))  # fmt: skip
+            seq.finish(
+                abort_reason(
+                    f"checking the stop rules failed: {type(e).__name__}: {e}",
+                    status_code=500,
+                    err_type="InternalServerError",
+                )
+            )
             return
         if reason is not None:
             seq.finish(reason)
@@ -363,7 +379,10 @@ def _fail_alone(seq: Sequence, why: str) -> None:
     """Finish one row whose own sampling failed: a 400 for its request (what failed depends only
     on that request's parameters); the rest of the batch is unaffected."""
     if seq.status is not SeqStatus.FINISHED:
-        seq.finish(abort_reason(
-            f"this request failed in its own sampling step ({why}); check its sampling_params",
-            status_code=400, err_type="BadRequestError",
-        ))  # fmt: skip
+        seq.finish(
+            abort_reason(
+                f"this request failed in its own sampling step ({why}); check its sampling_params",
+                status_code=400,
+                err_type="BadRequestError",
+            )
+        )

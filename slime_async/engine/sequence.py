@@ -129,8 +129,11 @@ def check_finish(
     `ignore_eos` turns off `stop_token_ids` too, not stop strings."""
     p = seq.params
     tok = seq.output[-1]
-    if (not p.ignore_eos and len(seq.output) >= p.min_new_tokens
-            and (tok in p.stop_token_ids or tok in eos_ids)):  # fmt: skip
+    if (
+        not p.ignore_eos
+        and len(seq.output) >= p.min_new_tokens
+        and (tok in p.stop_token_ids or tok in eos_ids)
+    ):
         return {"type": "stop", "matched": tok}
     if p.stop:
         text = tokenizer.decode(seq.output, skip_special_tokens=p.skip_special_tokens)

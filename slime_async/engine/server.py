@@ -91,8 +91,11 @@ def _limits_middleware(engine: Engine) -> Any:
                 async with asyncio.timeout(timeout):
                     body = await request.read()
             except TimeoutError:
-                return _err(f"request body not received within {timeout:g}s", status=408,
-                            **_unreceived(request))  # fmt: skip
+                return _err(
+                    f"request body not received within {timeout:g}s",
+                    status=408,
+                    **_unreceived(request),
+                )
             except web.HTTPRequestEntityTooLarge:
                 return _err(too_big, status=413, **_unreceived(request))
             if len(body) > limit:
@@ -343,9 +346,13 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     except RequestError as e:
         return _refuse(str(e))
     res = await eng.init_weights_update_group(
-        master_address=addr, master_port=port, rank_offset=offset, world_size=size,
-        group_name=name, backend=backend,
-    )  # fmt: skip
+        master_address=addr,
+        master_port=port,
+        rank_offset=offset,
+        world_size=size,
+        group_name=name,
+        backend=backend,
+    )
     return web.json_response(
         {"success": res.success, "message": res.message}, status=200 if res.success else 400
     )
@@ -392,9 +399,13 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         # refused before receiving: the sender must abort the group (docs/weight-sync.md)
         return _refuse(str(e), received=False)
     res = await eng.update_weights_from_distributed(
-        entries, group_name=name, load_format=fmt, weight_version=version,
-        abort_all_requests=abort_all, flush_cache=flush,
-    )  # fmt: skip
+        entries,
+        group_name=name,
+        load_format=fmt,
+        weight_version=version,
+        abort_all_requests=abort_all,
+        flush_cache=flush,
+    )
     return _update_reply(res)
 
 

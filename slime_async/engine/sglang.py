@@ -224,16 +224,23 @@ class SGLangServer:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         # own process group: SGLang forks scheduler/detokenizer children; stop() ends them all
         self.proc = subprocess.Popen(
-            self.command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            self.command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
             preexec_fn=_die_with_parent,
-        )  # fmt: skip
+        )
         try:
             wait_healthy(self.cfg.url, timeout=timeout, proc=self.proc, token=self.cfg.api_key)
         except (TimeoutError, RuntimeError) as e:
             self.stop()
-            why = (f"did not answer /health within {timeout:.0f} s (raise the engine start "
-                   "timeout, --engine-start-timeout, if loading is just slow)"
-                   if isinstance(e, TimeoutError) else str(e))  # fmt: skip
+            why = (
+                f"did not answer /health within {timeout:.0f} s (raise the engine start "
+                "timeout, --engine-start-timeout, if loading is just slow)"
+                if isinstance(e, TimeoutError)
+                else str(e)
+            )
             log = (
                 f"; its log ({self.log_path}) ends:\n{_tail(self.log_path)}"
                 if self.log_path

@@ -86,9 +86,23 @@ def stock_sglang_router(
     """The real `sglang-router` (PyPI wheel) in front of `worker_urls`; yields its URL once every
     worker is registered and healthy, stops it (by PID: it renames itself) afterwards."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
-           "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-           "--log-level", "warn", "--prometheus-port", str(_free_port())]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        *worker_urls,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--log-level",
+        "warn",
+        "--prometheus-port",
+        str(_free_port()),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

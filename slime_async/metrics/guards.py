@@ -80,8 +80,10 @@ class GuardConfig:
     batches one noisy step (an entropy blip) is not a divergence."""
 
     def __post_init__(self) -> None:
-        if min(self.entropy_window, self.diff_baseline_steps, self.diff_window,
-               self.persist_steps) < 1:  # fmt: skip
+        if (
+            min(self.entropy_window, self.diff_baseline_steps, self.diff_window, self.persist_steps)
+            < 1
+        ):
             raise ValueError("guard windows must be >= 1")
         if self.diff_baseline_skip < 0:
             raise ValueError(f"diff_baseline_skip must be >= 0, got {self.diff_baseline_skip}")
@@ -187,9 +189,12 @@ def staleness_fill_steps(data_worker: Mapping[str, Any]) -> int:
     from data_worker.budget import staleness_bound
 
     s = int(data_worker.get("max_staleness", 0))
-    bound = staleness_bound(max_staleness=s, fifo_window=float(data_worker.get("fifo_window", 1)),
-                            groups_per_step=int(data_worker.get("groups_per_step", 1)),
-                            max_off_policy_steps=data_worker.get("max_off_policy_steps"))  # fmt: skip
+    bound = staleness_bound(
+        max_staleness=s,
+        fifo_window=float(data_worker.get("fifo_window", 1)),
+        groups_per_step=int(data_worker.get("groups_per_step", 1)),
+        max_off_policy_steps=data_worker.get("max_off_policy_steps"),
+    )
     return int(bound) if math.isfinite(bound) else s + 1
 
 

@@ -122,13 +122,19 @@ class MetricsLogger:
         self.jsonl = JsonlSink(self.run_dir / METRICS_FILE)
         self.sinks: list[Sink] = [self.jsonl]
         if cfg.console:
-            self.sinks.append(ConsoleSink(stream=stdout, every=cfg.console_every,
-                                          total_steps=total_steps))  # fmt: skip
+            self.sinks.append(
+                ConsoleSink(stream=stdout, every=cfg.console_every, total_steps=total_steps)
+            )
         if cfg.use_tensorboard:
             self.sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
         if cfg.use_wandb:
-            self.sinks.append(WandbSink(project=cfg.wandb_project, run_dir=self.run_dir,
-                                        name=cfg.wandb_run_name or self.run_dir.name))  # fmt: skip
+            self.sinks.append(
+                WandbSink(
+                    project=cfg.wandb_project,
+                    run_dir=self.run_dir,
+                    name=cfg.wandb_run_name or self.run_dir.name,
+                )
+            )
         self.sinks.extend(extra_sinks or [])
         self.monitor = GuardMonitor(cfg.guards) if cfg.guards is not None else None
         self.progress: ProgressBar | None = None
@@ -178,12 +184,23 @@ class MetricsLogger:
 
     def _warn(self, w: GuardWarning) -> None:
         self.warnings.append(w)
-        print(f"WARNING step {w.step} [{w.kind}]: {w.message}", file=self._stderr or sys.stderr,
-              flush=True)  # fmt: skip
-        self.jsonl.write({"step": w.step, "event": "guard", "kind": str(w.kind), "key": w.key,
-                          "value": w.value if math.isfinite(w.value) else None,
-                          "threshold": w.threshold, "message": w.message,
-                          "time": time.time()})  # fmt: skip
+        print(
+            f"WARNING step {w.step} [{w.kind}]: {w.message}",
+            file=self._stderr or sys.stderr,
+            flush=True,
+        )
+        self.jsonl.write(
+            {
+                "step": w.step,
+                "event": "guard",
+                "kind": str(w.kind),
+                "key": w.key,
+                "value": w.value if math.isfinite(w.value) else None,
+                "threshold": w.threshold,
+                "message": w.message,
+                "time": time.time(),
+            }
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -101,8 +101,11 @@ class ConsoleSink:
         step = int(record.get("step", 0))
         if step % self.every and "eval/reward" not in record:
             return
-        print(console_line(record, total_steps=self.total_steps), file=self.stream or sys.stdout,
-              flush=True)  # fmt: skip
+        print(
+            console_line(record, total_steps=self.total_steps),
+            file=self.stream or sys.stdout,
+            flush=True,
+        )
 
     def close(self) -> None:
         pass
@@ -160,9 +163,13 @@ class WandbSink:
     """Scalars to Weights & Biases (needs the wandb package and a login or offline mode)."""
 
     def __init__(
-        self, *, project: str, run_dir: str | Path, name: str | None = None,
+        self,
+        *,
+        project: str,
+        run_dir: str | Path,
+        name: str | None = None,
         config: Mapping[str, Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         try:
             import wandb
         except ImportError as e:
@@ -171,8 +178,9 @@ class WandbSink:
                 "--use-wandb)"
             ) from e
         self._wandb = wandb
-        self._run = wandb.init(project=project, name=name, dir=str(run_dir),
-                               config=dict(config or {}), resume="allow")  # fmt: skip
+        self._run = wandb.init(
+            project=project, name=name, dir=str(run_dir), config=dict(config or {}), resume="allow"
+        )
 
     def write(self, record: Mapping[str, Any]) -> None:
         self._run.log(_scalars(record), step=int(record["step"]))
@@ -185,9 +193,13 @@ class ProgressBar:
     """A one-line progress bar on stderr (``\\r``-redrawn on a TTY, sparse lines otherwise)."""
 
     def __init__(
-        self, total: int | None, *, stream: TextIO | None = None, width: int = 24,
+        self,
+        total: int | None,
+        *,
+        stream: TextIO | None = None,
+        width: int = 24,
         start_step: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.total = total
         self.stream = stream or sys.stderr
         self.width = width

@@ -44,9 +44,38 @@ NONFINITE_KEYS = ("loss/total", "train/grad_norm")
 """A non-finite value in any of these means the run blew up."""
 
 # two-sided 97.5% Student-t quantiles for 1..30 degrees of freedom (a fixed table, not a fit)
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 class Verdict(enum.StrEnum):
@@ -158,8 +187,11 @@ class RunSummary:
 
 
 def _finite(values: Sequence[Any]) -> list[float]:
-    return [float(v) for v in values
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]  # fmt: skip
+    return [
+        float(v)
+        for v in values
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ]
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -200,8 +232,15 @@ def summarize(
     )
     g_start, _, g_end = windows([r.get(GAP_KEY) for r in train], rules, fill_steps=fill_steps)
     r_start, r_peak, r_end = windows([r.get(REWARD_KEY) for r in train], rules)
-    return RunSummary(steps=len(train), nonfinite=nonfinite, gap_start=g_start, gap_end=g_end,
-                      reward_start=r_start, reward_peak=r_peak, reward_end=r_end)  # fmt: skip
+    return RunSummary(
+        steps=len(train),
+        nonfinite=nonfinite,
+        gap_start=g_start,
+        gap_end=g_end,
+        reward_start=r_start,
+        reward_peak=r_peak,
+        reward_end=r_end,
+    )
 
 
 def verdict(s: RunSummary, rules: VerdictRules) -> tuple[Verdict, str]:
@@ -231,8 +270,9 @@ def cell_verdict(verdicts: Sequence[Verdict]) -> tuple[Verdict, str]:
         raise ValueError("a cell needs at least one run to get a verdict")
     ranked = sorted(verdicts, key=_ORDER.__getitem__)
     mid = ranked[len(ranked) // 2]
-    counts = ", ".join(f"{sum(v == k for v in verdicts)} {k}" for k in Verdict
-                       if any(v == k for v in verdicts))  # fmt: skip
+    counts = ", ".join(
+        f"{sum(v == k for v in verdicts)} {k}" for k in Verdict if any(v == k for v in verdicts)
+    )
     return mid, counts
 
 

@@ -72,9 +72,15 @@ class ScoredGenerate:
     def scoring_alone(self) -> ScoredGenerate:
         """A fresh copy (same generate, reward function and settings) that scores every
         finished sample on its own, a group reward seeing a group of one (held-out eval)."""
-        return ScoredGenerate(self._generate, self._reward_fn, eos_id=self._eos,
-                              decode=self._decode, reward_args=self.reward_args,
-                              group_rm=self.group_rm, score_alone=True)  # fmt: skip
+        return ScoredGenerate(
+            self._generate,
+            self._reward_fn,
+            eos_id=self._eos,
+            decode=self._decode,
+            reward_args=self.reward_args,
+            group_rm=self.group_rm,
+            score_alone=True,
+        )
 
     def idle_seconds(self) -> float:
         """Total time so far with no generate call in flight (the rollout side had no work)."""
@@ -102,8 +108,9 @@ class ScoredGenerate:
         if res.status is not FinishStatus.FINISHED or (self.group_rm and not self._alone):
             return res  # --group-rm: scored with its group when a step consumes it
         payloads = [segment_payload(p) for p in (*req.prefix_payloads, res.payload)]
-        inp = self._input(req.prompt, req.sample_index, [*req.prefix_ids, *res.output_ids],
-                          payloads)  # fmt: skip
+        inp = self._input(
+            req.prompt, req.sample_index, [*req.prefix_ids, *res.output_ids], payloads
+        )
         if self.group_rm:
             (got,) = await compute_group_rewards(self._reward_fn, [inp], args=self.reward_args)
         else:
@@ -148,10 +155,13 @@ class ScoredGenerate:
         return dataclasses.replace(batch, groups=tuple(groups))
 
     async def _score_group(self, g: Group) -> Group:
-        inps = [self._input(g.prompt, s.sample_index, list(s.output_ids), _payloads(s))
-                for s in g.samples]  # fmt: skip
-        results = await compute_group_rewards(self._reward_fn, inps, args=self.reward_args,
-                                              group_index=g.seq)  # fmt: skip
+        inps = [
+            self._input(g.prompt, s.sample_index, list(s.output_ids), _payloads(s))
+            for s in g.samples
+        ]
+        results = await compute_group_rewards(
+            self._reward_fn, inps, args=self.reward_args, group_index=g.seq
+        )
         samples = []
         for s, inp, r in zip(g.samples, inps, results, strict=True):
             r = self._check(r, inp)
@@ -170,8 +180,11 @@ class Assembled:
 
 def _scored(payload: Mapping[str, Any], result: RewardResult) -> SegmentPayload:
     """The sample's last segment payload with its reward."""
-    return {**segment_payload(payload), "reward": result.reward,
-            "reward_status": str(result.status)}  # fmt: skip
+    return {
+        **segment_payload(payload),
+        "reward": result.reward,
+        "reward_status": str(result.status),
+    }
 
 
 def _payloads(sample: Any) -> list[SegmentPayload]:

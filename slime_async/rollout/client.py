@@ -213,8 +213,11 @@ async def check_routed_experts(
     fix unless `meta_info.routed_experts` comes back. Rollout routing replay (R3) needs them on
     every sample; the stock sglang-router re-serialises requests and drops the field, so an
     `--engine-urls` entry pointing at one would otherwise fail only at the first train step."""
-    body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "return_routed_experts": True}  # fmt: skip
+    body = {
+        "input_ids": [1],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_routed_experts": True,
+    }
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s,
@@ -222,7 +225,7 @@ async def check_routed_experts(
                 f"{url.rstrip('/')}/generate",
                 json=body,
                 headers={"Authorization": f"Bearer {token}"} if token else None,
-            ) as r,  # fmt: skip
+            ) as r,
         ):
             text = await r.text()
             data = json.loads(text) if r.status == 200 else None

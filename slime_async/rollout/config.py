@@ -170,10 +170,12 @@ class RolloutConfig:
         if self.prompt_source is None:
             return None
         return parse_prompt_source(
-            self.prompt_source, task_settings=self.reasoning_gym_task, seed=seed,
+            self.prompt_source,
+            task_settings=self.reasoning_gym_task,
+            seed=seed,
             system_prompt=self.reasoning_gym_system_prompt,
             answer_format=self.reasoning_gym_answer_format,
-        )  # fmt: skip
+        )
 
     @property
     def groups_per_step(self) -> int:

@@ -206,12 +206,20 @@ class CustomGenerate:
 
     async def _slime(self, req: GenerationRequest) -> GenerationResult:
         cfg = self.client.cfg
-        sample = SlimeSample(index=req.sample_index, group_index=req.group_seq,
-                             tokens=list(req.prompt.prompt_ids), label=req.prompt.payload.get("label"),
-                             metadata=dict(req.prompt.payload.get("metadata") or {}))  # fmt: skip
-        params = {"max_new_tokens": cfg.max_response_len, "temperature": cfg.temperature,
-                  "top_p": cfg.top_p, "top_k": cfg.top_k,
-                  "stop_token_ids": list(cfg.stop_token_ids)}  # fmt: skip
+        sample = SlimeSample(
+            index=req.sample_index,
+            group_index=req.group_seq,
+            tokens=list(req.prompt.prompt_ids),
+            label=req.prompt.payload.get("label"),
+            metadata=dict(req.prompt.payload.get("metadata") or {}),
+        )
+        params = {
+            "max_new_tokens": cfg.max_response_len,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "top_k": cfg.top_k,
+            "stop_token_ids": list(cfg.stop_token_ids),
+        }
         if cfg.stop:
             params["stop"] = list(cfg.stop)
         out = await self.fn(self.args, sample, params)
@@ -235,8 +243,12 @@ def _result(t: Trajectory, start: int, client: GenerateClient) -> GenerationResu
     )
     if t.routed_experts is not None and t.routed_experts.shape[0] == seq_rows:
         payload["routed_experts"] = t.routed_experts
-    return GenerationResult(output_ids=t.output_ids[start:], token_versions=t.versions[start:],
-                            status=t.status, payload=payload)  # fmt: skip
+    return GenerationResult(
+        output_ids=t.output_ids[start:],
+        token_versions=t.versions[start:],
+        status=t.status,
+        payload=payload,
+    )
 
 
 def _from_slime(
@@ -250,9 +262,14 @@ def _from_slime(
             f"({s.response_length}) response tokens, got {len(s.tokens)} tokens"
         )
     if s.status is SlimeSample.Status.ABORTED:  # restarts from scratch
-        return GenerationResult(output_ids=[], token_versions=[], status=FinishStatus.ABORTED,
-                                payload=SegmentPayload(logprobs=[], nonfinite=[], finish="abort",
-                                                       prompt_len=len(prompt)))  # fmt: skip
+        return GenerationResult(
+            output_ids=[],
+            token_versions=[],
+            status=FinishStatus.ABORTED,
+            payload=SegmentPayload(
+                logprobs=[], nonfinite=[], finish="abort", prompt_len=len(prompt)
+            ),
+        )
     if len(s.token_versions) != len(resp):
         raise GenerateError(
             f"{name}: {len(resp)} response tokens but {len(s.token_versions)} were recorded with "
@@ -267,10 +284,15 @@ def _from_slime(
             f"{name}: {len(resp)} response tokens, {len(mask)} loss-mask entries and {len(lps)} "
             "rollout log-probs; they must align"
         )
-    t = Trajectory(prompt_ids=tuple(prompt), output_ids=resp, logprobs=[float(x) for x in lps],
-                   loss_mask=[int(m) for m in mask], versions=list(s.token_versions),
-                   nonfinite=[False] * len(resp),
-                   finish="length" if s.status is SlimeSample.Status.TRUNCATED else "stop")  # fmt: skip
+    t = Trajectory(
+        prompt_ids=tuple(prompt),
+        output_ids=resp,
+        logprobs=[float(x) for x in lps],
+        loss_mask=[int(m) for m in mask],
+        versions=list(s.token_versions),
+        nonfinite=[False] * len(resp),
+        finish="length" if s.status is SlimeSample.Status.TRUNCATED else "stop",
+    )
     routed = s.rollout_routed_experts
     if isinstance(routed, str) and client.cfg.return_routed_experts:
         t.routed_experts = decode_routed_experts(

@@ -114,9 +114,13 @@ def _value(text: str) -> Any:
 
 
 def parse_prompt_source(
-    spec: str, *, task_settings: Sequence[str] = (), seed: int = 0,
-    system_prompt: str | None = "direct", answer_format: str = "answer_tag",
-) -> ReasoningGymConfig:  # fmt: skip
+    spec: str,
+    *,
+    task_settings: Sequence[str] = (),
+    seed: int = 0,
+    system_prompt: str | None = "direct",
+    answer_format: str = "answer_tag",
+) -> ReasoningGymConfig:
     """``reasoning_gym:a,b`` and settings ``["a.max_terms=3", "b.weight=2"]`` -> the config.
 
     Checks the names against reasoning-gym's registry and each setting against the task's config
@@ -163,8 +167,9 @@ def parse_prompt_source(
                 f"{sorted(fields)} (and weight)"
             )
         tasks.append(GymTask(name=n, weight=weight, settings=tuple(sorted(kw.items()))))
-    return ReasoningGymConfig(tasks=tuple(tasks), seed=seed, system_prompt=system_prompt,
-                              answer_format=answer_format)  # fmt: skip
+    return ReasoningGymConfig(
+        tasks=tuple(tasks), seed=seed, system_prompt=system_prompt, answer_format=answer_format
+    )
 
 
 def _stable_int(*parts: object) -> int:
@@ -189,9 +194,11 @@ class ReasoningGymTasks:
                     t.name, seed=_stable_int(config.seed, i, t.name) % 2**40, size=big, **kw
                 )
                 self._eval[t.name] = rg.create_dataset(
-                    t.name, seed=(_stable_int(config.seed, i, t.name) % 2**40) + EVAL_SEED_OFFSET,
-                    size=big, **kw,
-                )  # fmt: skip
+                    t.name,
+                    seed=(_stable_int(config.seed, i, t.name) % 2**40) + EVAL_SEED_OFFSET,
+                    size=big,
+                    **kw,
+                )
             except (AssertionError, TypeError, ValueError) as e:
                 raise ValueError(
                     f"reasoning_gym task {t.name} with settings {kw}: {e or type(e).__name__}; "
@@ -236,22 +243,27 @@ class ReasoningGymTasks:
             raise ValueError("reasoning-gym prompts need a tokenizer: give --hf-checkpoint DIR")
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(self.messages(question), tokenize=False,
-                                           add_generation_prompt=True)  # fmt: skip
+            text = tok.apply_chat_template(
+                self.messages(question), tokenize=False, add_generation_prompt=True
+            )
             return list(tok(text, add_special_tokens=False)["input_ids"])
         text = f"{self._system}\n\n{question}" if self._system else question
         return list(tok(text)["input_ids"])
 
-    def prompt(self, task: str, index: int, entry: Mapping[str, Any], *, split: str,
-               position: int) -> Prompt:  # fmt: skip
+    def prompt(
+        self, task: str, index: int, entry: Mapping[str, Any], *, split: str, position: int
+    ) -> Prompt:
         level = [t.name for t in self.config.tasks].index(task)
         return Prompt(
             key=f"{task}/{split}/{index}",
             prompt_ids=self.prompt_ids(entry["question"]),
-            payload={"label": entry["answer"], "level": level,
-                     "metadata": {"rg_task": task, "rg_index": index, "rg_split": split}},
+            payload={
+                "label": entry["answer"],
+                "level": level,
+                "metadata": {"rg_task": task, "rg_index": index, "rg_split": split},
+            },
             index=position,
-        )  # fmt: skip
+        )
 
     def eval_set(self, n: int) -> list[Prompt]:
         """`n` held-out prompts (split over the tasks by weight, at least one each), from the
@@ -310,8 +322,11 @@ class GymPromptSource:
             return self.tasks.prompt(task, index, entry, split="train", position=self.cursor - 1)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor, "seed": self.tasks.config.seed,
-                "tasks": [t.name for t in self.tasks.config.tasks]}  # fmt: skip
+        return {
+            "cursor": self.cursor,
+            "seed": self.tasks.config.seed,
+            "tasks": [t.name for t in self.tasks.config.tasks],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         mine = self.state_dict()

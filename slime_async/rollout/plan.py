@@ -62,15 +62,25 @@ def make_data_plan(
     """reasoning-gym tasks when given, else built-in verifiable tasks when `prompt_data` is None,
     else the dataset."""
     if reasoning_gym is not None:
-        return _gym_plan(reasoning_gym, hf_checkpoint=hf_checkpoint,
-                         custom_rm_path=custom_rm_path, eval_prompts=eval_prompts)  # fmt: skip
+        return _gym_plan(
+            reasoning_gym,
+            hf_checkpoint=hf_checkpoint,
+            custom_rm_path=custom_rm_path,
+            eval_prompts=eval_prompts,
+        )
     if prompt_data is None:
         family = TaskFamily(TaskFamilyConfig(seed=seed))
         per_level = max(1, eval_prompts // family.config.num_levels) if eval_prompts else 0
         held_out = [task_prompt(p) for p in family.eval_set(per_level)] if per_level else []
         reward = rw.load_reward_fn(custom_rm_path) if custom_rm_path else rw.exact_match_reward
-        return DataPlan(source=TaskPromptSource(family), eval_prompts=tuple(held_out),
-                        reward_fn=reward, eos_id=EOS, decode=None, metrics={})  # fmt: skip
+        return DataPlan(
+            source=TaskPromptSource(family),
+            eval_prompts=tuple(held_out),
+            reward_fn=reward,
+            eos_id=EOS,
+            decode=None,
+            metrics={},
+        )
     if hf_checkpoint is None:
         raise ValueError(
             "--prompt-data needs --hf-checkpoint DIR holding the model and its tokenizer "
@@ -78,10 +88,15 @@ def make_data_plan(
         )
     tok = _tokenizer(hf_checkpoint)
     data = load_dataset(
-        DatasetConfig(path=prompt_data, prompt_key=input_key, label_key=label_key,
-                      strict=strict_data, apply_chat_template=apply_chat_template or None),
+        DatasetConfig(
+            path=prompt_data,
+            prompt_key=input_key,
+            label_key=label_key,
+            strict=strict_data,
+            apply_chat_template=apply_chat_template or None,
+        ),
         tokenizer=tok,
-    )  # fmt: skip
+    )
     reward = rw.load_reward_fn(custom_rm_path) if custom_rm_path else rw.math_verify_reward
     return DataPlan(
         source=dataset_source(data, seed=seed),
@@ -102,8 +117,13 @@ def _tokenizer(hf_checkpoint: str) -> Any:
     return tok
 
 
-def _gym_plan(config: ReasoningGymConfig, *, hf_checkpoint: str | None,
-              custom_rm_path: str | None, eval_prompts: int) -> DataPlan:  # fmt: skip
+def _gym_plan(
+    config: ReasoningGymConfig,
+    *,
+    hf_checkpoint: str | None,
+    custom_rm_path: str | None,
+    eval_prompts: int,
+) -> DataPlan:
     if hf_checkpoint is None:
         raise ValueError(
             "--prompt-source reasoning_gym:... needs --hf-checkpoint DIR holding the model and "

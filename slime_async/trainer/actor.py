@@ -99,13 +99,25 @@ class _TrainerActorImpl:
     def weight_manifest(self) -> WeightManifest:
         return self.trainer.export_weights().manifest()  # collective: every rank calls it
 
-    def open_weight_group(self, master_address: str, master_port: int, world_size: int,
-                          group_name: str, backend: str, timeout_s: float) -> None:  # fmt: skip
+    def open_weight_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
         self.close_weight_group()
         self.weight_group = WeightGroup.open(
-            master_address=master_address, master_port=master_port, rank=0,
-            world_size=world_size, group_name=group_name, backend=backend, timeout_s=timeout_s,
-        )  # fmt: skip
+            master_address=master_address,
+            master_port=master_port,
+            rank=0,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
 
     def send_weights(self, buckets: list[tuple[TensorEntry, ...]], flatten: bool) -> int:
         """Every rank exports (a collective); rank 0 broadcasts the buckets. Returns the version."""
@@ -240,8 +252,16 @@ class TrainerGroup:
         refs = [a.weight_manifest.remote() for a in self.actors]
         return (await asyncio.gather(*refs))[0]
 
-    async def open_group(self, *, master_address: str, master_port: int, world_size: int,
-                         group_name: str, backend: str, timeout_s: float) -> None:  # fmt: skip
+    async def open_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
         await self.actors[0].open_weight_group.remote(
             master_address, master_port, world_size, group_name, backend, timeout_s
         )

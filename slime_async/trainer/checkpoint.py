@@ -107,8 +107,10 @@ def read_meta(ckpt: Path) -> dict[str, object]:
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"unreadable {path}: {e}") from None
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(meta).__name__}, not the checkpoint's "
-                              "object (edited or corrupted)")  # fmt: skip
+        raise CheckpointError(
+            f"{path} holds a JSON {type(meta).__name__}, not the checkpoint's "
+            "object (edited or corrupted)"
+        )
     if "meta_sha256" not in meta:
         raise CheckpointError(
             f"{path} has no meta_sha256: it was written before checkpoint metadata was "
@@ -290,8 +292,11 @@ def load(tr: TrainerState, load_dir: Path) -> dict[str, object]:
         log.warning(
             "LR schedule differs from checkpoint %s (saved %s, now %s); the new flags apply "
             "from version %s on",
-            ckpt, meta["lr_schedule"], _lr_schedule(tr), meta["version"],
-        )  # fmt: skip
+            ckpt,
+            meta["lr_schedule"],
+            _lr_schedule(tr),
+            meta["version"],
+        )
     saved = ParallelLayout(**meta["layout"])
     if saved != tr.layout:
         log.warning("resharding checkpoint %s from layout %s to %s", ckpt, saved, tr.layout)

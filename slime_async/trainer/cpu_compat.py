@@ -132,11 +132,25 @@ def _patch_torch_norm() -> None:
     if getattr(orig_new, "_slime_async_patched", False):
         return
 
-    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-            zero_centered_gamma=False, normalization="LayerNorm"):  # fmt: skip
+    def new(
+        cls,
+        config,
+        hidden_size,
+        eps=1e-5,
+        persist_layer_norm=False,
+        zero_centered_gamma=False,
+        normalization="LayerNorm",
+    ):
         if not config.sequence_parallel:
-            return orig_new(cls, config, hidden_size, eps, persist_layer_norm,
-                            zero_centered_gamma, normalization)  # fmt: skip
+            return orig_new(
+                cls,
+                config,
+                hidden_size,
+                eps,
+                persist_layer_norm,
+                zero_centered_gamma,
+                normalization,
+            )
         if config.normalization != "RMSNorm":
             raise ValueError("sequence parallel on CPU supports only normalization='RMSNorm'")
         norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)

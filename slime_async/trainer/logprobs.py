@@ -73,13 +73,16 @@ class LogprobForwards:
             log.warning(
                 "a sample of %d tokens exceeds --max-tokens-per-gpu %d: it gets a micro-batch of "
                 "its own (raise the budget to at least the longest prompt + response)",
-                max(lengths), budget,
-            )  # fmt: skip
+                max(lengths),
+                budget,
+            )
         plans = packing.plan_micro_batches(
-            lengths, dp=lay.dp, micro_batch_size=c.micro_batch_size,
+            lengths,
+            dp=lay.dp,
+            micro_batch_size=c.micro_batch_size,
             max_tokens=budget,
             multiple_of=lay.pp if c.virtual_pipeline_model_parallel_size else 1,
-        )  # fmt: skip
+        )
         packed = c.qkv_format == "thd"
         vp = c.virtual_pipeline_model_parallel_size
         floors = None
@@ -125,10 +128,15 @@ class LogprobForwards:
                     "or 'r2')"
                 )
             mb.routing = engine_routing_to_replay(
-                mb.batch.routed_experts, spec=self.spec, width=mb.layout.width,
-                tp=self.layout.tp, tp_rank=self.tp_rank, layers=self.moe_layers,
-                starts=mb.layout.starts, rows=mb.layout.rows,
-            )  # fmt: skip
+                mb.batch.routed_experts,
+                spec=self.spec,
+                width=mb.layout.width,
+                tp=self.layout.tp,
+                tp_rank=self.tp_rank,
+                layers=self.moe_layers,
+                starts=mb.layout.starts,
+                rows=mb.layout.rows,
+            )
 
     def _logprobs_local(
         self, mbs: list[MicroBatch], *, record: bool = False
@@ -155,8 +163,9 @@ class LogprobForwards:
         flat = torch.zeros(sum(2 * b * w for b, w in sizes))
         if outs:
             flat = torch.cat([o.reshape(-1) for o in outs])
-        flat = parallel.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(),
-                                  group=parallel.groups()["pp"])  # fmt: skip
+        flat = parallel.broadcast(
+            flat, src=ps.get_pipeline_model_parallel_last_rank(), group=parallel.groups()["pp"]
+        )
         res, at = [], 0
         for b, w in sizes:
             res.append(flat[at : at + 2 * b * w].view(2, b, w))
@@ -232,8 +241,9 @@ class LogprobForwards:
     def _step_inputs(self, mbs: list[MicroBatch]) -> StepInputs:
         """The no-grad forwards the loss needs: π_k (which also records R2 routing) and π_j^Meg."""
         r2 = self.cfg.routing_replay is RoutingReplay.R2 and self.spec.is_moe
-        plan = plan_inputs(self.loss_spec.needs, self.loss_cfg, r2=r2,
-                           keep_old_actor=self.cfg.keep_old_actor)  # fmt: skip
+        plan = plan_inputs(
+            self.loss_spec.needs, self.loss_cfg, r2=r2, keep_old_actor=self.cfg.keep_old_actor
+        )
         self._set_engine_routing(mbs)
         out = StepInputs()
         if plan.proximal:

@@ -47,11 +47,17 @@ def scheduler_kwargs(cfg: TrainerConfig) -> dict[str, object]:
     a constant LR gets a nominal decay length, which megatron requires but does not use)."""
     decay = cfg.lr_decay_steps or cfg.lr_warmup_steps + 1
     return dict(
-        init_lr=cfg.lr_warmup_init, max_lr=cfg.lr, min_lr=cfg.min_lr,
-        lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=decay,
-        lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
-        wd_incr_steps=1, wd_incr_style="constant",
-    )  # fmt: skip
+        init_lr=cfg.lr_warmup_init,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps,
+        lr_decay_steps=decay,
+        lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
 
 
 def _finalize(model: list[torch.nn.Module], num_tokens: object, **kw: object) -> None:
@@ -175,9 +181,12 @@ class MegatronOptim:
 
     @torch.no_grad()
     def load_state_tensors(
-        self, state: dict[str, dict[str, torch.Tensor]], names: dict[str, torch.nn.Parameter],
-        *, step: int,
-    ) -> None:  # fmt: skip
+        self,
+        state: dict[str, dict[str, torch.Tensor]],
+        names: dict[str, torch.nn.Parameter],
+        *,
+        step: int,
+    ) -> None:
         """Install full per-parameter state (as `state_tensors` gives it) into this rank's
         optimizer: the DP shard each rank owns, Adam's step count set to `step`."""
         by_param = {p: n for n, p in names.items()}
@@ -278,11 +287,18 @@ def build_optim(
             for i, c in enumerate(chunks)
         ]
         opt_cfg = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-            clip_grad=cfg.clip_grad, bf16=cfg.bf16, params_dtype=config.params_dtype,
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            bf16=cfg.bf16,
+            params_dtype=config.params_dtype,
             use_distributed_optimizer=distributed,
-        )  # fmt: skip
+        )
         optimizer = get_megatron_optimizer(opt_cfg, wrapped)
     for c in chunks:
         c.config.finalize_model_grads_func = _finalize
@@ -290,5 +306,11 @@ def build_optim(
             wrapped[0].no_sync if len(wrapped) == 1 else [w.no_sync for w in wrapped]
         )
     scheduler = OptimizerParamScheduler(optimizer, **scheduler_kwargs(cfg))
-    return MegatronOptim(chunks=chunks, wrapped=wrapped, optimizer=optimizer,
-                         scheduler=scheduler, distributed=distributed, bf16=cfg.bf16)  # fmt: skip
+    return MegatronOptim(
+        chunks=chunks,
+        wrapped=wrapped,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        distributed=distributed,
+        bf16=cfg.bf16,
+    )

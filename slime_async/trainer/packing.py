@@ -146,12 +146,18 @@ def row_layout(
         width = _round_up(max(total, min_width), tp)
         starts = tuple((0, c) for c in _cumsum(lengths)[:-1])
         cu = _cumsum(lengths) + ([width] if width > total else [])
-        return RowLayout(rows=1, width=width, starts=starts, lengths=tuple(lengths),
-                         cu_seqlens=tuple(cu))  # fmt: skip
+        return RowLayout(
+            rows=1, width=width, starts=starts, lengths=tuple(lengths), cu_seqlens=tuple(cu)
+        )
     width = _round_up(max(max(lengths), min_width), tp)
     starts = tuple((r, 0) for r in range(len(lengths)))
-    return RowLayout(rows=max(len(lengths), min_rows), width=width, starts=starts, lengths=tuple(lengths),
-                     cu_seqlens=None)  # fmt: skip
+    return RowLayout(
+        rows=max(len(lengths), min_rows),
+        width=width,
+        starts=starts,
+        lengths=tuple(lengths),
+        cu_seqlens=None,
+    )
 
 
 def shape_floor(

@@ -28,9 +28,13 @@ class ReferencePolicy:
     """Reference weights held on CPU; forwards swap them in and restore the current ones."""
 
     def __init__(
-        self, model: torch.nn.Module, *, ref_load: str | None, resumed_from: str | None,
+        self,
+        model: torch.nn.Module,
+        *,
+        ref_load: str | None,
+        resumed_from: str | None,
         import_hf: Callable[[str], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         if ref_load is None and resumed_from is not None:
             raise ValueError(
                 f"--use-kl-loss with --load {resumed_from}: the resumed weights are not the "
@@ -63,6 +67,8 @@ def maybe_reference(trainer: Any) -> ReferencePolicy | None:
     if not trainer.loss_spec.needs.reference_logprobs:
         return None
     return ReferencePolicy(
-        trainer.model, ref_load=trainer.cfg.ref_load, resumed_from=trainer.cfg.load,
+        trainer.model,
+        ref_load=trainer.cfg.ref_load,
+        resumed_from=trainer.cfg.load,
         import_hf=trainer.import_hf,
-    )  # fmt: skip
+    )

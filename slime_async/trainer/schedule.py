@@ -64,8 +64,9 @@ def micro_batch(
     """The micro-batch of `local`'s `rows` (trimmed to its longest sample)."""
     sel = local.select(rows)
     sel = sel.trimmed(int(sel.lengths.max()))
-    layout = packing.row_layout(sel.lengths.tolist(), packed=packed, tp=tp,
-                                min_width=min_width, min_rows=min_rows)  # fmt: skip
+    layout = packing.row_layout(
+        sel.lengths.tolist(), packed=packed, tp=tp, min_width=min_width, min_rows=min_rows
+    )
     return MicroBatch(batch=sel, rows=list(rows), layout=layout)
 
 
@@ -78,8 +79,13 @@ def _packed_params(layout: packing.RowLayout) -> object:
     longest = int((cu[1:] - cu[:-1]).max())
     if cpu_compat.cuda_available():
         cu = cu.cuda()
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
 
 
 class Schedule:
@@ -133,8 +139,12 @@ class Schedule:
             k = chunk_of[id(model)]
             with cpu_compat.model_code():
                 self._before(mb, k, record)
-                out = model(mb.input_ids.to(device), mb.position_ids.to(device),
-                            attention_mask=None, packed_seq_params=mb.packed_seq_params)  # fmt: skip
+                out = model(
+                    mb.input_ids.to(device),
+                    mb.position_ids.to(device),
+                    attention_mask=None,
+                    packed_seq_params=mb.packed_seq_params,
+                )
                 self._after(mb, k, record, training=not forward_only)
             return out, functools.partial(loss_func, mb)
 

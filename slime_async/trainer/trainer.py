@@ -116,8 +116,11 @@ class MegatronTrainer(LogprobForwards):
         self.optim = build_optim(self.chunks, cfg, self.layout)
         if rank == 0 and cfg.use_distributed_optimizer is None and self.layout.dp > 1:
             log.info("derived: --use-distributed-optimizer on (DP=%d)", self.layout.dp)
-        self.schedule = Schedule(self.optim.wrapped, [router_replays(c) for c in self.chunks],
-                                 recompute=cfg.recompute_granularity is not None)  # fmt: skip
+        self.schedule = Schedule(
+            self.optim.wrapped,
+            [router_replays(c) for c in self.chunks],
+            recompute=cfg.recompute_granularity is not None,
+        )
         self.version = 0
         self.extra_state: dict[str, object] = {}
         self.snapshots = SnapshotStore(cfg.max_snapshots)
@@ -146,17 +149,19 @@ class MegatronTrainer(LogprobForwards):
         t2 = time.perf_counter()
         gnorm, lr = self._optimizer_step()
         metrics = self._reduce_metrics(total, acc)
-        metrics.update({
-            "train/grad_norm": gnorm,
-            "train/lr": lr,
-            "train/version": float(self.version),
-            "train/num_tokens": n_tok,
-            "train/num_seqs": n_seq,
-            "train/micro_batches": float(len(mbs)),
-            **inputs.metrics,
-            "timing/train_fwd_bwd_s": t2 - t1,
-            "timing/train_step_s": time.perf_counter() - t0,
-        })  # fmt: skip
+        metrics.update(
+            {
+                "train/grad_norm": gnorm,
+                "train/lr": lr,
+                "train/version": float(self.version),
+                "train/num_tokens": n_tok,
+                "train/num_seqs": n_seq,
+                "train/micro_batches": float(len(mbs)),
+                **inputs.metrics,
+                "timing/train_fwd_bwd_s": t2 - t1,
+                "timing/train_step_s": time.perf_counter() - t0,
+            }
+        )
         return metrics
 
     def _denominators(self, mbs: list[MicroBatch], inputs: StepInputs) -> tuple[float, float]:
@@ -197,9 +202,17 @@ class MegatronTrainer(LogprobForwards):
             # without a π_k forward: the same weights (one update per step), detached
             lp_k = lp.detach() if inputs.proximal is None else inputs.proximal[i]
             lp_j = inputs.behavior_with_current(i, lp_k, mb.token_versions, self.version)
-            mb_in = loss_inputs(mb, lp, lp_k, lp_j, version=self.version,
-                                num_tokens=n_tok, num_seqs=n_seq, entropy=ent_grad,
-                                reference=inputs.reference_of(i))  # fmt: skip
+            mb_in = loss_inputs(
+                mb,
+                lp,
+                lp_k,
+                lp_j,
+                version=self.version,
+                num_tokens=n_tok,
+                num_seqs=n_seq,
+                entropy=ent_grad,
+                reference=inputs.reference_of(i),
+            )
             out = self.loss_spec.fn(mb_in, self.loss_cfg)
             if inputs.entropy is not None:
                 ent = inputs.entropy[i]
@@ -234,9 +247,10 @@ class MegatronTrainer(LogprobForwards):
             from megatron.core import parallel_state as ps
 
             metrics = broadcast_metrics(
-                metrics, src=ps.get_pipeline_model_parallel_last_rank(),
+                metrics,
+                src=ps.get_pipeline_model_parallel_last_rank(),
                 group=parallel.groups()["pp"],
-            )  # fmt: skip
+            )
         metrics.pop("loss/value", None)  # a micro-batch's share; the step's loss is loss/total
         metrics["loss/total"] = float(total)
         return metrics

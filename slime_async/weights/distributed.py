@@ -157,8 +157,10 @@ class _BucketWatch:
     def aborted(self, culprits: set[str]) -> None:
         self.aborted_at, self.culprits = self.loop.time(), culprits
         for u in culprits:
-            self.failed.setdefault(u, f"no answer to bucket {self.i} long after another engine "
-                                      "took it (hung or stopped)")  # fmt: skip
+            self.failed.setdefault(
+                u,
+                f"no answer to bucket {self.i} long after another engine took it (hung or stopped)",
+            )
 
     def give_up_on_hung(self) -> None:
         """After an abort every receiving member answers at once; stop waiting for the rest
@@ -227,8 +229,12 @@ class DistributedTransport:
                 got = data.get("received") if isinstance(data, dict) else None
                 received = got if isinstance(got, bool) else None
                 broken = isinstance(data, dict) and data.get("group_broken") is True
-                return _Reply(ok, "" if ok else f"HTTP {r.status}: {msg}", received=received,
-                              group_broken=broken)  # fmt: skip
+                return _Reply(
+                    ok,
+                    "" if ok else f"HTTP {r.status}: {msg}",
+                    received=received,
+                    group_broken=broken,
+                )
         except ValueError as e:  # an answer that is not JSON
             return _Reply(False, f"{type(e).__name__}: {e}")
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
@@ -248,11 +254,17 @@ class DistributedTransport:
         `HEALTH_TIMEOUT_S` to answer) and on the sender."""
         members, self.members, self._control = self.members, (), None
         body = {"group_name": self.cfg.group_name}
-        await asyncio.gather(*(
-            self._call(u, "/destroy_weights_update_group", body,
-                       timeout_s=HEALTH_TIMEOUT_S if u in stopped else None)
-            for u in members
-        ))  # fmt: skip
+        await asyncio.gather(
+            *(
+                self._call(
+                    u,
+                    "/destroy_weights_update_group",
+                    body,
+                    timeout_s=HEALTH_TIMEOUT_S if u in stopped else None,
+                )
+                for u in members
+            )
+        )
         await self.sender.close_group()
 
     async def _form(self, urls: Sequence[str], stopped: Collection[str] = ()) -> None:
@@ -264,17 +276,32 @@ class DistributedTransport:
         port = self.cfg.master_port or port
         world = len(urls) + 1
         opened = asyncio.ensure_future(
-            self.sender.open_group(master_address=addr, master_port=port, world_size=world,
-                                   group_name=self.cfg.group_name, backend=self.backend,
-                                   timeout_s=self.cfg.timeout_s)
-        )  # fmt: skip
-        joins = await asyncio.gather(*(
-            self._call(u, "/init_weights_update_group", {
-                "master_address": addr, "master_port": port, "rank_offset": i + 1,
-                "world_size": world, "group_name": self.cfg.group_name, "backend": self.backend,
-            })
-            for i, u in enumerate(urls)
-        ))  # fmt: skip
+            self.sender.open_group(
+                master_address=addr,
+                master_port=port,
+                world_size=world,
+                group_name=self.cfg.group_name,
+                backend=self.backend,
+                timeout_s=self.cfg.timeout_s,
+            )
+        )
+        joins = await asyncio.gather(
+            *(
+                self._call(
+                    u,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": addr,
+                        "master_port": port,
+                        "rank_offset": i + 1,
+                        "world_size": world,
+                        "group_name": self.cfg.group_name,
+                        "backend": self.backend,
+                    },
+                )
+                for i, u in enumerate(urls)
+            )
+        )
         failed = [f"{u}: {r.why}" for u, r in zip(urls, joins) if not r.ok]
         try:
             await opened
@@ -297,12 +324,20 @@ class DistributedTransport:
         store cannot be reached from here: pushes then cannot be aborted early."""
         try:
             return await asyncio.to_thread(
-                GroupControl.connect, master_address=addr, master_port=port,
-                group_name=self.cfg.group_name, timeout_s=STORE_TIMEOUT_S,
-            )  # fmt: skip
+                GroupControl.connect,
+                master_address=addr,
+                master_port=port,
+                group_name=self.cfg.group_name,
+                timeout_s=STORE_TIMEOUT_S,
+            )
         except (RuntimeError, OSError) as e:
-            log.warning("cannot reach the weight group's store at %s:%d (%s): a member that "
-                        "stops receiving holds a push for --update-weight-timeout", addr, port, e)  # fmt: skip
+            log.warning(
+                "cannot reach the weight group's store at %s:%d (%s): a member that "
+                "stops receiving holds a push for --update-weight-timeout",
+                addr,
+                port,
+                e,
+            )
             return None
 
     # ------------------------------------------------------------------ sending
@@ -373,9 +408,13 @@ class DistributedTransport:
         return True
 
     async def _watch_bucket(
-        self, i: int, body: dict[str, Any], sending: asyncio.Future, target: int | None,
+        self,
+        i: int,
+        body: dict[str, Any],
+        sending: asyncio.Future,
+        target: int | None,
         failed: dict[str, str],
-    ) -> set[str]:  # fmt: skip
+    ) -> set[str]:
         """Post bucket `i` to every member while rank 0 broadcasts it; record failures in
         `failed`. Aborts the group when a member cannot be taking part (`_BucketWatch`) and
         returns those members (empty: no abort)."""
@@ -392,9 +431,14 @@ class DistributedTransport:
                 continue
             if not watch.out_of_step & due and await self._bucket_done(sending, target):
                 watch.suspects.clear()  # they received it and refused: the group is in step
-            elif await self._abort(f"bucket {i}: " + "; ".join(
-                f"{u} ({failed.get(u, 'silent')})" for u in sorted(due)
-            )) or sending.done() or watch.out_of_step & due:  # fmt: skip
+            elif (
+                await self._abort(
+                    f"bucket {i}: "
+                    + "; ".join(f"{u} ({failed.get(u, 'silent')})" for u in sorted(due))
+                )
+                or sending.done()
+                or watch.out_of_step & due
+            ):
                 # (rank 0 no longer sending: it aborted the group itself; out of step: the
                 # group is lost for them whether or not its store still answers)
                 watch.aborted(due)
@@ -420,8 +464,12 @@ class DistributedTransport:
         failed, stopped = await self._send(version)
         if not failed:
             return len(urls) - len(healthy)
-        log.warning("weight push v%d failed on %d engine(s): %s", version, len(failed),
-                    "; ".join(f"{u} ({why})" for u, why in failed.items()))  # fmt: skip
+        log.warning(
+            "weight push v%d failed on %d engine(s): %s",
+            version,
+            len(failed),
+            "; ".join(f"{u} ({why})" for u, why in failed.items()),
+        )
         healthy = [u for u in await self._healthy_of(urls) if u not in stopped]
         if not healthy:
             await self._teardown(stopped)
@@ -429,8 +477,11 @@ class DistributedTransport:
         await self._form(healthy, stopped)
         again, _ = await self._send(version)
         if again:
-            log.warning("weight push v%d failed again on %s; they get the whole version at the "
-                        "next push", version, ", ".join(again))  # fmt: skip
+            log.warning(
+                "weight push v%d failed again on %s; they get the whole version at the next push",
+                version,
+                ", ".join(again),
+            )
             await self._teardown()  # re-formed at the next push
         return len(urls) - len(healthy) + len(again)
 

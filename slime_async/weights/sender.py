@@ -32,9 +32,15 @@ class WeightSender(Protocol):
         ...
 
     async def open_group(
-        self, *, master_address: str, master_port: int, world_size: int, group_name: str,
-        backend: str, timeout_s: float,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
         """Join as rank 0 (returns once every member joined)."""
         ...
 
@@ -76,14 +82,26 @@ class InProcessSender:
         return WeightManifest.of(tensors, version=version)
 
     async def open_group(
-        self, *, master_address: str, master_port: int, world_size: int, group_name: str,
-        backend: str, timeout_s: float,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
         await self.close_group()
         self._group = await asyncio.to_thread(
-            WeightGroup.open, master_address=master_address, master_port=master_port, rank=0,
-            world_size=world_size, group_name=group_name, backend=backend, timeout_s=timeout_s,
-        )  # fmt: skip
+            WeightGroup.open,
+            master_address=master_address,
+            master_port=master_port,
+            rank=0,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
 
     async def send(self, buckets: Sequence[Sequence[TensorEntry]], *, flatten: bool) -> int:
         if self._group is None:

@@ -102,9 +102,14 @@ class ExternalBackend:
     async def start(self, launch: EngineLaunch) -> EngineHandle:
         url = self.urls[launch.index]
         info = await probe(url, timeout_s=self.timeout_s, token=self.token)
-        log.info("attached external engine %d at %s (model %s, serving weight version %s; the "
-                 "run's weights are pushed before the first generate)", launch.index, url,
-                 info.get("model_path"), info.get("weight_version"))  # fmt: skip
+        log.info(
+            "attached external engine %d at %s (model %s, serving weight version %s; the "
+            "run's weights are pushed before the first generate)",
+            launch.index,
+            url,
+            info.get("model_path"),
+            info.get("weight_version"),
+        )
         return EngineHandle(index=launch.index, url=url, pid=None, identity=f"external {url}")
 
     async def alive(self, handle: EngineHandle) -> bool:

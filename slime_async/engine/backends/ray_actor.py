@@ -68,7 +68,8 @@ class RayActorBackend:
         except ray.exceptions.RayActorError:
             pass  # already dead: nothing left to stop gracefully
         except Exception as e:  # wedged or failing: it is killed below either way
-            log.warning("%s %d (%s) did not stop cleanly: %r", self.label, handle.index,
-                        handle.url, e)  # fmt: skip
+            log.warning(
+                "%s %d (%s) did not stop cleanly: %r", self.label, handle.index, handle.url, e
+            )
         with contextlib.suppress(Exception):
             ray.kill(handle.ref)

@@ -83,7 +83,10 @@ class SGLangBackend(RayActorBackend):
     """One `SGLangActor` (its bundle's GPUs) per engine; restartable."""
 
     needs: ClassVar[EngineNeeds] = EngineNeeds(
-        model_dir=True, gpus_per_engine=1, collective_backend="nccl", checkpoint_to_start=True,
+        model_dir=True,
+        gpus_per_engine=1,
+        collective_backend="nccl",
+        checkpoint_to_start=True,
         sglang_flags=True,
     )
     label: ClassVar[str] = "sglang server"

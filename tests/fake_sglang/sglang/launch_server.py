@@ -24,8 +24,16 @@ if os.environ.get("FAKE_SGLANG_EXIT"):
 if os.environ.get("FAKE_SGLANG_HANG"):
     time.sleep(3600)
 
-KEEP = ("--model-path", "--host", "--port", "--random-seed", "--weight-version",
-        "--context-length", "--max-running-requests", "--served-model-name")  # fmt: skip
+KEEP = (
+    "--model-path",
+    "--host",
+    "--port",
+    "--random-seed",
+    "--weight-version",
+    "--context-length",
+    "--max-running-requests",
+    "--served-model-name",
+)
 ours = ["--dtype", "fp32", "--num-threads", "1"]
 i = 0
 while i < len(args):
