@@ -59,6 +59,7 @@ __all__ = [
     "flag_of",
     "flag_specs",
     "from_args",
+    "range_errors",
 ]
 
 _KEY = "clifields"
@@ -352,20 +353,38 @@ def from_args(
     return cls(**kwargs, **given)
 
 
+def _range_error(cls: type, name: str, spec: FlagSpec, v: Any, *, prefix: str | None) -> str:
+    """The sentence for `v` outside `cls.name`'s declared range, or "" when it is inside."""
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+        return ""
+    bad = (
+        (spec.ge is not None and not v >= spec.ge and f">= {spec.ge:g}")
+        or (spec.gt is not None and not v > spec.gt and f"> {spec.gt:g}")
+        or (spec.le is not None and not v <= spec.le and f"<= {spec.le:g}")
+        or (spec.lt is not None and not v < spec.lt and f"< {spec.lt:g}")
+        or (isinstance(v, float) and math.isnan(v) and "a number")
+    )
+    if not bad:
+        return ""
+    hint = f" ({spec.hint})" if spec.hint else ""
+    return f"{flag_name(cls, name, prefix=prefix)} must be {bad}{hint}, got {v}"
+
+
 def check_ranges(cfg: Any) -> None:
     """Raise ValueError naming the flag for the first field outside its declared range."""
     cls = type(cfg)
     for name, spec in flag_specs(cls).items():
-        v = getattr(cfg, name)
-        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        bad = (
-            (spec.ge is not None and not v >= spec.ge and f">= {spec.ge:g}")
-            or (spec.gt is not None and not v > spec.gt and f"> {spec.gt:g}")
-            or (spec.le is not None and not v <= spec.le and f"<= {spec.le:g}")
-            or (spec.lt is not None and not v < spec.lt and f"< {spec.lt:g}")
-            or (isinstance(v, float) and math.isnan(v) and "a number")
-        )
-        if bad:
-            hint = f" ({spec.hint})" if spec.hint else ""
-            raise ValueError(f"{flag_name(cls, name)} must be {bad}{hint}, got {v}")
+        if error := _range_error(cls, name, spec, getattr(cfg, name), prefix=None):
+            raise ValueError(error)
+
+
+def range_errors(cls: type, args: argparse.Namespace, *, prefix: str | None = None) -> list[str]:
+    """Every flag of `cls` in `args` outside its declared range (all at once, before the config
+    object exists: a caller that derives from the flags checks them first)."""
+    errors = []
+    for name, spec in flag_specs(cls).items():
+        dest = dest_of(cls, name, prefix=prefix)
+        value = getattr(args, dest, None) if spec.cli else None
+        if error := _range_error(cls, name, spec, value, prefix=prefix):
+            errors.append(error)
+    return errors

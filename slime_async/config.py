@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from clifields import HelpFormatter
+from clifields import HelpFormatter, range_errors
 from data_worker.budget import snapshot_count, staleness_bound
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
@@ -314,14 +314,7 @@ def _run_errors(a: argparse.Namespace) -> list[str]:
     errors = []
     if a.num_steps is not None and a.num_rollout is not None:
         errors.append("give either --num-steps or --num-rollout, not both")
-    for flag in ("num_steps", "num_rollout", "update_weights_interval"):
-        value = getattr(a, flag)
-        if value is not None and value < 1:
-            errors.append(f"--{flag.replace('_', '-')} must be >= 1")
-    for flag in ("save_interval", "warmstart_steps"):
-        value = getattr(a, flag)
-        if value is not None and value < 0:
-            errors.append(f"--{flag.replace('_', '-')} must be >= 0")
+    errors += range_errors(RunConfig, a)  # before anything is derived from them
     if a.router_worker_urls:  # the launcher registers exactly the engines it starts
         errors.append(
             "--router-worker-urls cannot apply to train_async.py: the run registers its engines "
