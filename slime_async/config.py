@@ -375,9 +375,14 @@ def _derive_off_policy_drop(f: _Flags, dw: DataWorkerConfig) -> DataWorkerConfig
         "max_off_policy_steps",
         steps,
         f"the staleness bound S {dw.max_staleness} + ceil((W {dw.fifo_window:g} - 1) / B "
-        f"{dw.groups_per_step}) (any --update-weights-interval: the budget counts against the "
-        "pushed version): a group sampled on weights older than the pushed ones is dropped, "
-        "not trained",
+        f"{dw.groups_per_step})"
+        + (
+            f" (--update-weights-interval {f.args.update_weights_interval} adds none: the budget "
+            "counts against the pushed version)"
+            if f.args.update_weights_interval > 1
+            else ""
+        )
+        + ": a group sampled on weights older than the pushed ones is dropped, not trained",
     )
     return dataclasses.replace(dw, max_off_policy_steps=steps)
 
