@@ -176,7 +176,7 @@ def test_guard_hits_sees_a_doubling_gap() -> None:
 
 
 def test_eval_samples_per_prompt_is_validated() -> None:
-    with pytest.raises(ValueError, match="--n-samples-per-eval-prompt 0 must be >= 1"):
+    with pytest.raises(ValueError, match="--n-samples-per-eval-prompt must be >= 1, got 0"):
         RolloutConfig(n_samples_per_eval_prompt=0)
 
 
