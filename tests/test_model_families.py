@@ -257,3 +257,32 @@ def test_qwen3_4b_published_config_is_accepted():
     assert spec.tie_word_embeddings and spec.qk_norm and not spec.qkv_bias
     assert spec.rope_theta == 1e6 and spec.rope_scaling is None
     assert spec.max_position_embeddings == 40960 and spec.rms_norm_eps == 1e-6
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_qkv_bias_shards_like_its_weight_rows_under_tp(monkeypatch, tp_rank):
+    """Under TP=2 every rank's `linear_qkv.bias` holds the biases of exactly the rows its
+    `linear_qkv.weight` shard holds (bias planted as the weight's first column)."""
+    from slime_async.trainer import hf_convert
+
+    class TwoRanks:
+        tp, tp_rank, etp, etp_rank, ep, ep_rank = 2, 0, 1, 0, 1, 0
+
+    ranks = TwoRanks()
+    ranks.tp_rank = tp_rank
+    monkeypatch.setattr(hf_convert, "_Ranks", lambda: ranks)
+    spec = ModelSpec.from_hf_config(_raw("qwen2.5-tiny"))
+    g = torch.Generator().manual_seed(2)
+    hf = {k: torch.randn(s, generator=g) for k, s in hf_convert.hf_shapes(spec).items()}
+    for proj in ("q", "k", "v"):
+        pre = f"model.layers.0.self_attn.{proj}_proj."
+        hf[pre + "weight"][:, 0] = hf[pre + "bias"]
+    qkv = spec.head_dim * (spec.num_attention_heads + 2 * spec.num_key_value_heads)
+    shapes = {
+        "decoder.layers.0.self_attention.linear_qkv.weight": (qkv // 2, spec.hidden_size),
+        "decoder.layers.0.self_attention.linear_qkv.bias": (qkv // 2,),
+    }
+    out = hf_convert.hf_to_megatron_tensors(hf, spec, shapes)
+    w = out["decoder.layers.0.self_attention.linear_qkv.weight"]
+    b = out["decoder.layers.0.self_attention.linear_qkv.bias"]
+    assert torch.equal(b, w[:, 0])
