@@ -116,7 +116,13 @@ def read_environment(args: argparse.Namespace) -> Environment:
                 f"--hf-checkpoint {args.hf_checkpoint}: cannot read its config.json ({e}); give "
                 "a local Hugging Face model directory"
             ) from None
-        model = ModelSpec.from_hf_config(hf)
+        try:
+            model = ModelSpec.from_hf_config(hf)
+        except (ValueError, KeyError) as e:
+            raise ValueError(
+                f"--hf-checkpoint {args.hf_checkpoint}: cannot train this model: "
+                f"{e.args[0] if e.args else e}"
+            ) from None
     from slime_async.roles import ray_address
 
     return Environment(

@@ -304,7 +304,10 @@ def test_the_docs_gpu_recipe_derives_what_it_says() -> None:
     args = build_parser().parse_args(argv)
     args.sglang_args = sglang
     env = Environment(
-        model=ModelSpec(family="llama"),
+        # the recipe's model: the published Qwen3-4B config.json (no weights needed)
+        model=ModelSpec.from_hf_config(
+            json.loads((REPO / "tests/data/configs/qwen3-4b/config.json").read_text())
+        ),
         cpus=tuple(range(8)),
         ray_address="10.0.0.1:6379",
         auth_token=TOKEN,

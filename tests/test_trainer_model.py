@@ -253,7 +253,16 @@ def test_batch_validation_messages():
 
 
 @pytest.mark.parametrize(
-    "spec", [TINY_MOE, LLAMA, ModelSpec(family="llama", tie_word_embeddings=True)]
+    "spec",
+    [
+        TINY_MOE,
+        LLAMA,
+        ModelSpec(family="llama", tie_word_embeddings=True),
+        ModelSpec(family="qwen2", hidden_size=128, head_dim=32),
+        ModelSpec(family="qwen3"),
+        ModelSpec(family="mistral"),
+        ModelSpec(family="llama", rope_scaling="llama3", rope_original_max_position_embeddings=512),
+    ],
 )
 def test_hf_shapes_match_what_save_pretrained_writes(spec, tmp_path):
     from safetensors import safe_open

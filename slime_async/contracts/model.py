@@ -12,15 +12,43 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-Family = Literal["qwen3_moe", "llama"]
+Family = Literal["qwen3_moe", "qwen3", "qwen2", "llama", "mistral"]
+FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3", "qwen2", "llama", "mistral")
+"""The HF `model_type`s a spec can describe (the family name is the `model_type`)."""
+RopeScaling = Literal["llama3"]
+
+_ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+_CONFIGS = {
+    "qwen3_moe": "Qwen3MoeConfig",
+    "qwen3": "Qwen3Config",
+    "qwen2": "Qwen2Config",
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
-    """Architecture of a decoder-only LM (Qwen3-MoE style, or dense Llama style)."""
+    """Architecture of a decoder-only LM: RMSNorm, SwiGLU MLP (or top-k routed experts), RoPE,
+    grouped-query attention. The family fixes what differs between HF model types:
+
+    | family      | q/k/v bias | qk-norm | MLP          |
+    |-------------|------------|---------|--------------|
+    | `qwen3_moe` | no         | yes     | routed experts |
+    | `qwen3`     | no         | yes     | dense        |
+    | `qwen2`     | yes        | no      | dense        |
+    | `llama`     | no         | no      | dense        |
+    | `mistral`   | no         | no      | dense (full attention only) |
+    """
 
     family: Family = "qwen3_moe"
-    """`qwen3_moe` (RMSNorm, SwiGLU experts, RoPE, qk-norm, top-k router) or `llama` (dense)."""
+    """HF model type: `qwen3_moe`, `qwen3`, `qwen2`, `llama` or `mistral` (see the table)."""
     vocab_size: int = 4096
     """Vocabulary size (token ids are in [0, vocab_size))."""
     hidden_size: int = 128
@@ -34,7 +62,7 @@ class ModelSpec:
     head_dim: int = 32
     """Per-head width."""
     intermediate_size: int = 256
-    """Dense MLP width (llama family, and dense layers of the MoE family)."""
+    """Dense MLP width (dense families, and dense layers of the MoE family)."""
     num_experts: int = 4
     """Routed experts per MoE layer (qwen3_moe only)."""
     moe_topk: int = 2
@@ -43,6 +71,17 @@ class ModelSpec:
     """Per-expert MLP width."""
     rope_theta: float = 10000.0
     """RoPE base."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency scaling: None (plain RoPE) or `llama3` (Llama 3.1+ long-context scaling,
+    the four `rope_*` fields below)."""
+    rope_factor: float = 8.0
+    """llama3 scaling: low frequencies are divided by this factor."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_max_position_embeddings / this are scaled."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_max_position_embeddings / this are kept."""
+    rope_original_max_position_embeddings: int = 8192
+    """llama3 scaling: the context length the model was pretrained with."""
     rms_norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     max_position_embeddings: int = 2048
@@ -53,8 +92,10 @@ class ModelSpec:
     """Initializer standard deviation for models built from scratch."""
 
     def __post_init__(self) -> None:
-        if self.family not in ("qwen3_moe", "llama"):
-            raise ValueError(f"unknown model family {self.family!r}; use 'qwen3_moe' or 'llama'")
+        if self.family not in FAMILIES:
+            raise ValueError(
+                f"unknown model family {self.family!r}; use one of {', '.join(FAMILIES)}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -64,10 +105,35 @@ class ModelSpec:
             raise ValueError(
                 f"moe_topk ({self.moe_topk}) must be in [1, num_experts={self.num_experts}]"
             )
+        if self.rope_scaling not in (None, "llama3"):
+            raise ValueError(f"unknown rope_scaling {self.rope_scaling!r}; use None or 'llama3'")
+        if self.rope_scaling == "llama3" and not (
+            self.rope_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            raise ValueError(
+                "llama3 rope scaling needs rope_factor > 0 and 0 < rope_low_freq_factor < "
+                f"rope_high_freq_factor (got {self.rope_factor}, {self.rope_low_freq_factor}, "
+                f"{self.rope_high_freq_factor})"
+            )
 
     @property
     def is_moe(self) -> bool:
         return self.family == "qwen3_moe"
+
+    @property
+    def qkv_bias(self) -> bool:
+        """q/k/v projections carry a bias (Qwen2; the output projection never does)."""
+        return self.family == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on queries and keys before RoPE (Qwen3 dense and MoE)."""
+        return self.family in ("qwen3", "qwen3_moe")
+
+    @property
+    def hf_architecture(self) -> str:
+        """The `architectures` entry of the HF config (`Qwen3ForCausalLM`, ...)."""
+        return _ARCHITECTURES[self.family]
 
     def moe_layers(self) -> list[int]:
         """Indices of layers with a routed MoE block (all of them for qwen3_moe)."""
@@ -75,8 +141,10 @@ class ModelSpec:
 
     # ---------------------------------------------------------------- HF conversion
     def to_hf_config(self) -> Any:
-        """Build the matching `transformers` config object."""
-        common = dict(
+        """Build the matching `transformers` config object (`from_hf_config` reads it back)."""
+        import transformers
+
+        common: dict[str, Any] = dict(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             num_hidden_layers=self.num_layers,
@@ -88,13 +156,29 @@ class ModelSpec:
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
             initializer_range=self.init_std,
+            hidden_act="silu",
+            attention_dropout=0.0,
             rope_theta=self.rope_theta,
+            architectures=[self.hf_architecture],
         )
+        if self.rope_scaling == "llama3":
+            common["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": self.rope_factor,
+                "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor,
+                "original_max_position_embeddings": self.rope_original_max_position_embeddings,
+            }
+        if self.family in ("llama", "mistral", "qwen3", "qwen3_moe"):
+            common["attention_bias"] = False
+        if self.family == "llama":
+            common["mlp_bias"] = False
+        if self.family in ("qwen2", "qwen3", "qwen3_moe", "mistral"):
+            common["sliding_window"] = None
+        if self.family in ("qwen2", "qwen3", "qwen3_moe"):
+            common["use_sliding_window"] = False
         if self.is_moe:
-            from transformers import Qwen3MoeConfig
-
-            return Qwen3MoeConfig(
-                **common,
+            common.update(
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.moe_topk,
                 moe_intermediate_size=self.moe_intermediate_size,
@@ -104,23 +188,27 @@ class ModelSpec:
                 output_router_logits=False,
                 router_aux_loss_coef=0.0,
             )
-        from transformers import LlamaConfig
-
-        return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+        return getattr(transformers, _CONFIGS[self.family])(**common)
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelSpec:
-        """Read a spec back from a `transformers` config (or its dict form)."""
+        """Read a spec from a `transformers` config (or its dict form, e.g. a `config.json`).
+
+        Raises ValueError naming the field and its value for anything the trainer cannot
+        represent (another model type, a rope scaling other than llama3, sliding-window
+        attention in use, biases other than Qwen2's q/k/v, another activation, ...): such a
+        model would train and serve different math, so nothing is silently dropped.
+        """
         d = cfg if isinstance(cfg, dict) else cfg.to_dict()
         mtype = d.get("model_type")
-        if mtype not in ("qwen3_moe", "llama"):
+        if mtype not in FAMILIES:
             raise ValueError(
-                f"unsupported model_type {mtype!r}: slime-async supports 'qwen3_moe' and 'llama'"
+                f"model_type {mtype!r} is not supported; supported: {', '.join(FAMILIES)}"
             )
+        _refuse_unrepresentable(d, mtype)
         heads = d["num_attention_heads"]
-        rope = d.get("rope_theta")
-        if rope is None:
-            rope = (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rp = _rope_params(d)
+        rope = d.get("rope_theta") or rp.get("rope_theta") or 10000.0
         kwargs: dict[str, Any] = dict(
             family=mtype,
             vocab_size=d["vocab_size"],
@@ -136,6 +224,16 @@ class ModelSpec:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             init_std=d.get("initializer_range", 0.02),
         )
+        if _rope_type(rp) == "llama3":
+            kwargs.update(
+                rope_scaling="llama3",
+                rope_factor=float(rp["factor"]),
+                rope_low_freq_factor=float(rp["low_freq_factor"]),
+                rope_high_freq_factor=float(rp["high_freq_factor"]),
+                rope_original_max_position_embeddings=int(
+                    rp.get("original_max_position_embeddings") or kwargs["max_position_embeddings"]
+                ),
+            )
         if mtype == "qwen3_moe":
             kwargs.update(
                 num_experts=d.get("num_experts") or d["num_local_experts"],
@@ -162,6 +260,71 @@ class ModelSpec:
     @classmethod
     def load(cls, path: str | Path) -> ModelSpec:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _rope_params(d: dict[str, Any]) -> dict[str, Any]:
+    """The rope parameters of an HF config dict: `rope_parameters` (transformers 5) or
+    `rope_scaling` (older config.json files)."""
+    return dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+
+
+def _rope_type(rp: dict[str, Any]) -> str:
+    return str(rp.get("rope_type") or rp.get("type") or "default")
+
+
+def _refuse_unrepresentable(d: dict[str, Any], mtype: str) -> None:
+    """Raise ValueError naming the first HF config field (and its value) whose math the
+    trainer does not implement."""
+
+    def refuse(field: str, value: Any, why: str) -> None:
+        raise ValueError(f"{mtype} config field {field}={value!r} is not supported: {why}")
+
+    rp = _rope_params(d)
+    rtype = _rope_type(rp)
+    if rtype not in ("default", "llama3"):
+        refuse("rope_scaling.rope_type", rtype, "the trainer implements plain RoPE and llama3")
+    if rtype == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            if rp.get(key) is None:
+                refuse(f"rope_scaling.{key}", None, "llama3 rope scaling needs it")
+    for src in (d, rp):
+        prf = src.get("partial_rotary_factor")
+        if prf not in (None, 1, 1.0):
+            refuse("partial_rotary_factor", prf, "RoPE must cover the whole head")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        refuse("hidden_act", act, "the MLP is SwiGLU (silu)")
+    for field in ("attention_bias", "mlp_bias"):
+        if d.get(field):
+            refuse(field, d[field], "only Qwen2's q/k/v biases are implemented")
+    if d.get("use_sliding_window"):
+        refuse("use_sliding_window", True, "sliding-window attention is not implemented")
+    window, ctx = d.get("sliding_window"), d.get("max_position_embeddings", 2048)
+    if mtype == "mistral" and window is not None and window < ctx:
+        refuse(
+            "sliding_window",
+            window,
+            "sliding-window attention is not implemented; it must be null or at least "
+            f"max_position_embeddings ({ctx})",
+        )
+    sliding = [t for t in d.get("layer_types") or [] if t != "full_attention"]
+    if sliding:
+        refuse("layer_types", sliding[0], "every layer must be full_attention")
+    if d.get("attention_dropout"):
+        refuse("attention_dropout", d["attention_dropout"], "attention dropout must be 0")
+    if mtype == "qwen3_moe":
+        if d.get("norm_topk_prob") is False:
+            refuse("norm_topk_prob", False, "the router renormalises the top-k probabilities")
+        if d.get("decoder_sparse_step", 1) != 1:
+            refuse("decoder_sparse_step", d["decoder_sparse_step"], "every layer must be MoE")
+        if d.get("mlp_only_layers"):
+            refuse("mlp_only_layers", d["mlp_only_layers"], "every layer must be MoE")
+        if d.get("shared_expert_intermediate_size"):
+            refuse(
+                "shared_expert_intermediate_size",
+                d["shared_expert_intermediate_size"],
+                "shared experts are not implemented",
+            )
 
 
 TINY_MOE = ModelSpec()

@@ -1,14 +1,17 @@
-"""Megatron ⇄ Hugging Face tensor mapping for both model families (gathers/slices TP and EP).
+"""Megatron ⇄ Hugging Face tensor mapping for every `ModelSpec` family (gathers/slices TP, EP).
 
 Owns: the name and layout mapping between a megatron-core GPTModel (local spec, any TP/EP) and
 the HF checkpoint format that `transformers` 5.23 writes with `save_pretrained`
 (`Qwen3MoeForCausalLM`: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`;
-`LlamaForCausalLM`). Must never import the controller, engine, rollout or data-worker parts of
+`Qwen3ForCausalLM` and `Qwen3MoeForCausalLM`: `self_attn.{q,k}_norm.weight`;
+`Qwen2ForCausalLM`: `self_attn.{q,k,v}_proj.bias`; `LlamaForCausalLM`, `MistralForCausalLM`).
+This is our own converter rather than mbridge (see docs/real-workloads.md). Must never import the controller, engine, rollout or data-worker parts of
 `slime_async`.
 
 Layout facts used below (megatron-core 0.16):
 * `linear_qkv.weight` is grouped per KV head: `[nkv, nq/nkv + 2, head_dim, H]` (q heads of the
-  group, then k, then v); TP splits the KV-group axis.
+  group, then k, then v); TP splits the KV-group axis. `linear_qkv.bias` (Qwen2) is grouped
+  the same way: `[nkv, nq/nkv + 2, head_dim]`.
 * Gated `linear_fc1.weight` is `[gate; up]` *per TP shard*: each rank holds `[gate_r; up_r]`.
 * `linear_proj`/`linear_fc2` are row-parallel (split on the input axis, dim 1).
 * Routed expert `e` lives on EP rank `e // (E/ep)` as local expert `e % (E/ep)`.
@@ -122,6 +125,11 @@ def megatron_to_hf_tensors(
             out[pre + "self_attn.q_proj.weight"] = full[:, :grp].reshape(nq * hd, hidden)
             out[pre + "self_attn.k_proj.weight"] = full[:, grp].reshape(nkv * hd, hidden)
             out[pre + "self_attn.v_proj.weight"] = full[:, grp + 1].reshape(nkv * hd, hidden)
+        elif rest == "self_attention.linear_qkv.bias":
+            full = gather_tp(p, 0).view(nkv, grp + 2, hd)
+            out[pre + "self_attn.q_proj.bias"] = full[:, :grp].reshape(nq * hd)
+            out[pre + "self_attn.k_proj.bias"] = full[:, grp].reshape(nkv * hd)
+            out[pre + "self_attn.v_proj.bias"] = full[:, grp + 1].reshape(nkv * hd)
         elif rest == "self_attention.linear_proj.weight":
             out[pre + "self_attn.o_proj.weight"] = gather_tp(p, 1)
         elif rest == "mlp.linear_fc1.weight":
@@ -271,6 +279,11 @@ def hf_to_megatron_tensors(
                 v = get(pre + "self_attn.v_proj.weight").view(nkv, 1, hd, -1)
                 full = torch.cat([q, k, v], 1)
                 new = _shard(full, r.tp_rank, r.tp, 0).reshape(-1, full.shape[-1])
+            elif rest == "self_attention.linear_qkv.bias":
+                q = get(pre + "self_attn.q_proj.bias").view(nkv, grp, hd)
+                k = get(pre + "self_attn.k_proj.bias").view(nkv, 1, hd)
+                v = get(pre + "self_attn.v_proj.bias").view(nkv, 1, hd)
+                new = _shard(torch.cat([q, k, v], 1), r.tp_rank, r.tp, 0).reshape(-1)
             elif rest == "self_attention.linear_proj.weight":
                 new = _shard(get(pre + "self_attn.o_proj.weight"), r.tp_rank, r.tp, 1)
             elif rest == "mlp.linear_fc1.weight":
@@ -325,9 +338,14 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes[pre + "self_attn.k_proj.weight"] = (spec.num_key_value_heads * hd, h)
         shapes[pre + "self_attn.v_proj.weight"] = (spec.num_key_value_heads * hd, h)
         shapes[pre + "self_attn.o_proj.weight"] = (h, spec.num_attention_heads * hd)
-        if spec.is_moe:
+        if spec.qkv_bias:
+            shapes[pre + "self_attn.q_proj.bias"] = (spec.num_attention_heads * hd,)
+            shapes[pre + "self_attn.k_proj.bias"] = (spec.num_key_value_heads * hd,)
+            shapes[pre + "self_attn.v_proj.bias"] = (spec.num_key_value_heads * hd,)
+        if spec.qk_norm:
             shapes[pre + "self_attn.q_norm.weight"] = (hd,)
             shapes[pre + "self_attn.k_norm.weight"] = (hd,)
+        if spec.is_moe:
             shapes[pre + "mlp.gate.weight"] = (spec.num_experts, h)
             f = spec.moe_intermediate_size
             for e in range(spec.num_experts):

@@ -1,16 +1,18 @@
-"""Build megatron-core GPTModels from a `ModelSpec` (Qwen3-MoE style or dense Llama style).
+"""Build megatron-core GPTModels from a `ModelSpec` (Qwen3-MoE, or dense Qwen3/Qwen2/Llama/Mistral).
 
 Owns: the ModelSpec → TransformerConfig mapping (including what the trainer's schedule needs:
 per-token-loss gradients, variable sequence lengths between pipeline stages, recomputation,
 bf16), model construction (one chunk, or one per virtual pipeline stage) on megatron's local
-layer spec with packed-sequence attention (`attention.py`), and `global_named_parameters` (the
-parameters of this rank's chunks under their global layer numbers). Must never import the
-controller, engine, rollout or data-worker parts of `slime_async`.
+layer spec with packed-sequence attention (`attention.py`), the RoPE frequencies
+(`rope_inv_freq`, with llama3 scaling), and `global_named_parameters` (the parameters of this
+rank's chunks under their global layer numbers). Must never import the controller, engine,
+rollout or data-worker parts of `slime_async`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -86,8 +88,8 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=spec.is_moe,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=spec.init_std,
@@ -163,7 +165,7 @@ def build_model(
     layer_spec = get_gpt_layer_local_spec(
         num_experts=spec.num_experts if spec.is_moe else None,
         moe_grouped_gemm=False,
-        qk_layernorm=spec.is_moe,
+        qk_layernorm=spec.qk_norm,
         normalization="RMSNorm",
     )
     layer_spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
@@ -182,9 +184,39 @@ def build_model(
         rotary_base=int(spec.rope_theta),
         vp_stage=vp_stage,
     )
+    if spec.rope_scaling is not None:
+        # megatron's own llama3 option fixes low/high_freq_factor and the original context
+        # (1, 4, 8192); install the spec's frequencies before the first (cached) forward
+        model.rotary_pos_emb.inv_freq = rope_inv_freq(spec)
     if cpu_compat.cuda_available():
         model = model.cuda()
     return model
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """fp32 RoPE inverse frequencies `[head_dim / 2]` of `spec`, with its rope scaling applied.
+
+    llama3 scaling (as Llama 3.1+ and transformers define it): with L the original context and
+    wavelength w = 2π / f of each frequency f, frequencies with w < L / high_freq_factor stay,
+    those with w > L / low_freq_factor become f / factor, and those in between interpolate
+    linearly in s = (L / w − low) / (high − low): (1 − s) · f / factor + s · f.
+    """
+    dim = spec.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    base = 1.0 / (spec.rope_theta**exponents)
+    if spec.rope_scaling is None:
+        return base
+    if spec.rope_scaling != "llama3":
+        raise ValueError(f"rope scaling {spec.rope_scaling!r} is not implemented")
+    ctx = spec.rope_original_max_position_embeddings
+    low, high, factor = spec.rope_low_freq_factor, spec.rope_high_freq_factor, spec.rope_factor
+    wavelen = 2 * math.pi / base
+    long_wave = wavelen > ctx / low
+    scaled = torch.where(long_wave, base / factor, base)
+    s = (ctx / wavelen - low) / (high - low)
+    blended = (1 - s) * scaled / factor + s * scaled
+    between = ~(wavelen < ctx / high) & ~long_wave
+    return torch.where(between, blended, scaled)
 
 
 def build_chunks(

@@ -25,7 +25,7 @@ WEIGHTS_FILE = "model.safetensors"
 
 def _hf_config_dict(spec: ModelSpec) -> dict[str, object]:
     cfg = spec.to_hf_config()
-    cfg.architectures = ["Qwen3MoeForCausalLM" if spec.is_moe else "LlamaForCausalLM"]
+    cfg.architectures = [spec.hf_architecture]
     d = cfg.to_dict()
     d["dtype"] = "float32"
     return d
