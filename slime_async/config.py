@@ -203,6 +203,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
             rollout.global_batch_size,
             "rollout_batch_size x n_samples_per_prompt / num_steps_per_rollout",
         )
+    _note_eval(f, rollout)
     _derive_num_steps(f, rollout)
     b = rollout.groups_per_step
     data_worker = data_worker_config_from_args(
@@ -328,6 +329,34 @@ def _run_errors(a: argparse.Namespace) -> list[str]:
             "use --engine-backend external --engine-urls URL,...)"
         )
     return errors
+
+
+def _note_eval(f: _Flags, rollout: RolloutConfig) -> None:
+    """Record the eval settings `RolloutConfig` resolved for unset flags: the cadence (0 when
+    the run has no eval set: said once, here) and, when it evaluates, the rollout settings the
+    eval samples inherit."""
+    if f.unset("eval_interval"):
+        if rollout.eval_interval:
+            f.note("eval_interval", rollout.eval_interval, "default: the run has an eval set")
+        else:
+            f.note(
+                "eval_interval",
+                0,
+                f"no eval set: {rollout.no_eval_set_reason}; give --eval-prompt-data NAME PATH "
+                "to evaluate",
+            )
+    if not rollout.eval_interval:
+        return
+    inherited = {
+        "eval_max_response_len": "--rollout-max-response-len",
+        "eval_temperature": "--rollout-temperature",
+        "eval_top_p": "--rollout-top-p",
+    }
+    if rollout.eval_prompt_data:
+        inherited |= {"eval_input_key": "--input-key", "eval_label_key": "--label-key"}
+    for dest, source in inherited.items():
+        if f.unset(dest):
+            f.note(dest, getattr(rollout, dest), f"{source}, as training")
 
 
 def _derive_num_steps(f: _Flags, rollout: RolloutConfig) -> None:

@@ -17,8 +17,9 @@ next with the same `(request, priority, expected_len)` and returns a `Generation
         ▼
     GenerateClient     SGLang's /generate through the router
 
-Held-out evaluation uses the same chain below `BehaviorAnnotate`, scoring every sample alone
-(`GenerateChain.scored_alone`). Lives beside `launch` (not in `rollout`) because it reads the
+Evaluation uses the same links below `BehaviorAnnotate` over a client of its own, sampling with
+the eval settings (`--eval-temperature`, `--eval-top-p`, `--eval-max-response-len`), and
+scores every sample alone (`GenerateChain.scored_alone`). Lives beside `launch` (not in `rollout`) because it reads the
 whole `RunConfig`; the links themselves are rollout's.
 """
 
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from slime_async.rollout.assemble import Generate, ScoredGenerate
 from slime_async.rollout.behavior import BehaviorAnnotate, Forward
 from slime_async.rollout.client import GenerateClient, GenerateClientConfig
 from slime_async.rollout.custom_generate import CustomGenerate, load_custom_generate, slime_args
 from slime_async.rollout.plan import DataPlan
+from slime_async.rollout.rewards import RewardInput
 from slime_async.rollout.slime_sample import SlimeArgs
 from slime_async.run_config import RunConfig
 
@@ -48,11 +51,21 @@ class GenerateChain:
     """`sample` plus rewards (the run scores whole groups and reads idle time through it)."""
     head: Generate
     """What the data worker calls: `scored`, or `BehaviorAnnotate` around it."""
+    eval_client: GenerateClient
+    """The eval samples' client: the router, with the eval sampling settings."""
+    eval_sample: Generate
+    """What generates one eval sample: `eval_client`, or the custom function around it."""
 
-    def scored_alone(self) -> ScoredGenerate:
-        """A fresh `ScoredGenerate` over `sample` with `scored`'s reward settings, scoring every
-        sample on its own (a group reward sees a group of one): held-out evaluation."""
-        return self.scored.scoring_alone()
+    def scored_alone(self, reward_fn: Callable[[RewardInput], Any] | None = None) -> ScoredGenerate:
+        """A fresh `ScoredGenerate` over `eval_sample` with `scored`'s reward settings (or
+        `reward_fn`), scoring every sample on its own (a group reward sees a group of one):
+        evaluation."""
+        return self.scored.scoring_alone(generate=self.eval_sample, reward_fn=reward_fn)
+
+    async def close(self) -> None:
+        """Close both clients' sessions."""
+        await self.client.close()
+        await self.eval_client.close()
 
 
 def build_generate_chain(
@@ -69,31 +82,43 @@ def build_generate_chain(
     π_j^Meg is computed there, and `served_version()` (what a custom function's context
     reports as the version it generates with)."""
     r = cfg.rollout
-    client = GenerateClient(
-        GenerateClientConfig(
-            url=router_url,
-            max_response_len=r.max_response_len,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            return_routed_experts=cfg.trainer.routing_replay.replays_engine_routing,
-            top_k=r.top_k,
-            stop=r.stop,
-            stop_token_ids=(plan.eos_id, *r.stop_token_ids),
-            auth_token=cfg.engine.auth_token,
-        ),
-        num_layers=cfg.model.num_layers,
-        topk=cfg.model.moe_topk,
+    train_cfg = GenerateClientConfig(
+        url=router_url,
+        max_response_len=r.max_response_len,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        return_routed_experts=cfg.trainer.routing_replay.replays_engine_routing,
+        top_k=r.top_k,
+        stop=r.stop,
+        stop_token_ids=(plan.eos_id, *r.stop_token_ids),
+        auth_token=cfg.engine.auth_token,
+    )
+    eval_cfg = dataclasses.replace(
+        train_cfg,
+        max_response_len=r.eval_max_response_len,
+        temperature=r.eval_temperature,
+        top_p=r.eval_top_p,
+        return_routed_experts=False,  # nothing trains on eval samples
     )
     args = slime_plugin_args(cfg, router_url)
-    sample: Generate = client
-    if r.custom_generate_function_path:
-        sample = CustomGenerate(
+
+    def sampler(client_cfg: GenerateClientConfig) -> tuple[GenerateClient, Generate]:
+        client = GenerateClient(
+            client_cfg, num_layers=cfg.model.num_layers, topk=cfg.model.moe_topk
+        )
+        if not r.custom_generate_function_path:
+            return client, client
+        custom = CustomGenerate(
             load_custom_generate(r.custom_generate_function_path),
             client,
             eos_id=plan.eos_id,
             args=args,
             served_version=served_version,
         )
+        return client, custom
+
+    client, sample = sampler(train_cfg)
+    eval_client, eval_sample = sampler(eval_cfg)
     scored = ScoredGenerate(
         sample,
         plan.reward_fn,
@@ -103,7 +128,14 @@ def build_generate_chain(
         group_rm=r.group_rm,
     )
     head: Generate = scored if behavior is None else BehaviorAnnotate(scored, behavior)
-    return GenerateChain(client=client, sample=sample, scored=scored, head=head)
+    return GenerateChain(
+        client=client,
+        sample=sample,
+        scored=scored,
+        head=head,
+        eval_client=eval_client,
+        eval_sample=eval_sample,
+    )
 
 
 def slime_plugin_args(cfg: RunConfig, router_url: str) -> SlimeArgs:

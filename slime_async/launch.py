@@ -142,6 +142,9 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
         custom_rm_path=r.custom_rm_path,
         eval_prompts=r.eval_prompts if r.eval_interval else 0,
         reasoning_gym=r.reasoning_gym_config(cfg.rollout_seed),
+        eval_data=r.eval_sets if r.eval_interval else (),
+        eval_input_key=r.eval_input_key,
+        eval_label_key=r.eval_label_key,
     )
     dw = cfg.data_worker
     guards = run_guard_config(dataclasses.asdict(dw))

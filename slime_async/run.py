@@ -14,18 +14,20 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
-from slime_async.contracts.rollout import Batch, GenerationRequest, segment_payload
+from slime_async.contracts.rollout import Batch, GenerationRequest, Prompt, segment_payload
 from slime_async.contracts.weights import WeightTransport
 from slime_async.generate_chain import GenerateChain
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.stability import mean_and_se
 from slime_async.placement import Placement
 from slime_async.roles import Cluster
+from slime_async.rollout.assemble import ScoredGenerate
 from slime_async.rollout.plan import DataPlan
 from slime_async.run_config import RunConfig
 from slime_async.supervisor import EnginesDownError, EngineSupervisor
@@ -188,38 +190,44 @@ class Run:
         (self.cfg.run_dir / "served_versions.json").write_text(json.dumps(record))
 
     async def evaluate(self, *, step: int) -> None:
-        """Held-out pass rate (`--n-samples-per-eval-prompt` samples per prompt, rollout
-        temperature) and its standard error, logged at `step`."""
-        if not self.plan.eval_prompts:
+        """Pass rate on each eval set (`--n-samples-per-eval-prompt` samples per prompt, the eval
+        sampling settings) and its standard error, logged at `step`: the source's held-out set
+        as `eval/reward`, `eval/pass` (with `_se`, per level `eval/reward_level{i}`), each
+        `--eval-prompt-data` set as `eval/NAME/reward`, `eval/NAME/pass` (with `_se`)."""
+        if not self.plan.eval_prompts and not self.plan.eval_sets:
             return
         t0 = time.perf_counter()
-        scored = self.chain.scored_alone()
+        metrics: dict[str, float] = {}
+        if self.plan.eval_prompts:
+            rewards = await self._eval_rewards(self.plan.eval_prompts, self.chain.scored_alone())
+            by_level: dict[int, list[float]] = {}
+            for p, reward in rewards:
+                by_level.setdefault(int(p.payload.get("level", 0)), []).append(reward)
+            metrics |= _eval_metrics("eval/", [r for _, r in rewards])
+            for level, rs in sorted(by_level.items()):
+                metrics[f"eval/reward_level{level}"] = sum(rs) / len(rs)
+        for ev in self.plan.eval_sets:
+            rewards = await self._eval_rewards(ev.prompts, self.chain.scored_alone(ev.reward_fn))
+            metrics |= _eval_metrics(f"eval/{ev.name}/", [r for _, r in rewards])
+        metrics["timing/eval_s"] = time.perf_counter() - t0
+        self.logger.log(step, metrics)
+
+    async def _eval_rewards(
+        self, eval_prompts: Sequence[Prompt], scored: ScoredGenerate
+    ) -> list[tuple[Prompt, float]]:
+        """(prompt, reward) of each eval sample: `--n-samples-per-eval-prompt` per prompt."""
         k = self.cfg.rollout.n_samples_per_eval_prompt
-        prompts = [p for p in self.plan.eval_prompts for _ in range(k)]
+        prompts = [p for p in eval_prompts for _ in range(k)]
         reqs = [
             GenerationRequest(prompt=p, group_seq=-1 - i // k, sample_index=i % k)
             for i, p in enumerate(prompts)
         ]
-        expected = self.cfg.rollout.max_response_len
+        expected = self.cfg.rollout.eval_max_response_len
         results = await asyncio.gather(*(scored(r, 0.0, expected) for r in reqs))
-        by_level: dict[int, list[float]] = {}
-        for p, res in zip(prompts, results, strict=True):
-            level = int(p.payload.get("level", 0))
-            reward = segment_payload(res.payload).get("reward", 0.0)
-            by_level.setdefault(level, []).append(float(reward))
-        allr = [r for rs in by_level.values() for r in rs]
-        mean, se = mean_and_se(allr)
-        pass_mean, pass_se = mean_and_se([float(r >= 1.0) for r in allr])
-        metrics = {
-            "eval/reward": mean,
-            "eval/reward_se": se,
-            "eval/pass": pass_mean,
-            "eval/pass_se": pass_se,
-            "timing/eval_s": time.perf_counter() - t0,
-        }
-        for level, rs in sorted(by_level.items()):
-            metrics[f"eval/reward_level{level}"] = sum(rs) / len(rs)
-        self.logger.log(step, metrics)
+        return [
+            (p, float(segment_payload(res.payload).get("reward", 0.0)))
+            for p, res in zip(prompts, results, strict=True)
+        ]
 
     def should_save(self, version: int) -> bool:
         every = self.cfg.save_interval * self.cfg.rollout.num_steps_per_rollout  # rollouts
@@ -283,7 +291,7 @@ class Run:
         except Exception as e:  # shutting down after an error: report, keep closing
             log.warning("data worker did not stop cleanly: %s", e)
         await self.supervisor.stop()
-        await self.chain.client.close()
+        await self.chain.close()
         try:
             await self.transport.close()
         except Exception as e:  # shutting down: report, keep closing
@@ -296,6 +304,18 @@ class Run:
         if self.placement is not None:
             self.placement.remove()
         self.logger.close()
+
+
+def _eval_metrics(prefix: str, rewards: list[float]) -> dict[str, float]:
+    """Mean reward and pass rate (reward >= 1) of one eval set, each with its standard error."""
+    mean, se = mean_and_se(rewards)
+    pass_mean, pass_se = mean_and_se([float(r >= 1.0) for r in rewards])
+    return {
+        f"{prefix}reward": mean,
+        f"{prefix}reward_se": se,
+        f"{prefix}pass": pass_mean,
+        f"{prefix}pass_se": pass_se,
+    }
 
 
 _SHAPE_FLAGS = {

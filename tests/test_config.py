@@ -410,3 +410,82 @@ def test_unset_max_off_policy_steps_is_the_staleness_bound_and_a_given_one_is_ke
     assert "--max-off-policy-steps" not in cfg.derived
     cfg = parse_config([*base, "--fifo-window", "inf", "--no-keep-old-actor"])
     assert cfg.data_worker.max_off_policy_steps is None
+
+
+# ------------------------------------------------------------------------- eval data
+
+
+def test_eval_interval_with_prompt_data_and_no_eval_set_exits_2_naming_the_fix(capsys):
+    from slime_async.config import parse_config
+
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--prompt-data", "d.jsonl", "--eval-interval", "5"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--eval-interval 5" in err and "--eval-prompt-data NAME PATH" in err
+    with pytest.raises(ValueError, match="--eval-interval 3: --eval-prompts is 0"):
+        _cfg("--eval-prompts", "0", "--eval-interval", "3")  # built-in tasks, nothing held out
+
+
+def test_prompt_data_without_eval_set_evaluates_nothing_and_says_why():
+    cfg = _cfg("--prompt-data", "d.jsonl")
+    assert cfg.rollout.eval_interval == 0
+    d = cfg.derived["--eval-interval"]
+    assert d.value == 0 and d.why.startswith("no eval set: a --prompt-data file")
+    assert "--eval-max-response-len" not in cfg.derived  # nothing is evaluated
+    assert _cfg("--prompt-data", "d.jsonl", "--eval-interval", "0").rollout.eval_interval == 0
+    default = _cfg()  # the built-in tasks have a held-out set
+    assert default.rollout.eval_interval == 10 and default.derived["--eval-interval"].value == 10
+
+
+def test_eval_prompt_data_names_and_paths():
+    from slime_async.rollout.config import parse_eval_prompt_data as parse
+
+    assert parse(("/data/gsm8k.test.jsonl",)) == (("gsm8k", "/data/gsm8k.test.jsonl"),)
+    pairs = ("aime", "/d/aime.jsonl", "gsm8k", "/d/gsm8k.parquet")
+    assert parse(pairs) == (("aime", "/d/aime.jsonl"), ("gsm8k", "/d/gsm8k.parquet"))
+    for bad, why in [
+        (("a", "/d/a.jsonl", "b"), "NAME PATH pairs"),
+        (("/d/a.jsonl", "/d/b.jsonl"), "looks like a data file"),
+        (("a", "/d/a.jsonl", "a", "/d/b.jsonl"), r"\['a'\] repeat"),
+        (("x/y", "/d/a.jsonl"), "without '/'"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            parse(bad)
+    cfg = _cfg("--prompt-data", "d.jsonl", "--eval-prompt-data", *pairs)
+    assert cfg.rollout.eval_sets == parse(pairs) and cfg.rollout.eval_interval == 10
+    with pytest.raises(ValueError, match=r"--eval-prompt-data a b\.jsonl c: give NAME PATH"):
+        _cfg("--prompt-data", "d.jsonl", "--eval-prompt-data", "a", "b.jsonl", "c")
+    with pytest.raises(ValueError, match="trains on the built-in tasks"):
+        _cfg("--eval-prompt-data", "/d/a.jsonl")
+
+
+def test_eval_settings_default_to_the_training_ones_and_are_recorded():
+    argv = ["--prompt-data", "d.jsonl", "--eval-prompt-data", "mini", "m.jsonl"]
+    cfg = _cfg(
+        *argv,
+        "--input-key",
+        "question",
+        "--rollout-max-response-len",
+        "32",
+        "--rollout-temperature",
+        "0.8",
+        "--eval-top-p",
+        "0.9",
+    )
+    r = cfg.rollout
+    assert (r.eval_input_key, r.eval_label_key) == ("question", "label")
+    assert (r.eval_max_response_len, r.eval_temperature, r.eval_top_p) == (32, 0.8, 0.9)
+    for flag, value in [
+        ("--eval-input-key", "question"),
+        ("--eval-label-key", "label"),
+        ("--eval-max-response-len", 32),
+        ("--eval-temperature", 0.8),
+        ("--eval-interval", 10),
+    ]:
+        assert cfg.derived[flag].value == value, flag
+    assert "--eval-top-p" not in cfg.derived  # the user's flag is never derived
+    own = _cfg(*argv, "--eval-label-key", "answer", "--eval-temperature", "0.6").rollout
+    assert (own.eval_label_key, own.eval_temperature) == ("answer", 0.6)
+    with pytest.raises(ValueError, match="--eval-temperature must be > 0"):
+        _cfg(*argv, "--eval-temperature", "0")

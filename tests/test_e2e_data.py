@@ -1,4 +1,5 @@
 """Real-data runs: jsonl prompts, a local HF model directory with its tokenizer, math-verify.
+An --eval-prompt-data file is evaluated at step 0 and every --eval-interval rollouts.
 
 The model and tokenizer are built in code (no hub): a dense Llama-style model whose vocabulary
 is a word-level tokenizer over digits and a few symbols. Malformed rows are skipped and counted,
@@ -110,6 +111,32 @@ async def test_jsonl_run_with_tokenizer_and_math_verify_skips_bad_rows(tmp_path)
     first = next(r for r in rows if "train/version" in r)
     assert first["data/rows"] == 12 and first["data/skipped"] == 3
     assert 0.0 <= summary["rollout/reward"] <= 1.0
+
+
+async def test_eval_prompt_data_is_logged_at_step_0_and_every_interval(tmp_path):
+    hf, data = _hf_dir(tmp_path), _data(tmp_path)
+    mini = tmp_path / "mini.jsonl"
+    rows = [{"question": f"What is {a}+{a}?", "answer": str(2 * a)} for a in range(3)]
+    mini.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{bad\n")
+    argv = _argv(tmp_path, hf, data, "--eval-prompt-data", "mini", str(mini))
+    argv += ["--eval-interval", "1", "--eval-input-key", "question", "--eval-label-key", "answer"]
+    cfg = parse_config(argv)
+    assert cfg.rollout.eval_sets == (("mini", str(mini)),)
+    summary = await train(cfg)
+    assert summary["train/version"] == 2
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in recs if "eval/mini/reward" in r]
+    # step 0 (the initial weights), then each rollout; one evaluation at a time, so a step whose
+    # previous evaluation is still running skips its own
+    steps = [r["step"] for r in evals]
+    assert steps[0] == 0 and steps == sorted(set(steps)) and set(steps) <= {0, 1, 2}
+    assert len(steps) >= 2, steps
+    for r in evals:
+        assert 0.0 <= r["eval/mini/reward"] <= 1.0 and r["eval/mini/reward_se"] >= 0.0
+        assert 0.0 <= r["eval/mini/pass"] <= 1.0
+        assert "eval/reward" not in r  # a --prompt-data run has no held-out set
+    first = next(r for r in recs if "train/version" in r)
+    assert first["data/eval/mini/rows"] == 3 and first["data/eval/mini/skipped"] == 1
 
 
 def test_strict_data_names_file_and_line(tmp_path):

@@ -69,12 +69,18 @@ class ScoredGenerate:
         self._inflight, self._idle_total = 0, 0.0
         self._idle_since: float | None = time.perf_counter()
 
-    def scoring_alone(self) -> ScoredGenerate:
-        """A fresh copy (same generate, reward function and settings) that scores every
-        finished sample on its own, a group reward seeing a group of one (held-out eval)."""
+    def scoring_alone(
+        self,
+        *,
+        generate: Generate | None = None,
+        reward_fn: Callable[[RewardInput], Any] | None = None,
+    ) -> ScoredGenerate:
+        """A fresh copy (same settings; `generate` and `reward_fn` when given, else the same)
+        that scores every finished sample on its own, a group reward seeing a group of one
+        (evaluation)."""
         return ScoredGenerate(
-            self._generate,
-            self._reward_fn,
+            generate or self._generate,
+            reward_fn or self._reward_fn,
             eos_id=self._eos,
             decode=self._decode,
             reward_args=self.reward_args,

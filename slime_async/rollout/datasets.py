@@ -49,6 +49,8 @@ class DatasetConfig:
     """With a tokenizer: True = always, False = never, None = when the tokenizer has one."""
     system_prompt: str | None = None
     """Optional system message prepended to string prompts before the chat template."""
+    flag: str = "--prompt-data"
+    """The flag that named the file (said when it does not exist)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -198,7 +200,7 @@ def load_dataset(config: DatasetConfig, *, tokenizer: Any = None) -> LoadedDatas
     """Read every usable row of ``config.path`` (see the module docstring for the rules)."""
     path = Path(config.path)
     if not path.is_file():
-        raise DatasetError(f"dataset file {path} does not exist (check --prompt-data)")
+        raise DatasetError(f"dataset file {path} does not exist (check {config.flag})")
     records, unit = _reader(path)
     rows: list[DataRow] = []
     skipped: collections.Counter[str] = collections.Counter()

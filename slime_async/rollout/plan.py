@@ -1,8 +1,9 @@
 """What a run generates and how it is scored: the built-in tasks or a real dataset.
 
-Owns `DataPlan` and `make_data_plan`: the prompt source handed to the data worker (built-in
-tasks, a jsonl/parquet file, or reasoning-gym tasks from `rollout.gym`), the held-out
-eval prompts, the reward function, the EOS id and (for real data) the tokenizer's decoder that
+Owns `DataPlan`, `EvalSet` and `make_data_plan`: the prompt source handed to the data worker
+(built-in tasks, a jsonl/parquet file, or reasoning-gym tasks from `rollout.gym`), the held-out
+eval prompts, the named eval sets read from `--eval-prompt-data` files (tokenized like
+`--prompt-data`, scored by `--custom-rm-path` else math-verify), the reward function, the EOS id and (for real data) the tokenizer's decoder that
 text rewards such as math-verify need. Real data reads jsonl/parquet through
 `rollout.datasets` (bad rows skipped with a count, or an error naming file:line under
 `--strict-data`) and tokenizes with the tokenizer found in `--hf-checkpoint`.
@@ -24,8 +25,25 @@ from slime_async.rollout.gym import (
     ReasoningGymConfig,
     ReasoningGymTasks,
 )
-from slime_async.rollout.sources import TaskPromptSource, dataset_source, task_prompt
+from slime_async.rollout.sources import (
+    TaskPromptSource,
+    dataset_prompts,
+    dataset_source,
+    task_prompt,
+)
 from slime_async.rollout.tasks import EOS, TaskFamily, TaskFamilyConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EvalSet:
+    """One `--eval-prompt-data` file, evaluated whole and logged as `eval/NAME/...`."""
+
+    name: str
+    """The metric key segment (`eval/NAME/reward`)."""
+    prompts: tuple[Prompt, ...]
+    """Its usable rows, in file order."""
+    reward_fn: Callable[[rw.RewardInput], Any]
+    """Scores one sample: --custom-rm-path, else math-verify (as a --prompt-data run)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +62,8 @@ class DataPlan:
     """Token ids -> text (None without a tokenizer)."""
     metrics: dict[str, float]
     """Data-loading counters (rows, skipped) logged with the first step."""
+    eval_sets: tuple[EvalSet, ...] = ()
+    """Named eval sets (`--eval-prompt-data`), beside the held-out `eval_prompts`."""
 
 
 def make_data_plan(
@@ -58,9 +78,68 @@ def make_data_plan(
     custom_rm_path: str | None,
     eval_prompts: int,
     reasoning_gym: ReasoningGymConfig | None = None,
+    eval_data: Sequence[tuple[str, str]] = (),
+    eval_input_key: str | None = None,
+    eval_label_key: str | None = None,
 ) -> DataPlan:
     """reasoning-gym tasks when given, else built-in verifiable tasks when `prompt_data` is None,
-    else the dataset."""
+    else the dataset; plus the `eval_data` (name, path) files as eval sets (their keys default
+    to the training ones)."""
+    plan = _plan(
+        seed=seed,
+        prompt_data=prompt_data,
+        hf_checkpoint=hf_checkpoint,
+        input_key=input_key,
+        label_key=label_key,
+        apply_chat_template=apply_chat_template,
+        strict_data=strict_data,
+        custom_rm_path=custom_rm_path,
+        eval_prompts=eval_prompts,
+        reasoning_gym=reasoning_gym,
+    )
+    if not eval_data:
+        return plan
+    if hf_checkpoint is None or plan.decode is None:
+        raise ValueError(
+            "--eval-prompt-data needs --hf-checkpoint DIR (its tokenizer) and a run on "
+            "--prompt-data or --prompt-source (the built-in tasks have their own vocabulary)"
+        )
+    tok = _tokenizer(hf_checkpoint)
+    reward = rw.load_reward_fn(custom_rm_path) if custom_rm_path else rw.math_verify_reward
+    sets, metrics = [], dict(plan.metrics)
+    for name, path in eval_data:
+        data = load_dataset(
+            DatasetConfig(
+                path=path,
+                prompt_key=eval_input_key or input_key,
+                label_key=eval_label_key or label_key,
+                strict=strict_data,
+                apply_chat_template=apply_chat_template or None,
+                flag="--eval-prompt-data",
+            ),
+            tokenizer=tok,
+        )
+        prompts = dataset_prompts(data)
+        sets.append(EvalSet(name=name, prompts=tuple(prompts), reward_fn=reward))
+        metrics[f"data/eval/{name}/rows"] = float(len(data.rows))
+        metrics[f"data/eval/{name}/skipped"] = float(data.num_skipped)
+    return dataclasses.replace(plan, eval_sets=tuple(sets), metrics=metrics)
+
+
+def _plan(
+    *,
+    seed: int,
+    prompt_data: str | None,
+    hf_checkpoint: str | None,
+    input_key: str,
+    label_key: str,
+    apply_chat_template: bool,
+    strict_data: bool,
+    custom_rm_path: str | None,
+    eval_prompts: int,
+    reasoning_gym: ReasoningGymConfig | None,
+) -> DataPlan:
+    """`make_data_plan` without the eval files."""
     if reasoning_gym is not None:
         return _gym_plan(
             reasoning_gym,

@@ -2,8 +2,9 @@
 
 Owns `TaskPromptSource` (an endless, resumable stream over `TaskFamily`: the prompt at cursor
 i depends only on (seed, i), so a restored cursor replays nothing and skips nothing) and
-`dataset_source` (a loaded jsonl/parquet dataset as an epoch-based in-memory source; repeated
-rows are kept, keyed by their line). reasoning-gym tasks are `rollout.gym.GymPromptSource`.
+`dataset_source` (a loaded jsonl/parquet dataset as an epoch-based in-memory source over
+`dataset_prompts`, the rows as prompts, which eval sets use as they are; repeated rows are
+kept, keyed by their line). reasoning-gym tasks are `rollout.gym.GymPromptSource`.
 """
 
 from __future__ import annotations
@@ -57,7 +58,14 @@ class TaskPromptSource:
 def dataset_source(
     data: LoadedDataset, *, seed: int, num_epochs: int | None = None
 ) -> InMemoryPromptSource:
-    """A tokenized dataset as a shuffled, resumable, epoch-based source.
+    """A tokenized dataset as a shuffled, resumable, epoch-based source (`dataset_prompts`)."""
+    return InMemoryPromptSource(
+        dataset_prompts(data), num_epochs=num_epochs, shuffle=True, seed=seed
+    )
+
+
+def dataset_prompts(data: LoadedDataset) -> list[Prompt]:
+    """A tokenized dataset's rows as prompts, in file order.
 
     A row repeated in the file (same prompt and label, or the same id) is kept as a prompt of its
     own: its key gets the row's line (``KEY@LINE``), and a warning counts them.
@@ -89,4 +97,4 @@ def dataset_source(
             data.path,
             repeats,
         )
-    return InMemoryPromptSource(prompts, num_epochs=num_epochs, shuffle=True, seed=seed)
+    return prompts
