@@ -491,7 +491,7 @@ def render_overlay(run_dirs: Sequence[str | Path], out: str | Path) -> OverlayRe
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=8)
     handles = [Line2D([], [], color=f"C{i % 10}", lw=2.5) for i in range(len(dirs))]
-    legend = fig.legend(handles, labels, loc="outside upper center", ncols=min(len(dirs), 6))
+    legend = fig.legend(handles, labels, loc="outside lower center", ncols=min(len(dirs), 6))
     fig.suptitle(f"{len(dirs)} runs compared", fontsize=14)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
