@@ -36,6 +36,11 @@ from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
 from slime_async.engine.backends.config import split_sglang_args
 from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
+from slime_async.metrics.config import (
+    add_logging_args,
+    logging_config_from_args,
+    refused_secret_flags,
+)
 from slime_async.recipe import add_config_arg, apply_config_file, config_json, derived_lines
 from slime_async.rollout.config import RolloutConfig, add_rollout_args, rollout_config_from_args
 from slime_async.run_config import (
@@ -90,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_run_args(parser)
     add_supervisor_args(parser)
     add_weight_sync_args(parser)
+    add_logging_args(parser)
     add_router_args(parser, prefix="router-")
     return parser
 
@@ -138,6 +144,8 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     """Parse flags, read the environment, validate; exits with the message on bad input."""
     parser = build_parser()
     argv, sglang_args = split_sglang_args(sys.argv[1:] if argv is None else list(argv))
+    if secrets := refused_secret_flags(argv):  # before argparse, which would echo the value
+        parser.error("; ".join(secrets))
     pre, _ = parser.parse_known_args(argv)  # --config first: its values become the defaults
     try:
         if pre.config:
@@ -274,8 +282,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         rollout_cores=rollout_cores,
         warmstart_steps=a.warmstart_steps,
         seed=a.seed,
-        use_wandb=a.use_wandb,
-        use_tensorboard=a.use_tensorboard,
+        loggers=logging_config_from_args(a),
         model=env.model,
         rollout=rollout,
         data_worker=data_worker,

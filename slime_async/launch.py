@@ -35,7 +35,7 @@ from slime_async.host import free_port
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.guards import run_guard_config
 from slime_async.placement import Placement, place_roles
-from slime_async.recipe import config_json, derived_lines
+from slime_async.recipe import config_json, config_record, derived_lines
 from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.client import check_routed_experts
 from slime_async.rollout.plan import make_data_plan
@@ -150,8 +150,8 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     guards = run_guard_config(dataclasses.asdict(dw))
     logger = MetricsLogger(
         cfg.run_dir,
-        use_tensorboard=cfg.use_tensorboard,
-        use_wandb=cfg.use_wandb,
+        loggers=cfg.loggers,
+        run_config=config_record(cfg),
         total_steps=cfg.num_steps,
         guards=guards,
     )

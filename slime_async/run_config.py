@@ -20,6 +20,7 @@ from router.config import RouterConfig
 from slime_async.contracts.model import ModelSpec
 from slime_async.engine.backends.config import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
+from slime_async.metrics.config import LoggingConfig
 from slime_async.rollout.config import RolloutConfig
 from slime_async.supervisor import SupervisorConfig
 from slime_async.trainer.config import TrainerConfig
@@ -120,10 +121,9 @@ class RunConfig:
     from the random model)."""
     seed: int = flag(_trainer_default("seed"), ge=0)
     """Run seed: model init, data order, sampling and the engines."""
-    use_wandb: bool = False
-    """Also log to Weights & Biases."""
-    use_tensorboard: bool = False
-    """Also log to TensorBoard."""
+    loggers: LoggingConfig = flag(default_factory=LoggingConfig, cli=False)
+    """wandb and TensorBoard (`--use-wandb`, `--wandb-*`, `--use-tensorboard`: their own flag
+    group)."""
     model: ModelSpec = flag(cli=False)
     """Architecture (read from --hf-checkpoint when given, else the tiny MoE)."""
     rollout: RolloutConfig = flag(cli=False)

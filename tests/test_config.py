@@ -20,6 +20,7 @@ from slime_async.config import Environment, build_parser, read_environment, vali
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
+from slime_async.metrics.config import LoggingConfig
 from slime_async.rollout.config import RolloutConfig
 from slime_async.run_config import RunConfig
 from slime_async.supervisor import SupervisorConfig
@@ -311,6 +312,7 @@ _OWNERS = {
         {"update_weight_buffer_size": "bucket_bytes", "update_weight_timeout": "timeout_s"},
         "update_weight_",
     ),
+    "logging": (LoggingConfig, {}, ""),
 }
 # flags that select behaviour rather than set a config field
 _NOT_FIELDS = {

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from slime_async.metrics import MetricsLogger
-from slime_async.report import main, render_report
+from slime_async.report import main, render_overlay, render_report, run_labels
 
 
 def synthetic_run(run_dir: Path, *, steps: int = 60, faults: bool = True, seed: int = 0) -> None:
@@ -124,3 +124,56 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("steps 1..35") and "WARNING entropy_spike" in proc.stdout
+
+
+def test_overlay_of_two_runs_has_one_legend_entry_and_colour_per_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from PIL import Image
+
+    a, b = tmp_path / "baseline", tmp_path / "compis"
+    synthetic_run(a, steps=40, faults=False, seed=1)
+    synthetic_run(b, steps=30, faults=True, seed=2)
+    out = tmp_path / "cmp" / "compare.png"
+    rep = render_overlay([a, b], out)
+    assert rep.png == out and rep.labels == ["baseline", "compis"]
+    with Image.open(out) as im:
+        assert im.format == "PNG" and im.size[0] > 1500
+    assert rep.verdicts["baseline"].startswith("steps 1..40")
+    assert rep.verdicts["compis"].startswith("steps 1..30")
+    assert not list(out.parent.glob(".compare.png.tmp*"))
+
+    assert main([str(a), str(b), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "== baseline\nsteps 1..40" in text and "== compis\nsteps 1..30" in text
+    assert main([str(a)]) == 0  # one run: the single-run dashboard, as before
+    assert (a / "report.png").is_file() and capsys.readouterr().out.startswith("steps 1..40")
+
+
+def test_overlay_lines_follow_the_run_colours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each panel draws run i in colour Ci (read from the figure the overlay draws)."""
+    import matplotlib.colors as mcolors
+    from matplotlib.figure import Figure
+
+    runs = [tmp_path / "x" / "run", tmp_path / "y" / "run"]
+    for i, r in enumerate(runs):
+        synthetic_run(r, steps=25, faults=False, seed=i)
+    assert run_labels(runs) == ["x/run", "y/run"]  # same names: the parent tells them apart
+    drawn: list[Figure] = []
+    orig = Figure.savefig
+
+    def keep(self: Figure, *a: object, **k: object) -> None:
+        drawn.append(self)
+        orig(self, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    rep = render_overlay(runs, tmp_path / "c.png")
+    assert rep.labels == ["x/run", "y/run"]
+    (fig,) = drawn
+    entropy = next(ax for ax in fig.axes if ax.get_title() == "policy entropy")
+    colours = [mcolors.to_hex(line.get_color()) for line in entropy.get_lines()]
+    assert colours == [mcolors.to_hex("C0"), mcolors.to_hex("C1")]
+    legend_colours = [mcolors.to_hex(h.get_color()) for h in fig.legends[0].legend_handles]
+    assert legend_colours == colours

@@ -1,6 +1,7 @@
 """Run metrics: the per-step logger and its sinks, divergence guards, and the JSONL reader.
 
-Public surface: `MetricsLogger` / `MetricsConfig` (logger.py), `GuardConfig` / `GuardWarning` /
+Public surface: `MetricsLogger` / `MetricsConfig` (logger.py), `LoggingConfig` (config.py: the
+wandb and TensorBoard flags), `GuardConfig` / `GuardWarning` /
 `GuardMonitor` / `scan` (guards.py), `read_metrics` (history.py). The PNG report lives in
 `slime_async.report`; the stability lab's analysis and outputs are the repository's `lab/`
 package (not installed), which this package must never import. This package never imports the
@@ -9,6 +10,7 @@ trainer, engine, rollout or controller.
 
 from __future__ import annotations
 
+from slime_async.metrics.config import LoggingConfig
 from slime_async.metrics.guards import (
     GuardConfig,
     GuardKind,
@@ -26,6 +28,7 @@ __all__ = [
     "GuardKind",
     "GuardMonitor",
     "GuardWarning",
+    "LoggingConfig",
     "MetricsConfig",
     "MetricsHistory",
     "MetricsLogger",

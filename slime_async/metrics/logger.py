@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from slime_async.metrics.config import LoggingConfig
 from slime_async.metrics.guards import GuardConfig, GuardMonitor, GuardWarning
 from slime_async.metrics.sinks import (
     ConsoleSink,
@@ -52,14 +53,8 @@ class MetricsConfig:
     """Print every N-th step only (eval records always print)."""
     progress: bool = True
     """Draw a progress bar on stderr (needs total_steps for the bar and ETA)."""
-    use_tensorboard: bool = False
-    """Also write TensorBoard scalars to RUN_DIR/tensorboard (needs `tensorboard`)."""
-    use_wandb: bool = False
-    """Also log to Weights & Biases (needs `wandb`)."""
-    wandb_project: str = "slime-async"
-    """wandb project name."""
-    wandb_run_name: str | None = None
-    """wandb run name (default: the run directory's name)."""
+    loggers: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """External loggers: wandb and TensorBoard (`--use-wandb`, `--wandb-*`, `--use-tensorboard`)."""
     guards: GuardConfig | None = dataclasses.field(default_factory=GuardConfig)
     """Divergence-guard thresholds; None disables the live guards."""
 
@@ -109,10 +104,18 @@ class MetricsLogger:
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         extra_sinks: list[Sink] | None = None,
+        run_config: Mapping[str, Any] | None = None,
         **overrides: Any,
     ) -> None:
-        """``overrides`` are `MetricsConfig` fields (e.g. ``use_tensorboard=True``)."""
+        """``overrides`` are `MetricsConfig` or `LoggingConfig` fields (e.g.
+        ``use_tensorboard=True``); ``run_config`` (the run's config.json record) is sent as the
+        wandb run's config."""
         cfg = config or MetricsConfig()
+        logging_fields = {f.name for f in dataclasses.fields(LoggingConfig)}
+        to_loggers = {k: v for k, v in overrides.items() if k in logging_fields}
+        overrides = {k: v for k, v in overrides.items() if k not in logging_fields}
+        if to_loggers:
+            overrides["loggers"] = dataclasses.replace(cfg.loggers, **to_loggers)
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
         self.config = cfg
@@ -125,14 +128,21 @@ class MetricsLogger:
             self.sinks.append(
                 ConsoleSink(stream=stdout, every=cfg.console_every, total_steps=total_steps)
             )
-        if cfg.use_tensorboard:
+        lc = cfg.loggers
+        if lc.use_tensorboard:
             self.sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
-        if cfg.use_wandb:
+        if lc.use_wandb:
             self.sinks.append(
                 WandbSink(
-                    project=cfg.wandb_project,
                     run_dir=self.run_dir,
-                    name=cfg.wandb_run_name or self.run_dir.name,
+                    project=lc.wandb_project,
+                    entity=lc.wandb_team,
+                    group=lc.wandb_group,
+                    run_id=lc.wandb_run_id,
+                    mode=lc.wandb_mode,
+                    wandb_dir=lc.wandb_dir,
+                    host=lc.wandb_host,
+                    config=run_config,
                 )
             )
         self.sinks.extend(extra_sinks or [])

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -159,17 +159,62 @@ def _expand_hist(counts: list[Any]) -> list[int]:
     return out or [0]
 
 
+WANDB_RUN_ID_FILE = "wandb_run_id"
+"""File in the run directory holding the wandb run id, so a resumed run logs into the same run."""
+DEFAULT_WANDB_PROJECT = "slime-async"
+"""wandb project when neither the caller nor $WANDB_PROJECT names one."""
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def wandb_run_id(run_dir: str | Path, given: str | None, new_id: Callable[[], str]) -> str:
+    """The wandb run id of the run in ``run_dir``, stored in ``run_dir/wandb_run_id``: ``given``
+    (a flag), else $WANDB_RUN_ID, else the stored id (a resume or a restart), else ``new_id()``.
+    The choice is written (atomically) before wandb starts, so a kill at any point resumes it."""
+    path = Path(run_dir) / WANDB_RUN_ID_FILE
+    stored = path.read_text(encoding="utf-8").strip() if path.is_file() else ""
+    chosen = given or os.environ.get("WANDB_RUN_ID") or stored or new_id()
+    if chosen != stored:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, chosen + "\n")
+    return chosen
+
+
+def _unless_env(value: Any, env: str, default: Any) -> Any:
+    """``value`` when given; else None when wandb's own variable ``env`` is set (wandb reads it),
+    else ``default``."""
+    if value is not None:
+        return value
+    return None if os.environ.get(env) else default
+
+
 class WandbSink:
-    """Scalars to Weights & Biases (needs the wandb package and a login or offline mode)."""
+    """Scalars to Weights & Biases (needs the wandb package and a login or offline mode).
+
+    One wandb run per run directory: its id is kept in ``run_dir/wandb_run_id`` and opened with
+    ``resume="allow"``, so a resumed process continues the same wandb run. An argument left None
+    leaves wandb's own ``WANDB_*`` variable in charge; the API key is only ever read by wandb
+    from $WANDB_API_KEY (or its login file)."""
 
     def __init__(
         self,
         *,
-        project: str,
         run_dir: str | Path,
+        project: str | None = None,
+        entity: str | None = None,
+        group: str | None = None,
+        run_id: str | None = None,
+        mode: str | None = None,
+        wandb_dir: str | Path | None = None,
+        host: str | None = None,
         name: str | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> None:
+        """``name`` defaults to the run directory's name; ``config`` becomes the run's config."""
         try:
             import wandb
         except ImportError as e:
@@ -177,9 +222,24 @@ class WandbSink:
                 "wandb logging needs the wandb package: pip install wandb (or run without "
                 "--use-wandb)"
             ) from e
+        from wandb.sdk.lib.runid import generate_id
+
         self._wandb = wandb
+        self.run_id = wandb_run_id(run_dir, run_id, generate_id)
+        directory = _unless_env(wandb_dir, "WANDB_DIR", run_dir)
+        if directory is not None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
-            project=project, name=name, dir=str(run_dir), config=dict(config or {}), resume="allow"
+            project=_unless_env(project, "WANDB_PROJECT", DEFAULT_WANDB_PROJECT),
+            entity=entity,
+            group=group,
+            name=_unless_env(name, "WANDB_NAME", Path(run_dir).name),
+            id=self.run_id,
+            resume="allow",
+            mode=mode,
+            dir=None if directory is None else str(directory),
+            config=dict(config or {}),
+            settings=wandb.Settings(base_url=host) if host else None,
         )
 
     def write(self, record: Mapping[str, Any]) -> None:
