@@ -195,6 +195,8 @@ def _save_safetensors(
     from safetensors.torch import save_file
 
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    if not split.filename_to_tensors:  # no tensors: still one (empty) file, as before
+        save_file({}, str(d / WEIGHTS_FILE), metadata=meta)
     for fname, names in split.filename_to_tensors.items():
         save_file({n: tensors[n] for n in names}, str(d / fname), metadata=meta)
     if split.is_sharded:
