@@ -53,6 +53,7 @@ from slime_async.run_config import (
     run_default,
 )
 from slime_async.supervisor import add_supervisor_args, supervisor_config_from_args
+from slime_async.trainer import hf_save
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
     REAL_MODEL_LR_WARN,
@@ -228,9 +229,12 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     for flag, value, why in loss.derived:
         f.derived[flag] = Derived(value, why)
     _derive_trainer(f, data_worker, embedded=embedded, loss_name=loss.loss.name)
+    _derive_save_hf(f, embedded=embedded, gguf=args.hf_checkpoint)
     trainer = trainer_config_from_args(a)
     _check_model(trainer, env.model, hf_checkpoint=a.hf_checkpoint)
-    trainer = dataclasses.replace(trainer, loss=loss.loss, temperature=rollout.temperature)
+    trainer = dataclasses.replace(
+        trainer, loss=loss.loss, temperature=rollout.temperature, hf_source=a.hf_checkpoint
+    )
     engines = EngineFleetConfig.from_args(a)
     if f.unset("num_engines"):
         why = "one per --engine-urls URL" if engines.urls else "the default"
@@ -588,6 +592,33 @@ def _placement(f: _Flags, env: Environment) -> tuple[bool, tuple[int, ...], tupl
             "or use --colocate"
         )
     return False, trainer, rollout
+
+
+def _derive_save_hf(f: _Flags, *, embedded: bool, gguf: str | None) -> None:
+    """`--save-hf`: `<run-dir>/hf` for the embedded default run when unset, 'none' turns it
+    off; refused where replacing it would delete or clash with the run's other paths or with
+    data not written by --save-hf."""
+    a = f.args
+    if f.unset("save_hf"):
+        if not embedded:
+            return
+        f.fill("save_hf", str(Path(a.run_dir) / "hf"), "the embedded default run keeps its model")
+    elif a.save_hf.strip().lower() in ("", "none"):
+        a.save_hf = None
+        return
+    paths = {
+        "--run-dir": a.run_dir,
+        "--save": a.save,
+        "--load": a.load,
+        "--hf-checkpoint": a.hf_checkpoint,
+        "--ref-load": a.ref_load,
+    }
+    if gguf and gguf != a.hf_checkpoint and Path(gguf).exists():
+        paths["the GGUF file"] = gguf
+    errors = hf_save.target_errors(a.save_hf, paths=paths)
+    if errors and "--save-hf" in f.derived:
+        errors.append("(--save-hf was derived: pass --save-hf DIR elsewhere, or --save-hf none)")
+    _raise_all(errors)
 
 
 def _derive_warmstart(f: _Flags, *, embedded: bool) -> None:

@@ -70,12 +70,12 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
             run.log(run.version, last)
         if eval_task is not None:
             await eval_task
-        if cfg.trainer.save and run.version > run.start_step:
+        if run.saves and run.version > run.start_step:
             await run.save(run.version)
         last.update(run.accounting())
         return last
     except EnginesDownError:  # stop with a checkpoint: --load resumes once engines are back
-        if cfg.trainer.save:
+        if run.saves:
             await run.save(run.version)
         raise
     finally:

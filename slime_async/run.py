@@ -229,19 +229,30 @@ class Run:
             for p, res in zip(prompts, results, strict=True)
         ]
 
+    @property
+    def saves(self) -> bool:
+        """Whether the run writes anything at a save: a checkpoint (--save) or an HF
+        directory (--save-hf)."""
+        return bool(self.cfg.trainer.save or self.cfg.trainer.save_hf)
+
     def should_save(self, version: int) -> bool:
         every = self.cfg.save_interval * self.cfg.rollout.num_steps_per_rollout  # rollouts
-        return bool(self.cfg.trainer.save and every and version % every == 0)
+        return bool(self.saves and every and version % every == 0)
 
     async def save(self, version: int) -> None:
-        state = {
-            "step": version,
-            "worker": self.worker.state_dict(),
-            "accounting": self.accounting(),
-            "batch_shape": batch_shape(self.cfg),
-        }
-        path = await asyncio.to_thread(self.trainer.save_checkpoint, None, extra_state=state)
-        log.info("checkpoint saved: %s", path)
+        """The checkpoint (--save) and the loadable HF directory (--save-hf) of `version`."""
+        if self.cfg.trainer.save:
+            state = {
+                "step": version,
+                "worker": self.worker.state_dict(),
+                "accounting": self.accounting(),
+                "batch_shape": batch_shape(self.cfg),
+            }
+            path = await asyncio.to_thread(self.trainer.save_checkpoint, None, extra_state=state)
+            log.info("checkpoint saved: %s", path)
+        if self.cfg.trainer.save_hf:
+            path = await asyncio.to_thread(self.trainer.save_hf, None)
+            log.info("HF model v%d saved: %s", version, path)
 
     def timing(self, *, wait_s: float, train_s: float, sync_s: float) -> dict[str, float]:
         total = max(1e-9, wait_s + train_s + sync_s)

@@ -89,8 +89,8 @@ class RunConfig:
     update_weights_interval: int = flag(1, ge=1)
     """Push weights to the engines every this many train steps."""
     save_interval: int = flag(0, ge=0, hint="0 = only at the end")
-    """Checkpoint every this many rollouts, slime's unit (this x --num-steps-per-rollout train
-    steps); 0: only at the end, when --save is given."""
+    """Checkpoint (--save) and HF export (--save-hf) every this many rollouts, slime's unit
+    (this x --num-steps-per-rollout train steps); 0: only at the end."""
     ray_address: str | None = None
     """Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray node
     with everything on loopback). Joined, the engines and the router listen on their nodes' IPs

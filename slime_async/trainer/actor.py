@@ -88,6 +88,9 @@ class _TrainerActorImpl:
     def save_checkpoint(self, save_dir: str | None, extra_state: dict[str, object]) -> str:
         return str(self.trainer.save_checkpoint(save_dir, extra_state=extra_state))
 
+    def save_hf(self, out: str | None) -> str:
+        return str(self.trainer.save_hf(out))
+
     def extra_state(self) -> dict[str, object]:
         return dict(self.trainer.extra_state)
 
@@ -240,6 +243,10 @@ class TrainerGroup:
     ) -> Path:
         d = None if save_dir is None else str(save_dir)
         return Path(self._all("save_checkpoint", d, extra_state or {})[0])
+
+    def save_hf(self, out: str | Path | None = None) -> Path:
+        """Write the loadable HF directory (`--save-hf`; a collective on every rank)."""
+        return Path(self._all("save_hf", None if out is None else str(out))[0])
 
     def extra_state(self) -> dict[str, object]:
         return self._all("extra_state")[0]

@@ -216,6 +216,17 @@ class TrainerConfig:
     """Checkpoint directory to save into."""
     hf_checkpoint: str | None = None
     """HF weights directory to start from (not used when --load is given)."""
+    save_hf: str | None = flag(
+        None, derived="<run-dir>/hf for the embedded default run; otherwise none", metavar="DIR"
+    )
+    """Hugging Face directory the trained model is written to at every checkpoint
+    (--save-interval) and at the end of the run: safetensors, config.json, and the
+    --hf-checkpoint's tokenizer and generation_config.json; loadable by transformers'
+    from_pretrained. DIR holds the latest export, replaced atomically. 'none': write none."""
+    hf_source: str | None = flag(None, cli=False)
+    """HF directory whose identity every export carries (config fields the ModelSpec does not
+    model, BOS/EOS/PAD ids, tokenizer, generation config): the run's --hf-checkpoint, or its
+    GGUF conversion; None: exports are built from the ModelSpec alone."""
     ref_load: str | None = None
     """HF weights of the KL penalty's reference policy, with --use-kl-loss (default: the run's
     initial weights; needed with --load when the loss reads π_ref)."""

@@ -26,7 +26,15 @@ from loss.regularizers import with_regularizers
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
-from slime_async.trainer import checkpoint, cpu_compat, hf_convert, parallel, quiet, weights_io
+from slime_async.trainer import (
+    checkpoint,
+    cpu_compat,
+    hf_convert,
+    hf_save,
+    parallel,
+    quiet,
+    weights_io,
+)
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.forward import position_logprobs
 from slime_async.trainer.logprobs import LogprobForwards
@@ -284,10 +292,23 @@ class MegatronTrainer(LogprobForwards):
         """Export and write an HF directory at `path` (rank 0 writes; all ranks return)."""
         w = self.export_weights()
         if self.rank == 0:
-            weights_io.write_hf_dir(w, path, dtype=dtype)
+            weights_io.write_hf_dir(w, path, dtype=dtype, source=self.cfg.hf_source)
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
         return Path(path)
+
+    def save_hf(self, out: str | Path | None = None) -> Path:
+        """Write the current weights as a loadable HF directory at `out` (default
+        `TrainerConfig.save_hf`; see `hf_save`); rank 0 writes, all ranks return."""
+        target = out or self.cfg.save_hf
+        if target is None:
+            raise ValueError("no HF directory: pass out or set TrainerConfig.save_hf")
+        w = self.export_weights()
+        if self.rank == 0:
+            hf_save.write(w, target, source=self.cfg.hf_source)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        return Path(target)
 
     def import_hf(self, path: str | Path) -> None:
         """Load weights from an HF directory (warm start / reference); spec must match."""

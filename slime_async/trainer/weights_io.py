@@ -1,10 +1,19 @@
 """HF-format weight directories on disk: atomic write (export) and read (import).
 
 Owns: the on-disk contract between trainer and engines — a directory with HF `config.json`
-plus `model.safetensors` holding the tensor names `transformers` writes with `save_pretrained`,
-written to a temp dir and renamed into place. The weight version is recorded in the
+plus `model.safetensors` holding the tensor names `transformers` writes with `save_pretrained`
+(sharded as `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` above
+`max_shard_size`, by `huggingface_hub.split_torch_state_dict_into_shards`, as `save_pretrained`
+does), written to a temp dir and renamed into place. The weight version is recorded in the
 safetensors metadata (`weight_version`). Must never import the controller, engine, rollout or
 data-worker parts of `slime_async`.
+
+The source's identity: given the HF directory the run started from (`source`: --hf-checkpoint
+or its GGUF conversion), an export keeps everything of it that `ModelSpec` does not model:
+its `config.json` with only the architecture fields (`ARCH_FIELDS`) overwritten, so BOS/EOS/PAD
+ids, RoPE settings and any other field survive; `generation_config.json`; and the tokenizer and
+chat-template files (`IDENTITY_FILES`). Without a source (the embedded tiny MoE) the config is
+`ModelSpec.to_hf_config()`'s, as before.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,6 +31,53 @@ from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_SIZE = "5GB"
+"""Largest safetensors file an export writes (huggingface_hub's default); above it, shards."""
+
+ARCH_FIELDS = (
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "initializer_range",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "attention_bias",
+    "mlp_bias",
+    "dtype",
+)
+"""`config.json` fields an export owns (the `ModelSpec` and the tensors written); every other
+field of the source's config is kept."""
+_DROPPED_FIELDS = ("torch_dtype", "quantization_config", "_name_or_path", "transformers_version")
+"""Source config fields that no longer describe the export (its dtype is `dtype`)."""
+
+IDENTITY_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""Files copied unchanged from the source into every export (those it has)."""
 
 
 def _hf_config_dict(spec: ModelSpec) -> dict[str, object]:
@@ -29,6 +86,52 @@ def _hf_config_dict(spec: ModelSpec) -> dict[str, object]:
     d = cfg.to_dict()
     d["dtype"] = "float32"
     return d
+
+
+def export_config(spec: ModelSpec, source: str | Path | None) -> dict[str, object]:
+    """The export's `config.json`: `spec`'s, or the source's with `ARCH_FIELDS` replaced.
+
+    Raises ValueError when the merged config does not describe `spec` (a source of another
+    model, e.g. RoPE settings that disagree).
+    """
+    ours = _hf_config_dict(spec)
+    if source is None:
+        return ours
+    src_cfg = Path(source) / "config.json"
+    if not src_cfg.is_file():
+        raise FileNotFoundError(
+            f"export source {source} has no config.json; give the HF directory the run "
+            "started from (--hf-checkpoint)"
+        )
+    merged = {k: v for k, v in json.loads(src_cfg.read_text()).items() if k not in _DROPPED_FIELDS}
+    for k in ARCH_FIELDS:
+        if k in ours:
+            merged[k] = ours[k]
+        else:
+            merged.pop(k, None)
+    try:
+        back = ModelSpec.from_hf_config(merged)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"config.json of export source {source} is unusable: {e}") from None
+    if back != spec:
+        raise ValueError(
+            f"config.json of export source {source} describes another model than the one "
+            f"exported ({back} vs {spec}); export with the source the run started from"
+        )
+    return merged
+
+
+def copy_identity(source: str | Path | None, dst: Path) -> list[str]:
+    """Copy the source's `IDENTITY_FILES` into `dst`; returns the names copied."""
+    if source is None:
+        return []
+    copied = []
+    for name in IDENTITY_FILES:
+        f = Path(source) / name
+        if f.is_file():
+            shutil.copyfile(f, dst / name)
+            copied.append(name)
+    return copied
 
 
 def atomic_replace_dir(tmp: Path, final: Path) -> None:
@@ -42,13 +145,22 @@ def atomic_replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_hf_dir(weights: HFWeights, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+def write_hf_dir(
+    weights: HFWeights,
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    source: str | Path | None = None,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+    finish: Callable[[Path], object] | None = None,
+) -> Path:
     """Write `weights` as an HF checkpoint directory at `path`, atomically; returns the path.
 
     `dtype` (default: keep fp32) casts floating tensors, e.g. torch.bfloat16 to halve the size.
+    `source`: the HF directory whose identity the export carries (see the module docstring).
+    `finish` is called on the complete temporary directory just before it is renamed into
+    place (a marker file written last).
     """
-    from safetensors.torch import save_file
-
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -58,17 +170,38 @@ def write_hf_dir(weights: HFWeights, path: str | Path, *, dtype: torch.dtype | N
             k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
             for k, v in sorted(weights.tensors.items())
         }
-        cfg = _hf_config_dict(weights.spec)
+        cfg = export_config(weights.spec, source)
         if dtype is not None:
             cfg["dtype"] = str(dtype).removeprefix("torch.")
         meta = {"format": "pt", "weight_version": str(weights.version)}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=meta)
+        _save_safetensors(tensors, tmp, meta, max_shard_size)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        copy_identity(source, tmp)
+        if finish is not None:
+            finish(tmp)
         atomic_replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _save_safetensors(
+    tensors: dict[str, torch.Tensor], d: Path, meta: dict[str, str], max_shard_size: int | str
+) -> None:
+    """One `model.safetensors`, or shards plus `model.safetensors.index.json` (as
+    `save_pretrained` names them) when the tensors exceed `max_shard_size`."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    if not split.filename_to_tensors:  # no tensors: still one (empty) file, as before
+        save_file({}, str(d / WEIGHTS_FILE), metadata=meta)
+    for fname, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in names}, str(d / fname), metadata=meta)
+    if split.is_sharded:
+        index = {"metadata": {**split.metadata, **meta}, "weight_map": split.tensor_to_filename}
+        (d / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
 def read_hf_dir(path: str | Path) -> HFWeights:

@@ -1,0 +1,87 @@
+"""`--save` checkpoint -> Hugging Face directory: takes a trained model out after the run.
+
+Owns `export_checkpoint` and its command line::
+
+    python -m slime_async.tools.export_hf --load runs/x/checkpoints --out runs/x/hf-v40 \\
+        [--hf-checkpoint SRC]
+
+`--load` is a `--save` directory (its `latest` complete checkpoint) or one `iter_*` directory;
+its `meta.json` holds the ModelSpec and `model.pt` the full HF-named fp32 weights, so no trainer
+is built. The output is what `--save-hf` writes (`slime_async.trainer.hf_save`): `--hf-checkpoint`
+(the run's, or a .gguf file, converted into `<out>.gguf-src/`) gives it the source's config
+fields, tokenizer and generation config. Refuses to replace a directory not written by
+`--save-hf` or this tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from clifields import HelpFormatter, add_flags, flag, from_args
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ExportHfConfig:
+    """What to export and where."""
+
+    load: str | None = flag(None, metavar="CKPT")
+    """Checkpoint to export (required): a --save directory (its latest complete checkpoint) or
+    one iter_* directory in it."""
+    out: str | None = flag(None, metavar="DIR")
+    """HF directory to write (required): new, empty, or a previous --save-hf / export_hf
+    output."""
+    hf_checkpoint: str | None = flag(None, metavar="SRC")
+    """The HF directory (or .gguf file) the run started from: the export carries its config
+    fields, tokenizer and generation config (default: none, the config from the ModelSpec)."""
+
+
+def export_checkpoint(load: str | Path, out: str | Path, *, source: str | None = None) -> Path:
+    """Write the latest complete checkpoint in `load` as an HF directory at `out`."""
+    import torch
+
+    from slime_async.contracts.model import ModelSpec
+    from slime_async.contracts.weights import HFWeights
+    from slime_async.tools.convert_gguf import converted_checkpoint
+    from slime_async.trainer import checkpoint, hf_save
+
+    errors = hf_save.target_errors(str(out), paths={"--load": str(load), "--hf-checkpoint": source})
+    if errors:
+        raise ValueError("; ".join(errors))
+    if source is not None:
+        converted = converted_checkpoint(source, Path(f"{out}.gguf-src"))
+        source = str(converted or source)
+    ckpt = checkpoint.find_latest(Path(load))
+    meta = checkpoint.read_meta(ckpt)
+    spec = ModelSpec.from_dict(meta["spec"])
+    tensors = torch.load(ckpt / "model.pt", weights_only=True, map_location="cpu")
+    weights = HFWeights(version=int(meta["version"]), spec=spec, tensors=tensors)
+    return hf_save.write(weights, out, source=source)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m slime_async.tools.export_hf",
+        description="Convert a --save checkpoint into a Hugging Face directory "
+        "(from_pretrained-loadable, as --save-hf writes it).",
+        formatter_class=HelpFormatter,
+    )
+    add_flags(p, ExportHfConfig)
+    cfg = from_args(ExportHfConfig, p.parse_args(argv))
+    missing = [f"--{n}" for n in ("load", "out") if getattr(cfg, n) is None]
+    if missing:
+        p.error(f"{' and '.join(missing)} required")
+    from slime_async.trainer.checkpoint import CheckpointError
+
+    try:
+        out = export_checkpoint(cfg.load, cfg.out, source=cfg.hf_checkpoint)
+    except (CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
+        p.error(str(e))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
