@@ -409,7 +409,9 @@ def test_tokenizer_is_on_unless_there_is_none_or_the_user_decides(tmp_path: Path
     cmd = flags(hf, tokenizer_path=str(hf))  # starts on --hf-checkpoint itself
     assert "--skip-tokenizer-init" not in cmd and "--tokenizer-path" not in cmd
     cmd = flags(export)  # a model built from its spec: no tokenizer anywhere
-    assert "--skip-tokenizer-init" in cmd
+    assert "--skip-tokenizer-init" in cmd and "--tokenizer-path" not in cmd
+    cmd = flags(export, tokenizer_path=str(tmp_path / "hf-without-tokenizer"))
+    assert "--skip-tokenizer-init" in cmd and "--tokenizer-path" not in cmd
     cmd = flags(export, tokenizer_path=str(hf), sglang_args=("--skip-tokenizer-init",))
     assert cmd.count("--skip-tokenizer-init") == 1 and "--tokenizer-path" not in cmd
     cmd = flags(export, sglang_args=("--tokenizer-path", "/t"))

@@ -44,19 +44,19 @@ def sglang_config(
     fleet's `--sglang-*` flags passed through, run by `--sglang-python`.
 
     The tokenizer is on (SGLang's `/v1/*` routes need it; our `/generate` calls send
-    `input_ids` and read ids either way): loaded from `--hf-checkpoint` when the server starts
-    elsewhere (the trainer's export has no tokenizer files), else from its own checkpoint. Only
-    a run with no tokenizer anywhere (a model built from its spec) starts it with
-    `--skip-tokenizer-init`. A `--sglang-skip-tokenizer-init` or `--sglang-tokenizer-path` of the
+    `input_ids` and read ids either way): from the checkpoint the server starts on, else from
+    `--hf-checkpoint` (the trainer's export has no tokenizer files). Only where neither has
+    tokenizer files on the server's node (a model built from its spec, a hub id) is it started
+    with `--skip-tokenizer-init`. A `--sglang-skip-tokenizer-init` or `--sglang-tokenizer-path` of the
     user's decides instead, untouched."""
     extra = tuple(getattr(fleet, "sglang_args", ()))
     user = {a.split("=", 1)[0] for a in extra}
     tokenizer, skip = None, False
     if not user & {"--skip-tokenizer-init", "--tokenizer-path"}:
         source = getattr(fleet, "tokenizer_path", None)
-        if source and os.path.abspath(source) != os.path.abspath(launch.model_dir or "."):
+        if not _has_tokenizer(launch.model_dir) and _has_tokenizer(source):
             tokenizer = source
-        skip = not source and not _has_tokenizer(launch.model_dir)
+        skip = tokenizer is None and not _has_tokenizer(launch.model_dir)
     return SGLangConfig(
         model_path=launch.model_dir,
         host=launch.host or engine.host,
