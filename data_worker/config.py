@@ -82,7 +82,7 @@ class DataWorkerConfig:
     default_expected_len: int = flag(1024, cli=False)
     """Expected response length passed to `generate` for prompts never seen before (the run
     passes its `--rollout-max-response-len`)."""
-    max_inflight: int = 256
+    max_inflight: int = flag(256, derived="--sglang-server-concurrency x --num-engines, else 256")
     """Most generate calls running at once (set to the engines' total concurrent slots)."""
     max_queued_samples: int | None = flag(None, cli=False)
     """New prompts are admitted only while fewer samples than this wait for dispatch

@@ -63,8 +63,9 @@ class RouterConfig:
     """Pause before a retry; doubles each attempt, capped at 1 s."""
     wait_for_worker_s: float = 30.0
     """How long a request waits for a healthy engine before the router answers 503."""
-    request_timeout_s: float = 3600.0
-    """Total timeout of one proxied request (long rollouts are normal)."""
+    request_timeout_s: float = flag(3600.0, aliases=("--sglang-router-request-timeout-secs",))
+    """Total timeout of one proxied request (long rollouts are normal); slime's
+    `--sglang-router-request-timeout-secs` is another name for it."""
     connect_timeout_s: float = 2.0
     """TCP connect timeout to an engine; a refused/timed-out connect is retried elsewhere."""
     control_timeout_s: float = 600.0

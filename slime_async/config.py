@@ -215,12 +215,25 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     _note_eval(f, rollout)
     _derive_num_steps(f, rollout)
     b = rollout.groups_per_step
+    if (per := a.sglang_server_concurrency) is not None:  # slime's per-server concurrency
+        n = EngineFleetConfig.from_args(a).num_engines
+        if not f.unset("max_inflight") and a.max_inflight != per * n:
+            raise ValueError(
+                f"--max-inflight {a.max_inflight} contradicts --sglang-server-concurrency {per} x "
+                f"{n} engines = {per * n} concurrent generate calls: give one of the two"
+            )
+        if f.unset("max_inflight"):
+            f.fill("max_inflight", per * n, f"--sglang-server-concurrency {per} x {n} engines")
     data_worker = data_worker_config_from_args(
         a,
         n_samples_per_prompt=rollout.n_samples_per_prompt,
         groups_per_step=b,
         default_expected_len=rollout.max_response_len,
     )
+    if f.unset("max_inflight"):
+        f.note(
+            "max_inflight", data_worker.max_inflight, "the default (no --sglang-server-concurrency)"
+        )
     if a.fifo_window is None:
         f.note("fifo_window", data_worker.fifo_window, f"2 x groups per step (B = {b})")
     _raise_all(_schedule_errors(a, data_worker))

@@ -324,3 +324,155 @@ def test_the_docs_gpu_recipe_derives_what_it_says() -> None:
     cmd = " ".join(build_command(sglang_config(cfg.engine, launch, port=30000, fleet=cfg.engines)))
     assert "--tp-size 2" in cmd and "--host 10.0.0.2" in cmd
     assert "--mem-fraction-static 0.8 --cuda-graph-max-bs 256" in cmd and TOKEN not in cmd
+
+
+SLIME_ROUTER_FLAGS = [
+    "--sglang-router-request-timeout-secs",
+    "600",
+    "--sglang-server-concurrency",
+    "64",
+    "--sglang-mem-fraction-static",
+    "0.8",
+]
+
+
+def test_run_sglang_flags_never_reach_the_server() -> None:
+    """slime's router/concurrency flags and --sglang-python are the run's: parsed as flags, only
+    the rest passed through."""
+    from slime_async.engine.backends.config import split_sglang_args
+
+    argv = [
+        "--sglang-router-ip",
+        "10.0.0.9",
+        "--sglang-router-port=30000",
+        *SLIME_ROUTER_FLAGS,
+        "--sglang-python",
+        "/opt/sglang/bin/python",
+    ]
+    rest, forwarded = split_sglang_args(argv)
+    assert forwarded == ("--mem-fraction-static", "0.8")
+    assert rest == [a for a in argv if a not in ("--sglang-mem-fraction-static", "0.8")]
+    cfg = parse_config(["--engine-backend", "sglang", "--num-engines", "2", *SLIME_ROUTER_FLAGS])
+    assert cfg.engines.sglang_args == ("--mem-fraction-static", "0.8")
+    assert cfg.router.request_timeout_s == 600  # slime's name for --router-request-timeout-s
+    assert cfg.data_worker.max_inflight == 128  # 64 per server x 2 engines
+    assert "--sglang-server-concurrency 64 x 2" in cfg.derived["--max-inflight"].why
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["--sglang-router-ip", "10.0.0.9"], ("own work-aware router", "--engine-urls")),
+        (["--sglang-router-port", "30000"], ("--sglang-router-port 30000", "external")),
+        (
+            ["--sglang-server-concurrency", "64", "--max-inflight", "100"],
+            ("--max-inflight 100 contradicts --sglang-server-concurrency 64", "one of the two"),
+        ),
+        (["--sglang-python", "/nonexistent/bin/python"], ("does not exist", "/opt/sglang")),
+        (["--sglang-python", str(REPO / "README.md")], ("is not executable",)),
+    ],
+)
+def test_run_sglang_flags_refused_with_the_fix(argv, needles, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(["--engine-backend", "sglang", *argv])
+    err = capsys.readouterr().err
+    assert all(n in err for n in needles), err
+
+
+def test_sglang_python_only_with_the_sglang_backend(capsys) -> None:
+    import sys
+
+    with pytest.raises(SystemExit):
+        parse_config(["--sglang-python", sys.executable])
+    assert "--engine-backend sglang" in capsys.readouterr().err
+
+
+def test_tokenizer_is_on_unless_there_is_none_or_the_user_decides(tmp_path: Path) -> None:
+    """No --skip-tokenizer-init of ours when a tokenizer exists: --hf-checkpoint's when the
+    server starts on the trainer's export, the checkpoint's own otherwise."""
+    from slime_async.contracts.engine import EngineLaunch
+
+    export = tmp_path / "weights" / "v000000"
+    export.mkdir(parents=True)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "tokenizer.json").write_text("{}")
+
+    def flags(model_dir: Path, **fleet: object) -> list[str]:
+        launch = EngineLaunch(index=0, model_dir=str(model_dir), weight_version=0, seed=1)
+        f = EngineFleetConfig(backend="sglang", **fleet)  # type: ignore[arg-type]
+        return build_command(sglang_config(EngineConfig(), launch, port=30000, fleet=f))
+
+    cmd = flags(export, tokenizer_path=str(hf))
+    assert "--skip-tokenizer-init" not in cmd
+    assert cmd[cmd.index("--tokenizer-path") + 1] == str(hf)
+    cmd = flags(hf, tokenizer_path=str(hf))  # starts on --hf-checkpoint itself
+    assert "--skip-tokenizer-init" not in cmd and "--tokenizer-path" not in cmd
+    cmd = flags(export)  # a model built from its spec: no tokenizer anywhere
+    assert "--skip-tokenizer-init" in cmd and "--tokenizer-path" not in cmd
+    cmd = flags(export, tokenizer_path=str(tmp_path / "hf-without-tokenizer"))
+    assert "--skip-tokenizer-init" in cmd and "--tokenizer-path" not in cmd
+    cmd = flags(export, tokenizer_path=str(hf), sglang_args=("--skip-tokenizer-init",))
+    assert cmd.count("--skip-tokenizer-init") == 1 and "--tokenizer-path" not in cmd
+    cmd = flags(export, sglang_args=("--tokenizer-path", "/t"))
+    assert "--skip-tokenizer-init" not in cmd and cmd.count("--tokenizer-path") == 1
+    cfg = parse_config(["--engine-backend", "sglang", "--sglang-skip-tokenizer-init"])
+    assert cfg.engines.sglang_args == ("--skip-tokenizer-init",)
+
+
+def test_sglang_python_runs_the_server(fake_sglang, tmp_path: Path) -> None:
+    """--sglang-python names the interpreter of the server: a wrapper that records its call,
+    then execs Python; the server (stand-in) comes up through the token shim."""
+    import socket
+    import sys
+
+    from slime_async.contracts.engine import EngineLaunch
+
+    record, model = fake_sglang
+    called = tmp_path / "wrapper_called"
+    wrapper = tmp_path / "sglang-venv" / "bin" / "python"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(f'#!/bin/sh\necho "$@" > {called}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    cfg = parse_config(["--engine-backend", "sglang", "--sglang-python", str(wrapper)])
+    assert cfg.engines.sglang_python == str(wrapper)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = EngineLaunch(index=0, model_dir=str(model), weight_version=0, seed=1)
+    sg = sglang_config(EngineConfig(auth_token=TOKEN), launch, port=port, fleet=cfg.engines)
+    srv = SGLangServer(sg, log_path=str(tmp_path / "server.log"))
+    try:
+        srv.start(timeout=120)
+        assert called.read_text().split()[:2] == [
+            str(REPO / "slime_async/engine/sglang_launch.py"),
+            "sglang.launch_server",
+        ]
+        (rec,) = _records(record)
+        assert rec["argv"][-2:] == ["--api-key", TOKEN] and TOKEN not in rec["cmdline"]
+    finally:
+        srv.stop()
+
+
+def test_token_shim_needs_only_the_standard_library(tmp_path: Path) -> None:
+    """The shim run by path under `python -S` (no site-packages: nothing of this project's
+    environment), with this repository's `engine/sglang.py` next to it not shadowing `sglang`."""
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "sglang"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text("import sys; print(' '.join(sys.argv[1:]))\n")
+    shim = REPO / "slime_async/engine/sglang_launch.py"
+    env = {"PATH": os.environ["PATH"], "SLIME_ASYNC_SGLANG_API_KEY": "k"}
+    res = subprocess.run(
+        [sys.executable, "-S", str(shim), "sglang.launch_server", "--port", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["--port", "1", "--api-key", "k"]

@@ -19,7 +19,9 @@ import sys
 import time
 
 from router.config import is_loopback
+from slime_async.engine import sglang_launch
 from slime_async.engine.runner import wait_healthy
+from slime_async.engine.sglang_launch import API_KEY_ENV
 
 SGLANG_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -57,7 +59,9 @@ class SGLangConfig:
     enable_return_routed_experts: bool = True
     """Capture MoE top-k ids so requests can ask for `routed_experts` (R3)."""
     skip_tokenizer_init: bool = False
-    """Serve token ids only (no `text`)."""
+    """Serve token ids only (no `text`; SGLang's `/v1/*` OpenAI routes need the tokenizer)."""
+    tokenizer_path: str | None = None
+    """Where SGLang loads the tokenizer from (its `--tokenizer-path`); None: `model_path`."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the checkpoint."""
     base_gpu_id: int = 0
@@ -77,7 +81,8 @@ class SGLangConfig:
     cuda_visible_devices: str | None = None
     """CUDA_VISIBLE_DEVICES for the child process; None inherits."""
     python: str = sys.executable
-    """Interpreter that has sglang installed."""
+    """Interpreter that has sglang installed (`--sglang-python`; it need not have this project:
+    the token hand-over it runs first is a standard-library script)."""
     launch_module: str = "sglang.launch_server"
     """Module run with `python -m`."""
     extra_args: tuple[str, ...] = ()
@@ -127,17 +132,18 @@ class SGLangConfig:
         return f"http://{self.host}:{self.port}"
 
 
-API_KEY_ENV = "SLIME_ASYNC_SGLANG_API_KEY"
-"""Environment variable the launcher hands the token over in (see `sglang_launch`)."""
+__all__ = ["API_KEY_ENV", "SGLangConfig", "SGLangServer", "build_command"]
 
 
 def build_command(cfg: SGLangConfig, *, _with_extra: bool = True) -> list[str]:
     """The argv that starts `cfg` (`[python, -m, sglang.launch_server, --model-path, ...]`; with
-    an `api_key`, `[python, -m, slime_async.engine.sglang_launch, sglang.launch_server, ...]`,
-    which adds `--api-key` in-process)."""
-    shim = ["-m", "slime_async.engine.sglang_launch"] if cfg.api_key else []
-    cmd = [cfg.python, *shim, "-m" if not shim else "", cfg.launch_module]
-    cmd = [c for c in cmd if c] + ["--model-path", cfg.model_path]
+    an `api_key`, `[python, .../sglang_launch.py, sglang.launch_server, ...]`, which adds
+    `--api-key` in-process; run by path, so `cfg.python` needs only sglang, not this project)."""
+    if cfg.api_key:
+        cmd = [cfg.python, os.path.abspath(sglang_launch.__file__), cfg.launch_module]
+    else:
+        cmd = [cfg.python, "-m", cfg.launch_module]
+    cmd += ["--model-path", cfg.model_path]
     cmd += ["--host", cfg.host, "--port", str(cfg.port)]
     cmd += ["--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size)]
     cmd += ["--ep-size", str(cfg.ep_size), "--dtype", cfg.dtype]
@@ -150,6 +156,7 @@ def build_command(cfg: SGLangConfig, *, _with_extra: bool = True) -> list[str]:
         "--chunked-prefill-size": cfg.chunked_prefill_size,
         "--random-seed": cfg.random_seed,
         "--served-model-name": cfg.served_model_name,
+        "--tokenizer-path": cfg.tokenizer_path,
         "--dist-init-addr": cfg.dist_init_addr,
     }
     for flag, value in optional.items():

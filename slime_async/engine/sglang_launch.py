@@ -1,10 +1,11 @@
-"""`python -m slime_async.engine.sglang_launch MODULE ARGS...`: run SGLang's launcher MODULE with
-ARGS plus `--api-key <token>`, the token read from `$SLIME_ASYNC_SGLANG_API_KEY`.
+"""`PYTHON .../slime_async/engine/sglang_launch.py MODULE ARGS...`: run SGLang's launcher MODULE
+with ARGS plus `--api-key <token>`, the token read from `$SLIME_ASYNC_SGLANG_API_KEY`.
 
 Owns only that hand-over: SGLang takes its key on the command line, and a command line is
 readable by every user of the node (`ps`, /proc/PID/cmdline). The key is appended to `sys.argv`
-inside this process, which /proc does not show. Must never import sglang at module level, Ray or
-torch.
+inside this process, which /proc does not show. It is run by path with SGLang's interpreter
+(`--sglang-python`, which may be a separate virtual environment without this project), so it
+imports the standard library only: never sglang at module level, this project, Ray or torch.
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ import os
 import runpy
 import sys
 
-from slime_async.engine.sglang import API_KEY_ENV
+API_KEY_ENV = "SLIME_ASYNC_SGLANG_API_KEY"
+"""Environment variable the token is handed over in."""
 
 
 def main() -> None:
     if len(sys.argv) < 2:
-        sys.exit("usage: python -m slime_async.engine.sglang_launch MODULE [SGLANG ARGS...]")
+        sys.exit(f"usage: python {sys.argv[0]} MODULE [SGLANG ARGS...]")
+    here = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0] or ".") == here:
+        # run by path: Python put this directory first, where engine/sglang.py would shadow the
+        # `sglang` package; `python -m MODULE` would have the working directory there instead
+        sys.path[0] = os.getcwd()
     module, args = sys.argv[1], sys.argv[2:]
     key = os.environ.pop(API_KEY_ENV, None)
     if not key:

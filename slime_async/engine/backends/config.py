@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 
 from clifields import add_flags, check_ranges, flag, from_args
 from router.config import check_worker_url
@@ -42,16 +43,29 @@ def launch_engine_config(engine: EngineConfig, launch: EngineLaunch) -> EngineCo
 
 SGLANG_PREFIX = "--sglang-"
 
+RUN_SGLANG_FLAGS = (
+    "--sglang-python",
+    "--sglang-router-ip",
+    "--sglang-router-port",
+    "--sglang-server-concurrency",
+    "--sglang-router-request-timeout-secs",
+)
+"""`--sglang-*` flags that are the run's own (slime's router and concurrency flags, and
+`--sglang-python`): parsed as flags, never passed to an SGLang server."""
+
 
 def split_sglang_args(argv: list[str]) -> tuple[list[str], tuple[str, ...]]:
     """(argv without them, SGLang flags): every `--sglang-FLAG [VALUE]` / `--sglang-FLAG=VALUE`
-    of `argv` becomes `--FLAG [VALUE]`; a value is the next token unless it starts with `--`."""
+    of `argv` but `RUN_SGLANG_FLAGS` becomes `--FLAG [VALUE]`; a value is the next token unless
+    it starts with `--`."""
     rest: list[str] = []
     sglang: list[str] = []
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a.startswith(SGLANG_PREFIX) and len(a) > len(SGLANG_PREFIX):
+        if a.split("=", 1)[0] in RUN_SGLANG_FLAGS:
+            rest.append(a)
+        elif a.startswith(SGLANG_PREFIX) and len(a) > len(SGLANG_PREFIX):
             sglang.append("--" + a[len(SGLANG_PREFIX) :])
             if "=" not in a and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 sglang.append(argv[i + 1])
@@ -67,6 +81,22 @@ def _backend_arg(value: str) -> str:
         return resolve_engine_backend(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _python_arg(value: str) -> str:
+    """`--sglang-python`: an existing executable file (kept as given, made absolute)."""
+    path = os.path.abspath(os.path.expanduser(value))
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(
+            f"{value} does not exist (or is not a file): give the interpreter of the environment "
+            "SGLang is installed in, e.g. /opt/sglang/bin/python (docs/cluster.md)"
+        )
+    if not os.access(path, os.X_OK):
+        raise argparse.ArgumentTypeError(
+            f"{value} is not executable: give the interpreter of the environment SGLang is "
+            f"installed in (or chmod +x {value})"
+        )
+    return path
 
 
 def _urls_arg(value: str) -> tuple[str, ...]:
@@ -115,6 +145,21 @@ class EngineFleetConfig:
     start_timeout_s: float = flag(900.0, name="engine-start-timeout", gt=0)
     """Seconds a launched server (SGLang) has to answer `/health` (model loading, CUDA graphs)
     before the run stops with its log."""
+    sglang_python: str | None = flag(None, parse=_python_arg, metavar="PATH")
+    """Interpreter that runs `python -m sglang.launch_server` on every engine node (None: this
+    run's own), e.g. /opt/sglang/bin/python of a virtual environment that has only SGLang; the
+    path must exist on each node (`--engine-backend sglang` only)."""
+    sglang_server_concurrency: int | None = flag(None, ge=1)
+    """slime's concurrent requests per SGLang server: sets --max-inflight (the data worker's
+    concurrent generate calls) to this x --num-engines; give one of the two."""
+    sglang_router_ip: str | None = None
+    """slime's flag to attach an already-running router; refused: the run starts its own
+    router in front of its engines (running servers: --engine-backend external --engine-urls)."""
+    sglang_router_port: int | None = None
+    """slime's port of an already-running router; refused, as --sglang-router-ip."""
+    tokenizer_path: str | None = flag(None, cli=False)
+    """Where SGLang servers load the tokenizer (--hf-checkpoint); None: from the checkpoint they
+    start on, else they run without one (`--skip-tokenizer-init`)."""
     sglang_args: tuple[str, ...] = flag((), cli=False)
     """Flags passed verbatim to every SGLang server: the run's `--sglang-*` flags with the
     `sglang-` prefix removed (slime's convention), e.g. `--sglang-mem-fraction-static 0.8`."""
@@ -145,6 +190,25 @@ class EngineFleetConfig:
                     f"--rollout-num-gpus-per-engine {per} = {total // per} engines; drop one"
                 )
         check_ranges(self)
+        attach = [
+            f"--{n.replace('_', '-')} {v}"
+            for n in ("sglang_router_ip", "sglang_router_port")
+            if (v := getattr(self, n)) is not None
+        ]
+        if attach:
+            raise ValueError(
+                f"{' '.join(attach)}: slime attaches its engines to a router that is already "
+                "running; this run starts its own work-aware router in front of the engines it "
+                "launches. Drop --sglang-router-ip/--sglang-router-port; to use SGLang servers "
+                "that are already running, pass --engine-backend external --engine-urls "
+                "http://host:port[,...]"
+            )
+        if self.sglang_python is not None and not backend.needs.sglang_flags:
+            raise ValueError(
+                f"--sglang-python is the interpreter of launched SGLang servers, but "
+                f"--engine-backend is {self.backend!r}, which launches none: drop it or use "
+                "--engine-backend sglang"
+            )
         if self.sglang_args and not backend.needs.sglang_flags:
             raise ValueError(
                 f"--sglang-* flags ({' '.join(self.sglang_args)}) configure SGLang servers, but "
@@ -200,4 +264,5 @@ class EngineFleetConfig:
                 num = len(urls)
         given = {} if num is None else {"num_engines": num}
         sglang = tuple(getattr(args, "sglang_args", ()) or ())
-        return from_args(cls, args, sglang_args=sglang, **given)
+        tokenizer = getattr(args, "hf_checkpoint", None)
+        return from_args(cls, args, sglang_args=sglang, tokenizer_path=tokenizer, **given)

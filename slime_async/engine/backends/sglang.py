@@ -4,7 +4,8 @@ engine's placement-group bundle.
 Owns `sglang_config` (the run's `EngineConfig` + fleet + one launch → `SGLangConfig`),
 `SGLangActor` and `SGLangBackend`. Each engine's bundle holds `--rollout-num-gpus-per-engine`
 GPUs (Ray's `CUDA_VISIBLE_DEVICES`), which is the server's tensor parallelism; `--sglang-*`
-flags of the run reach every server verbatim (prefix removed). The port is picked on the actor's
+flags of the run reach every server verbatim (prefix removed), except the run's own
+(`RUN_SGLANG_FLAGS`); `--sglang-python` is the interpreter that runs it. The port is picked on the actor's
 node, on the address the server binds (its node's IP on a joined cluster, with the run's token
 handed over outside the command line). The handle's pid is the SGLang server's (the leader of
 its process group): killing it kills the engine, and `alive()` notices. Stopping ends the whole
@@ -17,6 +18,7 @@ are tested by replacing the SGLang process alone (tests/test_engine_sglang_launc
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from typing import Any, ClassVar
 
@@ -27,12 +29,34 @@ from slime_async.engine.backends.ray_actor import RayActorBackend
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.sglang import SGLangConfig, SGLangServer
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""Any of these in a checkpoint directory: SGLang can load a tokenizer from it."""
+
+
+def _has_tokenizer(path: str | None) -> bool:
+    return bool(path) and any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
 
 def sglang_config(
     engine: EngineConfig, launch: EngineLaunch, *, port: int, fleet: Any = None
 ) -> SGLangConfig:
-    """The SGLang server of `launch`: token-ids only, routed experts on (R3), TP = the GPUs of
-    one engine, the fleet's `--sglang-*` flags passed through."""
+    """The SGLang server of `launch`: routed experts on (R3), TP = the GPUs of one engine, the
+    fleet's `--sglang-*` flags passed through, run by `--sglang-python`.
+
+    The tokenizer is on (SGLang's `/v1/*` routes need it; our `/generate` calls send
+    `input_ids` and read ids either way): from the checkpoint the server starts on, else from
+    `--hf-checkpoint` (the trainer's export has no tokenizer files). Only where neither has
+    tokenizer files on the server's node (a model built from its spec, a hub id) is it started
+    with `--skip-tokenizer-init`. A `--sglang-skip-tokenizer-init` or `--sglang-tokenizer-path` of the
+    user's decides instead, untouched."""
+    extra = tuple(getattr(fleet, "sglang_args", ()))
+    user = {a.split("=", 1)[0] for a in extra}
+    tokenizer, skip = None, False
+    if not user & {"--skip-tokenizer-init", "--tokenizer-path"}:
+        source = getattr(fleet, "tokenizer_path", None)
+        if not _has_tokenizer(launch.model_dir) and _has_tokenizer(source):
+            tokenizer = source
+        skip = tokenizer is None and not _has_tokenizer(launch.model_dir)
     return SGLangConfig(
         model_path=launch.model_dir,
         host=launch.host or engine.host,
@@ -43,9 +67,11 @@ def sglang_config(
         max_running_requests=engine.max_running_requests,
         context_length=engine.context_length,
         enable_return_routed_experts=True,
-        skip_tokenizer_init=True,
-        extra_args=tuple(getattr(fleet, "sglang_args", ())),
+        skip_tokenizer_init=skip,
+        tokenizer_path=tokenizer,
+        extra_args=extra,
         api_key=engine.auth_token,
+        python=getattr(fleet, "sglang_python", None) or sys.executable,
     )
 
 
