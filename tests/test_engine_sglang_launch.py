@@ -456,7 +456,7 @@ def test_sglang_python_runs_the_server(fake_sglang, tmp_path: Path) -> None:
 
 def test_token_shim_needs_only_the_standard_library(tmp_path: Path) -> None:
     """The shim run by path under `python -S` (no site-packages: nothing of this project's
-    environment), with this repository's `engine/sglang.py` next to it not shadowing `sglang`."""
+    environment), with this repository's `slime_async/engine/sglang.py` next to it not shadowing `sglang`."""
     import subprocess
     import sys
 

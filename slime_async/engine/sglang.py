@@ -137,7 +137,7 @@ __all__ = ["API_KEY_ENV", "SGLangConfig", "SGLangServer", "build_command"]
 
 def build_command(cfg: SGLangConfig, *, _with_extra: bool = True) -> list[str]:
     """The argv that starts `cfg` (`[python, -m, sglang.launch_server, --model-path, ...]`; with
-    an `api_key`, `[python, .../sglang_launch.py, sglang.launch_server, ...]`, which adds
+    an `api_key`, `[python, <path of this package>/sglang_launch.py, sglang.launch_server, ...]`, which adds
     `--api-key` in-process; run by path, so `cfg.python` needs only sglang, not this project)."""
     if cfg.api_key:
         cmd = [cfg.python, os.path.abspath(sglang_launch.__file__), cfg.launch_module]

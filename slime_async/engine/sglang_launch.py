@@ -1,4 +1,4 @@
-"""`PYTHON .../slime_async/engine/sglang_launch.py MODULE ARGS...`: run SGLang's launcher MODULE
+"""`PYTHON <installed path>/slime_async/engine/sglang_launch.py MODULE ARGS...`: run SGLang's launcher MODULE
 with ARGS plus `--api-key <token>`, the token read from `$SLIME_ASYNC_SGLANG_API_KEY`.
 
 Owns only that hand-over: SGLang takes its key on the command line, and a command line is
