@@ -127,7 +127,11 @@ def converted_checkpoint(
     out = Path(cache_dir) / src.stem
     converted = (out / "config.json").is_file()
     if say is not None:
-        say(f"{'reusing' if converted else 'converting'} GGUF {src} -> {out} (once)")
+        say(
+            f"reusing {out}, converted from GGUF"
+            if converted
+            else f"converting GGUF {src} -> {out} (once)"
+        )
     if not converted:
         tmp = out.with_name(out.name + ".partial")
         if tmp.exists():
