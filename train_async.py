@@ -14,10 +14,11 @@ def main(argv: list[str] | None = None) -> int:
     from slime_async.config import parse_config
     from slime_async.controller import train
 
-    cfg = parse_config(argv)
+    # before parsing: a GGUF --hf-checkpoint is converted (and says so) while the flags are read
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    cfg = parse_config(argv)
     summary = asyncio.run(train(cfg))
     keys = ("rollout/reward", "eval/reward", "accounting/consumed", "accounting/dropped")
     print("done:", {k: round(float(summary[k]), 4) for k in keys if k in summary})

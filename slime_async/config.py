@@ -32,6 +32,7 @@ from data_worker.budget import snapshot_count, staleness_bound
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
 from router.config import add_router_args, load_auth_token, router_config_from_args
+from slime_async import startup
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
 from slime_async.engine.backends.config import split_sglang_args
@@ -112,7 +113,7 @@ def read_environment(args: argparse.Namespace) -> Environment:
 
         try:  # a .gguf file is converted once into the run directory
             converted = converted_checkpoint(
-                args.hf_checkpoint, Path(args.run_dir) / "hf_from_gguf"
+                args.hf_checkpoint, Path(args.run_dir) / "hf_from_gguf", say=startup.say
             )
         except (FileNotFoundError, ImportError) as e:
             raise ValueError(str(e)) from None

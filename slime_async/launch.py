@@ -26,6 +26,7 @@ from typing import Any
 
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep, resolve_loss_spec
+from slime_async import startup
 from slime_async.contracts.engine import EngineBackend
 from slime_async.contracts.rollout import Group, segment_payload
 from slime_async.contracts.weights import WeightTransport, version_dir_name
@@ -40,7 +41,7 @@ from slime_async.roles import Cluster, init_ray, pin_actor
 from slime_async.rollout.client import check_routed_experts
 from slime_async.rollout.plan import make_data_plan
 from slime_async.rollout.tasks import TaskFamilyConfig
-from slime_async.rollout.warmstart import WarmStartConfig, warm_start
+from slime_async.rollout.warmstart import WarmStartConfig, is_cached, warm_start
 from slime_async.run import Run, check_batch_shape
 from slime_async.run_config import RunConfig
 from slime_async.supervisor import EngineSupervisor
@@ -113,8 +114,11 @@ async def setup_run(cfg: RunConfig) -> Run:
     on (a test, a notebook, a retry) keeps its cluster's CPUs."""
     undo: list[Callable[[], Any]] = []
     try:
-        return await _build_run(cfg, undo)
+        run = await _build_run(cfg, undo)
+        startup.done(f"training from step {run.start_step}")
+        return run
     except BaseException:
+        startup.abandon()
         for release in reversed(undo):
             try:
                 done = release()
@@ -159,15 +163,19 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     trainer_cfg = cfg.trainer
     if cfg.warmstart_steps:  # validation leaves it 0 unless a fresh embedded default run
         threads = max(1, len(cfg.trainer_cores + cfg.rollout_cores))
-        ws = await asyncio.to_thread(
-            warm_start,
-            cfg.run_dir,
-            spec=cfg.model,
-            task=TaskFamilyConfig(seed=cfg.seed),
-            config=WarmStartConfig(
+        ws_args: dict[str, Any] = {
+            "spec": cfg.model,
+            "task": TaskFamilyConfig(seed=cfg.seed),
+            "config": WarmStartConfig(
                 max_steps=cfg.warmstart_steps, seed=cfg.seed, num_threads=threads
             ),
-            say=lambda m: log.info("%s", m),
+        }
+        cached = is_cached(cfg.run_dir, **ws_args)
+        startup.say(
+            f"warm start ({'cached' if cached else f'training up to {cfg.warmstart_steps} steps'})"
+        )
+        ws = await asyncio.to_thread(
+            warm_start, cfg.run_dir, **ws_args, say=lambda m: log.info("%s", m)
         )
         trainer_cfg = dataclasses.replace(trainer_cfg, hf_checkpoint=str(ws.path))
 
@@ -199,6 +207,7 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     # the engines start from (attached ones: load) the trainer's own export: identical weights
     weights_root = cfg.run_dir / "weights"
     first = weights_root / version_dir_name(version)
+    startup.say(f"exporting the trainer's weights v{version} to {first}")
     await asyncio.to_thread(trainer.save_weights, first)
     role = await _start_behavior_role(cfg, trainer_cfg)
     if role is not None:
@@ -275,6 +284,7 @@ async def _start_behavior_role(cfg: RunConfig, trainer_cfg: Any) -> BehaviorRole
         and cfg.data_worker.max_staleness > 0
     ):
         return None
+    startup.say("starting the forward-only behavior role")
     role = await asyncio.to_thread(
         BehaviorRole, trainer_cfg, cfg.model, num_threads=max(1, len(cfg.rollout_cores))
     )
@@ -288,6 +298,7 @@ async def _place(cfg: RunConfig) -> Placement | None:
     t, e = cfg.trainer, cfg.engines
     starts_engines = not get_engine_backend(e.backend).needs.urls
     need = t.world_size * t.actor_num_cpus_per_rank + e.num_engines * e.cpus_per_engine
+    startup.say(f"Ray ({'joining ' + cfg.ray_address if cfg.ray_address else 'local node'})")
     joined = init_ray(address=cfg.ray_address, num_cpus=need)
     if cfg.ray_address is not None and not joined:
         raise RuntimeError(
@@ -322,6 +333,13 @@ async def _start_trainer(
             if slots
             else None
         )
+    startup.say(
+        f"building the trainer ({trainer_cfg.world_size} rank(s), "
+        f"TP {trainer_cfg.tensor_model_parallel_size} / "
+        f"PP {trainer_cfg.pipeline_model_parallel_size} / "
+        f"EP {trainer_cfg.expert_model_parallel_size}"
+        + (f", loading {trainer_cfg.load})" if trainer_cfg.load else ")")
+    )
     trainer = await asyncio.to_thread(
         TrainerGroup,
         trainer_cfg,
@@ -361,6 +379,9 @@ async def _start_engines(
     start_from = start_source(cfg, first)
     if distributed and not start_from:
         backend.engine = dataclasses.replace(backend.engine, model_spec=cfg.model.to_dict())
+    n = cfg.engines.num_engines
+    verb = "attaching" if backend.needs.urls else "starting"
+    startup.say(f"{verb} {n} engine(s) ({cfg.engines.backend}) and the router")
     cluster = await Cluster.start(
         backend=backend,
         num_engines=cfg.engines.num_engines,
@@ -374,6 +395,7 @@ async def _start_engines(
         pin_slot_cores=joined and not cfg.colocate,
         router_host=ray.util.get_node_ip_address() if joined else None,
     )
+    startup.say(f"router on {cluster.router_url} in front of {len(cluster.engines)} engine(s)")
     transport: WeightTransport
     if distributed:
         transport = DistributedTransport(
@@ -392,6 +414,9 @@ async def _start_engines(
             on_written=None if role is None else role.add_version,
         )
     if not backend.needs.model_dir or distributed:
+        startup.say(
+            f"engines load version {version} through the {cfg.weights.transport.value} transport"
+        )
         try:
             await transport.load(version)
         except BaseException:

@@ -9,6 +9,7 @@ group; a resumed run continues from the saved step with no prompt lost or repeat
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2])
-async def test_async_modes_train_and_respect_staleness(tmp_path, staleness):
+async def test_async_modes_train_and_respect_staleness(tmp_path, staleness, caplog):
+    caplog.set_level(logging.INFO)
     steps = 4
     cfg = parse_config(
         _argv(tmp_path, "--num-steps", str(steps), "--max-staleness", str(staleness))
@@ -90,6 +92,19 @@ async def test_async_modes_train_and_respect_staleness(tmp_path, staleness):
     assert summary["accounting/consumed"] == steps * b
     per_step = _metrics(tmp_path)
     assert len(per_step) == steps
+    # start-up said what it was doing, phase by phase, in order
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up: ")]
+    phases = [
+        "start-up: Ray (local node)",
+        "start-up: building the trainer (1 rank(s), TP 1 / PP 1 / EP 1)",
+        "start-up: exporting the trainer's weights v0 to",
+        "start-up: starting 1 engine(s) (embedded) and the router",
+        "start-up: router on http://",
+        "start-up: done in ",
+    ]
+    at = [next(i for i, x in enumerate(said) if x.startswith(p)) for p in phases]
+    assert at == sorted(at), said
+    assert said[-1].endswith("; training from step 0"), said
     assert all(
         "is/staleness/mean" in m and "mismatch/train_rollout_logprob_abs_diff" in m
         for m in per_step

@@ -260,6 +260,9 @@ def test_train_async_with_sglang_backend(fake_sglang, tmp_path: Path) -> None:
     ]
     res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=280)
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    said = [x.split(": ", 1)[1] for x in res.stderr.splitlines() if " start-up: " in x]
+    assert any(x.startswith("start-up: starting 1 engine(s) (sglang)") for x in said), said
+    assert said[-1].startswith("start-up: done in "), said
     recs = _records(record)
     assert len(recs) == 1
     argv_seen = recs[0]["argv"]

@@ -1,7 +1,7 @@
 """Warm start: short supervised pre-training on the task family, cached in the run directory.
 
-Owns: `warm_start` (train or reuse), `sample_responses` / `measure_pass_rates` (temperature-1
-sampling with the HF model, used to check that RL starts from *partial* accuracy). The model is
+Owns: `warm_start` (train or reuse), `is_cached`, `sample_responses` / `measure_pass_rates`
+(temperature-1 sampling with the HF model, used to check that RL starts from *partial* accuracy). The model is
 the HF causal LM built from a `ModelSpec` (plain torch, fp32, CPU), trained on prompts of every
 level equally often (so hard levels pass now and then and give RL a signal), with the loss on
 the response tokens only. Training stops as soon as the
@@ -261,6 +261,18 @@ def _cached(path: Path, digest: str) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return meta if meta.get("hash") == digest else None
+
+
+def is_cached(
+    run_dir: str | Path,
+    *,
+    spec: ModelSpec = TINY_MOE,
+    task: TaskFamilyConfig | None = None,
+    config: WarmStartConfig | None = None,
+) -> bool:
+    """Whether `warm_start` with these arguments would reuse ``run_dir/warmstart``."""
+    digest = cache_hash(spec, task or TaskFamilyConfig(), config or WarmStartConfig())
+    return _cached(Path(run_dir) / "warmstart", digest) is not None
 
 
 def warm_start(

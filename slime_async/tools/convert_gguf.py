@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -115,14 +116,23 @@ def gguf_path(spec: str) -> Path | None:
     )
 
 
-def converted_checkpoint(spec: str, cache_dir: str | os.PathLike[str]) -> Path | None:
+def converted_checkpoint(
+    spec: str, cache_dir: str | os.PathLike[str], *, say: Callable[[str], None] | None = None
+) -> Path | None:
     """For a `spec` naming a .gguf file (`gguf_path`), its HF directory under `cache_dir`,
-    converted on first use (reused after); None for any other `spec`."""
+    converted on first use (reused after, `say` told which); None for any other `spec`."""
     src = gguf_path(spec)
     if src is None:
         return None
     out = Path(cache_dir) / src.stem
-    if not (out / "config.json").is_file():
+    converted = (out / "config.json").is_file()
+    if say is not None:
+        say(
+            f"reusing {out}, converted from GGUF"
+            if converted
+            else f"converting GGUF {src} -> {out} (once)"
+        )
+    if not converted:
         tmp = out.with_name(out.name + ".partial")
         if tmp.exists():
             import shutil

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import ray
 
+from slime_async import startup
 from slime_async.contracts.engine import EngineHandle, EngineLaunch, EngineNeeds
 from slime_async.engine.config import EngineConfig
 
@@ -43,10 +44,19 @@ class RayActorBackend:
     async def preflight(self) -> None:
         return None
 
+    async def waits_for(self, actor: ray.actor.ActorHandle, launch: EngineLaunch) -> str:
+        """What a start waits for, as the periodic `start-up: waiting for ...` lines say it."""
+        return f"{self.label} {launch.index}"
+
+    def start_limit_s(self) -> float | None:
+        """The bound the actor's `start()` enforces itself, if any (only shown in those lines)."""
+        return None
+
     async def start(self, launch: EngineLaunch) -> EngineHandle:
         actor = self.make_actor(launch)
         try:
-            url = await actor.start.remote()
+            what = await self.waits_for(actor, launch)
+            url = await startup.waiting(actor.start.remote(), what, limit_s=self.start_limit_s())
             pid = await actor.pid.remote()
         except BaseException:
             with contextlib.suppress(Exception):

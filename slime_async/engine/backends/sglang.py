@@ -92,6 +92,9 @@ class SGLangActor:
         self._server = SGLangServer(cfg, log_path=log)
         self._timeout = start_timeout_s
 
+    def log_path(self) -> str | None:
+        return self._server.log_path
+
     def start(self) -> str:
         return self._server.start(timeout=self._timeout)
 
@@ -117,7 +120,15 @@ class SGLangBackend(RayActorBackend):
     )
     label: ClassVar[str] = "sglang server"
 
+    def start_limit_s(self) -> float:
+        return float(getattr(self.fleet, "start_timeout_s", 900.0))
+
     def make_actor(self, launch: EngineLaunch) -> ray.actor.ActorHandle:
         opts = launch.placement or {"num_gpus": getattr(self.fleet, "gpus_per_engine", 1)}
-        timeout = getattr(self.fleet, "start_timeout_s", 900.0)
-        return SGLangActor.options(**opts).remote(self.engine, launch, self.fleet, timeout)
+        return SGLangActor.options(**opts).remote(
+            self.engine, launch, self.fleet, self.start_limit_s()
+        )
+
+    async def waits_for(self, actor: ray.actor.ActorHandle, launch: EngineLaunch) -> str:
+        where = await actor.log_path.remote()  # on the engine's node
+        return f"{self.label} {launch.index} /health, log {where}"
