@@ -2,7 +2,8 @@
 
 * The leaves (`loss`, `data_worker`, `router`) import nothing from `slime_async`.
 * Inside `slime_async`, the components (trainer, engine, rollout, weights, metrics) import only
-  the contracts (`slime_async.contracts`), the host helpers (`slime_async.host`) and themselves.
+  the contracts (`slime_async.contracts`), the host helpers (`slime_async.host`), the start-up
+  log (`slime_async.startup`; both import nothing from slime_async) and themselves.
 * The stability lab (`lab`, a repository tool, not installed) may import the runtime; the
   runtime (`slime_async` and the leaves) never imports it.
 * No import cycle among the project's modules, `TYPE_CHECKING` imports included.
@@ -18,7 +19,7 @@ PACKAGES = ("slime_async", "loss", "data_worker", "router")
 LEAVES = ("loss", "data_worker", "router")
 TOOLS = ("lab",)
 COMPONENTS = ("trainer", "engine", "rollout", "weights", "metrics")
-SHARED = ("contracts", "host")
+SHARED = ("contracts", "host", "startup")
 
 
 def _modules() -> dict[str, Path]:
