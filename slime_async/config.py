@@ -25,7 +25,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from clifields import HelpFormatter, range_errors
 from data_worker.budget import snapshot_count, staleness_bound
@@ -52,6 +52,7 @@ from slime_async.run_config import (
     add_run_args,
     run_default,
 )
+from slime_async.slime_flags import explain_unrecognized
 from slime_async.supervisor import add_supervisor_args, supervisor_config_from_args
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
@@ -74,10 +75,23 @@ __all__ = [
 ]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with short errors: the message and one hint line, no usage block, exit 2.
+    Unrecognized slime flags are answered from `slime_flags.NOT_HERE`."""
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            message = explain_unrecognized(message[len(prefix) :].split())
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists every flag)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The `train_async.py` parser: one flag group per component, each from its own module."""
-    parser = argparse.ArgumentParser(
+    """The `train_async.py` parser: one flag group per component, each from its own module.
+    No abbreviations: a slime flag that prefixes one of ours must not silently become ours."""
+    parser = Parser(
         prog="train_async.py",
+        allow_abbrev=False,
         description="Asynchronous RL post-training (README.md; every flag below comes from a "
         "config dataclass field, its help from the field docstring). "
         "Defaults that depend on the run are derived at start-up, logged as 'derived: ...' and "
@@ -319,6 +333,8 @@ def _shared_token(a: argparse.Namespace, env: Environment) -> tuple[Any, str | N
 
 
 def _raise_all(errors: list[str]) -> None:
+    if len(errors) == 1:
+        raise ValueError(errors[0])
     if errors:
         raise ValueError("invalid flags:\n  - " + "\n  - ".join(errors))
 
