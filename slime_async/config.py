@@ -2,8 +2,10 @@
 components.
 
 Owns: `build_parser` (one flag group per component, each from the module of its config
-dataclass), `read_environment` (the only I/O: the model's config from --hf-checkpoint and the
-usable CPU cores), `validate` (pure: flags + environment -> `RunConfig`) and `parse_config`.
+dataclass; errors are one message and a hint, an unknown slime flag answered from
+`slime_flags`), `read_environment` (the only I/O: the model's config from --hf-checkpoint, what
+--load's directory holds, the usable CPU cores), `validate` (pure: flags + environment ->
+`RunConfig`) and `parse_config`.
 
 Each component's config dataclass owns its flags (`add_<component>_args` /
 `<component>_config_from_args`, every flag default read from the dataclass) and the rules among
@@ -346,7 +348,7 @@ def _resume_from(f: _Flags, env: Environment, *, embedded: bool) -> str | None:
     start = (
         f"--hf-checkpoint {a.hf_checkpoint}"
         if a.hf_checkpoint
-        else "the embedded default's initial weights"
+        else "the embedded default's start (its warm start, if any)"
         if embedded
         else "the model's initial weights"
     )
