@@ -2,8 +2,10 @@
 components.
 
 Owns: `build_parser` (one flag group per component, each from the module of its config
-dataclass), `read_environment` (the only I/O: the model's config from --hf-checkpoint and the
-usable CPU cores), `validate` (pure: flags + environment -> `RunConfig`) and `parse_config`.
+dataclass; errors are one message and a hint, an unknown slime flag answered from
+`slime_flags`), `read_environment` (the only I/O: the model's config from --hf-checkpoint, what
+--load's directory holds, the usable CPU cores), `validate` (pure: flags + environment ->
+`RunConfig`) and `parse_config`.
 
 Each component's config dataclass owns its flags (`add_<component>_args` /
 `<component>_config_from_args`, every flag default read from the dataclass) and the rules among
@@ -25,12 +27,13 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from clifields import HelpFormatter, range_errors
 from data_worker.budget import snapshot_count, staleness_bound
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
+from loss.regularizers import with_regularizers
 from router.config import add_router_args, load_auth_token, router_config_from_args
 from slime_async import startup
 from slime_async.contracts.model import TINY_MOE, ModelSpec
@@ -53,6 +56,7 @@ from slime_async.run_config import (
     add_run_args,
     run_default,
 )
+from slime_async.slime_flags import explain_unrecognized
 from slime_async.supervisor import add_supervisor_args, supervisor_config_from_args
 from slime_async.trainer import hf_save
 from slime_async.trainer.config import (
@@ -76,10 +80,23 @@ __all__ = [
 ]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with short errors: the message and one hint line, no usage block, exit 2.
+    Unrecognized slime flags are answered from `slime_flags.NOT_HERE`."""
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            message = explain_unrecognized(message[len(prefix) :].split())
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists every flag)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The `train_async.py` parser: one flag group per component, each from its own module."""
-    parser = argparse.ArgumentParser(
+    """The `train_async.py` parser: one flag group per component, each from its own module.
+    No abbreviations: a slime flag that prefixes one of ours must not silently become ours."""
+    parser = Parser(
         prog="train_async.py",
+        allow_abbrev=False,
         description="Asynchronous RL post-training (README.md; every flag below comes from a "
         "config dataclass field, its help from the field docstring). "
         "Defaults that depend on the run are derived at start-up, logged as 'derived: ...' and "
@@ -133,12 +150,18 @@ def read_environment(args: argparse.Namespace) -> Environment:
             ) from None
     from slime_async.roles import ray_address
 
+    load = None
+    if args.load:  # read here, so that every refusal about it comes before anything starts
+        from slime_async.trainer.checkpoint import inspect_load
+
+        load = inspect_load(Path(args.load))
     return Environment(
         model=model,
         cpus=tuple(sorted(os.sched_getaffinity(0))),
         ray_address=ray_address(args.ray_address),
         auth_token=load_auth_token(args.auth_token_file),
         converted_checkpoint=None if converted is None else str(converted),
+        load=load,
     )
 
 
@@ -247,8 +270,13 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     trainer = trainer_config_from_args(a)
     _check_model(trainer, env.model, hf_checkpoint=a.hf_checkpoint)
     trainer = dataclasses.replace(
-        trainer, loss=loss.loss, temperature=rollout.temperature, hf_source=a.hf_checkpoint
+        trainer,
+        loss=loss.loss,
+        temperature=rollout.temperature,
+        hf_source=a.hf_checkpoint,
+        load=_resume_from(f, env, embedded=embedded),
     )
+    _check_resume(a, env, trainer)
     engines = EngineFleetConfig.from_args(a)
     if f.unset("num_engines"):
         why = "one per --engine-urls URL" if engines.urls else "the default"
@@ -266,7 +294,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         )
     colocate, trainer_cores, rollout_cores = _placement(f, env)
     router, token = _shared_token(a, env)
-    _derive_warmstart(f, embedded=embedded)
+    _derive_warmstart(f, embedded=embedded, resume=trainer.load is not None)
     engine = engine_run_config_from_args(
         a,
         seed=rollout.seed_or(a.seed),
@@ -287,7 +315,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
                 "distributed",
                 "no shared filesystem needed (docs/weight-sync.md)",
             )
-    return RunConfig(
+    cfg = RunConfig(
         run_dir=Path(a.run_dir),
         ray_address=env.ray_address,
         auth_token_file=a.auth_token_file,
@@ -312,6 +340,87 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         derived=f.derived,
         flags=flags,
     )
+    if trainer.load is not None and env.load is not None:
+        from slime_async.run import check_batch_shape
+
+        check_batch_shape(env.load.batch_shape, cfg, where=str(a.load))
+    return cfg
+
+
+def _resume_from(f: _Flags, env: Environment, *, embedded: bool) -> str | None:
+    """The directory the trainer resumes from: --load, unless it holds nothing yet and --save
+    names the same directory (slime's `--load D --save D`: the first run starts fresh, a rerun
+    resumes). The flag stays as given; the run records that it was empty."""
+    a, facts = f.args, env.load
+    if facts is None or not facts.empty:
+        return a.load
+    what = "is empty" if facts.exists else "does not exist"
+    if a.save is None or os.path.abspath(a.load) != os.path.abspath(a.save):
+        raise ValueError(
+            f"--load {a.load} {what}: no checkpoint to resume, and this run would not start "
+            f"fresh on its own; fix the path, drop --load to start a new run, or give --save "
+            f"{a.load} too (a first run starts fresh and saves there, a rerun resumes, as slime's "
+            "--load D --save D)"
+        )
+    start = (
+        f"--hf-checkpoint {a.hf_checkpoint}"
+        if a.hf_checkpoint
+        else "the embedded default's start (its warm start, if any)"
+        if embedded
+        else "the model's initial weights"
+    )
+    f.derived["--load"] = Derived(
+        None,
+        f"--load {a.load} {what}, no checkpoint yet: starting fresh from {start}, as slime "
+        "does; --save writes there, so a rerun with the same flags resumes",
+    )
+    return None
+
+
+def _check_resume(a: argparse.Namespace, env: Environment, trainer: TrainerConfig) -> None:
+    """Every refusal about the checkpoint a resume loads, before anything starts (the trainer's
+    load repeats them, and checks the files' sha256)."""
+    facts = env.load
+    if trainer.load is None or facts is None:
+        return
+    if facts.problem is not None:
+        raise ValueError(facts.problem)
+    where = f"--load {a.load}"
+    if facts.version == 0:
+        raise ValueError(
+            f"{where}: checkpoint {facts.checkpoint} is iteration 0 (untrained initial weights); "
+            "resuming it would push initial weights to the engines as if trained; start a new "
+            "run with --hf-checkpoint instead of --load"
+        )
+    from slime_async.trainer.checkpoint import CheckpointError, check_spec
+
+    try:
+        check_spec(
+            ModelSpec.from_dict(facts.spec), env.model, where=f"{where} ({facts.checkpoint})"
+        )
+    except CheckpointError as e:
+        raise ValueError(
+            f"{e} (this run's model is "
+            f"{'--hf-checkpoint ' + str(a.hf_checkpoint) if a.hf_checkpoint else 'the tiny MoE'})"
+        ) from None
+    if not facts.has_worker_state:
+        raise ValueError(
+            f"{where}: checkpoint {facts.checkpoint} holds no data-worker state (it was not "
+            "written by train_async.py), so a resume would lose or repeat prompts; start from "
+            "its weights with --hf-checkpoint instead of --load"
+        )
+    if facts.step is not None and int(facts.step) != facts.version:
+        raise ValueError(
+            f"{where}: checkpoint {facts.checkpoint} says step {facts.step} but holds version "
+            f"{facts.version}; the checkpoint is inconsistent, load an earlier one"
+        )
+    needs = with_regularizers(resolve_loss_spec(trainer.loss.name), trainer.loss.regularizers)
+    if needs.needs.reference_logprobs and a.ref_load is None:
+        raise ValueError(
+            f"--use-kl-loss with {where}: the resumed weights are not the run's reference "
+            "policy; give --ref-load with the HF directory the run started from (its "
+            "--hf-checkpoint, or RUN_DIR/warmstart for the embedded default)"
+        )
 
 
 def _shared_token(a: argparse.Namespace, env: Environment) -> tuple[Any, str | None]:
@@ -337,6 +446,8 @@ def _shared_token(a: argparse.Namespace, env: Environment) -> tuple[Any, str | N
 
 
 def _raise_all(errors: list[str]) -> None:
+    if len(errors) == 1:
+        raise ValueError(errors[0])
     if errors:
         raise ValueError("invalid flags:\n  - " + "\n  - ".join(errors))
 
@@ -635,11 +746,11 @@ def _derive_save_hf(f: _Flags, *, embedded: bool, gguf: str | None) -> None:
     _raise_all(errors)
 
 
-def _derive_warmstart(f: _Flags, *, embedded: bool) -> None:
+def _derive_warmstart(f: _Flags, *, embedded: bool, resume: bool) -> None:
     """Warm start applies only to a fresh embedded default run (tiny MoE, built-in tasks)."""
     a = f.args
     why_not = None  # why a warm start cannot apply to this run
-    if a.load:
+    if resume:
         why_not = "the run resumes from --load, whose checkpoint holds the trained weights"
     elif not embedded:
         why_not = (

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clifields import add_flags, check_ranges, flag
 from data_worker.config import DataWorkerConfig
@@ -25,6 +25,9 @@ from slime_async.rollout.config import RolloutConfig
 from slime_async.supervisor import SupervisorConfig
 from slime_async.trainer.config import TrainerConfig
 from slime_async.weights.config import WeightSyncConfig
+
+if TYPE_CHECKING:  # the checkpoint module imports torch
+    from slime_async.trainer.checkpoint import LoadFacts
 
 DEFAULT_NUM_ROLLOUT = 200
 """Rollouts of a run that gives neither --num-steps nor --num-rollout."""
@@ -70,6 +73,8 @@ class Environment:
     """The run's shared token (`SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`), if any."""
     converted_checkpoint: str | None = None
     """HF directory converted from the .gguf file that --hf-checkpoint names (None: no GGUF)."""
+    load: LoadFacts | None = None
+    """What --load holds (None: no --load)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

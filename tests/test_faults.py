@@ -168,9 +168,12 @@ async def test_fresh_run_archives_a_dead_runs_ledger_and_resume_keeps_the_batch_
     assert len(groups) == len(set(groups)) == 2 * cfg.rollout.groups_per_step
     (archived,) = tmp_path.glob("trained.jsonl.stale-*")
     assert archived.read_text().splitlines() == stale
-    other = parse_config(
-        _argv(tmp_path, "--num-steps", "3", "--load", str(ckpt), "--rollout-batch-size", "4")
-    )
+    other_argv = _argv(tmp_path, "--num-steps", "3", "--rollout-batch-size", "4")
+    with pytest.raises(SystemExit):  # refused at parse time, before anything starts
+        parse_config([*other_argv, "--load", str(ckpt)])
+    # the launcher's own guard (a checkpoint that changed after parsing) refuses it too
+    other = parse_config(other_argv)
+    other = dataclasses.replace(other, trainer=dataclasses.replace(other.trainer, load=str(ckpt)))
     with pytest.raises(
         ValueError, match=r"trained with --rollout-batch-size 2.*--rollout-batch-size 4"
     ):

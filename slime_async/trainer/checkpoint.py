@@ -25,13 +25,16 @@ and plain containers.
 
 Guards (each raises `CheckpointError` naming the path): `--load` missing, empty or without a
 complete checkpoint (never a fallback to `--hf-checkpoint`/`--ref-load`); a loaded iteration
-of 0; a checkpoint of another ModelSpec. A partial or corrupted directory (missing file, size
+of 0; a checkpoint of another ModelSpec. `inspect_load` reads the same facts at start-up (no
+sha256 of the tensor files) so that the run's config refuses them before anything starts; an
+empty `--load` is the config's to allow (slime's `--load D --save D`), never this module's. A partial or corrupted directory (missing file, size
 or sha256 mismatch, unreadable meta) is never picked: `latest` falls back to the newest
 complete checkpoint and says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -215,8 +218,10 @@ def _iter_dirs(save_dir: Path) -> list[Path]:
     return sorted(dirs, key=lambda d: int(_ITER.match(d.name).group(1)))
 
 
-def validate(ckpt: Path) -> str | None:
-    """None if `ckpt` is a complete checkpoint, else the reason it is not."""
+def validate(ckpt: Path, *, hashes: bool = True) -> str | None:
+    """None if `ckpt` is a complete checkpoint, else the reason it is not. `hashes=False` checks
+    meta.json (its own checksum included) and every file's presence and size, not the files'
+    sha256 (start-up's quick look; the trainer's load checks them all)."""
     meta_path = ckpt / "meta.json"
     try:
         meta = read_meta(ckpt)
@@ -233,14 +238,14 @@ def validate(ckpt: Path) -> str | None:
             return f"missing file {f}"
         if f.stat().st_size != info["bytes"]:
             return f"{f} has {f.stat().st_size} bytes, meta.json says {info['bytes']} (truncated)"
-        if _sha256(f) != info["sha256"]:
+        if hashes and _sha256(f) != info["sha256"]:
             return f"{f} fails its sha256 check (corrupted)"
     if "model.pt" not in meta.get("files", {}):
         return f"{ckpt} has no model.pt"
     return None
 
 
-def find_latest(load_dir: Path) -> Path:
+def find_latest(load_dir: Path, *, hashes: bool = True) -> Path:
     """The complete checkpoint to resume from in `load_dir` (a save dir or an iter dir)."""
     if not load_dir.is_dir():
         raise CheckpointError(
@@ -249,7 +254,7 @@ def find_latest(load_dir: Path) -> Path:
             "start a new run."
         )
     if (load_dir / "meta.json").exists():
-        reason = validate(load_dir)
+        reason = validate(load_dir, hashes=hashes)
         if reason:
             raise CheckpointError(f"--load {load_dir} is not a usable checkpoint: {reason}")
         return load_dir
@@ -257,7 +262,7 @@ def find_latest(load_dir: Path) -> Path:
     if pointer.is_file():
         try:
             cand = load_dir / iter_name(int(pointer.read_text().strip()))
-            reason = validate(cand)
+            reason = validate(cand, hashes=hashes)
         except ValueError:
             cand, reason = None, f"unreadable pointer {pointer}"
         if reason is None and cand is not None:
@@ -265,15 +270,78 @@ def find_latest(load_dir: Path) -> Path:
         log.warning(
             "checkpoint pointer %s is not usable (%s); looking for older ones", pointer, reason
         )
-    complete = [d for d in _iter_dirs(load_dir) if validate(d) is None]
+    complete = [d for d in _iter_dirs(load_dir) if validate(d, hashes=hashes) is None]
     if complete:
         log.warning("resuming from %s, the newest complete checkpoint", complete[-1])
         return complete[-1]
     found = sorted(p.name for p in load_dir.iterdir())
+    slime = (
+        " It is a Megatron/slime checkpoint (latest_checkpointed_iteration.txt), which this "
+        "trainer does not read: convert it to Hugging Face and start from it with "
+        "--hf-checkpoint."
+        if "latest_checkpointed_iteration.txt" in found
+        else ""
+    )
     raise CheckpointError(
         f"--load {load_dir} holds no complete checkpoint (contents: {found[:10]}); refusing to "
         "start from --hf-checkpoint/--ref-load or random weights. Point --load at a directory "
-        "written by --save, or drop --load to start a new run."
+        f"written by --save, or drop --load to start a new run.{slime}"
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LoadFacts:
+    """What `--load`'s directory holds (`inspect_load`, at start-up)."""
+
+    path: str
+    """The directory, as given."""
+    empty: bool = False
+    """Missing or empty: nothing saved there yet."""
+    exists: bool = True
+    """The path exists."""
+    problem: str | None = None
+    """Why it cannot be resumed (not empty, but no usable checkpoint)."""
+    checkpoint: str | None = None
+    """The complete checkpoint a resume loads."""
+    version: int | None = None
+    """Its train version."""
+    spec: dict[str, Any] | None = None
+    """Its `ModelSpec`, as saved."""
+    step: int | None = None
+    """The controller's step in its extra state."""
+    has_worker_state: bool = False
+    """It holds the data worker's state (written by train_async.py)."""
+    batch_shape: Any = None
+    """The batch shape it was trained with (None: not recorded)."""
+
+
+def holds_no_checkpoint_yet(load_dir: Path) -> bool:
+    """`load_dir` is missing, or an empty directory (a crashed first save's `.tmp-iter_*`
+    aside): a run with --save there has saved nothing yet."""
+    if not load_dir.exists():
+        return True
+    return load_dir.is_dir() and all(p.name.startswith(".tmp-") for p in load_dir.iterdir())
+
+
+def inspect_load(load_dir: Path) -> LoadFacts:
+    """What `--load load_dir` holds, read once at start-up so that every refusal about it comes
+    before anything starts. No sha256 of the tensor files: the trainer's `load` checks them."""
+    if holds_no_checkpoint_yet(load_dir):
+        return LoadFacts(path=str(load_dir), empty=True, exists=load_dir.exists())
+    try:
+        ckpt = find_latest(load_dir, hashes=False)
+        meta = read_meta(ckpt)
+    except CheckpointError as e:
+        return LoadFacts(path=str(load_dir), problem=str(e))
+    extra = meta.get("extra_state") or {}
+    return LoadFacts(
+        path=str(load_dir),
+        checkpoint=str(ckpt),
+        version=int(meta["version"]),
+        spec=meta["spec"],
+        step=extra.get("step"),
+        has_worker_state="worker" in extra,
+        batch_shape=extra.get("batch_shape"),
     )
 
 
