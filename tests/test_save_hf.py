@@ -29,6 +29,11 @@ LLAMA = ModelSpec(
     head_dim=8,
     intermediate_size=48,
     rope_theta=500000.0,
+    rope_scaling="llama3",  # as the source below: the spec models Llama 3's rope scaling
+    rope_factor=8.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_position_embeddings=1024,
     tie_word_embeddings=True,
 )
 
