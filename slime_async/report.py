@@ -323,13 +323,13 @@ def _mark_warnings(axes: dict[str, Any], warnings: Sequence[GuardWarning]) -> No
 def _need_matplotlib() -> None:
     """The PNGs need matplotlib, an optional dependency (``slime-async[report]``); the verdicts
     do not."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
         raise ImportError(
             "the PNG report needs matplotlib: pip install 'slime-async[report]' "
             "(or pass --no-plot for the verdict only)"
-        )
+        ) from e
 
 
 def render_png(

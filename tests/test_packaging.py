@@ -104,3 +104,32 @@ def test_sidecar_finds_a_package_off_sys_path(tmp_path, monkeypatch):
 def test_sidecar_defaults_to_the_environment(monkeypatch):
     monkeypatch.delenv(sidecar.ENV_VAR, raising=False)
     assert sidecar.sidecar_dir() == Path(sys.prefix) / "sidecar"
+
+
+OPTIONAL = ("matplotlib", "reasoning_gym", "gguf", "accelerate", "sglang_router", "verl")
+"""Top-level modules of the extras: the core imports none of them at import time."""
+
+_BLOCK = """
+import sys
+for name in {blocked!r}:
+    sys.modules[name] = None  # `import name` fails; importlib.util.find_spec(name) is None
+"""
+
+
+def test_the_core_imports_and_parses_without_the_extras():
+    import subprocess
+
+    code = _BLOCK.format(blocked=set(OPTIONAL)) + (
+        "import train_async, slime_async.launch, slime_async.run, slime_async.report\n"
+        "from slime_async.config import build_parser\n"
+        "build_parser().format_help()\n"
+        "try:\n"
+        "    slime_async.report._need_matplotlib()\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "pip install 'slime-async[report]'" in out.stdout
