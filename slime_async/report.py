@@ -320,10 +320,23 @@ def _mark_warnings(axes: dict[str, Any], warnings: Sequence[GuardWarning]) -> No
             ax.axvline(w.step, color="red", alpha=0.25, lw=2)
 
 
+def _need_matplotlib() -> None:
+    """The PNGs need matplotlib, an optional dependency (``slime-async[report]``); the verdicts
+    do not."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "the PNG report needs matplotlib: pip install 'slime-async[report]' "
+            "(or pass --no-plot for the verdict only)"
+        ) from e
+
+
 def render_png(
     history: MetricsHistory, warnings: Sequence[GuardWarning], out: Path, *, title: str
 ) -> Path:
     """Draw the dashboard into ``out`` (written atomically)."""
+    _need_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -456,6 +469,7 @@ def _verdicts(
 def render_overlay(run_dirs: Sequence[str | Path], out: str | Path) -> OverlayReport:
     """Overlay the runs' main curves (`OVERLAY_PANELS`) on one PNG written atomically to
     ``out``: run i is colour Ci in every panel; a run without a metric simply has no line."""
+    _need_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -522,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _compare(args.run_dir, out=args.out or "compare.png", plot=not args.no_plot)
     try:
         rep = render_report(args.run_dir[0], out=args.out, plot=not args.no_plot)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(rep.verdict)
@@ -541,7 +555,7 @@ def _compare(run_dirs: Sequence[str], *, out: str, plot: bool) -> int:
             histories = [read_metrics(d / METRICS_FILE) for d in dirs]
             verdicts = _verdicts(run_labels(dirs), histories, dirs)
             png = None
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("\n\n".join(f"== {label}\n{text}" for label, text in verdicts.items()))

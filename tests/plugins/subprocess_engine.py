@@ -3,7 +3,7 @@
 Each engine is `python -m slime_async.engine ...` (`EngineProcess`), a launch path different
 from the built-in `embedded` backend's Ray actor. It is added the way any backend is: this one
 file, plus the one `register_engine_backend` line at the bottom. Select it with
-`--engine-backend plugins.subprocess_engine:subprocess` (tests/ is on sys.path under pytest).
+`--engine-backend tests.plugins.subprocess_engine:subprocess` (the repository root is on sys.path under pytest).
 Cores are not pinned (the engine's `num_threads` still bounds torch's pool).
 """
 
