@@ -1,13 +1,17 @@
 """Host-level helpers for the processes of a run, shared by roles, trainer and engine backends.
 
-Owns `pin_cores` (CPU core pinning inside a process: the CPU analogue of separate GPU pools) and
-`free_port` (a free local TCP port). Imports nothing from slime_async.
+Owns `pin_cores` (CPU core pinning inside a process: the CPU analogue of separate GPU pools),
+`free_port` (a free local TCP port), and the two file primitives every durable write uses:
+`atomic_write_text` (temp file, fsync, rename) and `file_sha256`. Imports nothing from
+slime_async.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
+from pathlib import Path
 
 
 def pin_cores(cores: tuple[int, ...]) -> None:
@@ -45,3 +49,24 @@ def gloo_interface(ip: str) -> None:
         if any(a.address == ip for a in addrs):
             os.environ["GLOO_SOCKET_IFNAME"] = name
             return
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write `text` to `path` so a reader sees the old content or the new, never a part: a
+    temp file beside it, flushed to disk, then renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 hex digest of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

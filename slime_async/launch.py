@@ -32,7 +32,7 @@ from slime_async.contracts.rollout import Group, segment_payload
 from slime_async.contracts.weights import WeightTransport, version_dir_name
 from slime_async.engine.backends import get_engine_backend
 from slime_async.generate_chain import build_generate_chain
-from slime_async.host import free_port
+from slime_async.host import atomic_write_text, free_port
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.guards import run_guard_config
 from slime_async.placement import Placement, place_roles
@@ -445,6 +445,4 @@ def record_config(cfg: RunConfig) -> None:
     for line in derived_lines(cfg):
         log.info("%s", line)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cfg.run_dir / "config.json.tmp"
-    tmp.write_text(config_json(cfg))
-    os.replace(tmp, cfg.run_dir / "config.json")
+    atomic_write_text(cfg.run_dir / "config.json", config_json(cfg))

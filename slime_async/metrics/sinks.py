@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from slime_async.host import atomic_write_text
+
 
 class Sink(Protocol):
     """Receives one record per logged step."""
@@ -165,12 +167,6 @@ DEFAULT_WANDB_PROJECT = "slime-async"
 """wandb project when neither the caller nor $WANDB_PROJECT names one."""
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def wandb_run_id(run_dir: str | Path, given: str | None, new_id: Callable[[], str]) -> str:
     """The wandb run id of the run in ``run_dir``, stored in ``run_dir/wandb_run_id``: ``given``
     (a flag), else $WANDB_RUN_ID, else the stored id (a resume or a restart), else ``new_id()``.
@@ -180,7 +176,7 @@ def wandb_run_id(run_dir: str | Path, given: str | None, new_id: Callable[[], st
     chosen = given or os.environ.get("WANDB_RUN_ID") or stored or new_id()
     if chosen != stored:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, chosen + "\n")
+        atomic_write_text(path, chosen + "\n")
     return chosen
 
 

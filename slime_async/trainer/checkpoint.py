@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from slime_async.contracts.model import ModelSpec
+from slime_async.host import atomic_write_text, file_sha256
 from slime_async.trainer import hf_convert
 from slime_async.trainer.model import global_named_parameters
 from slime_async.trainer.parallel import ParallelLayout
@@ -128,25 +129,9 @@ def read_meta(ckpt: Path) -> dict[str, object]:
     return meta
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _barrier(tr: TrainerState) -> None:
     if dist.is_initialized() and tr.world_size > 1:
         dist.barrier()
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _optimizer_moments(tr: TrainerState) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
@@ -180,7 +165,8 @@ def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) ->
     _barrier(tr)
     if tr.rank == 0:
         files = {
-            f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(tmp.iterdir())
+            f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+            for f in sorted(tmp.iterdir())
         }
         meta = {
             "format": FORMAT,
@@ -195,11 +181,11 @@ def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) ->
             "files": files,
         }
         meta["meta_sha256"] = _meta_digest(meta)
-        _atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
+        atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _atomic_write_text(save_dir / "latest", f"{tr.version}\n")
+        atomic_write_text(save_dir / "latest", f"{tr.version}\n")
         _prune(save_dir, keep=tr.cfg.keep_checkpoints, current=final)
     _barrier(tr)
     return final
@@ -238,7 +224,7 @@ def validate(ckpt: Path, *, hashes: bool = True) -> str | None:
             return f"missing file {f}"
         if f.stat().st_size != info["bytes"]:
             return f"{f} has {f.stat().st_size} bytes, meta.json says {info['bytes']} (truncated)"
-        if hashes and _sha256(f) != info["sha256"]:
+        if hashes and file_sha256(f) != info["sha256"]:
             return f"{f} fails its sha256 check (corrupted)"
     if "model.pt" not in meta.get("files", {}):
         return f"{ckpt} has no model.pt"

@@ -17,26 +17,18 @@ data-worker parts of `slime_async`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
 
 from slime_async.contracts.weights import HFWeights
+from slime_async.host import file_sha256
 from slime_async.trainer import weights_io
 
 MARKER = "slime_async_save_hf.json"
 FORMAT = "slime_async.save_hf/1"
 _CKPT_ENTRY = re.compile(r"^(iter_\d{7}|latest|\.tmp-.*)$")
 """Names `--save` writes at its top level (`trainer.checkpoint`)."""
-
-
-def _sha256(f: Path) -> str:
-    h = hashlib.sha256()
-    with open(f, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def is_save_hf_dir(d: Path) -> bool:
@@ -57,7 +49,7 @@ def write(weights: HFWeights, out: str | Path, *, source: str | Path | None) -> 
 
     def mark(tmp: Path) -> None:
         files = {
-            f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
             for f in sorted(tmp.iterdir())
             if f.is_file()
         }
@@ -82,7 +74,7 @@ def verify(d: Path) -> str | None:
         f = d / name
         if not f.is_file():
             return f"missing file {f}"
-        if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
+        if f.stat().st_size != info["bytes"] or file_sha256(f) != info["sha256"]:
             return f"{f} does not match its recorded size/sha256"
     return None
 
