@@ -5,7 +5,9 @@ Owns: `build_parser` (one flag group per component, each from the module of its 
 dataclass; errors are one message and a hint, an unknown slime flag answered from
 `slime_flags`), `read_environment` (the only I/O: the model's config from --hf-checkpoint, what
 --load's directory holds, the usable CPU cores), `validate` (pure: flags + environment ->
-`RunConfig`) and `parse_config`.
+`RunConfig`) and `parse_config`. The rules about what a run starts from and writes (`--load`,
+`--save`, `--save-hf`, warm start) are `slime_async.run_paths`'; the derivation bookkeeping
+(`Flags`) is `slime_async.derive`'s.
 
 Each component's config dataclass owns its flags (`add_<component>_args` /
 `<component>_config_from_args`, every flag default read from the dataclass) and the rules among
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import logging
 import math
 import os
@@ -33,10 +34,10 @@ from clifields import HelpFormatter, range_errors
 from data_worker.budget import snapshot_count, staleness_bound
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
-from loss.regularizers import with_regularizers
 from router.config import add_router_args, load_auth_token, router_config_from_args
 from slime_async import startup
 from slime_async.contracts.model import TINY_MOE, ModelSpec
+from slime_async.derive import Flags, raise_all
 from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
 from slime_async.engine.backends.config import split_sglang_args
 from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
@@ -54,11 +55,10 @@ from slime_async.run_config import (
     RunConfig,
     add_placement_args,
     add_run_args,
-    run_default,
 )
+from slime_async.run_paths import check_resume, derive_save_hf, derive_warmstart, resume_from
 from slime_async.slime_flags import explain_unrecognized
 from slime_async.supervisor import add_supervisor_args, supervisor_config_from_args
-from slime_async.trainer import hf_save
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
     REAL_MODEL_LR_WARN,
@@ -192,34 +192,12 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     return cfg
 
 
-class _Flags:
-    """The parsed flags plus the values derived so far; never changes a flag the user set."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = argparse.Namespace(**vars(args))  # the caller's namespace stays as given
-        self.derived: dict[str, Derived] = {}
-
-    def unset(self, dest: str) -> bool:
-        return getattr(self.args, dest) is None
-
-    def fill(self, dest: str, value: Any, why: str) -> None:
-        """Set an unset flag to `value` and record why."""
-        assert self.unset(dest), dest
-        setattr(self.args, dest, value)
-        self.note(dest, value, why)
-
-    def note(self, dest: str, value: Any, why: str) -> None:
-        """Record the value a component resolved for an unset flag (as it would be typed)."""
-        value = value.value if isinstance(value, enum.Enum) else value
-        self.derived["--" + dest.replace("_", "-")] = Derived(value, why)
-
-
 def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     """Flags + environment -> `RunConfig`: every cross-component rule, without I/O.
 
     Raises ValueError with a sentence naming the flag and the fix.
     """
-    f = _Flags(args)
+    f = Flags(args)
     a = f.args
     flags = {k: v for k, v in vars(args).items() if k not in ("sglang_args", "config", "dry_run")}
     if env.converted_checkpoint is not None:  # the same weights, in the form the trainer reads
@@ -228,7 +206,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
             "hf_checkpoint", a.hf_checkpoint, f"converted from the GGUF file {args.hf_checkpoint}"
         )
     embedded = a.hf_checkpoint is None and a.prompt_data is None and a.prompt_source is None
-    _raise_all(_run_errors(a))
+    raise_all(_run_errors(a))
     rollout = rollout_config_from_args(a)
     if a.global_batch_size is None:
         f.note(
@@ -260,13 +238,13 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         )
     if a.fifo_window is None:
         f.note("fifo_window", data_worker.fifo_window, f"2 x groups per step (B = {b})")
-    _raise_all(_schedule_errors(a, data_worker))
+    raise_all(_schedule_errors(a, data_worker))
     data_worker = _derive_off_policy_drop(f, data_worker)
     loss = loss_settings_from_args(a, default_loss_scale_factor=float(rollout.max_response_len))
     for flag, value, why in loss.derived:
         f.derived[flag] = Derived(value, why)
     _derive_trainer(f, data_worker, embedded=embedded, loss_name=loss.loss.name)
-    _derive_save_hf(f, embedded=embedded, gguf=args.hf_checkpoint)
+    derive_save_hf(f, embedded=embedded, gguf=args.hf_checkpoint)
     trainer = trainer_config_from_args(a)
     _check_model(trainer, env.model, hf_checkpoint=a.hf_checkpoint)
     trainer = dataclasses.replace(
@@ -274,9 +252,9 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         loss=loss.loss,
         temperature=rollout.temperature,
         hf_source=a.hf_checkpoint,
-        load=_resume_from(f, env, embedded=embedded),
+        load=resume_from(f, env, embedded=embedded),
     )
-    _check_resume(a, env, trainer)
+    check_resume(a, env, trainer)
     engines = EngineFleetConfig.from_args(a)
     if f.unset("num_engines"):
         why = "one per --engine-urls URL" if engines.urls else "the default"
@@ -294,7 +272,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         )
     colocate, trainer_cores, rollout_cores = _placement(f, env)
     router, token = _shared_token(a, env)
-    _derive_warmstart(f, embedded=embedded, resume=trainer.load is not None)
+    derive_warmstart(f, embedded=embedded, resume=trainer.load is not None)
     engine = engine_run_config_from_args(
         a,
         seed=rollout.seed_or(a.seed),
@@ -347,82 +325,6 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     return cfg
 
 
-def _resume_from(f: _Flags, env: Environment, *, embedded: bool) -> str | None:
-    """The directory the trainer resumes from: --load, unless it holds nothing yet and --save
-    names the same directory (slime's `--load D --save D`: the first run starts fresh, a rerun
-    resumes). The flag stays as given; the run records that it was empty."""
-    a, facts = f.args, env.load
-    if facts is None or not facts.empty:
-        return a.load
-    what = "is empty" if facts.exists else "does not exist"
-    if a.save is None or os.path.abspath(a.load) != os.path.abspath(a.save):
-        raise ValueError(
-            f"--load {a.load} {what}: no checkpoint to resume, and this run would not start "
-            f"fresh on its own; fix the path, drop --load to start a new run, or give --save "
-            f"{a.load} too (a first run starts fresh and saves there, a rerun resumes, as slime's "
-            "--load D --save D)"
-        )
-    start = (
-        f"--hf-checkpoint {a.hf_checkpoint}"
-        if a.hf_checkpoint
-        else "the embedded default's start (its warm start, if any)"
-        if embedded
-        else "the model's initial weights"
-    )
-    f.derived["--load"] = Derived(
-        None,
-        f"--load {a.load} {what}, no checkpoint yet: starting fresh from {start}, as slime "
-        "does; --save writes there, so a rerun with the same flags resumes",
-    )
-    return None
-
-
-def _check_resume(a: argparse.Namespace, env: Environment, trainer: TrainerConfig) -> None:
-    """Every refusal about the checkpoint a resume loads, before anything starts (the trainer's
-    load repeats them, and checks the files' sha256)."""
-    facts = env.load
-    if trainer.load is None or facts is None:
-        return
-    if facts.problem is not None:
-        raise ValueError(facts.problem)
-    where = f"--load {a.load}"
-    if facts.version == 0:
-        raise ValueError(
-            f"{where}: checkpoint {facts.checkpoint} is iteration 0 (untrained initial weights); "
-            "resuming it would push initial weights to the engines as if trained; start a new "
-            "run with --hf-checkpoint instead of --load"
-        )
-    from slime_async.trainer.checkpoint import CheckpointError, check_spec
-
-    try:
-        check_spec(
-            ModelSpec.from_dict(facts.spec), env.model, where=f"{where} ({facts.checkpoint})"
-        )
-    except CheckpointError as e:
-        raise ValueError(
-            f"{e} (this run's model is "
-            f"{'--hf-checkpoint ' + str(a.hf_checkpoint) if a.hf_checkpoint else 'the tiny MoE'})"
-        ) from None
-    if not facts.has_worker_state:
-        raise ValueError(
-            f"{where}: checkpoint {facts.checkpoint} holds no data-worker state (it was not "
-            "written by train_async.py), so a resume would lose or repeat prompts; start from "
-            "its weights with --hf-checkpoint instead of --load"
-        )
-    if facts.step is not None and int(facts.step) != facts.version:
-        raise ValueError(
-            f"{where}: checkpoint {facts.checkpoint} says step {facts.step} but holds version "
-            f"{facts.version}; the checkpoint is inconsistent, load an earlier one"
-        )
-    needs = with_regularizers(resolve_loss_spec(trainer.loss.name), trainer.loss.regularizers)
-    if needs.needs.reference_logprobs and a.ref_load is None:
-        raise ValueError(
-            f"--use-kl-loss with {where}: the resumed weights are not the run's reference "
-            "policy; give --ref-load with the HF directory the run started from (its "
-            "--hf-checkpoint, or RUN_DIR/warmstart for the embedded default)"
-        )
-
-
 def _shared_token(a: argparse.Namespace, env: Environment) -> tuple[Any, str | None]:
     """(router config, the run's shared token). One token guards the router and every engine
     (the router presents it to them): `$SLIME_ASYNC_AUTH_TOKEN` / `--auth-token-file`, or a
@@ -445,13 +347,6 @@ def _shared_token(a: argparse.Namespace, env: Environment) -> tuple[Any, str | N
     return router_config_from_args(a, prefix="router-"), token
 
 
-def _raise_all(errors: list[str]) -> None:
-    if len(errors) == 1:
-        raise ValueError(errors[0])
-    if errors:
-        raise ValueError("invalid flags:\n  - " + "\n  - ".join(errors))
-
-
 def _run_errors(a: argparse.Namespace) -> list[str]:
     """Rules among the run's own flags (and router flags the run itself sets)."""
     errors = []
@@ -467,7 +362,7 @@ def _run_errors(a: argparse.Namespace) -> list[str]:
     return errors
 
 
-def _note_eval(f: _Flags, rollout: RolloutConfig) -> None:
+def _note_eval(f: Flags, rollout: RolloutConfig) -> None:
     """Record the eval settings `RolloutConfig` resolved for unset flags: the cadence (0 when
     the run has no eval set: said once, here) and, when it evaluates, the rollout settings the
     eval samples inherit."""
@@ -495,7 +390,7 @@ def _note_eval(f: _Flags, rollout: RolloutConfig) -> None:
             f.note(dest, getattr(rollout, dest), f"{source}, as training")
 
 
-def _derive_num_steps(f: _Flags, rollout: RolloutConfig) -> None:
+def _derive_num_steps(f: Flags, rollout: RolloutConfig) -> None:
     if not f.unset("num_steps"):
         return
     a = f.args
@@ -525,7 +420,7 @@ def _schedule_errors(a: argparse.Namespace, dw: DataWorkerConfig) -> list[str]:
     return errors
 
 
-def _derive_off_policy_drop(f: _Flags, dw: DataWorkerConfig) -> DataWorkerConfig:
+def _derive_off_policy_drop(f: Flags, dw: DataWorkerConfig) -> DataWorkerConfig:
     """Unset `--max-off-policy-steps`: the staleness bound S + ceil((W - 1) / B)
     (`staleness_bound`; the push interval adds nothing: the budget counts against the pushed
     version), so the run never trains a group past the bound it states. The budget keeps every
@@ -558,7 +453,7 @@ def _derive_off_policy_drop(f: _Flags, dw: DataWorkerConfig) -> DataWorkerConfig
     return dataclasses.replace(dw, max_off_policy_steps=steps)
 
 
-def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool, loss_name: str) -> None:
+def _derive_trainer(f: Flags, dw: DataWorkerConfig, *, embedded: bool, loss_name: str) -> None:
     """Run-kind defaults (see `trainer.config.EMBEDDED_RUN`) and the snapshot count. Snapshots
     are kept by default only for a loss that reads π_j^Meg (its `LossNeeds`)."""
     a = f.args
@@ -626,7 +521,7 @@ def _derive_trainer(f: _Flags, dw: DataWorkerConfig, *, embedded: bool, loss_nam
         )
 
 
-def _derive_lr(f: _Flags, *, embedded: bool) -> None:
+def _derive_lr(f: Flags, *, embedded: bool) -> None:
     """The learning rate by run kind; a user lr far above what RL on a pretrained model takes is
     kept, with a warning (it is the user's flag)."""
     if f.unset("lr"):
@@ -658,7 +553,7 @@ def _check_model(trainer: TrainerConfig, model: ModelSpec, *, hf_checkpoint: str
         )
 
 
-def _placement(f: _Flags, env: Environment) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+def _placement(f: Flags, env: Environment) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
     """(colocate, trainer cores, rollout cores) on the cores this process may use. On a joined
     cluster the roles run on other nodes: each pins cores of its own node at start-up
     (`slime_async.placement`), so none are derived from this machine."""
@@ -717,54 +612,3 @@ def _placement(f: _Flags, env: Environment) -> tuple[bool, tuple[int, ...], tupl
             "or use --colocate"
         )
     return False, trainer, rollout
-
-
-def _derive_save_hf(f: _Flags, *, embedded: bool, gguf: str | None) -> None:
-    """`--save-hf`: `<run-dir>/hf` for the embedded default run when unset, 'none' turns it
-    off; refused where replacing it would delete or clash with the run's other paths or with
-    data not written by --save-hf."""
-    a = f.args
-    if f.unset("save_hf"):
-        if not embedded:
-            return
-        f.fill("save_hf", str(Path(a.run_dir) / "hf"), "the embedded default run keeps its model")
-    elif a.save_hf.strip().lower() in ("", "none"):
-        a.save_hf = None
-        return
-    paths = {
-        "--run-dir": a.run_dir,
-        "--save": a.save,
-        "--load": a.load,
-        "--hf-checkpoint": a.hf_checkpoint,
-        "--ref-load": a.ref_load,
-    }
-    if gguf and gguf != a.hf_checkpoint and Path(gguf).exists():
-        paths["the GGUF file"] = gguf
-    errors = hf_save.target_errors(a.save_hf, paths=paths)
-    if errors and "--save-hf" in f.derived:
-        errors.append("(--save-hf was derived: pass --save-hf DIR elsewhere, or --save-hf none)")
-    _raise_all(errors)
-
-
-def _derive_warmstart(f: _Flags, *, embedded: bool, resume: bool) -> None:
-    """Warm start applies only to a fresh embedded default run (tiny MoE, built-in tasks)."""
-    a = f.args
-    why_not = None  # why a warm start cannot apply to this run
-    if resume:
-        why_not = "the run resumes from --load, whose checkpoint holds the trained weights"
-    elif not embedded:
-        why_not = (
-            "warm start trains the tiny MoE on the built-in tasks, and this run has "
-            "--hf-checkpoint/--prompt-data/--prompt-source"
-        )
-    if f.unset("warmstart_steps"):
-        default = run_default("warmstart_steps")
-        f.fill(
-            "warmstart_steps",
-            0 if why_not else default,
-            why_not or "default of the embedded default run",
-        )
-    elif a.warmstart_steps > 0 and why_not:
-        raise ValueError(
-            f"--warmstart-steps {a.warmstart_steps} cannot apply: {why_not}; drop --warmstart-steps"
-        )

@@ -1,0 +1,152 @@
+"""What a run starts from and what it writes: the rules between `--load`, `--save`,
+`--save-hf`, `--hf-checkpoint` and the warm start, checked when the flags are parsed (before Ray
+starts).
+
+Owns `resume_from` (slime's `--load D --save D` on an empty D starts fresh), `check_resume`
+(every refusal about the checkpoint a resume would load), `derive_save_hf` and
+`derive_warmstart`. Pure: the directory facts come in through `Environment` (gathered by
+`slime_async.config.read_environment`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from loss import resolve_loss_spec
+from loss.regularizers import with_regularizers
+from slime_async.contracts.model import ModelSpec
+from slime_async.derive import Flags, raise_all
+from slime_async.run_config import Derived, Environment, run_default
+from slime_async.trainer import hf_save
+from slime_async.trainer.config import TrainerConfig
+
+__all__ = ["check_resume", "derive_save_hf", "derive_warmstart", "resume_from"]
+
+
+def resume_from(f: Flags, env: Environment, *, embedded: bool) -> str | None:
+    """The directory the trainer resumes from: --load, unless it holds nothing yet and --save
+    names the same directory (slime's `--load D --save D`: the first run starts fresh, a rerun
+    resumes). The flag stays as given; the run records that it was empty."""
+    a, facts = f.args, env.load
+    if facts is None or not facts.empty:
+        return a.load
+    what = "is empty" if facts.exists else "does not exist"
+    if a.save is None or os.path.abspath(a.load) != os.path.abspath(a.save):
+        raise ValueError(
+            f"--load {a.load} {what}: no checkpoint to resume, and this run would not start "
+            f"fresh on its own; fix the path, drop --load to start a new run, or give --save "
+            f"{a.load} too (a first run starts fresh and saves there, a rerun resumes, as slime's "
+            "--load D --save D)"
+        )
+    start = (
+        f"--hf-checkpoint {a.hf_checkpoint}"
+        if a.hf_checkpoint
+        else "the embedded default's start (its warm start, if any)"
+        if embedded
+        else "the model's initial weights"
+    )
+    f.derived["--load"] = Derived(
+        None,
+        f"--load {a.load} {what}, no checkpoint yet: starting fresh from {start}, as slime "
+        "does; --save writes there, so a rerun with the same flags resumes",
+    )
+    return None
+
+
+def check_resume(a: argparse.Namespace, env: Environment, trainer: TrainerConfig) -> None:
+    """Every refusal about the checkpoint a resume loads, before anything starts (the trainer's
+    load repeats them, and checks the files' sha256)."""
+    facts = env.load
+    if trainer.load is None or facts is None:
+        return
+    if facts.problem is not None:
+        raise ValueError(facts.problem)
+    where = f"--load {a.load}"
+    if facts.version == 0:
+        raise ValueError(
+            f"{where}: checkpoint {facts.checkpoint} is iteration 0 (untrained initial weights); "
+            "resuming it would push initial weights to the engines as if trained; start a new "
+            "run with --hf-checkpoint instead of --load"
+        )
+    from slime_async.trainer.checkpoint import CheckpointError, check_spec
+
+    try:
+        check_spec(
+            ModelSpec.from_dict(facts.spec), env.model, where=f"{where} ({facts.checkpoint})"
+        )
+    except CheckpointError as e:
+        raise ValueError(
+            f"{e} (this run's model is "
+            f"{'--hf-checkpoint ' + str(a.hf_checkpoint) if a.hf_checkpoint else 'the tiny MoE'})"
+        ) from None
+    if not facts.has_worker_state:
+        raise ValueError(
+            f"{where}: checkpoint {facts.checkpoint} holds no data-worker state (it was not "
+            "written by train_async.py), so a resume would lose or repeat prompts; start from "
+            "its weights with --hf-checkpoint instead of --load"
+        )
+    if facts.step is not None and int(facts.step) != facts.version:
+        raise ValueError(
+            f"{where}: checkpoint {facts.checkpoint} says step {facts.step} but holds version "
+            f"{facts.version}; the checkpoint is inconsistent, load an earlier one"
+        )
+    needs = with_regularizers(resolve_loss_spec(trainer.loss.name), trainer.loss.regularizers)
+    if needs.needs.reference_logprobs and a.ref_load is None:
+        raise ValueError(
+            f"--use-kl-loss with {where}: the resumed weights are not the run's reference "
+            "policy; give --ref-load with the HF directory the run started from (its "
+            "--hf-checkpoint, or RUN_DIR/warmstart for the embedded default)"
+        )
+
+
+def derive_save_hf(f: Flags, *, embedded: bool, gguf: str | None) -> None:
+    """`--save-hf`: `<run-dir>/hf` for the embedded default run when unset, 'none' turns it
+    off; refused where replacing it would delete or clash with the run's other paths or with
+    data not written by --save-hf."""
+    a = f.args
+    if f.unset("save_hf"):
+        if not embedded:
+            return
+        f.fill("save_hf", str(Path(a.run_dir) / "hf"), "the embedded default run keeps its model")
+    elif a.save_hf.strip().lower() in ("", "none"):
+        a.save_hf = None
+        return
+    paths = {
+        "--run-dir": a.run_dir,
+        "--save": a.save,
+        "--load": a.load,
+        "--hf-checkpoint": a.hf_checkpoint,
+        "--ref-load": a.ref_load,
+    }
+    if gguf and gguf != a.hf_checkpoint and Path(gguf).exists():
+        paths["the GGUF file"] = gguf
+    errors = hf_save.target_errors(a.save_hf, paths=paths)
+    if errors and "--save-hf" in f.derived:
+        errors.append("(--save-hf was derived: pass --save-hf DIR elsewhere, or --save-hf none)")
+    raise_all(errors)
+
+
+def derive_warmstart(f: Flags, *, embedded: bool, resume: bool) -> None:
+    """Warm start applies only to a fresh embedded default run (tiny MoE, built-in tasks)."""
+    a = f.args
+    why_not = None  # why a warm start cannot apply to this run
+    if resume:
+        why_not = "the run resumes from --load, whose checkpoint holds the trained weights"
+    elif not embedded:
+        why_not = (
+            "warm start trains the tiny MoE on the built-in tasks, and this run has "
+            "--hf-checkpoint/--prompt-data/--prompt-source"
+        )
+    if f.unset("warmstart_steps"):
+        default = run_default("warmstart_steps")
+        f.fill(
+            "warmstart_steps",
+            0 if why_not else default,
+            why_not or "default of the embedded default run",
+        )
+    elif a.warmstart_steps > 0 and why_not:
+        raise ValueError(
+            f"--warmstart-steps {a.warmstart_steps} cannot apply: {why_not}; drop --warmstart-steps"
+        )
