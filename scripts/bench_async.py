@@ -23,7 +23,8 @@ sync; the trainer's fwd+bwd and π_j^Meg time), the trainer idle ratio (mean of 
 load); per workload and loss the
 bound (Tg + Tt) / max(Tg, Tt) from the sync arm's phases (Tg: its wait for a batch, Tt: train +
 weight sync) and each arm's speed-up over sync and ratio to that bound; and CompIS's train-step
-time over plain PPO's at each staleness in `--staleness`. Writes BENCH_DIR/bench_async.md/json.
+time over plain PPO's at each staleness in `--staleness`. Writes its table and numbers into
+the `--out` directory (markdown and JSON).
 
     .venv/bin/python scripts/bench_async.py --num-steps 30
     .venv/bin/python scripts/bench_async.py --workloads default --staleness 2 8 16
