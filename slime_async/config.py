@@ -35,7 +35,7 @@ from data_worker.budget import snapshot_count, staleness_bound
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
 from router.config import add_router_args, load_auth_token, router_config_from_args
-from slime_async import startup
+from slime_async import hardware, startup
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.derive import Flags, raise_all
 from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
@@ -162,6 +162,8 @@ def read_environment(args: argparse.Namespace) -> Environment:
         auth_token=load_auth_token(args.auth_token_file),
         converted_checkpoint=None if converted is None else str(converted),
         load=load,
+        cpu_bf16=hardware.cpu_bf16_feature(),
+        memory_bytes=hardware.node_memory_bytes(),
     )
 
 
@@ -244,6 +246,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     for flag, value, why in loss.derived:
         f.derived[flag] = Derived(value, why)
     _derive_trainer(f, data_worker, embedded=embedded, loss_name=loss.loss.name)
+    _derive_bf16(f, env, embedded=embedded)
     derive_save_hf(f, embedded=embedded, gguf=args.hf_checkpoint)
     trainer = trainer_config_from_args(a)
     _check_model(trainer, env.model, hf_checkpoint=a.hf_checkpoint)
@@ -519,6 +522,23 @@ def _derive_trainer(f: Flags, dw: DataWorkerConfig, *, embedded: bool, loss_name
             f"can come from any of {need} versions ({why}); give --max-snapshots {need} or more "
             "(or drop the flag), or lower --max-staleness / --fifo-window"
         )
+
+
+def _derive_bf16(f: Flags, env: Environment, *, embedded: bool) -> None:
+    """bf16 compute (fp32 main weights and gradient accumulation) for a run with a user's model
+    on a CPU with native bf16 matmuls (AMX / AVX512_BF16); fp32 otherwise (docs/cpu.md)."""
+    if not f.unset("bf16"):
+        return
+    if embedded:
+        f.fill("bf16", False, "the embedded default run's tiny model trains in fp32")
+    elif env.cpu_bf16:
+        f.fill(
+            "bf16",
+            True,
+            f"the CPU has {env.cpu_bf16}: bf16 matmuls, fp32 main weights and gradients",
+        )
+    else:
+        f.fill("bf16", False, "the CPU has no AMX/AVX512_BF16 (bf16 would be emulated): fp32")
 
 
 def _derive_lr(f: Flags, *, embedded: bool) -> None:

@@ -75,6 +75,10 @@ class Environment:
     """HF directory converted from the .gguf file that --hf-checkpoint names (None: no GGUF)."""
     load: LoadFacts | None = None
     """What --load holds (None: no --load)."""
+    cpu_bf16: str | None = None
+    """The CPU flag that makes bf16 matmuls native here (`hardware.cpu_bf16_feature`), or None."""
+    memory_bytes: int | None = None
+    """This node's physical memory (None: not checked)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -145,8 +145,17 @@ class TrainerConfig:
     use_distributed_optimizer: bool | None = None
     """Shard Adam state and fp32 main parameters over data-parallel ranks (megatron's
     DistributedOptimizer) (default: on when DP > 1)."""
-    bf16: bool = False
-    """bf16 parameters and activations, fp32 main parameters in the optimizer."""
+    bf16: bool = flag(
+        False,
+        derived="on for a run with --hf-checkpoint/--prompt-data/--prompt-source when the CPU "
+        "has AMX or AVX512_BF16, off otherwise",
+    )
+    """bf16 parameters and activations, fp32 main parameters in the optimizer and fp32
+    gradient accumulation (megatron's --bf16). See docs/cpu.md."""
+    logits_chunk_tokens: int | None = flag(None, ge=0, hint="0 = the whole [tokens, vocab] tensor")
+    """Tokens whose full-vocabulary logits the log-prob/entropy head holds at once (fp32; the
+    backward recomputes them chunk by chunk); unset: as many as fit 32 MiB of logits (170 at a
+    49k vocabulary). See docs/performance.md."""
     recompute_granularity: Literal["full", "selective"] | None = None
     """Activation recomputation in the backward (megatron): full layers or selective (core
     attention). Works with routing replay (replayed in the recompute too)."""

@@ -3,7 +3,8 @@
 Owns: the ModelSpec → TransformerConfig mapping (including what the trainer's schedule needs:
 per-token-loss gradients, variable sequence lengths between pipeline stages, recomputation,
 bf16), model construction (one chunk, or one per virtual pipeline stage) on megatron's local
-layer spec with packed-sequence attention (`attention.py`), the RoPE frequencies
+layer spec with packed-sequence attention (`attention.py`) and an output layer that returns
+the hidden states for the chunked log-prob head (`lm_head.py`), the RoPE frequencies
 (`rope_inv_freq`, with llama3 scaling), and `global_named_parameters` (the parameters of this
 rank's chunks under their global layer numbers). Must never import the controller, engine,
 rollout or data-worker parts of `slime_async`.
@@ -156,6 +157,7 @@ def build_model(
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
+    from slime_async.trainer import lm_head
     from slime_async.trainer.attention import PackedDotProductAttention
 
     cpu_compat.apply()
@@ -188,6 +190,9 @@ def build_model(
         # megatron's own llama3 option fixes low/high_freq_factor and the original context
         # (1, 4, 8192); install the spec's frequencies before the first (cached) forward
         model.rotary_pos_emb.inv_freq = rope_inv_freq(spec)
+    if last:
+        # the head takes hidden states and the output weight: no [tokens, V] tensor (lm_head.py)
+        lm_head.install(model)
     if cpu_compat.cuda_available():
         model = model.cuda()
     return model

@@ -4,7 +4,7 @@ Owns: `MicroBatch` (one micro-batch's samples and its model inputs: packed THD w
 `PackedSeqParams`, or padded BSHD), and `Schedule.run`, which hands megatron-core's
 `get_forward_backward_func` (no pipelining, 1F1B, or interleaved 1F1B with virtual stages)
 the three things it asks for — a data iterator, a forward step and a loss function — and
-nothing more. The forward step sets the micro-batch's MoE routing replay on this chunk's
+nothing more. The last stage returns hidden states; the `head` gets them as `lm_head.Logits`. The forward step sets the micro-batch's MoE routing replay on this chunk's
 routers (R2 record / R3 replay; with activation recompute the backward's re-forward pops the
 same indices, megatron's REPLAY_BACKWARD); the loss function applies a `head` to the last
 stage's logits. No-grad log-prob passes run the same schedule with `forward_only=True`.
@@ -92,9 +92,19 @@ class Schedule:
     """Runs micro-batches through megatron's schedule on this rank's (DDP-wrapped) chunks."""
 
     def __init__(
-        self, wrapped: list[torch.nn.Module], routers: list[list[object]], *, recompute: bool
+        self,
+        wrapped: list[torch.nn.Module],
+        routers: list[list[object]],
+        *,
+        recompute: bool,
+        chunks: list[torch.nn.Module] | None = None,
+        chunk_tokens: int | None = None,
     ) -> None:
         self.wrapped = wrapped
+        self.chunks = chunks or []
+        """The unwrapped chunks (their output weight, when the last one returns hidden states)."""
+        self.chunk_tokens = chunk_tokens
+        """Tokens per chunk of the log-prob head (`lm_head.Logits.chunk_tokens`)."""
         self.routers = routers
         """RouterReplay instances of each chunk, in construction order."""
         self.offsets = [sum(len(r) for r in routers[:k]) for k in range(len(routers))]
@@ -123,7 +133,10 @@ class Schedule:
         )
         one = torch.ones((), dtype=torch.int)
 
-        def loss_func(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = False) -> Any:
+        def loss_func(
+            mb: MicroBatch, k: int, output: torch.Tensor, non_loss_data: bool = False
+        ) -> Any:
+            output = self._logits(output, k)
             with cpu_compat.model_code():
                 res = head(output, mb)
             if forward_only:
@@ -146,7 +159,7 @@ class Schedule:
                     packed_seq_params=mb.packed_seq_params,
                 )
                 self._after(mb, k, record, training=not forward_only)
-            return out, functools.partial(loss_func, mb)
+            return out, functools.partial(loss_func, mb, k)
 
         for w in self.wrapped:
             w.train(not forward_only)
@@ -170,6 +183,21 @@ class Schedule:
                     r.clear_indices()
                     r.clear_router_replay_action()
         return outputs
+
+    def _logits(self, output: torch.Tensor, k: int) -> Any:
+        """The last stage's output as `head` gets it: `lm_head.Logits` (hidden states, not yet
+        multiplied by the output weight) when chunk `k` returns hidden states, else logits."""
+        from slime_async.trainer import lm_head
+
+        if k >= len(self.chunks) or not lm_head.returns_hidden(self.chunks[k]):
+            return output
+        weight = lm_head.output_weight(self.chunks[k])
+        chunk = self.chunk_tokens
+        if chunk is None:
+            chunk = lm_head.default_chunk_tokens(weight.shape[0])
+        return lm_head.Logits(
+            hidden=output, weight=weight, group=lm_head.tp_group(), chunk_tokens=chunk
+        )
 
     def _before(self, mb: MicroBatch, k: int, record: bool) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction

@@ -128,6 +128,8 @@ class MegatronTrainer(LogprobForwards):
             self.optim.wrapped,
             [router_replays(c) for c in self.chunks],
             recompute=cfg.recompute_granularity is not None,
+            chunks=self.chunks,
+            chunk_tokens=cfg.logits_chunk_tokens,
         )
         self.version = 0
         self.extra_state: dict[str, object] = {}

@@ -1,0 +1,232 @@
+"""The language-model head without the full-vocabulary tensor: token log-probs and entropies
+straight from the last hidden states and the output weight, a chunk of tokens at a time.
+
+Owns: `HiddenOutputLayer` (megatron's output `ColumnParallelLinear`, parameter names unchanged,
+that hands the model's caller the hidden states instead of multiplying them out: the model
+then returns `[b, s, hidden]`), `Logits` (those hidden states with the weight and TP group they
+would have been multiplied with), `chunked_logprobs` (the custom autograd function) and
+`full_logits` (the old `[b, s, V]` tensor, for callers that want logits). Must never import the
+controller, engine, rollout or data-worker parts of `slime_async`.
+
+Math, per token with logits `z = h·Wᵀ / T` split over TP ranks by vocabulary (rank r holds
+columns `[r·V/TP, (r+1)·V/TP)`; without TP one rank holds all): `m = max z` (all-reduce MAX),
+`s = Σ exp(z − m)` (all-reduce SUM), `log p = z − m − log s`, the target's log-prob summed from
+the one rank holding its column, entropy `H = −Σ p log p` (all-reduce SUM). The backward
+recomputes each chunk's logits from the saved hidden states (the fused-linear-cross-entropy
+idea): `∂lp/∂z = onehot − p`, `∂H/∂z = −p (log p + H)`, then `∂h = ∂z·W`, `∂W = ∂zᵀ·h`. At most one
+chunk's `[chunk, V/TP]` fp32 logits (and a few temporaries of that shape) is alive at once,
+forward or backward. The partial `∂h` of each TP rank is summed by the region op in front of
+the head (megatron's, as in `ColumnParallelLinear`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+CHUNK_ELEMENTS = 1 << 23
+"""Default logits elements per chunk (32 MiB of fp32 logits; 170 tokens at a 49k vocabulary)."""
+
+
+def default_chunk_tokens(vocab_local: int) -> int:
+    """Tokens per chunk when `--logits-chunk-tokens` is unset: `CHUNK_ELEMENTS` logits."""
+    return max(1, CHUNK_ELEMENTS // max(1, vocab_local))
+
+
+class HiddenOutputLayer(ColumnParallelLinear):
+    """megatron's output layer, returning the (sequence-gathered) hidden states `[s, b, h]`.
+
+    Installed on a built `GPTModel` by `install` (the instance's class is swapped: no new
+    state, the same parameters). Under sequence parallelism the sequence is gathered exactly
+    as `ColumnParallelLinear` gathers it (the backward reduce-scatters, summing every rank's
+    partial gradient); with TP and no sequence parallelism the backward all-reduces."""
+
+    def forward(  # type: ignore[override]
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+        )
+
+        if self.sequence_parallel:
+            h = gather_from_sequence_parallel_region(
+                input_, tensor_parallel_output_grad=True, group=self.tp_group
+            )
+        elif self.tp_group.size() > 1:
+            h = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        else:
+            h = input_
+        return h, None
+
+
+def install(model: torch.nn.Module) -> None:
+    """Make `model` (a last-stage GPTModel) return hidden states instead of logits."""
+    layer = getattr(model, "output_layer", None)
+    if layer is not None and type(layer) is ColumnParallelLinear:
+        layer.__class__ = HiddenOutputLayer
+
+
+def returns_hidden(model: torch.nn.Module) -> bool:
+    return isinstance(getattr(model, "output_layer", None), HiddenOutputLayer)
+
+
+def output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The `[V/TP, h]` weight the output layer multiplies with (the embedding when tied)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def tp_group() -> object | None:
+    """The tensor-parallel group, or None with TP = 1."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return ps.get_tensor_model_parallel_group()
+
+
+@dataclasses.dataclass(frozen=True)
+class Logits:
+    """What the model's last stage returns, not yet multiplied out: `logits = hidden · weightᵀ`
+    (one vocabulary shard per TP rank)."""
+
+    hidden: torch.Tensor
+    """`[b, s, h]` hidden states after the final norm (the full sequence)."""
+    weight: torch.Tensor
+    """`[V/TP, h]` output weight."""
+    group: object | None
+    """Tensor-parallel group whose ranks hold the other vocabulary shards, or None."""
+    chunk_tokens: int
+    """Tokens per chunk (0: the whole `[tokens, V]` tensor at once, the plain path)."""
+
+    def full(self) -> torch.Tensor:
+        """`[b, s, V]` logits (the full vocabulary, gathered over TP)."""
+        return full_logits(self.hidden, self.weight, self.group)
+
+
+def full_logits(hidden: torch.Tensor, weight: torch.Tensor, group: object | None) -> torch.Tensor:
+    """`[..., V]` logits of `[..., h]` hidden states (gathering the vocabulary over `group`)."""
+    z = hidden.to(weight.dtype) @ weight.t()
+    if group is None:
+        return z
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(z)
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    return (h.to(weight.dtype) @ weight.t()).float() / temperature
+
+
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: object | None) -> None:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+
+
+def _shard(targets: torch.Tensor, v_local: int, group: object | None) -> tuple:
+    """(this rank's local column of each target, whether this rank holds it)."""
+    start = 0 if group is None else dist.get_rank(group) * v_local
+    held = (targets >= start) & (targets < start + v_local)
+    return (targets - start).clamp(0, v_local - 1), held
+
+
+def _softmax_stats(
+    z: torch.Tensor, col: torch.Tensor, held: torch.Tensor, group: object | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p `[c, V/TP]`, target log-prob `[c]`, entropy `[c]`, `m + log s` `[c]`) of `z`."""
+    m = z.max(-1).values
+    _all_reduce(m, dist.ReduceOp.MAX, group)
+    shifted = z - m[:, None]
+    s = shifted.exp().sum(-1)
+    _all_reduce(s, dist.ReduceOp.SUM, group)
+    logp = shifted - s.log()[:, None]
+    sums = torch.stack(
+        [
+            torch.where(held, logp.gather(-1, col[:, None]).squeeze(-1), 0.0),
+            -(logp.exp() * logp).sum(-1),
+        ]
+    )
+    _all_reduce(sums, dist.ReduceOp.SUM, group)
+    return logp, sums[0], sums[1], m + s.log()
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: object,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk: int,
+        group: object | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        col, held = _shard(targets, weight.shape[0], group)
+        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ent, lse = torch.empty_like(lp), torch.empty_like(lp)
+        for s in range(0, n, chunk):
+            z = _chunk_logits(hidden[s : s + chunk], weight, temperature)
+            _, lp[s : s + chunk], ent[s : s + chunk], lse[s : s + chunk] = _softmax_stats(
+                z, col[s : s + chunk], held[s : s + chunk], group
+            )
+        ctx.save_for_backward(hidden, weight, col, held, ent, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx: object, g_lp: torch.Tensor, g_ent: torch.Tensor) -> tuple:  # type: ignore[override]
+        hidden, weight, col, held, ent, lse = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_h = torch.zeros_like(hidden) if want_h else None
+        g_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        )
+        for s in range(0, hidden.shape[0], chunk):
+            e = min(s + chunk, hidden.shape[0])
+            h = hidden[s:e]
+            logp = _chunk_logits(h, weight, t) - lse[s:e, None]
+            p = logp.exp()
+            gz = -p * (g_lp[s:e, None] + g_ent[s:e, None] * (logp + ent[s:e, None]))
+            rows = held[s:e].nonzero().squeeze(-1)
+            gz[rows, col[s:e][rows]] += g_lp[s:e][rows]
+            gz /= t
+            if g_h is not None:
+                g_h[s:e] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
+            if g_w is not None:
+                g_w += gz.t() @ h.float()
+        return g_h, None if g_w is None else g_w.to(weight.dtype), None, None, None, None
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    group: object | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs `[N]`, entropies `[N]`) fp32 of `targets` `[N]` under
+    `softmax(hidden · weightᵀ / temperature)` for `hidden` `[N, h]` and this rank's vocabulary
+    shard `weight` `[V/TP, h]` (`group`: the TP group, None for the whole vocabulary).
+    Differentiable in `hidden` and `weight`; `chunk_tokens` tokens at a time (default
+    `default_chunk_tokens`)."""
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"expected hidden [N, h] and targets [N], got {tuple(hidden.shape)} and "
+            f"{tuple(targets.shape)}"
+        )
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    return _ChunkedLogprobs.apply(
+        hidden, weight, targets.to(hidden.device).long(), float(temperature), chunk, group
+    )

@@ -1,0 +1,148 @@
+"""The chunked log-prob head (`slime_async/trainer/lm_head.py`) against the full-vocabulary
+path: values and gradients within 1e-6 in fp32, whole vocabulary, split over two real gloo
+ranks (TP = 2), and inside the trainer (a train step's updated weights)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from slime_async.trainer.lm_head import chunked_logprobs
+
+pytestmark = pytest.mark.timeout(180)
+torch.set_num_threads(1)
+
+N, H, V, T = 37, 16, 101, 0.7
+
+
+def _inputs(seed: int = 0, v: int = V) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g) * 0.5  # logits of std ~3, as a trained LM
+    weight = torch.randn(v, H, generator=g)
+    targets = torch.randint(0, v, (N,), generator=g)
+    return hidden, weight, targets
+
+
+def _full(hidden, weight, targets, temperature=T):
+    logp = F.log_softmax((hidden @ weight.t()).float() / temperature, dim=-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, *, grad: bool = False) -> bool:
+    """Values within 1e-6 (absolute, or relative: one fp32 ulp of a log-prob near -17);
+    gradients, sums over the vocabulary in another order, within 1e-6 of their largest entry."""
+    if grad:
+        return float((a - b).abs().max()) <= 1e-6 * max(1.0, float(b.abs().max()))
+    return torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+
+
+def _grads(fn, hidden, weight, targets, g_lp, g_ent):
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    lp, ent = fn(h, w, targets)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    return lp.detach(), ent.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk", [1, 5, N, 1000])
+def test_values_and_gradients_equal_the_full_vocabulary_path(chunk):
+    hidden, weight, targets = _inputs()
+    g = torch.Generator().manual_seed(1)
+    g_lp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    ref = _grads(_full, hidden, weight, targets, g_lp, g_ent)
+    got = _grads(
+        lambda h, w, t: chunked_logprobs(h, w, t, temperature=T, chunk_tokens=chunk),
+        hidden,
+        weight,
+        targets,
+        g_lp,
+        g_ent,
+    )
+    for name, a, b in zip(("log-prob", "entropy", "d hidden", "d weight"), got, ref):
+        assert _close(a, b, grad=name.startswith("d ")), (name, float((a - b).abs().max()))
+
+
+def test_only_the_log_prob_gradient_when_entropy_is_unused():
+    hidden, weight, targets = _inputs(seed=2)
+    h = hidden.clone().requires_grad_()
+    lp, _ = chunked_logprobs(h, weight, targets, chunk_tokens=4)
+    lp.sum().backward()
+    h2 = hidden.clone().requires_grad_()
+    _full(h2, weight, targets, 1.0)[0].sum().backward()
+    assert _close(h.grad, h2.grad, grad=True)
+
+
+def test_bad_shapes_are_refused():
+    hidden, weight, targets = _inputs()
+    with pytest.raises(ValueError, match="expected hidden"):
+        chunked_logprobs(hidden[None], weight, targets)
+
+
+def _tp_rank(rank: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        hidden, weight, targets = _inputs(seed=3, v=2 * 50)
+        shard = weight[rank * 50 : (rank + 1) * 50]
+        g = torch.Generator().manual_seed(4)
+        g_lp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+        h = hidden.clone().requires_grad_()
+        w = shard.clone().requires_grad_()
+        lp, ent = chunked_logprobs(
+            h, w, targets, temperature=T, chunk_tokens=6, group=dist.group.WORLD
+        )
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        g_h = h.grad.clone()
+        dist.all_reduce(g_h)  # what the sequence-parallel gather's backward does
+        out[rank] = (lp.detach(), ent.detach(), g_h, w.grad)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_over_two_ranks_equals_the_whole_vocabulary():
+    from slime_async.trainer.parallel import free_port
+
+    with mp.Manager() as m:
+        out = m.dict()
+        mp.spawn(_tp_rank, args=(free_port(), out), nprocs=2)
+        res = dict(out)
+    hidden, weight, targets = _inputs(seed=3, v=100)
+    g = torch.Generator().manual_seed(4)
+    g_lp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    lp, ent, g_h, g_w = _grads(_full, hidden, weight, targets, g_lp, g_ent)
+    for r in (0, 1):
+        lp_r, ent_r, g_h_r, g_w_r = res[r]
+        assert _close(lp_r, lp) and _close(ent_r, ent)
+        assert _close(g_h_r, g_h, grad=True)
+        assert _close(g_w_r, g_w[r * 50 : (r + 1) * 50], grad=True)
+
+
+def test_trainer_chunked_head_equals_the_full_logits_path():
+    """Same log-probs, entropies and gradients with `--logits-chunk-tokens 0` (the
+    `[tokens, V]` tensor) and with chunks of 3 tokens (a packed micro-batch spans many)."""
+    from slime_async.contracts.model import TINY_MOE
+    from slime_async.trainer.config import TrainerConfig
+    from slime_async.trainer.testing import random_batch
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    batch = random_batch(TINY_MOE, batch=4, width=14, prompt=4, seed=0)
+    results = []
+    for chunk in (0, 3):
+        cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, seed=3, logits_chunk_tokens=chunk)
+        tr = MegatronTrainer(cfg, TINY_MOE)
+        lp, ent = tr.compute_logprobs(batch)
+        tr.train_step(batch)
+        # the step's gradients (megatron DDP's buffers; an Adam update would amplify rounding
+        # in near-zero gradients into ±lr)
+        params = {n: p.main_grad.detach().clone() for n, p in tr.model.named_parameters()}
+        results.append((lp, ent, params))
+    (lp0, ent0, p0), (lp1, ent1, p1) = results
+    assert _close(lp0, lp1) and _close(ent0, ent1)
+    for n in p0:
+        assert _close(p1[n], p0[n], grad=True), (n, float((p1[n] - p0[n]).abs().max()))
