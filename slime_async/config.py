@@ -296,6 +296,7 @@ def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
                 "distributed",
                 "no shared filesystem needed (docs/weight-sync.md)",
             )
+    _derive_weight_dtype(f, engines.backend, engine.dtype, trainer)
     cfg = RunConfig(
         run_dir=Path(a.run_dir),
         ray_address=env.ray_address,
@@ -522,6 +523,27 @@ def _derive_trainer(f: Flags, dw: DataWorkerConfig, *, embedded: bool, loss_name
             f"can come from any of {need} versions ({why}); give --max-snapshots {need} or more "
             "(or drop the flag), or lower --max-staleness / --fifo-window"
         )
+
+
+def _derive_weight_dtype(f: Flags, backend: str, engine_dtype: str, trainer: Any) -> None:
+    """The dtype weights travel in: the engines' when known to be bf16 (half the bytes of
+    fp32; the engine would round to bf16 the same way), the trainer's otherwise."""
+    if not f.unset("update_weight_dtype"):
+        return
+    role_reads_disk = (
+        f.args.update_weight_transport == "disk" and trainer.behavior_forward == "role"
+    )
+    if trainer.bf16:
+        f.fill("update_weight_dtype", "bfloat16", "the trainer's parameters are bf16")
+    elif backend == "embedded" and engine_dtype == "bf16" and not role_reads_disk:
+        f.fill("update_weight_dtype", "bfloat16", "the engines serve bf16 (--engine-dtype bf16)")
+    else:
+        why = (
+            "the forward-only role reads the disk exports as the trainer's weights"
+            if role_reads_disk
+            else "the trainer's dtype (the engines' is not known here)"
+        )
+        f.fill("update_weight_dtype", "float32", why)
 
 
 def _derive_bf16(f: Flags, env: Environment, *, embedded: bool) -> None:

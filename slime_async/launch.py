@@ -412,6 +412,7 @@ async def _start_engines(
             trainer=trainer,
             control=cluster.control,
             on_written=None if role is None else role.add_version,
+            dtype=cfg.weights.dtype,
         )
     if not backend.needs.model_dir or distributed:
         startup.say(

@@ -20,6 +20,12 @@ process group (with its op still in flight) to a daemon thread that releases it,
 ever blocks in a broadcast or in `close` on a member that stopped. `GroupControl` is the
 driver's client on that store: it reads `sent` and sets `abort`.
 
+Checksums. Before broadcasting its k-th bucket of a group (k counts from 0 per group), rank 0
+puts the CRC-32 of the bucket's bytes, as sent (after the cast to the bucket's dtypes), in the
+store under `crc32/<k>` (`send_bucket`); a member that received its k-th bucket compares
+(`checksum_problem`) and refuses a bucket whose bytes differ, so a corrupted bucket is never
+staged. SGLang members do not read the key; a sender that writes none is not checked.
+
 Worked example (bucket_bytes = 1 MiB; fp32 tensors a: 0.6 MiB, b: 0.6 MiB, c: 0.2 MiB, a bf16
 tensor d): buckets [a], [b, c], [d]; with the flattened format each bucket is one broadcast of
 a flat buffer (a: 0.6 MiB; b ++ c: 0.8 MiB; d).
@@ -28,11 +34,13 @@ a flat buffer (a: 0.6 MiB; b ++ c: 0.8 MiB; d).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -58,6 +66,8 @@ ABORT_KEY = "abort"
 """Store key: set (to the reason) when the group is given up; every member's op stops."""
 SENT_KEY = "sent"
 """Store key: how many buckets rank 0 finished sending (a counter, `store.add`)."""
+CHECKSUM_KEY = "crc32/{}"
+"""Store key of the CRC-32 of the group's k-th bucket (set by rank 0 before it sends it)."""
 ABORT_POLL_S = 0.05
 """How often a member waiting on its op looks at the `abort` key (one store round trip)."""
 
@@ -103,6 +113,22 @@ def plan_buckets(manifest: WeightManifest, bucket_bytes: int) -> list[tuple[Tens
         if cur:
             out.append(tuple(cur))
     return out
+
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def in_dtype(manifest: WeightManifest, dtype: str | None) -> WeightManifest:
+    """`manifest` with every floating-point tensor sent as `dtype` (None: unchanged);
+    `send_bucket` casts on the sender."""
+    if dtype is None:
+        return manifest
+    torch_dtype(dtype)
+    entries = tuple(
+        dataclasses.replace(e, dtype=dtype) if e.dtype in FLOAT_DTYPES else e
+        for e in manifest.entries
+    )
+    return dataclasses.replace(manifest, entries=entries)
 
 
 def bucket_body(
@@ -155,6 +181,8 @@ class WeightGroup:
         """The op in flight, if any (`close` must not wait for it)."""
         self._next_look = 0.0
         """When `_wait` next reads the `abort` key (at most every `ABORT_POLL_S`)."""
+        self.buckets = 0
+        """Buckets this member sent (rank 0) or received in this group: the next one's index."""
 
     @classmethod
     def open(
@@ -361,6 +389,22 @@ class GroupControl:
         self.store.set(ABORT_KEY, reason)  # type: ignore[attr-defined]
 
 
+def tensors_crc32(ts: Sequence[torch.Tensor]) -> int:
+    """CRC-32 of the tensors' bytes, one after another (a flat bucket and its pieces agree)."""
+    crc = 0
+    for t in ts:
+        flat = t.detach().contiguous().reshape(-1)
+        if flat.numel():
+            crc = zlib.crc32(flat.cpu().view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def publish_checksum(g: WeightGroup, crc: int) -> None:
+    """Rank 0: the checksum of the bucket it sends next (index `g.buckets`)."""
+    if g.store is not None:
+        g.store.set(CHECKSUM_KEY.format(g.buckets), str(crc))  # type: ignore[attr-defined]
+
+
 def send_bucket(
     g: WeightGroup,
     tensors: Mapping[str, torch.Tensor],
@@ -368,13 +412,16 @@ def send_bucket(
     *,
     flatten: bool,
 ) -> None:
-    """Rank 0: broadcast the bucket's tensors (cast to the bucket's dtypes) in `bucket` order."""
+    """Rank 0: publish the bucket's checksum, then broadcast its tensors (cast to the bucket's
+    dtypes) in `bucket` order."""
     ts = [tensors[e.name].detach().to(g.device, torch_dtype(e.dtype)) for e in bucket]
+    publish_checksum(g, tensors_crc32(ts))
     if flatten:
         g.broadcast(torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1))
-        return
-    for t in ts:
-        g.broadcast(t.contiguous())
+    else:
+        for t in ts:
+            g.broadcast(t.contiguous())
+    g.buckets += 1
 
 
 def send_buckets(
@@ -418,13 +465,34 @@ def receive_bucket(
             n = entry_nbytes(e) // flat.itemsize
             out[e.name] = flat[at : at + n].view(e.shape)
             at += n
+        g.buckets += 1
         return out
     out = {}
     for e in bucket:
         t = torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=g.device)
         g.broadcast(t)
         out[e.name] = t
+    g.buckets += 1
     return out
+
+
+def checksum_problem(
+    g: WeightGroup, bucket: Sequence[TensorEntry], got: Mapping[str, torch.Tensor]
+) -> str | None:
+    """After `receive_bucket`: why the bucket's bytes are not what rank 0 sent (a sentence), or
+    None when they match or rank 0 published no checksum (a sender that does not write one)."""
+    key = CHECKSUM_KEY.format(g.buckets - 1)
+    store = g.store
+    try:
+        if store is None or not store.check([key]):  # type: ignore[attr-defined]
+            return None
+        want = int(bytes(store.get(key)).decode())  # type: ignore[attr-defined]
+    except (RuntimeError, ValueError):
+        return None  # rank 0's store is gone: the receive itself would have failed
+    have = tensors_crc32([got[e.name] for e in bucket])
+    if have == want:
+        return None
+    return f"bucket {g.buckets - 1} arrived corrupted (CRC-32 {have:08x}, rank 0 sent {want:08x})"
 
 
 def entries_from_body(names: object, dtypes: object, shapes: object) -> tuple[TensorEntry, ...]:

@@ -28,7 +28,12 @@ from typing import Any
 
 import torch
 
-from slime_async.contracts.weight_group import FLATTENED, WeightGroup, receive_bucket
+from slime_async.contracts.weight_group import (
+    FLATTENED,
+    WeightGroup,
+    checksum_problem,
+    receive_bucket,
+)
 from slime_async.contracts.weights import TensorEntry
 from slime_async.engine.checkpoint_names import CheckpointAssembler
 from slime_async.engine.config import EngineConfig
@@ -372,15 +377,16 @@ class Engine:
                     received=False,
                     group_broken=True,
                 )
+            corrupted = await asyncio.to_thread(checksum_problem, g, entries, got)
             asm = self._assemblers[group_name]
-            ready, bad = asm.add(got)
-            if not bad:  # never serve NaN/inf, whichever transport brought it
+            ready, bad = ({}, []) if corrupted else asm.add(got)
+            if not bad and not corrupted:  # never serve NaN/inf, whichever transport brought it
                 bad = [
                     f"tensor {k!r} holds non-finite values (NaN or inf)"
                     for k, t in got.items()
                     if not bool(torch.isfinite(t).all())
                 ]
-            if not bad and weight_version is not None and asm.incomplete():
+            if not bad and not corrupted and weight_version is not None and asm.incomplete():
                 bad = [f"the version is incomplete: {p} misses pieces" for p in asm.incomplete()]
             staged = self._staged.setdefault(group_name, {})
             if group_name in self._spoiled:
@@ -391,6 +397,16 @@ class Engine:
                     success=False,
                     message="Failed to update weights: an earlier bucket of this version was "
                     "refused, so none of it is applied; push the whole version again",
+                )
+            if corrupted:  # never staged; the driver sends the whole version again
+                asm.reset()
+                staged.clear()
+                if weight_version is None:
+                    self._spoiled.add(group_name)
+                return UpdateResult(
+                    success=False,
+                    message=f"Failed to update weights: {corrupted}. No tensor of this version "
+                    "was applied; push the whole version again",
                 )
             if bad:
                 asm.reset()

@@ -20,7 +20,7 @@ import ray
 
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
-from slime_async.contracts.weight_group import WeightGroup, send_buckets
+from slime_async.contracts.weight_group import WeightGroup, send_buckets, torch_dtype
 from slime_async.contracts.weights import HFWeights, TensorEntry, WeightManifest
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
@@ -76,8 +76,11 @@ class _TrainerActorImpl:
     def release(self, version: int) -> bool:
         return self.trainer.release(version)
 
-    def save_weights(self, path: str) -> str:
-        return str(self.trainer.save_weights(path))
+    def save_weights(self, path: str, dtype: str | None = None) -> str:
+        """Write the current version as an HF directory (floating tensors in `dtype`, e.g.
+        "bfloat16"; None: the parameters' dtype)."""
+        cast = None if dtype is None else torch_dtype(dtype)
+        return str(self.trainer.save_weights(path, dtype=cast))
 
     def export_weights(self) -> HFWeights | None:
         """The current version's HF tensors in memory (a collective: every rank calls it);
@@ -224,8 +227,8 @@ class TrainerGroup:
     def release(self, version: int) -> bool:
         return bool(self._all("release", version)[0])
 
-    def save_weights(self, path: str | Path) -> Path:
-        return Path(self._all("save_weights", str(path))[0])
+    def save_weights(self, path: str | Path, *, dtype: str | None = None) -> Path:
+        return Path(self._all("save_weights", str(path), dtype)[0])
 
     async def export_weights_ref(self) -> Any:
         """A Ray ref to the current version's HF tensors (`HFWeights`), held in the object

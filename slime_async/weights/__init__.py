@@ -4,7 +4,7 @@ Owns `DiskTransport` and the package's exports. Both transports push the way SGL
 requests alive across an update: `/pause_generation {"mode": "in_place"}` -> the update with
 `flush_cache: false` -> `/continue_generation` (see docs/weight-sync.md). `DiskTransport`: the
 trainer writes version v as an HF safetensors directory under the run directory (atomic), then
-the router fans `/update_weights_from_disk` with `weight_version=str(v)` out to every engine; a
+the router fans `/update_weights_from_disk` (tensors in `--update-weight-dtype`) with `weight_version=str(v)` out to every engine; a
 failed engine is quarantined by the router, which replays the load before re-admitting it; the
 push logs and counts the failure instead of stopping the run. Old version directories are
 pruned. `DistributedTransport` (`weights.distributed`) broadcasts instead, with no filesystem.
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 class WeightWriter(Protocol):
-    def save_weights(self, path: str | Path) -> Path: ...
+    def save_weights(self, path: str | Path, *, dtype: str | None = None) -> Path: ...
 
 
 class DiskTransport:
@@ -65,8 +65,11 @@ class DiskTransport:
         control: RouterClient,
         keep_last: int = 2,
         on_written: Callable[[int, Path], object] | None = None,
+        dtype: str | None = None,
     ) -> None:
         self.root, self.trainer, self.control, self.keep_last = root, trainer, control, keep_last
+        self.dtype = dtype
+        """Floating-point dtype of the written tensors (None: the trainer's)."""
         self.on_written = on_written
         """Called with (version, directory) after a push writes it, before engines load it."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -78,7 +81,10 @@ class DiskTransport:
     async def write(self, version: int) -> Path:
         """Have the trainer write version `version` (blocking work runs off the event loop)."""
         path = self.directory(version)
-        await asyncio.to_thread(self.trainer.save_weights, path)
+        if self.dtype is None:
+            await asyncio.to_thread(self.trainer.save_weights, path)
+        else:
+            await asyncio.to_thread(self.trainer.save_weights, path, dtype=self.dtype)
         return path
 
     async def load(self, version: int) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from enum import StrEnum
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from clifields import add_flags, check_ranges, flag, from_args
 
@@ -39,6 +39,13 @@ class WeightSyncConfig:
     bucket_bytes: int = flag(512 * 1024**2, name="buffer-size", ge=1024)
     """Bytes per bucket of the distributed transport (slime's flag): one
     `/update_weights_from_distributed` call and, flattened, one broadcast per bucket."""
+    dtype: Literal["bfloat16", "float16", "float32"] | None = flag(
+        None,
+        derived="bfloat16 when the trainer is bf16, or when embedded engines serve bf16 and no "
+        "forward-only role reads the disk exports; float32 otherwise",
+    )
+    """Floating-point dtype the weights travel in, both transports (cast on the trainer; every
+    distributed bucket carries a checksum the engine verifies before staging it)."""
     flatten_buckets: bool = flag(True, name="flatten-buckets", off=("--update-weight-per-tensor",))
     """Send each bucket as one flat broadcast (SGLang's `load_format: flattened_bucket`);
     --update-weight-per-tensor broadcasts each tensor separately."""

@@ -7,7 +7,10 @@ one `/update_weights_from_distributed` call to every engine (`flush_cache: false
 `weight_version` rides on the last bucket, so an engine's label changes only once the whole
 version arrived) while the sender broadcasts that bucket, then `/continue_generation`. Requests
 in flight keep their KV cache and go on with the new weights, each token labelled with its
-version. Nothing touches a filesystem.
+version. Nothing touches a filesystem. Floating-point tensors travel in `--update-weight-dtype`
+(bf16 when the engines serve bf16: half the bytes), each bucket with a CRC-32 the engine checks
+before staging (`contracts.weight_group`): a corrupted bucket is refused like any other
+refusal, so the whole version is sent again and the corrupted one is never served.
 
 Membership: the group holds the engines that answer `/health` at the push; it is re-formed
 (destroyed everywhere, then initialised again on a fresh port) whenever that set changes or a
@@ -38,7 +41,7 @@ from typing import Any, ClassVar
 import aiohttp
 
 from router.client import RouterClient
-from slime_async.contracts.weight_group import GroupControl, bucket_body, plan_buckets
+from slime_async.contracts.weight_group import GroupControl, bucket_body, in_dtype, plan_buckets
 from slime_async.contracts.weights import WeightManifest
 from slime_async.weights.config import WeightSyncConfig
 from slime_async.weights.pause import paused_in_place
@@ -346,7 +349,7 @@ class DistributedTransport:
         that did not take every bucket, with why (empty: all did), and those among them that
         stopped taking part (the group was aborted for them: leave them out of a resend)."""
         if self._manifest is None:
-            self._manifest = await self.sender.manifest()
+            self._manifest = in_dtype(await self.sender.manifest(), self.cfg.dtype)
         buckets = plan_buckets(self._manifest, self.cfg.bucket_bytes)
         flatten = self.cfg.flatten_buckets
         base = await self._sent()

@@ -1,0 +1,138 @@
+"""Weights in the engine's dtype and per-bucket checksums, against real embedded engine servers
+over gloo (the fleet of tests/test_weights_distributed.py): a bf16 push serves exactly the
+sender's weights rounded to bf16 with half the bytes; a bucket corrupted on the wire is refused
+by every engine before staging, the version is sent again, and the corrupted one is never
+served; the run derives the dtype from the engines'."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from slime_async.contracts.weight_group import (
+    in_dtype,
+    plan_buckets,
+    publish_checksum,
+    tensors_crc32,
+    torch_dtype,
+)
+from slime_async.contracts.weights import WeightManifest
+from slime_async.weights import InProcessSender, WeightSyncConfig
+from tests.test_weights_distributed import CFG, Weights, _pushing, _served, fleet  # noqa: F401
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class _CorruptingSender(InProcessSender):
+    """Publishes each bucket's true checksum but, on its first send, changes one value of
+    bucket `bad` on the wire (after the checksum): what a flipped bit in transit looks like."""
+
+    def __init__(self, weights: Weights, *, bad: int = 1) -> None:
+        super().__init__(weights)
+        self.bad, self.sends = bad, 0
+
+    async def send(self, buckets, *, flatten: bool) -> int:
+        self.sends += 1
+        if self.sends > 1:
+            return await super().send(buckets, flatten=flatten)
+        version, tensors = self._weights()
+        await asyncio.to_thread(self._send_corrupted, tensors, buckets, flatten)
+        return version
+
+    def _send_corrupted(self, tensors, buckets, flatten: bool) -> None:
+        g = self._group
+        assert g is not None and flatten
+        for i, b in enumerate(buckets):
+            ts = [tensors[e.name].detach().to(g.device, torch_dtype(e.dtype)) for e in b]
+            publish_checksum(g, tensors_crc32(ts))
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            if i == self.bad:
+                flat[0] += 1.0
+            g.broadcast(flat)
+            g.buckets += 1
+            g.mark_sent()
+
+
+def test_manifest_in_the_engine_dtype_halves_the_bytes():
+    w = Weights()
+    m = WeightManifest.of(w()[1], version=0)
+    half = in_dtype(m, "bfloat16")
+    assert {e.dtype for e in half.entries} == {"bfloat16"}
+    nbytes = [
+        sum(torch.Size(e.shape).numel() * torch_dtype(e.dtype).itemsize for e in x.entries)
+        for x in (m, half)
+    ]
+    assert nbytes[1] * 2 == nbytes[0] > 0
+    assert in_dtype(m, None) is m
+    with pytest.raises(ValueError, match="unknown dtype"):
+        in_dtype(m, "float8")
+
+
+def test_crc_of_a_flat_bucket_equals_its_pieces():
+    a, b = torch.randn(5), torch.randn(3, 2).to(torch.bfloat16)
+    flat = torch.cat([a.view(torch.uint8), b.reshape(-1).view(torch.uint8)])
+    assert tensors_crc32([a, b]) == tensors_crc32([flat])
+    c = a.clone()
+    c[0] += 1
+    assert tensors_crc32([c, b]) != tensors_crc32([a, b])
+
+
+async def test_bf16_push_serves_the_sender_weights_rounded_to_bf16(fleet) -> None:  # noqa: F811
+    from slime_async.engine.testing import check_against_reference
+
+    urls = [e.url for e in fleet]
+    weights = Weights()
+    cfg = WeightSyncConfig(bucket_bytes=CFG.bucket_bytes, timeout_s=60.0, dtype="bfloat16")
+    async with _pushing(urls, InProcessSender(weights), cfg=cfg) as (t, s, _rc):
+        weights.set(70, 70)
+        assert (await t.push(70))["weights/push_failed_engines"] == 0.0
+        buckets = plan_buckets(t._manifest, cfg.bucket_bytes)
+        assert {e.dtype for b in buckets for e in b} == {"bfloat16"}
+        with torch.no_grad():  # what the engines must serve: each value rounded to bf16
+            for p in weights.lm.model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        for u in urls:
+            served, answer = await _served(s, u)
+            assert served == "70"
+            diff = check_against_reference(weights.lm, [3, 1, 4, 1, 5], answer).logprob_abs_diff
+            assert diff.max() < 1e-4
+
+
+async def test_corrupted_bucket_is_refused_resent_and_never_served(fleet, caplog) -> None:  # noqa: F811
+    urls = [e.url for e in fleet]
+    weights = Weights()
+    sender = _CorruptingSender(weights)
+    async with _pushing(urls, sender) as (t, s, _rc):
+        with caplog.at_level(logging.WARNING):
+            weights.set(80, 80)
+            m = await t.push(80)
+        assert "arrived corrupted" in caplog.text  # every engine refused the bucket
+        assert sender.sends == 2 and t.groups_formed == 2  # refused, re-formed, sent again
+        assert m["weights/push_failed_engines"] == 0.0
+        from slime_async.engine.testing import check_against_reference
+
+        for u in urls:  # the resent, intact version is what is served
+            served, answer = await _served(s, u)
+            assert served == "80"
+            diff = check_against_reference(weights.lm, [3, 1, 4, 1, 5], answer).logprob_abs_diff
+            assert diff.max() < 1e-4
+
+
+def test_the_run_ships_the_engines_dtype_and_keeps_a_given_one():
+    from slime_async.config import Environment, build_parser, validate
+    from slime_async.contracts.model import TINY_MOE
+
+    def weights(*argv: str):
+        cfg = validate(
+            build_parser().parse_args(list(argv)), Environment(model=TINY_MOE, cpus=(0, 1))
+        )
+        return cfg.weights.dtype, cfg.derived.get("--update-weight-dtype")
+
+    dtype, why = weights()  # embedded engines serve bf16 by default
+    assert dtype == "bfloat16" and "--engine-dtype bf16" in why.why
+    assert weights("--engine-dtype", "fp32")[0] == "float32"
+    assert weights("--update-weight-dtype", "float32") == ("float32", None)
+    assert weights("--bf16", "--engine-dtype", "fp32")[0] == "bfloat16"  # the trainer's own
