@@ -219,3 +219,28 @@ def test_a_continued_sample_is_sent_whole_and_assembled_in_place():
     assert bool(tb.behavior_logprobs[0, :3].isnan().all()) and bool(
         tb.behavior_logprobs[1].isnan().all()
     )
+
+
+def test_the_role_holds_only_weights_and_computes_the_trainers_values(tmp_path):
+    """The lean forward-only model: no gradients, no DDP gradient buffer, no optimizer; its
+    bytes are its parameters' alone, and its log-probs are the trainer's on the same weights."""
+    from slime_async.trainer.behavior_role import BehaviorForwarder
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    cfg = _parse("--keep-old-actor")
+    tr = MegatronTrainer(cfg.trainer, cfg.model)
+    tr.train_step(_batch(1))
+    tr.save_weights(tmp_path / "v1")
+    b = _batch(2, versions=(1,))
+    want, _ = tr.compute_logprobs(b)
+    fwd = BehaviorForwarder(cfg.trainer, cfg.model, max_versions=2)
+    fwd.add_version(1, tmp_path / "v1")
+    got = torch.as_tensor(fwd.logprobs(b))
+    m = b.loss_mask
+    assert (got[m] - want[m]).abs().max() <= 1e-6
+    model = fwd.trainer
+    assert not hasattr(model, "optim")
+    assert all(not p.requires_grad and p.grad is None for p in model.model.parameters())
+    assert all(not hasattr(p, "main_grad") for p in model.model.parameters())
+    params = sum(p.numel() for p in model.model.parameters())
+    assert model.parameter_bytes() == 4 * params  # fp32 weights, nothing per parameter else

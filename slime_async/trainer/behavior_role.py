@@ -1,7 +1,8 @@
 """The forward-only role: π_j^Meg of finished samples, off the trainer's critical path.
 
-Owns: `BehaviorForwarder` (in the role's own process: a megatron model built exactly as the
-trainer's, world size 1, with the weights of every version the engines served, computing each
+Owns: `BehaviorForwarder` (in the role's own process: a forward-only megatron model built
+exactly as the trainer's (`forward_only.ForwardOnlyModel`: no gradient buffers, optimizer or
+gradients), world size 1, with the weights of every version the engines served, computing each
 sample's token log-probs under the version that sampled the token), its Ray actor
 `BehaviorActor` and the driver-side handle `BehaviorRole`. With `--behavior-forward role` the
 run gives it each version's exported weights before the engines load them (the directory the
@@ -11,9 +12,9 @@ from `TrainerBatch.behavior_logprobs` instead of swapping in snapshots during th
 Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
 
 Same values: the weights are the trainer's own parameters (the export is a lossless copy of
-them, in the parameters' dtype), and the forward is `MegatronTrainer.compute_logprobs` with
-the trainer's settings (temperature, packing, micro-batching, R3 replay of the engine's
-routing). Only the grouping of samples into micro-batches differs from the train step's, which
+them, in the parameters' dtype), and the forward is the trainer's own
+`LogprobForwards.compute_logprobs` with the trainer's settings and code path (temperature,
+packing, micro-batching, R3 replay of the engine's routing). Only the grouping of samples into micro-batches differs from the train step's, which
 can move a log-prob by float rounding (≤ 1e-6 in fp32; tests/test_behavior_role.py).
 """
 
@@ -49,7 +50,7 @@ class BehaviorForwarder:
     """
 
     def __init__(self, cfg: TrainerConfig, spec: ModelSpec, *, max_versions: int) -> None:
-        from slime_async.trainer.trainer import MegatronTrainer
+        from slime_async.trainer.forward_only import ForwardOnlyModel
 
         role_cfg = dataclasses.replace(
             cfg,
@@ -66,7 +67,7 @@ class BehaviorForwarder:
             use_distributed_optimizer=None,
             loss=LossSelection(name="ppo"),  # reads nothing extra: no reference weights
         )
-        self.trainer = MegatronTrainer(role_cfg, spec)
+        self.trainer = ForwardOnlyModel(role_cfg, spec)  # no grads, DDP buffers or optimizer
         self.store = SnapshotStore(max_versions)
 
     def versions(self) -> list[int]:
