@@ -35,7 +35,7 @@ from data_worker.budget import snapshot_count, staleness_bound
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
 from router.config import add_router_args, load_auth_token, router_config_from_args
-from slime_async import hardware, startup
+from slime_async import hardware, memory_plan, startup
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.derive import Flags, raise_all
 from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
@@ -195,10 +195,66 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
 
 
 def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
-    """Flags + environment -> `RunConfig`: every cross-component rule, without I/O.
+    """Flags + environment -> `RunConfig`: every cross-component rule, without I/O, then the
+    start-up memory check (`_fit_memory`).
 
     Raises ValueError with a sentence naming the flag and the fix.
     """
+    return _fit_memory(args, env, _validate(args, env))
+
+
+def _memory_parts(cfg: RunConfig) -> dict[str, int]:
+    """Bytes each role of `cfg` holds on this node (`memory_plan.role_bytes`)."""
+    t = cfg.trainer
+    snaps = t.max_snapshots if t.keep_old_actor else 0
+    role = t.behavior_forward == "role" and t.keep_old_actor
+    lay = (t.tensor_model_parallel_size, t.pipeline_model_parallel_size)
+    dp = max(1, t.world_size // (lay[0] * lay[1]))
+    shape = memory_plan.RunShape(
+        params=memory_plan.param_count(cfg.model),
+        trainer_ranks=t.world_size,
+        tp_pp=lay[0] * lay[1],
+        dp=dp,
+        distributed_optimizer=t.use_distributed_optimizer is not False and dp > 1,
+        bf16=t.bf16,
+        trainer_snapshots=0 if role else snaps,
+        role_versions=snaps if role else None,
+        engines=cfg.engines.num_engines if cfg.engines.backend == "embedded" else 0,
+        engine_bytes=2 if cfg.engine.dtype == "bf16" else 4,
+    )
+    return memory_plan.role_bytes(shape)
+
+
+def _fit_memory(args: argparse.Namespace, env: Environment, cfg: RunConfig) -> RunConfig:
+    """A one-node run whose roles would not fit in the node's memory: with a derived
+    `--behavior-forward role`, derive `trainer` instead when that fits (the snapshots live in
+    the trainer, no second model); otherwise refuse, with the numbers and the fix."""
+    mem = env.memory_bytes
+    if mem is None or env.ray_address is not None:  # a joined cluster: nodes of their own
+        return cfg
+    parts = _memory_parts(cfg)
+    if memory_plan.fits(parts, mem):
+        return cfg
+    why = memory_plan.describe(parts, mem)
+    if cfg.trainer.behavior_forward == "role" and "--behavior-forward" in cfg.derived:
+        alt = _validate(argparse.Namespace(**{**vars(args), "behavior_forward": "trainer"}), env)
+        alt_parts = _memory_parts(alt)
+        if memory_plan.fits(alt_parts, mem):
+            alt.derived["--behavior-forward"] = Derived(
+                "trainer",
+                f"the forward-only role would not fit ({why}); with the snapshots in the "
+                f"trainer: {memory_plan.describe(alt_parts, mem)}",
+            )
+            return alt
+    raise ValueError(
+        f"this run would not fit in this node's memory: {why}. Fix: --bf16 (half the weights), "
+        "fewer --max-snapshots or --no-keep-old-actor, fewer --num-engines, --engine-dtype "
+        "bf16, or a node with more memory (docs/cpu.md#memory)"
+    )
+
+
+def _validate(args: argparse.Namespace, env: Environment) -> RunConfig:
+    """`validate` without the memory check."""
     f = Flags(args)
     a = f.args
     flags = {k: v for k, v in vars(args).items() if k not in ("sglang_args", "config", "dry_run")}
