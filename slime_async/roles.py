@@ -87,6 +87,9 @@ def init_ray(*, address: str | None = None, num_cpus: float | None = None) -> bo
         log.info("joined the Ray cluster at %s: %s", address, ray.cluster_resources())
         return True
     cpus = max(2, os.cpu_count() or 2, math.ceil(num_cpus or 0))
+    # the local node's raylet starts workers at this niceness (Ray's default is 15): our actors
+    # are the run itself and compete with nothing of ours, so they run at normal priority
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
     _LOCAL[0] = True
     return False

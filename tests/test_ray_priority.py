@@ -1,0 +1,39 @@
+"""Ray actors of a local run start at the driver's priority, not at Ray's default niceness of
+15 (`roles.init_ray`): on a shared machine a niced trainer would lose every core to anything
+else running."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import os, ray
+from slime_async.roles import init_ray
+init_ray()
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def nice(self):
+        return os.nice(0)
+
+print(os.nice(0), ray.get(Probe.remote().nice.remote()))
+"""
+
+
+def test_actors_run_at_the_drivers_priority():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    driver, actor = map(int, out.stdout.split()[-2:])
+    assert actor == driver
