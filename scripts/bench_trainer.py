@@ -12,10 +12,12 @@ Measured in one run, one thread per rank (prints ratios; the machine may be nois
       extracted with `git archive`, run by the same worker script), both on padded
       micro-batches; plus 1F1B packed;
   (3) optimizer-state bytes per rank (Adam moments; + fp32 main params under bf16) at DP=2
-      with the distributed optimizer vs without.
+      with the distributed optimizer vs without;
+  (4) `speed`: SmolLM2-135M shapes, fp32 vs bf16 and chunked vs full logits: tokens/s, peak
+      RSS, and MFU against the machine's measured matmul peak (scripts/bench_trainer_speed.py).
 
     .venv/bin/python scripts/bench_trainer.py                  # all three
-    .venv/bin/python scripts/bench_trainer.py --only packing   # one of packing|pipeline|optimizer
+    .venv/bin/python scripts/bench_trainer.py --only packing   # packing|pipeline|optimizer|speed
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_trainer_speed
 import numpy as np
 import torch
 
@@ -255,7 +258,9 @@ def bench_optimizer(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["packing", "pipeline", "optimizer"], help="one part")
+    ap.add_argument(
+        "--only", choices=["packing", "pipeline", "optimizer", "speed"], help="one part"
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     ap.add_argument("--micro-batch-size", type=int, default=16, help="fixed micro-batch size")
     ap.add_argument("--max-tokens", type=int, default=1024, help="token budget (packed)")
@@ -270,10 +275,16 @@ def main() -> None:
         help="layers of the pipeline-part model (the last stage also runs the "
         "output layer and the loss, so a 2-layer model is all last stage)",
     )
+    bench_trainer_speed.add_args(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"cpu threads per rank: 1; load average at start: {os.getloadavg()[0]:.1f}")
-    parts = {"packing": bench_packing, "pipeline": bench_pipeline, "optimizer": bench_optimizer}
+    parts = {
+        "packing": bench_packing,
+        "pipeline": bench_pipeline,
+        "optimizer": bench_optimizer,
+        "speed": bench_trainer_speed.bench_speed,
+    }
     for name, fn in parts.items():
         if args.only in (None, name):
             fn(args)

@@ -1,0 +1,196 @@
+"""Benchmark: the trainer on SmolLM2-135M shapes at the hardware's limit (the `speed` part of
+`scripts/bench_trainer.py`).
+
+For each configuration — fp32 / bf16 compute, chunked log-prob head / the full `[tokens,
+vocab]` logits (`--logits-chunk-tokens 0`) — a fresh process builds a `MegatronTrainer` with
+SmolLM2-135M's shapes (random weights: speed does not depend on them), trains `--speed-steps`
+steps (after one warm-up) on a batch shaped like the SmolLM2 recipe's (32 samples of 60-100
+tokens, packed into 4096-token micro-batches), and reports the median step time, tokens/s,
+the training forward+backward's time, peak RSS (and peak GPU memory on CUDA). Beside them, the
+machine's own ceiling, measured in the same run: one matmul's FLOP/s in fp32 and bf16 on the
+same threads (or the GPU), and the model FLOP utilisation of the forward+backward:
+
+    MFU = 6 · N · tokens / fwd_bwd_seconds / peak_matmul_FLOP/s     (N = parameters)
+
+    .venv/bin/python scripts/bench_trainer.py --only speed
+    .venv/bin/python scripts/bench_trainer_speed.py --threads 1 --speed-steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from slime_async.contracts.model import ModelSpec  # noqa: E402
+from slime_async.memory_plan import param_count  # noqa: E402
+
+SMOLLM2 = ModelSpec(
+    family="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    num_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    tie_word_embeddings=True,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+)
+CONFIGS = {  # name: (bf16, logits chunk tokens: None = the chunked default, 0 = full logits)
+    "fp32 full logits": (False, 0),
+    "fp32 chunked": (False, None),
+    "bf16 full logits": (True, 0),
+    "bf16 chunked": (True, None),
+}
+
+WORKER = r"""
+import json, resource, statistics, sys, time
+import torch
+args = json.loads(sys.argv[1])
+torch.set_num_threads(args["threads"])
+from slime_async.contracts.model import ModelSpec
+from slime_async.trainer.config import TrainerConfig
+from slime_async.trainer.testing import random_batch
+from slime_async.trainer.trainer import MegatronTrainer
+spec = ModelSpec.from_dict(args["spec"])
+cfg = TrainerConfig(lr=1e-6, seed=0, bf16=args["bf16"], logits_chunk_tokens=args["chunk"],
+                    use_dynamic_batch_size=True, max_tokens_per_gpu=4096)
+tr = MegatronTrainer(cfg, spec)
+lengths = args["lengths"]
+b = random_batch(spec, batch=len(lengths), width=max(lengths), prompt=40, seed=1, lengths=lengths)
+steps, fb = [], []
+for i in range(args["steps"] + 1):
+    t = time.perf_counter()
+    m = tr.train_step(b)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if i:
+        steps.append(time.perf_counter() - t)
+        fb.append(m["timing/train_fwd_bwd_s"])
+out = {"step_s": statistics.median(steps), "fwd_bwd_s": statistics.median(fb),
+       "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+       "gpu_gib": torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else 0}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def recipe_lengths(n: int = 32) -> list[int]:
+    """Prompt + response tokens of a SmolLM2 recipe batch (chat-templated chain_sum prompts of
+    ~60 tokens and replies of up to 32): 60-100 tokens, deterministic."""
+    return [60 + (i * 13) % 41 for i in range(n)]
+
+
+def matmul_peak(dtype: torch.dtype, *, device: str, n: int) -> float:
+    """Best FLOP/s of an `n`×`n`×`n` matmul in `dtype` on `device` (5 tries after a warm-up)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    best = float("inf")
+    for i in range(6):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        (a @ b).sum().item() if device == "cuda" else a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def run_config(name: str, *, threads: int, steps: int, lengths: list[int]) -> dict:
+    bf16, chunk = CONFIGS[name]
+    args = dict(
+        spec=SMOLLM2.to_dict(), bf16=bf16, chunk=chunk, threads=threads, steps=steps,
+        lengths=lengths,
+    )  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(
+        [sys.executable, "-c", WORKER, json.dumps(args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    if p.returncode or not line:
+        raise RuntimeError(f"{name} failed:\n{p.stderr[-3000:]}")
+    return json.loads(line[-1][len("RESULT ") :])
+
+
+def bench_speed(args: argparse.Namespace) -> dict:
+    """Measure every configuration and the matmul peaks; print one table; return the numbers."""
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    threads = args.threads
+    torch.set_num_threads(threads)
+    n = 8192 if cuda else 2048
+    peak = {
+        "fp32": matmul_peak(torch.float32, device=device, n=n),
+        "bf16": matmul_peak(torch.bfloat16, device=device, n=n),
+    }
+    lengths = recipe_lengths()
+    tokens = sum(lengths)
+    params = param_count(SMOLLM2)
+    where = torch.cuda.get_device_name() if cuda else f"{threads} CPU thread(s)"
+    print(
+        f"\n[speed] SmolLM2-135M shapes ({params / 1e6:.1f}M parameters), {len(lengths)} samples "
+        f"/ {tokens} tokens per step, on {where}; load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"matmul peak ({n}^3): fp32 {peak['fp32'] / 1e9:.1f} GFLOP/s, "
+        f"bf16 {peak['bf16'] / 1e9:.1f} GFLOP/s (bf16/fp32 {peak['bf16'] / peak['fp32']:.2f}x)"
+    )
+    rows = {}
+    hdr = f"{'configuration':<18} {'step s':>8} {'tok/s':>8} {'fwd+bwd s':>10} {'MFU':>6} "
+    print(hdr + f"{'peak RSS GiB':>13}" + (f" {'GPU GiB':>8}" if cuda else ""))
+    for name in args.configs:
+        r = run_config(name, threads=threads, steps=args.speed_steps, lengths=lengths)
+        dtype = "bf16" if CONFIGS[name][0] else "fp32"
+        r["tokens_per_s"] = tokens / r["step_s"]
+        r["mfu"] = 6 * params * tokens / r["fwd_bwd_s"] / peak[dtype]
+        rows[name] = r
+        print(
+            f"{name:<18} {r['step_s']:>8.2f} {r['tokens_per_s']:>8.0f} {r['fwd_bwd_s']:>10.2f} "
+            f"{r['mfu']:>6.1%} {r['rss_gib']:>13.2f}" + (f" {r['gpu_gib']:>8.2f}" if cuda else "")
+        )
+    if "fp32 chunked" in rows and "bf16 chunked" in rows:
+        a, b = rows["fp32 chunked"], rows["bf16 chunked"]
+        print(f"bf16/fp32 (chunked): step time {b['step_s'] / a['step_s']:.2f}x")
+    for dt in ("fp32", "bf16"):
+        full, ch = rows.get(f"{dt} full logits"), rows.get(f"{dt} chunked")
+        if full and ch:
+            print(
+                f"{dt} chunked/full: step time {ch['step_s'] / full['step_s']:.2f}x, "
+                f"peak RSS {ch['rss_gib'] / full['rss_gib']:.2f}x"
+                + (f", GPU memory {ch['gpu_gib'] / full['gpu_gib']:.2f}x" if cuda else "")
+            )
+    result = {"device": where, "params": params, "tokens": tokens, "peak": peak, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (speed part)")
+    ap.add_argument("--speed-steps", type=int, default=2, help="timed steps per configuration")
+    ap.add_argument(
+        "--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), help="which ones"
+    )
+    ap.add_argument("--json", help="also write the numbers to this file")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_args(ap)
+    bench_speed(ap.parse_args())
