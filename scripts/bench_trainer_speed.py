@@ -114,7 +114,8 @@ def run_config(name: str, *, threads: int, steps: int, lengths: list[int]) -> di
         spec=SMOLLM2.to_dict(), bf16=bf16, chunk=chunk, threads=threads, steps=steps,
         lengths=lengths,
     )  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     p = subprocess.run(
         [sys.executable, "-c", WORKER, json.dumps(args)],
         env=env,

@@ -125,17 +125,19 @@ def test_vocab_parallel_over_two_ranks_equals_the_whole_vocabulary():
 
 def test_trainer_chunked_head_equals_the_full_logits_path():
     """Same log-probs, entropies and gradients with `--logits-chunk-tokens 0` (the
-    `[tokens, V]` tensor) and with chunks of 3 tokens (a packed micro-batch spans many)."""
-    from slime_async.contracts.model import TINY_MOE
+    `[tokens, V]` tensor) and with chunks of 3 tokens (a packed micro-batch spans many).
+    A dense model (megatron-core's MoE router needs TransformerEngine on a GPU)."""
+    from slime_async.contracts.model import ModelSpec
     from slime_async.trainer.config import TrainerConfig
     from slime_async.trainer.testing import random_batch
     from slime_async.trainer.trainer import MegatronTrainer
 
-    batch = random_batch(TINY_MOE, batch=4, width=14, prompt=4, seed=0)
+    spec = ModelSpec(family="qwen3", num_layers=2)
+    batch = random_batch(spec, batch=4, width=14, prompt=4, seed=0)
     results = []
     for chunk in (0, 3):
         cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, seed=3, logits_chunk_tokens=chunk)
-        tr = MegatronTrainer(cfg, TINY_MOE)
+        tr = MegatronTrainer(cfg, spec)
         lp, ent = tr.compute_logprobs(batch)
         tr.train_step(batch)
         # the step's gradients (megatron DDP's buffers; an Adam update would amplify rounding
