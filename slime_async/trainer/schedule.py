@@ -194,7 +194,7 @@ class Schedule:
         weight = lm_head.output_weight(self.chunks[k])
         chunk = self.chunk_tokens
         if chunk is None:
-            chunk = lm_head.default_chunk_tokens(weight.shape[0])
+            chunk = lm_head.default_chunk_tokens(weight.shape[0], weight.device)
         return lm_head.Logits(
             hidden=output, weight=weight, group=lm_head.tp_group(), chunk_tokens=chunk
         )
