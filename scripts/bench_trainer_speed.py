@@ -2,7 +2,9 @@
 `scripts/bench_trainer.py`).
 
 For each configuration — fp32 / bf16 compute, chunked log-prob head / the full `[tokens,
-vocab]` logits (`--logits-chunk-tokens 0`) — a fresh process builds a `MegatronTrainer` with
+vocab]` logits (`--logits-chunk-tokens 0`), and bf16 chunked with full activation recompute
+(`rc`: `--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`;
+MFU then still counts 6·N·tokens, not the recompute's extra forward) — a fresh process builds a `MegatronTrainer` with
 SmolLM2-135M's shapes (random weights: speed does not depend on them), trains `--speed-steps`
 steps (after one warm-up) on a batch shaped like the SmolLM2 recipe's (32 samples of 60-100
 tokens, packed into 4096-token micro-batches), and reports the median step time, tokens/s,
@@ -47,11 +49,12 @@ SMOLLM2 = ModelSpec(
     rope_theta=100000.0,
     max_position_embeddings=8192,
 )
-CONFIGS = {  # name: (bf16, logits chunk tokens: None = the chunked default, 0 = full logits)
-    "fp32 full logits": (False, 0),
-    "fp32 chunked": (False, None),
-    "bf16 full logits": (True, 0),
-    "bf16 chunked": (True, None),
+CONFIGS = {  # name: (bf16, logits chunk tokens (None: the chunked default, 0: full), recompute)
+    "fp32 full logits": (False, 0, False),
+    "fp32 chunked": (False, None, False),
+    "bf16 full logits": (True, 0, False),
+    "bf16 chunked": (True, None, False),
+    "bf16 chunked rc": (True, None, True),
 }
 
 WORKER = r"""
@@ -64,8 +67,10 @@ from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.testing import random_batch
 from slime_async.trainer.trainer import MegatronTrainer
 spec = ModelSpec.from_dict(args["spec"])
+rc = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 cfg = TrainerConfig(lr=1e-6, seed=0, bf16=args["bf16"], logits_chunk_tokens=args["chunk"],
-                    use_dynamic_batch_size=True, max_tokens_per_gpu=4096)
+                    use_dynamic_batch_size=True, max_tokens_per_gpu=4096,
+                    **(rc if args["recompute"] else {}))
 tr = MegatronTrainer(cfg, spec)
 lengths = args["lengths"]
 b = random_batch(spec, batch=len(lengths), width=max(lengths), prompt=40, seed=1, lengths=lengths)
@@ -109,10 +114,10 @@ def matmul_peak(dtype: torch.dtype, *, device: str, n: int) -> float:
 
 
 def run_config(name: str, *, threads: int, steps: int, lengths: list[int]) -> dict:
-    bf16, chunk = CONFIGS[name]
+    bf16, chunk, recompute = CONFIGS[name]
     args = dict(
-        spec=SMOLLM2.to_dict(), bf16=bf16, chunk=chunk, threads=threads, steps=steps,
-        lengths=lengths,
+        spec=SMOLLM2.to_dict(), bf16=bf16, chunk=chunk, recompute=recompute, threads=threads,
+        steps=steps, lengths=lengths,
     )  # fmt: skip
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}
