@@ -207,8 +207,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             gz /= t
             if g_h is not None:
                 g_h[s:e] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
-            if g_w is not None:
-                g_w += gz.t() @ h.float()
+            if g_w is not None:  # in the weight's dtype (bf16 matmuls), summed in fp32
+                g_w += (gz.t().to(weight.dtype) @ h.to(weight.dtype)).float()
         return g_h, None if g_w is None else g_w.to(weight.dtype), None, None, None, None
 
 
