@@ -11,7 +11,10 @@ sender holding the model's weights, then for each transport:
     `--window` seconds without a sync, then for the same window with syncs back to back;
     lost seconds per sync = window x (1 - tokens_with_syncs / tokens_without) / syncs_done.
 
-It prints one table per model and the distributed/disk ratios, with the load average.
+each transport once per `--dtypes` entry (fp32, and bf16: `--update-weight-dtype bfloat16`,
+half the bytes; the engines serve bf16 either way). It prints one table per model (bytes per
+sync, seconds, the sync's rate against this machine's memcpy bandwidth measured in the same
+run), the distributed/disk and bf16/fp32 ratios, with the load average.
 
     .venv/bin/python scripts/bench_weight_sync.py                # tiny, then SmolLM2-135M
     .venv/bin/python scripts/bench_weight_sync.py --models tiny --syncs 3 --window 5
@@ -84,12 +87,12 @@ class Holder:
     def __call__(self) -> tuple[int, dict[str, torch.Tensor]]:
         return self.version, self.lm.model.state_dict()
 
-    def save_weights(self, path: str | Path) -> Path:
-        if getattr(self.lm.model, "hf_quantizer", None) is None:
+    def save_weights(self, path: str | Path, *, dtype: str | None = None) -> Path:
+        if dtype is None and getattr(self.lm.model, "hf_quantizer", None) is None:
             self.lm.model.save_pretrained(str(path))
             return Path(path)
-        # a GGUF-loaded model (dequantized in memory) refuses save_pretrained: write the plain
-        # HF layout, config without the GGUF quantization entry
+        # a GGUF-loaded model (dequantized in memory) refuses save_pretrained, and a cast
+        # copy is not the model: write the plain HF layout, config without the GGUF entry
         import safetensors.torch
 
         p = Path(path)
@@ -97,8 +100,28 @@ class Holder:
         cfg = self.lm.model.config.to_dict()
         cfg.pop("quantization_config", None)
         (p / "config.json").write_text(json.dumps(cfg))
-        safetensors.torch.save_model(self.lm.model, str(p / "model.safetensors"))
+        if dtype is None:
+            safetensors.torch.save_model(self.lm.model, str(p / "model.safetensors"))
+            return p
+        seen, out = set(), {}
+        for k, t in self.lm.model.state_dict().items():  # tied weights once
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                out[k] = t.to(getattr(torch, dtype)).contiguous()
+        safetensors.torch.save_file(out, str(p / "model.safetensors"))
         return p
+
+
+def memcpy_gbps(nbytes: int = 256 * 1024**2) -> float:
+    """This machine's single-thread memory copy bandwidth (GB/s, bytes copied), best of 5."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
 
 
 async def clients(url: str, n: int, seconds: float, tokens: int, sync=None) -> tuple[int, int]:
@@ -141,15 +164,25 @@ async def bench_model(name: str, cfg: EngineConfig, a: argparse.Namespace) -> di
     try:
         async with RouterClient(rurl) as rc:
             with tempfile.TemporaryDirectory(prefix="bench-ws-") as d:
-                transports = {
-                    "disk": DiskTransport(Path(d), trainer=holder, control=rc),
-                    "distributed": DistributedTransport(
+                transports = {}
+                for dt in a.dtypes.split(","):
+                    tag = "" if dt == "float32" else f" {dt}"
+                    transports["disk" + tag] = DiskTransport(
+                        Path(d) / dt,
+                        trainer=holder,
+                        control=rc,
+                        dtype=None if dt == "float32" else dt,
+                    )
+                    transports["distributed" + tag] = DistributedTransport(
                         sender=InProcessSender(holder),
                         control=rc,
                         engine_urls=lambda: urls,
-                        cfg=WeightSyncConfig(bucket_bytes=a.bucket_mb * 1024**2),
-                    ),
-                }
+                        cfg=WeightSyncConfig(
+                            bucket_bytes=a.bucket_mb * 1024**2,
+                            group_name=f"bench_{dt}",
+                            dtype=None if dt == "float32" else dt,
+                        ),
+                    )
                 for tname, t in transports.items():
 
                     async def sync(t=t) -> None:
@@ -168,7 +201,9 @@ async def bench_model(name: str, cfg: EngineConfig, a: argparse.Namespace) -> di
                     base, _ = await clients(rurl, a.clients, a.window, a.tokens)
                     loaded, n = await clients(rurl, a.clients, a.window, a.tokens, sync=sync)
                     lost = a.window * max(0.0, 1 - loaded / max(1, base)) / max(1, n)
+                    dt = tname.split(" ")[1] if " " in tname else "float32"
                     results[tname] = {
+                        "bytes": nbytes * getattr(torch, dt).itemsize // 4,
                         "first_s": first,
                         "sync_s": statistics.median(times),
                         "tok_base": base,
@@ -185,21 +220,31 @@ async def bench_model(name: str, cfg: EngineConfig, a: argparse.Namespace) -> di
         f"\n## {name}: {nbytes / 1e6:.1f} MB of fp32 weights, {a.engines} engines, "
         f"{a.clients} clients x {a.tokens} tokens, window {a.window:.0f}s"
     )
+    bw = memcpy_gbps()
+    print(f"memcpy bandwidth (one thread, same run): {bw:.1f} GB/s")
     print(
-        "| transport | first sync s | s/sync (median) | tokens no sync | tokens with syncs "
-        "| syncs in window | rollout s lost/sync |"
+        "| transport | MB/sync | first sync s | s/sync (median) | GB/s (sync) | memcpy-time "
+        "share | tokens no sync | tokens with syncs | syncs in window | rollout s lost/sync |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for tname, r in results.items():
+        rate = r["bytes"] / r["sync_s"] / 1e9
         print(
-            f"| {tname} | {r['first_s']:.3f} | {r['sync_s']:.3f} | {r['tok_base']} | "
-            f"{r['tok_sync']} | {r['syncs']} | {r['lost_s']:.3f} |"
+            f"| {tname} | {r['bytes'] / 1e6:.0f} | {r['first_s']:.3f} | {r['sync_s']:.3f} | "
+            f"{rate:.2f} | {rate / bw:.1%} | {r['tok_base']} | {r['tok_sync']} | {r['syncs']} "
+            f"| {r['lost_s']:.3f} |"
         )
-    d, k = results["distributed"], results["disk"]
-    print(
-        f"ratio distributed/disk: s/sync {d['sync_s'] / k['sync_s']:.2f}, "
-        f"rollout lost/sync {d['lost_s'] / max(1e-9, k['lost_s']):.2f}"
-    )
+    d, k = results.get("distributed"), results.get("disk")
+    if d and k:
+        print(
+            f"ratio distributed/disk: s/sync {d['sync_s'] / k['sync_s']:.2f}, "
+            f"rollout lost/sync {d['lost_s'] / max(1e-9, k['lost_s']):.2f}"
+        )
+    for t in ("disk", "distributed"):
+        if t in results and f"{t} bfloat16" in results:
+            b, f = results[f"{t} bfloat16"], results[t]
+            print(f"{t} bf16/fp32: bytes {b['bytes'] / f['bytes']:.2f}, s/sync "
+                  f"{b['sync_s'] / f['sync_s']:.2f}")  # fmt: skip
     return results
 
 
@@ -214,6 +259,9 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4, help="closed-loop generate clients")
     p.add_argument("--tokens", type=int, default=32, help="max_new_tokens per request")
     p.add_argument("--bucket-mb", type=int, default=512, help="distributed bucket size (MiB)")
+    p.add_argument(
+        "--dtypes", default="float32,bfloat16", help="dtypes the weights travel in (each transport)"
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     print(f"load average before: {os.getloadavg()}")
