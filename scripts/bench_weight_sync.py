@@ -88,8 +88,13 @@ class Holder:
         return self.version, self.lm.model.state_dict()
 
     def save_weights(self, path: str | Path, *, dtype: str | None = None) -> Path:
-        if dtype is None and getattr(self.lm.model, "hf_quantizer", None) is None:
-            self.lm.model.save_pretrained(str(path))
+        if getattr(self.lm.model, "hf_quantizer", None) is None:
+            model = self.lm.model
+            if dtype is not None:  # save_pretrained writes the checkpoint names (MoE experts)
+                import copy
+
+                model = copy.deepcopy(model).to(getattr(torch, dtype))
+            model.save_pretrained(str(path))
             return Path(path)
         # a GGUF-loaded model (dequantized in memory) refuses save_pretrained, and a cast
         # copy is not the model: write the plain HF layout, config without the GGUF entry
