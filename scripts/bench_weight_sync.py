@@ -188,6 +188,8 @@ async def bench_model(name: str, cfg: EngineConfig, a: argparse.Namespace) -> di
                             dtype=None if dt == "float32" else dt,
                         ),
                     )
+                wanted = a.transports.split(",")
+                transports = {k: v for k, v in transports.items() if k.split(" ")[0] in wanted}
                 for tname, t in transports.items():
 
                     async def sync(t=t) -> None:
@@ -264,6 +266,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4, help="closed-loop generate clients")
     p.add_argument("--tokens", type=int, default=32, help="max_new_tokens per request")
     p.add_argument("--bucket-mb", type=int, default=512, help="distributed bucket size (MiB)")
+    p.add_argument("--transports", default="disk,distributed", help="which transports")
     p.add_argument(
         "--dtypes", default="float32,bfloat16", help="dtypes the weights travel in (each transport)"
     )
