@@ -609,6 +609,12 @@ def _derive_bf16(f: Flags, env: Environment, *, embedded: bool) -> None:
         return
     if embedded:
         f.fill("bf16", False, "the embedded default run's tiny model trains in fp32")
+    elif env.load is not None and env.load.version is not None:
+        f.fill(
+            "bf16",
+            False,
+            "a resumed run keeps fp32 unless told: give --bf16 if its checkpoint was saved so",
+        )
     elif env.cpu_bf16:
         f.fill(
             "bf16",

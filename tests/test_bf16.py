@@ -80,3 +80,21 @@ def test_bf16_logprobs_match_fp32_within_the_stated_tolerance(tmp_path):
     assert torch.isfinite(torch.tensor(metrics["loss/total"]))
     assert all(p.main_grad.dtype == torch.float32 for p in bf.model.parameters())
     assert bf.version == 1
+
+
+def test_a_resumed_run_is_not_switched_to_bf16():
+    from slime_async.trainer.checkpoint import LoadFacts
+
+    env = Environment(
+        model=LLAMA,
+        cpus=(0, 1),
+        cpu_bf16="amx_bf16",
+        load=LoadFacts(path="/ckpt", checkpoint="/ckpt/iter_0000003", version=3),
+    )
+    args = build_parser().parse_args([*REAL, "--load", "/ckpt"])
+    from slime_async.config import _derive_bf16
+    from slime_async.derive import Flags
+
+    f = Flags(args)
+    _derive_bf16(f, env, embedded=False)
+    assert f.args.bf16 is False and "resumed" in f.derived["--bf16"].why
