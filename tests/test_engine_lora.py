@@ -294,3 +294,16 @@ def test_sglang_launcher_passes_the_lora_flags():
     assert cmd[cmd.index("--max-loaded-loras") + 1] == "4"
     plain = build_command(sglang_config(EngineConfig(), launch, port=30000))
     assert not any("lora" in a for a in plain)
+
+
+async def test_client_refuses_a_request_without_the_adapter():
+    """In a LoRA run the rollout client never lets the base model answer silently."""
+    from slime_async.rollout.client import GenerateClient, GenerateClientConfig, GenerateError
+
+    client = GenerateClient(GenerateClientConfig(url="http://127.0.0.1:9", lora_name="policy"))
+    try:
+        for body in ({"input_ids": [1]}, {"input_ids": [1], "lora_path": "other"}):
+            with pytest.raises(GenerateError, match="LoRA run"):
+                await client.post(body, {})
+    finally:
+        await client.close()

@@ -27,6 +27,8 @@ from slime_async.contracts.model import ModelSpec
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may target, as PEFT and SGLang name them."""
 ATTENTION_MODULES = PEFT_MODULES[:4]
+ADAPTER_NAME = "policy"
+"""The name a LoRA run's engines serve its adapter under (every request's `lora_path`)."""
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 CHECKSUM_FILE = "adapter_model.sha256"

@@ -222,7 +222,11 @@ def _adapters(chunks: list[torch.nn.Module]) -> list[tuple[int, LoraAdapter]]:
     for chunk in chunks:
         for layer in getattr(getattr(chunk, "decoder", None), "layers", []):
             for path in _LAYERS:
-                ad = getattr(layer.get_submodule(path), "lora", None)
+                try:
+                    linear = layer.get_submodule(path)
+                except AttributeError:  # an MoE layer: routed experts, no dense projection
+                    continue
+                ad = getattr(linear, "lora", None)
                 if ad is not None:
                     out.append((layer.layer_number - 1, ad))
     return out
@@ -233,29 +237,57 @@ def is_adapter_param(name: str) -> bool:
     return ADAPTER_MARK in name
 
 
+def adapter_named_parameters(
+    chunks: list[torch.nn.Module], lora: LoraSpec
+) -> dict[str, torch.nn.Parameter]:
+    """{PEFT key: this rank's shard} of every trained adapter matrix (the optimizer's view)."""
+    out = {}
+    for i, ad in _adapters(chunks):
+        for m in ad.modules_:
+            if m in lora.targets:
+                out[peft_name(i, m, "A")] = ad.A[m]
+                out[peft_name(i, m, "B")] = ad.B[m]
+    return out
+
+
+def _split_dim(key: str, kind: str) -> int | None:
+    """The TP-sharded dimension of one adapter matrix (None: replicated)."""
+    if kind == "column":
+        return 0 if ".lora_B." in key else None
+    return 1 if ".lora_A." in key else None
+
+
+def _kinds(chunks: list[torch.nn.Module]) -> dict[str, str]:
+    return {
+        peft_name(i, m, w): ad.kind
+        for i, ad in _adapters(chunks)
+        for m in ad.modules_
+        for w in ("A", "B")
+    }
+
+
 @torch.no_grad()
-def adapter_tensors(
-    chunks: list[torch.nn.Module], model: ModelSpec, lora: LoraSpec
+def gather_peft(
+    chunks: list[torch.nn.Module],
+    model: ModelSpec,
+    lora: LoraSpec,
+    local: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """Full fp32 CPU adapter matrices in PEFT's keys (collective over TP and PP: every rank gets
-    all of them)."""
+    """Full fp32 CPU tensors from this rank's per-adapter-matrix shards `local` (PEFT keys: the
+    matrices themselves, or their Adam moments); collective over TP and PP, every rank gets all."""
     from megatron.core import parallel_state as ps
 
     from slime_async.trainer.parallel import all_gather_cat, all_reduce_sum
 
     tp_group = ps.get_tensor_model_parallel_group()
+    kinds = _kinds(chunks)
     out: dict[str, torch.Tensor] = {}
-    for i, ad in _adapters(chunks):
-        for m in ad.modules_:
-            if m not in lora.targets:
-                continue
-            a, b = ad.A[m].detach().float(), ad.B[m].detach().float()
-            if ad.kind == "column":
-                b = all_gather_cat(b, tp_group, dim=0)
-            else:
-                a = all_gather_cat(a, tp_group, dim=1)
-            out[peft_name(i, m, "A")] = a.to("cpu", copy=True)
-            out[peft_name(i, m, "B")] = b.to("cpu", copy=True)
+    for key in sorted(local):  # the same order on every TP rank
+        t = local[key].detach().float()
+        dim = _split_dim(key, kinds[key])
+        if dim is not None:
+            t = all_gather_cat(t, tp_group, dim=dim)
+        out[key] = t.to("cpu", copy=True)
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return out
     shapes = peft_shapes(model, lora)  # every stage gets every stage's: zero-filled sum
@@ -270,24 +302,42 @@ def adapter_tensors(
     return full
 
 
-@torch.no_grad()
-def load_adapter_tensors(chunks: list[torch.nn.Module], tensors: dict[str, torch.Tensor]) -> None:
-    """Copy full PEFT-keyed adapter matrices into this rank's shards (no communication)."""
+def shard_peft(
+    chunks: list[torch.nn.Module], tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """This rank's shards (PEFT keys of its layers) of full PEFT-keyed tensors."""
     from megatron.core import parallel_state as ps
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    for i, ad in _adapters(chunks):
-        for m in ad.modules_:
-            key_a, key_b = peft_name(i, m, "A"), peft_name(i, m, "B")
-            if key_a not in tensors:
-                continue
-            a, b = tensors[key_a], tensors[key_b]
-            if ad.kind == "column":
-                b = b.chunk(tp, 0)[tp_rank]
-            else:
-                a = a.chunk(tp, 1)[tp_rank]
-            ad.A[m].copy_(a.to(ad.A[m].device, ad.A[m].dtype))
-            ad.B[m].copy_(b.to(ad.B[m].device, ad.B[m].dtype))
+    out = {}
+    for key, kind in _kinds(chunks).items():
+        if key not in tensors:
+            continue
+        dim = _split_dim(key, kind)
+        t = tensors[key]
+        out[key] = t if dim is None else t.chunk(tp, dim)[tp_rank]
+    return out
+
+
+def adapter_tensors(
+    chunks: list[torch.nn.Module], model: ModelSpec, lora: LoraSpec
+) -> dict[str, torch.Tensor]:
+    """Full fp32 CPU adapter matrices in PEFT's keys (collective over TP and PP: every rank gets
+    all of them)."""
+    return gather_peft(chunks, model, lora, adapter_named_parameters(chunks, lora))
+
+
+@torch.no_grad()
+def load_adapter_tensors(chunks: list[torch.nn.Module], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy full PEFT-keyed adapter matrices into this rank's shards (no communication)."""
+    params = {
+        peft_name(i, m, w): getattr(ad, w)[m]
+        for i, ad in _adapters(chunks)
+        for m in ad.modules_
+        for w in ("A", "B")
+    }
+    for key, t in shard_peft(chunks, tensors).items():
+        params[key].copy_(t.to(params[key].device, params[key].dtype))
 
 
 def merge(
@@ -313,3 +363,40 @@ def adapter_params(chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
         for n, p in c.named_parameters()
         if is_adapter_param(n) and p.requires_grad
     ]
+
+
+# --------------------------------------------------------------------------- checkpoints
+def optimizer_moments(optim: Any, chunks: list[torch.nn.Module], model: ModelSpec, lora: LoraSpec):
+    """{moment: {PEFT key: full tensor}} of the adapters' optimizer state (collective over DP,
+    TP, PP): what a checkpoint stores instead of the base's (which has none)."""
+    local = optim.state_tensors(adapter_named_parameters(chunks, lora))
+    return {k: gather_peft(chunks, model, lora, v) for k, v in local.items()}
+
+
+def load_optimizer_moments(
+    optim: Any,
+    chunks: list[torch.nn.Module],
+    lora: LoraSpec,
+    moments: dict[str, dict[str, torch.Tensor]],
+    *,
+    step: int,
+) -> None:
+    """Install `optimizer_moments`' output into this rank's optimizer (its shards)."""
+    shards = {k: shard_peft(chunks, v) for k, v in moments.items()}
+    optim.load_state_tensors(shards, adapter_named_parameters(chunks, lora), step=step)
+
+
+def check_checkpoint(saved: dict[str, Any] | None, lora: LoraSpec | None, *, where: str) -> None:
+    """Refuse a resume whose adapter shape differs from this run's (ValueError with the fix)."""
+    mine = None if lora is None else lora.peft_config()
+    keys = ("r", "lora_alpha", "target_modules")
+    if (saved is None) != (mine is None) or (
+        saved is not None and any(saved.get(k) != mine.get(k) for k in keys)
+    ):
+        have = "no adapter" if saved is None else {k: saved.get(k) for k in keys}
+        want = "no adapter" if mine is None else {k: mine[k] for k in keys}
+        raise ValueError(
+            f"{where} was saved with {have} but this run trains {want}; resume with the "
+            "checkpoint's --lora-rank/--lora-alpha/--lora-target-modules (0 rank: full "
+            "fine-tuning), or start from its HF export with --hf-checkpoint"
+        )

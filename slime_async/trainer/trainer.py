@@ -299,6 +299,22 @@ class MegatronTrainer(LogprobForwards):
             raise ValueError("this trainer has no adapter (--lora-rank 0)")
         return lora.adapter_tensors(self.chunks, self.spec, self.lora)
 
+    def save_base_weights(self, path: str | Path) -> Path:
+        """With LoRA: write the frozen base (no adapter merged) as an HF directory, what LoRA
+        engines serve the adapter over; without LoRA the same as `save_weights`."""
+        if self.lora is None:
+            return self.save_weights(path)
+        w = HFWeights(
+            version=self.version,
+            spec=self.spec,
+            tensors=hf_convert.megatron_to_hf(self.chunks, self.spec),
+        )
+        if self.rank == 0:
+            weights_io.write_hf_dir(w, path, source=self.cfg.hf_source)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        return Path(path)
+
     def save_adapter(self, path: str | Path) -> Path:
         """Write the adapter as a PEFT directory at `path` (rank 0 writes; all ranks return)."""
         tensors = self.export_adapter()
