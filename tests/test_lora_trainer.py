@@ -269,3 +269,46 @@ def test_resume_restores_adapters_and_optimizer_exactly(tmp_path):
         assert torch.equal(got[k], want[k]), k
     with pytest.raises(CheckpointError, match="resume with the checkpoint's --lora-rank"):
         MegatronTrainer(_cfg(load=str(tmp_path / "ck"), lora_rank=8), LLAMA)
+
+
+def test_export_merged_and_peft_adapter(tmp_path):
+    """A LoRA checkpoint exports (tools/export_hf) as the merged HF model and as a PEFT
+    adapter; both give the trainer's log-probs (transformers; transformers + peft on the base),
+    and --save-hf writes the merged model with the adapter beside it."""
+    import transformers
+
+    from slime_async.contracts.adapter import adapter_dir
+    from slime_async.tools.export_hf import export_checkpoint
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    init = MegatronTrainer(_cfg(lora_rank=0), LLAMA)
+    base_dir = init.save_weights(tmp_path / "base")
+    init.shutdown()
+    b = _batch(LLAMA)
+    tr = MegatronTrainer(
+        _cfg(hf_checkpoint=str(base_dir), save=str(tmp_path / "ck"), save_hf=str(tmp_path / "hf")),
+        LLAMA,
+    )
+    _randomize_b(tr)
+    tr.train_step(b)
+    tr.save_checkpoint()
+    tr.save_hf()
+    lp = tr.compute_logprobs(b)[0]
+    tr.shutdown()
+    export_checkpoint(tmp_path / "ck", tmp_path / "merged", adapter_out=tmp_path / "adapter")
+    mask = b.loss_mask[:, 1:]
+
+    def logprobs(model):
+        with torch.no_grad():
+            logits = model(input_ids=b.tokens).logits.float()
+        return torch.log_softmax(logits[:, :-1], -1).gather(-1, b.tokens[:, 1:, None])[..., 0]
+
+    auto = transformers.AutoModelForCausalLM
+    for merged in (tmp_path / "merged", tmp_path / "hf"):
+        m = auto.from_pretrained(merged, dtype=torch.float32).eval()
+        assert (logprobs(m) - lp[:, 1:])[mask].abs().max() <= 1e-4, merged
+    peft = pytest.importorskip("peft")
+    for adapter in (tmp_path / "adapter", adapter_dir(tmp_path / "hf")):
+        hf = auto.from_pretrained(base_dir, dtype=torch.float32)
+        m = peft.PeftModel.from_pretrained(hf, adapter).eval()
+        assert (logprobs(m) - lp[:, 1:])[mask].abs().max() <= 1e-4, adapter

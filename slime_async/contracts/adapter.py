@@ -188,6 +188,12 @@ def check_adapter(
         raise ValueError("adapter refused: " + "; ".join(problems))
 
 
+def adapter_dir(save_hf: str | Path) -> Path:
+    """Where `--save-hf DIR` of a LoRA run puts the PEFT adapter: `DIR-adapter` beside it."""
+    p = Path(save_hf)
+    return p.with_name(p.name + "-adapter")
+
+
 def write_peft_dir(
     path: str | Path,
     tensors: dict[str, torch.Tensor],

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from loss import denominators, resolve_loss_spec
 from loss.regularizers import with_regularizers
-from slime_async.contracts.adapter import write_peft_dir
+from slime_async.contracts.adapter import adapter_dir, write_peft_dir
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
@@ -341,9 +341,18 @@ class MegatronTrainer(LogprobForwards):
         target = out or self.cfg.save_hf
         if target is None:
             raise ValueError("no HF directory: pass out or set TrainerConfig.save_hf")
-        w = self.export_weights()
+        w = self.export_weights()  # with LoRA: merged
+        adapter = self.export_adapter() if self.lora is not None else None
         if self.rank == 0:
             hf_save.write(w, target, source=self.cfg.hf_source)
+            if adapter is not None:  # and the PEFT adapter beside it (docs/lora.md)
+                write_peft_dir(
+                    adapter_dir(target),
+                    adapter,
+                    self.lora,
+                    version=self.version,
+                    base_model=self.cfg.hf_source,
+                )
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
         return Path(target)
