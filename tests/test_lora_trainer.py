@@ -312,3 +312,20 @@ def test_export_merged_and_peft_adapter(tmp_path):
         hf = auto.from_pretrained(base_dir, dtype=torch.float32)
         m = peft.PeftModel.from_pretrained(hf, adapter).eval()
         assert (logprobs(m) - lp[:, 1:])[mask].abs().max() <= 1e-4, adapter
+
+
+def test_bf16_base_fp32_adapters():
+    """--bf16: the base is bf16, the adapters stay fp32 parameters and train."""
+    from slime_async.trainer import lora
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    tr = MegatronTrainer(_cfg(bf16=True), LLAMA)
+    params = dict(tr.model.named_parameters())
+    assert {p.dtype for n, p in params.items() if lora.is_adapter_param(n)} == {torch.float32}
+    assert {p.dtype for n, p in params.items() if not lora.is_adapter_param(n)} == {torch.bfloat16}
+    before = tr.export_adapter()
+    m = tr.train_step(_batch(LLAMA))
+    assert torch.isfinite(torch.tensor(m["loss/total"])) and m["train/grad_norm"] > 0
+    after = tr.export_adapter()
+    assert any((after[k] - before[k]).abs().max() > 0 for k in before if ".lora_B." in k)
+    tr.shutdown()

@@ -215,6 +215,15 @@ def attach(chunks: list[torch.nn.Module], model: Any, lora: LoraSpec, *, seed: i
                 linear.register_forward_hook(_hook, with_kwargs=True)
 
 
+def keep_fp32(module: torch.nn.Module) -> torch.nn.Module:
+    """Cast the adapters of `module` back to fp32 after megatron's `Float16Module` made every
+    parameter bf16 (--bf16): the base computes in bf16, the adapters train and compute in fp32."""
+    for name, p in module.named_parameters():
+        if ADAPTER_MARK in name:
+            p.data = p.data.float()
+    return module
+
+
 # --------------------------------------------------------------------------- PEFT tensors
 def _adapters(chunks: list[torch.nn.Module]) -> list[tuple[int, LoraAdapter]]:
     """(global layer index, adapter) of this rank's chunks, in layer then `_LAYERS` order."""
