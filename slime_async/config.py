@@ -210,6 +210,13 @@ def _lora_engines(
             f"--lora-target-modules {' '.join(mlp)}: this model's MLPs are routed experts, which "
             "take no adapter; use --lora-target-modules q_proj k_proj v_proj o_proj"
         )
+    fleet = EngineFleetConfig.from_args(a)
+    if not fleet.needs.versioned_adapters:
+        raise ValueError(
+            f"--lora-rank pushes each adapter version in place (/load_lora_adapter with "
+            f"weight_version), which --engine-backend {fleet.backend} does not do; use the "
+            "embedded engines, or --lora-rank 0 (full-weight pushes)"
+        )
     if not f.unset("update_weight_transport") and a.update_weight_transport != "disk":
         raise ValueError(
             "--lora-rank pushes the adapter as a PEFT directory: use --update-weight-transport "

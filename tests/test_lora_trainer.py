@@ -351,3 +351,24 @@ def test_snapshots_hold_adapters_only_and_replay_old_versions():
         assert torch.equal(tr.compute_logprobs(b, version=v)[0], at[v]), v
     assert (tr.compute_logprobs(b)[0] - at[1]).abs().max() > 0
     tr.shutdown()
+
+
+def test_run_flags_for_lora():
+    """A LoRA run: engines with LoRA on, sized to the adapter; the disk (adapter) transport and
+    trainer snapshots derived; what cannot carry adapter pushes is refused by name."""
+    from slime_async.config import parse_config
+
+    attn = ["--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj"]
+    cfg = parse_config(["--lora-rank", "8", *attn, "--warmstart-steps", "0"])
+    assert cfg.engine.enable_lora and cfg.engine.max_lora_rank == 8
+    assert cfg.engine.lora_target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert cfg.weights.transport.value == "disk" and cfg.trainer.behavior_forward == "trainer"
+    with pytest.raises(SystemExit):  # MoE default model: MLP targets are routed experts
+        parse_config(["--lora-rank", "8"])
+    for bad in (
+        ["--update-weight-transport", "distributed"],
+        ["--behavior-forward", "role"],
+        ["--engine-backend", "sglang"],
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(["--lora-rank", "8", *attn, *bad])
