@@ -22,7 +22,7 @@ async def test_lora_run_pushes_adapters_only(tmp_path):
         "--run-dir", str(tmp_path), "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
         "--rollout-max-response-len", "12", "--warmstart-steps", "0", "--eval-interval", "0",
         "--micro-batch-size", "4", "--lr", "1e-3", "--num-steps", str(steps),
-        "--lora-rank", "4", "--lora-alpha", "8",
+        "--lora-rank", "4", "--lora-alpha", "8", "--max-staleness", "0",
         "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
     ]  # fmt: skip
     cfg = parse_config(argv)
@@ -39,6 +39,7 @@ async def test_lora_run_pushes_adapters_only(tmp_path):
     header = 8 + int.from_bytes(f.read_bytes()[:8], "little")  # safetensors: length + JSON
     assert pushes == [formula + header] * steps, (pushes, formula, header)
     ledger = [json.loads(x) for x in (tmp_path / "trained.jsonl").read_text().splitlines()]
-    assert max(j for row in ledger for _, _, j in row["groups"]) >= 1  # pushed adapters served
+    # synchronous (S = 0): step k trains groups generated under adapter version k - 1
+    assert [sorted({j for _, _, j in row["groups"]}) for row in ledger] == [[0], [1], [2]]
     assert (tmp_path / "hf" / "config.json").is_file()
     assert (tmp_path / "hf-adapter" / "adapter_config.json").is_file()
