@@ -150,6 +150,14 @@ class RouterClient:
             body["flush_cache"] = flush_cache
         return await self.fan_out("/update_weights_from_disk", body, strict=strict)
 
+    async def load_lora_adapter(
+        self, name: str, path: str, *, weight_version: int, strict: bool = False
+    ) -> dict:
+        """Fan out `/load_lora_adapter`: serve the PEFT directory `path` as adapter `name`,
+        replacing a loaded one of that name, tagged `str(weight_version)` (an adapter push)."""
+        body = {"lora_name": name, "lora_path": path, "weight_version": str(weight_version)}
+        return await self.fan_out("/load_lora_adapter", body, strict=strict)
+
     async def update_weight_version(self, weight_version: int) -> dict:
         """Fan out `/update_weight_version` (without aborting requests)."""
         body = {"new_version": str(weight_version), "abort_all_requests": False}

@@ -1,7 +1,8 @@
 """Control fan-out: send one control call to every engine and report each engine's outcome.
 
 Owns: `ControlFanout` (the `/pause_generation`, `/continue_generation`,
-`/update_weights_from_disk`, `/update_weight_version`, `/flush_cache`, `/abort_request` routes),
+`/update_weights_from_disk`, `/update_weight_version`, `/flush_cache`, `/abort_request`,
+`/load_lora_adapter`, `/unload_lora_adapter` routes),
 the reply shape (router/README.md, "Control fan-out reply"), and the log of weight-changing calls replayed on
 an engine that is re-admitted after missing them.
 Must never import: `slime_async`, or the proxy/health/server modules.
@@ -27,10 +28,16 @@ CONTROL_PATHS: tuple[str, ...] = (
     "/update_weight_version",
     "/flush_cache",
     "/abort_request",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
 )
-WEIGHT_PATHS: frozenset[str] = frozenset({"/update_weights_from_disk", "/update_weight_version"})
+WEIGHT_PATHS: frozenset[str] = frozenset(
+    {"/update_weights_from_disk", "/update_weight_version", "/load_lora_adapter"}
+)
 _REQUIRED_KEYS = {
     "/update_weights_from_disk": "model_path",
+    "/load_lora_adapter": "lora_path",
+    "/unload_lora_adapter": "lora_name",
     "/update_weight_version": "new_version",
 }
 

@@ -40,7 +40,11 @@ from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.derive import Flags, raise_all
 from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
 from slime_async.engine.backends.config import split_sglang_args
-from slime_async.engine.config import add_engine_run_args, engine_run_config_from_args
+from slime_async.engine.config import (
+    EngineConfig,
+    add_engine_run_args,
+    engine_run_config_from_args,
+)
 from slime_async.metrics.config import (
     add_logging_args,
     logging_config_from_args,
@@ -194,6 +198,46 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     return cfg
 
 
+def _lora_engines(
+    f: Flags, trainer: TrainerConfig, model: ModelSpec, engine: EngineConfig
+) -> EngineConfig:
+    """A LoRA run (`--lora-rank` > 0): the engines serve the run's adapter over the base, so
+    they start with LoRA on, sized to the trainer's adapter; the rules only LoRA has."""
+    a = f.args
+    mlp = [
+        m for m in trainer.lora_target_modules if m not in ("q_proj", "k_proj", "v_proj", "o_proj")
+    ]
+    if model.is_moe and mlp:
+        raise ValueError(
+            f"--lora-target-modules {' '.join(mlp)}: this model's MLPs are routed experts, which "
+            "take no adapter; use --lora-target-modules q_proj k_proj v_proj o_proj"
+        )
+    fleet = EngineFleetConfig.from_args(a)
+    if not fleet.needs.versioned_adapters:
+        raise ValueError(
+            f"--lora-rank pushes each adapter version in place (/load_lora_adapter with "
+            f"weight_version), which --engine-backend {fleet.backend} does not do; use the "
+            "embedded engines, or --lora-rank 0 (full-weight pushes)"
+        )
+    if not f.unset("update_weight_transport") and a.update_weight_transport != "disk":
+        raise ValueError(
+            "--lora-rank pushes the adapter as a PEFT directory: use --update-weight-transport "
+            "disk (or leave it unset); the distributed transport moves full weights only"
+        )
+    if trainer.behavior_forward == "role":
+        raise ValueError(
+            "--behavior-forward role loads full-weight versions; with --lora-rank the trainer "
+            "keeps adapter-only snapshots: use --behavior-forward trainer (or leave it unset)"
+        )
+    return dataclasses.replace(
+        engine,
+        enable_lora=True,
+        max_lora_rank=trainer.lora_rank,
+        lora_target_modules=trainer.lora_target_modules,
+        max_loaded_loras=1,
+    )
+
+
 def validate(args: argparse.Namespace, env: Environment) -> RunConfig:
     """Flags + environment -> `RunConfig`: every cross-component rule, without I/O, then the
     start-up memory check (`_fit_memory`).
@@ -337,8 +381,16 @@ def _validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         seed=rollout.seed_or(a.seed),
         num_threads=None if colocate else 1,
     )
+    if trainer.lora_rank:
+        engine = _lora_engines(f, trainer, env.model, engine)
     if f.unset("update_weight_transport"):
-        if not engines.needs.owns_processes:
+        if trainer.lora_rank:
+            f.fill(
+                "update_weight_transport",
+                "disk",
+                "LoRA: each push is the adapter's PEFT directory, loaded by name (docs/lora.md)",
+            )
+        elif not engines.needs.owns_processes:
             f.fill(
                 "update_weight_transport",
                 "disk",
@@ -533,7 +585,14 @@ def _derive_trainer(f: Flags, dw: DataWorkerConfig, *, embedded: bool, loss_name
         else:
             f.fill(dest, value, f"default of {kind}")
     if f.unset("behavior_forward"):
-        if a.keep_old_actor and reads_behavior and dw.max_staleness > 0:
+        if a.lora_rank:
+            f.fill(
+                "behavior_forward",
+                "trainer",
+                "LoRA: the trainer's snapshots hold the adapters only (MBs), the base is shared "
+                "(docs/lora.md)",
+            )
+        elif a.keep_old_actor and reads_behavior and dw.max_staleness > 0:
             f.fill(
                 "behavior_forward",
                 "role",

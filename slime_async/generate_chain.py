@@ -29,6 +29,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from slime_async.contracts.adapter import ADAPTER_NAME
 from slime_async.rollout.assemble import Generate, ScoredGenerate
 from slime_async.rollout.behavior import BehaviorAnnotate, Forward
 from slime_async.rollout.client import GenerateClient, GenerateClientConfig
@@ -92,6 +93,7 @@ def build_generate_chain(
         stop=r.stop,
         stop_token_ids=(plan.eos_id, *r.stop_token_ids),
         auth_token=cfg.engine.auth_token,
+        lora_name=ADAPTER_NAME if cfg.trainer.lora_rank else None,
     )
     eval_cfg = dataclasses.replace(
         train_cfg,

@@ -49,6 +49,7 @@ from slime_async.trainer.actor import TrainerGroup
 from slime_async.trainer.behavior_role import BehaviorRole
 from slime_async.trainer.config import TrainerConfig
 from slime_async.weights import DiskTransport, DistributedTransport, TransportKind
+from slime_async.weights.adapter import AdapterTransport
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,9 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     weights_root = cfg.run_dir / "weights"
     first = weights_root / version_dir_name(version)
     startup.say(f"exporting the trainer's weights v{version} to {first}")
-    await asyncio.to_thread(trainer.save_weights, first)
+    # LoRA: the engines serve the frozen base, the adapter is loaded over it (docs/lora.md)
+    save = trainer.save_base_weights if trainer_cfg.lora_rank else trainer.save_weights
+    await asyncio.to_thread(save, first)
     role = await _start_behavior_role(cfg, trainer_cfg)
     if role is not None:
         undo.append(role.shutdown)
@@ -397,7 +400,12 @@ async def _start_engines(
     )
     startup.say(f"router on {cluster.router_url} in front of {len(cluster.engines)} engine(s)")
     transport: WeightTransport
-    if distributed:
+    lora = cfg.trainer.lora_rank > 0
+    if lora:
+        transport = AdapterTransport(
+            cfg.run_dir / "adapters", trainer=trainer, control=cluster.control
+        )
+    elif distributed:
         transport = DistributedTransport(
             sender=trainer,
             control=cluster.control,
@@ -414,7 +422,7 @@ async def _start_engines(
             on_written=None if role is None else role.add_version,
             dtype=cfg.weights.dtype,
         )
-    if not backend.needs.model_dir or distributed:
+    if not backend.needs.model_dir or distributed or lora:
         startup.say(
             f"engines load version {version} through the {cfg.weights.transport.value} transport"
         )

@@ -91,6 +91,10 @@ class EngineNeeds:
     through the transport."""
     sglang_flags: bool = False
     """The backend passes the run's `--sglang-*` flags to every server it launches."""
+    versioned_adapters: bool = False
+    """The engines replace a loaded LoRA adapter in place when `/load_lora_adapter` carries a
+    `weight_version` (per-token versions across the push), which a LoRA run's adapter pushes
+    need (the embedded engine; SGLang refuses to load a name twice)."""
 
 
 class EngineBackend(Protocol):

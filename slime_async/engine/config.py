@@ -17,6 +17,8 @@ from typing import Any, Literal, get_args
 from clifields import add_flags, check_ranges, flag, flag_name, from_args
 from router.config import is_loopback
 
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""`slime_async.contracts.adapter.PEFT_MODULES` (this module imports no torch)."""
 Dtype = Literal["bf16", "fp32"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
@@ -80,6 +82,27 @@ class EngineConfig:
     sglang-router's 90 s), so a client never reuses a connection the engine is closing."""
     max_connections: int = flag(1024, ge=1)
     """Most open client connections; one more is answered 503 and closed at once."""
+    enable_lora: bool = False
+    """Serve LoRA adapters over the base (SGLang's --enable-lora): /load_lora_adapter,
+    /unload_lora_adapter and `lora_path` on /generate (docs/lora.md)."""
+    max_lora_rank: int = flag(64, ge=1)
+    """Largest adapter rank /load_lora_adapter accepts (SGLang's --max-lora-rank)."""
+    lora_target_modules: tuple[str, ...] = flag(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        choices=(
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "all",
+        ),
+    )
+    """Projections an adapter may target (SGLang's --lora-target-modules; 'all': every one)."""
+    max_loaded_loras: int = flag(4, ge=1)
+    """Most adapters loaded at once (SGLang's --max-loaded-loras)."""
     auth_token: str | None = flag(None, repr=False, cli=False)
     """Shared bearer token required on every endpoint (`Authorization: Bearer <token>`);
     mandatory off loopback. Read from `$SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`, never a
@@ -103,6 +126,8 @@ class EngineConfig:
             raise ValueError(
                 f"health_generate_timeout_s must be > 0, got {self.health_generate_timeout_s}"
             )
+        if "all" in self.lora_target_modules:
+            object.__setattr__(self, "lora_target_modules", LORA_MODULES)
         if not self.auth_token and not is_loopback(self.host):
             raise ValueError(
                 f"the engine would listen on {self.host!r}, off loopback, without a token: "

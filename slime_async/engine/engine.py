@@ -40,6 +40,7 @@ from slime_async.engine.config import EngineConfig
 from slime_async.engine.model import LoadedModel, load_model, read_weights_from_disk, swap_weights
 from slime_async.engine.protocol import GenerateRequest, ModelLimits
 from slime_async.engine.rwlock import RWLock
+from slime_async.engine.sampling import RequestError
 from slime_async.engine.scheduler import PauseMode, Scheduler
 from slime_async.engine.sequence import Sequence
 
@@ -124,6 +125,7 @@ class Engine:
             moe=self.lm.is_moe,
             routed_experts_enabled=self.cfg.enable_return_routed_experts,
             routed_experts_by_default=self.cfg.always_return_routed_experts and self.lm.is_moe,
+            lora_names=None if self.lm.lora is None else frozenset(self.lm.lora.adapters),
         )
 
     def submit(self, req: GenerateRequest) -> list[Sequence]:
@@ -132,6 +134,8 @@ class Engine:
         assert self.scheduler is not None
         seqs = []
         for it in req.items:
+            if it.lora is not None and it.lora not in self.limits.lora_names:  # unloaded since
+                raise RequestError(f"lora_path {it.lora!r} names no loaded adapter")
             seed = it.params.sampling_seed
             if seed is None:
                 seed = self._seed_rng.getrandbits(62)
@@ -146,6 +150,7 @@ class Engine:
                 logprob_start_len=it.logprob_start_len,
                 return_routed_experts=it.return_routed_experts,
                 routed_start=it.routed_start,
+                lora=it.lora,
             )
             seqs.append(seq)
         for seq in seqs:
@@ -260,6 +265,59 @@ class Engine:
                 ),
                 num_paused_requests=in_flight,
             )
+
+    # ------------------------------------------------------------------ LoRA adapters
+    async def load_lora_adapter(
+        self, name: str, path: str, *, weight_version: str | None = None
+    ) -> UpdateResult:
+        """SGLang's `/load_lora_adapter`: stage (read and check) `path`, then serve it as
+        `name`. With `weight_version` an adapter of that name is replaced in place (a versioned
+        push: under SGLang's lock rule like a weight update, in-flight requests continue under
+        the new adapter and their tokens carry the new version). Any failure leaves what was
+        served unchanged."""
+        assert self.lm is not None and self.scheduler is not None
+        lora = self.lm.lora
+        if lora is None:
+            return UpdateResult(
+                success=False, message="this engine serves no LoRA: start it with --enable-lora"
+            )
+        try:
+            adapter = await asyncio.to_thread(lora.stage, name, path)
+        except (ValueError, OSError) as e:
+            return UpdateResult(success=False, message=f"Failed to load LoRA adapter: {e}")
+        replace = weight_version is not None
+        what = "load_lora_adapter"
+        async with self._update_access(abort_all_requests=False, what=what):
+            try:
+                await self.scheduler.run_exclusive(lambda: lora.activate(adapter, replace=replace))
+            except ValueError as e:
+                return UpdateResult(success=False, message=f"Failed to load LoRA adapter: {e}")
+            if weight_version is not None:
+                self._set_version(weight_version)
+        return UpdateResult(success=True, message=f"Loaded LoRA adapter {name!r} from {path}")
+
+    async def unload_lora_adapter(self, name: str) -> UpdateResult:
+        """SGLang's `/unload_lora_adapter`; refused while a queued or running request names
+        the adapter (it would lose the weights it is generating under)."""
+        assert self.lm is not None and self.scheduler is not None
+        lora = self.lm.lora
+        if lora is None:
+            return UpdateResult(success=False, message="this engine serves no LoRA adapters")
+        sched = self.scheduler
+        users = [s for s in sched.held() if s.lora == name]
+        if users:
+            return UpdateResult(
+                success=False,
+                message=(
+                    f"adapter {name!r} serves {len(users)} requests in the engine; unload it "
+                    "once they finished (or abort them first)"
+                ),
+            )
+        try:
+            await sched.run_exclusive(lambda: lora.unload(name))
+        except ValueError as e:
+            return UpdateResult(success=False, message=str(e))
+        return UpdateResult(success=True, message=f"Unloaded LoRA adapter {name!r}")
 
     # ------------------------------------------------------------------ distributed weights
     async def init_weights_update_group(

@@ -149,6 +149,8 @@ class LoadedModel:
     """HF `model_type`."""
     bf16_via_fp32: bool = False
     """Run bf16 matmuls/attention through `Bf16ViaFp32`."""
+    lora: Any = None
+    """`engine.lora.EngineLora` with --enable-lora (adapters applied per row), else None."""
 
     @contextlib.contextmanager
     def compute(self, tokens: int) -> Iterator[None]:
@@ -234,6 +236,21 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         model_path=model_path,
         model_type=str(hf.model_type),
         bf16_via_fp32=cfg.bf16_via_fp32,
+        lora=_lora(model, cfg),
+    )
+
+
+def _lora(model: torch.nn.Module, cfg: EngineConfig) -> Any:
+    if not cfg.enable_lora:
+        return None
+    from slime_async.engine.lora import EngineLora
+
+    return EngineLora(
+        model,
+        ModelSpec.from_hf_config(model.config),
+        targets=cfg.lora_target_modules,
+        max_rank=cfg.max_lora_rank,
+        max_loaded=cfg.max_loaded_loras,
     )
 
 

@@ -44,6 +44,8 @@ class GenerateItem:
     """Return `meta_info.routed_experts`."""
     routed_start: int
     """`routed_experts_start_len`."""
+    lora: str | None = None
+    """`lora_path`: the loaded adapter this item is served under (None: the base)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +69,8 @@ class ModelLimits:
     moe: bool
     routed_experts_enabled: bool
     routed_experts_by_default: bool = False
+    lora_names: frozenset[str] | None = None
+    """Adapters `lora_path` may name; None: the engine serves no LoRA (--enable-lora off)."""
 
 
 _UNSUPPORTED = (
@@ -77,7 +81,6 @@ _UNSUPPORTED = (
     "top_logprobs_num",
     "token_ids_logprob",
     "return_hidden_states",
-    "lora_path",
     "custom_logit_processor",
     "session_params",
 )
@@ -122,6 +125,22 @@ def _int(v: Any, key: str) -> int:
     return v
 
 
+def _lora_name(v: Any, limits: ModelLimits) -> str | None:
+    """A `lora_path` entry: None (the base) or the name of a loaded adapter."""
+    if v is None:
+        return None
+    if limits.lora_names is None:
+        raise RequestError(
+            "lora_path needs an engine started with --enable-lora; leave it unset for the base"
+        )
+    if not isinstance(v, str) or v not in limits.lora_names:
+        raise RequestError(
+            f"lora_path {v!r} names no loaded adapter (loaded: {sorted(limits.lora_names)}); "
+            "load it with /load_lora_adapter first"
+        )
+    return v
+
+
 def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> GenerateRequest:
     """Validate a `/generate` JSON body; raises `RequestError` (-> HTTP 400) naming the problem."""
     if not isinstance(body, dict):
@@ -159,6 +178,7 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
     lsl = _per_item(body, "logprob_start_len", n_in, -1)
     rre = _per_item(body, "return_routed_experts", n_in, limits.routed_experts_by_default)
     rsl = _per_item(body, "routed_experts_start_len", n_in, 0)
+    loras = [_lora_name(v, limits) for v in _per_item(body, "lora_path", n_in, None)]
     rtl = _flag(body.get("return_text_in_logprobs") or False, "return_text_in_logprobs")
     stream = _flag(body.get("stream") or False, "stream")
     rid = body.get("rid")
@@ -206,6 +226,7 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
                     return_text_in_logprobs=rtl,
                     return_routed_experts=want_re,
                     routed_start=rstart,
+                    lora=loras[i],
                 )
             )
     return GenerateRequest(items=items, batch=is_batch or len(items) > 1, stream=stream)

@@ -123,6 +123,10 @@ class Scheduler:
         for seq in [*self.waiting, *self._prefilling, *self.running]:
             seq.note_version(version)
 
+    def held(self) -> list[Sequence]:
+        """Every sequence queued, prefilling or running here."""
+        return [*self.waiting, *self._prefilling, *self.running]
+
     def in_engine(self) -> int:
         """Requests held here: queued, prefilling, running, or frozen by a pause."""
         return len(self.waiting) + len(self._prefilling) + len(self.running)
@@ -269,12 +273,13 @@ class Scheduler:
 
     def _prefill_job(self, seqs: list[Sequence]) -> tuple[Any, ...]:
         want_in = [s.return_logprob and s.logprob_start_len >= 0 and not s.output for s in seqs]
-        out = batch.prefill(
-            self.lm,
-            [s.prefill_tokens() for s in seqs],
-            want_prompt_logits=want_in,
-            capture=any(s.return_routed_experts for s in seqs),
-        )
+        with self._adapters(seqs):
+            out = batch.prefill(
+                self.lm,
+                [s.prefill_tokens() for s in seqs],
+                want_prompt_logits=want_in,
+                capture=any(s.return_routed_experts for s in seqs),
+            )
         toks, lps, failed = self._sample_rows(out.last_logits, seqs)
         in_lps: list[list[float] | None] = [None] * len(seqs)
         for i, s in enumerate(seqs):
@@ -287,12 +292,19 @@ class Scheduler:
                     failed[i] = f"{type(e).__name__}: {e}"
         return out, in_lps, toks, lps, failed
 
+    def _adapters(self, seqs: list[Sequence]) -> contextlib.AbstractContextManager[None]:
+        """Row i of the next forward under `seqs[i]`'s LoRA adapter (engine/lora.py)."""
+        if self.lm.lora is None:
+            return contextlib.nullcontext()
+        return self.lm.lora.applied([s.lora for s in seqs])
+
     def _decode_job(self) -> tuple[list[int], list[float], torch.Tensor | None, dict[int, str]]:
         assert self.kv is not None
         capture = any(s.return_routed_experts for s in self.running)
-        logits, routed = batch.decode(
-            self.lm, self.kv, [s.output[-1] for s in self.running], capture=capture
-        )
+        with self._adapters(self.running):
+            logits, routed = batch.decode(
+                self.lm, self.kv, [s.output[-1] for s in self.running], capture=capture
+            )
         toks, lps, failed = self._sample_rows(logits, self.running)
         return toks, lps, routed, failed
 

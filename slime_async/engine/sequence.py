@@ -52,6 +52,8 @@ class Sequence:
     """Capture and return expert ids."""
     routed_start: int = 0
     """`routed_experts_start_len`: first position whose expert ids are returned."""
+    lora: str | None = None
+    """Name of the LoRA adapter this request is served under (`lora_path`); None: the base."""
     status: SeqStatus = SeqStatus.WAITING
     output: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)

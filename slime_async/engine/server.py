@@ -151,7 +151,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except RequestError as e:
         return _err(str(e))
     async with eng.model_lock.reader():  # SGLang: a request reads the model for its whole life
-        return await _serve(request, eng, req)
+        try:
+            return await _serve(request, eng, req)
+        except RequestError as e:  # its adapter was unloaded between parse and submit
+            return _err(str(e))
 
 
 async def _serve(request: web.Request, eng: Engine, req: GenerateRequest) -> web.StreamResponse:
@@ -493,6 +496,57 @@ async def v1_loads(request: web.Request) -> web.Response:
     return web.json_response({"loads": [_eng(request).load()]})
 
 
+# ---------------------------------------------------------------------------- LoRA adapters
+def _lora_reply(eng: Engine, res: Any) -> web.Response:
+    """SGLang's `LoRAUpdateResult`: success, error_message, loaded_adapters (400 on failure)."""
+    lora = eng.lm.lora if eng.lm is not None else None
+    body = {
+        "success": res.success,
+        "error_message": None if res.success else res.message,
+        "loaded_adapters": lora.loaded() if lora is not None else {},
+    }
+    return web.json_response(body, status=200 if res.success else 400)
+
+
+def _name_field(body: dict[str, Any], key: str) -> str:
+    v = body.get(key)
+    if not isinstance(v, str) or not v:
+        raise RequestError(f"{key} must be a non-empty string")
+    return v
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """`{lora_name, lora_path[, pinned][, weight_version]}`: a PEFT directory (safetensors only)
+    staged and checked before it serves; `weight_version` replaces a loaded adapter of that
+    name in place (a versioned push)."""
+    eng = _eng(request)
+    try:
+        body = await _json_body(request, required=True)
+        name, path = _name_field(body, "lora_name"), _name_field(body, "lora_path")
+        _bool_field(body, "pinned", False)  # SGLang's: nothing is evicted here
+        version = _version_field(body)
+    except RequestError as e:
+        return _err(str(e))
+    return _lora_reply(eng, await eng.load_lora_adapter(name, path, weight_version=version))
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    eng = _eng(request)
+    try:
+        name = _name_field(await _json_body(request, required=True), "lora_name")
+    except RequestError as e:
+        return _err(str(e))
+    return _lora_reply(eng, await eng.unload_lora_adapter(name))
+
+
+async def load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
+    """SGLang's payload is pickled (the unauthenticated-RCE route of CVE-2026-15969): refused."""
+    return _err(
+        "load_lora_adapter_from_tensors carries pickled tensors; this engine never unpickles "
+        "request data. Write a PEFT directory and use /load_lora_adapter."
+    )
+
+
 def _auth_middleware(token: str) -> Any:
     """Every route needs `Authorization: Bearer <token>` (compared in constant time)."""
     expected = f"Bearer {token}".encode()
@@ -538,6 +592,9 @@ def build_app(engine: Engine) -> web.Application:
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/update_weight_version", update_weight_version)
+    r.add_post("/load_lora_adapter", load_lora_adapter)
+    r.add_post("/unload_lora_adapter", unload_lora_adapter)
+    r.add_post("/load_lora_adapter_from_tensors", load_lora_adapter_from_tensors)
     r.add_route("*", "/release_memory_occupation", memory_occupation)
     r.add_route("*", "/resume_memory_occupation", memory_occupation)
     r.add_get("/health", health)

@@ -76,6 +76,14 @@ class SGLangConfig:
     """host:port rendezvous for nnodes > 1."""
     disable_radix_cache: bool = False
     """Turn off prefix caching."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (`--enable-lora`; the run's adapter pushes load them by name)."""
+    max_lora_rank: int | None = None
+    """`--max-lora-rank`: the largest rank a later `/load_lora_adapter` may bring."""
+    lora_target_modules: tuple[str, ...] = ()
+    """`--lora-target-modules` (space-separated PEFT names); empty: SGLang infers them."""
+    max_loaded_loras: int | None = None
+    """`--max-loaded-loras`: adapters resident at once."""
     log_level: str = "warning"
     """SGLang log level."""
     cuda_visible_devices: str | None = None
@@ -158,6 +166,8 @@ def build_command(cfg: SGLangConfig, *, _with_extra: bool = True) -> list[str]:
         "--served-model-name": cfg.served_model_name,
         "--tokenizer-path": cfg.tokenizer_path,
         "--dist-init-addr": cfg.dist_init_addr,
+        "--max-lora-rank": cfg.max_lora_rank if cfg.enable_lora else None,
+        "--max-loaded-loras": cfg.max_loaded_loras if cfg.enable_lora else None,
     }
     for flag, value in optional.items():
         if value is not None:
@@ -171,6 +181,10 @@ def build_command(cfg: SGLangConfig, *, _with_extra: bool = True) -> list[str]:
         "--disable-radix-cache": cfg.disable_radix_cache,
     }
     cmd += [flag for flag, on in switches.items() if on]
+    if cfg.enable_lora:
+        cmd += ["--enable-lora"]
+        if cfg.lora_target_modules:
+            cmd += ["--lora-target-modules", *cfg.lora_target_modules]
     if _with_extra:
         cmd += list(cfg.extra_args)
     return cmd

@@ -53,6 +53,9 @@ class GenerateClientConfig:
     """Per-request timeout."""
     max_connection_retries: int = 20
     """Connection-level retries (the router itself retries on engines); waits 0.5 s each."""
+    lora_name: str | None = None
+    """A LoRA run's adapter: every request is served under it (`lora_path`), and a body that
+    names no adapter is refused here rather than silently served by the base model."""
     auth_token: str | None = dataclasses.field(default=None, repr=False)
     """The run's shared token, sent as `Authorization: Bearer` (a router or engine off loopback
     requires it on every route)."""
@@ -128,6 +131,8 @@ class GenerateClient:
         }
         if cfg.return_routed_experts:
             body["return_routed_experts"] = True
+        if cfg.lora_name is not None:
+            body["lora_path"] = cfg.lora_name
         return body
 
     async def __call__(
@@ -140,7 +145,14 @@ class GenerateClient:
         return self.parse_response(data, prompt_len=len(body["input_ids"]))
 
     async def post(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-        """POST `/generate` with connection-level retries; the parsed JSON answer."""
+        """POST `/generate` with connection-level retries; the parsed JSON answer. In a LoRA
+        run a body that does not name the run's adapter is refused (GenerateError)."""
+        if self.cfg.lora_name is not None and body.get("lora_path") != self.cfg.lora_name:
+            raise GenerateError(
+                f"this is a LoRA run: /generate must name the adapter (lora_path "
+                f"{self.cfg.lora_name!r}), got {body.get('lora_path')!r}; the engine would "
+                "serve the base model"
+            )
         last: Exception | None = None
         for _ in range(self.cfg.max_connection_retries + 1):
             try:

@@ -10,7 +10,8 @@ its `meta.json` holds the ModelSpec and `model.pt` the full HF-named fp32 weight
 is built. The output is what `--save-hf` writes (`slime_async.trainer.hf_save`): `--hf-checkpoint`
 (the run's, or a .gguf file, converted into `<out>.gguf-src/`) gives it the source's config
 fields, tokenizer and generation config. Refuses to replace a directory not written by
-`--save-hf` or this tool.
+`--save-hf` or this tool. A LoRA checkpoint exports the merged model (`W + (alpha / r) · B A`)
+and, with `--adapter-out DIR`, its PEFT adapter.
 """
 
 from __future__ import annotations
@@ -33,13 +34,23 @@ class ExportHfConfig:
     out: str | None = flag(None, metavar="DIR")
     """HF directory to write (required): new, empty, or a previous --save-hf / export_hf
     output."""
+    adapter_out: str | None = flag(None, metavar="DIR")
+    """With a LoRA checkpoint (--lora-rank): also write its adapter here as a PEFT directory
+    (loads with `peft` on top of the base); --out gets the merged model either way."""
     hf_checkpoint: str | None = flag(None, metavar="SRC")
     """The HF directory (or .gguf file) the run started from: the export carries its config
     fields, tokenizer and generation config (default: none, the config from the ModelSpec)."""
 
 
-def export_checkpoint(load: str | Path, out: str | Path, *, source: str | None = None) -> Path:
-    """Write the latest complete checkpoint in `load` as an HF directory at `out`."""
+def export_checkpoint(
+    load: str | Path,
+    out: str | Path,
+    *,
+    source: str | None = None,
+    adapter_out: str | Path | None = None,
+) -> Path:
+    """Write the latest complete checkpoint in `load` as an HF directory at `out` (a LoRA
+    checkpoint: the adapter merged into the base, and the PEFT adapter at `adapter_out`)."""
     import torch
 
     from slime_async.contracts.model import ModelSpec
@@ -57,6 +68,19 @@ def export_checkpoint(load: str | Path, out: str | Path, *, source: str | None =
     meta = checkpoint.read_meta(ckpt)
     spec = ModelSpec.from_dict(meta["spec"])
     tensors = torch.load(ckpt / "model.pt", weights_only=True, map_location="cpu")
+    if meta.get("lora") is not None:
+        from slime_async.contracts.adapter import LoraSpec, write_peft_dir
+        from slime_async.trainer import lora
+
+        spec_lora = LoraSpec.from_peft_config(meta["lora"])
+        adapter = torch.load(ckpt / "adapter.pt", weights_only=True, map_location="cpu")
+        tensors = lora.merge(tensors, adapter, spec_lora)
+        if adapter_out is not None:
+            write_peft_dir(
+                adapter_out, adapter, spec_lora, version=int(meta["version"]), base_model=source
+            )
+    elif adapter_out is not None:
+        raise ValueError(f"--adapter-out: {ckpt} holds no LoRA adapter (a full fine-tune)")
     weights = HFWeights(version=int(meta["version"]), spec=spec, tensors=tensors)
     return hf_save.write(weights, out, source=source)
 
@@ -76,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     from slime_async.trainer.checkpoint import CheckpointError
 
     try:
-        out = export_checkpoint(cfg.load, cfg.out, source=cfg.hf_checkpoint)
+        out = export_checkpoint(
+            cfg.load, cfg.out, source=cfg.hf_checkpoint, adapter_out=cfg.adapter_out
+        )
     except (CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
         p.error(str(e))
     print(f"wrote {out}")

@@ -82,6 +82,12 @@ class _TrainerActorImpl:
         cast = None if dtype is None else torch_dtype(dtype)
         return str(self.trainer.save_weights(path, dtype=cast))
 
+    def save_base_weights(self, path: str) -> str:
+        return str(self.trainer.save_base_weights(path))
+
+    def save_adapter(self, path: str) -> str:
+        return str(self.trainer.save_adapter(path))
+
     def export_weights(self) -> HFWeights | None:
         """The current version's HF tensors in memory (a collective: every rank calls it);
         rank 0 returns them, the others None."""
@@ -229,6 +235,14 @@ class TrainerGroup:
 
     def save_weights(self, path: str | Path, *, dtype: str | None = None) -> Path:
         return Path(self._all("save_weights", str(path), dtype)[0])
+
+    def save_base_weights(self, path: str | Path) -> Path:
+        """LoRA: the frozen base as an HF directory (a collective on every rank)."""
+        return Path(self._all("save_base_weights", str(path))[0])
+
+    def save_adapter(self, path: str | Path) -> Path:
+        """LoRA: the adapter as a PEFT directory (a collective on every rank)."""
+        return Path(self._all("save_adapter", str(path))[0])
 
     async def export_weights_ref(self) -> Any:
         """A Ray ref to the current version's HF tensors (`HFWeights`), held in the object

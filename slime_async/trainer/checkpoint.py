@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from slime_async.contracts.model import ModelSpec
 from slime_async.host import atomic_write_text, file_sha256
-from slime_async.trainer import hf_convert
+from slime_async.trainer import hf_convert, lora
 from slime_async.trainer.model import global_named_parameters
 from slime_async.trainer.parallel import ParallelLayout
 
@@ -136,6 +136,9 @@ def _barrier(tr: TrainerState) -> None:
 
 def _optimizer_moments(tr: TrainerState) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
     """HF-named full optimizer state (collective over DP, TP, EP, PP) and Adam's step count."""
+    if getattr(tr, "lora", None) is not None:  # only the adapters train (PEFT keys)
+        full = lora.optimizer_moments(tr.optim, tr.chunks, tr.spec, tr.lora)
+        return full, tr.optim.step_count()
     local = tr.optim.state_tensors(global_named_parameters(tr.chunks))
     full = {k: hf_convert.megatron_to_hf_tensors(v, tr.spec) for k, v in local.items()}
     return full, tr.optim.step_count()
@@ -144,7 +147,8 @@ def _optimizer_moments(tr: TrainerState) -> tuple[dict[str, dict[str, torch.Tens
 def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) -> Path:
     """Write `iter_<version>` atomically, then point `latest` at it; returns the final path."""
     json.dumps(extra_state)  # fail early (TypeError) if the opaque state is not JSON-able
-    weights = hf_convert.megatron_to_hf(tr.chunks, tr.spec)
+    weights = hf_convert.megatron_to_hf(tr.chunks, tr.spec)  # with LoRA: the base
+    adapter = tr.export_adapter() if getattr(tr, "lora", None) is not None else None
     moments, opt_step = _optimizer_moments(tr)
     final = save_dir / iter_name(tr.version)
     tmp = save_dir / f".tmp-{iter_name(tr.version)}"
@@ -162,6 +166,8 @@ def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) ->
     if tr.rank == 0:
         torch.save(weights, tmp / "model.pt")
         torch.save(moments, tmp / "optim.pt")
+        if adapter is not None:
+            torch.save(adapter, tmp / "adapter.pt")
     _barrier(tr)
     if tr.rank == 0:
         files = {
@@ -177,6 +183,7 @@ def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) ->
             "optimizer_step": opt_step,
             "optimizer": {"distributed": tr.optim.distributed, "bf16": tr.optim.bf16},
             "lr_schedule": _lr_schedule(tr),
+            "lora": None if adapter is None else tr.lora.peft_config(),
             "extra_state": extra_state,
             "files": files,
         }
@@ -354,8 +361,16 @@ def load(tr: TrainerState, load_dir: Path) -> dict[str, object]:
     saved = ParallelLayout(**meta["layout"])
     if saved != tr.layout:
         log.warning("resharding checkpoint %s from layout %s to %s", ckpt, saved, tr.layout)
+    mine = getattr(tr, "lora", None)
+    try:
+        lora.check_checkpoint(meta.get("lora"), mine, where=f"--load {ckpt}")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     weights = torch.load(ckpt / "model.pt", weights_only=True, map_location="cpu")
     hf_convert.hf_to_megatron(tr.chunks, tr.spec, weights)
+    if mine is not None:
+        adapter = torch.load(ckpt / "adapter.pt", weights_only=True, map_location="cpu")
+        lora.load_adapter_tensors(tr.chunks, adapter)
     tr.optim.reload_main_params()
     _load_optimizer(tr, ckpt, int(meta["optimizer_step"]))
     rng_file = ckpt / f"rng_rank{tr.rank:05d}.pt"
@@ -386,6 +401,9 @@ def _load_optimizer(tr: TrainerState, ckpt: Path, step: int) -> None:
     if step == 0:
         return
     moments = torch.load(ckpt / "optim.pt", weights_only=True, map_location="cpu")
+    if getattr(tr, "lora", None) is not None:
+        lora.load_optimizer_moments(tr.optim, tr.chunks, tr.lora, moments, step=step)
+        return
     names = global_named_parameters(tr.chunks)
     shapes = {n: tuple(p.shape) for n, p in names.items()}
     shards = {k: hf_convert.hf_to_megatron_tensors(v, tr.spec, shapes) for k, v in moments.items()}

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from clifields import add_flags, check_ranges, flag, from_args
 from loss import LossSelection
+from slime_async.contracts.adapter import PEFT_MODULES, parse_targets
 from slime_async.trainer.replay import RoutingReplay
 
 
@@ -241,6 +242,18 @@ class TrainerConfig:
     initial weights; needed with --load when the loss reads π_ref)."""
     keep_checkpoints: int = flag(2, ge=0, hint="0 = keep all")
     """Complete checkpoints kept in --save (older ones are deleted)."""
+    lora_rank: int = flag(0, ge=0, hint="0 = full fine-tuning")
+    """LoRA rank r: train adapters (A [r, d_in], B [d_out, r]) on --lora-target-modules with the
+    base frozen; only they are in the optimizer and in each weight push. 0: train every
+    weight. See docs/lora.md."""
+    lora_alpha: float = flag(16.0, gt=0, lt=math.inf)
+    """LoRA scaling numerator: the update is (alpha / r) · B A (PEFT's lora_alpha)."""
+    lora_dropout: float = flag(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input in training forwards (PEFT's lora_dropout); log-prob
+    forwards never drop."""
+    lora_target_modules: tuple[str, ...] = flag(PEFT_MODULES, choices=(*PEFT_MODULES, "all"))
+    """Projections with an adapter, PEFT/SGLang names (q_proj k_proj v_proj o_proj gate_proj
+    up_proj down_proj) or 'all', space-separated as SGLang spells it."""
     loss: LossSelection = flag(default_factory=LossSelection, cli=False)
     """The loss (registry name or dotted path) and its config object, from the `loss`
     package's own flags (`loss.loss_settings_from_args`)."""
@@ -288,6 +301,9 @@ class TrainerConfig:
                 f"behavior_forward={self.behavior_forward!r}; use 'trainer' (snapshot forwards "
                 "in the train step) or 'role' (a forward-only role when samples complete)"
             )
+        # 'all' → every module, PEFT's order; ValueError naming an unknown one
+        targets = parse_targets(",".join(self.lora_target_modules))
+        object.__setattr__(self, "lora_target_modules", targets)
         if not self.temperature > 0:  # set by the run (no flag of its own)
             raise ValueError("temperature must be > 0")
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from slime_async.contracts.model import ModelSpec
 from slime_async.trainer import cpu_compat
+from slime_async.trainer.lora import ADAPTER_MARK
 from slime_async.trainer.parallel import ParallelLayout
 
 
@@ -255,7 +256,8 @@ def build_chunks(
 
 def global_named_parameters(chunks: list[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
     """Parameters of this rank's (unwrapped) chunks, transformer layers named by their global
-    index (`decoder.layers.{layer_number - 1}.…`), whichever stage and chunk holds them."""
+    index (`decoder.layers.{layer_number - 1}.…`), whichever stage and chunk holds them.
+    LoRA adapters are not among them (`lora.adapter_tensors` has those)."""
     out: dict[str, torch.nn.Parameter] = {}
     for chunk in chunks:
         renames = {}
@@ -263,6 +265,8 @@ def global_named_parameters(chunks: list[torch.nn.Module]) -> dict[str, torch.nn
         for i, layer in enumerate(getattr(decoder, "layers", [])):
             renames[f"decoder.layers.{i}."] = f"decoder.layers.{layer.layer_number - 1}."
         for name, p in chunk.named_parameters():
+            if ADAPTER_MARK in name:
+                continue
             for local, glob in renames.items():
                 if name.startswith(local):
                     name = glob + name[len(local) :]

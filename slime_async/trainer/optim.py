@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from slime_async.trainer import cpu_compat
+from slime_async.trainer import cpu_compat, lora
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import ParallelLayout, all_reduce_sum
 
@@ -281,7 +281,7 @@ def build_optim(
             DistributedDataParallel(
                 config,
                 ddp_cfg,
-                Float16Module(config, c) if cfg.bf16 else c,
+                lora.keep_fp32(Float16Module(config, c)) if cfg.bf16 else c,
                 disable_bucketing=i > 0,
             )
             for i, c in enumerate(chunks)

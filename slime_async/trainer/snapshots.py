@@ -1,7 +1,7 @@
 """Bounded store of past-version weight snapshots (CPU copies of this rank's shards).
 
-Owns: `SnapshotStore` — keep/release version-j weights and swap them into the model for a
-π_j^Meg forward. Must never import the controller, engine, rollout or data-worker parts of
+Owns: `SnapshotStore` — keep/release version-j weights (the trainable ones: with LoRA the
+adapters only, MBs per version) and swap them into the model for a π_j^Meg forward. Must never import the controller, engine, rollout or data-worker parts of
 `slime_async`.
 
 Worked example (max_snapshots = 2): snapshot(0), snapshot(1), snapshot(2) → versions {1, 2}
@@ -35,9 +35,13 @@ class SnapshotStore:
 
     @torch.no_grad()
     def snapshot(self, model: torch.nn.Module, version: int) -> list[int]:
-        """Keep a CPU copy of the model's parameters as `version`; returns evicted versions."""
+        """Keep a CPU copy of the model's trainable parameters as `version` (all of them, or
+        with LoRA only the adapters: the frozen base is shared by every version); returns
+        evicted versions."""
         self._store[version] = {
-            n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
+            n: p.detach().to("cpu", copy=True)
+            for n, p in model.named_parameters()
+            if p.requires_grad
         }
         self._store.move_to_end(version)
         evicted = []
@@ -59,7 +63,7 @@ class SnapshotStore:
     def swapped_in(self, model: torch.nn.Module, version: int) -> Iterator[None]:
         """Run the body with `version`'s weights loaded; the current weights come back after."""
         snap = self.state(version)
-        params = dict(model.named_parameters())
+        params = {n: p for n, p in model.named_parameters() if n in snap}
         with torch.no_grad():
             current = {n: p.detach().clone() for n, p in params.items()}
             for n, p in params.items():

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from loss import denominators, resolve_loss_spec
 from loss.regularizers import with_regularizers
+from slime_async.contracts.adapter import adapter_dir, write_peft_dir
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
@@ -31,6 +32,7 @@ from slime_async.trainer import (
     cpu_compat,
     hf_convert,
     hf_save,
+    lora,
     parallel,
     quiet,
     weights_io,
@@ -119,6 +121,9 @@ class MegatronTrainer(LogprobForwards):
             vp=vp,
             params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
         )
+        self.lora = lora.spec_of(cfg, spec)  # LoRA: adapters on the frozen base, see lora.py
+        if self.lora is not None:
+            lora.attach(self.chunks, spec, self.lora, seed=cfg.seed)
         self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
         self.moe_layers = moe_layer_numbers(self.chunks)
         self.optim = build_optim(self.chunks, cfg, self.layout)
@@ -283,12 +288,45 @@ class MegatronTrainer(LogprobForwards):
 
     # ------------------------------------------------------------------ weights
     def export_weights(self) -> HFWeights:
-        """Full HF-named tensors of the current version (collective over TP/EP)."""
-        return HFWeights(
+        """Full HF-named tensors of the current version (collective over TP/EP); with LoRA the
+        adapters merged into the base (`W + (alpha / r) · B A`)."""
+        tensors = hf_convert.megatron_to_hf(self.chunks, self.spec)
+        if self.lora is not None:
+            tensors = lora.merge(tensors, self.export_adapter(), self.lora)
+        return HFWeights(version=self.version, spec=self.spec, tensors=tensors)
+
+    def export_adapter(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter in PEFT's keys (full fp32 tensors; collective over TP/PP)."""
+        if self.lora is None:
+            raise ValueError("this trainer has no adapter (--lora-rank 0)")
+        return lora.adapter_tensors(self.chunks, self.spec, self.lora)
+
+    def save_base_weights(self, path: str | Path) -> Path:
+        """With LoRA: write the frozen base (no adapter merged) as an HF directory, what LoRA
+        engines serve the adapter over; without LoRA the same as `save_weights`."""
+        if self.lora is None:
+            return self.save_weights(path)
+        w = HFWeights(
             version=self.version,
             spec=self.spec,
             tensors=hf_convert.megatron_to_hf(self.chunks, self.spec),
         )
+        if self.rank == 0:
+            weights_io.write_hf_dir(w, path, source=self.cfg.hf_source)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        return Path(path)
+
+    def save_adapter(self, path: str | Path) -> Path:
+        """Write the adapter as a PEFT directory at `path` (rank 0 writes; all ranks return)."""
+        tensors = self.export_adapter()
+        if self.rank == 0:
+            write_peft_dir(
+                path, tensors, self.lora, version=self.version, base_model=self.cfg.hf_source
+            )
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        return Path(path)
 
     def save_weights(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
         """Export and write an HF directory at `path` (rank 0 writes; all ranks return)."""
@@ -305,9 +343,18 @@ class MegatronTrainer(LogprobForwards):
         target = out or self.cfg.save_hf
         if target is None:
             raise ValueError("no HF directory: pass out or set TrainerConfig.save_hf")
-        w = self.export_weights()
+        w = self.export_weights()  # with LoRA: merged
+        adapter = self.export_adapter() if self.lora is not None else None
         if self.rank == 0:
             hf_save.write(w, target, source=self.cfg.hf_source)
+            if adapter is not None:  # and the PEFT adapter beside it (docs/lora.md)
+                write_peft_dir(
+                    adapter_dir(target),
+                    adapter,
+                    self.lora,
+                    version=self.version,
+                    base_model=self.cfg.hf_source,
+                )
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
         return Path(target)

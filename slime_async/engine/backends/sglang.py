@@ -70,6 +70,10 @@ def sglang_config(
         skip_tokenizer_init=skip,
         tokenizer_path=tokenizer,
         extra_args=extra,
+        enable_lora=engine.enable_lora,
+        max_lora_rank=engine.max_lora_rank,
+        lora_target_modules=engine.lora_target_modules,
+        max_loaded_loras=engine.max_loaded_loras,
         api_key=engine.auth_token,
         python=getattr(fleet, "sglang_python", None) or sys.executable,
     )
