@@ -179,9 +179,13 @@ class Engine:
         return self.scheduler.in_engine()
 
     def flush_cache(self) -> bool:
-        """SGLang semantics: refuse while requests run. There is no prefix cache to drop, so a
-        successful flush frees nothing; it exists for API parity."""
-        return self.requests_in_engine() == 0
+        """SGLang semantics: refuse while requests are in the engine; else drop the prefix
+        cache."""
+        if self.requests_in_engine():
+            return False
+        assert self.scheduler is not None
+        self.scheduler.flush_cache()
+        return True
 
     @contextlib.asynccontextmanager
     async def _update_access(self, *, abort_all_requests: bool, what: str) -> AsyncIterator[None]:
@@ -242,9 +246,11 @@ class Engine:
                 return refused
             in_flight = self.requests_in_engine()
             try:
-                await sched.run_exclusive(load_and_swap)
+                await sched.swap_weights(load_and_swap)
             except ValueError as e:
                 return UpdateResult(success=False, message=f"Failed to update weights: {e}")
+            if flush_cache:
+                sched.flush_cache()
             if weight_version is not None:
                 self._set_version(weight_version)
             return UpdateResult(
@@ -420,7 +426,9 @@ class Engine:
             ready = dict(staged)
             staged.clear()
             in_flight = self.requests_in_engine()
-            await sched.run_exclusive(lambda: swap_weights(lm, ready))
+            await sched.swap_weights(lambda: swap_weights(lm, ready))
+            if flush_cache:
+                sched.flush_cache()
             if weight_version is not None:
                 self._set_version(weight_version)
             return UpdateResult(
@@ -501,6 +509,9 @@ class Engine:
                     "weight_update_groups": sorted(self.groups),
                     "steps": self.scheduler.steps,
                     "decoded_tokens": self.scheduler.decoded_tokens,
+                    "prefix_cache": (
+                        self.scheduler.cache.info() if self.scheduler.cache is not None else None
+                    ),
                 }
             ],
         }

@@ -241,7 +241,7 @@ def response_item(
         "finish_reason": seq.finish_reason if finished else None,
         "prompt_tokens": len(seq.prompt),
         "completion_tokens": len(seq.output),
-        "cached_tokens": 0,
+        "cached_tokens": seq.cached_tokens,
         "weight_version": seq.version_spans[-1][0],
         "weight_versions": seq.version_span_dicts(),
     }
