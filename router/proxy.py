@@ -17,11 +17,13 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from router.affinity import GROUP_KEY_HEADER, group_key
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.workers import Worker, WorkerRegistry
@@ -85,8 +87,9 @@ def parse_expected_tokens(raw: str | None, default: int) -> int:
     return value
 
 
-def _validate_body(path: str, body: bytes) -> None:
-    """Raise ValueError with a clear message if `body` is not a request SGLang could accept."""
+def _validate_body(path: str, body: bytes) -> Any:
+    """Raise ValueError with a clear message if `body` is not a request SGLang could accept;
+    returns the parsed body."""
     if not body:
         raise ValueError(f"{path} needs a JSON body; got an empty request")
     try:
@@ -115,6 +118,7 @@ def _validate_body(path: str, body: bytes) -> None:
         raise ValueError("/v1/chat/completions body needs a 'messages' list")
     elif path == "/v1/completions" and "prompt" not in obj:
         raise ValueError("/v1/completions body needs a 'prompt'")
+    return obj
 
 
 class Proxy:
@@ -165,13 +169,16 @@ class Proxy:
                     408, f"request body not received within {self.cfg.client_timeout_s:g}s"
                 )
             if len(body) < _BIG_BODY:
-                _validate_body(request.path, body)
+                obj = _validate_body(request.path, body)
             else:  # parsing a big body must not stall every other client on the event loop
-                await asyncio.to_thread(_validate_body, request.path, body)
+                obj = await asyncio.to_thread(_validate_body, request.path, body)
         except ValueError as e:
             self.stats.bad_requests += 1
             return error_response(400, str(e), err_type="invalid_request_error")
-        return await self.forward(request, body=body, expected_tokens=expected)
+        group = group_key(
+            request.headers.get(GROUP_KEY_HEADER), obj, by_prompt=self.cfg.group_affinity_by_prompt
+        )
+        return await self.forward(request, body=body, expected_tokens=expected, group=group)
 
     async def handle_info(self, request: web.Request) -> web.StreamResponse:
         """Read-only engine routes (`/get_model_info`, ...): answered by one healthy engine."""
@@ -193,9 +200,15 @@ class Proxy:
                 return []
 
     async def forward(
-        self, request: web.Request, *, body: bytes, expected_tokens: int
+        self,
+        request: web.Request,
+        *,
+        body: bytes,
+        expected_tokens: int,
+        group: str | None = None,
     ) -> web.StreamResponse:
-        """Send `body` to an engine; retry on another engine while nothing was streamed."""
+        """Send `body` to an engine (`group`: router/affinity.py); retry on another engine while
+        nothing was streamed."""
         deadline = time.monotonic() + self.cfg.wait_for_worker_s
         tried: set[str] = set()
         last_error = "no attempt"
@@ -212,7 +225,7 @@ class Proxy:
                 )
             # Bound now, or later from the router's queue (late binding, router/dispatch.py).
             w = await self.dispatcher.acquire(
-                candidates, expected_tokens, exclude=tried, retry=attempt > 0
+                candidates, expected_tokens, exclude=tried, retry=attempt > 0, group=group
             )
             if w is None:
                 self.stats.failed += 1

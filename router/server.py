@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from router.affinity import GroupAffinity
 from router.config import RouterConfig, check_worker_url, is_loopback, validate_config
 from router.control import CONTROL_PATHS, ControlFanout
 from router.dispatch import Dispatcher
@@ -69,6 +70,7 @@ class Router:
             policy=make_policy(cfg.policy),
             capacity_tokens=cfg.worker_capacity_tokens,
             wait_for_worker_s=cfg.wait_for_worker_s,
+            affinity=GroupAffinity(slack_tokens=cfg.group_affinity_tokens),
         )
         self.proxy = Proxy(
             cfg=cfg,
@@ -182,6 +184,9 @@ class Router:
             "queue_peak": self.dispatcher.stats.queue_peak,
             "queue_abandoned": self.dispatcher.stats.queue_abandoned,
             "queue_timeouts": self.dispatcher.stats.queue_timeouts,
+            "group_new": self.dispatcher.affinity.stats.new if self.dispatcher.affinity else 0,
+            "group_kept": self.dispatcher.affinity.stats.kept if self.dispatcher.affinity else 0,
+            "group_split": self.dispatcher.affinity.stats.split if self.dispatcher.affinity else 0,
             "health_probes": self.health.probes,
             "health_probe_failures": self.health.probe_failures,
             "fanouts": self.control.fanouts,
