@@ -48,6 +48,12 @@ class RouterConfig:
     group_affinity_by_prompt: bool = False
     """Also treat requests without `X-Group-Key` that carry the same prompt as one group (for
     clients that send a group's samples as separate requests without the header)."""
+    cache_salt: bool = flag(
+        False, derived="on with SGLang engines (--engine-backend sglang or external)"
+    )
+    """Add SGLang's `extra_key` to every `/generate` body, changed by each pause and weight
+    call the router fans out, so an engine's radix cache never reuses a prefix computed under
+    older weights for a request sent after a push (rewrites request bodies)."""
     default_expected_tokens: int = 1024
     """Expected tokens assumed for a request that sends no `X-Expected-Tokens` header."""
     auth_token: str | None = flag(None, repr=False)

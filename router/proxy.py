@@ -24,6 +24,7 @@ from aiohttp import web
 from yarl import URL
 
 from router.affinity import GROUP_KEY_HEADER, group_key
+from router.cache_salt import salt_body
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.workers import Worker, WorkerRegistry
@@ -132,12 +133,15 @@ class Proxy:
         dispatcher: Dispatcher,
         session: Callable[[], aiohttp.ClientSession],
         on_failure: Callable[[Worker], None],
+        salt: Callable[[], str] | None = None,
     ) -> None:
         self.cfg = cfg
         self.registry = registry
         self.dispatcher = dispatcher
         self._session = session
         self._on_failure = on_failure
+        self._salt = salt
+        """The current prefix-cache salt, when `/generate` bodies carry one (cache_salt.py)."""
         self.stats = ProxyStats()
         self._timeout = aiohttp.ClientTimeout(
             total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s
@@ -178,7 +182,9 @@ class Proxy:
         group = group_key(
             request.headers.get(GROUP_KEY_HEADER), obj, by_prompt=self.cfg.group_affinity_by_prompt
         )
-        return await self.forward(request, body=body, expected_tokens=expected, group=group)
+        return await self.forward(
+            request, body=body, expected_tokens=expected, group=group, parsed=obj
+        )
 
     async def handle_info(self, request: web.Request) -> web.StreamResponse:
         """Read-only engine routes (`/get_model_info`, ...): answered by one healthy engine."""
@@ -206,6 +212,7 @@ class Proxy:
         body: bytes,
         expected_tokens: int,
         group: str | None = None,
+        parsed: Any = None,
     ) -> web.StreamResponse:
         """Send `body` to an engine (`group`: router/affinity.py); retry on another engine while
         nothing was streamed."""
@@ -234,8 +241,11 @@ class Proxy:
                 )
             tried.add(w.id)
             w.total_requests += 1
+            sent = body
+            if self._salt is not None and parsed is not None:
+                sent = salt_body(body, parsed, self._salt())  # the salt when it is bound
             try:
-                resp = await self._attempt(request, w, path_qs, body, headers)
+                resp = await self._attempt(request, w, path_qs, sent, headers)
             except _Retryable as e:
                 last_error = f"{w.url}: {e}"
                 w.retries_away += 1

@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from router.affinity import GroupAffinity
+from router.cache_salt import salt_value
 from router.config import RouterConfig, check_worker_url, is_loopback, validate_config
 from router.control import CONTROL_PATHS, ControlFanout
 from router.dispatch import Dispatcher
@@ -78,6 +79,7 @@ class Router:
             dispatcher=self.dispatcher,
             session=self.session,
             on_failure=self.health.poke,
+            salt=self._salt if cfg.cache_salt else None,
         )
         self._runner: web.AppRunner | None = None
         self._started = time.monotonic()
@@ -108,6 +110,9 @@ class Router:
         if self._session is None:
             raise RuntimeError("router is not started: call `await router.start()` first")
         return self._session
+
+    def _salt(self) -> str:
+        return salt_value(self.control.pauses, self.registry.weight_generation)
 
     async def start(self) -> str:
         """Bind, start health checks, and return the base url (`http://host:port`)."""

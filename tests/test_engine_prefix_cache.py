@@ -240,3 +240,16 @@ async def test_no_prefix_is_reused_across_a_push(serve, tmp_path: Path, policy: 
     assert info["cross_version_hits"] == 0 and info["epoch"] == 1
     if policy == "flush":
         assert info["flushed_tokens"] > 0
+
+
+async def test_extra_key_namespaces_the_cache_and_a_bad_one_is_a_400(serve) -> None:
+    url = serve()
+    body = {"input_ids": list(range(1, 20)), "sampling_params": {"max_new_tokens": 1}}
+    async with aiohttp.ClientSession() as s:
+        got = [
+            (await post(s, url + "/generate", dict(body, extra_key=k)))[1]["meta_info"]
+            for k in ("a", "b", "a", None)
+        ]
+        st, err = await post(s, url + "/generate", dict(body, extra_key=7))
+    assert [m["cached_tokens"] for m in got] == [0, 0, 18, 0]
+    assert st == 400 and "extra_key" in str(err)

@@ -141,6 +141,7 @@ class Engine:
                 logprob_start_len=it.logprob_start_len,
                 return_routed_experts=it.return_routed_experts,
                 routed_start=it.routed_start,
+                cache_key=it.extra_key,
             )
             seqs.append(seq)
         for seq in seqs:

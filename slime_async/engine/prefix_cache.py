@@ -7,7 +7,8 @@ belongs to the weights epoch (one per weight swap, `activate`) whose forward com
 lookup only walks the tree of the epoch that serves now, so KV computed under version k is never
 reused by a request served by k+1. Two policies: `flush` drops every other epoch's tree when an
 epoch is activated (memory freed at once); `salt` keeps them under their own key until LRU
-evicts them (SGLang's `extra_key` namespacing). `insert` refuses KV of any epoch but the active
+evicts them. Within an epoch, SGLang's `extra_key` namespaces the tree as in SGLang: only
+requests with the same key (None included) share prefixes. `insert` refuses KV of any epoch but the active
 one (a request that lived through a swap holds KV of two versions: it keeps it, the cache never
 takes it). `CacheStats.cross_version_hits` counts nodes of another epoch met on a lookup path;
 the structure makes it impossible and the metric proves it stays 0.
@@ -102,7 +103,8 @@ class PrefixCache:
         self.epoch = 0
         """The weights epoch that serves now (only its tree is looked up or grown)."""
         self.stats = CacheStats()
-        self._roots: dict[int, _Node] = {}
+        self._roots: dict[tuple[int, str | None], _Node] = {}
+        """Tree roots by (epoch, extra_key)."""
         self._tokens = 0
         self._clock = 0
         self._lock = threading.Lock()
@@ -116,8 +118,12 @@ class PrefixCache:
     def tokens_of(self, epoch: int) -> int:
         """Tokens held in `epoch`'s tree."""
         with self._lock:
-            root = self._roots.get(epoch)
-            return 0 if root is None else sum(len(n.key) for n in _walk(root))
+            return sum(
+                len(n.key)
+                for (e, _), root in self._roots.items()
+                if e == epoch
+                for n in _walk(root)
+            )
 
     def info(self) -> dict[str, object]:
         return {
@@ -135,26 +141,33 @@ class PrefixCache:
         with self._lock:
             self.epoch = epoch
             if self.policy == "flush":
-                for e in [e for e in self._roots if e != epoch]:
-                    self._drop_tree(e)
+                for key in [k for k in self._roots if k[0] != epoch]:
+                    self._drop_tree(key)
 
     def flush(self) -> int:
         """Drop everything (`/flush_cache`, an update with `flush_cache: true`); returns the
         tokens freed."""
         with self._lock:
             freed = self._tokens
-            for e in list(self._roots):
-                self._drop_tree(e)
+            for key in list(self._roots):
+                self._drop_tree(key)
             return freed
 
     # ------------------------------------------------------------------ lookup and insert
-    def match(self, tokens: list[int], *, limit: int, need_routed: bool = False) -> Match:
-        """Longest cached prefix of `tokens[:limit]` in the active epoch. With `need_routed`,
-        stop at the first node without expert ids. Counts the lookup in `stats`."""
+    def match(
+        self,
+        tokens: list[int],
+        *,
+        limit: int,
+        need_routed: bool = False,
+        namespace: str | None = None,
+    ) -> Match:
+        """Longest cached prefix of `tokens[:limit]` in the active epoch's `namespace` tree. With
+        `need_routed`, stop at the first node without expert ids. Counts the lookup."""
         with self._lock:
             self.stats.lookups += 1
             self.stats.lookup_tokens += len(tokens)
-            root = self._roots.get(self.epoch)
+            root = self._roots.get((self.epoch, namespace))
             if root is None or limit <= 0:
                 return MISS
             self._clock += 1
@@ -198,6 +211,7 @@ class PrefixCache:
         kv: KV,
         *,
         epoch: int,
+        namespace: str | None = None,
         routed: torch.Tensor | None = None,
     ) -> int:
         """Add `tokens` whose KV (per layer `[kv_heads, len(tokens), head_dim]`) was computed
@@ -209,9 +223,9 @@ class PrefixCache:
                 self.stats.refused_inserts += 1
                 return 0
             self._clock += 1
-            root = self._roots.get(epoch)
+            root = self._roots.get((epoch, namespace))
             if root is None:
-                root = self._roots[epoch] = _Node((), [], None, None, epoch)
+                root = self._roots[(epoch, namespace)] = _Node((), [], None, None, epoch)
             node, pos, added = root, 0, 0
             while pos < len(tokens):
                 child = node.children.get(tokens[pos])
@@ -242,8 +256,8 @@ class PrefixCache:
             return added
 
     # ------------------------------------------------------------------ internals
-    def _drop_tree(self, epoch: int) -> None:
-        root = self._roots.pop(epoch)
+    def _drop_tree(self, key: tuple[int, str | None]) -> None:
+        root = self._roots.pop(key)
         freed = sum(len(n.key) for n in _walk(root))
         self._tokens -= freed
         self.stats.flushed_tokens += freed
@@ -267,8 +281,8 @@ class PrefixCache:
             self.stats.evicted_tokens += len(leaf.key)
             if parent.parent is not None and not parent.children:
                 heapq.heappush(heap, (parent.last_use, id(parent), parent))
-        for e in [e for e, r in self._roots.items() if not r.children]:
-            del self._roots[e]
+        for key in [k for k, r in self._roots.items() if not r.children]:
+            del self._roots[key]
 
 
 def _walk(root: _Node) -> list[_Node]:

@@ -44,6 +44,8 @@ class GenerateItem:
     """Return `meta_info.routed_experts`."""
     routed_start: int
     """`routed_experts_start_len`."""
+    extra_key: str | None = None
+    """SGLang's `extra_key`: only requests with the same key share cached prefixes."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,6 +161,9 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
     lsl = _per_item(body, "logprob_start_len", n_in, -1)
     rre = _per_item(body, "return_routed_experts", n_in, limits.routed_experts_by_default)
     rsl = _per_item(body, "routed_experts_start_len", n_in, 0)
+    eks = _per_item(body, "extra_key", n_in, None)
+    if not all(k is None or isinstance(k, str) for k in eks):
+        raise RequestError("extra_key must be a string (or a list of strings, one per input)")
     rtl = _flag(body.get("return_text_in_logprobs") or False, "return_text_in_logprobs")
     stream = _flag(body.get("stream") or False, "stream")
     rid = body.get("rid")
@@ -206,6 +211,7 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
                     return_text_in_logprobs=rtl,
                     return_routed_experts=want_re,
                     routed_start=rstart,
+                    extra_key=eks[i],
                 )
             )
     return GenerateRequest(items=items, batch=is_batch or len(items) > 1, stream=stream)

@@ -321,6 +321,7 @@ class Scheduler:
                     t,
                     batch.row_kv(out.kv, i, len(t)),
                     epoch=self.epoch,
+                    namespace=seqs[i].cache_key,
                     routed=_full(out.routed, i, len(t)),
                 )
         toks, lps, failed = self._sample_rows(out.last_logits, seqs)
@@ -348,7 +349,9 @@ class Scheduler:
         limit = len(tokens) - 1
         if want_in:
             limit = min(limit, seq.logprob_start_len - 1)
-        return self.cache.match(tokens, limit=limit, need_routed=seq.return_routed_experts)
+        return self.cache.match(
+            tokens, limit=limit, need_routed=seq.return_routed_experts, namespace=seq.cache_key
+        )
 
     def _decode_job(self) -> tuple[list[int], list[float], torch.Tensor | None, dict[int, str]]:
         assert self.kv is not None
@@ -449,6 +452,7 @@ class Scheduler:
                 tokens,
                 batch.row_kv(self.kv, i, len(tokens)),
                 epoch=seq.kv_epoch,
+                namespace=seq.cache_key,
                 routed=routed if routed is not None and len(routed) == len(tokens) else None,
             )
 
@@ -470,8 +474,8 @@ def _split_repeats(seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]
     seen: set[tuple[int, ...]] = set()
     first, rest = [], []
     for s in seqs:
-        key = tuple(s.prefill_tokens())
-        (rest if key in seen and len(key) > 1 else first).append(s)
+        key = (s.cache_key, *s.prefill_tokens())
+        (rest if key in seen and len(key) > 2 else first).append(s)
         seen.add(key)
     return first, rest
 

@@ -63,6 +63,8 @@ class Sequence:
     """Where `text` is cut after a matched stop string (None = no cut)."""
     version_spans: list[list[Any]] = dataclasses.field(default_factory=list)
     """`[version, first output index]` per weight version this sequence lived through."""
+    cache_key: str | None = None
+    """SGLang's `extra_key`: the prefix-cache namespace this request reads and writes."""
     cached_tokens: int = 0
     """Tokens of the last (re)prefill reused from the prefix cache (`meta_info.cached_tokens`)."""
     kv_epoch: int | None = None
