@@ -3,7 +3,8 @@
 Owns: `Proxy` (the `/generate`, `/v1/*` and read-only info handlers), `ProxyStats`,
 `parse_expected_tokens`, `error_response`.
 Contract: request and response bodies pass through byte for byte (`meta_info`, `routed_experts`,
-`weight_version` included); a request is answered exactly once; a retry happens only while
+`weight_version` included; with `cache_salt`, generate bodies gain SGLang's `extra_key`,
+router/cache_salt.py); the group a request belongs to (router/affinity.py) steers its binding; a request is answered exactly once; a retry happens only while
 nothing has been sent to the client (connection error, timeout or 5xx before the first byte), on
 at most `MAX_ENGINES_PER_REQUEST` engines; a 4xx is the client's fault: passed through, never
 retried and never counted against the engine.

@@ -134,3 +134,26 @@ def test_affinity_flag_round_trips_and_a_negative_one_is_refused() -> None:
 
     with pytest.raises(ValueError, match="group-affinity-tokens"):
         validate_config(RouterConfig(group_affinity_tokens=-1))
+
+
+async def test_bench_engines_charge_prefill_only_for_uncached_prompt_tokens() -> None:
+    """The benchmark's backends (router.testing): an LRU page cache per engine, prefill work
+    only for what it misses, so a group placed on one engine prefills its prompt once."""
+    eng = FakeEngine(FakeEngineConfig(prefill_cost=1.0, cache_tokens=64, step_s=0.0001))
+    url = await eng.start()
+    prompt = " ".join(f"w{i}" for i in range(40))
+    try:
+        async with aiohttp.ClientSession() as s:
+            metas = []
+            for text in (prompt, prompt, prompt + " more", "other " * 80):
+                body = {"text": text, "sampling_params": {"max_new_tokens": 2}}
+                async with s.post(url + "/generate", json=body) as r:
+                    metas.append((await r.json())["meta_info"])
+            again = {"text": prompt, "sampling_params": {"max_new_tokens": 2}}
+            async with s.post(url + "/generate", json=again) as r:
+                evicted = (await r.json())["meta_info"]
+    finally:
+        await eng.stop()
+    assert [m["cached_tokens"] for m in metas] == [0, 32, 32, 0]  # whole 16-token pages
+    assert evicted["cached_tokens"] == 0  # 80 tokens of "other" pushed it out of 64
+    assert eng.prompt_tokens == 40 + 40 + 41 + 80 + 40 and eng.cached_tokens == 64
