@@ -1,6 +1,10 @@
-"""Benchmark the embedded engine's prefix cache on a GRPO-shaped load, over real HTTP.
+"""Benchmark the embedded engine's prefix cache on a GRPO-shaped load: forwards, then real HTTP.
 
-G groups of n samples; every sample is its own `/generate` request (as the rollout client sends
+Part 1 (forwards, no server): the prefill of G groups x n samples as one batch, against the
+prefill the scheduler runs with the cache (the G first samples, then the other samples on their
+cached prompts), and one decode step of each resulting batch (`--forward-groups` groups).
+
+Part 2: G groups of n samples; every sample is its own `/generate` request (as the rollout client sends
 them), a group's samples share one prompt of P tokens, and all requests are submitted at once.
 The same load runs on an engine with the prefix cache (default) and one with
 `--disable-radix-cache`, rounds alternating so background load hits both. Reported per engine:
@@ -10,13 +14,14 @@ continue) and one more round, to show the cache restarting from empty on the new
 (`cross_version_hits` must stay 0). One run on this machine (a shared one: read ratios).
 
     .venv/bin/python scripts/bench_prefix_cache.py [--groups 8] [--n 8] [--prompt-len 512]
-        [--new-tokens 32] [--rounds 3] [--dtype bf16]
+        [--new-tokens 32] [--rounds 3] [--dtype bf16] [--hidden-size 128 --num-layers 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import statistics
 import sys
@@ -29,7 +34,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import aiohttp
 import torch
 
-from slime_async.engine import EngineConfig, EngineServer
+from slime_async.contracts.model import ModelSpec
+from slime_async.engine import EngineConfig, EngineServer, batch
 from slime_async.engine.model import load_model
 
 
@@ -69,6 +75,51 @@ async def _round(url: str, args: argparse.Namespace, seed: int) -> dict:
     }
 
 
+def forwards(base: EngineConfig, args: argparse.Namespace) -> None:
+    lm = load_model(base)
+    g = torch.Generator().manual_seed(0)
+    groups, n, plen = args.forward_groups, args.n, args.prompt_len
+    prompts = [torch.randint(0, 4096, (plen,), generator=g).tolist() for _ in range(groups)]
+
+    def decode_s(kv: batch.KVBatch) -> float:
+        t = time.perf_counter()
+        batch.decode(lm, kv, [1] * kv.size, capture=False)
+        return time.perf_counter() - t
+
+    rows = []
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        full = batch.prefill(
+            lm,
+            [p for p in prompts for _ in range(n)],
+            want_prompt_logits=[False] * (groups * n),
+            capture=False,
+        )
+        t_full = time.perf_counter() - t
+        t = time.perf_counter()
+        first = batch.prefill(lm, prompts, want_prompt_logits=[False] * groups, capture=False)
+        past = [batch.row_kv(first.kv, i, plen - 1) for i in range(groups)]
+        rest = batch.prefill(
+            lm,
+            [p for p in prompts for _ in range(n - 1)],
+            want_prompt_logits=[False] * (groups * (n - 1)),
+            capture=False,
+            past=[past[i] for i in range(groups) for _ in range(n - 1)],
+        )
+        cached = batch.merge(first.kv, rest.kv)
+        t_cached = time.perf_counter() - t
+        rows.append((t_full, t_cached, decode_s(full.kv), decode_s(cached)))
+    med = [statistics.median(x[i] for x in rows) for i in range(4)]
+    print(
+        f"\n## Part 1: forwards, {groups} groups x {n} samples, prompt {plen} tokens, "
+        f"median of {args.rounds}"
+    )
+    print(
+        f"prefill without cache {med[0]:.3f} s, with cache {med[1]:.3f} s "
+        f"({med[0] / med[1]:.1f}x less); one decode step {med[2]:.3f} s vs {med[3]:.3f} s"
+    )
+
+
 async def _server_cache(url: str) -> dict | None:
     async with aiohttp.ClientSession() as s, s.get(url + "/server_info") as r:
         return (await r.json())["internal_states"][0]["prefix_cache"]
@@ -76,8 +127,20 @@ async def _server_cache(url: str) -> dict | None:
 
 async def main_async(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    on = EngineServer(EngineConfig(dtype=args.dtype, weight_version="0"))
-    off = EngineServer(EngineConfig(dtype=args.dtype, weight_version="0", disable_radix_cache=True))
+    h = args.hidden_size
+    spec = ModelSpec(
+        hidden_size=h,
+        num_layers=args.num_layers,
+        head_dim=h // 4,
+        intermediate_size=2 * h,
+        moe_intermediate_size=h,
+    ).to_dict()
+    base = EngineConfig(dtype=args.dtype, weight_version="0", model_spec=spec)
+    forwards(base, args)
+    if args.forwards_only:
+        return
+    on = EngineServer(base)
+    off = EngineServer(dataclasses.replace(base, disable_radix_cache=True))
     urls = {"prefix cache": on.start(), "no cache": off.start()}
     rows: dict[str, list[dict]] = {k: [] for k in urls}
     try:
@@ -86,7 +149,7 @@ async def main_async(args: argparse.Namespace) -> None:
             for name, url in order:
                 rows[name].append(await _round(url, args, seed=100 + r))
         with tempfile.TemporaryDirectory() as d:
-            load_model(EngineConfig(dtype=args.dtype, seed=1)).model.save_pretrained(d)
+            load_model(dataclasses.replace(base, seed=1)).model.save_pretrained(d)
             url = urls["prefix cache"]
             async with aiohttp.ClientSession() as s:
                 await s.post(url + "/pause_generation", json={"mode": "in_place"})
@@ -101,8 +164,9 @@ async def main_async(args: argparse.Namespace) -> None:
         on.stop()
         off.stop()
     print(
-        f"\n{args.groups} groups x {args.n} samples, prompt {args.prompt_len} tokens, "
-        f"{args.new_tokens} new tokens, tiny MoE {args.dtype}, {args.threads} thread(s), "
+        f"\n## Part 2: over HTTP, {args.groups} groups x {args.n} samples, prompt {args.prompt_len} tokens, "
+        f"{args.new_tokens} new tokens, Qwen3-MoE hidden {h} x {args.num_layers} layers "
+        f"{args.dtype}, {args.threads} thread(s), "
         f"{args.rounds} rounds (median; all rounds in brackets)"
     )
     print(
@@ -137,6 +201,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hidden-size", type=int, default=128, help="128: the tiny MoE.")
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--forward-groups", type=int, default=2, help="Groups in part 1.")
+    ap.add_argument("--forwards-only", action="store_true", help="Only part 1.")
     asyncio.run(main_async(ap.parse_args()))
 
 
