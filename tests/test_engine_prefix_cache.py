@@ -253,3 +253,12 @@ async def test_extra_key_namespaces_the_cache_and_a_bad_one_is_a_400(serve) -> N
         st, err = await post(s, url + "/generate", dict(body, extra_key=7))
     assert [m["cached_tokens"] for m in got] == [0, 0, 18, 0]
     assert st == 400 and "extra_key" in str(err)
+
+
+def test_peek_sees_what_match_would_reuse_without_counting() -> None:
+    c = PrefixCache(max_tokens=100)
+    c.insert([1, 2, 3, 4], _kv([1, 2, 3, 4]), epoch=0)
+    assert c.peek([1, 2, 3, 9]) == 3 and c.peek([1, 2, 3, 4, 5]) == 4 and c.peek([7]) == 0
+    assert c.peek([1, 2], namespace="other") == 0 and c.stats.lookups == 0
+    c.activate(1)
+    assert c.peek([1, 2, 3, 4]) == 0

@@ -153,6 +153,20 @@ class PrefixCache:
                 self._drop_tree(key)
             return freed
 
+    def peek(self, tokens: list[int], namespace: str | None = None) -> int:
+        """Cached prefix length of `tokens` in the active epoch (no stats, no LRU touch): what
+        admission counts as already prefilled."""
+        with self._lock:
+            node, pos = self._roots.get((self.epoch, namespace)), 0
+            while node is not None and pos < len(tokens):
+                child = node.children.get(tokens[pos])
+                if child is None or child.epoch != self.epoch:
+                    break
+                n = _common(child.key, tokens, pos, len(tokens))
+                pos += n
+                node = child if n == len(child.key) else None
+            return pos
+
     # ------------------------------------------------------------------ lookup and insert
     def match(
         self,

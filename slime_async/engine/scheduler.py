@@ -176,10 +176,20 @@ class Scheduler:
             await asyncio.sleep(0)
 
     def _admit(self) -> list[Sequence]:
+        """FIFO admission while `max_prefill_tokens` lasts, counting the tokens a prefill will
+        forward (as SGLang counts extend tokens): a prompt found in the prefix cache, or
+        repeating one admitted in this step, costs only what is not cached."""
         out: list[Sequence] = []
         budget = self.cfg.max_prefill_tokens
+        seen: set[tuple[Any, ...]] = set()
         while self.waiting and len(self.running) + len(out) < self.cfg.max_running_requests:
-            n = self.waiting[0].num_tokens
+            seq = self.waiting[0]
+            n = seq.num_tokens
+            if self.cache is not None:
+                key = (seq.cache_key, *seq.prefill_tokens())
+                cached = n - 1 if key in seen else self.cache.peek(key[1:], seq.cache_key)
+                n -= min(cached, n - 1)
+                seen.add(key)
             if out and n > budget:
                 break
             out.append(self.waiting.popleft())
