@@ -40,6 +40,20 @@ class RouterConfig:
     are below this; the others wait in the router's queue, longest expected first, and are
     bound when an engine has room. Set it to about what one engine runs at once (its KV
     budget); beyond that an engine only queues internally. 0 binds every request on arrival."""
+    group_affinity_tokens: int = flag(4096, ge=0)
+    """Group affinity: the next request of a GRPO group (its `X-Group-Key` header, which the
+    rollout client sends) goes to the engine that served the group's earlier ones, where its
+    prompt is cached, while that engine's outstanding expected tokens exceed the least-loaded
+    engine's with room by at most this; beyond it the group is split. 0 turns affinity off."""
+    group_affinity_by_prompt: bool = False
+    """Also treat requests without `X-Group-Key` that carry the same prompt as one group (for
+    clients that send a group's samples as separate requests without the header)."""
+    cache_salt: bool = flag(
+        False, derived="on with SGLang engines (--engine-backend sglang or external)"
+    )
+    """Add SGLang's `extra_key` to every `/generate` body, changed by each pause and weight
+    call the router fans out, so an engine's radix cache never reuses a prefix computed under
+    older weights for a request sent after a push (rewrites request bodies)."""
     default_expected_tokens: int = 1024
     """Expected tokens assumed for a request that sends no `X-Expected-Tokens` header."""
     auth_token: str | None = flag(None, repr=False)
@@ -150,6 +164,11 @@ def validate_config(cfg: RouterConfig) -> None:
         raise ValueError(
             f"{_flag('worker_capacity_tokens')} must be >= 0 (0 = bind each request on arrival), "
             f"got {cfg.worker_capacity_tokens}"
+        )
+    if cfg.group_affinity_tokens < 0:
+        raise ValueError(
+            f"{_flag('group_affinity_tokens')} must be >= 0 (0 = no group affinity), "
+            f"got {cfg.group_affinity_tokens}"
         )
     if cfg.failure_threshold < 1 or cfg.success_threshold < 1:
         raise ValueError(

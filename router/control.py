@@ -81,6 +81,8 @@ class ControlFanout:
         )
         self._weight_log: dict[str, tuple[int, str, str, bytes]] = {}
         """path -> (generation, method, path_qs, body) of the last successful weight call."""
+        self.pauses = 0
+        """`/pause_generation` fan-outs so far (part of the prefix-cache salt)."""
         self.fanouts = 0
         self.fanout_failures = 0
 
@@ -130,6 +132,8 @@ class ControlFanout:
         """
         workers = [w for w in self.registry.all() if w.state is not WorkerState.REMOVED]
         self.fanouts += 1
+        if path == "/pause_generation":  # before any engine pauses (router/cache_salt.py)
+            self.pauses += 1
         outcomes = await asyncio.gather(*(self._call(w, method, path_qs, body) for w in workers))
         results: dict[str, dict] = {}
         failed: list[dict] = []

@@ -25,6 +25,7 @@ import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from router.affinity import GroupAffinity
 from router.policies import Policy
 from router.workers import Worker, WorkerRegistry
 
@@ -52,6 +53,7 @@ class _Waiter:
     expected: int = field(compare=False)
     exclude: frozenset[str] = field(compare=False)
     future: asyncio.Future = field(compare=False)
+    group: str | None = field(default=None, compare=False)
     gone: bool = field(default=False, compare=False)
 
 
@@ -71,9 +73,12 @@ class Dispatcher:
         policy: Policy,
         capacity_tokens: int,
         wait_for_worker_s: float,
+        affinity: GroupAffinity | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
+        self.affinity = affinity
+        """Keeps a group's requests on one engine within a balance bound (router/affinity.py)."""
         self.capacity = capacity_tokens
         self.wait_for_worker_s = wait_for_worker_s
         self.stats = DispatchStats()
@@ -92,6 +97,11 @@ class Dispatcher:
     def has_room(self, w: Worker) -> bool:
         """True when `w` may take one more request now."""
         return self.capacity <= 0 or w.outstanding_tokens < self.capacity
+
+    def _select(self, roomy: Sequence[Worker], expected: int, group: str | None) -> Worker:
+        if self.affinity is None:
+            return self.policy.select(roomy, expected_tokens=expected)
+        return self.affinity.choose(self.policy, roomy, expected_tokens=expected, key=group)
 
     def _bind(self, w: Worker, expected: int) -> Worker:
         w.outstanding_requests += 1
@@ -112,13 +122,15 @@ class Dispatcher:
         *,
         exclude: Collection[str] = (),
         retry: bool = False,
+        group: str | None = None,
     ) -> Worker | None:
         """Bind a request expecting `expected` tokens to an engine and return it; None when it
         waited and no engine was healthy for `wait_for_worker_s` (answer 503).
 
         `candidates` are the healthy engines the caller may use right now (already without
         `exclude` where possible); `exclude` (engines this request failed on) is re-applied
-        when binding from the queue, falling back to every healthy engine.
+        when binding from the queue, falling back to every healthy engine. `group`: the GRPO
+        group the request belongs to (`router.affinity.group_key`), or None.
         """
         if not self._live or expected <= 0:
             if self.capacity <= 0 or expected <= 0:
@@ -128,12 +140,13 @@ class Dispatcher:
             if roomy:
                 # No await between choosing and counting: atomic on the event loop.
                 self.stats.bound_at_once += 1
-                return self._bind(self.policy.select(roomy, expected_tokens=expected), expected)
+                return self._bind(self._select(roomy, expected, group), expected)
         waiter = _Waiter(
             (0 if retry else 1, -expected, next(self._seq)),
             expected,
             frozenset(exclude),
             asyncio.get_running_loop().create_future(),
+            group=group,
         )
         heapq.heappush(self._heap, waiter)
         self._live += 1
@@ -173,7 +186,7 @@ class Dispatcher:
             top.gone = True
             self._live -= 1
             top.future.set_result(
-                self._bind(self.policy.select(roomy, expected_tokens=top.expected), top.expected)
+                self._bind(self._select(roomy, top.expected, top.group), top.expected)
             )
 
     def _arm_starvation_timer(self) -> None:

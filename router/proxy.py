@@ -3,7 +3,8 @@
 Owns: `Proxy` (the `/generate`, `/v1/*` and read-only info handlers), `ProxyStats`,
 `parse_expected_tokens`, `error_response`.
 Contract: request and response bodies pass through byte for byte (`meta_info`, `routed_experts`,
-`weight_version` included); a request is answered exactly once; a retry happens only while
+`weight_version` included; with `cache_salt`, generate bodies gain SGLang's `extra_key`,
+router/cache_salt.py); the group a request belongs to (router/affinity.py) steers its binding; a request is answered exactly once; a retry happens only while
 nothing has been sent to the client (connection error, timeout or 5xx before the first byte), on
 at most `MAX_ENGINES_PER_REQUEST` engines; a 4xx is the client's fault: passed through, never
 retried and never counted against the engine.
@@ -17,11 +18,14 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from router.affinity import GROUP_KEY_HEADER, group_key
+from router.cache_salt import salt_body
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.workers import Worker, WorkerRegistry
@@ -85,8 +89,9 @@ def parse_expected_tokens(raw: str | None, default: int) -> int:
     return value
 
 
-def _validate_body(path: str, body: bytes) -> None:
-    """Raise ValueError with a clear message if `body` is not a request SGLang could accept."""
+def _validate_body(path: str, body: bytes) -> Any:
+    """Raise ValueError with a clear message if `body` is not a request SGLang could accept;
+    returns the parsed body."""
     if not body:
         raise ValueError(f"{path} needs a JSON body; got an empty request")
     try:
@@ -115,6 +120,7 @@ def _validate_body(path: str, body: bytes) -> None:
         raise ValueError("/v1/chat/completions body needs a 'messages' list")
     elif path == "/v1/completions" and "prompt" not in obj:
         raise ValueError("/v1/completions body needs a 'prompt'")
+    return obj
 
 
 class Proxy:
@@ -128,12 +134,15 @@ class Proxy:
         dispatcher: Dispatcher,
         session: Callable[[], aiohttp.ClientSession],
         on_failure: Callable[[Worker], None],
+        salt: Callable[[], str] | None = None,
     ) -> None:
         self.cfg = cfg
         self.registry = registry
         self.dispatcher = dispatcher
         self._session = session
         self._on_failure = on_failure
+        self._salt = salt
+        """The current prefix-cache salt, when `/generate` bodies carry one (cache_salt.py)."""
         self.stats = ProxyStats()
         self._timeout = aiohttp.ClientTimeout(
             total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s
@@ -165,13 +174,18 @@ class Proxy:
                     408, f"request body not received within {self.cfg.client_timeout_s:g}s"
                 )
             if len(body) < _BIG_BODY:
-                _validate_body(request.path, body)
+                obj = _validate_body(request.path, body)
             else:  # parsing a big body must not stall every other client on the event loop
-                await asyncio.to_thread(_validate_body, request.path, body)
+                obj = await asyncio.to_thread(_validate_body, request.path, body)
         except ValueError as e:
             self.stats.bad_requests += 1
             return error_response(400, str(e), err_type="invalid_request_error")
-        return await self.forward(request, body=body, expected_tokens=expected)
+        group = group_key(
+            request.headers.get(GROUP_KEY_HEADER), obj, by_prompt=self.cfg.group_affinity_by_prompt
+        )
+        return await self.forward(
+            request, body=body, expected_tokens=expected, group=group, parsed=obj
+        )
 
     async def handle_info(self, request: web.Request) -> web.StreamResponse:
         """Read-only engine routes (`/get_model_info`, ...): answered by one healthy engine."""
@@ -193,9 +207,16 @@ class Proxy:
                 return []
 
     async def forward(
-        self, request: web.Request, *, body: bytes, expected_tokens: int
+        self,
+        request: web.Request,
+        *,
+        body: bytes,
+        expected_tokens: int,
+        group: str | None = None,
+        parsed: Any = None,
     ) -> web.StreamResponse:
-        """Send `body` to an engine; retry on another engine while nothing was streamed."""
+        """Send `body` to an engine (`group`: router/affinity.py); retry on another engine while
+        nothing was streamed."""
         deadline = time.monotonic() + self.cfg.wait_for_worker_s
         tried: set[str] = set()
         last_error = "no attempt"
@@ -212,7 +233,7 @@ class Proxy:
                 )
             # Bound now, or later from the router's queue (late binding, router/dispatch.py).
             w = await self.dispatcher.acquire(
-                candidates, expected_tokens, exclude=tried, retry=attempt > 0
+                candidates, expected_tokens, exclude=tried, retry=attempt > 0, group=group
             )
             if w is None:
                 self.stats.failed += 1
@@ -221,8 +242,11 @@ class Proxy:
                 )
             tried.add(w.id)
             w.total_requests += 1
+            sent = body
+            if self._salt is not None and parsed is not None:
+                sent = salt_body(body, parsed, self._salt())  # the salt when it is bound
             try:
-                resp = await self._attempt(request, w, path_qs, body, headers)
+                resp = await self._attempt(request, w, path_qs, sent, headers)
             except _Retryable as e:
                 last_error = f"{w.url}: {e}"
                 w.retries_away += 1

@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from router.affinity import GroupAffinity
+from router.cache_salt import salt_value
 from router.config import RouterConfig, check_worker_url, is_loopback, validate_config
 from router.control import CONTROL_PATHS, ControlFanout
 from router.dispatch import Dispatcher
@@ -69,6 +71,7 @@ class Router:
             policy=make_policy(cfg.policy),
             capacity_tokens=cfg.worker_capacity_tokens,
             wait_for_worker_s=cfg.wait_for_worker_s,
+            affinity=GroupAffinity(slack_tokens=cfg.group_affinity_tokens),
         )
         self.proxy = Proxy(
             cfg=cfg,
@@ -76,6 +79,7 @@ class Router:
             dispatcher=self.dispatcher,
             session=self.session,
             on_failure=self.health.poke,
+            salt=self._salt if cfg.cache_salt else None,
         )
         self._runner: web.AppRunner | None = None
         self._started = time.monotonic()
@@ -106,6 +110,9 @@ class Router:
         if self._session is None:
             raise RuntimeError("router is not started: call `await router.start()` first")
         return self._session
+
+    def _salt(self) -> str:
+        return salt_value(self.control.pauses, self.registry.weight_generation)
 
     async def start(self) -> str:
         """Bind, start health checks, and return the base url (`http://host:port`)."""
@@ -182,6 +189,9 @@ class Router:
             "queue_peak": self.dispatcher.stats.queue_peak,
             "queue_abandoned": self.dispatcher.stats.queue_abandoned,
             "queue_timeouts": self.dispatcher.stats.queue_timeouts,
+            "group_new": self.dispatcher.affinity.stats.new if self.dispatcher.affinity else 0,
+            "group_kept": self.dispatcher.affinity.stats.kept if self.dispatcher.affinity else 0,
+            "group_split": self.dispatcher.affinity.stats.split if self.dispatcher.affinity else 0,
             "health_probes": self.health.probes,
             "health_probe_failures": self.health.probe_failures,
             "fanouts": self.control.fanouts,

@@ -8,6 +8,11 @@ active request by `tokens_per_step` tokens and takes `step_s + per_seq_s * n_act
 (a fluid model over wall time, accounted piecewise between arrivals and completions, so a
 late wake-up on a busy CPU delays answers but does not change how much work was done by when).
 So a request of L tokens alone takes L / tokens_per_step * (step_s + per_seq_s) seconds.
+With `prefill_cost` > 0 a request first works off its prompt: every prompt token not found in
+the engine's prefix cache (an LRU of 16-token pages, at most `cache_tokens`, keyed by the page
+and everything before it, as SGLang's radix cache shares only whole prefixes) costs
+`prefill_cost` decode tokens of its share; the prompt is `input_ids`, or `text` split on
+whitespace.
 Responses are deterministic functions of the request (no timestamps), so pass-through can be
 checked byte for byte.
 Must never import: `slime_async`, or the router's server/proxy modules (engines are independent);
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import contextlib
 import json
 import os
@@ -54,6 +60,52 @@ class FakeEngineConfig:
     """Top-k axis of the synthetic `routed_experts` array."""
     weight_version: str = "default"
     """Initial `meta_info.weight_version`."""
+    prefill_cost: float = 0.0
+    """Decode-token work of prefilling one uncached prompt token (0: prefill is free)."""
+    cache_tokens: int = 0
+    """Prefix-cache budget in tokens (whole pages; least recently used dropped first); 0: no
+    cache, every prompt token is prefilled."""
+
+
+PAGE = 16
+"""Prefix-cache page of the fake engines (tokens)."""
+
+
+class PageCache:
+    """LRU prefix cache over 16-token pages; a page is keyed by itself and every page before it.
+
+    >>> c = PageCache(64); c.insert(list(range(40))); c.match(list(range(40)) + [9])
+    32
+    """
+
+    def __init__(self, budget_tokens: int) -> None:
+        self.budget_pages = budget_tokens // PAGE
+        self._pages: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    @staticmethod
+    def _keys(tokens: list) -> list[int]:
+        keys, h = [], 0
+        for i in range(0, len(tokens) - len(tokens) % PAGE, PAGE):
+            h = hash((h, tuple(tokens[i : i + PAGE])))
+            keys.append(h)
+        return keys
+
+    def match(self, tokens: list) -> int:
+        """Cached prefix length of `tokens` (whole pages, never the last token)."""
+        n = 0
+        for k in self._keys(tokens[:-1]):
+            if k not in self._pages:
+                break
+            self._pages.move_to_end(k)
+            n += PAGE
+        return n
+
+    def insert(self, tokens: list) -> None:
+        for k in self._keys(tokens):
+            self._pages[k] = None
+            self._pages.move_to_end(k)
+        while len(self._pages) > self.budget_pages:
+            self._pages.popitem(last=False)
 
 
 def _routed_experts(rid: str, rows: int, layers: int, topk: int) -> str:
@@ -72,6 +124,10 @@ class _Job:
     work: float = 0.0
     """Tokens produced so far (fractional: progress is computed from elapsed time)."""
     generated: int = 0
+    prefill: float = 0.0
+    """Work (decode tokens) of the uncached prompt, done before the first output token."""
+    cached: int = 0
+    """Prompt tokens found in the prefix cache."""
     progress: asyncio.Event = field(default_factory=asyncio.Event)
     aborted: bool = False
 
@@ -92,6 +148,10 @@ class FakeEngine:
         self.headers_seen: list[dict[str, str]] = []
         self.control_calls: list[tuple[str, object]] = []
         self.tokens_served = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        """Prompt tokens received, and those found in the prefix cache."""
+        self.cache = PageCache(cfg.cache_tokens) if cfg.cache_tokens > 0 else None
         self.last_arrival = self.last_finish = 0.0
         """`time.monotonic()` (system-wide clock) of the latest arrival and completion."""
         self._jobs: list[_Job] = []
@@ -163,12 +223,12 @@ class FakeEngine:
             if step <= 0:  # infinitely fast engine: everything finishes on this turn
                 await asyncio.sleep(0)
                 for job in list(self._jobs):
-                    job.work = job.generated = job.target
+                    job.work, job.generated = job.target + job.prefill, job.target
                     self._finish(job)
                 self._last = loop.time()
                 continue
             rate = self.cfg.tokens_per_step / step  # tokens per second per active request
-            soonest = min(j.target - j.work for j in self._jobs) / rate
+            soonest = min(j.target + j.prefill - j.work for j in self._jobs) / rate
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(min(step, soonest), 0.0))
@@ -186,13 +246,15 @@ class FakeEngine:
             if step <= 0:
                 break
             rate = self.cfg.tokens_per_step / step
-            dt = min(now - t, min(j.target - j.work for j in self._jobs) / rate)
+            dt = min(now - t, min(j.target + j.prefill - j.work for j in self._jobs) / rate)
             t += dt
             for job in list(self._jobs):
-                job.work = min(job.target, job.work + rate * dt + 1e-9)
-                job.generated = int(job.work)
+                total = job.target + job.prefill
+                job.work = min(total, job.work + rate * dt + 1e-9)
+                job.generated = min(job.target, max(0, int(job.work - job.prefill)))
                 job.progress.set()
-                if job.generated >= job.target:
+                if job.work >= total - 1e-6:
+                    job.generated = job.target
                     self._finish(job)
         self._last = now
 
@@ -229,6 +291,15 @@ class FakeEngine:
         loop = asyncio.get_running_loop()
         self.last_arrival = time.monotonic()
         job = _Job(rid=rid, target=max(target, 1), done=loop.create_future(), arrived=loop.time())
+        if self.cfg.prefill_cost > 0 and not openai:
+            prompt = body.get("input_ids") or str(body.get("text", "")).split()
+            hit = self.cache.match(prompt) if self.cache is not None else 0
+            if self.cache is not None:
+                self.cache.insert(prompt)
+            self.prompt_tokens += len(prompt)
+            self.cached_tokens += hit
+            job.prefill = (len(prompt) - hit) * self.cfg.prefill_cost
+            job.cached = hit
         self._advance_to(job.arrived)  # the requests before it ran at the old rate until now
         self._jobs.append(job)
         self._wake.set()
@@ -271,7 +342,7 @@ class FakeEngine:
             "finish_reason": finish,
             "prompt_tokens": prompt_len,
             "completion_tokens": job.generated,
-            "cached_tokens": 0,
+            "cached_tokens": job.cached,
             "weight_version": self.weight_version,
             "engine": self.cfg.name,
         }
@@ -316,6 +387,8 @@ class FakeEngine:
                 "weight_version": self.weight_version,
                 "engine": self.cfg.name,
                 "tokens_served": self.tokens_served,
+                "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
                 "last_arrival": self.last_arrival,
                 "last_finish": self.last_finish,
                 "version": "fake",
@@ -370,7 +443,9 @@ class FakeEngine:
                 if body.get("abort_all") or job.rid == body.get("rid"):
                     self._finish(job, aborted=True)
             return web.Response(status=200)
-        return web.Response(text="Cache flushed.\n")  # /flush_cache
+        if self.cache is not None:  # /flush_cache
+            self.cache = PageCache(self.cfg.cache_tokens)
+        return web.Response(text="Cache flushed.\n")
 
 
 class EngineProcess:

@@ -11,14 +11,20 @@ backends whose service time grows with tokens and with concurrency (`router.test
 model: each decode step advances every active request by `tokens_per_step` tokens and takes
 `step_s + per_seq_s * n_active`). Three workloads: independent requests with exactly known
 lengths in random order, the same sorted longest first (the data worker's probe dispatch
-order), and GRPO groups (n samples share a prompt; the header carries the prompt's length
-scale, each sample's true length varies around it). Makespan = first submit to last answer;
+order), and GRPO groups (n samples share a long prompt; the header carries the prompt's length
+scale, each sample's true length varies around it; the client also sends `X-Group-Key`, one per
+group, as our rollout client does). The backends model prefill and a prefix cache: every prompt
+token not in an engine's LRU prefix cache costs `prefill_cost` decode tokens of work
+(`router.testing.PageCache`), so a group whose samples share an engine prefills its prompt once.
+Makespan = first submit to last answer;
 imbalance = max / mean tokens served per engine; dispatch = submit to last arrival at an engine.
 Compared: our least_expected_tokens with late binding (`@2048`: `--worker-capacity-tokens
 2048`, the headline) and binding on arrival (the previous default), vs sglang-router's
 round_robin, cache_aware and power_of_two (`--ours` / `--sglang` choose others). Each workload
-also prints its lower bound (`lower_bound`: perfect balance at the backends' peak rate) and every
-router's ratio to it, so a goal below the bound shows as such.
+also prints its lower bound (`lower_bound`: perfect balance at the backends' peak rate, every
+distinct prompt prefilled once: perfect caching) and every router's ratio to it, so a goal below
+the bound shows as such, and the share of prompt tokens each router's placement let the engines
+take from their caches (`cached`).
 
 Every router and the backends run as separate processes; all numbers come from this one run on a
 shared machine, so read ratios, not absolutes. Usage:
@@ -84,6 +90,13 @@ class BenchConfig:
     """Makespan runs per policy and workload (median reported)."""
     group_size: int = 8
     """Samples per prompt in the GRPO workload."""
+    grpo_prompt_tokens: tuple[int, int] = (512, 2048)
+    """Prompt length range (uniform) of the GRPO workload, in tokens (words)."""
+    prefill_cost: float = 0.2
+    """Backend work of prefilling one uncached prompt token, in decode tokens (0: prefill free
+    and no cache: the benchmark before prefix caching)."""
+    cache_tokens: int = 16384
+    """Backend prefix-cache budget per engine (tokens)."""
     seed: int = 0
     """Workload seed."""
     ours: tuple[str, ...] = ("least_expected_tokens@2048", "least_expected_tokens")
@@ -91,6 +104,8 @@ class BenchConfig:
     `--worker-capacity-tokens C`. The first one is the headline (checked against the goal)."""
     sglang: tuple[str, ...] = ("round_robin", "cache_aware", "power_of_two")
     """sglang-router's policies compared (its best one is the reference)."""
+    only: str = ""
+    """Run only the workloads whose name contains this (e.g. "GRPO"); "" = all three."""
 
 
 def _free_port() -> int:
@@ -107,11 +122,17 @@ class RouterProc:
 
     @classmethod
     def ours(cls, urls: list[str], spec: str) -> RouterProc:
-        """`spec` is `policy` (bind on arrival) or `policy@C` (late binding, capacity C)."""
+        """`spec` is `policy` (bind on arrival) or `policy@C` (late binding, capacity C), either
+        optionally followed by `gS` (group affinity slack S tokens; default: the router's)."""
         policy, _, cap = spec.partition("@")
+        policy, _, slack0 = policy.partition("g") if "@" not in spec else (policy, "", "")
+        cap, _, slack = cap.partition("g")
+        slack = slack or slack0
         cmd = [sys.executable, "-m", "router", "--port", "0", "--policy", policy]
         cmd += ["--worker-urls", *urls, "--health-interval-s", "2"]
         cmd += ["--worker-capacity-tokens", cap or "0"]
+        if slack:
+            cmd += ["--group-affinity-tokens", slack]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_env())
         line = proc.stdout.readline()
         if "listening on" not in line:
@@ -287,8 +308,10 @@ def grpo_workload(cfg: BenchConfig) -> Work:
     estimate knows), not the sample's true length. Groups are submitted together."""
     rng = random.Random(cfg.seed + 1)
     out = []
+    lo, hi = cfg.grpo_prompt_tokens
     for p in range(cfg.num_requests // cfg.group_size):
-        scale, text = _pareto(cfg, rng), f"prompt{p} {_words(rng)}"
+        words = " ".join(f"w{rng.randrange(10**6)}" for _ in range(rng.randint(lo, hi) - 1))
+        scale, text = _pareto(cfg, rng), f"prompt{p} {words}"
         for _ in range(cfg.group_size):
             n = max(1, min(cfg.max_tokens, int(scale * rng.lognormvariate(0.0, 0.5))))
             out.append((n, scale, text))
@@ -307,9 +330,11 @@ def scenarios(cfg: BenchConfig) -> dict[str, Work]:
 
 def lower_bound(cfg: BenchConfig, work: Work) -> float:
     """Makespan no router can beat on these backends: every engine at its peak rate
-    (`tokens_per_step / per_seq_s` tokens/s, the limit of many active requests) with the tokens
-    split perfectly; and no less than the longest request alone on an engine."""
-    total = sum(w[0] for w in work)
+    (`tokens_per_step / per_seq_s` tokens/s, the limit of many active requests) with the work
+    split perfectly, every distinct prompt prefilled once (perfect caching, none evicted); and
+    no less than the longest output alone on an engine."""
+    prefill = sum(len(t.split()) - 1 for t in {w[2] for w in work}) * cfg.prefill_cost
+    total = sum(w[0] for w in work) + prefill
     spread = total * cfg.per_seq_s / (cfg.tokens_per_step * cfg.engines)
     alone = max(w[0] for w in work) * (cfg.step_s + cfg.per_seq_s) / cfg.tokens_per_step
     return max(spread, alone)
@@ -327,6 +352,14 @@ async def _warm(url: str, n: int) -> None:
         await asyncio.gather(*(one(i) for i in range(n)))
 
 
+async def _flush(urls: list[str]) -> None:
+    """Empty every backend's prefix cache (no request runs between workloads)."""
+    async with aiohttp.ClientSession() as s:
+        for u in urls:
+            async with s.post(u + "/flush_cache") as r:
+                await r.read()
+
+
 async def _served(urls: list[str]) -> list[dict]:
     async with aiohttp.ClientSession() as s:
         out = []
@@ -336,13 +369,18 @@ async def _served(urls: list[str]) -> list[dict]:
         return out
 
 
-async def _makespan(url: str, work: Work, backend_urls: list[str]) -> tuple[float, float, float]:
-    """(makespan, token imbalance, dispatch window: submit to last arrival at an engine)."""
+async def _makespan(
+    url: str, work: Work, backend_urls: list[str]
+) -> tuple[float, float, float, float]:
+    """(makespan, token imbalance, dispatch window: submit to last arrival at an engine, share
+    of prompt tokens found in the engines' prefix caches)."""
     before = await _served(backend_urls)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
 
         async def one(n: int, expected: int, text: str) -> None:
             headers = {"X-Expected-Tokens": str(expected)}
+            if text.startswith("prompt"):  # a GRPO group: the key our rollout client sends
+                headers["X-Group-Key"] = text.split(" ", 1)[0]
             async with s.post(url + "/generate", json=_req(n, text), headers=headers) as r:
                 body = await r.json()
                 assert r.status == 200 and body["meta_info"]["completion_tokens"] == n, body
@@ -353,22 +391,27 @@ async def _makespan(url: str, work: Work, backend_urls: list[str]) -> tuple[floa
     after = await _served(backend_urls)
     served = [a["tokens_served"] - b["tokens_served"] for a, b in zip(after, before)]
     dispatch = max(a["last_arrival"] for a in after) - m0
-    return span, max(served) / statistics.mean(served), dispatch
+    prompt = sum(a["prompt_tokens"] - b["prompt_tokens"] for a, b in zip(after, before))
+    cached = sum(a["cached_tokens"] - b["cached_tokens"] for a, b in zip(after, before))
+    return span, max(served) / statistics.mean(served), dispatch, cached / max(prompt, 1)
 
 
 async def makespan(cfg: BenchConfig) -> bool:
     """Run part 2; return True if the >= 15% goal holds for every workload."""
     works = scenarios(cfg)
     lengths = [w[0] for w in works["independent, random order"]]
+    works = {k: v for k, v in works.items() if cfg.only in k}
     backends = EngineProcess.spawn(
         count=cfg.engines,
         quiet=True,
         step_s=cfg.step_s,
         per_seq_s=cfg.per_seq_s,
         tokens_per_step=cfg.tokens_per_step,
+        prefill_cost=cfg.prefill_cost,
+        cache_tokens=cfg.cache_tokens if cfg.prefill_cost > 0 else 0,
     )
     targets = [("ours", spec) for spec in cfg.ours] + [("sglang", p) for p in cfg.sglang]
-    results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    results: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
     try:
         for rep in range(cfg.repeats):
             order = targets if rep % 2 == 0 else list(reversed(targets))  # spread drift
@@ -378,6 +421,7 @@ async def makespan(cfg: BenchConfig) -> bool:
                     await _warm(router.url, cfg.num_requests)
                     for name, work in works.items():
                         await asyncio.sleep(0.3)
+                        await _flush(backends.urls)  # every router starts from cold caches
                         results.setdefault((name, router.label), []).append(
                             await _makespan(router.url, work, backends.urls)
                         )
@@ -391,7 +435,9 @@ async def makespan(cfg: BenchConfig) -> bool:
         f"mean {statistics.mean(lengths):.0f}, total {sum(lengths)}), {cfg.engines} engines, "
         f"step = {cfg.step_s} + {cfg.per_seq_s} * n_active s per {cfg.tokens_per_step} tokens, "
         f"median of {cfg.repeats}; imbalance = max/mean tokens served per engine; dispatch = "
-        f"submit to last arrival at an engine"
+        f"submit to last arrival at an engine; prefill {cfg.prefill_cost} decode tokens per "
+        f"uncached prompt token, prefix cache {cfg.cache_tokens} tokens per engine (LRU); "
+        f"cached = share of prompt tokens found in the caches"
     )
     ok = True
     for arrival in works:
@@ -402,16 +448,17 @@ async def makespan(cfg: BenchConfig) -> bool:
         print(f"\nworkload: {arrival}; lower bound {bound:.3f} s (perfect balance, no dispatch)")
         print(
             f"{'router:policy':34s} {'makespan s':>10s} {'runs':>16s} {'imbalance':>9s} "
-            f"{'dispatch s':>10s} {'/bound':>6s} {'vs best sglang':>15s}"
+            f"{'dispatch s':>10s} {'cached':>6s} {'/bound':>6s} {'vs best sglang':>15s}"
         )
         for label, runs in rows.items():
             spans = ",".join(f"{r[0]:.2f}" for r in runs)
             imb = statistics.median(r[1] for r in runs)
             disp = statistics.median(r[2] for r in runs)
+            hit = statistics.median(r[3] for r in runs)
             rel = (med[label] - best) / best * 100
             print(
                 f"{label:34s} {med[label]:10.3f} {spans:>16s} {imb:9.3f} {disp:10.3f} "
-                f"{med[label] / bound:6.3f} {rel:+14.1f}%"
+                f"{hit:6.2f} {med[label] / bound:6.3f} {rel:+14.1f}%"
             )
         print(
             f"(15% below sglang-router's best is {0.85 * best:.3f} s = "
@@ -440,15 +487,25 @@ def main() -> None:
         "capacity C tokens per engine); the first is the headline.",
     )
     ap.add_argument("--sglang", nargs="+", default=None, help="sglang-router policies.")
+    ap.add_argument(
+        "--prefill-cost",
+        type=float,
+        default=None,
+        help="Backend prefill work per uncached prompt token, in decode tokens (0: no prefill "
+        "and no prefix cache, the benchmark before caching).",
+    )
+    ap.add_argument(
+        "--only", default=None, help='Only workloads whose name contains this ("GRPO").'
+    )
     args = ap.parse_args()
     cfg = BenchConfig()
     if args.quick:
         cfg = BenchConfig(
             latency_requests=200, throughput_requests=400, num_requests=100, repeats=1
         )
-    for name in ("repeats", "ours", "sglang"):
+    for name in ("repeats", "ours", "sglang", "prefill_cost", "only"):
         value = getattr(args, name)
-        if value:
+        if value is not None:
             value = tuple(value) if isinstance(value, list) else value
             cfg = BenchConfig(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, name: value})
     t0 = time.monotonic()

@@ -374,6 +374,16 @@ def _validate(args: argparse.Namespace, env: Environment) -> RunConfig:
             "--num-engines x --rollout-num-gpus-per-engine",
         )
     colocate, trainer_cores, rollout_cores = _placement(f, env)
+    if f.unset("router_cache_salt"):
+        if engines.backend in ("sglang", "external"):
+            why = (
+                "SGLang engines share cached prefixes across weight versions unless each "
+                "request's extra_key changes with the push (docs/weight-sync.md)"
+            )
+            f.fill("router_cache_salt", True, why)
+        else:
+            why = "the embedded engine keys its prefix cache by weight version itself"
+            f.fill("router_cache_salt", False, why)
     router, token = _shared_token(a, env)
     derive_warmstart(f, embedded=embedded, resume=trainer.load is not None)
     engine = engine_run_config_from_args(

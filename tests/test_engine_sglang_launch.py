@@ -321,6 +321,8 @@ def test_the_docs_gpu_recipe_derives_what_it_says() -> None:
     assert cfg.trainer.world_size == 8 and cfg.trainer.data_parallel_size == 4
     assert cfg.ray_address == "10.0.0.1:6379" and cfg.engine.auth_token == TOKEN
     assert cfg.router.auth_token == TOKEN and not cfg.trainer_cores  # cores: per node
+    # SGLang's radix cache is salted per push (router/cache_salt.py), and the run says so
+    assert cfg.router.cache_salt and cfg.derived["--router-cache-salt"].value is True
     launch = EngineLaunch(
         index=3, model_dir=args.hf_checkpoint, weight_version=0, seed=1, host="10.0.0.2"
     )

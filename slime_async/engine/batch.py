@@ -117,19 +117,55 @@ def prefill(
     *,
     want_prompt_logits: list[bool],
     capture: bool,
+    past: list[list[tuple[torch.Tensor, torch.Tensor]] | None] | None = None,
 ) -> PrefillOut:
-    """Forward N token lists (left-padded into one batch) and build their cache."""
-    n, p = len(seqs), max(len(s) for s in seqs)
+    """Forward N token lists (left-padded into one batch) and build their cache.
+
+    `past[i]`, where given, is the KV of the first `c_i` tokens of `seqs[i]` (per layer
+    `[kv_heads, c_i, head_dim]`, from the prefix cache): only `seqs[i][c_i:]` is forwarded, at
+    positions `c_i..`, attending to that KV. The returned rows hold past and new KV (row layout
+    `[pad, past, pad, new]`, the mask marks the real columns); `prompt_logits` and `routed` cover
+    the forwarded tokens only."""
+    n = len(seqs)
+    plen = [0 if past is None or past[i] is None else int(past[i][0][0].shape[1]) for i in range(n)]
+    new = [s[c:] for s, c in zip(seqs, plen)]
+    p = max(len(s) for s in new)
     ids = torch.zeros(n, p, dtype=torch.long)
     real = torch.zeros(n, p, dtype=torch.bool)
-    for i, s in enumerate(seqs):
+    for i, s in enumerate(new):
         ids[i, p - len(s) :] = torch.tensor(s, dtype=torch.long)
         real[i, p - len(s) :] = True
-    pos = (real.long().cumsum(dim=1) - 1).clamp(min=0)
+    pos = (real.long().cumsum(dim=1) - 1).clamp(min=0) + torch.tensor(plen)[:, None]
     causal = torch.ones(p, p, dtype=torch.bool).tril()
     allowed = (causal[None] & real[:, None, :]) | torch.eye(p, dtype=torch.bool)[None]
+    lp = max(plen)
+    if lp:
+        assert past is not None
+        past_real = torch.zeros(n, lp, dtype=torch.bool)
+        for i, c in enumerate(plen):
+            past_real[i, lp - c :] = True
+        some = next(x for x in past if x is not None)
+        layers = []
+        for layer in range(len(some)):
+            ks, vs = [], []
+            ref = some[layer][0]
+            for kv in past:
+                if kv is None:
+                    shape = (ref.shape[0], lp, ref.shape[2])
+                    ks.append(ref.new_zeros(shape))
+                    vs.append(ref.new_zeros(shape))
+                else:
+                    ks.append(_left_pad(kv[layer][0], lp, 1))
+                    vs.append(_left_pad(kv[layer][1], lp, 1))
+            layers.append((torch.stack(ks), torch.stack(vs)))
+        cache = DynamicCache(ddp_cache_data=layers)
+        # a padded query row sees only itself; a real one its past and its own causal prefix
+        allowed = torch.cat([past_real[:, None, :] & real[:, :, None], allowed], dim=2)
+        mask = torch.cat([past_real, real], dim=1)
+    else:
+        cache = DynamicCache()
+        mask = real
     decoder, head = _heads(lm)
-    cache = DynamicCache()
     with _forward(lm, tokens=n * p, capture=capture):
         h = decoder(
             input_ids=ids,
@@ -142,19 +178,26 @@ def prefill(
         last_logits = head(h[:, -1]).float()
         prompt_logits: list[torch.Tensor | None] = [
             head(h[i, p - len(s) :]).float() if want else None
-            for i, (s, want) in enumerate(zip(seqs, want_prompt_logits))
+            for i, (s, want) in enumerate(zip(new, want_prompt_logits))
         ]
     routed = (
-        [routed_all[i, p - len(s) :] for i, s in enumerate(seqs)]
-        if routed_all is not None
-        else None
+        [routed_all[i, p - len(s) :] for i, s in enumerate(new)] if routed_all is not None else None
     )
     return PrefillOut(
-        kv=KVBatch(cache=cache, mask=real),
+        kv=KVBatch(cache=cache, mask=mask),
         last_logits=last_logits,
         prompt_logits=prompt_logits,
         routed=routed,
     )
+
+
+def row_kv(kv: KVBatch, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `length` real tokens of `row`, per layer `[kv_heads, length, head_dim]` (copies:
+    what the prefix cache stores)."""
+    cols = kv.mask[row].nonzero()[:length, 0]
+    return [
+        (k[row].index_select(1, cols), v[row].index_select(1, cols)) for k, v in _kv_of(kv.cache)
+    ]
 
 
 @torch.no_grad()

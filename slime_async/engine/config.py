@@ -20,6 +20,7 @@ from router.config import is_loopback
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """`slime_async.contracts.adapter.PEFT_MODULES` (this module imports no torch)."""
 Dtype = Literal["bf16", "fp32"]
+PrefixCachePolicy = Literal["flush", "salt"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
@@ -54,6 +55,17 @@ class EngineConfig:
     """Most sequences decoding together (the continuous batch); the rest wait in FIFO order."""
     max_prefill_tokens: int = flag(8192, ge=1)
     """Most prompt tokens prefilled in one step (one longer prompt is still admitted alone)."""
+    disable_radix_cache: bool = False
+    """Turn the prefix (radix) cache off (SGLang's flag): every prefill forwards its whole
+    prompt and `meta_info.cached_tokens` stays 0."""
+    prefix_cache_tokens: int = flag(16384, ge=1)
+    """Most tokens of KV the prefix cache keeps (least recently used leaves are evicted beyond);
+    memory = tokens x layers x 2 x kv_heads x head_dim x dtype bytes. SGLang sizes one pool for
+    cache and running requests (--max-total-tokens); this budget is the cache's alone."""
+    prefix_cache_policy: PrefixCachePolicy = "flush"
+    """What a weight swap does to the prefix cache: `flush` drops the old weights' KV at once;
+    `salt` keys it by the old weights and leaves it to LRU eviction. Either way a prefix cached
+    under one weight version is never reused by a request served by another."""
     context_length: int | None = flag(None, ge=2)
     """Longest prompt+output in tokens; None = the model's `max_position_embeddings`."""
     weight_version: str = "default"

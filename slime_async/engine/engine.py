@@ -151,6 +151,10 @@ class Engine:
                 return_routed_experts=it.return_routed_experts,
                 routed_start=it.routed_start,
                 lora=it.lora,
+                # a cached prefix is shared only under the same extra_key and the same adapter
+                cache_key=it.extra_key
+                if it.lora is None
+                else f"{it.extra_key or ''}\0lora:{it.lora}",
             )
             seqs.append(seq)
         for seq in seqs:
@@ -189,9 +193,13 @@ class Engine:
         return self.scheduler.in_engine()
 
     def flush_cache(self) -> bool:
-        """SGLang semantics: refuse while requests run. There is no prefix cache to drop, so a
-        successful flush frees nothing; it exists for API parity."""
-        return self.requests_in_engine() == 0
+        """SGLang semantics: refuse while requests are in the engine; else drop the prefix
+        cache."""
+        if self.requests_in_engine():
+            return False
+        assert self.scheduler is not None
+        self.scheduler.flush_cache()
+        return True
 
     @contextlib.asynccontextmanager
     async def _update_access(self, *, abort_all_requests: bool, what: str) -> AsyncIterator[None]:
@@ -252,9 +260,11 @@ class Engine:
                 return refused
             in_flight = self.requests_in_engine()
             try:
-                await sched.run_exclusive(load_and_swap)
+                await sched.swap_weights(load_and_swap)
             except ValueError as e:
                 return UpdateResult(success=False, message=f"Failed to update weights: {e}")
+            if flush_cache:
+                sched.flush_cache()
             if weight_version is not None:
                 self._set_version(weight_version)
             return UpdateResult(
@@ -289,7 +299,8 @@ class Engine:
         what = "load_lora_adapter"
         async with self._update_access(abort_all_requests=False, what=what):
             try:
-                await self.scheduler.run_exclusive(lambda: lora.activate(adapter, replace=replace))
+                # a new cache epoch: no prefix computed under the old adapter is reused
+                await self.scheduler.swap_weights(lambda: lora.activate(adapter, replace=replace))
             except ValueError as e:
                 return UpdateResult(success=False, message=f"Failed to load LoRA adapter: {e}")
             if weight_version is not None:
@@ -314,7 +325,7 @@ class Engine:
                 ),
             )
         try:
-            await sched.run_exclusive(lambda: lora.unload(name))
+            await sched.swap_weights(lambda: lora.unload(name))
         except ValueError as e:
             return UpdateResult(success=False, message=str(e))
         return UpdateResult(success=True, message=f"Unloaded LoRA adapter {name!r}")
@@ -494,7 +505,9 @@ class Engine:
             ready = dict(staged)
             staged.clear()
             in_flight = self.requests_in_engine()
-            await sched.run_exclusive(lambda: swap_weights(lm, ready))
+            await sched.swap_weights(lambda: swap_weights(lm, ready))
+            if flush_cache:
+                sched.flush_cache()
             if weight_version is not None:
                 self._set_version(weight_version)
             return UpdateResult(
@@ -575,6 +588,9 @@ class Engine:
                     "weight_update_groups": sorted(self.groups),
                     "steps": self.scheduler.steps,
                     "decoded_tokens": self.scheduler.decoded_tokens,
+                    "prefix_cache": (
+                        self.scheduler.cache.info() if self.scheduler.cache is not None else None
+                    ),
                 }
             ],
         }

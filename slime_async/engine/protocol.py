@@ -46,6 +46,8 @@ class GenerateItem:
     """`routed_experts_start_len`."""
     lora: str | None = None
     """`lora_path`: the loaded adapter this item is served under (None: the base)."""
+    extra_key: str | None = None
+    """SGLang's `extra_key`: only requests with the same key share cached prefixes."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,6 +181,9 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
     rre = _per_item(body, "return_routed_experts", n_in, limits.routed_experts_by_default)
     rsl = _per_item(body, "routed_experts_start_len", n_in, 0)
     loras = [_lora_name(v, limits) for v in _per_item(body, "lora_path", n_in, None)]
+    eks = _per_item(body, "extra_key", n_in, None)
+    if not all(k is None or isinstance(k, str) for k in eks):
+        raise RequestError("extra_key must be a string (or a list of strings, one per input)")
     rtl = _flag(body.get("return_text_in_logprobs") or False, "return_text_in_logprobs")
     stream = _flag(body.get("stream") or False, "stream")
     rid = body.get("rid")
@@ -227,6 +232,7 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
                     return_routed_experts=want_re,
                     routed_start=rstart,
                     lora=loras[i],
+                    extra_key=eks[i],
                 )
             )
     return GenerateRequest(items=items, batch=is_batch or len(items) > 1, stream=stream)
@@ -262,7 +268,7 @@ def response_item(
         "finish_reason": seq.finish_reason if finished else None,
         "prompt_tokens": len(seq.prompt),
         "completion_tokens": len(seq.output),
-        "cached_tokens": 0,
+        "cached_tokens": seq.cached_tokens,
         "weight_version": seq.version_spans[-1][0],
         "weight_versions": seq.version_span_dicts(),
     }

@@ -27,6 +27,7 @@ import torch
 from slime_async.engine import batch
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.model import LoadedModel
+from slime_async.engine.prefix_cache import MISS, PrefixCache
 from slime_async.engine.sampling import prompt_logprobs, sample
 from slime_async.engine.sequence import SeqStatus, Sequence, abort_reason, check_finish
 
@@ -61,6 +62,13 @@ class Scheduler:
         self._in_step = False
         self._prefilling: list[Sequence] = []
         """Admitted, prefill in flight: in neither `waiting` nor `running` yet."""
+        self.epoch = 0
+        """Weights epoch: +1 on every weight swap (the prefix cache's per-version key)."""
+        self.cache: PrefixCache | None = (
+            None
+            if cfg.disable_radix_cache
+            else PrefixCache(max_tokens=cfg.prefix_cache_tokens, policy=cfg.prefix_cache_policy)
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -78,6 +86,24 @@ class Scheduler:
         """Run `fn` in the worker thread between steps (no forward in flight): weight swaps."""
         async with self._step_lock:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def swap_weights(self, fn: Callable[[], T]) -> T:
+        """`run_exclusive(fn)` for a weight swap; if it returns, a new weights epoch starts
+        before any forward can run: the prefix cache serves only KV of the new weights, and the
+        sequences holding KV (running, frozen in place) keep it but never hand it to the cache."""
+        async with self._step_lock:
+            out = await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+            self.epoch += 1
+            for seq in [*self._prefilling, *self.running]:
+                seq.kv_epoch = None
+            if self.cache is not None:
+                self.cache.activate(self.epoch)
+            return out
+
+    def flush_cache(self) -> int:
+        """Drop the prefix cache (callers check that no request is in the engine); returns
+        the tokens freed."""
+        return self.cache.flush() if self.cache is not None else 0
 
     # ------------------------------------------------------------------ requests
     def submit(self, seq: Sequence) -> None:
@@ -154,10 +180,20 @@ class Scheduler:
             await asyncio.sleep(0)
 
     def _admit(self) -> list[Sequence]:
+        """FIFO admission while `max_prefill_tokens` lasts, counting the tokens a prefill will
+        forward (as SGLang counts extend tokens): a prompt found in the prefix cache, or
+        repeating one admitted in this step, costs only what is not cached."""
         out: list[Sequence] = []
         budget = self.cfg.max_prefill_tokens
+        seen: set[tuple[Any, ...]] = set()
         while self.waiting and len(self.running) + len(out) < self.cfg.max_running_requests:
-            n = self.waiting[0].num_tokens
+            seq = self.waiting[0]
+            n = seq.num_tokens
+            if self.cache is not None:
+                key = (seq.cache_key, *seq.prefill_tokens())
+                cached = n - 1 if key in seen else self.cache.peek(key[1:], seq.cache_key)
+                n -= min(cached, n - 1)
+                seen.add(key)
             if out and n > budget:
                 break
             out.append(self.waiting.popleft())
@@ -179,7 +215,12 @@ class Scheduler:
         self._in_step = True
         if new:
             self._prefilling = new
-            done = await self._prefill_isolated(new)
+            # samples of one prompt (n > 1, a GRPO group) admitted together: the first is
+            # prefilled alone so the others reuse its prompt's KV from the prefix cache
+            first, rest = _split_repeats(new) if self.cache is not None else (new, [])
+            done = await self._prefill_isolated(first)
+            if rest:
+                done += await self._prefill_isolated(rest)
             self._prefilling = []
             for seqs, result in done:
                 self._apply_prefill(seqs, *result)
@@ -273,24 +314,59 @@ class Scheduler:
 
     def _prefill_job(self, seqs: list[Sequence]) -> tuple[Any, ...]:
         want_in = [s.return_logprob and s.logprob_start_len >= 0 and not s.output for s in seqs]
+        tokens = [s.prefill_tokens() for s in seqs]
+        capture = any(s.return_routed_experts for s in seqs)
+        hits = [self._lookup(s, t, w) for s, t, w in zip(seqs, tokens, want_in)]
         with self._adapters(seqs):
             out = batch.prefill(
                 self.lm,
-                [s.prefill_tokens() for s in seqs],
+                tokens,
                 want_prompt_logits=want_in,
-                capture=any(s.return_routed_experts for s in seqs),
+                capture=capture,
+                past=[h.kv for h in hits] if any(h.length for h in hits) else None,
             )
+        if out.routed is not None:  # expert ids of reused tokens come from the cache
+            out.routed = [
+                torch.cat([h.routed, r]) if h.length and h.routed is not None else r
+                for h, r in zip(hits, out.routed)
+            ]
+        if self.cache is not None:
+            for i, t in enumerate(tokens):
+                self.cache.insert(
+                    t,
+                    batch.row_kv(out.kv, i, len(t)),
+                    epoch=self.epoch,
+                    namespace=seqs[i].cache_key,
+                    routed=_full(out.routed, i, len(t)),
+                )
         toks, lps, failed = self._sample_rows(out.last_logits, seqs)
         in_lps: list[list[float] | None] = [None] * len(seqs)
         for i, s in enumerate(seqs):
             if want_in[i] and i not in failed:
-                try:
-                    in_lps[i] = prompt_logprobs(
-                        out.prompt_logits[i], s.prompt, s.params.temperature
+                try:  # logits of the forwarded positions c.. give log-probs of c+1..
+                    c = hits[i].length
+                    in_lps[i] = (
+                        [None] * c
+                        + prompt_logprobs(  # type: ignore[operator]
+                            out.prompt_logits[i], s.prompt[c:], s.params.temperature
+                        )
                     )
                 except Exception as e:
                     failed[i] = f"{type(e).__name__}: {e}"
-        return out, in_lps, toks, lps, failed
+        return out, in_lps, toks, lps, failed, [h.length for h in hits]
+
+    def _lookup(self, seq: Sequence, tokens: list[int], want_in: bool) -> Any:
+        """The prefix cache's longest reusable prefix for `seq`: never its last token (its
+        logits start the output), never a position whose input log-prob it asked for, and
+        with expert ids stored wherever it asked for them."""
+        if self.cache is None:
+            return MISS
+        limit = len(tokens) - 1
+        if want_in:
+            limit = min(limit, seq.logprob_start_len - 1)
+        return self.cache.match(
+            tokens, limit=limit, need_routed=seq.return_routed_experts, namespace=seq.cache_key
+        )
 
     def _adapters(self, seqs: list[Sequence]) -> contextlib.AbstractContextManager[None]:
         """Row i of the next forward under `seqs[i]`'s LoRA adapter (engine/lora.py)."""
@@ -317,10 +393,12 @@ class Scheduler:
         toks: list[int],
         lps: list[float],
         failed: dict[int, str],
+        cached: list[int],
     ) -> None:
         self.kv = batch.merge(self.kv, out.kv)
         for i, seq in enumerate(seqs):
             seq.status = SeqStatus.RUNNING
+            seq.cached_tokens, seq.kv_epoch = cached[i], self.epoch
             self.running.append(seq)  # a failed row leaves the batch at the next _retire
             if i in failed:
                 _fail_alone(seq, failed[i])
@@ -376,15 +454,52 @@ class Scheduler:
                 seq.finish(abort_reason(seq.abort_message))
         keep = [i for i, s in enumerate(self.running) if s.status is not SeqStatus.FINISHED]
         if len(keep) != len(self.running):
+            self._cache_finished(keep)
             self.kv = batch.select(self.kv, keep) if self.kv is not None else None
             self.running = [self.running[i] for i in keep]
         self._drop_aborted_waiting()
 
+    def _cache_finished(self, keep: list[int]) -> None:
+        """Hand the KV of rows leaving the batch (prompt and output, all but the last token) to
+        the prefix cache, if one epoch computed all of it and that epoch still serves."""
+        if self.cache is None or self.kv is None:
+            return
+        lengths = self.kv.lengths().tolist()
+        for i, seq in enumerate(self.running):
+            if i in keep or seq.kv_epoch != self.epoch or lengths[i] <= len(seq.prompt):
+                continue
+            tokens = seq.prefill_tokens()[: lengths[i]]
+            routed = torch.cat(seq.routed) if seq.return_routed_experts and seq.routed else None
+            self.cache.insert(
+                tokens,
+                batch.row_kv(self.kv, i, len(tokens)),
+                epoch=seq.kv_epoch,
+                namespace=seq.cache_key,
+                routed=routed if routed is not None and len(routed) == len(tokens) else None,
+            )
+
     def _retract_all(self) -> None:
         for seq in reversed(self.running):
             seq.status = SeqStatus.WAITING
+            seq.kv_epoch = None
             self.waiting.appendleft(seq)
         self.running, self.kv = [], None
+
+
+def _full(routed: list[torch.Tensor] | None, i: int, n: int) -> torch.Tensor | None:
+    """Row `i`'s expert ids if they cover all its `n` tokens (else the cache stores none)."""
+    return routed[i] if routed is not None and len(routed[i]) == n else None
+
+
+def _split_repeats(seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+    """`(first, rest)`: `rest` holds the sequences whose tokens repeat an earlier one's."""
+    seen: set[tuple[int, ...]] = set()
+    first, rest = [], []
+    for s in seqs:
+        key = (s.cache_key, *s.prefill_tokens())
+        (rest if key in seen and len(key) > 2 else first).append(s)
+        seen.add(key)
+    return first, rest
 
 
 def _fail_alone(seq: Sequence, why: str) -> None:

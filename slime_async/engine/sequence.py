@@ -65,6 +65,13 @@ class Sequence:
     """Where `text` is cut after a matched stop string (None = no cut)."""
     version_spans: list[list[Any]] = dataclasses.field(default_factory=list)
     """`[version, first output index]` per weight version this sequence lived through."""
+    cache_key: str | None = None
+    """SGLang's `extra_key`: the prefix-cache namespace this request reads and writes."""
+    cached_tokens: int = 0
+    """Tokens of the last (re)prefill reused from the prefix cache (`meta_info.cached_tokens`)."""
+    kv_epoch: int | None = None
+    """Weights epoch that computed all of this sequence's KV; None when it has none or it
+    lived through a weight swap (mixed KV never enters the prefix cache)."""
     abort_message: str | None = None
     """Set by an abort; the scheduler finishes the sequence at the next safe point."""
     created: float = dataclasses.field(default_factory=time.monotonic)

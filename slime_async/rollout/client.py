@@ -140,7 +140,11 @@ class GenerateClient:
     ) -> GenerationResult:
         del priority  # ordering is the data worker's job; the router balances on expected_len
         body = self.build_request(req)
-        headers = {"X-Expected-Tokens": str(max(1, int(expected_len)))}
+        headers = {
+            "X-Expected-Tokens": str(max(1, int(expected_len))),
+            # the router keeps a group's samples on the engine that caches their prompt
+            "X-Group-Key": f"{req.prompt.key}-g{req.group_seq}",
+        }
         data = await self.post(body, headers)
         return self.parse_response(data, prompt_len=len(body["input_ids"]))
 
