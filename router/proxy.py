@@ -1,7 +1,8 @@
 """Request forwarding: pick an engine, forward bytes untouched, retry elsewhere on failure.
 
 Owns: `Proxy` (the `/generate`, `/v1/*` and read-only info handlers), `ProxyStats`,
-`parse_expected_tokens`, `error_response`.
+`parse_expected_tokens`, `error_response`. A request with `X-Session-ID` goes first to its
+session's engine (`router.affinity`) when that engine is healthy; retries go elsewhere.
 Contract: request and response bodies pass through byte for byte (`meta_info`, `routed_experts`,
 `weight_version` included); a request is answered exactly once; a retry happens only while
 nothing has been sent to the client (connection error, timeout or 5xx before the first byte), on
@@ -22,6 +23,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from router.affinity import SESSION_HEADER, AffinityStats, affine_worker, check_session_id
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.workers import Worker, WorkerRegistry
@@ -135,6 +137,7 @@ class Proxy:
         self._session = session
         self._on_failure = on_failure
         self.stats = ProxyStats()
+        self.affinity = AffinityStats()
         self._timeout = aiohttp.ClientTimeout(
             total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s
         )
@@ -157,6 +160,7 @@ class Proxy:
             expected = parse_expected_tokens(
                 request.headers.get(EXPECTED_TOKENS_HEADER), self.cfg.default_expected_tokens
             )
+            session = check_session_id(request.headers.get(SESSION_HEADER))
             try:
                 async with asyncio.timeout(self.cfg.client_timeout_s):
                     body = await request.read()
@@ -171,7 +175,7 @@ class Proxy:
         except ValueError as e:
             self.stats.bad_requests += 1
             return error_response(400, str(e), err_type="invalid_request_error")
-        return await self.forward(request, body=body, expected_tokens=expected)
+        return await self.forward(request, body=body, expected_tokens=expected, session=session)
 
     async def handle_info(self, request: web.Request) -> web.StreamResponse:
         """Read-only engine routes (`/get_model_info`, ...): answered by one healthy engine."""
@@ -193,9 +197,15 @@ class Proxy:
                 return []
 
     async def forward(
-        self, request: web.Request, *, body: bytes, expected_tokens: int
+        self,
+        request: web.Request,
+        *,
+        body: bytes,
+        expected_tokens: int,
+        session: str | None = None,
     ) -> web.StreamResponse:
-        """Send `body` to an engine; retry on another engine while nothing was streamed."""
+        """Send `body` to an engine (the session's first, when one is named and healthy);
+        retry on another engine while nothing was streamed."""
         deadline = time.monotonic() + self.cfg.wait_for_worker_s
         tried: set[str] = set()
         last_error = "no attempt"
@@ -210,6 +220,11 @@ class Proxy:
                     f"no healthy engine became available within {self.cfg.wait_for_worker_s:g}s "
                     f"({len(self.registry.all())} registered); last error: {last_error}",
                 )
+            affine = None
+            if session is not None and attempt == 0:
+                affine = affine_worker(session, self.registry.healthy())
+                if affine is not None and affine in candidates:
+                    candidates = [affine]
             # Bound now, or later from the router's queue (late binding, router/dispatch.py).
             w = await self.dispatcher.acquire(
                 candidates, expected_tokens, exclude=tried, retry=attempt > 0
@@ -221,6 +236,9 @@ class Proxy:
                 )
             tried.add(w.id)
             w.total_requests += 1
+            if session is not None and attempt == 0:
+                self.affinity.session_requests += 1
+                self.affinity.affine += w is affine
             try:
                 resp = await self._attempt(request, w, path_qs, body, headers)
             except _Retryable as e:
