@@ -170,3 +170,58 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
         )
     kept.append(text[last:])
     return ("".join(kept).strip() if calls else text), calls
+
+
+class IdText:
+    """The text of a model without a tokenizer: its token ids in decimal, space-separated (the
+    embedded engine's stand-in codec; `render_chat` falls back to it).
+
+    >>> IdText().decode([5, 17]), IdText().encode("5 17")
+    ('5 17', [5, 17])
+    """
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [int(t) for t in text.split()]
+        except ValueError:
+            raise ValueError(
+                "this model has no tokenizer: message text must be space-separated token ids"
+            ) from None
+
+    def decode(self, ids: Sequence[int], **_: Any) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+_SENTINEL = "\u2063slime-async-turn-end\u2063"
+
+
+def render_after_last_assistant(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    tools: Sequence[dict[str, Any]] | None = None,
+    eos_id: int | None = None,
+) -> list[int]:
+    """The ids the template renders after the last assistant message's content: that turn's
+    closing tokens, the later messages and the generation prompt. Found by rendering the
+    conversation with that content replaced by a sentinel string and tokenizing the text after
+    it (the template's treatment of the earlier turns, e.g. stripped think blocks, does not
+    matter)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        raise ChatError("the conversation has no assistant message")
+    if not has_chat_template(tokenizer):
+        out = [eos_id] if eos_id is not None else []
+        return out + render_chat(tokenizer, messages[last + 1 :], eos_id=eos_id)
+    marked = [dict(m) for m in messages]
+    marked[last] = {"role": "assistant", "content": _SENTINEL}
+    try:
+        text = tokenizer.apply_chat_template(
+            marked, tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as e:
+        raise ChatError(f"the chat template refused the conversation: {e}") from None
+    at = text.rfind(_SENTINEL)
+    if at < 0:
+        raise ChatError("the chat template dropped the last assistant message's content")
+    return [int(t) for t in tokenizer.encode(text[at + len(_SENTINEL) :], add_special_tokens=False)]

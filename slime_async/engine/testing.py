@@ -187,9 +187,13 @@ def ascii_chat_tokenizer(template: str = CHATML_TEMPLATE) -> Any:
     return fast
 
 
-def chat_model_dir(path: str, *, template: str = CHATML_TEMPLATE, seed: int = 0) -> str:
+def chat_model_dir(
+    path: str, *, template: str = CHATML_TEMPLATE, seed: int = 0, mute_eos: bool = False
+) -> str:
     """Write a tiny random Qwen3-MoE whose vocabulary is `ascii_chat_tokenizer`'s (130 ids, EOS
-    `<|im_end|>`) with that tokenizer to `path`: a chat model for CPU tests."""
+    `<|im_end|>`) with that tokenizer to `path`: a chat model for CPU tests. `mute_eos`: its
+    output layer is sharpened and EOS's row zeroed, so that a turn practically never ends on
+    EOS (a long turn to push weights in the middle of)."""
     from slime_async.contracts.model import TINY_MOE
     from slime_async.engine.config import EngineConfig
     from slime_async.engine.model import load_model
@@ -202,6 +206,13 @@ def chat_model_dir(path: str, *, template: str = CHATML_TEMPLATE, seed: int = 0)
     lm.model.generation_config.eos_token_id = eos
     lm.model.config.bos_token_id = lm.model.generation_config.bos_token_id = None
     lm.model.config.pad_token_id = lm.model.generation_config.pad_token_id = None
+    if mute_eos:
+        import torch
+
+        with torch.no_grad():
+            head = lm.model.get_output_embeddings().weight
+            head.mul_(50.0)
+            head[eos] = 0.0
     lm.model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
