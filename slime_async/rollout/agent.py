@@ -135,6 +135,21 @@ class AgentGenerate:
             else concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="agent")
         )
 
+    def metrics(self) -> dict[str, float]:
+        """Cumulative `agent/*` counters: episodes and how they ended, the gateway's turns,
+        prefix mismatches (sampled ids kept), sampling overrides, turns resumed after a push."""
+        g = self.gateway.stats
+        return {
+            "agent/episodes": self.stats.episodes,
+            "agent/finished": self.stats.finished,
+            "agent/failed": self.stats.failed,
+            "agent/timed_out": self.stats.timed_out,
+            "agent/turns": g.turns,
+            "agent/prefix_mismatches": g.prefix_mismatches,
+            "agent/sampling_overrides": g.sampling_overrides,
+            "agent/resumed_turns": g.resumed_turns,
+        }
+
     async def close(self) -> None:
         await self.client.close()
         await self.gateway.stop()
