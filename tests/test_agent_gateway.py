@@ -279,3 +279,28 @@ def test_think_blocks_stripped_by_the_template_are_a_counted_mismatch() -> None:
     assert tk.decode(prompt2[len(ep.ids) :], skip_special_tokens=False) == (
         "\n<|im_start|>user\nwhy<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--custom-generate-function-path", "slime_async.examples.calculator_tool:generate"],
+        ["--group-rm"],
+        ["--agent-timeout", "0"],
+    ],
+)
+def test_agent_flags_refuse_what_cannot_work(extra, capsys) -> None:
+    from slime_async.config import parse_config
+
+    with pytest.raises(SystemExit):
+        parse_config(
+            ["--agent-function-path", "slime_async.examples.agent_calculator:agent", *extra]
+        )
+    assert "agent" in capsys.readouterr().err
+
+
+def test_agent_function_must_take_client_and_sample() -> None:
+    from slime_async.rollout.agent import load_agent_function
+
+    with pytest.raises(ValueError, match="takes \\(client, sample\\)"):
+        load_agent_function("slime_async.examples.agent_calculator:_ids")

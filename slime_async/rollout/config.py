@@ -326,6 +326,12 @@ def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
                 "--agent-function-path and --custom-generate-function-path both generate the "
                 "samples; give one of them"
             )
+        if cfg.group_rm:
+            raise ValueError(
+                "--group-rm scores whole groups after the agents ran and would overwrite the "
+                "episodes' own rewards and failures; score agent episodes one by one "
+                "(--custom-rm-path) or post a reward from the agent"
+            )
         from slime_async.rollout.agent import load_agent_function
 
         load_agent_function(cfg.agent_function_path)
