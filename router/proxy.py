@@ -1,7 +1,8 @@
 """Request forwarding: pick an engine, forward bytes untouched, retry elsewhere on failure.
 
 Owns: `Proxy` (the `/generate`, `/v1/*` and read-only info handlers), `ProxyStats`,
-`parse_expected_tokens`, `error_response`.
+`parse_expected_tokens`, `error_response`. A request with `X-Session-ID` goes first to its
+session's engine (`router.session_affinity`) when that engine is healthy; retries go elsewhere.
 Contract: request and response bodies pass through byte for byte (`meta_info`, `routed_experts`,
 `weight_version` included; with `cache_salt`, generate bodies gain SGLang's `extra_key`,
 router/cache_salt.py); the group a request belongs to (router/affinity.py) steers its binding; a request is answered exactly once; a retry happens only while
@@ -26,6 +27,12 @@ from yarl import URL
 
 from router.affinity import GROUP_KEY_HEADER, group_key
 from router.cache_salt import salt_body
+from router.session_affinity import (
+    SESSION_HEADER,
+    AffinityStats,
+    affine_worker,
+    check_session_id,
+)
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.workers import Worker, WorkerRegistry
@@ -144,6 +151,7 @@ class Proxy:
         self._salt = salt
         """The current prefix-cache salt, when `/generate` bodies carry one (cache_salt.py)."""
         self.stats = ProxyStats()
+        self.affinity = AffinityStats()
         self._timeout = aiohttp.ClientTimeout(
             total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s
         )
@@ -166,6 +174,7 @@ class Proxy:
             expected = parse_expected_tokens(
                 request.headers.get(EXPECTED_TOKENS_HEADER), self.cfg.default_expected_tokens
             )
+            session = check_session_id(request.headers.get(SESSION_HEADER))
             try:
                 async with asyncio.timeout(self.cfg.client_timeout_s):
                     body = await request.read()
@@ -184,7 +193,13 @@ class Proxy:
             request.headers.get(GROUP_KEY_HEADER), obj, by_prompt=self.cfg.group_affinity_by_prompt
         )
         return await self.forward(
-            request, body=body, expected_tokens=expected, group=group, parsed=obj
+            request,
+            body=body,
+            expected_tokens=expected,
+            group=group,
+            # the cache salt goes into SGLang's native /generate bodies only
+            parsed=obj if request.path == "/generate" else None,
+            session=session,
         )
 
     async def handle_info(self, request: web.Request) -> web.StreamResponse:
@@ -214,9 +229,10 @@ class Proxy:
         expected_tokens: int,
         group: str | None = None,
         parsed: Any = None,
+        session: str | None = None,
     ) -> web.StreamResponse:
-        """Send `body` to an engine (`group`: router/affinity.py); retry on another engine while
-        nothing was streamed."""
+        """Send `body` to an engine (the session's first, when one is named and healthy, else
+        the group's: router/affinity.py); retry on another engine while nothing was streamed."""
         deadline = time.monotonic() + self.cfg.wait_for_worker_s
         tried: set[str] = set()
         last_error = "no attempt"
@@ -231,6 +247,11 @@ class Proxy:
                     f"no healthy engine became available within {self.cfg.wait_for_worker_s:g}s "
                     f"({len(self.registry.all())} registered); last error: {last_error}",
                 )
+            affine = None
+            if session is not None and attempt == 0:
+                affine = affine_worker(session, self.registry.healthy())
+                if affine is not None and affine in candidates:
+                    candidates = [affine]
             # Bound now, or later from the router's queue (late binding, router/dispatch.py).
             w = await self.dispatcher.acquire(
                 candidates, expected_tokens, exclude=tried, retry=attempt > 0, group=group
@@ -245,6 +266,9 @@ class Proxy:
             sent = body
             if self._salt is not None and parsed is not None:
                 sent = salt_body(body, parsed, self._salt())  # the salt when it is bound
+            if session is not None and attempt == 0:
+                self.affinity.session_requests += 1
+                self.affinity.affine += w is affine
             try:
                 resp = await self._attempt(request, w, path_qs, sent, headers)
             except _Retryable as e:

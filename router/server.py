@@ -177,6 +177,8 @@ class Router:
             "bad_requests": s.bad_requests,
             "stream_broken": s.stream_broken,
             "client_gone": s.client_gone,
+            "session_requests": self.proxy.affinity.session_requests,
+            "session_affine": self.proxy.affinity.affine,
             "workers_total": len(workers),
             "workers_healthy": len(self.registry.healthy()),
             "quarantines": sum(w.quarantines for w in workers),

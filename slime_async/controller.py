@@ -65,6 +65,7 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
                 **run.worker.metrics(),
                 **sync,
                 **run.supervisor.metrics(),
+                **run.chain.agent_metrics(),
                 **run.timing(wait_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2),
             }
             run.log(run.version, last)

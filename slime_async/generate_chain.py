@@ -14,6 +14,8 @@ next with the same `(request, priority, expected_len)` and returns a `Generation
         ▼
     CustomGenerate     multi-turn / tool use                    only with
         │                                                       --custom-generate-function-path
+    or AgentGenerate   an OpenAI-client agent per sample,       only with
+        │              through the training gateway             --agent-function-path
         ▼
     GenerateClient     SGLang's /generate through the router
 
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from slime_async.contracts.adapter import ADAPTER_NAME
+from slime_async.rollout.agent import AgentGenerate, load_agent_function
 from slime_async.rollout.assemble import Generate, ScoredGenerate
 from slime_async.rollout.behavior import BehaviorAnnotate, Forward
 from slime_async.rollout.client import GenerateClient, GenerateClientConfig
@@ -63,8 +66,15 @@ class GenerateChain:
         evaluation."""
         return self.scored.scoring_alone(generate=self.eval_sample, reward_fn=reward_fn)
 
+    def agent_metrics(self) -> dict[str, float]:
+        """The training agent link's `agent/*` counters ({} without --agent-function-path)."""
+        return self.sample.metrics() if isinstance(self.sample, AgentGenerate) else {}
+
     async def close(self) -> None:
-        """Close both clients' sessions."""
+        """Close both clients' sessions (and the agents' gateways)."""
+        for link in (self.sample, self.eval_sample):
+            if isinstance(link, AgentGenerate):
+                await link.close()
         await self.client.close()
         await self.eval_client.close()
 
@@ -108,6 +118,8 @@ def build_generate_chain(
         client = GenerateClient(
             client_cfg, num_layers=cfg.model.num_layers, topk=cfg.model.moe_topk
         )
+        if r.agent_function_path:
+            return client, _agent(cfg, client, plan)
         if not r.custom_generate_function_path:
             return client, client
         custom = CustomGenerate(
@@ -168,3 +180,36 @@ def slime_plugin_args(cfg: RunConfig, router_url: str) -> SlimeArgs:
 
 
 __all__ = ["GenerateChain", "build_generate_chain", "slime_plugin_args"]
+
+
+def _agent(cfg: RunConfig, client: GenerateClient, plan: DataPlan) -> AgentGenerate:
+    """The agent link: `--agent-function-path` over a training gateway of its own, rendering
+    with `--hf-checkpoint`'s tokenizer (token ids as text without one)."""
+    from slime_async.rollout.gateway import TrainingGateway
+
+    r = cfg.rollout
+    assert r.agent_function_path is not None
+    tokenizer = gateway_tokenizer(cfg.trainer.hf_checkpoint)
+    gateway = TrainingGateway(
+        tokenizer=tokenizer, eos_id=plan.eos_id, auth_token=cfg.engine.auth_token
+    )
+    return AgentGenerate(
+        load_agent_function(r.agent_function_path),
+        client,
+        gateway,
+        timeout_s=r.agent_timeout,
+        decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
+        max_turn_tokens=r.agent_max_turn_tokens,
+    )
+
+
+def gateway_tokenizer(hf_checkpoint: str | None) -> Any:
+    """The tokenizer agents' conversations are rendered with: `hf_checkpoint`'s, else the
+    id-text stand-in of models without one."""
+    from slime_async.contracts.chat import IdText
+
+    if hf_checkpoint is None:
+        return IdText()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_checkpoint)

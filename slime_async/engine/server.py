@@ -17,6 +17,7 @@ from aiohttp import web
 
 from slime_async.contracts.weight_group import FLATTENED, entries_from_body
 from slime_async.engine.engine import Engine, EngineState
+from slime_async.engine.openai_api import OPENAI_PATHS, add_openai_routes
 from slime_async.engine.protocol import GenerateRequest, parse_generate, response_item
 from slime_async.engine.sampling import RequestError
 from slime_async.engine.sequence import Sequence
@@ -78,7 +79,9 @@ def _limits_middleware(engine: Engine) -> Any:
 
     @web.middleware
     async def limits(request: web.Request, handler: Any) -> web.StreamResponse:
-        limit = big if request.path == "/generate" else SMALL_BODY_BYTES
+        limit = (
+            big if request.path == "/generate" or request.path in OPENAI_PATHS else SMALL_BODY_BYTES
+        )
         n = request.content_length
         too_big = (
             f"{request.path} body is larger than {limit} bytes; send a smaller request "
@@ -606,4 +609,5 @@ def build_app(engine: Engine) -> web.Application:
         r.add_get(path, server_info)
     r.add_get("/get_load", get_load)
     r.add_get("/v1/loads", v1_loads)
+    add_openai_routes(app, engine)
     return app

@@ -128,3 +128,91 @@ def stock_sglang_router(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A ChatML template (SmolLM2's shape, without its default system message)."""
+
+QWEN_STYLE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] }}\n\n{% endif %}# Tools\n<tools>\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    'Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}"
+    "<|im_end|>\n{% endif %}"
+    "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'system' and loop.first %}"
+    "{% elif m['role'] == 'assistant' %}{% set c = m['content'] or '' %}"
+    "{% if loop.index0 < ns.last_user and '</think>' in c %}"
+    "{% set c = c.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "<|im_start|>assistant\n{{ c }}{% for tc in m.get('tool_calls', []) %}"
+    '<tool_call>{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>{{ m['content'] }}"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A Qwen-style template: tools in the system turn, `<tool_call>` blocks, tool results as user
+turns, and `<think>` blocks of assistant turns before the last user turn stripped (the
+re-serialisation that makes a later prompt differ from the tokens sampled earlier)."""
+
+
+def ascii_chat_tokenizer(template: str = CHATML_TEMPLATE) -> Any:
+    """A byte-level tokenizer over the 128 ASCII bytes plus `<|im_end|>` (128, EOS) and
+    `<|im_start|>` (129) with `template`: any id sequence of it decodes to text that encodes back to
+    the same ids, so a re-tokenization mismatch comes only from the template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # the byte-level pre-tokenizer's byte -> character table: printable bytes stand for
+    # themselves, the others for 256 + their rank
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    rest = [b for b in range(256) if b not in keep]
+    b2u = {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(rest)}
+    vocab = {b2u[b]: b for b in range(128)}
+    assert set(vocab) <= set(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens(
+        {"additional_special_tokens": ["<|im_start|>"], "eos_token": "<|im_end|>"}
+    )
+    fast.chat_template = template
+    return fast
+
+
+def chat_model_dir(
+    path: str, *, template: str = CHATML_TEMPLATE, seed: int = 0, mute_eos: bool = False
+) -> str:
+    """Write a tiny random Qwen3-MoE whose vocabulary is `ascii_chat_tokenizer`'s (130 ids, EOS
+    `<|im_end|>`) with that tokenizer to `path`: a chat model for CPU tests. `mute_eos`: its
+    output layer is sharpened and EOS's row zeroed, so that a turn practically never ends on
+    EOS (a long turn to push weights in the middle of)."""
+    from slime_async.contracts.model import TINY_MOE
+    from slime_async.engine.config import EngineConfig
+    from slime_async.engine.model import load_model
+
+    tok = ascii_chat_tokenizer(template)
+    spec = dataclasses.replace(TINY_MOE, vocab_size=len(tok))
+    lm = load_model(EngineConfig(dtype="fp32", model_spec=spec.to_dict(), seed=seed))
+    eos = tok.eos_token_id
+    lm.model.config.eos_token_id = eos
+    lm.model.generation_config.eos_token_id = eos
+    lm.model.config.bos_token_id = lm.model.generation_config.bos_token_id = None
+    lm.model.config.pad_token_id = lm.model.generation_config.pad_token_id = None
+    if mute_eos:
+        import torch
+
+        with torch.no_grad():
+            head = lm.model.get_output_embeddings().weight
+            head.mul_(50.0)
+            head[eos] = 0.0
+    lm.model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -113,6 +113,8 @@ class ScoredGenerate:
         res: GenerationResult = await self._generate(req, priority, expected_len)
         if res.status is not FinishStatus.FINISHED or (self.group_rm and not self._alone):
             return res  # --group-rm: scored with its group when a step consumes it
+        if "reward" in res.payload:
+            return res  # scored by the generate link (an agent's reward, a failed episode)
         payloads = [segment_payload(p) for p in (*req.prefix_payloads, res.payload)]
         inp = self._input(
             req.prompt, req.sample_index, [*req.prefix_ids, *res.output_ids], payloads

@@ -141,6 +141,16 @@ class RolloutConfig:
     """Dotted path of a per-sample generate function (multi-turn, tools): ours
     `async fn(ctx, request) -> Trajectory` or slime's `async fn(args, sample, sampling_params)`
     (`rollout.custom_generate`)."""
+    agent_function_path: str | None = None
+    """Dotted path of an agent function ``fn(client, sample)`` written with the `openai`
+    package (or ``async``, with `openai.AsyncOpenAI`): each sample is one episode through the
+    training gateway, trained token for token on what was sampled (`rollout.agent`,
+    docs/agents.md)."""
+    agent_timeout: float = flag(600.0, gt=0, lt=math.inf, hint="seconds")
+    """An agent episode running longer fails (masked, counted as `agent/timed_out`)."""
+    agent_max_turn_tokens: int | None = flag(None, ge=1, hint="default: the rest of the budget")
+    """Most tokens of one model turn of an agent episode, whatever the agent asks (the episode
+    as a whole has --rollout-max-response-len)."""
     rollout_function_path: str | None = None
     """slime's whole-rollout function: always refused (the data worker decides which sample is
     generated next); the error names the equivalents."""
@@ -310,6 +320,21 @@ def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
         from slime_async.rollout.custom_generate import load_custom_generate
 
         load_custom_generate(cfg.custom_generate_function_path)
+    if cfg.agent_function_path:
+        if cfg.custom_generate_function_path:
+            raise ValueError(
+                "--agent-function-path and --custom-generate-function-path both generate the "
+                "samples; give one of them"
+            )
+        if cfg.group_rm:
+            raise ValueError(
+                "--group-rm scores whole groups after the agents ran and would overwrite the "
+                "episodes' own rewards and failures; score agent episodes one by one "
+                "(--custom-rm-path) or post a reward from the agent"
+            )
+        from slime_async.rollout.agent import load_agent_function
+
+        load_agent_function(cfg.agent_function_path)
     if cfg.group_rm and cfg.dynamic_sampling:
         raise ValueError(
             "--group-rm scores a group when a step consumes it, after --dynamic-sampling would "

@@ -75,6 +75,8 @@ class RewardStatus(enum.StrEnum):
     OK = "ok"
     NON_FINITE = "non_finite"
     ERROR = "error"
+    AGENT_FAILED = "agent_failed"
+    """The agent of an agent rollout raised or timed out (`rollout.agent`): masked."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

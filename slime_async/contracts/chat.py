@@ -1,0 +1,227 @@
+"""The chat contract: how an OpenAI-style conversation becomes prompt token ids, and how a
+completion's text becomes an assistant message. The engine's `/v1/chat/completions` and the
+rollout's training gateway both render with `render_chat`, so the same messages give the same
+ids on either side.
+
+Owns: `render_chat` (the tokenizer's chat template through transformers' `apply_chat_template`,
+`tools` passed to it; for a model without a tokenizer, the id codec's stand-in template:
+each message's content encoded and concatenated, an assistant message closed by EOS),
+`normalize_messages` (OpenAI message shapes checked and turned into what HF templates expect:
+text parts joined, tool-call arguments as objects), `parse_tool_calls` (Hermes/Qwen-style
+`<tool_call>{json}</tool_call>` blocks in a completion into OpenAI `tool_calls`) and
+`ChatError` (bad input; the caller answers 400). Pure functions; imports no component.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class ChatError(ValueError):
+    """A malformed conversation; the message names the problem (HTTP 400)."""
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """True when `tokenizer` is an HF tokenizer with a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if (
+                not isinstance(p, dict)
+                or p.get("type") != "text"
+                or not isinstance(p.get("text"), str)
+            ):
+                raise ChatError(
+                    f"{where}: content parts must be {{'type': 'text', 'text': str}} (this "
+                    "server takes text only)"
+                )
+            parts.append(p["text"])
+        return "".join(parts)
+    raise ChatError(f"{where}: content must be a string, a list of text parts or null")
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise ChatError(f"{where}: tool_calls must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ChatError(f"{where}.tool_calls[{j}] needs function.name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):  # OpenAI sends a JSON string; HF templates expect an object
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise ChatError(f"{where}.tool_calls[{j}].function.arguments is not JSON") from None
+        out.append(
+            {
+                "id": c.get("id") or f"call_{j}",
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args},
+            }
+        )
+    return out
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI `messages` checked and in the shape HF chat templates read."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("messages must be a non-empty list of {role, content} objects")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ChatError(f"{where} must be an object with role and content")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ChatError(f"{where}.role {role!r} is not one of {', '.join(ROLES)}")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
+        msg["content"] = _text(m.get("content"), where)
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            msg["reasoning_content"] = m["reasoning_content"]
+        if role == "tool":
+            if m.get("tool_call_id") is not None:
+                msg["tool_call_id"] = str(m["tool_call_id"])
+            if isinstance(m.get("name"), str):
+                msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    eos_id: int | None = None,
+) -> list[int]:
+    """Prompt ids of normalized `messages` (see the module docstring for the two templates)."""
+    if has_chat_template(tokenizer):
+        try:
+            ids = tokenizer.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+            )
+        except Exception as e:  # a template's own raise_exception (e.g. roles out of order)
+            raise ChatError(f"the chat template refused the conversation: {e}") from None
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    if tools:
+        raise ChatError("this model has no chat template, so it cannot be given tools")
+    out: list[int] = []
+    for m in messages:
+        try:
+            out += [int(t) for t in tokenizer.encode(m["content"])] if m["content"] else []
+        except ValueError as e:
+            raise ChatError(f"{m['role']} message: {e}") from None
+        if m["role"] == "assistant" and eos_id is not None:
+            out.append(eos_id)
+    return out
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """`(content, tool_calls)` of a completion: Hermes/Qwen `<tool_call>{"name", "arguments"}
+    </tool_call>` blocks become OpenAI tool calls (arguments as a JSON string) and are cut from
+    the content; a block that is not such JSON stays in the content."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        kept.append(text[last : m.start()])
+        last = m.end()
+        args = obj.get("arguments", {})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": obj["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                },
+            }
+        )
+    kept.append(text[last:])
+    return ("".join(kept).strip() if calls else text), calls
+
+
+class IdText:
+    """The text of a model without a tokenizer: its token ids in decimal, space-separated (the
+    embedded engine's stand-in codec; `render_chat` falls back to it).
+
+    >>> IdText().decode([5, 17]), IdText().encode("5 17")
+    ('5 17', [5, 17])
+    """
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [int(t) for t in text.split()]
+        except ValueError:
+            raise ValueError(
+                "this model has no tokenizer: message text must be space-separated token ids"
+            ) from None
+
+    def decode(self, ids: Sequence[int], **_: Any) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+_SENTINEL = "\u2063slime-async-turn-end\u2063"
+
+
+def render_after_last_assistant(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    tools: Sequence[dict[str, Any]] | None = None,
+    eos_id: int | None = None,
+) -> list[int]:
+    """The ids the template renders after the last assistant message's content: that turn's
+    closing tokens, the later messages and the generation prompt. Found by rendering the
+    conversation with that content replaced by a sentinel string and tokenizing the text after
+    it (the template's treatment of the earlier turns, e.g. stripped think blocks, does not
+    matter)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        raise ChatError("the conversation has no assistant message")
+    if not has_chat_template(tokenizer):
+        out = [eos_id] if eos_id is not None else []
+        return out + render_chat(tokenizer, messages[last + 1 :], eos_id=eos_id)
+    marked = [dict(m) for m in messages]
+    marked[last] = {"role": "assistant", "content": _SENTINEL}
+    try:
+        text = tokenizer.apply_chat_template(
+            marked, tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as e:
+        raise ChatError(f"the chat template refused the conversation: {e}") from None
+    at = text.rfind(_SENTINEL)
+    if at < 0:
+        raise ChatError("the chat template dropped the last assistant message's content")
+    return [int(t) for t in tokenizer.encode(text[at + len(_SENTINEL) :], add_special_tokens=False)]

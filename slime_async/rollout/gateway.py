@@ -1,0 +1,530 @@
+"""The training gateway: OpenAI's `/v1/chat/completions` for agent code, token in, token out.
+
+Owns `TrainingGateway` (an aiohttp server on the rollout side; one URL per episode,
+`<gateway>/episodes/<id>/v1`), `Episode` (what was sampled in one conversation, turn by turn)
+and `GatewayStats`. Every chat call of an episode becomes one SGLang `/generate` call with
+`input_ids` through the run's router (`X-Session-ID: <episode>`, so the turns of an episode stay
+on the engine that caches its prefix), and the gateway records per turn the prompt ids, the
+completion ids, their log-probs and weight versions. The rules (docs/agents.md):
+
+* **Token in, token out.** Turn k+1 is rendered by the chat template (`contracts.chat`), and its
+  prompt ids must begin with everything sampled so far (turn k's prompt + completion). When
+  the template re-serialises an earlier turn differently (think blocks stripped, tool calls
+  re-formatted, text that does not re-tokenize to the sampled ids), the gateway counts a
+  **prefix mismatch** and keeps the sampled ids: the prompt becomes the sampled sequence plus
+  the new messages' tokens (the template's tokens after the previous assistant turn). Trained
+  tokens are always the sampled tokens.
+* **Pinned sampling.** `temperature`, `top_p` and the per-turn token limit are the run's;
+  an agent's different values are overridden, counted and logged (once per episode). Stop
+  strings are the agent's (they end a turn, they do not change its distribution). `n` must be
+  1 and `stream` false (an episode is one conversation of whole turns): 400 otherwise.
+* **One trajectory.** `Episode.trajectory` is the first prompt, then every completion
+  (loss mask 1, the engine's log-probs and per-token versions) and between them the new
+  prompt tokens of each later turn (mask 0); a turn aborted by a weight update is continued
+  from its partial output, so its tokens carry both versions. The data worker's prompt must be
+  the start of the first prompt (else the episode fails: it could not be trained exactly).
+* **Reward** per episode: `POST <episode url>/reward {"reward": x}` (AReaL's shape), the agent
+  function's return value, or the run's reward function (docs/agents.md).
+
+Calls to a closed or unknown episode are 404; bad input is 400 naming the problem; the
+gateway binds 127.0.0.1 and requires the run's token when it has one. Never imports the
+trainer, engine or controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from slime_async.contracts.chat import (
+    ChatError,
+    has_chat_template,
+    normalize_messages,
+    parse_tool_calls,
+    render_after_last_assistant,
+    render_chat,
+)
+from slime_async.contracts.rollout import (
+    FinishStatus,
+    GenerationResult,
+    SegmentPayload,
+    segment_payload,
+)
+from slime_async.rollout.client import GenerateClient
+
+log = logging.getLogger(__name__)
+_MAX_BODY = 16 << 20
+_SEARCH_AHEAD = 4
+"""How far into the tokens after a re-rendered assistant turn its sampled closing token (EOS)
+is looked for."""
+
+
+class GatewayError(ValueError):
+    """A call the gateway refuses (HTTP 400, or `status`)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclasses.dataclass(slots=True)
+class GatewayStats:
+    """Counters over all episodes (the run logs them as `agent/*`)."""
+
+    episodes: int = 0
+    turns: int = 0
+    prefix_mismatches: int = 0
+    """Turns whose rendered prompt did not begin with the sampled ids (sampled ids kept)."""
+    sampling_overrides: int = 0
+    """Calls whose temperature / top_p / token limit differed from the run's (overridden)."""
+    resumed_turns: int = 0
+    """Turns aborted by a weight update and continued from their partial output."""
+    bad_calls: int = 0
+    """Calls refused with 4xx."""
+
+
+@dataclasses.dataclass(slots=True)
+class Turn:
+    """One model call: the exact ids sent and sampled."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish: str | None
+    prefix_mismatch: bool
+
+
+@dataclasses.dataclass(slots=True)
+class Episode:
+    """One conversation: what was sampled, in order (see the module docstring)."""
+
+    id: str
+    client: GenerateClient
+    """The generate client of this episode (train or eval sampling settings)."""
+    data_prompt: tuple[int, ...] = ()
+    """The data worker's prompt: the trajectory must start with it."""
+    budget: int = 1 << 30
+    """Most response tokens after `data_prompt` (model and other tokens)."""
+    max_turn_tokens: int | None = None
+    """The run's per-turn token limit (None: what is left of `budget`)."""
+    ids: list[int] = dataclasses.field(default_factory=list)
+    """Everything so far: the first prompt, completions and the prompt tokens between them."""
+    first_prompt_len: int = 0
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    """Per token of `ids` after the first prompt: 1 sampled by the model, 0 otherwise."""
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    nonfinite: list[bool] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    routed: np.ndarray | None = None
+    reward: float | None = None
+    prefix_mismatches: int = 0
+    overrides: int = 0
+    closed: bool = False
+
+    def trajectory(self) -> GenerationResult:
+        """The episode as one data-worker result after `data_prompt`: the first prompt's extra
+        tokens and each later turn's new prompt tokens masked 0, completions 1."""
+        if not self.turns:
+            raise GatewayError("the agent made no model call in this episode")
+        start = len(self.data_prompt)
+        lead = self.first_prompt_len - start
+        first_version = self.versions[0] if self.versions else 0
+        out = self.ids[start:]
+        payload = SegmentPayload(
+            logprobs=[0.0] * lead + self.logprobs,
+            nonfinite=[False] * lead + self.nonfinite,
+            loss_mask=[0] * lead + self.loss_mask,
+            finish=self.turns[-1].finish,
+            prompt_len=start,
+        )
+        if self.routed is not None and self.routed.shape[0] == len(self.ids) - 1:
+            payload["routed_experts"] = self.routed
+        return GenerationResult(
+            output_ids=out,
+            token_versions=[first_version] * lead + self.versions,
+            status=FinishStatus.FINISHED,
+            payload=payload,
+        )
+
+    def _extend(self, ids: Sequence[int], *, mask: int, version: int) -> None:
+        self.ids += ids
+        self.loss_mask += [mask] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.nonfinite += [False] * len(ids)
+        self.versions += [version] * len(ids)
+
+
+def _assistant_count(messages: list[dict[str, Any]]) -> int:
+    return sum(m["role"] == "assistant" for m in messages)
+
+
+class TrainingGateway:
+    """The gateway server: `await start()` on the rollout's event loop, then `open_episode`,
+    hand the agent `episode_url(ep)`, `close_episode` when it returns."""
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        eos_id: int | None,
+        auth_token: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.tokenizer, self.eos_id, self.token = tokenizer, eos_id, auth_token
+        self.host, self.port = host, port
+        self.stats = GatewayStats()
+        self.episodes: dict[str, Episode] = {}
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._started: asyncio.Future[str] | None = None
+        self.turn_overhead_s: list[float] = []
+        """Per turn: time spent in the gateway itself (rendering, checks, assembly), without
+        the `/generate` call; the last 10 000 turns."""
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> str:
+        """Bind and return the base URL (once; concurrent callers wait for the first)."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start())
+        return await asyncio.shield(self._started)
+
+    async def _start(self) -> str:
+        mws = [self._auth] if self.token else []
+        app = web.Application(client_max_size=_MAX_BODY, middlewares=mws)
+        app.router.add_post("/episodes/{eid}/v1/chat/completions", self._chat)
+        app.router.add_get("/episodes/{eid}/v1/models", self._models)
+        app.router.add_post("/episodes/{eid}/reward", self._reward)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.url = f"http://{self.host}:{self._runner.addresses[0][1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._started is not None:
+            await asyncio.gather(self._started, return_exceptions=True)
+            self._started = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def open_episode(
+        self,
+        client: GenerateClient,
+        *,
+        data_prompt: Sequence[int] = (),
+        max_turn_tokens: int | None = None,
+    ) -> Episode:
+        """A new episode sampling with `client`'s settings; its budget is the client's
+        `max_response_len` over all turns."""
+        ep = Episode(
+            id=uuid.uuid4().hex,
+            client=client,
+            data_prompt=tuple(int(t) for t in data_prompt),
+            budget=client.cfg.max_response_len,
+            max_turn_tokens=max_turn_tokens,
+        )
+        self.episodes[ep.id] = ep
+        self.stats.episodes += 1
+        return ep
+
+    def close_episode(self, ep: Episode) -> Episode:
+        """No further calls are accepted (a timed-out agent's next call gets 404)."""
+        ep.closed = True
+        self.episodes.pop(ep.id, None)
+        return ep
+
+    def episode_url(self, ep: Episode) -> str:
+        """The OpenAI `base_url` of the episode."""
+        return f"{self.url}/episodes/{ep.id}/v1"
+
+    def reward_url(self, ep: Episode) -> str:
+        """Where the episode's reward may be posted."""
+        return f"{self.url}/episodes/{ep.id}/reward"
+
+    # ------------------------------------------------------------------ HTTP
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        want = f"Bearer {self.token}".encode()
+        if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), want):
+            return _error(
+                401,
+                "the training gateway needs 'Authorization: Bearer <run token>' "
+                "(give the agent's client api_key=<the run's token>)",
+            )
+        return await handler(request)
+
+    def _episode(self, request: web.Request) -> Episode:
+        ep = self.episodes.get(request.match_info["eid"])
+        if ep is None or ep.closed:
+            raise GatewayError(
+                "no open episode with this id (it ended or timed out); an episode's URL is "
+                "valid only while its agent function runs",
+                status=404,
+            )
+        return ep
+
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise GatewayError(f"body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise GatewayError("body must be a JSON object")
+        return body
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        try:
+            ep = self._episode(request)
+            return web.json_response(await self.chat(ep, await self._json(request)))
+        except (GatewayError, ChatError) as e:
+            self.stats.bad_calls += 1
+            return _error(getattr(e, "status", 400), str(e))
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._episode(request)
+        except GatewayError as e:
+            return _error(e.status, str(e))
+        card = {"id": "policy", "object": "model", "created": 0, "owned_by": "slime-async"}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        try:
+            ep = self._episode(request)
+            v = (await self._json(request)).get("reward")
+            if isinstance(v, bool) or not isinstance(v, int | float) or not np.isfinite(v):
+                raise GatewayError('reward must be a finite number: {"reward": 1.0}')
+        except GatewayError as e:
+            return _error(e.status, str(e))
+        ep.reward = float(v)
+        return web.json_response({"episode": ep.id, "reward": ep.reward})
+
+    # ------------------------------------------------------------------ one turn
+    def _pin(self, ep: Episode, body: dict[str, Any]) -> None:
+        """Count (and log once per episode) the agent's sampling values the run overrides."""
+        cfg = ep.client.cfg
+        asked = {
+            "temperature": (body.get("temperature"), cfg.temperature),
+            "top_p": (body.get("top_p"), cfg.top_p),
+        }
+        if ep.max_turn_tokens is not None:
+            asked["max_tokens"] = (
+                body.get("max_completion_tokens", body.get("max_tokens")),
+                ep.max_turn_tokens,
+            )
+        diff = {k: v for k, (v, run) in asked.items() if v is not None and v != run}
+        if diff:
+            self.stats.sampling_overrides += 1
+            ep.overrides += 1
+            if ep.overrides == 1:
+                log.info(
+                    "agent episode %s asked for %s; the run's sampling is pinned (temperature "
+                    "%g, top_p %g, %d tokens per turn)",
+                    ep.id,
+                    diff,
+                    cfg.temperature,
+                    cfg.top_p,
+                    cfg.max_response_len,
+                )
+
+    def _prompt(
+        self, ep: Episode, messages: list[dict[str, Any]], tools: Any
+    ) -> tuple[list[int], bool]:
+        """This turn's prompt ids under the token-in-token-out rule, and whether the rendered
+        conversation mismatched what was sampled."""
+        full = render_chat(self.tokenizer, messages, tools=tools, eos_id=self.eos_id)
+        if not ep.turns:
+            if full[: len(ep.data_prompt)] != list(ep.data_prompt):
+                raise GatewayError(
+                    "the first request does not begin with the data prompt: the episode could "
+                    "not be trained on exactly what was sampled. Send the sample's messages "
+                    "first (sample['messages']), with the same system prompt and tools the "
+                    "data was rendered with"
+                )
+            return full, False
+        n_asst = _assistant_count(messages)
+        if n_asst != len(ep.turns):
+            raise GatewayError(
+                f"the conversation has {n_asst} assistant messages but the episode has "
+                f"{len(ep.turns)} model turns: an episode is one growing conversation (send "
+                "every earlier assistant message back, unchanged or not, and nothing else)"
+            )
+        prev = ep.ids
+        if full[: len(prev)] == prev:
+            return full, False
+        ep.prefix_mismatches += 1
+        self.stats.prefix_mismatches += 1
+        tail = render_after_last_assistant(
+            self.tokenizer, messages, tools=tools, eos_id=self.eos_id
+        )
+        last = ep.turns[-1].output_ids[-1:]
+        # the previous turn's closing token (EOS) was sampled: it is already in `prev`
+        for j, t in enumerate(tail[:_SEARCH_AHEAD]):
+            if last and t == last[0]:
+                tail = tail[j + 1 :]
+                break
+        return prev + tail, True
+
+    async def chat(self, ep: Episode, body: dict[str, Any]) -> dict[str, Any]:
+        """One `/v1/chat/completions` call of `ep`: the OpenAI answer (raises `GatewayError`)."""
+        t0 = time.perf_counter()
+        if body.get("n", 1) != 1:
+            raise GatewayError("n must be 1 in a training episode (one conversation)")
+        if body.get("stream"):
+            raise GatewayError("the training gateway answers whole turns; set stream=False")
+        messages = normalize_messages(body.get("messages"))
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise GatewayError("tools must be a list of tool definitions")
+        if body.get("tool_choice") == "none":
+            tools = None
+        if tools and not has_chat_template(self.tokenizer):
+            raise GatewayError("this model has no chat template, so it cannot be given tools")
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise GatewayError("stop must be a non-empty string or a list of them")
+        self._pin(ep, body)
+        prompt, mismatch = self._prompt(ep, messages, tools)
+        used = max(0, len(prompt) - len(ep.data_prompt))
+        n = ep.budget - used
+        if ep.max_turn_tokens is not None:
+            n = min(n, ep.max_turn_tokens)
+        overhead = time.perf_counter() - t0
+        if n <= 0:
+            out: list[int] = []
+            lps: list[float] = []
+            vers: list[int] = []
+            bad: list[bool] = []
+            finish: str | None = "length"
+            text = ""
+            routed = None
+        else:
+            out, lps, bad, vers, finish, text, routed = await self._generate(ep, prompt, n, stop)
+        t1 = time.perf_counter()
+        if not ep.turns:
+            ep.ids = list(prompt)
+            ep.first_prompt_len = len(prompt)
+        else:
+            ep._extend(prompt[len(ep.ids) :], mask=0, version=ep.versions[-1] if ep.versions else 0)
+        ep.ids += out
+        ep.loss_mask += [1] * len(out)
+        ep.logprobs += lps
+        ep.nonfinite += bad
+        ep.versions += vers
+        if routed is not None:
+            ep.routed = routed
+        ep.turns.append(
+            Turn(
+                prompt_ids=list(prompt),
+                output_ids=list(out),
+                logprobs=list(lps),
+                versions=list(vers),
+                finish=finish,
+                prefix_mismatch=mismatch,
+            )
+        )
+        self.stats.turns += 1
+        content, calls = parse_tool_calls(text) if tools else (text, [])
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        reason = "tool_calls" if calls and finish == "stop" else (finish or "stop")
+        answer = {
+            "id": f"chatcmpl-{ep.id}-{len(ep.turns)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": "policy",
+            "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": reason}],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(out),
+                "total_tokens": len(prompt) + len(out),
+            },
+            "meta_info": {
+                "output_ids": out,
+                "weight_versions": vers,
+                "prefix_mismatch": mismatch,
+            },
+        }
+        overhead += time.perf_counter() - t1
+        self.turn_overhead_s.append(overhead)
+        if len(self.turn_overhead_s) > 10_000:
+            del self.turn_overhead_s[:5_000]
+        return answer
+
+    async def _generate(
+        self, ep: Episode, prompt: list[int], n: int, stop: list[str]
+    ) -> tuple[list[int], list[float], list[bool], list[int], str | None, str, Any]:
+        """One model turn through the router; a turn aborted by a weight update is continued
+        from its partial output (its tokens keep the versions that produced them)."""
+        client = ep.client
+        out: list[int] = []
+        lps: list[float] = []
+        bad: list[bool] = []
+        vers: list[int] = []
+        finish: str | None = None
+        routed = None
+        data: dict[str, Any] = {}
+        turn = len(ep.turns)
+        for attempt in range(64):
+            left = n - len(out)
+            sp: dict[str, Any] = {
+                "max_new_tokens": left,
+                "temperature": client.cfg.temperature,
+                "top_p": client.cfg.top_p,
+                "top_k": client.cfg.top_k,
+            }
+            if client.cfg.stop_token_ids:
+                sp["stop_token_ids"] = list(client.cfg.stop_token_ids)
+            if stop or client.cfg.stop:
+                sp["stop"] = [*client.cfg.stop, *stop]
+            body: dict[str, Any] = {
+                "input_ids": prompt + out,
+                "sampling_params": sp,
+                "return_logprob": True,
+                "rid": f"{ep.id}-t{turn}-a{attempt}",
+            }
+            if client.cfg.return_routed_experts:
+                body["return_routed_experts"] = True
+            headers = {"X-Expected-Tokens": str(left), "X-Session-ID": ep.id}
+            data = await client.post(body, headers)
+            res = client.parse_response(data, prompt_len=len(body["input_ids"]))
+            pay = segment_payload(res.payload)
+            out += res.output_ids
+            lps += pay["logprobs"]
+            bad += pay["nonfinite"]
+            vers += list(res.token_versions)
+            routed = pay.get("routed_experts", routed)
+            finish = pay.get("finish")
+            if res.status is not FinishStatus.ABORTED or len(out) >= n:
+                break
+            self.stats.resumed_turns += 1
+        # the text is the sampled ids decoded with special tokens kept (so that it encodes back
+        # to them), without the stop token, cut at a matched stop string
+        matched = ((data.get("meta_info") or {}).get("finish_reason") or {}).get("matched")
+        ids = out[:-1] if finish == "stop" and isinstance(matched, int) else out
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if isinstance(matched, str) and matched in text:
+            text = text[: text.index(matched)]
+        return out, lps, bad, vers, finish, text, routed
+
+
+def _error(status: int, message: str) -> web.Response:
+    err = {"message": message, "type": "invalid_request_error", "code": status}
+    return web.json_response({"error": err}, status=status)
