@@ -27,14 +27,14 @@ from yarl import URL
 
 from router.affinity import GROUP_KEY_HEADER, group_key
 from router.cache_salt import salt_body
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
 from router.session_affinity import (
     SESSION_HEADER,
     AffinityStats,
     affine_worker,
     check_session_id,
 )
-from router.config import RouterConfig
-from router.dispatch import Dispatcher
 from router.workers import Worker, WorkerRegistry
 
 EXPECTED_TOKENS_HEADER = "X-Expected-Tokens"
