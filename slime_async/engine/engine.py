@@ -119,6 +119,7 @@ class Engine:
             moe=self.lm.is_moe,
             routed_experts_enabled=self.cfg.enable_return_routed_experts,
             routed_experts_by_default=self.cfg.always_return_routed_experts and self.lm.is_moe,
+            allow_auto_truncate=self.cfg.allow_auto_truncate,
         )
 
     def submit(self, req: GenerateRequest) -> list[Sequence]:
