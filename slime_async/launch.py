@@ -35,6 +35,7 @@ from slime_async.generate_chain import build_generate_chain
 from slime_async.host import atomic_write_text, free_port
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.guards import run_guard_config
+from slime_async.node_paths import check_trainer_paths
 from slime_async.placement import Placement, place_roles
 from slime_async.recipe import config_json, config_record, derived_lines
 from slime_async.roles import Cluster, init_ray, pin_actor
@@ -45,6 +46,7 @@ from slime_async.rollout.warmstart import WarmStartConfig, is_cached, warm_start
 from slime_async.run import Run, check_batch_shape
 from slime_async.run_config import RunConfig
 from slime_async.supervisor import EngineSupervisor
+from slime_async.trainer import checkpoint
 from slime_async.trainer.actor import TrainerGroup
 from slime_async.trainer.behavior_role import BehaviorRole
 from slime_async.trainer.config import TrainerConfig
@@ -333,6 +335,9 @@ async def _start_trainer(
             if slots
             else None
         )
+    hf_from_rank0 = False
+    if joined and slots is not None:  # no shared filesystem assumed: look on every trainer node
+        hf_from_rank0 = await asyncio.to_thread(_check_trainer_paths, cfg, trainer_cfg, slots)
     startup.say(
         f"building the trainer ({trainer_cfg.world_size} rank(s), "
         f"TP {trainer_cfg.tensor_model_parallel_size} / "
@@ -347,10 +352,36 @@ async def _start_trainer(
         world_size=trainer_cfg.world_size,
         num_threads=threads if joined else max(1, len(cfg.trainer_cores)),
         slots=slots,
+        hf_from_rank0=hf_from_rank0,
     )
     for actor, c in zip(trainer.actors, cores, strict=True):
         await pin_actor(actor, c)
     return trainer
+
+
+def _check_trainer_paths(cfg: RunConfig, trainer_cfg: TrainerConfig, slots: list[Any]) -> bool:
+    """`node_paths.check_trainer_paths` for this run; says which ranks get the start weights
+    from rank 0. Raises `NodePathError` (node, rank, path, fix) for a layout that cannot work."""
+    hf = trainer_cfg.hf_checkpoint if trainer_cfg.load is None else None
+    warm = hf is not None and cfg.warmstart_steps > 0 and hf != cfg.trainer.hf_checkpoint
+    load_meta = None
+    if trainer_cfg.load is not None:
+        load_meta = checkpoint.find_latest(Path(trainer_cfg.load), hashes=False) / "meta.json"
+    shared = check_trainer_paths(
+        slots,
+        hf_dir=hf if hf is not None and Path(hf).is_dir() else None,
+        hf_flag="the warm start" if warm else "--hf-checkpoint",
+        load_meta=load_meta,
+        load=trainer_cfg.load,
+        save=trainer_cfg.save,
+    )
+    if shared:
+        log.info(
+            "trainer nodes %s do not hold %s: rank 0 reads it and sends it over the trainer group",
+            sorted({s.node_ip for s in slots[1:]} - {slots[0].node_ip}) or [slots[0].node_ip],
+            hf,
+        )
+    return shared
 
 
 async def _start_engines(

@@ -8,7 +8,8 @@ Layout, with slime's flag names:
 
 * trainer: `--actor-num-nodes` placement groups of `--actor-num-gpus-per-node` bundles each,
   STRICT_PACK, so the ranks of one group share a node (and its NVLink); rank r takes bundle
-  `r % gpus_per_node` of group `r // gpus_per_node`, so rank 0 is the first bundle of group 0.
+  `r % gpus_per_node` of group `r // gpus_per_node`, so rank 0 is the first bundle of group 0;
+  a group that landed on the driver's node is group 0 (rank 0 reads what the driver wrote).
 * engines: one placement group of `--rollout-num-gpus / --rollout-num-gpus-per-engine` bundles,
   SPREAD, one bundle per engine holding all of its tensor-parallel GPUs.
 
@@ -156,6 +157,7 @@ def place_roles(
         raise
     slots = split_node_cores(slots)
     ranks = actor_num_nodes * actor_num_gpus_per_node
+    slots = _driver_node_first(slots[:ranks], actor_num_gpus_per_node) + slots[ranks:]
     placement = Placement(
         trainer=slots[:ranks], engines=slots[ranks:], gpus=use_gpus, groups=[pg for pg, _ in groups]
     )
@@ -165,6 +167,16 @@ def place_roles(
         [s.node_ip for s in placement.engines],
     )
     return placement
+
+
+def _driver_node_first(trainer: list[Slot], per_node: int) -> list[Slot]:
+    """The trainer's groups reordered so that a group on the driver's node (if one landed there)
+    holds rank 0: rank 0 reads what the driver wrote (the warm start) and sends it to ranks on
+    nodes that cannot see it (docs/cluster.md, no shared filesystem)."""
+    here = ray.get_runtime_context().get_node_id()
+    groups = [trainer[i : i + per_node] for i in range(0, len(trainer), per_node)]
+    groups.sort(key=lambda g: g[0].node_id != here)  # stable: otherwise the reserved order
+    return [s for g in groups for s in g]
 
 
 def _inspect(pg: PlacementGroup, index: int, resources: dict[str, float]) -> Slot:

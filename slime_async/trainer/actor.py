@@ -42,6 +42,7 @@ class _TrainerActorImpl:
         master_addr: str,
         master_port: int,
         num_threads: int,
+        hf_from_rank0: bool = False,
     ) -> None:
         import torch
 
@@ -56,6 +57,7 @@ class _TrainerActorImpl:
             world_size=world_size,
             master_addr=master_addr,
             master_port=master_port,
+            hf_from_rank0=hf_from_rank0,
         )
         self.rank, self.master_addr = rank, master_addr
         self.weight_group: WeightGroup | None = None
@@ -171,11 +173,13 @@ class TrainerGroup:
         num_threads: int = 1,
         timeout_s: float = 600.0,
         slots: Sequence[Any] | None = None,
+        hf_from_rank0: bool = False,
     ) -> None:
         """Without `slots`, `world_size` ranks anywhere on this node, rendezvous on loopback.
         With them (`slime_async.placement.Slot`s: `node_ip`, `port`, `actor_options()`), rank r
         runs in bundle `slots[r]` and the ranks rendezvous on rank 0's node IP at a port found
-        free there."""
+        free there. `hf_from_rank0`: the start weights (`cfg.hf_checkpoint`) are read by rank 0
+        and broadcast, for ranks on nodes that do not hold them."""
         if slots is not None and len(slots) != world_size:
             raise ValueError(f"{len(slots)} trainer slots for world size {world_size}")
         self.timeout_s = timeout_s
@@ -197,6 +201,7 @@ class TrainerGroup:
                 master_addr=addr,
                 master_port=port,
                 num_threads=num_threads,
+                hf_from_rank0=hf_from_rank0,
             )
             for r in range(world_size)
         ]
