@@ -24,6 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep, resolve_loss_spec
 from slime_async import startup
@@ -287,8 +290,13 @@ async def _start_behavior_role(cfg: RunConfig, trainer_cfg: Any) -> BehaviorRole
     ):
         return None
     startup.say("starting the forward-only behavior role")
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     role = await asyncio.to_thread(
-        BehaviorRole, trainer_cfg, cfg.model, num_threads=max(1, len(cfg.rollout_cores))
+        BehaviorRole,
+        trainer_cfg,
+        cfg.model,
+        num_threads=max(1, len(cfg.rollout_cores)),
+        actor_options={"scheduling_strategy": here},  # it reads exports from the run directory
     )
     await pin_actor(role.actor, cfg.rollout_cores)
     return role
@@ -374,6 +382,7 @@ def _check_trainer_paths(cfg: RunConfig, trainer_cfg: TrainerConfig, slots: list
         load_meta=load_meta,
         load=trainer_cfg.load,
         save=trainer_cfg.save,
+        run_dir=cfg.run_dir,
     )
     if shared:
         log.info(

@@ -11,7 +11,9 @@ that rank's own bundle (so on its node) looks at what the rank will read or writ
 * the resume checkpoint (`--load`): every rank reads it, so every trainer node must see the
   checkpoint the driver checked (its `meta.json`, byte for byte);
 * the checkpoint directory (`--save`): every rank writes its part into one directory, so every
-  trainer node must see the file the driver writes there.
+  trainer node must see the file the driver writes there;
+* the run directory: rank 0 writes the exported weights there for the driver's node to read, so
+  rank 0's node must see it (a trainer group on the driver's node holds rank 0).
 
 A layout that fails is refused with the node, the rank, the path and the fix (`NodePathError`).
 `look` is the pure part (what one node sees), `decide` the rule; `check_trainer_paths` runs
@@ -50,6 +52,9 @@ class Wanted:
     save_probe: str | None = None
     """Path of the probe file written into `--save`."""
     save_probe_text: str = ""
+    run_probe: str | None = None
+    """Path of the probe file written into the run directory (rank 0 writes exports there)."""
+    run_probe_text: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +65,7 @@ class Seen:
     hf_same: bool = True
     load_same: bool = True
     save_same: bool = True
+    run_same: bool = True
 
 
 def listing(d: str | Path) -> tuple[tuple[str, int], ...]:
@@ -91,6 +97,7 @@ def look(w: Wanted, *, node_ip: str) -> Seen:
         hf_same=w.hf_dir is None or (listing(w.hf_dir) == w.hf_listing and bool(w.hf_listing)),
         load_same=w.load_meta is None or same_sha(w.load_meta, w.load_meta_sha256),
         save_same=w.save_probe is None or same_text(w.save_probe, w.save_probe_text),
+        run_same=w.run_probe is None or same_text(w.run_probe, w.run_probe_text),
     )
 
 
@@ -106,6 +113,14 @@ def decide(
             "driver sees it (missing, or other files); rank 0 reads the start weights and sends "
             "them to the other ranks, so its node must hold them: copy the directory to that "
             "path on that node, or run the driver on rank 0's node"
+        )
+    if w.run_probe is not None and not seen[0].run_same:
+        problems.append(
+            f"trainer rank 0 on node {seen[0].node_ip} does not see the run directory "
+            f"{Path(w.run_probe).parent} (a file the driver wrote there is missing on that "
+            "node); rank 0 writes the exported weights there for the driver's node to read: "
+            "give the driver's node room for a trainer rank (rank 0 then runs there), or put "
+            "the run directory on a filesystem both nodes mount"
         )
     for r, s in enumerate(seen):
         if w.load_meta is not None and not s.load_same:
@@ -141,6 +156,7 @@ def check_trainer_paths(
     load_meta: Path | None,
     load: str | None,
     save: str | Path | None,
+    run_dir: str | Path,
 ) -> bool:
     """Look at every trainer rank's paths on its node (`slots`: the ranks' placement `Slot`s,
     in rank order) and apply `decide`; returns whether the start weights go out from rank 0."""
@@ -149,6 +165,9 @@ def check_trainer_paths(
         Path(save).mkdir(parents=True, exist_ok=True)
         probe = Path(save) / PROBE_NAME
         probe.write_text(secrets.token_hex(16))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    run_probe = Path(run_dir) / PROBE_NAME
+    run_probe.write_text(secrets.token_hex(16))
     try:
         w = Wanted(
             hf_dir=None if hf_dir is None else str(hf_dir),
@@ -157,10 +176,13 @@ def check_trainer_paths(
             load_meta_sha256=file_sha256(load_meta) if load_meta is not None else "",
             save_probe=None if probe is None else str(probe),
             save_probe_text=probe.read_text() if probe is not None else "",
+            run_probe=str(run_probe),
+            run_probe_text=run_probe.read_text(),
         )
         refs = [_look_here.options(**_in_bundle(s)).remote(w) for s in slots]
         seen = ray.get(refs, timeout=120)
     finally:
+        run_probe.unlink(missing_ok=True)
         if probe is not None:
             probe.unlink(missing_ok=True)
     return decide(w, seen, hf_flag=hf_flag, load=load, save=None if save is None else str(save))

@@ -2,7 +2,8 @@
 
 Owns `place_roles` (reserve the trainer's and the engines' bundles, then look at where each one
 landed), `Slot` (one reserved bundle: its node, that node's IP, the cores it may pin, a free port
-on that node) and `split_node_cores` (each node's usable cores divided among the bundles on it).
+on that node), `split_node_cores` (each node's usable cores divided among the bundles on it),
+and, when a node is lost, `node_alive` and `relocated` (where Ray moved a bundle of a dead node).
 
 Layout, with slime's flag names:
 
@@ -194,6 +195,31 @@ def _inspect(pg: PlacementGroup, index: int, resources: dict[str, float]) -> Slo
         cores=cores,
     )
     return slot
+
+
+def node_alive(node_id: str) -> bool:
+    """Whether Ray counts the node as alive (a lost node is declared dead after its missed
+    health checks)."""
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
+def relocated(slot: Slot, *, timeout_s: float) -> Slot | None:
+    """Where `slot`'s bundle is now that its node is lost: Ray moves the bundles of a dead node
+    to live nodes that have room, so the bundle is looked at again (the task waits until the
+    bundle is placed). None when it is not placed within `timeout_s` (no room). The new slot
+    pins no cores (the node's cores are already shared out among its first bundles)."""
+    strategy = PlacementGroupSchedulingStrategy(
+        placement_group=slot.pg, placement_group_bundle_index=slot.index
+    )
+    ref = _where.options(scheduling_strategy=strategy).remote()
+    done, _ = ray.wait([ref], timeout=timeout_s)
+    if not done:
+        ray.cancel(ref, force=True)
+        return None
+    node_id, ip, _, port = ray.get(ref)
+    if node_id == slot.node_id:
+        return None
+    return dataclasses.replace(slot, node_id=node_id, node_ip=ip, port=port, cores=())
 
 
 def split_node_cores(slots: list[Slot]) -> list[Slot]:

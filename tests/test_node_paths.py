@@ -85,6 +85,15 @@ def test_decide_sends_from_rank0_or_refuses_with_node_rank_path_and_fix() -> Non
     assert "mounts at the same path" in msg, msg
 
 
+def test_rank0_must_see_the_run_directory() -> None:
+    w = Wanted(run_probe="/runs/r1/.probe")
+    kw = {"hf_flag": "--hf-checkpoint", "load": None, "save": None}
+    assert decide(w, [Seen(node_ip="a"), Seen(node_ip="b", run_same=False)], **kw) is False
+    with pytest.raises(NodePathError) as e:
+        decide(w, [Seen(node_ip="b", run_same=False), Seen(node_ip="a")], **kw)
+    assert "rank 0 on node b does not see the run directory /runs/r1" in str(e.value)
+
+
 def _rank(rank: int, port: int, src: str, out: str) -> None:
     from slime_async.trainer.share import broadcast_hf_weights
 

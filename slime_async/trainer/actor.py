@@ -12,6 +12,7 @@ controller, engine, rollout, weights or data-worker parts of `slime_async`.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,8 @@ class TrainerGroup:
             addr, port = slots[0].node_ip, slots[0].port
             opts = [s.actor_options() for s in slots]
         self.master = (addr, port)
+        self.node_ips = [addr] * world_size if slots is None else [s.node_ip for s in slots]
+        """Each rank's node IP (what a lost-rank message names)."""
         self.master_addr = addr
         """Rank 0's rendezvous address (also the weight group's, unless configured)."""
         self.actors = [
@@ -208,8 +211,35 @@ class TrainerGroup:
         self._all("version")  # wait until every rank is up (raises the build error if any)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` on every rank; the first rank that fails raises at once (a rank whose
+        peer died in a collective fails before Ray declares the peer's node dead)."""
         refs = [getattr(a, method).remote(*args) for a in self.actors]
-        return ray.get(refs, timeout=self.timeout_s)
+        pending, deadline = list(refs), time.monotonic() + self.timeout_s
+        while pending:
+            done, pending = ray.wait(
+                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not done:
+                raise TimeoutError(f"trainer {method} not done after {self.timeout_s:.0f} s")
+            ray.get(done)  # raises that rank's error
+        return ray.get(refs)
+
+    def ranks_lost(self, timeout_s: float = 20.0) -> list[tuple[int, str, str]]:
+        """(rank, node IP, why) of every rank that does not answer within `timeout_s`: its
+        actor died (its node was lost) or it hangs."""
+        refs = [a.version.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        lost = []
+        for r, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0.1)
+            except ray.exceptions.GetTimeoutError:
+                lost.append((r, self.node_ips[r], f"no answer within {timeout_s:.0f} s"))
+            except ray.exceptions.RayActorError as e:
+                lost.append((r, self.node_ips[r], f"its actor is gone ({type(e).__name__})"))
+            except Exception:  # it answered with an error: alive
+                continue
+        return lost
 
     def version(self) -> int:
         return int(self._all("version")[0])
