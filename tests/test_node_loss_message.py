@@ -1,6 +1,8 @@
-"""The one line a run prints when it loses a trainer rank (`slime_async.node_loss`): node, rank,
-the newest complete checkpoint read from a real `--save` directory, and a resume command that
-is the run's own command line with `--load`. The two-node run: tests/test_node_loss.py."""
+"""How a run finds a lost trainer rank and what it says (fast; the two-node run:
+tests/test_node_loss.py): a trainer call fails as soon as one rank fails and `ranks_lost`
+names the rank whose actor is gone (real Ray actors); the one line (`slime_async.node_loss`)
+names node and rank, the newest complete checkpoint read from a `--save` directory, and a
+resume command that is the run's own command line with `--load`."""
 
 from __future__ import annotations
 
@@ -50,3 +52,46 @@ def test_message_names_node_rank_checkpoint_and_resume(tmp_path: Path) -> None:
     assert "no --save" in no_save and "--save DIR" in no_save
     empty = trainer_lost_message(LOST, step=1, save=tmp_path / "empty", argv=ARGV)
     assert "No complete checkpoint" in empty
+
+
+class _Rank:
+    """Stands in for a trainer rank's actor: `version` answers; `step` raises at once ("fail":
+    the survivor of a broken collective) or blocks until the actor is killed ("hang")."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def version(self) -> int:
+        return 0
+
+    def step(self) -> None:
+        if self.mode == "fail":
+            raise RuntimeError("Connection closed by peer [10.0.0.2]")
+        import time
+
+        time.sleep(3600)
+
+
+def test_a_dead_rank_is_found_and_the_first_failure_raises_at_once() -> None:
+    """`TrainerGroup._all` and `ranks_lost` on real Ray actors (a local Ray node)."""
+    import pytest
+    import ray
+
+    from slime_async.trainer.actor import TrainerGroup
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = ray.remote(num_cpus=0)(_Rank)
+        group = object.__new__(TrainerGroup)  # the group's calls, without building Megatron
+        group.actors = [actor.remote("hang"), actor.remote("fail")]
+        group.node_ips, group.timeout_s = ["10.0.0.1", "10.0.0.2"], 3600.0
+        assert group.ranks_lost(timeout_s=30) == []
+        # rank 1 fails while rank 0 waits forever: the call raises rank 1's error at once
+        with pytest.raises(ray.exceptions.RayTaskError, match="Connection closed by peer"):
+            group._all("step")
+        ray.kill(group.actors[0])  # the hanging one: its node is gone
+        lost = group.ranks_lost(timeout_s=30)
+        assert [(r, ip) for r, ip, _ in lost] == [(0, "10.0.0.1")], lost
+        assert "its actor is gone" in lost[0][2]
+    finally:
+        ray.shutdown()
