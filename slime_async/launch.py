@@ -387,10 +387,10 @@ def _check_trainer_paths(cfg: RunConfig, trainer_cfg: TrainerConfig, slots: list
     if shared:
         log.info(
             "trainer nodes %s do not hold %s: rank 0 reads it and sends it over the trainer group",
-            sorted({s.node_ip for s in slots[1:]} - {slots[0].node_ip}) or [slots[0].node_ip],
+            shared,
             hf,
         )
-    return shared
+    return bool(shared)
 
 
 async def _start_engines(

@@ -103,9 +103,9 @@ def look(w: Wanted, *, node_ip: str) -> Seen:
 
 def decide(
     w: Wanted, seen: Sequence[Seen], *, hf_flag: str, load: str | None, save: str | None
-) -> bool:
-    """The rule: raises `NodePathError` for a layout that cannot work; returns whether some rank
-    receives the start weights from rank 0 (its node does not hold them)."""
+) -> list[str]:
+    """The rule: raises `NodePathError` for a layout that cannot work; returns the nodes whose
+    ranks receive the start weights from rank 0 (they do not hold them; empty: none)."""
     problems = []
     if w.hf_dir is not None and not seen[0].hf_same:
         problems.append(
@@ -140,7 +140,7 @@ def decide(
             )
     if problems:
         raise NodePathError("; ".join(problems))
-    return w.hf_dir is not None and not all(s.hf_same for s in seen)
+    return sorted({s.node_ip for s in seen if w.hf_dir is not None and not s.hf_same})
 
 
 @ray.remote(num_cpus=0)
@@ -157,9 +157,10 @@ def check_trainer_paths(
     load: str | None,
     save: str | Path | None,
     run_dir: str | Path,
-) -> bool:
+) -> list[str]:
     """Look at every trainer rank's paths on its node (`slots`: the ranks' placement `Slot`s,
-    in rank order) and apply `decide`; returns whether the start weights go out from rank 0."""
+    in rank order) and apply `decide`; returns the nodes whose ranks get the start weights from
+    rank 0 (empty: every node holds them)."""
     probe = None
     if save is not None:
         Path(save).mkdir(parents=True, exist_ok=True)

@@ -68,9 +68,9 @@ def test_look_compares_what_the_driver_sees(tmp_path: Path) -> None:
 def test_decide_sends_from_rank0_or_refuses_with_node_rank_path_and_fix() -> None:
     w = Wanted(hf_dir="/run/warmstart", hf_listing=(("config.json", 1),))
     kw = {"hf_flag": "the warm start", "load": None, "save": None}
-    assert decide(w, [Seen(node_ip="10.0.0.1"), Seen(node_ip="10.0.0.2")], **kw) is False
+    assert decide(w, [Seen(node_ip="10.0.0.1"), Seen(node_ip="10.0.0.2")], **kw) == []
     far = [Seen(node_ip="10.0.0.1"), Seen(node_ip="10.0.0.2", hf_same=False)]
-    assert decide(w, far, **kw) is True  # rank 1 receives the weights from rank 0
+    assert decide(w, far, **kw) == ["10.0.0.2"]  # its rank receives them from rank 0
     with pytest.raises(NodePathError) as e:
         decide(w, [Seen(node_ip="10.0.0.1", hf_same=False), Seen(node_ip="10.0.0.2")], **kw)
     msg = str(e.value)
@@ -88,7 +88,7 @@ def test_decide_sends_from_rank0_or_refuses_with_node_rank_path_and_fix() -> Non
 def test_rank0_must_see_the_run_directory() -> None:
     w = Wanted(run_probe="/runs/r1/.probe")
     kw = {"hf_flag": "--hf-checkpoint", "load": None, "save": None}
-    assert decide(w, [Seen(node_ip="a"), Seen(node_ip="b", run_same=False)], **kw) is False
+    assert decide(w, [Seen(node_ip="a"), Seen(node_ip="b", run_same=False)], **kw) == []
     with pytest.raises(NodePathError) as e:
         decide(w, [Seen(node_ip="b", run_same=False), Seen(node_ip="a")], **kw)
     assert "rank 0 on node b does not see the run directory /runs/r1" in str(e.value)
