@@ -164,16 +164,16 @@ def check_trainer_paths(
     probe = None
     if save is not None:
         Path(save).mkdir(parents=True, exist_ok=True)
-        probe = Path(save) / PROBE_NAME
+        probe = Path(save).absolute() / PROBE_NAME
         probe.write_text(secrets.token_hex(16))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    run_probe = Path(run_dir) / PROBE_NAME
+    run_probe = Path(run_dir).absolute() / PROBE_NAME
     run_probe.write_text(secrets.token_hex(16))
     try:
         w = Wanted(
-            hf_dir=None if hf_dir is None else str(hf_dir),
+            hf_dir=None if hf_dir is None else str(Path(hf_dir).absolute()),
             hf_listing=listing(hf_dir) if hf_dir is not None else (),
-            load_meta=None if load_meta is None else str(load_meta),
+            load_meta=None if load_meta is None else str(load_meta.absolute()),
             load_meta_sha256=file_sha256(load_meta) if load_meta is not None else "",
             save_probe=None if probe is None else str(probe),
             save_probe_text=probe.read_text() if probe is not None else "",
