@@ -250,22 +250,21 @@ def cluster_run(out: Path, args: argparse.Namespace, deadline: float) -> dict:
             started = time.time()
             log = out / f"attempt{stats['resumes']}.log"
             proc = nodes.popen(cmd, env=env, log=log)
-            kill_after = random.randint(1, args.kill_max_steps)
+            kill_after, killed_here = random.randint(1, args.kill_max_steps), False
             while proc.poll() is None and time.monotonic() < deadline:
-                if killed_at is not None and progressed(
-                    run_dir, since=started, past_step=past_step
-                ):
+                moved = progressed(run_dir, since=started, past_step=past_step)
+                if killed_at is not None and not killed_here and moved:  # training again
                     stats["to_training_s"].append(round(time.monotonic() - killed_at, 1))
                     killed_at = None
                 if (
                     stats["node_kills"] < args.node_kills
                     and killed_at is None
+                    and moved
                     and steps_done(run_dir) >= past_step + kill_after
-                    and progressed(run_dir, since=started, past_step=past_step)
                 ):
-                    print(f"  killing node B at step {steps_done(run_dir)}")
+                    print(f"  killing node B at step {steps_done(run_dir)}", flush=True)
                     nodes.kill_b()
-                    killed_at = time.monotonic()
+                    killed_at, killed_here = time.monotonic(), True
                     stats["node_kills"] += 1
                 time.sleep(0.2)
             if proc.poll() is None:  # out of time
@@ -278,7 +277,7 @@ def cluster_run(out: Path, args: argparse.Namespace, deadline: float) -> dict:
             stopped = [x for x in text.splitlines() if x.startswith("train_async: stopped:")]
             if proc.returncode == 3 and stopped and "resume with:" in stopped[0]:
                 stats["resumable"] += 1
-                print(f"  {stopped[0][:160]}...")
+                print(f"  {stopped[0][:160]}...", flush=True)
             else:
                 print(f"  exited with {proc.returncode} without a resumable stop; see {log}")
                 break
