@@ -72,10 +72,11 @@ class TwoNodes:
             "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0",
             "HF_HUB_OFFLINE": "1",
-            # a lost node is declared dead after ~3 s of missed health checks (default ~30 s)
-            "RAY_health_check_period_ms": "1000",
-            "RAY_health_check_timeout_ms": "1000",
-            "RAY_health_check_failure_threshold": "3",
+            # a lost node is declared dead after ~10 s of missed health checks (default ~30 s);
+            # shorter marks a live node dead on a machine this loaded
+            "RAY_health_check_period_ms": "2000",
+            "RAY_health_check_timeout_ms": "5000",
+            "RAY_health_check_failure_threshold": "5",
         }
         self.env.pop("RAY_ADDRESS", None)
         self.env.pop("SLIME_ASYNC_AUTH_TOKEN", None)
