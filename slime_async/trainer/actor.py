@@ -214,15 +214,20 @@ class TrainerGroup:
         """Call `method` on every rank; the first rank that fails raises at once (a rank whose
         peer died in a collective fails before Ray declares the peer's node dead)."""
         refs = [getattr(a, method).remote(*args) for a in self.actors]
+        self._wait_all(refs, f"trainer {method}")
+        return ray.get(refs)
+
+    def _wait_all(self, refs: list[Any], what: str) -> None:
+        """Wait for every ref; the first that failed raises at once (a rank whose peer died
+        waits in its collective: waiting for it too would hang until the timeout)."""
         pending, deadline = list(refs), time.monotonic() + self.timeout_s
         while pending:
             done, pending = ray.wait(
                 pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
             )
             if not done:
-                raise TimeoutError(f"trainer {method} not done after {self.timeout_s:.0f} s")
+                raise TimeoutError(f"{what} not done after {self.timeout_s:.0f} s")
             ray.get(done)  # raises that rank's error
-        return ray.get(refs)
 
     def ranks_lost(self, timeout_s: float = 20.0) -> list[tuple[int, str, str]]:
         """(rank, node IP, why) of every rank that does not answer within `timeout_s`: its
@@ -266,11 +271,7 @@ class TrainerGroup:
         """A Ray ref to the current version's HF tensors (`HFWeights`), held in the object
         store and not fetched here: hand it to another actor, which receives the tensors."""
         refs = [a.export_weights.remote() for a in self.actors]
-        _, waiting = await asyncio.to_thread(
-            ray.wait, refs, num_returns=len(refs), timeout=self.timeout_s
-        )
-        if waiting:
-            raise TimeoutError(f"weight export not done after {self.timeout_s:.0f} s")
+        await asyncio.to_thread(self._wait_all, refs, "weight export")
         return refs[0]
 
     def save_checkpoint(
