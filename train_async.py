@@ -18,8 +18,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from slime_async.node_loss import TrainerLostError
+    from slime_async.node_paths import NodePathError
+    from slime_async.supervisor import EnginesDownError
+
     cfg = parse_config(argv)
-    summary = asyncio.run(train(cfg))
+    try:
+        summary = asyncio.run(train(cfg))
+    except (TrainerLostError, NodePathError, EnginesDownError) as e:  # the reason is the message
+        print(f"train_async: stopped: {e}", file=sys.stderr)
+        return 3
     keys = ("rollout/reward", "eval/reward", "accounting/consumed", "accounting/dropped")
     print("done:", {k: round(float(summary[k]), 4) for k in keys if k in summary})
     return 0

@@ -20,6 +20,14 @@ fails the check instead of crashing. Loopback only, bounded in time (`--time-lim
 itself.
 
     .venv/bin/python scripts/chaos.py --runs 3 --num-steps 12
+
+Cluster mode (`--cluster`, root): two Ray nodes from network namespaces; node B (trainer rank
+1 and an engine, no view of the run directory) is killed whole at random steps, each stop must
+be the resumable one-line stop, node B is started again and the run resumed with `--load`; the
+ledger is audited at the end and the time from each kill to the next newly trained step is
+reported.
+
+    .venv/bin/python scripts/chaos.py --cluster --node-kills 10 --num-steps 30
 """
 
 from __future__ import annotations
@@ -195,8 +203,134 @@ def one_run(i: int, out: Path, args: argparse.Namespace, deadline: float) -> dic
     return {**stats, **audit(run_dir, ckpt)}
 
 
+CLUSTER_FLAGS = [
+    *("--rollout-batch-size", "2", "--n-samples-per-prompt", "2"),
+    *("--rollout-max-response-len", "8", "--micro-batch-size", "2"),
+    *("--warmstart-steps", "0", "--eval-interval", "0", "--max-staleness", "1"),
+    *("--num-engines", "2", "--rollout-num-cpus-per-engine", "1"),
+    *("--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1"),
+    *("--actor-num-cpus-per-rank", "2", "--update-weight-transport", "distributed"),
+    *("--save-interval", "1"),
+]
+CLUSTER_TOKEN = "sa33-chaos-token-0123456789abcdef"
+
+
+def cluster_run(out: Path, args: argparse.Namespace, deadline: float) -> dict:
+    """One run on two network-namespace nodes (tests/netns_nodes.py): node B holds trainer
+    rank 1 and an engine; it is killed (every process at once) at a random step after the run
+    made progress, the run must stop with its one-line reason (exit 3), node B is started
+    again and the run resumed with `--load` until it finishes. Returns kills, resumable stops,
+    kill -> first newly trained step times and the ledger audit."""
+    from tests.netns_nodes import TwoNodes, skip_reason
+
+    if reason := skip_reason():
+        raise SystemExit(f"cluster mode cannot run here: {reason}")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    run_dir, ckpt = out / "run", Path(f"{out}_shared") / "ckpt"  # --save: both nodes see it
+    shutil.rmtree(ckpt.parent, ignore_errors=True)
+    nodes = TwoNodes(hide=[out])  # node B cannot see the run directory
+    stats: dict = {"node_kills": 0, "resumable": 0, "resumes": 0, "to_training_s": []}
+    env = {**nodes.env, "SLIME_ASYNC_AUTH_TOKEN": CLUSTER_TOKEN, "PYTHONUNBUFFERED": "1"}
+    base = [
+        sys.executable,
+        "train_async.py",
+        *("--ray-address", f"{nodes.ip_a}:6379", "--run-dir", str(run_dir)),
+        *("--save", str(ckpt), "--num-steps", str(args.num_steps), "--seed", str(args.seed)),
+        *CLUSTER_FLAGS,
+    ]
+    killed_at: float | None = None
+    try:
+        nodes.up()
+        while time.monotonic() < deadline:
+            cmd = [*base, "--load", str(ckpt)] if (ckpt / "latest").exists() else base
+            stats["resumes"] += int("--load" in cmd)
+            latest = ckpt / "latest"
+            past_step = int(latest.read_text().strip()) if latest.exists() else 0
+            started = time.time()
+            log = out / f"attempt{stats['resumes']}.log"
+            proc = nodes.popen(cmd, env=env, log=log)
+            kill_after, killed_here = random.randint(1, args.kill_max_steps), False
+            while proc.poll() is None and time.monotonic() < deadline:
+                moved = progressed(run_dir, since=started, past_step=past_step)
+                if killed_at is not None and not killed_here and moved:  # training again
+                    stats["to_training_s"].append(round(time.monotonic() - killed_at, 1))
+                    killed_at = None
+                if (
+                    stats["node_kills"] < args.node_kills
+                    and killed_at is None
+                    and moved
+                    and steps_done(run_dir) >= past_step + kill_after
+                ):
+                    print(f"  killing node B at step {steps_done(run_dir)}", flush=True)
+                    nodes.kill_b()
+                    killed_at, killed_here = time.monotonic(), True
+                    stats["node_kills"] += 1
+                time.sleep(0.2)
+            if proc.poll() is None:  # out of time
+                proc.kill()
+                proc.wait()
+                break
+            if proc.returncode == 0:
+                break
+            text = log.read_text()
+            stopped = [x for x in text.splitlines() if x.startswith("train_async: stopped:")]
+            if proc.returncode == 3 and stopped and "resume with:" in stopped[0]:
+                stats["resumable"] += 1
+                print(f"  {stopped[0][:160]}...", flush=True)
+            else:
+                print(f"  exited with {proc.returncode} without a resumable stop; see {log}")
+                break
+            nodes.start_b()
+            nodes.wait_nodes(2)
+    finally:
+        survivors = nodes.down()
+        if survivors:
+            print(f"  processes left in the namespaces: {survivors}")
+    result = {**stats, **audit(run_dir, ckpt)}
+    shutil.rmtree(ckpt.parent, ignore_errors=True)
+    return result
+
+
+def cluster_main(args: argparse.Namespace) -> int:
+    random.seed(args.seed)
+    deadline = time.monotonic() + args.time_limit
+    r = cluster_run(Path(args.out) / "cluster", args, deadline)
+    times = sorted(r["to_training_s"])
+    median = times[len(times) // 2] if times else None
+    print(
+        f"node kills {r['node_kills']}, resumable stops {r['resumable']}, resumes "
+        f"{r['resumes']}, kill -> training again: median {median} s (all: {times}); "
+        f"dispatched {r['dispatched']}, trained {r['trained']}, repeated {r['repeated']}, "
+        f"dropped {r['dropped']}, pending {r['pending']}, lost {r['lost']}, "
+        f"final step {r['final_step']} of {args.num_steps}"
+    )
+    ok = (
+        r["lost"] == 0
+        and r["repeated"] == 0
+        and r["pending_also_trained"] == 0
+        and r["final_step"] == args.num_steps
+        and r["resumable"] == r["node_kills"]
+    )
+    print("CHAOS", "PASSED" if ok else "FAILED")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="Two network-namespace nodes (root): kill node B (trainer rank 1 + an engine) "
+        "--node-kills times, restart it, resume with --load, audit the ledger.",
+    )
+    p.add_argument("--node-kills", type=int, default=10, help="Cluster mode: node kills.")
+    p.add_argument(
+        "--kill-max-steps",
+        type=int,
+        default=3,
+        help="Cluster mode: kill after 1..N steps trained by the current attempt.",
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--num-steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
@@ -211,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=1800.0, help="Total seconds, all runs.")
     p.add_argument("--out", default="bench_out/chaos")
     args = p.parse_args(argv)
+    if args.cluster:
+        return cluster_main(args)
     random.seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from typing import Any
 
 from slime_async.launch import setup_run
+from slime_async.node_loss import TrainerLostError, trainer_lost_message
 from slime_async.rollout.assemble import assemble
 from slime_async.run_config import RunConfig
 from slime_async.supervisor import EnginesDownError
@@ -79,5 +81,10 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
         if run.saves:
             await run.save(run.version)
         raise
+    except Exception as e:  # a lost trainer rank: say which, where it stands, how to resume
+        if not (lost := await asyncio.to_thread(run.trainer.ranks_lost)):
+            raise
+        why = trainer_lost_message(lost, step=run.version, save=cfg.trainer.save, argv=sys.argv)
+        raise TrainerLostError(why) from e
     finally:
         await run.close()

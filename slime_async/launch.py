@@ -24,6 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep, resolve_loss_spec
 from slime_async import startup
@@ -35,6 +38,7 @@ from slime_async.generate_chain import build_generate_chain
 from slime_async.host import atomic_write_text, free_port
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.guards import run_guard_config
+from slime_async.node_paths import check_trainer_paths
 from slime_async.placement import Placement, place_roles
 from slime_async.recipe import config_json, config_record, derived_lines
 from slime_async.roles import Cluster, init_ray, pin_actor
@@ -45,6 +49,7 @@ from slime_async.rollout.warmstart import WarmStartConfig, is_cached, warm_start
 from slime_async.run import Run, check_batch_shape
 from slime_async.run_config import RunConfig
 from slime_async.supervisor import EngineSupervisor
+from slime_async.trainer import checkpoint
 from slime_async.trainer.actor import TrainerGroup
 from slime_async.trainer.behavior_role import BehaviorRole
 from slime_async.trainer.config import TrainerConfig
@@ -288,8 +293,13 @@ async def _start_behavior_role(cfg: RunConfig, trainer_cfg: Any) -> BehaviorRole
     ):
         return None
     startup.say("starting the forward-only behavior role")
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     role = await asyncio.to_thread(
-        BehaviorRole, trainer_cfg, cfg.model, num_threads=max(1, len(cfg.rollout_cores))
+        BehaviorRole,
+        trainer_cfg,
+        cfg.model,
+        num_threads=max(1, len(cfg.rollout_cores)),
+        actor_options={"scheduling_strategy": here},  # it reads exports from the run directory
     )
     await pin_actor(role.actor, cfg.rollout_cores)
     return role
@@ -336,6 +346,9 @@ async def _start_trainer(
             if slots
             else None
         )
+    hf_from_rank0 = False
+    if joined and slots is not None:  # no shared filesystem assumed: look on every trainer node
+        hf_from_rank0 = await asyncio.to_thread(_check_trainer_paths, cfg, trainer_cfg, slots)
     startup.say(
         f"building the trainer ({trainer_cfg.world_size} rank(s), "
         f"TP {trainer_cfg.tensor_model_parallel_size} / "
@@ -350,10 +363,37 @@ async def _start_trainer(
         world_size=trainer_cfg.world_size,
         num_threads=threads if joined else max(1, len(cfg.trainer_cores)),
         slots=slots,
+        hf_from_rank0=hf_from_rank0,
     )
     for actor, c in zip(trainer.actors, cores, strict=True):
         await pin_actor(actor, c)
     return trainer
+
+
+def _check_trainer_paths(cfg: RunConfig, trainer_cfg: TrainerConfig, slots: list[Any]) -> bool:
+    """`node_paths.check_trainer_paths` for this run; says which ranks get the start weights
+    from rank 0. Raises `NodePathError` (node, rank, path, fix) for a layout that cannot work."""
+    hf = trainer_cfg.hf_checkpoint if trainer_cfg.load is None else None
+    warm = hf is not None and cfg.warmstart_steps > 0 and hf != cfg.trainer.hf_checkpoint
+    load_meta = None
+    if trainer_cfg.load is not None:
+        load_meta = checkpoint.find_latest(Path(trainer_cfg.load), hashes=False) / "meta.json"
+    shared = check_trainer_paths(
+        slots,
+        hf_dir=hf if hf is not None and Path(hf).is_dir() else None,
+        hf_flag="the warm start" if warm else "--hf-checkpoint",
+        load_meta=load_meta,
+        load=trainer_cfg.load,
+        save=trainer_cfg.save,
+        run_dir=cfg.run_dir,
+    )
+    if shared:
+        log.info(
+            "trainer nodes %s do not hold %s: rank 0 reads it and sends it over the trainer group",
+            shared,
+            hf,
+        )
+    return bool(shared)
 
 
 async def _start_engines(

@@ -2,13 +2,15 @@
 
 Owns `place_roles` (reserve the trainer's and the engines' bundles, then look at where each one
 landed), `Slot` (one reserved bundle: its node, that node's IP, the cores it may pin, a free port
-on that node) and `split_node_cores` (each node's usable cores divided among the bundles on it).
+on that node), `split_node_cores` (each node's usable cores divided among the bundles on it),
+and, when a node is lost, `node_alive` and `relocated` (where Ray moved a bundle of a dead node).
 
 Layout, with slime's flag names:
 
 * trainer: `--actor-num-nodes` placement groups of `--actor-num-gpus-per-node` bundles each,
   STRICT_PACK, so the ranks of one group share a node (and its NVLink); rank r takes bundle
-  `r % gpus_per_node` of group `r // gpus_per_node`, so rank 0 is the first bundle of group 0.
+  `r % gpus_per_node` of group `r // gpus_per_node`, so rank 0 is the first bundle of group 0;
+  a group that landed on the driver's node is group 0 (rank 0 reads what the driver wrote).
 * engines: one placement group of `--rollout-num-gpus / --rollout-num-gpus-per-engine` bundles,
   SPREAD, one bundle per engine holding all of its tensor-parallel GPUs.
 
@@ -156,6 +158,7 @@ def place_roles(
         raise
     slots = split_node_cores(slots)
     ranks = actor_num_nodes * actor_num_gpus_per_node
+    slots = _driver_node_first(slots[:ranks], actor_num_gpus_per_node) + slots[ranks:]
     placement = Placement(
         trainer=slots[:ranks], engines=slots[ranks:], gpus=use_gpus, groups=[pg for pg, _ in groups]
     )
@@ -165,6 +168,16 @@ def place_roles(
         [s.node_ip for s in placement.engines],
     )
     return placement
+
+
+def _driver_node_first(trainer: list[Slot], per_node: int) -> list[Slot]:
+    """The trainer's groups reordered so that a group on the driver's node (if one landed there)
+    holds rank 0: rank 0 reads what the driver wrote (the warm start) and sends it to ranks on
+    nodes that cannot see it (docs/cluster.md, no shared filesystem)."""
+    here = ray.get_runtime_context().get_node_id()
+    groups = [trainer[i : i + per_node] for i in range(0, len(trainer), per_node)]
+    groups.sort(key=lambda g: g[0].node_id != here)  # stable: otherwise the reserved order
+    return [s for g in groups for s in g]
 
 
 def _inspect(pg: PlacementGroup, index: int, resources: dict[str, float]) -> Slot:
@@ -182,6 +195,31 @@ def _inspect(pg: PlacementGroup, index: int, resources: dict[str, float]) -> Slo
         cores=cores,
     )
     return slot
+
+
+def node_alive(node_id: str) -> bool:
+    """Whether Ray counts the node as alive (a lost node is declared dead after its missed
+    health checks)."""
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
+def relocated(slot: Slot, *, timeout_s: float) -> Slot | None:
+    """Where `slot`'s bundle is now that its node is lost: Ray moves the bundles of a dead node
+    to live nodes that have room, so the bundle is looked at again (the task waits until the
+    bundle is placed). None when it is not placed within `timeout_s` (no room). The new slot
+    pins no cores (the node's cores are already shared out among its first bundles)."""
+    strategy = PlacementGroupSchedulingStrategy(
+        placement_group=slot.pg, placement_group_bundle_index=slot.index
+    )
+    ref = _where.options(scheduling_strategy=strategy).remote()
+    done, _ = ray.wait([ref], timeout=timeout_s)
+    if not done:
+        ray.cancel(ref, force=True)
+        return None
+    node_id, ip, _, port = ray.get(ref)
+    if node_id == slot.node_id:
+        return None
+    return dataclasses.replace(slot, node_id=node_id, node_ip=ip, port=port, cores=())
 
 
 def split_node_cores(slots: list[Slot]) -> list[Slot]:

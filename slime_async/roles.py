@@ -31,7 +31,7 @@ from router.client import RouterClient
 from router.config import RouterConfig
 from slime_async.contracts.engine import EngineBackend, EngineHandle, EngineLaunch
 from slime_async.host import pin_cores
-from slime_async.placement import Slot
+from slime_async.placement import Slot, node_alive, relocated
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,40 @@ class Cluster:
     async def engine_alive(self, i: int) -> bool:
         """Whether engine `i` still exists as far as its backend can tell."""
         return await self.backend.alive(self.engines[i])
+
+    async def lost_node(self, i: int) -> str | None:
+        """The IP of engine `i`'s node when Ray counts that node as dead; None when it is alive
+        (or the engines run on the local node, unplaced)."""
+        if self.slots is None:
+            return None
+        slot = self.slots[i]
+        return None if await asyncio.to_thread(node_alive, slot.node_id) else slot.node_ip
+
+    async def relocate(self, i: int, *, timeout_s: float) -> Slot | None:
+        """Move engine `i`'s slot to where Ray re-placed its bundle after its node was lost
+        (`placement.relocated`); None (the slot unchanged) when no live node had room within
+        `timeout_s`. The next `replace_engine(i)` then starts there."""
+        assert self.slots is not None
+        slot = await asyncio.to_thread(relocated, self.slots[i], timeout_s=timeout_s)
+        if slot is not None:
+            self.slots[i] = slot
+            self.engine_cores[i] = ()
+        return slot
+
+    async def drop_engine(self, i: int) -> str:
+        """Take engine `i` out of the fleet for good (its node is lost and no live node has
+        room): the router forgets it, its handle is stopped (bounded), the run goes on with the
+        others. Returns its url."""
+        h = self.engines.pop(i)
+        self.engine_cores.pop(i)
+        if self.slots is not None:
+            self.slots.pop(i)
+        self.pending.discard(h.url)
+        with contextlib.suppress(Exception):
+            await self.control.remove_worker(h.url)
+        with contextlib.suppress(Exception):
+            await self.backend.stop(h, timeout_s=REPLACE_STOP_TIMEOUT_S)
+        return h.url
 
     async def replace_engine(
         self, i: int, *, model_dir: Path, version: int, admit: bool = True

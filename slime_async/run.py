@@ -34,6 +34,8 @@ from slime_async.supervisor import EnginesDownError, EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
 
 log = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 60.0
+"""How long closing the weight transport may take at shutdown before the run goes on closing."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -303,10 +305,10 @@ class Run:
             log.warning("data worker did not stop cleanly: %s", e)
         await self.supervisor.stop()
         await self.chain.close()
-        try:
-            await self.transport.close()
+        try:  # bounded: a trainer rank stuck in a collective with a lost peer never answers
+            await asyncio.wait_for(self.transport.close(), CLOSE_TIMEOUT_S)
         except Exception as e:  # shutting down: report, keep closing
-            log.warning("weight transport did not close cleanly: %s", e)
+            log.warning("weight transport did not close cleanly: %s", e or type(e).__name__)
         await self._record_served_versions()
         await self.cluster.stop()
         self.trainer.shutdown()

@@ -62,12 +62,15 @@ class SupervisorConfig:
     """With no healthy engine for this many seconds, stop the run with a checkpoint."""
     log_every_s: float = flag(10.0, cli=False)
     """How often to repeat the 'no healthy engine' line while waiting."""
+    relocate_wait_s: float = flag(10.0, cli=False)
+    """An engine whose node is lost: seconds to wait for Ray to re-place its bundle on a live
+    node with room before the run goes on without that engine."""
     max_restarts: int = flag(20, cli=False)
     """Give up after this many restarts in one run (an engine that keeps dying is a bug)."""
 
     def __post_init__(self) -> None:
         check_ranges(self)
-        for name in ("interval_s", "log_every_s"):  # no flags: named as fields
+        for name in ("interval_s", "log_every_s", "relocate_wait_s"):  # no flags: named as fields
             if not 0 < (v := getattr(self, name)) < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {v}")
         if self.max_restarts < 0:
@@ -105,6 +108,8 @@ class EngineSupervisor:
         self.failed = asyncio.Event()
         self.reason = ""
         self.restarts = 0
+        self.dropped = 0
+        """Engines taken out for good (their node lost, no room elsewhere)."""
         self._unhealthy_since: dict[str, float] = {}
         self._reported: set[str] = set()
         self._all_down_since: float | None = None
@@ -122,7 +127,7 @@ class EngineSupervisor:
             self._task = None
 
     def metrics(self) -> dict[str, float]:
-        return {"engines/restarts": float(self.restarts)}
+        return {"engines/restarts": float(self.restarts), "engines/dropped": float(self.dropped)}
 
     async def _loop(self) -> None:
         while not self.failed.is_set():
@@ -142,7 +147,9 @@ class EngineSupervisor:
         for i, url in enumerate(list(self.cluster.engine_urls)):
             if url in self.cluster.pending:  # not in the router yet: only its process counts
                 if not await self.cluster.engine_alive(i):
-                    await self._replace(i, "its process is gone (while waiting for weights)")
+                    why = "its process is gone (while waiting for weights)"
+                    if not await self._replace(i, why):
+                        return  # the fleet shrank: indices moved, look again next pass
                 continue
             if healthy.get(url, False):
                 self._unhealthy_since.pop(url, None)
@@ -163,7 +170,8 @@ class EngineSupervisor:
             dead = not await self.cluster.engine_alive(i)
             if dead or now - since >= self.cfg.restart_after_s:
                 why = "its process is gone" if dead else f"unhealthy for {now - since:.0f}s"
-                await self._replace(i, why)
+                if not await self._replace(i, why):
+                    return  # the fleet shrank: indices moved, look again next pass
         if any(healthy.get(u, False) for u in self.cluster.engine_urls):
             self._all_down_since = None
             return
@@ -186,10 +194,34 @@ class EngineSupervisor:
             )
             self.failed.set()
 
-    async def _replace(self, i: int, why: str) -> None:
+    async def _replace(self, i: int, why: str) -> bool:
+        """Replace engine `i`; False when it was dropped instead (its node is lost and no live
+        node has room), which shrinks `cluster.engines`."""
         if self.restarts >= self.cfg.max_restarts:
-            return  # the all-down timeout will stop the run with a clear message
+            return True  # the all-down timeout will stop the run with a clear message
         old = self.cluster.engine_urls[i]
+        if (node := await self.cluster.lost_node(i)) is not None:
+            slot = await self.cluster.relocate(i, timeout_s=self.cfg.relocate_wait_s)
+            if slot is None:
+                total = len(self.cluster.engines)
+                await self.cluster.drop_engine(i)
+                self.dropped += 1
+                log.warning(
+                    "engine %d at %s: its node %s is lost and no live node has room for its "
+                    "bundle (waited %.0fs); continuing on %d of %d engines",
+                    i,
+                    old,
+                    node,
+                    self.cfg.relocate_wait_s,
+                    total - 1,
+                    total,
+                )
+                if self._on_replace is not None:
+                    await self._on_replace()
+                return False
+            log.warning(
+                "engine %d: its node %s is lost; starting it on node %s", i, node, slot.node_ip
+            )
         path, version = self.current_weights()
         fleet = version if self.fleet_version is None else self.fleet_version()
         log.warning("engine %d at %s: %s; restarting it on weights v%d", i, old, why, version)
@@ -200,7 +232,7 @@ class EngineSupervisor:
             )
         except Exception as e:
             log.warning("restart of engine %d failed: %s", i, e)
-            return
+            return True
         self._unhealthy_since.pop(old, None)
         if version < fleet:
             log.warning(
@@ -218,3 +250,4 @@ class EngineSupervisor:
             log.info("engine %d replaced: %s -> %s (serving v%d)", i, old, url, version)
         if self._on_replace is not None:
             await self._on_replace()
+        return True

@@ -68,6 +68,10 @@ class EngineConfig:
     under one weight version is never reused by a request served by another."""
     context_length: int | None = flag(None, ge=2)
     """Longest prompt+output in tokens; None = the model's `max_position_embeddings`."""
+    allow_auto_truncate: bool = False
+    """As SGLang's `--allow-auto-truncate`: a prompt at or over the context length is cut to
+    fit and a `max_new_tokens` past it is lowered to what is left, instead of a 400 naming
+    both numbers."""
     weight_version: str = "default"
     """Initial `meta_info.weight_version` (SGLang's default is "default"; the trainer sends "0", ...)."""
     served_model_name: str | None = None

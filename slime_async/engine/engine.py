@@ -126,6 +126,7 @@ class Engine:
             routed_experts_enabled=self.cfg.enable_return_routed_experts,
             routed_experts_by_default=self.cfg.always_return_routed_experts and self.lm.is_moe,
             lora_names=None if self.lm.lora is None else frozenset(self.lm.lora.adapters),
+            allow_auto_truncate=self.cfg.allow_auto_truncate,
         )
 
     def submit(self, req: GenerateRequest) -> list[Sequence]:

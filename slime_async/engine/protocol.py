@@ -73,6 +73,8 @@ class ModelLimits:
     routed_experts_by_default: bool = False
     lora_names: frozenset[str] | None = None
     """Adapters `lora_path` may name; None: the engine serves no LoRA (--enable-lora off)."""
+    allow_auto_truncate: bool = False
+    """SGLang's `--allow-auto-truncate`: cut what does not fit instead of a 400."""
 
 
 _UNSUPPORTED = (
@@ -107,12 +109,43 @@ def _check_ids(ids: Any, limits: ModelLimits, where: str) -> list[int]:
             raise RequestError(
                 f"{where} holds {t!r}; token ids must be integers in [0, {limits.vocab_size})"
             )
-    if len(ids) >= limits.context_length:
+    if len(ids) >= limits.context_length and not limits.allow_auto_truncate:
         raise RequestError(
             f"{where} has {len(ids)} tokens; the engine's context length is "
             f"{limits.context_length} (prompt must be shorter)"
         )
     return ids
+
+
+def _fit_context(
+    prompt: list[int],
+    params: SamplingParams,
+    asked: Any,
+    limits: ModelLimits,
+    *,
+    where: str,
+) -> SamplingParams:
+    """SGLang's total-length rule: prompt + `max_new_tokens` (when the request sets it) must
+    fit the context length, else a 400 naming both numbers; with `allow_auto_truncate` the
+    prompt is cut (in place) to leave room and `max_new_tokens` is lowered to what is left."""
+    ctx = limits.context_length
+    if limits.allow_auto_truncate and len(prompt) >= ctx:
+        keep = min(ctx - 1, max(1, ctx - (params.max_new_tokens if asked is not None else 1)))
+        del prompt[keep:]
+    if asked is None or len(prompt) + params.max_new_tokens <= ctx:
+        return params
+    if limits.allow_auto_truncate:
+        left = ctx - len(prompt)
+        return dataclasses.replace(
+            params, max_new_tokens=left, min_new_tokens=min(params.min_new_tokens, left)
+        )
+    raise RequestError(
+        f"{where} asks for {len(prompt)} prompt tokens + max_new_tokens "
+        f"{params.max_new_tokens} = {len(prompt) + params.max_new_tokens} tokens, over the "
+        f"engine's context length of {ctx}: lower max_new_tokens to at most "
+        f"{ctx - len(prompt)} or shorten the prompt (or start the engine with "
+        "--allow-auto-truncate to have it lowered)"
+    )
 
 
 def _flag(v: Any, key: str) -> bool:
@@ -175,6 +208,16 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
     sps = [
         parse_sampling_params(d, vocab_size=limits.vocab_size)
         for d in _per_item(body, "sampling_params", n_in, None)
+    ]
+    sps = [
+        _fit_context(
+            prompts[i],
+            p,
+            raw.get("max_new_tokens") if isinstance(raw, dict) else None,
+            limits,
+            where=f"input {i}" if n_in > 1 else "the request",
+        )
+        for i, (p, raw) in enumerate(zip(sps, _per_item(body, "sampling_params", n_in, None)))
     ]
     rlp = _per_item(body, "return_logprob", n_in, False)
     lsl = _per_item(body, "logprob_start_len", n_in, -1)

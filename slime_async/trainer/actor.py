@@ -12,6 +12,7 @@ controller, engine, rollout, weights or data-worker parts of `slime_async`.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ class _TrainerActorImpl:
         master_addr: str,
         master_port: int,
         num_threads: int,
+        hf_from_rank0: bool = False,
     ) -> None:
         import torch
 
@@ -56,6 +58,7 @@ class _TrainerActorImpl:
             world_size=world_size,
             master_addr=master_addr,
             master_port=master_port,
+            hf_from_rank0=hf_from_rank0,
         )
         self.rank, self.master_addr = rank, master_addr
         self.weight_group: WeightGroup | None = None
@@ -180,11 +183,13 @@ class TrainerGroup:
         num_threads: int = 1,
         timeout_s: float = 600.0,
         slots: Sequence[Any] | None = None,
+        hf_from_rank0: bool = False,
     ) -> None:
         """Without `slots`, `world_size` ranks anywhere on this node, rendezvous on loopback.
         With them (`slime_async.placement.Slot`s: `node_ip`, `port`, `actor_options()`), rank r
         runs in bundle `slots[r]` and the ranks rendezvous on rank 0's node IP at a port found
-        free there."""
+        free there. `hf_from_rank0`: the start weights (`cfg.hf_checkpoint`) are read by rank 0
+        and broadcast, for ranks on nodes that do not hold them."""
         if slots is not None and len(slots) != world_size:
             raise ValueError(f"{len(slots)} trainer slots for world size {world_size}")
         self.timeout_s = timeout_s
@@ -195,6 +200,8 @@ class TrainerGroup:
             addr, port = slots[0].node_ip, slots[0].port
             opts = [s.actor_options() for s in slots]
         self.master = (addr, port)
+        self.node_ips = [addr] * world_size if slots is None else [s.node_ip for s in slots]
+        """Each rank's node IP (what a lost-rank message names)."""
         self.master_addr = addr
         """Rank 0's rendezvous address (also the weight group's, unless configured)."""
         self.actors = [
@@ -206,14 +213,47 @@ class TrainerGroup:
                 master_addr=addr,
                 master_port=port,
                 num_threads=num_threads,
+                hf_from_rank0=hf_from_rank0,
             )
             for r in range(world_size)
         ]
         self._all("version")  # wait until every rank is up (raises the build error if any)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` on every rank; the first rank that fails raises at once (a rank whose
+        peer died in a collective fails before Ray declares the peer's node dead)."""
         refs = [getattr(a, method).remote(*args) for a in self.actors]
-        return ray.get(refs, timeout=self.timeout_s)
+        self._wait_all(refs, f"trainer {method}")
+        return ray.get(refs)
+
+    def _wait_all(self, refs: list[Any], what: str) -> None:
+        """Wait for every ref; the first that failed raises at once (a rank whose peer died
+        waits in its collective: waiting for it too would hang until the timeout)."""
+        pending, deadline = list(refs), time.monotonic() + self.timeout_s
+        while pending:
+            done, pending = ray.wait(
+                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not done:
+                raise TimeoutError(f"{what} not done after {self.timeout_s:.0f} s")
+            ray.get(done)  # raises that rank's error
+
+    def ranks_lost(self, timeout_s: float = 20.0) -> list[tuple[int, str, str]]:
+        """(rank, node IP, why) of every rank that does not answer within `timeout_s`: its
+        actor died (its node was lost) or it hangs."""
+        refs = [a.version.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        lost = []
+        for r, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0.1)
+            except ray.exceptions.GetTimeoutError:
+                lost.append((r, self.node_ips[r], f"no answer within {timeout_s:.0f} s"))
+            except ray.exceptions.RayActorError as e:
+                lost.append((r, self.node_ips[r], f"its actor is gone ({type(e).__name__})"))
+            except Exception:  # it answered with an error: alive
+                continue
+        return lost
 
     def version(self) -> int:
         return int(self._all("version")[0])
@@ -248,11 +288,7 @@ class TrainerGroup:
         """A Ray ref to the current version's HF tensors (`HFWeights`), held in the object
         store and not fetched here: hand it to another actor, which receives the tensors."""
         refs = [a.export_weights.remote() for a in self.actors]
-        _, waiting = await asyncio.to_thread(
-            ray.wait, refs, num_returns=len(refs), timeout=self.timeout_s
-        )
-        if waiting:
-            raise TimeoutError(f"weight export not done after {self.timeout_s:.0f} s")
+        await asyncio.to_thread(self._wait_all, refs, "weight export")
         return refs[0]
 
     def save_checkpoint(

@@ -138,10 +138,18 @@ class BehaviorRole:
     """
 
     def __init__(
-        self, cfg: TrainerConfig, spec: ModelSpec, *, num_threads: int = 1, timeout_s: float = 600
+        self,
+        cfg: TrainerConfig,
+        spec: ModelSpec,
+        *,
+        num_threads: int = 1,
+        timeout_s: float = 600,
+        actor_options: dict[str, Any] | None = None,
     ) -> None:
+        """`actor_options`: Ray `.options(...)` of the role's actor (the run keeps it on the
+        driver's node, where the exported versions it reads are)."""
         self.timeout_s = timeout_s
-        self.actor = BehaviorActor.remote(
+        self.actor = BehaviorActor.options(**(actor_options or {})).remote(
             cfg, spec, max_versions=cfg.max_snapshots, num_threads=num_threads
         )
         ray.get(self.actor.ready.remote(), timeout=timeout_s)  # raises the build error, if any

@@ -35,6 +35,7 @@ from slime_async.trainer import (
     lora,
     parallel,
     quiet,
+    share,
     weights_io,
 )
 from slime_async.trainer.config import TrainerConfig
@@ -78,7 +79,10 @@ class MegatronTrainer(LogprobForwards):
         world_size: int = 1,
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
+        hf_from_rank0: bool = False,
     ) -> None:
+        """`hf_from_rank0`: rank 0 reads `cfg.hf_checkpoint` and sends it to the other ranks
+        (their nodes do not hold it; `share.broadcast_hf_weights`)."""
         quiet.quiet_optional_dependency_warnings()  # before megatron's first import here
         self.cfg, self.spec = cfg, spec
         # fails fast on a bad name or path; entropy / KL-to-reference terms wrap the loss
@@ -143,6 +147,9 @@ class MegatronTrainer(LogprobForwards):
         self.resumed_layout: parallel.ParallelLayout | None = None
         if cfg.load is not None:
             self.load_checkpoint(cfg.load)
+        elif cfg.hf_checkpoint is not None and hf_from_rank0 and world_size > 1:
+            w = share.broadcast_hf_weights(cfg.hf_checkpoint, rank=rank)
+            self.import_weights(w, where=str(cfg.hf_checkpoint))
         elif cfg.hf_checkpoint is not None:
             self.import_hf(cfg.hf_checkpoint)
         self.optim.set_version(self.version)

@@ -525,9 +525,12 @@ class DistributedTransport:
             )
 
     async def close(self) -> None:
-        """Destroy the group everywhere and close the HTTP session."""
-        async with self._lock:
-            await self._teardown()
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        """Destroy the group everywhere and close the HTTP session (closed even when the
+        teardown fails: a trainer rank lost with its node)."""
+        try:
+            async with self._lock:
+                await self._teardown()
+        finally:
+            if self._http is not None:
+                await self._http.close()
+                self._http = None
