@@ -307,3 +307,32 @@ async def test_client_refuses_a_request_without_the_adapter():
                 await client.post(body, {})
     finally:
         await client.close()
+
+
+async def test_prefix_cache_never_crosses_adapters_or_their_versions(setup):
+    """KV computed under one adapter is not reused under another (or the base), nor after a
+    versioned push replaced the adapter: a request after the push has 0 cached tokens and
+    the new adapter's greedy tokens."""
+    url, base, a1, a2, _ = setup
+    long = PROMPT * 4
+
+    def body(**extra):
+        return {**_gen(4), "input_ids": long, **extra}
+
+    async with aiohttp.ClientSession() as s:
+        load = {"lora_name": "cached", "lora_path": str(a1), "weight_version": "0"}
+        assert (await post(s, url + "/load_lora_adapter", load))[0] == 200
+        _, first = await post(s, url + "/generate", body(lora_path="cached"))
+        _, again = await post(s, url + "/generate", body(lora_path="cached"))
+        _, on_base = await post(s, url + "/generate", body())
+        await post(s, url + "/pause_generation", {"mode": "in_place"})
+        load = {"lora_name": "cached", "lora_path": str(a2), "weight_version": "1"}
+        st, res = await post(s, url + "/load_lora_adapter", load)
+        await post(s, url + "/continue_generation", {})
+        assert st == 200 and res["success"], res
+        _, after = await post(s, url + "/generate", body(lora_path="cached"))
+    assert again["meta_info"]["cached_tokens"] == len(long) - 1  # the cache works
+    assert on_base["meta_info"]["cached_tokens"] == 0  # the base never reads adapter KV
+    assert after["meta_info"]["cached_tokens"] == 0  # nor the new version the old one's
+    assert after["output_ids"] == _greedy(_peft_model(base, a2), long, 4)
+    assert first["output_ids"] == _greedy(_peft_model(base, a1), long, 4)

@@ -180,13 +180,14 @@ class IdText:
     ('5 17', [5, 17])
     """
 
+    unparsable = "this model has no tokenizer: message text must be space-separated token ids"
+    """The error for text that is not token ids (a subclass names its own fix)."""
+
     def encode(self, text: str) -> list[int]:
         try:
             return [int(t) for t in text.split()]
         except ValueError:
-            raise ValueError(
-                "this model has no tokenizer: message text must be space-separated token ids"
-            ) from None
+            raise ValueError(self.unparsable) from None
 
     def decode(self, ids: Sequence[int], **_: Any) -> str:
         return " ".join(str(int(i)) for i in ids)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from slime_async.contracts.chat import IdText
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.config import EngineConfig
 
@@ -30,24 +31,17 @@ BF16_VIA_FP32_MIN_TOKENS = 8
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
-class IdCodec:
+class IdCodec(IdText):
     """Stand-in tokenizer for models without one: text is the token ids in decimal, space-separated.
 
     >>> IdCodec().decode([5, 17]), IdCodec().encode("5 17")
     ('5 17', [5, 17])
     """
 
-    def encode(self, text: str) -> list[int]:
-        try:
-            return [int(t) for t in text.split()]
-        except ValueError:
-            raise ValueError(
-                "this engine has no tokenizer: `text` must be space-separated integer token ids "
-                "(or send `input_ids`)"
-            ) from None
-
-    def decode(self, ids: list[int], **_: Any) -> str:
-        return " ".join(str(i) for i in ids)
+    unparsable = (
+        "this engine has no tokenizer: `text` must be space-separated integer token ids "
+        "(or send `input_ids`)"
+    )
 
 
 class Bf16ViaFp32(TorchFunctionMode):

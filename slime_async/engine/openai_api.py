@@ -19,7 +19,6 @@ torch model code.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import time
@@ -32,26 +31,10 @@ from slime_async.contracts.chat import ChatError, normalize_messages, parse_tool
 from slime_async.engine.engine import Engine, EngineState
 from slime_async.engine.protocol import parse_generate, response_item
 from slime_async.engine.sampling import RequestError
-from slime_async.engine.sequence import Sequence
+from slime_async.engine.sequence import Sequence, wait_done
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
 """Generation routes whose bodies may be as large as `/generate`'s."""
-
-
-async def _wait_done(request: web.Request, seqs: list[Sequence], poll_s: float = 0.5) -> bool:
-    """Wait until every sequence finished; False if the client disconnected first."""
-    all_done = asyncio.ensure_future(asyncio.gather(*(s.done.wait() for s in seqs)))
-    all_done.add_done_callback(lambda f: f.cancelled() or f.exception())
-    try:
-        while True:
-            done, _ = await asyncio.wait({all_done}, timeout=poll_s)
-            if done:
-                return True
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                return False
-    finally:
-        all_done.cancel()
 
 
 def _err(message: str, status: int = 400) -> web.Response:
@@ -117,7 +100,7 @@ async def _run(
     req = parse_generate(body, tokenizer=eng.lm.tokenizer, limits=eng.limits)
     async with eng.model_lock.reader():
         seqs = eng.submit(req)
-        if not await _wait_done(request, seqs):
+        if not await wait_done(seqs, lambda: _client_gone(request)):
             eng.abort_seqs(seqs, "client disconnected")
             return web.Response(status=499)
     for s in seqs:
@@ -323,3 +306,8 @@ def add_openai_routes(app: web.Application, engine: Engine) -> None:
     app.router.add_post("/v1/chat/completions", functools.partial(chat_completions, engine))
     app.router.add_post("/v1/completions", functools.partial(completions, engine))
     app.router.add_get("/v1/models", functools.partial(models, engine))
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import enum
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -154,3 +155,23 @@ def check_finish(
     if len(seq.output) >= p.max_new_tokens or seq.num_tokens >= context_length:
         return {"type": "length", "length": len(seq.output)}
     return None
+
+
+async def wait_done(
+    seqs: list[Sequence], client_gone: Callable[[], bool], poll_s: float = 0.5
+) -> bool:
+    """Wait until every sequence finished; False if `client_gone()` turned true first (the
+    HTTP routes then abort the sequences and free their batch rows)."""
+    all_done = asyncio.ensure_future(asyncio.gather(*(s.done.wait() for s in seqs)))
+    # at shutdown the waiters are cancelled under the gather: read that outcome so asyncio
+    # does not log "exception was never retrieved"
+    all_done.add_done_callback(lambda f: f.cancelled() or f.exception())
+    try:
+        while True:
+            done, _ = await asyncio.wait({all_done}, timeout=poll_s)
+            if done:
+                return True
+            if client_gone():
+                return False
+    finally:
+        all_done.cancel()

@@ -20,7 +20,7 @@ from slime_async.engine.engine import Engine, EngineState
 from slime_async.engine.openai_api import OPENAI_PATHS, add_openai_routes
 from slime_async.engine.protocol import GenerateRequest, parse_generate, response_item
 from slime_async.engine.sampling import RequestError
-from slime_async.engine.sequence import Sequence
+from slime_async.engine.sequence import Sequence, wait_done
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 
@@ -166,7 +166,9 @@ async def _serve(request: web.Request, eng: Engine, req: GenerateRequest) -> web
     tok = eng.lm.tokenizer  # type: ignore[union-attr]
     if req.stream:
         return await _stream(request, eng, seqs, batch=req.batch, rtl=rtl)
-    if not await _wait_done(request, seqs):  # client went away: free the batch rows
+    if not await wait_done(
+        seqs, lambda: _client_gone(request)
+    ):  # client went away: free the batch rows
         eng.abort_seqs(seqs, "client disconnected")
         return web.Response(status=499)
     for s in seqs:  # an internal error is an HTTP error (SGLang), not a partial answer
@@ -175,24 +177,6 @@ async def _serve(request: web.Request, eng: Engine, req: GenerateRequest) -> web
             return _err(s.finish_reason["message"], status=code)  # type: ignore[index]
     outs = [response_item(s, tokenizer=tok, return_text_in_logprobs=rtl) for s in seqs]
     return web.json_response(outs if req.batch else outs[0], dumps=_dumps)
-
-
-async def _wait_done(request: web.Request, seqs: list[Sequence], poll_s: float = 0.5) -> bool:
-    """Wait until every sequence finished; False if the client disconnected first."""
-    all_done = asyncio.ensure_future(asyncio.gather(*(s.done.wait() for s in seqs)))
-    # at shutdown the waiters are cancelled under the gather: read that outcome so asyncio
-    # does not log "exception was never retrieved"
-    all_done.add_done_callback(lambda f: f.cancelled() or f.exception())
-    try:
-        while True:
-            done, _ = await asyncio.wait({all_done}, timeout=poll_s)
-            if done:
-                return True
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                return False
-    finally:
-        all_done.cancel()
 
 
 async def _stream(
@@ -611,3 +595,8 @@ def build_app(engine: Engine) -> web.Application:
     r.add_get("/v1/loads", v1_loads)
     add_openai_routes(app, engine)
     return app
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
