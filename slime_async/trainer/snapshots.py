@@ -1,8 +1,8 @@
 """Bounded store of past-version weight snapshots (CPU copies of this rank's shards).
 
-Owns: `SnapshotStore` — keep/release version-j weights (the trainable ones: with LoRA the
-adapters only, MBs per version) and swap them into the model for a π_j^Meg forward. Must never import the controller, engine, rollout or data-worker parts of
-`slime_async`.
+Owns: `SnapshotStore` — keep/release version-j weights (with LoRA the adapters only, MBs per
+version) and swap them into the model for a π_j^Meg forward. Must never import the controller,
+engine, rollout or data-worker parts of `slime_async`.
 
 Worked example (max_snapshots = 2): snapshot(0), snapshot(1), snapshot(2) → versions {1, 2}
 (0 evicted, oldest first); release(1) → {2}; `swapped_in(model, 2)` runs the body with
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -21,10 +21,13 @@ import torch
 class SnapshotStore:
     """Version → CPU state (parameters only) with FIFO eviction beyond `max_snapshots`."""
 
-    def __init__(self, max_snapshots: int) -> None:
+    def __init__(self, max_snapshots: int, *, keep: Callable[[str], bool] | None = None) -> None:
         if max_snapshots < 1:
             raise ValueError("max_snapshots must be >= 1")
         self.max_snapshots = max_snapshots
+        self.keep = keep
+        """Which parameters a snapshot holds (by name; None: all). With LoRA the adapters
+        only: the frozen base is shared by every version."""
         self._store: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
 
     def versions(self) -> list[int]:
@@ -35,13 +38,12 @@ class SnapshotStore:
 
     @torch.no_grad()
     def snapshot(self, model: torch.nn.Module, version: int) -> list[int]:
-        """Keep a CPU copy of the model's trainable parameters as `version` (all of them, or
-        with LoRA only the adapters: the frozen base is shared by every version); returns
-        evicted versions."""
+        """Keep a CPU copy of the model's parameters (those `keep` names) as `version`;
+        returns evicted versions."""
         self._store[version] = {
             n: p.detach().to("cpu", copy=True)
             for n, p in model.named_parameters()
-            if p.requires_grad
+            if self.keep is None or self.keep(n)
         }
         self._store.move_to_end(version)
         evicted = []

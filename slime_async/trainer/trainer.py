@@ -142,7 +142,9 @@ class MegatronTrainer(LogprobForwards):
         )
         self.version = 0
         self.extra_state: dict[str, object] = {}
-        self.snapshots = SnapshotStore(cfg.max_snapshots)
+        self.snapshots = SnapshotStore(
+            cfg.max_snapshots, keep=None if self.lora is None else lora.is_adapter_param
+        )
         self.loaded_from: str | None = None
         self.resumed_layout: parallel.ParallelLayout | None = None
         if cfg.load is not None:
