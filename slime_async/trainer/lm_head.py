@@ -1,7 +1,7 @@
 """The language-model head without the full-vocabulary tensor: token log-probs and entropies
 straight from the last hidden states and the output weight, a chunk of tokens at a time.
 
-Owns: `HiddenOutputLayer` (megatron's output `ColumnParallelLinear`, parameter names unchanged,
+Owns: `HiddenOutputLayer` (made by `hidden_output_layer()`; megatron's output `ColumnParallelLinear`, parameter names unchanged,
 that hands the model's caller the hidden states instead of multiplying them out: the model
 then returns `[b, s, hidden]`), `Logits` (those hidden states with the weight and TP group they
 would have been multiplied with), `chunked_logprobs` (the custom autograd function) and
@@ -22,10 +22,10 @@ the head (megatron's, as in `ColumnParallelLinear`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 CHUNK_ELEMENTS = 1 << 23
 """Default logits elements per chunk on a CPU (32 MiB of fp32 logits; 170 tokens at a 49k
@@ -41,45 +41,55 @@ def default_chunk_tokens(vocab_local: int, device: torch.device | str = "cpu") -
     return max(1, elements // max(1, vocab_local))
 
 
-class HiddenOutputLayer(ColumnParallelLinear):
-    """megatron's output layer, returning the (sequence-gathered) hidden states `[s, b, h]`.
+@functools.cache
+def hidden_output_layer() -> type:
+    """The `HiddenOutputLayer` class, made on first use: megatron's tensor-parallel layers
+    import its optimizer package (and its warnings), which importing this module must not."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    Installed on a built `GPTModel` by `install` (the instance's class is swapped: no new
-    state, the same parameters). Under sequence parallelism the sequence is gathered exactly
-    as `ColumnParallelLinear` gathers it (the backward reduce-scatters, summing every rank's
-    partial gradient); with TP and no sequence parallelism the backward all-reduces."""
+    class HiddenOutputLayer(ColumnParallelLinear):
+        """megatron's output layer, returning the (sequence-gathered) hidden states `[s, b, h]`.
 
-    def forward(  # type: ignore[override]
-        self,
-        input_: torch.Tensor,
-        weight: torch.Tensor | None = None,
-        runtime_gather_output: bool | None = None,
-    ) -> tuple[torch.Tensor, None]:
-        from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region,
-            gather_from_sequence_parallel_region,
-        )
+        Installed on a built `GPTModel` by `install` (the instance's class is swapped: no new
+        state, the same parameters). Under sequence parallelism the sequence is gathered exactly
+        as `ColumnParallelLinear` gathers it (the backward reduce-scatters, summing every rank's
+        partial gradient); with TP and no sequence parallelism the backward all-reduces."""
 
-        if self.sequence_parallel:
-            h = gather_from_sequence_parallel_region(
-                input_, tensor_parallel_output_grad=True, group=self.tp_group
+        def forward(  # type: ignore[override]
+            self,
+            input_: torch.Tensor,
+            weight: torch.Tensor | None = None,
+            runtime_gather_output: bool | None = None,
+        ) -> tuple[torch.Tensor, None]:
+            from megatron.core.tensor_parallel.mappings import (
+                copy_to_tensor_model_parallel_region,
+                gather_from_sequence_parallel_region,
             )
-        elif self.tp_group.size() > 1:
-            h = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        else:
-            h = input_
-        return h, None
+
+            if self.sequence_parallel:
+                h = gather_from_sequence_parallel_region(
+                    input_, tensor_parallel_output_grad=True, group=self.tp_group
+                )
+            elif self.tp_group.size() > 1:
+                h = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+            else:
+                h = input_
+            return h, None
+
+    return HiddenOutputLayer
 
 
 def install(model: torch.nn.Module) -> None:
     """Make `model` (a last-stage GPTModel) return hidden states instead of logits."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
     layer = getattr(model, "output_layer", None)
     if layer is not None and type(layer) is ColumnParallelLinear:
-        layer.__class__ = HiddenOutputLayer
+        layer.__class__ = hidden_output_layer()
 
 
 def returns_hidden(model: torch.nn.Module) -> bool:
-    return isinstance(getattr(model, "output_layer", None), HiddenOutputLayer)
+    return type(getattr(model, "output_layer", None)) is hidden_output_layer()
 
 
 def output_weight(model: torch.nn.Module) -> torch.Tensor:
