@@ -241,8 +241,8 @@ class WeightGroup:
         """Broadcast `t` from rank 0 (in place on the other ranks). Raises the op's error, or
         `WeightGroupAborted` soon after the group's `abort` key is set (the group is then
         left: see `abandon`)."""
-        if self.pg is None:
-            raise RuntimeError("the weight update group is closed")
+        if self.pg is None:  # left by `close`/`abort`, possibly from another thread mid-send
+            raise WeightGroupAborted("the weight update group is closed")
         # no local reference to the group: a failed broadcast's traceback must not keep it
         # alive, or `close` could not release its connections
         self._work = self.pg.broadcast(t, 0)  # type: ignore[attr-defined]
