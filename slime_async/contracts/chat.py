@@ -8,8 +8,9 @@ Owns: `render_chat` (the tokenizer's chat template through transformers' `apply_
 each message's content encoded and concatenated, an assistant message closed by EOS),
 `normalize_messages` (OpenAI message shapes checked and turned into what HF templates expect:
 text parts joined, tool-call arguments as objects), `parse_tool_calls` (Hermes/Qwen-style
-`<tool_call>{json}</tool_call>` blocks in a completion into OpenAI `tool_calls`) and
-`ChatError` (bad input; the caller answers 400). Pure functions; imports no component.
+`<tool_call>{json}</tool_call>` blocks in a completion into OpenAI `tool_calls`),
+`request_tools` (a request's `tools` for the template) and `ChatError` (bad input; the caller
+answers 400). Pure functions; imports no component.
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def request_tools(body: dict[str, Any]) -> list[Any] | None:
+    """The `tools` a chat request gives the template (None with `tool_choice: "none"`)."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ChatError("tools must be a list of tool definitions")
+    return None if body.get("tool_choice") == "none" else tools
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:

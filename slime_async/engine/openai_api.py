@@ -27,7 +27,13 @@ from typing import Any
 
 from aiohttp import web
 
-from slime_async.contracts.chat import ChatError, normalize_messages, parse_tool_calls, render_chat
+from slime_async.contracts.chat import (
+    ChatError,
+    normalize_messages,
+    parse_tool_calls,
+    render_chat,
+    request_tools,
+)
 from slime_async.engine.engine import Engine, EngineState
 from slime_async.engine.protocol import parse_generate, response_item
 from slime_async.engine.sampling import RequestError
@@ -132,11 +138,7 @@ async def chat_completions(eng: Engine, request: web.Request) -> web.StreamRespo
     try:
         body = await _body(request)
         messages = normalize_messages(body.get("messages"))
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise RequestError("tools must be a list of tool definitions")
-        if body.get("tool_choice") == "none":
-            tools = None
+        tools = request_tools(body)
         eos = min(eng.lm.eos_token_ids) if eng.lm.eos_token_ids else None
         ids = render_chat(tok, messages, tools=tools, eos_id=eos)
         sp = sampling_from_openai(body)

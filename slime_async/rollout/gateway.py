@@ -53,6 +53,7 @@ from slime_async.contracts.chat import (
     parse_tool_calls,
     render_after_last_assistant,
     render_chat,
+    request_tools,
 )
 from slime_async.contracts.rollout import (
     FinishStatus,
@@ -388,11 +389,7 @@ class TrainingGateway:
         if body.get("stream"):
             raise GatewayError("the training gateway answers whole turns; set stream=False")
         messages = normalize_messages(body.get("messages"))
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise GatewayError("tools must be a list of tool definitions")
-        if body.get("tool_choice") == "none":
-            tools = None
+        tools = request_tools(body)
         if tools and not has_chat_template(self.tokenizer):
             raise GatewayError("this model has no chat template, so it cannot be given tools")
         stop = body.get("stop")
