@@ -33,22 +33,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from slime_async.contracts.model import ModelSpec  # noqa: E402
+from slime_async.contracts.model import SMOLLM2_135M  # noqa: E402
 from slime_async.memory_plan import param_count  # noqa: E402
 
-SMOLLM2 = ModelSpec(
-    family="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    num_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    intermediate_size=1536,
-    tie_word_embeddings=True,
-    rope_theta=100000.0,
-    max_position_embeddings=8192,
-)
+SMOLLM2 = SMOLLM2_135M
 CONFIGS = {  # name: (bf16, logits chunk tokens (None: the chunked default, 0: full), recompute)
     "fp32 full logits": (False, 0, False),
     "fp32 chunked": (False, None, False),

@@ -12,23 +12,13 @@ import torch
 
 from slime_async.config import Environment, build_parser, validate
 from slime_async.config import _memory_parts as memory_parts
-from slime_async.contracts.model import TINY_MOE, ModelSpec
+from slime_async.contracts.model import SMOLLM2_135M, TINY_MOE, ModelSpec
 from slime_async.memory_plan import MEMORY_FRACTION, param_count
 
 pytestmark = pytest.mark.timeout(120)
 torch.set_num_threads(1)
 
-SMOLLM2 = ModelSpec(
-    family="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    num_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    intermediate_size=1536,
-    tie_word_embeddings=True,
-)
+SMOLLM2 = SMOLLM2_135M
 ASYNC = ("--hf-checkpoint", "/m", "--prompt-data", "t.jsonl", "--keep-old-actor")
 
 

@@ -329,3 +329,18 @@ def _refuse_unrepresentable(d: dict[str, Any], mtype: str) -> None:
 
 TINY_MOE = ModelSpec()
 """The embedded default: a ~2M-parameter Qwen3-MoE (2 layers, 4 experts, top-2)."""
+SMOLLM2_135M = ModelSpec(
+    family="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    num_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    tie_word_embeddings=True,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+)
+"""SmolLM2-135M's shapes (the recipes' model, read from its GGUF at run time): for benchmarks
+and memory estimates that need no weights."""
