@@ -112,12 +112,54 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+def _peaks() -> dict[str, float]:
+    """One core's matmul peak in fp32 and bf16 (FLOP/s), as `bench_trainer_speed` measures it."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_trainer_speed import matmul_peak
+
+    torch.set_num_threads(1)
+    return {
+        "fp32": matmul_peak(torch.float32, device="cpu", n=1024),
+        "bf16": matmul_peak(torch.bfloat16, device="cpu", n=1024),
+    }
+
+
+def mfu(rows: list[dict], params: float, prompt_tokens: float, peak: dict[str, float]) -> dict:
+    """Model FLOP utilisation of the train step's forward+backward: 6·N·tokens per step over its
+    seconds (median after the first 3 steps), against each dtype's peak. Tokens per step: the
+    trained samples' prompts (`--prompt-tokens` each) plus their responses."""
+    steps = [r for r in rows if "timing/train_fwd_bwd_s" in r][3:]
+    rates = [
+        6 * params * (r["train/num_seqs"] * prompt_tokens + r["train/num_tokens"])
+        / r["timing/train_fwd_bwd_s"]
+        for r in steps
+    ]  # fmt: skip
+    if not rates:
+        return {}
+    rate = statistics.median(rates)
+    return {
+        "model_gflops_per_s": round(rate / 1e9, 1),
+        "mfu": {k: round(rate / v, 4) for k, v in peak.items()},
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("recipe")
     p.add_argument("--out", required=True, help="the JSON summary is written here")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between RSS samples")
     p.add_argument("--pss-every", type=int, default=10, help="PSS on every N-th sample only")
+    p.add_argument(
+        "--mfu-params",
+        type=float,
+        help="the model's parameter count N: report MFU = 6·N·tokens / fwd+bwd s / one core's "
+        "matmul peak (measured before and after the run, the better kept)",
+    )
+    p.add_argument(
+        "--prompt-tokens", type=float, default=0.0, help="prompt tokens per sample (for MFU)"
+    )
     p.add_argument("--summarize", metavar="RUN_DIR", help="only summarise a finished run's metrics")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -126,7 +168,13 @@ def main() -> None:
     if args.summarize:
         out = Path(args.out)
         old = json.loads(out.read_text()) if out.is_file() else {}
-        out.write_text(json.dumps(old | summarize(_metrics(Path(args.summarize))), indent=2))
+        rows = _metrics(Path(args.summarize))
+        new = old | summarize(rows)
+        if args.mfu_params:  # the peak measured now, not beside the run: say so
+            peak = _peaks()
+            new |= {"matmul_peak_gflops_after": {k: round(v / 1e9, 1) for k, v in peak.items()}}
+            new |= mfu(rows, args.mfu_params, args.prompt_tokens, peak)
+        out.write_text(json.dumps(new, indent=2))
         print(out.read_text())
         return
     cmd = [sys.executable, str(ROOT / "train_async.py"), "--config", args.recipe, *args.flags]
@@ -134,6 +182,7 @@ def main() -> None:
         Path(args.flags[args.flags.index("--run-dir") + 1]) if "--run-dir" in args.flags else None
     )
     load0 = os.getloadavg()
+    peaks = [_peaks()] if args.mfu_params else []
     t0 = time.monotonic()
     log = open(Path(args.out).with_suffix(".log"), "w")  # noqa: SIM115 (open for the child's life)
     child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -149,6 +198,8 @@ def main() -> None:
             first_step = time.monotonic() - t0
         time.sleep(args.interval)
     wall = time.monotonic() - t0
+    if args.mfu_params:
+        peaks.append(_peaks())
     gib = 2**30
     top = sorted(per_proc.items(), key=lambda kv: -kv[1])[:6]
     result = {
@@ -163,6 +214,10 @@ def main() -> None:
         "loadavg_end": os.getloadavg(),
         **(summarize(_metrics(run_dir)) if run_dir is not None else {}),
     }
+    if args.mfu_params and run_dir is not None:
+        peak = {k: max(p[k] for p in peaks) for k in peaks[0]}
+        result |= {"matmul_peak_gflops": {k: round(v / 1e9, 1) for k, v in peak.items()}}
+        result |= mfu(_metrics(run_dir), args.mfu_params, args.prompt_tokens, peak)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
