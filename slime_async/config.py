@@ -605,19 +605,17 @@ def _derive_trainer(f: Flags, dw: DataWorkerConfig, *, embedded: bool, loss_name
         else:
             f.fill(dest, value, f"default of {kind}")
     if f.unset("behavior_forward"):
-        if a.lora_rank:
-            f.fill(
-                "behavior_forward",
-                "trainer",
-                "LoRA: the trainer's snapshots hold the adapters only (MBs), the base is shared "
-                "(docs/lora.md)",
-            )
-        elif a.keep_old_actor and reads_behavior and dw.max_staleness > 0:
+        if a.keep_old_actor and reads_behavior and dw.max_staleness > 0:
             f.fill(
                 "behavior_forward",
                 "role",
-                "an async run whose loss reads pi_j^Meg: the "
-                "forward-only role computes it off the train step (docs/compis.md)",
+                "an async run whose loss reads pi_j^Meg: the forward-only role computes it off "
+                "the train step (docs/compis.md)"
+                + (
+                    "; under LoRA it holds the base once and an adapter per version"
+                    if a.lora_rank
+                    else ""
+                ),
             )
         else:
             f.fill("behavior_forward", "trainer", "nothing to move off the train step")

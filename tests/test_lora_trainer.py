@@ -354,15 +354,20 @@ def test_snapshots_hold_adapters_only_and_replay_old_versions():
 
 
 def test_run_flags_for_lora():
-    """A LoRA run: engines with LoRA on, sized to the adapter; the disk (adapter) transport and
-    trainer snapshots derived; what cannot carry adapter pushes is refused by name."""
+    """A LoRA run: engines with LoRA on, sized to the adapter; the disk (adapter) transport
+    derived, and π_j^Meg where a full run computes it (the forward-only role in an async run
+    that reads it, else the trainer); what cannot carry adapter pushes is refused by name."""
     from slime_async.config import parse_config
 
     attn = ["--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj"]
     cfg = parse_config(["--lora-rank", "8", *attn, "--warmstart-steps", "0"])
     assert cfg.engine.enable_lora and cfg.engine.max_lora_rank == 8
     assert cfg.engine.lora_target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
-    assert cfg.weights.transport.value == "disk" and cfg.trainer.behavior_forward == "trainer"
+    assert cfg.weights.transport.value == "disk" and cfg.trainer.behavior_forward == "role"
+    sync = parse_config(
+        ["--lora-rank", "8", *attn, "--warmstart-steps", "0", "--max-staleness", "0"]
+    )
+    assert sync.trainer.behavior_forward == "trainer"
     with pytest.raises(SystemExit):  # MoE default model: MLP targets are routed experts
         parse_config(["--lora-rank", "8"])
     # a user's distributed transport (the adapter over the weight group) and forward-only role
