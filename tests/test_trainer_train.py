@@ -289,3 +289,26 @@ def test_loss_is_selected_by_name_or_dotted_path():
         _trainer(loss=LossSelection(name="nope"))
     with pytest.raises(ValueError, match="no attribute"):
         _trainer(loss=LossSelection(name="loss.registry.does_not_exist"))
+
+
+def test_torch_dist_checkpoint_converts_to_torch_and_exports(tmp_path):
+    """`convert_checkpoint` turns a torch_dist checkpoint into the torch format (model.pt,
+    optim.pt) that resumes to the same state; `export_hf` reads either to the same weights."""
+    from slime_async.tools.convert_checkpoint import main as convert_main
+    from slime_async.tools.export_hf import export_checkpoint
+    from slime_async.trainer.checkpoint import _optimizer_moments
+
+    a = _trainer(save=str(tmp_path / "ck"))
+    a.train_step(_batch())
+    a.save_checkpoint(extra_state={"step": 1})
+    assert convert_main(["--load", str(tmp_path / "ck"), "--out", str(tmp_path / "conv")]) == 0
+    assert (tmp_path / "conv" / "iter_0000001" / "model.pt").is_file()
+    b = _trainer(load=str(tmp_path / "conv"))
+    assert b.version == 1 and b.extra_state == {"step": 1}
+    (ma, sa), (mb, sb) = _optimizer_moments(a), _optimizer_moments(b)
+    assert sa == sb and all(torch.equal(ma[k][n], mb[k][n]) for k in ma for n in ma[k])
+    assert all(torch.equal(p, q) for p, q in zip(_params(a).values(), _params(b).values()))
+    x = export_checkpoint(tmp_path / "ck", tmp_path / "hf_dist")
+    y = export_checkpoint(tmp_path / "conv", tmp_path / "hf_torch")
+    for f in x.glob("*.safetensors"):
+        assert f.read_bytes() == (y / f.name).read_bytes()
