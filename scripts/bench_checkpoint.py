@@ -72,7 +72,8 @@ def _worker(rank: int, world: int, port: int, model: str, out: str) -> None:
     tr.optim.init_state(step=1)
     tr.version = 1
     rows = []
-    for fmt in ("torch", "torch_dist"):
+    for fmt in ("torch_dist", "torch"):  # torch_dist first: the torch save's freed heap
+        # would otherwise be reused and hide what torch_dist allocates
         tr.cfg = dataclasses.replace(tr.cfg, ckpt_format=fmt, keep_checkpoints=0)
         d = Path(out) / fmt
         dist.barrier()
@@ -112,7 +113,7 @@ def main() -> None:
         rows = json.loads(Path(out, "rows.json").read_text())
     for r in rows:
         print(json.dumps({"model": args.model, "ranks": 2, "layout": "DP2+distopt", **r}))
-    a, b = rows
+    b, a = rows  # torch_dist, torch
     print(
         f"torch / torch_dist: rank-0 extra RSS during save "
         f"{a['rank0_save_extra_gib'] / max(b['rank0_save_extra_gib'], 1e-9):.1f}x, "
