@@ -151,11 +151,17 @@ class RouterClient:
         return await self.fan_out("/update_weights_from_disk", body, strict=strict)
 
     async def load_lora_adapter(
-        self, name: str, path: str, *, weight_version: int, strict: bool = False
+        self, name: str, path: str | None, *, weight_version: int, strict: bool = False
     ) -> dict:
         """Fan out `/load_lora_adapter`: serve the PEFT directory `path` as adapter `name`,
-        replacing a loaded one of that name, tagged `str(weight_version)` (an adapter push)."""
-        body = {"lora_name": name, "lora_path": path, "weight_version": str(weight_version)}
+        replacing a loaded one of that name, tagged `str(weight_version)` (an adapter push).
+        `path` None: activate the adapter of that version each engine received over its weight
+        update group (`from_distributed`, the distributed adapter push)."""
+        body: dict = {"lora_name": name, "weight_version": str(weight_version)}
+        if path is None:
+            body["from_distributed"] = True
+        else:
+            body["lora_path"] = path
         return await self.fan_out("/load_lora_adapter", body, strict=strict)
 
     async def update_weight_version(self, weight_version: int) -> dict:

@@ -117,6 +117,8 @@ class ControlFanout:
         if not isinstance(obj, dict):
             raise ValueError(f"{path} body must be a JSON object")
         key = _REQUIRED_KEYS.get(path)
+        if path == "/load_lora_adapter" and obj.get("from_distributed") is True:
+            key = "weight_version"  # the adapter received over a weight group (docs/lora.md)
         if key is not None and key not in obj:
             raise ValueError(f"{path} body needs '{key}'")
 

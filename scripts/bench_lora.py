@@ -15,8 +15,15 @@ does) and report:
 
 Then the ratios LoRA / full. The machine is shared: print the load average with the numbers.
 
+`--push`: the adapter push instead, disk vs distributed, against `--engines` real embedded
+engine processes (LoRA on, the model's base) behind the router: per transport `--reps` pushes
+of a rank-`--rank` adapter, each timed end to end (pause, move, activate, continue), and its
+bytes (disk: the safetensors file; distributed: the broadcast tensor bytes). The distributed
+transport's first push also forms the weight group: reported apart.
+
     .venv/bin/python scripts/bench_lora.py                     # SmolLM2-135M, r = 16, 3 steps
     .venv/bin/python scripts/bench_lora.py --model tiny-llama --steps 4
+    .venv/bin/python scripts/bench_lora.py --push --model tiny-llama --reps 5
 """
 
 from __future__ import annotations
@@ -106,6 +113,95 @@ def worker(args: argparse.Namespace) -> dict:
     return out
 
 
+async def push_bench(args: argparse.Namespace) -> dict:
+    """Seconds and bytes per adapter push, disk vs distributed (see the module docstring)."""
+    import torch
+
+    from router import Router, RouterClient, RouterConfig
+    from slime_async.contracts.adapter import LoraSpec, adapter_numel, peft_shapes, write_peft_dir
+    from slime_async.contracts.model import ModelSpec
+    from slime_async.engine import EngineConfig, EngineProcess
+    from slime_async.weights import InProcessSender, WeightSyncConfig
+    from slime_async.weights.adapter import AdapterTransport, DistributedAdapterTransport
+
+    hf, spec_d = _model(args)
+    spec = ModelSpec.from_dict(spec_d)
+    lora = LoraSpec(rank=args.rank, alpha=2.0 * args.rank)
+    g = torch.Generator().manual_seed(0)
+
+    class Holder:
+        def __init__(self) -> None:
+            self.version, self.tensors = 0, {}
+
+        def __call__(self):
+            return self.version, self.tensors
+
+        def save_adapter(self, path):
+            return write_peft_dir(path, self.tensors, lora, version=self.version)
+
+        def next(self, v: int) -> None:
+            shapes = peft_shapes(spec, lora)
+            self.version = v
+            self.tensors = {k: torch.randn(sh, generator=g) * 0.01 for k, sh in shapes.items()}
+
+    ecfg = EngineConfig(
+        model_dir=hf,
+        model_spec=None if hf else spec_d,
+        dtype="fp32",
+        weight_version="0",
+        num_threads=args.threads,
+        enable_lora=True,
+        max_lora_rank=args.rank,
+        max_loaded_loras=1,
+    )
+    engines = [EngineProcess(ecfg) for _ in range(args.engines)]
+    for e in engines:
+        e.start()
+    urls = [e.url for e in engines]
+    router = Router(RouterConfig(worker_urls=tuple(urls), health_interval_s=60.0))
+    rurl = await router.start()
+    holder, out = Holder(), {}
+    try:
+        async with RouterClient(rurl) as rc:
+            with tempfile.TemporaryDirectory() as d:
+                disk = AdapterTransport(Path(d), trainer=holder, control=rc)
+                times = []
+                for i in range(args.reps):
+                    holder.next(1 + i)
+                    t0 = time.perf_counter()
+                    m = await disk.push(holder.version)
+                    times.append(time.perf_counter() - t0)
+                    assert m["weights/push_failed_engines"] == 0.0
+                out["disk"] = {"push_s": statistics.median(times), "bytes": disk.bytes_last}
+            cfg = WeightSyncConfig(timeout_s=120.0)
+            dist = DistributedAdapterTransport(
+                lora=lora,
+                sender=InProcessSender(holder),
+                control=rc,
+                engine_urls=lambda: urls,
+                cfg=cfg,
+            )
+            times = []
+            for i in range(args.reps + 1):
+                holder.next(100 + i)
+                t0 = time.perf_counter()
+                m = await dist.push(holder.version)
+                times.append(time.perf_counter() - t0)
+                assert m["weights/push_failed_engines"] == 0.0
+            await dist.close()
+            out["distributed"] = {
+                "push_s": statistics.median(times[1:]),
+                "first_push_s": times[0],
+                "bytes": dist.push_bytes(),
+            }
+        out["formula_bytes"] = 4 * adapter_numel(spec, lora)
+    finally:
+        await router.stop()
+        for e in engines:
+            e.stop()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=("smollm2", "tiny-llama"), default="smollm2")
@@ -119,7 +215,31 @@ def main() -> None:
     p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "bench_lora_models"))
     p.add_argument("--modes", default="full,lora")
     p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--push", action="store_true", help="bench the adapter push, disk vs distributed"
+    )
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
     args = p.parse_args()
+    if args.push:
+        import asyncio
+
+        r = asyncio.run(push_bench(args))
+        d, x = r["disk"], r["distributed"]
+        print(f"load average: {os.getloadavg()}  model: {args.model}  rank: {args.rank}")
+        print("| transport | push_s (median) | bytes |")
+        print("|---|---|---|")
+        print(f"| disk | {d['push_s']:.3f} | {d['bytes']:,} |")
+        print(
+            f"| distributed | {x['push_s']:.3f} (first, forms the group: {x['first_push_s']:.3f}) | {x['bytes']:,} |"
+        )
+        print(
+            f"distributed / disk: seconds {x['push_s'] / d['push_s']:.2f}x, bytes "
+            f"{x['bytes'] / d['bytes']:.4f}x; distributed bytes == rank formula: "
+            f"{x['bytes'] == r['formula_bytes']}"
+        )
+        print(json.dumps(r))
+        return
     if args.mode:
         print(json.dumps(worker(args)))
         return

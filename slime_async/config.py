@@ -219,15 +219,13 @@ def _lora_engines(
             f"weight_version), which --engine-backend {fleet.backend} does not do; use the "
             "embedded engines, or --lora-rank 0 (full-weight pushes)"
         )
-    if not f.unset("update_weight_transport") and a.update_weight_transport != "disk":
+    distributed = not f.unset("update_weight_transport") and a.update_weight_transport != "disk"
+    if distributed and not fleet.needs.distributed_adapters:
         raise ValueError(
-            "--lora-rank pushes the adapter as a PEFT directory: use --update-weight-transport "
-            "disk (or leave it unset); the distributed transport moves full weights only"
-        )
-    if trainer.behavior_forward == "role":
-        raise ValueError(
-            "--behavior-forward role loads full-weight versions; with --lora-rank the trainer "
-            "keeps adapter-only snapshots: use --behavior-forward trainer (or leave it unset)"
+            "--update-weight-transport distributed with --lora-rank broadcasts the adapter over "
+            "the weight group for the engines to stage and activate (/update_weights_from_"
+            f"distributed with lora_name), which --engine-backend {fleet.backend} does not do; "
+            "use --update-weight-transport disk (or leave it unset)"
         )
     return dataclasses.replace(
         engine,
@@ -265,8 +263,20 @@ def _memory_parts(cfg: RunConfig) -> dict[str, int]:
         role_versions=snaps if role else None,
         engines=cfg.engines.num_engines if cfg.engines.backend == "embedded" else 0,
         engine_bytes=2 if cfg.engine.dtype == "bf16" else 4,
+        adapter_params=_adapter_numel(cfg),
     )
     return memory_plan.role_bytes(shape)
+
+
+def _adapter_numel(cfg: RunConfig) -> int:
+    """Numbers in the run's LoRA adapter (0 without `--lora-rank`)."""
+    t = cfg.trainer
+    if not t.lora_rank:
+        return 0
+    from slime_async.contracts.adapter import LoraSpec, adapter_numel
+
+    spec = LoraSpec(rank=t.lora_rank, alpha=t.lora_alpha, targets=tuple(t.lora_target_modules))
+    return adapter_numel(cfg.model, spec)
 
 
 def _fit_memory(args: argparse.Namespace, env: Environment, cfg: RunConfig) -> RunConfig:

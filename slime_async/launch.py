@@ -53,8 +53,9 @@ from slime_async.trainer import checkpoint
 from slime_async.trainer.actor import TrainerGroup
 from slime_async.trainer.behavior_role import BehaviorRole
 from slime_async.trainer.config import TrainerConfig
+from slime_async.trainer.lora import spec_of as lora_spec_of
 from slime_async.weights import DiskTransport, DistributedTransport, TransportKind
-from slime_async.weights.adapter import AdapterTransport
+from slime_async.weights.adapter import AdapterTransport, DistributedAdapterTransport
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,12 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     role = await _start_behavior_role(cfg, trainer_cfg)
     if role is not None:
         undo.append(role.shutdown)
-        role.add_version(version, first)
+        if trainer_cfg.lora_rank:  # the base once; the adapter versions come with the pushes
+            role.set_base(first)
+            if cfg.weights.transport is TransportKind.DISTRIBUTED:  # no adapter directory
+                role.add_version(version, await trainer.export_adapter_ref())
+        else:
+            role.add_version(version, first)
     cluster, transport = await _start_engines(
         cfg, backend, trainer, first=first, version=version, placement=placement, role=role
     )
@@ -441,9 +447,22 @@ async def _start_engines(
     startup.say(f"router on {cluster.router_url} in front of {len(cluster.engines)} engine(s)")
     transport: WeightTransport
     lora = cfg.trainer.lora_rank > 0
-    if lora:
+    if lora and distributed:  # the adapter alone over the weight group (docs/lora.md)
+        transport = DistributedAdapterTransport(
+            lora=lora_spec_of(cfg.trainer, cfg.model),
+            sender=trainer.adapter_sender(),
+            control=cluster.control,
+            engine_urls=lambda: cluster.engine_urls,
+            cfg=cfg.weights,
+            backend=backend.needs.collective_backend,
+            token=cfg.engine.auth_token,
+        )
+    elif lora:
         transport = AdapterTransport(
-            cfg.run_dir / "adapters", trainer=trainer, control=cluster.control
+            cfg.run_dir / "adapters",
+            trainer=trainer,
+            control=cluster.control,
+            on_written=None if role is None else role.add_version,
         )
     elif distributed:
         transport = DistributedTransport(
@@ -478,8 +497,10 @@ async def _start_engines(
 def start_source(cfg: RunConfig, first: Path) -> str:
     """What engines (and replacements) start on: the trainer's export `first` with the disk
     transport; with the distributed one, `--hf-checkpoint` or "" (build the architecture), the
-    transport then loading the trainer's weights."""
-    if cfg.weights.transport is TransportKind.DISTRIBUTED:
+    transport then loading the trainer's weights. LoRA: always `first` (the frozen base; only
+    the adapter travels, whichever transport)."""
+    if cfg.weights.transport is TransportKind.DISTRIBUTED and not cfg.trainer.lora_rank:
+        # (LoRA: only the adapter travels over the group; the base is the start-up export)
         if cfg.trainer.hf_checkpoint:
             return cfg.trainer.hf_checkpoint
         if not cfg.engines.needs.checkpoint_to_start:  # built from the spec

@@ -17,6 +17,11 @@ are what `MEMORY_FRACTION` leaves room for):
 | forward-only role | its weights + one copy per kept version (the parameters' dtype) |
 | embedded engine | its weights in the engine dtype (2 for bf16, 4 for fp32) |
 
+With LoRA (A adapter numbers, fp32) the base is frozen and shared: the trainer holds the base
+weights + 16 bytes per adapter number (weight, gradient buffer, two Adam moments) + 4 per
+adapter number and snapshot; the forward-only role holds the base once + 4 · A per version
+(the live one and each kept one).
+
 Under tensor/pipeline parallelism each rank holds 1 / (TP × PP) of the weights; the
 distributed optimizer shards the main weights and Adam moments over DP.
 """
@@ -68,6 +73,8 @@ class RunShape:
     """Embedded engines on this node."""
     engine_bytes: int = 2
     """Bytes per parameter of an engine (2 for bf16, 4 for fp32)."""
+    adapter_params: int = 0
+    """LoRA: numbers in the adapter (`contracts.adapter.adapter_numel`); 0: full fine-tuning."""
 
 
 def role_bytes(shape: RunShape) -> dict[str, int]:
@@ -77,9 +84,15 @@ def role_bytes(shape: RunShape) -> dict[str, int]:
     sharded = 8 + (4 if shape.bf16 else 0)  # Adam moments (+ fp32 main weights)
     opt = per_rank * sharded // (shape.dp if shape.distributed_optimizer else 1)
     rank = per_rank * (w + 4) + opt + per_rank * w * shape.trainer_snapshots
+    if shape.adapter_params:  # LoRA: the base frozen, gradients and Adam on the adapter only
+        a = shape.adapter_params // max(1, shape.tp_pp)
+        rank = per_rank * w + a * (16 + 4 * shape.trainer_snapshots)
     out = {"trainer": rank * shape.trainer_ranks}
     if shape.role_versions is not None:
-        out["role"] = shape.params * w * (1 + shape.role_versions)
+        if shape.adapter_params:  # the base once, an adapter per version
+            out["role"] = shape.params * w + shape.adapter_params * 4 * (1 + shape.role_versions)
+        else:
+            out["role"] = shape.params * w * (1 + shape.role_versions)
     if shape.engines:
         out["engines"] = shape.params * shape.engine_bytes * shape.engines
     return out

@@ -132,14 +132,18 @@ class Run:
             await self.push_weights(self.version)
 
     async def _feed_role(self, version: int) -> None:
-        """Give the forward-only role `version`'s weights before any engine serves it. A disk
-        transport hands over the directory it writes (`on_written`); any other transport has
+        """Give the forward-only role `version`'s weights (with LoRA its adapter) before any
+        engine serves it. A disk transport hands over the directory it writes (`on_written`,
+        the adapter directory under LoRA); any other transport has
         no such directory, so the trainer's in-memory export goes to the role through Ray's
         object store (the trainer pays the export, no file write; the role loads it in order)."""
         role = self.behavior_role
         if role is None or self.transport.on_written is not None:
             return
-        role.add_version(version, await self.trainer.export_weights_ref())
+        if self.cfg.trainer.lora_rank:  # LoRA: the adapter alone (the role holds the base)
+            role.add_version(version, await self.trainer.export_adapter_ref())
+        else:
+            role.add_version(version, await self.trainer.export_weights_ref())
 
     async def score(self, batch: Batch) -> Batch:
         """Rewards that need a whole group (slime's `--group-rm`); a no-op otherwise."""

@@ -244,3 +244,38 @@ def test_the_role_holds_only_weights_and_computes_the_trainers_values(tmp_path):
     assert all(not hasattr(p, "main_grad") for p in model.model.parameters())
     params = sum(p.numel() for p in model.model.parameters())
     assert model.parameter_bytes() == 4 * params  # fp32 weights, nothing per parameter else
+
+
+def test_lora_role_shares_the_base_and_equals_the_trainers_adapter_snapshots(tmp_path):
+    """`--behavior-forward role` with `--lora-rank`: the role loads the frozen base once and one
+    adapter per version (from the adapter directory a disk push writes, or the trainer's
+    in-memory adapter); its snapshots hold the adapters only, and its π_j^Meg equal the
+    trainer's adapter snapshots' (≤ 1e-6)."""
+    from slime_async.contracts.adapter import adapter_numel
+    from slime_async.trainer.behavior_role import BehaviorForwarder
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    lora = ("--lora-rank", "4", "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj")
+    cfg = _parse("--keep-old-actor", *lora)
+    assert _parse("--keep-old-actor", "--behavior-forward", "role", *lora).trainer.lora_rank == 4
+    tr = MegatronTrainer(cfg.trainer, cfg.model)
+    base = tr.save_base_weights(tmp_path / "base")
+    sources: dict[int, object] = {0: tr.save_adapter(tmp_path / "a0")}
+    for v in (1, 2):
+        tr.train_step(_batch(v))
+        sources[v] = tr.save_adapter(tmp_path / f"a{v}") if v == 1 else tr.export_adapter()
+    fwd = BehaviorForwarder(cfg.trainer, cfg.model, max_versions=3)
+    with pytest.raises(ValueError, match="before the base"):
+        fwd.add_version(0, sources[0])
+    fwd.set_base(base)
+    for v, src in sources.items():
+        fwd.add_version(v, src)
+    b = _batch(7, versions=(0, 1, 2))
+    got = torch.as_tensor(fwd.logprobs(b))
+    want = tr.compute_behavior_logprobs(b)  # the trainer's adapter snapshots swapped in
+    m = b.loss_mask
+    assert bool(torch.isfinite(got[m]).all())
+    assert (got[m] - want[m]).abs().max() <= 1e-6
+    held = fwd.store.state(2)
+    assert sum(t.numel() for t in held.values()) == adapter_numel(cfg.model, tr.lora)
+    tr.shutdown()

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from slime_async.config import parse_config
-from slime_async.contracts.adapter import adapter_numel, read_peft_dir
+from slime_async.contracts.adapter import LoraSpec, adapter_numel, read_peft_dir
 from slime_async.controller import train
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -43,3 +43,32 @@ async def test_lora_run_pushes_adapters_only(tmp_path):
     assert [sorted({j for _, _, j in row["groups"]}) for row in ledger] == [[0], [1], [2]]
     assert (tmp_path / "hf" / "config.json").is_file()
     assert (tmp_path / "hf-adapter" / "adapter_config.json").is_file()
+
+
+async def test_lora_run_over_the_weight_group_with_the_forward_only_role(tmp_path):
+    """`--update-weight-transport distributed --behavior-forward role` with LoRA: each push is the
+    adapter's fp32 tensors over the weight group (exactly the rank formula's bytes), the role
+    holds the base once and an adapter per version, and every trained token found its π_j^Meg."""
+    steps = 3
+    argv = [
+        "--run-dir", str(tmp_path), "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+        "--rollout-max-response-len", "12", "--warmstart-steps", "0", "--eval-interval", "0",
+        "--micro-batch-size", "4", "--lr", "1e-3", "--num-steps", str(steps),
+        "--lora-rank", "4", "--lora-alpha", "8", "--max-staleness", "1",
+        "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
+        "--update-weight-transport", "distributed", "--keep-old-actor",
+        "--behavior-forward", "role",
+    ]  # fmt: skip
+    cfg = parse_config(argv)
+    assert cfg.engine.enable_lora and cfg.weights.transport.value == "distributed"
+    summary = await train(cfg)
+    assert summary["train/version"] == steps
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "train/version" in r]
+    t = cfg.trainer
+    lora = LoraSpec(rank=t.lora_rank, alpha=t.lora_alpha, targets=tuple(t.lora_target_modules))
+    pushes = [r["weights/push_bytes"] for r in rows if "weights/push_bytes" in r]
+    assert pushes == [4 * adapter_numel(cfg.model, lora)] * steps, pushes
+    assert all(r.get("train/behavior_missing_tokens", 0) == 0 for r in trained), trained
+    assert all(r.get("loss/compis_fallback", 0) == 0 for r in trained), trained
+    assert all(r.get("weights/push_failed_engines", 0) == 0 for r in rows)

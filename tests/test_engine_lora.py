@@ -5,7 +5,8 @@
 * a corrupted, wrong-shape, too-high-rank or pickled adapter is refused (400) and the adapter
   already loaded keeps serving; `/load_lora_adapter_from_tensors` is refused;
 * an adapter a request names cannot be unloaded while it runs; unknown names are 400;
-* LoRA routes need the token on an engine that has one (401 without);
+* LoRA routes need the token on an engine that has one (401 without), the distributed adapter
+  push's bucket calls and activation included;
 * a versioned push (`weight_version`) across an in-flight request: each token's log-prob is the
   one of the adapter its version span names.
 """
@@ -271,10 +272,28 @@ async def test_lora_routes_need_the_token(setup, tmp_path):
             assert st == 401
             st, _ = await post(s, url + "/unload_lora_adapter", {"lora_name": "a1"})
             assert st == 401
+            # the distributed adapter push: its bucket calls and its activation
+            bucket = {
+                "names": ["x"],
+                "dtypes": ["float32"],
+                "shapes": [[1]],
+                "lora_name": "policy",
+                "lora_config": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
+            }
+            st, res = await post(s, url + "/update_weights_from_distributed", bucket)
+            assert st == 401 and res["received"] is False
+            activate = {"lora_name": "policy", "weight_version": "1", "from_distributed": True}
+            st, _ = await post(s, url + "/load_lora_adapter", activate)
+            assert st == 401
         headers = {"Authorization": "Bearer s3cret"}
         async with aiohttp.ClientSession(headers=headers) as s:
             st, res = await post(s, url + "/load_lora_adapter", body)
             assert st == 200 and res["success"]
+            st, res = await post(s, url + "/load_lora_adapter", activate)  # nothing received
+            assert st == 400 and "received" in res["error_message"]
+            no_cfg = {k: v for k, v in bucket.items() if k != "lora_config"}
+            st, res = await post(s, url + "/update_weights_from_distributed", no_cfg)
+            assert st == 400 and res["received"] is False and "lora_config" in res["message"]
     finally:
         srv.stop()
 

@@ -365,10 +365,14 @@ def test_run_flags_for_lora():
     assert cfg.weights.transport.value == "disk" and cfg.trainer.behavior_forward == "trainer"
     with pytest.raises(SystemExit):  # MoE default model: MLP targets are routed experts
         parse_config(["--lora-rank", "8"])
+    # a user's distributed transport (the adapter over the weight group) and forward-only role
+    dist = parse_config(["--lora-rank", "8", *attn, "--update-weight-transport", "distributed"])
+    assert dist.weights.transport.value == "distributed" and dist.engine.enable_lora
+    role = ["--keep-old-actor", "--behavior-forward", "role", "--max-staleness", "1"]
+    assert parse_config(["--lora-rank", "8", *attn, *role]).trainer.behavior_forward == "role"
     for bad in (
-        ["--update-weight-transport", "distributed"],
-        ["--behavior-forward", "role"],
         ["--engine-backend", "sglang"],
+        ["--engine-backend", "sglang", "--update-weight-transport", "distributed"],
     ):
         with pytest.raises(SystemExit):
             parse_config(["--lora-rank", "8", *attn, *bad])

@@ -62,3 +62,19 @@ def test_a_run_that_cannot_fit_is_refused_with_the_numbers_and_a_given_role_is_k
     with pytest.raises(ValueError, match="role"):  # the user asked for the role: refused
         _cfg(*ASYNC, "--behavior-forward", "role", memory=memory)
     assert _cfg(*ASYNC, memory=64 * 1024**3).trainer.behavior_forward == "role"
+
+
+def test_with_lora_the_role_holds_the_base_once_and_an_adapter_per_version():
+    from slime_async.contracts.adapter import LoraSpec, adapter_numel
+    from slime_async.memory_plan import RunShape, role_bytes
+
+    lora = LoraSpec(rank=8, alpha=16.0)
+    a, n = adapter_numel(SMOLLM2, lora), param_count(SMOLLM2)
+    shape = RunShape(params=n, role_versions=3, trainer_snapshots=0, adapter_params=a)
+    assert role_bytes(shape)["role"] == 4 * n + 4 * a * (1 + 3)
+    full = role_bytes(dataclasses.replace(shape, adapter_params=0))
+    assert full["role"] == 4 * n * 4 and role_bytes(shape)["trainer"] < full["trainer"]
+    cfg = _cfg(*ASYNC, "--lora-rank", "8", "--behavior-forward", "role", memory=None)
+    parts = memory_parts(cfg)
+    want = 4 * n + 4 * a * (1 + cfg.trainer.max_snapshots)
+    assert parts["role"] == want

@@ -95,6 +95,11 @@ class EngineNeeds:
     """The engines replace a loaded LoRA adapter in place when `/load_lora_adapter` carries a
     `weight_version` (per-token versions across the push), which a LoRA run's adapter pushes
     need (the embedded engine; SGLang refuses to load a name twice)."""
+    distributed_adapters: bool = False
+    """The engines take a LoRA adapter over the weight update group: `/update_weights_from_
+    distributed` with `lora_name` + `lora_config` stages it (checked as a PEFT directory is),
+    `/load_lora_adapter {from_distributed: true}` activates it (the embedded engine; SGLang's
+    only tensor route for adapters unpickles and is refused)."""
 
 
 class EngineBackend(Protocol):

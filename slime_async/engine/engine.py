@@ -11,7 +11,9 @@ finished ("drain, then swap"); after `/pause_generation` the update runs at once
 place, or retracted). The push that keeps requests alive is therefore pause `in_place` ->
 update with `flush_cache: false` -> continue. Weight-update process groups
 (`/init_weights_update_group`, `/update_weights_from_distributed`) are joined through the
-`slime_async.contracts.weight_group` wire protocol. Must never import aiohttp (the server wraps
+`slime_async.contracts.weight_group` wire protocol; a bucket call naming a `lora_name` carries
+adapter tensors instead, staged and checked like a PEFT directory and activated by
+`/load_lora_adapter {from_distributed: true}` (docs/lora.md). Must never import aiohttp (the server wraps
 this class).
 """
 
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from slime_async.contracts.adapter import LoraSpec
 from slime_async.contracts.weight_group import (
     FLATTENED,
     WeightGroup,
@@ -97,6 +100,9 @@ class Engine:
         """Groups whose current version had a bucket refused: its remaining buckets are received
         (the broadcast must complete) and dropped, up to the one carrying `weight_version`."""
         """Per group: pieces of fused parameters waiting for the rest of their bucket set."""
+        self._adapter_parts: dict[str, dict[str, torch.Tensor]] = {}
+        """Per group: adapter tensors of the adapter version being received (bucket calls
+        with `lora_name`), staged with the bucket that carries `weight_version`."""
         self._seed_rng = random.Random(cfg.seed)
 
     async def start(self) -> None:
@@ -279,23 +285,42 @@ class Engine:
 
     # ------------------------------------------------------------------ LoRA adapters
     async def load_lora_adapter(
-        self, name: str, path: str, *, weight_version: str | None = None
+        self,
+        name: str,
+        path: str | None,
+        *,
+        weight_version: str | None = None,
+        from_distributed: bool = False,
     ) -> UpdateResult:
         """SGLang's `/load_lora_adapter`: stage (read and check) `path`, then serve it as
         `name`. With `weight_version` an adapter of that name is replaced in place (a versioned
         push: under SGLang's lock rule like a weight update, in-flight requests continue under
-        the new adapter and their tokens carry the new version). Any failure leaves what was
-        served unchanged."""
+        the new adapter and their tokens carry the new version). `from_distributed` (our
+        extension, no `path`): activate the adapter `name` received over a weight group with
+        exactly this `weight_version`. Any failure leaves what was served unchanged."""
         assert self.lm is not None and self.scheduler is not None
         lora = self.lm.lora
         if lora is None:
             return UpdateResult(
                 success=False, message="this engine serves no LoRA: start it with --enable-lora"
             )
-        try:
-            adapter = await asyncio.to_thread(lora.stage, name, path)
-        except (ValueError, OSError) as e:
-            return UpdateResult(success=False, message=f"Failed to load LoRA adapter: {e}")
+        if from_distributed:
+            adapter = lora.received.get(name)
+            if adapter is None or weight_version is None or adapter.label != weight_version:
+                have = "none" if adapter is None else f"version {adapter.label}"
+                return UpdateResult(
+                    success=False,
+                    message=f"Failed to load LoRA adapter: no adapter {name!r} of version "
+                    f"{weight_version} was received over a weight group (received: {have}); "
+                    "push it with update_weights_from_distributed (lora_name set) first",
+                )
+            path = adapter.path
+        else:
+            assert path is not None
+            try:
+                adapter = await asyncio.to_thread(lora.stage, name, path)
+            except (ValueError, OSError) as e:
+                return UpdateResult(success=False, message=f"Failed to load LoRA adapter: {e}")
         replace = weight_version is not None
         what = "load_lora_adapter"
         async with self._update_access(abort_all_requests=False, what=what):
@@ -372,6 +397,7 @@ class Engine:
         g = self.groups.pop(group_name, None)
         self._assemblers.pop(group_name, None)
         self._staged.pop(group_name, None)
+        self._adapter_parts.pop(group_name, None)
         self._spoiled.discard(group_name)
         if g is None:
             return UpdateResult(
@@ -389,8 +415,13 @@ class Engine:
         weight_version: str | None,
         abort_all_requests: bool,
         flush_cache: bool = True,
+        lora_name: str | None = None,
+        lora_spec: LoraSpec | None = None,
     ) -> UpdateResult:
         """Receive one bucket broadcast by rank 0 of `group_name`, then check and swap it in.
+        With `lora_name` (and its `lora_spec`) the bucket holds adapter tensors in PEFT's
+        names: staged and checked with the bucket carrying `weight_version`, served once
+        `load_lora_adapter(from_distributed=True)` activates them.
 
         Under SGLang's lock rule (`_update_access`). The bucket is always received in full
         (leaving a broadcast half-way would hang every other member), and only then checked
@@ -406,6 +437,14 @@ class Engine:
                 "init_weights_update_group first",
                 received=False,
             )
+        assert self.lm is not None
+        if lora_name is not None and (self.lm.lora is None or lora_spec is None):
+            return UpdateResult(
+                success=False,
+                message="adapter tensors (lora_name) need an engine started with --enable-lora "
+                "and the adapter's lora_config",
+                received=False,
+            )
         res = await self._receive_and_apply(
             g,
             entries,
@@ -414,6 +453,7 @@ class Engine:
             weight_version=weight_version,
             abort_all_requests=abort_all_requests,
             flush_cache=flush_cache,
+            adapter=None if lora_name is None else (lora_name, lora_spec),
         )
         return dataclasses.replace(res, received=res.received is not False)
 
@@ -427,6 +467,7 @@ class Engine:
         weight_version: str | None,
         abort_all_requests: bool,
         flush_cache: bool,
+        adapter: tuple[str, LoraSpec] | None = None,
     ) -> UpdateResult:
         """`update_weights_from_distributed` once the group is known: receive, check, stage or
         swap. A failed receive answers `received=False`."""
@@ -448,6 +489,10 @@ class Engine:
                     group_broken=True,
                 )
             corrupted = await asyncio.to_thread(checksum_problem, g, entries, got)
+            if adapter is not None:
+                return await self._stage_adapter_bucket(
+                    group_name, got, corrupted, adapter, weight_version=weight_version
+                )
             asm = self._assemblers[group_name]
             ready, bad = ({}, []) if corrupted else asm.add(got)
             if not bad and not corrupted:  # never serve NaN/inf, whichever transport brought it
@@ -517,6 +562,65 @@ class Engine:
                 f"{time.monotonic() - t0:.3f}s.",
                 num_paused_requests=in_flight,
             )
+
+    async def _stage_adapter_bucket(
+        self,
+        group_name: str,
+        got: dict[str, torch.Tensor],
+        corrupted: str | None,
+        adapter: tuple[str, LoraSpec],
+        *,
+        weight_version: str | None,
+    ) -> UpdateResult:
+        """One received bucket of adapter tensors: kept until the bucket with `weight_version`,
+        then checked as a PEFT directory is (`EngineLora.stage_tensors`) and kept in
+        `received`. A corrupted or refused bucket drops the version (its later buckets are
+        received and dropped); what serves never changes here."""
+        assert self.lm is not None and self.lm.lora is not None
+        lora, (name, spec) = self.lm.lora, adapter
+        parts = self._adapter_parts.setdefault(group_name, {})
+        problem = corrupted
+        if group_name in self._spoiled:
+            problem = "an earlier bucket of this adapter version was refused"
+        elif problem is None:
+            parts.update(got)
+            if weight_version is None:
+                return UpdateResult(
+                    success=True,
+                    message=f"Received {len(got)} adapter tensors; they are checked with the "
+                    "bucket that carries weight_version",
+                )
+            tensors = dict(parts)
+            parts.clear()
+            try:
+                staged = await asyncio.to_thread(
+                    lora.stage_tensors,
+                    name,
+                    spec,
+                    tensors,
+                    path=f"weight_group:{group_name}",
+                    label=weight_version,
+                )
+            except ValueError as e:
+                problem = str(e)
+            else:
+                lora.received[name] = staged
+                return UpdateResult(
+                    success=True,
+                    message=f"Received LoRA adapter {name!r} version {weight_version} "
+                    f"({len(tensors)} tensors, checked); /load_lora_adapter with "
+                    "from_distributed activates it",
+                )
+        parts.clear()
+        if weight_version is None:
+            self._spoiled.add(group_name)
+        else:
+            self._spoiled.discard(group_name)
+        return UpdateResult(
+            success=False,
+            message=f"Failed to receive LoRA adapter {name!r}: {problem}. Nothing of this "
+            "version is staged; the loaded adapter keeps serving",
+        )
 
     async def update_weight_version(
         self, new_version: str, *, abort_all_requests: bool

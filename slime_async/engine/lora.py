@@ -3,7 +3,9 @@
 Owns: `EngineLora` — the adapters an engine holds (name → `LoadedAdapter`, at most
 `max_loaded_loras`), staging one from a PEFT directory (`stage`: read without unpickling,
 checked against the served model, the engine's max rank and target modules, before anything
-changes), activating and unloading by name, and the forward hooks on the HF projections
+changes) or from tensors received over a weight update group (`stage_tensors`, the same check;
+kept in `received` until `/load_lora_adapter {from_distributed: true}` activates them),
+activating and unloading by name, and the forward hooks on the HF projections
 (`model.layers.{i}.self_attn.q_proj`, ...) that add `(alpha / r) · B A x` to each batch row
 under the adapter its request named (`applied(names)` around a forward; a row without an
 adapter gets the base model). Must never import the server, the scheduler or aiohttp.
@@ -47,6 +49,9 @@ class LoadedAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     version: int
     """The `weight_version` in the safetensors metadata (0 when absent)."""
+    label: str | None = None
+    """The `weight_version` string it was received with over a weight group (None: a PEFT
+    directory); its activation must name the same one."""
 
 
 class EngineLora:
@@ -64,6 +69,9 @@ class EngineLora:
         self.spec, self.targets = spec, targets
         self.max_rank, self.max_loaded = max_rank, max_loaded
         self.adapters: dict[str, LoadedAdapter] = {}
+        self.received: dict[str, LoadedAdapter] = {}
+        """Per name: the newest adapter received over a weight group and checked, not serving
+        until `activate` (the distributed adapter push; docs/lora.md)."""
         self._rows: list[str | None] | None = None
         layers = model.get_decoder().layers
         for i, layer in enumerate(layers):
@@ -81,14 +89,33 @@ class EngineLora:
         if not isinstance(name, str) or not name:
             raise ValueError("lora_name must be a non-empty string")
         lora, tensors, version = read_peft_dir(Path(path))
+        return self.stage_tensors(name, lora, tensors, path=str(path), version=version)
+
+    def stage_tensors(
+        self,
+        name: str,
+        lora: LoraSpec,
+        tensors: dict[str, torch.Tensor],
+        *,
+        path: str,
+        version: int = 0,
+        label: str | None = None,
+    ) -> LoadedAdapter:
+        """Check PEFT-keyed adapter tensors exactly as a directory's are (`check_adapter`:
+        names, shapes, rank, targets, finite; ValueError naming the problem) and make them an
+        adapter ready to activate; nothing served changes."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("lora_name must be a non-empty string")
         check_adapter(tensors, lora, self.spec, max_rank=self.max_rank, targets=self.targets)
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for k, t in tensors.items():
             m = _KEY.search(k)
             assert m is not None  # check_adapter accepted only PEFT's keys
-            pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t.float()
+            pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t.float().clone()
         weights = {key: (ab["A"], ab["B"]) for key, ab in pairs.items()}
-        return LoadedAdapter(name=name, path=str(path), spec=lora, weights=weights, version=version)
+        return LoadedAdapter(
+            name=name, path=path, spec=lora, weights=weights, version=version, label=label
+        )
 
     def activate(self, adapter: LoadedAdapter, *, replace: bool) -> None:
         """Serve `adapter` under its name (call between two forwards)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from slime_async.contracts.adapter import LoraSpec
 from slime_async.contracts.weight_group import FLATTENED, entries_from_body
 from slime_async.engine.engine import Engine, EngineState
 from slime_async.engine.openai_api import OPENAI_PATHS, add_openai_routes
@@ -385,6 +386,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         version = _version_field(body)
         abort_all = _bool_field(body, "abort_all_requests", False)
         flush = _bool_field(body, "flush_cache", True)
+        lora_name, lora_spec = _adapter_fields(body)
     except RequestError as e:
         # refused before receiving: the sender must abort the group (docs/weight-sync.md)
         return _refuse(str(e), received=False)
@@ -395,8 +397,28 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         weight_version=version,
         abort_all_requests=abort_all,
         flush_cache=flush,
+        lora_name=lora_name,
+        lora_spec=lora_spec,
     )
     return _update_reply(res)
+
+
+def _adapter_fields(body: dict[str, Any]) -> tuple[str | None, LoraSpec | None]:
+    """Our extension of `/update_weights_from_distributed`: `lora_name` + `lora_config` (the
+    adapter's `adapter_config.json` as a JSON object) say the bucket holds that adapter's
+    tensors in PEFT's names (docs/lora.md); both absent: model weights, as in SGLang."""
+    name, cfg = body.get("lora_name"), body.get("lora_config")
+    if name is None and cfg is None:
+        return None, None
+    if not isinstance(name, str) or not name or not isinstance(cfg, dict):
+        raise RequestError(
+            "adapter buckets need `lora_name` (a non-empty string) and `lora_config` (the "
+            "adapter_config.json object) together"
+        )
+    try:
+        return name, LoraSpec.from_peft_config(cfg)
+    except ValueError as e:
+        raise RequestError(f"lora_config: {e}") from None
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
@@ -505,16 +527,25 @@ def _name_field(body: dict[str, Any], key: str) -> str:
 async def load_lora_adapter(request: web.Request) -> web.Response:
     """`{lora_name, lora_path[, pinned][, weight_version]}`: a PEFT directory (safetensors only)
     staged and checked before it serves; `weight_version` replaces a loaded adapter of that
-    name in place (a versioned push)."""
+    name in place (a versioned push). Our extension `{lora_name, weight_version,
+    from_distributed: true}` (no `lora_path`) activates the adapter of that version received
+    over a weight group (`/update_weights_from_distributed` with `lora_name`)."""
     eng = _eng(request)
     try:
         body = await _json_body(request, required=True)
-        name, path = _name_field(body, "lora_name"), _name_field(body, "lora_path")
+        name = _name_field(body, "lora_name")
+        received = _bool_field(body, "from_distributed", False)
+        path = None if received else _name_field(body, "lora_path")
+        if received and body.get("lora_path") is not None:
+            raise RequestError("from_distributed takes no lora_path: send one or the other")
         _bool_field(body, "pinned", False)  # SGLang's: nothing is evicted here
         version = _version_field(body)
+        if received and version is None:
+            raise RequestError("from_distributed needs the weight_version that was received")
     except RequestError as e:
         return _err(str(e))
-    return _lora_reply(eng, await eng.load_lora_adapter(name, path, weight_version=version))
+    res = await eng.load_lora_adapter(name, path, weight_version=version, from_distributed=received)
+    return _lora_reply(eng, res)
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:

@@ -91,6 +91,11 @@ class _TrainerActorImpl:
     def save_adapter(self, path: str) -> str:
         return str(self.trainer.save_adapter(path))
 
+    def export_adapter(self) -> Any:
+        """The LoRA adapter in PEFT's keys (a collective); rank 0 returns it, the others None."""
+        tensors = self.trainer.export_adapter()
+        return tensors if self.rank == 0 else None
+
     def export_weights(self) -> HFWeights | None:
         """The current version's HF tensors in memory (a collective: every rank calls it);
         rank 0 returns them, the others None."""
@@ -111,8 +116,11 @@ class _TrainerActorImpl:
         """This rank's rendezvous address and a free port on its node (rank 0: the sender)."""
         return self.master_addr, free_port()
 
-    def weight_manifest(self) -> WeightManifest:
-        return self.trainer.export_weights().manifest()  # collective: every rank calls it
+    def weight_manifest(self, adapter: bool = False) -> WeightManifest:
+        """Of the full weights, or (`adapter`) of the LoRA adapter alone; a collective."""
+        if adapter:
+            return WeightManifest.of(self.trainer.export_adapter(), version=self.trainer.version)
+        return self.trainer.export_weights().manifest()
 
     def open_weight_group(
         self,
@@ -134,16 +142,23 @@ class _TrainerActorImpl:
             timeout_s=timeout_s,
         )
 
-    def send_weights(self, buckets: list[tuple[TensorEntry, ...]], flatten: bool) -> int:
-        """Every rank exports (a collective); rank 0 broadcasts the buckets. Returns the version."""
-        w = self.trainer.export_weights()
+    def send_weights(
+        self, buckets: list[tuple[TensorEntry, ...]], flatten: bool, adapter: bool = False
+    ) -> int:
+        """Every rank exports (a collective) the full weights or (`adapter`) the LoRA adapter in
+        PEFT's names; rank 0 broadcasts the buckets. Returns the version."""
+        if adapter:
+            tensors, version = self.trainer.export_adapter(), self.trainer.version
+        else:
+            w = self.trainer.export_weights()
+            tensors, version = w.tensors, w.version
         if self.rank == 0:
             if self.weight_group is None:
                 raise RuntimeError("send_weights before open_weight_group")
             g, self.weight_group = self.weight_group, None
-            send_buckets(g, w.tensors, buckets, flatten=flatten)  # aborts the group on failure
+            send_buckets(g, tensors, buckets, flatten=flatten)  # aborts the group on failure
             self.weight_group = g
-        return w.version
+        return version
 
     def close_weight_group(self) -> None:
         g, self.weight_group = self.weight_group, None
@@ -335,7 +350,44 @@ class TrainerGroup:
         if self.actors:
             await self.actors[0].close_weight_group.remote()
 
+    def adapter_sender(self) -> AdapterSender:
+        """This group as the sender of the LoRA adapter alone (the distributed adapter push)."""
+        return AdapterSender(self)
+
+    async def export_adapter_ref(self) -> Any:
+        """A Ray ref to the current adapter ({PEFT key: fp32 tensor}; a collective): the
+        forward-only role fetches it, the driver never does."""
+        refs = [a.export_adapter.remote() for a in self.actors]
+        await asyncio.to_thread(self._wait_all, refs, "adapter export")
+        return refs[0]
+
     def shutdown(self) -> None:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+
+
+class AdapterSender:
+    """A `TrainerGroup` as rank 0 of a weight group that carries the LoRA adapter only (PEFT
+    names, fp32): the `WeightSender` of `weights.adapter.DistributedAdapterTransport`."""
+
+    def __init__(self, group: TrainerGroup) -> None:
+        self.group = group
+
+    async def endpoint(self) -> tuple[str, int]:
+        return await self.group.endpoint()
+
+    async def manifest(self) -> WeightManifest:
+        refs = [a.weight_manifest.remote(True) for a in self.group.actors]
+        return (await asyncio.gather(*refs))[0]
+
+    async def open_group(self, **kw: Any) -> None:
+        await self.group.open_group(**kw)
+
+    async def send(self, buckets: Sequence[Sequence[TensorEntry]], *, flatten: bool) -> int:
+        plan = [tuple(b) for b in buckets]
+        refs = [a.send_weights.remote(plan, flatten, True) for a in self.group.actors]
+        return int((await asyncio.gather(*refs))[0])
+
+    async def close_group(self) -> None:
+        await self.group.close_group()

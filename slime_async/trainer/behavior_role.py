@@ -11,6 +11,11 @@ file is written on the trainer's critical path) and asks it for every finished s
 from `TrainerBatch.behavior_logprobs` instead of swapping in snapshots during the train step.
 Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
 
+With LoRA (`--lora-rank`) the role shares the base: it loads the frozen base once (`set_base`,
+the start-up export the engines serve the adapter over) and keeps one adapter per version (its
+snapshots hold the adapter parameters only, like the trainer's), each loaded from the adapter
+directory the disk transport writes or the trainer's in-memory adapter (`add_version`).
+
 Same values: the weights are the trainer's own parameters (the export is a lossless copy of
 them, in the parameters' dtype), and the forward is the trainer's own
 `LogprobForwards.compute_logprobs` with the trainer's settings and code path (temperature,
@@ -30,10 +35,12 @@ import ray
 import torch
 
 from loss import LossSelection
+from slime_async.contracts.adapter import read_peft_dir
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
 from slime_async.trainer.config import TrainerConfig
+from slime_async.trainer.lora import is_adapter_param
 from slime_async.trainer.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -68,15 +75,39 @@ class BehaviorForwarder:
             loss=LossSelection(name="ppo"),  # reads nothing extra: no reference weights
         )
         self.trainer = ForwardOnlyModel(role_cfg, spec)  # no grads, DDP buffers or optimizer
-        self.store = SnapshotStore(max_versions)
+        adapters = self.trainer.lora is not None
+        self.store = SnapshotStore(max_versions, keep=is_adapter_param if adapters else None)
+        """Per version: every parameter, or with LoRA the adapters only (the base is shared)."""
+        self.base_set = not adapters
+        """With LoRA: whether `set_base` loaded the frozen base (versions need it first)."""
 
     def versions(self) -> list[int]:
         return self.store.versions()
 
-    def add_version(self, version: int, source: str | Path | HFWeights) -> list[int]:
+    def set_base(self, path: str | Path) -> None:
+        """LoRA: load the frozen base once (the HF directory of `save_base_weights`)."""
+        if self.trainer.lora is None:
+            raise ValueError("set_base is for --lora-rank: without it every version is whole")
+        self.trainer.import_hf(path)
+        self.base_set = True
+
+    def add_version(
+        self, version: int, source: str | Path | HFWeights | dict[str, torch.Tensor]
+    ) -> list[int]:
         """Load version `version` from its exported HF directory or the exported tensors
-        themselves, and keep it; returns the evicted versions."""
-        if isinstance(source, HFWeights):
+        themselves, and keep it; returns the evicted versions. With LoRA: from the version's
+        PEFT adapter directory or adapter tensors (PEFT keys), over the base of `set_base`."""
+        if self.trainer.lora is not None:
+            if not self.base_set:
+                raise ValueError(f"adapter v{version} given before the base (call set_base)")
+            if isinstance(source, dict):
+                tensors = source
+            else:
+                spec, tensors, _ = read_peft_dir(source)
+                if spec.rank != self.trainer.lora.rank or spec.targets != self.trainer.lora.targets:
+                    raise ValueError(f"{source}: the adapter's rank/targets are not this run's")
+            self.trainer.import_adapter(tensors)
+        elif isinstance(source, HFWeights):
             if source.version != version:
                 raise ValueError(f"weights of version {source.version} given as version {version}")
             self.trainer.import_weights(source, where=f"the trainer's export of v{version}")
@@ -117,8 +148,11 @@ class _BehaviorActorImpl:
     def ready(self) -> bool:
         return True
 
-    def add_version(self, version: int, source: str | HFWeights) -> list[int]:
+    def add_version(self, version: int, source: str | HFWeights | dict) -> list[int]:
         return self.fwd.add_version(version, source)
+
+    def set_base(self, path: str) -> None:
+        self.fwd.set_base(path)
 
     def versions(self) -> list[int]:
         return self.fwd.versions()
@@ -157,10 +191,15 @@ class BehaviorRole:
     def add_version(self, version: int, source: str | Path | Any) -> Any:
         """Queue loading `version` from its export: an HF directory, or a Ray ref to the
         trainer's `HFWeights` (`TrainerGroup.export_weights_ref`; the role's process fetches
-        the tensors, the driver never does). Returns the Ray ref of the call."""
+        the tensors, the driver never does); with LoRA a PEFT adapter directory or a ref to the
+        adapter (`TrainerGroup.export_adapter_ref`). Returns the Ray ref of the call."""
         if isinstance(source, (str, Path)):
             source = str(source)
         return self.actor.add_version.remote(version, source)
+
+    def set_base(self, path: str | Path) -> Any:
+        """LoRA: queue loading the frozen base (before any adapter version); the Ray ref."""
+        return self.actor.set_base.remote(str(path))
 
     async def logprobs(self, batch: TrainerBatch) -> np.ndarray:
         """`BehaviorForwarder.logprobs` in the role's process."""

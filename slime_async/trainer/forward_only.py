@@ -5,7 +5,9 @@ same `TransformerConfig`, layer spec, chunked log-prob head and megatron schedul
 computes what the trainer's computes), but with no DDP wrapper and its gradient buffers, no
 optimizer (neither Adam's moments nor fp32 main weights) and parameters that require no
 gradient: the weights themselves and nothing else (a bf16 model is wrapped in megatron's
-`Float16Module`, which holds no tensors, as the trainer's is). Used by the forward-only role
+`Float16Module`, which holds no tensors, as the trainer's is). With `lora_rank` the trainer's
+adapters are attached the same way (`trainer.lora.attach`, fp32 under bf16), so the base is
+held once and an adapter version is loaded by `import_adapter`. Used by the forward-only role
 (`behavior_role.py`). World size 1. Must never import the controller, engine, rollout or
 data-worker parts of `slime_async`.
 """
@@ -19,7 +21,15 @@ import torch
 from loss import resolve_loss_spec
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
-from slime_async.trainer import checkpoint, cpu_compat, hf_convert, parallel, quiet, weights_io
+from slime_async.trainer import (
+    checkpoint,
+    cpu_compat,
+    hf_convert,
+    lora,
+    parallel,
+    quiet,
+    weights_io,
+)
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.logprobs import LogprobForwards
 from slime_async.trainer.model import build_chunks, moe_layer_numbers, router_replays
@@ -50,6 +60,9 @@ class ForwardOnlyModel(LogprobForwards):
         parallel.init_model_parallel(self.layout, seed=cfg.seed)
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         self.chunks = build_chunks(spec, self.layout, params_dtype=dtype)
+        self.lora = lora.spec_of(cfg, spec)
+        if self.lora is not None:  # the trainer's adapters, on the same frozen base
+            lora.attach(self.chunks, spec, self.lora, seed=cfg.seed)
         for c in self.chunks:
             c.requires_grad_(False)
         self.model = self.chunks[0]
@@ -58,7 +71,7 @@ class ForwardOnlyModel(LogprobForwards):
         if cfg.bf16:
             from megatron.core.transformer.module import Float16Module
 
-            wrapped = [Float16Module(c.config, c) for c in self.chunks]
+            wrapped = [lora.keep_fp32(Float16Module(c.config, c)) for c in self.chunks]
         self.schedule = Schedule(
             wrapped,
             [router_replays(c) for c in self.chunks],
@@ -77,6 +90,17 @@ class ForwardOnlyModel(LogprobForwards):
         """Load exported weights held in memory (`MegatronTrainer.export_weights`)."""
         checkpoint.check_spec(w.spec, self.spec, where=where)
         hf_convert.hf_to_megatron(self.chunks, self.spec, w.tensors)
+
+    def import_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load a LoRA adapter (PEFT keys, full tensors: `MegatronTrainer.export_adapter` or a
+        PEFT directory's) over the base; ValueError when this model has no adapters or the
+        tensors do not fit them."""
+        if self.lora is None:
+            raise ValueError("an adapter was given to a forward-only model without --lora-rank")
+        from slime_async.contracts.adapter import check_adapter
+
+        check_adapter(tensors, self.lora, self.spec)
+        lora.load_adapter_tensors(self.chunks, tensors)
 
     def parameter_bytes(self) -> int:
         """Bytes of every tensor this model holds (its parameters; nothing else)."""

@@ -41,7 +41,13 @@ from typing import Any, ClassVar
 import aiohttp
 
 from router.client import RouterClient
-from slime_async.contracts.weight_group import GroupControl, bucket_body, in_dtype, plan_buckets
+from slime_async.contracts.weight_group import (
+    GroupControl,
+    bucket_body,
+    entry_nbytes,
+    in_dtype,
+    plan_buckets,
+)
 from slime_async.contracts.weights import WeightManifest
 from slime_async.weights.config import WeightSyncConfig
 from slime_async.weights.pause import paused_in_place
@@ -348,9 +354,7 @@ class DistributedTransport:
         """Send the sender's current weights as `version` to `members`. Returns the engines
         that did not take every bucket, with why (empty: all did), and those among them that
         stopped taking part (the group was aborted for them: leave them out of a resend)."""
-        if self._manifest is None:
-            self._manifest = in_dtype(await self.sender.manifest(), self.cfg.dtype)
-        buckets = plan_buckets(self._manifest, self.cfg.bucket_bytes)
+        buckets = plan_buckets(await self._wire_manifest(), self.cfg.bucket_bytes)
         flatten = self.cfg.flatten_buckets
         base = await self._sent()
         sending = asyncio.ensure_future(self.sender.send(buckets, flatten=flatten))
@@ -360,6 +364,7 @@ class DistributedTransport:
             body: dict[str, Any] = {
                 **bucket_body(b, group_name=self.cfg.group_name, flatten=flatten),
                 "flush_cache": False,
+                **self._bucket_fields(),
             }
             if i == len(buckets) - 1:
                 body["weight_version"] = str(version)
@@ -378,6 +383,22 @@ class DistributedTransport:
         if sent != version:
             raise WeightSyncError(f"the sender holds version {sent}, not {version}")
         return failed, stopped
+
+    async def _wire_manifest(self) -> WeightManifest:
+        """What travels: the sender's manifest (asked once) in `--update-weight-dtype`."""
+        if self._manifest is None:
+            self._manifest = in_dtype(await self.sender.manifest(), self.cfg.dtype)
+        return self._manifest
+
+    def _bucket_fields(self) -> dict[str, Any]:
+        """Extra fields of every bucket call (the adapter transport names its adapter)."""
+        return {}
+
+    async def _activate(self, version: int, failed: int, *, strict: bool) -> int:
+        """After the buckets of `version` went out (inside the pause): what else makes the
+        engines serve it; returns how many engines are without it. Full weights: nothing (the
+        last bucket swaps them in)."""
+        return failed
 
     async def _sent(self) -> int | None:
         """Buckets rank 0 finished in this group so far (None: not known here)."""
@@ -501,13 +522,20 @@ class DistributedTransport:
                 except WeightSyncError as e:
                     log.warning("weight push v%d: %s", version, e)
                     failed = len(self.engine_urls())
+                failed = await self._activate(version, failed, strict=False)
             t2 = time.perf_counter()
         return {
             "timing/weight_pause_s": t1 - t0,
             "timing/weight_load_s": t2 - t1,
             "weights/push_failed_engines": float(failed),
             "weights/groups_formed": float(self.groups_formed),
+            "weights/push_bytes": float(self.push_bytes()),
         }
+
+    def push_bytes(self) -> int:
+        """Bytes one version broadcasts (tensor bytes only; 0 before the first push)."""
+        m = self._manifest
+        return 0 if m is None else sum(entry_nbytes(e) for e in m.entries)
 
     def directory(self, version: int) -> Path:
         raise ValueError(f"the distributed transport writes no directory (asked for v{version})")
@@ -523,6 +551,7 @@ class DistributedTransport:
                 f"engines did not take version {version}: "
                 + "; ".join(f"{u} ({why})" for u, why in failed.items())
             )
+        await self._activate(version, 0, strict=True)
 
     async def close(self) -> None:
         """Destroy the group everywhere and close the HTTP session (closed even when the

@@ -20,7 +20,9 @@ from slime_async.engine.backends import launch_engine_config, register_engine_ba
 class SubprocessBackend:
     """One `python -m slime_async.engine` child process per engine; restartable."""
 
-    needs: ClassVar[EngineNeeds] = EngineNeeds(model_dir=True, versioned_adapters=True)
+    needs: ClassVar[EngineNeeds] = EngineNeeds(
+        model_dir=True, versioned_adapters=True, distributed_adapters=True
+    )
     can_restart: ClassVar[bool] = True
 
     def __init__(self, fleet: Any, engine: EngineConfig) -> None:

@@ -45,7 +45,9 @@ class EngineActor:
 class EmbeddedBackend(RayActorBackend):
     """One `EngineActor` per engine; restartable; CPU or any device torch has."""
 
-    needs: ClassVar[EngineNeeds] = EngineNeeds(model_dir=True, versioned_adapters=True)
+    needs: ClassVar[EngineNeeds] = EngineNeeds(
+        model_dir=True, versioned_adapters=True, distributed_adapters=True
+    )
     label: ClassVar[str] = "embedded engine"
 
     def make_actor(self, launch: EngineLaunch) -> ray.actor.ActorHandle:
