@@ -2,13 +2,20 @@
 the optimizer state through megatron-core's `dist_checkpointing` (PyTorch Distributed
 Checkpoint files), and any layout reads back the slices it owns.
 
-Owns: the sharded state dict of one trainer rank (each model chunk's `sharded_state_dict()` and
-the megatron optimizer's `sharded_state_dict(...)`, the distributed optimizer in its
-`fully_sharded_model_space` form, so that the optimizer state is keyed by the model tensor it
-belongs to, not by the DP layout), `save` and `load` of a checkpoint's `dist/` directory, and
-`full_weights` (HF-named fp32 weights read from `dist/` in one process, for `export_hf` and the
-converter). Must never import the controller, engine, rollout or data-worker parts of
-`slime_async`; `checkpoint.py` owns the directory around `dist/` (meta.json, checksums, rename).
+Owns: the sharded state dict of one trainer rank (each model chunk's own `sharded_state_dict()`,
+and the optimizer state as `ShardedTensor`s keyed by the model tensor it belongs to), `save` and
+`load` of a checkpoint's `dist/` directory. Must never import the controller, engine, rollout or
+data-worker parts of `slime_async`; `checkpoint.py` owns the directory around `dist/`
+(meta.json, checksums, rename).
+
+Why the optimizer's tensors are built here and not by megatron's
+`optimizer.sharded_state_dict(...)`: in megatron-core 0.16.1 the distributed optimizer's only
+form that survives a TP/PP/DP change, `fully_sharded_model_space`, raises
+`ShardedTensor.flattened_range is not supported`; `fully_reshardable` gathers the state over DP
+at save (the memory this format exists to avoid) and `dp_reshardable` fixes TP/PP and the
+optimizer kind. So each DP rank's flat slice [lo, hi) of a parameter's state is cut into
+rectangular blocks (`blocks`) placed at the model tensor's global offset, under megatron's key
+names, and `dist_checkpointing` writes and reshards them like any model tensor.
 
 What is saved: only the tensors (`ShardedTensor`s). The optimizer's non-tensor state (param
 groups: LR, betas, weight decay) is not: it is a function of the flags and the version (the LR
