@@ -88,12 +88,31 @@ def test_per_token_versions_use_their_own_snapshot():
     assert tr.release(2) and not tr.release(2) and tr.snapshots.versions() == [3, 4]
 
 
-def test_save_load_continue_equals_uninterrupted(tmp_path):
+def _as_written_before_ckpt_format(ckpt) -> None:
+    """Rewrite meta.json as checkpoints were written before --ckpt-format (no such field)."""
+    import json
+
+    from slime_async.trainer.checkpoint import _meta_digest
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["ckpt_format"]
+    meta["meta_sha256"] = _meta_digest(meta)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_save_load_continue_equals_uninterrupted(tmp_path, fmt):
+    """Both formats resume bit-exactly; a torch checkpoint written before --ckpt-format existed
+    loads under the default (torch_dist) flag: `load` reads the format the checkpoint has."""
     b1, b2 = _batch(2), _batch(3)
-    a = _trainer(save=str(tmp_path / "ck"), lr_warmup_steps=2)
+    a = _trainer(save=str(tmp_path / "ck"), lr_warmup_steps=2, ckpt_format=fmt)
     a.train_step(b1)
     a.train_step(b2)
-    a.save_checkpoint(extra_state={"data_worker": {"cursor": 17}, "controller": [1, 2]})
+    ck = a.save_checkpoint(extra_state={"data_worker": {"cursor": 17}, "controller": [1, 2]})
+    assert (ck / "model.pt").is_file() == (fmt == "torch")
+    assert (ck / "dist" / ".metadata").is_file() == (fmt == "torch_dist")
+    if fmt == "torch":
+        _as_written_before_ckpt_format(ck)
     ma = [a.train_step(b1), a.train_step(b2)]
     wa = _params(a)
     b = _trainer(load=str(tmp_path / "ck"), lr_warmup_steps=2)
@@ -132,11 +151,17 @@ def test_resume_guards_name_the_path(tmp_path):
     assert isinstance(ModelSpec.from_dict(TINY_MOE.to_dict()), ModelSpec)
 
 
-def test_corrupted_or_partial_checkpoint_is_never_picked(tmp_path, caplog):
+@pytest.mark.parametrize(
+    "fmt, weights, state",
+    [("torch", "model.pt", "optim.pt"), ("torch_dist", "dist/__0_0.distcp", "dist/.metadata")],
+)
+def test_corrupted_or_partial_checkpoint_is_never_picked(tmp_path, caplog, fmt, weights, state):
+    """A truncated or bit-flipped file (a torch_dist shard, or the metadata dist_checkpointing
+    would unpickle) fails its size / sha256 check before anything reads it."""
     from slime_async.trainer.checkpoint import CheckpointError, find_latest, iter_name
 
     d = tmp_path / "ck"
-    tr = _trainer(save=str(d), keep_checkpoints=5)
+    tr = _trainer(save=str(d), keep_checkpoints=5, ckpt_format=fmt)
     b = _batch()
     tr.train_step(b)
     good = tr.save_checkpoint()
@@ -149,7 +174,7 @@ def test_corrupted_or_partial_checkpoint_is_never_picked(tmp_path, caplog):
     (d / iter_name(4)).mkdir()
     assert find_latest(d) == newer
     # corrupt the newest: truncate its weights → the older complete one is used, with a warning
-    f = newer / "model.pt"
+    f = newer / weights
     f.write_bytes(f.read_bytes()[:100])
     with caplog.at_level(logging.WARNING):
         assert find_latest(d) == good
@@ -157,7 +182,7 @@ def test_corrupted_or_partial_checkpoint_is_never_picked(tmp_path, caplog):
     resumed = _trainer(load=str(d))
     assert resumed.version == 1
     # same size but flipped bytes → sha256 catches it; nothing complete is left → refuse
-    g = good / "optim.pt"
+    g = good / state
     raw = bytearray(g.read_bytes())
     raw[-10] ^= 0xFF
     g.write_bytes(bytes(raw))
@@ -264,3 +289,26 @@ def test_loss_is_selected_by_name_or_dotted_path():
         _trainer(loss=LossSelection(name="nope"))
     with pytest.raises(ValueError, match="no attribute"):
         _trainer(loss=LossSelection(name="loss.registry.does_not_exist"))
+
+
+def test_torch_dist_checkpoint_converts_to_torch_and_exports(tmp_path):
+    """`convert_checkpoint` turns a torch_dist checkpoint into the torch format (model.pt,
+    optim.pt) that resumes to the same state; `export_hf` reads either to the same weights."""
+    from slime_async.tools.convert_checkpoint import main as convert_main
+    from slime_async.tools.export_hf import export_checkpoint
+    from slime_async.trainer.checkpoint import _optimizer_moments
+
+    a = _trainer(save=str(tmp_path / "ck"))
+    a.train_step(_batch())
+    a.save_checkpoint(extra_state={"step": 1})
+    assert convert_main(["--load", str(tmp_path / "ck"), "--out", str(tmp_path / "conv")]) == 0
+    assert (tmp_path / "conv" / "iter_0000001" / "model.pt").is_file()
+    b = _trainer(load=str(tmp_path / "conv"))
+    assert b.version == 1 and b.extra_state == {"step": 1}
+    (ma, sa), (mb, sb) = _optimizer_moments(a), _optimizer_moments(b)
+    assert sa == sb and all(torch.equal(ma[k][n], mb[k][n]) for k in ma for n in ma[k])
+    assert all(torch.equal(p, q) for p, q in zip(_params(a).values(), _params(b).values()))
+    x = export_checkpoint(tmp_path / "ck", tmp_path / "hf_dist")
+    y = export_checkpoint(tmp_path / "conv", tmp_path / "hf_torch")
+    for f in x.glob("*.safetensors"):
+        assert f.read_bytes() == (y / f.name).read_bytes()

@@ -6,8 +6,9 @@ Owns `export_checkpoint` and its command line::
         [--hf-checkpoint SRC]
 
 `--load` is a `--save` directory (its `latest` complete checkpoint) or one `iter_*` directory;
-its `meta.json` holds the ModelSpec and `model.pt` the full HF-named fp32 weights, so no trainer
-is built. The output is what `--save-hf` writes (`slime_async.trainer.hf_save`): `--hf-checkpoint`
+its `meta.json` holds the ModelSpec and, in the torch format, `model.pt` the full HF-named fp32
+weights, so no trainer is built; a torch_dist checkpoint is restored by a one-rank trainer
+(`convert_checkpoint.one_rank_trainer`: the whole model and its Adam state in memory). The output is what `--save-hf` writes (`slime_async.trainer.hf_save`): `--hf-checkpoint`
 (the run's, or a .gguf file, converted into `<out>.gguf-src/`) gives it the source's config
 fields, tokenizer and generation config. Refuses to replace a directory not written by
 `--save-hf` or this tool. A LoRA checkpoint exports the merged model (`W + (alpha / r) · B A`)
@@ -67,7 +68,14 @@ def export_checkpoint(
     ckpt = checkpoint.find_latest(Path(load))
     meta = checkpoint.read_meta(ckpt)
     spec = ModelSpec.from_dict(meta["spec"])
-    tensors = torch.load(ckpt / "model.pt", weights_only=True, map_location="cpu")
+    if checkpoint.ckpt_format(meta) == "torch_dist":  # shards: restored by a one-rank trainer
+        from slime_async.tools.convert_checkpoint import one_rank_trainer
+
+        tr = one_rank_trainer(ckpt, meta)
+        tensors = tr.export_weights().tensors
+        tr.shutdown()
+    else:
+        tensors = torch.load(ckpt / "model.pt", weights_only=True, map_location="cpu")
     if meta.get("lora") is not None:
         from slime_async.contracts.adapter import LoraSpec, write_peft_dir
         from slime_async.trainer import lora

@@ -6,22 +6,28 @@ controller, engine, rollout or data-worker parts of `slime_async`.
 Layout of `<save>/`::
 
     iter_0000012/            one complete checkpoint (renamed into place when complete)
-        meta.json            version, ModelSpec, parallel layout, optimizer step, LR schedule
-                             (the LR is a pure function of version + schedule), sizes and
-                             sha256 of every file below, opaque `extra_state` (controller,
+        meta.json            ckpt_format, version, ModelSpec, parallel layout, optimizer step,
+                             LR schedule (the LR is a pure function of version + schedule), sizes
+                             and sha256 of every file below, opaque `extra_state` (controller,
                              data worker), and `meta_sha256` over all of it
-        model.pt             full HF-named fp32 weights (layout-free → any TP/EP/PP can load)
-        optim.pt             full HF-named Adam moments `exp_avg` / `exp_avg_sq` (and the fp32
-                             `main_param` under bf16), gathered over DP from the distributed
-                             optimizer's shards (`optim.MegatronOptim.state_tensors`)
+        dist/                --ckpt-format torch_dist (`dist_ckpt`): every rank's shards of the
+                             weights and of the Adam moments (+ fp32 main params under bf16),
+                             written by megatron's dist_checkpointing; nothing is gathered
+        model.pt             --ckpt-format torch: full HF-named fp32 weights
+        optim.pt             --ckpt-format torch: full HF-named Adam moments `exp_avg` /
+                             `exp_avg_sq` (and the fp32 `main_param` under bf16), gathered over
+                             DP from the distributed optimizer's shards
+                             (`optim.MegatronOptim.state_tensors`)
         rng_rank00000.pt     per-rank torch + megatron-tracker RNG states
     latest                   text "12", replaced atomically after the rename
     .tmp-iter_0000013/       a save in progress / crashed: never read
 
-Tensors are stored in their full (gathered) form, so a different TP/EP/PP/DP layout, with or
-without the distributed optimizer, is resharded exactly (the same mapping as the HF export).
-Files are read with `torch.load(..., weights_only=True)`: nothing is unpickled beyond tensors
-and plain containers.
+Either format loads under any TP/EP/PP/DP layout, with or without the distributed optimizer:
+`torch` tensors are full (the HF export's mapping), `torch_dist` tensors are resharded by
+dist_checkpointing. `load` reads the format meta.json names (absent: torch), whatever
+--ckpt-format says. `torch` files are read with `torch.load(..., weights_only=True)`; a
+`torch_dist` load unpickles dist_checkpointing's `dist/.metadata`, so every file's sha256 is
+checked against meta.json first (docs/security.md).
 
 Guards (each raises `CheckpointError` naming the path): `--load` missing, empty or without a
 complete checkpoint (never a fallback to `--hf-checkpoint`/`--ref-load`); a loaded iteration
@@ -49,7 +55,7 @@ import torch.distributed as dist
 
 from slime_async.contracts.model import ModelSpec
 from slime_async.host import atomic_write_text, file_sha256
-from slime_async.trainer import hf_convert, lora
+from slime_async.trainer import dist_ckpt, hf_convert, lora
 from slime_async.trainer.model import global_named_parameters
 from slime_async.trainer.parallel import ParallelLayout
 
@@ -145,11 +151,16 @@ def _optimizer_moments(tr: TrainerState) -> tuple[dict[str, dict[str, torch.Tens
 
 
 def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) -> Path:
-    """Write `iter_<version>` atomically, then point `latest` at it; returns the final path."""
+    """Write `iter_<version>` atomically in `tr.cfg.checkpoint_format`, then point `latest` at
+    it; returns the final path."""
     json.dumps(extra_state)  # fail early (TypeError) if the opaque state is not JSON-able
-    weights = hf_convert.megatron_to_hf(tr.chunks, tr.spec)  # with LoRA: the base
-    adapter = tr.export_adapter() if getattr(tr, "lora", None) is not None else None
-    moments, opt_step = _optimizer_moments(tr)
+    fmt = tr.cfg.checkpoint_format
+    weights = moments = adapter = None
+    opt_step = tr.optim.step_count()
+    if fmt == "torch":  # gathered: collective over TP/EP/PP/DP, full tensors on rank 0
+        weights = hf_convert.megatron_to_hf(tr.chunks, tr.spec)  # with LoRA: the base
+        adapter = tr.export_adapter() if getattr(tr, "lora", None) is not None else None
+        moments, opt_step = _optimizer_moments(tr)
     final = save_dir / iter_name(tr.version)
     tmp = save_dir / f".tmp-{iter_name(tr.version)}"
     if tr.rank == 0:
@@ -163,7 +174,9 @@ def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) ->
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, tmp / f"rng_rank{tr.rank:05d}.pt")
-    if tr.rank == 0:
+    if fmt == "torch_dist":
+        dist_ckpt.save(tr, tmp)  # every rank its own shards, into tmp/dist/
+    elif tr.rank == 0:
         torch.save(weights, tmp / "model.pt")
         torch.save(moments, tmp / "optim.pt")
         if adapter is not None:
@@ -171,11 +184,13 @@ def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) ->
     _barrier(tr)
     if tr.rank == 0:
         files = {
-            f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
-            for f in sorted(tmp.iterdir())
+            f.relative_to(tmp).as_posix(): {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+            for f in sorted(tmp.rglob("*"))
+            if f.is_file()
         }
         meta = {
             "format": FORMAT,
+            "ckpt_format": fmt,
             "version": tr.version,
             "spec": tr.spec.to_dict(),
             "layout": tr.layout.to_dict(),
@@ -233,9 +248,22 @@ def validate(ckpt: Path, *, hashes: bool = True) -> str | None:
             return f"{f} has {f.stat().st_size} bytes, meta.json says {info['bytes']} (truncated)"
         if hashes and file_sha256(f) != info["sha256"]:
             return f"{f} fails its sha256 check (corrupted)"
-    if "model.pt" not in meta.get("files", {}):
-        return f"{ckpt} has no model.pt"
+    fmt = ckpt_format(meta)
+    needs = REQUIRED.get(fmt)
+    if needs is None:
+        return f"{meta_path} has ckpt_format {fmt!r}, expected one of {sorted(REQUIRED)}"
+    if needs not in files:
+        return f"{ckpt} has no {needs} (a {fmt} checkpoint)"
     return None
+
+
+REQUIRED = {"torch": "model.pt", "torch_dist": f"{dist_ckpt.SUBDIR}/.metadata"}
+"""The file each `--ckpt-format` cannot be without."""
+
+
+def ckpt_format(meta: dict[str, object]) -> object:
+    """The checkpoint's `--ckpt-format` (checkpoints written before the field: torch)."""
+    return meta.get("ckpt_format", "torch")
 
 
 def find_latest(load_dir: Path, *, hashes: bool = True) -> Path:
@@ -366,13 +394,18 @@ def load(tr: TrainerState, load_dir: Path) -> dict[str, object]:
         lora.check_checkpoint(meta.get("lora"), mine, where=f"--load {ckpt}")
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    weights = torch.load(ckpt / "model.pt", weights_only=True, map_location="cpu")
-    hf_convert.hf_to_megatron(tr.chunks, tr.spec, weights)
-    if mine is not None:
-        adapter = torch.load(ckpt / "adapter.pt", weights_only=True, map_location="cpu")
-        lora.load_adapter_tensors(tr.chunks, adapter)
-    tr.optim.reload_main_params()
-    _load_optimizer(tr, ckpt, int(meta["optimizer_step"]))
+    if ckpt_format(meta) == "torch_dist":
+        _check_dist_precision(meta, tr, ckpt)
+        # each rank reads its slices (resharded by dist_checkpointing), fp32 main params included
+        dist_ckpt.load(tr, ckpt, step=int(meta["optimizer_step"]))
+    else:
+        weights = torch.load(ckpt / "model.pt", weights_only=True, map_location="cpu")
+        hf_convert.hf_to_megatron(tr.chunks, tr.spec, weights)
+        if mine is not None:
+            adapter = torch.load(ckpt / "adapter.pt", weights_only=True, map_location="cpu")
+            lora.load_adapter_tensors(tr.chunks, adapter)
+        tr.optim.reload_main_params()
+        _load_optimizer(tr, ckpt, int(meta["optimizer_step"]))
     rng_file = ckpt / f"rng_rank{tr.rank:05d}.pt"
     if meta["world_size"] == tr.world_size and rng_file.is_file():
         _restore_rng(torch.load(rng_file, weights_only=True))
@@ -382,6 +415,20 @@ def load(tr: TrainerState, load_dir: Path) -> dict[str, object]:
     tr.extra_state = dict(meta.get("extra_state") or {})
     tr.resumed_layout = saved
     return meta
+
+
+def _check_dist_precision(meta: dict[str, Any], tr: TrainerState, ckpt: Path) -> None:
+    """A torch_dist checkpoint holds the weights in the run's parameter dtype and fp32 main
+    parameters only under bf16: loading it under the other precision is refused."""
+    saved = bool((meta.get("optimizer") or {}).get("bf16"))
+    if saved != tr.optim.bf16:
+        flag = "--bf16" if saved else "no --bf16"
+        raise CheckpointError(
+            f"--load {ckpt} is a torch_dist checkpoint of a run with {flag}; resume with the "
+            "same precision, or convert it first (python -m "
+            "slime_async.tools.convert_checkpoint --load CKPT --out DIR), whose torch format "
+            "loads under either"
+        )
 
 
 def _lr_schedule(tr: TrainerState) -> dict[str, object]:

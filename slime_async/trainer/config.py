@@ -240,6 +240,13 @@ class TrainerConfig:
     ref_load: str | None = None
     """HF weights of the KL penalty's reference policy, with --use-kl-loss (default: the run's
     initial weights; needed with --load when the loss reads π_ref)."""
+    ckpt_format: Literal["torch_dist", "torch"] | None = flag(
+        None, derived="torch_dist; torch with --lora-rank > 0"
+    )
+    """Checkpoint format --save writes (megatron's and slime's flag): torch_dist (each rank writes
+    its own shards through megatron's dist_checkpointing, nothing gathered; any layout loads it)
+    or torch (full HF-named weights and Adam moments gathered on rank 0). --load reads either.
+    See docs/resume-guards.md."""
     keep_checkpoints: int = flag(2, ge=0, hint="0 = keep all")
     """Complete checkpoints kept in --save (older ones are deleted)."""
     lora_rank: int = flag(0, ge=0, hint="0 = full fine-tuning")
@@ -262,6 +269,13 @@ class TrainerConfig:
     def world_size(self) -> int:
         """Trainer ranks: `actor_num_nodes x actor_num_gpus_per_node` (= TP x PP x DP)."""
         return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def checkpoint_format(self) -> str:
+        """--ckpt-format, derived when not given: torch with LoRA, torch_dist otherwise."""
+        if self.ckpt_format is not None:
+            return self.ckpt_format
+        return "torch" if self.lora_rank > 0 else "torch_dist"
 
     @property
     def data_parallel_size(self) -> int:
@@ -304,6 +318,13 @@ class TrainerConfig:
         # 'all' → every module, PEFT's order; ValueError naming an unknown one
         targets = parse_targets(",".join(self.lora_target_modules))
         object.__setattr__(self, "lora_target_modules", targets)
+        if self.ckpt_format not in (None, "torch_dist", "torch"):
+            raise ValueError(f"ckpt_format={self.ckpt_format!r}; use 'torch_dist' or 'torch'")
+        if self.ckpt_format == "torch_dist" and self.lora_rank > 0:
+            raise ValueError(
+                "--ckpt-format torch_dist does not save LoRA adapters (they have no megatron "
+                "sharded state); use --ckpt-format torch, the default with --lora-rank"
+            )
         if not self.temperature > 0:  # set by the run (no flag of its own)
             raise ValueError("temperature must be > 0")
 

@@ -203,6 +203,27 @@ class MegatronOptim:
                         src = state["main_param"][name].reshape(-1)[lo:hi]
                         main.copy_(src.to(main.device, main.dtype).view_as(main))
 
+    def owned_state(self) -> Iterator[tuple[torch.nn.Parameter, tuple[int, int], dict]]:
+        """(model parameter, the range (lo, hi) of `p.view(-1)` whose optimizer state this rank
+        holds, {"exp_avg" / "exp_avg_sq" (/ "main_param" under bf16): that state as a flat live
+        tensor of hi - lo elements}) for every parameter with state on this rank (the
+        distributed optimizer: its DP shard). No copy, no communication."""
+        keys = (*MOMENTS, "main_param") if self.bf16 else MOMENTS
+        for sub, params, _ in self._param_sets():
+            for p in params:
+                for main, rng in _main_and_range(sub, p, self.distributed):
+                    st = sub.optimizer.state.get(main, {})
+                    views = {k: (main if k == "main_param" else st[k]).view(-1) for k in keys}
+                    yield p, rng, views
+
+    def init_state(self, *, step: int) -> None:
+        """Allocate Adam's state (zeros) where a parameter has none yet and set every step count
+        to `step` (before state is read into it: `dist_ckpt.load`)."""
+        for sub in self._subs():
+            sub.init_state_fn(sub.optimizer, sub.config)
+            for st in sub.optimizer.state.values():
+                st["step"] = torch.tensor(float(step))
+
     def _param_sets(self) -> Iterator[tuple[object, list[torch.nn.Parameter], object]]:
         """(sub-optimizer, every model parameter it covers in a fixed order, its DP group)."""
         for sub in self._subs():

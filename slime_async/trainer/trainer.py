@@ -133,6 +133,8 @@ class MegatronTrainer(LogprobForwards):
         self.optim = build_optim(self.chunks, cfg, self.layout)
         if rank == 0 and cfg.use_distributed_optimizer is None and self.layout.dp > 1:
             log.info("derived: --use-distributed-optimizer on (DP=%d)", self.layout.dp)
+        if rank == 0 and cfg.ckpt_format is None and self.lora is not None:
+            log.info("derived: --ckpt-format torch (LoRA adapters are saved gathered)")
         self.schedule = Schedule(
             self.optim.wrapped,
             [router_replays(c) for c in self.chunks],
