@@ -16,15 +16,20 @@ from slime_async.controller import train
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
-async def test_lora_run_pushes_adapters_only(tmp_path):
-    steps = 3
-    argv = [
-        "--run-dir", str(tmp_path), "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+def _argv(run_dir, steps: int) -> list[str]:
+    """A short LoRA run of the embedded default: rank-4 adapters on the attention projections."""
+    return [
+        "--run-dir", str(run_dir), "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
         "--rollout-max-response-len", "12", "--warmstart-steps", "0", "--eval-interval", "0",
         "--micro-batch-size", "4", "--lr", "1e-3", "--num-steps", str(steps),
-        "--lora-rank", "4", "--lora-alpha", "8", "--max-staleness", "0",
+        "--lora-rank", "4", "--lora-alpha", "8",
         "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
     ]  # fmt: skip
+
+
+async def test_lora_run_pushes_adapters_only(tmp_path):
+    steps = 3
+    argv = [*_argv(tmp_path, steps), "--max-staleness", "0"]
     cfg = parse_config(argv)
     assert cfg.engine.enable_lora and cfg.weights.transport.value == "disk"
     summary = await train(cfg)
@@ -51,13 +56,8 @@ async def test_lora_run_over_the_weight_group_with_the_forward_only_role(tmp_pat
     holds the base once and an adapter per version, and every trained token found its π_j^Meg."""
     steps = 3
     argv = [
-        "--run-dir", str(tmp_path), "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-        "--rollout-max-response-len", "12", "--warmstart-steps", "0", "--eval-interval", "0",
-        "--micro-batch-size", "4", "--lr", "1e-3", "--num-steps", str(steps),
-        "--lora-rank", "4", "--lora-alpha", "8", "--max-staleness", "1",
-        "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
-        "--update-weight-transport", "distributed", "--keep-old-actor",
-        "--behavior-forward", "role",
+        *_argv(tmp_path, steps), "--max-staleness", "1", "--update-weight-transport",
+        "distributed", "--keep-old-actor", "--behavior-forward", "role",
     ]  # fmt: skip
     cfg = parse_config(argv)
     assert cfg.engine.enable_lora and cfg.weights.transport.value == "distributed"

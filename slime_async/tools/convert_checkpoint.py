@@ -16,13 +16,12 @@ after any world-size change.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
-from clifields import HelpFormatter, add_flags, flag, from_args
+from clifields import flag
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,25 +73,18 @@ def convert_checkpoint(load: str | Path, out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    from slime_async.tools import run_tool
+    from slime_async.trainer.checkpoint import CheckpointError
+
+    return run_tool(
+        argv,
         prog="python -m slime_async.tools.convert_checkpoint",
         description="Convert a --ckpt-format torch_dist checkpoint into the torch format "
         "(full HF-named model.pt / optim.pt).",
-        formatter_class=HelpFormatter,
+        config=ConvertConfig,
+        action=lambda cfg: convert_checkpoint(cfg.load, cfg.out),
+        refusals=(CheckpointError, FileExistsError, ValueError),
     )
-    add_flags(p, ConvertConfig)
-    cfg = from_args(ConvertConfig, p.parse_args(argv))
-    missing = [f"--{n}" for n in ("load", "out") if getattr(cfg, n) is None]
-    if missing:
-        p.error(f"{' and '.join(missing)} required")
-    from slime_async.trainer.checkpoint import CheckpointError
-
-    try:
-        out = convert_checkpoint(cfg.load, cfg.out)
-    except (CheckpointError, FileExistsError, ValueError) as e:
-        p.error(str(e))
-    print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

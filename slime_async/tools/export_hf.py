@@ -17,12 +17,11 @@ and, with `--adapter-out DIR`, its PEFT adapter.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
 
-from clifields import HelpFormatter, add_flags, flag, from_args
+from clifields import flag
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,27 +93,20 @@ def export_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    from slime_async.tools import run_tool
+    from slime_async.trainer.checkpoint import CheckpointError
+
+    return run_tool(
+        argv,
         prog="python -m slime_async.tools.export_hf",
         description="Convert a --save checkpoint into a Hugging Face directory "
         "(from_pretrained-loadable, as --save-hf writes it).",
-        formatter_class=HelpFormatter,
-    )
-    add_flags(p, ExportHfConfig)
-    cfg = from_args(ExportHfConfig, p.parse_args(argv))
-    missing = [f"--{n}" for n in ("load", "out") if getattr(cfg, n) is None]
-    if missing:
-        p.error(f"{' and '.join(missing)} required")
-    from slime_async.trainer.checkpoint import CheckpointError
-
-    try:
-        out = export_checkpoint(
+        config=ExportHfConfig,
+        action=lambda cfg: export_checkpoint(
             cfg.load, cfg.out, source=cfg.hf_checkpoint, adapter_out=cfg.adapter_out
-        )
-    except (CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
-        p.error(str(e))
-    print(f"wrote {out}")
-    return 0
+        ),
+        refusals=(CheckpointError, FileNotFoundError, FileExistsError, ValueError),
+    )
 
 
 if __name__ == "__main__":
