@@ -19,7 +19,7 @@ through its template.
 The gateway pins the sampling (`--agent-max-turn-tokens` per turn, the run's temperature),
 keeps each turn's sampled ids whatever the text re-encodes to, and the run's reward function
 (`--custom-rm-path slime_async.examples.agent_calculator:reward`) scores the trajectory.
-What it reached (with a shortened warm start, no measurable rise): docs/results/2026-11-26-agent-gateway.md.
+What it reached (its held-out curve): docs/results/2026-11-27-agent-calculator.md.
 Owns nothing else.
 """
 
