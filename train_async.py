@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for noisy in ("httpx", "httpx2"):  # the `openai` client's HTTP stack: a line per request
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     from slime_async.node_loss import TrainerLostError
     from slime_async.node_paths import NodePathError
     from slime_async.supervisor import EnginesDownError
