@@ -29,6 +29,7 @@ def _tensors(d: Path) -> dict[str, torch.Tensor]:
 async def test_embedded_run_writes_a_loadable_model_equal_to_its_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from slime_async.tools.convert_checkpoint import convert_checkpoint
     from slime_async.tools.export_hf import main as export_main
 
     run = tmp_path / "run"
@@ -46,7 +47,9 @@ async def test_embedded_run_writes_a_loadable_model_equal_to_its_checkpoint(tmp_
     out = run / "hf"
     assert hf_save.verify(out) is None
     assert json.loads((out / hf_save.MARKER).read_text())["version"] == 2
-    ckpt = torch.load(run / "ckpt" / "iter_0000002" / "model.pt", weights_only=True)
+    # the --save checkpoint (torch_dist, the default) in the gathered form, to compare with
+    full = convert_checkpoint(run / "ckpt", tmp_path / "gathered")
+    ckpt = torch.load(full / "model.pt", weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(out))
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     got = _tensors(out)
