@@ -12,7 +12,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from slime_async.config import parse_config
-    from slime_async.controller import train
+    from slime_async.orchestrator.controller import train
 
     # before parsing: a GGUF --hf-checkpoint is converted (and says so) while the flags are read
     logging.basicConfig(
@@ -20,9 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("httpx", "httpx2"):  # the `openai` client's HTTP stack: a line per request
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from slime_async.node_loss import TrainerLostError
-    from slime_async.node_paths import NodePathError
-    from slime_async.supervisor import EnginesDownError
+    from slime_async.orchestrator.node_loss import TrainerLostError
+    from slime_async.orchestrator.node_paths import NodePathError
+    from slime_async.orchestrator.supervisor import EnginesDownError
 
     cfg = parse_config(argv)
     try:

@@ -98,10 +98,10 @@ def prepare_warmstart(out: Path, seed: int, steps: int | None) -> Path:
     """The warm-started model of `seed` under `out/warmstart/seed<seed>`, trained once, exactly
     as train_async.py would (same spec, task config and warm-start config, so its hash
     matches and the run reuses it)."""
+    from slime_async.config.run_config import run_default
     from slime_async.contracts.model import TINY_MOE
     from slime_async.rollout.tasks import TaskFamilyConfig
     from slime_async.rollout.warmstart import WarmStartConfig, warm_start
-    from slime_async.run_config import run_default
 
     steps = run_default("warmstart_steps") if steps is None else steps
     res = warm_start(

@@ -33,8 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from slime_async.config.memory_plan import param_count  # noqa: E402
 from slime_async.contracts.model import SMOLLM2_135M  # noqa: E402
-from slime_async.memory_plan import param_count  # noqa: E402
 
 SMOLLM2 = SMOLLM2_135M
 CONFIGS = {  # name: (bf16, logits chunk tokens (None: the chunked default, 0: full), recompute)

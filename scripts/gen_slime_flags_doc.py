@@ -1,5 +1,5 @@
 """Write the "slime flags not here" table of docs/coming-from-slime.md from
-`slime_async.slime_flags` (between its begin/end markers); `--check` exits 1 when the doc is
+`slime_async.config.slime_flags` (between its begin/end markers); `--check` exits 1 when the doc is
 stale instead of writing it (tests/test_slime_flags.py runs the same comparison)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from slime_async.slime_flags import NOT_HERE
+from slime_async.config.slime_flags import NOT_HERE
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "coming-from-slime.md"
 BEGIN = "<!-- slime-flags:begin (scripts/gen_slime_flags_doc.py writes this table) -->"

@@ -1,7 +1,8 @@
 """Host-level helpers for the processes of a run, shared by roles, trainer and engine backends.
 
 Owns `pin_cores` (CPU core pinning inside a process: the CPU analogue of separate GPU pools),
-`free_port` (a free local TCP port), and the two file primitives every durable write uses:
+`free_port` (a free local TCP port), `ray_address` (the cluster a run joins: the flag, else
+`RAY_ADDRESS`), and the two file primitives every durable write uses:
 `atomic_write_text` (temp file, fsync, rename) and `file_sha256`. Imports nothing from
 slime_async.
 """
@@ -70,3 +71,10 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def ray_address(flag: str | None = None) -> str | None:
+    """The cluster to join: `--ray-address`, else `RAY_ADDRESS`; None (or "local") starts a
+    local one."""
+    address = flag or os.environ.get("RAY_ADDRESS") or None
+    return None if address == "local" else address

@@ -4,6 +4,9 @@
 * Inside `slime_async`, the components (trainer, engine, rollout, weights, metrics) import only
   the contracts (`slime_async.contracts`), the host helpers (`slime_async.host`), the start-up
   log (`slime_async.startup`; both import nothing from slime_async) and themselves.
+* Two wings above the components: the config wing (`slime_async.config`: parse, derive, check)
+  imports nothing of the orchestrator wing (`slime_async.orchestrator`: the live run); the
+  components import neither wing. The package root holds at most 8 modules.
 * The stability lab (`lab`, a repository tool, not installed) may import the runtime; the
   runtime (`slime_async` and the leaves) never imports it.
 * No import cycle among the project's modules, `TYPE_CHECKING` imports included.
@@ -20,6 +23,7 @@ LEAVES = ("loss", "data_worker", "router")
 TOOLS = ("lab",)
 COMPONENTS = ("trainer", "engine", "rollout", "weights", "metrics")
 SHARED = ("contracts", "host", "startup")
+CONFIG_WING, ORCHESTRATOR_WING = "slime_async.config", "slime_async.orchestrator"
 
 
 def _modules() -> dict[str, Path]:
@@ -95,6 +99,38 @@ def test_components_meet_only_through_the_contracts():
             if dp[0] == "slime_async" and len(dp) > 1 and dp[1] not in (parts[1], *SHARED):
                 bad.append((m, d))
     assert not bad, f"a component imports another component's internals: {bad}"
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_config_wing_never_imports_the_orchestrator():
+    bad = [
+        (m, d)
+        for m, deps in _graph().items()
+        if _in(m, CONFIG_WING)
+        for d in deps
+        if _in(d, ORCHESTRATOR_WING)
+    ]
+    assert not bad, f"config modules importing the live run: {bad}"
+
+
+def test_components_import_neither_wing():
+    bad = [
+        (m, d)
+        for m, deps in _graph().items()
+        if m.split(".")[0] in LEAVES
+        or (m.startswith("slime_async.") and m.split(".")[1] in (*COMPONENTS, *SHARED))
+        for d in deps
+        if _in(d, CONFIG_WING) or _in(d, ORCHESTRATOR_WING)
+    ]
+    assert not bad, f"components importing a wing: {bad}"
+
+
+def test_the_package_root_stays_small():
+    root = sorted(p.name for p in (ROOT / "slime_async").glob("*.py"))
+    assert len(root) <= 8, f"slime_async/ holds {len(root)} modules (at most 8): {root}"
 
 
 def test_no_import_cycles():

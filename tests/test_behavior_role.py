@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def ray_up():
-    from slime_async.roles import init_ray
+    from slime_async.orchestrator.roles import init_ray
 
     init_ray()
     yield
@@ -125,7 +125,7 @@ async def test_the_run_computes_pi_j_in_the_role(tmp_path):
     """Four async steps of the real run (the role is the default here): every step reads
     π_j^Meg from the batch (no snapshot forward, nothing missing, no fallback)."""
     from slime_async.config import parse_config
-    from slime_async.controller import train
+    from slime_async.orchestrator.controller import train
 
     cfg = parse_config(
         [

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from slime_async.config import Environment, build_parser, validate
+from slime_async.config.hardware import cpu_bf16_feature
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.hardware import cpu_bf16_feature
 
 pytestmark = pytest.mark.timeout(240)
 torch.set_num_threads(1)
@@ -92,8 +92,8 @@ def test_a_resumed_run_is_not_switched_to_bf16():
         load=LoadFacts(path="/ckpt", checkpoint="/ckpt/iter_0000003", version=3),
     )
     args = build_parser().parse_args([*REAL, "--load", "/ckpt"])
-    from slime_async.config import _derive_bf16
-    from slime_async.derive import Flags
+    from slime_async.config.cli import _derive_bf16
+    from slime_async.config.derive import Flags
 
     f = Flags(args)
     _derive_bf16(f, env, embedded=False)

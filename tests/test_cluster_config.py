@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from slime_async.config import build_parser, validate
+from slime_async.config.run_config import Environment
 from slime_async.contracts.model import TINY_MOE
-from slime_async.placement import Slot, split_node_cores
-from slime_async.roles import ray_address
-from slime_async.run_config import Environment
+from slime_async.host import ray_address
+from slime_async.orchestrator.placement import Slot, split_node_cores
 
 
 def _validate(*argv: str, address: str | None = None, token: str | None = None):

@@ -17,13 +17,13 @@ import pytest
 from data_worker.config import DataWorkerConfig
 from router.config import RouterConfig
 from slime_async.config import Environment, build_parser, read_environment, validate
+from slime_async.config.run_config import RunConfig
+from slime_async.config.supervision import SupervisorConfig
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
 from slime_async.metrics.config import LoggingConfig
 from slime_async.rollout.config import RolloutConfig
-from slime_async.run_config import RunConfig
-from slime_async.supervisor import SupervisorConfig
 from slime_async.trainer.config import TrainerConfig
 from slime_async.weights.config import WeightSyncConfig
 
@@ -365,10 +365,10 @@ def test_every_flag_default_is_its_config_field_default():
 
 
 def test_record_config_logs_derived_values_once_and_saves_them(tmp_path, caplog):
-    from slime_async.launch import record_config
+    from slime_async.orchestrator.launch import record_config
 
     cfg = dataclasses.replace(_cfg(), run_dir=tmp_path / "run")
-    with caplog.at_level(logging.INFO, logger="slime_async.launch"):
+    with caplog.at_level(logging.INFO, logger="slime_async.orchestrator.launch"):
         record_config(cfg)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("derived:")]
     assert len(lines) == len(cfg.derived)

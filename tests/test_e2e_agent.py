@@ -9,7 +9,7 @@ import math
 import pytest
 
 from slime_async.config import parse_config
-from slime_async.controller import train
+from slime_async.orchestrator.controller import train
 
 pytest.importorskip("openai")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]

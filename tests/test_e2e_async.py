@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from slime_async.config import parse_config
-from slime_async.controller import train
+from slime_async.orchestrator.controller import train
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -11,7 +11,7 @@ import pytest
 
 from slime_async.config import parse_config
 from slime_async.contracts.adapter import LoraSpec, adapter_numel, read_peft_dir
-from slime_async.controller import train
+from slime_async.orchestrator.controller import train
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 

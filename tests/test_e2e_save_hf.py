@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from slime_async.config import parse_config
-from slime_async.controller import train
+from slime_async.orchestrator.controller import train
 from slime_async.trainer import hf_save
 
 pytestmark = pytest.mark.timeout(900)

@@ -22,7 +22,6 @@ import pytest
 
 from slime_async.config import parse_config
 from slime_async.contracts.engine import EngineLaunch
-from slime_async.controller import train
 from slime_async.engine import EngineConfig, EngineProcess
 from slime_async.engine.backends import (
     EngineFleetConfig,
@@ -31,7 +30,8 @@ from slime_async.engine.backends import (
 )
 from slime_async.engine.backends.external import EngineAttachError
 from slime_async.engine.backends.sglang import sglang_config
-from slime_async.supervisor import EnginesDownError
+from slime_async.orchestrator.controller import train
+from slime_async.orchestrator.supervisor import EnginesDownError
 
 pytestmark = pytest.mark.timeout(600)
 PLUGIN = "tests.plugins.subprocess_engine:subprocess"

@@ -24,8 +24,8 @@ import pytest
 import ray
 
 from slime_async.config import parse_config
-from slime_async.controller import train
-from slime_async.supervisor import EnginesDownError
+from slime_async.orchestrator.controller import train
+from slime_async.orchestrator.supervisor import EnginesDownError
 
 pytestmark = pytest.mark.timeout(1200)
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,7 +141,7 @@ def test_kill_9_of_the_whole_run_resumes_without_loss_or_repeat(tmp_path):
 
 
 def test_ledger_rollback_drops_steps_after_the_checkpoint_and_torn_lines(tmp_path):
-    from slime_async.launch import _truncate_ledger
+    from slime_async.orchestrator.launch import _truncate_ledger
 
     path = tmp_path / "trained.jsonl"
     rows = [json.dumps({"step": s, "groups": []}) for s in (1, 2, 3)]
@@ -228,7 +228,7 @@ def test_the_run_derives_what_replacements_start_on_from_its_versions(tmp_path):
     """`Run.version` is the one counter; `start_step` is recorded from it, and the pushed
     version and a replacement's start weights derive from the fleet's version: the newest
     directory with the disk transport, the start-up export with the distributed one."""
-    from slime_async.run import Run
+    from slime_async.orchestrator.run import Run
     from slime_async.weights import DiskTransport, DistributedTransport, WeightSyncConfig
 
     first = tmp_path / "weights" / "v000003"

@@ -11,7 +11,7 @@ import pytest
 
 from slime_async.config import Environment, build_parser, parse_config, validate
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.controller import train
+from slime_async.orchestrator.controller import train
 from slime_async.trainer.checkpoint import LoadFacts
 
 pytestmark = pytest.mark.timeout(300)

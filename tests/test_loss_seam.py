@@ -390,7 +390,7 @@ async def test_plugin_loss_end_to_end_through_the_controller(tmp_path):
     the config imports the plugin module, whose registry line registers it)."""
     import tests.plugins.scaled_ppo  # noqa: F401  (registers "scaled_ppo" in this process)
     from slime_async.config import parse_config
-    from slime_async.controller import train
+    from slime_async.orchestrator.controller import train
 
     cfg = parse_config(
         [

@@ -1,4 +1,4 @@
-"""The start-up memory check (`slime_async/memory_plan.py`, `config.validate`): parameter counts
+"""The start-up memory check (`slime_async/config/memory_plan.py`, `config.validate`): parameter counts
 against real models, a derived forward-only role that would not fit becomes `--behavior-forward
 trainer` (logged with the numbers), a run that cannot fit is refused with them, and a user's
 `--behavior-forward role` is never changed."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from slime_async.config import Environment, build_parser, validate
-from slime_async.config import _memory_parts as memory_parts
+from slime_async.config.cli import _memory_parts as memory_parts
+from slime_async.config.memory_plan import MEMORY_FRACTION, param_count
 from slime_async.contracts.model import SMOLLM2_135M, TINY_MOE, ModelSpec
-from slime_async.memory_plan import MEMORY_FRACTION, param_count
 
 pytestmark = pytest.mark.timeout(120)
 torch.set_num_threads(1)
@@ -65,8 +65,8 @@ def test_a_run_that_cannot_fit_is_refused_with_the_numbers_and_a_given_role_is_k
 
 
 def test_with_lora_the_role_holds_the_base_once_and_an_adapter_per_version():
+    from slime_async.config.memory_plan import RunShape, role_bytes
     from slime_async.contracts.adapter import LoraSpec, adapter_numel
-    from slime_async.memory_plan import RunShape, role_bytes
 
     lora = LoraSpec(rank=8, alpha=16.0)
     a, n = adapter_numel(SMOLLM2, lora), param_count(SMOLLM2)

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from slime_async.config import parse_config
+from slime_async.config.recipe import config_record
 from slime_async.metrics import LoggingConfig, MetricsLogger
 from slime_async.metrics.sinks import WANDB_RUN_ID_FILE, wandb_run_id
-from slime_async.recipe import config_record
 
 TOKEN = "tok-never-recorded-0451"
 WANDB_KEY = "k" * 40

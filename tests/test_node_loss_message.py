@@ -1,6 +1,6 @@
 """How a run finds a lost trainer rank and what it says (fast; the two-node run:
 tests/test_node_loss.py): a trainer call fails as soon as one rank fails and `ranks_lost`
-names the rank whose actor is gone (real Ray actors); the one line (`slime_async.node_loss`)
+names the rank whose actor is gone (real Ray actors); the one line (`slime_async.orchestrator.node_loss`)
 names node and rank, the newest complete checkpoint read from a `--save` directory, and a
 resume command that is the run's own command line with `--load`."""
 
@@ -10,7 +10,7 @@ import json
 import shlex
 from pathlib import Path
 
-from slime_async.node_loss import last_checkpoint, resume_command, trainer_lost_message
+from slime_async.orchestrator.node_loss import last_checkpoint, resume_command, trainer_lost_message
 
 ARGV = ["train_async.py", "--num-steps", "8", "--load", "/old", "--save", "/ck", "--load=/x"]
 LOST = [(1, "10.0.0.2", "its actor is gone (ActorDiedError)")]

@@ -1,5 +1,5 @@
 """No shared filesystem assumed: what a trainer node sees of the paths a rank needs
-(`slime_async.node_paths`), the refusals of layouts that cannot work (node, rank, path, fix),
+(`slime_async.orchestrator.node_paths`), the refusals of layouts that cannot work (node, rank, path, fix),
 and the start weights sent from rank 0 over a real two-process gloo group to a rank that has
 no copy (`slime_async.trainer.share`). The whole path on two network namespaces:
 tests/test_node_loss.py."""
@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
-from slime_async.node_paths import NodePathError, Seen, Wanted, decide, listing, look
+from slime_async.orchestrator.node_paths import NodePathError, Seen, Wanted, decide, listing, look
 from slime_async.trainer import weights_io
 
 pytestmark = pytest.mark.timeout(120)

@@ -120,11 +120,11 @@ def test_the_core_imports_and_parses_without_the_extras():
     import subprocess
 
     code = _BLOCK.format(blocked=set(OPTIONAL)) + (
-        "import train_async, slime_async.launch, slime_async.run, slime_async.report\n"
+        "import train_async, slime_async.orchestrator.launch, slime_async.orchestrator.run, slime_async.metrics.report\n"
         "from slime_async.config import build_parser\n"
         "build_parser().format_help()\n"
         "try:\n"
-        "    slime_async.report._need_matplotlib()\n"
+        "    slime_async.metrics.report._need_matplotlib()\n"
         "except ImportError as e:\n"
         "    print(e)\n"
     )

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import os, ray
-from slime_async.roles import init_ray
+from slime_async.orchestrator.roles import init_ray
 init_ray()
 
 @ray.remote(num_cpus=0)

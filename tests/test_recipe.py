@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from slime_async.config import Environment, build_parser, parse_config, validate
+from slime_async.config.recipe import apply_config_file
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.recipe import apply_config_file
 from slime_async.trainer.config import REAL_MODEL_LR, TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[1]

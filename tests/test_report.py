@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from slime_async.metrics import MetricsLogger
-from slime_async.report import main, render_overlay, render_report, run_labels
+from slime_async.metrics.report import main, render_overlay, render_report, run_labels
 
 
 def synthetic_run(run_dir: Path, *, steps: int = 60, faults: bool = True, seed: int = 0) -> None:
@@ -116,7 +116,7 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
     synthetic_run(tmp_path, steps=35)
     proc = subprocess.run(
-        [sys.executable, "-m", "slime_async.report", str(tmp_path), "--no-plot"],
+        [sys.executable, "-m", "slime_async.metrics.report", str(tmp_path), "--no-plot"],
         capture_output=True,
         text=True,
         timeout=120,

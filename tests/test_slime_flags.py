@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from slime_async.config import build_parser, parse_config
-from slime_async.slime_flags import NOT_HERE
+from slime_async.config.slime_flags import NOT_HERE
 
 ROOT = Path(__file__).resolve().parents[1]
 SLIME_FLAGS = [

@@ -416,7 +416,7 @@ async def test_train_async_pushes_through_each_transport(tmp_path: Path, transpo
     push reaches every engine, versions advance, and only the disk transport writes a weight
     directory per push."""
     from slime_async.config import parse_config
-    from slime_async.controller import train
+    from slime_async.orchestrator.controller import train
 
     steps = 3
     argv = [

@@ -5,7 +5,7 @@ URL the router reaches it at, its pid where the backend owns a local process), `
 (what a backend needs from the run) and `EngineBackend` (the protocol every backend implements).
 The registry of backends, their flags and the built-in backends (embedded, sglang, external) live
 in `slime_async.engine.backends`; the handle set a run holds (`Cluster`) lives in
-`slime_async.roles`. Nothing here is backend-specific. Imports nothing from the rest of
+`slime_async.orchestrator.roles`. Nothing here is backend-specific. Imports nothing from the rest of
 slime_async.
 
 Lifecycle, as `roles.Cluster` drives it:

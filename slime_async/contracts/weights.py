@@ -110,8 +110,8 @@ class WeightManifest:
 
 
 class WeightTransport(Protocol):
-    """How a run gives its engines a trainer version: what `slime_async.run.Run` and the
-    start-up (`slime_async.launch`) call; built once per run (`--update-weight-transport`).
+    """How a run gives its engines a trainer version: what `slime_async.orchestrator.run.Run` and the
+    start-up (`slime_async.orchestrator.launch`) call; built once per run (`--update-weight-transport`).
 
     Every method is bounded in time; `push` keeps requests in flight alive (pause in place,
     update, continue) and reports engines it could not reach instead of raising.

@@ -201,7 +201,7 @@ class TrainerGroup:
         hf_from_rank0: bool = False,
     ) -> None:
         """Without `slots`, `world_size` ranks anywhere on this node, rendezvous on loopback.
-        With them (`slime_async.placement.Slot`s: `node_ip`, `port`, `actor_options()`), rank r
+        With them (`slime_async.orchestrator.placement.Slot`s: `node_ip`, `port`, `actor_options()`), rank r
         runs in bundle `slots[r]` and the ranks rendezvous on rank 0's node IP at a port found
         free there. `hf_from_rank0`: the start weights (`cfg.hf_checkpoint`) are read by rank 0
         and broadcast, for ranks on nodes that do not hold them."""

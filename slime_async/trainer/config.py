@@ -364,7 +364,7 @@ def add_trainer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     Defaults come from `TrainerConfig`; a field the run derives (`micro_batch_size`, `lr`,
     `routing_replay`, `keep_old_actor`, `max_snapshots`, `behavior_forward`) defaults to None on
     the command line (see `slime_async.config`), which reports what it chose. `seed` is the run's
-    `--seed` (`slime_async.run_config`); `loss` and `temperature` come from other flags.
+    `--seed` (`slime_async.config.run_config`); `loss` and `temperature` come from other flags.
     """
     group = add_flags(parser, TrainerConfig, group="trainer")
     add_flags(group, SlimeTrainerAliases)

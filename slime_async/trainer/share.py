@@ -1,5 +1,5 @@
 """Start weights that reach every trainer rank from rank 0, for ranks on nodes that do not hold
-the HF directory (no shared filesystem assumed; the driver decides, `slime_async.node_paths`).
+the HF directory (no shared filesystem assumed; the driver decides, `slime_async.orchestrator.node_paths`).
 
 Owns `broadcast_hf_weights`: rank 0 reads the directory; a JSON header (version, `ModelSpec`,
 tensor names, dtypes, shapes) and then every tensor are broadcast over the trainer's process

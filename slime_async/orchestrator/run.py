@@ -1,9 +1,8 @@
 """The live run: what the step loop (`controller.train`) calls between and around steps.
 
 Owns `Run` (weight push and the replacement engines' catch-up, the next batch, evaluation,
-checkpoint, timing, the prompt ledger, logging, shutdown) and the batch shape a checkpoint
-records (`batch_shape`, `check_batch_shape`). `slime_async.launch.setup_run` builds a `Run`;
-nothing here starts a role.
+checkpoint, timing, the prompt ledger, logging, shutdown).
+`slime_async.orchestrator.launch.setup_run` builds a `Run`; nothing here starts a role.
 """
 
 from __future__ import annotations
@@ -20,17 +19,18 @@ from typing import Any
 
 from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
+from slime_async.config.run_config import RunConfig
+from slime_async.config.run_paths import batch_shape
 from slime_async.contracts.rollout import Batch, GenerationRequest, Prompt, segment_payload
 from slime_async.contracts.weights import WeightTransport
-from slime_async.generate_chain import GenerateChain
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.stability import mean_and_se
-from slime_async.placement import Placement
-from slime_async.roles import Cluster
+from slime_async.orchestrator.generate_chain import GenerateChain
+from slime_async.orchestrator.placement import Placement
+from slime_async.orchestrator.roles import Cluster
+from slime_async.orchestrator.supervisor import EnginesDownError, EngineSupervisor
 from slime_async.rollout.assemble import ScoredGenerate
 from slime_async.rollout.plan import DataPlan
-from slime_async.run_config import RunConfig
-from slime_async.supervisor import EnginesDownError, EngineSupervisor
 from slime_async.trainer.actor import TrainerGroup
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class Run:
     cluster: Cluster
     worker: RolloutDataWorker
     chain: GenerateChain
-    """What the data worker calls to generate and score a sample (`slime_async.generate_chain`)."""
+    """What the data worker calls to generate and score a sample (`slime_async.orchestrator.generate_chain`)."""
     transport: WeightTransport
     logger: MetricsLogger
     plan: DataPlan
@@ -333,39 +333,3 @@ def _eval_metrics(prefix: str, rewards: list[float]) -> dict[str, float]:
         f"{prefix}pass": pass_mean,
         f"{prefix}pass_se": pass_se,
     }
-
-
-_SHAPE_FLAGS = {
-    "rollout_batch_size": "--rollout-batch-size",
-    "n_samples_per_prompt": "--n-samples-per-prompt",
-    "global_batch_size": "--global-batch-size",
-    "num_steps_per_rollout": "--num-steps-per-rollout",
-}
-"""The rollout fields that fix what one step trains on -> their flags."""
-
-
-def batch_shape(cfg: RunConfig) -> dict[str, int]:
-    """The flags that fix what one step trains on; a resume must keep them (saved in the
-    checkpoint's extra state)."""
-    return {k: int(getattr(cfg.rollout, k)) for k in _SHAPE_FLAGS}
-
-
-def check_batch_shape(saved: object, cfg: RunConfig, *, where: str) -> None:
-    """Refuse a resume whose batch shape differs from the checkpoint's: the data worker's pending
-    groups, the ledger and the step counter all assume the saved shape."""
-    if saved is None:  # a checkpoint from before the shape was recorded
-        return
-    now = batch_shape(cfg)
-    if not isinstance(saved, dict):
-        raise ValueError(f"checkpoint in {where}: batch_shape is {saved!r}, not an object")
-    diff = [
-        (flag, saved.get(k), now[k]) for k, flag in _SHAPE_FLAGS.items() if saved.get(k) != now[k]
-    ]
-    if diff:
-        was = " ".join(f"{flag} {old}" for flag, old, _ in diff)
-        now_s = ", ".join(f"{flag} {new}" for flag, _, new in diff)
-        raise ValueError(
-            f"--load {where}: the checkpoint was trained with {was}, this run has {now_s}; a "
-            f"resume must keep the batch shape (pending groups and the prompt ledger assume it). "
-            f"Pass {was}, or start a new run from its weights with --hf-checkpoint."
-        )

@@ -1,5 +1,5 @@
-"""Run report: ``python -m slime_async.report RUN_DIR`` renders metrics.jsonl into a PNG dashboard;
-``python -m slime_async.report RUN_A RUN_B ...`` overlays several runs on one PNG.
+"""Run report: ``python -m slime_async.metrics.report RUN_DIR`` renders metrics.jsonl into a PNG dashboard;
+``python -m slime_async.metrics.report RUN_A RUN_B ...`` overlays several runs on one PNG.
 
 Owns `render_report`, `render_overlay` (one line colour per run, the legend names each run by its
 directory) and the text `verdict`. Panels: reward and eval, entropy, train/rollout
@@ -519,7 +519,7 @@ def render_overlay(run_dirs: Sequence[str | Path], out: str | Path) -> OverlayRe
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m slime_async.report",
+        prog="python -m slime_async.metrics.report",
         description="Render a run's metrics.jsonl into a PNG dashboard and a guard verdict; "
         "given several run directories, overlay their main curves on one PNG (one colour per "
         "run) and print each run's verdict.",

@@ -5,7 +5,7 @@ it, push weights every `update_weights_interval` steps, evaluate and checkpoint 
 Rollout never waits for training: the data worker keeps dispatching in this same event loop
 while a train step runs in the trainer actor, limited only by the staleness budget
 (`--max-staleness S`: S = 0 synchronous, 1 one-step off-policy, > 1 fully async). Setting up
-the roles, the data and resuming live in `slime_async.launch`; this file is only the schedule.
+the roles, the data and resuming live in `slime_async.orchestrator.launch`; this file is only the schedule.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import sys
 import time
 from typing import Any
 
-from slime_async.launch import setup_run
-from slime_async.node_loss import TrainerLostError, trainer_lost_message
+from slime_async.config.run_config import RunConfig
+from slime_async.orchestrator.launch import setup_run
+from slime_async.orchestrator.node_loss import TrainerLostError, trainer_lost_message
+from slime_async.orchestrator.supervisor import EnginesDownError
 from slime_async.rollout.assemble import assemble
-from slime_async.run_config import RunConfig
-from slime_async.supervisor import EnginesDownError
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Everything `controller.train` needs before its first step, and the run's small services.
 
 Owns `setup_run` (prompt source and rewards, warm start, Ray roles in the right order, resume),
-which returns the live `slime_async.run.Run`. Order matters:
+which returns the live `slime_async.orchestrator.run.Run`. Order matters:
 the trainer comes up first (fresh, from an HF directory, or resumed from `--load` through the
 guarded checkpoint loader), then its weights are exported and the engines start *from that
 export* (engines a backend attaches instead of starting, `--engine-backend external`, load it
@@ -30,25 +30,26 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep, resolve_loss_spec
 from slime_async import startup
+from slime_async.config.recipe import config_json, config_record, derived_lines
+from slime_async.config.run_config import RunConfig
+from slime_async.config.run_paths import check_batch_shape
 from slime_async.contracts.engine import EngineBackend
 from slime_async.contracts.rollout import Group, segment_payload
 from slime_async.contracts.weights import WeightTransport, version_dir_name
 from slime_async.engine.backends import get_engine_backend
-from slime_async.generate_chain import build_generate_chain
 from slime_async.host import atomic_write_text, free_port
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.guards import run_guard_config
-from slime_async.node_paths import check_trainer_paths
-from slime_async.placement import Placement, place_roles
-from slime_async.recipe import config_json, config_record, derived_lines
-from slime_async.roles import Cluster, init_ray, pin_actor
+from slime_async.orchestrator.generate_chain import build_generate_chain
+from slime_async.orchestrator.node_paths import check_trainer_paths
+from slime_async.orchestrator.placement import Placement, place_roles
+from slime_async.orchestrator.roles import Cluster, init_ray, pin_actor
+from slime_async.orchestrator.run import Run
+from slime_async.orchestrator.supervisor import EngineSupervisor
 from slime_async.rollout.client import check_routed_experts
 from slime_async.rollout.plan import make_data_plan
 from slime_async.rollout.tasks import TaskFamilyConfig
 from slime_async.rollout.warmstart import WarmStartConfig, is_cached, warm_start
-from slime_async.run import Run, check_batch_shape
-from slime_async.run_config import RunConfig
-from slime_async.supervisor import EngineSupervisor
 from slime_async.trainer import checkpoint
 from slime_async.trainer.actor import TrainerGroup
 from slime_async.trainer.behavior_role import BehaviorRole

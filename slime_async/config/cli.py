@@ -6,8 +6,8 @@ dataclass; errors are one message and a hint, an unknown slime flag answered fro
 `slime_flags`), `read_environment` (the only I/O: the model's config from --hf-checkpoint, what
 --load's directory holds, the usable CPU cores), `validate` (pure: flags + environment ->
 `RunConfig`) and `parse_config`. The rules about what a run starts from and writes (`--load`,
-`--save`, `--save-hf`, warm start) are `slime_async.run_paths`'; the derivation bookkeeping
-(`Flags`) is `slime_async.derive`'s.
+`--save`, `--save-hf`, warm start) are `slime_async.config.run_paths`'; the derivation bookkeeping
+(`Flags`) is `slime_async.config.derive`'s.
 
 Each component's config dataclass owns its flags (`add_<component>_args` /
 `<component>_config_from_args`, every flag default read from the dataclass) and the rules among
@@ -35,24 +35,11 @@ from data_worker.budget import snapshot_count, staleness_bound
 from data_worker.config import DataWorkerConfig, add_data_worker_args, data_worker_config_from_args
 from loss import add_loss_args, loss_settings_from_args, resolve_loss_spec
 from router.config import add_router_args, load_auth_token, router_config_from_args
-from slime_async import hardware, memory_plan, startup
-from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.derive import Flags, raise_all
-from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
-from slime_async.engine.backends.config import split_sglang_args
-from slime_async.engine.config import (
-    EngineConfig,
-    add_engine_run_args,
-    engine_run_config_from_args,
-)
-from slime_async.metrics.config import (
-    add_logging_args,
-    logging_config_from_args,
-    refused_secret_flags,
-)
-from slime_async.recipe import add_config_arg, apply_config_file, config_json, derived_lines
-from slime_async.rollout.config import RolloutConfig, add_rollout_args, rollout_config_from_args
-from slime_async.run_config import (
+from slime_async import startup
+from slime_async.config import hardware, memory_plan
+from slime_async.config.derive import Flags, raise_all
+from slime_async.config.recipe import add_config_arg, apply_config_file, config_json, derived_lines
+from slime_async.config.run_config import (
     DEFAULT_NUM_ROLLOUT,
     Derived,
     Environment,
@@ -60,9 +47,30 @@ from slime_async.run_config import (
     add_placement_args,
     add_run_args,
 )
-from slime_async.run_paths import check_resume, derive_save_hf, derive_warmstart, resume_from
-from slime_async.slime_flags import explain_unrecognized
-from slime_async.supervisor import add_supervisor_args, supervisor_config_from_args
+from slime_async.config.run_paths import (
+    check_batch_shape,
+    check_resume,
+    derive_save_hf,
+    derive_warmstart,
+    resume_from,
+)
+from slime_async.config.slime_flags import explain_unrecognized
+from slime_async.config.supervision import add_supervisor_args, supervisor_config_from_args
+from slime_async.contracts.model import TINY_MOE, ModelSpec
+from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
+from slime_async.engine.backends.config import split_sglang_args
+from slime_async.engine.config import (
+    EngineConfig,
+    add_engine_run_args,
+    engine_run_config_from_args,
+)
+from slime_async.host import ray_address
+from slime_async.metrics.config import (
+    add_logging_args,
+    logging_config_from_args,
+    refused_secret_flags,
+)
+from slime_async.rollout.config import RolloutConfig, add_rollout_args, rollout_config_from_args
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
     REAL_MODEL_LR_WARN,
@@ -152,7 +160,6 @@ def read_environment(args: argparse.Namespace) -> Environment:
                 f"--hf-checkpoint {args.hf_checkpoint}: cannot train this model: "
                 f"{e.args[0] if e.args else e}"
             ) from None
-    from slime_async.roles import ray_address
 
     load = None
     if args.load:  # read here, so that every refusal about it comes before anything starts
@@ -451,8 +458,6 @@ def _validate(args: argparse.Namespace, env: Environment) -> RunConfig:
         flags=flags,
     )
     if trainer.load is not None and env.load is not None:
-        from slime_async.run import check_batch_shape
-
         check_batch_shape(env.load.batch_shape, cfg, where=str(a.load))
     return cfg
 
@@ -737,7 +742,7 @@ def _check_model(trainer: TrainerConfig, model: ModelSpec, *, hf_checkpoint: str
 def _placement(f: Flags, env: Environment) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
     """(colocate, trainer cores, rollout cores) on the cores this process may use. On a joined
     cluster the roles run on other nodes: each pins cores of its own node at start-up
-    (`slime_async.placement`), so none are derived from this machine."""
+    (`slime_async.orchestrator.placement`), so none are derived from this machine."""
     a, cpus = f.args, env.cpus
     if env.ray_address is not None:
         if a.trainer_cores is not None or a.rollout_cores is not None:

@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from slime_async.config.run_config import RunConfig
 from slime_async.contracts.adapter import ADAPTER_NAME
 from slime_async.rollout.agent import AgentGenerate, load_agent_function
 from slime_async.rollout.assemble import Generate, ScoredGenerate
@@ -40,7 +41,6 @@ from slime_async.rollout.custom_generate import CustomGenerate, load_custom_gene
 from slime_async.rollout.plan import DataPlan
 from slime_async.rollout.rewards import RewardInput
 from slime_async.rollout.slime_sample import SlimeArgs
-from slime_async.run_config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

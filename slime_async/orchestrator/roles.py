@@ -1,12 +1,12 @@
 """Ray roles of a run: the router actor, core pinning, and the handle set the controller holds.
 
-Owns `RouterActor`, `ray_address`/`init_ray` (join a cluster or start a local node),
+Owns `RouterActor`, `init_ray` (join a cluster or start a local node),
 `pin_actor` and `Cluster` (the run's engines as backend handles, the router URL + client).
 Engines are started, checked, replaced and stopped only through the engine backend protocol
 (`slime_async.contracts.engine`); which backend runs them (embedded Ray actors, SGLang servers,
 attached external servers, a plugin) is chosen by the caller from the registry in
 `slime_async.engine.backends`. A run places trainer ranks and engines in placement-group bundles
-(`slime_async.placement`; a local node gets logical CPUs for all of them, so nothing waits on
+(`slime_async.orchestrator.placement`; a local node gets logical CPUs for all of them, so nothing waits on
 a 2-core machine, docs/cpu.md); actors outside bundles (the router) take `num_cpus=0`.
 Cores are given out explicitly (`pin_cores` inside the process, per node): the CPU analogue of
 separate rollout and training GPU pools. See docs/cluster.md.
@@ -31,7 +31,7 @@ from router.client import RouterClient
 from router.config import RouterConfig
 from slime_async.contracts.engine import EngineBackend, EngineHandle, EngineLaunch
 from slime_async.host import pin_cores
-from slime_async.placement import Slot, node_alive, relocated
+from slime_async.orchestrator.placement import Slot, node_alive, relocated
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,6 @@ class RouterActor:
 
     async def stop(self) -> None:
         await self._router.stop()
-
-
-def ray_address(flag: str | None = None) -> str | None:
-    """The cluster to join: `--ray-address`, else `RAY_ADDRESS`; None (or "local") starts a
-    local one."""
-    address = flag or os.environ.get("RAY_ADDRESS") or None
-    return None if address == "local" else address
 
 
 def init_ray(*, address: str | None = None, num_cpus: float | None = None) -> bool:

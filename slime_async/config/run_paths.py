@@ -3,8 +3,8 @@
 starts).
 
 Owns `resume_from` (slime's `--load D --save D` on an empty D starts fresh), `check_resume`
-(every refusal about the checkpoint a resume would load), `derive_save_hf` and
-`derive_warmstart`. Pure: the directory facts come in through `Environment` (gathered by
+(every refusal about the checkpoint a resume would load), the batch shape a checkpoint records
+(`batch_shape`, `check_batch_shape`), `derive_save_hf` and `derive_warmstart`. Pure: the directory facts come in through `Environment` (gathered by
 `slime_async.config.read_environment`).
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 from loss import resolve_loss_spec
 from loss.regularizers import with_regularizers
+from slime_async.config.derive import Flags, raise_all
+from slime_async.config.run_config import Derived, Environment, RunConfig, run_default
 from slime_async.contracts.model import ModelSpec
-from slime_async.derive import Flags, raise_all
-from slime_async.run_config import Derived, Environment, run_default
 from slime_async.trainer import hf_save
 from slime_async.trainer.config import TrainerConfig
 
@@ -149,4 +149,40 @@ def derive_warmstart(f: Flags, *, embedded: bool, resume: bool) -> None:
     elif a.warmstart_steps > 0 and why_not:
         raise ValueError(
             f"--warmstart-steps {a.warmstart_steps} cannot apply: {why_not}; drop --warmstart-steps"
+        )
+
+
+_SHAPE_FLAGS = {
+    "rollout_batch_size": "--rollout-batch-size",
+    "n_samples_per_prompt": "--n-samples-per-prompt",
+    "global_batch_size": "--global-batch-size",
+    "num_steps_per_rollout": "--num-steps-per-rollout",
+}
+"""The rollout fields that fix what one step trains on -> their flags."""
+
+
+def batch_shape(cfg: RunConfig) -> dict[str, int]:
+    """The flags that fix what one step trains on; a resume must keep them (saved in the
+    checkpoint's extra state)."""
+    return {k: int(getattr(cfg.rollout, k)) for k in _SHAPE_FLAGS}
+
+
+def check_batch_shape(saved: object, cfg: RunConfig, *, where: str) -> None:
+    """Refuse a resume whose batch shape differs from the checkpoint's: the data worker's pending
+    groups, the ledger and the step counter all assume the saved shape."""
+    if saved is None:  # a checkpoint from before the shape was recorded
+        return
+    now = batch_shape(cfg)
+    if not isinstance(saved, dict):
+        raise ValueError(f"checkpoint in {where}: batch_shape is {saved!r}, not an object")
+    diff = [
+        (flag, saved.get(k), now[k]) for k, flag in _SHAPE_FLAGS.items() if saved.get(k) != now[k]
+    ]
+    if diff:
+        was = " ".join(f"{flag} {old}" for flag, old, _ in diff)
+        now_s = ", ".join(f"{flag} {new}" for flag, _, new in diff)
+        raise ValueError(
+            f"--load {where}: the checkpoint was trained with {was}, this run has {now_s}; a "
+            f"resume must keep the batch shape (pending groups and the prompt ledger assume it). "
+            f"Pass {was}, or start a new run from its weights with --hf-checkpoint."
         )

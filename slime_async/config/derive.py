@@ -1,10 +1,10 @@
 """The flags a run is deriving: `Flags` (the parsed namespace plus the values derived so far) and
 `raise_all` (one ValueError for one or several refused flags).
 
-Shared by `slime_async.config` (the cross-component rules) and `slime_async.run_paths` (the
+Shared by `slime_async.config` (the cross-component rules) and `slime_async.config.run_paths` (the
 rules about what a run starts from and writes). A flag the user set is never changed here: `fill`
 only sets an unset one, and every derived value is recorded with its reason. Imports only
-`slime_async.run_config`.
+`slime_async.config.run_config`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import enum
 from typing import Any
 
-from slime_async.run_config import Derived
+from slime_async.config.run_config import Derived
 
 __all__ = ["Flags", "raise_all"]
 
