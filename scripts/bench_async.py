@@ -252,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         *args.extra,
     ]
 
-    from slime_async.rollout.tasks import TaskFamilyConfig
-    from slime_async.rollout.warmstart import WarmStartConfig, warm_start
+    from slime_async.orchestrator.warmstart import WarmStartConfig, warm_start
+    from slime_async.rollout.data.tasks import TaskFamilyConfig
 
     ws = warm_start(
         out, config=WarmStartConfig(seed=args.seed), task=TaskFamilyConfig(seed=args.seed)

@@ -46,9 +46,9 @@ async def overhead(turns: int) -> None:
     from router import Router, RouterConfig
     from slime_async.engine import EngineConfig, EngineServer
     from slime_async.engine.testing import chat_model_dir
-    from slime_async.rollout.agent import AgentGenerate
-    from slime_async.rollout.client import GenerateClient, GenerateClientConfig
-    from slime_async.rollout.gateway import TrainingGateway
+    from slime_async.rollout.agents.agent import AgentGenerate
+    from slime_async.rollout.agents.gateway import TrainingGateway
+    from slime_async.rollout.generate.client import GenerateClient, GenerateClientConfig
     from tests.test_agent_gateway import _request
 
     torch.set_num_threads(1)
@@ -132,7 +132,7 @@ class _StubClient:
     is told), so the template's behaviour alone is measured."""
 
     def __init__(self, tok: Any, texts: list[str]) -> None:
-        from slime_async.rollout.client import GenerateClient, GenerateClientConfig
+        from slime_async.rollout.generate.client import GenerateClient, GenerateClientConfig
 
         cfg = GenerateClientConfig(url="http://127.0.0.1:9", max_response_len=1 << 20)
         self._real = GenerateClient(cfg)
@@ -171,7 +171,7 @@ SCRIPTS = {
 
 
 async def exactness(name: str, tok: Any) -> dict[str, Any]:
-    from slime_async.rollout.gateway import TrainingGateway
+    from slime_async.rollout.agents.gateway import TrainingGateway
 
     gw = TrainingGateway(tokenizer=tok, eos_id=tok.eos_token_id)
     turns = mism = 0

@@ -100,8 +100,8 @@ def prepare_warmstart(out: Path, seed: int, steps: int | None) -> Path:
     matches and the run reuses it)."""
     from slime_async.config.run_config import run_default
     from slime_async.contracts.model import TINY_MOE
-    from slime_async.rollout.tasks import TaskFamilyConfig
-    from slime_async.rollout.warmstart import WarmStartConfig, warm_start
+    from slime_async.orchestrator.warmstart import WarmStartConfig, warm_start
+    from slime_async.rollout.data.tasks import TaskFamilyConfig
 
     steps = run_default("warmstart_steps") if steps is None else steps
     res = warm_start(

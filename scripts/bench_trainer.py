@@ -85,7 +85,7 @@ if __name__ == "__main__":
 
 def default_like_lengths(n: int = 64, seed: int = 0) -> list[int]:
     """Prompt + response lengths of the default workload (built-in tasks, expected length)."""
-    from slime_async.rollout.tasks import TaskFamily
+    from slime_async.rollout.data.tasks import TaskFamily
 
     return [len(p.prompt_ids) + len(p.response_ids) for p in TaskFamily().train_prompts(seed, n)]
 

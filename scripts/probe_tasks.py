@@ -1,7 +1,7 @@
 """Base-model pass rates on reasoning-gym tasks: which task can RL move within a short run?
 
 For each candidate task (and each prompt format), samples one response per held-out prompt from
-the model in --hf-checkpoint, with the run's prompts (`slime_async.rollout.gym`: chat template,
+the model in --hf-checkpoint, with the run's prompts (`slime_async.rollout.data.gym`: chat template,
 system prompt) and sampling, scores it with the task's own `score_answer`, and prints a table:
 mean reward and exact pass rate (score == 1) with their standard errors, the mean response
 length and the fraction cut at the length limit. A good RL task starts low but not at zero.
@@ -48,7 +48,7 @@ def probe(
     system: str | None,
     fmt: str,
 ) -> dict[str, float]:
-    from slime_async.rollout.gym import ReasoningGymTasks, parse_prompt_source
+    from slime_async.rollout.data.gym import ReasoningGymTasks, parse_prompt_source
 
     cfg = parse_prompt_source(
         f"reasoning_gym:{tasks_spec}",

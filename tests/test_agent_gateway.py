@@ -15,9 +15,9 @@ import torch
 
 from router import Router, RouterClient, RouterConfig
 from slime_async.contracts.rollout import GenerationRequest, Prompt
-from slime_async.rollout.agent import AgentGenerate
-from slime_async.rollout.client import GenerateClient, GenerateClientConfig
-from slime_async.rollout.gateway import Episode, TrainingGateway, Turn
+from slime_async.rollout.agents.agent import AgentGenerate
+from slime_async.rollout.agents.gateway import Episode, TrainingGateway, Turn
+from slime_async.rollout.generate.client import GenerateClient, GenerateClientConfig
 
 openai = pytest.importorskip("openai")
 engine_mod = pytest.importorskip("slime_async.engine")
@@ -300,7 +300,7 @@ def test_agent_flags_refuse_what_cannot_work(extra, capsys) -> None:
 
 
 def test_agent_function_must_take_client_and_sample() -> None:
-    from slime_async.rollout.agent import load_agent_function
+    from slime_async.rollout.agents.agent import load_agent_function
 
     with pytest.raises(ValueError, match="takes \\(client, sample\\)"):
         load_agent_function("slime_async.examples.agent_calculator:_ids")

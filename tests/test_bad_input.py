@@ -15,9 +15,9 @@ from aiohttp import web
 from data_worker.config import DataWorkerConfig
 from data_worker.source import InMemoryPromptSource
 from data_worker.worker import RolloutDataWorker
-from slime_async.rollout.assemble import ScoredGenerate, assemble
-from slime_async.rollout.client import GenerateClient, GenerateClientConfig
-from slime_async.rollout.rewards import RewardInput
+from slime_async.rollout.data.rewards import RewardInput
+from slime_async.rollout.generate.assemble import ScoredGenerate, assemble
+from slime_async.rollout.generate.client import GenerateClient, GenerateClientConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,7 +119,7 @@ async def test_non_finite_engine_logprobs_mask_those_tokens_and_are_counted(unus
 
 
 def test_engine_without_a_numeric_weight_version_is_a_clear_error():
-    from slime_async.rollout.client import GenerateError, token_versions
+    from slime_async.rollout.generate.client import GenerateError, token_versions
 
     assert token_versions(
         {"weight_version": "3", "weight_versions": [{"version": "2", "start": 0, "end": 2}]}, 4

@@ -174,8 +174,8 @@ def test_a_continued_sample_is_sent_whole_and_assembled_in_place():
         Prompt,
         Sample,
     )
-    from slime_async.rollout.assemble import assemble
-    from slime_async.rollout.behavior import sample_batch
+    from slime_async.rollout.generate.assemble import assemble
+    from slime_async.rollout.generate.behavior import sample_batch
 
     prompt = Prompt(key="p", prompt_ids=(1, 5, 3))
     req = GenerationRequest(

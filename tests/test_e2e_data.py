@@ -140,8 +140,8 @@ async def test_eval_prompt_data_is_logged_at_step_0_and_every_interval(tmp_path)
 
 
 def test_strict_data_names_file_and_line(tmp_path):
-    from slime_async.rollout.datasets import DatasetError
-    from slime_async.rollout.plan import make_data_plan
+    from slime_async.rollout.data.datasets import DatasetError
+    from slime_async.rollout.data.plan import make_data_plan
 
     hf, data = _hf_dir(tmp_path), _data(tmp_path)
     with pytest.raises(DatasetError, match=rf"{data}:4: "):
@@ -159,7 +159,7 @@ def test_strict_data_names_file_and_line(tmp_path):
 
 
 def test_prompt_data_without_a_tokenizer_dir_is_refused(tmp_path):
-    from slime_async.rollout.plan import make_data_plan
+    from slime_async.rollout.data.plan import make_data_plan
 
     with pytest.raises(ValueError, match="--prompt-data needs --hf-checkpoint"):
         make_data_plan(

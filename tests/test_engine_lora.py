@@ -317,7 +317,11 @@ def test_sglang_launcher_passes_the_lora_flags():
 
 async def test_client_refuses_a_request_without_the_adapter():
     """In a LoRA run the rollout client never lets the base model answer silently."""
-    from slime_async.rollout.client import GenerateClient, GenerateClientConfig, GenerateError
+    from slime_async.rollout.generate.client import (
+        GenerateClient,
+        GenerateClientConfig,
+        GenerateError,
+    )
 
     client = GenerateClient(GenerateClientConfig(url="http://127.0.0.1:9", lora_name="policy"))
     try:

@@ -11,7 +11,7 @@ import torch
 
 from slime_async.engine import EngineConfig, EngineServer
 from slime_async.engine.testing import post, stock_sglang_router
-from slime_async.rollout.client import GenerateError, check_routed_experts
+from slime_async.rollout.generate.client import GenerateError, check_routed_experts
 
 pytestmark = pytest.mark.timeout(120)
 

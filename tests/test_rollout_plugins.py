@@ -21,11 +21,11 @@ from loss import CompISConfig, compis_loss
 from slime_async.engine import EngineConfig, EngineServer
 from slime_async.engine.testing import post
 from slime_async.examples import calculator_tool as calc
-from slime_async.rollout.assemble import ScoredGenerate, assemble
-from slime_async.rollout.client import GenerateClient, GenerateClientConfig
-from slime_async.rollout.custom_generate import CustomGenerate, slime_args
-from slime_async.rollout.sources import task_prompt
-from slime_async.rollout.tasks import EOS, TaskFamily, TaskFamilyConfig, TaskKind, make_prompt
+from slime_async.rollout.agents.custom_generate import CustomGenerate, slime_args
+from slime_async.rollout.data.sources import task_prompt
+from slime_async.rollout.data.tasks import EOS, TaskFamily, TaskFamilyConfig, TaskKind, make_prompt
+from slime_async.rollout.generate.assemble import ScoredGenerate, assemble
+from slime_async.rollout.generate.client import GenerateClient, GenerateClientConfig
 from slime_async.trainer.loss_inputs import loss_inputs
 
 pytestmark = pytest.mark.timeout(120)
@@ -190,7 +190,7 @@ def test_calculator_reward_reads_the_last_turn():
     tool = calc.calculator(TaskKind.REVERSE, [14, 11, 17, EOS])
     resp = [14, 11, 17, EOS, *tool, *p.label_ids, EOS]
     mask = [1] * 4 + [0] * len(tool) + [1] * 4
-    from slime_async.rollout.rewards import RewardInput
+    from slime_async.rollout.data.rewards import RewardInput
 
     ok = RewardInput(response_ids=resp, label=list(p.label_ids), loss_mask=mask)
     assert calc.reward(ok) == 1.0

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from slime_async.rollout.rewards import (
+from slime_async.rollout.data.rewards import (
     RewardInput,
     RewardResult,
     RewardStatus,
@@ -21,7 +21,7 @@ from slime_async.rollout.rewards import (
     math_verify_reward,
     summarize_rewards,
 )
-from slime_async.rollout.tasks import EOS, TaskKind, make_prompt
+from slime_async.rollout.data.tasks import EOS, TaskKind, make_prompt
 
 
 def _inp(response_ids, label, **kw) -> RewardInput:
@@ -96,12 +96,16 @@ def test_summarize_counts_masked_samples() -> None:
 def test_load_reward_fn_by_name_and_dotted_path() -> None:
     assert load_reward_fn("exact_match") is exact_match_reward
     assert load_reward_fn("math_verify") is math_verify_reward
-    assert load_reward_fn("slime_async.rollout.rewards:exact_match_reward") is exact_match_reward
-    assert load_reward_fn("slime_async.rollout.rewards.exact_match_reward") is exact_match_reward
+    assert (
+        load_reward_fn("slime_async.rollout.data.rewards:exact_match_reward") is exact_match_reward
+    )
+    assert (
+        load_reward_fn("slime_async.rollout.data.rewards.exact_match_reward") is exact_match_reward
+    )
     with pytest.raises(ImportError, match=r"cannot import module 'no_such_pkg_xyz\.mod'"):
         load_reward_fn("no_such_pkg_xyz.mod:fn")
     with pytest.raises(ValueError, match="has no callable 'missing'"):
-        load_reward_fn("slime_async.rollout.rewards:missing")
+        load_reward_fn("slime_async.rollout.data.rewards:missing")
     with pytest.raises(ValueError, match="dotted path"):
         load_reward_fn("exactmatch")
 

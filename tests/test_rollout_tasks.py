@@ -7,7 +7,7 @@ import collections
 import pytest
 
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.rollout.tasks import (
+from slime_async.rollout.data.tasks import (
     BOS,
     EOS,
     PAD,

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from slime_async.contracts.model import ModelSpec
-from slime_async.rollout.tasks import EOS, PAD, TaskFamily, TaskFamilyConfig
-from slime_async.rollout.warmstart import (
+from slime_async.orchestrator.warmstart import (
     MARKER,
     WarmStartConfig,
     build_model,
@@ -19,6 +18,7 @@ from slime_async.rollout.warmstart import (
     sample_responses,
     warm_start,
 )
+from slime_async.rollout.data.tasks import EOS, PAD, TaskFamily, TaskFamilyConfig
 
 SPEC = ModelSpec(
     vocab_size=32,

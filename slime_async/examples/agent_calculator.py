@@ -29,7 +29,7 @@ from typing import Any
 
 from slime_async.examples.calculator_tool import _KINDS, calculator
 from slime_async.examples.calculator_tool import reward as reward
-from slime_async.rollout.tasks import TaskKind
+from slime_async.rollout.data.tasks import TaskKind
 
 
 def _ids(text: str | None) -> list[int]:

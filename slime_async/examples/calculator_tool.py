@@ -34,9 +34,9 @@ the rollout component's custom-generation and task helpers.
 
 from __future__ import annotations
 
-from slime_async.rollout.custom_generate import GenerateContext
-from slime_async.rollout.rewards import RewardInput
-from slime_async.rollout.tasks import DIGIT0, EOS, SEP, TaskKind, encode_digits, solve
+from slime_async.rollout.agents.custom_generate import GenerateContext
+from slime_async.rollout.data.rewards import RewardInput
+from slime_async.rollout.data.tasks import DIGIT0, EOS, SEP, TaskKind, encode_digits, solve
 
 TOOL = 9
 """Marks the start of the calculator's output (a task-vocabulary id the tasks never use)."""

@@ -20,7 +20,7 @@ from slime_async.config.run_config import RunConfig
 from slime_async.orchestrator.launch import setup_run
 from slime_async.orchestrator.node_loss import TrainerLostError, trainer_lost_message
 from slime_async.orchestrator.supervisor import EnginesDownError
-from slime_async.rollout.assemble import assemble
+from slime_async.rollout.generate.assemble import assemble
 
 log = logging.getLogger(__name__)
 

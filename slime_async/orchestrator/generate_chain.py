@@ -33,13 +33,17 @@ from typing import Any
 
 from slime_async.config.run_config import RunConfig
 from slime_async.contracts.adapter import ADAPTER_NAME
-from slime_async.rollout.agent import AgentGenerate, load_agent_function
-from slime_async.rollout.assemble import Generate, ScoredGenerate
-from slime_async.rollout.behavior import BehaviorAnnotate, Forward
-from slime_async.rollout.client import GenerateClient, GenerateClientConfig
-from slime_async.rollout.custom_generate import CustomGenerate, load_custom_generate, slime_args
-from slime_async.rollout.plan import DataPlan
-from slime_async.rollout.rewards import RewardInput
+from slime_async.rollout.agents.agent import AgentGenerate, load_agent_function
+from slime_async.rollout.agents.custom_generate import (
+    CustomGenerate,
+    load_custom_generate,
+    slime_args,
+)
+from slime_async.rollout.data.plan import DataPlan
+from slime_async.rollout.data.rewards import RewardInput
+from slime_async.rollout.generate.assemble import Generate, ScoredGenerate
+from slime_async.rollout.generate.behavior import BehaviorAnnotate, Forward
+from slime_async.rollout.generate.client import GenerateClient, GenerateClientConfig
 from slime_async.rollout.slime_sample import SlimeArgs
 
 
@@ -185,7 +189,7 @@ __all__ = ["GenerateChain", "build_generate_chain", "slime_plugin_args"]
 def _agent(cfg: RunConfig, client: GenerateClient, plan: DataPlan) -> AgentGenerate:
     """The agent link: `--agent-function-path` over a training gateway of its own, rendering
     with `--hf-checkpoint`'s tokenizer (token ids as text without one)."""
-    from slime_async.rollout.gateway import TrainingGateway
+    from slime_async.rollout.agents.gateway import TrainingGateway
 
     r = cfg.rollout
     assert r.agent_function_path is not None

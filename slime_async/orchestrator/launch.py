@@ -46,10 +46,10 @@ from slime_async.orchestrator.placement import Placement, place_roles
 from slime_async.orchestrator.roles import Cluster, init_ray, pin_actor
 from slime_async.orchestrator.run import Run
 from slime_async.orchestrator.supervisor import EngineSupervisor
-from slime_async.rollout.client import check_routed_experts
-from slime_async.rollout.plan import make_data_plan
-from slime_async.rollout.tasks import TaskFamilyConfig
-from slime_async.rollout.warmstart import WarmStartConfig, is_cached, warm_start
+from slime_async.orchestrator.warmstart import WarmStartConfig, is_cached, warm_start
+from slime_async.rollout.data.plan import make_data_plan
+from slime_async.rollout.data.tasks import TaskFamilyConfig
+from slime_async.rollout.generate.client import check_routed_experts
 from slime_async.trainer import checkpoint
 from slime_async.trainer.actor import TrainerGroup
 from slime_async.trainer.behavior_role import BehaviorRole

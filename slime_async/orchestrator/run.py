@@ -29,8 +29,8 @@ from slime_async.orchestrator.generate_chain import GenerateChain
 from slime_async.orchestrator.placement import Placement
 from slime_async.orchestrator.roles import Cluster
 from slime_async.orchestrator.supervisor import EnginesDownError, EngineSupervisor
-from slime_async.rollout.assemble import ScoredGenerate
-from slime_async.rollout.plan import DataPlan
+from slime_async.rollout.data.plan import DataPlan
+from slime_async.rollout.generate.assemble import ScoredGenerate
 from slime_async.trainer.actor import TrainerGroup
 
 log = logging.getLogger(__name__)

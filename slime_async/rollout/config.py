@@ -19,7 +19,7 @@ from pathlib import PurePath
 from clifields import add_flags, check_ranges, flag, from_args
 from loss import DEFAULT_ADVANTAGE_ESTIMATOR
 from loss.slime_cli import advantage_estimator_from_args
-from slime_async.rollout.gym import ANSWER_FORMATS, ReasoningGymConfig, parse_prompt_source
+from slime_async.rollout.data.gym import ANSWER_FORMATS, ReasoningGymConfig, parse_prompt_source
 
 _DATA_SUFFIXES = (".jsonl", ".ndjson", ".json-lines", ".parquet", ".pq")
 
@@ -317,7 +317,7 @@ def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
     """Build (and check) the config from `add_rollout_args` flags and `--advantage-estimator`."""
     cfg = from_args(RolloutConfig, args, advantage_estimator=advantage_estimator_from_args(args))
     if cfg.custom_generate_function_path:  # fail at start-up, not in the first rollout
-        from slime_async.rollout.custom_generate import load_custom_generate
+        from slime_async.rollout.agents.custom_generate import load_custom_generate
 
         load_custom_generate(cfg.custom_generate_function_path)
     if cfg.agent_function_path:
@@ -332,7 +332,7 @@ def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
                 "episodes' own rewards and failures; score agent episodes one by one "
                 "(--custom-rm-path) or post a reward from the agent"
             )
-        from slime_async.rollout.agent import load_agent_function
+        from slime_async.rollout.agents.agent import load_agent_function
 
         load_agent_function(cfg.agent_function_path)
     if cfg.group_rm and cfg.dynamic_sampling:

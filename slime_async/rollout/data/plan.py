@@ -17,21 +17,21 @@ from typing import Any
 
 from data_worker.source import PromptSource
 from slime_async.contracts.rollout import Prompt
-from slime_async.rollout import rewards as rw
-from slime_async.rollout.datasets import DatasetConfig, load_dataset
-from slime_async.rollout.gym import (
+from slime_async.rollout.data import rewards as rw
+from slime_async.rollout.data.datasets import DatasetConfig, load_dataset
+from slime_async.rollout.data.gym import (
     GymPromptSource,
     GymReward,
     ReasoningGymConfig,
     ReasoningGymTasks,
 )
-from slime_async.rollout.sources import (
+from slime_async.rollout.data.sources import (
     TaskPromptSource,
     dataset_prompts,
     dataset_source,
     task_prompt,
 )
-from slime_async.rollout.tasks import EOS, TaskFamily, TaskFamilyConfig
+from slime_async.rollout.data.tasks import EOS, TaskFamily, TaskFamilyConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,7 +12,7 @@ hash of (spec, task config, warm-start config): a changed config re-trains inste
 The directory is written atomically (temp dir + rename). Imports the model spec and the task
 family only; never imports the trainer, engine or controller.
 
-Run it alone to measure: ``python -m slime_async.rollout.warmstart --run-dir /tmp/ws``.
+Run it alone to measure: ``python -m slime_async.orchestrator.warmstart --run-dir /tmp/ws``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any, Literal
 import torch
 
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.rollout.rewards import exact_match
-from slime_async.rollout.tasks import (
+from slime_async.rollout.data.rewards import exact_match
+from slime_async.rollout.data.tasks import (
     EOS,
     PAD,
     TaskFamily,

@@ -34,9 +34,9 @@ from slime_async.contracts.rollout import (
     GenerationResult,
     SegmentPayload,
 )
-from slime_async.rollout.client import GenerateClient
-from slime_async.rollout.gateway import Episode, TrainingGateway
-from slime_async.rollout.rewards import RewardStatus
+from slime_async.rollout.agents.gateway import Episode, TrainingGateway
+from slime_async.rollout.data.rewards import RewardStatus
+from slime_async.rollout.generate.client import GenerateClient
 
 log = logging.getLogger(__name__)
 _LOGGED_FAILURES = 5

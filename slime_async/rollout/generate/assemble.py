@@ -33,7 +33,7 @@ from slime_async.contracts.rollout import (
     SegmentPayload,
     segment_payload,
 )
-from slime_async.rollout.rewards import (
+from slime_async.rollout.data.rewards import (
     RewardError,
     RewardInput,
     RewardResult,
@@ -233,7 +233,7 @@ def assemble(batch: Batch, *, estimator: str) -> Assembled:
     rewards = torch.zeros(n)
     valid = torch.ones(n, dtype=torch.bool)
     routed: list[np.ndarray] | None = []
-    # π_j^Meg from the forward-only role (`rollout/behavior.py`); NaN where a sample has none
+    # π_j^Meg from the forward-only role (`rollout/generate/behavior.py`); NaN where a sample has none
     behavior: torch.Tensor | None = None
     if any("behavior_logprobs" in s.payloads[-1] for _, s in rows):
         behavior = torch.full((n, width), float("nan"))

@@ -6,7 +6,7 @@ path, `compute_reward` / `compute_group_rewards` (never raise: a reward that thr
 NaN/inf yields a `RewardResult` with status ERROR/NON_FINITE) and `RewardError`, which the
 scorer raises for an ERROR (a reward that throws is a bug to fix, named with the function and
 the sample, never a silently masked sample); NON_FINITE samples are masked and counted
-(`summarize_rewards`). Imports the task token ids from `slime_async.rollout.tasks` and slime's
+(`summarize_rewards`). Imports the task token ids from `slime_async.rollout.data.tasks` and slime's
 sample shape from `slime_async.rollout.slime_sample`; never the trainer, engine or controller.
 
 Plugin contracts, named by ``"package.module:function"`` or ``"package.module.function"``:
@@ -27,8 +27,8 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from slime_async.rollout.data.tasks import EOS
 from slime_async.rollout.slime_sample import SlimeSample, is_slime_style
-from slime_async.rollout.tasks import EOS
 
 RewardFn = Callable[["RewardInput"], "float | bool | Awaitable[float | bool]"]
 
@@ -109,7 +109,7 @@ def exact_match_reward(inp: RewardInput) -> float:
     """Binary reward for the built-in tasks: 1.0 iff the response is the label then EOS."""
     label = inp.label
     if isinstance(label, str):
-        from slime_async.rollout.tasks import encode_digits
+        from slime_async.rollout.data.tasks import encode_digits
 
         label = encode_digits(label)
     return float(exact_match(inp.response_ids, label, eos_id=inp.eos_id))

@@ -15,8 +15,8 @@ from typing import Any
 
 from data_worker.source import InMemoryPromptSource
 from slime_async.contracts.rollout import Prompt
-from slime_async.rollout.datasets import LoadedDataset
-from slime_async.rollout.tasks import TaskFamily, TaskPrompt
+from slime_async.rollout.data.datasets import LoadedDataset
+from slime_async.rollout.data.tasks import TaskFamily, TaskPrompt
 
 log = logging.getLogger(__name__)
 

@@ -49,8 +49,8 @@ from slime_async.contracts.rollout import (
     decode_routed_experts,
     segment_payload,
 )
-from slime_async.rollout.client import GenerateClient, GenerateError
-from slime_async.rollout.rewards import function_name
+from slime_async.rollout.data.rewards import function_name
+from slime_async.rollout.generate.client import GenerateClient, GenerateError
 from slime_async.rollout.slime_sample import SlimeArgs, SlimeSample, is_slime_style
 
 

@@ -61,7 +61,7 @@ from slime_async.contracts.rollout import (
     SegmentPayload,
     segment_payload,
 )
-from slime_async.rollout.client import GenerateClient
+from slime_async.rollout.generate.client import GenerateClient
 
 log = logging.getLogger(__name__)
 _MAX_BODY = 16 << 20
