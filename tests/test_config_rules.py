@@ -147,13 +147,18 @@ def test_rollout_records_the_global_batch():
     assert d.rollout.global_batch_size == 8
 
 
-def test_eval_says_once_that_there_is_no_eval_set():
+def test_eval_records_the_cadence_and_what_eval_inherits_or_that_there_is_no_eval_set():
     d = draft()
     d.rollout = rollout_config_from_args(d.args)
     data.eval_settings(d)
-    assert d.flags.derived["--eval-interval"].value == d.rollout.eval_interval
-    if not d.rollout.eval_interval:
-        assert "no eval set" in why(d, "--eval-interval")
+    assert d.flags.derived["--eval-interval"].value == d.rollout.eval_interval > 0
+    assert why(d, "--eval-temperature") == "--rollout-temperature, as training"
+    none = draft("--prompt-data", "t.jsonl")
+    none.rollout = rollout_config_from_args(none.args)
+    data.eval_settings(none)
+    assert none.flags.derived["--eval-interval"].value == 0
+    assert why(none, "--eval-interval").startswith("no eval set: a --prompt-data file has no")
+    assert list(none.flags.derived) == ["--eval-interval"]  # nothing inherited without eval
 
 
 def test_steps_from_the_rollouts_unless_given():
