@@ -1,9 +1,12 @@
 """Divergence guards: pure checks over the metric history that return warnings.
 
-Owns: `GuardConfig`, `GuardKind`, `GuardWarning`, the four detectors (pure functions on float
-sequences), `check_step` (all guards at one step), `scan` (every step, for the report) and
-`GuardMonitor` (the live, de-duplicating wrapper the metric logger uses). The thresholds and
-their rationale are in ``metrics/README.md``. Imports nothing from slime_async.
+One responsibility, the divergence guards, end to end: `GuardConfig` (their thresholds, the one
+set of defaults; `run_guard_config` fits it to a run's typed `DataWorkerConfig`), `GuardKind`,
+`GuardWarning`, the four detectors (pure functions on float sequences), `check_step` (all
+guards at one step), `scan` (every step, for the report) and `GuardMonitor` (the live,
+de-duplicating wrapper the metric logger uses). The thresholds and their rationale are in
+``metrics/README.md``. Imports nothing from slime_async (only the `data_worker` leaf's
+staleness bound).
 
 Non-finite values (NaN, inf, missing) are ignored by every detector: a guard fires on evidence,
 never on absence of data.
@@ -16,7 +19,10 @@ import enum
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from data_worker.config import DataWorkerConfig
 
 IS_SOURCES = ("staleness", "engine", "combined")
 """Sources whose IS weight mean `is/<source>/mean` is range-checked by default."""
@@ -181,19 +187,19 @@ def trend_drop(
     return (drop, min_drop) if drop > min_drop else None
 
 
-def staleness_fill_steps(data_worker: Mapping[str, Any]) -> int:
+def staleness_fill_steps(data_worker: DataWorkerConfig) -> int:
     """`GuardConfig.diff_baseline_skip` for a run: its staleness bound
     (`data_worker.budget.staleness_bound`: `S + ceil((W - 1) / B)` capped by
-    `max_off_policy_steps`, for any push interval), from the data worker's settings as
-    config.json holds them; `S + 1` when the window is unbounded and nothing caps it."""
+    `max_off_policy_steps`, for any push interval) from its data worker's settings; `S + 1`
+    when the window is unbounded and nothing caps it."""
     from data_worker.budget import staleness_bound
 
-    s = int(data_worker.get("max_staleness", 0))
+    s = data_worker.max_staleness
     bound = staleness_bound(
         max_staleness=s,
-        fifo_window=float(data_worker.get("fifo_window", 1)),
-        groups_per_step=int(data_worker.get("groups_per_step", 1)),
-        max_off_policy_steps=data_worker.get("max_off_policy_steps"),
+        fifo_window=data_worker.fifo_window,
+        groups_per_step=data_worker.groups_per_step,
+        max_off_policy_steps=data_worker.max_off_policy_steps,
     )
     return int(bound) if math.isfinite(bound) else s + 1
 
@@ -206,7 +212,7 @@ A baseline taken in that refill is too low, and the steady gap read as drift (th
 calibration, docs/stability.md#divergence-guards)."""
 
 
-def run_guard_config(data_worker: Mapping[str, Any]) -> GuardConfig:
+def run_guard_config(data_worker: DataWorkerConfig) -> GuardConfig:
     """The guards a run applies: the defaults, with the gap baseline taken once its staleness
     settled: `BASELINE_AFTER_BOUNDS` x `staleness_fill_steps` of its data-worker settings."""
     return GuardConfig(diff_baseline_skip=BASELINE_AFTER_BOUNDS * staleness_fill_steps(data_worker))
@@ -246,89 +252,128 @@ def check_step(
     if not history:
         return []
     step = int(history[-1].get("step", len(history) - 1))
-    out: list[GuardWarning] = []
-    if history[-1].get(cfg.entropy_key) is not None:
-        hit = entropy_spike(
-            _series(history[-(cfg.entropy_window + 1) :], cfg.entropy_key),
-            window=cfg.entropy_window,
-            factor=cfg.entropy_factor,
-            min_delta=cfg.entropy_min_delta,
+    total = len(history) if num_records is None else num_records
+    out = [
+        _entropy_warning(history, cfg, step),
+        _diff_warning(history, cfg, step, diff_baseline=diff_baseline, total=total),
+        *_is_warnings(history[-1], cfg, step),
+        _trend_warning(history, cfg, step),
+    ]
+    return [w for w in out if w is not None]
+
+
+def _warning(
+    kind: GuardKind, step: int, key: str, hit: tuple[float, float], message: str
+) -> GuardWarning:
+    return GuardWarning(
+        kind=kind, step=step, key=key, value=hit[0], threshold=hit[1], message=message
+    )
+
+
+def _entropy_warning(
+    history: Sequence[Mapping[str, Any]], cfg: GuardConfig, step: int
+) -> GuardWarning | None:
+    """`entropy_spike` at the last record, if its entropy is logged."""
+    if history[-1].get(cfg.entropy_key) is None:
+        return None
+    hit = entropy_spike(
+        _series(history[-(cfg.entropy_window + 1) :], cfg.entropy_key),
+        window=cfg.entropy_window,
+        factor=cfg.entropy_factor,
+        min_delta=cfg.entropy_min_delta,
+    )
+    if not hit:
+        return None
+    return _warning(
+        GuardKind.ENTROPY_SPIKE,
+        step,
+        cfg.entropy_key,
+        hit,
+        f"entropy spiked to {hit[0]:.3g} (threshold {hit[1]:.3g} from the "
+        f"trailing {cfg.entropy_window}-step median)",
+    )
+
+
+def _diff_warning(
+    history: Sequence[Mapping[str, Any]],
+    cfg: GuardConfig,
+    step: int,
+    *,
+    diff_baseline: Sequence[float] | None,
+    total: int,
+) -> GuardWarning | None:
+    """`logprob_diff_drift` at the last record, once a full baseline and a full window of
+    ``total`` records (the run's count) lie behind it."""
+    if history[-1].get(cfg.diff_key) is None:
+        return None
+    if diff_baseline is None:
+        diff_baseline = early_values(
+            history, cfg.diff_key, cfg.diff_baseline_steps, skip=cfg.diff_baseline_skip
         )
-        if hit:
-            out.append(
-                GuardWarning(
-                    kind=GuardKind.ENTROPY_SPIKE,
-                    step=step,
-                    key=cfg.entropy_key,
-                    value=hit[0],
-                    threshold=hit[1],
-                    message=f"entropy spiked to {hit[0]:.3g} (threshold {hit[1]:.3g} from the "
-                    f"trailing {cfg.entropy_window}-step median)",
-                )
-            )
-    if history[-1].get(cfg.diff_key) is not None:
-        if diff_baseline is None:
-            diff_baseline = early_values(
-                history, cfg.diff_key, cfg.diff_baseline_steps, skip=cfg.diff_baseline_skip
-            )
-        n_base = len(diff_baseline)
-        hit = None
-        total = len(history) if num_records is None else num_records
-        if n_base == cfg.diff_baseline_steps and total >= (
-            cfg.diff_baseline_skip + n_base + cfg.diff_window
-        ):
-            hit = logprob_diff_drift(
-                diff_baseline,
-                _series(history[-cfg.diff_window :], cfg.diff_key),
-                factor=cfg.diff_factor,
-                min_abs=cfg.diff_min,
-            )
-        if hit:
-            out.append(
-                GuardWarning(
-                    kind=GuardKind.LOGPROB_DIFF_DRIFT,
-                    step=step,
-                    key=cfg.diff_key,
-                    value=hit[0],
-                    threshold=hit[1],
-                    message=f"train/rollout log-prob diff drifted to {hit[0]:.3g}, above "
-                    f"{hit[1]:.3g} ({cfg.diff_factor:g}x its early baseline)",
-                )
-            )
+    n_base = len(diff_baseline)
+    if n_base != cfg.diff_baseline_steps or total < (
+        cfg.diff_baseline_skip + n_base + cfg.diff_window
+    ):
+        return None
+    hit = logprob_diff_drift(
+        diff_baseline,
+        _series(history[-cfg.diff_window :], cfg.diff_key),
+        factor=cfg.diff_factor,
+        min_abs=cfg.diff_min,
+    )
+    if not hit:
+        return None
+    return _warning(
+        GuardKind.LOGPROB_DIFF_DRIFT,
+        step,
+        cfg.diff_key,
+        hit,
+        f"train/rollout log-prob diff drifted to {hit[0]:.3g}, above "
+        f"{hit[1]:.3g} ({cfg.diff_factor:g}x its early baseline)",
+    )
+
+
+def _is_warnings(record: Mapping[str, Any], cfg: GuardConfig, step: int) -> list[GuardWarning]:
+    """`is_weight_out_of_range` of each IS source's weight mean in ``record``."""
+    out = []
     for source in cfg.is_sources:
         key = f"is/{source}/mean"
-        hit = is_weight_out_of_range(history[-1].get(key), lower=cfg.is_lower, upper=cfg.is_upper)
+        hit = is_weight_out_of_range(record.get(key), lower=cfg.is_lower, upper=cfg.is_upper)
         if hit:
             out.append(
-                GuardWarning(
-                    kind=GuardKind.IS_WEIGHT_RANGE,
-                    step=step,
-                    key=key,
-                    value=hit[0],
-                    threshold=hit[1],
-                    message=f"{source} IS weight mean {hit[0]:.3g} left "
+                _warning(
+                    GuardKind.IS_WEIGHT_RANGE,
+                    step,
+                    key,
+                    hit,
+                    f"{source} IS weight mean {hit[0]:.3g} left "
                     f"[{cfg.is_lower:g}, {cfg.is_upper:g}]",
                 )
             )
-    if history[-1].get(cfg.trend_key) is not None:
-        hit = trend_drop(
-            _series(history[-cfg.trend_window :], cfg.trend_key),
-            window=cfg.trend_window,
-            min_drop=cfg.trend_min_drop,
-        )
-        if hit:
-            out.append(
-                GuardWarning(
-                    kind=GuardKind.ROLLOUT_LOGPROB_TREND,
-                    step=step,
-                    key=cfg.trend_key,
-                    value=hit[0],
-                    threshold=hit[1],
-                    message=f"rollout log-prob fell {hit[0]:.3g} nats/token over the last "
-                    f"{cfg.trend_window} steps (threshold {hit[1]:g})",
-                )
-            )
     return out
+
+
+def _trend_warning(
+    history: Sequence[Mapping[str, Any]], cfg: GuardConfig, step: int
+) -> GuardWarning | None:
+    """`trend_drop` over the last `trend_window` records, if the last logs the trend key."""
+    if history[-1].get(cfg.trend_key) is None:
+        return None
+    hit = trend_drop(
+        _series(history[-cfg.trend_window :], cfg.trend_key),
+        window=cfg.trend_window,
+        min_drop=cfg.trend_min_drop,
+    )
+    if not hit:
+        return None
+    return _warning(
+        GuardKind.ROLLOUT_LOGPROB_TREND,
+        step,
+        cfg.trend_key,
+        hit,
+        f"rollout log-prob fell {hit[0]:.3g} nats/token over the last "
+        f"{cfg.trend_window} steps (threshold {hit[1]:g})",
+    )
 
 
 def _tail_len(cfg: GuardConfig) -> int:

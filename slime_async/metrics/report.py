@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from data_worker.config import data_worker_config_from_record
 from slime_async.metrics.guards import (
     GuardConfig,
     GuardKind,
@@ -394,7 +395,7 @@ def guards_for_run(run_dir: Path) -> GuardConfig:
         dw = json.loads((run_dir / "config.json").read_text()).get("data_worker", {})
     except (OSError, ValueError):
         return GuardConfig()
-    return run_guard_config(dw)
+    return run_guard_config(data_worker_config_from_record(dw))
 
 
 def render_report(
