@@ -9,18 +9,20 @@ import random
 import pytest
 
 from data_worker.config import DataWorkerConfig, data_worker_config_from_record
+from slime_async.metrics.detectors import (
+    entropy_spike,
+    is_weight_out_of_range,
+    logprob_diff_drift,
+    trend_drop,
+)
 from slime_async.metrics.guards import (
     BASELINE_AFTER_BOUNDS,
     GuardConfig,
     GuardKind,
     GuardMonitor,
-    entropy_spike,
-    is_weight_out_of_range,
-    logprob_diff_drift,
     run_guard_config,
     scan,
     staleness_fill_steps,
-    trend_drop,
 )
 
 CFG = GuardConfig(persist_steps=1, diff_window=5, is_lower=0.8)

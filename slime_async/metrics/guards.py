@@ -1,12 +1,11 @@
-"""Divergence guards: pure checks over the metric history that return warnings.
+"""Divergence guards: checks over the metric history that return warnings.
 
-One responsibility, the divergence guards, end to end: `GuardConfig` (their thresholds, the one
-set of defaults; `run_guard_config` fits it to a run's typed `DataWorkerConfig`), `GuardKind`,
-`GuardWarning`, the four detectors (pure functions on float sequences), `check_step` (all
-guards at one step), `scan` (every step, for the report) and `GuardMonitor` (the live,
-de-duplicating wrapper the metric logger uses). The thresholds and their rationale are in
-``metrics/README.md``. Imports nothing from slime_async (only the `data_worker` leaf's
-staleness bound).
+Owns `GuardConfig` (the thresholds, their one set of defaults; `run_guard_config` fits it to a
+run's typed `DataWorkerConfig`), `GuardKind`, `GuardWarning`, `check_step` (all guards at one
+step, composing `detectors.py`'s pure detectors), `scan` (every step, for the report) and
+`GuardMonitor` (the live, de-duplicating wrapper the metric logger uses). The thresholds and
+their rationale are in ``metrics/README.md``. Imports nothing from slime_async but this package
+(and the `data_worker` leaf's staleness bound).
 
 Non-finite values (NaN, inf, missing) are ignored by every detector: a guard fires on evidence,
 never on absence of data.
@@ -17,9 +16,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from slime_async.metrics.detectors import (
+    entropy_spike,
+    finite,
+    is_weight_out_of_range,
+    logprob_diff_drift,
+    trend_drop,
+)
 
 if TYPE_CHECKING:
     from data_worker.config import DataWorkerConfig
@@ -119,74 +125,6 @@ class GuardWarning:
     """A sentence for the console."""
 
 
-# ---------------------------------------------------------------------------- detectors
-def _finite(values: Sequence[Any]) -> list[float]:
-    out = []
-    for v in values:
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            out.append(float(v))
-    return out
-
-
-def entropy_spike(
-    values: Sequence[Any], *, window: int, factor: float, min_delta: float
-) -> tuple[float, float] | None:
-    """(current, threshold) if the last value spikes above the trailing median, else None."""
-    if not values:
-        return None
-    cur = values[-1]
-    prev = _finite(values[:-1])[-window:]
-    if not _finite([cur]) or len(prev) < min(window, 3):
-        return None
-    ref = statistics.median(prev)
-    threshold = max(ref * factor, ref + min_delta)
-    return (float(cur), threshold) if cur > threshold else None
-
-
-def logprob_diff_drift(
-    baseline: Sequence[Any], recent: Sequence[Any], *, factor: float, min_abs: float
-) -> tuple[float, float] | None:
-    """(recent mean, threshold) if the mismatch drifted above its early baseline, else None.
-
-    ``baseline`` holds the run's first values, ``recent`` the last few (no overlap).
-    """
-    base, xs = _finite(baseline), _finite(recent)
-    if not base or len(xs) < max(1, len(recent) // 2):
-        return None
-    ref = statistics.median(base)
-    mean = sum(xs) / len(xs)
-    threshold = max(ref * factor, min_abs)
-    return (mean, threshold) if mean > threshold else None
-
-
-def is_weight_out_of_range(mean: Any, *, lower: float, upper: float) -> tuple[float, float] | None:
-    """(mean, violated bound) if an IS weight mean left [lower, upper], else None."""
-    if not _finite([mean]):
-        return None
-    if mean < lower:
-        return float(mean), lower
-    if mean > upper:
-        return float(mean), upper
-    return None
-
-
-def trend_drop(
-    values: Sequence[Any], *, window: int, min_drop: float
-) -> tuple[float, float] | None:
-    """(fitted fall over the window, min_drop) if the least-squares line falls that much."""
-    xs = _finite(values)[-window:]
-    if len(xs) < window:
-        return None
-    n = len(xs)
-    mx = (n - 1) / 2
-    my = sum(xs) / n
-    slope = sum((i - mx) * (y - my) for i, y in enumerate(xs)) / sum(
-        (i - mx) ** 2 for i in range(n)
-    )
-    drop = -slope * (n - 1)
-    return (drop, min_drop) if drop > min_drop else None
-
-
 def staleness_fill_steps(data_worker: DataWorkerConfig) -> int:
     """`GuardConfig.diff_baseline_skip` for a run: its staleness bound
     (`data_worker.budget.staleness_bound`: `S + ceil((W - 1) / B)` capped by
@@ -230,7 +168,7 @@ def early_values(
     history has fewer)."""
     out: list[float] = []
     for rec in history[skip:]:
-        out.extend(_finite([rec.get(key)]))
+        out.extend(finite([rec.get(key)]))
         if len(out) >= n:
             break
     return out[:n]
@@ -388,7 +326,7 @@ def scan(history: Sequence[Mapping[str, Any]], cfg: GuardConfig) -> list[GuardWa
     streak: dict[tuple[GuardKind, str], int] = {}
     for i, rec in enumerate(history):
         if i >= cfg.diff_baseline_skip and len(base) < cfg.diff_baseline_steps:
-            base.extend(_finite([rec.get(cfg.diff_key)]))
+            base.extend(finite([rec.get(cfg.diff_key)]))
         window = history[max(0, i + 1 - tail) : i + 1]
         fired = check_step(window, cfg, diff_baseline=list(base), num_records=i + 1)
         streak = _streaks(streak, fired)
@@ -438,7 +376,7 @@ class GuardMonitor:
         self.history.append(dict(record))
         self._count += 1
         if self._count > cfg.diff_baseline_skip and len(self._baseline) < cfg.diff_baseline_steps:
-            self._baseline.extend(_finite([record.get(cfg.diff_key)]))
+            self._baseline.extend(finite([record.get(cfg.diff_key)]))
         self.history = self.history[-_tail_len(cfg) :]  # all any guard reads
         fired = check_step(
             self.history, cfg, diff_baseline=list(self._baseline), num_records=self._count
