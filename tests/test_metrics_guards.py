@@ -21,6 +21,7 @@ from slime_async.metrics.guards import (
     GuardKind,
     GuardMonitor,
     run_guard_config,
+    saved_run_guard_config,
     scan,
     staleness_fill_steps,
 )
@@ -200,6 +201,8 @@ def test_a_saved_config_reads_back_with_the_dataclass_defaults() -> None:
     assert old.groups_per_step == DataWorkerConfig().groups_per_step
     assert old.fifo_window == 2 * old.groups_per_step
     assert run_guard_config(old) == run_guard_config(DataWorkerConfig(max_staleness=3))
+    assert saved_run_guard_config({"data_worker": saved}) == run_guard_config(dw)
+    assert saved_run_guard_config({"num_steps": 3}) == GuardConfig()  # none saved: no skip
 
 
 def test_a_run_takes_its_gap_baseline_once_the_staleness_settled() -> None:

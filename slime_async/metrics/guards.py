@@ -1,11 +1,12 @@
 """Divergence guards: checks over the metric history that return warnings.
 
-Owns `GuardConfig` (the thresholds, their one set of defaults; `run_guard_config` fits it to a
-run's typed `DataWorkerConfig`), `GuardKind`, `GuardWarning`, `check_step` (all guards at one
-step, composing `detectors.py`'s pure detectors), `scan` (every step, for the report) and
-`GuardMonitor` (the live, de-duplicating wrapper the metric logger uses). The thresholds and
-their rationale are in ``metrics/README.md``. Imports nothing from slime_async but this package
-(and the `data_worker` leaf's staleness bound).
+One responsibility, the guards themselves (their pure detectors are `detectors.py`'s). Owns
+`GuardConfig` (the thresholds, their one set of defaults; `run_guard_config` fits it to a
+run's typed `DataWorkerConfig`, `saved_run_guard_config` to the one a run saved in its
+config.json), `GuardKind`, `GuardWarning`, `check_step` (all guards at one step), `scan` (every
+step, for the report) and `GuardMonitor` (the live, de-duplicating wrapper the metric logger
+uses). The thresholds and their rationale are in ``metrics/README.md``. Imports nothing from
+slime_async but this package (and the `data_worker` leaf's config and staleness bound).
 
 Non-finite values (NaN, inf, missing) are ignored by every detector: a guard fires on evidence,
 never on absence of data.
@@ -154,6 +155,23 @@ def run_guard_config(data_worker: DataWorkerConfig) -> GuardConfig:
     """The guards a run applies: the defaults, with the gap baseline taken once its staleness
     settled: `BASELINE_AFTER_BOUNDS` x `staleness_fill_steps` of its data-worker settings."""
     return GuardConfig(diff_baseline_skip=BASELINE_AFTER_BOUNDS * staleness_fill_steps(data_worker))
+
+
+def saved_data_worker(config: Mapping[str, Any]) -> DataWorkerConfig | None:
+    """The data worker's settings in a run's saved config.json (its `data_worker` section read
+    back by `data_worker_config_from_record`: a field an older file lacks takes the dataclass
+    default); None when the file holds no such section."""
+    from data_worker.config import data_worker_config_from_record
+
+    section = config.get("data_worker")
+    return None if section is None else data_worker_config_from_record(section)
+
+
+def saved_run_guard_config(config: Mapping[str, Any]) -> GuardConfig:
+    """The guards a run applied, from its saved config.json: `run_guard_config` of its data
+    worker's settings; the thresholds alone (no gap baseline skipped) when it saved none."""
+    dw = saved_data_worker(config)
+    return GuardConfig() if dw is None else run_guard_config(dw)
 
 
 # ---------------------------------------------------------------------------- composition

@@ -6,8 +6,7 @@ Owns `render_report` (the verdict and the dashboard of one run; the dashboard's 
 directory), the text `verdict`, `guards_for_run` (the guards a run used, from its saved
 config.json) and the command line. The verdict replays the divergence guards over the whole run.
 Matplotlib is used through its object API with the Agg canvas (no pyplot, no global backend
-change). Imports only `slime_async.metrics` (and the `data_worker` leaf's config, to read a saved
-one back); never imports the trainer, engine or controller.
+change). Imports only `slime_async.metrics`; never imports the trainer, engine or controller.
 """
 
 from __future__ import annotations
@@ -21,13 +20,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from data_worker.config import data_worker_config_from_record
 from slime_async.metrics.dashboard import ema, log_y, need_matplotlib, no_data, render_png
 from slime_async.metrics.guards import (
     GuardConfig,
     GuardKind,
     GuardWarning,
-    run_guard_config,
+    saved_run_guard_config,
     scan,
 )
 from slime_async.metrics.history import MetricsHistory, read_metrics
@@ -90,10 +88,10 @@ def guards_for_run(run_dir: Path) -> GuardConfig:
     """The guards the run itself used: the default thresholds, with the log-prob-gap baseline
     taken after its staleness budget filled (from its config.json; none skipped without one)."""
     try:
-        dw = json.loads((run_dir / "config.json").read_text()).get("data_worker", {})
+        saved = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError):
         return GuardConfig()
-    return run_guard_config(data_worker_config_from_record(dw))
+    return saved_run_guard_config(saved)
 
 
 def render_report(
