@@ -41,7 +41,7 @@ class Turn:
 
 @dataclasses.dataclass(slots=True)
 class Episode:
-    """One conversation: what was sampled, in order (see the module docstring)."""
+    """One conversation: what was sampled, in order (the rules: `gateway.py`'s docstring)."""
 
     id: str
     client: GenerateClient
