@@ -130,6 +130,35 @@ def _metadata(seqs: list[Sequence]) -> dict[str, Any]:
     }
 
 
+def _chat_choice(i: int, s: Sequence, tok: Any, *, tools: bool, logprobs: bool) -> dict[str, Any]:
+    """OpenAI's `choices[i]` of one finished sample: the message (with `tool_calls` parsed
+    out when the request named tools), `logprobs.content` when asked, `finish_reason`."""
+    text = response_item(s, tokenizer=tok)["text"]
+    content, calls = parse_tool_calls(text) if tools else (text, [])
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = calls
+    lp = None
+    if logprobs:
+        lp = {
+            "content": [
+                {
+                    "token": tok.decode([t]),
+                    "logprob": v,
+                    "bytes": list(tok.decode([t]).encode()),
+                    "top_logprobs": [],
+                }
+                for t, v in zip(s.output, s.output_logprobs)
+            ]
+        }
+    return {
+        "index": i,
+        "message": msg,
+        "logprobs": lp,
+        "finish_reason": _finish(s, tool_calls=bool(calls)),
+    }
+
+
 async def chat_completions(eng: Engine, request: web.Request) -> web.StreamResponse:
     if eng.state is not EngineState.SERVING:
         return _err("engine is not serving (starting or shutting down)", status=503)
@@ -152,34 +181,9 @@ async def chat_completions(eng: Engine, request: web.Request) -> web.StreamRespo
     if isinstance(got, web.Response):
         return got
     seqs = got
-    choices = []
-    for i, s in enumerate(seqs):
-        text = response_item(s, tokenizer=tok)["text"]
-        content, calls = parse_tool_calls(text) if tools else (text, [])
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            msg["tool_calls"] = calls
-        lp = None
-        if want_lp:
-            lp = {
-                "content": [
-                    {
-                        "token": tok.decode([t]),
-                        "logprob": v,
-                        "bytes": list(tok.decode([t]).encode()),
-                        "top_logprobs": [],
-                    }
-                    for t, v in zip(s.output, s.output_logprobs)
-                ]
-            }
-        choices.append(
-            {
-                "index": i,
-                "message": msg,
-                "logprobs": lp,
-                "finish_reason": _finish(s, tool_calls=bool(calls)),
-            }
-        )
+    choices = [
+        _chat_choice(i, s, tok, tools=bool(tools), logprobs=want_lp) for i, s in enumerate(seqs)
+    ]
     out = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",

@@ -26,7 +26,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from slime_async.engine.config import EngineConfig
-from slime_async.engine.model import LoadedModel, read_weights_from_disk, swap_weights
+from slime_async.engine.disk_weights import read_weights_from_disk
+from slime_async.engine.model import LoadedModel, swap_weights
 from slime_async.engine.rwlock import RWLock
 from slime_async.engine.scheduler import Scheduler
 
