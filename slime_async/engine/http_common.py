@@ -1,8 +1,8 @@
 """What every route module of the embedded engine's HTTP server shares: the app key that holds
 the `Engine`, SGLang's error body, the JSON body reader, and the small-body limit.
 
-Owns: `ENGINE_KEY`, `engine_of`, `error`, `unreceived`, `json_body`, `SMALL_BODY_BYTES`,
-`TOO_DEEP`. Bad input becomes a `RequestError` (the routes answer it with 400). Must never import
+Owns: `ENGINE_KEY`, `engine_of`, `error`, `unreceived`, `json_body`, `client_gone`,
+`SMALL_BODY_BYTES`, `TOO_DEEP`. Bad input becomes a `RequestError` (the routes answer it with 400). Must never import
 torch model code (the routes talk to `Engine`).
 """
 
@@ -56,3 +56,9 @@ async def json_body(request: web.Request, *, required: bool) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError(f"{request.path} body must be a JSON object")
     return body
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client of `request` went away (its request is then aborted)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()

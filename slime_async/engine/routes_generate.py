@@ -17,7 +17,13 @@ import json
 from aiohttp import web
 
 from slime_async.engine.engine import Engine, EngineState
-from slime_async.engine.http_common import SMALL_BODY_BYTES, TOO_DEEP, engine_of, error
+from slime_async.engine.http_common import (
+    SMALL_BODY_BYTES,
+    TOO_DEEP,
+    client_gone,
+    engine_of,
+    error,
+)
 from slime_async.engine.protocol import (
     GenerateItem,
     GenerateRequest,
@@ -79,7 +85,7 @@ async def _serve(request: web.Request, eng: Engine, req: GenerateRequest) -> web
     if req.stream:
         return await _stream(request, eng, seqs, batch=req.batch, rtl=rtl)
     if not await wait_done(
-        seqs, lambda: _client_gone(request)
+        seqs, lambda: client_gone(request)
     ):  # client went away: free the batch rows
         eng.abort_seqs(seqs, "client disconnected")
         return web.Response(status=499)
@@ -179,8 +185,3 @@ async def get_load(request: web.Request) -> web.Response:
 
 async def v1_loads(request: web.Request) -> web.Response:
     return web.json_response({"loads": [engine_of(request).load()]})
-
-
-def _client_gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
