@@ -159,7 +159,7 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
         eval_label_key=r.eval_label_key,
     )
     dw = cfg.data_worker
-    guards = run_guard_config(dataclasses.asdict(dw))
+    guards = run_guard_config(dw)
     logger = MetricsLogger(
         cfg.run_dir,
         loggers=cfg.loggers,
