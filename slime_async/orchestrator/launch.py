@@ -160,7 +160,7 @@ def _logger(cfg: RunConfig) -> MetricsLogger:
         loggers=cfg.loggers,
         run_config=config_record(cfg),
         total_steps=cfg.num_steps,
-        guards=run_guard_config(dataclasses.asdict(cfg.data_worker)),
+        guards=run_guard_config(cfg.data_worker),
     )
 
 
