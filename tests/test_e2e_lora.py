@@ -31,7 +31,7 @@ async def test_lora_run_pushes_adapters_only(tmp_path):
     steps = 3
     argv = [*_argv(tmp_path, steps), "--max-staleness", "0"]
     cfg = parse_config(argv)
-    assert cfg.engine.enable_lora and cfg.weights.transport.value == "disk"
+    assert cfg.engine.enable_lora and cfg.weights.transport == "disk"
     summary = await train(cfg)
     assert summary["train/version"] == steps
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -60,7 +60,7 @@ async def test_lora_run_over_the_weight_group_with_the_forward_only_role(tmp_pat
         "distributed", "--keep-old-actor", "--behavior-forward", "role",
     ]  # fmt: skip
     cfg = parse_config(argv)
-    assert cfg.engine.enable_lora and cfg.weights.transport.value == "distributed"
+    assert cfg.engine.enable_lora and cfg.weights.transport == "distributed"
     summary = await train(cfg)
     assert summary["train/version"] == steps
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -363,7 +363,7 @@ def test_run_flags_for_lora():
     cfg = parse_config(["--lora-rank", "8", *attn, "--warmstart-steps", "0"])
     assert cfg.engine.enable_lora and cfg.engine.max_lora_rank == 8
     assert cfg.engine.lora_target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
-    assert cfg.weights.transport.value == "disk" and cfg.trainer.behavior_forward == "role"
+    assert cfg.weights.transport == "disk" and cfg.trainer.behavior_forward == "role"
     sync = parse_config(
         ["--lora-rank", "8", *attn, "--warmstart-steps", "0", "--max-staleness", "0"]
     )
@@ -372,7 +372,7 @@ def test_run_flags_for_lora():
         parse_config(["--lora-rank", "8"])
     # a user's distributed transport (the adapter over the weight group) and forward-only role
     dist = parse_config(["--lora-rank", "8", *attn, "--update-weight-transport", "distributed"])
-    assert dist.weights.transport.value == "distributed" and dist.engine.enable_lora
+    assert dist.weights.transport == "distributed" and dist.engine.enable_lora
     role = ["--keep-old-actor", "--behavior-forward", "role", "--max-staleness", "1"]
     assert parse_config(["--lora-rank", "8", *attn, *role]).trainer.behavior_forward == "role"
     for bad in (

@@ -444,7 +444,7 @@ async def test_train_async_pushes_through_each_transport(tmp_path: Path, transpo
         transport,
     ]
     cfg = parse_config(argv)
-    assert cfg.weights.transport.value == transport
+    assert cfg.weights.transport == transport
     summary = await train(cfg)
     assert summary["train/version"] == steps
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

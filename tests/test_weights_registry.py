@@ -117,8 +117,9 @@ def test_the_run_selects_the_transport_of_its_flag_and_payload(tmp_path, extra, 
 
 
 async def test_a_plugin_transport_is_selected_and_used_by_the_run(tmp_path):
-    cfg = _with_transport(_cfg(tmp_path), PLUGIN)
-    cls = transport_class(cfg)  # imports the plugin module, whose last line registers it
+    cfg = _cfg(tmp_path, "--update-weight-transport", PLUGIN)  # parsing imports the plugin
+    assert cfg.weights.transport == PLUGIN  # kept as given: a replayed config imports it again
+    cls = transport_class(cfg)
     assert (
         cls.__name__ == "RecordingTransport"
         and cls.__module__ == "tests.plugins.recording_transport"
@@ -142,7 +143,15 @@ async def test_a_plugin_transport_is_selected_and_used_by_the_run(tmp_path):
     assert t.directory(1).is_dir()
 
 
-def test_a_plugin_without_the_payload_of_the_run_is_refused_with_the_choices(tmp_path):
+def test_a_plugin_without_the_payload_of_the_run_is_refused_with_the_choices(tmp_path, capsys):
+    lora = ("--lora-rank", "4", "--lora-target-modules", "q_proj", "v_proj")
+    with pytest.raises(SystemExit):  # at parse time, before anything starts
+        _cfg(tmp_path, *lora, "--update-weight-transport", PLUGIN)
+    assert "no weight transport 'recording' moves the adapter" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _cfg(tmp_path, "--update-weight-transport", "carrier-pigeon")
+    err = capsys.readouterr().err
+    assert "no weight transport is registered as 'carrier-pigeon'" in err and "disk" in err
     cfg = _with_transport(
         _cfg(tmp_path, "--lora-rank", "4", "--lora-target-modules", "q_proj", "v_proj"), PLUGIN
     )

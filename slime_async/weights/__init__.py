@@ -34,13 +34,13 @@ from slime_async.weights.directory import DirectoryTransport
 from slime_async.weights.disk import DiskTransport
 from slime_async.weights.distributed import DistributedTransport, WeightSyncError
 from slime_async.weights.registry import (
-    TransportSetup,
     available_weight_transports,
     get_weight_transport,
     register_weight_transport,
     resolve_weight_transport,
 )
 from slime_async.weights.sender import InProcessSender, WeightSender
+from slime_async.weights.setup import TransportSetup
 
 register_weight_transport("disk", DiskTransport)
 register_weight_transport("disk", AdapterTransport)

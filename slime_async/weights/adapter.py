@@ -36,7 +36,7 @@ from slime_async.contracts.adapter import ADAPTER_NAME, LoraSpec
 from slime_async.contracts.weights import Payload, WeightManifest
 from slime_async.weights.directory import DirectoryTransport
 from slime_async.weights.distributed import DistributedTransport
-from slime_async.weights.registry import TransportSetup
+from slime_async.weights.setup import TransportSetup
 
 log = logging.getLogger(__name__)
 

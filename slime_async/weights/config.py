@@ -22,6 +22,19 @@ class TransportKind(StrEnum):
     """Trainer rank 0 broadcasts the tensors over a process group the engines join."""
 
 
+def _transport_arg(value: str) -> str:
+    """`--update-weight-transport` as given, once it names a registered transport (a plugin's
+    `MODULE:NAME` is imported here, which registers it); kept as given so that a replayed
+    config.json imports the plugin again."""
+    from slime_async.weights.registry import resolve_weight_transport
+
+    try:
+        resolve_weight_transport(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class WeightSyncConfig:
     """How weights travel from the trainer to the engines."""
@@ -29,13 +42,17 @@ class WeightSyncConfig:
     FLAG_PREFIX: ClassVar[str] = "update-weight-"
     """Its flags are `--update-weight-*` (slime's names)."""
 
-    transport: TransportKind = flag(
-        TransportKind.DISTRIBUTED,
+    transport: str = flag(
+        TransportKind.DISTRIBUTED.value,
         derived="distributed, or disk with an engine backend that does not own its servers",
+        parse=_transport_arg,
+        metavar="NAME",
     )
-    """How weights reach the engines: 'distributed' (trainer rank 0 broadcasts over a process
-    group the engines join; no shared filesystem, nothing written per push) or 'disk' (an HF
-    directory in the run dir that every engine loads). See docs/weight-sync.md."""
+    """How weights reach the engines: a registered transport ('distributed': trainer rank 0
+    broadcasts over a process group the engines join, no shared filesystem, nothing written per
+    push; 'disk': an HF directory in the run dir that every engine loads), or MODULE:NAME of a
+    plugin module that registers NAME (`slime_async.weights.register_weight_transport`). See
+    docs/weight-sync.md."""
     bucket_bytes: int = flag(512 * 1024**2, name="buffer-size", ge=1024)
     """Bytes per bucket of the distributed transport (slime's flag): one
     `/update_weights_from_distributed` call and, flattened, one broadcast per bucket."""

@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 from router.client import RouterClient
 from slime_async.contracts.weights import Payload
 from slime_async.weights.directory import DirectoryTransport
-from slime_async.weights.registry import TransportSetup
+from slime_async.weights.setup import TransportSetup
 
 
 class WeightWriter(Protocol):

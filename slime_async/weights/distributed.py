@@ -51,8 +51,8 @@ from slime_async.contracts.weight_group import (
 from slime_async.contracts.weights import Payload, WeightManifest
 from slime_async.weights.config import WeightSyncConfig
 from slime_async.weights.pause import paused_in_place
-from slime_async.weights.registry import TransportSetup
 from slime_async.weights.sender import WeightSender
+from slime_async.weights.setup import TransportSetup
 
 log = logging.getLogger(__name__)
 

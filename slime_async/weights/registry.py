@@ -1,7 +1,6 @@
 """The weight transport registry: (name, payload) → transport class.
 
-Owns `TransportSetup` (everything a run offers a transport to build itself from),
-`register_weight_transport`, `get_weight_transport`, `available_weight_transports` and
+Owns `register_weight_transport`, `get_weight_transport`, `available_weight_transports` and
 `resolve_weight_transport` (a registered name, or `module:name` for a plugin module whose
 import registers `name`). A transport is a class implementing
 `slime_async.contracts.weights.WeightTransport` whose `payload` says what it moves (the full
@@ -19,44 +18,9 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
 
-from router.client import RouterClient
-from slime_async.contracts.adapter import LoraSpec
 from slime_async.contracts.weights import Payload, WeightTransport
-from slime_async.weights.config import WeightSyncConfig
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TransportSetup:
-    """What a run hands `from_setup`: each transport takes the parts it needs."""
-
-    run_dir: Path
-    """The run directory: directory transports write their versions under it."""
-    trainer: Any
-    """The trainer group: it writes versions (`save_weights`, `save_adapter`), is the sender of
-    the full weights (`slime_async.weights.WeightSender`) and gives the adapter's
-    (`adapter_sender()`)."""
-    control: RouterClient
-    """The router's control client (pause, loads fanned out to every engine)."""
-    engine_urls: Callable[[], Sequence[str]]
-    """The engines now (read at every push: the supervisor may have replaced some)."""
-    cfg: WeightSyncConfig
-    """`--update-weight-*`."""
-    collective_backend: str = "gloo"
-    """The engines' collective backend (gloo for CPU engines, NCCL for GPU ones)."""
-    token: str | None = None
-    """The run's shared token (engines off loopback require it on every route)."""
-    on_written: Callable[[int, Path], object] | None = None
-    """Called with (version, directory) after a directory transport wrote it (the forward-only
-    role's feed); None: nobody listens."""
-    lora: LoraSpec | None = None
-    """The run's LoRA adapter (None: full-weight training)."""
-
 
 _TRANSPORTS: dict[tuple[str, Payload], type[WeightTransport]] = {}
 _NEEDS = ("payload", "shared_filesystem", "writes_directories", "from_setup", "load", "push")
@@ -104,9 +68,16 @@ def get_weight_transport(name: str, payload: Payload) -> type[WeightTransport]:
 
 
 def resolve_weight_transport(value: str) -> str:
-    """`value` as a registered name: a name as is, or `module:name` after importing `module`
-    (whose import must call `register_weight_transport(name, ...)`)."""
+    """`value` as a registered name: a registered name as is, or `module:name` after importing
+    `module` (whose import must call `register_weight_transport(name, ...)`); anything else
+    raises ValueError with the choices."""
     if ":" not in value:
+        if value not in available_weight_transports():
+            raise ValueError(
+                f"no weight transport is registered as {value!r}; choose one of "
+                f"{', '.join(available_weight_transports())}, or give MODULE:NAME for a plugin "
+                "module that registers NAME"
+            )
         return value
     module, _, name = value.partition(":")
     try:

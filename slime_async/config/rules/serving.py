@@ -15,8 +15,10 @@ from router.config import router_config_from_args
 from slime_async.config.rules.draft import Draft, Placement, rule
 from slime_async.config.run_paths import derive_warmstart
 from slime_async.contracts.adapter import lora_spec
+from slime_async.contracts.weights import Payload
 from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
 from slime_async.engine.config import engine_run_config_from_args
+from slime_async.weights.registry import get_weight_transport, resolve_weight_transport
 
 __all__ = [
     "cache_salt",
@@ -198,9 +200,13 @@ def lora(d: Draft) -> None:
             "embedded engines, or --lora-rank 0 (full-weight pushes)"
         )
     transport = d.args.update_weight_transport
-    if transport is not None and transport != "disk" and not fleet.needs.distributed_adapters:
+    if (
+        transport is not None
+        and not transport_class(transport, Payload.ADAPTER).shared_filesystem
+        and not fleet.needs.distributed_adapters
+    ):
         raise ValueError(
-            "--update-weight-transport distributed with --lora-rank broadcasts the adapter over "
+            f"--update-weight-transport {transport} with --lora-rank broadcasts the adapter over "
             "the weight group for the engines to stage and activate (/update_weights_from_"
             f"distributed with lora_name), which --engine-backend {fleet.backend} does not do; "
             "use --update-weight-transport disk (or leave it unset)"
@@ -214,12 +220,23 @@ def lora(d: Draft) -> None:
     )
 
 
+def transport_class(name: str, payload: Payload) -> type:
+    """The registered transport `name` (or a plugin's `MODULE:NAME`) that moves `payload`;
+    ValueError naming the choices when none does."""
+    return get_weight_transport(resolve_weight_transport(name), payload)
+
+
+def _payload(d: Draft) -> Payload:
+    return Payload.ADAPTER if d.trainer.lora_rank else Payload.FULL
+
+
 @rule("transport", fills=("update_weight_transport",))
 def transport(d: Draft) -> None:
     """How weights reach the engines: a LoRA run's adapter directory, or a full run's weights
     from disk (servers the run does not own) or over the weight group (no shared filesystem)."""
     f = d.flags
-    if not f.unset("update_weight_transport"):
+    if not f.unset("update_weight_transport"):  # given: it must move this run's payload
+        transport_class(d.args.update_weight_transport, _payload(d))
         return
     if d.trainer.lora_rank:
         why = "LoRA: each push is the adapter's PEFT directory, loaded by name (docs/lora.md)"
@@ -242,7 +259,9 @@ def weight_dtype(d: Draft) -> None:
     f, t = d.flags, d.trainer
     if not f.unset("update_weight_dtype"):
         return
-    role_reads_disk = d.args.update_weight_transport == "disk" and t.behavior_forward == "role"
+    name = d.args.update_weight_transport
+    shared = name is not None and transport_class(name, _payload(d)).shared_filesystem
+    role_reads_disk = shared and t.behavior_forward == "role"
     if t.bf16:
         f.fill("update_weight_dtype", "bfloat16", "the trainer's parameters are bf16")
     elif d.engines.backend == "embedded" and d.engine.dtype == "bf16" and not role_reads_disk:
