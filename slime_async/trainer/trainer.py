@@ -398,11 +398,10 @@ class MegatronTrainer(LogprobForwards):
         self.loaded_from = str(load_dir)
 
     def shutdown(self) -> None:
-        """Free megatron's global state (the process group stays up for reuse)."""
-        from megatron.core import parallel_state as ps
+        """Free megatron's global state and destroy its process groups (the default process
+        group stays up for reuse)."""
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         RouterReplay.clear_global_router_replay_instances()
         self.optim.wrapped.clear()
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+        parallel.release_model_parallel()
