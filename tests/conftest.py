@@ -32,11 +32,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-LEAK_MARGIN = {"threads": 12, "fds": 24}
-"""What the session may end holding over its start: the state a process keeps once made (the
-default torch.distributed group, torch's and gRPC's thread pools, a Ray driver's gRPC threads
-after `ray.shutdown`). A leak per test or per module (a process group, an event loop, an
-executor, a server) overruns it within a few tests."""
+LEAK_MARGIN = {"threads": 32, "fds": 96}
+"""What the session may end holding over its start: the state a process keeps once made
+(torch's and gRPC's thread pools; after `ray.shutdown` a Ray driver keeps its gRPC threads, a
+few sockets and a log file of each session, about 13 threads and 14 fds for the first session
+and 1 thread and 2-3 fds for each later one). A leak per test or per module (a process group:
+3 threads and ~6 fds; an event loop, an executor, a server, a child) overruns it: the 1,668
+process groups a run once leaked were 5,004 threads."""
 SETTLE_S = 15.0
 """How long released threads and processes get to end before the check counts them."""
 KEPT_CHILDREN = ("multiprocessing.resource_tracker",)
@@ -96,25 +98,31 @@ def _module_leaks(request: pytest.FixtureRequest):
         _module_gains.append((request.module.__name__, g))
 
 
-def _release_torch_distributed() -> None:
-    """The trainer keeps its default process group (and megatron's groups) up for reuse
-    across tests in one process; the session ends them."""
+def _release_torch_distributed(*, keep_default: bool = False) -> None:
+    """The trainer keeps its default process group up for reuse across tests in one process
+    (and megatron's groups until the next trainer or its `shutdown`): a module ends megatron's
+    (`keep_default`), the session ends both."""
     import sys
 
-    if "torch.distributed" not in sys.modules:
+    if "torch.distributed" not in sys.modules or "slime_async.trainer.parallel" not in sys.modules:
         return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         from slime_async.trainer import parallel
 
-        parallel.release_distributed()
+        if keep_default:
+            parallel.release_model_parallel()
+        else:
+            parallel.release_distributed()
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _ray_is_per_module():
-    """Each test module starts without a Ray session and leaves none behind."""
+    """Each test module starts without a Ray session (or megatron's process groups) and leaves
+    none behind."""
     yield
+    _release_torch_distributed(keep_default=True)
     import sys
 
     ray = sys.modules.get("ray")

@@ -123,9 +123,13 @@ def release_model_parallel() -> None:
     (each is destroyed, so its threads and connections end). The default process group stays
     up for reuse; `release_distributed` ends it."""
     from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    get_moe_layer_wise_logging_tracker().clear()  # it holds the MoE layers' reduce groups
+    RotaryEmbedding.forward.cache_clear()  # its cache holds the modules (and their CP group)
     for name, value in list(vars(ps).items()):  # the globals its destroy forgets to reset
         if isinstance(value, dist.ProcessGroup):
             setattr(ps, name, None)
@@ -135,6 +139,22 @@ def release_model_parallel() -> None:
     for g in _registered_groups():  # those megatron destroyed itself are gone from the list
         if g not in kept:
             dist.destroy_process_group(g)
+
+
+def drop_stale_graphs(chunks: list[torch.nn.Module]) -> None:
+    """Drop the autograd graphs the model's helpers keep from their last forward (megatron's MoE
+    token dispatcher keeps its routing probabilities). Through DDP's hooks on that graph's
+    gradient accumulators (C++ objects) they close a cycle the garbage collector cannot see:
+    the model, its DDP wrapper and the process groups they hold (threads, sockets) would
+    outlive the trainer for the life of the process. Call when the model is let go."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            for helper in vars(module).values():
+                if isinstance(helper, (torch.nn.Module, type)) or not hasattr(helper, "__dict__"):
+                    continue
+                for name, value in list(vars(helper).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(helper, name, None)
 
 
 def release_distributed() -> None:

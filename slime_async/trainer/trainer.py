@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -131,6 +132,7 @@ class MegatronTrainer(LogprobForwards):
         self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
         self.moe_layers = moe_layer_numbers(self.chunks)
         self.optim = build_optim(self.chunks, cfg, self.layout)
+        weakref.finalize(self, parallel.drop_stale_graphs, self.chunks)  # see its docstring
         if rank == 0 and cfg.use_distributed_optimizer is None and self.layout.dp > 1:
             log.info("derived: --use-distributed-optimizer on (DP=%d)", self.layout.dp)
         if rank == 0 and cfg.ckpt_format is None and self.lora is not None:
@@ -403,5 +405,6 @@ class MegatronTrainer(LogprobForwards):
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         RouterReplay.clear_global_router_replay_instances()
+        parallel.drop_stale_graphs(self.chunks)
         self.optim.wrapped.clear()
         parallel.release_model_parallel()
