@@ -382,10 +382,11 @@ async def test_hung_engine_is_aborted_long_before_the_op_timeout(fleet, monkeypa
     and resends to the other member alone: the push ends before the op timeout, reports the
     hung engine, and the other serves the version. (Before the abort, rank 0 sat in its
     broadcast for the op timeout and the push waited for the stopped engine's bucket call, 330
-    s: past this test's timeout.) The stall and health bounds are shortened (30 s each in a
-    run) so the test does not sit them out: what they bound is the same."""
+    s: past this test's timeout.) The stall, health and refusal bounds are shortened (30, 30
+    and 10 s in a run) so the test does not sit them out: what they bound is the same."""
     monkeypatch.setattr(distributed, "STALL_MIN_S", 8.0)
     monkeypatch.setattr(distributed, "HEALTH_TIMEOUT_S", 8.0)
+    monkeypatch.setattr(distributed, "REFUSAL_GRACE_S", 4.0)
     hung = _start()
     urls = [fleet[0].url, hung.url]
     weights = Weights()
