@@ -1,9 +1,10 @@
 """Synchronous scheduling core of the RolloutDataWorker (no asyncio, no I/O).
 
-Owns every scheduling decision: admission under the staleness budget, the dispatch queue
-(probe / longest-first / FIFO tiers), the per-prompt length cache, the windowed-FIFO drain and
-off-policy drops, and the group accounting. `RolloutDataWorker` drives it from asyncio; the
-simulator and the benchmark drive the same object. Never imports `slime_async`.
+One responsibility, every scheduling decision (one class, `SchedulerCore`): admission under the
+staleness budget, the dispatch queue (probe / longest-first / FIFO tiers), the per-prompt length
+cache, the windowed-FIFO drain and off-policy drops, and the group accounting.
+`RolloutDataWorker` drives it from asyncio; the simulator and the benchmark drive the same
+object. Never imports `slime_async`.
 
 Lifecycle of a sample: WAITING_PROBE -> QUEUED -> RUNNING -> DONE (an abort or an error sends
 RUNNING back to QUEUED). Lifecycle of a group: GENERATING -> COMPLETE -> STAGED -> CONSUMED,

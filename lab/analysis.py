@@ -25,7 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from slime_async.metrics import GuardConfig, GuardKind, read_metrics
-from slime_async.metrics.guards import run_guard_config, staleness_fill_steps
+from slime_async.metrics.guards import (
+    saved_data_worker,
+    saved_run_guard_config,
+    staleness_fill_steps,
+)
 from slime_async.metrics.stability import (
     Verdict,
     VerdictRules,
@@ -415,13 +419,14 @@ def _mean_of(r: RunData, key: str) -> float:
 
 def fill_steps(r: RunData) -> int:
     """Steps until the run's staleness budget filled: its bound `S + ceil((W - 1) / B)`."""
-    return staleness_fill_steps(r.config.get("data_worker", {}))
+    dw = saved_data_worker(r.config)
+    return 0 if dw is None else staleness_fill_steps(dw)
 
 
 def run_guards(r: RunData) -> GuardConfig:
     """The guards as the run applied them live: defaults, with the log-prob-gap baseline taken
-    once its staleness settled (`guards.run_guard_config` of its config.json)."""
-    return run_guard_config(r.config.get("data_worker", {}))
+    once its staleness settled (`guards.saved_run_guard_config` of its config.json)."""
+    return saved_run_guard_config(r.config)
 
 
 GUARD_SWEEP: dict[str, tuple[str, tuple[float, ...]]] = {

@@ -10,6 +10,8 @@ with a fixed seed, so diagnostics stay a few milliseconds even at tens of millio
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from loss.corrections import correct_log
@@ -97,71 +99,133 @@ def compis_metrics(inputs: LossInputs, cfg: CompISConfig) -> dict[str, Metric]:
     def g(x: torch.Tensor) -> torch.Tensor:
         return upcast(x.detach()).reshape(-1)[sel].index_select(0, pos).to(dt)
 
-    clamp, ss = cfg.log_ratio_clamp, cfg.diag_sample_size
     lp, lpk, lps = g(inputs.logprobs), g(inputs.proximal_logprobs), g(inputs.rollout_logprobs)
-    d1 = safe_log_ratio(lp, lpk, clamp=clamp)
-    lo1, hi1 = 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high
-    adv = g(inputs.advantages).nan_to_num_(0.0, 0.0, 0.0)
-    r1 = d1.exp()
-    up, down = (adv > 0) & (r1 > hi1), (adv < 0) & (r1 < lo1)
-    lo3, hi3 = _bounds(cfg.staleness_method, cfg.staleness_low, cfg.staleness_high)
-    if inputs.behavior_logprobs is None:
-        d3 = safe_log_ratio(lpk, lps, clamp=clamp)
-        c3, m3, k3 = correct_log(d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high)
-        names = ["is/combined", "is/drift", "is/weight"]
-        rows = [d3, d1, c3]
-        lows, highs = [lo3, lo1, None], [hi3, hi1, None]
-        masked, clipped = [m3, None, m3], [k3, up | down, k3]
-    else:
-        lpm = g(inputs.behavior_logprobs)
-        d2 = safe_log_ratio(lpm, lps, clamp=clamp)
-        d3 = safe_log_ratio(lpk, lpm, clamp=clamp)
-        c2, m2, k2 = correct_log(d2, cfg.engine_method, cfg.engine_low, cfg.engine_high)
-        c3, m3, k3 = correct_log(d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high)
-        lo2, hi2 = _bounds(cfg.engine_method, cfg.engine_low, cfg.engine_high)
-        names = ["is/engine", "is/staleness", "is/combined", "is/drift", "is/weight"]
-        rows = [d2, d3, (d2 + d3).clamp_(-clamp, clamp), d1, c2 + c3]
-        lows, highs = [lo2, lo3, None, lo1, None], [hi2, hi3, None, hi1, None]
-        masked, clipped = [m2, m3, None, None, _or(m2, m3)], [k2, k3, None, up | down, _or(k2, k3)]
+    lpm = None if inputs.behavior_logprobs is None else g(inputs.behavior_logprobs)
+    t = _Tokens(
+        lp=lp,
+        d1=safe_log_ratio(lp, lpk, clamp=cfg.log_ratio_clamp),
+        adv=g(inputs.advantages).nan_to_num_(0.0, 0.0, 0.0),
+        cfg=cfg,
+    )
+    src = _sources(t, lpk=lpk, lps=lps, lpm=lpm)
     out.update(
         multi_ratio_stats(
-            names,
-            torch.stack(rows),
-            lows=lows,
-            highs=highs,
-            masked=masked,
-            clipped=clipped,
-            with_kl=[True] * (len(names) - 1) + [False],
-            sample_size=ss,
+            src.names,
+            torch.stack(src.rows),
+            lows=src.lows,
+            highs=src.highs,
+            masked=src.masked,
+            clipped=src.clipped,
+            with_kl=[True] * (len(src.names) - 1) + [False],
+            sample_size=cfg.diag_sample_size,
         )
     )
     out["loss/kept_frac"] = 1.0 - out["is/weight/masked_frac"]
-    # PPO clip fractions on r1, judged with the original advantage sign
-    f64 = torch.float64
-    pol = {
-        "policy/clipfrac_upper": up.sum().to(f64) / n,
-        "policy/clipfrac_lower": down.sum().to(f64) / n,
-        "policy/approx_kl": -d1.sum(dtype=f64) / n,
-        "policy/logprob_mean": lp.sum(dtype=f64) / n,
-        "policy/advantage_mean": adv.sum(dtype=f64) / n,
-    }
-    if inputs.behavior_logprobs is not None:  # per-source weights w2 = f2(r2), w3 = f3(r3)
-        pol["is/engine/weight_mean"] = c2.exp().sum(dtype=f64) / n
-        pol["is/staleness/weight_mean"] = c3.exp().sum(dtype=f64) / n
-    if cfg.dual_clip_c is not None:
-        pol["policy/dual_clip_frac"] = ((adv < 0) & (r1 > cfg.dual_clip_c)).sum().to(f64) / n
-    pol_f = to_floats(pol)
-    pol_f["policy/clipfrac"] = pol_f["policy/clipfrac_upper"] + pol_f["policy/clipfrac_lower"]
-    out.update(pol_f)
+    out.update(_policy_metrics(t, src, n))
     if inputs.token_versions is not None and inputs.current_version is not None:
-        lag = (
-            inputs.current_version - inputs.token_versions.reshape(-1)[sel].index_select(0, pos)
-        ).to(f64)
-        out["is/staleness/version_lag_mean"] = float(lag.mean())
-        out["is/staleness/version_lag_max"] = float(lag.max())
-        out["is/staleness/version_lag_p90"] = percentiles(lag, (90.0,), sample_size=ss)[0]
+        versions = inputs.token_versions.reshape(-1)[sel].index_select(0, pos)
+        out.update(_version_lag(inputs.current_version, versions, cfg.diag_sample_size))
     out.update(_sequence_metrics(inputs, cfg))
     return out
+
+
+class _Tokens:
+    """The sampled valid tokens' current log-probs, drift log-ratio d1 = log r1 and
+    advantages (`[n]` each), with r1's PPO clip masks judged on the advantage sign."""
+
+    def __init__(
+        self, *, lp: torch.Tensor, d1: torch.Tensor, adv: torch.Tensor, cfg: CompISConfig
+    ) -> None:
+        self.lp, self.d1, self.adv, self.cfg = lp, d1, adv, cfg
+        self.lo1, self.hi1 = 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high
+        self.r1 = d1.exp()
+        self.up = (adv > 0) & (self.r1 > self.hi1)
+        self.down = (adv < 0) & (self.r1 < self.lo1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Sources:
+    """The per-source log-ratio rows `multi_ratio_stats` reads, with their bounds, masks and
+    clips, and the corrected log-weights of each source (engine: None without π_j^Meg)."""
+
+    names: list[str]
+    rows: list[torch.Tensor]
+    lows: list[float | None]
+    highs: list[float | None]
+    masked: list[torch.Tensor | None]
+    clipped: list[torch.Tensor | None]
+    engine_log_weight: torch.Tensor | None
+    staleness_log_weight: torch.Tensor
+
+
+def _sources(
+    t: _Tokens, *, lpk: torch.Tensor, lps: torch.Tensor, lpm: torch.Tensor | None
+) -> _Sources:
+    """Drift, staleness (combined when there is no behavior log-prob `lpm`), engine and the
+    final weight, as `[n]` log-ratios."""
+    cfg, clamp = t.cfg, t.cfg.log_ratio_clamp
+    lo3, hi3 = _bounds(cfg.staleness_method, cfg.staleness_low, cfg.staleness_high)
+    ppo = t.up | t.down
+    if lpm is None:
+        d3 = safe_log_ratio(lpk, lps, clamp=clamp)
+        c3, m3, k3 = correct_log(d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high)
+        return _Sources(
+            names=["is/combined", "is/drift", "is/weight"],
+            rows=[d3, t.d1, c3],
+            lows=[lo3, t.lo1, None],
+            highs=[hi3, t.hi1, None],
+            masked=[m3, None, m3],
+            clipped=[k3, ppo, k3],
+            engine_log_weight=None,
+            staleness_log_weight=c3,
+        )
+    d2 = safe_log_ratio(lpm, lps, clamp=clamp)
+    d3 = safe_log_ratio(lpk, lpm, clamp=clamp)
+    c2, m2, k2 = correct_log(d2, cfg.engine_method, cfg.engine_low, cfg.engine_high)
+    c3, m3, k3 = correct_log(d3, cfg.staleness_method, cfg.staleness_low, cfg.staleness_high)
+    lo2, hi2 = _bounds(cfg.engine_method, cfg.engine_low, cfg.engine_high)
+    return _Sources(
+        names=["is/engine", "is/staleness", "is/combined", "is/drift", "is/weight"],
+        rows=[d2, d3, (d2 + d3).clamp_(-clamp, clamp), t.d1, c2 + c3],
+        lows=[lo2, lo3, None, t.lo1, None],
+        highs=[hi2, hi3, None, t.hi1, None],
+        masked=[m2, m3, None, None, _or(m2, m3)],
+        clipped=[k2, k3, None, ppo, _or(k2, k3)],
+        engine_log_weight=c2,
+        staleness_log_weight=c3,
+    )
+
+
+def _policy_metrics(t: _Tokens, src: _Sources, n: int) -> dict[str, float]:
+    """PPO clip fractions on r1 (judged with the original advantage sign), approximate KL,
+    means, and the per-source weight means w2 = f2(r2), w3 = f3(r3) when both exist."""
+    f64 = torch.float64
+    pol = {
+        "policy/clipfrac_upper": t.up.sum().to(f64) / n,
+        "policy/clipfrac_lower": t.down.sum().to(f64) / n,
+        "policy/approx_kl": -t.d1.sum(dtype=f64) / n,
+        "policy/logprob_mean": t.lp.sum(dtype=f64) / n,
+        "policy/advantage_mean": t.adv.sum(dtype=f64) / n,
+    }
+    if src.engine_log_weight is not None:  # per-source weights w2 = f2(r2), w3 = f3(r3)
+        pol["is/engine/weight_mean"] = src.engine_log_weight.exp().sum(dtype=f64) / n
+        pol["is/staleness/weight_mean"] = src.staleness_log_weight.exp().sum(dtype=f64) / n
+    if t.cfg.dual_clip_c is not None:
+        dual = (t.adv < 0) & (t.r1 > t.cfg.dual_clip_c)
+        pol["policy/dual_clip_frac"] = dual.sum().to(f64) / n
+    pol_f = to_floats(pol)
+    pol_f["policy/clipfrac"] = pol_f["policy/clipfrac_upper"] + pol_f["policy/clipfrac_lower"]
+    return pol_f
+
+
+def _version_lag(current: int, versions: torch.Tensor, sample_size: int) -> dict[str, Metric]:
+    """How many versions behind the current one the sampled tokens were generated."""
+    lag = (current - versions).to(torch.float64)
+    return {
+        "is/staleness/version_lag_mean": float(lag.mean()),
+        "is/staleness/version_lag_max": float(lag.max()),
+        "is/staleness/version_lag_p90": percentiles(lag, (90.0,), sample_size=sample_size)[0],
+    }
 
 
 def _sequence_metrics(inputs: LossInputs, cfg: CompISConfig) -> dict[str, Metric]:

@@ -69,6 +69,35 @@ def multi_ratio_stats(
         return out
     d = log_ratios.detach()
     r = d.exp()
+    sums = _row_sums(d, r, lows=lows, highs=highs, masked=masked, clipped=clipped)
+    pct = percentiles_rows(r, sample_size=sample_size)
+    for i, p in enumerate(prefixes):
+        out.update(
+            _source_stats(
+                p,
+                n,
+                [row[i] for row in sums],
+                pct[i],
+                has_low=lows[i] is not None,
+                has_high=highs[i] is not None,
+                with_kl=with_kl[i],
+            )
+        )
+    return out
+
+
+def _row_sums(
+    d: torch.Tensor,
+    r: torch.Tensor,
+    *,
+    lows: list[float | None],
+    highs: list[float | None],
+    masked: list[torch.Tensor | None],
+    clipped: list[torch.Tensor | None],
+) -> list[list[float]]:
+    """Per source (row of the log-ratios `d` `[S, n]`, `r` = exp `d`): Σρ, Σρ², Σlog ρ, Σ(log ρ)² (non-finite
+    log ρ as 0), min ρ, max ρ, counts above `highs` / below `lows`, masked and clipped counts;
+    one pass per statistic and a single device sync. `[10][S]` floats."""
     f64 = torch.float64
     fin = torch.nan_to_num(d, nan=0.0, posinf=0.0, neginf=0.0)
     hi = torch.tensor([math.inf if h is None else h for h in highs], dtype=r.dtype, device=r.device)
@@ -87,28 +116,41 @@ def multi_ratio_stats(
         torch.stack([zeros if m is None else m.sum().to(f64) for m in masked]),
         torch.stack([zeros if c is None else c.sum().to(f64) for c in clipped]),
     ]
-    vals = torch.stack([x.to(f64) for x in rows]).cpu().tolist()
-    pct = percentiles_rows(r, sample_size=sample_size)
-    for i, p in enumerate(prefixes):
-        s1, s2, m1, m2, mn, mx, above, below, nm, nc = (row[i] for row in vals)
-        mean = s1 / n
-        out[f"{p}/mean"] = mean
-        out[f"{p}/std"] = math.sqrt(max(s2 / n - mean * mean, 0.0))
-        out[f"{p}/min"] = mn
-        out[f"{p}/max"] = mx
-        out[f"{p}/p50"], out[f"{p}/p90"], out[f"{p}/p99"] = pct[i]
-        if highs[i] is not None:
-            out[f"{p}/frac_above_high"] = above / n
-        if lows[i] is not None:
-            out[f"{p}/frac_below_low"] = below / n
-        out[f"{p}/masked_frac"] = nm / n
-        out[f"{p}/clipped_frac"] = nc / n
-        out[f"{p}/ess"] = s1 * s1 / (n * s2) if s2 > 0 else 0.0
-        out[f"{p}/chi2_token"] = s2 / n - 1.0
-        if with_kl[i]:
-            out[f"{p}/kl_k1"] = -m1 / n
-            out[f"{p}/kl_k2"] = 0.5 * m2 / n
-            out[f"{p}/kl_k3"] = mean - 1.0 - m1 / n
+    return torch.stack([x.to(f64) for x in rows]).cpu().tolist()
+
+
+def _source_stats(
+    p: str,
+    n: int,
+    sums: list[float],
+    pct: list[float],
+    *,
+    has_low: bool,
+    has_high: bool,
+    with_kl: bool,
+) -> dict[str, float]:
+    """`p/*` statistics of one source from its `_row_sums` column and percentiles (pure)."""
+    s1, s2, m1, m2, mn, mx, above, below, nm, nc = sums
+    mean = s1 / n
+    out = {
+        f"{p}/mean": mean,
+        f"{p}/std": math.sqrt(max(s2 / n - mean * mean, 0.0)),
+        f"{p}/min": mn,
+        f"{p}/max": mx,
+    }
+    out[f"{p}/p50"], out[f"{p}/p90"], out[f"{p}/p99"] = pct
+    if has_high:
+        out[f"{p}/frac_above_high"] = above / n
+    if has_low:
+        out[f"{p}/frac_below_low"] = below / n
+    out[f"{p}/masked_frac"] = nm / n
+    out[f"{p}/clipped_frac"] = nc / n
+    out[f"{p}/ess"] = s1 * s1 / (n * s2) if s2 > 0 else 0.0
+    out[f"{p}/chi2_token"] = s2 / n - 1.0
+    if with_kl:
+        out[f"{p}/kl_k1"] = -m1 / n
+        out[f"{p}/kl_k2"] = 0.5 * m2 / n
+        out[f"{p}/kl_k3"] = mean - 1.0 - m1 / n
     return out
 
 

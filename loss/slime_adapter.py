@@ -171,7 +171,6 @@ def make_slime_loss(
         _check_args(args)
         c = cfg or compis_config_from_args(args)
         entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
-        ents = None
         if logprob_fn is None:
             lps, ents = response_logprobs(
                 logits,
@@ -185,40 +184,17 @@ def make_slime_loss(
         else:
             if entropy_coef != 0.0:
                 raise ValueError("entropy_coef != 0 needs the adapter's own log-prob path")
-            lps = logprob_fn(logits, args=args, batch=batch)
-        lp = torch.cat(lps)
-        dev = lp.device
-
-        def cat(key: str) -> torch.Tensor:
-            return torch.cat([torch.as_tensor(x).to(dev) for x in batch[key]]).detach()
-
-        lengths = torch.tensor([int(x.numel()) for x in lps])
-        prox = cat("log_probs") if batch.get("log_probs") else lp.detach()
-        behavior = cat(behavior_key) if batch.get(behavior_key) else None
-        inputs = LossInputs(
-            logprobs=lp,
-            proximal_logprobs=prox,
-            rollout_logprobs=cat("rollout_log_probs"),
-            behavior_logprobs=behavior,
-            advantages=cat("advantages"),
-            loss_mask=cat("loss_masks").bool(),
-            cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(dev),
-        )
+            lps, ents = logprob_fn(logits, args=args, batch=batch), None
+        inputs = _loss_inputs(lps, batch, behavior_key=behavior_key)
         terms = compis_terms(inputs, c)
         pg_loss = sum_of_sample_mean(terms.per_token_loss)
+        extra = _regularizers(args, inputs, batch, ents, entropy_coef, sum_of_sample_mean)
         loss = pg_loss
-        extra: dict[str, torch.Tensor] = {}
-        if entropy_coef != 0.0:
-            assert ents is not None
-            extra["entropy_loss"] = sum_of_sample_mean(torch.cat(ents))
+        if "entropy_loss" in extra:
             loss = loss - entropy_coef * extra["entropy_loss"]
-        if getattr(args, "use_kl_loss", False):
-            kl = kl_penalty(lp, cat("ref_log_probs"), getattr(args, "kl_loss_type", "low_var_kl"))
-            if getattr(args, "use_unbiased_kl", False):
-                kl = kl * safe_log_ratio(lp, prox).exp()
-            extra["kl_loss"] = sum_of_sample_mean(kl)
+        if "kl_loss" in extra:
             loss = loss + float(args.kl_loss_coef) * extra["kl_loss"]
-        if lp.numel() == 0:  # keep the graph connected (slime does the same)
+        if inputs.logprobs.numel() == 0:  # keep the graph connected (slime does the same)
             loss = loss + 0 * logits.sum()
         with torch.no_grad():
             metrics = _metrics(inputs, c, terms.weight, sum_of_sample_mean)
@@ -227,6 +203,55 @@ def make_slime_loss(
         return loss, {k: metrics[k] for k in (*SLIME_METRIC_KEYS, *extra)}
 
     return slime_loss
+
+
+def _cat(batch: dict, key: str, device: torch.device) -> torch.Tensor:
+    """slime's per-sample list `batch[key]`, packed `[N]` on `device`, without grad."""
+    return torch.cat([torch.as_tensor(x).to(device) for x in batch[key]]).detach()
+
+
+def _loss_inputs(lps: Sequence[torch.Tensor], batch: dict, *, behavior_key: str) -> LossInputs:
+    """CompIS inputs from the per-sample response log-probs `lps` (with grad) and slime's
+    batch: proximal = slime's `log_probs` (else the detached current ones), π_j^Meg from
+    `behavior_key` when present, one packed sequence per sample."""
+    lp = torch.cat(lps)
+    dev = lp.device
+    lengths = torch.tensor([int(x.numel()) for x in lps])
+    prox = _cat(batch, "log_probs", dev) if batch.get("log_probs") else lp.detach()
+    behavior = _cat(batch, behavior_key, dev) if batch.get(behavior_key) else None
+    return LossInputs(
+        logprobs=lp,
+        proximal_logprobs=prox,
+        rollout_logprobs=_cat(batch, "rollout_log_probs", dev),
+        behavior_logprobs=behavior,
+        advantages=_cat(batch, "advantages", dev),
+        loss_mask=_cat(batch, "loss_masks", dev).bool(),
+        cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(dev),
+    )
+
+
+def _regularizers(
+    args: Any,
+    inputs: LossInputs,
+    batch: dict,
+    ents: list[torch.Tensor] | None,
+    entropy_coef: float,
+    reduce: Callable,
+) -> dict[str, torch.Tensor]:
+    """slime's optional loss terms, reduced: `entropy_loss` (`--entropy-coef` != 0) and `kl_loss` against the reference (`--use-kl-loss`, importance
+    weighted with `--use-unbiased-kl`)."""
+    extra: dict[str, torch.Tensor] = {}
+    if entropy_coef != 0.0:
+        assert ents is not None
+        extra["entropy_loss"] = reduce(torch.cat(ents))
+    if getattr(args, "use_kl_loss", False):
+        lp = inputs.logprobs
+        ref = _cat(batch, "ref_log_probs", lp.device)
+        kl = kl_penalty(lp, ref, getattr(args, "kl_loss_type", "low_var_kl"))
+        if getattr(args, "use_unbiased_kl", False):
+            kl = kl * safe_log_ratio(lp, inputs.proximal_logprobs).exp()
+        extra["kl_loss"] = reduce(kl)
+    return extra
 
 
 def _metrics(

@@ -223,6 +223,22 @@ class LossInputs:
     (`LossNeeds.reference_logprobs`)."""
 
     def __post_init__(self) -> None:
+        self._check_tensors()
+        if self.cu_seqlens is not None:
+            self._check_packing(self.cu_seqlens)
+        elif self.logprobs.dim() != 2:
+            raise ValueError(
+                f"inputs of shape {tuple(self.logprobs.shape)} need to be padded [B, T], or "
+                f"packed [N] with cu_seqlens."
+            )
+        for name in ("global_num_tokens", "global_num_seqs"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name}={v} must be > 0 (the whole mini-batch's count) or None.")
+
+    def _check_tensors(self) -> None:
+        """Every per-token tensor shaped like `logprobs`; the mask bool; the no-grad inputs
+        without grad; `logprobs` floating point."""
         shape = self.logprobs.shape
         named = {
             "entropy": self.entropy,
@@ -257,35 +273,28 @@ class LossInputs:
                 )
         if not self.logprobs.is_floating_point():
             raise ValueError(f"logprobs must be floating point, got {self.logprobs.dtype}.")
-        if self.cu_seqlens is not None:
-            cu = self.cu_seqlens
-            if self.logprobs.dim() != 1:
-                raise ValueError(
-                    "cu_seqlens is given, so inputs must be packed 1-D [N]; got shape "
-                    f"{tuple(shape)}. Drop cu_seqlens for padded [B, T] inputs."
-                )
-            if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
-                raise ValueError("cu_seqlens must be a 1-D integer tensor [B + 1] starting at 0.")
-            if int(cu[0]) != 0 or int(cu[-1]) > shape[0]:
-                raise ValueError(
-                    f"cu_seqlens must start at 0 and end at <= N={shape[0]}, got "
-                    f"{int(cu[0])}..{int(cu[-1])}."
-                )
-            end = int(cu[-1])
-            if end < shape[0] and bool(self.loss_mask[end:].any()):
-                raise ValueError(
-                    f"loss_mask is True past cu_seqlens[-1]={end} (packing padding); those "
-                    f"positions belong to no sequence: set loss_mask False there."
-                )
-        elif self.logprobs.dim() != 2:
+
+    def _check_packing(self, cu: torch.Tensor) -> None:
+        """Packed inputs: 1-D, `cu` integer offsets from 0 within N, no loss past the end."""
+        shape = self.logprobs.shape
+        if self.logprobs.dim() != 1:
             raise ValueError(
-                f"inputs of shape {tuple(shape)} need to be padded [B, T], or packed [N] with "
-                f"cu_seqlens."
+                "cu_seqlens is given, so inputs must be packed 1-D [N]; got shape "
+                f"{tuple(shape)}. Drop cu_seqlens for padded [B, T] inputs."
             )
-        for name in ("global_num_tokens", "global_num_seqs"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"{name}={v} must be > 0 (the whole mini-batch's count) or None.")
+        if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
+            raise ValueError("cu_seqlens must be a 1-D integer tensor [B + 1] starting at 0.")
+        if int(cu[0]) != 0 or int(cu[-1]) > shape[0]:
+            raise ValueError(
+                f"cu_seqlens must start at 0 and end at <= N={shape[0]}, got "
+                f"{int(cu[0])}..{int(cu[-1])}."
+            )
+        end = int(cu[-1])
+        if end < shape[0] and bool(self.loss_mask[end:].any()):
+            raise ValueError(
+                f"loss_mask is True past cu_seqlens[-1]={end} (packing padding); those "
+                f"positions belong to no sequence: set loss_mask False there."
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

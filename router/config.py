@@ -133,6 +133,15 @@ def load_auth_token(token_file: str | None = None, *, environ: dict | None = Non
 
 def validate_config(cfg: RouterConfig) -> None:
     """Raise `ValueError` with an actionable sentence for any inconsistent setting."""
+    _check_access(cfg)
+    _check_counts(cfg)
+    _check_connections(cfg)
+    for url in cfg.worker_urls:
+        check_worker_url(url)
+
+
+def _check_access(cfg: RouterConfig) -> None:
+    """The policy name, and who may reach the router: host, token and port."""
     if cfg.policy not in POLICY_NAMES:
         raise ValueError(
             f"unknown router policy {cfg.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
@@ -156,6 +165,10 @@ def validate_config(cfg: RouterConfig) -> None:
         raise ValueError(
             f"{_flag('port')} must be in [0, 65535] (0 = any free port), got {cfg.port}"
         )
+
+
+def _check_counts(cfg: RouterConfig) -> None:
+    """Token budgets, health thresholds and retries."""
     if cfg.default_expected_tokens <= 0:
         raise ValueError(
             f"{_flag('default_expected_tokens')} must be > 0 (tokens assumed per request)"
@@ -176,6 +189,11 @@ def validate_config(cfg: RouterConfig) -> None:
         )
     if cfg.max_retries < 0:
         raise ValueError(f"{_flag('max_retries')} must be >= 0 (0 disables retries)")
+
+
+def _check_connections(cfg: RouterConfig) -> None:
+    """How engines and clients are talked to: every interval and timeout a finite number of
+    seconds, the re-admit probe a path, the connection and body limits."""
     for name in (
         "health_interval_s",
         "health_timeout_s",
@@ -197,8 +215,6 @@ def validate_config(cfg: RouterConfig) -> None:
         raise ValueError(f"{_flag('max_connections')} must be >= 0 (0 = unlimited)")
     if cfg.max_body_bytes < 1:
         raise ValueError(f"{_flag('max_body_bytes')} must be >= 1")
-    for url in cfg.worker_urls:
-        check_worker_url(url)
 
 
 def check_worker_url(url: str) -> str:

@@ -80,6 +80,14 @@ def error_response(status: int, message: str, *, err_type: str = "router_error")
     )
 
 
+def _gave_up(e: _Retryable, *, attempts: int, last_error: str) -> web.Response:
+    """The answer once every attempt failed: the engine's own 5xx answer passed through (once),
+    else a 502 naming the last error."""
+    if e.status is not None:
+        return web.Response(status=e.status, body=e.body, content_type="text/plain")
+    return error_response(502, f"all {attempts} attempts failed: {last_error}")
+
+
 def parse_expected_tokens(raw: str | None, default: int) -> int:
     """The request's expected response tokens from its header value, or `default` if absent."""
     if raw is None or raw.strip() == "":
@@ -241,11 +249,9 @@ class Proxy:
         for attempt in range(self.cfg.max_retries + 1):
             candidates = await self._candidates(tried, deadline)
             if not candidates:
-                self.stats.failed += 1
-                return error_response(
-                    503,
+                return self._failed(
                     f"no healthy engine became available within {self.cfg.wait_for_worker_s:g}s "
-                    f"({len(self.registry.all())} registered); last error: {last_error}",
+                    f"({len(self.registry.all())} registered); last error: {last_error}"
                 )
             affine = None
             if session is not None and attempt == 0:
@@ -257,15 +263,12 @@ class Proxy:
                 candidates, expected_tokens, exclude=tried, retry=attempt > 0, group=group
             )
             if w is None:
-                self.stats.failed += 1
-                return error_response(
-                    503, f"no healthy engine for {self.cfg.wait_for_worker_s:g}s while queued"
+                return self._failed(
+                    f"no healthy engine for {self.cfg.wait_for_worker_s:g}s while queued"
                 )
             tried.add(w.id)
             w.total_requests += 1
-            sent = body
-            if self._salt is not None and parsed is not None:
-                sent = salt_body(body, parsed, self._salt())  # the salt when it is bound
+            sent = self._salted(body, parsed)
             if session is not None and attempt == 0:
                 self.affinity.session_requests += 1
                 self.affinity.affine += w is affine
@@ -273,23 +276,36 @@ class Proxy:
                 resp = await self._attempt(request, w, path_qs, sent, headers)
             except _Retryable as e:
                 last_error = f"{w.url}: {e}"
-                w.retries_away += 1
-                self.registry.record_request_failure(w, str(e))
-                self._on_failure(w)
+                self._retried_away(w, e)
                 if attempt < self.cfg.max_retries and len(tried) < MAX_ENGINES_PER_REQUEST:
                     self.stats.retries += 1
                     await asyncio.sleep(min(self.cfg.retry_backoff_s * 2**attempt, 1.0))
                     continue
                 self.stats.failed += 1
-                if e.status is not None:  # pass the engine's own 5xx answer through, once
-                    return web.Response(status=e.status, body=e.body, content_type="text/plain")
-                return error_response(502, f"all {attempt + 1} attempts failed: {last_error}")
+                return _gave_up(e, attempts=attempt + 1, last_error=last_error)
             finally:
                 self.dispatcher.release(w, expected_tokens)
             self.registry.record_request_success(w)
             self.stats.succeeded += 1
             return resp
         raise AssertionError("unreachable: the loop returns on its last attempt")
+
+    def _failed(self, message: str) -> web.Response:
+        """A 503 for a request that found no engine (counted as failed)."""
+        self.stats.failed += 1
+        return error_response(503, message)
+
+    def _salted(self, body: bytes, parsed: Any) -> bytes:
+        """`body` with the cache salt, when one is bound and the body is a parsed /generate."""
+        if self._salt is not None and parsed is not None:
+            return salt_body(body, parsed, self._salt())  # the salt when it is bound
+        return body
+
+    def _retried_away(self, w: Worker, e: _Retryable) -> None:
+        """Count a retryable failure of `w` against it (the request moves on or gives up)."""
+        w.retries_away += 1
+        self.registry.record_request_failure(w, str(e))
+        self._on_failure(w)
 
     async def _attempt(
         self, request: web.Request, w: Worker, path_qs: str, body: bytes, headers: dict

@@ -234,92 +234,7 @@ def build_app(router: Router) -> web.Application:
         [_auth_middleware(cfg.auth_token, everything=off_loopback)] if cfg.auth_token else []
     )
     app = web.Application(middlewares=middlewares, client_max_size=cfg.max_body_bytes)
-    reg = router.registry
-
-    async def liveness(_request: web.Request) -> web.Response:
-        n = len(reg.healthy())
-        return web.json_response({"status": "ok", "healthy_workers": n})
-
-    async def health(_request: web.Request) -> web.Response:
-        """200 only while some engine can serve: a router with none is not healthy."""
-        n = len(reg.healthy())
-        return web.json_response(
-            {"status": "ok" if n else "no_healthy_workers", "healthy_workers": n},
-            status=200 if n else 503,
-        )
-
-    async def readiness(_request: web.Request) -> web.Response:
-        n = len(reg.healthy())
-        return web.json_response(
-            {"status": "ready" if n else "not_ready", "healthy_workers": n},
-            status=200 if n else 503,
-        )
-
-    async def metrics(request: web.Request) -> web.Response:
-        counters, workers = router.router_counters(), reg.all()
-        fmt = request.query.get("format", "")
-        if fmt == "prometheus" or (not fmt and "text/plain" in request.headers.get("Accept", "")):
-            return web.Response(
-                text=metrics_prometheus(router=counters, workers=workers),
-                content_type="text/plain",
-                headers={"X-Content-Type-Version": "0.0.4"},
-            )
-        return web.json_response(metrics_json(router=counters, workers=workers))
-
-    async def list_workers(_request: web.Request) -> web.Response:
-        workers = [w.to_json() for w in reg.all()]
-        stats = {"prefill_count": 0, "decode_count": 0, "regular_count": len(workers)}
-        return web.json_response({"workers": workers, "total": len(workers), "stats": stats})
-
-    async def add_worker(request: web.Request) -> web.Response:
-        try:
-            body = json.loads(await request.read() or b"null")
-            if not isinstance(body, dict) or "url" not in body:
-                raise ValueError('POST /workers needs a JSON body like {"url": "http://h:p"}')
-            if body.get("worker_type", "regular") != "regular":
-                raise ValueError("only worker_type 'regular' is supported (no PD disaggregation)")
-            url = check_worker_url(body["url"])
-            router.check_not_self(url)
-        except (ValueError, UnicodeDecodeError) as e:
-            return error_response(400, str(e), err_type="invalid_request_error")
-        except RecursionError:
-            return error_response(
-                400,
-                'POST /workers body nests JSON too deeply; send {"url": "http://h:p"}',
-                err_type="invalid_request_error",
-            )
-        existed = reg.find_url(url) is not None
-        w = reg.add(url)
-        router.health.poke(w)
-        return web.json_response(
-            {
-                "status": "exists" if existed else "accepted",
-                "worker_id": w.id,
-                "url": w.url,
-                "message": "worker is admitted after its first healthy /health probe",
-            },
-            status=202,
-        )
-
-    async def get_worker(request: web.Request) -> web.Response:
-        w = reg.get(request.match_info["worker_id"])
-        if w is None:
-            return error_response(404, f"no worker with id {request.match_info['worker_id']!r}")
-        return web.json_response(w.to_json())
-
-    async def delete_worker(request: web.Request) -> web.Response:
-        w = reg.remove(request.match_info["worker_id"])
-        if w is None:
-            return error_response(404, f"no worker with id {request.match_info['worker_id']!r}")
-        return web.json_response(
-            {
-                "status": "removed",
-                "worker_id": w.id,
-                "url": w.url,
-                "in_flight": w.outstanding_requests,
-            }
-        )
-
+    routes = _RegistryRoutes(router)
     gen = router.proxy.handle_generate
     app.router.add_post("/generate", gen)
     app.router.add_put("/generate", gen)
@@ -330,15 +245,113 @@ def build_app(router: Router) -> web.Application:
     for path in CONTROL_PATHS:
         app.router.add_post(path, router.control.handle)
     app.router.add_get("/flush_cache", router.control.handle)
-    app.router.add_get("/health", health)
-    app.router.add_get("/liveness", liveness)
-    app.router.add_get("/readiness", readiness)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/workers", list_workers)
-    app.router.add_post("/workers", add_worker)
-    app.router.add_get("/workers/{worker_id}", get_worker)
-    app.router.add_delete("/workers/{worker_id}", delete_worker)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/liveness", routes.liveness)
+    app.router.add_get("/readiness", routes.readiness)
+    app.router.add_get("/metrics", routes.metrics)
+    app.router.add_get("/workers", routes.list_workers)
+    app.router.add_post("/workers", routes.add_worker)
+    app.router.add_get("/workers/{worker_id}", routes.get_worker)
+    app.router.add_delete("/workers/{worker_id}", routes.delete_worker)
     return app
+
+
+def _parse_add_worker(raw: bytes) -> str:
+    """The worker url of a `POST /workers` body; ValueError (UnicodeDecodeError,
+    RecursionError) says what is wrong with it."""
+    body = json.loads(raw or b"null")
+    if not isinstance(body, dict) or "url" not in body:
+        raise ValueError('POST /workers needs a JSON body like {"url": "http://h:p"}')
+    if body.get("worker_type", "regular") != "regular":
+        raise ValueError("only worker_type 'regular' is supported (no PD disaggregation)")
+    return check_worker_url(body["url"])
+
+
+class _RegistryRoutes:
+    """The probes, `/metrics` and the worker-registry routes of one `Router`."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.reg = router.registry
+
+    async def liveness(self, _request: web.Request) -> web.Response:
+        n = len(self.reg.healthy())
+        return web.json_response({"status": "ok", "healthy_workers": n})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        """200 only while some engine can serve: a router with none is not healthy."""
+        n = len(self.reg.healthy())
+        return web.json_response(
+            {"status": "ok" if n else "no_healthy_workers", "healthy_workers": n},
+            status=200 if n else 503,
+        )
+
+    async def readiness(self, _request: web.Request) -> web.Response:
+        n = len(self.reg.healthy())
+        return web.json_response(
+            {"status": "ready" if n else "not_ready", "healthy_workers": n},
+            status=200 if n else 503,
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        counters, workers = self.router.router_counters(), self.reg.all()
+        fmt = request.query.get("format", "")
+        if fmt == "prometheus" or (not fmt and "text/plain" in request.headers.get("Accept", "")):
+            return web.Response(
+                text=metrics_prometheus(router=counters, workers=workers),
+                content_type="text/plain",
+                headers={"X-Content-Type-Version": "0.0.4"},
+            )
+        return web.json_response(metrics_json(router=counters, workers=workers))
+
+    async def list_workers(self, _request: web.Request) -> web.Response:
+        workers = [w.to_json() for w in self.reg.all()]
+        stats = {"prefill_count": 0, "decode_count": 0, "regular_count": len(workers)}
+        return web.json_response({"workers": workers, "total": len(workers), "stats": stats})
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        try:
+            url = _parse_add_worker(await request.read())
+            self.router.check_not_self(url)
+        except (ValueError, UnicodeDecodeError) as e:
+            return error_response(400, str(e), err_type="invalid_request_error")
+        except RecursionError:
+            return error_response(
+                400,
+                'POST /workers body nests JSON too deeply; send {"url": "http://h:p"}',
+                err_type="invalid_request_error",
+            )
+        existed = self.reg.find_url(url) is not None
+        w = self.reg.add(url)
+        self.router.health.poke(w)
+        return web.json_response(
+            {
+                "status": "exists" if existed else "accepted",
+                "worker_id": w.id,
+                "url": w.url,
+                "message": "worker is admitted after its first healthy /health probe",
+            },
+            status=202,
+        )
+
+    async def get_worker(self, request: web.Request) -> web.Response:
+        w = self.reg.get(request.match_info["worker_id"])
+        if w is None:
+            return error_response(404, f"no worker with id {request.match_info['worker_id']!r}")
+        return web.json_response(w.to_json())
+
+    async def delete_worker(self, request: web.Request) -> web.Response:
+        w = self.reg.remove(request.match_info["worker_id"])
+        if w is None:
+            return error_response(404, f"no worker with id {request.match_info['worker_id']!r}")
+        return web.json_response(
+            {
+                "status": "removed",
+                "worker_id": w.id,
+                "url": w.url,
+                "in_flight": w.outstanding_requests,
+            }
+        )
 
 
 class RouterThread:

@@ -1,6 +1,7 @@
 """Real HTTP test engines for the router's tests and benchmarks (no model, real sockets).
 
-Owns: `FakeEngineConfig`, `FakeEngine` (an aiohttp server speaking the SGLang routes the router
+One responsibility, the fake engine the router is tested and benchmarked against. Owns:
+`FakeEngineConfig`, `FakeEngine` (an aiohttp server speaking the SGLang routes the router
 uses, whose service time grows with requested tokens and with concurrency), `EngineProcess`
 (the same engine(s) in a child process that can be SIGKILLed), and `python -m router.testing`.
 Service model, per engine: requests run in lock-step "decode steps"; one step advances every

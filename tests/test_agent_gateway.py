@@ -16,7 +16,8 @@ import torch
 from router import Router, RouterClient, RouterConfig
 from slime_async.contracts.rollout import GenerationRequest, Prompt
 from slime_async.rollout.agents.agent import AgentGenerate
-from slime_async.rollout.agents.gateway import Episode, TrainingGateway, Turn
+from slime_async.rollout.agents.episode import Episode, Turn
+from slime_async.rollout.agents.gateway import TrainingGateway
 from slime_async.rollout.generate.client import GenerateClient, GenerateClientConfig
 
 openai = pytest.importorskip("openai")

@@ -92,9 +92,9 @@ def test_a_resumed_run_is_not_switched_to_bf16():
         load=LoadFacts(path="/ckpt", checkpoint="/ckpt/iter_0000003", version=3),
     )
     args = build_parser().parse_args([*REAL, "--load", "/ckpt"])
-    from slime_async.config.cli import _derive_bf16
-    from slime_async.config.derive import Flags
+    from slime_async.config.rules import Draft, training
 
-    f = Flags(args)
-    _derive_bf16(f, env, embedded=False)
-    assert f.args.bf16 is False and "resumed" in f.derived["--bf16"].why
+    d = Draft.start(args, env)
+    d.embedded = False
+    training.bf16(d)
+    assert d.args.bf16 is False and "resumed" in d.flags.derived["--bf16"].why

@@ -140,36 +140,22 @@ async def test_eval_prompt_data_is_logged_at_step_0_and_every_interval(tmp_path)
 
 
 def test_strict_data_names_file_and_line(tmp_path):
+    from slime_async.rollout.config import RolloutConfig
     from slime_async.rollout.data.datasets import DatasetError
     from slime_async.rollout.data.plan import make_data_plan
 
     hf, data = _hf_dir(tmp_path), _data(tmp_path)
     with pytest.raises(DatasetError, match=rf"{data}:4: "):
         make_data_plan(
+            RolloutConfig(prompt_data=str(data), strict_data=True),
             seed=0,
-            prompt_data=str(data),
             hf_checkpoint=str(hf),
-            input_key="prompt",
-            label_key="label",
-            apply_chat_template=False,
-            strict_data=True,
-            custom_rm_path=None,
-            eval_prompts=0,
         )
 
 
 def test_prompt_data_without_a_tokenizer_dir_is_refused(tmp_path):
+    from slime_async.rollout.config import RolloutConfig
     from slime_async.rollout.data.plan import make_data_plan
 
     with pytest.raises(ValueError, match="--prompt-data needs --hf-checkpoint"):
-        make_data_plan(
-            seed=0,
-            prompt_data=str(_data(tmp_path)),
-            hf_checkpoint=None,
-            input_key="prompt",
-            label_key="label",
-            apply_chat_template=False,
-            strict_data=False,
-            custom_rm_path=None,
-            eval_prompts=0,
-        )
+        make_data_plan(RolloutConfig(prompt_data=str(_data(tmp_path))), seed=0, hf_checkpoint=None)

@@ -69,7 +69,7 @@ def stock_router(engine):
 async def test_what_the_stock_router_drops(engine, stock_router, monkeypatch) -> None:
     """Documented in docs/coming-from-slime.md: the body the engine receives has neither
     `custom_params` nor `return_routed_experts`, and control routes answer 404."""
-    import slime_async.engine.server as server
+    import slime_async.engine.routes_generate as server
 
     seen: list[dict] = []
     real = server.parse_generate

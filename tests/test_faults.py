@@ -141,12 +141,12 @@ def test_kill_9_of_the_whole_run_resumes_without_loss_or_repeat(tmp_path):
 
 
 def test_ledger_rollback_drops_steps_after_the_checkpoint_and_torn_lines(tmp_path):
-    from slime_async.orchestrator.launch import _truncate_ledger
+    from slime_async.orchestrator.ledger import truncate_ledger
 
     path = tmp_path / "trained.jsonl"
     rows = [json.dumps({"step": s, "groups": []}) for s in (1, 2, 3)]
     path.write_text("\n".join(rows) + '\n{"step": 4, "gro')  # killed mid-write
-    _truncate_ledger(path, keep_through=2)
+    truncate_ledger(path, keep_through=2)
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
 
 
@@ -225,10 +225,10 @@ async def test_a_replacement_serves_only_once_it_has_the_fleets_weights(tmp_path
 
 
 def test_the_run_derives_what_replacements_start_on_from_its_versions(tmp_path):
-    """`Run.version` is the one counter; `start_step` is recorded from it, and the pushed
+    """`RunVersions.trainer` is the one counter; `start` is recorded from it, and the pushed
     version and a replacement's start weights derive from the fleet's version: the newest
     directory with the disk transport, the start-up export with the distributed one."""
-    from slime_async.orchestrator.run import Run
+    from slime_async.orchestrator.run import RunVersions
     from slime_async.weights import DiskTransport, DistributedTransport, WeightSyncConfig
 
     first = tmp_path / "weights" / "v000003"
@@ -240,21 +240,27 @@ def test_the_run_derives_what_replacements_start_on_from_its_versions(tmp_path):
         cfg=WeightSyncConfig(),
     )
     for transport, after_push in ((disk, first.parent / "v000005"), (dist, first)):
-        run = Run(
-            cfg=None,
-            trainer=None,
-            cluster=None,
-            worker=None,
-            chain=None,
-            logger=None,  # type: ignore[arg-type]
-            plan=None,
-            supervisor=None,
-            transport=transport,
-            version=3,
-            start_dir=first,
-        )
-        assert (run.start_step, run.fleet_version, run.pushed_version) == (3, 3, -1)
-        assert run.served == (first, 3)
-        run.version = run.fleet_version = 5  # what push_weights(5) leaves after training twice
-        assert run.start_step == 3 and run.pushed_version == 5
-        assert run.served == (after_push, 5 if transport is disk else 3)
+        v = RunVersions(trainer=3, transport=transport, start_dir=first)
+        assert (v.start, v.fleet, v.pushed) == (3, 3, -1)
+        assert v.served() == (first, 3)
+        v.advance(4)
+        v.advance(5)
+        v.fleet = 5  # what push_weights(5) leaves after training twice
+        assert v.start == 3 and v.pushed == 5 and v.current() == v.serving() == 5
+        assert v.served() == (after_push, 5 if transport is disk else 3)
+
+
+def test_the_run_records_only_the_next_version_the_trainer_returns(tmp_path):
+    """A train step returns the trainer's new version; the run records exactly that, and a
+    version that is not the next one (a step lost or counted twice) stops the run loudly."""
+    from slime_async.orchestrator.run import RunVersions
+    from slime_async.weights import DiskTransport
+
+    disk = DiskTransport(tmp_path / "w", trainer=None, control=None)  # type: ignore[arg-type]
+    v = RunVersions(trainer=3, transport=disk, start_dir=tmp_path / "w" / "v000003")
+    v.advance(4)
+    assert v.trainer == v.current() == 4
+    for wrong in (4, 6, 3):
+        with pytest.raises(RuntimeError, match=f"returned version {wrong}.*expected 5"):
+            v.advance(wrong)
+    assert v.trainer == 4  # nothing recorded

@@ -1,4 +1,4 @@
-"""The start-up memory check (`slime_async/config/memory_plan.py`, `config.validate`): parameter counts
+"""The start-up memory check (`slime_async/config/memory_plan.py`, the `memory` rule of `slime_async.config.rules`): parameter counts
 against real models, a derived forward-only role that would not fit becomes `--behavior-forward
 trainer` (logged with the numbers), a run that cannot fit is refused with them, and a user's
 `--behavior-forward role` is never changed."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from slime_async.config import Environment, build_parser, validate
-from slime_async.config.cli import _memory_parts as memory_parts
 from slime_async.config.memory_plan import MEMORY_FRACTION, param_count
+from slime_async.config.rules.memory import memory_parts
 from slime_async.contracts.model import SMOLLM2_135M, TINY_MOE, ModelSpec
 
 pytestmark = pytest.mark.timeout(120)

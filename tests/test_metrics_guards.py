@@ -8,18 +8,22 @@ import random
 
 import pytest
 
+from data_worker.config import DataWorkerConfig, data_worker_config_from_record
+from slime_async.metrics.detectors import (
+    entropy_spike,
+    is_weight_out_of_range,
+    logprob_diff_drift,
+    trend_drop,
+)
 from slime_async.metrics.guards import (
     BASELINE_AFTER_BOUNDS,
     GuardConfig,
     GuardKind,
     GuardMonitor,
-    entropy_spike,
-    is_weight_out_of_range,
-    logprob_diff_drift,
     run_guard_config,
+    saved_run_guard_config,
     scan,
     staleness_fill_steps,
-    trend_drop,
 )
 
 CFG = GuardConfig(persist_steps=1, diff_window=5, is_lower=0.8)
@@ -172,13 +176,33 @@ def test_the_gap_baseline_waits_for_the_staleness_budget_to_fill() -> None:
 
 
 def test_staleness_fill_steps_is_the_staleness_bound() -> None:
-    dw = {"max_staleness": 16, "fifo_window": 4, "groups_per_step": 2, "max_off_policy_steps": None}
+    dw = DataWorkerConfig(max_staleness=16, fifo_window=4, groups_per_step=2)
     assert staleness_fill_steps(dw) == 16 + 2  # S + ceil((W - 1) / B)
-    assert staleness_fill_steps({**dw, "max_off_policy_steps": 5}) == 5
-    assert staleness_fill_steps({**dw, "fifo_window": "inf"}) == 17  # unbounded: S + 1
-    assert staleness_fill_steps({**dw, "max_staleness": 0, "fifo_window": 1}) == 0
+    assert staleness_fill_steps(dataclasses.replace(dw, max_off_policy_steps=5)) == 5
+    unbounded = dataclasses.replace(dw, fifo_window=math.inf)
+    assert staleness_fill_steps(unbounded) == 17  # unbounded: S + 1
+    assert staleness_fill_steps(dataclasses.replace(dw, max_staleness=0, fifo_window=1)) == 0
     with pytest.raises(ValueError, match="diff_baseline_skip"):
         GuardConfig(diff_baseline_skip=-1)
+
+
+def test_a_saved_config_reads_back_with_the_dataclass_defaults() -> None:
+    """A run dir's config.json `data_worker` section (what the report reads): its values, the
+    window as JSON or text; a key an older file lacks takes the `DataWorkerConfig` default, and
+    a key no field has is ignored."""
+    saved = {"max_staleness": 16, "fifo_window": 4, "groups_per_step": 2, "gone_field": 1}
+    dw = data_worker_config_from_record(saved)
+    assert (dw.max_staleness, dw.fifo_window, dw.groups_per_step) == (16, 4, 2)
+    assert dw.max_off_policy_steps is None and dw.max_inflight == DataWorkerConfig().max_inflight
+    assert staleness_fill_steps(dw) == 18
+    for inf in ("inf", math.inf):
+        assert data_worker_config_from_record({**saved, "fifo_window": inf}).fifo_window == math.inf
+    old = data_worker_config_from_record({"max_staleness": 3})
+    assert old.groups_per_step == DataWorkerConfig().groups_per_step
+    assert old.fifo_window == 2 * old.groups_per_step
+    assert run_guard_config(old) == run_guard_config(DataWorkerConfig(max_staleness=3))
+    assert saved_run_guard_config({"data_worker": saved}) == run_guard_config(dw)
+    assert saved_run_guard_config({"num_steps": 3}) == GuardConfig()  # none saved: no skip
 
 
 def test_a_run_takes_its_gap_baseline_once_the_staleness_settled() -> None:
@@ -188,7 +212,7 @@ def test_a_run_takes_its_gap_baseline_once_the_staleness_settled() -> None:
     bound in falls in the refill and reads the settled gap as drift; the run's, two bounds in,
     stays quiet on it and still fires on a real rise."""
     key = "mismatch/train_rollout_logprob_abs_diff"
-    dw = {"max_staleness": 8, "fifo_window": 4, "groups_per_step": 2, "max_off_policy_steps": None}
+    dw = DataWorkerConfig(max_staleness=8, fifo_window=4, groups_per_step=2)
     bound = staleness_fill_steps(dw)
     cfg = run_guard_config(dw)
     assert bound == 10 and cfg.diff_baseline_skip == BASELINE_AFTER_BOUNDS * bound == 20

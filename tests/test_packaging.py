@@ -124,7 +124,7 @@ def test_the_core_imports_and_parses_without_the_extras():
         "from slime_async.config import build_parser\n"
         "build_parser().format_help()\n"
         "try:\n"
-        "    slime_async.metrics.report._need_matplotlib()\n"
+        "    slime_async.metrics.dashboard.need_matplotlib()\n"
         "except ImportError as e:\n"
         "    print(e)\n"
     )

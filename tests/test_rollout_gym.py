@@ -9,6 +9,7 @@ import importlib.util
 
 import pytest
 
+from slime_async.rollout.config import RolloutConfig
 from slime_async.rollout.data.gym import (
     GymPromptSource,
     GymReward,
@@ -121,21 +122,16 @@ def test_the_tasks_own_scorer_is_the_reward(tokenizer, task, fmt, wrap):
 
 def test_data_plan_wires_source_eval_and_reward(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path)
-    cfg = parse_prompt_source(
-        "reasoning_gym:chain_sum", task_settings=EASY_SUM, seed=0, answer_format="response"
-    )
-    plan = make_data_plan(
-        seed=0,
-        prompt_data=None,
-        hf_checkpoint=str(tmp_path),
+    rollout = RolloutConfig(
+        prompt_source="reasoning_gym:chain_sum",
+        reasoning_gym_task=tuple(EASY_SUM),
+        reasoning_gym_answer_format="response",
         input_key="p",
         label_key="l",
-        apply_chat_template=False,
-        strict_data=False,
-        custom_rm_path=None,
         eval_prompts=8,
-        reasoning_gym=cfg,
+        eval_interval=1,
     )
+    plan = make_data_plan(rollout, seed=0, hf_checkpoint=str(tmp_path))
     assert len(plan.eval_prompts) == 8 and plan.eos_id == tokenizer.eos_token_id
     p = plan.source.next_prompt()
     text = tokenizer.decode(p.prompt_ids)

@@ -1,8 +1,8 @@
 """The flags a run is deriving: `Flags` (the parsed namespace plus the values derived so far) and
 `raise_all` (one ValueError for one or several refused flags).
 
-Shared by `slime_async.config` (the cross-component rules) and `slime_async.config.run_paths` (the
-rules about what a run starts from and writes). A flag the user set is never changed here: `fill`
+Shared by `slime_async.config.rules` (the named rules that derive a run) and
+`slime_async.config.run_paths` (the rules about what a run starts from and writes). A flag the user set is never changed here: `fill`
 only sets an unset one, and every derived value is recorded with its reason. Imports only
 `slime_async.config.run_config`.
 """
@@ -24,6 +24,14 @@ class Flags:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = argparse.Namespace(**vars(args))  # the caller's namespace stays as given
         self.derived: dict[str, Derived] = {}
+        self.filled: set[str] = set()
+        """The flags `fill` set (the user left them unset)."""
+
+    def copy(self) -> Flags:
+        """An independent copy: deriving on it leaves this one as it is."""
+        other = Flags(self.args)
+        other.derived, other.filled = dict(self.derived), set(self.filled)
+        return other
 
     def unset(self, dest: str) -> bool:
         return getattr(self.args, dest) is None
@@ -32,7 +40,15 @@ class Flags:
         """Set an unset flag to `value` and record why."""
         assert self.unset(dest), dest
         setattr(self.args, dest, value)
+        self.filled.add(dest)
         self.note(dest, value, why)
+
+    def forget(self, dest: str) -> None:
+        """Undo a `fill`, so that a rule run again derives the flag again: the flag unset, its
+        record kept in its place (the new record replaces it there). A flag the user set stays."""
+        if dest in self.filled:
+            setattr(self.args, dest, None)
+            self.filled.discard(dest)
 
     def note(self, dest: str, value: Any, why: str) -> None:
         """Record the value a component resolved for an unset flag (as it would be typed)."""

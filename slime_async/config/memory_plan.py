@@ -2,9 +2,9 @@
 
 Owns `param_count` (a `ModelSpec`'s parameters), `role_bytes` (per role: the parts it holds ×
 the model's bytes) and `fits` (the total against `MEMORY_FRACTION` of the node's memory).
-`slime_async.config.validate` uses them to derive `--behavior-forward trainer` when the
-forward-only role would not fit but the snapshots in the trainer would, or to refuse a
-configuration that cannot fit, with the numbers, before anything starts (instead of Ray's
+The `memory` rule (`slime_async.config.rules.memory`) uses them to derive
+`--behavior-forward trainer` when the forward-only role would not fit but the snapshots in the
+trainer would, or to refuse a configuration that cannot fit, with the numbers, before anything starts (instead of Ray's
 memory monitor killing a role mid-run). Pure functions; imports only the model contract.
 
 What each role holds, per parameter (N parameters; activations, KV caches and Python itself

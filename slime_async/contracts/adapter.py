@@ -1,12 +1,15 @@
 """LoRA adapter contract: the shape a run's adapters have, and the PEFT directory that carries one.
 
-Owns `LoraSpec` (rank, alpha, dropout, target projections), the PEFT/SGLang module names
-(`PEFT_MODULES`, `parse_targets`), PEFT's state-dict keys and shapes of a model's adapters
+Owns `LoraSpec` (rank, alpha, dropout, target projections) and `lora_spec` (the run's spec,
+built from the trainer config and checked against the model: the one place both happen), the
+PEFT/SGLang module names (`PEFT_MODULES`, `parse_targets`), the MoE rule (`NO_EXPERT_ADAPTERS`,
+`expert_targets`: routed experts take no adapter), PEFT's state-dict keys and shapes of a model's adapters
 (`peft_name`, `peft_shapes`), the PEFT directory (`adapter_config.json` +
 `adapter_model.safetensors`, written atomically with a sha256 beside it: `write_peft_dir`;
 read without unpickling anything: `read_peft_dir`) and the check every receiver runs before an
 adapter serves (`check_adapter`: names, shapes, rank, finite values). The trainer writes what
-the engines read; both import it from here.
+the engines read; both import it from here. Imports torch only inside the functions that move
+tensors, so the config wing and torch-free config modules may import the names and the spec.
 """
 
 from __future__ import annotations
@@ -18,15 +21,19 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from slime_async.contracts.model import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may target, as PEFT and SGLang name them."""
 ATTENTION_MODULES = PEFT_MODULES[:4]
+"""The attention projections: on an MoE model the only ones an adapter may target."""
+NO_EXPERT_ADAPTERS = "this model's MLPs are routed experts, which take no adapter"
+"""The MoE rule (`expert_targets`), as every refusal of it says."""
 ADAPTER_NAME = "policy"
 """The name a LoRA run's engines serve its adapter under (every request's `lora_path`)."""
 CONFIG_FILE = "adapter_config.json"
@@ -114,6 +121,31 @@ class LoraSpec:
         )
 
 
+def expert_targets(targets: tuple[str, ...], model: ModelSpec) -> tuple[str, ...]:
+    """The `targets` the MoE rule refuses on `model`: its MLP projections when they are routed
+    experts (`NO_EXPERT_ADAPTERS`); none on a dense model."""
+    if not model.is_moe:
+        return ()
+    return tuple(t for t in targets if t not in ATTENTION_MODULES)
+
+
+def lora_spec(cfg: Any, model: ModelSpec) -> LoraSpec | None:
+    """The run's `LoraSpec` from its trainer config (`lora_rank`, `lora_alpha`, `lora_dropout`,
+    `lora_target_modules`; None when `lora_rank` is 0), checked against the model: routed
+    experts take no adapter (ValueError naming the fix)."""
+    if not cfg.lora_rank:
+        return None
+    targets = tuple(cfg.lora_target_modules)
+    if bad := expert_targets(targets, model):
+        raise ValueError(
+            f"--lora-target-modules {' '.join(bad)}: {NO_EXPERT_ADAPTERS}; use "
+            f"--lora-target-modules {' '.join(ATTENTION_MODULES)}"
+        )
+    return LoraSpec(
+        rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=targets
+    )
+
+
 def peft_name(layer: int, module: str, which: str) -> str:
     """PEFT's state-dict key of one adapter matrix (`which`: 'A' or 'B')."""
     part = "self_attn" if module in ATTENTION_MODULES else "mlp"
@@ -160,13 +192,15 @@ def check_adapter(
     """Refuse an adapter that does not fit `spec` (ValueError naming the first problems):
     a rank above `max_rank`, targets outside `targets`, missing/unexpected keys, wrong shapes,
     non-floating or non-finite values."""
+    import torch
+
     problems = []
     if max_rank is not None and lora.rank > max_rank:
         problems.append(f"rank {lora.rank} exceeds the engine's max LoRA rank {max_rank}")
     if targets is not None and (extra := set(lora.targets) - set(targets)):
         problems.append(f"targets {sorted(extra)} outside the engine's {list(targets)}")
-    if lora.targets and any(m not in ATTENTION_MODULES for m in lora.targets) and spec.is_moe:
-        problems.append("MLP targets on a model whose MLPs are routed experts")
+    if bad := expert_targets(lora.targets, spec):
+        problems.append(f"targets {list(bad)}: {NO_EXPERT_ADAPTERS}")
     want = peft_shapes(spec, lora)
     missing = sorted(set(want) - set(tensors))
     unexpected = sorted(set(tensors) - set(want))
@@ -204,6 +238,7 @@ def write_peft_dir(
 ) -> Path:
     """Write a PEFT adapter directory at `path` atomically (a temp dir renamed into place), the
     version in the safetensors metadata and the weights' sha256 beside them; returns the path."""
+    import torch
     from safetensors.torch import save_file
 
     from slime_async.host import file_sha256

@@ -4,14 +4,16 @@ Owns `HFWeights` (what the trainer exports and every transport moves: HF-named f
 version `v` plus the `ModelSpec` they fit), `WeightManifest` (names, dtypes and shapes of a
 version's tensors, in a fixed order: what a receiver checks before it swaps anything in, and
 the order in which a distributed transport sends the tensors), `WeightTransport` (what the run
-needs from a weight transport; the transports live in `slime_async.weights`) and
-`version_dir_name` (the name of a version's exported HF directory). Versions are integers here
+needs from a weight transport; the transports live in `slime_async.weights`), `Payload` (what
+a transport moves: the full weights or the LoRA adapter alone) and `version_dir_name` (the
+name of a version's exported HF directory). Versions are integers here
 and strings on the wire (`weight_version`, SGLang's convention).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -19,6 +21,16 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from slime_async.contracts.model import ModelSpec
+
+
+class Payload(enum.StrEnum):
+    """What one push moves from the trainer to the engines."""
+
+    FULL = "full"
+    """Every weight of the policy (the engines serve exactly the trainer's model)."""
+    ADAPTER = "adapter"
+    """The LoRA adapter alone: the engines serve the frozen base they started on (the
+    trainer's start-up export) and the pushed adapter over it (docs/lora.md)."""
 
 
 def version_dir_name(version: int) -> str:
@@ -117,6 +129,12 @@ class WeightTransport(Protocol):
     update, continue) and reports engines it could not reach instead of raising.
     """
 
+    payload: ClassVar[Payload]
+    """What each push moves: the full weights, or the adapter over the engines' frozen base."""
+    shared_filesystem: ClassVar[bool]
+    """True: versions travel as files under the run directory that every engine reads (a
+    filesystem the engines share). False: the transport hands the engines the tensors, so with
+    the full payload engines need not start on the trainer's export (`load` sends it)."""
     writes_directories: ClassVar[bool]
     """True: each pushed version becomes an HF directory (`directory(version)`) on a filesystem
     the engines share, which replacement engines start on. False: versions go straight to the

@@ -138,33 +138,11 @@ def prefill(
     pos = (real.long().cumsum(dim=1) - 1).clamp(min=0) + torch.tensor(plen)[:, None]
     causal = torch.ones(p, p, dtype=torch.bool).tril()
     allowed = (causal[None] & real[:, None, :]) | torch.eye(p, dtype=torch.bool)[None]
-    lp = max(plen)
-    if lp:
+    if max(plen):
         assert past is not None
-        past_real = torch.zeros(n, lp, dtype=torch.bool)
-        for i, c in enumerate(plen):
-            past_real[i, lp - c :] = True
-        some = next(x for x in past if x is not None)
-        layers = []
-        for layer in range(len(some)):
-            ks, vs = [], []
-            ref = some[layer][0]
-            for kv in past:
-                if kv is None:
-                    shape = (ref.shape[0], lp, ref.shape[2])
-                    ks.append(ref.new_zeros(shape))
-                    vs.append(ref.new_zeros(shape))
-                else:
-                    ks.append(_left_pad(kv[layer][0], lp, 1))
-                    vs.append(_left_pad(kv[layer][1], lp, 1))
-            layers.append((torch.stack(ks), torch.stack(vs)))
-        cache = DynamicCache(ddp_cache_data=layers)
-        # a padded query row sees only itself; a real one its past and its own causal prefix
-        allowed = torch.cat([past_real[:, None, :] & real[:, :, None], allowed], dim=2)
-        mask = torch.cat([past_real, real], dim=1)
+        cache, allowed, mask = _with_past(past, plen, real, allowed)
     else:
-        cache = DynamicCache()
-        mask = real
+        cache, mask = DynamicCache(), real
     decoder, head = _heads(lm)
     with _forward(lm, tokens=n * p, capture=capture):
         h = decoder(
@@ -189,6 +167,38 @@ def prefill(
         prompt_logits=prompt_logits,
         routed=routed,
     )
+
+
+def _with_past(
+    past: list[list[tuple[torch.Tensor, torch.Tensor]] | None],
+    plen: list[int],
+    real: torch.Tensor,
+    allowed: torch.Tensor,
+) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    """(cache holding each row's past KV left-padded to the longest, attention rule with the
+    past columns in front, mask of real columns) for a prefill over cached prefixes."""
+    n, lp = len(plen), max(plen)
+    past_real = torch.zeros(n, lp, dtype=torch.bool)
+    for i, c in enumerate(plen):
+        past_real[i, lp - c :] = True
+    some = next(x for x in past if x is not None)
+    layers = []
+    for layer in range(len(some)):
+        ks, vs = [], []
+        ref = some[layer][0]
+        for kv in past:
+            if kv is None:
+                shape = (ref.shape[0], lp, ref.shape[2])
+                ks.append(ref.new_zeros(shape))
+                vs.append(ref.new_zeros(shape))
+            else:
+                ks.append(_left_pad(kv[layer][0], lp, 1))
+                vs.append(_left_pad(kv[layer][1], lp, 1))
+        layers.append((torch.stack(ks), torch.stack(vs)))
+    cache = DynamicCache(ddp_cache_data=layers)
+    # a padded query row sees only itself; a real one its past and its own causal prefix
+    allowed = torch.cat([past_real[:, None, :] & real[:, :, None], allowed], dim=2)
+    return cache, allowed, torch.cat([past_real, real], dim=1)
 
 
 def row_kv(kv: KVBatch, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -16,9 +16,8 @@ from typing import Any, Literal, get_args
 
 from clifields import add_flags, check_ranges, flag, flag_name, from_args
 from router.config import is_loopback
+from slime_async.contracts.adapter import PEFT_MODULES
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""`slime_async.contracts.adapter.PEFT_MODULES` (this module imports no torch)."""
 Dtype = Literal["bf16", "fp32"]
 PrefixCachePolicy = Literal["flush", "salt"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -103,19 +102,7 @@ class EngineConfig:
     /unload_lora_adapter and `lora_path` on /generate (docs/lora.md)."""
     max_lora_rank: int = flag(64, ge=1)
     """Largest adapter rank /load_lora_adapter accepts (SGLang's --max-lora-rank)."""
-    lora_target_modules: tuple[str, ...] = flag(
-        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-        choices=(
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-            "all",
-        ),
-    )
+    lora_target_modules: tuple[str, ...] = flag(PEFT_MODULES, choices=(*PEFT_MODULES, "all"))
     """Projections an adapter may target (SGLang's --lora-target-modules; 'all': every one)."""
     max_loaded_loras: int = flag(4, ge=1)
     """Most adapters loaded at once (SGLang's --max-loaded-loras)."""
@@ -143,7 +130,7 @@ class EngineConfig:
                 f"health_generate_timeout_s must be > 0, got {self.health_generate_timeout_s}"
             )
         if "all" in self.lora_target_modules:
-            object.__setattr__(self, "lora_target_modules", LORA_MODULES)
+            object.__setattr__(self, "lora_target_modules", PEFT_MODULES)
         if not self.auth_token and not is_loopback(self.host):
             raise ValueError(
                 f"the engine would listen on {self.host!r}, off loopback, without a token: "

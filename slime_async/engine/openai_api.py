@@ -35,17 +35,13 @@ from slime_async.contracts.chat import (
     request_tools,
 )
 from slime_async.engine.engine import Engine, EngineState
+from slime_async.engine.http_common import client_gone, error
 from slime_async.engine.protocol import parse_generate, response_item
 from slime_async.engine.sampling import RequestError
 from slime_async.engine.sequence import Sequence, wait_done
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
 """Generation routes whose bodies may be as large as `/generate`'s."""
-
-
-def _err(message: str, status: int = 400) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "code": status}}
-    return web.json_response(body, status=status)
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -106,13 +102,13 @@ async def _run(
     req = parse_generate(body, tokenizer=eng.lm.tokenizer, limits=eng.limits)
     async with eng.model_lock.reader():
         seqs = eng.submit(req)
-        if not await wait_done(seqs, lambda: _client_gone(request)):
+        if not await wait_done(seqs, lambda: client_gone(request)):
             eng.abort_seqs(seqs, "client disconnected")
             return web.Response(status=499)
     for s in seqs:
         code = (s.finish_reason or {}).get("status_code")
         if code is not None and code >= 400:
-            return _err(s.finish_reason["message"], status=code)  # type: ignore[index]
+            return error(s.finish_reason["message"], status=code)  # type: ignore[index]
     return seqs
 
 
@@ -130,9 +126,38 @@ def _metadata(seqs: list[Sequence]) -> dict[str, Any]:
     }
 
 
+def _chat_choice(i: int, s: Sequence, tok: Any, *, tools: bool, logprobs: bool) -> dict[str, Any]:
+    """OpenAI's `choices[i]` of one finished sample: the message (with `tool_calls` parsed
+    out when the request named tools), `logprobs.content` when asked, `finish_reason`."""
+    text = response_item(s, tokenizer=tok)["text"]
+    content, calls = parse_tool_calls(text) if tools else (text, [])
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = calls
+    lp = None
+    if logprobs:
+        lp = {
+            "content": [
+                {
+                    "token": tok.decode([t]),
+                    "logprob": v,
+                    "bytes": list(tok.decode([t]).encode()),
+                    "top_logprobs": [],
+                }
+                for t, v in zip(s.output, s.output_logprobs)
+            ]
+        }
+    return {
+        "index": i,
+        "message": msg,
+        "logprobs": lp,
+        "finish_reason": _finish(s, tool_calls=bool(calls)),
+    }
+
+
 async def chat_completions(eng: Engine, request: web.Request) -> web.StreamResponse:
     if eng.state is not EngineState.SERVING:
-        return _err("engine is not serving (starting or shutting down)", status=503)
+        return error("engine is not serving (starting or shutting down)", status=503)
     assert eng.lm is not None
     tok = eng.lm.tokenizer
     try:
@@ -148,38 +173,13 @@ async def chat_completions(eng: Engine, request: web.Request) -> web.StreamRespo
         stream = body.get("stream") or False
         got = await _run(request, eng, [ids], sp)
     except (RequestError, ChatError) as e:
-        return _err(str(e))
+        return error(str(e))
     if isinstance(got, web.Response):
         return got
     seqs = got
-    choices = []
-    for i, s in enumerate(seqs):
-        text = response_item(s, tokenizer=tok)["text"]
-        content, calls = parse_tool_calls(text) if tools else (text, [])
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            msg["tool_calls"] = calls
-        lp = None
-        if want_lp:
-            lp = {
-                "content": [
-                    {
-                        "token": tok.decode([t]),
-                        "logprob": v,
-                        "bytes": list(tok.decode([t]).encode()),
-                        "top_logprobs": [],
-                    }
-                    for t, v in zip(s.output, s.output_logprobs)
-                ]
-            }
-        choices.append(
-            {
-                "index": i,
-                "message": msg,
-                "logprobs": lp,
-                "finish_reason": _finish(s, tool_calls=bool(calls)),
-            }
-        )
+    choices = [
+        _chat_choice(i, s, tok, tools=bool(tools), logprobs=want_lp) for i, s in enumerate(seqs)
+    ]
     out = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -241,7 +241,7 @@ def _prompts(prompt: Any, tok: Any) -> list[list[int]]:
 
 async def completions(eng: Engine, request: web.Request) -> web.StreamResponse:
     if eng.state is not EngineState.SERVING:
-        return _err("engine is not serving (starting or shutting down)", status=503)
+        return error("engine is not serving (starting or shutting down)", status=503)
     assert eng.lm is not None
     tok = eng.lm.tokenizer
     try:
@@ -257,7 +257,7 @@ async def completions(eng: Engine, request: web.Request) -> web.StreamResponse:
             raise RequestError(str(e)) from None
         got = await _run(request, eng, prompts, sampling_from_openai(body))
     except RequestError as e:
-        return _err(str(e))
+        return error(str(e))
     if isinstance(got, web.Response):
         return got
     choices = []
@@ -308,8 +308,3 @@ def add_openai_routes(app: web.Application, engine: Engine) -> None:
     app.router.add_post("/v1/chat/completions", functools.partial(chat_completions, engine))
     app.router.add_post("/v1/completions", functools.partial(completions, engine))
     app.router.add_get("/v1/models", functools.partial(models, engine))
-
-
-def _client_gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()

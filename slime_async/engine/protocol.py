@@ -180,6 +180,49 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
     """Validate a `/generate` JSON body; raises `RequestError` (-> HTTP 400) naming the problem."""
     if not isinstance(body, dict):
         raise RequestError("the /generate body must be a JSON object")
+    prompts, is_batch = _prompts(body, tokenizer=tokenizer, limits=limits)
+    n_in = len(prompts)
+    sps = _sampling_per_input(body, prompts, limits)
+    rlp = _per_item(body, "return_logprob", n_in, False)
+    lsl = _per_item(body, "logprob_start_len", n_in, -1)
+    rre = _per_item(body, "return_routed_experts", n_in, limits.routed_experts_by_default)
+    rsl = _per_item(body, "routed_experts_start_len", n_in, 0)
+    loras = [_lora_name(v, limits) for v in _per_item(body, "lora_path", n_in, None)]
+    eks = _per_item(body, "extra_key", n_in, None)
+    if not all(k is None or isinstance(k, str) for k in eks):
+        raise RequestError("extra_key must be a string (or a list of strings, one per input)")
+    rtl = _flag(body.get("return_text_in_logprobs") or False, "return_text_in_logprobs")
+    stream = _flag(body.get("stream") or False, "stream")
+    rids, base = _request_ids(body.get("rid"), n_in)
+    items: list[GenerateItem] = []
+    for i, prompt in enumerate(prompts):
+        p = sps[i]
+        start, want_re, rstart = _offsets(prompt, lsl[i], rre[i], rsl[i], limits)
+        group = str(rids[i] if rids is not None else base)
+        for j in range(p.n):
+            seed = None if p.sampling_seed is None else p.sampling_seed + j
+            items.append(
+                GenerateItem(
+                    rid=_item_rid(group, listed=rids is not None, i=i, j=j, n_in=n_in, n=p.n),
+                    group_rid=group,
+                    prompt=list(prompt),
+                    params=dataclasses.replace(p, sampling_seed=seed, n=1),
+                    return_logprob=_flag(rlp[i], "return_logprob"),
+                    logprob_start_len=start,
+                    return_text_in_logprobs=rtl,
+                    return_routed_experts=want_re,
+                    routed_start=rstart,
+                    lora=loras[i],
+                    extra_key=eks[i],
+                )
+            )
+    return GenerateRequest(items=items, batch=is_batch or len(items) > 1, stream=stream)
+
+
+def _prompts(
+    body: dict[str, Any], *, tokenizer: Any, limits: ModelLimits
+) -> tuple[list[list[int]], bool]:
+    """(the prompts' token ids, whether the body is a batch) from `input_ids` or `text`."""
     has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
     if has_ids == has_text:
         raise RequestError("send exactly one of `input_ids` or `text`")
@@ -193,23 +236,27 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
             _check_ids(p, limits, f"input_ids[{i}]" if is_batch else "input_ids")
             for i, p in enumerate(raw if is_batch else [raw])
         ]
-    else:
-        raw = body["text"]
-        is_batch = isinstance(raw, list)
-        texts = raw if is_batch else [raw]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise RequestError("text must be a string or a non-empty list of strings")
-        try:
-            ids = [tokenizer.encode(t) for t in texts]
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        prompts = [_check_ids(p, limits, "text (tokenized)") for p in ids]
+        return prompts, is_batch
+    raw = body["text"]
+    is_batch = isinstance(raw, list)
+    texts = raw if is_batch else [raw]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise RequestError("text must be a string or a non-empty list of strings")
+    try:
+        ids = [tokenizer.encode(t) for t in texts]
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    return [_check_ids(p, limits, "text (tokenized)") for p in ids], is_batch
+
+
+def _sampling_per_input(
+    body: dict[str, Any], prompts: list[list[int]], limits: ModelLimits
+) -> list[SamplingParams]:
+    """Each input's checked `sampling_params`, fitted to the context length (`_fit_context`)."""
     n_in = len(prompts)
-    sps = [
-        parse_sampling_params(d, vocab_size=limits.vocab_size)
-        for d in _per_item(body, "sampling_params", n_in, None)
-    ]
-    sps = [
+    raws = _per_item(body, "sampling_params", n_in, None)
+    sps = [parse_sampling_params(d, vocab_size=limits.vocab_size) for d in raws]
+    return [
         _fit_context(
             prompts[i],
             p,
@@ -217,68 +264,51 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
             limits,
             where=f"input {i}" if n_in > 1 else "the request",
         )
-        for i, (p, raw) in enumerate(zip(sps, _per_item(body, "sampling_params", n_in, None)))
+        for i, (p, raw) in enumerate(zip(sps, raws))
     ]
-    rlp = _per_item(body, "return_logprob", n_in, False)
-    lsl = _per_item(body, "logprob_start_len", n_in, -1)
-    rre = _per_item(body, "return_routed_experts", n_in, limits.routed_experts_by_default)
-    rsl = _per_item(body, "routed_experts_start_len", n_in, 0)
-    loras = [_lora_name(v, limits) for v in _per_item(body, "lora_path", n_in, None)]
-    eks = _per_item(body, "extra_key", n_in, None)
-    if not all(k is None or isinstance(k, str) for k in eks):
-        raise RequestError("extra_key must be a string (or a list of strings, one per input)")
-    rtl = _flag(body.get("return_text_in_logprobs") or False, "return_text_in_logprobs")
-    stream = _flag(body.get("stream") or False, "stream")
-    rid = body.get("rid")
+
+
+def _request_ids(rid: Any, n_in: int) -> tuple[list[Any] | None, str]:
+    """(`rid` as a list with one entry per input, or None; the request's base rid)."""
     rids = rid if isinstance(rid, list) else None
     if rids is not None and len(rids) != n_in:
         raise RequestError(f"rid is a list of {len(rids)} entries but the batch has {n_in} inputs")
     base = rid if isinstance(rid, str) else uuid.uuid4().hex
     if rid is not None and not isinstance(rid, str | list):
         raise RequestError("rid must be a string or a list of strings")
-    items: list[GenerateItem] = []
-    for i, prompt in enumerate(prompts):
-        p = sps[i]
-        start = _int(lsl[i], "logprob_start_len")
-        if not -1 <= start <= len(prompt):
-            raise RequestError(
-                f"logprob_start_len={start} is outside [-1, {len(prompt)}] (prompt length)"
-            )
-        want_re = _flag(rre[i], "return_routed_experts")
-        rstart = _int(rsl[i], "routed_experts_start_len")
-        if want_re and not (limits.moe and limits.routed_experts_enabled):
-            raise RequestError(
-                "return_routed_experts needs an MoE model and an engine started with routed "
-                "experts enabled (--disable-return-routed-experts not set)"
-            )
-        if not 0 <= rstart <= len(prompt):
-            raise RequestError(
-                f"routed_experts_start_len={rstart} is outside [0, {len(prompt)}] (prompt length)"
-            )
-        for j in range(p.n):
-            seed = None if p.sampling_seed is None else p.sampling_seed + j
-            single = n_in == 1 and p.n == 1
-            item_rid = (
-                (rids[i] if rids is not None else base if single else f"{base}_{i}")
-                if p.n == 1
-                else f"{rids[i] if rids is not None else base}_{j}"
-            )
-            items.append(
-                GenerateItem(
-                    rid=str(item_rid),
-                    group_rid=str(rids[i] if rids is not None else base),
-                    prompt=list(prompt),
-                    params=dataclasses.replace(p, sampling_seed=seed, n=1),
-                    return_logprob=_flag(rlp[i], "return_logprob"),
-                    logprob_start_len=start,
-                    return_text_in_logprobs=rtl,
-                    return_routed_experts=want_re,
-                    routed_start=rstart,
-                    lora=loras[i],
-                    extra_key=eks[i],
-                )
-            )
-    return GenerateRequest(items=items, batch=is_batch or len(items) > 1, stream=stream)
+    return rids, base
+
+
+def _item_rid(group: str, *, listed: bool, i: int, j: int, n_in: int, n: int) -> str:
+    """Sample `j` of input `i`: `group` itself when it names one sample (a listed rid, or a
+    single input), else `group_i` (inputs of one rid) or `group_j` (samples of one input)."""
+    if n > 1:
+        return f"{group}_{j}"
+    return group if listed or n_in == 1 else f"{group}_{i}"
+
+
+def _offsets(
+    prompt: list[int], lsl: Any, rre: Any, rsl: Any, limits: ModelLimits
+) -> tuple[int, bool, int]:
+    """(`logprob_start_len`, `return_routed_experts`, `routed_experts_start_len`) of one input,
+    checked against its prompt and the engine."""
+    start = _int(lsl, "logprob_start_len")
+    if not -1 <= start <= len(prompt):
+        raise RequestError(
+            f"logprob_start_len={start} is outside [-1, {len(prompt)}] (prompt length)"
+        )
+    want_re = _flag(rre, "return_routed_experts")
+    rstart = _int(rsl, "routed_experts_start_len")
+    if want_re and not (limits.moe and limits.routed_experts_enabled):
+        raise RequestError(
+            "return_routed_experts needs an MoE model and an engine started with routed "
+            "experts enabled (--disable-return-routed-experts not set)"
+        )
+    if not 0 <= rstart <= len(prompt):
+        raise RequestError(
+            f"routed_experts_start_len={rstart} is outside [0, {len(prompt)}] (prompt length)"
+        )
+    return start, want_re, rstart
 
 
 # ---------------------------------------------------------------------------- responses

@@ -113,6 +113,30 @@ def parse_sampling_params(d: Any, *, vocab_size: int | None = None) -> SamplingP
         return SamplingParams()
     if not isinstance(d, dict):
         raise RequestError(f"sampling_params must be an object, got {type(d).__name__}")
+    _check_keys(d)
+    stop, sti = _stops(d, vocab_size)
+    p = SamplingParams(
+        max_new_tokens=_num(d, "max_new_tokens", int, 128),
+        temperature=_num(d, "temperature", float, 1.0),
+        top_p=_num(d, "top_p", float, 1.0),
+        top_k=_num(d, "top_k", int, -1),
+        min_p=_num(d, "min_p", float, 0.0),
+        min_new_tokens=_num(d, "min_new_tokens", int, 0),
+        stop=stop,
+        stop_token_ids=sti,
+        ignore_eos=_num(d, "ignore_eos", bool, False),
+        no_stop_trim=_num(d, "no_stop_trim", bool, False),
+        n=_num(d, "n", int, 1),
+        sampling_seed=_num(d, "sampling_seed", int, None),
+        skip_special_tokens=_num(d, "skip_special_tokens", bool, True),
+    )
+    _check_ranges(p, d)
+    return p
+
+
+def _check_keys(d: dict[str, Any]) -> None:
+    """Unknown keys, and the unimplemented ones at anything but their neutral value, are
+    refused; `_FREE_OBJECTS` must be objects."""
     known = {f.name for f in dataclasses.fields(SamplingParams)} | set(_NEUTRAL) | set(_IGNORED)
     known |= set(_FREE_OBJECTS)
     unknown = sorted(set(d) - known)
@@ -132,6 +156,10 @@ def parse_sampling_params(d: Any, *, vocab_size: int | None = None) -> SamplingP
             raise RequestError(
                 f"sampling_params.{key} must be a JSON object, got {type(d[key]).__name__}"
             )
+
+
+def _stops(d: dict[str, Any], vocab_size: int | None) -> tuple[tuple[str, ...], frozenset[int]]:
+    """(`stop` strings, `stop_token_ids`), checked (ids inside the vocabulary when known)."""
     stop = d.get("stop") or ()
     if isinstance(stop, str):
         stop = (stop,)
@@ -149,21 +177,11 @@ def parse_sampling_params(d: Any, *, vocab_size: int | None = None) -> SamplingP
             f"sampling_params.stop_token_ids holds {bad[0]!r}, outside the vocabulary; token ids "
             f"must be integers in [0, {vocab_size})"
         )
-    p = SamplingParams(
-        max_new_tokens=_num(d, "max_new_tokens", int, 128),
-        temperature=_num(d, "temperature", float, 1.0),
-        top_p=_num(d, "top_p", float, 1.0),
-        top_k=_num(d, "top_k", int, -1),
-        min_p=_num(d, "min_p", float, 0.0),
-        min_new_tokens=_num(d, "min_new_tokens", int, 0),
-        stop=tuple(stop),
-        stop_token_ids=frozenset(sti),
-        ignore_eos=_num(d, "ignore_eos", bool, False),
-        no_stop_trim=_num(d, "no_stop_trim", bool, False),
-        n=_num(d, "n", int, 1),
-        sampling_seed=_num(d, "sampling_seed", int, None),
-        skip_special_tokens=_num(d, "skip_special_tokens", bool, True),
-    )
+    return tuple(stop), frozenset(sti)
+
+
+def _check_ranges(p: SamplingParams, d: dict[str, Any]) -> None:
+    """Each value inside the range the sampler (and torch's generator seed) can take."""
     if p.max_new_tokens < 0:
         raise RequestError(f"sampling_params.max_new_tokens must be >= 0, got {p.max_new_tokens}")
     for key in ("temperature", "top_p", "min_p"):
@@ -188,7 +206,6 @@ def parse_sampling_params(d: Any, *, vocab_size: int | None = None) -> SamplingP
             f"sampling_params.sampling_seed must be in [0, 2^64 - n] (n = {p.n} samples use "
             f"seeds seed..seed+n-1), got {p.sampling_seed}"
         )
-    return p
 
 
 def _filter(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -5,6 +5,9 @@ Owns: `Scheduler` — the FIFO waiting queue, the running batch and its `KVBatch
 (prefill newcomers, then one decode step for every running row; finished rows leave before the
 next step), aborts, pause/continue (abort / in_place / retract) and exclusive access for weight
 swaps. Torch work runs in a single worker thread; all `Sequence` state changes on the loop thread.
+One responsibility over 400 lines, on purpose: the batch state (queue, prefilling and running
+rows, their KV, the prefix-cache epoch) has a single owner, and every change to it (loop-thread
+bookkeeping, worker-thread jobs) reads as one class.
 
 Worked example (max_running_requests=2): A and B arrive -> step 1 prefills A,B and decodes both;
 C arrives while step 1 runs and waits; A finishes at step 3 and leaves; step 4 prefills C and

@@ -3,9 +3,9 @@
 Public surface: `MetricsLogger` / `MetricsConfig` (logger.py), `LoggingConfig` (config.py: the
 wandb and TensorBoard flags), `GuardConfig` / `GuardWarning` /
 `GuardMonitor` / `scan` (guards.py), `read_metrics` (history.py). The PNG report lives in
-`slime_async.metrics.report`; the stability lab's analysis and outputs are the repository's `lab/`
-package (not installed), which this package must never import. This package never imports the
-trainer, engine, rollout or controller.
+`slime_async.metrics.report` (the dashboard panels in `dashboard.py`); the stability lab's
+analysis and outputs are the repository's `lab/` package (not installed), which this package
+must never import. This package never imports the trainer, engine, rollout or controller.
 """
 
 from __future__ import annotations

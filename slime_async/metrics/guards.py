@@ -1,9 +1,12 @@
-"""Divergence guards: pure checks over the metric history that return warnings.
+"""Divergence guards: checks over the metric history that return warnings.
 
-Owns: `GuardConfig`, `GuardKind`, `GuardWarning`, the four detectors (pure functions on float
-sequences), `check_step` (all guards at one step), `scan` (every step, for the report) and
-`GuardMonitor` (the live, de-duplicating wrapper the metric logger uses). The thresholds and
-their rationale are in ``metrics/README.md``. Imports nothing from slime_async.
+One responsibility, the guards themselves (their pure detectors are `detectors.py`'s). Owns
+`GuardConfig` (the thresholds, their one set of defaults; `run_guard_config` fits it to a
+run's typed `DataWorkerConfig`, `saved_run_guard_config` to the one a run saved in its
+config.json), `GuardKind`, `GuardWarning`, `check_step` (all guards at one step), `scan` (every
+step, for the report) and `GuardMonitor` (the live, de-duplicating wrapper the metric logger
+uses). The thresholds and their rationale are in ``metrics/README.md``. Imports nothing from
+slime_async but this package (and the `data_worker` leaf's config and staleness bound).
 
 Non-finite values (NaN, inf, missing) are ignored by every detector: a guard fires on evidence,
 never on absence of data.
@@ -14,9 +17,19 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from slime_async.metrics.detectors import (
+    entropy_spike,
+    finite,
+    is_weight_out_of_range,
+    logprob_diff_drift,
+    trend_drop,
+)
+
+if TYPE_CHECKING:
+    from data_worker.config import DataWorkerConfig
 
 IS_SOURCES = ("staleness", "engine", "combined")
 """Sources whose IS weight mean `is/<source>/mean` is range-checked by default."""
@@ -113,87 +126,19 @@ class GuardWarning:
     """A sentence for the console."""
 
 
-# ---------------------------------------------------------------------------- detectors
-def _finite(values: Sequence[Any]) -> list[float]:
-    out = []
-    for v in values:
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            out.append(float(v))
-    return out
-
-
-def entropy_spike(
-    values: Sequence[Any], *, window: int, factor: float, min_delta: float
-) -> tuple[float, float] | None:
-    """(current, threshold) if the last value spikes above the trailing median, else None."""
-    if not values:
-        return None
-    cur = values[-1]
-    prev = _finite(values[:-1])[-window:]
-    if not _finite([cur]) or len(prev) < min(window, 3):
-        return None
-    ref = statistics.median(prev)
-    threshold = max(ref * factor, ref + min_delta)
-    return (float(cur), threshold) if cur > threshold else None
-
-
-def logprob_diff_drift(
-    baseline: Sequence[Any], recent: Sequence[Any], *, factor: float, min_abs: float
-) -> tuple[float, float] | None:
-    """(recent mean, threshold) if the mismatch drifted above its early baseline, else None.
-
-    ``baseline`` holds the run's first values, ``recent`` the last few (no overlap).
-    """
-    base, xs = _finite(baseline), _finite(recent)
-    if not base or len(xs) < max(1, len(recent) // 2):
-        return None
-    ref = statistics.median(base)
-    mean = sum(xs) / len(xs)
-    threshold = max(ref * factor, min_abs)
-    return (mean, threshold) if mean > threshold else None
-
-
-def is_weight_out_of_range(mean: Any, *, lower: float, upper: float) -> tuple[float, float] | None:
-    """(mean, violated bound) if an IS weight mean left [lower, upper], else None."""
-    if not _finite([mean]):
-        return None
-    if mean < lower:
-        return float(mean), lower
-    if mean > upper:
-        return float(mean), upper
-    return None
-
-
-def trend_drop(
-    values: Sequence[Any], *, window: int, min_drop: float
-) -> tuple[float, float] | None:
-    """(fitted fall over the window, min_drop) if the least-squares line falls that much."""
-    xs = _finite(values)[-window:]
-    if len(xs) < window:
-        return None
-    n = len(xs)
-    mx = (n - 1) / 2
-    my = sum(xs) / n
-    slope = sum((i - mx) * (y - my) for i, y in enumerate(xs)) / sum(
-        (i - mx) ** 2 for i in range(n)
-    )
-    drop = -slope * (n - 1)
-    return (drop, min_drop) if drop > min_drop else None
-
-
-def staleness_fill_steps(data_worker: Mapping[str, Any]) -> int:
+def staleness_fill_steps(data_worker: DataWorkerConfig) -> int:
     """`GuardConfig.diff_baseline_skip` for a run: its staleness bound
     (`data_worker.budget.staleness_bound`: `S + ceil((W - 1) / B)` capped by
-    `max_off_policy_steps`, for any push interval), from the data worker's settings as
-    config.json holds them; `S + 1` when the window is unbounded and nothing caps it."""
+    `max_off_policy_steps`, for any push interval) from its data worker's settings; `S + 1`
+    when the window is unbounded and nothing caps it."""
     from data_worker.budget import staleness_bound
 
-    s = int(data_worker.get("max_staleness", 0))
+    s = data_worker.max_staleness
     bound = staleness_bound(
         max_staleness=s,
-        fifo_window=float(data_worker.get("fifo_window", 1)),
-        groups_per_step=int(data_worker.get("groups_per_step", 1)),
-        max_off_policy_steps=data_worker.get("max_off_policy_steps"),
+        fifo_window=data_worker.fifo_window,
+        groups_per_step=data_worker.groups_per_step,
+        max_off_policy_steps=data_worker.max_off_policy_steps,
     )
     return int(bound) if math.isfinite(bound) else s + 1
 
@@ -206,10 +151,27 @@ A baseline taken in that refill is too low, and the steady gap read as drift (th
 calibration, docs/stability.md#divergence-guards)."""
 
 
-def run_guard_config(data_worker: Mapping[str, Any]) -> GuardConfig:
+def run_guard_config(data_worker: DataWorkerConfig) -> GuardConfig:
     """The guards a run applies: the defaults, with the gap baseline taken once its staleness
     settled: `BASELINE_AFTER_BOUNDS` x `staleness_fill_steps` of its data-worker settings."""
     return GuardConfig(diff_baseline_skip=BASELINE_AFTER_BOUNDS * staleness_fill_steps(data_worker))
+
+
+def saved_data_worker(config: Mapping[str, Any]) -> DataWorkerConfig | None:
+    """The data worker's settings in a run's saved config.json (its `data_worker` section read
+    back by `data_worker_config_from_record`: a field an older file lacks takes the dataclass
+    default); None when the file holds no such section."""
+    from data_worker.config import data_worker_config_from_record
+
+    section = config.get("data_worker")
+    return None if section is None else data_worker_config_from_record(section)
+
+
+def saved_run_guard_config(config: Mapping[str, Any]) -> GuardConfig:
+    """The guards a run applied, from its saved config.json: `run_guard_config` of its data
+    worker's settings; the thresholds alone (no gap baseline skipped) when it saved none."""
+    dw = saved_data_worker(config)
+    return GuardConfig() if dw is None else run_guard_config(dw)
 
 
 # ---------------------------------------------------------------------------- composition
@@ -224,7 +186,7 @@ def early_values(
     history has fewer)."""
     out: list[float] = []
     for rec in history[skip:]:
-        out.extend(_finite([rec.get(key)]))
+        out.extend(finite([rec.get(key)]))
         if len(out) >= n:
             break
     return out[:n]
@@ -246,89 +208,128 @@ def check_step(
     if not history:
         return []
     step = int(history[-1].get("step", len(history) - 1))
-    out: list[GuardWarning] = []
-    if history[-1].get(cfg.entropy_key) is not None:
-        hit = entropy_spike(
-            _series(history[-(cfg.entropy_window + 1) :], cfg.entropy_key),
-            window=cfg.entropy_window,
-            factor=cfg.entropy_factor,
-            min_delta=cfg.entropy_min_delta,
+    total = len(history) if num_records is None else num_records
+    out = [
+        _entropy_warning(history, cfg, step),
+        _diff_warning(history, cfg, step, diff_baseline=diff_baseline, total=total),
+        *_is_warnings(history[-1], cfg, step),
+        _trend_warning(history, cfg, step),
+    ]
+    return [w for w in out if w is not None]
+
+
+def _warning(
+    kind: GuardKind, step: int, key: str, hit: tuple[float, float], message: str
+) -> GuardWarning:
+    return GuardWarning(
+        kind=kind, step=step, key=key, value=hit[0], threshold=hit[1], message=message
+    )
+
+
+def _entropy_warning(
+    history: Sequence[Mapping[str, Any]], cfg: GuardConfig, step: int
+) -> GuardWarning | None:
+    """`entropy_spike` at the last record, if its entropy is logged."""
+    if history[-1].get(cfg.entropy_key) is None:
+        return None
+    hit = entropy_spike(
+        _series(history[-(cfg.entropy_window + 1) :], cfg.entropy_key),
+        window=cfg.entropy_window,
+        factor=cfg.entropy_factor,
+        min_delta=cfg.entropy_min_delta,
+    )
+    if not hit:
+        return None
+    return _warning(
+        GuardKind.ENTROPY_SPIKE,
+        step,
+        cfg.entropy_key,
+        hit,
+        f"entropy spiked to {hit[0]:.3g} (threshold {hit[1]:.3g} from the "
+        f"trailing {cfg.entropy_window}-step median)",
+    )
+
+
+def _diff_warning(
+    history: Sequence[Mapping[str, Any]],
+    cfg: GuardConfig,
+    step: int,
+    *,
+    diff_baseline: Sequence[float] | None,
+    total: int,
+) -> GuardWarning | None:
+    """`logprob_diff_drift` at the last record, once a full baseline and a full window of
+    ``total`` records (the run's count) lie behind it."""
+    if history[-1].get(cfg.diff_key) is None:
+        return None
+    if diff_baseline is None:
+        diff_baseline = early_values(
+            history, cfg.diff_key, cfg.diff_baseline_steps, skip=cfg.diff_baseline_skip
         )
-        if hit:
-            out.append(
-                GuardWarning(
-                    kind=GuardKind.ENTROPY_SPIKE,
-                    step=step,
-                    key=cfg.entropy_key,
-                    value=hit[0],
-                    threshold=hit[1],
-                    message=f"entropy spiked to {hit[0]:.3g} (threshold {hit[1]:.3g} from the "
-                    f"trailing {cfg.entropy_window}-step median)",
-                )
-            )
-    if history[-1].get(cfg.diff_key) is not None:
-        if diff_baseline is None:
-            diff_baseline = early_values(
-                history, cfg.diff_key, cfg.diff_baseline_steps, skip=cfg.diff_baseline_skip
-            )
-        n_base = len(diff_baseline)
-        hit = None
-        total = len(history) if num_records is None else num_records
-        if n_base == cfg.diff_baseline_steps and total >= (
-            cfg.diff_baseline_skip + n_base + cfg.diff_window
-        ):
-            hit = logprob_diff_drift(
-                diff_baseline,
-                _series(history[-cfg.diff_window :], cfg.diff_key),
-                factor=cfg.diff_factor,
-                min_abs=cfg.diff_min,
-            )
-        if hit:
-            out.append(
-                GuardWarning(
-                    kind=GuardKind.LOGPROB_DIFF_DRIFT,
-                    step=step,
-                    key=cfg.diff_key,
-                    value=hit[0],
-                    threshold=hit[1],
-                    message=f"train/rollout log-prob diff drifted to {hit[0]:.3g}, above "
-                    f"{hit[1]:.3g} ({cfg.diff_factor:g}x its early baseline)",
-                )
-            )
+    n_base = len(diff_baseline)
+    if n_base != cfg.diff_baseline_steps or total < (
+        cfg.diff_baseline_skip + n_base + cfg.diff_window
+    ):
+        return None
+    hit = logprob_diff_drift(
+        diff_baseline,
+        _series(history[-cfg.diff_window :], cfg.diff_key),
+        factor=cfg.diff_factor,
+        min_abs=cfg.diff_min,
+    )
+    if not hit:
+        return None
+    return _warning(
+        GuardKind.LOGPROB_DIFF_DRIFT,
+        step,
+        cfg.diff_key,
+        hit,
+        f"train/rollout log-prob diff drifted to {hit[0]:.3g}, above "
+        f"{hit[1]:.3g} ({cfg.diff_factor:g}x its early baseline)",
+    )
+
+
+def _is_warnings(record: Mapping[str, Any], cfg: GuardConfig, step: int) -> list[GuardWarning]:
+    """`is_weight_out_of_range` of each IS source's weight mean in ``record``."""
+    out = []
     for source in cfg.is_sources:
         key = f"is/{source}/mean"
-        hit = is_weight_out_of_range(history[-1].get(key), lower=cfg.is_lower, upper=cfg.is_upper)
+        hit = is_weight_out_of_range(record.get(key), lower=cfg.is_lower, upper=cfg.is_upper)
         if hit:
             out.append(
-                GuardWarning(
-                    kind=GuardKind.IS_WEIGHT_RANGE,
-                    step=step,
-                    key=key,
-                    value=hit[0],
-                    threshold=hit[1],
-                    message=f"{source} IS weight mean {hit[0]:.3g} left "
+                _warning(
+                    GuardKind.IS_WEIGHT_RANGE,
+                    step,
+                    key,
+                    hit,
+                    f"{source} IS weight mean {hit[0]:.3g} left "
                     f"[{cfg.is_lower:g}, {cfg.is_upper:g}]",
                 )
             )
-    if history[-1].get(cfg.trend_key) is not None:
-        hit = trend_drop(
-            _series(history[-cfg.trend_window :], cfg.trend_key),
-            window=cfg.trend_window,
-            min_drop=cfg.trend_min_drop,
-        )
-        if hit:
-            out.append(
-                GuardWarning(
-                    kind=GuardKind.ROLLOUT_LOGPROB_TREND,
-                    step=step,
-                    key=cfg.trend_key,
-                    value=hit[0],
-                    threshold=hit[1],
-                    message=f"rollout log-prob fell {hit[0]:.3g} nats/token over the last "
-                    f"{cfg.trend_window} steps (threshold {hit[1]:g})",
-                )
-            )
     return out
+
+
+def _trend_warning(
+    history: Sequence[Mapping[str, Any]], cfg: GuardConfig, step: int
+) -> GuardWarning | None:
+    """`trend_drop` over the last `trend_window` records, if the last logs the trend key."""
+    if history[-1].get(cfg.trend_key) is None:
+        return None
+    hit = trend_drop(
+        _series(history[-cfg.trend_window :], cfg.trend_key),
+        window=cfg.trend_window,
+        min_drop=cfg.trend_min_drop,
+    )
+    if not hit:
+        return None
+    return _warning(
+        GuardKind.ROLLOUT_LOGPROB_TREND,
+        step,
+        cfg.trend_key,
+        hit,
+        f"rollout log-prob fell {hit[0]:.3g} nats/token over the last "
+        f"{cfg.trend_window} steps (threshold {hit[1]:g})",
+    )
 
 
 def _tail_len(cfg: GuardConfig) -> int:
@@ -343,7 +344,7 @@ def scan(history: Sequence[Mapping[str, Any]], cfg: GuardConfig) -> list[GuardWa
     streak: dict[tuple[GuardKind, str], int] = {}
     for i, rec in enumerate(history):
         if i >= cfg.diff_baseline_skip and len(base) < cfg.diff_baseline_steps:
-            base.extend(_finite([rec.get(cfg.diff_key)]))
+            base.extend(finite([rec.get(cfg.diff_key)]))
         window = history[max(0, i + 1 - tail) : i + 1]
         fired = check_step(window, cfg, diff_baseline=list(base), num_records=i + 1)
         streak = _streaks(streak, fired)
@@ -393,7 +394,7 @@ class GuardMonitor:
         self.history.append(dict(record))
         self._count += 1
         if self._count > cfg.diff_baseline_skip and len(self._baseline) < cfg.diff_baseline_steps:
-            self._baseline.extend(_finite([record.get(cfg.diff_key)]))
+            self._baseline.extend(finite([record.get(cfg.diff_key)]))
         self.history = self.history[-_tail_len(cfg) :]  # all any guard reads
         fired = check_step(
             self.history, cfg, diff_baseline=list(self._baseline), num_records=self._count

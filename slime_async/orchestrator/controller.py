@@ -35,7 +35,6 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
         if cfg.rollout.eval_interval and run.start_step == 0:  # the baseline: the initial weights
             eval_task = asyncio.create_task(run.evaluate(step=0))
         for step in range(run.start_step, cfg.num_steps):
-            k = run.version  # trainer version = optimizer updates so far
             t0 = time.perf_counter()
             batch = await run.next_batch(cfg.rollout.groups_per_step)
             if not batch.groups:
@@ -44,9 +43,8 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
             t1 = time.perf_counter()
             batch = await run.score(batch)  # whole-group rewards (slime's --group-rm)
             data = assemble(batch, estimator=cfg.rollout.advantage_estimator)
-            train_metrics = await asyncio.to_thread(run.trainer.train_step, data.batch)
-            run.version = k + 1
-            run.record_trained(run.version, batch)
+            trained = await asyncio.to_thread(run.trainer.train_step, data.batch)
+            run.record_step(trained.version, batch)  # the trainer's new version, checked
             t2 = time.perf_counter()
 
             sync: dict[str, float] = {}
@@ -62,7 +60,7 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
                 await run.save(run.version)
 
             last = {
-                **train_metrics,
+                **trained.metrics,
                 **data.metrics,
                 **run.worker.metrics(),
                 **sync,

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any
 
 from slime_async.config.run_config import RunConfig
-from slime_async.contracts.adapter import ADAPTER_NAME
 from slime_async.rollout.agents.agent import AgentGenerate, load_agent_function
 from slime_async.rollout.agents.custom_generate import (
     CustomGenerate,
@@ -90,12 +89,14 @@ def build_generate_chain(
     plan: DataPlan,
     behavior: Forward | None = None,
     served_version: Callable[[], int] = lambda: 0,
+    lora_name: str | None = None,
 ) -> GenerateChain:
     """The run's chain against the router at `router_url`: sampling settings from
     `cfg.rollout`, routed experts when the trainer replays the engines' routing, the reward
     function, EOS and decoder of `plan`, `behavior` (the forward-only role's `logprobs`) when
     π_j^Meg is computed there, and `served_version()` (what a custom function's context
-    reports as the version it generates with)."""
+    reports as the version it generates with); `lora_name`: the adapter every request asks
+    for, when pushes move a LoRA adapter."""
     r = cfg.rollout
     train_cfg = GenerateClientConfig(
         url=router_url,
@@ -107,7 +108,7 @@ def build_generate_chain(
         stop=r.stop,
         stop_token_ids=(plan.eos_id, *r.stop_token_ids),
         auth_token=cfg.engine.auth_token,
-        lora_name=ADAPTER_NAME if cfg.trainer.lora_rank else None,
+        lora_name=lora_name,
     )
     eval_cfg = dataclasses.replace(
         train_cfg,

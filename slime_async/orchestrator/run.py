@@ -1,7 +1,9 @@
 """The live run: what the step loop (`controller.train`) calls between and around steps.
 
 Owns `Run` (weight push and the replacement engines' catch-up, the next batch, evaluation,
-checkpoint, timing, the prompt ledger, logging, shutdown).
+checkpoint, timing, each trained step's record, logging, shutdown), `RunVersions` (the
+trainer's, the start's and the fleet's versions, and what a replacement starts on) and
+`write_roles`.
 `slime_async.orchestrator.launch.setup_run` builds a `Run`; nothing here starts a role.
 """
 
@@ -26,9 +28,11 @@ from slime_async.contracts.weights import WeightTransport
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.stability import mean_and_se
 from slime_async.orchestrator.generate_chain import GenerateChain
+from slime_async.orchestrator.ledger import ledger_path, record_trained
 from slime_async.orchestrator.placement import Placement
 from slime_async.orchestrator.roles import Cluster
 from slime_async.orchestrator.supervisor import EnginesDownError, EngineSupervisor
+from slime_async.orchestrator.transport import feed_role
 from slime_async.rollout.data.plan import DataPlan
 from slime_async.rollout.generate.assemble import ScoredGenerate
 from slime_async.trainer.actor import TrainerGroup
@@ -39,8 +43,69 @@ CLOSE_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(kw_only=True)
+class RunVersions:
+    """The versions a run holds, and the weights a replacement engine starts on.
+
+    Example (resumed at step 3, the disk transport, one step per push)::
+
+        v = RunVersions(trainer=3, transport=disk, start_dir=run_dir / "weights/v000003")
+        v.advance(4)          # the version the trainer's train step returned: must be 4
+        v.fleet = 4           # pushed: v.served() == (run_dir / "weights/v000004", 4)
+    """
+
+    trainer: int
+    """The trainer's version (optimizer updates so far), the one version the run holds: read
+    from the trainer at start-up, then the version each train step returns (`advance`). The
+    versions below are recorded from it or derived."""
+    transport: WeightTransport
+    start_dir: Path
+    """The trainer's export at start-up (version `start`), which the engines started on."""
+    start: int = dataclasses.field(init=False)
+    """`trainer` at start-up (the checkpoint's step on resume, else 0): this run's first step."""
+    fleet: int = dataclasses.field(init=False)
+    """The version the engines in the router serve: `start`, then each version pushed."""
+
+    def __post_init__(self) -> None:
+        self.start = self.fleet = self.trainer
+
+    def current(self) -> int:
+        """The trainer's version (what a custom generate function's context reports)."""
+        return self.trainer
+
+    def serving(self) -> int:
+        """The version the admitted engines serve."""
+        return self.fleet
+
+    def advance(self, version: int) -> None:
+        """Record `version`, which the trainer's train step returned; anything but the next
+        version means the trainer and the run disagree about what was trained: stop."""
+        if version != self.trainer + 1:
+            raise RuntimeError(
+                f"the trainer's train step returned version {version}, but the run holds "
+                f"version {self.trainer} and expected {self.trainer + 1}; the trainer and the "
+                "run disagree about the steps trained, so nothing more is recorded"
+            )
+        self.trainer = version
+
+    @property
+    def pushed(self) -> int:
+        """The last version pushed to the engines (-1: none yet; a push only ever sends a
+        version trained in this run, so a fleet past `start` has had one)."""
+        return self.fleet if self.fleet != self.start else -1
+
+    def served(self) -> tuple[Path, int]:
+        """(directory, version) a replacement engine starts on: the fleet's version where the
+        transport writes directories; otherwise the start-up export, and the distributed
+        transport brings the replacement up to date at the next push (`Cluster.pending`)."""
+        if self.transport.writes_directories and self.pushed >= 0:
+            return self.transport.directory(self.fleet), self.fleet
+        return self.start_dir, self.start
+
+
+@dataclasses.dataclass(kw_only=True)
 class Run:
-    """Live state of one run (the controller reads and advances `version`, calls the methods)."""
+    """Live state of one run (the controller calls the methods; `versions` holds the
+    versions)."""
 
     cfg: RunConfig
     trainer: TrainerGroup
@@ -48,45 +113,44 @@ class Run:
     worker: RolloutDataWorker
     chain: GenerateChain
     """What the data worker calls to generate and score a sample (`slime_async.orchestrator.generate_chain`)."""
-    transport: WeightTransport
     logger: MetricsLogger
     plan: DataPlan
     supervisor: EngineSupervisor
-    version: int
-    """The trainer's version (optimizer updates so far), the one version the run holds: read
-    from the trainer at start-up, advanced by the controller after each train step as the
-    trainer actor advances its own count. The versions below are recorded from it or derived."""
-    start_dir: Path
-    """The trainer's export at start-up (version `start_step`), which the engines started on."""
+    versions: RunVersions
     behavior_role: Any = None
     """The forward-only role computing π_j^Meg (`--behavior-forward role`), or None."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
     placement: Placement | None = None
     """The reserved bundles (given back at close)."""
-    start_step: int = dataclasses.field(init=False)
-    """`version` at start-up (the checkpoint's step on resume, else 0): this run's first step."""
-    fleet_version: int = dataclasses.field(init=False)
-    """The version the engines in the router serve: `start_step`, then each version pushed."""
     _logged_once: bool = False
     _rollout_idle_mark: float = 0.0
 
-    def __post_init__(self) -> None:
-        self.start_step = self.fleet_version = self.version
+    @property
+    def transport(self) -> WeightTransport:
+        return self.versions.transport
+
+    @property
+    def version(self) -> int:
+        """The trainer's version (`RunVersions.trainer`)."""
+        return self.versions.trainer
+
+    @property
+    def start_step(self) -> int:
+        return self.versions.start
+
+    @property
+    def fleet_version(self) -> int:
+        return self.versions.fleet
 
     @property
     def pushed_version(self) -> int:
-        """The last version pushed to the engines (-1: none yet; a push only ever sends a
-        version trained in this run, so a fleet past `start_step` has had one)."""
-        return self.fleet_version if self.fleet_version != self.start_step else -1
+        return self.versions.pushed
 
-    @property
-    def served(self) -> tuple[Path, int]:
-        """(directory, version) a replacement engine starts on: the fleet's version where the
-        transport writes directories; otherwise the start-up export, and the distributed
-        transport brings the replacement up to date at the next push (`Cluster.pending`)."""
-        if self.transport.writes_directories and self.pushed_version >= 0:
-            return self.transport.directory(self.fleet_version), self.fleet_version
-        return self.start_dir, self.start_step
+    def record_step(self, version: int, batch: Any) -> None:
+        """Step `version` trained on `batch`: the version the trainer returned (checked to be
+        the next one) and the prompt ledger's line."""
+        self.versions.advance(version)
+        record_trained(ledger_path(self.cfg.run_dir), version, batch)
 
     async def push_weights(self, version: int) -> dict[str, float]:
         """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
@@ -101,7 +165,7 @@ class Run:
                 await self.cluster.control.continue_generation()
                 await self.worker.resume()
         self.worker.set_served_version(version)
-        self.fleet_version = version
+        self.versions.fleet = version
         await self._admit_caught_up(version)
         return metrics
 
@@ -132,18 +196,8 @@ class Run:
             await self.push_weights(self.version)
 
     async def _feed_role(self, version: int) -> None:
-        """Give the forward-only role `version`'s weights (with LoRA its adapter) before any
-        engine serves it. A disk transport hands over the directory it writes (`on_written`,
-        the adapter directory under LoRA); any other transport has
-        no such directory, so the trainer's in-memory export goes to the role through Ray's
-        object store (the trainer pays the export, no file write; the role loads it in order)."""
-        role = self.behavior_role
-        if role is None or self.transport.on_written is not None:
-            return
-        if self.cfg.trainer.lora_rank:  # LoRA: the adapter alone (the role holds the base)
-            role.add_version(version, await self.trainer.export_adapter_ref())
-        else:
-            role.add_version(version, await self.trainer.export_weights_ref())
+        """The forward-only role's copy of `version` (`transport.feed_role`)."""
+        await feed_role(self.behavior_role, self.transport, self.trainer, version)
 
     async def score(self, batch: Batch) -> Batch:
         """Rewards that need a whole group (slime's `--group-rm`); a no-op otherwise."""
@@ -171,18 +225,8 @@ class Run:
                 f.cancel()
 
     async def write_roles(self) -> None:
-        """`run_dir/roles.json`: live pids (driver, engines) for operators and chaos tests; an
-        engine's pid is null where the run does not own its process (external backend)."""
-        roles = {
-            "driver_pid": os.getpid(),
-            "engine_backend": self.cfg.engines.backend,
-            "engine_pids": self.cluster.engine_pids,
-            "engine_urls": self.cluster.engine_urls,
-            "router_url": self.cluster.router_url,
-        }
-        tmp = self.cfg.run_dir / "roles.json.tmp"
-        tmp.write_text(json.dumps(roles))
-        os.replace(tmp, self.cfg.run_dir / "roles.json")
+        """`run_dir/roles.json` (`write_roles`)."""
+        await write_roles(self.cfg, self.cluster)
 
     async def _record_served_versions(self) -> None:
         """`run_dir/served_versions.json`: the version each engine serves at the end (the last
@@ -290,18 +334,6 @@ class Run:
             self._logged_once = True
         self.logger.log(step, metrics)
 
-    def record_trained(self, step: int, batch: Any) -> None:
-        """Append which prompt groups step `step` trained on (the prompt ledger)."""
-        row = {
-            "step": step,
-            "version": batch.current_version,
-            "groups": [[g.prompt.key, g.seq, g.min_version] for g in batch.groups],
-            "dropped": batch.dropped,
-            "filtered": batch.filtered,
-        }
-        with open(self.cfg.run_dir / "trained.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-
     async def close(self) -> None:
         try:
             await self.worker.stop()
@@ -321,6 +353,21 @@ class Run:
         if self.placement is not None:
             self.placement.remove()
         self.logger.close()
+
+
+async def write_roles(cfg: RunConfig, cluster: Cluster) -> None:
+    """`run_dir/roles.json`: live pids (driver, engines) for operators and chaos tests; an
+    engine's pid is null where the run does not own its process (external backend)."""
+    roles = {
+        "driver_pid": os.getpid(),
+        "engine_backend": cfg.engines.backend,
+        "engine_pids": cluster.engine_pids,
+        "engine_urls": cluster.engine_urls,
+        "router_url": cluster.router_url,
+    }
+    tmp = cfg.run_dir / "roles.json.tmp"
+    tmp.write_text(json.dumps(roles))
+    os.replace(tmp, cfg.run_dir / "roles.json")
 
 
 def _eval_metrics(prefix: str, rewards: list[float]) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Thin Ray wrapper around `MegatronTrainer`: one actor per trainer rank, plus a group handle.
 
-Owns: `TrainerActor` (a `@ray.remote` class with fractional `num_cpus`, so a 2-core node can
+Owns: `TrainStep` (what a train step returns: the new version and the metrics), `TrainerActor` (a `@ray.remote` class with fractional `num_cpus`, so a 2-core node can
 schedule trainer, engine, router and data-worker actors together) and `TrainerGroup`, which
 starts `world_size` actors on one rendezvous port and fans every call out to all ranks (they
 run collectives together), returning rank 0's answer. `TrainerGroup` is also the sender of the
@@ -12,6 +12,7 @@ controller, engine, rollout, weights or data-worker parts of `slime_async`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +29,16 @@ from slime_async.trainer.parallel import free_port
 
 DEFAULT_NUM_CPUS = 0.25
 """Logical CPUs per trainer actor (fractional: see docs/cpu.md, Ray actors on a small node)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainStep:
+    """What one train step of the trainer group returns."""
+
+    version: int
+    """The trainer's version after the step (optimizer updates so far): what the run records."""
+    metrics: dict[str, float]
+    """Rank 0's namespaced metrics of the step."""
 
 
 class _TrainerActorImpl:
@@ -70,8 +81,10 @@ class _TrainerActorImpl:
         lp, ent = self.trainer.compute_logprobs(batch, version)
         return lp.numpy(), ent.numpy()
 
-    def train_step(self, batch: TrainerBatch) -> dict[str, float]:
-        return self.trainer.train_step(batch)
+    def train_step(self, batch: TrainerBatch) -> tuple[int, dict[str, float]]:
+        """One optimizer update; returns (the new version, metrics)."""
+        metrics = self.trainer.train_step(batch)
+        return self.trainer.version, metrics
 
     def snapshot(self) -> int:
         return self.trainer.snapshot()
@@ -183,7 +196,7 @@ class TrainerGroup:
     Example::
 
         group = TrainerGroup(TrainerConfig(), TINY_MOE, world_size=2)
-        metrics = group.train_step(batch)     # all ranks step; rank 0's metrics
+        step = group.train_step(batch)        # all ranks step: step.version, rank 0's metrics
         group.save_weights("/tmp/w_v1")
     """
 
@@ -278,9 +291,18 @@ class TrainerGroup:
         ref = ray.put(batch)
         return self._all("compute_logprobs", ref, version)[0]
 
-    def train_step(self, batch: TrainerBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainerBatch) -> TrainStep:
+        """One optimizer update on every rank: the version it made (every rank's; ranks that
+        disagree raise) and rank 0's metrics."""
         ref = ray.put(batch)
-        return self._all("train_step", ref)[0]
+        results = self._all("train_step", ref)
+        versions = [int(v) for v, _ in results]
+        if len(set(versions)) != 1:
+            raise RuntimeError(
+                f"trainer ranks disagree about the version after a train step: {versions}; "
+                "the trainer group is out of step"
+            )
+        return TrainStep(version=versions[0], metrics=results[0][1])
 
     def snapshot(self) -> int:
         return int(self._all("snapshot")[0])

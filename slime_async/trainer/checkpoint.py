@@ -1,7 +1,8 @@
 """Atomic, guarded training checkpoints (save / find latest / load with resume guards).
 
-Owns: the checkpoint directory format and every resume guard. Must never import the
-controller, engine, rollout or data-worker parts of `slime_async`.
+One responsibility, the checkpoint directory format: writing it, validating it and reading it
+back under every resume guard. Must never import the controller, engine, rollout or
+data-worker parts of `slime_async`.
 
 Layout of `<save>/`::
 
@@ -33,9 +34,9 @@ Guards (each raises `CheckpointError` naming the path): `--load` missing, empty 
 complete checkpoint (never a fallback to `--hf-checkpoint`/`--ref-load`); a loaded iteration
 of 0; a checkpoint of another ModelSpec. `inspect_load` reads the same facts at start-up (no
 sha256 of the tensor files) so that the run's config refuses them before anything starts; an
-empty `--load` is the config's to allow (slime's `--load D --save D`), never this module's. A partial or corrupted directory (missing file, size
-or sha256 mismatch, unreadable meta) is never picked: `latest` falls back to the newest
-complete checkpoint and says so.
+empty `--load` is the config's to allow (slime's `--load D --save D`), never this module's. A
+partial or corrupted directory (missing file, size or sha256 mismatch, unreadable meta) is never
+picked: `latest` falls back to the newest complete checkpoint and says so.
 """
 
 from __future__ import annotations
@@ -168,12 +169,7 @@ def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) ->
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier(tr)
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    rng = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, tmp / f"rng_rank{tr.rank:05d}.pt")
+    torch.save(_rng_states(), tmp / f"rng_rank{tr.rank:05d}.pt")
     if fmt == "torch_dist":
         dist_ckpt.save(tr, tmp)  # every rank its own shards, into tmp/dist/
     elif tr.rank == 0:
@@ -183,26 +179,9 @@ def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) ->
             torch.save(adapter, tmp / "adapter.pt")
     _barrier(tr)
     if tr.rank == 0:
-        files = {
-            f.relative_to(tmp).as_posix(): {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
-            for f in sorted(tmp.rglob("*"))
-            if f.is_file()
-        }
-        meta = {
-            "format": FORMAT,
-            "ckpt_format": fmt,
-            "version": tr.version,
-            "spec": tr.spec.to_dict(),
-            "layout": tr.layout.to_dict(),
-            "world_size": tr.world_size,
-            "optimizer_step": opt_step,
-            "optimizer": {"distributed": tr.optim.distributed, "bf16": tr.optim.bf16},
-            "lr_schedule": _lr_schedule(tr),
-            "lora": None if adapter is None else tr.lora.peft_config(),
-            "extra_state": extra_state,
-            "files": files,
-        }
-        meta["meta_sha256"] = _meta_digest(meta)
+        meta = _meta(
+            tr, tmp, fmt=fmt, opt_step=opt_step, with_adapter=adapter is not None, extra=extra_state
+        )
         atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
         if final.exists():
             shutil.rmtree(final)
@@ -211,6 +190,50 @@ def save(tr: TrainerState, save_dir: Path, *, extra_state: dict[str, object]) ->
         _prune(save_dir, keep=tr.cfg.keep_checkpoints, current=final)
     _barrier(tr)
     return final
+
+
+def _rng_states() -> dict[str, object]:
+    """This rank's torch, megatron-tracker (and CUDA) RNG states."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    rng = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+def _meta(
+    tr: TrainerState,
+    tmp: Path,
+    *,
+    fmt: object,
+    opt_step: int,
+    with_adapter: bool,
+    extra: dict[str, object],
+) -> dict[str, object]:
+    """meta.json of the checkpoint written into `tmp`: sizes and sha256 of its files, and
+    `meta_sha256` over all of it."""
+    files = {
+        f.relative_to(tmp).as_posix(): {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+        for f in sorted(tmp.rglob("*"))
+        if f.is_file()
+    }
+    meta = {
+        "format": FORMAT,
+        "ckpt_format": fmt,
+        "version": tr.version,
+        "spec": tr.spec.to_dict(),
+        "layout": tr.layout.to_dict(),
+        "world_size": tr.world_size,
+        "optimizer_step": opt_step,
+        "optimizer": {"distributed": tr.optim.distributed, "bf16": tr.optim.bf16},
+        "lr_schedule": _lr_schedule(tr),
+        "lora": tr.lora.peft_config() if with_adapter else None,
+        "extra_state": extra,
+        "files": files,
+    }
+    meta["meta_sha256"] = _meta_digest(meta)
+    return meta
 
 
 def _prune(save_dir: Path, *, keep: int, current: Path) -> None:

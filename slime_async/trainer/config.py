@@ -259,8 +259,8 @@ class TrainerConfig:
     """Dropout on the adapters' input in training forwards (PEFT's lora_dropout); log-prob
     forwards never drop."""
     lora_target_modules: tuple[str, ...] = flag(PEFT_MODULES, choices=(*PEFT_MODULES, "all"))
-    """Projections with an adapter, PEFT/SGLang names (q_proj k_proj v_proj o_proj gate_proj
-    up_proj down_proj) or 'all', space-separated as SGLang spells it."""
+    """Projections with an adapter (PEFT/SGLang names) or 'all', space-separated as SGLang
+    spells it."""
     loss: LossSelection = flag(default_factory=LossSelection, cli=False)
     """The loss (registry name or dotted path) and its config object, from the `loss`
     package's own flags (`loss.loss_settings_from_args`)."""

@@ -241,66 +241,11 @@ def hf_to_megatron_tensors(
     hf: dict[str, torch.Tensor], spec: ModelSpec, shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, torch.Tensor]:
     """This rank's shards (global megatron name → tensor) of full HF-named tensors."""
-    r = _Ranks()
-    result: dict[str, torch.Tensor] = {}
     hf = _normalize_hf(hf, spec)
-    used: set[str] = set()
-    nkv, nq, hd = spec.num_key_value_heads, spec.num_attention_heads, spec.head_dim
-    grp = nq // nkv
-    per_rank = spec.num_experts // r.ep if spec.is_moe else 0
-
-    def get(key: str) -> torch.Tensor:
-        if key not in hf:
-            raise KeyError(f"HF checkpoint is missing tensor {key!r}")
-        used.add(key)
-        return hf[key].float()
-
-    def gated(gate: torch.Tensor, up: torch.Tensor, rank: int, n: int) -> torch.Tensor:
-        return torch.cat([_shard(gate, rank, n, 0), _shard(up, rank, n, 0)], 0)
-
+    src = _HfShards(hf, spec, _Ranks())
+    result: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
-        if name == "embedding.word_embeddings.weight":
-            new = _shard(get("model.embed_tokens.weight"), r.tp_rank, r.tp, 0)
-        elif name == "output_layer.weight":
-            new = _shard(get("lm_head.weight"), r.tp_rank, r.tp, 0)
-        elif name == "decoder.final_layernorm.weight":
-            new = get("model.norm.weight")
-        else:
-            m = _LAYER.match(name)
-            if m is None:
-                raise KeyError(f"no HF mapping for megatron parameter {name!r}")
-            i, rest = int(m.group(1)), m.group(2)
-            pre = f"model.layers.{i}."
-            if rest in _SIMPLE:
-                new = get(pre + _SIMPLE[rest])
-            elif rest == "self_attention.linear_qkv.weight":
-                q = get(pre + "self_attn.q_proj.weight").view(nkv, grp, hd, -1)
-                k = get(pre + "self_attn.k_proj.weight").view(nkv, 1, hd, -1)
-                v = get(pre + "self_attn.v_proj.weight").view(nkv, 1, hd, -1)
-                full = torch.cat([q, k, v], 1)
-                new = _shard(full, r.tp_rank, r.tp, 0).reshape(-1, full.shape[-1])
-            elif rest == "self_attention.linear_qkv.bias":
-                q = get(pre + "self_attn.q_proj.bias").view(nkv, grp, hd)
-                k = get(pre + "self_attn.k_proj.bias").view(nkv, 1, hd)
-                v = get(pre + "self_attn.v_proj.bias").view(nkv, 1, hd)
-                new = _shard(torch.cat([q, k, v], 1), r.tp_rank, r.tp, 0).reshape(-1)
-            elif rest == "self_attention.linear_proj.weight":
-                new = _shard(get(pre + "self_attn.o_proj.weight"), r.tp_rank, r.tp, 1)
-            elif rest == "mlp.linear_fc1.weight":
-                g, u = get(pre + "mlp.gate_proj.weight"), get(pre + "mlp.up_proj.weight")
-                new = gated(g, u, r.tp_rank, r.tp)
-            elif rest == "mlp.linear_fc2.weight":
-                new = _shard(get(pre + "mlp.down_proj.weight"), r.tp_rank, r.tp, 1)
-            elif (em := _EXPERT.match(rest)) is not None:
-                e = r.ep_rank * per_rank + int(em.group(1))
-                epre = f"{pre}mlp.experts.{e}."
-                if em.group(2) == "linear_fc1":
-                    g, u = get(epre + "gate_proj.weight"), get(epre + "up_proj.weight")
-                    new = gated(g, u, r.etp_rank, r.etp)
-                else:
-                    new = _shard(get(epre + "down_proj.weight"), r.etp_rank, r.etp, 1)
-            else:
-                raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+        new = src.shard(name)
         if tuple(new.shape) != tuple(shape):
             raise ValueError(
                 f"HF tensor for {name!r} has shape {tuple(new.shape)}, model expects "
@@ -314,6 +259,77 @@ def hf_to_megatron_tensors(
             "is it a checkpoint of another model family?"
         )
     return result
+
+
+class _HfShards:
+    """This rank's shard of each megatron parameter, cut from full HF-named tensors."""
+
+    def __init__(self, hf: dict[str, torch.Tensor], spec: ModelSpec, ranks: _Ranks) -> None:
+        self.hf, self.spec, self.r = hf, spec, ranks
+        self.per_rank = spec.num_experts // ranks.ep if spec.is_moe else 0
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.hf:
+            raise KeyError(f"HF checkpoint is missing tensor {key!r}")
+        return self.hf[key].float()
+
+    def shard(self, name: str) -> torch.Tensor:
+        """The shard of megatron parameter `name` (KeyError when no HF tensor maps to it)."""
+        r = self.r
+        if name == "embedding.word_embeddings.weight":
+            return _shard(self.get("model.embed_tokens.weight"), r.tp_rank, r.tp, 0)
+        if name == "output_layer.weight":
+            return _shard(self.get("lm_head.weight"), r.tp_rank, r.tp, 0)
+        if name == "decoder.final_layernorm.weight":
+            return self.get("model.norm.weight")
+        m = _LAYER.match(name)
+        if m is None:
+            raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+        new = self._layer(f"model.layers.{int(m.group(1))}.", m.group(2))
+        if new is None:
+            raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+        return new
+
+    def _layer(self, pre: str, rest: str) -> torch.Tensor | None:
+        """Parameter `rest` of the layer whose HF names start with `pre` (None: unmapped)."""
+        r, get = self.r, self.get
+        if rest in _SIMPLE:
+            return get(pre + _SIMPLE[rest])
+        if rest == "self_attention.linear_qkv.weight":
+            full = self._qkv(pre, "weight")
+            return _shard(full, r.tp_rank, r.tp, 0).reshape(-1, full.shape[-1])
+        if rest == "self_attention.linear_qkv.bias":
+            return _shard(self._qkv(pre, "bias"), r.tp_rank, r.tp, 0).reshape(-1)
+        if rest == "self_attention.linear_proj.weight":
+            return _shard(get(pre + "self_attn.o_proj.weight"), r.tp_rank, r.tp, 1)
+        if rest == "mlp.linear_fc1.weight":
+            return self._gated(pre + "mlp.", r.tp_rank, r.tp)
+        if rest == "mlp.linear_fc2.weight":
+            return _shard(get(pre + "mlp.down_proj.weight"), r.tp_rank, r.tp, 1)
+        if (em := _EXPERT.match(rest)) is not None:
+            e = r.ep_rank * self.per_rank + int(em.group(1))
+            epre = f"{pre}mlp.experts.{e}."
+            if em.group(2) == "linear_fc1":
+                return self._gated(epre, r.etp_rank, r.etp)
+            return _shard(get(epre + "down_proj.weight"), r.etp_rank, r.etp, 1)
+        return None
+
+    def _qkv(self, pre: str, kind: str) -> torch.Tensor:
+        """q, k and v of one layer interleaved per KV group, megatron's fused layout:
+        `[nkv, q-per-group + 2, head_dim(, hidden)]`."""
+        spec = self.spec
+        nkv, hd = spec.num_key_value_heads, spec.head_dim
+        grp = spec.num_attention_heads // nkv
+        tail = (-1,) if kind == "weight" else ()
+        q = self.get(f"{pre}self_attn.q_proj.{kind}").view(nkv, grp, hd, *tail)
+        k = self.get(f"{pre}self_attn.k_proj.{kind}").view(nkv, 1, hd, *tail)
+        v = self.get(f"{pre}self_attn.v_proj.{kind}").view(nkv, 1, hd, *tail)
+        return torch.cat([q, k, v], 1)
+
+    def _gated(self, pre: str, rank: int, n: int) -> torch.Tensor:
+        """The fused gate/up projection: each one's shard, gate first."""
+        gate, up = self.get(pre + "gate_proj.weight"), self.get(pre + "up_proj.weight")
+        return torch.cat([_shard(gate, rank, n, 0), _shard(up, rank, n, 0)], 0)
 
 
 def hf_names(spec: ModelSpec) -> set[str]:

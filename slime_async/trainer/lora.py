@@ -1,11 +1,11 @@
 """LoRA adapters on a megatron-core GPTModel, in PEFT's names and layout.
 
-Owns: the run's `LoraSpec` from the trainer config (`spec_of`), attaching adapters to this
-rank's chunks (`attach`: a `lora` child module and a forward hook on each targeted linear
-layer, the base frozen), the adapter tensors in PEFT's keys (`adapter_tensors`: gathered over
-TP and PP; `load_adapter_tensors`: sliced back) and the merged HF weights
-`W + (alpha / r) · B A` (`merge`). The PEFT directory format and its checks are the contract
-`slime_async.contracts.adapter`. Must never import the controller, engine, rollout or
+Owns: attaching adapters to this rank's chunks (`attach`: a `lora` child module and a forward
+hook on each targeted linear layer, the base frozen), the adapter tensors in PEFT's keys
+(`adapter_tensors`: gathered over TP and PP; `load_adapter_tensors`: sliced back) and the
+merged HF weights `W + (alpha / r) · B A` (`merge`). The run's `LoraSpec` (`spec_of`), the PEFT
+directory format and its checks are the contract `slime_async.contracts.adapter`'s
+(`lora_spec`). Must never import the controller, engine, rollout or
 data-worker parts of `slime_async`.
 
 Layout (megatron-core 0.16, `hf_convert` has the base weights' facts): `linear_qkv` and
@@ -38,9 +38,9 @@ from typing import Any
 import torch
 
 from slime_async.contracts.adapter import (
-    ATTENTION_MODULES,
     PEFT_MODULES,
     LoraSpec,
+    lora_spec,
     module_dims,
     peft_name,
     peft_shapes,
@@ -59,21 +59,9 @@ _LAYERS = {
 }
 
 
-def spec_of(cfg: Any, model: ModelSpec) -> LoraSpec | None:
-    """The trainer config's `LoraSpec` (None when `lora_rank` is 0), checked against the model:
-    routed experts take no adapter (ValueError naming the fix)."""
-    if not cfg.lora_rank:
-        return None
-    targets = tuple(cfg.lora_target_modules)
-    mlp = [t for t in targets if t not in ATTENTION_MODULES]
-    if model.is_moe and mlp:
-        raise ValueError(
-            f"--lora-target-modules {','.join(mlp)}: this model's MLPs are routed experts, which "
-            "take no adapter here; use --lora-target-modules q_proj,k_proj,v_proj,o_proj"
-        )
-    return LoraSpec(
-        rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=targets
-    )
+spec_of = lora_spec
+"""The run's `LoraSpec` from the trainer config, checked against the model (None without
+LoRA): `contracts.adapter.lora_spec`, where the spec is built and checked."""
 
 
 # --------------------------------------------------------------------------- the module

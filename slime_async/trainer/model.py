@@ -63,22 +63,23 @@ def transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = not cpu_compat.cuda_available()
-    moe: dict[str, object] = {}
-    if spec.is_moe:
-        moe = dict(
-            num_moe_experts=spec.num_experts,
-            moe_router_topk=spec.moe_topk,
-            moe_ffn_hidden_size=spec.moe_intermediate_size,
-            moe_grouped_gemm=False,
-            moe_token_dispatcher_type="allgather",
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_router_score_function="softmax",
-            moe_router_pre_softmax=False,
-            moe_enable_routing_replay=True,
-            moe_router_dtype="fp32",
-        )
     cfg = TransformerConfig(
+        **_architecture_kwargs(spec),
+        **_parallel_kwargs(layout, params_dtype=params_dtype, vp=vp, on_cpu=on_cpu),
+        **_unfused_kwargs(),
+        recompute_granularity=rc.granularity,
+        recompute_method=rc.method,
+        recompute_num_layers=rc.num_layers,
+        **({"attention_backend": _local_attention()} if on_cpu else {}),
+        **_moe_kwargs(spec),
+    )
+    cfg.variable_seq_lengths = vp is None
+    return cfg
+
+
+def _architecture_kwargs(spec: ModelSpec) -> dict[str, object]:
+    """The HF model's math: shapes, norms, activation, biases, no dropout, init."""
+    return dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -95,6 +96,34 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=spec.init_std,
+    )
+
+
+def _moe_kwargs(spec: ModelSpec) -> dict[str, object]:
+    """The MoE settings (none for a dense model): top-k softmax routing without aux loss,
+    allgather dispatch, routing replay, fp32 router."""
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_topk,
+        moe_ffn_hidden_size=spec.moe_intermediate_size,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=False,
+        moe_enable_routing_replay=True,
+        moe_router_dtype="fp32",
+    )
+
+
+def _parallel_kwargs(
+    layout: ParallelLayout, *, params_dtype: torch.dtype, vp: int | None, on_cpu: bool
+) -> dict[str, object]:
+    """The parallel layout, the parameter dtype, and the per-token loss the schedule needs."""
+    return dict(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
@@ -105,6 +134,18 @@ def transformer_config(
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
+        calculate_per_token_loss=True,
+        # gloo matches messages between two ranks in posting order: megatron's batched p2p
+        # would pair an activation with a gradient when PP=2 sends both ways at once (the
+        # interleaved schedule); the unbatched path keeps the two directions apart
+        batch_p2p_comm=not on_cpu,
+        virtual_pipeline_model_parallel_size=vp,
+    )
+
+
+def _unfused_kwargs() -> dict[str, object]:
+    """Every fused kernel off (the reference math, op for op), fp32 softmax."""
+    return dict(
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -113,22 +154,9 @@ def transformer_config(
         bias_dropout_fusion=False,
         attention_softmax_in_fp32=True,
         cross_entropy_loss_fusion=False,
-        calculate_per_token_loss=True,
         # megatron's default "full" warns that it is deprecated and becomes [], the same scope
         cuda_graph_scope=[],
-        # gloo matches messages between two ranks in posting order: megatron's batched p2p
-        # would pair an activation with a gradient when PP=2 sends both ways at once (the
-        # interleaved schedule); the unbatched path keeps the two directions apart
-        batch_p2p_comm=not on_cpu,
-        virtual_pipeline_model_parallel_size=vp,
-        recompute_granularity=rc.granularity,
-        recompute_method=rc.method,
-        recompute_num_layers=rc.num_layers,
-        **({"attention_backend": _local_attention()} if on_cpu else {}),
-        **moe,
     )
-    cfg.variable_seq_lengths = vp is None
-    return cfg
 
 
 def _local_attention() -> object:

@@ -124,43 +124,7 @@ class Schedule:
         `extra` returned. `record` (R2): each micro-batch's routing lands in `mb.recorded`."""
         from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
-        outputs: list[Any] = []
-        chunk_of = {id(w): k for k, w in enumerate(self.wrapped)}
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if cpu_compat.cuda_available()
-            else torch.device("cpu")
-        )
-        one = torch.ones((), dtype=torch.int)
-
-        def loss_func(
-            mb: MicroBatch, k: int, output: torch.Tensor, non_loss_data: bool = False
-        ) -> Any:
-            output = self._logits(output, k)
-            with cpu_compat.model_code():
-                res = head(output, mb)
-            if forward_only:
-                outputs.append(res)
-                return res
-            loss, extra = res
-            outputs.append(extra)
-            # 3-tuple + calculate_per_token_loss: megatron back-propagates `loss` as it is
-            return loss, one, {"loss": loss.detach().clone()}
-
-        def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[Any, Callable]:
-            mb = next(data_iterator)
-            k = chunk_of[id(model)]
-            with cpu_compat.model_code():
-                self._before(mb, k, record)
-                out = model(
-                    mb.input_ids.to(device),
-                    mb.position_ids.to(device),
-                    attention_mask=None,
-                    packed_seq_params=mb.packed_seq_params,
-                )
-                self._after(mb, k, record, training=not forward_only)
-            return out, functools.partial(loss_func, mb, k)
-
+        step = _Step(self, head, forward_only=forward_only, record=record)
         for w in self.wrapped:
             w.train(not forward_only)
         iters = [iter(mbs) for _ in self.wrapped]
@@ -168,7 +132,7 @@ class Schedule:
         try:
             with grad, cpu_compat.cuda_literals_on_cpu():
                 get_forward_backward_func()(
-                    forward_step_func=forward_step,
+                    forward_step_func=step.forward_step,
                     data_iterator=iters if len(iters) > 1 else iters[0],
                     model=self.wrapped,
                     num_microbatches=len(mbs),
@@ -182,7 +146,7 @@ class Schedule:
                 for r in routers:
                     r.clear_indices()
                     r.clear_router_replay_action()
-        return outputs
+        return step.outputs
 
     def _logits(self, output: torch.Tensor, k: int) -> Any:
         """The last stage's output as `head` gets it: `lm_head.Logits` (hidden states, not yet
@@ -231,3 +195,57 @@ class Schedule:
                 r.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             else:
                 r.clear_router_replay_action()
+
+
+class _Step:
+    """megatron's forward-step and loss callbacks for one `Schedule.run`: each micro-batch
+    through its chunk (routing replayed or recorded), `head` on the last stage's output; what
+    `head` returns (its `extra` with gradients) collects in `outputs`, in order."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        head: Callable[[torch.Tensor, MicroBatch], Any],
+        *,
+        forward_only: bool,
+        record: bool,
+    ) -> None:
+        self.schedule, self.head = schedule, head
+        self.forward_only, self.record = forward_only, record
+        self.outputs: list[Any] = []
+        self.chunk_of = {id(w): k for k, w in enumerate(schedule.wrapped)}
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if cpu_compat.cuda_available()
+            else torch.device("cpu")
+        )
+        self.one = torch.ones((), dtype=torch.int)
+
+    def loss_func(
+        self, mb: MicroBatch, k: int, output: torch.Tensor, non_loss_data: bool = False
+    ) -> Any:
+        output = self.schedule._logits(output, k)
+        with cpu_compat.model_code():
+            res = self.head(output, mb)
+        if self.forward_only:
+            self.outputs.append(res)
+            return res
+        loss, extra = res
+        self.outputs.append(extra)
+        # 3-tuple + calculate_per_token_loss: megatron back-propagates `loss` as it is
+        return loss, self.one, {"loss": loss.detach().clone()}
+
+    def forward_step(self, data_iterator: Any, model: torch.nn.Module) -> tuple[Any, Callable]:
+        mb = next(data_iterator)
+        k = self.chunk_of[id(model)]
+        sched = self.schedule
+        with cpu_compat.model_code():
+            sched._before(mb, k, self.record)
+            out = model(
+                mb.input_ids.to(self.device),
+                mb.position_ids.to(self.device),
+                attention_mask=None,
+                packed_seq_params=mb.packed_seq_params,
+            )
+            sched._after(mb, k, self.record, training=not self.forward_only)
+        return out, functools.partial(self.loss_func, mb, k)

@@ -67,7 +67,7 @@ class MegatronTrainer(LogprobForwards):
 
         tr = MegatronTrainer(TrainerConfig(lr=1e-3), TINY_MOE)
         lp, ent = tr.compute_logprobs(batch)          # π_k, [B, T] token-aligned
-        metrics = tr.train_step(batch)                # version 0 → 1
+        metrics = tr.train_step(batch)                # version 0 → 1 (tr.version)
         tr.save_weights("/tmp/w")                     # HF dir for the engines
     """
 
@@ -86,17 +86,7 @@ class MegatronTrainer(LogprobForwards):
         (their nodes do not hold it; `share.broadcast_hf_weights`)."""
         quiet.quiet_optional_dependency_warnings()  # before megatron's first import here
         self.cfg, self.spec = cfg, spec
-        # fails fast on a bad name or path; entropy / KL-to-reference terms wrap the loss
-        self.loss_spec = with_regularizers(resolve_loss_spec(cfg.loss.name), cfg.loss.regularizers)
-        self.loss_cfg = self.loss_spec.config(cfg.loss.config)
-        warning = check_loss_needs(
-            self.loss_spec,
-            moe=spec.is_moe,
-            routing_replay=cfg.routing_replay is not RoutingReplay.NONE,
-            keep_old_actor=cfg.keep_old_actor,
-        )
-        if warning and rank == 0:
-            log.warning(warning)
+        self._resolve_loss(rank)
         cpu_compat.apply()
         parallel.init_distributed(
             rank=rank,
@@ -151,17 +141,38 @@ class MegatronTrainer(LogprobForwards):
         )
         self.loaded_from: str | None = None
         self.resumed_layout: parallel.ParallelLayout | None = None
-        if cfg.load is not None:
-            self.load_checkpoint(cfg.load)
-        elif cfg.hf_checkpoint is not None and hf_from_rank0 and world_size > 1:
-            w = share.broadcast_hf_weights(cfg.hf_checkpoint, rank=rank)
-            self.import_weights(w, where=str(cfg.hf_checkpoint))
-        elif cfg.hf_checkpoint is not None:
-            self.import_hf(cfg.hf_checkpoint)
+        self._load_start_weights(hf_from_rank0=hf_from_rank0)
         self.optim.set_version(self.version)
         if self.keeps_snapshots:
             self.snapshots.snapshot(self.model, self.version)
         self.reference = maybe_reference(self)  # KL penalty: π_ref weights (initial or --ref-load)
+
+    def _resolve_loss(self, rank: int) -> None:
+        """The loss of `cfg.loss` (fails fast on a bad name or path; entropy / KL-to-reference
+        terms wrap it) and its config; rank 0 warns about inputs the loss cannot get."""
+        cfg = self.cfg
+        self.loss_spec = with_regularizers(resolve_loss_spec(cfg.loss.name), cfg.loss.regularizers)
+        self.loss_cfg = self.loss_spec.config(cfg.loss.config)
+        warning = check_loss_needs(
+            self.loss_spec,
+            moe=self.spec.is_moe,
+            routing_replay=cfg.routing_replay is not RoutingReplay.NONE,
+            keep_old_actor=cfg.keep_old_actor,
+        )
+        if warning and rank == 0:
+            log.warning(warning)
+
+    def _load_start_weights(self, *, hf_from_rank0: bool) -> None:
+        """Resume from `cfg.load`, else import `cfg.hf_checkpoint` (read by rank 0 and broadcast
+        with `hf_from_rank0`), else keep the initialised weights."""
+        cfg = self.cfg
+        if cfg.load is not None:
+            self.load_checkpoint(cfg.load)
+        elif cfg.hf_checkpoint is not None and hf_from_rank0 and self.world_size > 1:
+            w = share.broadcast_hf_weights(cfg.hf_checkpoint, rank=self.rank)
+            self.import_weights(w, where=str(cfg.hf_checkpoint))
+        elif cfg.hf_checkpoint is not None:
+            self.import_hf(cfg.hf_checkpoint)
 
     # ------------------------------------------------------------------ train
     def train_step(self, batch: TrainerBatch) -> dict[str, float]:

@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from router.client import FanoutError, RouterClient
 from slime_async.contracts.adapter import ADAPTER_NAME, LoraSpec
-from slime_async.contracts.weights import WeightManifest, version_dir_name, version_of_dir_name
+from slime_async.contracts.weights import Payload, WeightManifest
+from slime_async.weights.directory import DirectoryTransport
 from slime_async.weights.distributed import DistributedTransport
-from slime_async.weights.pause import paused_in_place
+from slime_async.weights.registry import TransportSetup
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +45,14 @@ class AdapterWriter(Protocol):
     def save_adapter(self, path: str | Path) -> Path: ...
 
 
-class AdapterTransport:
+class AdapterTransport(DirectoryTransport):
     """Adapter → PEFT directory → router fan-out of `/load_lora_adapter` (versioned)."""
 
+    payload: ClassVar[Payload] = Payload.ADAPTER
     writes_directories: ClassVar[bool] = False
     """Versions are adapter directories, not HF models an engine could start on: replacement
     engines start on the base and get the adapter replayed by the router."""
+    what: ClassVar[str] = "adapter"
 
     def __init__(
         self,
@@ -62,66 +63,42 @@ class AdapterTransport:
         keep_last: int = 2,
         on_written: Callable[[int, Path], object] | None = None,
     ) -> None:
-        self.root, self.trainer, self.control, self.keep_last = root, trainer, control, keep_last
-        self.on_written = on_written
-        """Called with (version, adapter directory) once written, before engines load it (the
-        forward-only role loads the same directory)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        super().__init__(
+            root, trainer=trainer, control=control, keep_last=keep_last, on_written=on_written
+        )
         self.bytes_last = 0
         """Bytes of the last pushed adapter's safetensors file."""
 
-    def directory(self, version: int) -> Path:
-        """`root/v000007` for version 7 (the adapter's PEFT directory)."""
-        return self.root / version_dir_name(version)
+    @classmethod
+    def from_setup(cls, setup: TransportSetup) -> AdapterTransport:
+        """Versions under `<run-dir>/adapters`."""
+        return cls(
+            setup.run_dir / "adapters",
+            trainer=setup.trainer,
+            control=setup.control,
+            on_written=setup.on_written,
+        )
 
-    async def _write(self, version: int) -> Path:
-        path = self.directory(version)
+    async def _save(self, path: Path) -> None:
         await asyncio.to_thread(self.trainer.save_adapter, path)
         self.bytes_last = (path / "adapter_model.safetensors").stat().st_size
-        if self.on_written is not None:
-            self.on_written(version, path.resolve())
-        return path.resolve()
+
+    async def _fan_out(self, path: Path, version: int, *, strict: bool) -> None:
+        if strict:
+            await self.control.load_lora_adapter(
+                ADAPTER_NAME, str(path), weight_version=version, strict=True
+            )
+        else:
+            await self.control.load_lora_adapter(ADAPTER_NAME, str(path), weight_version=version)
+
+    def _push_metrics(self) -> dict[str, float]:
+        return {"weights/push_bytes": float(self.bytes_last)}
 
     async def load(self, version: int) -> None:
         """Write version `version` and have every engine serve it (start-up); raises
         `FanoutError` naming an engine that did not."""
-        path = await self._write(version)
-        await self.control.load_lora_adapter(
-            ADAPTER_NAME, str(path), weight_version=version, strict=True
-        )
-
-    async def push(self, version: int) -> dict[str, Any]:
-        """Write the adapter of `version`, then pause in place, load it on every engine,
-        continue; returns timings and the bytes moved."""
-        t0 = time.perf_counter()
-        path = await self._write(version)
-        t1 = time.perf_counter()
-        failed = 0
-        async with paused_in_place(self.control, version):
-            try:
-                await self.control.load_lora_adapter(
-                    ADAPTER_NAME, str(path), weight_version=version
-                )
-            except FanoutError as e:  # quarantined by the router, replayed on re-admission
-                failed = len(e.reply.get("failed", [])) or 1
-                log.warning("adapter push v%d did not reach every engine: %s", version, e)
-        t2 = time.perf_counter()
-        self._prune(version)
-        return {
-            "timing/weight_export_s": t1 - t0,
-            "timing/weight_load_s": t2 - t1,
-            "weights/push_failed_engines": float(failed),
-            "weights/push_bytes": float(self.bytes_last),
-        }
-
-    async def close(self) -> None:
-        """Nothing to release."""
-
-    def _prune(self, current: int) -> None:
-        for d in sorted(self.root.glob("v*")):
-            v = version_of_dir_name(d.name)
-            if v is not None and v <= current - self.keep_last:
-                shutil.rmtree(d, ignore_errors=True)
+        self._written(version, await self.write(version))
+        await super().load(version)
 
 
 class DistributedAdapterTransport(DistributedTransport):
@@ -135,9 +112,18 @@ class DistributedAdapterTransport(DistributedTransport):
         await t.push(7)      # pause, broadcast + stage, /load_lora_adapter, continue
     """
 
+    payload: ClassVar[Payload] = Payload.ADAPTER
+
     def __init__(self, *, lora: LoraSpec, **kw: Any) -> None:
         super().__init__(**kw)
         self.lora = lora
+
+    @classmethod
+    def from_setup(cls, setup: TransportSetup) -> DistributedAdapterTransport:
+        """The trainer's adapter sender; the run's LoRA spec names the adapter's layout."""
+        if setup.lora is None:
+            raise ValueError("the distributed adapter transport needs the run's LoRA spec")
+        return cls(lora=setup.lora, **cls._setup_kwargs(setup, setup.trainer.adapter_sender()))
 
     async def _wire_manifest(self) -> WeightManifest:
         """The adapter's own names and dtype: never cast (the engines serve it exactly)."""

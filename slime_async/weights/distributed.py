@@ -48,9 +48,10 @@ from slime_async.contracts.weight_group import (
     in_dtype,
     plan_buckets,
 )
-from slime_async.contracts.weights import WeightManifest
+from slime_async.contracts.weights import Payload, WeightManifest
 from slime_async.weights.config import WeightSyncConfig
 from slime_async.weights.pause import paused_in_place
+from slime_async.weights.registry import TransportSetup
 from slime_async.weights.sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -186,9 +187,27 @@ class DistributedTransport:
     """Broadcast versions from `sender` to the engines at `engine_urls()` (read at every push:
     the supervisor may have replaced some)."""
 
+    payload: ClassVar[Payload] = Payload.FULL
+    shared_filesystem: ClassVar[bool] = False
     writes_directories: ClassVar[bool] = False
     on_written: Callable[[int, Path], object] | None = None
     """Nothing is written, so nothing is handed over (the run feeds the role itself)."""
+
+    @classmethod
+    def from_setup(cls, setup: TransportSetup) -> DistributedTransport:
+        """The trainer group is the sender (rank 0 broadcasts)."""
+        return cls(**cls._setup_kwargs(setup, setup.trainer))
+
+    @staticmethod
+    def _setup_kwargs(setup: TransportSetup, sender: WeightSender) -> dict[str, Any]:
+        return {
+            "sender": sender,
+            "control": setup.control,
+            "engine_urls": setup.engine_urls,
+            "cfg": setup.cfg,
+            "backend": setup.collective_backend,
+            "token": setup.token,
+        }
 
     def __init__(
         self,

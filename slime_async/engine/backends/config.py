@@ -176,6 +176,14 @@ class EngineFleetConfig:
 
     def __post_init__(self) -> None:
         backend = get_engine_backend(self.backend)  # unknown names fail with the choices
+        self._check_gpus()
+        check_ranges(self)
+        self._check_sglang_flags(backend.needs)
+        self._check_urls(backend.needs)
+
+    def _check_gpus(self) -> None:
+        """`--rollout-num-gpus` is a multiple of the per-engine GPUs and agrees with
+        `--num-engines`."""
         total, per = self.num_gpus, self.gpus_per_engine
         if total is not None:
             if total < 1 or per < 1 or total % per:
@@ -189,7 +197,10 @@ class EngineFleetConfig:
                     f"--num-engines {self.num_engines} contradicts --rollout-num-gpus {total} / "
                     f"--rollout-num-gpus-per-engine {per} = {total // per} engines; drop one"
                 )
-        check_ranges(self)
+
+    def _check_sglang_flags(self, needs: EngineNeeds) -> None:
+        """slime's router-attach flags are refused; `--sglang-*` flags need a backend that
+        launches SGLang servers."""
         attach = [
             f"--{n.replace('_', '-')} {v}"
             for n in ("sglang_router_ip", "sglang_router_port")
@@ -203,18 +214,22 @@ class EngineFleetConfig:
                 "that are already running, pass --engine-backend external --engine-urls "
                 "http://host:port[,...]"
             )
-        if self.sglang_python is not None and not backend.needs.sglang_flags:
+        if self.sglang_python is not None and not needs.sglang_flags:
             raise ValueError(
                 f"--sglang-python is the interpreter of launched SGLang servers, but "
                 f"--engine-backend is {self.backend!r}, which launches none: drop it or use "
                 "--engine-backend sglang"
             )
-        if self.sglang_args and not backend.needs.sglang_flags:
+        if self.sglang_args and not needs.sglang_flags:
             raise ValueError(
                 f"--sglang-* flags ({' '.join(self.sglang_args)}) configure SGLang servers, but "
                 f"--engine-backend is {self.backend!r}: drop them or use --engine-backend sglang"
             )
-        if not backend.needs.urls:
+
+    def _check_urls(self, needs: EngineNeeds) -> None:
+        """`--engine-urls` exactly when the backend attaches to running servers: valid,
+        distinct, one per engine."""
+        if not needs.urls:
             if self.urls:
                 raise ValueError(
                     f"--engine-urls is for a backend that attaches to running servers, but "

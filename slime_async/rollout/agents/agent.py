@@ -34,7 +34,8 @@ from slime_async.contracts.rollout import (
     GenerationResult,
     SegmentPayload,
 )
-from slime_async.rollout.agents.gateway import Episode, TrainingGateway
+from slime_async.rollout.agents.episode import Episode
+from slime_async.rollout.agents.gateway import TrainingGateway
 from slime_async.rollout.data.rewards import RewardStatus
 from slime_async.rollout.generate.client import GenerateClient
 

@@ -1,8 +1,9 @@
 """The training gateway: OpenAI's `/v1/chat/completions` for agent code, token in, token out.
 
-Owns `TrainingGateway` (an aiohttp server on the rollout side; one URL per episode,
-`<gateway>/episodes/<id>/v1`), `Episode` (what was sampled in one conversation, turn by turn)
-and `GatewayStats`. Every chat call of an episode becomes one SGLang `/generate` call with
+One responsibility, serving agents' chat calls as token-in-token-out model turns: owns
+`TrainingGateway` (an aiohttp server on the rollout side; one URL per episode,
+`<gateway>/episodes/<id>/v1`) and `GatewayStats`; what an episode sampled, turn by turn, is
+`episode.py`'s `Episode`. Every chat call of an episode becomes one SGLang `/generate` call with
 `input_ids` through the run's router (`X-Session-ID: <episode>`, so the turns of an episode stay
 on the engine that caches its prefix), and the gateway records per turn the prompt ids, the
 completion ids, their log-probs and weight versions. The rules (docs/agents.md):
@@ -55,12 +56,8 @@ from slime_async.contracts.chat import (
     render_chat,
     request_tools,
 )
-from slime_async.contracts.rollout import (
-    FinishStatus,
-    GenerationResult,
-    SegmentPayload,
-    segment_payload,
-)
+from slime_async.contracts.rollout import FinishStatus, segment_payload
+from slime_async.rollout.agents.episode import Episode, GatewayError, Sampled
 from slime_async.rollout.generate.client import GenerateClient
 
 log = logging.getLogger(__name__)
@@ -68,14 +65,6 @@ _MAX_BODY = 16 << 20
 _SEARCH_AHEAD = 4
 """How far into the tokens after a re-rendered assistant turn its sampled closing token (EOS)
 is looked for."""
-
-
-class GatewayError(ValueError):
-    """A call the gateway refuses (HTTP 400, or `status`)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclasses.dataclass(slots=True)
@@ -92,79 +81,6 @@ class GatewayStats:
     """Turns aborted by a weight update and continued from their partial output."""
     bad_calls: int = 0
     """Calls refused with 4xx."""
-
-
-@dataclasses.dataclass(slots=True)
-class Turn:
-    """One model call: the exact ids sent and sampled."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish: str | None
-    prefix_mismatch: bool
-
-
-@dataclasses.dataclass(slots=True)
-class Episode:
-    """One conversation: what was sampled, in order (see the module docstring)."""
-
-    id: str
-    client: GenerateClient
-    """The generate client of this episode (train or eval sampling settings)."""
-    data_prompt: tuple[int, ...] = ()
-    """The data worker's prompt: the trajectory must start with it."""
-    budget: int = 1 << 30
-    """Most response tokens after `data_prompt` (model and other tokens)."""
-    max_turn_tokens: int | None = None
-    """The run's per-turn token limit (None: what is left of `budget`)."""
-    ids: list[int] = dataclasses.field(default_factory=list)
-    """Everything so far: the first prompt, completions and the prompt tokens between them."""
-    first_prompt_len: int = 0
-    loss_mask: list[int] = dataclasses.field(default_factory=list)
-    """Per token of `ids` after the first prompt: 1 sampled by the model, 0 otherwise."""
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    nonfinite: list[bool] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    turns: list[Turn] = dataclasses.field(default_factory=list)
-    routed: np.ndarray | None = None
-    reward: float | None = None
-    prefix_mismatches: int = 0
-    overrides: int = 0
-    closed: bool = False
-
-    def trajectory(self) -> GenerationResult:
-        """The episode as one data-worker result after `data_prompt`: the first prompt's extra
-        tokens and each later turn's new prompt tokens masked 0, completions 1."""
-        if not self.turns:
-            raise GatewayError("the agent made no model call in this episode")
-        start = len(self.data_prompt)
-        lead = self.first_prompt_len - start
-        first_version = self.versions[0] if self.versions else 0
-        out = self.ids[start:]
-        payload = SegmentPayload(
-            logprobs=[0.0] * lead + self.logprobs,
-            nonfinite=[False] * lead + self.nonfinite,
-            loss_mask=[0] * lead + self.loss_mask,
-            finish=self.turns[-1].finish,
-            prompt_len=start,
-        )
-        if self.routed is not None and self.routed.shape[0] == len(self.ids) - 1:
-            payload["routed_experts"] = self.routed
-        return GenerationResult(
-            output_ids=out,
-            token_versions=[first_version] * lead + self.versions,
-            status=FinishStatus.FINISHED,
-            payload=payload,
-        )
-
-    def _extend(self, ids: Sequence[int], *, mask: int, version: int) -> None:
-        self.ids += ids
-        self.loss_mask += [mask] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.nonfinite += [False] * len(ids)
-        self.versions += [version] * len(ids)
 
 
 def _assistant_count(messages: list[dict[str, Any]]) -> int:
@@ -384,6 +300,31 @@ class TrainingGateway:
     async def chat(self, ep: Episode, body: dict[str, Any]) -> dict[str, Any]:
         """One `/v1/chat/completions` call of `ep`: the OpenAI answer (raises `GatewayError`)."""
         t0 = time.perf_counter()
+        messages, tools, stop = self._parse_call(body)
+        self._pin(ep, body)
+        prompt, mismatch = self._prompt(ep, messages, tools)
+        used = max(0, len(prompt) - len(ep.data_prompt))
+        n = ep.budget - used
+        if ep.max_turn_tokens is not None:
+            n = min(n, ep.max_turn_tokens)
+        overhead = time.perf_counter() - t0
+        if n <= 0:
+            sampled = Sampled(finish="length")
+        else:
+            sampled = await self._generate(ep, prompt, n, stop)
+        t1 = time.perf_counter()
+        ep.record(prompt, sampled, mismatch=mismatch)
+        self.stats.turns += 1
+        answer = _answer(ep, prompt, sampled, mismatch=mismatch, tools=bool(tools))
+        overhead += time.perf_counter() - t1
+        self.turn_overhead_s.append(overhead)
+        if len(self.turn_overhead_s) > 10_000:
+            del self.turn_overhead_s[:5_000]
+        return answer
+
+    def _parse_call(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any, list[str]]:
+        """The call's messages, tools and stop strings; `GatewayError` for what an episode
+        cannot take (n > 1, streaming, tools without a chat template, bad stop strings)."""
         if body.get("n", 1) != 1:
             raise GatewayError("n must be 1 in a training episode (one conversation)")
         if body.get("stream"):
@@ -396,130 +337,102 @@ class TrainingGateway:
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stop):
             raise GatewayError("stop must be a non-empty string or a list of them")
-        self._pin(ep, body)
-        prompt, mismatch = self._prompt(ep, messages, tools)
-        used = max(0, len(prompt) - len(ep.data_prompt))
-        n = ep.budget - used
-        if ep.max_turn_tokens is not None:
-            n = min(n, ep.max_turn_tokens)
-        overhead = time.perf_counter() - t0
-        if n <= 0:
-            out: list[int] = []
-            lps: list[float] = []
-            vers: list[int] = []
-            bad: list[bool] = []
-            finish: str | None = "length"
-            text = ""
-            routed = None
-        else:
-            out, lps, bad, vers, finish, text, routed = await self._generate(ep, prompt, n, stop)
-        t1 = time.perf_counter()
-        if not ep.turns:
-            ep.ids = list(prompt)
-            ep.first_prompt_len = len(prompt)
-        else:
-            ep._extend(prompt[len(ep.ids) :], mask=0, version=ep.versions[-1] if ep.versions else 0)
-        ep.ids += out
-        ep.loss_mask += [1] * len(out)
-        ep.logprobs += lps
-        ep.nonfinite += bad
-        ep.versions += vers
-        if routed is not None:
-            ep.routed = routed
-        ep.turns.append(
-            Turn(
-                prompt_ids=list(prompt),
-                output_ids=list(out),
-                logprobs=list(lps),
-                versions=list(vers),
-                finish=finish,
-                prefix_mismatch=mismatch,
-            )
-        )
-        self.stats.turns += 1
-        content, calls = parse_tool_calls(text) if tools else (text, [])
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            msg["tool_calls"] = calls
-        reason = "tool_calls" if calls and finish == "stop" else (finish or "stop")
-        answer = {
-            "id": f"chatcmpl-{ep.id}-{len(ep.turns)}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": "policy",
-            "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": reason}],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(out),
-                "total_tokens": len(prompt) + len(out),
-            },
-            "meta_info": {
-                "output_ids": out,
-                "weight_versions": vers,
-                "prefix_mismatch": mismatch,
-            },
-        }
-        overhead += time.perf_counter() - t1
-        self.turn_overhead_s.append(overhead)
-        if len(self.turn_overhead_s) > 10_000:
-            del self.turn_overhead_s[:5_000]
-        return answer
+        return messages, tools, stop
 
-    async def _generate(
-        self, ep: Episode, prompt: list[int], n: int, stop: list[str]
-    ) -> tuple[list[int], list[float], list[bool], list[int], str | None, str, Any]:
+    async def _generate(self, ep: Episode, prompt: list[int], n: int, stop: list[str]) -> Sampled:
         """One model turn through the router; a turn aborted by a weight update is continued
         from its partial output (its tokens keep the versions that produced them)."""
         client = ep.client
-        out: list[int] = []
-        lps: list[float] = []
-        bad: list[bool] = []
-        vers: list[int] = []
-        finish: str | None = None
-        routed = None
+        got = Sampled()
         data: dict[str, Any] = {}
         turn = len(ep.turns)
         for attempt in range(64):
-            left = n - len(out)
-            sp: dict[str, Any] = {
-                "max_new_tokens": left,
-                "temperature": client.cfg.temperature,
-                "top_p": client.cfg.top_p,
-                "top_k": client.cfg.top_k,
-            }
-            if client.cfg.stop_token_ids:
-                sp["stop_token_ids"] = list(client.cfg.stop_token_ids)
-            if stop or client.cfg.stop:
-                sp["stop"] = [*client.cfg.stop, *stop]
-            body: dict[str, Any] = {
-                "input_ids": prompt + out,
-                "sampling_params": sp,
-                "return_logprob": True,
-                "rid": f"{ep.id}-t{turn}-a{attempt}",
-            }
-            if client.cfg.return_routed_experts:
-                body["return_routed_experts"] = True
+            left = n - len(got.output_ids)
+            body = _generate_body(
+                client, prompt + got.output_ids, left, stop, rid=f"{ep.id}-t{turn}-a{attempt}"
+            )
             headers = {"X-Expected-Tokens": str(left), "X-Session-ID": ep.id}
             data = await client.post(body, headers)
             res = client.parse_response(data, prompt_len=len(body["input_ids"]))
             pay = segment_payload(res.payload)
-            out += res.output_ids
-            lps += pay["logprobs"]
-            bad += pay["nonfinite"]
-            vers += list(res.token_versions)
-            routed = pay.get("routed_experts", routed)
-            finish = pay.get("finish")
-            if res.status is not FinishStatus.ABORTED or len(out) >= n:
+            got.output_ids += res.output_ids
+            got.logprobs += pay["logprobs"]
+            got.nonfinite += pay["nonfinite"]
+            got.versions += list(res.token_versions)
+            got.routed = pay.get("routed_experts", got.routed)
+            got.finish = pay.get("finish")
+            if res.status is not FinishStatus.ABORTED or len(got.output_ids) >= n:
                 break
             self.stats.resumed_turns += 1
-        # the text is the sampled ids decoded with special tokens kept (so that it encodes back
-        # to them), without the stop token, cut at a matched stop string
         matched = ((data.get("meta_info") or {}).get("finish_reason") or {}).get("matched")
+        got.text = self._completion_text(got.output_ids, got.finish, matched)
+        return got
+
+    def _completion_text(self, out: list[int], finish: str | None, matched: Any) -> str:
+        """The sampled ids decoded with special tokens kept (so that it encodes back to them),
+        without the stop token, cut at a matched stop string."""
         ids = out[:-1] if finish == "stop" and isinstance(matched, int) else out
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         if isinstance(matched, str) and matched in text:
             text = text[: text.index(matched)]
-        return out, lps, bad, vers, finish, text, routed
+        return text
+
+
+def _generate_body(
+    client: GenerateClient, input_ids: list[int], left: int, stop: list[str], *, rid: str
+) -> dict[str, Any]:
+    """The SGLang `/generate` body of one call of a turn: the run's pinned sampling, the
+    agent's stop strings after the run's, at most `left` new tokens."""
+    cfg = client.cfg
+    sp: dict[str, Any] = {
+        "max_new_tokens": left,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+    }
+    if cfg.stop_token_ids:
+        sp["stop_token_ids"] = list(cfg.stop_token_ids)
+    if stop or cfg.stop:
+        sp["stop"] = [*cfg.stop, *stop]
+    body: dict[str, Any] = {
+        "input_ids": input_ids,
+        "sampling_params": sp,
+        "return_logprob": True,
+        "rid": rid,
+    }
+    if cfg.return_routed_experts:
+        body["return_routed_experts"] = True
+    return body
+
+
+def _answer(
+    ep: Episode, prompt: list[int], sampled: Sampled, *, mismatch: bool, tools: bool
+) -> dict[str, Any]:
+    """The OpenAI chat-completion answer of the turn just recorded (tool calls parsed from
+    the text when the call offered tools)."""
+    out, finish = sampled.output_ids, sampled.finish
+    content, calls = parse_tool_calls(sampled.text) if tools else (sampled.text, [])
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = calls
+    reason = "tool_calls" if calls and finish == "stop" else (finish or "stop")
+    return {
+        "id": f"chatcmpl-{ep.id}-{len(ep.turns)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": "policy",
+        "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": reason}],
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(out),
+            "total_tokens": len(prompt) + len(out),
+        },
+        "meta_info": {
+            "output_ids": out,
+            "weight_versions": sampled.versions,
+            "prefix_mismatch": mismatch,
+        },
+    }
 
 
 def _error(status: int, message: str) -> web.Response:

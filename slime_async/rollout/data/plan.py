@@ -17,6 +17,7 @@ from typing import Any
 
 from data_worker.source import PromptSource
 from slime_async.contracts.rollout import Prompt
+from slime_async.rollout.config import RolloutConfig
 from slime_async.rollout.data import rewards as rw
 from slime_async.rollout.data.datasets import DatasetConfig, load_dataset
 from slime_async.rollout.data.gym import (
@@ -66,37 +67,15 @@ class DataPlan:
     """Named eval sets (`--eval-prompt-data`), beside the held-out `eval_prompts`."""
 
 
-def make_data_plan(
-    *,
-    seed: int,
-    prompt_data: str | None,
-    hf_checkpoint: str | None,
-    input_key: str,
-    label_key: str,
-    apply_chat_template: bool,
-    strict_data: bool,
-    custom_rm_path: str | None,
-    eval_prompts: int,
-    reasoning_gym: ReasoningGymConfig | None = None,
-    eval_data: Sequence[tuple[str, str]] = (),
-    eval_input_key: str | None = None,
-    eval_label_key: str | None = None,
-) -> DataPlan:
-    """reasoning-gym tasks when given, else built-in verifiable tasks when `prompt_data` is None,
-    else the dataset; plus the `eval_data` (name, path) files as eval sets (their keys default
-    to the training ones)."""
-    plan = _plan(
-        seed=seed,
-        prompt_data=prompt_data,
-        hf_checkpoint=hf_checkpoint,
-        input_key=input_key,
-        label_key=label_key,
-        apply_chat_template=apply_chat_template,
-        strict_data=strict_data,
-        custom_rm_path=custom_rm_path,
-        eval_prompts=eval_prompts,
-        reasoning_gym=reasoning_gym,
-    )
+def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | None) -> DataPlan:
+    """The data of a run on `rollout`'s prompts: reasoning-gym tasks when `--prompt-source`
+    names them, else the built-in verifiable tasks when `--prompt-data` is unset, else the
+    dataset; with `--eval-interval` > 0 the held-out prompts and the `--eval-prompt-data` files
+    as eval sets (read with the `--eval-*-key`s). `seed`: the rollout seed (task streams,
+    dataset order); `hf_checkpoint`: the tokenizer's directory."""
+    evaluates = bool(rollout.eval_interval)
+    plan = _plan(rollout, seed=seed, hf_checkpoint=hf_checkpoint, evaluates=evaluates)
+    eval_data = rollout.eval_sets if evaluates else ()
     if not eval_data:
         return plan
     if hf_checkpoint is None or plan.decode is None:
@@ -105,16 +84,16 @@ def make_data_plan(
             "--prompt-data or --prompt-source (the built-in tasks have their own vocabulary)"
         )
     tok = _tokenizer(hf_checkpoint)
-    reward = rw.load_reward_fn(custom_rm_path) if custom_rm_path else rw.math_verify_reward
+    reward = _reward(rollout, rw.math_verify_reward)
     sets, metrics = [], dict(plan.metrics)
     for name, path in eval_data:
         data = load_dataset(
             DatasetConfig(
                 path=path,
-                prompt_key=eval_input_key or input_key,
-                label_key=eval_label_key or label_key,
-                strict=strict_data,
-                apply_chat_template=apply_chat_template or None,
+                prompt_key=rollout.eval_input_key or rollout.input_key,
+                label_key=rollout.eval_label_key or rollout.label_key,
+                strict=rollout.strict_data,
+                apply_chat_template=rollout.apply_chat_template or None,
                 flag="--eval-prompt-data",
             ),
             tokenizer=tok,
@@ -126,36 +105,27 @@ def make_data_plan(
     return dataclasses.replace(plan, eval_sets=tuple(sets), metrics=metrics)
 
 
+def _reward(rollout: RolloutConfig, default: Callable[[rw.RewardInput], Any]) -> Any:
+    """`--custom-rm-path` when given, else `default`."""
+    return rw.load_reward_fn(rollout.custom_rm_path) if rollout.custom_rm_path else default
+
+
 def _plan(
-    *,
-    seed: int,
-    prompt_data: str | None,
-    hf_checkpoint: str | None,
-    input_key: str,
-    label_key: str,
-    apply_chat_template: bool,
-    strict_data: bool,
-    custom_rm_path: str | None,
-    eval_prompts: int,
-    reasoning_gym: ReasoningGymConfig | None,
+    rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | None, evaluates: bool
 ) -> DataPlan:
     """`make_data_plan` without the eval files."""
-    if reasoning_gym is not None:
-        return _gym_plan(
-            reasoning_gym,
-            hf_checkpoint=hf_checkpoint,
-            custom_rm_path=custom_rm_path,
-            eval_prompts=eval_prompts,
-        )
-    if prompt_data is None:
+    eval_prompts = rollout.eval_prompts if evaluates else 0
+    gym = rollout.reasoning_gym_config(seed)
+    if gym is not None:
+        return _gym_plan(gym, rollout, hf_checkpoint=hf_checkpoint, eval_prompts=eval_prompts)
+    if rollout.prompt_data is None:
         family = TaskFamily(TaskFamilyConfig(seed=seed))
         per_level = max(1, eval_prompts // family.config.num_levels) if eval_prompts else 0
         held_out = [task_prompt(p) for p in family.eval_set(per_level)] if per_level else []
-        reward = rw.load_reward_fn(custom_rm_path) if custom_rm_path else rw.exact_match_reward
         return DataPlan(
             source=TaskPromptSource(family),
             eval_prompts=tuple(held_out),
-            reward_fn=reward,
+            reward_fn=_reward(rollout, rw.exact_match_reward),
             eos_id=EOS,
             decode=None,
             metrics={},
@@ -168,19 +138,18 @@ def _plan(
     tok = _tokenizer(hf_checkpoint)
     data = load_dataset(
         DatasetConfig(
-            path=prompt_data,
-            prompt_key=input_key,
-            label_key=label_key,
-            strict=strict_data,
-            apply_chat_template=apply_chat_template or None,
+            path=rollout.prompt_data,
+            prompt_key=rollout.input_key,
+            label_key=rollout.label_key,
+            strict=rollout.strict_data,
+            apply_chat_template=rollout.apply_chat_template or None,
         ),
         tokenizer=tok,
     )
-    reward = rw.load_reward_fn(custom_rm_path) if custom_rm_path else rw.math_verify_reward
     return DataPlan(
         source=dataset_source(data, seed=seed),
         eval_prompts=(),
-        reward_fn=reward,
+        reward_fn=_reward(rollout, rw.math_verify_reward),
         eos_id=int(tok.eos_token_id),
         decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
         metrics=data.metrics(),
@@ -198,9 +167,9 @@ def _tokenizer(hf_checkpoint: str) -> Any:
 
 def _gym_plan(
     config: ReasoningGymConfig,
+    rollout: RolloutConfig,
     *,
     hf_checkpoint: str | None,
-    custom_rm_path: str | None,
     eval_prompts: int,
 ) -> DataPlan:
     if hf_checkpoint is None:
@@ -211,11 +180,10 @@ def _gym_plan(
     tok = _tokenizer(hf_checkpoint)
     tasks = ReasoningGymTasks(config, tokenizer=tok)
     held_out = tasks.eval_set(eval_prompts)  # before any training prompt: the split is exact
-    reward = rw.load_reward_fn(custom_rm_path) if custom_rm_path else GymReward(tasks)
     return DataPlan(
         source=GymPromptSource(tasks),
         eval_prompts=tuple(held_out),
-        reward_fn=reward,
+        reward_fn=_reward(rollout, GymReward(tasks)),
         eos_id=int(tok.eos_token_id),
         decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
         metrics={"data/eval_prompts": float(len(held_out))},

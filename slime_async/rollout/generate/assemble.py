@@ -220,91 +220,131 @@ def _concat_mask(payloads: Sequence[SegmentPayload], n: int, *, where: str) -> t
     return torch.as_tensor(parts, dtype=torch.bool)
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Padded:
+    """The padded tensors of a batch being assembled (`[N, T]`, `[N]`), filled row by row,
+    with the counts its metrics report."""
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    rollout_lp: torch.Tensor
+    versions: torch.Tensor
+    rewards: torch.Tensor
+    valid: torch.Tensor
+    behavior: torch.Tensor | None
+    """π_j^Meg from the forward-only role (`rollout/generate/behavior.py`); NaN where a sample
+    has none; None when no sample has any."""
+    routed: list[np.ndarray] | None = dataclasses.field(default_factory=list)
+    """Per-sample routed experts, None once a sample lacks them."""
+    truncated: int = 0
+    nonfinite: int = 0
+    tool_tokens: int = 0
+
+    @classmethod
+    def empty(cls, n: int, width: int, *, with_behavior: bool) -> _Padded:
+        return cls(
+            tokens=torch.zeros(n, width, dtype=torch.long),
+            mask=torch.zeros(n, width, dtype=torch.bool),
+            rollout_lp=torch.zeros(n, width),
+            versions=torch.full((n, width), -1, dtype=torch.long),
+            rewards=torch.zeros(n),
+            valid=torch.ones(n, dtype=torch.bool),
+            behavior=torch.full((n, width), float("nan")) if with_behavior else None,
+        )
+
+    def fill(self, i: int, g: Group, s: Any, length: int) -> None:
+        """Row `i`: prompt + response of sample `s` of group `g` (`length` tokens)."""
+        p, r = len(g.prompt.prompt_ids), len(s.output_ids)
+        segments = _payloads(s)
+        last = segments[-1]
+        where = f"sample {g.prompt.key}/{s.sample_index}"
+        self.tokens[i, :p] = torch.as_tensor(list(g.prompt.prompt_ids))
+        self.tokens[i, p : p + r] = torch.as_tensor(list(s.output_ids))
+        lps = _concat(segments, "logprobs")
+        if len(lps) != r:
+            raise ValueError(f"{where}: {r} tokens but {len(lps)} log-probs")
+        self.rollout_lp[i, p : p + r] = torch.as_tensor(lps, dtype=torch.float32)
+        self.versions[i, p : p + r] = torch.as_tensor(list(s.token_versions))
+        if self.behavior is not None:
+            blp = last.get("behavior_logprobs", ())
+            if len(blp) == r:
+                self.behavior[i, p : p + r] = torch.as_tensor(blp, dtype=torch.float32)
+        m = self._response_mask(segments, r, where=where)
+        if last.get("reward_status", str(RewardStatus.OK)) != str(RewardStatus.OK):
+            self.valid[i] = False
+            m[:] = False
+        self.mask[i, p : p + r] = m
+        self.rewards[i] = float(last.get("reward", 0.0))
+        self.truncated += int(last.get("finish") == "length")
+        experts = last.get("routed_experts")
+        if self.routed is not None and experts is not None and experts.shape[0] == length - 1:
+            self.routed.append(experts)
+        else:
+            self.routed = None
+
+    def _response_mask(
+        self, segments: Sequence[SegmentPayload], r: int, *, where: str
+    ) -> torch.Tensor:
+        """The `[r]` loss mask of a response: tool output (multi-turn) and tokens with a
+        non-finite engine log-prob are not trained (both counted)."""
+        m = torch.ones(r, dtype=torch.bool)
+        if any("loss_mask" in p for p in segments):  # multi-turn: tool output is not trained
+            keep = _concat_mask(segments, r, where=where)
+            self.tool_tokens += int((~keep).sum())
+            m &= keep
+        bad = _concat(segments, "nonfinite")
+        if any(bad):
+            m &= ~torch.as_tensor(bad, dtype=torch.bool)
+            self.nonfinite += int(sum(bad))
+        return m
+
+    def metrics(self, response_lengths: Sequence[int]) -> dict[str, float]:
+        """The rollout metrics of the filled batch."""
+        n, valid, mask = len(response_lengths), self.valid, self.mask
+        resp_len = torch.as_tensor(response_lengths, dtype=torch.float32)
+        lp_mean = (self.rollout_lp * mask).sum() / mask.sum().clamp(min=1)
+        return {
+            "rollout/reward": float(self.rewards[valid].mean()) if bool(valid.any()) else 0.0,
+            "rollout/length": float(resp_len.mean()),
+            "rollout/logprob_mean": float(lp_mean),
+            "rollout/truncated_frac": self.truncated / max(1, n),
+            "rollout/reward_masked": float((~valid).sum()),
+            "rollout/nonfinite_logprobs": float(self.nonfinite),
+            "rollout/tool_tokens": float(self.tool_tokens),
+            "rollout/samples": float(n),
+            "rollout/routed_experts_frac": 1.0 if self.routed else 0.0,
+        }
+
+
 def assemble(batch: Batch, *, estimator: str) -> Assembled:
     """Build the padded `TrainerBatch` of a consumed batch (prompt + response per sample)."""
     rows: list[tuple[Group, Any]] = [(g, s) for g in batch.groups for s in g.samples]
     n = len(rows)
     lengths = [len(g.prompt.prompt_ids) + len(s.output_ids) for g, s in rows]
-    width = max(lengths)
-    tokens = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros(n, width, dtype=torch.bool)
-    rollout_lp = torch.zeros(n, width)
-    versions = torch.full((n, width), -1, dtype=torch.long)
-    rewards = torch.zeros(n)
-    valid = torch.ones(n, dtype=torch.bool)
-    routed: list[np.ndarray] | None = []
-    # π_j^Meg from the forward-only role (`rollout/generate/behavior.py`); NaN where a sample has none
-    behavior: torch.Tensor | None = None
-    if any("behavior_logprobs" in s.payloads[-1] for _, s in rows):
-        behavior = torch.full((n, width), float("nan"))
-    truncated = nonfinite = tool_tokens = 0
+    t = _Padded.empty(
+        n,
+        max(lengths),
+        with_behavior=any("behavior_logprobs" in s.payloads[-1] for _, s in rows),
+    )
     for i, (g, s) in enumerate(rows):
-        p, r = len(g.prompt.prompt_ids), len(s.output_ids)
-        segments = _payloads(s)
-        last = segments[-1]
-        tokens[i, :p] = torch.as_tensor(list(g.prompt.prompt_ids))
-        tokens[i, p : p + r] = torch.as_tensor(list(s.output_ids))
-        lps = _concat(segments, "logprobs")
-        bad = _concat(segments, "nonfinite")
-        if len(lps) != r:
-            raise ValueError(
-                f"sample {g.prompt.key}/{s.sample_index}: {r} tokens but {len(lps)} log-probs"
-            )
-        rollout_lp[i, p : p + r] = torch.as_tensor(lps, dtype=torch.float32)
-        versions[i, p : p + r] = torch.as_tensor(list(s.token_versions))
-        if behavior is not None:
-            blp = last.get("behavior_logprobs", ())
-            if len(blp) == r:
-                behavior[i, p : p + r] = torch.as_tensor(blp, dtype=torch.float32)
-        m = torch.ones(r, dtype=torch.bool)
-        if any("loss_mask" in p for p in segments):  # multi-turn: tool output is not trained
-            keep = _concat_mask(segments, r, where=f"sample {g.prompt.key}/{s.sample_index}")
-            tool_tokens += int((~keep).sum())
-            m &= keep
-        if any(bad):
-            m &= ~torch.as_tensor(bad, dtype=torch.bool)
-            nonfinite += int(sum(bad))
-        status = last.get("reward_status", str(RewardStatus.OK))
-        if status != str(RewardStatus.OK):
-            valid[i] = False
-            m[:] = False
-        mask[i, p : p + r] = m
-        rewards[i] = float(last.get("reward", 0.0))
-        truncated += int(last.get("finish") == "length")
-        experts = last.get("routed_experts")
-        if routed is not None and experts is not None and experts.shape[0] == lengths[i] - 1:
-            routed.append(experts)
-        else:
-            routed = None
-    if n and not bool(mask.any()):
+        t.fill(i, g, s, lengths[i])
+    if n and not bool(t.mask.any()):
         raise ValueError(
-            f"no token of this batch can be trained: {int((~valid).sum())} of {n} samples have a "
-            f"non-finite reward, {nonfinite} tokens a non-finite engine log-prob, {tool_tokens} "
-            "are tool output; check the reward function (--custom-rm-path) and the engines"
+            f"no token of this batch can be trained: {int((~t.valid).sum())} of {n} samples "
+            f"have a non-finite reward, {t.nonfinite} tokens a non-finite engine log-prob, "
+            f"{t.tool_tokens} are tool output; check the reward function (--custom-rm-path) "
+            "and the engines"
         )
     group_ids = torch.as_tensor([gi for gi, g in enumerate(batch.groups) for _ in g.samples])
-    token_adv = adv.compute_advantages(estimator, rewards, group_ids, valid, mask).float()
+    token_adv = adv.compute_advantages(estimator, t.rewards, group_ids, t.valid, t.mask).float()
     tb = TrainerBatch(
-        tokens=tokens,
+        tokens=t.tokens,
         lengths=torch.as_tensor(lengths),
-        loss_mask=mask,
-        rollout_logprobs=rollout_lp,
+        loss_mask=t.mask,
+        rollout_logprobs=t.rollout_lp,
         advantages=token_adv,
-        token_versions=versions,
-        routed_experts=tuple(routed) if routed else None,
-        behavior_logprobs=behavior,
+        token_versions=t.versions,
+        routed_experts=tuple(t.routed) if t.routed else None,
+        behavior_logprobs=t.behavior,
     )
-    resp_len = torch.as_tensor([len(s.output_ids) for _, s in rows], dtype=torch.float32)
-    lp_mean = (rollout_lp * mask).sum() / mask.sum().clamp(min=1)
-    metrics = {
-        "rollout/reward": float(rewards[valid].mean()) if bool(valid.any()) else 0.0,
-        "rollout/length": float(resp_len.mean()),
-        "rollout/logprob_mean": float(lp_mean),
-        "rollout/truncated_frac": truncated / max(1, n),
-        "rollout/reward_masked": float((~valid).sum()),
-        "rollout/nonfinite_logprobs": float(nonfinite),
-        "rollout/tool_tokens": float(tool_tokens),
-        "rollout/samples": float(n),
-        "rollout/routed_experts_frac": 1.0 if routed else 0.0,
-    }
-    return Assembled(batch=tb, metrics=metrics)
+    return Assembled(batch=tb, metrics=t.metrics([len(s.output_ids) for _, s in rows]))

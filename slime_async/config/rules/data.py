@@ -1,0 +1,237 @@
+"""The rules of what a run trains on and when: its model source and kind, the rollout and eval
+settings, the step count, the concurrency, the data worker's staleness budget and the loss.
+
+Rules (in `RULES` order): `gguf`, `embedded`, `run_flags`, `rollout`, `eval`, `steps`,
+`inflight`, `data_worker`, `schedule`, `off_policy_drop`, `loss`. The math of the budget is
+`data_worker.budget` (docs/staleness-budget.md, docs/windowed-fifo.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from clifields import range_errors
+from data_worker.budget import staleness_bound
+from data_worker.config import data_worker_config_from_args
+from loss import loss_settings_from_args
+from slime_async.config.derive import raise_all
+from slime_async.config.rules.draft import Draft, rule
+from slime_async.config.run_config import DEFAULT_NUM_ROLLOUT, Derived, RunConfig
+from slime_async.engine.backends import EngineFleetConfig
+from slime_async.rollout.config import rollout_config_from_args
+
+__all__ = [
+    "data_worker",
+    "embedded",
+    "eval_settings",
+    "gguf",
+    "inflight",
+    "loss",
+    "off_policy_drop",
+    "rollout",
+    "run_flags",
+    "schedule",
+    "steps",
+]
+
+
+@rule("gguf")
+def gguf(d: Draft) -> None:
+    """A .gguf --hf-checkpoint: the trainer reads the HF directory it was converted into (the
+    same weights), recorded as derived."""
+    if d.env.converted_checkpoint is None:
+        return
+    d.args.hf_checkpoint = d.env.converted_checkpoint
+    why = f"converted from the GGUF file {d.given['hf_checkpoint']}"
+    d.flags.note("hf_checkpoint", d.args.hf_checkpoint, why)
+
+
+@rule("embedded")
+def embedded(d: Draft) -> None:
+    """The run's kind: the embedded default run (tiny MoE, built-in tasks) unless it names a
+    model or data (--hf-checkpoint, --prompt-data, --prompt-source). Many defaults follow it."""
+    a = d.args
+    d.embedded = a.hf_checkpoint is None and a.prompt_data is None and a.prompt_source is None
+
+
+@rule("run_flags")
+def run_flags(d: Draft) -> None:
+    """Rules among the run's own flags (and router flags the run itself sets), checked before
+    anything is derived from them."""
+    a, errors = d.args, []
+    if a.num_steps is not None and a.num_rollout is not None:
+        errors.append("give either --num-steps or --num-rollout, not both")
+    errors += range_errors(RunConfig, a)
+    if a.router_worker_urls:  # the launcher registers exactly the engines it starts
+        errors.append(
+            "--router-worker-urls cannot apply to train_async.py: the run registers its engines "
+            "with its router itself; drop the flag (to attach servers that are already running, "
+            "use --engine-backend external --engine-urls URL,...)"
+        )
+    raise_all(errors)
+
+
+@rule("rollout")
+def rollout(d: Draft) -> None:
+    """The rollout settings; an unset --global-batch-size is what one step trains on."""
+    d.rollout = rollout_config_from_args(d.args)
+    if d.args.global_batch_size is None:
+        d.flags.note(
+            "global_batch_size",
+            d.rollout.global_batch_size,
+            "rollout_batch_size x n_samples_per_prompt / num_steps_per_rollout",
+        )
+
+
+_INHERITED = {
+    "eval_max_response_len": "--rollout-max-response-len",
+    "eval_temperature": "--rollout-temperature",
+    "eval_top_p": "--rollout-top-p",
+}
+"""Eval settings an eval sample inherits from training when unset -> the training flag."""
+
+
+@rule("eval")
+def eval_settings(d: Draft) -> None:
+    """Record the eval settings `RolloutConfig` resolved for unset flags: the cadence (0 when
+    the run has no eval set: said once, here) and, when it evaluates, the rollout settings the
+    eval samples inherit."""
+    f, r = d.flags, d.rollout
+    if f.unset("eval_interval"):
+        if r.eval_interval:
+            f.note("eval_interval", r.eval_interval, "default: the run has an eval set")
+        else:
+            why = (
+                f"no eval set: {r.no_eval_set_reason}; give --eval-prompt-data NAME PATH to "
+                "evaluate"
+            )
+            f.note("eval_interval", 0, why)
+    if not r.eval_interval:
+        return
+    inherited = dict(_INHERITED)
+    if r.eval_prompt_data:
+        inherited |= {"eval_input_key": "--input-key", "eval_label_key": "--label-key"}
+    for dest, source in inherited.items():
+        if f.unset(dest):
+            f.note(dest, getattr(r, dest), f"{source}, as training")
+
+
+@rule("steps", fills=("num_steps",))
+def steps(d: Draft) -> None:
+    """Unset --num-steps: --num-rollout (default `DEFAULT_NUM_ROLLOUT`) x
+    --num-steps-per-rollout."""
+    if not d.flags.unset("num_steps"):
+        return
+    given = d.args.num_rollout
+    rollouts = DEFAULT_NUM_ROLLOUT if given is None else given
+    per = d.rollout.num_steps_per_rollout
+    d.flags.fill(
+        "num_steps",
+        rollouts * per,
+        f"--num-rollout {rollouts} x --num-steps-per-rollout {per}",
+    )
+
+
+@rule("inflight", fills=("max_inflight",))
+def inflight(d: Draft) -> None:
+    """slime's per-server concurrency: --max-inflight = --sglang-server-concurrency x engines
+    (a --max-inflight that says otherwise is refused)."""
+    a, f = d.args, d.flags
+    per = a.sglang_server_concurrency
+    if per is None:
+        return
+    n = EngineFleetConfig.from_args(a).num_engines
+    if not f.unset("max_inflight") and a.max_inflight != per * n:
+        raise ValueError(
+            f"--max-inflight {a.max_inflight} contradicts --sglang-server-concurrency {per} x "
+            f"{n} engines = {per * n} concurrent generate calls: give one of the two"
+        )
+    if f.unset("max_inflight"):
+        f.fill("max_inflight", per * n, f"--sglang-server-concurrency {per} x {n} engines")
+
+
+@rule("data_worker")
+def data_worker(d: Draft) -> None:
+    """The data worker's settings, shaped by the rollout's; records the defaults it resolved
+    (--max-inflight, --fifo-window = 2 x groups per step)."""
+    f, r = d.flags, d.rollout
+    d.data_worker = data_worker_config_from_args(
+        d.args,
+        n_samples_per_prompt=r.n_samples_per_prompt,
+        groups_per_step=r.groups_per_step,
+        default_expected_len=r.max_response_len,
+    )
+    if f.unset("max_inflight"):
+        why = "the default (no --sglang-server-concurrency)"
+        f.note("max_inflight", d.data_worker.max_inflight, why)
+    if d.args.fifo_window is None:
+        why = f"2 x groups per step (B = {r.groups_per_step})"
+        f.note("fifo_window", d.data_worker.fifo_window, why)
+
+
+@rule("schedule")
+def schedule(d: Draft) -> None:
+    """Rules between the weight-push cadence and the data worker's staleness settings: N >= S
+    and I - 1 <= S."""
+    errors = []
+    s, m = d.data_worker.max_staleness, d.data_worker.max_off_policy_steps
+    interval = d.args.update_weights_interval
+    if m is not None and m < s:
+        errors.append(
+            f"--max-off-policy-steps {m} < --max-staleness {s}: groups the budget admits would "
+            "be dropped; raise it to at least the staleness bound or lower --max-staleness"
+        )
+    if interval - 1 > s:
+        errors.append(
+            f"--update-weights-interval {interval} needs --max-staleness >= {interval - 1}: "
+            "engines serve a version that old between pushes, so the staleness budget would "
+            "stall generation"
+        )
+    raise_all(errors)
+
+
+@rule("off_policy_drop", fills=("max_off_policy_steps",))
+def off_policy_drop(d: Draft) -> None:
+    """Unset `--max-off-policy-steps`: the staleness bound S + ceil((W - 1) / B)
+    (`staleness_bound`; the push interval adds nothing: the budget counts against the pushed
+    version), so the run never trains a group past the bound it states. The budget keeps every
+    group inside it while the engines serve the pushed weights; a group sampled on older ones
+    (the backstop: a replacement engine is held out of the router until it has the fleet's
+    weights) is dropped and counted instead of trained. Unbounded window: nothing to derive."""
+    dw = d.data_worker
+    if not d.flags.unset("max_off_policy_steps"):
+        return
+    bound = staleness_bound(
+        max_staleness=dw.max_staleness,
+        fifo_window=dw.fifo_window,
+        groups_per_step=dw.groups_per_step,
+    )
+    if math.isinf(bound):
+        return
+    n, interval = int(bound), d.args.update_weights_interval
+    d.flags.fill(
+        "max_off_policy_steps",
+        n,
+        f"the staleness bound S {dw.max_staleness} + ceil((W {dw.fifo_window:g} - 1) / B "
+        f"{dw.groups_per_step})"
+        + (
+            f" (--update-weights-interval {interval} adds none: the budget counts against the "
+            "pushed version)"
+            if interval > 1
+            else ""
+        )
+        + ": a group sampled on weights older than the pushed ones is dropped, not trained",
+    )
+    d.data_worker = dataclasses.replace(dw, max_off_policy_steps=n)
+
+
+@rule("loss")
+def loss(d: Draft) -> None:
+    """The loss and its config (the `loss` package's flags); its `loss_scale_factor` defaults to the
+    rollout's max response length. Records what the loss package derived."""
+    d.loss = loss_settings_from_args(
+        d.args, default_loss_scale_factor=float(d.rollout.max_response_len)
+    )
+    for flag, value, why in d.loss.derived:
+        d.flags.derived[flag] = Derived(value, why)

@@ -1,0 +1,256 @@
+"""The rules of the engines and how weights reach them: the fleet, the cores each role runs
+on, the prefix-cache salt, the shared token, the warm start, the engines' own settings (LoRA
+on for a LoRA run), the weight transport and the dtype weights travel in.
+
+Rules (in `RULES` order): `engines`, `placement`, `cache_salt`, `shared_token`, `warmstart`,
+`engine`, `lora`, `transport`, `weight_dtype`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from router.config import router_config_from_args
+from slime_async.config.rules.draft import Draft, Placement, rule
+from slime_async.config.run_paths import derive_warmstart
+from slime_async.contracts.adapter import lora_spec
+from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
+from slime_async.engine.config import engine_run_config_from_args
+
+__all__ = [
+    "cache_salt",
+    "engine",
+    "engines",
+    "lora",
+    "placement",
+    "shared_token",
+    "transport",
+    "warmstart",
+    "weight_dtype",
+]
+
+
+@rule("engines")
+def engines(d: Draft) -> None:
+    """The rollout engines (backend, count, URLs); records the count and GPUs they resolved."""
+    a, f = d.args, d.flags
+    d.engines = fleet = EngineFleetConfig.from_args(a)
+    if f.unset("num_engines"):
+        why = "one per --engine-urls URL" if fleet.urls else "the default"
+        if a.rollout_num_gpus is not None:
+            why = (
+                f"--rollout-num-gpus {a.rollout_num_gpus} / --rollout-num-gpus-per-engine "
+                f"{fleet.gpus_per_engine}"
+            )
+        f.note("num_engines", fleet.num_engines, why)
+    if a.rollout_num_gpus is None:
+        why = "--num-engines x --rollout-num-gpus-per-engine"
+        f.note("rollout_num_gpus", fleet.rollout_num_gpus, why)
+
+
+_CORE_FLAGS = ("trainer-cores", "rollout-cores")
+
+
+@rule("placement", fills=("colocate",))
+def placement(d: Draft) -> None:
+    """Colocation and the trainer's and engines' cores on the cores this process may use: apart
+    (the two halves) unless it may use a single core. On a joined cluster the roles run on
+    other nodes: each pins cores of its own node at start-up
+    (`slime_async.orchestrator.placement`), so none are derived from this machine."""
+    a, f, cpus = d.args, d.flags, d.env.cpus
+    given = {k: tuple(v) for k in _CORE_FLAGS if (v := getattr(a, k.replace("-", "_"))) is not None}
+    if d.env.ray_address is not None:
+        if given:
+            raise ValueError(
+                "--trainer-cores/--rollout-cores name cores of this machine, but on a joined "
+                "Ray cluster every role pins cores of its own node (split by the CPUs it "
+                "reserves); drop them (or size --actor-num-cpus-per-rank / "
+                "--rollout-num-cpus-per-engine)"
+            )
+        if f.unset("colocate"):
+            f.fill("colocate", False, "joined Ray cluster: cores are pinned per node")
+        d.placement = Placement(colocate=bool(a.colocate))
+        return
+    _check_colocate(a, given)
+    if f.unset("colocate"):
+        if len(cpus) < 2 and given:
+            raise ValueError(
+                f"--trainer-cores/--rollout-cores need 2 or more CPU cores, but this process may "
+                f"use only core {cpus[0]}; drop them (trainer and engines then share it)"
+            )
+        f.fill("colocate", len(cpus) < 2, f"{len(cpus)} usable CPU core(s): {list(cpus)}")
+    d.placement = Placement(colocate=True) if a.colocate else _split_cores(d, given)
+
+
+def _check_colocate(a: argparse.Namespace, given: dict[str, tuple[int, ...]]) -> None:
+    """--colocate shares CPU cores: not with GPU engines, nor with cores given per role."""
+    if a.colocate and get_engine_backend(a.engine_backend).needs.gpus_per_engine > 0:
+        raise ValueError(
+            "--colocate here shares CPU cores between trainer and engines; slime's --colocate "
+            "(engines and trainer time-sharing the GPUs, with offload) is not implemented for "
+            f"--engine-backend {a.engine_backend} (GPU engines); drop --colocate and give the "
+            "engines their own GPUs"
+        )
+    if a.colocate and given:
+        raise ValueError(
+            "--colocate shares all cores; do not also pass --trainer-cores/--rollout-cores"
+        )
+
+
+def _split_cores(d: Draft, given: dict[str, tuple[int, ...]]) -> Placement:
+    """Trainer and engines apart: the first and second half of the usable cores, or the cores
+    given (usable ones, disjoint)."""
+    cpus = d.env.cpus
+    half = max(1, len(cpus) // 2)
+    defaults = {"trainer-cores": (cpus[:half], "first"), "rollout-cores": (cpus[half:], "second")}
+    for flag, (cores, which) in defaults.items():
+        if flag not in given:
+            why = f"{which} half of the usable cores {list(cpus)}"
+            d.flags.note(flag.replace("-", "_"), cores, why)
+            given[flag] = cores
+        elif missing := sorted(set(given[flag]) - set(cpus)):
+            raise ValueError(
+                f"--{flag} names core(s) {missing} this process may not use (usable: "
+                f"{list(cpus)}); pick cores from that set"
+            )
+    trainer, rollout = given["trainer-cores"], given["rollout-cores"]
+    if set(trainer) & set(rollout):
+        raise ValueError(
+            f"--trainer-cores {trainer} and --rollout-cores {rollout} overlap; give disjoint sets "
+            "or use --colocate"
+        )
+    return Placement(colocate=False, trainer_cores=trainer, rollout_cores=rollout)
+
+
+@rule("cache_salt", fills=("router_cache_salt",))
+def cache_salt(d: Draft) -> None:
+    """Salt each request's prefix-cache key with the weight version for SGLang engines (they
+    would share cached prefixes across versions); the embedded engine keys its cache itself."""
+    if not d.flags.unset("router_cache_salt"):
+        return
+    if d.engines.backend in ("sglang", "external"):
+        why = (
+            "SGLang engines share cached prefixes across weight versions unless each "
+            "request's extra_key changes with the push (docs/weight-sync.md)"
+        )
+        d.flags.fill("router_cache_salt", True, why)
+    else:
+        why = "the embedded engine keys its prefix cache by weight version itself"
+        d.flags.fill("router_cache_salt", False, why)
+
+
+@rule("shared_token")
+def shared_token(d: Draft) -> None:
+    """The router's config and the run's shared token. One token guards the router and every
+    engine (the router presents it to them): `$SLIME_ASYNC_AUTH_TOKEN` / `--auth-token-file`,
+    or a deprecated `--router-auth-token`. Joining a cluster puts servers on node IPs, so it
+    needs one."""
+    flag, env = d.args.router_auth_token, d.env
+    if flag and env.auth_token and flag != env.auth_token:
+        raise ValueError(
+            "--router-auth-token differs from the run's shared token ($SLIME_ASYNC_AUTH_TOKEN / "
+            "--auth-token-file); router and engines use one token: drop --router-auth-token"
+        )
+    token = flag or env.auth_token
+    if env.ray_address is not None and not token:
+        raise ValueError(
+            f"joining the Ray cluster at {env.ray_address} puts the engines and the router on "
+            "their nodes' IPs, which needs the run's shared token: export "
+            "SLIME_ASYNC_AUTH_TOKEN=<token> or pass --auth-token-file PATH (never the token "
+            "itself on the command line)"
+        )
+    a = argparse.Namespace(**{**vars(d.args), "router_auth_token": token})
+    d.router, d.token = router_config_from_args(a, prefix="router-"), token
+
+
+@rule("warmstart", fills=("warmstart_steps",))
+def warmstart(d: Draft) -> None:
+    """Warm start only for a fresh embedded default run (`run_paths.derive_warmstart`)."""
+    derive_warmstart(d.flags, embedded=d.embedded, resume=d.trainer.load is not None)
+
+
+@rule("engine")
+def engine(d: Draft) -> None:
+    """The embedded engines' settings: the run's rollout seed, one thread each when the roles
+    have cores of their own."""
+    d.engine = engine_run_config_from_args(
+        d.args,
+        seed=d.rollout.seed_or(d.args.seed),
+        num_threads=None if d.placement.colocate else 1,
+    )
+
+
+@rule("lora")
+def lora(d: Draft) -> None:
+    """A LoRA run (`--lora-rank` > 0): the run's adapter checked against the model
+    (`contracts.adapter.lora_spec`), and the engines, which serve it over the base, start with
+    LoRA on, sized to it; refused where the engines cannot take versioned (or, with
+    --update-weight-transport distributed, broadcast) adapters."""
+    spec = lora_spec(d.trainer, d.env.model)
+    if spec is None:
+        return
+    fleet = d.engines
+    if not fleet.needs.versioned_adapters:
+        raise ValueError(
+            f"--lora-rank pushes each adapter version in place (/load_lora_adapter with "
+            f"weight_version), which --engine-backend {fleet.backend} does not do; use the "
+            "embedded engines, or --lora-rank 0 (full-weight pushes)"
+        )
+    transport = d.args.update_weight_transport
+    if transport is not None and transport != "disk" and not fleet.needs.distributed_adapters:
+        raise ValueError(
+            "--update-weight-transport distributed with --lora-rank broadcasts the adapter over "
+            "the weight group for the engines to stage and activate (/update_weights_from_"
+            f"distributed with lora_name), which --engine-backend {fleet.backend} does not do; "
+            "use --update-weight-transport disk (or leave it unset)"
+        )
+    d.engine = dataclasses.replace(
+        d.engine,
+        enable_lora=True,
+        max_lora_rank=spec.rank,
+        lora_target_modules=spec.targets,
+        max_loaded_loras=1,
+    )
+
+
+@rule("transport", fills=("update_weight_transport",))
+def transport(d: Draft) -> None:
+    """How weights reach the engines: a LoRA run's adapter directory, or a full run's weights
+    from disk (servers the run does not own) or over the weight group (no shared filesystem)."""
+    f = d.flags
+    if not f.unset("update_weight_transport"):
+        return
+    if d.trainer.lora_rank:
+        why = "LoRA: each push is the adapter's PEFT directory, loaded by name (docs/lora.md)"
+        f.fill("update_weight_transport", "disk", why)
+    elif not d.engines.needs.owns_processes:
+        why = (
+            "--engine-backend external: servers the run does not own come back on their own "
+            "weights, and the router replays the newest disk load on them before re-admission"
+        )
+        f.fill("update_weight_transport", "disk", why)
+    else:
+        why = "no shared filesystem needed (docs/weight-sync.md)"
+        f.fill("update_weight_transport", "distributed", why)
+
+
+@rule("weight_dtype", fills=("update_weight_dtype",))
+def weight_dtype(d: Draft) -> None:
+    """The dtype weights travel in: the engines' when known to be bf16 (half the bytes of
+    fp32; the engine would round to bf16 the same way), the trainer's otherwise."""
+    f, t = d.flags, d.trainer
+    if not f.unset("update_weight_dtype"):
+        return
+    role_reads_disk = d.args.update_weight_transport == "disk" and t.behavior_forward == "role"
+    if t.bf16:
+        f.fill("update_weight_dtype", "bfloat16", "the trainer's parameters are bf16")
+    elif d.engines.backend == "embedded" and d.engine.dtype == "bf16" and not role_reads_disk:
+        f.fill("update_weight_dtype", "bfloat16", "the engines serve bf16 (--engine-dtype bf16)")
+    else:
+        why = (
+            "the forward-only role reads the disk exports as the trainer's weights"
+            if role_reads_disk
+            else "the trainer's dtype (the engines' is not known here)"
+        )
+        f.fill("update_weight_dtype", "float32", why)

@@ -1,0 +1,191 @@
+"""The rules of the trainer: its defaults by run kind, where pi_j^Meg is computed, how many
+weight snapshots it keeps, its precision, the config itself and what it resumes from.
+
+Rules (in `RULES` order): `lr`, `run_kind`, `behavior_forward`, `snapshots`, `bf16`, `save_hf`,
+`trainer`, `resume`. The paths' rules themselves are `slime_async.config.run_paths`'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+from data_worker.budget import snapshot_count, staleness_bound
+from loss import resolve_loss_spec
+from slime_async.config.rules.draft import Draft, rule
+from slime_async.config.run_paths import check_resume, derive_save_hf, resume_from
+from slime_async.trainer.config import (
+    REAL_MODEL_LR,
+    REAL_MODEL_LR_WARN,
+    TrainerConfig,
+    run_kind_defaults,
+    trainer_config_from_args,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "behavior_forward",
+    "bf16",
+    "lr",
+    "resume",
+    "run_kind",
+    "save_hf",
+    "snapshots",
+    "trainer",
+]
+
+_USER_RUN = "a run with --hf-checkpoint/--prompt-data/--prompt-source"
+
+
+def _reads_behavior(d: Draft) -> bool:
+    """The run's loss reads pi_j^Meg (its `LossNeeds`), so snapshots are worth keeping."""
+    return resolve_loss_spec(d.loss.loss.name).needs.behavior_logprobs
+
+
+@rule("lr", fills=("lr",))
+def lr(d: Draft) -> None:
+    """The learning rate by run kind; a user lr far above what RL on a pretrained model takes is
+    kept, with a warning (it is the user's flag)."""
+    f = d.flags
+    if f.unset("lr"):
+        if d.embedded:
+            f.fill("lr", TrainerConfig().lr, "default of the embedded default run (tiny model)")
+        else:
+            f.fill("lr", REAL_MODEL_LR, f"default of {_USER_RUN}: RL on a pretrained model")
+    elif not d.embedded and d.args.lr > REAL_MODEL_LR_WARN:
+        log.warning(
+            "--lr %g is far above what RL on a pretrained model takes (~%g): expect the policy "
+            "entropy to collapse and the train-rollout log-prob gap to jump after one update",
+            d.args.lr,
+            REAL_MODEL_LR,
+        )
+
+
+@rule("run_kind", fills=tuple(run_kind_defaults(embedded=True)))
+def run_kind(d: Draft) -> None:
+    """Run-kind defaults (`trainer.config.EMBEDDED_RUN`: micro batch, routing replay, snapshots
+    on) for the unset flags; snapshots are kept by default only for a loss that reads pi_j^Meg."""
+    kind = "the embedded default run" if d.embedded else _USER_RUN
+    for dest, value in run_kind_defaults(embedded=d.embedded).items():
+        aliased = dest == "routing_replay" and d.args.use_rollout_routing_replay
+        if not d.flags.unset(dest) or aliased:
+            continue
+        if dest == "keep_old_actor" and value and not _reads_behavior(d):
+            d.flags.fill(dest, False, f"--loss {d.loss.loss.name} does not read pi_j^Meg snapshots")
+        else:
+            d.flags.fill(dest, value, f"default of {kind}")
+
+
+@rule("behavior_forward", fills=("behavior_forward",))
+def behavior_forward(d: Draft) -> None:
+    """Where pi_j^Meg is computed: the forward-only role in an async run whose loss reads it (off
+    the train step), the trainer otherwise. The `memory` rule may move it back to the trainer."""
+    if not d.flags.unset("behavior_forward"):
+        return
+    a = d.args
+    if a.keep_old_actor and _reads_behavior(d) and d.data_worker.max_staleness > 0:
+        lora = "; under LoRA it holds the base once and an adapter per version"
+        why = (
+            "an async run whose loss reads pi_j^Meg: the forward-only role computes it off the "
+            "train step (docs/compis.md)" + (lora if a.lora_rank else "")
+        )
+        d.flags.fill("behavior_forward", "role", why)
+    else:
+        d.flags.fill("behavior_forward", "trainer", "nothing to move off the train step")
+
+
+@rule("snapshots", fills=("max_snapshots",))
+def snapshots(d: Draft) -> None:
+    """--max-snapshots from the staleness bound: every version a trained token can come from
+    (the role holds only the pushed ones); a user's count below it is refused. A finite bound is
+    needed to keep snapshots at all."""
+    a, dw = d.args, d.data_worker
+    if not a.keep_old_actor:
+        return  # no snapshots are kept, so --max-snapshots has nothing to size
+    window = dict(
+        max_staleness=dw.max_staleness,
+        fifo_window=dw.fifo_window,
+        groups_per_step=dw.groups_per_step,
+    )
+    bound = staleness_bound(**window, max_off_policy_steps=dw.max_off_policy_steps)
+    if math.isinf(bound):
+        raise ValueError(
+            "--keep-old-actor with --fifo-window inf has no staleness bound, so no finite number "
+            "of weight snapshots suffices; use a finite --fifo-window or --max-off-policy-steps, "
+            "or --no-keep-old-actor"
+        )
+    b = int(bound)
+    why = f"S {dw.max_staleness} + ceil((W {dw.fifo_window:g} - 1) / B {dw.groups_per_step})"
+    if bound < staleness_bound(**window):
+        why = f"--max-off-policy-steps {b}"
+    # the trainer snapshots every version; the forward-only role only the pushed ones
+    every = a.update_weights_interval if a.behavior_forward == "role" else 1
+    need = int(snapshot_count(bound=b, versions_every=every))
+    if every == 1:
+        why = f"staleness bound {b} ({why}) + the current version"
+    else:
+        why = (
+            f"staleness bound {b} ({why}), the role holding only versions pushed every "
+            f"--update-weights-interval {every}: floor({b} / {every}) + 1 of them, + 1 off "
+            "that grid (a resumed start or an early push)"
+        )
+    if d.flags.unset("max_snapshots"):
+        d.flags.fill("max_snapshots", need, why)
+    elif a.max_snapshots < need:
+        raise ValueError(
+            f"--max-snapshots {a.max_snapshots} is too few for --keep-old-actor: a trained token "
+            f"can come from any of {need} versions ({why}); give --max-snapshots {need} or more "
+            "(or drop the flag), or lower --max-staleness / --fifo-window"
+        )
+
+
+@rule("bf16", fills=("bf16",))
+def bf16(d: Draft) -> None:
+    """bf16 compute (fp32 main weights and gradient accumulation) for a run with a user's model
+    on a CPU with native bf16 matmuls (AMX / AVX512_BF16); fp32 otherwise (docs/cpu.md)."""
+    f, env = d.flags, d.env
+    if not f.unset("bf16"):
+        return
+    if d.embedded:
+        f.fill("bf16", False, "the embedded default run's tiny model trains in fp32")
+    elif env.load is not None and env.load.version is not None:
+        why = "a resumed run keeps fp32 unless told: give --bf16 if its checkpoint was saved so"
+        f.fill("bf16", False, why)
+    elif env.cpu_bf16:
+        why = f"the CPU has {env.cpu_bf16}: bf16 matmuls, fp32 main weights and gradients"
+        f.fill("bf16", True, why)
+    else:
+        f.fill("bf16", False, "the CPU has no AMX/AVX512_BF16 (bf16 would be emulated): fp32")
+
+
+@rule("save_hf", fills=("save_hf",))
+def save_hf(d: Draft) -> None:
+    """`--save-hf`: `<run-dir>/hf` for the embedded default run (`run_paths.derive_save_hf`)."""
+    derive_save_hf(d.flags, embedded=d.embedded, gguf=d.given["hf_checkpoint"])
+
+
+@rule("trainer")
+def trainer(d: Draft) -> None:
+    """The trainer's config from the derived flags, with the loss and the sampling temperature;
+    checked against the model it trains (routing replay needs an MoE)."""
+    t = trainer_config_from_args(d.args)
+    replay, model = t.routing_replay.value, d.env.model
+    if replay != "none" and not model.is_moe:
+        raise ValueError(
+            f"--routing-replay {replay} needs an MoE model, but {d.args.hf_checkpoint} is dense "
+            f"({model.family}); drop the routing-replay flag"
+        )
+    d.trainer = dataclasses.replace(
+        t, loss=d.loss.loss, temperature=d.rollout.temperature, hf_source=d.args.hf_checkpoint
+    )
+
+
+@rule("resume")
+def resume(d: Draft) -> None:
+    """The checkpoint the trainer resumes from (`run_paths.resume_from`: none yet for slime's
+    `--load D --save D` on an empty D), and every refusal about it (`run_paths.check_resume`)."""
+    load = resume_from(d.flags, d.env, embedded=d.embedded)
+    d.trainer = dataclasses.replace(d.trainer, load=load)
+    check_resume(d.args, d.env, d.trainer)

@@ -1,0 +1,125 @@
+"""The trainer-side roles of a run: the trainer group in its bundles and the forward-only role.
+
+Owns `start_trainer` (`world_size` trainer ranks in their placement bundles, the rendezvous on
+rank 0's node, each rank's cores pinned, and on a joined cluster the check that every trainer
+node holds the paths it reads: `node_paths.check_trainer_paths`) and `start_behavior_role` (the
+forward-only role computing π_j^Meg on the rollout cores, when the run needs one).
+`slime_async.orchestrator.launch.setup_run` calls them in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from loss import resolve_loss_spec
+from slime_async import startup
+from slime_async.config.run_config import RunConfig
+from slime_async.host import free_port
+from slime_async.orchestrator.node_paths import check_trainer_paths
+from slime_async.orchestrator.placement import Placement
+from slime_async.orchestrator.roles import pin_actor
+from slime_async.trainer import checkpoint
+from slime_async.trainer.actor import TrainerGroup
+from slime_async.trainer.behavior_role import BehaviorRole
+from slime_async.trainer.config import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+async def start_trainer(
+    cfg: RunConfig, trainer_cfg: TrainerConfig, placement: Placement | None
+) -> TrainerGroup:
+    """`world_size` trainer ranks in their bundles, rendezvous on rank 0's node IP (a local
+    run: loopback); each pins its cores (a local run: `--trainer-cores`, shared)."""
+    joined = cfg.ray_address is not None
+    slots = placement.trainer if placement is not None else None
+    cores = [cfg.trainer_cores] * trainer_cfg.world_size
+    if joined and slots is not None:
+        cores = [() if cfg.colocate else s.cores for s in slots]
+    threads = max(1, min(len(c) for c in cores)) if all(cores) else 1
+    if not joined:  # a local node: rendezvous on loopback, ranks in their bundles
+        slots = (
+            [dataclasses.replace(s, node_ip="127.0.0.1", port=free_port()) for s in slots[:1]]
+            + list(slots[1:])
+            if slots
+            else None
+        )
+    hf_from_rank0 = False
+    if joined and slots is not None:  # no shared filesystem assumed: look on every trainer node
+        hf_from_rank0 = await asyncio.to_thread(_check_paths, cfg, trainer_cfg, slots)
+    startup.say(
+        f"building the trainer ({trainer_cfg.world_size} rank(s), "
+        f"TP {trainer_cfg.tensor_model_parallel_size} / "
+        f"PP {trainer_cfg.pipeline_model_parallel_size} / "
+        f"EP {trainer_cfg.expert_model_parallel_size}"
+        + (f", loading {trainer_cfg.load})" if trainer_cfg.load else ")")
+    )
+    trainer = await asyncio.to_thread(
+        TrainerGroup,
+        trainer_cfg,
+        cfg.model,
+        world_size=trainer_cfg.world_size,
+        num_threads=threads if joined else max(1, len(cfg.trainer_cores)),
+        slots=slots,
+        hf_from_rank0=hf_from_rank0,
+    )
+    for actor, c in zip(trainer.actors, cores, strict=True):
+        await pin_actor(actor, c)
+    return trainer
+
+
+def _check_paths(cfg: RunConfig, trainer_cfg: TrainerConfig, slots: list[Any]) -> bool:
+    """`node_paths.check_trainer_paths` for this run; says which ranks get the start weights
+    from rank 0. Raises `NodePathError` (node, rank, path, fix) for a layout that cannot work."""
+    hf = trainer_cfg.hf_checkpoint if trainer_cfg.load is None else None
+    warm = hf is not None and cfg.warmstart_steps > 0 and hf != cfg.trainer.hf_checkpoint
+    load_meta = None
+    if trainer_cfg.load is not None:
+        load_meta = checkpoint.find_latest(Path(trainer_cfg.load), hashes=False) / "meta.json"
+    shared = check_trainer_paths(
+        slots,
+        hf_dir=hf if hf is not None and Path(hf).is_dir() else None,
+        hf_flag="the warm start" if warm else "--hf-checkpoint",
+        load_meta=load_meta,
+        load=trainer_cfg.load,
+        save=trainer_cfg.save,
+        run_dir=cfg.run_dir,
+    )
+    if shared:
+        log.info(
+            "trainer nodes %s do not hold %s: rank 0 reads it and sends it over the trainer group",
+            shared,
+            hf,
+        )
+    return bool(shared)
+
+
+async def start_behavior_role(cfg: RunConfig, trainer_cfg: TrainerConfig) -> BehaviorRole | None:
+    """The forward-only role, on the rollout cores, when π_j^Meg is computed there: the loss
+    reads it, snapshots are on, `--behavior-forward role`, and the run is asynchronous (with
+    `--max-staleness 0` every trained token is of the current version: nothing to compute)."""
+    if not (
+        trainer_cfg.keep_old_actor
+        and trainer_cfg.behavior_forward == "role"
+        and resolve_loss_spec(trainer_cfg.loss.name).needs.behavior_logprobs
+        and cfg.data_worker.max_staleness > 0
+    ):
+        return None
+    startup.say("starting the forward-only behavior role")
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    role = await asyncio.to_thread(
+        BehaviorRole,
+        trainer_cfg,
+        cfg.model,
+        num_threads=max(1, len(cfg.rollout_cores)),
+        actor_options={"scheduling_strategy": here},  # it reads exports from the run directory
+    )
+    await pin_actor(role.actor, cfg.rollout_cores)
+    return role
