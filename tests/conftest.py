@@ -72,6 +72,7 @@ def _no_leaks_at_session_end():
     start = held()
     yield
     _release_torch_distributed()
+    _release_process_singletons()
     now = _settled(start)
     if _excess(start, now):
         culprits = "\n".join(f"  {mod}: {'; '.join(g)}" for mod, g in _module_gains) or "  -"
@@ -96,6 +97,18 @@ def _module_leaks(request: pytest.FixtureRequest):
     g = gained(before, held())
     if g:
         _module_gains.append((request.module.__name__, g))
+
+
+def _release_process_singletons() -> None:
+    """State a process makes once and keeps: megatron's async checkpoint writer starts one
+    `multiprocessing` manager (a child process) for its results queue on the first save."""
+    import sys
+
+    fs = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    queue = getattr(fs, "_results_queue", None)
+    if queue is not None:
+        fs._results_queue = None
+        queue._manager.shutdown()
 
 
 def _release_torch_distributed(*, keep_default: bool = False) -> None:
