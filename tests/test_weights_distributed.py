@@ -26,7 +26,7 @@ from slime_async.contracts.weights import WeightManifest, version_dir_name
 from slime_async.engine import EngineConfig, EngineProcess
 from slime_async.engine.model import load_model
 from slime_async.engine.testing import check_against_reference, post
-from slime_async.weights import DistributedTransport, InProcessSender, WeightSyncConfig
+from slime_async.weights import DistributedTransport, InProcessSender, WeightSyncConfig, distributed
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [3, 1, 4, 1, 5]
@@ -376,13 +376,17 @@ async def test_engine_dying_as_the_broadcast_starts(fleet) -> None:
 
 
 @pytest.mark.timeout(300)
-async def test_hung_engine_is_aborted_long_before_the_op_timeout(fleet) -> None:
+async def test_hung_engine_is_aborted_long_before_the_op_timeout(fleet, monkeypatch) -> None:
     """One member is SIGSTOPped as rank 0 starts a push (op timeout 300 s). The driver sees it
     silent long after the other member took the bucket, aborts the group through its store,
     and resends to the other member alone: the push ends before the op timeout, reports the
     hung engine, and the other serves the version. (Before the abort, rank 0 sat in its
     broadcast for the op timeout and the push waited for the stopped engine's bucket call, 330
-    s: past this test's timeout.)"""
+    s: past this test's timeout.) The stall, health and refusal bounds are shortened (30, 30
+    and 10 s in a run) so the test does not sit them out: what they bound is the same."""
+    monkeypatch.setattr(distributed, "STALL_MIN_S", 8.0)
+    monkeypatch.setattr(distributed, "HEALTH_TIMEOUT_S", 8.0)
+    monkeypatch.setattr(distributed, "REFUSAL_GRACE_S", 4.0)
     hung = _start()
     urls = [fleet[0].url, hung.url]
     weights = Weights()

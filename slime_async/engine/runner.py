@@ -219,20 +219,33 @@ class EngineProcess:
             env = {**os.environ, "HF_HUB_OFFLINE": "1", **(self.env or {})}
             if self.cfg.auth_token:  # through the environment: argv is visible in `ps`
                 env["SLIME_ASYNC_AUTH_TOKEN"] = self.cfg.auth_token
-            out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-            deadline = time.monotonic() + timeout
-            while not os.path.exists(port_file):
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"engine process exited with code {self.proc.returncode} during start-up"
-                        + (f"; see {self.log_path}" if self.log_path else "")
-                    )
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise TimeoutError(f"engine process did not bind within {timeout}s")
-                time.sleep(0.05)
-            port = int(Path(port_file).read_text())
+            if self.log_path:  # the child holds its own copy of the log's fd
+                with open(self.log_path, "ab") as out:
+                    self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            else:
+                self.proc = subprocess.Popen(
+                    cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env
+                )
+            try:
+                return self._await_start(port_file, time.monotonic() + timeout, timeout)
+            except BaseException:  # never leave a child running behind a failed start
+                self.stop(timeout=5.0)
+                raise
+
+    def _await_start(self, port_file: str, deadline: float, timeout: float) -> str:
+        """Wait for the child to write its port, then for `/health`."""
+        assert self.proc is not None
+        while not os.path.exists(port_file):
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"engine process exited with code {self.proc.returncode} during start-up"
+                    + (f"; see {self.log_path}" if self.log_path else "")
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"engine process did not bind within {timeout}s")
+            time.sleep(0.05)
+        port = int(Path(port_file).read_text())
         self.url = f"http://{self.cfg.host}:{port}"
         wait_healthy(
             self.url,

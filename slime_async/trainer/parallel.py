@@ -1,7 +1,9 @@
 """Process groups and parallel layout for the trainer (DP, TP+SP, EP, PP with virtual stages).
 
 Owns: `ParallelLayout` (the sizes a checkpoint records), torch.distributed start-up over gloo
-(CPU) or NCCL (GPU), megatron `parallel_state` initialisation, and small collectives on CPU
+(CPU) or NCCL (GPU), megatron `parallel_state` initialisation and release (every group it made is
+destroyed: megatron's own `destroy_model_parallel` only forgets most of them, and each forgotten
+gloo group keeps its threads and sockets for the life of the process), and small collectives on CPU
 tensors (gradient reduction itself is megatron's DDP / `finalize_model_grads`, `optim.py`).
 Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
 """
@@ -89,8 +91,8 @@ def init_model_parallel(layout: ParallelLayout, *, seed: int, vp: int | None = N
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     cpu_compat.apply()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    release_model_parallel()
+    before = set(_registered_groups())
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -98,8 +100,69 @@ def init_model_parallel(layout: ParallelLayout, *, seed: int, vp: int | None = N
         expert_tensor_parallel_size=layout.tp,
         virtual_pipeline_model_parallel_size=vp,
     )
+    _KEPT_GROUPS[:] = [before]
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+_KEPT_GROUPS: list[set[dist.ProcessGroup]] = []
+"""The process groups that existed before `init_model_parallel` (the default one): every group
+made after it (megatron's, also those it makes while the model is built) is destroyed by
+`release_model_parallel`. Empty: model parallelism is not initialised by this module."""
+
+
+def _registered_groups() -> list[dist.ProcessGroup]:
+    """Every process group torch.distributed holds in this process (the default one too)."""
+    if not dist.is_initialized():
+        return []
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def release_model_parallel() -> None:
+    """Undo `init_model_parallel`: megatron's global state, and every process group it made
+    (each is destroyed, so its threads and connections end). The default process group stays
+    up for reuse; `release_distributed` ends it."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    get_moe_layer_wise_logging_tracker().clear()  # it holds the MoE layers' reduce groups
+    RotaryEmbedding.forward.cache_clear()  # its cache holds the modules (and their CP group)
+    for name, value in list(vars(ps).items()):  # the globals its destroy forgets to reset
+        if isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
+    if not _KEPT_GROUPS:
+        return
+    kept = _KEPT_GROUPS.pop()
+    for g in _registered_groups():  # those megatron destroyed itself are gone from the list
+        if g not in kept:
+            dist.destroy_process_group(g)
+
+
+def drop_stale_graphs(chunks: list[torch.nn.Module]) -> None:
+    """Drop the autograd graphs the model's helpers keep from their last forward (megatron's MoE
+    token dispatcher keeps its routing probabilities). Through DDP's hooks on that graph's
+    gradient accumulators (C++ objects) they close a cycle the garbage collector cannot see:
+    the model, its DDP wrapper and the process groups they hold (threads, sockets) would
+    outlive the trainer for the life of the process. Call when the model is let go."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            for helper in vars(module).values():
+                if isinstance(helper, (torch.nn.Module, type)) or not hasattr(helper, "__dict__"):
+                    continue
+                for name, value in list(vars(helper).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(helper, name, None)
+
+
+def release_distributed() -> None:
+    """End torch.distributed in this process: the model-parallel groups, then the default
+    process group (no-op when not started)."""
+    release_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def groups() -> dict[str, dist.ProcessGroup | None]:

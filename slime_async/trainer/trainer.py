@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -121,6 +122,7 @@ class MegatronTrainer(LogprobForwards):
         self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
         self.moe_layers = moe_layer_numbers(self.chunks)
         self.optim = build_optim(self.chunks, cfg, self.layout)
+        weakref.finalize(self, parallel.drop_stale_graphs, self.chunks)  # see its docstring
         if rank == 0 and cfg.use_distributed_optimizer is None and self.layout.dp > 1:
             log.info("derived: --use-distributed-optimizer on (DP=%d)", self.layout.dp)
         if rank == 0 and cfg.ckpt_format is None and self.lora is not None:
@@ -409,11 +411,11 @@ class MegatronTrainer(LogprobForwards):
         self.loaded_from = str(load_dir)
 
     def shutdown(self) -> None:
-        """Free megatron's global state (the process group stays up for reuse)."""
-        from megatron.core import parallel_state as ps
+        """Free megatron's global state and destroy its process groups (the default process
+        group stays up for reuse)."""
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         RouterReplay.clear_global_router_replay_instances()
+        parallel.drop_stale_graphs(self.chunks)
         self.optim.wrapped.clear()
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+        parallel.release_model_parallel()
