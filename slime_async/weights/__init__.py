@@ -14,7 +14,8 @@ Every transport pushes the way SGLang keeps requests alive across an update:
 
 The two directory transports share `directory.DirectoryTransport`. Adding a transport is one
 file with a class implementing `slime_async.contracts.weights.WeightTransport` (its `payload`,
-`shared_filesystem`, `writes_directories` and a `from_setup(TransportSetup)` classmethod) plus
+`shared_filesystem`, `writes_directories` and a `from_setup(TransportSetup)` classmethod; a
+directory transport inherits `from_setup` and names its `subdir`) plus
 one `register_weight_transport("name", TheClass)` line: here for a built-in, or at the end of a
 plugin module (`registry.resolve_weight_transport("MODULE:NAME")`). The run selects it by
 `--update-weight-transport` and payload (`slime_async.orchestrator.transport`) and uses only

@@ -53,6 +53,7 @@ class AdapterTransport(DirectoryTransport):
     """Versions are adapter directories, not HF models an engine could start on: replacement
     engines start on the base and get the adapter replayed by the router."""
     what: ClassVar[str] = "adapter"
+    subdir: ClassVar[str] = "adapters"
 
     def __init__(
         self,
@@ -68,16 +69,6 @@ class AdapterTransport(DirectoryTransport):
         )
         self.bytes_last = 0
         """Bytes of the last pushed adapter's safetensors file."""
-
-    @classmethod
-    def from_setup(cls, setup: TransportSetup) -> AdapterTransport:
-        """Versions under `<run-dir>/adapters`."""
-        return cls(
-            setup.run_dir / "adapters",
-            trainer=setup.trainer,
-            control=setup.control,
-            on_written=setup.on_written,
-        )
 
     async def _save(self, path: Path) -> None:
         await asyncio.to_thread(self.trainer.save_adapter, path)

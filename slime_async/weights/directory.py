@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 from router.client import FanoutError, RouterClient
 from slime_async.contracts.weights import Payload, version_dir_name, version_of_dir_name
 from slime_async.weights.pause import paused_in_place
+from slime_async.weights.setup import TransportSetup
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class DirectoryTransport:
     writes_directories: ClassVar[bool]
     what: ClassVar[str] = "weight"
     """What a push moves, as its log lines name it ("weight push v7 did not reach ...")."""
+    subdir: ClassVar[str]
+    """Where versions go, under the run directory (`from_setup`)."""
 
     def __init__(
         self,
@@ -48,6 +51,22 @@ class DirectoryTransport:
         self.on_written = on_written
         """Called with (version, directory) after a push writes it, before engines load it."""
         self.root.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def from_setup(cls, setup: TransportSetup) -> DirectoryTransport:
+        """Versions under `<run-dir>/<subdir>`, written by the run's trainer and fanned out by
+        its router; a subclass with settings of its own adds them (`_setup_kwargs`)."""
+        return cls(
+            setup.run_dir / cls.subdir,
+            trainer=setup.trainer,
+            control=setup.control,
+            on_written=setup.on_written,
+            **cls._setup_kwargs(setup),
+        )
+
+    @classmethod
+    def _setup_kwargs(cls, setup: TransportSetup) -> dict[str, Any]:
+        return {}
 
     def directory(self, version: int) -> Path:
         """`root/v000007` for version 7."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from router.client import RouterClient
 from slime_async.contracts.weights import Payload
@@ -29,6 +29,8 @@ class DiskTransport(DirectoryTransport):
 
     payload: ClassVar[Payload] = Payload.FULL
     writes_directories: ClassVar[bool] = True
+    subdir: ClassVar[str] = "weights"
+    """Beside the trainer's start-up export."""
 
     def __init__(
         self,
@@ -47,15 +49,8 @@ class DiskTransport(DirectoryTransport):
         """Floating-point dtype of the written tensors (None: the trainer's)."""
 
     @classmethod
-    def from_setup(cls, setup: TransportSetup) -> DiskTransport:
-        """Versions under `<run-dir>/weights`, beside the trainer's start-up export."""
-        return cls(
-            setup.run_dir / "weights",
-            trainer=setup.trainer,
-            control=setup.control,
-            on_written=setup.on_written,
-            dtype=setup.cfg.dtype,
-        )
+    def _setup_kwargs(cls, setup: TransportSetup) -> dict[str, Any]:
+        return {"dtype": setup.cfg.dtype}  # --update-weight-dtype
 
     async def _save(self, path: Path) -> None:
         if self.dtype is None:

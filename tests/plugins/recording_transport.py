@@ -12,26 +12,18 @@ from pathlib import Path
 from typing import ClassVar
 
 from slime_async.contracts.weights import Payload
-from slime_async.weights import DirectoryTransport, TransportSetup, register_weight_transport
+from slime_async.weights import DirectoryTransport, register_weight_transport
 
 
 class RecordingTransport(DirectoryTransport):
     payload: ClassVar[Payload] = Payload.FULL
     writes_directories: ClassVar[bool] = True
+    subdir: ClassVar[str] = "plugin-weights"
 
     def __init__(self, root: Path, **kw) -> None:
         super().__init__(root, **kw)
         self.loaded: list[tuple[int, bool]] = []
         """(version, strict) of every load it fanned out."""
-
-    @classmethod
-    def from_setup(cls, setup: TransportSetup) -> RecordingTransport:
-        return cls(
-            setup.run_dir / "plugin-weights",
-            trainer=setup.trainer,
-            control=setup.control,
-            on_written=setup.on_written,
-        )
 
     async def _save(self, path: Path) -> None:
         await asyncio.to_thread(self.trainer.save_weights, path)
