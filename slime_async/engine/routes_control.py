@@ -109,6 +109,13 @@ def _update_reply(res: Any) -> web.Response:
     return web.json_response(body, status=200 if res.success else 400)
 
 
+def _result_reply(res: Any) -> web.Response:
+    """SGLang's plain answer of a group route: success and message, 400 on failure."""
+    return web.json_response(
+        {"success": res.success, "message": res.message}, status=200 if res.success else 400
+    )
+
+
 def _refuse(message: str, **extra: Any) -> web.Response:
     return web.json_response({"success": False, "message": message, **extra}, status=400)
 
@@ -165,9 +172,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
         group_name=name,
         backend=backend,
     )
-    return web.json_response(
-        {"success": res.success, "message": res.message}, status=200 if res.success else 400
-    )
+    return _result_reply(res)
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
@@ -180,9 +185,7 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
     except RequestError as e:
         return _refuse(str(e))
     res = eng.weight_groups.destroy_weights_update_group(name)
-    return web.json_response(
-        {"success": res.success, "message": res.message}, status=200 if res.success else 400
-    )
+    return _result_reply(res)
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:

@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from slime_async.config.run_config import RunConfig
-from slime_async.contracts.adapter import ADAPTER_NAME
+from slime_async.contracts.adapter import ADAPTER_NAME, lora_spec
 from slime_async.contracts.engine import EngineBackend
 from slime_async.contracts.weights import Payload, WeightTransport
-from slime_async.trainer.lora import spec_of as lora_spec_of
 from slime_async.weights import TransportSetup, get_weight_transport, resolve_weight_transport
 
 
@@ -56,7 +55,7 @@ def build_transport(
         collective_backend=backend.needs.collective_backend,
         token=cfg.engine.auth_token,
         on_written=None if role is None else role.add_version,
-        lora=lora_spec_of(cfg.trainer, cfg.model),
+        lora=lora_spec(cfg.trainer, cfg.model),
     )
     return cls.from_setup(setup)  # type: ignore[attr-defined]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from loss import resolve_loss_spec
+from slime_async.contracts.adapter import lora_spec
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
 from slime_async.trainer import (
@@ -60,7 +61,7 @@ class ForwardOnlyModel(LogprobForwards):
         parallel.init_model_parallel(self.layout, seed=cfg.seed)
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         self.chunks = build_chunks(spec, self.layout, params_dtype=dtype)
-        self.lora = lora.spec_of(cfg, spec)
+        self.lora = lora_spec(cfg, spec)
         if self.lora is not None:  # the trainer's adapters, on the same frozen base
             lora.attach(self.chunks, spec, self.lora, seed=cfg.seed)
         for c in self.chunks:

@@ -3,7 +3,7 @@
 Owns: attaching adapters to this rank's chunks (`attach`: a `lora` child module and a forward
 hook on each targeted linear layer, the base frozen), the adapter tensors in PEFT's keys
 (`adapter_tensors`: gathered over TP and PP; `load_adapter_tensors`: sliced back) and the
-merged HF weights `W + (alpha / r) · B A` (`merge`). The run's `LoraSpec` (`spec_of`), the PEFT
+merged HF weights `W + (alpha / r) · B A` (`merge`). The run's `LoraSpec`, the PEFT
 directory format and its checks are the contract `slime_async.contracts.adapter`'s
 (`lora_spec`). Must never import the controller, engine, rollout or
 data-worker parts of `slime_async`.
@@ -40,7 +40,6 @@ import torch
 from slime_async.contracts.adapter import (
     PEFT_MODULES,
     LoraSpec,
-    lora_spec,
     module_dims,
     peft_name,
     peft_shapes,
@@ -57,11 +56,6 @@ _LAYERS = {
     "mlp.linear_fc1": (("gate_proj", "up_proj"), "column"),
     "mlp.linear_fc2": (("down_proj",), "row"),
 }
-
-
-spec_of = lora_spec
-"""The run's `LoraSpec` from the trainer config, checked against the model (None without
-LoRA): `contracts.adapter.lora_spec`, where the spec is built and checked."""
 
 
 # --------------------------------------------------------------------------- the module

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from loss import denominators, resolve_loss_spec
 from loss.regularizers import with_regularizers
-from slime_async.contracts.adapter import adapter_dir, write_peft_dir
+from slime_async.contracts.adapter import adapter_dir, lora_spec, write_peft_dir
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
@@ -116,7 +116,7 @@ class MegatronTrainer(LogprobForwards):
             vp=vp,
             params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
         )
-        self.lora = lora.spec_of(cfg, spec)  # LoRA: adapters on the frozen base, see lora.py
+        self.lora = lora_spec(cfg, spec)  # LoRA: adapters on the frozen base, see lora.py
         if self.lora is not None:
             lora.attach(self.chunks, spec, self.lora, seed=cfg.seed)
         self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
