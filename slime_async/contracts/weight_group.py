@@ -1,6 +1,6 @@
 """The distributed weight transport's wire protocol, both ends: the process group the trainer's
 sender (rank 0) and the engines (ranks `rank_offset + i`) join, how tensors are bucketed, and how
-a bucket travels.
+a bucket travels. One responsibility over 400 lines: the wire protocol both ends must agree on.
 
 Owns `WeightGroup` (one member's handle on a weight-update group: a standalone gloo or NCCL
 process group on its own TCP rendezvous, never the default `torch.distributed` group, so a

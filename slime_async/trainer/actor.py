@@ -1,4 +1,5 @@
 """Thin Ray wrapper around `MegatronTrainer`: one actor per trainer rank, plus a group handle.
+One responsibility over 400 lines: every trainer call fanned out to the ranks.
 
 Owns: `TrainStep` (what a train step returns: the new version and the metrics), `TrainerActor` (a `@ray.remote` class with fractional `num_cpus`, so a 2-core node can
 schedule trainer, engine, router and data-worker actors together) and `TrainerGroup`, which

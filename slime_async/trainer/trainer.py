@@ -1,4 +1,5 @@
-"""`MegatronTrainer`: the Ray-free trainer core (one instance per trainer rank).
+"""`MegatronTrainer`: the Ray-free trainer core (one instance per trainer rank). One
+responsibility over 400 lines: a rank's model and optimizer, from build to release.
 
 Owns: the model chunks and optimizer of this rank (megatron DDP + megatron optimizer,
 `optim.py`), the train step of the selected loss (computing only the inputs its `LossSpec`

@@ -1,6 +1,7 @@
 """The distributed weight transport: trainer rank 0 broadcasts, the engines receive.
 
-Owns `DistributedTransport`. It forms a weight update group of the sender (rank 0) and every
+Owns `DistributedTransport`, one responsibility over 400 lines: a push over the weight group,
+from forming the group to the last bucket, its aborts and its re-forming. It forms a weight update group of the sender (rank 0) and every
 engine (`/init_weights_update_group`, rank `i + 1` for engine i), and pushes a version as
 SGLang expects it: `/pause_generation {"mode": "in_place"}` through the router, then per bucket
 one `/update_weights_from_distributed` call to every engine (`flush_cache: false`; the
