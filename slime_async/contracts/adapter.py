@@ -192,7 +192,7 @@ def check_adapter(
     """Refuse an adapter that does not fit `spec` (ValueError naming the first problems):
     a rank above `max_rank`, targets outside `targets`, missing/unexpected keys, wrong shapes,
     non-floating or non-finite values."""
-    import torch
+    from slime_async.contracts.weights import all_finite
 
     problems = []
     if max_rank is not None and lora.rank > max_rank:
@@ -214,7 +214,7 @@ def check_adapter(
             problems.append(f"{k} has shape {tuple(t.shape)}, expected {want[k]}")
         elif not t.is_floating_point():
             problems.append(f"{k} has dtype {t.dtype}, expected a floating type")
-        elif not bool(torch.isfinite(t).all()):
+        elif not all_finite(t):
             problems.append(f"{k} has non-finite values")
         if len(problems) >= 4:
             break

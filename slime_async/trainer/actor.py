@@ -165,8 +165,8 @@ class _TrainerActorImpl:
         PEFT's names; rank 0 broadcasts the buckets. Returns the version."""
         if adapter:
             tensors, version = self.trainer.export_adapter(), self.trainer.version
-        else:
-            w = self.trainer.export_weights()
+        else:  # no copy: the buckets are packed from the parameters (nothing trains meanwhile)
+            w = self.trainer.export_weights(copy=False)
             tensors, version = w.tensors, w.version
         if self.rank == 0:
             if self.weight_group is None:

@@ -312,10 +312,15 @@ class MegatronTrainer(LogprobForwards):
         return self.snapshots.release(version)
 
     # ------------------------------------------------------------------ weights
-    def export_weights(self) -> HFWeights:
+    def export_weights(self, *, copy: bool = True) -> HFWeights:
         """Full HF-named tensors of the current version (collective over TP/EP); with LoRA the
-        adapters merged into the base (`W + (alpha / r) · B A`)."""
-        tensors = hf_convert.megatron_to_hf(self.chunks, self.spec)
+        adapters merged into the base (`W + (alpha / r) · B A`). `copy=False` (a weight push
+        that reads them at once, before the next step): views of the parameters where the
+        layout allows, in their dtype (`hf_convert.megatron_to_hf`); with LoRA always fp32
+        copies, as the merge has to make them anyway."""
+        tensors = hf_convert.megatron_to_hf(
+            self.chunks, self.spec, copy=copy or self.lora is not None
+        )
         if self.lora is not None:
             tensors = lora.merge(tensors, self.export_adapter(), self.lora)
         return HFWeights(version=self.version, spec=self.spec, tensors=tensors)
