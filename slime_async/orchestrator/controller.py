@@ -20,7 +20,7 @@ from slime_async.config.run_config import RunConfig
 from slime_async.orchestrator.launch import setup_run
 from slime_async.orchestrator.node_loss import TrainerLostError, trainer_lost_message
 from slime_async.orchestrator.supervisor import EnginesDownError
-from slime_async.rollout.generate.assemble import assemble
+from slime_async.rollout.generate.assemble import assemble, overlong_shaping
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,11 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
                 break
             t1 = time.perf_counter()
             batch = await run.score(batch)  # whole-group rewards (slime's --group-rm)
-            data = assemble(batch, estimator=cfg.rollout.advantage_estimator)
+            data = assemble(
+                batch,
+                estimator=cfg.rollout.advantage_estimator,
+                overlong=overlong_shaping(cfg.rollout),
+            )
             trained = await asyncio.to_thread(run.trainer.train_step, data.batch)
             run.record_step(trained.version, batch)  # the trainer's new version, checked
             t2 = time.perf_counter()

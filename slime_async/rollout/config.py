@@ -106,6 +106,12 @@ class RolloutConfig:
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards all agree (no learning signal) and refill with fresh
     prompts."""
+    overlong_buffer_len: int = flag(0, ge=0, hint="0 = off")
+    """DAPO's soft over-long punishment (its L_buffer, verl's overlong_buffer.len): a response
+    longer than --rollout-max-response-len minus this many tokens loses reward linearly, up to
+    --overlong-penalty-factor at the limit; 0: off"""
+    overlong_penalty_factor: float = flag(1.0, ge=0, lt=math.inf, hint="finite")
+    """The over-long penalty at --rollout-max-response-len tokens (with --overlong-buffer-len)"""
     prompt_data: str | None = None
     """jsonl/parquet prompts; None uses the built-in verifiable task family."""
     prompt_source: str | None = None
@@ -208,6 +214,12 @@ class RolloutConfig:
             self.reasoning_gym_config(0)  # bad names / settings fail at start-up
         check_ranges(self)
         self._resolve_eval()
+        if self.overlong_buffer_len > self.max_response_len:
+            raise ValueError(
+                f"--overlong-buffer-len {self.overlong_buffer_len} is longer than "
+                f"--rollout-max-response-len {self.max_response_len}: the punished tokens are "
+                "the last ones before the limit; give at most the limit"
+            )
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"--rollout-top-k {self.top_k}: give -1 (off) or k >= 1")
         if any(t < 0 for t in self.stop_token_ids):
