@@ -55,6 +55,7 @@ from slime_async.contracts.chat import (
     render_after_last_assistant,
     render_chat,
     request_tools,
+    tool_names,
 )
 from slime_async.contracts.rollout import FinishStatus, segment_payload
 from slime_async.rollout.agents.episode import Episode, GatewayError, Sampled
@@ -315,7 +316,9 @@ class TrainingGateway:
         t1 = time.perf_counter()
         ep.record(prompt, sampled, mismatch=mismatch)
         self.stats.turns += 1
-        answer = _answer(ep, prompt, sampled, mismatch=mismatch, tools=bool(tools))
+        answer = _answer(
+            ep, prompt, sampled, mismatch=mismatch, tools=tool_names(tools) if tools else None
+        )
         overhead += time.perf_counter() - t1
         self.turn_overhead_s.append(overhead)
         if len(self.turn_overhead_s) > 10_000:
@@ -406,12 +409,18 @@ def _generate_body(
 
 
 def _answer(
-    ep: Episode, prompt: list[int], sampled: Sampled, *, mismatch: bool, tools: bool
+    ep: Episode,
+    prompt: list[int],
+    sampled: Sampled,
+    *,
+    mismatch: bool,
+    tools: frozenset[str] | None,
 ) -> dict[str, Any]:
     """The OpenAI chat-completion answer of the turn just recorded (tool calls parsed from
-    the text when the call offered tools)."""
+    the text, in the model family's format, when the call offered `tools`: their names)."""
     out, finish = sampled.output_ids, sampled.finish
-    content, calls = parse_tool_calls(sampled.text) if tools else (sampled.text, [])
+    text = sampled.text
+    content, calls = parse_tool_calls(text, tools=tools) if tools is not None else (text, [])
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = calls
