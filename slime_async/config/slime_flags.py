@@ -82,7 +82,8 @@ _BUFFER = (
 )
 _RM = (
     "one of slime's built-in reward models; not here: give the reward function with "
-    "--custom-rm-path pkg.mod:fn (slime's async rm(args, sample) works as is)"
+    "--custom-rm-path pkg.mod:fn (slime's async rm(args, sample) works as is); slime's "
+    "remote_rm is --rm-url URL (with --reward-key)"
 )
 _MTP = "multi-token prediction (MTP) training; not here: the trainer has no MTP head"
 _CI = "slime's CI self-checks; not here (the tests under tests/ cover these)"
@@ -251,7 +252,7 @@ NOT_HERE: dict[str, str] = {
         _PROFILE,
     ),
     # rewards and external services
-    **_each("--rm-type --reward-key --eval-reward-key --rm-url", _RM),
+    **_each("--rm-type --eval-reward-key", _RM),
     **_each(
         "--http-proxy --use-distributed-post",
         "how slime's rollout reaches its router; not here: the run's own router (--router-*) "

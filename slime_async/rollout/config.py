@@ -140,6 +140,18 @@ class RolloutConfig:
     """Dotted path of a reward function: ours `fn(RewardInput) -> float` or slime's
     `async fn(args, sample, **kwargs) -> float` (`rollout.rewards`); None: exact match /
     math-verify."""
+    rm_url: str | None = None
+    """slime's remote reward model: POST each finished sample as JSON {prompt, response,
+    label} to this URL and take the number it answers (or the one under --reward-key) as the
+    reward (`rollout.remote_rm`; slime_async/examples/reward_server.py is an example server);
+    for training and evaluation alike"""
+    rm_timeout: float = flag(30.0, gt=0, lt=math.inf, hint="seconds")
+    """Seconds one --rm-url request may take before it is tried again"""
+    rm_retries: int = flag(3, ge=0)
+    """Tries after the first of an --rm-url request that timed out, could not connect or got
+    HTTP 429/5xx; then the run stops, naming the server and the sample"""
+    reward_key: str | None = flag(None, derived="reward")
+    """slime's: the key of the reward in an --rm-url answer that is a JSON object"""
     group_rm: bool = False
     """slime's `--group-rm`: the reward function scores a whole group at once,
     `async fn(args, samples: list, **kwargs) -> list[float]`."""
@@ -214,6 +226,7 @@ class RolloutConfig:
             self.reasoning_gym_config(0)  # bad names / settings fail at start-up
         check_ranges(self)
         self._resolve_eval()
+        self._check_remote_rm()
         if self.overlong_buffer_len > self.max_response_len:
             raise ValueError(
                 f"--overlong-buffer-len {self.overlong_buffer_len} is longer than "
@@ -242,6 +255,26 @@ class RolloutConfig:
                 f"--global-batch-size {gbs} must be a multiple of --n-samples-per-prompt {n} "
                 "(whole groups are trained together)"
             )
+
+    def _check_remote_rm(self) -> None:
+        """--rm-url is the reward function; its settings need it."""
+        if self.rm_url is None:
+            if self.reward_key is not None:
+                raise ValueError(
+                    f"--reward-key {self.reward_key} reads the reward out of an --rm-url answer; "
+                    "give --rm-url (a --custom-rm-path function returns the number itself)"
+                )
+            return
+        if not self.rm_url.startswith(("http://", "https://")):
+            raise ValueError(f"--rm-url {self.rm_url!r}: give the reward model's http(s):// URL")
+        for other, value in (
+            ("--custom-rm-path", self.custom_rm_path),
+            ("--group-rm", self.group_rm or None),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"--rm-url {self.rm_url} and {other} both name the reward; give one of them"
+                )
 
     def _resolve_eval(self) -> None:
         """Parse the eval sets, fill the eval settings left unset from the rollout's, and refuse
