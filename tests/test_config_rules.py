@@ -62,6 +62,7 @@ ORDER = [
     "schedule",
     "off_policy_drop",
     "loss",
+    "debug_modes",
     "lr",
     "run_kind",
     "behavior_forward",

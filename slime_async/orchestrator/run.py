@@ -1,7 +1,8 @@
 """The live run: what the step loop (`controller.train`) calls between and around steps.
 
-Owns `Run` (weight push and the replacement engines' catch-up, the next batch, evaluation,
-checkpoint, timing, each trained step's record, logging, shutdown), `RunVersions` (the
+Owns `Run` (weight push and the replacement engines' catch-up, the next batch, the train step
+with its record and its rollout dump (`--save-debug-rollout-data`), evaluation, checkpoint,
+timing, logging, shutdown), `RunVersions` (the
 trainer's, the start's and the fleet's versions, and what a replacement starts on) and
 `write_roles`.
 `slime_async.orchestrator.launch.setup_run` builds a `Run`; nothing here starts a role.
@@ -23,6 +24,7 @@ from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
 from slime_async.config.run_config import RunConfig
 from slime_async.config.run_paths import batch_shape
+from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.rollout import Batch, GenerationRequest, Prompt, segment_payload
 from slime_async.contracts.weights import WeightTransport
 from slime_async.metrics import MetricsLogger
@@ -35,7 +37,8 @@ from slime_async.orchestrator.supervisor import EnginesDownError, EngineSupervis
 from slime_async.orchestrator.transport import feed_role
 from slime_async.rollout.data.plan import DataPlan
 from slime_async.rollout.generate.assemble import ScoredGenerate
-from slime_async.trainer.actor import TrainerGroup
+from slime_async.rollout.generate.dump import dump_path, dump_record, write_dump
+from slime_async.trainer.actor import TrainerGroup, TrainStep
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 60.0
@@ -108,7 +111,8 @@ class Run:
     versions)."""
 
     cfg: RunConfig
-    trainer: TrainerGroup
+    trainer: TrainerGroup | None
+    """None with `--debug-rollout-only`: the run generates, scores and dumps, nothing else."""
     cluster: Cluster
     worker: RolloutDataWorker
     chain: GenerateChain
@@ -145,6 +149,42 @@ class Run:
     @property
     def pushed_version(self) -> int:
         return self.versions.pushed
+
+    async def train_step(self, batch: Batch, data: TrainerBatch) -> TrainStep:
+        """One train step on `batch` (assembled as `data`): the trainer's new version recorded
+        (`record_step`), and the batch dumped with the step's metrics, or without them when
+        the step fails (`dump`)."""
+        assert self.trainer is not None
+        try:
+            trained = await asyncio.to_thread(self.trainer.train_step, data)
+        except Exception:
+            await self.dump(batch.current_version, batch, trained=None)
+            raise
+        self.record_step(trained.version, batch)
+        await self.dump(batch.current_version, batch, trained=trained.metrics)
+        return trained
+
+    async def dump(
+        self, rollout_id: int, batch: Batch, *, trained: dict[str, float] | None
+    ) -> None:
+        """`--save-debug-rollout-data`: what step `rollout_id` sampled (and, with `trained`,
+        how its train step went) as a checksummed JSON file (`rollout.generate.dump`); written
+        off the event loop, which keeps dispatching. A dump that cannot be written is logged,
+        never the end of the run."""
+        spec = self.cfg.save_debug_rollout_data
+        if spec is None:
+            return
+
+        def write() -> None:
+            body = dump_record(
+                batch, rollout_id=rollout_id, decode=self.plan.decode, trained=trained
+            )
+            write_dump(dump_path(spec, rollout_id), body)
+
+        try:
+            await asyncio.to_thread(write)
+        except OSError as e:
+            log.warning("rollout dump of step %d not written: %s", rollout_id, e)
 
     def record_step(self, version: int, batch: Any) -> None:
         """Step `version` trained on `batch`: the version the trainer returned (checked to be
@@ -282,8 +322,8 @@ class Run:
     @property
     def saves(self) -> bool:
         """Whether the run writes anything at a save: a checkpoint (--save) or an HF
-        directory (--save-hf)."""
-        return bool(self.cfg.trainer.save or self.cfg.trainer.save_hf)
+        directory (--save-hf); never without a trainer."""
+        return self.trainer is not None and bool(self.cfg.trainer.save or self.cfg.trainer.save_hf)
 
     def should_save(self, version: int) -> bool:
         every = self.cfg.save_interval * self.cfg.rollout.num_steps_per_rollout  # rollouts
@@ -291,6 +331,7 @@ class Run:
 
     async def save(self, version: int) -> None:
         """The checkpoint (--save) and the loadable HF directory (--save-hf) of `version`."""
+        assert self.trainer is not None
         if self.cfg.trainer.save:
             state = {
                 "step": version,
@@ -347,7 +388,8 @@ class Run:
             log.warning("weight transport did not close cleanly: %s", e or type(e).__name__)
         await self._record_served_versions()
         await self.cluster.stop()
-        self.trainer.shutdown()
+        if self.trainer is not None:
+            self.trainer.shutdown()
         if self.behavior_role is not None:
             self.behavior_role.shutdown()
         if self.placement is not None:

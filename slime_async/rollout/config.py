@@ -59,6 +59,11 @@ def parse_eval_prompt_data(entries: tuple[str, ...]) -> tuple[tuple[str, str], .
     return tuple(pairs)
 
 
+SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
+"""slime's SFT data path (`--rollout-function-path`): here SFT's own (`--loss-type sft_loss`,
+`rollout.data.sft`)."""
+
+
 def _system_prompt(text: str) -> str | None:
     """`--reasoning-gym-system-prompt`: 'none' means no system prompt."""
     return None if text == "none" else text
@@ -170,8 +175,9 @@ class RolloutConfig:
     """Most tokens of one model turn of an agent episode, whatever the agent asks (the episode
     as a whole has --rollout-max-response-len)."""
     rollout_function_path: str | None = None
-    """slime's whole-rollout function: always refused (the data worker decides which sample is
-    generated next); the error names the equivalents."""
+    """slime's whole-rollout function: refused (the data worker decides which sample is
+    generated next; the error names the equivalents), except slime's SFT one,
+    slime.rollout.sft_rollout.generate_rollout, with --loss-type sft_loss"""
     eval_interval: int | None = flag(
         None, ge=0, hint="0: never", derived="10; 0 when the run has no eval set"
     )
@@ -204,7 +210,7 @@ class RolloutConfig:
     """Nucleus sampling mass of eval samples."""
 
     def __post_init__(self) -> None:
-        if self.rollout_function_path is not None:
+        if self.rollout_function_path not in (None, SFT_ROLLOUT):
             raise ValueError(
                 f"--rollout-function-path {self.rollout_function_path}: slime's whole-rollout "
                 "function cannot apply here, where the data worker decides which sample is "
