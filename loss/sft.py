@@ -61,4 +61,6 @@ def sft_loss(inputs: LossInputs, cfg: SFTConfig | None = None) -> LossOutputs:
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         mean_nll = torch.where(mask, nll.detach(), 0.0).sum() / n
-    return LossOutputs(loss=loss, metrics={"loss/value": float(loss), "sft/nll": float(mean_nll)})
+    return LossOutputs(
+        loss=loss, metrics={"loss/value": float(loss.detach()), "sft/nll": float(mean_nll)}
+    )

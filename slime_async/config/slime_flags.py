@@ -68,8 +68,9 @@ _EVAL_SAMPLING = (
     "--eval-top-p, --eval-max-response-len (default: training's)"
 )
 _DEBUG = (
-    "a debug/replay mode of slime; not here: RUN_DIR/trained.jsonl records what each step "
-    "trained and metrics.jsonl every step's metrics"
+    "a debug/replay mode of slime; not here: --save-debug-rollout-data PATH dumps what each "
+    "step sampled and trained (JSON) and --load-debug-rollout-data PATH replays it without "
+    "engines (docs/replay.md)"
 )
 _PROFILE = "a profiling setting of slime; not here: profile the process with your own tools"
 _LOG = (
@@ -240,12 +241,13 @@ NOT_HERE: dict[str, str] = {
         "not here: --use-tensorboard writes to RUN_DIR/tensorboard",
     ),
     **_each("--log-multi-turn --log-passrate --log-reward-category --log-correct-samples", _LOG),
-    **_each(
-        "--save-debug-rollout-data --load-debug-rollout-data --load-debug-rollout-data-subsample "
-        "--load-forge-rollout-data --save-debug-train-data --dump-details --debug-rollout-only "
-        "--debug-train-only --check-weight-update-equal",
-        _DEBUG,
-    ),
+    **_each("--load-forge-rollout-data --check-weight-update-equal", _DEBUG),
+    "--load-debug-rollout-data-subsample": "not here: a replay trains each dump whole, as the "
+    "original step did (a subset would not reproduce it)",
+    "--save-debug-train-data": "not here as a file of its own: the --save-debug-rollout-data "
+    "dump is what the trainer is given, assembled again (bit for bit) when replayed",
+    "--dump-details": "slime's shortcut for its two dumps; here --save-debug-rollout-data DIR "
+    "(one JSON file per step, docs/replay.md)",
     **_each(
         "--memory-snapshot-dir --memory-snapshot-num-steps --profile-target --memory-recorder "
         "--record-memory-history",
