@@ -1,10 +1,10 @@
 """The live run: what the step loop (`controller.train`) calls between and around steps.
+One responsibility over 400 lines: the live run's side of each step.
 
 Owns `Run` (weight push and the replacement engines' catch-up, the next batch, the train step
 with its record and its rollout dump (`--save-debug-rollout-data`), evaluation, checkpoint,
-timing, logging, shutdown), `RunVersions` (the
-trainer's, the start's and the fleet's versions, and what a replacement starts on) and
-`write_roles`.
+timing, logging, shutdown), `RunVersions` (the trainer's, the start's and the fleet's
+versions, and what a replacement starts on) and `write_roles`.
 `slime_async.orchestrator.launch.setup_run` builds a `Run`; nothing here starts a role.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ from slime_async.orchestrator.supervisor import EnginesDownError, EngineSupervis
 from slime_async.orchestrator.transport import feed_role
 from slime_async.rollout.data.plan import DataPlan
 from slime_async.rollout.generate.assemble import ScoredGenerate
-from slime_async.rollout.generate.dump import dump_path, dump_record, write_dump
+from slime_async.rollout.generate.dump import write_step
 from slime_async.trainer.actor import TrainerGroup, TrainStep
 
 log = logging.getLogger(__name__)
@@ -167,22 +168,14 @@ class Run:
     async def dump(
         self, rollout_id: int, batch: Batch, *, trained: dict[str, float] | None
     ) -> None:
-        """`--save-debug-rollout-data`: what step `rollout_id` sampled (and, with `trained`,
-        how its train step went) as a checksummed JSON file (`rollout.generate.dump`); written
-        off the event loop, which keeps dispatching. A dump that cannot be written is logged,
-        never the end of the run."""
-        spec = self.cfg.save_debug_rollout_data
-        if spec is None:
+        """`--save-debug-rollout-data`: step `rollout_id`'s batch (and, with `trained`, its
+        train step's metrics) as a checksummed JSON file, written off the event loop; one that
+        cannot be written is logged, never the end of the run."""
+        if (spec := self.cfg.save_debug_rollout_data) is None:
             return
-
-        def write() -> None:
-            body = dump_record(
-                batch, rollout_id=rollout_id, decode=self.plan.decode, trained=trained
-            )
-            write_dump(dump_path(spec, rollout_id), body)
-
+        write = functools.partial(write_step, spec, batch, rollout_id=rollout_id, trained=trained)
         try:
-            await asyncio.to_thread(write)
+            await asyncio.to_thread(write, decode=self.plan.decode)
         except OSError as e:
             log.warning("rollout dump of step %d not written: %s", rollout_id, e)
 

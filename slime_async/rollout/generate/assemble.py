@@ -1,4 +1,5 @@
 """From completed groups to the trainer's batch: scoring, advantages, padded tensors.
+One responsibility over 400 lines: turning generated samples into what the trainer trains.
 
 Owns `ScoredGenerate` (wraps the generate client: a finished sample is scored once, its reward
 stored in its payload, so group filters such as DAPO's see rewards; with slime's `--group-rm`

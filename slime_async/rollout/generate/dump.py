@@ -4,7 +4,8 @@
 Owns `dump_path` (the file of a rollout id: a path template with `{rollout_id}`, or a
 directory holding `<rollout_id>.json`), `check_dump_path`, `dump_record` (a scored `Batch` ->
 the JSON-able record), `batch_of` (the record -> the same `Batch`), `write_dump` (atomic:
-a temporary file renamed into place) and `read_dump` (the checksum verified), `DumpError`.
+a temporary file renamed into place), `write_step` (both, for one step), `read_dump` (the
+checksum verified) and `DumpError`.
 Never imports the trainer, engine or controller; nothing is pickled.
 
 A file is ``{"sha256": H, "body": BODY}``, H the SHA-256 of BODY serialized canonically
@@ -201,6 +202,21 @@ def write_dump(path: Path, body: Mapping[str, Any]) -> None:
     digest = hashlib.sha256(text.encode()).hexdigest()
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, f'{{"sha256":"{digest}","body":{text}}}\n')
+
+
+def write_step(
+    spec: str,
+    batch: Batch,
+    *,
+    rollout_id: int,
+    decode: Callable[[Sequence[int]], str] | None = None,
+    trained: Mapping[str, float] | None = None,
+) -> Path:
+    """`--save-debug-rollout-data SPEC`: the dump of step `rollout_id` written where `spec`
+    says (`dump_record`, `write_dump`); returns the file."""
+    path = dump_path(spec, rollout_id)
+    write_dump(path, dump_record(batch, rollout_id=rollout_id, decode=decode, trained=trained))
+    return path
 
 
 def read_dump(path: Path) -> dict[str, Any]:
