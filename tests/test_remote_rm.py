@@ -130,3 +130,13 @@ async def test_a_dead_or_wrong_reward_model_is_a_clear_error(unused_tcp_port):
 def test_remote_rm_flags_refuse_what_cannot_work(argv, match):
     with pytest.raises(ValueError, match=match):
         rollout_config_from_args(build_parser().parse_args(argv))
+
+
+def test_slime_style_plugins_read_the_rm_url_from_args(tmp_path):
+    """slime's own rewards read `args.rm_url` (its `remote_rm`, on-policy distillation)."""
+    from slime_async.config import parse_config
+    from slime_async.orchestrator.generate_chain import slime_plugin_args
+
+    argv = ["--run-dir", str(tmp_path), "--rm-url", "http://127.0.0.1:9/rm", "--reward-key", "r"]
+    args = slime_plugin_args(parse_config(argv), "http://127.0.0.1:1")
+    assert (args.rm_url, args.reward_key) == ("http://127.0.0.1:9/rm", "r")
