@@ -46,6 +46,13 @@ class LogprobForwards:
     loss_cfg: Any
     version: int
     moe_layers: list[int]
+    every_position_through_head: bool = False
+    """True: every position goes through the LM head, as before the head computed only what is
+    read (the reference the tests compare against); False: only `MicroBatch.read`."""
+
+    def head_reads(self, mb: MicroBatch) -> torch.Tensor | None:
+        """The positions of `mb` the LM head computes (`position_logprobs`'s `read`)."""
+        return None if self.every_position_through_head else mb.read
 
     # ------------------------------------------------------------------ topology
     @property
@@ -145,7 +152,9 @@ class LogprobForwards:
         pipeline stage. `record` (R2): each micro-batch's routing is kept in `mb.recorded`."""
 
         def head(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-            lp, ent = position_logprobs(logits, mb.input_ids, temperature=self.cfg.temperature)
+            lp, ent = position_logprobs(
+                logits, mb.input_ids, temperature=self.cfg.temperature, read=self.head_reads(mb)
+            )
             return torch.stack([mb.to_samples(lp), mb.to_samples(ent)]).cpu()
 
         outs = self.schedule.run(mbs, head, forward_only=True, record=record)
@@ -176,7 +185,9 @@ class LogprobForwards:
         self, batch: TrainerBatch, version: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-aligned `[B, T]` log-probs and entropies under the current weights (π_k) or a
-        kept snapshot of `version` (π_j^Meg). R3 replays `batch.routed_experts` when enabled."""
+        kept snapshot of `version` (π_j^Meg), of the trained tokens (`batch.loss_mask`; 0
+        elsewhere: only their positions go through the LM head). R3 replays
+        `batch.routed_experts` when enabled."""
         mbs = self._local(batch)
         self._set_engine_routing(mbs)
         ctx = (
