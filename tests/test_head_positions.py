@@ -120,6 +120,33 @@ def test_trainer_head_on_trained_tokens_equals_every_position(qkv, monkeypatch):
     assert moved > 1e-4  # the step changed the weights
 
 
+def test_snapshot_forwards_multiply_each_versions_tokens_only(monkeypatch):
+    """π_j^Meg in the trainer (`--keep-old-actor`, snapshots swapped in): the π_k pass multiplies
+    the trained tokens, each older version's pass only the tokens it sampled; the values equal
+    every position through the head."""
+    from slime_async.trainer.config import TrainerConfig
+    from slime_async.trainer.testing import random_batch
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, seed=3, keep_old_actor=True, max_snapshots=3)
+    batch = random_batch(SPEC, batch=4, width=14, prompt=5, seed=2, lengths=[14, 9, 12, 7])
+    tr = MegatronTrainer(cfg, SPEC)
+    tr.train_step(batch)
+    tr.train_step(batch)
+    versions = torch.arange(batch.width).remainder(3).expand(batch.size, -1)
+    mixed = dataclasses.replace(batch, token_versions=torch.where(batch.loss_mask, versions, -1))
+    rows = _head_rows(monkeypatch)
+    got = tr.compute_behavior_logprobs(mixed)
+    read_rows = sum(rows)
+    tr.every_position_through_head = True
+    want = tr.compute_behavior_logprobs(mixed)
+    tr.shutdown()
+    m = mixed.loss_mask
+    old = m & (mixed.token_versions != tr.version)
+    assert read_rows == int(m.sum()) + int(old.sum())  # π_k of every trained token, then v0, v1
+    assert _close(got[m], want[m])
+
+
 def test_role_head_on_each_versions_tokens_equals_every_position(monkeypatch):
     """The forward-only role's π_j^Meg: each version's pass multiplies only the trained tokens of
     that version (rows mix versions), and the values equal every position through the head."""
