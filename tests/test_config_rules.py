@@ -525,7 +525,8 @@ def test_weight_dtype_travels_as_the_engines_serve_unless_the_role_reads_disk():
 
 
 # ------------------------------------------------------------------------------- memory.py
-ASYNC = (*USER, "--keep-old-actor")
+ASYNC = (*USER, "--keep-old-actor", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024")
+"""Micro-batching given, so the memory rule derives none and only its role fallback is seen."""
 
 
 def _validate(*argv: str, memory: int | None):
@@ -551,3 +552,15 @@ def test_memory_refuses_a_run_that_cannot_fit():
     d.env = dataclasses.replace(d.env, memory_bytes=2 * 1024**3)
     with pytest.raises(ValueError, match=r"would not fit .*--bf16"):
         memory.memory(d)
+
+
+def test_a_derived_micro_batch_gives_what_validating_with_it_given_gives():
+    argv = (*USER, "--keep-old-actor")
+    cfg = _validate(*argv, memory=64 * 1024**3)
+    n = cfg.trainer.max_tokens_per_gpu
+    given = _validate(
+        *argv, "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(n), memory=None
+    )
+    assert dataclasses.replace(cfg.trainer) == given.trainer
+    assert cfg.derived["--use-dynamic-batch-size"].value is True
+    assert "fits" in cfg.derived["--max-tokens-per-gpu"].why

@@ -146,6 +146,7 @@ def read_environment(args: argparse.Namespace) -> Environment:
         load=load,
         cpu_bf16=hardware.cpu_bf16_feature(),
         memory_bytes=hardware.node_memory_bytes(),
+        gpu_memory_bytes=hardware.gpu_memory_bytes(),
     )
 
 
