@@ -20,6 +20,7 @@ docs/cpu.md#memory.
 | trainer rank, bf16 | 2 weights + 4 fp32 gradient buffer + 4 fp32 main weights + 8 Adam = 18, + 2 per snapshot |
 | forward-only role | its weights + one copy per kept version (the parameters' dtype) |
 | embedded engine | its weights in the engine dtype (2 for bf16, 4 for fp32) |
+| each of them, during a weight sync | one version in flight in `--update-weight-dtype` |
 
 With LoRA (A adapter numbers, fp32) the base is frozen and shared: the trainer holds the base
 weights + 16 bytes per adapter number (weight, gradient buffer, two Adam moments) + 4 per
@@ -205,6 +206,9 @@ class RunShape:
     """Bytes per parameter of an engine (2 for bf16, 4 for fp32)."""
     engine_cache_tokens: int = 0
     """Each engine's KV pool, in tokens."""
+    wire_bytes: int = 4
+    """Bytes per parameter of a version in flight (`--update-weight-dtype`): the trainer's
+    export, the role's and each engine's incoming copy during a weight sync."""
     adapter_params: int = 0
     """LoRA: numbers in the adapter (`contracts.adapter.adapter_numel`); 0: full fine-tuning."""
 
@@ -247,21 +251,24 @@ def trainer_activation_bytes(shape: RunShape) -> int:
 
 def process_bytes(shape: RunShape) -> dict[str, int]:
     """Peak bytes per part of the run on this node: `trainer` (all ranks: state + activations +
-    runtime; runtime only when on GPUs), `role` (the forward-only role), `engines` (weights +
-    KV pool + runtime each) and `runtime` (Ray's daemons, the driver, the router)."""
+    runtime, only the runtime when on GPUs; + rank 0's export of a version), `role` (the
+    forward-only role: its versions + an incoming one), `engines` (weights + KV pool + runtime +
+    an incoming version, each) and `runtime` (Ray's daemons, the driver, the router)."""
     w = 2 if shape.bf16 else 4
+    flight = (shape.adapter_params or shape.params) * shape.wire_bytes  # a version in flight
     rank = RUNTIME["trainer"]
     if not shape.trainer_on_gpu:
         rank += trainer_state_bytes(shape) + trainer_activation_bytes(shape)
-    out = {"trainer": rank * shape.trainer_ranks}
+    export = 0 if shape.trainer_on_gpu else flight  # rank 0's export (on its GPU there)
+    out = {"trainer": rank * shape.trainer_ranks + export}
     if shape.role_versions is not None:
         n, a, v = shape.params, shape.adapter_params, shape.role_versions
         weights = n * w + a * 4 * (1 + v) if a else n * w * (1 + v)
         fwd = forward_bytes(shape.spec, shape.micro_batch_tokens, bf16=shape.bf16)
-        out["role"] = RUNTIME["role"] + weights + (fwd if shape.micro_batch_tokens else 0)
+        out["role"] = RUNTIME["role"] + weights + flight + (fwd if shape.micro_batch_tokens else 0)
     if shape.engines:
         kv = kv_cache_bytes(shape.spec, shape.engine_cache_tokens, dtype_bytes=shape.engine_bytes)
-        each = RUNTIME["engine"] + shape.params * shape.engine_bytes + kv
+        each = RUNTIME["engine"] + shape.params * shape.engine_bytes + kv + flight
         out["engines"] = each * shape.engines
     out["runtime"] = RUNTIME["ray"] + RUNTIME["driver"] + RUNTIME["router"]
     return out

@@ -290,7 +290,8 @@ class TrainerGroup:
         return int(self._all("version")[0])
 
     def compute_logprobs(self, batch: TrainerBatch, version: int | None = None) -> tuple[Any, Any]:
-        """Token-aligned `[B, T]` numpy log-probs and entropies (see MegatronTrainer)."""
+        """Token-aligned `[B, T]` numpy log-probs and entropies of the trained tokens, 0
+        elsewhere (see MegatronTrainer)."""
         ref = ray.put(batch)
         return self._all("compute_logprobs", ref, version)[0]
 

@@ -128,7 +128,8 @@ class BehaviorForwarder:
                 continue
             sel = mask & (batch.token_versions == v)
             rows = [i for i in range(batch.size) if bool(sel[i].any())]
-            part = batch.select(rows)
+            # only v's own tokens go through the LM head (a row may hold tokens of other versions)
+            part = dataclasses.replace(batch.select(rows), loss_mask=sel[rows])
             with self.store.swapped_in(self.trainer.model, v):
                 lp, _ = self.trainer.compute_logprobs(part)
             full = torch.full_like(out, float("nan"))

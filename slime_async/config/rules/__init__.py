@@ -37,7 +37,7 @@ come out in this order):
 | 23 | `cache_salt` | --router-cache-salt by engine backend | 21 |
 | 24 | `shared_token` | the router's config and the run's shared token | |
 | 25 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 20 |
-| 26 | `engine` | the embedded engines' settings | 4, 22 |
+| 26 | `engine` | the embedded engines' settings, --engine-dtype from the CPU | 2, 4, 21, 22 |
 | 27 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 19, 21, 26 |
 | 28 | `transport` | --update-weight-transport | 19, 21 |
 | 29 | `weight_dtype` | --update-weight-dtype | 19, 26, 28 |

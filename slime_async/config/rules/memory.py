@@ -106,6 +106,7 @@ def run_shape(cfg: RunConfig, *, trainer_on_gpu: bool = False) -> memory_plan.Ru
         engines=cfg.engines.num_engines if cfg.engines.backend == "embedded" else 0,
         engine_bytes=2 if cfg.engine.dtype == "bf16" else 4,
         engine_cache_tokens=cfg.engine.prefix_cache_tokens,
+        wire_bytes=2 if cfg.weights.dtype in ("bfloat16", "float16") else 4,
         adapter_params=0 if spec is None else adapter_numel(cfg.model, spec),
     )
 
