@@ -139,24 +139,28 @@ def activation_bytes(
     layers: int | None = None,
     chunk_tokens: int | None = None,
     vocab_local: int | None = None,
+    slack: float = 1.0,
 ) -> int:
     """Peak bytes of one trainer rank's forward+backward over a micro-batch of `tokens` tokens,
     above its model state: the saved activations of its `layers` (default: all) + the head's
-    weight gradient and logits chunk (`chunk_tokens`, default `CHUNK_ELEMENTS_CPU` logits)."""
+    weight gradient and logits chunk (`chunk_tokens`, default `CHUNK_ELEMENTS_CPU` logits).
+    `slack` multiplies the layers' part (`ALLOCATOR_SLACK` on a CPU), not the head's: its
+    blocks are larger than glibc's largest heap block (32 MiB) and leave the process when
+    freed."""
     n = spec.num_layers if layers is None else layers
     v = spec.vocab_size if vocab_local is None else vocab_local
     per_value = BF16_BYTES_PER_VALUE if bf16 else 4.0
-    full = layer_values(spec) * per_value  # bytes per token of one layer's saved activations
+    full = layer_values(spec) * per_value * slack  # bytes per token of one layer's activations
     chunk = min(tokens, chunk_tokens or max(1, CHUNK_ELEMENTS_CPU // v))
     head = int(HEAD_WEIGHT_GRADS * v * spec.hidden_size * 4) + HEAD_TEMPORARIES * chunk * v * 4
     if recompute is None:  # every layer's activations are alive when the head's backward runs
         return int(tokens * n * full) + head
     if recompute.method == "block":
         k = min(n, recompute.num_layers)
-        kept, redo = k * spec.hidden_size * per_value + (n - k) * full, full if k else 0.0
+        kept, redo = k * spec.hidden_size * per_value * slack + (n - k) * full, full if k else 0.0
     else:
         g = max(1, recompute.num_layers)
-        kept, redo = math.ceil(n / g) * spec.hidden_size * per_value, g * full
+        kept, redo = math.ceil(n / g) * spec.hidden_size * per_value * slack, g * full
     # the checkpoints, with the head's backward first, then one recomputed group at a time
     return int(tokens * kept) + max(head, int(tokens * redo))
 
@@ -234,18 +238,15 @@ def trainer_activation_bytes(shape: RunShape) -> int:
     the CPU allocator's slack (`ALLOCATOR_SLACK`)."""
     if not shape.micro_batch_tokens:
         return 0
-    slack = 1.0 if shape.trainer_on_gpu else ALLOCATOR_SLACK  # CUDA's caching allocator reuses
-    return int(
-        slack
-        * activation_bytes(
-            shape.spec,
-            shape.micro_batch_tokens,
-            bf16=shape.bf16,
-            recompute=shape.recompute,
-            layers=math.ceil(shape.spec.num_layers / max(1, shape.pp)),
-            chunk_tokens=shape.chunk_tokens,
-            vocab_local=shape.spec.vocab_size * shape.pp // max(1, shape.tp_pp),
-        )
+    return activation_bytes(
+        shape.spec,
+        shape.micro_batch_tokens,
+        bf16=shape.bf16,
+        recompute=shape.recompute,
+        layers=math.ceil(shape.spec.num_layers / max(1, shape.pp)),
+        chunk_tokens=shape.chunk_tokens,
+        vocab_local=shape.spec.vocab_size * shape.pp // max(1, shape.tp_pp),
+        slack=1.0 if shape.trainer_on_gpu else ALLOCATOR_SLACK,  # CUDA's allocator reuses
     )
 
 
