@@ -11,6 +11,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from slime_async.host import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before any thread: the driver's threads share two heaps
     from slime_async.config import parse_config
     from slime_async.orchestrator.controller import train
 

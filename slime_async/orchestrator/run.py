@@ -28,6 +28,7 @@ from slime_async.config.run_paths import batch_shape
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.rollout import Batch, GenerationRequest, Prompt, segment_payload
 from slime_async.contracts.weights import WeightTransport
+from slime_async.host import trim_heap
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.stability import mean_and_se
 from slime_async.orchestrator.generate_chain import GenerateChain
@@ -184,6 +185,7 @@ class Run:
         the next one) and the prompt ledger's line."""
         self.versions.advance(version)
         record_trained(ledger_path(self.cfg.run_dir), version, batch)
+        trim_heap()  # what the step's batch, responses and pushes freed, back to the node
 
     async def push_weights(self, version: int) -> dict[str, float]:
         """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""

@@ -39,7 +39,7 @@ from slime_async.contracts.adapter import read_peft_dir
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
-from slime_async.host import trim_heap
+from slime_async.host import limit_malloc_arenas, trim_heap
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.lora import is_adapter_param
 from slime_async.trainer.snapshots import SnapshotStore
@@ -144,6 +144,7 @@ class _BehaviorActorImpl:
     def __init__(
         self, cfg: TrainerConfig, spec: ModelSpec, *, max_versions: int, num_threads: int
     ) -> None:
+        limit_malloc_arenas()
         torch.set_num_threads(num_threads)
         self.fwd = BehaviorForwarder(cfg, spec, max_versions=max_versions)
 
