@@ -262,7 +262,7 @@ def _switched_logprobs(base, a1, a2, prompt, out, cut) -> torch.Tensor:
 
 async def test_lora_routes_need_the_token(setup, tmp_path):
     _, base, a1, _, _ = setup
-    cfg = EngineConfig(model_dir=str(base), dtype="fp32", enable_lora=True, auth_token="s3cret")
+    cfg = EngineConfig(model_dir=str(base), dtype="fp32", enable_lora=True, api_key="s3cret")
     srv = EngineServer(cfg)
     url = srv.start()
     try:

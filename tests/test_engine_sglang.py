@@ -114,7 +114,9 @@ def test_full_command_maps_every_field() -> None:
         ({"extra_args": ("--tp-size", "2")}, "repeat flags"),
         ({"extra_args": ("--port=1",)}, "repeat flags"),
         ({"extra_args": ("--api-key", "x")}, "repeat flags"),
-        ({"host": "0.0.0.0"}, "SLIME_ASYNC_AUTH_TOKEN"),
+        ({"host": "0.0.0.0"}, "SLIME_ASYNC_API_KEY"),
+        ({"api_key": "k", "admin_api_key": "k"}, "use two keys"),
+        ({"extra_args": ("--admin-api-key", "x")}, "repeat flags"),
     ],
 )
 def test_bad_config_names_the_problem(kwargs: dict, needle: str) -> None:

@@ -34,7 +34,7 @@ come out in this order):
 | 20 | `engines` | the engine fleet (--num-engines, --rollout-num-gpus) | |
 | 21 | `placement` | --colocate, --trainer-cores, --rollout-cores | 20 |
 | 22 | `cache_salt` | --router-cache-salt by engine backend | 20 |
-| 23 | `shared_token` | the router's config and the run's shared token | |
+| 23 | `keys` | the router's config and the run's two keys (a data-plane key minted) | 20 |
 | 24 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 19 |
 | 25 | `engine` | the embedded engines' settings | 4, 21 |
 | 26 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 18, 20, 25 |
@@ -83,7 +83,7 @@ RULES: tuple[Rule, ...] = (
     serving.engines,
     serving.placement,
     serving.cache_salt,
-    serving.shared_token,
+    serving.keys,
     serving.warmstart,
     serving.engine,
     serving.lora,

@@ -74,7 +74,8 @@ def sglang_config(
         max_lora_rank=engine.max_lora_rank,
         lora_target_modules=engine.lora_target_modules,
         max_loaded_loras=engine.max_loaded_loras,
-        api_key=engine.auth_token,
+        api_key=engine.api_key,
+        admin_api_key=engine.admin_api_key,
         python=getattr(fleet, "sglang_python", None) or sys.executable,
     )
 
