@@ -20,6 +20,7 @@ import math
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -259,9 +260,11 @@ def write_peft_dir(
     *,
     version: int,
     base_model: str | None = None,
+    finish: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a PEFT adapter directory at `path` atomically (a temp dir renamed into place), the
-    version in the safetensors metadata and the weights' sha256 beside them; returns the path."""
+    version in the safetensors metadata and the weights' sha256 beside them; `finish(tmp)` runs
+    last, before the rename (e.g. an ownership marker); returns the path."""
     import torch
     from safetensors.torch import save_file
 
@@ -278,6 +281,8 @@ def write_peft_dir(
         cfg = lora.peft_config(base_model=base_model)
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True))
         (tmp / CHECKSUM_FILE).write_text(file_sha256(tmp / WEIGHTS_FILE) + "\n")
+        if finish is not None:
+            finish(tmp)
         if final.exists():
             old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
             final.rename(old)
