@@ -132,6 +132,12 @@ class SGLangConfig:
         ours = {a for a in build_command(self, _with_extra=False) if a.startswith("--")}
         ours |= {"--api-key", "--admin-api-key"}
         clash = sorted(ours & {a.split("=")[0] for a in self.extra_args if a.startswith("--")})
+        if keys := [c for c in clash if c in ("--api-key", "--admin-api-key")]:
+            raise ValueError(
+                f"{'/'.join(keys)} on SGLang's command line would be visible in `ps`: the "
+                "launcher hands the keys over itself (export SLIME_ASYNC_API_KEY and "
+                "SLIME_ASYNC_AUTH_TOKEN, or pass --api-key-file / --auth-token-file)"
+            )
         if clash:
             raise ValueError(
                 f"extra_args repeat flags the launcher already sets: {clash}; use the "

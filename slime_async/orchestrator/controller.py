@@ -6,6 +6,8 @@ Rollout never waits for training: the data worker keeps dispatching in this same
 while a train step runs in the trainer actor, limited only by the staleness budget
 (`--max-staleness S`: S = 0 synchronous, 1 one-step off-policy, > 1 fully async). Setting up
 the roles, the data and resuming live in `slime_async.orchestrator.launch`; this file is only the schedule.
+A run that must stop (a lost trainer rank, no engine left) says why through `on_stop` before it
+tears anything down, so the process ends within a bound (`slime_async.orchestrator.stop`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from slime_async.config.run_config import RunConfig
@@ -25,8 +28,10 @@ from slime_async.rollout.generate.assemble import assemble
 log = logging.getLogger(__name__)
 
 
-async def train(cfg: RunConfig) -> dict[str, Any]:
-    """Run the whole job; returns the last step's metrics plus the run's accounting."""
+async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the whole job; returns the last step's metrics plus the run's accounting. `on_stop`
+    hears the reason of a stop (`StopWatchdog.arm`) before the run is torn down."""
+    say = on_stop or (lambda _why: None)
     run = await setup_run(cfg)  # data, warm start, Ray roles, trainer, data worker, resume
     last: dict[str, Any] = {}
     try:
@@ -75,14 +80,16 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
             await run.save(run.version)
         last.update(run.accounting())
         return last
-    except EnginesDownError:  # stop with a checkpoint: --load resumes once engines are back
+    except EnginesDownError as e:  # stop with a checkpoint: --load resumes once engines are back
         if run.saves:
             await run.save(run.version)
+        say(str(e))
         raise
     except Exception as e:  # a lost trainer rank: say which, where it stands, how to resume
         if not (lost := await asyncio.to_thread(run.trainer.ranks_lost)):
             raise
         why = trainer_lost_message(lost, step=run.version, save=cfg.trainer.save, argv=sys.argv)
+        say(why)  # the rest of the group may never answer again: the stop is bounded from here
         raise TrainerLostError(why) from e
     finally:
         await run.close()
