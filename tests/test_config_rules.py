@@ -429,15 +429,50 @@ def test_warmstart_only_for_a_fresh_embedded_run():
     )
 
 
-def test_engine_threads_follow_the_placement():
-    d = draft(placement=Placement(colocate=False))
+def _engine_draft(*argv: str, env: Environment = ENV, **facts: object) -> Draft:
+    """A draft as the `engine` rule finds it (the rules it reads have run)."""
+    d = draft(*argv, env=env, **{"placement": Placement(colocate=False), **facts})
+    d.embedded = not argv
+    d.engines = EngineFleetConfig.from_args(d.args)
     d.rollout = rollout_config_from_args(d.args)
+    return d
+
+
+def test_engine_threads_follow_the_placement():
+    d = _engine_draft()
     serving.engine(d)
     assert d.engine.num_threads == 1
-    shared = draft(placement=Placement(colocate=True))
-    shared.rollout = rollout_config_from_args(shared.args)
+    shared = _engine_draft(placement=Placement(colocate=True))
     serving.engine(shared)
     assert shared.engine.num_threads is None
+
+
+@pytest.mark.parametrize(
+    "argv, env, value, reason",
+    [
+        ((), ENV, "bf16", "the mismatch its CompIS corrects"),
+        (USER, dataclasses.replace(ENV, cpu_bf16="avx512_bf16"), "bf16", "the CPU has avx512_bf16"),
+        (USER, ENV, "fp32", "no AMX/AVX512_BF16 (bf16 matmuls would be emulated)"),
+        (USER, dataclasses.replace(ENV, ray_address="10.0.0.2:6379"), "bf16", "not read here"),
+    ],
+)
+def test_engine_dtype_from_the_cpu_and_the_run_kind(argv, env, value, reason):
+    """`--engine-dtype` as rule `bf16` derives `--bf16`: from the CPU's native bf16 for a user's
+    model; bf16 for the embedded default run and where the engines' nodes are not this one."""
+    d = _engine_draft(*argv, env=env)
+    serving.engine(d)
+    assert d.engine.dtype == value and reason in why(d, "--engine-dtype")
+
+
+def test_engine_dtype_given_is_kept_and_only_embedded_engines_derive_it():
+    bf16_cpu = dataclasses.replace(ENV, cpu_bf16="amx_bf16")
+    for env, value in ((ENV, "bf16"), (bf16_cpu, "fp32")):  # against what the CPU derives
+        given = _engine_draft(*USER, "--engine-dtype", value, env=env)
+        serving.engine(given)
+        assert given.engine.dtype == value and "--engine-dtype" not in given.flags.derived
+    ext = _engine_draft(*USER, "--engine-backend", "external", "--engine-urls", "http://h:1")
+    serving.engine(ext)
+    assert "--engine-dtype" not in ext.flags.derived  # servers the run does not start
 
 
 def _lora_draft(*argv: str, targets: tuple[str, ...]) -> Draft:
@@ -497,7 +532,8 @@ def test_weight_dtype_travels_as_the_engines_serve_unless_the_role_reads_disk():
 
 
 # ------------------------------------------------------------------------------- memory.py
-ASYNC = (*USER, "--keep-old-actor")
+ASYNC = (*USER, "--keep-old-actor", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024")
+"""Micro-batching given, so the memory rule derives none and only its role fallback is seen."""
 
 
 def _validate(*argv: str, memory: int | None):
@@ -523,3 +559,15 @@ def test_memory_refuses_a_run_that_cannot_fit():
     d.env = dataclasses.replace(d.env, memory_bytes=2 * 1024**3)
     with pytest.raises(ValueError, match=r"would not fit .*--bf16"):
         memory.memory(d)
+
+
+def test_a_derived_micro_batch_gives_what_validating_with_it_given_gives():
+    argv = (*USER, "--keep-old-actor")
+    cfg = _validate(*argv, memory=64 * 1024**3)
+    n = cfg.trainer.max_tokens_per_gpu
+    given = _validate(
+        *argv, "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(n), memory=None
+    )
+    assert dataclasses.replace(cfg.trainer) == given.trainer
+    assert cfg.derived["--use-dynamic-batch-size"].value is True
+    assert "fits" in cfg.derived["--max-tokens-per-gpu"].why

@@ -24,7 +24,7 @@ from slime_async.engine.sglang import SGLangConfig, SGLangServer, build_command
 from slime_async.orchestrator.placement import place_roles
 from slime_async.orchestrator.roles import Cluster, init_ray
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.own_ray]
 FAKE = Path(__file__).resolve().parent / "fake_sglang"
 REPO = FAKE.parents[1]
 TOKEN = "sglang-launch-token-abcdef0123456789"

@@ -10,7 +10,11 @@ import json
 import shlex
 from pathlib import Path
 
+import pytest
+
 from slime_async.orchestrator.node_loss import last_checkpoint, resume_command, trainer_lost_message
+
+pytestmark = pytest.mark.own_ray  # a Ray node of its own size
 
 ARGV = ["train_async.py", "--num-steps", "8", "--load", "/old", "--save", "/ck", "--load=/x"]
 LOST = [(1, "10.0.0.2", "its actor is gone (ActorDiedError)")]
@@ -74,7 +78,6 @@ class _Rank:
 
 def test_a_dead_rank_is_found_and_the_first_failure_raises_at_once() -> None:
     """`TrainerGroup._all` and `ranks_lost` on real Ray actors (a local Ray node)."""
-    import pytest
     import ray
 
     from slime_async.trainer.actor import TrainerGroup

@@ -48,7 +48,7 @@ from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.backends.config import split_sglang_args
 from slime_async.engine.config import add_engine_run_args
-from slime_async.host import ray_address
+from slime_async.host import ray_address, trim_heap
 from slime_async.metrics.config import add_logging_args, refused_secret_flags
 from slime_async.rollout.config import add_rollout_args
 from slime_async.trainer.config import add_trainer_args
@@ -117,6 +117,8 @@ def read_environment(args: argparse.Namespace) -> Environment:
             )
         except (FileNotFoundError, ImportError) as e:
             raise ValueError(str(e)) from None
+        if converted is not None:
+            trim_heap()  # the de-quantized tensors are written: their 1 GiB back to the node
         try:
             hf = AutoConfig.from_pretrained(str(converted or args.hf_checkpoint))
         except (OSError, ValueError) as e:
@@ -147,6 +149,7 @@ def read_environment(args: argparse.Namespace) -> Environment:
         load=load,
         cpu_bf16=hardware.cpu_bf16_feature(),
         memory_bytes=hardware.node_memory_bytes(),
+        gpu_memory_bytes=hardware.gpu_memory_bytes(),
     )
 
 

@@ -81,6 +81,8 @@ class Environment:
     """The CPU flag that makes bf16 matmuls native here (`hardware.cpu_bf16_feature`), or None."""
     memory_bytes: int | None = None
     """This node's physical memory (None: not checked)."""
+    gpu_memory_bytes: tuple[int, ...] = ()
+    """Total memory of each CUDA device of this node (`hardware.gpu_memory_bytes`; empty: none)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,6 +128,15 @@ class RunConfig:
         (), parse=parse_cores, derived="the second half of the usable cores"
     )
     """CPU cores of the engines, comma-separated (empty: no pinning)."""
+    memory_limit_gib: float | None = flag(
+        None,
+        gt=0,
+        derived="80% of this node's memory (a one-node run; a joined cluster: unchecked)",
+    )
+    """Memory the whole run may take on this node (every process: Ray, the driver, the router,
+    the trainer, the role, the engines), in GiB. The start-up memory plan derives the trainer's
+    micro-batch budget and recompute to fit it, or refuses with the numbers (docs/cpu.md#memory).
+    Give it to run several runs side by side on one machine."""
     warmstart_steps: int = flag(
         DEFAULT_WARMSTART_STEPS,
         derived=f"{DEFAULT_WARMSTART_STEPS} for the embedded default run; 0 with --hf-checkpoint, "
@@ -164,7 +175,7 @@ class RunConfig:
         return self.rollout.seed_or(self.seed)
 
 
-_PLACEMENT = ("colocate", "trainer_cores", "rollout_cores")
+_PLACEMENT = ("colocate", "trainer_cores", "rollout_cores", "memory_limit_gib")
 """`RunConfig` fields of the `placement` flag group; the others are the `run` group."""
 
 
@@ -179,5 +190,5 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
-    """Which CPU cores the trainer and the engines run on."""
+    """Which CPU cores the trainer and the engines run on, and the memory the run may take."""
     add_flags(parser, RunConfig, group="placement", only=_PLACEMENT)

@@ -218,20 +218,31 @@ RUN_FLAGS: tuple[str, ...] = ("dtype", "max_running_requests")
 """The `EngineConfig` fields `train_async.py` exposes (as `--engine-<field>`); the run sets the
 model, port, seed and version itself."""
 RUN_PREFIX = "engine-"
+RUN_DERIVED = {"dtype": "bf16 where the CPU has AMX/AVX512_BF16 and for the default run, else fp32"}
+"""The run flags whose default the run derives (rule `engine` in `slime_async/config/rules/`)."""
 
 
 def add_engine_run_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine flags of `train_async.py` (`--engine-dtype`,
     `--engine-max-running-requests`)."""
-    add_flags(parser, EngineConfig, group="embedded engine", prefix=RUN_PREFIX, only=RUN_FLAGS)
+    add_flags(
+        parser,
+        EngineConfig,
+        group="embedded engine",
+        prefix=RUN_PREFIX,
+        only=RUN_FLAGS,
+        derived=RUN_DERIVED,
+    )
 
 
 def engine_run_config_from_args(
     args: argparse.Namespace, *, seed: int, num_threads: int | None
 ) -> EngineConfig:
-    """The engines' config of a run (model directory and version are filled in at launch)."""
+    """The engines' config of a run (model directory and version are filled in at launch); a
+    derived flag still unset (`RUN_DERIVED`) leaves the class default."""
     dests = {flag_name(EngineConfig, f, prefix=RUN_PREFIX)[2:].replace("-", "_") for f in RUN_FLAGS}
-    mine = argparse.Namespace(**{d: v for d, v in vars(args).items() if d in dests})
+    given = {d: v for d, v in vars(args).items() if d in dests and v is not None}
+    mine = argparse.Namespace(**given)
     try:
         return from_args(
             EngineConfig,

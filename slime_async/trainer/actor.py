@@ -25,6 +25,7 @@ from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weight_group import WeightGroup, send_buckets, torch_dtype
 from slime_async.contracts.weights import HFWeights, TensorEntry, WeightManifest
+from slime_async.host import trim_heap
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
 
@@ -85,6 +86,7 @@ class _TrainerActorImpl:
     def train_step(self, batch: TrainerBatch) -> tuple[int, dict[str, float]]:
         """One optimizer update; returns (the new version, metrics)."""
         metrics = self.trainer.train_step(batch)
+        trim_heap()  # the step's freed activations back to the node (docs/cpu.md#memory)
         return self.trainer.version, metrics
 
     def snapshot(self) -> int:
@@ -288,7 +290,8 @@ class TrainerGroup:
         return int(self._all("version")[0])
 
     def compute_logprobs(self, batch: TrainerBatch, version: int | None = None) -> tuple[Any, Any]:
-        """Token-aligned `[B, T]` numpy log-probs and entropies (see MegatronTrainer)."""
+        """Token-aligned `[B, T]` numpy log-probs and entropies of the trained tokens, 0
+        elsewhere (see MegatronTrainer)."""
         ref = ray.put(batch)
         return self._all("compute_logprobs", ref, version)[0]
 

@@ -39,6 +39,7 @@ from slime_async.contracts.adapter import read_peft_dir
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
+from slime_async.host import trim_heap
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.lora import is_adapter_param
 from slime_async.trainer.snapshots import SnapshotStore
@@ -127,7 +128,8 @@ class BehaviorForwarder:
                 continue
             sel = mask & (batch.token_versions == v)
             rows = [i for i in range(batch.size) if bool(sel[i].any())]
-            part = batch.select(rows)
+            # only v's own tokens go through the LM head (a row may hold tokens of other versions)
+            part = dataclasses.replace(batch.select(rows), loss_mask=sel[rows])
             with self.store.swapped_in(self.trainer.model, v):
                 lp, _ = self.trainer.compute_logprobs(part)
             full = torch.full_like(out, float("nan"))
@@ -158,7 +160,9 @@ class _BehaviorActorImpl:
         return self.fwd.versions()
 
     def logprobs(self, batch: TrainerBatch) -> np.ndarray:
-        return self.fwd.logprobs(batch)
+        out = self.fwd.logprobs(batch)
+        trim_heap()  # the forwards' freed tensors back to the node
+        return out
 
 
 BehaviorActor = ray.remote(num_cpus=0)(_BehaviorActorImpl)

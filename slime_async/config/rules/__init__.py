@@ -36,7 +36,7 @@ come out in this order):
 | 22 | `cache_salt` | --router-cache-salt by engine backend | 20 |
 | 23 | `keys` | the router's config and the run's two keys (a data-plane key minted) | 20 |
 | 24 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 19 |
-| 25 | `engine` | the embedded engines' settings | 4, 21 |
+| 25 | `engine` | the embedded engines' settings, --engine-dtype from the CPU | 2, 4, 20, 21 |
 | 26 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 18, 20, 25 |
 | 27 | `transport` | --update-weight-transport | 18, 20 |
 | 28 | `weight_dtype` | --update-weight-dtype | 18, 25, 27 |

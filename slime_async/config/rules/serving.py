@@ -196,10 +196,31 @@ def warmstart(d: Draft) -> None:
     derive_warmstart(d.flags, embedded=d.embedded, resume=d.trainer.load is not None)
 
 
-@rule("engine")
+@rule("engine", fills=("engine_dtype",))
 def engine(d: Draft) -> None:
     """The embedded engines' settings: the run's rollout seed, one thread each when the roles
-    have cores of their own."""
+    have cores of their own, and `--engine-dtype` from the CPU as rule `bf16` derives `--bf16`:
+    bf16 where the CPU multiplies bf16 natively (AMX / AVX512_BF16), fp32 where bf16 would be
+    emulated (many times slower than fp32); bf16 for the embedded default run (docs/cpu.md)."""
+    f, env = d.flags, d.env
+    if f.unset("engine_dtype") and d.engines.backend == "embedded":
+        if d.embedded:
+            why = (
+                "the embedded default run's engines serve bf16 against its fp32 trainer: the "
+                "mismatch its CompIS corrects (a tiny model, fast either way)"
+            )
+            f.fill("engine_dtype", "bf16", why)
+        elif env.ray_address is not None:
+            why = (
+                "the engines run on the cluster's nodes, whose CPUs are not read here (give "
+                "--engine-dtype fp32 where they lack AMX/AVX512_BF16)"
+            )
+            f.fill("engine_dtype", "bf16", why)
+        elif env.cpu_bf16:
+            f.fill("engine_dtype", "bf16", f"the CPU has {env.cpu_bf16}: native bf16 matmuls")
+        else:
+            why = "the CPU has no AMX/AVX512_BF16 (bf16 matmuls would be emulated): fp32"
+            f.fill("engine_dtype", "fp32", why)
     d.engine = engine_run_config_from_args(
         d.args,
         seed=d.rollout.seed_or(d.args.seed),
@@ -291,9 +312,10 @@ def weight_dtype(d: Draft) -> None:
     elif d.engines.backend == "embedded" and d.engine.dtype == "bf16" and not role_reads_disk:
         f.fill("update_weight_dtype", "bfloat16", "the engines serve bf16 (--engine-dtype bf16)")
     else:
-        why = (
-            "the forward-only role reads the disk exports as the trainer's weights"
-            if role_reads_disk
-            else "the trainer's dtype (the engines' is not known here)"
-        )
+        if role_reads_disk:
+            why = "the forward-only role reads the disk exports as the trainer's weights"
+        elif d.engines.backend == "embedded":
+            why = "the trainer and the engines compute in fp32"
+        else:
+            why = "the trainer's dtype (the engines' is not known here)"
         f.fill("update_weight_dtype", "float32", why)
