@@ -107,7 +107,7 @@ class RunConfig:
     ray_address: str | None = None
     """Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray node
     with everything on loopback). Joined, the engines and the router listen on their nodes' IPs
-    and need the shared token. See docs/cluster.md."""
+    and need the run's keys. See docs/cluster.md."""
     auth_token_file: str | None = None
     """File holding the admin key of engines and router (SGLang's --admin-api-key; default:
     $SLIME_ASYNC_AUTH_TOKEN); never pass a key itself on the command line (nor is it ever
