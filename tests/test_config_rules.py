@@ -74,7 +74,7 @@ ORDER = [
     "engines",
     "placement",
     "cache_salt",
-    "shared_token",
+    "keys",
     "warmstart",
     "engine",
     "lora",
@@ -400,16 +400,23 @@ def test_cache_salt_by_backend():
     assert embedded.args.router_cache_salt is False
 
 
-def test_shared_token_is_one_and_needed_to_join_a_cluster():
-    with pytest.raises(ValueError, match="needs the run's shared token"):
-        serving.shared_token(draft(env=dataclasses.replace(ENV, ray_address="h:1")))
-    with pytest.raises(ValueError, match="differs from the run's shared token"):
-        serving.shared_token(
+def test_the_run_holds_the_admin_key_and_mints_a_data_plane_key():
+    with pytest.raises(ValueError, match="needs the run's admin key"):
+        serving.keys(draft(env=dataclasses.replace(ENV, ray_address="h:1")))
+    with pytest.raises(ValueError, match="differs from the run's admin key"):
+        serving.keys(
             draft("--router-auth-token", "a", env=dataclasses.replace(ENV, auth_token="b"))
         )
-    d = draft(env=dataclasses.replace(ENV, auth_token="t0k"))
-    serving.shared_token(d)
-    assert d.token == "t0k" == d.router.auth_token
+    with pytest.raises(ValueError, match="would also open the control routes"):
+        serving.keys(draft(env=dataclasses.replace(ENV, api_key="d4ta")))
+    d = draft(env=dataclasses.replace(ENV, auth_token="t0k"), engines=EngineFleetConfig())
+    serving.keys(d)
+    assert d.admin_api_key == "t0k" == d.router.admin_api_key
+    assert d.api_key == d.router.api_key and len(d.api_key) > 20  # minted for this run
+    assert d.api_key not in why(d, "--api-key-file")  # the record never holds the key
+    given = draft(env=dataclasses.replace(ENV, auth_token="t0k", api_key="d4ta"), engines=None)
+    serving.keys(given)
+    assert given.api_key == "d4ta" and "--api-key-file" not in given.flags.derived
 
 
 def test_warmstart_only_for_a_fresh_embedded_run():

@@ -31,7 +31,7 @@ from typing import NoReturn
 from clifields import HelpFormatter
 from data_worker.config import add_data_worker_args
 from loss import add_loss_args
-from router.config import add_router_args, load_auth_token
+from router.config import add_router_args, load_api_key, load_auth_token
 from slime_async import startup
 from slime_async.config import hardware
 from slime_async.config.recipe import add_config_arg, apply_config_file, config_json, derived_lines
@@ -144,6 +144,7 @@ def read_environment(args: argparse.Namespace) -> Environment:
         cpus=tuple(sorted(os.sched_getaffinity(0))),
         ray_address=ray_address(args.ray_address),
         auth_token=load_auth_token(args.auth_token_file),
+        api_key=load_api_key(args.api_key_file),
         converted_checkpoint=None if converted is None else str(converted),
         load=load,
         cpu_bf16=hardware.cpu_bf16_feature(),

@@ -87,7 +87,9 @@ class Environment:
     ray_address: str | None = None
     """Ray cluster to join (`--ray-address`, else `RAY_ADDRESS`); None: start a local one."""
     auth_token: str | None = dataclasses.field(default=None, repr=False)
-    """The run's shared token (`SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`), if any."""
+    """The run's admin key (`SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`), if any."""
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """The run's data-plane key (`SLIME_ASYNC_API_KEY` or `--api-key-file`), if any."""
     converted_checkpoint: str | None = None
     """HF directory converted from the .gguf file that --hf-checkpoint names (None: no GGUF)."""
     load: LoadFacts | None = None
@@ -139,10 +141,14 @@ class RunConfig:
     ray_address: str | None = None
     """Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray node
     with everything on loopback). Joined, the engines and the router listen on their nodes' IPs
-    and need the shared token. See docs/cluster.md."""
+    and need the run's keys. See docs/cluster.md."""
     auth_token_file: str | None = None
-    """File holding the shared token of engines and router (default: $SLIME_ASYNC_AUTH_TOKEN);
-    never pass the token itself on the command line (nor is it ever recorded)."""
+    """File holding the admin key of engines and router (SGLang's --admin-api-key; default:
+    $SLIME_ASYNC_AUTH_TOKEN); never pass a key itself on the command line (nor is it ever
+    recorded). The run keeps it: agents and plugins get the data-plane key only."""
+    api_key_file: str | None = None
+    """File holding the data-plane key of engines and router (SGLang's --api-key; default:
+    $SLIME_ASYNC_API_KEY; with an admin key and neither, the run mints one)."""
     engines: EngineFleetConfig = flag(default_factory=EngineFleetConfig, cli=False)
     """The rollout engines: backend, count, URLs to attach (flags owned by the backends)."""
     colocate: bool = flag(False, derived="on only when this process may use a single core")

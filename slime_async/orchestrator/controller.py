@@ -9,6 +9,8 @@ the roles, the data and resuming live in `slime_async.orchestrator.launch`; this
 slime's debug modes: `--debug-rollout-only` runs the loop without a trainer (`_rollouts_only`);
 `--debug-train-only` (replaying dumps, or SFT) trains without engines
 (`slime_async.orchestrator.offline`).
+A run that must stop (a lost trainer rank, no engine left) says why through `on_stop` before it
+tears anything down, so the process ends within a bound (`slime_async.orchestrator.stop`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from slime_async.config.run_config import RunConfig
@@ -30,10 +33,12 @@ from slime_async.rollout.generate.assemble import assemble, overlong_shaping
 log = logging.getLogger(__name__)
 
 
-async def train(cfg: RunConfig) -> dict[str, Any]:
-    """Run the whole job; returns the last step's metrics plus the run's accounting."""
+async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the whole job; returns the last step's metrics plus the run's accounting. `on_stop`
+    hears the reason of a stop (`StopWatchdog.arm`) before the run is torn down."""
     if cfg.debug_train_only:  # from rollout dumps, or SFT: no engines
         return await train_offline(cfg)
+    say = on_stop or (lambda _why: None)
     run = await setup_run(cfg)  # data, warm start, Ray roles, trainer, data worker, resume
     last: dict[str, Any] = {}
     try:
@@ -87,14 +92,16 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
             await run.save(run.version)
         last.update(run.accounting())
         return last
-    except EnginesDownError:  # stop with a checkpoint: --load resumes once engines are back
+    except EnginesDownError as e:  # stop with a checkpoint: --load resumes once engines are back
         if run.saves:
             await run.save(run.version)
+        say(str(e))
         raise
     except Exception as e:  # a lost trainer rank: say which, where it stands, how to resume
         if run.trainer is None or not (lost := await asyncio.to_thread(run.trainer.ranks_lost)):
             raise
         why = trainer_lost_message(lost, step=run.version, save=cfg.trainer.save, argv=sys.argv)
+        say(why)  # the rest of the group may never answer again: the stop is bounded from here
         raise TrainerLostError(why) from e
     finally:
         await run.close()

@@ -223,7 +223,7 @@ async def _check_routed_experts(
     experts, which would otherwise surface only at the first train step."""
     if trainer_cfg.routing_replay.replays_engine_routing and cfg.model.is_moe:
         await asyncio.gather(
-            *(check_routed_experts(u, token=cfg.engine.auth_token) for u in cluster.engine_urls)
+            *(check_routed_experts(u, token=cfg.engine.api_key) for u in cluster.engine_urls)
         )
 
 

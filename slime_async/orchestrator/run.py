@@ -205,7 +205,7 @@ class Run:
         return metrics
 
     async def _admit_caught_up(self, version: int) -> None:
-        for url in await self.cluster.admit_caught_up(version, token=self.cfg.engine.auth_token):
+        for url in await self.cluster.admit_caught_up(version, token=self.cfg.engine.api_key):
             log.info("replacement engine %s has v%d: admitted to the router", url, version)
 
     async def catch_up_replacements(self) -> None:
@@ -266,7 +266,7 @@ class Run:
     async def _record_served_versions(self) -> None:
         """`run_dir/served_versions.json`: the version each engine serves at the end (the last
         push reached every engine when all equal the trainer's version)."""
-        versions = await self.cluster.served_versions(token=self.cfg.engine.auth_token)
+        versions = await self.cluster.served_versions(token=self.cfg.engine.api_key)
         record = {
             "trainer_version": self.version,
             "pushed_version": self.pushed_version,

@@ -104,7 +104,7 @@ class BehaviorForwarder:
             if isinstance(source, dict):
                 tensors = source
             else:
-                spec, tensors, _ = read_peft_dir(source)
+                spec, tensors, _ = read_peft_dir(source, model=self.trainer.spec)
                 if spec.rank != self.trainer.lora.rank or spec.targets != self.trainer.lora.targets:
                     raise ValueError(f"{source}: the adapter's rank/targets are not this run's")
             self.trainer.import_adapter(tensors)

@@ -370,13 +370,14 @@ class MegatronTrainer(LogprobForwards):
             raise ValueError("no HF directory: pass out or set TrainerConfig.save_hf")
         w = self.export_weights()  # with LoRA: merged
         adapter = self.export_adapter() if self.lora is not None else None
-        if self.rank == 0:
+        if self.rank == 0:  # neither directory is touched unless both are --save-hf's own
+            hf_save.check_writable(target, lora=adapter is not None)
             hf_save.write(w, target, source=self.cfg.hf_source)
             if adapter is not None:  # and the PEFT adapter beside it (docs/lora.md)
-                write_peft_dir(
-                    adapter_dir(target),
+                hf_save.write_adapter(
                     adapter,
                     self.lora,
+                    adapter_dir(target),
                     version=self.version,
                     base_model=self.cfg.hf_source,
                 )

@@ -35,7 +35,7 @@ come out in this order):
 | 21 | `engines` | the engine fleet (--num-engines, --rollout-num-gpus) | |
 | 22 | `placement` | --colocate, --trainer-cores, --rollout-cores | 21 |
 | 23 | `cache_salt` | --router-cache-salt by engine backend | 21 |
-| 24 | `shared_token` | the router's config and the run's shared token | |
+| 24 | `keys` | the router's config and the run's two keys (a data-plane key minted) | 21 |
 | 25 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 20 |
 | 26 | `engine` | the embedded engines' settings, --engine-dtype from the CPU | 2, 4, 21, 22 |
 | 27 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 19, 21, 26 |
@@ -43,7 +43,7 @@ come out in this order):
 | 29 | `weight_dtype` | --update-weight-dtype | 19, 26, 28 |
 | 30 | `run_config` | the `RunConfig` | all |
 | 31 | `batch_shape` | a resume keeps its checkpoint's batch shape | 30 |
-| 32 | `memory` | the memory check; a derived role that would not fit -> the trainer | 30 |
+| 32 | `memory` | the memory plan: a CPU trainer's micro-batch; a derived role that would not fit -> the trainer | 30 |
 
 `memory` re-runs only the rules that `--behavior-forward` feeds (`memory.REFIT`: 16, 19, 20,
 29, 30) when it moves pi_j^Meg to the trainer. The rules live by topic: `data` (1-12),
@@ -85,7 +85,7 @@ RULES: tuple[Rule, ...] = (
     serving.engines,
     serving.placement,
     serving.cache_salt,
-    serving.shared_token,
+    serving.keys,
     serving.warmstart,
     serving.engine,
     serving.lora,
