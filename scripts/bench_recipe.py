@@ -9,7 +9,9 @@ process's own peak RSS under its role and pid (`ray::_TrainerActorImpl [1234]`).
 run's `metrics.jsonl` and prints one JSON summary:
 
   * `wall_s`: start to exit; `first_step_s`: start to the first step's line (start-up);
-  * `peak_rss_sum_gib`, `peak_pss_sum_gib`, and `peak_rss_by_process_gib` (the 16 largest);
+  * `peak_rss_sum_gib`, `peak_pss_sum_gib`, `peak_rss_by_process_gib` and
+    `peak_pss_by_process_gib` (the 16 largest), and each process's PSS at the whole run's PSS
+    peak (`pss_at_peak_by_process_gib`);
   * median and mean after the first 3 steps of: seconds per step, training, the forward and
     backward, π_j^Meg's forwards, the weight sync; bytes per push; the idle ratios;
   * `eval`: the held-out curve, `[(step, pass, pass_se)]`, and the train reward per tenth;
@@ -217,13 +219,17 @@ def main() -> None:
     child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     per_proc: dict[str, int] = {}
     per_proc_pss: dict[str, int] = {}
+    at_peak: dict[str, int] = {}
     peak_rss = peak_pss = 0
     first_step = None
     n = 0
     while child.poll() is None:
-        rss, pss = _sample(
-            child.pid, per_proc, pss=n % args.pss_every == 0, per_proc_pss=per_proc_pss
-        )
+        now_pss: dict[str, int] = {}
+        rss, pss = _sample(child.pid, per_proc, pss=n % args.pss_every == 0, per_proc_pss=now_pss)
+        for k, v in now_pss.items():
+            per_proc_pss[k] = max(per_proc_pss.get(k, 0), v)
+        if pss > peak_pss:
+            at_peak = now_pss
         n += 1
         peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
         if first_step is None and run_dir is not None and _metrics(run_dir):
@@ -243,6 +249,9 @@ def main() -> None:
         "peak_pss_sum_gib": round(peak_pss / gib, 2),
         "peak_rss_by_process_gib": {k: round(v / gib, 2) for k, v in top},
         "peak_pss_by_process_gib": {k: round(per_proc_pss.get(k, 0) / gib, 2) for k, _ in top},
+        "pss_at_peak_by_process_gib": {
+            k: round(v / gib, 2) for k, v in sorted(at_peak.items(), key=lambda kv: -kv[1])[:10]
+        },
         "loadavg_start": load0,
         "loadavg_end": os.getloadavg(),
         **(summarize(_metrics(run_dir)) if run_dir is not None else {}),

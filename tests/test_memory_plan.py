@@ -75,13 +75,16 @@ def test_with_lora_the_role_holds_the_base_once_and_an_adapter_per_version():
     a, n = adapter_numel(SMOLLM2, lora), param_count(SMOLLM2)
     shape = RunShape(spec=SMOLLM2, role_versions=3, trainer_snapshots=0, adapter_params=a)
     role = RUNTIME["role"]
-    assert process_bytes(shape)["role"] == role + 4 * n + 4 * a * (1 + 3)
+    flight = 4 * a  # the adapter of a version in flight (fp32 on the wire)
+    assert process_bytes(shape)["role"] == role + 4 * n + 4 * a * (1 + 3) + flight
     full = process_bytes(dataclasses.replace(shape, adapter_params=0))
-    assert full["role"] == role + 4 * n * 4 and process_bytes(shape)["trainer"] < full["trainer"]
+    assert full["role"] == role + 4 * n * 4 + 4 * n  # the whole model in flight
+    assert process_bytes(shape)["trainer"] < full["trainer"]
     cfg = _cfg(*ASYNC, "--lora-rank", "8", "--behavior-forward", "role", memory=None)
     parts = memory_parts(cfg)
     fwd = forward_bytes(SMOLLM2, run_shape(cfg).micro_batch_tokens, bf16=cfg.trainer.bf16)
-    want = role + 4 * n + 4 * a * (1 + cfg.trainer.max_snapshots)
+    wire = run_shape(cfg).wire_bytes
+    want = role + 4 * n + 4 * a * (1 + cfg.trainer.max_snapshots) + wire * a
     assert parts["role"] - fwd == want
 
 

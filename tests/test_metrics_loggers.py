@@ -127,7 +127,8 @@ def test_wandb_gets_the_run_config_and_a_resume_continues_the_same_run(
         config = r["config"]
         assert config["flags"]["use_wandb"] is True and config["flags"]["wandb_group"] == "ablation"
         assert config["run_dir"] == str(run_dir)
-        assert config["engine"]["auth_token"] == "<set>"  # redacted, as in config.json
+        assert config["engine"]["admin_api_key"] == "<set>"  # redacted, as in config.json
+        assert config["engine"]["api_key"] == "<set>"  # the minted data-plane key too
         assert config["loggers"]["use_wandb"] is True
     assert runs[0]["steps"] == [1, 2, 3] and runs[1]["steps"][-1] == 5
 

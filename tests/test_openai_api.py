@@ -26,7 +26,7 @@ def chat_engines(tmp_path_factory):
     torch.set_num_threads(1)
     d = chat_model_dir(str(tmp_path_factory.mktemp("chat") / "m"))
     cfg = engine_mod.EngineConfig(
-        num_threads=1, model_dir=d, dtype="fp32", auth_token=TOKEN, weight_version="0"
+        num_threads=1, model_dir=d, dtype="fp32", api_key=TOKEN, weight_version="0"
     )
     servers = [engine_mod.EngineServer(cfg) for _ in range(2)]
     try:
@@ -39,7 +39,7 @@ def chat_engines(tmp_path_factory):
 @pytest.fixture()
 async def router_url(chat_engines):
     urls, _ = chat_engines
-    router = Router(RouterConfig(worker_urls=tuple(urls), health_interval_s=0.2, auth_token=TOKEN))
+    router = Router(RouterConfig(worker_urls=tuple(urls), health_interval_s=0.2, api_key=TOKEN))
     url = await router.start()
     try:
         yield url, router

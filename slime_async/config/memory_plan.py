@@ -20,6 +20,7 @@ docs/cpu.md#memory.
 | trainer rank, bf16 | 2 weights + 4 fp32 gradient buffer + 4 fp32 main weights + 8 Adam = 18, + 2 per snapshot |
 | forward-only role | its weights + one copy per kept version (the parameters' dtype) |
 | embedded engine | its weights in the engine dtype (2 for bf16, 4 for fp32) |
+| each of them, during a weight sync | one version in flight in `--update-weight-dtype` |
 
 With LoRA (A adapter numbers, fp32) the base is frozen and shared: the trainer holds the base
 weights + 16 bytes per adapter number (weight, gradient buffer, two Adam moments) + 4 per
@@ -138,24 +139,28 @@ def activation_bytes(
     layers: int | None = None,
     chunk_tokens: int | None = None,
     vocab_local: int | None = None,
+    slack: float = 1.0,
 ) -> int:
     """Peak bytes of one trainer rank's forward+backward over a micro-batch of `tokens` tokens,
     above its model state: the saved activations of its `layers` (default: all) + the head's
-    weight gradient and logits chunk (`chunk_tokens`, default `CHUNK_ELEMENTS_CPU` logits)."""
+    weight gradient and logits chunk (`chunk_tokens`, default `CHUNK_ELEMENTS_CPU` logits).
+    `slack` multiplies the layers' part (`ALLOCATOR_SLACK` on a CPU), not the head's: its
+    blocks are larger than glibc's largest heap block (32 MiB) and leave the process when
+    freed."""
     n = spec.num_layers if layers is None else layers
     v = spec.vocab_size if vocab_local is None else vocab_local
     per_value = BF16_BYTES_PER_VALUE if bf16 else 4.0
-    full = layer_values(spec) * per_value  # bytes per token of one layer's saved activations
+    full = layer_values(spec) * per_value * slack  # bytes per token of one layer's activations
     chunk = min(tokens, chunk_tokens or max(1, CHUNK_ELEMENTS_CPU // v))
     head = int(HEAD_WEIGHT_GRADS * v * spec.hidden_size * 4) + HEAD_TEMPORARIES * chunk * v * 4
     if recompute is None:  # every layer's activations are alive when the head's backward runs
         return int(tokens * n * full) + head
     if recompute.method == "block":
         k = min(n, recompute.num_layers)
-        kept, redo = k * spec.hidden_size * per_value + (n - k) * full, full if k else 0.0
+        kept, redo = k * spec.hidden_size * per_value * slack + (n - k) * full, full if k else 0.0
     else:
         g = max(1, recompute.num_layers)
-        kept, redo = math.ceil(n / g) * spec.hidden_size * per_value, g * full
+        kept, redo = math.ceil(n / g) * spec.hidden_size * per_value * slack, g * full
     # the checkpoints, with the head's backward first, then one recomputed group at a time
     return int(tokens * kept) + max(head, int(tokens * redo))
 
@@ -205,6 +210,9 @@ class RunShape:
     """Bytes per parameter of an engine (2 for bf16, 4 for fp32)."""
     engine_cache_tokens: int = 0
     """Each engine's KV pool, in tokens."""
+    wire_bytes: int = 4
+    """Bytes per parameter of a version in flight (`--update-weight-dtype`): the trainer's
+    export, the role's and each engine's incoming copy during a weight sync."""
     adapter_params: int = 0
     """LoRA: numbers in the adapter (`contracts.adapter.adapter_numel`); 0: full fine-tuning."""
 
@@ -230,38 +238,38 @@ def trainer_activation_bytes(shape: RunShape) -> int:
     the CPU allocator's slack (`ALLOCATOR_SLACK`)."""
     if not shape.micro_batch_tokens:
         return 0
-    slack = 1.0 if shape.trainer_on_gpu else ALLOCATOR_SLACK  # CUDA's caching allocator reuses
-    return int(
-        slack
-        * activation_bytes(
-            shape.spec,
-            shape.micro_batch_tokens,
-            bf16=shape.bf16,
-            recompute=shape.recompute,
-            layers=math.ceil(shape.spec.num_layers / max(1, shape.pp)),
-            chunk_tokens=shape.chunk_tokens,
-            vocab_local=shape.spec.vocab_size * shape.pp // max(1, shape.tp_pp),
-        )
+    return activation_bytes(
+        shape.spec,
+        shape.micro_batch_tokens,
+        bf16=shape.bf16,
+        recompute=shape.recompute,
+        layers=math.ceil(shape.spec.num_layers / max(1, shape.pp)),
+        chunk_tokens=shape.chunk_tokens,
+        vocab_local=shape.spec.vocab_size * shape.pp // max(1, shape.tp_pp),
+        slack=1.0 if shape.trainer_on_gpu else ALLOCATOR_SLACK,  # CUDA's allocator reuses
     )
 
 
 def process_bytes(shape: RunShape) -> dict[str, int]:
     """Peak bytes per part of the run on this node: `trainer` (all ranks: state + activations +
-    runtime; runtime only when on GPUs), `role` (the forward-only role), `engines` (weights +
-    KV pool + runtime each) and `runtime` (Ray's daemons, the driver, the router)."""
+    runtime, only the runtime when on GPUs; + rank 0's export of a version), `role` (the
+    forward-only role: its versions + an incoming one), `engines` (weights + KV pool + runtime +
+    an incoming version, each) and `runtime` (Ray's daemons, the driver, the router)."""
     w = 2 if shape.bf16 else 4
+    flight = (shape.adapter_params or shape.params) * shape.wire_bytes  # a version in flight
     rank = RUNTIME["trainer"]
     if not shape.trainer_on_gpu:
         rank += trainer_state_bytes(shape) + trainer_activation_bytes(shape)
-    out = {"trainer": rank * shape.trainer_ranks}
+    export = 0 if shape.trainer_on_gpu else flight  # rank 0's export (on its GPU there)
+    out = {"trainer": rank * shape.trainer_ranks + export}
     if shape.role_versions is not None:
         n, a, v = shape.params, shape.adapter_params, shape.role_versions
         weights = n * w + a * 4 * (1 + v) if a else n * w * (1 + v)
         fwd = forward_bytes(shape.spec, shape.micro_batch_tokens, bf16=shape.bf16)
-        out["role"] = RUNTIME["role"] + weights + (fwd if shape.micro_batch_tokens else 0)
+        out["role"] = RUNTIME["role"] + weights + flight + (fwd if shape.micro_batch_tokens else 0)
     if shape.engines:
         kv = kv_cache_bytes(shape.spec, shape.engine_cache_tokens, dtype_bytes=shape.engine_bytes)
-        each = RUNTIME["engine"] + shape.params * shape.engine_bytes + kv
+        each = RUNTIME["engine"] + shape.params * shape.engine_bytes + kv + flight
         out["engines"] = each * shape.engines
     out["runtime"] = RUNTIME["ray"] + RUNTIME["driver"] + RUNTIME["router"]
     return out

@@ -67,10 +67,29 @@ class Environment:
     """Architecture: read from --hf-checkpoint, else the tiny MoE."""
     cpus: tuple[int, ...]
     """CPU cores this process may run on."""
+    save_debug_rollout_data: str | None = flag(None, metavar="PATH")
+    """slime's: write what each step sampled and trained (prompts, responses as text and ids,
+    rewards, per-token versions and log-probs, drops, the step's loss metrics) to PATH, a
+    template with {rollout_id} (the train step) or a directory of <rollout_id>.json files:
+    JSON with a checksum, written atomically, never pickled"""
+    load_debug_rollout_data: str | None = flag(None, metavar="PATH")
+    """slime's: train from the dumps at PATH (as --save-debug-rollout-data wrote them) without
+    engines: step k trains dump k, the same step bit for bit given the same flags and seed"""
+    debug_rollout_only: bool = False
+    """slime's: generate and score without a trainer (the engines serve --hf-checkpoint, or
+    the built-in model); nothing is trained or pushed, --save-debug-rollout-data keeps the
+    rollouts"""
+    debug_train_only: bool | None = flag(
+        None, derived="on with --load-debug-rollout-data or --loss-type sft_loss"
+    )
+    """slime's: train without engines, from --load-debug-rollout-data's dumps or, with
+    --loss-type sft_loss, on --prompt-data's conversations"""
     ray_address: str | None = None
     """Ray cluster to join (`--ray-address`, else `RAY_ADDRESS`); None: start a local one."""
     auth_token: str | None = dataclasses.field(default=None, repr=False)
-    """The run's shared token (`SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`), if any."""
+    """The run's admin key (`SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`), if any."""
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """The run's data-plane key (`SLIME_ASYNC_API_KEY` or `--api-key-file`), if any."""
     converted_checkpoint: str | None = None
     """HF directory converted from the .gguf file that --hf-checkpoint names (None: no GGUF)."""
     load: LoadFacts | None = None
@@ -102,13 +121,34 @@ class RunConfig:
     save_interval: int = flag(0, ge=0, hint="0 = only at the end")
     """Checkpoint (--save) and HF export (--save-hf) every this many rollouts, slime's unit
     (this x --num-steps-per-rollout train steps); 0: only at the end."""
+    save_debug_rollout_data: str | None = flag(None, metavar="PATH")
+    """slime's: write what each step sampled and trained (prompts, responses as text and ids,
+    rewards, per-token versions and log-probs, drops, the step's loss metrics) to PATH, a
+    template with {rollout_id} (the train step) or a directory of <rollout_id>.json files:
+    JSON with a checksum, written atomically, never pickled"""
+    load_debug_rollout_data: str | None = flag(None, metavar="PATH")
+    """slime's: train from the dumps at PATH (as --save-debug-rollout-data wrote them) without
+    engines: step k trains dump k, the same step bit for bit given the same flags and seed"""
+    debug_rollout_only: bool = False
+    """slime's: generate and score without a trainer (the engines serve --hf-checkpoint, or
+    the built-in model); nothing is trained or pushed, --save-debug-rollout-data keeps the
+    rollouts"""
+    debug_train_only: bool | None = flag(
+        None, derived="on with --load-debug-rollout-data or --loss-type sft_loss"
+    )
+    """slime's: train without engines, from --load-debug-rollout-data's dumps or, with
+    --loss-type sft_loss, on --prompt-data's conversations"""
     ray_address: str | None = None
     """Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray node
     with everything on loopback). Joined, the engines and the router listen on their nodes' IPs
-    and need the shared token. See docs/cluster.md."""
+    and need the run's keys. See docs/cluster.md."""
     auth_token_file: str | None = None
-    """File holding the shared token of engines and router (default: $SLIME_ASYNC_AUTH_TOKEN);
-    never pass the token itself on the command line (nor is it ever recorded)."""
+    """File holding the admin key of engines and router (SGLang's --admin-api-key; default:
+    $SLIME_ASYNC_AUTH_TOKEN); never pass a key itself on the command line (nor is it ever
+    recorded). The run keeps it: agents and plugins get the data-plane key only."""
+    api_key_file: str | None = None
+    """File holding the data-plane key of engines and router (SGLang's --api-key; default:
+    $SLIME_ASYNC_API_KEY; with an admin key and neither, the run mints one)."""
     engines: EngineFleetConfig = flag(default_factory=EngineFleetConfig, cli=False)
     """The rollout engines: backend, count, URLs to attach (flags owned by the backends)."""
     colocate: bool = flag(False, derived="on only when this process may use a single core")

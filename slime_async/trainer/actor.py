@@ -25,7 +25,7 @@ from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weight_group import WeightGroup, send_buckets, torch_dtype
 from slime_async.contracts.weights import HFWeights, TensorEntry, WeightManifest
-from slime_async.host import trim_heap
+from slime_async.host import limit_malloc_arenas, trim_heap
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
 
@@ -60,6 +60,7 @@ class _TrainerActorImpl:
     ) -> None:
         import torch
 
+        limit_malloc_arenas()  # torch's and Ray's threads share two heaps
         torch.set_num_threads(num_threads)
         _gloo_interface(master_addr)
         from slime_async.trainer.trainer import MegatronTrainer
@@ -290,7 +291,8 @@ class TrainerGroup:
         return int(self._all("version")[0])
 
     def compute_logprobs(self, batch: TrainerBatch, version: int | None = None) -> tuple[Any, Any]:
-        """Token-aligned `[B, T]` numpy log-probs and entropies (see MegatronTrainer)."""
+        """Token-aligned `[B, T]` numpy log-probs and entropies of the trained tokens, 0
+        elsewhere (see MegatronTrainer)."""
         ref = ray.put(batch)
         return self._all("compute_logprobs", ref, version)[0]
 

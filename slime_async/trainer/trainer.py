@@ -67,7 +67,7 @@ class MegatronTrainer(LogprobForwards):
     Example (world size 1)::
 
         tr = MegatronTrainer(TrainerConfig(lr=1e-3), TINY_MOE)
-        lp, ent = tr.compute_logprobs(batch)          # π_k, [B, T] token-aligned
+        lp, ent = tr.compute_logprobs(batch)          # π_k, [B, T] where batch.loss_mask
         metrics = tr.train_step(batch)                # version 0 → 1 (tr.version)
         tr.save_weights("/tmp/w")                     # HF dir for the engines
     """
@@ -234,7 +234,7 @@ class MegatronTrainer(LogprobForwards):
         def head(logits: torch.Tensor, m: MicroBatch) -> tuple[torch.Tensor, tuple]:
             i, mb = index[id(m)], m.batch
             lp_pos, ent_pos = position_logprobs(
-                logits, m.input_ids, temperature=self.cfg.temperature
+                logits, m.input_ids, temperature=self.cfg.temperature, read=self.head_reads(m)
             )
             lp, ent = m.to_samples(lp_pos), m.to_samples(ent_pos.detach())
             # an entropy bonus needs the entropy with its gradient
@@ -375,13 +375,14 @@ class MegatronTrainer(LogprobForwards):
             raise ValueError("no HF directory: pass out or set TrainerConfig.save_hf")
         w = self.export_weights()  # with LoRA: merged
         adapter = self.export_adapter() if self.lora is not None else None
-        if self.rank == 0:
+        if self.rank == 0:  # neither directory is touched unless both are --save-hf's own
+            hf_save.check_writable(target, lora=adapter is not None)
             hf_save.write(w, target, source=self.cfg.hf_source)
             if adapter is not None:  # and the PEFT adapter beside it (docs/lora.md)
-                write_peft_dir(
-                    adapter_dir(target),
+                hf_save.write_adapter(
                     adapter,
                     self.lora,
+                    adapter_dir(target),
                     version=self.version,
                     base_model=self.cfg.hf_source,
                 )

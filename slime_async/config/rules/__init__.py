@@ -23,30 +23,31 @@ come out in this order):
 | 9 | `schedule` | N >= S, I - 1 <= S | 8 |
 | 10 | `off_policy_drop` | --max-off-policy-steps = the staleness bound | 8 |
 | 11 | `loss` | the loss and its config | 4 |
-| 12 | `lr` | --lr by run kind | 2 |
-| 13 | `run_kind` | the run-kind trainer defaults (micro batch, routing replay, snapshots) | 2, 11 |
-| 14 | `behavior_forward` | where pi_j^Meg is computed: the forward-only role or the trainer | 8, 11, 13 |
-| 15 | `snapshots` | --max-snapshots from the staleness bound | 10, 13, 14 |
-| 16 | `bf16` | --bf16 from the CPU and the run kind | 2 |
-| 17 | `save_hf` | --save-hf (`run_paths.derive_save_hf`) | 2 |
-| 18 | `trainer` | the trainer's config, checked against the model | 11-17 |
-| 19 | `resume` | what it resumes from (`run_paths.resume_from`, `check_resume`) | 18 |
-| 20 | `engines` | the engine fleet (--num-engines, --rollout-num-gpus) | |
-| 21 | `placement` | --colocate, --trainer-cores, --rollout-cores | 20 |
-| 22 | `cache_salt` | --router-cache-salt by engine backend | 20 |
-| 23 | `shared_token` | the router's config and the run's shared token | |
-| 24 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 19 |
-| 25 | `engine` | the embedded engines' settings | 4, 21 |
-| 26 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 18, 20, 25 |
-| 27 | `transport` | --update-weight-transport | 18, 20 |
-| 28 | `weight_dtype` | --update-weight-dtype | 18, 25, 27 |
-| 29 | `run_config` | the `RunConfig` | all |
-| 30 | `batch_shape` | a resume keeps its checkpoint's batch shape | 29 |
-| 31 | `memory` | the memory check; a derived role that would not fit -> the trainer | 29 |
+| 12 | `debug_modes` | --debug-train-only; the debug modes and dump paths | 11 |
+| 13 | `lr` | --lr by run kind | 2 |
+| 14 | `run_kind` | the run-kind trainer defaults (micro batch, routing replay, snapshots) | 2, 11 |
+| 15 | `behavior_forward` | where pi_j^Meg is computed: the forward-only role or the trainer | 8, 11, 14 |
+| 16 | `snapshots` | --max-snapshots from the staleness bound | 10, 14, 15 |
+| 17 | `bf16` | --bf16 from the CPU and the run kind | 2 |
+| 18 | `save_hf` | --save-hf (`run_paths.derive_save_hf`) | 2 |
+| 19 | `trainer` | the trainer's config, checked against the model | 11-18 |
+| 20 | `resume` | what it resumes from (`run_paths.resume_from`, `check_resume`) | 19 |
+| 21 | `engines` | the engine fleet (--num-engines, --rollout-num-gpus) | |
+| 22 | `placement` | --colocate, --trainer-cores, --rollout-cores | 21 |
+| 23 | `cache_salt` | --router-cache-salt by engine backend | 21 |
+| 24 | `keys` | the router's config and the run's two keys (a data-plane key minted) | 21 |
+| 25 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 20 |
+| 26 | `engine` | the embedded engines' settings, --engine-dtype from the CPU | 2, 4, 21, 22 |
+| 27 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 19, 21, 26 |
+| 28 | `transport` | --update-weight-transport | 19, 21 |
+| 29 | `weight_dtype` | --update-weight-dtype | 19, 26, 28 |
+| 30 | `run_config` | the `RunConfig` | all |
+| 31 | `batch_shape` | a resume keeps its checkpoint's batch shape | 30 |
+| 32 | `memory` | the memory plan: a CPU trainer's micro-batch; a derived role that would not fit -> the trainer | 30 |
 
-`memory` re-runs only the rules that `--behavior-forward` feeds (`memory.REFIT`: 15, 18, 19,
-28, 29) when it moves pi_j^Meg to the trainer. The rules live by topic: `data` (1-11),
-`training` (12-19), `serving` (20-28), `memory` (29-31); the draft and the rule type are
+`memory` re-runs only the rules that `--behavior-forward` feeds (`memory.REFIT`: 16, 19, 20,
+29, 30) when it moves pi_j^Meg to the trainer. The rules live by topic: `data` (1-12),
+`training` (13-20), `serving` (21-29), `memory` (30-32); the draft and the rule type are
 `draft`'s. Imports nothing of the orchestrator.
 """
 
@@ -72,6 +73,7 @@ RULES: tuple[Rule, ...] = (
     data.schedule,
     data.off_policy_drop,
     data.loss,
+    data.debug_modes,
     training.lr,
     training.run_kind,
     training.behavior_forward,
@@ -83,7 +85,7 @@ RULES: tuple[Rule, ...] = (
     serving.engines,
     serving.placement,
     serving.cache_salt,
-    serving.shared_token,
+    serving.keys,
     serving.warmstart,
     serving.engine,
     serving.lora,
