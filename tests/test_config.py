@@ -18,6 +18,7 @@ from data_worker.config import DataWorkerConfig
 from router.config import RouterConfig
 from slime_async.config import Environment, build_parser, read_environment, validate
 from slime_async.config.run_config import RunConfig
+from slime_async.config.script_flags import ModelShapeFlags, ScriptRunFlags
 from slime_async.config.supervision import SupervisorConfig
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig
@@ -313,6 +314,8 @@ _OWNERS = {
         "update_weight_",
     ),
     "logging": (LoggingConfig, {}, ""),
+    "model shape (Megatron)": (ModelShapeFlags, {}, ""),
+    "slime script flags": (ScriptRunFlags, {}, ""),
 }
 # flags that select behaviour rather than set a config field
 _NOT_FIELDS = {

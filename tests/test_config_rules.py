@@ -69,6 +69,7 @@ ORDER = [
     "bf16",
     "save_hf",
     "trainer",
+    "script_flags",
     "resume",
     "engines",
     "placement",

@@ -316,3 +316,15 @@ def test_torch_dist_checkpoint_converts_to_torch_and_exports(tmp_path):
         got, want = load_file(f), load_file(y / f.name)
         assert got.keys() == want.keys()
         assert all(got[k].numpy().tobytes() == want[k].numpy().tobytes() for k in got)
+
+
+def test_deterministic_mode_runs_the_step_under_deterministic_algorithms():
+    """slime's --deterministic-mode: the trainer process switches PyTorch's deterministic
+    algorithms on (an op without a deterministic kernel would raise) and still trains."""
+    try:
+        tr = _trainer(deterministic_mode=True)
+        assert torch.are_deterministic_algorithms_enabled()
+        m = tr.train_step(_batch())
+        assert tr.version == 1 and m["train/grad_norm"] > 0
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -42,6 +42,7 @@ from slime_async.config.run_config import (
     add_placement_args,
     add_run_args,
 )
+from slime_async.config.script_flags import add_script_args
 from slime_async.config.slime_flags import explain_unrecognized
 from slime_async.config.supervision import add_supervisor_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_worker_args(parser)
     add_loss_args(parser)
     add_trainer_args(parser)
+    add_script_args(parser)
     add_engine_run_args(parser)
     add_supervisor_args(parser)
     add_weight_sync_args(parser)

@@ -145,6 +145,9 @@ class RunConfig:
     """How weights reach the engines (`--update-weight-transport`, ...)."""
     derived: dict[str, Derived] = flag(default_factory=dict, cli=False)
     """Flag -> the value the run derived for it (the user left it unset) and why."""
+    accepted: dict[str, str] = flag(default_factory=dict, cli=False)
+    """A flag of slime's scripts that sets nothing here, as given -> why it is accepted (a
+    model-shape flag equal to config.json's value, a run flag whose slime meaning holds here)."""
     flags: dict[str, Any] = flag(default_factory=dict, cli=False)
     """Every flag's value as parsed (recipe and command line; None where the run derived it):
     what `--config <run-dir>/config.json` replays."""

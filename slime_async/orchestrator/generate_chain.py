@@ -115,6 +115,7 @@ def build_generate_chain(
         max_response_len=r.eval_max_response_len,
         temperature=r.eval_temperature,
         top_p=r.eval_top_p,
+        top_k=r.eval_top_k,
         return_routed_experts=False,  # nothing trains on eval samples
     )
     args = slime_plugin_args(cfg, router_url)

@@ -184,6 +184,8 @@ class RolloutConfig:
     """Sampling temperature of eval samples (slime's fallback: the rollout's)."""
     eval_top_p: float | None = flag(None, gt=0, le=1, hint="1.0 = off", derived="--rollout-top-p")
     """Nucleus sampling mass of eval samples."""
+    eval_top_k: int | None = flag(None, derived="--rollout-top-k")
+    """Top-k sampling of eval samples (-1: off; 1: greedy, slime's deterministic eval)."""
 
     def __post_init__(self) -> None:
         if self.rollout_function_path is not None:
@@ -208,8 +210,9 @@ class RolloutConfig:
             self.reasoning_gym_config(0)  # bad names / settings fail at start-up
         check_ranges(self)
         self._resolve_eval()
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"--rollout-top-k {self.top_k}: give -1 (off) or k >= 1")
+        for name, k in (("--rollout-top-k", self.top_k), ("--eval-top-k", self.eval_top_k)):
+            if k == 0 or k < -1:
+                raise ValueError(f"{name} {k}: give -1 (off) or k >= 1")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"--rollout-stop-token-ids {list(self.stop_token_ids)}: token ids are >= 0"
@@ -247,6 +250,7 @@ class RolloutConfig:
             "eval_max_response_len": self.max_response_len,
             "eval_temperature": self.temperature,
             "eval_top_p": self.top_p,
+            "eval_top_k": self.top_k,
         }
         for name, value in fallback.items():
             if getattr(self, name) is None:

@@ -64,7 +64,9 @@ def check_world(c: TrainerConfig) -> None:
             f"{world} trainer ranks (--actor-num-nodes {c.actor_num_nodes} x "
             f"--actor-num-gpus-per-node {c.actor_num_gpus_per_node}) do not split into "
             f"TP {tp} x PP {pp} x DP with EP {ep} dividing DP; make the rank count a multiple "
-            "of TP x PP x EP (or change the parallel sizes)"
+            "of TP x PP x EP (or change the parallel sizes). The experts are split by TP like "
+            "the rest of the model here (Megatron's --expert-tensor-parallel-size = TP), so EP "
+            "splits them inside DP"
         )
 
 
@@ -190,6 +192,11 @@ class TrainerConfig:
     """AdamW ε."""
     clip_grad: float = flag(1.0, ge=0, lt=math.inf, hint="0 = off")
     """Global gradient-norm clip (0 disables clipping)."""
+    deterministic_mode: bool = False
+    """Megatron's and slime's deterministic mode: every trainer process runs PyTorch's
+    deterministic algorithms (`torch.use_deterministic_algorithms`; on CUDA with cuBLAS's
+    fixed workspace), so a train step repeats bit for bit given the same batch and seed;
+    slower on GPUs."""
     seed: int = flag(1234, ge=0, cli=False)
     """Seed of model init and megatron's RNG tracker: the run's --seed (`RunConfig.seed`, which
     also seeds data order, sampling and the engines)."""

@@ -16,6 +16,7 @@ rank works on its contiguous shard and results are gathered back, so callers nev
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from pathlib import Path
@@ -58,6 +59,16 @@ from slime_async.trainer.schedule import MicroBatch, Schedule
 from slime_async.trainer.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
+
+
+def use_deterministic_algorithms() -> None:
+    """`--deterministic-mode`: PyTorch's deterministic algorithms in this process (cuBLAS needs
+    a fixed workspace for them, set before the first CUDA matmul unless already set)."""
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 free_port = parallel.free_port  # re-exported for callers that start single-rank trainers
 
 
@@ -88,6 +99,8 @@ class MegatronTrainer(LogprobForwards):
         quiet.quiet_optional_dependency_warnings()  # before megatron's first import here
         self.cfg, self.spec = cfg, spec
         self._resolve_loss(rank)
+        if cfg.deterministic_mode:
+            use_deterministic_algorithms()
         cpu_compat.apply()
         parallel.init_distributed(
             rank=rank,

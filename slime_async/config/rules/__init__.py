@@ -30,23 +30,24 @@ come out in this order):
 | 16 | `bf16` | --bf16 from the CPU and the run kind | 2 |
 | 17 | `save_hf` | --save-hf (`run_paths.derive_save_hf`) | 2 |
 | 18 | `trainer` | the trainer's config, checked against the model | 11-17 |
-| 19 | `resume` | what it resumes from (`run_paths.resume_from`, `check_resume`) | 18 |
-| 20 | `engines` | the engine fleet (--num-engines, --rollout-num-gpus) | |
-| 21 | `placement` | --colocate, --trainer-cores, --rollout-cores | 20 |
-| 22 | `cache_salt` | --router-cache-salt by engine backend | 20 |
-| 23 | `shared_token` | the router's config and the run's shared token | |
-| 24 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 19 |
-| 25 | `engine` | the embedded engines' settings | 4, 21 |
-| 26 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 18, 20, 25 |
-| 27 | `transport` | --update-weight-transport | 18, 20 |
-| 28 | `weight_dtype` | --update-weight-dtype | 18, 25, 27 |
-| 29 | `run_config` | the `RunConfig` | all |
-| 30 | `batch_shape` | a resume keeps its checkpoint's batch shape | 29 |
-| 31 | `memory` | the memory check; a derived role that would not fit -> the trainer | 29 |
+| 19 | `script_flags` | the flags of slime's scripts: Megatron's model shape against config.json, the run flags (`script_flags`) | 18 |
+| 20 | `resume` | what it resumes from (`run_paths.resume_from`, `check_resume`) | 18 |
+| 21 | `engines` | the engine fleet (--num-engines, --rollout-num-gpus) | |
+| 22 | `placement` | --colocate, --trainer-cores, --rollout-cores | 21 |
+| 23 | `cache_salt` | --router-cache-salt by engine backend | 21 |
+| 24 | `shared_token` | the router's config and the run's shared token | |
+| 25 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 20 |
+| 26 | `engine` | the embedded engines' settings | 4, 22 |
+| 27 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 18, 21, 26 |
+| 28 | `transport` | --update-weight-transport | 18, 21 |
+| 29 | `weight_dtype` | --update-weight-dtype | 18, 26, 28 |
+| 30 | `run_config` | the `RunConfig` | all |
+| 31 | `batch_shape` | a resume keeps its checkpoint's batch shape | 30 |
+| 32 | `memory` | the memory check; a derived role that would not fit -> the trainer | 30 |
 
-`memory` re-runs only the rules that `--behavior-forward` feeds (`memory.REFIT`: 15, 18, 19,
-28, 29) when it moves pi_j^Meg to the trainer. The rules live by topic: `data` (1-11),
-`training` (12-19), `serving` (20-28), `memory` (29-31); the draft and the rule type are
+`memory` re-runs only the rules that `--behavior-forward` feeds (`memory.REFIT`: 15, 18, 20,
+29, 30) when it moves pi_j^Meg to the trainer. The rules live by topic: `data` (1-11),
+`training` (12-20), `serving` (21-29), `memory` (30-32); the draft and the rule type are
 `draft`'s. Imports nothing of the orchestrator.
 """
 
@@ -79,6 +80,7 @@ RULES: tuple[Rule, ...] = (
     training.bf16,
     training.save_hf,
     training.trainer,
+    training.script_flags,
     training.resume,
     serving.engines,
     serving.placement,

@@ -2,7 +2,7 @@
 weight snapshots it keeps, its precision, the config itself and what it resumes from.
 
 Rules (in `RULES` order): `lr`, `run_kind`, `behavior_forward`, `snapshots`, `bf16`, `save_hf`,
-`trainer`, `resume`. The paths' rules themselves are `slime_async.config.run_paths`'.
+`trainer`, `script_flags`, `resume`. The paths' rules themselves are `slime_async.config.run_paths`'.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import math
 
 from data_worker.budget import snapshot_count, staleness_bound
 from loss import resolve_loss_spec
+from slime_async.config.derive import raise_all
 from slime_async.config.rules.draft import Draft, rule
 from slime_async.config.run_paths import check_resume, derive_save_hf, resume_from
+from slime_async.config.script_flags import RunFacts, check_run_flags, check_shape
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
     REAL_MODEL_LR_WARN,
@@ -32,6 +34,7 @@ __all__ = [
     "resume",
     "run_kind",
     "save_hf",
+    "script_flags",
     "snapshots",
     "trainer",
 ]
@@ -180,6 +183,24 @@ def trainer(d: Draft) -> None:
     d.trainer = dataclasses.replace(
         t, loss=d.loss.loss, temperature=d.rollout.temperature, hf_source=d.args.hf_checkpoint
     )
+
+
+@rule("script_flags")
+def script_flags(d: Draft) -> None:
+    """The flags of slime's scripts that set nothing here: Megatron's model shape checked
+    against the model the trainer builds (config.json), and the run flags accepted where their
+    slime meaning holds here (`script_flags`: one line each, in the accepted record)."""
+    a, model = d.args, d.env.model
+    where = (
+        f"{a.hf_checkpoint}/config.json"
+        if a.hf_checkpoint
+        else "the embedded default model (the tiny MoE)"
+    )
+    shape, errors = check_shape(a, model, where=where)
+    facts = RunFacts(tp=d.trainer.tensor_model_parallel_size, moe=model.is_moe)
+    run, refused = check_run_flags(a, facts)
+    raise_all(errors + refused)
+    d.flags.accepted.update(shape | run)
 
 
 @rule("resume")
