@@ -78,9 +78,11 @@ def without(argv: list[str], *flags: str) -> list[str]:
 
 
 def _model_dir(tmp: Path, model: str) -> tuple[Path, ModelSpec]:
-    """An HF directory (config.json only: what a dry run reads) of the test model."""
+    """An HF directory of the test model as a dry run reads it: config.json, and a weights
+    file (present, as --ref-load checks; its tensors are read only when the run starts)."""
     out = tmp / model
     out.mkdir()
+    (out / "model.safetensors").write_bytes(b"")
     if model == "tiny-moe":
         TINY_MOE.to_hf_config().save_pretrained(str(out))
         return out, TINY_MOE

@@ -28,6 +28,7 @@ from slime_async.weights.config import WeightSyncConfig
 
 if TYPE_CHECKING:  # the checkpoint module imports torch
     from slime_async.trainer.checkpoint import LoadFacts
+    from slime_async.trainer.megatron_ckpt import WeightsDir
 
 DEFAULT_NUM_ROLLOUT = 200
 """Rollouts of a run that gives neither --num-steps nor --num-rollout."""
@@ -75,6 +76,9 @@ class Environment:
     """HF directory converted from the .gguf file that --hf-checkpoint names (None: no GGUF)."""
     load: LoadFacts | None = None
     """What --load holds (None: no --load)."""
+    ref_load: WeightsDir | None = None
+    """What --ref-load holds: an HF directory or a Megatron torch_dist checkpoint (None: no
+    --ref-load)."""
     cpu_bf16: str | None = None
     """The CPU flag that makes bf16 matmuls native here (`hardware.cpu_bf16_feature`), or None."""
     memory_bytes: int | None = None

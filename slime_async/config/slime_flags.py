@@ -179,8 +179,10 @@ NOT_HERE: dict[str, str] = {
     # checkpoints
     **_each(
         "--ref-ckpt-step --opd-teacher-ckpt-step",
-        "picks a step of a Megatron checkpoint; not here: --ref-load is a Hugging Face "
-        "directory, and --load resumes the newest complete checkpoint it holds",
+        "picks a step of a Megatron checkpoint; not here: --ref-load reads the iteration a "
+        "Megatron torch_dist checkpoint's latest_checkpointed_iteration.txt names (give its "
+        "iter_000000N directory to pick another), and --load resumes the newest complete "
+        "checkpoint it holds",
     ),
     "--async-save": "not here: checkpoints are written synchronously and renamed into place "
     "when complete",

@@ -245,8 +245,14 @@ class TrainerConfig:
     model, BOS/EOS/PAD ids, tokenizer, generation config): the run's --hf-checkpoint, or its
     GGUF conversion; None: exports are built from the ModelSpec alone."""
     ref_load: str | None = None
-    """HF weights of the KL penalty's reference policy, with --use-kl-loss (default: the run's
-    initial weights; needed with --load when the loss reads π_ref)."""
+    """Weights of the KL penalty's reference policy, with --use-kl-loss: a Hugging Face
+    directory or a Megatron torch_dist checkpoint (what slime's converter writes; its newest
+    iteration), told apart by what it holds (default: the run's initial weights; needed with
+    --load when the loss reads π_ref)."""
+    start_from: str | None = flag(None, cli=False)
+    """Weights the trainer starts from instead of --hf-checkpoint's, with a fresh optimizer:
+    what --load names when it holds no checkpoint of train_async.py but weights (a Megatron
+    torch_dist checkpoint, e.g. slime's, or a Hugging Face directory); set by the run."""
     ckpt_format: Literal["torch_dist", "torch"] | None = flag(
         None, derived="torch_dist; torch with --lora-rank > 0"
     )

@@ -36,6 +36,7 @@ from slime_async.trainer import (
     hf_convert,
     hf_save,
     lora,
+    megatron_ckpt,
     parallel,
     quiet,
     share,
@@ -177,11 +178,14 @@ class MegatronTrainer(LogprobForwards):
             log.warning(warning)
 
     def _load_start_weights(self, *, hf_from_rank0: bool) -> None:
-        """Resume from `cfg.load`, else import `cfg.hf_checkpoint` (read by rank 0 and broadcast
-        with `hf_from_rank0`), else keep the initialised weights."""
+        """Resume from `cfg.load`, else import `cfg.start_from` (an HF directory or a Megatron
+        torch_dist checkpoint), else `cfg.hf_checkpoint` (read by rank 0 and broadcast with
+        `hf_from_rank0`), else keep the initialised weights."""
         cfg = self.cfg
         if cfg.load is not None:
             self.load_checkpoint(cfg.load)
+        elif cfg.start_from is not None:  # --load naming weights, not a checkpoint of ours
+            self.import_weights_dir(cfg.start_from)
         elif cfg.hf_checkpoint is not None and hf_from_rank0 and self.world_size > 1:
             w = share.broadcast_hf_weights(cfg.hf_checkpoint, rank=self.rank)
             self.import_weights(w, where=str(cfg.hf_checkpoint))
@@ -400,6 +404,19 @@ class MegatronTrainer(LogprobForwards):
     def import_hf(self, path: str | Path) -> None:
         """Load weights from an HF directory (warm start / reference); spec must match."""
         self.import_weights(weights_io.read_hf_dir(path), where=str(path))
+
+    def import_weights_dir(self, path: str | Path) -> None:
+        """Load weights from an HF directory or a Megatron torch_dist checkpoint (slime's
+        converter's output), told apart by what `path` holds (`megatron_ckpt.weights_dir`);
+        ValueError naming `path` when it is neither or does not fit the model."""
+        found = megatron_ckpt.weights_dir(Path(path))
+        if isinstance(found, str):
+            raise ValueError(f"{path} {found}")
+        if found.kind == "hf":
+            self.import_hf(found.path)
+            return
+        megatron_ckpt.load_megatron_weights(self.chunks, found.path)
+        self.optim.reload_main_params()
 
     def import_weights(self, w: HFWeights, *, where: str = "exported weights") -> None:
         """Load exported weights held in memory (`export_weights` of a trainer with the same

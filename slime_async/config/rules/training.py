@@ -15,7 +15,12 @@ from data_worker.budget import snapshot_count, staleness_bound
 from loss import resolve_loss_spec
 from slime_async.config.derive import raise_all
 from slime_async.config.rules.draft import Draft, rule
-from slime_async.config.run_paths import check_resume, derive_save_hf, resume_from
+from slime_async.config.run_paths import (
+    check_resume,
+    derive_save_hf,
+    resume_from,
+    start_weights,
+)
 from slime_async.config.script_flags import RunFacts, check_run_flags, check_shape
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
@@ -206,7 +211,12 @@ def script_flags(d: Draft) -> None:
 @rule("resume")
 def resume(d: Draft) -> None:
     """The checkpoint the trainer resumes from (`run_paths.resume_from`: none yet for slime's
-    `--load D --save D` on an empty D), and every refusal about it (`run_paths.check_resume`)."""
+    `--load D --save D` on an empty D), or the weights it starts from when --load names weights
+    (`run_paths.start_weights`: a Megatron torch_dist checkpoint, an HF directory), every
+    refusal about them (`run_paths.check_resume`); what --ref-load holds is logged."""
+    start = start_weights(d.flags, d.env)
     load = resume_from(d.flags, d.env, embedded=d.embedded)
-    d.trainer = dataclasses.replace(d.trainer, load=load)
+    d.trainer = dataclasses.replace(d.trainer, load=load, start_from=start)
     check_resume(d.args, d.env, d.trainer)
+    if d.env.ref_load is not None:
+        d.flags.accepted[f"--ref-load {d.args.ref_load}"] = d.env.ref_load.describe()
