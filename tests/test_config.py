@@ -424,9 +424,7 @@ def test_unset_max_off_policy_steps_is_the_staleness_bound_and_a_given_one_is_ke
 # ------------------------------------------------------------------------- eval data
 
 
-def test_eval_interval_with_prompt_data_and_no_eval_set_exits_2_naming_the_fix(
-    tmp_path, capsys
-):
+def test_eval_interval_with_prompt_data_and_no_eval_set_exits_2_naming_the_fix(tmp_path, capsys):
     from slime_async.config import parse_config
 
     (tmp_path / "d.jsonl").write_text("")
