@@ -32,7 +32,7 @@ _WEIGHT_SYNC = (
 )
 _MEGATRON_HOOK = (
     "a hook into slime's Megatron actor; not here: the trainer builds its model from "
-    "--hf-checkpoint's config.json (qwen2, qwen3, llama, mistral, the tiny MoE) and has no "
+    "--hf-checkpoint's config.json (qwen2, qwen3, qwen3_moe, llama, mistral) and has no "
     "such hook points; plug-ins here are --custom-generate-function-path, --custom-rm-path, "
     "--custom-loss-function-path"
 )
@@ -83,7 +83,9 @@ _BUFFER = (
     "multi-turn samples with --custom-generate-function-path"
 )
 _RM = (
-    "one of slime's built-in reward models; not here: give the reward function with "
+    "one of slime's built-in reward models; not here by that name: a --prompt-data run is "
+    "scored by the built-in math_verify reward (math-verify: the response's final answer "
+    "against the label; the built-in tasks by exact_match), or give any reward function with "
     "--custom-rm-path pkg.mod:fn (slime's async rm(args, sample) works as is)"
 )
 _MTP = "multi-token prediction (MTP) training; not here: the trainer has no MTP head"
@@ -96,10 +98,8 @@ NOT_HERE: dict[str, str] = {
     "trainer by --actor-num-nodes x --actor-num-gpus-per-node and the engines by "
     "--rollout-num-gpus / --rollout-num-gpus-per-engine",
     **_each("--offload --release-train", _OFFLOAD),
-    "--train-env-vars": "environment variables for slime's train actors; not here: export "
-    "them before train_async.py (the Ray workers it starts inherit the environment)",
     "--qwen-gdn-backend": "the kernel of Qwen3-Next's gated delta net; not here: the trainer "
-    "has no gated-delta-net models (qwen2, qwen3 dense, llama, mistral, the tiny MoE)",
+    "has no gated-delta-net models (it builds qwen2, qwen3, qwen3_moe, llama, mistral)",
     **_each(
         "--update-weight-mode --update-weight-disk-dir --update-weight-disk-keep-files "
         "--update-weight-delta-encoding --update-weight-delta-checksum "
@@ -164,8 +164,8 @@ NOT_HERE: dict[str, str] = {
     "--num-epoch": "training length in epochs; not here: give --num-rollout (or --num-steps); "
     "the prompt data is cycled in shuffled epochs as long as the run needs",
     **_each(
-        "--disable-rollout-global-dataset --data-source-path --apply-chat-template-kwargs "
-        "--multimodal-keys --metadata-key --tool-key --eval-tool-key",
+        "--disable-rollout-global-dataset --data-source-path --multimodal-keys --metadata-key "
+        "--tool-key --eval-tool-key",
         _DATA,
     ),
     "--start-rollout-id": "not here: a resumed run continues at the step its --load "
@@ -198,19 +198,11 @@ NOT_HERE: dict[str, str] = {
         "--disable-compute-advantages-and-returns",
         _CRITIC,
     ),
-    "--use-unbiased-kl": "not here: pick the estimator with --kl-loss-type {k1,k2,k3,low_var_kl}",
     "--ref-update-interval": "not here: the reference policy stays the run's initial weights "
     "(or --ref-load)",
-    "--normalize-advantages": "not here: advantages are normalized by the estimator "
-    "(--advantage-estimator grpo divides by the group std; dr_grpo does not)",
-    "--disable-rewards-normalization": "not here: the estimator's normalization is the only "
-    "one; --advantage-estimator dr_grpo skips the std",
     "--use-rollout-entropy": "not here: the entropy term (--entropy-coef) is the trainer's own",
     "--get-mismatch-metrics": "not here as a flag: the train-rollout log-prob mismatch is "
     "logged at every step",
-    "--use-rollout-logprobs": "not here: the loss's old policy is the trainer's own log-probs "
-    "under the generating version (--keep-old-actor); the engine's log-probs enter CompIS's "
-    "engine correction (--use-tis, docs/compis.md)",
     "--use-routing-replay": "slime's replay of the old actor's MoE routing; here "
     "--routing-replay r2 (the trainer's own routing) or r3 (the engine's, "
     "--use-rollout-routing-replay)",

@@ -42,7 +42,12 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
                 break
             t1 = time.perf_counter()
             batch = await run.score(batch)  # whole-group rewards (slime's --group-rm)
-            data = assemble(batch, estimator=cfg.rollout.advantage_estimator)
+            data = assemble(
+                batch,
+                estimator=cfg.rollout.advantage_estimator,
+                normalize_rewards=cfg.rollout.rewards_normalization,
+                whiten=cfg.rollout.normalize_advantages,
+            )
             trained = await asyncio.to_thread(run.trainer.train_step, data.batch)
             run.record_step(trained.version, batch)  # the trainer's new version, checked
             t2 = time.perf_counter()

@@ -197,7 +197,10 @@ def _agent(cfg: RunConfig, client: GenerateClient, plan: DataPlan) -> AgentGener
     assert r.agent_function_path is not None
     tokenizer = gateway_tokenizer(cfg.trainer.hf_checkpoint)
     gateway = TrainingGateway(
-        tokenizer=tokenizer, eos_id=plan.eos_id, auth_token=cfg.engine.auth_token
+        tokenizer=tokenizer,
+        eos_id=plan.eos_id,
+        auth_token=cfg.engine.auth_token,
+        template_kwargs=r.chat_template_kwargs,
     )
     return AgentGenerate(
         load_agent_function(r.agent_function_path),

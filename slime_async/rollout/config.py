@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from pathlib import PurePath
+from typing import Any
 
 from clifields import add_flags, check_ranges, flag, from_args
 from loss import DEFAULT_ADVANTAGE_ESTIMATOR
+from loss.advantages import RAW_REWARD_ESTIMATORS
 from loss.slime_cli import advantage_estimator_from_args
 from slime_async.rollout.data.gym import ANSWER_FORMATS, ReasoningGymConfig, parse_prompt_source
 
@@ -57,6 +60,20 @@ def parse_eval_prompt_data(entries: tuple[str, ...]) -> tuple[tuple[str, str], .
     if dup := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(f"{flag}: eval set name(s) {dup} repeat; give each set its own NAME")
     return tuple(pairs)
+
+
+def _json_object(text: str) -> str:
+    """`--apply-chat-template-kwargs`: a JSON object (kept as its text, so config.json
+    replays it)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'"
+        )
+    return text
 
 
 def _system_prompt(text: str) -> str | None:
@@ -103,6 +120,13 @@ class RolloutConfig:
     advantage_estimator: str = flag(DEFAULT_ADVANTAGE_ESTIMATOR, cli=False)
     """A registered estimator (`loss.available_advantages()`; its flag `--advantage-estimator`
     is with the loss flags, `loss.add_loss_args`)."""
+    normalize_advantages: bool = False
+    """slime's: whiten the advantages over every trained token of the step's batch ((A − mean)
+    / std), after the estimator (which for grpo already normalises within each group)."""
+    rewards_normalization: bool = flag(True, off=("--disable-rewards-normalization",))
+    """Normalise rewards within each group (grpo, dr_grpo, reinforce_plus_plus_baseline subtract
+    the group mean, grpo divides by its std); slime's --disable-rewards-normalization: the raw
+    rewards are the advantages (reinforce_plus_plus_baseline whitens them, as always)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards all agree (no learning signal) and refill with fresh
     prompts."""
@@ -128,6 +152,10 @@ class RolloutConfig:
     """Field holding the reference answer in --prompt-data rows."""
     apply_chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template."""
+    apply_chat_template_kwargs: str | None = flag(None, parse=_json_object, metavar="JSON")
+    """slime's: a JSON object of keyword arguments for the chat template, e.g.
+    '{"enable_thinking": false}' (Qwen3's thinking switch): used to render --prompt-data,
+    --eval-prompt-data and reasoning-gym prompts, and by the training gateway (agents)."""
     strict_data: bool = False
     """Fail on the first malformed data row (file and line named) instead of skipping it."""
     custom_rm_path: str | None = None
@@ -201,6 +229,11 @@ class RolloutConfig:
             raise ValueError(
                 f"--prompt-source {self.prompt_source} and --prompt-data {self.prompt_data} both "
                 "name the prompts; give one of them"
+            )
+        if self.apply_chat_template_kwargs and self.prompt_data and not self.apply_chat_template:
+            raise ValueError(
+                "--apply-chat-template-kwargs are the chat template's, but --prompt-data is "
+                "not rendered with it: add --apply-chat-template"
             )
         if self.reasoning_gym_task and self.prompt_source is None:
             raise ValueError(
@@ -289,6 +322,11 @@ class RolloutConfig:
             return "a --prompt-data file has no held-out split and no --eval-prompt-data is given"
         return "--eval-prompts is 0 and no --eval-prompt-data is given"
 
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """--apply-chat-template-kwargs as keyword arguments ({} when not given)."""
+        return json.loads(self.apply_chat_template_kwargs or "{}")
+
     def seed_or(self, run_seed: int) -> int:
         """The rollout seed: `--rollout-seed`, else the run's `--seed` (the one place this
         fallback is written; `RunConfig.rollout_seed` reads it)."""
@@ -320,6 +358,12 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> None:
 def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
     """Build (and check) the config from `add_rollout_args` flags and `--advantage-estimator`."""
     cfg = from_args(RolloutConfig, args, advantage_estimator=advantage_estimator_from_args(args))
+    if not cfg.rewards_normalization and cfg.advantage_estimator not in RAW_REWARD_ESTIMATORS:
+        raise ValueError(
+            f"--disable-rewards-normalization applies to {', '.join(RAW_REWARD_ESTIMATORS)} (the "
+            f"estimators that normalise rewards within a group), not --advantage-estimator "
+            f"{cfg.advantage_estimator}; drop one of them"
+        )
     if cfg.custom_generate_function_path:  # fail at start-up, not in the first rollout
         from slime_async.rollout.agents.custom_generate import load_custom_generate
 

@@ -53,6 +53,24 @@ def _check_layout_fields(c: TrainerConfig) -> None:
         )
 
 
+def _env_vars(text: str) -> str:
+    """`--train-env-vars`: a JSON object of string values (kept as its text, so config.json
+    replays it)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise argparse.ArgumentTypeError(
+            f'{text!r} must be a JSON object of strings, e.g. \'{{"NCCL_ALGO": "Ring"}}\''
+        )
+    return text
+
+
 def check_world(c: TrainerConfig) -> None:
     """Ranks (nodes x GPUs per node) against TP x PP x DP with EP inside DP (ValueError).
     Checked for `train_async.py`'s flags; a `TrainerGroup` built directly gives its own
@@ -192,6 +210,15 @@ class TrainerConfig:
     """AdamW ε."""
     clip_grad: float = flag(1.0, ge=0, lt=math.inf, hint="0 = off")
     """Global gradient-norm clip (0 disables clipping)."""
+    use_rollout_logprobs: bool = False
+    """slime's: the loss's old policy π_old is the engine's log-probs of the sampled tokens
+    (π_j^SGL) instead of the trainer's (π_k), so PPO's ratio π_θ/π_old carries the engine
+    mismatch and the staleness; refused with CompIS, which corrects both separately from π_j^Meg
+    (slime refuses it with --use-tis, CompIS's engine correction here)."""
+    train_env_vars: str | None = flag(None, parse=_env_vars, metavar="JSON")
+    """slime's: environment variables of the trainer's processes, a JSON object of strings
+    ('{"NCCL_ALGO": "Ring"}'), set through Ray's runtime_env (Ray workers on a joined cluster
+    do not inherit the driver's environment)."""
     deterministic_mode: bool = False
     """Megatron's and slime's deterministic mode: every trainer process runs PyTorch's
     deterministic algorithms (`torch.use_deterministic_algorithms`; on CUDA with cuBLAS's
@@ -277,6 +304,13 @@ class TrainerConfig:
     loss: LossSelection = flag(default_factory=LossSelection, cli=False)
     """The loss (registry name or dotted path) and its config object, from the `loss`
     package's own flags (`loss.loss_settings_from_args`)."""
+
+    @property
+    def env_vars(self) -> dict[str, str]:
+        """--train-env-vars as a mapping ({} when not given)."""
+        import json
+
+        return json.loads(self.train_env_vars) if self.train_env_vars else {}
 
     @property
     def world_size(self) -> int:

@@ -232,7 +232,7 @@ class MegatronTrainer(LogprobForwards):
                 tok, seq = denominators(mb.loss_mask[:, 1:])
             else:
                 assert inputs.proximal is not None  # LossNeeds: a function needs π_k
-                lp_k = inputs.proximal[i]
+                lp_k = self._old_logprobs(mb, inputs.proximal[i])
                 mb_in = loss_inputs(mb, lp_k, lp_k, inputs.behavior_of(i), version=self.version)
                 tok, seq = fn(mb_in, self.loss_cfg)
             counts += torch.tensor([tok, seq], dtype=torch.float64)
@@ -257,7 +257,9 @@ class MegatronTrainer(LogprobForwards):
             # an entropy bonus needs the entropy with its gradient
             ent_grad = m.to_samples(ent_pos) if self.loss_spec.needs.entropy else None
             # without a π_k forward: the same weights (one update per step), detached
-            lp_k = lp.detach() if inputs.proximal is None else inputs.proximal[i]
+            lp_k = self._old_logprobs(
+                mb, lp.detach() if inputs.proximal is None else inputs.proximal[i]
+            )
             lp_j = inputs.behavior_with_current(i, lp_k, mb.token_versions, self.version)
             mb_in = loss_inputs(
                 mb,
@@ -283,6 +285,13 @@ class MegatronTrainer(LogprobForwards):
             total += loss.double().cpu()
             acc.add(metrics, weight=float(m.batch.loss_mask.sum()))
         return total, acc
+
+    def _old_logprobs(self, mb: TrainerBatch, lp_k: torch.Tensor) -> torch.Tensor:
+        """The loss's old policy `[b, w]`: π_k (`lp_k`), or with --use-rollout-logprobs the
+        engine's log-probs of the sampled tokens (slime's), on `lp_k`'s device and dtype."""
+        if not self.cfg.use_rollout_logprobs:
+            return lp_k
+        return mb.rollout_logprobs.to(device=lp_k.device, dtype=lp_k.dtype)
 
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip and apply megatron's optimizer update (grads were reduced by the schedule's

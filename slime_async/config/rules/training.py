@@ -174,11 +174,27 @@ def save_hf(d: Draft) -> None:
     derive_save_hf(d.flags, embedded=d.embedded, gguf=d.given["hf_checkpoint"])
 
 
+def _check_rollout_logprobs(d: Draft) -> None:
+    """--use-rollout-logprobs makes the engine's log-probs the loss's old policy: refused for a
+    loss that corrects the engine mismatch from π_j^Meg (CompIS; --use-tis, which slime refuses
+    with it, is CompIS's engine correction)."""
+    name = d.loss.loss.name
+    if _reads_behavior(d):
+        raise ValueError(
+            f"--use-rollout-logprobs with --loss {name}: the engine's log-probs would be both the old "
+            "policy and the engine correction's denominator (CompIS corrects the engine mismatch "
+            "and the staleness separately, from π_j^Meg); use a loss with one ratio (--loss ppo, "
+            "gspo, decoupled_ppo) with --use-rollout-logprobs, or drop it"
+        )
+
+
 @rule("trainer")
 def trainer(d: Draft) -> None:
     """The trainer's config from the derived flags, with the loss and the sampling temperature;
     checked against the model it trains (routing replay needs an MoE)."""
     t = trainer_config_from_args(d.args)
+    if t.use_rollout_logprobs:
+        _check_rollout_logprobs(d)
     replay, model = t.routing_replay.value, d.env.model
     if replay != "none" and not model.is_moe:
         raise ValueError(
