@@ -131,14 +131,27 @@ def check_resume(a: argparse.Namespace, env: Environment, trainer: TrainerConfig
 
 
 def derive_save_hf(f: Flags, *, embedded: bool, gguf: str | None) -> None:
-    """`--save-hf`: `<run-dir>/hf` for the embedded default run when unset, 'none' turns it
-    off; refused where replacing it would delete or clash with the run's other paths or with
-    data not written by --save-hf."""
+    """`--save-hf`: when unset, `<run-dir>/hf` for a run that would otherwise keep no model
+    (the embedded default run, a user's model without --save); a run with --save keeps it in
+    its checkpoints, and says so. 'none' turns it off. Refused where replacing it would delete
+    or clash with the run's other paths or with data not written by --save-hf."""
     a = f.args
     if f.unset("save_hf"):
-        if not embedded:
+        if not embedded and a.save is not None:
+            f.note(
+                "save_hf",
+                "none",
+                f"the trained model is kept in --save {a.save}'s checkpoints (python -m "
+                "slime_async.tools.export_hf turns one into a Hugging Face directory); give "
+                "--save-hf DIR to also export it at every save",
+            )
             return
-        f.fill("save_hf", str(Path(a.run_dir) / "hf"), "the embedded default run keeps its model")
+        why = (
+            "the embedded default run keeps its model"
+            if embedded
+            else "a run without --save keeps its trained model here (--save-hf none: keep none)"
+        )
+        f.fill("save_hf", str(Path(a.run_dir) / "hf"), why)
     elif a.save_hf.strip().lower() in ("", "none"):
         a.save_hf = None
         return

@@ -261,7 +261,7 @@ class TrainerConfig:
     hf_checkpoint: str | None = None
     """HF weights directory to start from (not used when --load is given)."""
     save_hf: str | None = flag(
-        None, derived="<run-dir>/hf for the embedded default run; otherwise none", metavar="DIR"
+        None, derived="<run-dir>/hf, unless --save is given with a user's model", metavar="DIR"
     )
     """Hugging Face directory the trained model is written to at every checkpoint
     (--save-interval) and at the end of the run: safetensors, config.json, and the

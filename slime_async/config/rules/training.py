@@ -170,7 +170,8 @@ def bf16(d: Draft) -> None:
 
 @rule("save_hf", fills=("save_hf",))
 def save_hf(d: Draft) -> None:
-    """`--save-hf`: `<run-dir>/hf` for the embedded default run (`run_paths.derive_save_hf`)."""
+    """`--save-hf`: `<run-dir>/hf` for a run that would keep no model otherwise (the embedded
+    default run, a user's model without --save; `run_paths.derive_save_hf`)."""
     derive_save_hf(d.flags, embedded=d.embedded, gguf=d.given["hf_checkpoint"])
 
 
