@@ -4,7 +4,8 @@ Owns: `grpo_advantages` (unbiased std; `std_normalize=False` is Dr.GRPO), `reinf
 `reinforce_pp_advantages` (global token whitening), `reinforce_pp_baseline_advantages`,
 `outcome_to_token_rewards`, `broadcast_to_tokens`, `overlong_penalty`, `dynamic_sampling_keep`,
 `dynamic_sampling_decision`, and the estimator registry: `register_advantage`, `get_advantage`,
-`available_advantages`, `compute_advantages` (what the rollout side calls, by name). Pure
+`available_advantages`, `compute_advantages` (what the rollout side calls, by name, with slime's
+raw rewards `raw_reward_advantages` and batch whitening). Pure
 functions; must never import `slime_async`.
 
 Worked example (spec A1): one group, rewards R = [1, 0, 0, 0]
@@ -213,21 +214,52 @@ def available_advantages() -> list[str]:
     return _ESTIMATORS.names()
 
 
+RAW_REWARD_ESTIMATORS = ("grpo", "dr_grpo", "reinforce_plus_plus_baseline")
+"""The estimators that normalise rewards within a group (subtract its mean, GRPO also divides by
+its std), which slime's `--disable-rewards-normalization` turns off."""
+
+
+def raw_reward_advantages(name: str, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """slime's `--disable-rewards-normalization`: the estimator `name` (one of
+    `RAW_REWARD_ESTIMATORS`) on the raw rewards, no group mean subtracted: grpo and dr_grpo
+    broadcast each sample's reward to its tokens; reinforce_plus_plus_baseline then whitens them
+    over the batch, as it always does. `[B]` rewards, `[B, T]` mask -> `[B, T]`."""
+    if name not in RAW_REWARD_ESTIMATORS:
+        raise ValueError(
+            f"raw rewards apply to {', '.join(RAW_REWARD_ESTIMATORS)}, not estimator {name!r}"
+        )
+    tokens = broadcast_to_tokens(rewards.to(torch.float64), mask)
+    return whiten(tokens, mask) if name == "reinforce_plus_plus_baseline" else tokens
+
+
 def compute_advantages(
     name: str,
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     valid: torch.Tensor,
     mask: torch.Tensor,
+    *,
+    normalize_rewards: bool = True,
+    whiten_advantages: bool = False,
 ) -> torch.Tensor:
     """Per-token advantages `[B, T]` (0 outside `mask`) by the estimator `name`.
 
     Samples that are not `valid` (e.g. their reward failed) become singleton groups (group id
     −1 − i), so they never shift another sample's group statistics; give them an empty mask.
+    `normalize_rewards=False` (slime's `--disable-rewards-normalization`): the raw rewards
+    (`raw_reward_advantages`); `whiten_advantages` (slime's `--normalize-advantages`): the
+    advantages whitened over every valid token of the batch afterwards (`whiten`).
+
+    Worked example: one group, rewards [1, 0], one token each: grpo [0.707, −0.707];
+    raw rewards [1, 0]; raw then whitened [0.707, −0.707] (mean 0.5, unbiased std 0.707).
     """
-    fn = get_advantage(name)
-    gid = torch.where(valid, group_ids, -1 - torch.arange(len(group_ids), device=group_ids.device))
-    return fn(rewards, gid, mask)
+    if normalize_rewards:
+        fn = get_advantage(name)
+        ids = torch.arange(len(group_ids), device=group_ids.device)
+        adv = fn(rewards, torch.where(valid, group_ids, -1 - ids), mask)
+    else:
+        adv = raw_reward_advantages(name, rewards, mask)
+    return whiten(adv, mask).to(adv.dtype) if whiten_advantages else adv
 
 
 def _grpo(std_normalize: bool) -> AdvantageFn:

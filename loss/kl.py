@@ -34,10 +34,18 @@ class KLType(enum.StrEnum):
 
 
 def kl_penalty(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType | str = KLType.LOW_VAR_KL
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    kind: KLType | str = KLType.LOW_VAR_KL,
+    *,
+    importance_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token KL estimate (see the module table); gradient flows through `logprobs` only.
-    Shapes: any, equal. bf16/fp16 inputs are upcast to fp32 first."""
+    """Per-token KL estimate (see the module table); gradient flows through `logprobs` (and
+    `importance_ratio`) only. Shapes: any, equal. bf16/fp16 inputs are upcast to fp32 first.
+
+    `importance_ratio` (slime's `--use-unbiased-kl`, DeepSeek-V3.2's unbiased KL): π_θ/π_old of
+    each token, multiplied into the estimate before low_var_kl's clamp (slime's order), so the
+    KL of tokens sampled from π_old is estimated for π_θ."""
     try:
         kind = KLType(kind)
     except ValueError:
@@ -46,8 +54,11 @@ def kl_penalty(
         ) from None
     d = safe_log_ratio(logprobs, ref_logprobs.detach())
     if kind is KLType.K1:
-        return d
-    if kind is KLType.K2:
-        return 0.5 * d * d
-    k3 = torch.expm1(-d) + d
-    return k3.clamp(-10.0, 10.0) if kind is KLType.LOW_VAR_KL else k3
+        kl = d
+    elif kind is KLType.K2:
+        kl = 0.5 * d * d
+    else:
+        kl = torch.expm1(-d) + d
+    if importance_ratio is not None:
+        kl = importance_ratio * kl
+    return kl.clamp(-10.0, 10.0) if kind is KLType.LOW_VAR_KL else kl

@@ -11,7 +11,7 @@ that it also declares the inputs the terms read (`LossNeeds.entropy`,
 AGG is the wrapped loss's own aggregation (its `agg_mode`, `loss_scale_factor` and the global
 denominators on `LossInputs`; token-mean for a config without `agg_mode`), so each micro-batch's
 term is its share of the mini-batch term, like the policy loss. KL per token is
-`loss.kl.kl_penalty` (k1, k2, k3, low_var_kl).
+`loss.kl.kl_penalty` (k1, k2, k3, low_var_kl), times π_θ/π_old with `unbiased_kl`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 from loss.aggregate import aggregate
 from loss.kl import KLType, kl_penalty
+from loss.ratios import safe_log_ratio
 from loss.spec import LossSpec
 from loss.types import AggMode, LossInputs, LossOutputs
 
@@ -37,6 +38,9 @@ class RegularizerConfig:
     """Weight of the KL penalty to the reference policy (0: no reference model is kept)."""
     kl_type: KLType = KLType.K1
     """Per-token KL estimator (slime's default k1; verl's low_var_kl)."""
+    unbiased_kl: bool = False
+    """slime's `--use-unbiased-kl`: each token's KL estimate times its importance ratio
+    π_θ/π_old (π_old: the loss's `proximal_logprobs`), with gradient through π_θ."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kl_type", KLType(self.kl_type))
@@ -86,9 +90,13 @@ def with_regularizers(spec: LossSpec, reg: RegularizerConfig | None) -> LossSpec
                 raise ValueError(
                     "kl_coef != 0 needs LossInputs.reference_logprobs (LossNeeds.reference_logprobs)"
                 )
-            kl = _agg(
-                kl_penalty(inputs.logprobs, inputs.reference_logprobs, reg.kl_type), inputs, cfg
+            ratio = None
+            if reg.unbiased_kl:  # π_θ / π_old with gradient, slime's order: exp(log_ratio)
+                ratio = torch.exp(safe_log_ratio(inputs.logprobs, inputs.proximal_logprobs))
+            per_token = kl_penalty(
+                inputs.logprobs, inputs.reference_logprobs, reg.kl_type, importance_ratio=ratio
             )
+            kl = _agg(per_token, inputs, cfg)
             loss = loss + reg.kl_coef * kl
             metrics["loss/kl_ref"] = float(kl.detach())
         return LossOutputs(loss=loss, metrics=metrics)

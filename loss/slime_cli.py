@@ -67,6 +67,10 @@ class SlimeLossFlags:
     """KL penalty weight, with --use-kl-loss"""
     kl_loss_type: KLType | None = flag(None, derived=f"{_REG.kl_type}, slime's")
     """Per-token KL estimator, with --use-kl-loss"""
+    use_unbiased_kl: bool = False
+    """slime's unbiased KL (DeepSeek-V3.2), with --use-kl-loss: each token's KL estimate times
+    its importance ratio pi_theta/pi_old (pi_old: the loss's old policy, the engine's log-probs
+    with --use-rollout-logprobs)"""
 
 
 def add_slime_loss_args(g: argparse._ArgumentGroup) -> None:
@@ -175,7 +179,9 @@ def regularizers_from_args(args: argparse.Namespace) -> RegularizerConfig | None
     for name in ("kl_loss_coef", "kl_loss_type"):
         if getattr(s, name) is not None and not s.use_kl_loss:
             raise ValueError(f"{_flag(name)} applies only with --use-kl-loss")
-    kl = {}
+    if s.use_unbiased_kl and not s.use_kl_loss:
+        raise ValueError("--use-unbiased-kl applies only with --use-kl-loss")
+    kl: dict[str, Any] = {"unbiased_kl": s.use_unbiased_kl}
     if s.use_kl_loss and s.kl_loss_coef is not None:
         kl["kl_coef"] = s.kl_loss_coef
     if s.kl_loss_type is not None:

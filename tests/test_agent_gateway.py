@@ -316,6 +316,24 @@ def test_think_blocks_stripped_by_the_template_are_a_counted_mismatch() -> None:
     )
 
 
+def test_the_gateway_renders_with_the_runs_chat_template_kwargs() -> None:
+    """--apply-chat-template-kwargs: the gateway renders an episode's conversation as the data
+    prompts were rendered (else the first turn would not begin with the data prompt)."""
+    from slime_async.contracts.chat import normalize_messages
+    from slime_async.engine.testing import THINKING_SWITCH_TEMPLATE, ascii_chat_tokenizer
+
+    tk = ascii_chat_tokenizer(THINKING_SWITCH_TEMPLATE)
+    msgs = normalize_messages([{"role": "user", "content": "q"}])
+    client = GenerateClient(GenerateClientConfig(url="http://127.0.0.1:9"))
+    plain = TrainingGateway(tokenizer=tk, eos_id=EOS)
+    off = TrainingGateway(tokenizer=tk, eos_id=EOS, template_kwargs={"enable_thinking": False})
+    p_plain, _ = plain._prompt(plain.open_episode(client), msgs, None)
+    p_off, _ = off._prompt(off.open_episode(client), msgs, None)
+    assert tk.decode(p_off[len(p_plain) :]) == "<think>\n\n</think>\n\n"
+    p_on, _ = off._prompt(off.open_episode(client), msgs, None, {"enable_thinking": True})
+    assert p_on == p_plain  # a request's chat_template_kwargs go over the run's
+
+
 @pytest.mark.parametrize(
     "extra",
     [

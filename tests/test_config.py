@@ -18,6 +18,7 @@ from data_worker.config import DataWorkerConfig
 from router.config import RouterConfig
 from slime_async.config import Environment, build_parser, read_environment, validate
 from slime_async.config.run_config import RunConfig
+from slime_async.config.script_flags import ModelShapeFlags, ScriptRunFlags
 from slime_async.config.supervision import SupervisorConfig
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig
@@ -257,7 +258,11 @@ def test_read_environment_reads_the_model_and_names_a_bad_checkpoint(tmp_path):
     env = read_environment(args)
     assert env.model.family == "llama" and not env.model.is_moe and env.cpus
     args = build_parser().parse_args(["--hf-checkpoint", str(tmp_path / "missing")])
-    with pytest.raises(ValueError, match=r"--hf-checkpoint .*missing: cannot read its config"):
+    with pytest.raises(ValueError, match=r"--hf-checkpoint .*missing does not exist"):
+        read_environment(args)
+    (tmp_path / "empty").mkdir()
+    args = build_parser().parse_args(["--hf-checkpoint", str(tmp_path / "empty")])
+    with pytest.raises(ValueError, match=r"--hf-checkpoint .*empty: cannot read its config"):
         read_environment(args)
 
 
@@ -313,6 +318,8 @@ _OWNERS = {
         "update_weight_",
     ),
     "logging": (LoggingConfig, {}, ""),
+    "model shape (Megatron)": (ModelShapeFlags, {}, ""),
+    "slime script flags": (ScriptRunFlags, {}, ""),
 }
 # flags that select behaviour rather than set a config field
 _NOT_FIELDS = {
@@ -417,11 +424,12 @@ def test_unset_max_off_policy_steps_is_the_staleness_bound_and_a_given_one_is_ke
 # ------------------------------------------------------------------------- eval data
 
 
-def test_eval_interval_with_prompt_data_and_no_eval_set_exits_2_naming_the_fix(capsys):
+def test_eval_interval_with_prompt_data_and_no_eval_set_exits_2_naming_the_fix(tmp_path, capsys):
     from slime_async.config import parse_config
 
+    (tmp_path / "d.jsonl").write_text("")
     with pytest.raises(SystemExit) as e:
-        parse_config(["--prompt-data", "d.jsonl", "--eval-interval", "5"])
+        parse_config(["--prompt-data", str(tmp_path / "d.jsonl"), "--eval-interval", "5"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--eval-interval 5" in err and "--eval-prompt-data NAME PATH" in err

@@ -70,6 +70,7 @@ ORDER = [
     "bf16",
     "save_hf",
     "trainer",
+    "script_flags",
     "resume",
     "engines",
     "placement",
@@ -332,13 +333,16 @@ def test_bf16_from_the_cpu_and_the_run_kind(embedded, env, value, reason):
     assert d.args.bf16 is value and reason in why(d, "--bf16")
 
 
-def test_save_hf_keeps_the_embedded_runs_model():
+def test_save_hf_keeps_every_runs_model():
     d = draft("--run-dir", "/tmp/r", embedded=True)
     training.save_hf(d)
     assert d.args.save_hf == "/tmp/r/hf"
-    user = draft(*USER, embedded=False)
+    user = draft(*USER, "--run-dir", "/tmp/u", embedded=False)  # else it would keep nothing
     training.save_hf(user)
-    assert user.args.save_hf is None
+    assert user.args.save_hf == "/tmp/u/hf" and "without --save" in why(user, "--save-hf")
+    saved = draft(*USER, "--save", "/tmp/ck", embedded=False)  # kept in its checkpoints: said
+    training.save_hf(saved)
+    assert saved.args.save_hf is None and "--save /tmp/ck's checkpoints" in why(saved, "--save-hf")
 
 
 def test_trainer_refuses_routing_replay_on_a_dense_model():

@@ -87,7 +87,8 @@ def test_load_refusals_come_before_anything_starts(tmp_path, capsys):
     megatron = tmp_path / "slime_ckpt"
     megatron.mkdir()
     (megatron / "latest_checkpointed_iteration.txt").write_text("10")
-    assert "Megatron/slime checkpoint" in _refused(_argv(tmp_path, "--load", str(megatron)), capsys)
+    err = _refused(_argv(tmp_path, "--load", str(megatron)), capsys)
+    assert "a Megatron checkpoint whose latest_checkpointed_iteration.txt names iteration 10" in err
 
 
 GOOD = dict(

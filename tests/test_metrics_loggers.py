@@ -138,6 +138,33 @@ def test_wandb_gets_the_run_config_and_a_resume_continues_the_same_run(
             assert TOKEN.encode() not in data and WANDB_KEY.encode() not in data, f
 
 
+def test_a_new_run_in_a_reused_run_dir_starts_its_own_wandb_run_and_metrics(
+    offline: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Experiment B in experiment A's run directory (the default runs/default, no --load):
+    A's metrics.jsonl and wandb run id are set aside (kept), B logs into a new wandb run and a
+    new metrics.jsonl; B resumed (--load) continues both."""
+    from slime_async.metrics.history import read_metrics
+    from slime_async.orchestrator.launch import run_logger
+
+    run_dir = tmp_path / "run"
+    cfg = parse_config(["--run-dir", str(run_dir), "--use-wandb"])
+    a = _log_steps(run_dir, cfg, range(1, 6))
+    with caplog.at_level("WARNING"), run_logger(cfg) as logger:  # as launch.py builds it: fresh
+        for k in (1, 2):
+            logger.log(k, {"rollout/reward": 0.5})
+        b = logger.sinks[-1].run_id
+    assert b != a and (run_dir / WANDB_RUN_ID_FILE).read_text().strip() == b
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl").records] == [1, 2]
+    (old_metrics,) = run_dir.glob("metrics.jsonl.stale-*")
+    (old_id,) = run_dir.glob(f"{WANDB_RUN_ID_FILE}.stale-*")
+    assert [r["step"] for r in read_metrics(old_metrics).records] == [1, 2, 3, 4, 5]
+    assert old_id.read_text().strip() == a
+    assert "holds an earlier run's metrics.jsonl; this run starts fresh" in caplog.text
+    assert _log_steps(run_dir, cfg, range(3, 4)) == b  # a resume (--load): the same run
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl").records] == [1, 2, 3]
+
+
 def test_wandb_run_id_flag_wins_and_env_fills_unset_flags(
     offline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

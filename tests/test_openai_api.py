@@ -21,10 +21,12 @@ TOKEN = "s3cret-token"
 def chat_engines(tmp_path_factory):
     import torch
 
-    from slime_async.engine.testing import chat_model_dir
+    from slime_async.engine.testing import THINKING_SWITCH_TEMPLATE, chat_model_dir
 
-    torch.set_num_threads(1)
-    d = chat_model_dir(str(tmp_path_factory.mktemp("chat") / "m"))
+    torch.set_num_threads(1)  # ChatML; with enable_thinking=False, an empty think block
+    d = chat_model_dir(
+        str(tmp_path_factory.mktemp("chat") / "m"), template=THINKING_SWITCH_TEMPLATE
+    )
     cfg = engine_mod.EngineConfig(
         num_threads=1, model_dir=d, dtype="fp32", api_key=TOKEN, weight_version="0"
     )
@@ -118,6 +120,30 @@ async def test_bad_requests_are_400_and_auth_is_required(chat_engines, router_ur
     errors = await asyncio.to_thread(call)
     assert "wizard" in errors[0] and "top_logprobs" in errors[1]
     assert "presence_penalty" in errors[2] and "max_new_tokens" in errors[3]
+
+
+async def test_chat_template_kwargs_reach_the_template(chat_engines, router_url) -> None:
+    """SGLang's `chat_template_kwargs` (Qwen3's thinking switch): the prompt is rendered with
+    them; a key the server sets itself is a 400."""
+    url, _ = router_url
+    _, model_dir = chat_engines
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "2+3?"}]
+
+    def call(extra: dict) -> int:
+        r = _client(url).chat.completions.create(
+            model="m", messages=messages, max_tokens=1, extra_body=extra
+        )
+        return r.usage.prompt_tokens
+
+    plain = await asyncio.to_thread(call, {})
+    off = await asyncio.to_thread(call, {"chat_template_kwargs": {"enable_thinking": False}})
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+    assert off == len(want["input_ids"]) > plain
+    with pytest.raises(openai.BadRequestError, match="cannot set"):
+        await asyncio.to_thread(call, {"chat_template_kwargs": {"tokenize": False}})
 
 
 async def test_session_affinity_keeps_a_conversation_on_one_engine(router_url) -> None:

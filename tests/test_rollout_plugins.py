@@ -121,6 +121,14 @@ async def test_group_rm_scores_each_group_once(engine):
         assert [s.payload["reward"] for s in g.samples] == [0.0, 1.0, 2.0, 3.0]
     data = assemble(batch, estimator="grpo")
     assert data.metrics["rollout/reward"] == 1.5
+    # slime's --disable-rewards-normalization: the raw rewards are the advantages; with
+    # --normalize-advantages they are whitened over the batch's trained tokens
+    tb = assemble(batch, estimator="grpo", normalize_rewards=False).batch
+    for i, s in enumerate(s for g in batch.groups for s in g.samples):
+        assert set(tb.advantages[i][tb.loss_mask[i]].tolist()) == {s.payload["reward"]}
+    white = assemble(batch, estimator="grpo", normalize_rewards=False, whiten=True).batch
+    vals = white.advantages[white.loss_mask]
+    assert abs(float(vals.mean())) < 1e-5 and abs(float(vals.std()) - 1.0) < 1e-4
 
 
 async def test_a_reward_that_raises_stops_the_run_naming_function_and_sample(engine):

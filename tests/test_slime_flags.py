@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from slime_async.config import build_parser, parse_config
-from slime_async.config.slime_flags import NOT_HERE
+from slime_async.config.script_flags import RUN_TABLE
+from slime_async.config.slime_flags import MEGATRON_NOT_HERE, NOT_HERE
 
 ROOT = Path(__file__).resolve().parents[1]
 SLIME_FLAGS = [
@@ -42,7 +43,7 @@ def test_every_slime_flag_is_accepted_or_answered():
 
 def test_the_table_answers_only_flags_we_do_not_take():
     ours = _ours()
-    taken = sorted(f for f in NOT_HERE if f in ours)
+    taken = sorted(f for f in [*NOT_HERE, *MEGATRON_NOT_HERE] if f in ours)
     assert not taken, f"accepted here, so not a NOT_HERE entry: {taken}"
     stray = sorted(set(NOT_HERE) - set(SLIME_FLAGS))
     assert not stray, f"not in slime's list: {stray}"
@@ -64,7 +65,7 @@ def _error_lines(argv, tmp_path, capsys) -> list[str]:
         (["--num-steps", "3", "--num-rollout", "2"], "give either --num-steps or --num-rollout"),
         (["--max-staleness", "-1"], "must be an integer >= 0, got -1"),
         (["--advantage-estimator", "ppo"], "no critic"),
-        (["--offload-train"], NOT_HERE["--offload-train"]),
+        (["--offload-train"], "nothing to offload"),
         (["--gamma=1.0"], NOT_HERE["--gamma"]),
     ],
 )
@@ -94,5 +95,13 @@ def test_the_doc_lists_every_answer():
     spec.loader.exec_module(gen)
     doc = gen.DOC.read_text()
     assert gen.render(doc) == doc, "run: python scripts/gen_slime_flags_doc.py"
-    missing = [f for f in NOT_HERE if f"`{f}`" not in doc]
+    flags = [*NOT_HERE, *MEGATRON_NOT_HERE, *(f"--{d.replace('_', '-')}" for d in RUN_TABLE)]
+    missing = [f for f in flags if f"`{f}`" not in doc]
     assert not missing
+
+
+def test_a_megatron_flag_of_slimes_scripts_gets_its_answer(tmp_path, capsys):
+    lines = _error_lines(["--multi-latent-attention", "--seq-length", "4096"], tmp_path, capsys)
+    text = "\n".join(lines)
+    assert "--multi-latent-attention (a Megatron flag of slime's scripts): " in text
+    assert MEGATRON_NOT_HERE["--seq-length"] in text and "unrecognized argument " not in text

@@ -1,6 +1,9 @@
-"""The Ray actor wrapper: a 2-rank trainer group (fractional CPUs) trains, exports, saves."""
+"""The Ray actor wrapper: a 2-rank trainer group (fractional CPUs) trains, exports, saves, with
+--train-env-vars in every rank's environment."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -45,12 +48,18 @@ def test_trainer_group_over_ray_matches_in_process(ray_session, tmp_path):
             clip_grad=0.0,
             tensor_model_parallel_size=2,
             hf_checkpoint=str(init),
+            train_env_vars='{"SLIME_ASYNC_TEST_ENV": "from --train-env-vars"}',
         ),
         TINY_MOE,
         world_size=2,
         timeout_s=180,
     )
     try:
+        env = [  # slime's --train-env-vars reach every rank through Ray's runtime_env
+            ray_session.get(a.__ray_call__.remote(lambda _: os.environ.get("SLIME_ASYNC_TEST_ENV")))
+            for a in group.actors
+        ]
+        assert env == ["from --train-env-vars"] * 2
         got = group.train_step(batch)
         assert got.version == group.version() == 1  # the step returns the version it made
         assert abs(got.metrics["loss/total"] - want["loss/total"]) <= 1e-5

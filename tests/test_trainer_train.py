@@ -316,3 +316,40 @@ def test_torch_dist_checkpoint_converts_to_torch_and_exports(tmp_path):
         got, want = load_file(f), load_file(y / f.name)
         assert got.keys() == want.keys()
         assert all(got[k].numpy().tobytes() == want[k].numpy().tobytes() for k in got)
+
+
+def test_deterministic_mode_runs_the_step_under_deterministic_algorithms():
+    """slime's --deterministic-mode: the trainer process switches PyTorch's deterministic
+    algorithms on (an op without a deterministic kernel would raise) and still trains."""
+    try:
+        tr = _trainer(deterministic_mode=True)
+        assert torch.are_deterministic_algorithms_enabled()
+        m = tr.train_step(_batch())
+        assert tr.version == 1 and m["train/grad_norm"] > 0
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_use_rollout_logprobs_makes_the_engines_logprobs_the_old_policy():
+    """slime's --use-rollout-logprobs: PPO's ratio is pi_theta / pi_SGL (here a uniform policy's
+    log-probs), not pi_theta / pi_k (1 in value after one update per step)."""
+    from loss import LossInputs, LossSelection, resolve_loss_spec
+
+    tr = _trainer(use_rollout_logprobs=True, loss=LossSelection(name="ppo"))
+    b = _batch()
+    lp0, _ = tr.compute_logprobs(b)
+    spec = resolve_loss_spec("ppo")
+
+    def ppo(old: torch.Tensor) -> float:
+        inputs = LossInputs(
+            logprobs=lp0[:, 1:],
+            proximal_logprobs=old[:, 1:],
+            rollout_logprobs=b.rollout_logprobs[:, 1:],
+            advantages=b.advantages[:, 1:],
+            loss_mask=b.loss_mask[:, 1:],
+        )
+        return float(spec.fn(inputs, tr.loss_cfg).loss)
+
+    m = tr.train_step(b)
+    assert m["loss/total"] == pytest.approx(ppo(b.rollout_logprobs), abs=1e-6)
+    assert abs(ppo(b.rollout_logprobs) - ppo(lp0)) > 1e-3  # the flag changed the old policy

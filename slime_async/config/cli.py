@@ -34,6 +34,7 @@ from loss import add_loss_args
 from router.config import add_router_args, load_api_key, load_auth_token
 from slime_async import startup
 from slime_async.config import hardware
+from slime_async.config.inputs import check_inputs
 from slime_async.config.recipe import add_config_arg, apply_config_file, config_json, derived_lines
 from slime_async.config.rules import derive
 from slime_async.config.run_config import (
@@ -42,6 +43,7 @@ from slime_async.config.run_config import (
     add_placement_args,
     add_run_args,
 )
+from slime_async.config.script_flags import add_script_args
 from slime_async.config.slime_flags import explain_unrecognized
 from slime_async.config.supervision import add_supervisor_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
@@ -94,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_worker_args(parser)
     add_loss_args(parser)
     add_trainer_args(parser)
+    add_script_args(parser)
     add_engine_run_args(parser)
     add_supervisor_args(parser)
     add_weight_sync_args(parser)
@@ -103,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_environment(args: argparse.Namespace) -> Environment:
-    """The I/O validation needs: the model's config (from --hf-checkpoint) and the usable cores."""
+    """The I/O validation needs: every path the run reads checked (`inputs.check_inputs`), the
+    model's config (from --hf-checkpoint), what --load and --ref-load hold, the usable cores."""
+    ref_load = check_inputs(args)
     model = TINY_MOE
     converted = None
     if args.hf_checkpoint:
@@ -147,6 +152,7 @@ def read_environment(args: argparse.Namespace) -> Environment:
         api_key=load_api_key(args.api_key_file),
         converted_checkpoint=None if converted is None else str(converted),
         load=load,
+        ref_load=ref_load,
         cpu_bf16=hardware.cpu_bf16_feature(),
         memory_bytes=hardware.node_memory_bytes(),
         gpu_memory_bytes=hardware.gpu_memory_bytes(),

@@ -26,11 +26,14 @@ class Flags:
         self.derived: dict[str, Derived] = {}
         self.filled: set[str] = set()
         """The flags `fill` set (the user left them unset)."""
+        self.accepted: dict[str, str] = {}
+        """Flags of slime's scripts that set nothing here, as given -> why they are accepted."""
 
     def copy(self) -> Flags:
         """An independent copy: deriving on it leaves this one as it is."""
         other = Flags(self.args)
         other.derived, other.filled = dict(self.derived), set(self.filled)
+        other.accepted = dict(self.accepted)
         return other
 
     def unset(self, dest: str) -> bool:

@@ -178,5 +178,7 @@ def config_json(cfg: Any) -> str:
 
 
 def derived_lines(cfg: Any) -> list[str]:
-    """One 'derived: --FLAG VALUE (why)' line per value the run chose for an unset flag."""
-    return [f"derived: {flag} {d.value} ({d.why})" for flag, d in cfg.derived.items()]
+    """One 'derived: --FLAG VALUE (why)' line per value the run chose for an unset flag, then one
+    'accepted: --FLAG VALUE (why)' line per flag of slime's scripts that sets nothing here."""
+    lines = [f"derived: {flag} {d.value} ({d.why})" for flag, d in cfg.derived.items()]
+    return lines + [f"accepted: {said} ({why})" for said, why in cfg.accepted.items()]

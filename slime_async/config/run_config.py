@@ -28,6 +28,7 @@ from slime_async.weights.config import WeightSyncConfig
 
 if TYPE_CHECKING:  # the checkpoint module imports torch
     from slime_async.trainer.checkpoint import LoadFacts
+    from slime_async.trainer.megatron_ckpt import WeightsDir
 
 DEFAULT_NUM_ROLLOUT = 200
 """Rollouts of a run that gives neither --num-steps nor --num-rollout."""
@@ -94,6 +95,9 @@ class Environment:
     """HF directory converted from the .gguf file that --hf-checkpoint names (None: no GGUF)."""
     load: LoadFacts | None = None
     """What --load holds (None: no --load)."""
+    ref_load: WeightsDir | None = None
+    """What --ref-load holds: an HF directory or a Megatron torch_dist checkpoint (None: no
+    --ref-load)."""
     cpu_bf16: str | None = None
     """The CPU flag that makes bf16 matmuls native here (`hardware.cpu_bf16_feature`), or None."""
     memory_bytes: int | None = None
@@ -196,6 +200,9 @@ class RunConfig:
     """How weights reach the engines (`--update-weight-transport`, ...)."""
     derived: dict[str, Derived] = flag(default_factory=dict, cli=False)
     """Flag -> the value the run derived for it (the user left it unset) and why."""
+    accepted: dict[str, str] = flag(default_factory=dict, cli=False)
+    """A flag of slime's scripts that sets nothing here, as given -> why it is accepted (a
+    model-shape flag equal to config.json's value, a run flag whose slime meaning holds here)."""
     flags: dict[str, Any] = flag(default_factory=dict, cli=False)
     """Every flag's value as parsed (recipe and command line; None where the run derived it):
     what `--config <run-dir>/config.json` replays."""

@@ -2,7 +2,9 @@
 `--save-hf`, `--hf-checkpoint` and the warm start, checked when the flags are parsed (before Ray
 starts).
 
-Owns `resume_from` (slime's `--load D --save D` on an empty D starts fresh), `check_resume`
+Owns `resume_from` (slime's `--load D --save D` on an empty D starts fresh), `start_weights`
+(--load naming a Megatron torch_dist checkpoint or an HF directory: a new run from its
+weights), `check_resume`
 (every refusal about the checkpoint a resume would load), the batch shape a checkpoint records
 (`batch_shape`, `check_batch_shape`), `derive_save_hf` and `derive_warmstart`. Pure: the directory facts come in through `Environment` (gathered by
 `slime_async.config.read_environment`).
@@ -22,14 +24,41 @@ from slime_async.contracts.model import ModelSpec
 from slime_async.trainer import hf_save
 from slime_async.trainer.config import TrainerConfig
 
-__all__ = ["check_resume", "derive_save_hf", "derive_warmstart", "resume_from"]
+__all__ = ["check_resume", "derive_save_hf", "derive_warmstart", "resume_from", "start_weights"]
+
+
+def start_weights(f: Flags, env: Environment) -> str | None:
+    """The weights the trainer starts from when --load names weights, not a checkpoint of
+    train_async.py (a Megatron torch_dist checkpoint such as slime's, or an HF directory): a
+    new run from them, recorded as `derived: --load None`; None otherwise. Saving into that
+    directory is refused (this run's checkpoints would mix with what it holds)."""
+    a, facts = f.args, env.load
+    if facts is None or facts.weights is None:
+        return None
+    what = facts.weights.describe()
+    if a.save is not None and os.path.abspath(a.load) == os.path.abspath(a.save):
+        raise ValueError(
+            f"--load {a.load} is {what}, not a checkpoint of train_async.py, and --save names "
+            "the same directory: this run's checkpoints would be written among its files; give "
+            "--save another directory"
+        )
+    f.derived["--load"] = Derived(
+        None,
+        f"--load {a.load} is {what}, not a checkpoint of train_async.py: a new run starts from "
+        "its weights, with a fresh optimizer and prompt order (a slime run's optimizer and "
+        "data state are not read)",
+    )
+    return str(a.load)
 
 
 def resume_from(f: Flags, env: Environment, *, embedded: bool) -> str | None:
     """The directory the trainer resumes from: --load, unless it holds nothing yet and --save
     names the same directory (slime's `--load D --save D`: the first run starts fresh, a rerun
-    resumes). The flag stays as given; the run records that it was empty."""
+    resumes), or it holds weights to start from (`start_weights`). The flag stays as given; the
+    run records why it does not resume."""
     a, facts = f.args, env.load
+    if facts is not None and facts.weights is not None:
+        return None
     if facts is None or not facts.empty:
         return a.load
     what = "is empty" if facts.exists else "does not exist"
@@ -102,14 +131,28 @@ def check_resume(a: argparse.Namespace, env: Environment, trainer: TrainerConfig
 
 
 def derive_save_hf(f: Flags, *, embedded: bool, gguf: str | None) -> None:
-    """`--save-hf`: `<run-dir>/hf` for the embedded default run when unset, 'none' turns it
-    off; refused where replacing it (or, with --lora-rank, its adapter directory beside it)
-    would delete or clash with the run's other paths or with data not written by --save-hf."""
+    """`--save-hf`: when unset, `<run-dir>/hf` for a run that would otherwise keep no model
+    (the embedded default run, a user's model without --save); a run with --save keeps it in
+    its checkpoints, and says so. 'none' turns it off. Refused where replacing it (or, with
+    --lora-rank, its adapter directory beside it) would delete or clash with the run's other
+    paths or with data not written by --save-hf."""
     a = f.args
     if f.unset("save_hf"):
-        if not embedded:
+        if not embedded and a.save is not None:
+            f.note(
+                "save_hf",
+                "none",
+                f"the trained model is kept in --save {a.save}'s checkpoints (python -m "
+                "slime_async.tools.export_hf turns one into a Hugging Face directory); give "
+                "--save-hf DIR to also export it at every save",
+            )
             return
-        f.fill("save_hf", str(Path(a.run_dir) / "hf"), "the embedded default run keeps its model")
+        why = (
+            "the embedded default run keeps its model"
+            if embedded
+            else "a run without --save keeps its trained model here (--save-hf none: keep none)"
+        )
+        f.fill("save_hf", str(Path(a.run_dir) / "hf"), why)
     elif a.save_hf.strip().lower() in ("", "none"):
         a.save_hf = None
         return

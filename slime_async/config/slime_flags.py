@@ -1,8 +1,10 @@
 """slime's `train_async.py` flags that this project does not take, each with its answer.
 
 Owns `NOT_HERE` (one entry per slime flag that `train_async.py` here does not accept: what it
-does in slime, why it is not here, and what to use instead) and `explain_unrecognized` (the
-message argparse's "unrecognized arguments" becomes: each slime flag with its entry). Every
+does in slime, why it is not here, and what to use instead), `MEGATRON_NOT_HERE` (the same for
+the Megatron flags slime's example scripts pass that are neither accepted nor checked here, see
+`script_flags`) and `explain_unrecognized` (the message argparse's "unrecognized arguments"
+becomes: each such flag with its entry). Every
 other flag of slime's `slime/utils/arguments.py` is accepted here under the same name
 (`docs/coming-from-slime.md` says where the meaning differs); `tests/data/slime_flags.txt` is
 the list, and `tests/test_slime_flags.py` checks that each of its flags is accepted or has an
@@ -11,7 +13,7 @@ entry here. Imports nothing of `slime_async`, so the parser's error path stays c
 
 from __future__ import annotations
 
-__all__ = ["NOT_HERE", "explain_unrecognized"]
+__all__ = ["MEGATRON_NOT_HERE", "NOT_HERE", "explain_unrecognized"]
 
 
 def _each(flags: str, answer: str) -> dict[str, str]:
@@ -30,7 +32,7 @@ _WEIGHT_SYNC = (
 )
 _MEGATRON_HOOK = (
     "a hook into slime's Megatron actor; not here: the trainer builds its model from "
-    "--hf-checkpoint's config.json (qwen2, qwen3, llama, mistral, the tiny MoE) and has no "
+    "--hf-checkpoint's config.json (qwen2, qwen3, qwen3_moe, llama, mistral) and has no "
     "such hook points; plug-ins here are --custom-generate-function-path, --custom-rm-path, "
     "--custom-loss-function-path"
 )
@@ -65,7 +67,7 @@ _DATA = (
 _CRITIC = "a PPO critic setting; not here: there is no critic (value model)"
 _EVAL_SAMPLING = (
     "an eval sampling setting; not here: eval sampling takes --eval-temperature, "
-    "--eval-top-p, --eval-max-response-len (default: training's)"
+    "--eval-top-p, --eval-top-k, --eval-max-response-len (default: training's)"
 )
 _DEBUG = (
     "a debug/replay mode of slime; not here: --save-debug-rollout-data PATH dumps what each "
@@ -82,7 +84,9 @@ _BUFFER = (
     "multi-turn samples with --custom-generate-function-path"
 )
 _RM = (
-    "one of slime's built-in reward models; not here: give the reward function with "
+    "one of slime's built-in reward models; not here by that name: a --prompt-data run is "
+    "scored by the built-in math_verify reward (math-verify: the response's final answer "
+    "against the label; the built-in tasks by exact_match), or give any reward function with "
     "--custom-rm-path pkg.mod:fn (slime's async rm(args, sample) works as is); slime's "
     "remote_rm is --rm-url URL (with --reward-key)"
 )
@@ -95,11 +99,9 @@ NOT_HERE: dict[str, str] = {
     "--num-gpus-per-node": "slime's GPUs per node for placement; not here: Ray places the "
     "trainer by --actor-num-nodes x --actor-num-gpus-per-node and the engines by "
     "--rollout-num-gpus / --rollout-num-gpus-per-engine",
-    **_each("--offload --offload-train --offload-rollout --release-train", _OFFLOAD),
-    "--train-env-vars": "environment variables for slime's train actors; not here: export "
-    "them before train_async.py (the Ray workers it starts inherit the environment)",
+    **_each("--offload --release-train", _OFFLOAD),
     "--qwen-gdn-backend": "the kernel of Qwen3-Next's gated delta net; not here: the trainer "
-    "has no gated-delta-net models (qwen2, qwen3 dense, llama, mistral, the tiny MoE)",
+    "has no gated-delta-net models (it builds qwen2, qwen3, qwen3_moe, llama, mistral)",
     **_each(
         "--update-weight-mode --update-weight-disk-dir --update-weight-disk-keep-files "
         "--update-weight-delta-encoding --update-weight-delta-checksum "
@@ -116,7 +118,7 @@ NOT_HERE: dict[str, str] = {
         "--recompute-loss-function --log-probs-chunk-size --log-probs-max-tokens-per-gpu "
         "--allgather-cp --megatron-deepgemm-forward-layers --megatron-deepgemm-forward-modules "
         "--megatron-deepgemm-moe-forward-layers --megatron-deepgemm-moe-forward-modules "
-        "--data-pad-size-multiplier --balance-data --balance-by-flops",
+        "--data-pad-size-multiplier --balance-by-flops",
         _KERNEL,
     ),
     **_each("--only-train-params-name-list --freeze-params-name-list --freeze-indexer", _FREEZE),
@@ -132,7 +134,6 @@ NOT_HERE: dict[str, str] = {
     ),
     "--rollout-skip-special-tokens": "how slime decodes responses; not here: the engine "
     "returns tokens and the reward function gets the decoded response as is",
-    "--rollout-shuffle": "not here: the prompt order is always shuffled, by --rollout-seed",
     "--over-sampling-batch-size": "DAPO's over-sampling in slime; not here: with "
     "--dynamic-sampling the data worker keeps generating until a step has its groups",
     "--dynamic-sampling-filter-path": "slime's custom DAPO filter; not here: --dynamic-sampling "
@@ -165,8 +166,8 @@ NOT_HERE: dict[str, str] = {
     "--num-epoch": "training length in epochs; not here: give --num-rollout (or --num-steps); "
     "the prompt data is cycled in shuffled epochs as long as the run needs",
     **_each(
-        "--disable-rollout-global-dataset --data-source-path --apply-chat-template-kwargs "
-        "--multimodal-keys --metadata-key --tool-key --eval-tool-key",
+        "--disable-rollout-global-dataset --data-source-path --multimodal-keys --metadata-key "
+        "--tool-key --eval-tool-key",
         _DATA,
     ),
     "--start-rollout-id": "not here: a resumed run continues at the step its --load "
@@ -176,12 +177,14 @@ NOT_HERE: dict[str, str] = {
     "--eval-input-key, --eval-label-key, --n-samples-per-eval-prompt",
     "--skip-eval-before-train": "not here: a run with an eval set evaluates at step 0 and "
     "every --eval-interval; --eval-interval 0 turns eval off",
-    **_each("--eval-top-k --eval-min-new-tokens", _EVAL_SAMPLING),
+    "--eval-min-new-tokens": _EVAL_SAMPLING,
     # checkpoints
     **_each(
         "--ref-ckpt-step --opd-teacher-ckpt-step",
-        "picks a step of a Megatron checkpoint; not here: --ref-load is a Hugging Face "
-        "directory, and --load resumes the newest complete checkpoint it holds",
+        "picks a step of a Megatron checkpoint; not here: --ref-load reads the iteration a "
+        "Megatron torch_dist checkpoint's latest_checkpointed_iteration.txt names (give its "
+        "iter_000000N directory to pick another), and --load resumes the newest complete "
+        "checkpoint it holds",
     ),
     "--async-save": "not here: checkpoints are written synchronously and renamed into place "
     "when complete",
@@ -197,21 +200,11 @@ NOT_HERE: dict[str, str] = {
         "--disable-compute-advantages-and-returns",
         _CRITIC,
     ),
-    "--kl-coef": "slime's KL penalty in the reward; not here: the KL term is in the loss: "
-    "--use-kl-loss --kl-loss-coef C --kl-loss-type",
-    "--use-unbiased-kl": "not here: pick the estimator with --kl-loss-type {k1,k2,k3,low_var_kl}",
     "--ref-update-interval": "not here: the reference policy stays the run's initial weights "
     "(or --ref-load)",
-    "--normalize-advantages": "not here: advantages are normalized by the estimator "
-    "(--advantage-estimator grpo divides by the group std; dr_grpo does not)",
-    "--disable-rewards-normalization": "not here: the estimator's normalization is the only "
-    "one; --advantage-estimator dr_grpo skips the std",
     "--use-rollout-entropy": "not here: the entropy term (--entropy-coef) is the trainer's own",
     "--get-mismatch-metrics": "not here as a flag: the train-rollout log-prob mismatch is "
     "logged at every step",
-    "--use-rollout-logprobs": "not here: the loss's old policy is the trainer's own log-probs "
-    "under the generating version (--keep-old-actor); the engine's log-probs enter CompIS's "
-    "engine correction (--use-tis, docs/compis.md)",
     "--use-routing-replay": "slime's replay of the old actor's MoE routing; here "
     "--routing-replay r2 (the trainer's own routing) or r3 (the engine's, "
     "--use-rollout-routing-replay)",
@@ -279,14 +272,65 @@ NOT_HERE: dict[str, str] = {
 }
 
 
+_FAMILIES = "qwen2, qwen3, qwen3_moe, llama, mistral"
+_ARCH = (
+    "a Megatron model-shape flag of a model family the trainer does not build; the supported "
+    f"families ({_FAMILIES}) have no such part, and the model is built from --hf-checkpoint's "
+    "config.json"
+)
+_MEGATRON_KERNEL = (
+    "a Megatron kernel, precision or schedule setting the trainer does not expose; it runs "
+    "Megatron's unfused reference kernels in fp32 or --bf16; drop the flag"
+)
+
+MEGATRON_NOT_HERE: dict[str, str] = {
+    **_each(
+        "--multi-latent-attention --kv-lora-rank --q-lora-rank --qk-head-dim "
+        "--qk-pos-emb-head-dim --v-head-dim --mscale --mscale-all-dim --use-gated-attention "
+        "--attention-output-gate --apply-layernorm-1p --post-self-attn-layernorm "
+        "--post-mlp-layernorm --rotary-interleaved --no-position-embedding "
+        "--moe-shared-expert-gate --moe-router-group-topk --moe-router-num-groups "
+        "--moe-router-enable-expert-bias --moe-router-bias-update-rate",
+        _ARCH,
+    ),
+    "--moe-router-load-balancing-type": "Megatron's load-balancing loss kind; not here: there "
+    "is no load-balancing loss (routing replay keeps the engines' and the trainer's routing "
+    "equal); drop the flag",
+    **_each(
+        "--spec --transformer-impl --fp8-format --fp8-recipe --moe-enable-deepep "
+        "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-rope-fusion "
+        "--enable-experimental --no-check-for-nan-in-loss-and-grad",
+        _MEGATRON_KERNEL,
+    ),
+    "--make-vocab-size-divisible-by": "Megatron's vocabulary padding; not here: the vocabulary "
+    "is config.json's vocab_size, unpadded",
+    **_each(
+        "--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers",
+        "an uneven pipeline split; not here: --pipeline-model-parallel-size splits the layers "
+        "evenly",
+    ),
+    "--seq-length": "Megatron's fixed sequence length; not here: samples are packed at their "
+    "own lengths (--rollout-max-response-len bounds them)",
+    "--lr-warmup-fraction": "warmup as a fraction of the run; not here: give --lr-warmup-iters N "
+    "(train steps)",
+}
+"""Megatron flags that slime's scripts pass and `train_async.py` does not take (besides those
+`script_flags` accepts), each with its answer."""
+
+
 def explain_unrecognized(tokens: list[str]) -> str:
     """The message for argparse's unrecognized arguments: a slime flag with its `NOT_HERE`
-    entry, any other one as unrecognized (values that followed a flag are not repeated)."""
+    entry, a Megatron flag of slime's scripts with its `MEGATRON_NOT_HERE` entry, any other one
+    as unrecognized (values that followed a flag are not repeated)."""
     flags = [t.split("=", 1)[0] for t in tokens if t.startswith("-")] or tokens
     lines = []
     for f in flags:
-        answer = NOT_HERE.get(f)
-        lines.append(f"{f} (a slime flag): {answer}" if answer else f"unrecognized argument {f}")
+        if answer := NOT_HERE.get(f):
+            lines.append(f"{f} (a slime flag): {answer}")
+        elif answer := MEGATRON_NOT_HERE.get(f):
+            lines.append(f"{f} (a Megatron flag of slime's scripts): {answer}")
+        else:
+            lines.append(f"unrecognized argument {f}")
     if len(lines) == 1:
         return lines[0]
     return "unrecognized arguments:\n  - " + "\n  - ".join(lines)

@@ -9,7 +9,8 @@ each message's content encoded and concatenated, an assistant message closed by 
 `normalize_messages` (OpenAI message shapes checked and turned into what HF templates expect:
 text parts joined, tool-call arguments as objects), `parse_tool_calls` (a completion's tool
 calls in the Hermes/Qwen, Mistral or Llama 3.x format into OpenAI `tool_calls`), `tool_names`,
-`request_tools` (a request's `tools` for the template) and `ChatError` (bad input; the caller
+`request_tools` (a request's `tools` for the template), `request_template_kwargs` (its
+`chat_template_kwargs`, e.g. Qwen3's thinking switch) and `ChatError` (bad input; the caller
 answers 400). Pure functions; imports no component.
 """
 
@@ -80,6 +81,25 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+_SET_BY_US = ("conversation", "tools", "add_generation_prompt", "tokenize", "return_dict")
+"""apply_chat_template's arguments that `render_chat` sets itself."""
+
+
+def request_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat request's `chat_template_kwargs` (SGLang's and vLLM's name): keyword arguments
+    for the chat template, e.g. `{"enable_thinking": false}` (Qwen3's thinking switch); {} when
+    absent."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict):
+        raise ChatError("chat_template_kwargs must be an object of keyword arguments")
+    taken = sorted(set(kw) & set(_SET_BY_US))
+    if taken:
+        raise ChatError(f"chat_template_kwargs cannot set {taken}: the server sets them")
+    return dict(kw)
+
+
 def request_tools(body: dict[str, Any]) -> list[Any] | None:
     """The `tools` a chat request gives the template (None with `tool_choice: "none"`)."""
     tools = body.get("tools")
@@ -122,8 +142,10 @@ def render_chat(
     tools: Sequence[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     eos_id: int | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Prompt ids of normalized `messages` (see the module docstring for the two templates)."""
+    """Prompt ids of normalized `messages` (see the module docstring for the two templates);
+    `template_kwargs` go to the chat template (`request_template_kwargs`)."""
     if has_chat_template(tokenizer):
         try:
             ids = tokenizer.apply_chat_template(
@@ -131,6 +153,7 @@ def render_chat(
                 tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
+                **(template_kwargs or {}),
             )
         except Exception as e:  # a template's own raise_exception (e.g. roles out of order)
             raise ChatError(f"the chat template refused the conversation: {e}") from None
@@ -139,6 +162,8 @@ def render_chat(
         return [int(t) for t in ids]
     if tools:
         raise ChatError("this model has no chat template, so it cannot be given tools")
+    if template_kwargs:
+        raise ChatError("this model has no chat template, so chat_template_kwargs cannot apply")
     out: list[int] = []
     for m in messages:
         try:
@@ -310,6 +335,7 @@ def render_after_last_assistant(
     *,
     tools: Sequence[dict[str, Any]] | None = None,
     eos_id: int | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The ids the template renders after the last assistant message's content: that turn's
     closing tokens, the later messages and the generation prompt. Found by rendering the
@@ -321,12 +347,18 @@ def render_after_last_assistant(
         raise ChatError("the conversation has no assistant message")
     if not has_chat_template(tokenizer):
         out = [eos_id] if eos_id is not None else []
-        return out + render_chat(tokenizer, messages[last + 1 :], eos_id=eos_id)
+        return out + render_chat(
+            tokenizer, messages[last + 1 :], eos_id=eos_id, template_kwargs=template_kwargs
+        )
     marked = [dict(m) for m in messages]
     marked[last] = {"role": "assistant", "content": _SENTINEL}
     try:
         text = tokenizer.apply_chat_template(
-            marked, tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=False
+            marked,
+            tools=list(tools) if tools else None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **(template_kwargs or {}),
         )
     except Exception as e:
         raise ChatError(f"the chat template refused the conversation: {e}") from None

@@ -10,7 +10,9 @@ into `tool_calls`),
 `logprobs.content` when `logprobs: true`, `finish_reason`, `usage`, and `meta_info`
 (`weight_version`, the sampled `output_ids` of each choice: token in, token out).
 OpenAI keys: `model` (any; the served model answers), `messages`/`prompt`, `tools`,
-`tool_choice` ("none" drops the tools, others leave the choice to the model), `n`,
+`tool_choice` ("none" drops the tools, others leave the choice to the model),
+`chat_template_kwargs` (SGLang's: keyword arguments of the chat template, e.g.
+`{"enable_thinking": false}`), `n`,
 `max_tokens`/`max_completion_tokens`, `temperature`, `top_p`, `stop`, `seed`, `logprobs`,
 `stream` (the answer as one content chunk once finished, then `[DONE]`). Refused (400, naming
 the key): `top_logprobs` > 0, penalties and `logit_bias` (through `parse_sampling_params`).
@@ -33,6 +35,7 @@ from slime_async.contracts.chat import (
     normalize_messages,
     parse_tool_calls,
     render_chat,
+    request_template_kwargs,
     request_tools,
     tool_names,
 )
@@ -175,7 +178,8 @@ async def chat_completions(eng: Engine, request: web.Request) -> web.StreamRespo
         messages = normalize_messages(body.get("messages"))
         tools = request_tools(body)
         eos = min(eng.lm.eos_token_ids) if eng.lm.eos_token_ids else None
-        ids = render_chat(tok, messages, tools=tools, eos_id=eos)
+        kwargs = request_template_kwargs(body)
+        ids = render_chat(tok, messages, tools=tools, eos_id=eos, template_kwargs=kwargs)
         sp = sampling_from_openai(body)
         want_lp = body.get("logprobs") or False
         if not isinstance(want_lp, bool):

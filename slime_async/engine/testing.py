@@ -145,6 +145,14 @@ CHATML_TEMPLATE = (
 )
 """A ChatML template (SmolLM2's shape, without its default system message)."""
 
+THINKING_SWITCH_TEMPLATE = CHATML_TEMPLATE.replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}",
+)
+"""`CHATML_TEMPLATE` with Qwen3's thinking switch: `enable_thinking=False` (a chat template
+keyword argument) opens the answer with an empty think block; without it, the same prompt."""
+
 QWEN_STYLE_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}"
     "{{ messages[0]['content'] }}\n\n{% endif %}# Tools\n<tools>\n"

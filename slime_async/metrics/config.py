@@ -31,9 +31,9 @@ class LoggingConfig:
 
     use_wandb: bool = False
     """Also log to Weights & Biases: the run's config.json is the wandb run's config, and the
-    wandb run id is kept in RUN_DIR/wandb_run_id, so a resume (--load) or a restart in the same
-    run directory continues the same wandb run. The API key comes from $WANDB_API_KEY (or
-    `wandb login`), never from a flag."""
+    wandb run id is kept in RUN_DIR/wandb_run_id, so a resume (--load) continues the same wandb
+    run; a new run in the same run directory sets the old id aside and starts its own. The API
+    key comes from $WANDB_API_KEY (or `wandb login`), never from a flag."""
     wandb_project: str | None = None
     """wandb project (default: $WANDB_PROJECT, else slime-async)."""
     wandb_team: str | None = None
@@ -41,9 +41,9 @@ class LoggingConfig:
     wandb_group: str | None = None
     """wandb group of the run (default: $WANDB_RUN_GROUP, else none)."""
     wandb_run_id: str | None = None
-    """wandb run id to log into (default: $WANDB_RUN_ID, else the one stored in
-    RUN_DIR/wandb_run_id by an earlier start, else a new one); stored in RUN_DIR/wandb_run_id for
-    the next resume."""
+    """wandb run id to log into (default: $WANDB_RUN_ID, else, resuming with --load, the one
+    stored in RUN_DIR/wandb_run_id, else a new one); stored in RUN_DIR/wandb_run_id for the next
+    resume."""
     wandb_mode: Literal["online", "offline", "disabled"] | None = None
     """wandb mode (default: $WANDB_MODE, else online); offline runs upload later with
     `wandb sync`."""

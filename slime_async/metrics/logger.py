@@ -1,6 +1,7 @@
 """The run's metric logger: one dict per step, validated, fanned out to the sinks, guarded.
 
-Owns `MetricsConfig` and `MetricsLogger`. ``log(step, metrics)`` checks the keys (namespaced
+Owns `MetricsConfig`, `MetricsLogger` and `set_aside_previous_run` (a fresh run in a reused run
+directory never appends to an earlier run's metrics or resumes its wandb run). ``log(step, metrics)`` checks the keys (namespaced
 ``group/name``) and values (numbers, lists of numbers for histograms, or None), stamps the step
 and wall time, writes the record to every sink (``RUN_DIR/metrics.jsonl`` always), feeds the
 divergence guards and prints their warnings (also written to the JSONL as ``event: guard``
@@ -29,6 +30,7 @@ from typing import Any, TextIO
 from slime_async.metrics.config import LoggingConfig
 from slime_async.metrics.guards import GuardConfig, GuardMonitor, GuardWarning
 from slime_async.metrics.sinks import (
+    WANDB_RUN_ID_FILE,
     ConsoleSink,
     JsonlSink,
     ProgressBar,
@@ -41,6 +43,29 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 """File name of the JSONL log inside the run directory."""
+PER_RUN = (METRICS_FILE, WANDB_RUN_ID_FILE, "tensorboard")
+"""What one run logs into its run directory, and a fresh run there sets aside."""
+
+
+def set_aside_previous_run(run_dir: str | Path) -> list[tuple[Path, Path]]:
+    """A fresh run (not resuming) in a run directory that holds an earlier run's logs: each of
+    `PER_RUN` there (its metrics.jsonl, its wandb run id, its TensorBoard events) is moved to
+    `<name>.stale-<UTC time>` (the prompt ledger's convention), so nothing is lost and this run
+    neither appends to its metrics nor resumes its wandb run. Returns the (old, new) paths."""
+    root = Path(run_dir)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    moved = []
+    for name in PER_RUN:
+        path = root / name
+        if not path.exists():
+            continue
+        dest, n = path.with_name(f"{name}.stale-{stamp}"), 0
+        while dest.exists():
+            n += 1
+            dest = path.with_name(f"{name}.stale-{stamp}-{n}")
+        path.rename(dest)
+        moved.append((path, dest))
+    return moved
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,11 +130,25 @@ class MetricsLogger:
         stderr: TextIO | None = None,
         extra_sinks: list[Sink] | None = None,
         run_config: Mapping[str, Any] | None = None,
+        resume: bool = True,
         **overrides: Any,
     ) -> None:
         """``overrides`` are `MetricsConfig` or `LoggingConfig` fields (e.g.
         ``use_tensorboard=True``); ``run_config`` (the run's config.json record) is sent as the
-        wandb run's config."""
+        wandb run's config. ``resume=False`` (a fresh run): an earlier run's logs in
+        ``run_dir`` are set aside first (`set_aside_previous_run`, said on the log), so this
+        run neither appends to its metrics.jsonl nor continues its wandb run; ``resume=True``
+        (a run resumed from --load) continues both."""
+        if not resume:
+            for old, new in set_aside_previous_run(run_dir):
+                log.warning(
+                    "%s holds an earlier run's %s; this run starts fresh (no --load), so it "
+                    "logs anew and the old one was moved to %s. To continue the earlier run "
+                    "instead, stop and pass --load <its --save directory>.",
+                    run_dir,
+                    old.name,
+                    new.name,
+                )
         cfg = config or MetricsConfig()
         logging_fields = {f.name for f in dataclasses.fields(LoggingConfig)}
         to_loggers = {k: v for k, v in overrides.items() if k in logging_fields}

@@ -60,6 +60,8 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
                 batch,
                 estimator=cfg.rollout.advantage_estimator,
                 overlong=overlong_shaping(cfg.rollout),
+                normalize_rewards=cfg.rollout.rewards_normalization,
+                whiten=cfg.rollout.normalize_advantages,
             )
             trained = await run.train_step(batch, data.batch)  # recorded (and dumped)
             t2 = time.perf_counter()

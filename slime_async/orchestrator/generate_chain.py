@@ -115,6 +115,7 @@ def build_generate_chain(
         max_response_len=r.eval_max_response_len,
         temperature=r.eval_temperature,
         top_p=r.eval_top_p,
+        top_k=r.eval_top_k,
         return_routed_experts=False,  # nothing trains on eval samples
     )
     args = slime_plugin_args(cfg, router_url)
@@ -197,7 +198,12 @@ def _agent(cfg: RunConfig, client: GenerateClient, plan: DataPlan) -> AgentGener
     r = cfg.rollout
     assert r.agent_function_path is not None
     tokenizer = gateway_tokenizer(cfg.trainer.hf_checkpoint)
-    gateway = TrainingGateway(tokenizer=tokenizer, eos_id=plan.eos_id, api_key=cfg.engine.api_key)
+    gateway = TrainingGateway(
+        tokenizer=tokenizer,
+        eos_id=plan.eos_id,
+        api_key=cfg.engine.api_key,
+        template_kwargs=r.chat_template_kwargs,
+    )
     return AgentGenerate(
         load_agent_function(r.agent_function_path),
         client,

@@ -168,6 +168,7 @@ def run_logger(cfg: RunConfig) -> MetricsLogger:
         run_config=config_record(cfg),
         total_steps=cfg.num_steps,
         guards=run_guard_config(cfg.data_worker),
+        resume=cfg.trainer.load is not None,  # a new run sets an earlier run's logs aside
     )
 
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from pathlib import PurePath
+from typing import Any
 
 from clifields import add_flags, check_ranges, flag, from_args
 from loss import DEFAULT_ADVANTAGE_ESTIMATOR
+from loss.advantages import RAW_REWARD_ESTIMATORS
 from loss.slime_cli import advantage_estimator_from_args
 from slime_async.rollout.data.gym import ANSWER_FORMATS, ReasoningGymConfig, parse_prompt_source
 
@@ -64,6 +67,20 @@ SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
 `rollout.data.sft`)."""
 
 
+def _json_object(text: str) -> str:
+    """`--apply-chat-template-kwargs`: a JSON object (kept as its text, so config.json
+    replays it)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'"
+        )
+    return text
+
+
 def _system_prompt(text: str) -> str | None:
     """`--reasoning-gym-system-prompt`: 'none' means no system prompt."""
     return None if text == "none" else text
@@ -108,6 +125,13 @@ class RolloutConfig:
     advantage_estimator: str = flag(DEFAULT_ADVANTAGE_ESTIMATOR, cli=False)
     """A registered estimator (`loss.available_advantages()`; its flag `--advantage-estimator`
     is with the loss flags, `loss.add_loss_args`)."""
+    normalize_advantages: bool = False
+    """slime's: whiten the advantages over every trained token of the step's batch ((A − mean)
+    / std), after the estimator (which for grpo already normalises within each group)."""
+    rewards_normalization: bool = flag(True, off=("--disable-rewards-normalization",))
+    """Normalise rewards within each group (grpo, dr_grpo, reinforce_plus_plus_baseline subtract
+    the group mean, grpo divides by its std); slime's --disable-rewards-normalization: the raw
+    rewards are the advantages (reinforce_plus_plus_baseline whitens them, as always)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards all agree (no learning signal) and refill with fresh
     prompts."""
@@ -139,6 +163,10 @@ class RolloutConfig:
     """Field holding the reference answer in --prompt-data rows."""
     apply_chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template."""
+    apply_chat_template_kwargs: str | None = flag(None, parse=_json_object, metavar="JSON")
+    """slime's: a JSON object of keyword arguments for the chat template, e.g.
+    '{"enable_thinking": false}' (Qwen3's thinking switch): used to render --prompt-data,
+    --eval-prompt-data and reasoning-gym prompts, and by the training gateway (agents)."""
     strict_data: bool = False
     """Fail on the first malformed data row (file and line named) instead of skipping it."""
     custom_rm_path: str | None = None
@@ -208,6 +236,8 @@ class RolloutConfig:
     """Sampling temperature of eval samples (slime's fallback: the rollout's)."""
     eval_top_p: float | None = flag(None, gt=0, le=1, hint="1.0 = off", derived="--rollout-top-p")
     """Nucleus sampling mass of eval samples."""
+    eval_top_k: int | None = flag(None, derived="--rollout-top-k")
+    """Top-k sampling of eval samples (-1: off; 1: greedy, slime's deterministic eval)."""
 
     def __post_init__(self) -> None:
         if self.rollout_function_path not in (None, SFT_ROLLOUT):
@@ -224,6 +254,11 @@ class RolloutConfig:
                 f"--prompt-source {self.prompt_source} and --prompt-data {self.prompt_data} both "
                 "name the prompts; give one of them"
             )
+        if self.apply_chat_template_kwargs and self.prompt_data and not self.apply_chat_template:
+            raise ValueError(
+                "--apply-chat-template-kwargs are the chat template's, but --prompt-data is "
+                "not rendered with it: add --apply-chat-template"
+            )
         if self.reasoning_gym_task and self.prompt_source is None:
             raise ValueError(
                 "--reasoning-gym-task needs --prompt-source reasoning_gym:NAME,... naming the tasks"
@@ -239,8 +274,9 @@ class RolloutConfig:
                 f"--rollout-max-response-len {self.max_response_len}: the punished tokens are "
                 "the last ones before the limit; give at most the limit"
             )
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"--rollout-top-k {self.top_k}: give -1 (off) or k >= 1")
+        for name, k in (("--rollout-top-k", self.top_k), ("--eval-top-k", self.eval_top_k)):
+            if k == 0 or k < -1:
+                raise ValueError(f"{name} {k}: give -1 (off) or k >= 1")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"--rollout-stop-token-ids {list(self.stop_token_ids)}: token ids are >= 0"
@@ -298,6 +334,7 @@ class RolloutConfig:
             "eval_max_response_len": self.max_response_len,
             "eval_temperature": self.temperature,
             "eval_top_p": self.top_p,
+            "eval_top_k": self.top_k,
         }
         for name, value in fallback.items():
             if getattr(self, name) is None:
@@ -336,6 +373,11 @@ class RolloutConfig:
             return "a --prompt-data file has no held-out split and no --eval-prompt-data is given"
         return "--eval-prompts is 0 and no --eval-prompt-data is given"
 
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """--apply-chat-template-kwargs as keyword arguments ({} when not given)."""
+        return json.loads(self.apply_chat_template_kwargs or "{}")
+
     def seed_or(self, run_seed: int) -> int:
         """The rollout seed: `--rollout-seed`, else the run's `--seed` (the one place this
         fallback is written; `RunConfig.rollout_seed` reads it)."""
@@ -367,6 +409,12 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> None:
 def rollout_config_from_args(args: argparse.Namespace) -> RolloutConfig:
     """Build (and check) the config from `add_rollout_args` flags and `--advantage-estimator`."""
     cfg = from_args(RolloutConfig, args, advantage_estimator=advantage_estimator_from_args(args))
+    if not cfg.rewards_normalization and cfg.advantage_estimator not in RAW_REWARD_ESTIMATORS:
+        raise ValueError(
+            f"--disable-rewards-normalization applies to {', '.join(RAW_REWARD_ESTIMATORS)} (the "
+            f"estimators that normalise rewards within a group), not --advantage-estimator "
+            f"{cfg.advantage_estimator}; drop one of them"
+        )
     if cfg.custom_generate_function_path:  # fail at start-up, not in the first rollout
         from slime_async.rollout.agents.custom_generate import load_custom_generate
 

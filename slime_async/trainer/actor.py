@@ -231,6 +231,8 @@ class TrainerGroup:
         else:
             addr, port = slots[0].node_ip, slots[0].port
             opts = [s.actor_options() for s in slots]
+        if cfg.env_vars:  # --train-env-vars: workers on other nodes never see the driver's
+            opts = [{**o, "runtime_env": {"env_vars": cfg.env_vars}} for o in opts]
         self.master = (addr, port)
         self.node_ips = [addr] * world_size if slots is None else [s.node_ip for s in slots]
         """Each rank's node IP (what a lost-rank message names)."""

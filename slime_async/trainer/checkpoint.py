@@ -57,6 +57,7 @@ import torch.distributed as dist
 from slime_async.contracts.model import ModelSpec
 from slime_async.host import atomic_write_text, file_sha256
 from slime_async.trainer import dist_ckpt, hf_convert, lora
+from slime_async.trainer.megatron_ckpt import WeightsDir, weights_dir
 from slime_async.trainer.model import global_named_parameters
 from slime_async.trainer.parallel import ParallelLayout
 
@@ -319,17 +320,13 @@ def find_latest(load_dir: Path, *, hashes: bool = True) -> Path:
         log.warning("resuming from %s, the newest complete checkpoint", complete[-1])
         return complete[-1]
     found = sorted(p.name for p in load_dir.iterdir())
-    slime = (
-        " It is a Megatron/slime checkpoint (latest_checkpointed_iteration.txt), which this "
-        "trainer does not read: convert it to Hugging Face and start from it with "
-        "--hf-checkpoint."
-        if "latest_checkpointed_iteration.txt" in found
-        else ""
-    )
+    other = weights_dir(load_dir)
+    why = f" ({other})" if isinstance(other, str) and "Megatron" in other else ""
     raise CheckpointError(
-        f"--load {load_dir} holds no complete checkpoint (contents: {found[:10]}); refusing to "
-        "start from --hf-checkpoint/--ref-load or random weights. Point --load at a directory "
-        f"written by --save, or drop --load to start a new run.{slime}"
+        f"--load {load_dir} holds no complete checkpoint (contents: {found[:10]}){why}; "
+        "refusing to start from --hf-checkpoint/--ref-load or random weights. Point --load at "
+        "a directory written by --save, a Megatron torch_dist checkpoint or a Hugging Face "
+        "directory (weights to start from), or drop --load to start a new run."
     )
 
 
@@ -355,6 +352,9 @@ class LoadFacts:
     """The controller's step in its extra state."""
     has_worker_state: bool = False
     """It holds the data worker's state (written by train_async.py)."""
+    weights: WeightsDir | None = None
+    """It holds no checkpoint of train_async.py but weights (a Megatron torch_dist checkpoint,
+    e.g. slime's, or an HF directory): a run starts from them, it does not resume."""
     batch_shape: Any = None
     """The batch shape it was trained with (None: not recorded)."""
 
@@ -376,6 +376,9 @@ def inspect_load(load_dir: Path) -> LoadFacts:
         ckpt = find_latest(load_dir, hashes=False)
         meta = read_meta(ckpt)
     except CheckpointError as e:
+        found = weights_dir(load_dir)
+        if isinstance(found, WeightsDir):
+            return LoadFacts(path=str(load_dir), weights=found)
         return LoadFacts(path=str(load_dir), problem=str(e))
     extra = meta.get("extra_state") or {}
     return LoadFacts(

@@ -53,6 +53,24 @@ def _check_layout_fields(c: TrainerConfig) -> None:
         )
 
 
+def _env_vars(text: str) -> str:
+    """`--train-env-vars`: a JSON object of string values (kept as its text, so config.json
+    replays it)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise argparse.ArgumentTypeError(
+            f'{text!r} must be a JSON object of strings, e.g. \'{{"NCCL_ALGO": "Ring"}}\''
+        )
+    return text
+
+
 def check_world(c: TrainerConfig) -> None:
     """Ranks (nodes x GPUs per node) against TP x PP x DP with EP inside DP (ValueError).
     Checked for `train_async.py`'s flags; a `TrainerGroup` built directly gives its own
@@ -64,7 +82,9 @@ def check_world(c: TrainerConfig) -> None:
             f"{world} trainer ranks (--actor-num-nodes {c.actor_num_nodes} x "
             f"--actor-num-gpus-per-node {c.actor_num_gpus_per_node}) do not split into "
             f"TP {tp} x PP {pp} x DP with EP {ep} dividing DP; make the rank count a multiple "
-            "of TP x PP x EP (or change the parallel sizes)"
+            "of TP x PP x EP (or change the parallel sizes). The experts are split by TP like "
+            "the rest of the model here (Megatron's --expert-tensor-parallel-size = TP), so EP "
+            "splits them inside DP"
         )
 
 
@@ -190,6 +210,20 @@ class TrainerConfig:
     """AdamW ε."""
     clip_grad: float = flag(1.0, ge=0, lt=math.inf, hint="0 = off")
     """Global gradient-norm clip (0 disables clipping)."""
+    use_rollout_logprobs: bool = False
+    """slime's: the loss's old policy π_old is the engine's log-probs of the sampled tokens
+    (π_j^SGL) instead of the trainer's (π_k), so PPO's ratio π_θ/π_old carries the engine
+    mismatch and the staleness; refused with CompIS, which corrects both separately from π_j^Meg
+    (slime refuses it with --use-tis, CompIS's engine correction here)."""
+    train_env_vars: str | None = flag(None, parse=_env_vars, metavar="JSON")
+    """slime's: environment variables of the trainer's processes, a JSON object of strings
+    ('{"NCCL_ALGO": "Ring"}'), set through Ray's runtime_env (Ray workers on a joined cluster
+    do not inherit the driver's environment)."""
+    deterministic_mode: bool = False
+    """Megatron's and slime's deterministic mode: every trainer process runs PyTorch's
+    deterministic algorithms (`torch.use_deterministic_algorithms`; on CUDA with cuBLAS's
+    fixed workspace), so a train step repeats bit for bit given the same batch and seed;
+    slower on GPUs."""
     seed: int = flag(1234, ge=0, cli=False)
     """Seed of model init and megatron's RNG tracker: the run's --seed (`RunConfig.seed`, which
     also seeds data order, sampling and the engines)."""
@@ -227,7 +261,7 @@ class TrainerConfig:
     hf_checkpoint: str | None = None
     """HF weights directory to start from (not used when --load is given)."""
     save_hf: str | None = flag(
-        None, derived="<run-dir>/hf for the embedded default run; otherwise none", metavar="DIR"
+        None, derived="<run-dir>/hf, unless --save is given with a user's model", metavar="DIR"
     )
     """Hugging Face directory the trained model is written to at every checkpoint
     (--save-interval) and at the end of the run: safetensors, config.json, and the
@@ -238,8 +272,14 @@ class TrainerConfig:
     model, BOS/EOS/PAD ids, tokenizer, generation config): the run's --hf-checkpoint, or its
     GGUF conversion; None: exports are built from the ModelSpec alone."""
     ref_load: str | None = None
-    """HF weights of the KL penalty's reference policy, with --use-kl-loss (default: the run's
-    initial weights; needed with --load when the loss reads π_ref)."""
+    """Weights of the KL penalty's reference policy, with --use-kl-loss: a Hugging Face
+    directory or a Megatron torch_dist checkpoint (what slime's converter writes; its newest
+    iteration), told apart by what it holds (default: the run's initial weights; needed with
+    --load when the loss reads π_ref)."""
+    start_from: str | None = flag(None, cli=False)
+    """Weights the trainer starts from instead of --hf-checkpoint's, with a fresh optimizer:
+    what --load names when it holds no checkpoint of train_async.py but weights (a Megatron
+    torch_dist checkpoint, e.g. slime's, or a Hugging Face directory); set by the run."""
     ckpt_format: Literal["torch_dist", "torch"] | None = flag(
         None, derived="torch_dist; torch with --lora-rank > 0"
     )
@@ -264,6 +304,13 @@ class TrainerConfig:
     loss: LossSelection = flag(default_factory=LossSelection, cli=False)
     """The loss (registry name or dotted path) and its config object, from the `loss`
     package's own flags (`loss.loss_settings_from_args`)."""
+
+    @property
+    def env_vars(self) -> dict[str, str]:
+        """--train-env-vars as a mapping ({} when not given)."""
+        import json
+
+        return json.loads(self.train_env_vars) if self.train_env_vars else {}
 
     @property
     def world_size(self) -> int:

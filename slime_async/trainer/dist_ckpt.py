@@ -3,8 +3,9 @@ the optimizer state through megatron-core's `dist_checkpointing` (PyTorch Distri
 Checkpoint files), and any layout reads back the slices it owns.
 
 Owns: the sharded state dict of one trainer rank (each model chunk's own `sharded_state_dict()`,
-and the optimizer state as `ShardedTensor`s keyed by the model tensor it belongs to), `save` and
-`load` of a checkpoint's `dist/` directory. Must never import the controller, engine, rollout or
+`model_state`, and the optimizer state as `ShardedTensor`s keyed by the model tensor it belongs
+to), `walk` / `get` over such nested dicts, `save` and `load` of a checkpoint's `dist/`
+directory. Must never import the controller, engine, rollout or
 data-worker parts of `slime_async`; `checkpoint.py` owns the directory around `dist/`
 (meta.json, checksums, rename).
 
@@ -44,7 +45,7 @@ STATE_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "main_param": "f
 (`optimizer.state.<name>.<model key>`, megatron's names)."""
 
 
-def _walk(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+def walk(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """(path, leaf) of every `ShardedBase` / `ShardedTensorFactory` in a nested dict / list."""
     from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 
@@ -52,13 +53,13 @@ def _walk(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
         yield path, tree
     elif isinstance(tree, dict):
         for k, v in tree.items():
-            yield from _walk(v, (*path, k))
+            yield from walk(v, (*path, k))
     elif isinstance(tree, list | tuple):
         for i, v in enumerate(tree):
-            yield from _walk(v, (*path, i))
+            yield from walk(v, (*path, i))
 
 
-def _get(tree: Any, path: tuple) -> Any:
+def get(tree: Any, path: tuple) -> Any:
     for k in path:
         tree = tree[k]
     return tree
@@ -99,7 +100,7 @@ def _regions(leaf: Any) -> list[tuple[Any, int]]:
     if not isinstance(leaf, ShardedTensorFactory):
         return [(leaf, 0)]
     built = leaf.build()
-    pieces = [sh for _, sh in _walk(built)]
+    pieces = [sh for _, sh in walk(built)]
     base = leaf.data.storage_offset()
     out = []
     for sh in pieces:
@@ -117,7 +118,7 @@ def _optimizer_tensors(tr: Any, model: dict[str, Any], *, with_main: bool) -> di
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     meta: dict[Any, Any] = {}
-    for _, leaf in _walk(model):
+    for _, leaf in walk(model):
         meta.setdefault(leaf.data, leaf)  # a tied output layer repeats the embedding: first wins
     out: dict[str, Any] = {}
     for p, (lo, hi), views in tr.optim.owned_state():
@@ -173,9 +174,15 @@ def _tensors_only(sd: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sd.items() if not isinstance(v, ShardedObject)}
 
 
+def model_state(chunk: Any) -> dict[str, Any]:
+    """One model chunk's sharded state dict, its tensors only (megatron's keys: what a Megatron
+    torch_dist checkpoint of the same architecture holds, slime's included)."""
+    return _tensors_only(chunk.sharded_state_dict())
+
+
 def _state_dict(tr: Any, *, with_main: bool) -> dict[str, Any]:
     """{"model": {chunk i: its sharded state dict}, "optimizer": the state's sharded tensors}."""
-    model = {f"model{i}": _tensors_only(c.sharded_state_dict()) for i, c in enumerate(tr.chunks)}
+    model = {f"model{i}": model_state(c) for i, c in enumerate(tr.chunks)}
     return {"model": model, "optimizer": _optimizer_tensors(tr, model, with_main=with_main)}
 
 
@@ -201,7 +208,7 @@ def load(tr: Any, ckpt_dir: Path, *, step: int) -> None:
 
     tr.optim.init_state(step=step)
     template = _state_dict(tr, with_main=tr.optim.bf16)
-    dests = [(path, leaf.data) for path, leaf in _walk(template)]
+    dests = [(path, leaf.data) for path, leaf in walk(template)]
     loaded = dist_checkpointing.load(template, str(ckpt_dir / SUBDIR))
     for path, dest in dests:
-        dest.copy_(_get(loaded, path).view_as(dest))
+        dest.copy_(get(loaded, path).view_as(dest))

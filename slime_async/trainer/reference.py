@@ -5,8 +5,9 @@ Owns: `ReferencePolicy` — a CPU copy of the reference weights (this rank's sha
 no-grad forward under them (`ReferencePolicy.logprobs`), and `maybe_reference`. Must never import the controller, engine,
 rollout or data-worker parts of `slime_async`, nor `trainer.py`.
 
-The reference is the run's initial weights (after `--hf-checkpoint`, or the model's init), or an
-HF directory given with `--ref-load`. A resume (`--load`) without `--ref-load` is refused: the
+The reference is the run's initial weights (after `--hf-checkpoint`, or the model's init), or the
+weights `--ref-load` names: an HF directory or a Megatron torch_dist checkpoint (slime's
+`--ref-load`, what its converter writes; `megatron_ckpt`). A resume (`--load`) without `--ref-load` is refused: the
 weights at the resume point are not the run's reference (the HF directory the run started
 from is: its `--hf-checkpoint`, or `run_dir/warmstart` for the embedded default).
 """
@@ -70,5 +71,5 @@ def maybe_reference(trainer: Any) -> ReferencePolicy | None:
         trainer.model,
         ref_load=trainer.cfg.ref_load,
         resumed_from=trainer.cfg.load,
-        import_hf=trainer.import_hf,
+        import_hf=trainer.import_weights_dir,
     )

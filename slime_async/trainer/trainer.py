@@ -16,6 +16,7 @@ rank works on its contiguous shard and results are gathered back, so callers nev
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from pathlib import Path
@@ -35,6 +36,7 @@ from slime_async.trainer import (
     hf_convert,
     hf_save,
     lora,
+    megatron_ckpt,
     parallel,
     quiet,
     share,
@@ -58,6 +60,16 @@ from slime_async.trainer.schedule import MicroBatch, Schedule
 from slime_async.trainer.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
+
+
+def use_deterministic_algorithms() -> None:
+    """`--deterministic-mode`: PyTorch's deterministic algorithms in this process (cuBLAS needs
+    a fixed workspace for them, set before the first CUDA matmul unless already set)."""
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 free_port = parallel.free_port  # re-exported for callers that start single-rank trainers
 
 
@@ -88,6 +100,8 @@ class MegatronTrainer(LogprobForwards):
         quiet.quiet_optional_dependency_warnings()  # before megatron's first import here
         self.cfg, self.spec = cfg, spec
         self._resolve_loss(rank)
+        if cfg.deterministic_mode:
+            use_deterministic_algorithms()
         cpu_compat.apply()
         parallel.init_distributed(
             rank=rank,
@@ -164,11 +178,14 @@ class MegatronTrainer(LogprobForwards):
             log.warning(warning)
 
     def _load_start_weights(self, *, hf_from_rank0: bool) -> None:
-        """Resume from `cfg.load`, else import `cfg.hf_checkpoint` (read by rank 0 and broadcast
-        with `hf_from_rank0`), else keep the initialised weights."""
+        """Resume from `cfg.load`, else import `cfg.start_from` (an HF directory or a Megatron
+        torch_dist checkpoint), else `cfg.hf_checkpoint` (read by rank 0 and broadcast with
+        `hf_from_rank0`), else keep the initialised weights."""
         cfg = self.cfg
         if cfg.load is not None:
             self.load_checkpoint(cfg.load)
+        elif cfg.start_from is not None:  # --load naming weights, not a checkpoint of ours
+            self.import_weights_dir(cfg.start_from)
         elif cfg.hf_checkpoint is not None and hf_from_rank0 and self.world_size > 1:
             w = share.broadcast_hf_weights(cfg.hf_checkpoint, rank=self.rank)
             self.import_weights(w, where=str(cfg.hf_checkpoint))
@@ -215,7 +232,7 @@ class MegatronTrainer(LogprobForwards):
                 tok, seq = denominators(mb.loss_mask[:, 1:])
             else:
                 assert inputs.proximal is not None  # LossNeeds: a function needs π_k
-                lp_k = inputs.proximal[i]
+                lp_k = self._old_logprobs(mb, inputs.proximal[i])
                 mb_in = loss_inputs(mb, lp_k, lp_k, inputs.behavior_of(i), version=self.version)
                 tok, seq = fn(mb_in, self.loss_cfg)
             counts += torch.tensor([tok, seq], dtype=torch.float64)
@@ -240,7 +257,9 @@ class MegatronTrainer(LogprobForwards):
             # an entropy bonus needs the entropy with its gradient
             ent_grad = m.to_samples(ent_pos) if self.loss_spec.needs.entropy else None
             # without a π_k forward: the same weights (one update per step), detached
-            lp_k = lp.detach() if inputs.proximal is None else inputs.proximal[i]
+            lp_k = self._old_logprobs(
+                mb, lp.detach() if inputs.proximal is None else inputs.proximal[i]
+            )
             lp_j = inputs.behavior_with_current(i, lp_k, mb.token_versions, self.version)
             mb_in = loss_inputs(
                 mb,
@@ -266,6 +285,13 @@ class MegatronTrainer(LogprobForwards):
             total += loss.double().cpu()
             acc.add(metrics, weight=float(m.batch.loss_mask.sum()))
         return total, acc
+
+    def _old_logprobs(self, mb: TrainerBatch, lp_k: torch.Tensor) -> torch.Tensor:
+        """The loss's old policy `[b, w]`: π_k (`lp_k`), or with --use-rollout-logprobs the
+        engine's log-probs of the sampled tokens (slime's), on `lp_k`'s device and dtype."""
+        if not self.cfg.use_rollout_logprobs:
+            return lp_k
+        return mb.rollout_logprobs.to(device=lp_k.device, dtype=lp_k.dtype)
 
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip and apply megatron's optimizer update (grads were reduced by the schedule's
@@ -393,6 +419,19 @@ class MegatronTrainer(LogprobForwards):
     def import_hf(self, path: str | Path) -> None:
         """Load weights from an HF directory (warm start / reference); spec must match."""
         self.import_weights(weights_io.read_hf_dir(path), where=str(path))
+
+    def import_weights_dir(self, path: str | Path) -> None:
+        """Load weights from an HF directory or a Megatron torch_dist checkpoint (slime's
+        converter's output), told apart by what `path` holds (`megatron_ckpt.weights_dir`);
+        ValueError naming `path` when it is neither or does not fit the model."""
+        found = megatron_ckpt.weights_dir(Path(path))
+        if isinstance(found, str):
+            raise ValueError(f"{path} {found}")
+        if found.kind == "hf":
+            self.import_hf(found.path)
+            return
+        megatron_ckpt.load_megatron_weights(self.chunks, found.path)
+        self.optim.reload_main_params()
 
     def import_weights(self, w: HFWeights, *, where: str = "exported weights") -> None:
         """Load exported weights held in memory (`export_weights` of a trainer with the same

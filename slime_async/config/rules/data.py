@@ -91,6 +91,7 @@ _INHERITED = {
     "eval_max_response_len": "--rollout-max-response-len",
     "eval_temperature": "--rollout-temperature",
     "eval_top_p": "--rollout-top-p",
+    "eval_top_k": "--rollout-top-k",
 }
 """Eval settings an eval sample inherits from training when unset -> the training flag."""
 

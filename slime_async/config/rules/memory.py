@@ -65,6 +65,7 @@ def run_config(d: Draft) -> None:
         supervisor=supervisor_config_from_args(a),
         weights=weight_sync_config_from_args(a),
         derived=d.flags.derived,
+        accepted=d.flags.accepted,
         flags=d.given,
     )
 

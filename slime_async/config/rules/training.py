@@ -2,7 +2,7 @@
 weight snapshots it keeps, its precision, the config itself and what it resumes from.
 
 Rules (in `RULES` order): `lr`, `run_kind`, `behavior_forward`, `snapshots`, `bf16`, `save_hf`,
-`trainer`, `resume`. The paths' rules themselves are `slime_async.config.run_paths`'.
+`trainer`, `script_flags`, `resume`. The paths' rules themselves are `slime_async.config.run_paths`'.
 """
 
 from __future__ import annotations
@@ -13,8 +13,15 @@ import math
 
 from data_worker.budget import snapshot_count, staleness_bound
 from loss import resolve_loss_spec
+from slime_async.config.derive import raise_all
 from slime_async.config.rules.draft import Draft, rule
-from slime_async.config.run_paths import check_resume, derive_save_hf, resume_from
+from slime_async.config.run_paths import (
+    check_resume,
+    derive_save_hf,
+    resume_from,
+    start_weights,
+)
+from slime_async.config.script_flags import RunFacts, check_run_flags, check_shape
 from slime_async.engine.backends import get_engine_backend
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
@@ -33,6 +40,7 @@ __all__ = [
     "resume",
     "run_kind",
     "save_hf",
+    "script_flags",
     "snapshots",
     "trainer",
     "trainer_on_gpu",
@@ -176,8 +184,23 @@ def trainer_on_gpu(d: Draft) -> bool:
 
 @rule("save_hf", fills=("save_hf",))
 def save_hf(d: Draft) -> None:
-    """`--save-hf`: `<run-dir>/hf` for the embedded default run (`run_paths.derive_save_hf`)."""
+    """`--save-hf`: `<run-dir>/hf` for a run that would keep no model otherwise (the embedded
+    default run, a user's model without --save; `run_paths.derive_save_hf`)."""
     derive_save_hf(d.flags, embedded=d.embedded, gguf=d.given["hf_checkpoint"])
+
+
+def _check_rollout_logprobs(d: Draft) -> None:
+    """--use-rollout-logprobs makes the engine's log-probs the loss's old policy: refused for a
+    loss that corrects the engine mismatch from π_j^Meg (CompIS; --use-tis, which slime refuses
+    with it, is CompIS's engine correction)."""
+    name = d.loss.loss.name
+    if _reads_behavior(d):
+        raise ValueError(
+            f"--use-rollout-logprobs with --loss {name}: the engine's log-probs would be both the old "
+            "policy and the engine correction's denominator (CompIS corrects the engine mismatch "
+            "and the staleness separately, from π_j^Meg); use a loss with one ratio (--loss ppo, "
+            "gspo, decoupled_ppo) with --use-rollout-logprobs, or drop it"
+        )
 
 
 @rule("trainer")
@@ -185,6 +208,8 @@ def trainer(d: Draft) -> None:
     """The trainer's config from the derived flags, with the loss and the sampling temperature;
     checked against the model it trains (routing replay needs an MoE)."""
     t = trainer_config_from_args(d.args)
+    if t.use_rollout_logprobs:
+        _check_rollout_logprobs(d)
     replay, model = t.routing_replay.value, d.env.model
     if replay != "none" and not model.is_moe:
         raise ValueError(
@@ -196,10 +221,33 @@ def trainer(d: Draft) -> None:
     )
 
 
+@rule("script_flags")
+def script_flags(d: Draft) -> None:
+    """The flags of slime's scripts that set nothing here: Megatron's model shape checked
+    against the model the trainer builds (config.json), and the run flags accepted where their
+    slime meaning holds here (`script_flags`: one line each, in the accepted record)."""
+    a, model = d.args, d.env.model
+    where = (
+        f"{a.hf_checkpoint}/config.json"
+        if a.hf_checkpoint
+        else "the embedded default model (the tiny MoE)"
+    )
+    shape, errors = check_shape(a, model, where=where)
+    facts = RunFacts(tp=d.trainer.tensor_model_parallel_size, moe=model.is_moe)
+    run, refused = check_run_flags(a, facts)
+    raise_all(errors + refused)
+    d.flags.accepted.update(shape | run)
+
+
 @rule("resume")
 def resume(d: Draft) -> None:
     """The checkpoint the trainer resumes from (`run_paths.resume_from`: none yet for slime's
-    `--load D --save D` on an empty D), and every refusal about it (`run_paths.check_resume`)."""
+    `--load D --save D` on an empty D), or the weights it starts from when --load names weights
+    (`run_paths.start_weights`: a Megatron torch_dist checkpoint, an HF directory), every
+    refusal about them (`run_paths.check_resume`); what --ref-load holds is logged."""
+    start = start_weights(d.flags, d.env)
     load = resume_from(d.flags, d.env, embedded=d.embedded)
-    d.trainer = dataclasses.replace(d.trainer, load=load)
+    d.trainer = dataclasses.replace(d.trainer, load=load, start_from=start)
     check_resume(d.args, d.env, d.trainer)
+    if d.env.ref_load is not None:
+        d.flags.accepted[f"--ref-load {d.args.ref_load}"] = d.env.ref_load.describe()

@@ -55,9 +55,10 @@ RUN_SGLANG_FLAGS = (
 
 
 def split_sglang_args(argv: list[str]) -> tuple[list[str], tuple[str, ...]]:
-    """(argv without them, SGLang flags): every `--sglang-FLAG [VALUE]` / `--sglang-FLAG=VALUE`
-    of `argv` but `RUN_SGLANG_FLAGS` becomes `--FLAG [VALUE]`; a value is the next token unless
-    it starts with `--`."""
+    """(argv without them, SGLang flags): every `--sglang-FLAG [VALUE ...]` /
+    `--sglang-FLAG=VALUE` of `argv` but `RUN_SGLANG_FLAGS` becomes `--FLAG [VALUE ...]`; its
+    values are the tokens up to the next one that starts with `--` (SGLang's list flags, e.g.
+    `--sglang-cuda-graph-bs 1 2 4 8`; train_async.py takes no positional arguments)."""
     rest: list[str] = []
     sglang: list[str] = []
     i = 0
@@ -67,7 +68,7 @@ def split_sglang_args(argv: list[str]) -> tuple[list[str], tuple[str, ...]]:
             rest.append(a)
         elif a.startswith(SGLANG_PREFIX) and len(a) > len(SGLANG_PREFIX):
             sglang.append("--" + a[len(SGLANG_PREFIX) :])
-            if "=" not in a and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            while "=" not in a and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 sglang.append(argv[i + 1])
                 i += 1
         else:

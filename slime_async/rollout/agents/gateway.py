@@ -58,6 +58,7 @@ from slime_async.contracts.chat import (
     parse_tool_calls,
     render_after_last_assistant,
     render_chat,
+    request_template_kwargs,
     request_tools,
     tool_names,
 )
@@ -104,8 +105,13 @@ class TrainingGateway:
         api_key: str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        """`template_kwargs`: the chat template's keyword arguments the data prompts were
+        rendered with (--apply-chat-template-kwargs); a request's own `chat_template_kwargs`
+        go over them."""
         self.tokenizer, self.eos_id = tokenizer, eos_id
+        self.template_kwargs = dict(template_kwargs or {})
         self.api_key = api_key or secrets.token_urlsafe(32)
         """What every route needs (`Authorization: Bearer`): the agents' only credential."""
         self.host, self.port = host, port
@@ -261,11 +267,19 @@ class TrainingGateway:
                 )
 
     def _prompt(
-        self, ep: Episode, messages: list[dict[str, Any]], tools: Any
+        self,
+        ep: Episode,
+        messages: list[dict[str, Any]],
+        tools: Any,
+        kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], bool]:
         """This turn's prompt ids under the token-in-token-out rule, and whether the rendered
-        conversation mismatched what was sampled."""
-        full = render_chat(self.tokenizer, messages, tools=tools, eos_id=self.eos_id)
+        conversation mismatched what was sampled (`kwargs`: the chat template's; default the
+        run's)."""
+        kwargs = self.template_kwargs if kwargs is None else kwargs
+        full = render_chat(
+            self.tokenizer, messages, tools=tools, eos_id=self.eos_id, template_kwargs=kwargs
+        )
         if not ep.turns:
             if full[: len(ep.data_prompt)] != list(ep.data_prompt):
                 raise GatewayError(
@@ -288,7 +302,7 @@ class TrainingGateway:
         ep.prefix_mismatches += 1
         self.stats.prefix_mismatches += 1
         tail = render_after_last_assistant(
-            self.tokenizer, messages, tools=tools, eos_id=self.eos_id
+            self.tokenizer, messages, tools=tools, eos_id=self.eos_id, template_kwargs=kwargs
         )
         last = ep.turns[-1].output_ids[-1:]
         # the previous turn's closing token (EOS) was sampled: it is already in `prev`
@@ -303,7 +317,8 @@ class TrainingGateway:
         t0 = time.perf_counter()
         messages, tools, stop = self._parse_call(body)
         self._pin(ep, body)
-        prompt, mismatch = self._prompt(ep, messages, tools)
+        kwargs = {**self.template_kwargs, **request_template_kwargs(body)}
+        prompt, mismatch = self._prompt(ep, messages, tools, kwargs)
         used = max(0, len(prompt) - len(ep.data_prompt))
         n = ep.budget - used
         if ep.max_turn_tokens is not None:

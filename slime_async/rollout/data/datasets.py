@@ -47,6 +47,9 @@ class DatasetConfig:
     """Raise on the first malformed row instead of skipping it."""
     apply_chat_template: bool | None = None
     """With a tokenizer: True = always, False = never, None = when the tokenizer has one."""
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments of the chat template (slime's --apply-chat-template-kwargs, e.g.
+    `{"enable_thinking": False}`)."""
     system_prompt: str | None = None
     """Optional system message prepended to string prompts before the chat template."""
     flag: str = "--prompt-data"
@@ -185,7 +188,9 @@ def _apply_template(prompt: Any, tokenizer: Any, cfg: DatasetConfig) -> tuple[st
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if cfg.system_prompt and isinstance(prompt, str):
             messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **cfg.chat_template_kwargs
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         if isinstance(prompt, list):

@@ -179,7 +179,15 @@ def _stable_int(*parts: object) -> int:
 class ReasoningGymTasks:
     """The task datasets of a config: train and held-out items, prompts, and the scorer."""
 
-    def __init__(self, config: ReasoningGymConfig, *, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        config: ReasoningGymConfig,
+        *,
+        tokenizer: Any = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._template_kwargs = dict(template_kwargs or {})
+        """Keyword arguments of the chat template (--apply-chat-template-kwargs)."""
         rg = _import_rg()
         self.config = config
         self.tokenizer = tokenizer
@@ -244,7 +252,10 @@ class ReasoningGymTasks:
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
             text = tok.apply_chat_template(
-                self.messages(question), tokenize=False, add_generation_prompt=True
+                self.messages(question),
+                tokenize=False,
+                add_generation_prompt=True,
+                **self._template_kwargs,
             )
             return list(tok(text, add_special_tokens=False)["input_ids"])
         text = f"{self._system}\n\n{question}" if self._system else question

@@ -96,6 +96,7 @@ def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | No
                 label_key=rollout.eval_label_key or rollout.label_key,
                 strict=rollout.strict_data,
                 apply_chat_template=rollout.apply_chat_template or None,
+                chat_template_kwargs=rollout.chat_template_kwargs,
                 flag="--eval-prompt-data",
             ),
             tokenizer=tok,
@@ -153,6 +154,7 @@ def _plan(
             label_key=rollout.label_key,
             strict=rollout.strict_data,
             apply_chat_template=rollout.apply_chat_template or None,
+            chat_template_kwargs=rollout.chat_template_kwargs,
         ),
         tokenizer=tok,
     )
@@ -188,7 +190,7 @@ def _gym_plan(
             "its tokenizer (prompts are chat-templated and tokenized with it)"
         )
     tok = _tokenizer(hf_checkpoint)
-    tasks = ReasoningGymTasks(config, tokenizer=tok)
+    tasks = ReasoningGymTasks(config, tokenizer=tok, template_kwargs=rollout.chat_template_kwargs)
     held_out = tasks.eval_set(eval_prompts)  # before any training prompt: the split is exact
     return DataPlan(
         source=GymPromptSource(tasks),

@@ -347,9 +347,18 @@ class _Padded:
         }
 
 
-def assemble(batch: Batch, *, estimator: str, overlong: Overlong | None = None) -> Assembled:
+def assemble(
+    batch: Batch,
+    *,
+    estimator: str,
+    overlong: Overlong | None = None,
+    normalize_rewards: bool = True,
+    whiten: bool = False,
+) -> Assembled:
     """Build the padded `TrainerBatch` of a consumed batch (prompt + response per sample);
-    with `overlong`, DAPO's over-long penalty is added to each scored sample's reward first."""
+    with `overlong`, DAPO's over-long penalty is added to each scored sample's reward first;
+    `normalize_rewards` / `whiten`: `loss.compute_advantages`'s (slime's
+    --disable-rewards-normalization and --normalize-advantages)."""
     rows: list[tuple[Group, Any]] = [(g, s) for g in batch.groups for s in g.samples]
     n = len(rows)
     lengths = [len(g.prompt.prompt_ids) + len(s.output_ids) for g, s in rows]
@@ -371,7 +380,15 @@ def assemble(batch: Batch, *, estimator: str, overlong: Overlong | None = None) 
     if overlong is not None:
         metrics |= _shape_overlong(t, [len(s.output_ids) for _, s in rows], overlong)
     group_ids = torch.as_tensor([gi for gi, g in enumerate(batch.groups) for _ in g.samples])
-    token_adv = adv.compute_advantages(estimator, t.rewards, group_ids, t.valid, t.mask).float()
+    token_adv = adv.compute_advantages(
+        estimator,
+        t.rewards,
+        group_ids,
+        t.valid,
+        t.mask,
+        normalize_rewards=normalize_rewards,
+        whiten_advantages=whiten,
+    ).float()
     tb = TrainerBatch(
         tokens=t.tokens,
         lengths=torch.as_tensor(lengths),
