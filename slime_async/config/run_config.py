@@ -68,23 +68,6 @@ class Environment:
     """Architecture: read from --hf-checkpoint, else the tiny MoE."""
     cpus: tuple[int, ...]
     """CPU cores this process may run on."""
-    save_debug_rollout_data: str | None = flag(None, metavar="PATH")
-    """slime's: write what each step sampled and trained (prompts, responses as text and ids,
-    rewards, per-token versions and log-probs, drops, the step's loss metrics) to PATH, a
-    template with {rollout_id} (the train step) or a directory of <rollout_id>.json files:
-    JSON with a checksum, written atomically, never pickled"""
-    load_debug_rollout_data: str | None = flag(None, metavar="PATH")
-    """slime's: train from the dumps at PATH (as --save-debug-rollout-data wrote them) without
-    engines: step k trains dump k, the same step bit for bit given the same flags and seed"""
-    debug_rollout_only: bool = False
-    """slime's: generate and score without a trainer (the engines serve --hf-checkpoint, or
-    the built-in model); nothing is trained or pushed, --save-debug-rollout-data keeps the
-    rollouts"""
-    debug_train_only: bool | None = flag(
-        None, derived="on with --load-debug-rollout-data or --loss-type sft_loss"
-    )
-    """slime's: train without engines, from --load-debug-rollout-data's dumps or, with
-    --loss-type sft_loss, on --prompt-data's conversations"""
     ray_address: str | None = None
     """Ray cluster to join (`--ray-address`, else `RAY_ADDRESS`); None: start a local one."""
     auth_token: str | None = dataclasses.field(default=None, repr=False)
