@@ -285,7 +285,7 @@ class RolloutDataWorker:
                     f"{timeout}s ({core.running} generations running, {core.queued} queued)."
                 )
             self._progress.clear()
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                 await asyncio.wait_for(
                     self._progress.wait(), None if math.isinf(remaining) else remaining
                 )

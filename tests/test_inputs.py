@@ -1,4 +1,4 @@
-"""What a run reads is checked when its flags are parsed (`config/inputs.py`, read_environment):
+"""What a run reads is checked when its flags are parsed (`slime_async/config/inputs.py`, read_environment):
 a missing --prompt-data, --eval-prompt-data, --custom-rm-path or --ref-load fails the dry run
 (all listed at once), a Hub id is refused at once with the download command, and --ref-load /
 --load tell a Megatron torch_dist checkpoint (slime's) from an HF directory."""

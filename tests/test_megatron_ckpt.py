@@ -1,4 +1,4 @@
-"""Weights from outside this project (`trainer/megatron_ckpt.py`): a Megatron torch_dist
+"""Weights from outside this project (`slime_async/trainer/megatron_ckpt.py`): a Megatron torch_dist
 checkpoint in slime's converter's layout (`latest_checkpointed_iteration.txt` naming `release/`,
 a dist_checkpointing directory of the model's sharded keys, bf16) or an HF directory, told apart
 by what the directory holds; the torch_dist weights load into the trainer (--load, --ref-load)
@@ -29,7 +29,7 @@ def _trainer(spec=TINY_MOE, **kw):
 
 
 def _slime_converted(tr, root: Path) -> Path:
-    """What slime's convert_hf_to_torch_dist.py leaves: the tracker file saying `release`, and
+    """What slime's HF-to-torch_dist converter leaves: the tracker file saying `release`, and
     `release/` written by megatron's dist_checkpointing from the model's sharded state dict."""
     from megatron.core import dist_checkpointing
 
