@@ -45,7 +45,7 @@ import sys
 import textwrap
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -293,9 +293,12 @@ def add_flags(
     prefix: str | None = None,
     exclude: Sequence[str] = (),
     only: Sequence[str] | None = None,
+    derived: Mapping[str, str] | None = None,
 ) -> argparse._ArgumentGroup | argparse.ArgumentParser:
     """Add one flag per field of `cls` (into a new group `group`, else into `parser` as given);
-    `only`/`exclude` pick fields (a program that sets some fields itself).
+    `only`/`exclude` pick fields (a program that sets some fields itself); `derived` names
+    fields this program derives although the class gives them a default ({field: how}: their
+    flag defaults to None and its help says `derived: how`, as `FlagSpec.derived` does).
 
     Defaults come from the class (None for a derived field); help is the field's docstring.
     Every action records its field (`flag_of`)."""
@@ -308,6 +311,8 @@ def add_flags(
             continue
         if only is not None and f.name not in only:
             continue
+        if derived and f.name in derived:
+            spec = dataclasses.replace(spec, derived=derived[f.name])
         default = _cli_default(f, spec)
         names = [flag_name(cls, f.name, prefix=pre), *spec.aliases]
         kw = _kwargs(cls, f.name, spec, hints[f.name], default)

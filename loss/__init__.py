@@ -70,6 +70,7 @@ from loss.seq_weights import (
     sequence_is_weights,
     veto_mask,
 )
+from loss.sft import SFTConfig, sft_loss
 from loss.slime_adapter import SLIME_METRIC_KEYS
 from loss.spec import LossNeeds, LossSelection, LossSpec
 from loss.types import (
@@ -111,6 +112,7 @@ __all__ = [
     "PPOTerms",
     "PrimeMaskedISConfig",
     "Registry",
+    "SFTConfig",
     "SamplingDecision",
     "SingleRatioConfig",
     "WeightedPPOConfig",
@@ -166,6 +168,7 @@ __all__ = [
     "safe_log_ratio",
     "safe_ratio",
     "sequence_is_weights",
+    "sft_loss",
     "single_ratio_denominators",
     "single_ratio_loss",
     "slime_compis_loss",

@@ -37,6 +37,7 @@ from loss.slime_cli import (
     add_slime_loss_args,
     advantage_estimator_from_args,
     check_loss_type,
+    loss_type_name,
     regularizers_from_args,
     slime_loss_settings,
 )
@@ -63,7 +64,7 @@ class LossFlags:
 
     loss: str | None = None
     """Loss by registry name (compis = default; ppo = no behaviour weight; decoupled_ppo,
-    single_ratio, m2po, gspo, prime_masked_is) or a dotted path to a LossSpec or plugin
+    single_ratio, m2po, gspo, prime_masked_is; sft = supervised NLL) or a dotted path to a LossSpec or plugin
     fn(inputs, cfg) -> LossOutputs"""
     custom_loss_function_path: str | None = None
     """slime's name for --loss PATH (give one of the two)"""
@@ -267,7 +268,7 @@ def _loss_name(args: argparse.Namespace) -> str:
             f"--loss {name} and --custom-loss-function-path {path} both select the loss; "
             "give one of them"
         )
-    return path or name or LossSelection().name
+    return loss_type_name(args, path or name) or LossSelection().name
 
 
 def loss_config_from_args(

@@ -18,6 +18,7 @@ of `cfg` and the inputs the trainer must compute for it (`LossNeeds`). Built-ins
 | m2po | `M2POConfig` | π_k, π_j^SGL | loss_mask counts |
 | gspo | `GSPOConfig` | π_k | loss_mask counts |
 | prime_masked_is | `PrimeMaskedISConfig` | π_j^SGL | loss_mask counts |
+| sft | `SFTConfig` | π_θ only (NLL of the trained tokens; slime's `--loss-type sft_loss`) | loss_mask counts |
 
 `register_loss(name, fn)` keeps working for a plain plugin `fn(inputs, cfg)`: it gets the
 CompIS settings (`CompISConfig`) and reads everything CompIS reads, as before the seam existed;
@@ -54,6 +55,7 @@ from loss.baselines import (
 from loss.compis import compis_denominators, compis_denominators_read_logprobs, compis_loss
 from loss.compis_metrics import compis_metrics
 from loss.named import Registry, load_function, load_object
+from loss.sft import SFTConfig, sft_loss
 from loss.slime_adapter import (
     SlimeLossFn,
     compis_config_from_args,
@@ -263,6 +265,13 @@ _BUILTINS: list[tuple[str, Callable, type, LossNeeds, Callable[[CompISConfig], A
         PrimeMaskedISConfig,
         LossNeeds(proximal_logprobs=False),
         lambda c: None,
+    ),
+    (
+        "sft",
+        sft_loss,
+        SFTConfig,
+        LossNeeds(proximal_logprobs=False, rollout_logprobs=False),
+        lambda c: SFTConfig(agg_mode=c.agg_mode, loss_scale_factor=c.loss_scale_factor),
     ),
 ]
 for _args in _BUILTINS:

@@ -43,8 +43,9 @@ class SlimeLossFlags:
 
     loss_type: Literal["policy_loss", "custom_loss", "sft_loss"] | None = None
     """slime's: policy_loss (the selected --loss; --custom-loss-function-path is then refused,
-    slime ignores it there) or custom_loss (with --custom-loss-function-path, our contract
-    fn(inputs, cfg); a slime-signature loss is refused); sft_loss is not supported"""
+    slime ignores it there), custom_loss (with --custom-loss-function-path, our contract
+    fn(inputs, cfg); a slime-signature loss is refused) or sft_loss (= --loss sft: the NLL of
+    the assistant tokens of --prompt-data's conversations, trained without engines)"""
     use_tis: bool = False
     """slime's TIS: CompIS's engine correction clip(--tis-clip-low, --tis-clip) (slime's TIS
     truncates pi_old/pi_rollout, which is the engine ratio r2 when pi_j^Meg is known)"""
@@ -112,12 +113,27 @@ def _is_slime_loss(fn: Any) -> bool:
     return len(positional) >= 4 and all(p.default is p.empty for p in positional[:4])
 
 
+SFT_LOSS = "sft"
+"""The registered loss slime's `--loss-type sft_loss` selects."""
+
+
+def loss_type_name(args: argparse.Namespace, chosen: str | None) -> str | None:
+    """The loss `--loss-type` selects given the one `--loss` / `--custom-loss-function-path`
+    chose (None: neither): `sft_loss` is --loss sft, and refused beside another loss."""
+    if getattr(args, "loss_type", None) != "sft_loss":
+        return chosen
+    if chosen not in (None, SFT_LOSS):
+        raise ValueError(
+            f"--loss-type sft_loss selects --loss {SFT_LOSS}, but {chosen} is selected too; "
+            "give one of them"
+        )
+    return SFT_LOSS
+
+
 def check_loss_type(args: argparse.Namespace, fn: Any) -> None:
     """slime's `--loss-type` rules, and a slime-signature custom loss refused with the fix."""
     kind = getattr(args, "loss_type", None)
     path = getattr(args, "custom_loss_function_path", None)
-    if kind == "sft_loss":
-        raise ValueError("--loss-type sft_loss: there is no SFT loss here; this trains RL losses")
     if kind == "custom_loss" and path is None:
         raise ValueError("--loss-type custom_loss needs --custom-loss-function-path PATH")
     if kind == "policy_loss" and path is not None:

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    note = warn_if_exposed(cfg)
+    note = warn_if_exposed(cfg)  # who may call what without a key is logged once it listens
     if note:
         print(note, flush=True)
     asyncio.run(_run(Router(cfg)))

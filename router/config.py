@@ -1,23 +1,45 @@
 """Router configuration: the one frozen config of the router, its argparse group, and validation.
 
 Owns: `RouterConfig`, `add_router_args`, `router_config_from_args`, `validate_config`.
-Must never import: `slime_async` (the router is a leaf package), nor any other router module.
+Must never import: `slime_async` (the router is a leaf package), nor any other router module but
+`router.access` (the keys and who may call what).
 """
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 from clifields import add_flags, flag, from_args
+from router.access import (
+    ADMIN_KEY_ENV,
+    API_KEY_ENV,
+    check_keys,
+    is_loopback,
+    load_api_key,
+    load_auth_token,
+)
 
 POLICY_NAMES: tuple[str, ...] = ("least_expected_tokens", "least_requests", "round_robin")
 
-AUTH_TOKEN_ENV = "SLIME_ASYNC_AUTH_TOKEN"
-"""Environment variable holding the shared token of a run's router and engines."""
+AUTH_TOKEN_ENV = ADMIN_KEY_ENV
+"""Environment variable holding the admin key of a run's router and engines."""
+
+__all__ = [
+    "API_KEY_ENV",
+    "AUTH_TOKEN_ENV",
+    "POLICY_NAMES",
+    "RouterConfig",
+    "add_router_args",
+    "check_worker_url",
+    "is_loopback",
+    "load_api_key",
+    "load_auth_token",
+    "router_config_from_args",
+    "validate_config",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,7 +50,7 @@ class RouterConfig:
     """Its flags in train_async.py are `--router-*` (`python -m router` drops the prefix)."""
 
     host: str = "127.0.0.1"
-    """Interface to bind. Anything but a loopback address requires `auth_token`."""
+    """Interface to bind. Anything but a loopback address requires `api_key`."""
     port: int = 0
     """TCP port to bind; 0 picks a free ephemeral port (the runner reports the real one)."""
     worker_urls: tuple[str, ...] = flag((), nargs="*")
@@ -56,10 +78,18 @@ class RouterConfig:
     older weights for a request sent after a push (rewrites request bodies)."""
     default_expected_tokens: int = 1024
     """Expected tokens assumed for a request that sends no `X-Expected-Tokens` header."""
-    auth_token: str | None = flag(None, repr=False)
-    """Bearer token required on management/control routes (always required off loopback), and
-    sent to the engines (the run's shared token). A flag's value is visible in `ps`: prefer
-    $SLIME_ASYNC_AUTH_TOKEN or the token file."""
+    api_key: str | None = flag(None, repr=False, cli=False)
+    """Data-plane key (SGLang's `--api-key`): every route but the health probes needs it, on
+    loopback too (`router.access`); presented to the engines on the data plane. From
+    $SLIME_ASYNC_API_KEY or `--api-key-file`; a run mints its own."""
+    admin_api_key: str | None = flag(None, repr=False, name="auth-token")
+    """Admin key (SGLang's `--admin-api-key`): the control routes and `/workers` need it; presented
+    to the engines on control calls. From $SLIME_ASYNC_AUTH_TOKEN or the token file: a flag's
+    value is visible in `ps` (this flag is a deprecated spelling)."""
+    open_data_plane: bool = False
+    """With an admin key and no data-plane key: serve generation and info to anyone who can
+    reach the router, on purpose (loopback only; said at start-up). Without it such a router is
+    refused."""
     health_interval_s: float = 1.0
     """Seconds between `/health` probes of each engine."""
     health_timeout_s: float = 2.0
@@ -95,40 +125,10 @@ class RouterConfig:
     """Free-form labels echoed in `/metrics` (e.g. run id); not interpreted."""
 
 
-def is_loopback(host: str) -> bool:
-    """True when `host` names only the local machine (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _flag(field: str) -> str:
     """How the flag of `field` is spelled in train_async.py and in `python -m router`."""
     dashed = field.replace("_", "-")
     return f"--router-{dashed} (python -m router: --{dashed})"
-
-
-def load_auth_token(token_file: str | None = None, *, environ: dict | None = None) -> str | None:
-    """The shared token: the content of `token_file` (surrounding whitespace stripped) when
-    given, else `$SLIME_ASYNC_AUTH_TOKEN`; None when neither is set. Raises ValueError for a
-    file that cannot be read or is empty."""
-    import os
-
-    if token_file:
-        try:
-            with open(token_file) as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise ValueError(
-                f"auth token file {token_file}: {e.strerror}; give a readable file"
-            ) from None
-        if not token:
-            raise ValueError(f"auth token file {token_file} is empty; write the token into it")
-        return token
-    return (os.environ if environ is None else environ).get(AUTH_TOKEN_ENV) or None
 
 
 def validate_config(cfg: RouterConfig) -> None:
@@ -146,21 +146,13 @@ def _check_access(cfg: RouterConfig) -> None:
         raise ValueError(
             f"unknown router policy {cfg.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
         )
-    if not is_loopback(cfg.host) and not cfg.auth_token:
-        raise ValueError(
-            f"router bound to non-loopback host {cfg.host!r} without a token: export "
-            f"{AUTH_TOKEN_ENV}=<token> or pass --auth-token-file PATH (management and control "
-            "routes then need 'Authorization: Bearer <token>'), or bind 127.0.0.1"
-        )
-    if cfg.auth_token is not None and (
-        not cfg.auth_token.strip() or cfg.auth_token.strip() != cfg.auth_token
-    ):
-        raise ValueError(
-            "the router auth token is empty, whitespace-only or has leading/trailing whitespace "
-            "(HTTP strips header values, so it could never match or would match nothing); use "
-            "a random token such as the output of `python -c 'import secrets; "
-            "print(secrets.token_urlsafe(32))'`"
-        )
+    check_keys(
+        "router",
+        host=cfg.host,
+        api_key=cfg.api_key,
+        admin_api_key=cfg.admin_api_key,
+        open_data_plane=cfg.open_data_plane,
+    )
     if not 0 <= cfg.port <= 65535:
         raise ValueError(
             f"{_flag('port')} must be in [0, 65535] (0 = any free port), got {cfg.port}"
@@ -230,20 +222,30 @@ def check_worker_url(url: str) -> str:
 def add_router_args(parser: argparse.ArgumentParser, *, prefix: str = "router-") -> None:
     """One `--<prefix><field>` flag per `RouterConfig` field (`clifields`; `extra` is not one)."""
     add_flags(parser, RouterConfig, group="router", prefix=prefix)
-    if not prefix:  # the router's own CLI; train_async.py reads the run's --auth-token-file
+    if not prefix:  # the router's own CLI; train_async.py reads the run's key files
         parser.add_argument(
             "--auth-token-file",
             default=None,
-            help=f"File holding the bearer token (default: ${AUTH_TOKEN_ENV}).",
+            help=f"File holding the admin key (default: ${AUTH_TOKEN_ENV}).",
+        )
+        parser.add_argument(
+            "--api-key-file",
+            default=None,
+            help=f"File holding the data-plane key (default: ${API_KEY_ENV}).",
         )
 
 
-def router_config_from_args(args: argparse.Namespace, *, prefix: str = "router-") -> RouterConfig:
-    """Build and validate a `RouterConfig` from flags added by `add_router_args`."""
+def router_config_from_args(
+    args: argparse.Namespace, *, prefix: str = "router-", api_key: str | None = None
+) -> RouterConfig:
+    """Build and validate a `RouterConfig` from flags added by `add_router_args`; `api_key`: the
+    run's data-plane key (the router's own CLI reads `--api-key-file` / $SLIME_ASYNC_API_KEY)."""
     attr = prefix.replace("-", "_")
     token = getattr(args, attr + "auth_token", None)
     if not token:
         token = load_auth_token(getattr(args, attr + "auth_token_file", None))
-    cfg = from_args(RouterConfig, args, prefix=prefix, auth_token=token)
+    if api_key is None and not prefix:
+        api_key = load_api_key(getattr(args, "api_key_file", None))
+    cfg = from_args(RouterConfig, args, prefix=prefix, admin_api_key=token, api_key=api_key)
     validate_config(cfg)
     return cfg

@@ -79,6 +79,9 @@ class ControlFanout:
         self._timeout = aiohttp.ClientTimeout(
             total=cfg.control_timeout_s, sock_connect=cfg.connect_timeout_s
         )
+        key = cfg.admin_api_key or cfg.api_key
+        self._auth = {"Authorization": f"Bearer {key}"} if key else {}
+        """What a control call presents to an engine: the admin key (SGLang's admin routes)."""
         self._weight_log: dict[str, tuple[int, str, str, bytes]] = {}
         """path -> (generation, method, path_qs, body) of the last successful weight call."""
         self.pauses = 0
@@ -179,7 +182,7 @@ class ControlFanout:
 
     async def _call(self, w: Worker, method: str, path_qs: str, body: bytes) -> dict:
         t0 = time.perf_counter()
-        headers = {"Content-Type": "application/json"} if body else {}
+        headers = {**self._auth, **({"Content-Type": "application/json"} if body else {})}
         try:
             async with self._session().request(
                 method, w.url + path_qs, data=body or None, headers=headers, timeout=self._timeout

@@ -1,15 +1,16 @@
 """The router service: aiohttp app assembly, auth, worker-registry routes, metrics, runners.
 
 Owns: `Router` (async `start() -> url` / `stop()`), `RouterThread` (the same in a background
-thread for synchronous callers), `build_app`, the auth middleware.
+thread for synchronous callers), `build_app`. Who may call which route is `router.access` (its
+middleware runs first on every request).
 Must never import: `slime_async` (the router is a leaf package).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+import logging
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from router.access import auth_middleware
 from router.affinity import GroupAffinity
 from router.cache_salt import salt_value
 from router.config import RouterConfig, check_worker_url, is_loopback, validate_config
@@ -38,9 +40,7 @@ INFO_PATHS: tuple[str, ...] = (
     "/v1/models",
     "/health_generate",
 )
-_PROTECTED_PREFIXES: tuple[str, ...] = ("/workers", *CONTROL_PATHS)
-_PROBE_PATHS: frozenset[str] = frozenset({"/health", "/liveness", "/readiness"})
-"""Off loopback, the only routes open without the token (load-balancer and k8s probes)."""
+log = logging.getLogger(__name__)
 
 
 class Router:
@@ -121,10 +121,8 @@ class Router:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
             cookie_jar=aiohttp.DummyCookieJar(),
-            # the run's shared token: engines off loopback require it on every route
-            headers={"Authorization": f"Bearer {self.cfg.auth_token}"}
-            if self.cfg.auth_token
-            else None,
+            # the data-plane key on every call; control calls present the admin key instead
+            headers={"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None,
         )
         app = build_app(self)
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
@@ -150,6 +148,8 @@ class Router:
             raise
         self._started = time.monotonic()
         self.health.start()
+        if note := access_note(self.cfg):
+            log.warning("router %s: %s", self.url, note)
         return self.url
 
     async def stop(self) -> None:
@@ -203,37 +203,17 @@ class Router:
         }
 
 
-def _auth_middleware(token: str, *, everything: bool):
-    """Management and control routes need the token; with `everything` (bound off loopback)
-    every route but the probes does, generation included."""
-    expected = f"Bearer {token}".encode()
-
-    @web.middleware
-    async def auth(request: web.Request, handler):
-        if request.path.startswith(_PROTECTED_PREFIXES) or (
-            everything and request.path not in _PROBE_PATHS
-        ):
-            got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
-                return error_response(
-                    401,
-                    f"{request.path} needs 'Authorization: Bearer <token>' (the router's "
-                    "auth token)",
-                    err_type="unauthorized",
-                )
-        return await handler(request)
-
-    return auth
+def _refuse(_request: web.Request, status: int, message: str) -> web.Response:
+    return error_response(status, message, err_type="unauthorized")
 
 
 def build_app(router: Router) -> web.Application:
     """The aiohttp application with every route of the router."""
     cfg = router.cfg
-    off_loopback = not is_loopback(cfg.host)
-    middlewares = (
-        [_auth_middleware(cfg.auth_token, everything=off_loopback)] if cfg.auth_token else []
+    auth = auth_middleware(
+        "router", api_key=cfg.api_key, admin_api_key=cfg.admin_api_key, refuse=_refuse
     )
-    app = web.Application(middlewares=middlewares, client_max_size=cfg.max_body_bytes)
+    app = web.Application(middlewares=[auth], client_max_size=cfg.max_body_bytes)
     routes = _RegistryRoutes(router)
     gen = router.proxy.handle_generate
     app.router.add_post("/generate", gen)
@@ -384,11 +364,24 @@ class RouterThread:
         self._loop.close()
 
 
+def access_note(cfg: RouterConfig) -> str | None:
+    """A line for the start-up log when anyone who can reach the router may generate through it:
+    no key at all, or the data plane opened on purpose (`open_data_plane`)."""
+    if cfg.open_data_plane:
+        return (
+            "its data plane (generation, /v1/*, info, /metrics) is open to every user of this "
+            "machine (--open-data-plane); the control routes need the admin key"
+        )
+    if not cfg.api_key and not cfg.admin_api_key:
+        return "no key is set: every route is open to every user of this machine"
+    return None
+
+
 def warn_if_exposed(cfg: RouterConfig) -> str | None:
     """A one-line note for logs when the router listens beyond loopback."""
     if is_loopback(cfg.host):
         return None
     return (
-        f"router listens on {cfg.host}: every route but /health, /liveness and /readiness "
-        "requires the bearer token"
+        f"router listens on {cfg.host}: every route but /health, /liveness, /readiness and "
+        "/health_generate requires a key"
     )

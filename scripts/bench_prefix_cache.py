@@ -92,17 +92,17 @@ def forwards(base: EngineConfig, args: argparse.Namespace) -> None:
         full = batch.prefill(
             lm,
             [p for p in prompts for _ in range(n)],
-            want_prompt_logits=[False] * (groups * n),
+            prompt_logits_from=[None] * (groups * n),
             capture=False,
         )
         t_full = time.perf_counter() - t
         t = time.perf_counter()
-        first = batch.prefill(lm, prompts, want_prompt_logits=[False] * groups, capture=False)
+        first = batch.prefill(lm, prompts, prompt_logits_from=[None] * groups, capture=False)
         past = [batch.row_kv(first.kv, i, plen - 1) for i in range(groups)]
         rest = batch.prefill(
             lm,
             [p for p in prompts for _ in range(n - 1)],
-            want_prompt_logits=[False] * (groups * (n - 1)),
+            prompt_logits_from=[None] * (groups * (n - 1)),
             capture=False,
             past=[past[i] for i in range(groups) for _ in range(n - 1)],
         )

@@ -5,15 +5,19 @@ every `--interval` seconds the memory of the child's whole process tree (the dri
 processes and actors, the engines, the router): the sum of RSS and the sum of PSS (proportional
 set size: shared pages, e.g. Ray's object store, counted once across processes; every
 `--pss-every`-th sample, as reading it costs CPU the run would miss), and each
-process's own peak RSS under its process title (`ray::TrainerActor...`). Afterwards it reads the
+process's own peak RSS under its role and pid (`ray::_TrainerActorImpl [1234]`). Afterwards it reads the
 run's `metrics.jsonl` and prints one JSON summary:
 
   * `wall_s`: start to exit; `first_step_s`: start to the first step's line (start-up);
-  * `peak_rss_sum_gib`, `peak_pss_sum_gib`, and `peak_rss_by_process_gib` (top 6 titles);
+  * `peak_rss_sum_gib`, `peak_pss_sum_gib`, `peak_rss_by_process_gib` and
+    `peak_pss_by_process_gib` (the 16 largest), and each process's PSS at the whole run's PSS
+    peak (`pss_at_peak_by_process_gib`);
   * median and mean after the first 3 steps of: seconds per step, training, the forward and
     backward, π_j^Meg's forwards, the weight sync; bytes per push; the idle ratios;
   * `eval`: the held-out curve, `[(step, pass, pass_se)]`, and the train reward per tenth;
-  * the load average at start and end (this machine is shared; read the numbers with it).
+  * the load average at start and end (this machine is shared; read the numbers with it);
+  * `plan_gib`: the start-up memory plan's prediction for the same flags, per part and in all
+    (`slime_async.config.memory_plan`), and its ratio to the measured peak sums.
 
     .venv/bin/python scripts/bench_recipe.py recipes/smollm2-chain-sum.yaml --out /tmp/full.json \\
         -- --keep-old-actor --seed 1235 --run-dir runs/full-s1235
@@ -43,20 +47,35 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _sample(pid: int, per_proc: dict[str, int], *, pss: bool) -> tuple[int, int]:
-    """(sum of RSS, sum of PSS or 0) of `pid`'s tree now; updates each title's peak RSS. PSS
+def _sample(
+    pid: int, per_proc: dict[str, int], *, pss: bool, per_proc_pss: dict[str, int] | None = None
+) -> tuple[int, int]:
+    """(sum of RSS, sum of PSS or 0) of `pid`'s tree now; updates each process's peak RSS. PSS
     walks every mapping (`smaps_rollup`), costly for Ray's large address spaces: only when asked."""
     rss_sum = pss_sum = 0
     for p in _tree(pid):
         try:
             rss = p.memory_info().rss
-            title = " ".join(p.cmdline()[:2])[:80] or p.name()
-            pss_sum += p.memory_full_info().pss if pss else 0
+            title = f"{_role(p)} [{p.pid}]"
+            one = p.memory_full_info().pss if pss else 0
+            pss_sum += one
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
         rss_sum += rss
         per_proc[title] = max(per_proc.get(title, 0), rss)
+        if pss and per_proc_pss is not None:
+            per_proc_pss[title] = max(per_proc_pss.get(title, 0), one)
     return rss_sum, pss_sum
+
+
+def _role(p: psutil.Process) -> str:
+    """A process's role: its Ray actor class (`ray::_TrainerActorImpl`, the method it runs cut
+    off), or its program (`gcs_server`, `raylet`, `train_async.py`, ...)."""
+    cmd = p.cmdline()
+    if cmd and cmd[0].startswith("ray::"):
+        return cmd[0].split(".")[0].strip()
+    prog = next((Path(c).name for c in cmd if c.endswith(".py") or "/" in c), p.name())
+    return prog if prog not in ("python", "python3") else " ".join(cmd[:2])[:60]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -145,6 +164,17 @@ def mfu(rows: list[dict], params: float, prompt_tokens: float, peak: dict[str, f
     }
 
 
+def _plan(argv: list[str]) -> dict[str, float]:
+    """The memory plan's bytes per part for `argv` (as the run parses them; trainer on CPU)."""
+    sys.path.insert(0, str(ROOT))
+    from slime_async.config import parse_config
+    from slime_async.config.rules.memory import memory_parts
+
+    parts = memory_parts(parse_config(argv))
+    out = {k: round(v / 2**30, 2) for k, v in parts.items()}
+    return out | {"total": round(sum(parts.values()) / 2**30, 2)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("recipe")
@@ -178,6 +208,7 @@ def main() -> None:
         print(out.read_text())
         return
     cmd = [sys.executable, str(ROOT / "train_async.py"), "--config", args.recipe, *args.flags]
+    plan = _plan(["--config", args.recipe, *args.flags])
     run_dir = (
         Path(args.flags[args.flags.index("--run-dir") + 1]) if "--run-dir" in args.flags else None
     )
@@ -187,11 +218,18 @@ def main() -> None:
     log = open(Path(args.out).with_suffix(".log"), "w")  # noqa: SIM115 (open for the child's life)
     child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     per_proc: dict[str, int] = {}
+    per_proc_pss: dict[str, int] = {}
+    at_peak: dict[str, int] = {}
     peak_rss = peak_pss = 0
     first_step = None
     n = 0
     while child.poll() is None:
-        rss, pss = _sample(child.pid, per_proc, pss=n % args.pss_every == 0)
+        now_pss: dict[str, int] = {}
+        rss, pss = _sample(child.pid, per_proc, pss=n % args.pss_every == 0, per_proc_pss=now_pss)
+        for k, v in now_pss.items():
+            per_proc_pss[k] = max(per_proc_pss.get(k, 0), v)
+        if pss > peak_pss:
+            at_peak = now_pss
         n += 1
         peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
         if first_step is None and run_dir is not None and _metrics(run_dir):
@@ -201,7 +239,7 @@ def main() -> None:
     if args.mfu_params:
         peaks.append(_peaks())
     gib = 2**30
-    top = sorted(per_proc.items(), key=lambda kv: -kv[1])[:6]
+    top = sorted(per_proc.items(), key=lambda kv: -kv[1])[:16]
     result = {
         "cmd": " ".join(cmd[1:]),
         "returncode": child.returncode,
@@ -210,9 +248,16 @@ def main() -> None:
         "peak_rss_sum_gib": round(peak_rss / gib, 2),
         "peak_pss_sum_gib": round(peak_pss / gib, 2),
         "peak_rss_by_process_gib": {k: round(v / gib, 2) for k, v in top},
+        "peak_pss_by_process_gib": {k: round(per_proc_pss.get(k, 0) / gib, 2) for k, _ in top},
+        "pss_at_peak_by_process_gib": {
+            k: round(v / gib, 2) for k, v in sorted(at_peak.items(), key=lambda kv: -kv[1])[:10]
+        },
         "loadavg_start": load0,
         "loadavg_end": os.getloadavg(),
         **(summarize(_metrics(run_dir)) if run_dir is not None else {}),
+        "plan_gib": plan,
+        "plan_over_rss": round(plan["total"] * gib / max(1, peak_rss), 3),
+        "plan_over_pss": round(plan["total"] * gib / max(1, peak_pss), 3),
     }
     if args.mfu_params and run_dir is not None:
         peak = {k: max(p[k] for p in peaks) for k in peaks[0]}

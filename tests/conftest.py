@@ -71,6 +71,7 @@ def _no_leaks_at_session_end():
     """Fail the run if the session ends holding more than it started with (+`LEAK_MARGIN`)."""
     start = held()
     yield
+    _shutdown_ray()  # the Ray node kept between modules
     _release_torch_distributed()
     _release_process_singletons()
     now = _settled(start)
@@ -131,13 +132,44 @@ def _release_torch_distributed(*, keep_default: bool = False) -> None:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _ray_is_per_module():
-    """Each test module starts without a Ray session (or megatron's process groups) and leaves
-    none behind."""
+def _ray_between_modules(request: pytest.FixtureRequest):
+    """A module starts without megatron's process groups and ends them. A local Ray node that
+    `init_ray` started is kept for the next module when the module left all of it free (no
+    actor, no placement group): its start (3.3 s) and stop (1.4 s) once per session instead of
+    per module. Any other Ray session is shut down after the module, and before a module
+    marked `own_ray` (it sizes or joins Ray itself)."""
+    if request.node.get_closest_marker("own_ray"):
+        _shutdown_ray()
     yield
     _release_torch_distributed(keep_default=True)
+    if request.node.get_closest_marker("own_ray") or not _ray_reusable():
+        _shutdown_ray()
+
+
+def _shutdown_ray() -> None:
     import sys
 
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+def _ray_reusable() -> bool:
+    """A local node of `init_ray`'s, every CPU/GPU free and no placement group alive."""
+    import sys
+
+    ray, roles = sys.modules.get("ray"), sys.modules.get("slime_async.orchestrator.roles")
+    if ray is None or roles is None or not ray.is_initialized() or not roles._LOCAL[0]:
+        return False
+    from ray.util import placement_group_table
+
+    deadline = time.monotonic() + 5.0  # a killed actor's resources come back asynchronously
+    while True:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        idle = all(free.get(k, 0.0) >= total[k] - 1e-6 for k in ("CPU", "GPU") if k in total)
+        groups = [g for g in placement_group_table().values() if g.get("state") != "REMOVED"]
+        if idle and not groups:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)

@@ -38,7 +38,7 @@ def model_dir(tmp_path_factory) -> str:
 def engines(model_dir):
     torch.set_num_threads(1)
     cfg = engine_mod.EngineConfig(
-        num_threads=1, model_dir=model_dir, dtype="fp32", auth_token=TOKEN, weight_version="0"
+        num_threads=1, model_dir=model_dir, dtype="fp32", api_key=TOKEN, weight_version="0"
     )
     servers = [engine_mod.EngineServer(cfg) for _ in range(2)]
     try:
@@ -57,9 +57,7 @@ def tok(model_dir):
 
 @pytest.fixture()
 async def stack(engines, tok):
-    router = Router(
-        RouterConfig(worker_urls=tuple(engines), health_interval_s=0.2, auth_token=TOKEN)
-    )
+    router = Router(RouterConfig(worker_urls=tuple(engines), health_interval_s=0.2, api_key=TOKEN))
     url = await router.start()
     for _ in range(200):
         if len(router.registry.healthy()) == 2:
@@ -72,10 +70,10 @@ async def stack(engines, tok):
             temperature=1.0,
             top_p=1.0,
             stop_token_ids=(EOS,),
-            auth_token=TOKEN,
+            api_key=TOKEN,
         )
     )
-    gw = TrainingGateway(tokenizer=tok, eos_id=EOS, auth_token=TOKEN)
+    gw = TrainingGateway(tokenizer=tok, eos_id=EOS, api_key=TOKEN)
     try:
         yield url, router, client, gw
     finally:
@@ -241,6 +239,42 @@ async def test_a_raising_or_hanging_agent_fails_only_its_episode(stack, tok) -> 
         assert r.payload["reward_status"] == "agent_failed" and not r.output_ids
     assert (gen.stats.finished, gen.stats.failed, gen.stats.timed_out) == (2, 1, 1)
     assert not gw.episodes  # every episode closed
+
+
+async def test_an_engine_refusal_reaches_the_agent_as_its_4xx(stack) -> None:
+    """A message that renders to ids outside the vocabulary: the engine's 400 is the agent's
+    400 with the engine's reason, counted as a bad call (it was a 500 and a traceback); an
+    engine that cannot be reached is a 503, not counted."""
+    import aiohttp
+
+    from slime_async.contracts.chat import IdText
+    from slime_async.host import free_port
+
+    _, _, client, _ = stack
+    gw = TrainingGateway(tokenizer=IdText(), eos_id=EOS)  # message text is token ids
+    await gw.start()
+    gone = GenerateClient(
+        GenerateClientConfig(
+            url=f"http://127.0.0.1:{free_port()}", max_connection_retries=0, api_key=TOKEN
+        )
+    )
+    body = {"messages": [{"role": "user", "content": "5 7 99999999"}]}
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {gw.api_key}"}) as s:
+            ep = gw.open_episode(client)
+            async with s.post(gw.episode_url(ep) + "/chat/completions", json=body) as r:
+                assert r.status == 400, await r.text()
+                msg = (await r.json())["error"]["message"]
+            assert "the engine refused this turn" in msg and "99999999" in msg, msg
+            assert gw.stats.bad_calls == 1
+            body["messages"][0]["content"] = "5 7"
+            ep = gw.open_episode(gone)
+            async with s.post(gw.episode_url(ep) + "/chat/completions", json=body) as r:
+                assert r.status == 503, await r.text()
+            assert gw.stats.bad_calls == 1
+    finally:
+        await gone.close()
+        await gw.stop()
 
 
 def test_think_blocks_stripped_by_the_template_are_a_counted_mismatch() -> None:

@@ -51,6 +51,27 @@ def test_a_user_given_bf16_flag_is_never_changed():
     assert "--bf16" not in _validate(*REAL, "--no-bf16", cpu_bf16="amx_bf16").derived
 
 
+def test_engine_dtype_follows_the_cpu_as_the_trainers_bf16_and_the_weights_follow():
+    """From `/proc/cpuinfo`'s text: a CPU without native bf16 gets fp32 engines (bf16 would be
+    emulated) shipped fp32 weights and counted at 4 bytes a parameter; one with it bf16 engines
+    and bf16 weights; a given `--engine-dtype` is kept."""
+    from slime_async.config.rules.memory import memory_parts, run_shape
+
+    avx2, avx512 = "flags\t: fpu sse avx2\n", "flags\t: fpu avx512f avx512_bf16\n"
+    engine_bytes = {}
+    for text, dtype, weights in ((avx2, "fp32", "float32"), (avx512, "bf16", "bfloat16")):
+        cfg = _validate(*REAL, cpu_bf16=cpu_bf16_feature(text))
+        assert cfg.engine.dtype == dtype and cfg.trainer.bf16 is (dtype == "bf16")
+        assert cfg.derived["--engine-dtype"].value == dtype
+        assert cfg.weights.dtype == weights
+        assert run_shape(cfg).engine_bytes == (2 if dtype == "bf16" else 4)  # the plan follows
+        engine_bytes[dtype] = memory_parts(cfg)["engines"]
+    assert engine_bytes["fp32"] > engine_bytes["bf16"]
+    given = _validate(*REAL, "--engine-dtype", "bf16", cpu_bf16=cpu_bf16_feature(avx2))
+    assert given.engine.dtype == "bf16" and "--engine-dtype" not in given.derived
+    assert given.weights.dtype == "bfloat16"  # shipped as the engines serve
+
+
 def test_bf16_logprobs_match_fp32_within_the_stated_tolerance(tmp_path):
     from slime_async.trainer.config import TrainerConfig
     from slime_async.trainer.testing import random_batch

@@ -165,6 +165,16 @@ def test_flags_come_from_the_fields():
     assert _example("--no-go-fast")[1].fast is False
 
 
+def test_a_program_may_derive_a_field_the_class_defaults():
+    """`add_flags(derived=...)`: the flag defaults to None (the program derives it, the help says
+    how) while the class, and any other program's flag of it, keeps its default."""
+    p = argparse.ArgumentParser()
+    add_flags(p, Example, prefix="x-", only=("color",), derived={"color": "from the sky"})
+    assert p.parse_args([]).x_color is None and "derived: from the sky" in p.format_help()
+    assert p.parse_args(["--x-color", "blue"]).x_color == "blue"
+    assert _example()[1].color == Example().color  # the plain flags keep the class default
+
+
 def test_bad_values_are_refused_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         _example("--mode", "c")

@@ -17,18 +17,20 @@ def _validate(*argv: str, address: str | None = None, token: str | None = None):
     return validate(build_parser().parse_args(list(argv)), env)
 
 
-def test_joining_a_cluster_needs_the_shared_token() -> None:
+def test_joining_a_cluster_needs_the_admin_key() -> None:
     with pytest.raises(ValueError, match="SLIME_ASYNC_AUTH_TOKEN") as e:
         _validate(address="10.0.0.1:6379")
     assert "--auth-token-file" in str(e.value)
     cfg = _validate(address="10.0.0.1:6379", token="t0k")
-    assert cfg.engine.auth_token == "t0k" == cfg.router.auth_token
+    assert cfg.engine.admin_api_key == "t0k" == cfg.router.admin_api_key
+    assert cfg.engine.api_key == cfg.router.api_key and cfg.engine.api_key not in (None, "t0k")
+    assert "minted" in cfg.derived["--api-key-file"].value
     assert cfg.trainer_cores == () == cfg.rollout_cores and not cfg.colocate
 
 
 def test_local_runs_keep_loopback_and_the_machine_core_split() -> None:
     cfg = _validate()
-    assert cfg.ray_address is None and cfg.engine.auth_token is None
+    assert cfg.ray_address is None and cfg.engine.admin_api_key is None is cfg.engine.api_key
     assert cfg.trainer_cores == (0, 1) and cfg.rollout_cores == (2, 3)
 
 
@@ -37,11 +39,11 @@ def test_this_machines_cores_are_refused_on_a_joined_cluster() -> None:
         _validate("--trainer-cores", "0", address="h:1", token="t")
 
 
-def test_one_token_for_router_and_engines() -> None:
-    with pytest.raises(ValueError, match="one token"):
+def test_one_admin_key_for_router_and_engines() -> None:
+    with pytest.raises(ValueError, match="one admin key"):
         _validate("--router-auth-token", "a", token="b")
-    cfg = _validate("--router-auth-token", "a")  # the deprecated flag becomes the shared token
-    assert cfg.engine.auth_token == "a"
+    cfg = _validate("--router-auth-token", "a")  # the deprecated flag becomes the admin key
+    assert cfg.engine.admin_api_key == "a"
 
 
 def test_ranks_and_engines_from_slimes_flags() -> None:

@@ -29,7 +29,7 @@ import pytest
 
 from slime_async.config import build_parser
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.own_ray]
 REPO = Path(__file__).resolve().parents[1]
 TRAINER_IP, ENGINE_IP = "10.77.0.1", "10.77.0.2"
 TOKEN = "netns-test-token-0123456789abcdef"

@@ -311,7 +311,7 @@ _OWNERS = {
         {"engine_restart_after": "restart_after_s", "engine_down_timeout": "all_down_timeout_s"},
         "",
     ),
-    "router": (RouterConfig, {}, "router_"),
+    "router": (RouterConfig, {"router_auth_token": "admin_api_key"}, "router_"),
     "weight sync": (
         WeightSyncConfig,
         {"update_weight_buffer_size": "bucket_bytes", "update_weight_timeout": "timeout_s"},

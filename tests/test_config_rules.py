@@ -62,6 +62,7 @@ ORDER = [
     "schedule",
     "off_policy_drop",
     "loss",
+    "debug_modes",
     "lr",
     "run_kind",
     "behavior_forward",
@@ -74,7 +75,7 @@ ORDER = [
     "engines",
     "placement",
     "cache_salt",
-    "shared_token",
+    "keys",
     "warmstart",
     "engine",
     "lora",
@@ -403,16 +404,23 @@ def test_cache_salt_by_backend():
     assert embedded.args.router_cache_salt is False
 
 
-def test_shared_token_is_one_and_needed_to_join_a_cluster():
-    with pytest.raises(ValueError, match="needs the run's shared token"):
-        serving.shared_token(draft(env=dataclasses.replace(ENV, ray_address="h:1")))
-    with pytest.raises(ValueError, match="differs from the run's shared token"):
-        serving.shared_token(
+def test_the_run_holds_the_admin_key_and_mints_a_data_plane_key():
+    with pytest.raises(ValueError, match="needs the run's admin key"):
+        serving.keys(draft(env=dataclasses.replace(ENV, ray_address="h:1")))
+    with pytest.raises(ValueError, match="differs from the run's admin key"):
+        serving.keys(
             draft("--router-auth-token", "a", env=dataclasses.replace(ENV, auth_token="b"))
         )
-    d = draft(env=dataclasses.replace(ENV, auth_token="t0k"))
-    serving.shared_token(d)
-    assert d.token == "t0k" == d.router.auth_token
+    with pytest.raises(ValueError, match="would also open the control routes"):
+        serving.keys(draft(env=dataclasses.replace(ENV, api_key="d4ta")))
+    d = draft(env=dataclasses.replace(ENV, auth_token="t0k"), engines=EngineFleetConfig())
+    serving.keys(d)
+    assert d.admin_api_key == "t0k" == d.router.admin_api_key
+    assert d.api_key == d.router.api_key and len(d.api_key) > 20  # minted for this run
+    assert d.api_key not in why(d, "--api-key-file")  # the record never holds the key
+    given = draft(env=dataclasses.replace(ENV, auth_token="t0k", api_key="d4ta"), engines=None)
+    serving.keys(given)
+    assert given.api_key == "d4ta" and "--api-key-file" not in given.flags.derived
 
 
 def test_warmstart_only_for_a_fresh_embedded_run():
@@ -426,15 +434,50 @@ def test_warmstart_only_for_a_fresh_embedded_run():
     )
 
 
-def test_engine_threads_follow_the_placement():
-    d = draft(placement=Placement(colocate=False))
+def _engine_draft(*argv: str, env: Environment = ENV, **facts: object) -> Draft:
+    """A draft as the `engine` rule finds it (the rules it reads have run)."""
+    d = draft(*argv, env=env, **{"placement": Placement(colocate=False), **facts})
+    d.embedded = not argv
+    d.engines = EngineFleetConfig.from_args(d.args)
     d.rollout = rollout_config_from_args(d.args)
+    return d
+
+
+def test_engine_threads_follow_the_placement():
+    d = _engine_draft()
     serving.engine(d)
     assert d.engine.num_threads == 1
-    shared = draft(placement=Placement(colocate=True))
-    shared.rollout = rollout_config_from_args(shared.args)
+    shared = _engine_draft(placement=Placement(colocate=True))
     serving.engine(shared)
     assert shared.engine.num_threads is None
+
+
+@pytest.mark.parametrize(
+    "argv, env, value, reason",
+    [
+        ((), ENV, "bf16", "the mismatch its CompIS corrects"),
+        (USER, dataclasses.replace(ENV, cpu_bf16="avx512_bf16"), "bf16", "the CPU has avx512_bf16"),
+        (USER, ENV, "fp32", "no AMX/AVX512_BF16 (bf16 matmuls would be emulated)"),
+        (USER, dataclasses.replace(ENV, ray_address="10.0.0.2:6379"), "bf16", "not read here"),
+    ],
+)
+def test_engine_dtype_from_the_cpu_and_the_run_kind(argv, env, value, reason):
+    """`--engine-dtype` as rule `bf16` derives `--bf16`: from the CPU's native bf16 for a user's
+    model; bf16 for the embedded default run and where the engines' nodes are not this one."""
+    d = _engine_draft(*argv, env=env)
+    serving.engine(d)
+    assert d.engine.dtype == value and reason in why(d, "--engine-dtype")
+
+
+def test_engine_dtype_given_is_kept_and_only_embedded_engines_derive_it():
+    bf16_cpu = dataclasses.replace(ENV, cpu_bf16="amx_bf16")
+    for env, value in ((ENV, "bf16"), (bf16_cpu, "fp32")):  # against what the CPU derives
+        given = _engine_draft(*USER, "--engine-dtype", value, env=env)
+        serving.engine(given)
+        assert given.engine.dtype == value and "--engine-dtype" not in given.flags.derived
+    ext = _engine_draft(*USER, "--engine-backend", "external", "--engine-urls", "http://h:1")
+    serving.engine(ext)
+    assert "--engine-dtype" not in ext.flags.derived  # servers the run does not start
 
 
 def _lora_draft(*argv: str, targets: tuple[str, ...]) -> Draft:
@@ -494,7 +537,8 @@ def test_weight_dtype_travels_as_the_engines_serve_unless_the_role_reads_disk():
 
 
 # ------------------------------------------------------------------------------- memory.py
-ASYNC = (*USER, "--keep-old-actor")
+ASYNC = (*USER, "--keep-old-actor", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024")
+"""Micro-batching given, so the memory rule derives none and only its role fallback is seen."""
 
 
 def _validate(*argv: str, memory: int | None):
@@ -520,3 +564,15 @@ def test_memory_refuses_a_run_that_cannot_fit():
     d.env = dataclasses.replace(d.env, memory_bytes=2 * 1024**3)
     with pytest.raises(ValueError, match=r"would not fit .*--bf16"):
         memory.memory(d)
+
+
+def test_a_derived_micro_batch_gives_what_validating_with_it_given_gives():
+    argv = (*USER, "--keep-old-actor")
+    cfg = _validate(*argv, memory=64 * 1024**3)
+    n = cfg.trainer.max_tokens_per_gpu
+    given = _validate(
+        *argv, "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(n), memory=None
+    )
+    assert dataclasses.replace(cfg.trainer) == given.trainer
+    assert cfg.derived["--use-dynamic-batch-size"].value is True
+    assert "fits" in cfg.derived["--max-tokens-per-gpu"].why

@@ -112,7 +112,7 @@ def test_slime_flags_keep_slime_meanings(tmp_path):
     [
         (["--advantage-estimator", "gspo"], "--advantage-estimator grpo --loss gspo"),
         (["--advantage-estimator", "ppo"], "no critic"),
-        (["--loss-type", "sft_loss"], "no SFT loss"),
+        (["--loss-type", "sft_loss", "--loss", "ppo"], "sft_loss selects --loss sft"),
         (["--loss-type", "custom_loss"], "needs --custom-loss-function-path"),
         (
             [

@@ -2,7 +2,8 @@
 
 * greedy tokens (and log-probs) under an adapter equal `peft.PeftModel`'s on the same base;
   a request without `lora_path` is served by the base;
-* a corrupted, wrong-shape, too-high-rank or pickled adapter is refused (400) and the adapter
+* a corrupted, wrong-shape, too-high-rank or pickled adapter is refused (400; a wrong header
+  before any tensor is read) and the adapter
   already loaded keeps serving; `/load_lora_adapter_from_tensors` is refused;
 * an adapter a request names cannot be unloaded while it runs; unknown names are 400;
 * LoRA routes need the token on an engine that has one (401 without), the distributed adapter
@@ -182,6 +183,61 @@ async def test_bad_adapters_refused_old_keeps_serving(setup):
     assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
 
 
+async def test_a_wrong_adapter_is_refused_from_its_header_before_a_tensor_is_read(
+    setup, monkeypatch
+):
+    """Wrong shapes, an unexpected tensor, a rank above the engine's limit: each refused from
+    the safetensors header and adapter_config.json, with not one tensor read (the engine runs
+    in this process: the library's reads are counted)."""
+    import safetensors
+    from safetensors.torch import load_file, save_file
+
+    url, base, a1, _, d = setup
+    reads: list[str] = []
+    real_open = safetensors.safe_open
+
+    class Counting:
+        def __init__(self, *a, **kw):
+            self._h = real_open(*a, **kw)
+
+        def __enter__(self):
+            self._h.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._h.__exit__(*exc)
+
+        def get_tensor(self, k):
+            reads.append(k)
+            return self._h.get_tensor(k)
+
+        def __getattr__(self, name):
+            return getattr(self._h, name)
+
+    t = load_file(str(a1 / "adapter_model.safetensors"))
+    key = sorted(k for k in t if "lora_A" in k)[0]
+    cases = {
+        "shape": {**t, key: torch.zeros(4, 7)},
+        "unexpected": {**t, "base_model.model.model.layers.0.mlp.extra.lora_A.weight": t[key] + 0},
+    }
+    high = _adapter(base, d / "rank_above_max", seed=4, rank=128)  # the engine's max: 64
+    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    async with aiohttp.ClientSession() as s:
+        for why, tensors in cases.items():
+            bad = d / f"header_{why}"
+            bad.mkdir(exist_ok=True)
+            save_file(tensors, str(bad / "adapter_model.safetensors"))
+            (bad / "adapter_config.json").write_text((a1 / "adapter_config.json").read_text())
+            body = {"lora_name": f"h_{why}", "lora_path": str(bad)}
+            st, res = await post(s, url + "/load_lora_adapter", body)
+            assert st == 400 and why in res["error_message"], res
+        st, res = await post(
+            s, url + "/load_lora_adapter", {"lora_name": "h", "lora_path": str(high)}
+        )
+        assert st == 400 and "max LoRA rank" in res["error_message"], res
+    assert reads == []
+
+
 async def _wait_tokens(s: aiohttp.ClientSession, url: str, n: int) -> None:
     for _ in range(400):
         async with s.get(url + "/server_info") as r:
@@ -262,7 +318,7 @@ def _switched_logprobs(base, a1, a2, prompt, out, cut) -> torch.Tensor:
 
 async def test_lora_routes_need_the_token(setup, tmp_path):
     _, base, a1, _, _ = setup
-    cfg = EngineConfig(model_dir=str(base), dtype="fp32", enable_lora=True, auth_token="s3cret")
+    cfg = EngineConfig(model_dir=str(base), dtype="fp32", enable_lora=True, api_key="s3cret")
     srv = EngineServer(cfg)
     url = srv.start()
     try:

@@ -113,8 +113,10 @@ def test_full_command_maps_every_field() -> None:
         ({"node_rank": 1}, "node_rank"),
         ({"extra_args": ("--tp-size", "2")}, "repeat flags"),
         ({"extra_args": ("--port=1",)}, "repeat flags"),
-        ({"extra_args": ("--api-key", "x")}, "repeat flags"),
-        ({"host": "0.0.0.0"}, "SLIME_ASYNC_AUTH_TOKEN"),
+        ({"extra_args": ("--api-key", "x")}, "visible in `ps`"),
+        ({"host": "0.0.0.0"}, "SLIME_ASYNC_API_KEY"),
+        ({"api_key": "k", "admin_api_key": "k"}, "use two keys"),
+        ({"extra_args": ("--admin-api-key", "x")}, "SLIME_ASYNC_AUTH_TOKEN"),
     ],
 )
 def test_bad_config_names_the_problem(kwargs: dict, needle: str) -> None:

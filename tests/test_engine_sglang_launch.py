@@ -24,7 +24,7 @@ from slime_async.engine.sglang import SGLangConfig, SGLangServer, build_command
 from slime_async.orchestrator.placement import place_roles
 from slime_async.orchestrator.roles import Cluster, init_ray
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.own_ray]
 FAKE = Path(__file__).resolve().parent / "fake_sglang"
 REPO = FAKE.parents[1]
 TOKEN = "sglang-launch-token-abcdef0123456789"
@@ -78,7 +78,7 @@ def test_run_flags_reach_the_sglang_command() -> None:
     launch = EngineLaunch(
         index=1, model_dir="/w/v000000", weight_version=0, seed=7, host="10.0.0.2"
     )
-    engine = EngineConfig(host="127.0.0.1", auth_token=TOKEN)
+    engine = EngineConfig(host="127.0.0.1", api_key=TOKEN)
     cmd = build_command(sglang_config(engine, launch, port=30001, fleet=cfg.engines))
     text = " ".join(cmd)
     assert "--tp-size 4" in text and "--host 10.0.0.2" in text
@@ -147,14 +147,14 @@ async def test_sglang_engines_in_bundles_replaced_and_stopped_without_orphans(fa
         cpus_per_engine=1,
         use_gpus=False,
     )
-    engine = EngineConfig(auth_token=TOKEN, max_running_requests=8)
+    engine = EngineConfig(api_key=TOKEN, max_running_requests=8)
     cluster = await Cluster.start(
         backend=SGLangBackend(fleet, engine),
         num_engines=2,
         model_dir=model,
         version=0,
         seed=1,
-        router_cfg=RouterConfig(auth_token=TOKEN),
+        router_cfg=RouterConfig(api_key=TOKEN),
         rollout_cores=(),
         slots=placement.engines,
     )
@@ -168,7 +168,8 @@ async def test_sglang_engines_in_bundles_replaced_and_stopped_without_orphans(fa
             assert argv[-2:] == ["--api-key", TOKEN]  # added inside the process ...
             assert TOKEN not in rec["cmdline"]  # ... never on its command line
         assert sorted(cluster.engine_pids) == sorted(r["pid"] for r in recs)
-        assert await _generate(cluster.router_url) == 200  # the router presents the token
+        assert await _generate(cluster.router_url) == 401  # the router asks for the key ...
+        assert await _generate(cluster.router_url, TOKEN) == 200  # ... and presents it
         assert await _generate(cluster.engine_urls[0]) == 401
         assert await _generate(cluster.engine_urls[0], TOKEN) == 200
 
@@ -319,8 +320,10 @@ def test_the_docs_gpu_recipe_derives_what_it_says() -> None:
     assert cfg.engines.backend == "sglang" and cfg.engines.num_engines == 4
     assert cfg.engines.gpus_per_engine == 2 and cfg.engines.start_timeout_s == 1200
     assert cfg.trainer.world_size == 8 and cfg.trainer.data_parallel_size == 4
-    assert cfg.ray_address == "10.0.0.1:6379" and cfg.engine.auth_token == TOKEN
-    assert cfg.router.auth_token == TOKEN and not cfg.trainer_cores  # cores: per node
+    assert cfg.ray_address == "10.0.0.1:6379" and cfg.engine.admin_api_key == TOKEN
+    assert cfg.router.admin_api_key == TOKEN and not cfg.trainer_cores  # cores: per node
+    # the data-plane key the run minted: the router's and the engines', never the admin key
+    assert cfg.engine.api_key == cfg.router.api_key and cfg.engine.api_key not in (None, TOKEN)
     # SGLang's radix cache is salted per push (router/cache_salt.py), and the run says so
     assert cfg.router.cache_salt and cfg.derived["--router-cache-salt"].value is True
     launch = EngineLaunch(
@@ -445,7 +448,7 @@ def test_sglang_python_runs_the_server(fake_sglang, tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     launch = EngineLaunch(index=0, model_dir=str(model), weight_version=0, seed=1)
-    sg = sglang_config(EngineConfig(auth_token=TOKEN), launch, port=port, fleet=cfg.engines)
+    sg = sglang_config(EngineConfig(api_key=TOKEN), launch, port=port, fleet=cfg.engines)
     srv = SGLangServer(sg, log_path=str(tmp_path / "server.log"))
     try:
         srv.start(timeout=120)
@@ -470,7 +473,11 @@ def test_token_shim_needs_only_the_standard_library(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("")
     (pkg / "launch_server.py").write_text("import sys; print(' '.join(sys.argv[1:]))\n")
     shim = REPO / "slime_async/engine/sglang_launch.py"
-    env = {"PATH": os.environ["PATH"], "SLIME_ASYNC_SGLANG_API_KEY": "k"}
+    env = {
+        "PATH": os.environ["PATH"],
+        "SLIME_ASYNC_SGLANG_API_KEY": "k",
+        "SLIME_ASYNC_SGLANG_ADMIN_API_KEY": "a",
+    }
     res = subprocess.run(
         [sys.executable, "-S", str(shim), "sglang.launch_server", "--port", "1"],
         capture_output=True,
@@ -480,4 +487,4 @@ def test_token_shim_needs_only_the_standard_library(tmp_path: Path) -> None:
         timeout=60,
     )
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["--port", "1", "--api-key", "k"]
+    assert res.stdout.split() == ["--port", "1", "--api-key", "k", "--admin-api-key", "a"]

@@ -107,3 +107,26 @@ async def test_a_good_export_still_loads_after_refusals(engine, tmp_path) -> Non
     assert st == 200 and res["success"], res
     assert after["meta_info"]["weight_version"] == "5"
     assert after["output_ids"] != before["output_ids"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_finite_check_finds_every_nan_and_infinity(dtype) -> None:
+    """`all_finite` (one `aminmax` pass, what every receiver runs) finds a NaN or an infinity
+    at any position, in the vectorised body and the tail, and in a strided view."""
+    from slime_async.contracts.weights import all_finite
+
+    for n in (1, 7, 16, 33, 64, 129, 1000):
+        base = torch.randn(n).to(dtype)
+        assert all_finite(base)
+        for i in range(n):
+            for v in (float("nan"), float("inf"), float("-inf")):
+                t = base.clone()
+                t[i] = v
+                assert not all_finite(t), (dtype, n, i, v)
+    big = torch.randn(1 << 20).to(dtype)
+    big[(1 << 20) - 3] = float("nan")
+    assert not all_finite(big) and all_finite(big[:-3])
+    m = torch.randn(64, 64).to(dtype)
+    m[3, 5] = float("inf")
+    assert not all_finite(m.t()) and all_finite(m[:, 6:])
+    assert all_finite(torch.empty(0, dtype=dtype)) and all_finite(torch.arange(5))

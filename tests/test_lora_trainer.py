@@ -314,6 +314,31 @@ def test_export_merged_and_peft_adapter(tmp_path):
         assert (logprobs(m) - lp[:, 1:])[mask].abs().max() <= 1e-4, adapter
 
 
+def test_save_hf_never_replaces_a_users_adapter_directory(tmp_path):
+    """At write time too (the directory filled after the flags were parsed): a `DIR-adapter`
+    holding the user's files stops the save before either directory is written; once it is
+    the run's own, a save replaces it."""
+    from slime_async.contracts.adapter import adapter_dir
+    from slime_async.trainer.hf_save import MARKER
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    tr = MegatronTrainer(_cfg(save_hf=str(tmp_path / "hf")), LLAMA)
+    try:
+        mine = adapter_dir(tmp_path / "hf")
+        mine.mkdir()
+        (mine / "adapter_model.safetensors").write_bytes(b"the user's")
+        with pytest.raises(FileExistsError, match="not written by --save-hf"):
+            tr.save_hf()
+        assert (mine / "adapter_model.safetensors").read_bytes() == b"the user's"
+        assert not (tmp_path / "hf").exists()  # nothing written
+        (mine / "adapter_model.safetensors").unlink()
+        tr.save_hf()
+        tr.save_hf()  # its own output: replaced
+        assert (mine / MARKER).is_file() and (tmp_path / "hf" / MARKER).is_file()
+    finally:
+        tr.shutdown()
+
+
 def test_bf16_base_fp32_adapters():
     """--bf16: the base is bf16, the adapters stay fp32 parameters and train."""
     from slime_async.trainer import lora

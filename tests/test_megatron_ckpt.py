@@ -29,7 +29,7 @@ def _trainer(spec=TINY_MOE, **kw):
 
 
 def _slime_converted(tr, root: Path) -> Path:
-    """What slime's HF-to-torch_dist converter leaves: the tracker file saying `release`, and
+    """What slime's convert_hf_to_torch_dist script leaves: the tracker file saying `release`, and
     `release/` written by megatron's dist_checkpointing from the model's sharded state dict."""
     from megatron.core import dist_checkpointing
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from slime_async.config import Environment, build_parser, validate
-from slime_async.config.memory_plan import MEMORY_FRACTION, param_count
-from slime_async.config.rules.memory import memory_parts
+from slime_async.config.memory_plan import MEMORY_FRACTION, RUNTIME, param_count
+from slime_async.config.rules.memory import MICRO_BATCH_TOKENS, memory_parts, run_shape
 from slime_async.contracts.model import SMOLLM2_135M, TINY_MOE, ModelSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,6 +20,9 @@ torch.set_num_threads(1)
 
 SMOLLM2 = SMOLLM2_135M
 ASYNC = ("--hf-checkpoint", "/m", "--prompt-data", "t.jsonl", "--keep-old-actor")
+BATCH = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024")
+"""Micro-batching given: the plan derives none (the role fallback alone is tested)."""
+GIB = 1024**3
 
 
 def _cfg(*argv: str, memory: int | None):
@@ -38,13 +41,13 @@ def test_param_count_matches_built_models():
 
 
 def test_a_role_that_would_not_fit_is_derived_away_with_the_numbers():
-    free = _cfg(*ASYNC, memory=None)
+    free = _cfg(*ASYNC, *BATCH, memory=None)
     assert free.trainer.behavior_forward == "role"  # what the run derives with room to spare
-    lean = _cfg(*ASYNC, "--behavior-forward", "trainer", memory=None)
+    lean = _cfg(*ASYNC, *BATCH, "--behavior-forward", "trainer", memory=None)
     need_role, need_trainer = (sum(memory_parts(c).values()) for c in (free, lean))
     assert need_trainer < need_role
     memory = int((need_role + need_trainer) / 2 / MEMORY_FRACTION)
-    cfg = _cfg(*ASYNC, memory=memory)
+    cfg = _cfg(*ASYNC, *BATCH, memory=memory)
     assert cfg.trainer.behavior_forward == "trainer"
     why = cfg.derived["--behavior-forward"].why
     assert "would not fit" in why and "GiB" in why and "role" in why
@@ -57,24 +60,159 @@ def test_a_role_that_would_not_fit_is_derived_away_with_the_numbers():
 def test_a_run_that_cannot_fit_is_refused_with_the_numbers_and_a_given_role_is_kept():
     with pytest.raises(ValueError, match=r"would not fit .*trainer .* GiB .*--bf16"):
         _cfg(*ASYNC, memory=2 * 1024**3)
-    free = _cfg(*ASYNC, memory=None)
+    free = _cfg(*ASYNC, *BATCH, memory=None)
     memory = int(sum(memory_parts(free).values()) / MEMORY_FRACTION) - 1
     with pytest.raises(ValueError, match="role"):  # the user asked for the role: refused
-        _cfg(*ASYNC, "--behavior-forward", "role", memory=memory)
+        _cfg(*ASYNC, *BATCH, "--behavior-forward", "role", memory=memory)
     assert _cfg(*ASYNC, memory=64 * 1024**3).trainer.behavior_forward == "role"
 
 
 def test_with_lora_the_role_holds_the_base_once_and_an_adapter_per_version():
-    from slime_async.config.memory_plan import RunShape, role_bytes
+    from slime_async.config.memory_plan import RUNTIME, RunShape, forward_bytes, process_bytes
     from slime_async.contracts.adapter import LoraSpec, adapter_numel
 
     lora = LoraSpec(rank=8, alpha=16.0)
     a, n = adapter_numel(SMOLLM2, lora), param_count(SMOLLM2)
-    shape = RunShape(params=n, role_versions=3, trainer_snapshots=0, adapter_params=a)
-    assert role_bytes(shape)["role"] == 4 * n + 4 * a * (1 + 3)
-    full = role_bytes(dataclasses.replace(shape, adapter_params=0))
-    assert full["role"] == 4 * n * 4 and role_bytes(shape)["trainer"] < full["trainer"]
+    shape = RunShape(spec=SMOLLM2, role_versions=3, trainer_snapshots=0, adapter_params=a)
+    role = RUNTIME["role"]
+    flight = 4 * a  # the adapter of a version in flight (fp32 on the wire)
+    assert process_bytes(shape)["role"] == role + 4 * n + 4 * a * (1 + 3) + flight
+    full = process_bytes(dataclasses.replace(shape, adapter_params=0))
+    assert full["role"] == role + 4 * n * 4 + 4 * n  # the whole model in flight
+    assert process_bytes(shape)["trainer"] < full["trainer"]
     cfg = _cfg(*ASYNC, "--lora-rank", "8", "--behavior-forward", "role", memory=None)
     parts = memory_parts(cfg)
-    want = 4 * n + 4 * a * (1 + cfg.trainer.max_snapshots)
-    assert parts["role"] == want
+    fwd = forward_bytes(SMOLLM2, run_shape(cfg).micro_batch_tokens, bf16=cfg.trainer.bf16)
+    wire = run_shape(cfg).wire_bytes
+    want = role + 4 * n + 4 * a * (1 + cfg.trainer.max_snapshots) + wire * a
+    assert parts["role"] - fwd == want
+
+
+def _need(*argv: str) -> int:
+    return sum(memory_parts(_cfg(*ASYNC, *argv, memory=None)).values())
+
+
+def _limit_gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.4f}"
+
+
+def test_a_cpu_trainer_gets_the_largest_micro_batch_that_fits_its_memory_limit():
+    roomy = _cfg(*ASYNC, memory=64 * GIB)
+    assert roomy.trainer.use_dynamic_batch_size
+    assert roomy.trainer.max_tokens_per_gpu == MICRO_BATCH_TOKENS[0]
+    assert roomy.trainer.recompute_granularity is None
+    assert "fits" in roomy.derived["--max-tokens-per-gpu"].why
+    big, small = MICRO_BATCH_TOKENS[0], MICRO_BATCH_TOKENS[-1]
+    flags = ("--use-dynamic-batch-size", "--max-tokens-per-gpu")
+    need = {n: _need(*flags, str(n)) for n in (big, small)}
+    assert need[small] < need[big]  # activations are counted
+    between = _limit_gib((need[small] + need[big]) // 2)
+    cfg = _cfg(*ASYNC, "--memory-limit-gib", between, memory=64 * GIB)
+    assert small <= cfg.trainer.max_tokens_per_gpu < big
+    assert cfg.trainer.recompute_granularity is None
+    assert cfg.memory_limit_gib == float(between)
+    rc = ("--recompute-granularity", "full", "--recompute-method", "uniform")
+    need_rc = _need("--use-dynamic-batch-size", "--max-tokens-per-gpu", str(big), *rc,
+                    "--recompute-num-layers", "1")  # fmt: skip
+    smallest = _need(
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(MICRO_BATCH_TOKENS[-1])
+    )
+    assert need_rc < smallest
+    tight = _cfg(*ASYNC, "--memory-limit-gib", _limit_gib((need_rc + smallest) // 2), memory=None)
+    assert tight.trainer.recompute_granularity == "full" and tight.trainer.max_tokens_per_gpu == big
+    assert "recompute" in tight.derived["--max-tokens-per-gpu"].why
+
+
+def test_a_given_micro_batch_is_kept_and_refused_with_the_numbers_when_it_cannot_fit():
+    given = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096")
+    cfg = _cfg(*ASYNC, *given, memory=64 * GIB)
+    assert cfg.trainer.max_tokens_per_gpu == 4096 and "--max-tokens-per-gpu" not in cfg.derived
+    small = _limit_gib(_need(*given, "--behavior-forward", "trainer") - GIB)
+    with pytest.raises(ValueError, match=r"would not fit .* GiB of .*--max-tokens-per-gpu"):
+        _cfg(*ASYNC, *given, "--memory-limit-gib", small, memory=64 * GIB)
+
+
+def test_a_gpu_trainer_trains_bf16_and_is_checked_against_its_gpu():
+    env = Environment(
+        model=SMOLLM2, cpus=(0, 1), memory_bytes=8 * GIB, gpu_memory_bytes=(80 * GIB,)
+    )
+    cfg = validate(build_parser().parse_args(list(ASYNC)), env)
+    assert cfg.trainer.bf16 and "GPUs" in cfg.derived["--bf16"].why
+    host = memory_parts(cfg, trainer_on_gpu=True)
+    assert host["trainer"] == RUNTIME["trainer"]  # its model state is on the GPU, not in RAM
+    assert "--max-tokens-per-gpu" not in cfg.derived  # micro-batches are derived for CPUs only
+    small = dataclasses.replace(env, gpu_memory_bytes=(1 * GIB,))
+    with pytest.raises(ValueError, match=r"would not fit on its GPU: .* GiB"):
+        validate(build_parser().parse_args(list(ASYNC)), small)
+    cpu_env = dataclasses.replace(env, gpu_memory_bytes=(), memory_bytes=64 * GIB)
+    cpu = validate(build_parser().parse_args(list(ASYNC)), cpu_env)
+    assert not cpu.trainer.bf16  # no CPU bf16 feature in this environment
+
+
+_MEASURE = r"""
+import json, sys, threading, time
+import torch
+torch.set_num_threads(1)
+from slime_async.contracts.model import ModelSpec
+from slime_async.trainer.config import TrainerConfig
+from slime_async.trainer.testing import random_batch
+from slime_async.trainer.trainer import MegatronTrainer
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+peak = [0]
+def sample():
+    while True:
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+
+args = json.loads(sys.argv[1])
+spec = ModelSpec.from_dict(args["spec"])
+cfg = TrainerConfig(lr=1e-6, seed=0, bf16=False, use_dynamic_batch_size=True,
+                    max_tokens_per_gpu=args["tokens"])
+import megatron.core.distributed, megatron.core.models.gpt, megatron.core.optimizer  # runtime
+warm = MegatronTrainer(cfg, ModelSpec(**{**args["spec"], "num_layers": 1, "vocab_size": 64}))
+del warm
+before = rss()  # the runtime (imports, process groups) is in, no model yet
+tr = MegatronTrainer(cfg, spec)
+n = args["tokens"] // 128
+b = random_batch(spec, batch=n, width=128, prompt=16, seed=1)
+tr.train_step(b)  # Adam's moments exist from here on
+static = rss()
+threading.Thread(target=sample, daemon=True).start()
+time.sleep(0.05)
+peak[0] = 0
+tr.train_step(b)
+print("RESULT " + json.dumps({"state": static - before, "transient": peak[0] - static,
+                              "tokens": n * 128}))
+"""
+
+
+def test_the_plan_predicts_a_real_train_steps_memory():
+    """A real (small) trainer in a fresh process, glibc's mmap threshold fixed so freed tensors
+    leave the process: its model state within 15% of `trainer_state_bytes` and the step's
+    transient peak within 15% of `activation_bytes` (the allocator's slack is measured apart,
+    docs/cpu.md#memory)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from slime_async.config.memory_plan import RunShape, activation_bytes, trainer_state_bytes
+
+    spec = ModelSpec(family="llama", vocab_size=16384, hidden_size=512, num_layers=6,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                     intermediate_size=1536, tie_word_embeddings=True)  # fmt: skip
+    arg = json.dumps({"spec": spec.to_dict(), "tokens": 1024})
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", _MEASURE, arg], capture_output=True, text=True,
+                       env=env, timeout=300, check=False)  # fmt: skip
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, p.stderr[-3000:]
+    got = json.loads(line[0][len("RESULT ") :])
+    state = trainer_state_bytes(RunShape(spec=spec))
+    act = activation_bytes(spec, got["tokens"], bf16=False)
+    assert 0.85 < got["state"] / state < 1.15, (got, state)
+    assert 0.85 < got["transient"] / act < 1.15, (got, act)

@@ -127,7 +127,8 @@ def test_wandb_gets_the_run_config_and_a_resume_continues_the_same_run(
         config = r["config"]
         assert config["flags"]["use_wandb"] is True and config["flags"]["wandb_group"] == "ablation"
         assert config["run_dir"] == str(run_dir)
-        assert config["engine"]["auth_token"] == "<set>"  # redacted, as in config.json
+        assert config["engine"]["admin_api_key"] == "<set>"  # redacted, as in config.json
+        assert config["engine"]["api_key"] == "<set>"  # the minted data-plane key too
         assert config["loggers"]["use_wandb"] is True
     assert runs[0]["steps"] == [1, 2, 3] and runs[1]["steps"][-1] == 5
 
@@ -144,12 +145,12 @@ def test_a_new_run_in_a_reused_run_dir_starts_its_own_wandb_run_and_metrics(
     A's metrics.jsonl and wandb run id are set aside (kept), B logs into a new wandb run and a
     new metrics.jsonl; B resumed (--load) continues both."""
     from slime_async.metrics.history import read_metrics
-    from slime_async.orchestrator.launch import _logger
+    from slime_async.orchestrator.launch import run_logger
 
     run_dir = tmp_path / "run"
     cfg = parse_config(["--run-dir", str(run_dir), "--use-wandb"])
     a = _log_steps(run_dir, cfg, range(1, 6))
-    with caplog.at_level("WARNING"), _logger(cfg) as logger:  # as launch.py builds it: fresh
+    with caplog.at_level("WARNING"), run_logger(cfg) as logger:  # as launch.py builds it: fresh
         for k in (1, 2):
             logger.log(k, {"rollout/reward": 0.5})
         b = logger.sinks[-1].run_id

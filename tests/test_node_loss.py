@@ -186,6 +186,41 @@ def test_trainer_node_loss_stops_with_a_reason_and_load_finishes(
         shutil.rmtree(save.parent, ignore_errors=True)
 
 
+def test_trainer_node_loss_without_save_ends_the_process_within_a_bound(
+    nodes: TwoNodes, tmp_path: Path
+) -> None:
+    """The reported shape: one trainer rank and one engine on each node, the distributed
+    transport, no --save; node B killed after step 3. The driver ends with status 3 and its one
+    line within the stop's bound (it used to hang at times, a survivor blocked in a call that
+    never returns), and leaves no process of the run behind on node A."""
+    from slime_async.orchestrator.stop import STOP_BOUND_S
+
+    run_dir = tmp_path / "run"
+    argv = _argv(run_dir, 40, nodes.ip_a, *TWO_TRAINER_NODES, "--warmstart-steps", "0")
+    env = {**nodes.env, "SLIME_ASYNC_AUTH_TOKEN": TOKEN}
+    proc = nodes.popen(argv, env=env, log=tmp_path / "killed.log")
+    try:
+        _wait_steps(run_dir, 3, proc)
+        roles = json.loads((run_dir / "roles.json").read_text())
+        assert sorted(u.split("//")[1].split(":")[0] for u in roles["engine_urls"]) == sorted(
+            [nodes.ip_a, nodes.ip_b]
+        )
+        assert nodes.kill_b() > 0
+        t0 = time.monotonic()
+        rc = proc.wait(STOP_BOUND_S + 60)  # finding the lost rank (<= 20 s) + the bound
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp_path / "killed.log").read_text()
+    assert rc == 3, out[-6000:]
+    stops = [x for x in out.splitlines() if x.startswith("train_async: stopped:")]
+    assert len(stops) == 1, out[-6000:]
+    assert stops[0].startswith("train_async: stopped: lost trainer rank 1 on node "), stops[0]
+    assert nodes.ip_b in stops[0] and "no --save" in stops[0], stops[0]
+    assert took < STOP_BOUND_S + 60, took
+
+
 ONE_TRAINER_NODE = ("--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2")
 ONE_TRAINER_NODE += ("--actor-num-cpus-per-rank", "1")
 

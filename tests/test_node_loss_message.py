@@ -10,7 +10,11 @@ import json
 import shlex
 from pathlib import Path
 
+import pytest
+
 from slime_async.orchestrator.node_loss import last_checkpoint, resume_command, trainer_lost_message
+
+pytestmark = pytest.mark.own_ray  # a Ray node of its own size
 
 ARGV = ["train_async.py", "--num-steps", "8", "--load", "/old", "--save", "/ck", "--load=/x"]
 LOST = [(1, "10.0.0.2", "its actor is gone (ActorDiedError)")]
@@ -74,7 +78,6 @@ class _Rank:
 
 def test_a_dead_rank_is_found_and_the_first_failure_raises_at_once() -> None:
     """`TrainerGroup._all` and `ranks_lost` on real Ray actors (a local Ray node)."""
-    import pytest
     import ray
 
     from slime_async.trainer.actor import TrainerGroup
@@ -95,3 +98,119 @@ def test_a_dead_rank_is_found_and_the_first_failure_raises_at_once() -> None:
         assert "its actor is gone" in lost[0][2]
     finally:
         ray.shutdown()
+
+
+# ------------------------------------------------------------------- a stop that stops
+_DRIVER = """
+import asyncio, sys, threading
+import slime_async.config
+from slime_async.orchestrator import controller, stop
+from slime_async.orchestrator.node_loss import TrainerLostError
+
+stop.STOP_BOUND_S = float(sys.argv[2])
+WHY = "lost trainer rank 1 on node 10.0.0.2: its actor is gone, with 3 step(s) trained"
+
+async def survivors_blocked(cfg, *, on_stop=None):
+    # a survivor's call that never returns, in a plain thread and in the loop's executor
+    threading.Thread(target=threading.Event().wait, name="survivor").start()
+    if sys.argv[1] == "teardown-hangs":
+        asyncio.get_running_loop().run_in_executor(None, threading.Event().wait)
+    if on_stop is not None:
+        on_stop(WHY)
+    if sys.argv[1] == "teardown-hangs":
+        await asyncio.sleep(3600)  # closing the run never finishes
+    raise TrainerLostError(WHY)
+
+slime_async.config.parse_config = lambda argv: None
+controller.train = survivors_blocked
+import train_async
+sys.exit(train_async.main([]))
+"""
+
+
+def test_a_stop_ends_the_process_within_its_bound_whatever_survivors_block_in() -> None:
+    """`train_async.main` on a run whose survivors never return (a non-daemon thread, an
+    executor thread, a teardown that never finishes): the reason once, status 3, within the
+    bound (the interpreter would join those threads forever)."""
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    t0 = time.monotonic()
+    procs = {
+        mode: subprocess.Popen(
+            [sys.executable, "-c", _DRIVER, mode, bound],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for mode, bound in (("stop-raises", "600"), ("teardown-hangs", "4"))
+    }
+    try:
+        for mode, proc in procs.items():
+            _out, err = proc.communicate(timeout=120)
+            lines = [x for x in err.splitlines() if x.startswith("train_async: stopped:")]
+            assert proc.returncode == 3, (mode, err[-3000:])
+            assert lines == [
+                "train_async: stopped: lost trainer rank 1 on node 10.0.0.2: its "
+                "actor is gone, with 3 step(s) trained"
+            ], (mode, err[-3000:])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    assert time.monotonic() - t0 < 100  # a 600 s bound unused: the raise ends it at once
+
+
+async def test_losing_the_node_of_the_last_engine_stops_the_run_at_once() -> None:
+    """The supervisor over a cluster whose only engine's node is lost with no room elsewhere:
+    `failed` with a reason naming the node, without waiting out the all-down timeout."""
+    import asyncio
+    import dataclasses
+
+    from slime_async.config.supervision import SupervisorConfig
+    from slime_async.orchestrator.supervisor import EngineSupervisor
+
+    class Control:
+        async def list_workers(self) -> list[dict]:
+            return [{"url": u, "is_healthy": False, "state": "quarantined"} for u in urls]
+
+    class Backend:
+        can_restart = True
+
+    @dataclasses.dataclass
+    class LostCluster:  # the slice of `roles.Cluster` the supervisor calls
+        engines: list[str]
+        control: Control = dataclasses.field(default_factory=Control)
+        backend: Backend = dataclasses.field(default_factory=Backend)
+        pending: set[str] = dataclasses.field(default_factory=set)
+
+        @property
+        def engine_urls(self) -> list[str]:
+            return list(self.engines)
+
+        async def engine_alive(self, i: int) -> bool:
+            return False
+
+        async def lost_node(self, i: int) -> str:
+            return "10.0.0.2"
+
+        async def relocate(self, i: int, *, timeout_s: float) -> None:
+            return None
+
+        async def drop_engine(self, i: int) -> str:
+            return self.engines.pop(i)
+
+    urls = ["http://10.0.0.2:30000"]
+    cluster = LostCluster(engines=list(urls))
+    cfg = SupervisorConfig(all_down_timeout_s=3600, interval_s=0.05, relocate_wait_s=0.1)
+    sup = EngineSupervisor(cluster, cfg, current_weights=lambda: (Path("/w"), 0))  # type: ignore[arg-type]
+    sup.start()
+    try:
+        await asyncio.wait_for(sup.failed.wait(), 10)
+    finally:
+        await sup.stop()
+    assert "no rollout engine is left" in sup.reason and "node 10.0.0.2" in sup.reason
+    assert sup.dropped == 1 and not cluster.engines

@@ -28,7 +28,7 @@ def chat_engines(tmp_path_factory):
         str(tmp_path_factory.mktemp("chat") / "m"), template=THINKING_SWITCH_TEMPLATE
     )
     cfg = engine_mod.EngineConfig(
-        num_threads=1, model_dir=d, dtype="fp32", auth_token=TOKEN, weight_version="0"
+        num_threads=1, model_dir=d, dtype="fp32", api_key=TOKEN, weight_version="0"
     )
     servers = [engine_mod.EngineServer(cfg) for _ in range(2)]
     try:
@@ -41,7 +41,7 @@ def chat_engines(tmp_path_factory):
 @pytest.fixture()
 async def router_url(chat_engines):
     urls, _ = chat_engines
-    router = Router(RouterConfig(worker_urls=tuple(urls), health_interval_s=0.2, auth_token=TOKEN))
+    router = Router(RouterConfig(worker_urls=tuple(urls), health_interval_s=0.2, api_key=TOKEN))
     url = await router.start()
     try:
         yield url, router

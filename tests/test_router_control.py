@@ -202,9 +202,11 @@ async def test_update_refused_by_every_engine_quarantines_none() -> None:
             await e.stop()
 
 
-async def test_token_guards_management_and_control_routes() -> None:
+async def test_keys_guard_management_control_and_data_routes() -> None:
     engines = await _engines(1)
-    router = Router(RouterConfig(worker_urls=(engines[0].url,), auth_token="s3cret"))
+    router = Router(
+        RouterConfig(worker_urls=(engines[0].url,), api_key="d4ta", admin_api_key="s3cret")
+    )
     url = await router.start()
     try:
         await _wait(lambda: len(router.registry.healthy()) == 1)
@@ -215,14 +217,16 @@ async def test_token_guards_management_and_control_routes() -> None:
                 ("POST", "/pause_generation"),
                 ("POST", "/update_weights_from_disk"),
             ]:
-                r = await s.request(method, url + path, json={})
-                assert r.status == 401, path
-                assert "Bearer" in (await r.json())["error"]["message"]
-            bad = await s.get(url + "/workers", headers={"Authorization": "Bearer nope"})
-            assert bad.status == 401
+                for token in (None, "nope", "d4ta"):  # the data-plane key changes nothing
+                    auth = {"Authorization": f"Bearer {token}"} if token else {}
+                    r = await s.request(method, url + path, json={}, headers=auth)
+                    assert r.status == 401, (path, token)
+                    assert "admin key" in (await r.json())["error"]["message"]
             assert engines[0].control_calls == []
-            # data-plane routes stay open
-            assert (await s.post(url + "/generate", json={"text": "x"})).status == 200
+            # the data plane needs the data-plane key, on loopback too
+            assert (await s.post(url + "/generate", json={"text": "x"})).status == 401
+            data = {"Authorization": "Bearer d4ta"}
+            assert (await s.post(url + "/generate", json={"text": "x"}, headers=data)).status == 200
         async with RouterClient(url, token="s3cret") as rc:
             assert len(await rc.list_workers()) == 1
             assert (await rc.flush_cache())["succeeded"] == 1

@@ -189,7 +189,7 @@ async def test_deeply_nested_json_is_a_400_at_the_engine(two_engines) -> None:
 @pytest.mark.parametrize("token", ["", "   ", "\t\n", " secret", "secret\n"])
 def test_blank_or_padded_router_token_is_refused(token: str) -> None:
     with pytest.raises(ValueError, match="whitespace"):
-        validate_config(RouterConfig(auth_token=token))
+        validate_config(RouterConfig(api_key=token))
 
 
 async def test_slow_clients_do_not_hold_router_connections() -> None:

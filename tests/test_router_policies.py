@@ -109,9 +109,9 @@ def test_expected_tokens_header_parsing() -> None:
 
 
 def test_config_refuses_off_loopback_without_token() -> None:
-    with pytest.raises(ValueError, match="without a token"):
+    with pytest.raises(ValueError, match="without a data-plane key"):
         validate_config(RouterConfig(host="0.0.0.0"))
-    validate_config(RouterConfig(host="0.0.0.0", auth_token="t0k"))
+    validate_config(RouterConfig(host="0.0.0.0", api_key="t0k"))
     validate_config(RouterConfig(host="::1"))
     with pytest.raises(ValueError, match="http://"):
         validate_config(RouterConfig(worker_urls=("127.0.0.1:3000",)))

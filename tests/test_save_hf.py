@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from slime_async.config import Environment, build_parser, validate
+from slime_async.contracts.adapter import LoraSpec
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.contracts.weights import HFWeights
 from slime_async.trainer import hf_save, weights_io
@@ -200,6 +201,29 @@ def test_save_hf_targets_that_would_clash_are_refused_at_parse_time(
     with pytest.raises(ValueError, match="--save-hf") as e:
         _cfg(*argv)
     assert needle in str(e.value)
+
+
+def test_a_lora_runs_adapter_directory_gets_the_same_ownership_rule(tmp_path):
+    """`--save-hf DIR` of a LoRA run also replaces `DIR-adapter`: refused at parse time when
+    that holds user data (or a path of the run), accepted when free or written by --save-hf."""
+    argv = ["--run-dir", str(tmp_path / "run"), "--save-hf", str(tmp_path / "hf")]
+    lora = ["--lora-rank", "4", "--lora-target-modules", "q_proj", "v_proj"]  # the MoE's attention
+    mine = tmp_path / "hf-adapter"
+    mine.mkdir()
+    (mine / "adapter_config.json").write_text("{}")  # the user's own adapter
+    (mine / "README.md").write_text("mine")
+    _cfg(*argv)  # a full fine-tune never writes DIR-adapter
+    with pytest.raises(ValueError, match="LoRA adapter directory") as e:
+        _cfg(*argv, *lora)
+    assert str(mine) in str(e.value) and "not written by --save-hf" in str(e.value)
+    with pytest.raises(ValueError, match="contains --save"):
+        _cfg(*argv, *lora, "--save", str(mine / "ck"))
+    hf_save.write_adapter(
+        {}, LoraSpec(rank=4, alpha=8.0), tmp_path / "ours-adapter", version=1, base_model=None
+    )
+    cfg = _cfg("--run-dir", str(tmp_path / "run"), "--save-hf", str(tmp_path / "ours"), *lora)
+    assert cfg.trainer.save_hf == str(tmp_path / "ours")
+    assert (mine / "README.md").read_text() == "mine"
 
 
 def test_save_hf_beside_the_checkpoints_and_over_its_own_output_is_accepted(tmp_path):

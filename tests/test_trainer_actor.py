@@ -10,7 +10,7 @@ import torch
 
 from slime_async.contracts.model import TINY_MOE
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.own_ray]
 torch.set_num_threads(1)
 
 

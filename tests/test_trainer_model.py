@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -107,6 +108,28 @@ def test_llama_export_import_roundtrip(tmp_path):
         lp, _ = token_logprobs(model_logits(model2, tokens), tokens)
     lp_hf, _ = hf_teacher_forced(load_hf(d, torch.float32), LLAMA, tokens)
     assert (lp - lp_hf).abs().max().item() <= 1e-5
+
+
+def test_a_push_packs_the_parameters_without_copying_the_model(moe_trainer):
+    """What `send_weights` broadcasts: the export without copies (views of the parameters but
+    for q/k/v, which megatron interleaves) packs into exactly the bytes of the copying fp32
+    export, in fp32 and in bf16 on the wire, bucket by bucket."""
+    from slime_async.contracts.weight_group import in_dtype, pack_bucket, plan_buckets
+
+    tr = moe_trainer
+    ref, views = tr.export_weights(), tr.export_weights(copy=False)
+    assert ref.tensors.keys() == views.tensors.keys()
+    live = {p.untyped_storage().data_ptr() for c in tr.chunks for p in c.parameters()}
+    copied = [k for k, t in views.tensors.items() if t.untyped_storage().data_ptr() not in live]
+    assert copied and all(re.search(r"\.self_attn\.[qkv]_proj\.", k) for k in copied), copied
+    assert all(t.untyped_storage().data_ptr() not in live for t in ref.tensors.values())
+    for dtype in (None, "bfloat16"):
+        buckets = plan_buckets(in_dtype(ref.manifest(), dtype), 64 * 1024)
+        assert len(buckets) > 3
+        for b in buckets:
+            want, want_crc = pack_bucket(ref.tensors, b, "cpu")
+            got, crc = pack_bucket(views.tensors, b, "cpu")
+            assert torch.equal(got, want) and crc == want_crc, [e.name for e in b]
 
 
 def test_import_refuses_other_family_and_missing_tensors(moe_trainer, tmp_path):

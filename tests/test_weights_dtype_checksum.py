@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from slime_async.contracts.weight_group import (
+    bucket_buffer,
     in_dtype,
+    pack_bucket,
     plan_buckets,
     publish_checksum,
     tensors_crc32,
@@ -78,6 +80,52 @@ def test_crc_of_a_flat_bucket_equals_its_pieces():
     c = a.clone()
     c[0] += 1
     assert tensors_crc32([c, b]) != tensors_crc32([a, b])
+
+
+@pytest.mark.parametrize("scale", [1, 64])  # under and over the size with a CRC thread
+def test_a_packed_bucket_is_its_tensors_cast_back_to_back_with_their_crc(scale) -> None:
+    """`pack_bucket` writes each tensor once, cast, into one buffer: exactly the concatenation
+    of the casts (the flattened format), and the CRC of those bytes (computed alongside)."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        f"t{i}": torch.randn(scale * (100 + i), 97, generator=g).t()
+        if i % 3 == 0
+        else torch.randn(scale * (100 + i), 97, generator=g)
+        for i in range(7)
+    }  # every third one a transposed (non-contiguous) view
+    for dtype in ("bfloat16", "float32"):
+        (bucket,) = plan_buckets(in_dtype(WeightManifest.of(tensors, version=0), dtype), 1 << 30)
+        flat, crc = pack_bucket(tensors, bucket, "cpu")
+        want = torch.cat([tensors[e.name].to(torch_dtype(dtype)).reshape(-1) for e in bucket])
+        assert flat.dtype == want.dtype and torch.equal(flat, want)
+        assert crc == tensors_crc32([want])
+
+
+def test_a_bucket_packs_without_a_copy_only_when_nothing_changes() -> None:
+    w = torch.randn(300, 200)
+    m = WeightManifest.of({"w": w}, version=0)
+    (same,) = plan_buckets(m, 1 << 30)
+    flat, crc = pack_bucket({"w": w}, same, "cpu")
+    assert flat.data_ptr() == w.data_ptr() and crc == tensors_crc32([w])  # sent as it is
+    (cast,) = plan_buckets(in_dtype(m, "bfloat16"), 1 << 30)
+    assert pack_bucket({"w": w}, cast, "cpu")[0].data_ptr() != w.data_ptr()
+    with pytest.raises(ValueError, match="'w' has shape \\(200, 300\\)"):
+        pack_bucket({"w": w.t()}, same, "cpu")
+    two = WeightManifest.of({"a": w, "b": w.to(torch.bfloat16)}, version=0)
+    with pytest.raises(ValueError, match="one dtype"):
+        pack_bucket({"a": w, "b": w}, two.entries, "cpu")
+
+
+def test_bucket_buffers_are_fresh_writable_and_huge_page_aligned() -> None:
+    import mmap
+
+    for n in (100, 5 << 20):
+        b = bucket_buffer(n)
+        assert b.dtype == torch.uint8 and b.numel() == n
+        b.fill_(7)
+        assert int(b.sum()) == 7 * n
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: large buffers start on a 2 MiB boundary
+        assert bucket_buffer(5 << 20).data_ptr() % (2 << 20) == 0
 
 
 async def test_bf16_push_serves_the_sender_weights_rounded_to_bf16(fleet) -> None:  # noqa: F811

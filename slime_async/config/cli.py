@@ -31,7 +31,7 @@ from typing import NoReturn
 from clifields import HelpFormatter
 from data_worker.config import add_data_worker_args
 from loss import add_loss_args
-from router.config import add_router_args, load_auth_token
+from router.config import add_router_args, load_api_key, load_auth_token
 from slime_async import startup
 from slime_async.config import hardware
 from slime_async.config.inputs import check_inputs
@@ -50,7 +50,7 @@ from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.backends.config import split_sglang_args
 from slime_async.engine.config import add_engine_run_args
-from slime_async.host import ray_address
+from slime_async.host import ray_address, trim_heap
 from slime_async.metrics.config import add_logging_args, refused_secret_flags
 from slime_async.rollout.config import add_rollout_args
 from slime_async.trainer.config import add_trainer_args
@@ -122,6 +122,8 @@ def read_environment(args: argparse.Namespace) -> Environment:
             )
         except (FileNotFoundError, ImportError) as e:
             raise ValueError(str(e)) from None
+        if converted is not None:
+            trim_heap()  # the de-quantized tensors are written: their 1 GiB back to the node
         try:
             hf = AutoConfig.from_pretrained(str(converted or args.hf_checkpoint))
         except (OSError, ValueError) as e:
@@ -147,11 +149,13 @@ def read_environment(args: argparse.Namespace) -> Environment:
         cpus=tuple(sorted(os.sched_getaffinity(0))),
         ray_address=ray_address(args.ray_address),
         auth_token=load_auth_token(args.auth_token_file),
+        api_key=load_api_key(args.api_key_file),
         converted_checkpoint=None if converted is None else str(converted),
         load=load,
         ref_load=ref_load,
         cpu_bf16=hardware.cpu_bf16_feature(),
         memory_bytes=hardware.node_memory_bytes(),
+        gpu_memory_bytes=hardware.gpu_memory_bytes(),
     )
 
 

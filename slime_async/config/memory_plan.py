@@ -1,40 +1,93 @@
-"""The start-up memory check: the bytes each role of a one-node run holds, against the node.
+"""The memory plan: what each process of a one-node run holds at its peak, and the whole run's sum.
 
-Owns `param_count` (a `ModelSpec`'s parameters), `role_bytes` (per role: the parts it holds ×
-the model's bytes) and `fits` (the total against `MEMORY_FRACTION` of the node's memory).
-The `memory` rule (`slime_async.config.rules.memory`) uses them to derive
-`--behavior-forward trainer` when the forward-only role would not fit but the snapshots in the
-trainer would, or to refuse a configuration that cannot fit, with the numbers, before anything starts (instead of Ray's
-memory monitor killing a role mid-run). Pure functions; imports only the model contract.
+Owns `param_count` (a `ModelSpec`'s parameters), `activation_bytes` (what the trainer's layers
+keep for the backward, per micro-batch, with and without recompute), `process_bytes` (per
+process: the model state, the activations, the engines' KV cache and each process's measured
+runtime), `fits` / `describe` (the sum against the run's memory limit) and
+`largest_fitting_micro_batch` (the micro-batch token budget that fits). The `memory` rule
+(`slime_async.config.rules.memory`) uses them to derive the micro-batch budget and
+recompute of a CPU trainer, or `--behavior-forward trainer` when the forward-only role would not
+fit, or to refuse, with the numbers, a run that cannot fit before anything starts (instead of
+Ray's memory monitor killing a role mid-run). Pure functions; imports only the model contract.
+Where each number comes from, and how well the sum predicts a measured run:
+docs/cpu.md#memory.
 
-What each role holds, per parameter (N parameters; activations, KV caches and Python itself
-are what `MEMORY_FRACTION` leaves room for):
+**Model state**, per parameter (N parameters):
 
-| role | bytes per parameter |
+| process | bytes per parameter |
 |---|---|
-| trainer, fp32 | 4 weights + 4 gradient buffer + 8 Adam moments = 16, + 4 per snapshot |
-| trainer, bf16 | 2 weights + 4 fp32 gradient buffer + 4 fp32 main weights + 8 Adam = 18, + 2 per snapshot |
+| trainer rank, fp32 | 4 weights + 4 gradient buffer + 8 Adam moments = 16, + 4 per snapshot |
+| trainer rank, bf16 | 2 weights + 4 fp32 gradient buffer + 4 fp32 main weights + 8 Adam = 18, + 2 per snapshot |
 | forward-only role | its weights + one copy per kept version (the parameters' dtype) |
 | embedded engine | its weights in the engine dtype (2 for bf16, 4 for fp32) |
+| each of them, during a weight sync | one version in flight in `--update-weight-dtype` |
 
 With LoRA (A adapter numbers, fp32) the base is frozen and shared: the trainer holds the base
 weights + 16 bytes per adapter number (weight, gradient buffer, two Adam moments) + 4 per
-adapter number and snapshot; the forward-only role holds the base once + 4 · A per version
-(the live one and each kept one).
-
+adapter number and snapshot; the forward-only role holds the base once + 4 · A per version.
 Under tensor/pipeline parallelism each rank holds 1 / (TP × PP) of the weights; the
 distributed optimizer shards the main weights and Adam moments over DP.
+
+**Activations**: what the trainer's layer spec (megatron's local spec, unfused: the reference
+math op for op) keeps per token for its backward, counted from the shapes (`layer_values`):
+per layer 7·h (the two RMSNorms' input, normalised input and output, the residual) + 5·q +
+5·kv (q/k/v, RoPE's outputs, attention's contiguous copies and output, the projection's input)
++ 4·ffn (SwiGLU's gate, up, activation and product), for q = heads·head_dim, kv =
+kv_heads·head_dim; an MoE layer keeps its routed copies instead of the MLP. A value takes 4
+bytes in fp32 and `BF16_BYTES_PER_VALUE` under bf16 (some tensors stay fp32). Full recompute
+keeps each recomputed layer's input (h values) and one layer's activations at a time. On top,
+at the backward's peak: the head's and the embedding's weight gradients (`HEAD_WEIGHT_GRADS` ×
+V·h fp32) and the chunked head's fp32 logits and temporaries (`HEAD_TEMPORARIES` × chunk × V).
+
+**Runtime**: each process's own bytes before it holds a model (Python, torch, megatron, Ray's
+core worker): `RUNTIME`, measured on this project's processes (scripts/bench_memory.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from slime_async.contracts.model import ModelSpec
 
 MEMORY_FRACTION = 0.8
-"""Share of the node's memory the model state may take (Ray's memory monitor kills at 95%)."""
+"""Share of the node's memory the run may take by default (Ray's memory monitor kills at 95%;
+the plan predicts measured peaks within ±15%, docs/results/)."""
 GIB = 1024**3
+MIB = 1024**2
+
+BF16_BYTES_PER_VALUE = 2.4
+"""Bytes per saved activation value under bf16: the layers' tensors are bf16 (2), the norms'
+statistics and a few upcasts fp32 (measured: 0.60× the fp32 bytes on SmolLM2's shapes)."""
+HEAD_TEMPORARIES = 4
+"""fp32 `[chunk, V]` tensors alive at once in the chunked head's backward (logits, softmax,
+its gradient, one temporary; `trainer/lm_head.py`)."""
+HEAD_WEIGHT_GRADS = 2.5
+"""fp32 `[V, h]` copies alive at the backward's peak: the head's weight gradient accumulated
+over chunks, its cast for autograd and the embedding's dense gradient (measured: 2.3-2.6 on
+SmolLM2's and Qwen2.5-0.5B's shapes, fp32 and bf16)."""
+ALLOCATOR_SLACK = 1.5
+"""The process's peak over the tensors' own bytes during a forward+backward: glibc's heap keeps
+blocks freed by earlier micro-batches that later ones cannot reuse (measured 1.48-1.63x on
+SmolLM2's shapes, fp32 and bf16, 512- and 1024-token micro-batches; 1.0 with
+MALLOC_MMAP_THRESHOLD_=65536, which made the step 1.75x slower)."""
+CHUNK_ELEMENTS_CPU = 1 << 23
+"""The chunked head's default logits per chunk on a CPU (`trainer.lm_head.CHUNK_ELEMENTS`)."""
+
+RUNTIME: dict[str, int] = {
+    "ray": 430 * MIB,
+    "driver": 300 * MIB,
+    "router": 80 * MIB,
+    "trainer": 500 * MIB,
+    "role": 450 * MIB,
+    "engine": 370 * MIB,
+}
+"""Each process's own bytes before it holds a model, as the node counts them (proportional set
+size: the pages of torch's and Python's libraries that processes share counted once), measured
+on the default run's processes, whose tiny model takes a few MiB (scripts/bench_memory.py):
+`ray`: Ray's daemons together (GCS, raylet, dashboard and runtime-env agents, log monitor, an
+idle worker); `driver`: train_async.py with the data worker; `router`; `trainer` and `role`: a
+Ray actor with torch and megatron imported; `engine`: an embedded engine actor."""
 
 
 def param_count(spec: ModelSpec) -> int:
@@ -54,17 +107,99 @@ def param_count(spec: ModelSpec) -> int:
     return spec.num_layers * layer + embed + h
 
 
+def layer_values(spec: ModelSpec) -> int:
+    """Values one layer keeps per token for its backward (module docstring: 'Activations')."""
+    h = spec.hidden_size
+    q = spec.num_attention_heads * spec.head_dim
+    kv = spec.num_key_value_heads * spec.head_dim
+    attn = 7 * h + 5 * q + 5 * kv + (3 * (q + kv) if spec.qk_norm else 0)
+    if spec.is_moe:  # router scores + each routed copy's input, SwiGLU and output
+        k, e = spec.moe_topk, spec.num_experts
+        mlp = 3 * e + k * (2 * h + 4 * spec.moe_intermediate_size)
+    else:
+        mlp = 4 * spec.intermediate_size
+    return attn + mlp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Recompute:
+    """Full activation recompute (megatron's `--recompute-granularity full`)."""
+
+    method: str = "uniform"
+    """uniform: groups of `num_layers` layers; block: the first `num_layers` layers."""
+    num_layers: int = 1
+
+
+def activation_bytes(
+    spec: ModelSpec,
+    tokens: int,
+    *,
+    bf16: bool,
+    recompute: Recompute | None = None,
+    layers: int | None = None,
+    chunk_tokens: int | None = None,
+    vocab_local: int | None = None,
+    slack: float = 1.0,
+) -> int:
+    """Peak bytes of one trainer rank's forward+backward over a micro-batch of `tokens` tokens,
+    above its model state: the saved activations of its `layers` (default: all) + the head's
+    weight gradient and logits chunk (`chunk_tokens`, default `CHUNK_ELEMENTS_CPU` logits).
+    `slack` multiplies the layers' part (`ALLOCATOR_SLACK` on a CPU), not the head's: its
+    blocks are larger than glibc's largest heap block (32 MiB) and leave the process when
+    freed."""
+    n = spec.num_layers if layers is None else layers
+    v = spec.vocab_size if vocab_local is None else vocab_local
+    per_value = BF16_BYTES_PER_VALUE if bf16 else 4.0
+    full = layer_values(spec) * per_value * slack  # bytes per token of one layer's activations
+    chunk = min(tokens, chunk_tokens or max(1, CHUNK_ELEMENTS_CPU // v))
+    head = int(HEAD_WEIGHT_GRADS * v * spec.hidden_size * 4) + HEAD_TEMPORARIES * chunk * v * 4
+    if recompute is None:  # every layer's activations are alive when the head's backward runs
+        return int(tokens * n * full) + head
+    if recompute.method == "block":
+        k = min(n, recompute.num_layers)
+        kept, redo = k * spec.hidden_size * per_value * slack + (n - k) * full, full if k else 0.0
+    else:
+        g = max(1, recompute.num_layers)
+        kept, redo = math.ceil(n / g) * spec.hidden_size * per_value * slack, g * full
+    # the checkpoints, with the head's backward first, then one recomputed group at a time
+    return int(tokens * kept) + max(head, int(tokens * redo))
+
+
+def forward_bytes(spec: ModelSpec, tokens: int, *, bf16: bool) -> int:
+    """Peak bytes of a forward without a backward (the forward-only role) over `tokens` tokens:
+    one layer's tensors at a time and the head's logits chunk."""
+    per_value = BF16_BYTES_PER_VALUE if bf16 else 4.0
+    chunk = min(tokens, max(1, CHUNK_ELEMENTS_CPU // spec.vocab_size))
+    return (
+        int(tokens * layer_values(spec) * per_value)
+        + HEAD_TEMPORARIES * chunk * spec.vocab_size * 4
+    )
+
+
+def kv_cache_bytes(spec: ModelSpec, tokens: int, *, dtype_bytes: int) -> int:
+    """An engine's KV pool of `tokens` tokens (the embedded engine's `--prefix-cache-tokens`)."""
+    per_token = spec.num_layers * 2 * spec.num_key_value_heads * spec.head_dim
+    return tokens * per_token * dtype_bytes
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunShape:
     """What sets a one-node run's memory (from the flags)."""
 
-    params: int
+    spec: ModelSpec
     trainer_ranks: int = 1
     tp_pp: int = 1
     """TP × PP: how many ways each rank's weights are split."""
+    pp: int = 1
     dp: int = 1
     distributed_optimizer: bool = False
     bf16: bool = False
+    trainer_on_gpu: bool = False
+    """Trainer ranks on GPUs: their model state and activations are not in this node's RAM."""
+    micro_batch_tokens: int = 0
+    """Tokens of the largest micro-batch (0: no activations counted)."""
+    recompute: Recompute | None = None
+    chunk_tokens: int | None = None
     trainer_snapshots: int = 0
     """Versions the trainer keeps (`--behavior-forward trainer` with `--keep-old-actor`)."""
     role_versions: int | None = None
@@ -73,40 +208,103 @@ class RunShape:
     """Embedded engines on this node."""
     engine_bytes: int = 2
     """Bytes per parameter of an engine (2 for bf16, 4 for fp32)."""
+    engine_cache_tokens: int = 0
+    """Each engine's KV pool, in tokens."""
+    wire_bytes: int = 4
+    """Bytes per parameter of a version in flight (`--update-weight-dtype`): the trainer's
+    export, the role's and each engine's incoming copy during a weight sync."""
     adapter_params: int = 0
     """LoRA: numbers in the adapter (`contracts.adapter.adapter_numel`); 0: full fine-tuning."""
 
+    @property
+    def params(self) -> int:
+        return param_count(self.spec)
 
-def role_bytes(shape: RunShape) -> dict[str, int]:
-    """Bytes per role: `trainer` (all ranks), `role` (the forward-only role) and `engines`."""
+
+def trainer_state_bytes(shape: RunShape) -> int:
+    """One trainer rank's model state: weights, gradients, optimizer, snapshots."""
     w = 2 if shape.bf16 else 4
     per_rank = shape.params // max(1, shape.tp_pp)
-    sharded = 8 + (4 if shape.bf16 else 0)  # Adam moments (+ fp32 main weights)
-    opt = per_rank * sharded // (shape.dp if shape.distributed_optimizer else 1)
-    rank = per_rank * (w + 4) + opt + per_rank * w * shape.trainer_snapshots
     if shape.adapter_params:  # LoRA: the base frozen, gradients and Adam on the adapter only
         a = shape.adapter_params // max(1, shape.tp_pp)
-        rank = per_rank * w + a * (16 + 4 * shape.trainer_snapshots)
-    out = {"trainer": rank * shape.trainer_ranks}
+        return per_rank * w + a * (16 + 4 * shape.trainer_snapshots)
+    sharded = 8 + (4 if shape.bf16 else 0)  # Adam moments (+ fp32 main weights)
+    opt = per_rank * sharded // (shape.dp if shape.distributed_optimizer else 1)
+    return per_rank * (w + 4) + opt + per_rank * w * shape.trainer_snapshots
+
+
+def trainer_activation_bytes(shape: RunShape) -> int:
+    """One trainer rank's activations at the largest micro-batch (its share of the layers), with
+    the CPU allocator's slack (`ALLOCATOR_SLACK`)."""
+    if not shape.micro_batch_tokens:
+        return 0
+    return activation_bytes(
+        shape.spec,
+        shape.micro_batch_tokens,
+        bf16=shape.bf16,
+        recompute=shape.recompute,
+        layers=math.ceil(shape.spec.num_layers / max(1, shape.pp)),
+        chunk_tokens=shape.chunk_tokens,
+        vocab_local=shape.spec.vocab_size * shape.pp // max(1, shape.tp_pp),
+        slack=1.0 if shape.trainer_on_gpu else ALLOCATOR_SLACK,  # CUDA's allocator reuses
+    )
+
+
+def process_bytes(shape: RunShape) -> dict[str, int]:
+    """Peak bytes per part of the run on this node: `trainer` (all ranks: state + activations +
+    runtime, only the runtime when on GPUs; + rank 0's export of a version), `role` (the
+    forward-only role: its versions + an incoming one), `engines` (weights + KV pool + runtime +
+    an incoming version, each) and `runtime` (Ray's daemons, the driver, the router)."""
+    w = 2 if shape.bf16 else 4
+    flight = (shape.adapter_params or shape.params) * shape.wire_bytes  # a version in flight
+    rank = RUNTIME["trainer"]
+    if not shape.trainer_on_gpu:
+        rank += trainer_state_bytes(shape) + trainer_activation_bytes(shape)
+    export = 0 if shape.trainer_on_gpu else flight  # rank 0's export (on its GPU there)
+    out = {"trainer": rank * shape.trainer_ranks + export}
     if shape.role_versions is not None:
-        if shape.adapter_params:  # the base once, an adapter per version
-            out["role"] = shape.params * w + shape.adapter_params * 4 * (1 + shape.role_versions)
-        else:
-            out["role"] = shape.params * w * (1 + shape.role_versions)
+        n, a, v = shape.params, shape.adapter_params, shape.role_versions
+        weights = n * w + a * 4 * (1 + v) if a else n * w * (1 + v)
+        fwd = forward_bytes(shape.spec, shape.micro_batch_tokens, bf16=shape.bf16)
+        out["role"] = RUNTIME["role"] + weights + flight + (fwd if shape.micro_batch_tokens else 0)
     if shape.engines:
-        out["engines"] = shape.params * shape.engine_bytes * shape.engines
+        kv = kv_cache_bytes(shape.spec, shape.engine_cache_tokens, dtype_bytes=shape.engine_bytes)
+        each = RUNTIME["engine"] + shape.params * shape.engine_bytes + kv + flight
+        out["engines"] = each * shape.engines
+    out["runtime"] = RUNTIME["ray"] + RUNTIME["driver"] + RUNTIME["router"]
     return out
 
 
-def fits(parts: dict[str, int], memory_bytes: int) -> bool:
-    return sum(parts.values()) <= MEMORY_FRACTION * memory_bytes
+def gpu_trainer_bytes(shape: RunShape) -> int:
+    """One GPU trainer rank's bytes on its GPU (state + activations; the CUDA context aside)."""
+    return trainer_state_bytes(shape) + trainer_activation_bytes(shape)
 
 
-def describe(parts: dict[str, int], memory_bytes: int) -> str:
-    """'trainer 7.1 GiB + role 2.2 GiB = 9.3 GiB of 8.0 GiB allowed (80% of 10.0 GiB)'."""
+def largest_fitting_micro_batch(
+    shape: RunShape, limit: int, candidates: tuple[int, ...]
+) -> int | None:
+    """The largest of `candidates` (micro-batch tokens) whose run fits in `limit` bytes."""
+    for tokens in sorted(candidates, reverse=True):
+        if (
+            sum(process_bytes(dataclasses.replace(shape, micro_batch_tokens=tokens)).values())
+            <= limit
+        ):
+            return tokens
+    return None
+
+
+def fits(parts: dict[str, int], limit: int) -> bool:
+    return sum(parts.values()) <= limit
+
+
+def describe(parts: dict[str, int], limit: int, memory_bytes: int | None = None) -> str:
+    """'trainer 7.1 GiB + role 2.2 GiB + ... = 9.3 GiB of 8.0 GiB allowed (80% of 10.0 GiB)'."""
     terms = " + ".join(f"{k} {v / GIB:.1f} GiB" for k, v in parts.items())
+    where = (
+        f"{limit / memory_bytes:.0%} of the node's {memory_bytes / GIB:.1f} GiB"
+        if memory_bytes
+        else "--memory-limit-gib"
+    )
     return (
-        f"{terms} = {sum(parts.values()) / GIB:.1f} GiB of "
-        f"{MEMORY_FRACTION * memory_bytes / GIB:.1f} GiB allowed "
-        f"({MEMORY_FRACTION:.0%} of the node's {memory_bytes / GIB:.1f} GiB)"
+        f"{terms} = {sum(parts.values()) / GIB:.1f} GiB of {limit / GIB:.1f} GiB allowed ({where})"
     )

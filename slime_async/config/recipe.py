@@ -30,7 +30,7 @@ from typing import Any
 
 from clifields import Switch, add_flags, flag
 
-SECRET_KEYS = ("auth_token", "router_auth_token")
+SECRET_KEYS = ("api_key", "admin_api_key", "auth_token", "router_auth_token")
 """Config keys whose value is a secret: recorded as `<set>` when set."""
 _SECRET = "<set>"
 

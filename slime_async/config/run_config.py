@@ -68,10 +68,29 @@ class Environment:
     """Architecture: read from --hf-checkpoint, else the tiny MoE."""
     cpus: tuple[int, ...]
     """CPU cores this process may run on."""
+    save_debug_rollout_data: str | None = flag(None, metavar="PATH")
+    """slime's: write what each step sampled and trained (prompts, responses as text and ids,
+    rewards, per-token versions and log-probs, drops, the step's loss metrics) to PATH, a
+    template with {rollout_id} (the train step) or a directory of <rollout_id>.json files:
+    JSON with a checksum, written atomically, never pickled"""
+    load_debug_rollout_data: str | None = flag(None, metavar="PATH")
+    """slime's: train from the dumps at PATH (as --save-debug-rollout-data wrote them) without
+    engines: step k trains dump k, the same step bit for bit given the same flags and seed"""
+    debug_rollout_only: bool = False
+    """slime's: generate and score without a trainer (the engines serve --hf-checkpoint, or
+    the built-in model); nothing is trained or pushed, --save-debug-rollout-data keeps the
+    rollouts"""
+    debug_train_only: bool | None = flag(
+        None, derived="on with --load-debug-rollout-data or --loss-type sft_loss"
+    )
+    """slime's: train without engines, from --load-debug-rollout-data's dumps or, with
+    --loss-type sft_loss, on --prompt-data's conversations"""
     ray_address: str | None = None
     """Ray cluster to join (`--ray-address`, else `RAY_ADDRESS`); None: start a local one."""
     auth_token: str | None = dataclasses.field(default=None, repr=False)
-    """The run's shared token (`SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`), if any."""
+    """The run's admin key (`SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`), if any."""
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """The run's data-plane key (`SLIME_ASYNC_API_KEY` or `--api-key-file`), if any."""
     converted_checkpoint: str | None = None
     """HF directory converted from the .gguf file that --hf-checkpoint names (None: no GGUF)."""
     load: LoadFacts | None = None
@@ -83,6 +102,8 @@ class Environment:
     """The CPU flag that makes bf16 matmuls native here (`hardware.cpu_bf16_feature`), or None."""
     memory_bytes: int | None = None
     """This node's physical memory (None: not checked)."""
+    gpu_memory_bytes: tuple[int, ...] = ()
+    """Total memory of each CUDA device of this node (`hardware.gpu_memory_bytes`; empty: none)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,13 +125,34 @@ class RunConfig:
     save_interval: int = flag(0, ge=0, hint="0 = only at the end")
     """Checkpoint (--save) and HF export (--save-hf) every this many rollouts, slime's unit
     (this x --num-steps-per-rollout train steps); 0: only at the end."""
+    save_debug_rollout_data: str | None = flag(None, metavar="PATH")
+    """slime's: write what each step sampled and trained (prompts, responses as text and ids,
+    rewards, per-token versions and log-probs, drops, the step's loss metrics) to PATH, a
+    template with {rollout_id} (the train step) or a directory of <rollout_id>.json files:
+    JSON with a checksum, written atomically, never pickled"""
+    load_debug_rollout_data: str | None = flag(None, metavar="PATH")
+    """slime's: train from the dumps at PATH (as --save-debug-rollout-data wrote them) without
+    engines: step k trains dump k, the same step bit for bit given the same flags and seed"""
+    debug_rollout_only: bool = False
+    """slime's: generate and score without a trainer (the engines serve --hf-checkpoint, or
+    the built-in model); nothing is trained or pushed, --save-debug-rollout-data keeps the
+    rollouts"""
+    debug_train_only: bool | None = flag(
+        None, derived="on with --load-debug-rollout-data or --loss-type sft_loss"
+    )
+    """slime's: train without engines, from --load-debug-rollout-data's dumps or, with
+    --loss-type sft_loss, on --prompt-data's conversations"""
     ray_address: str | None = None
     """Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray node
     with everything on loopback). Joined, the engines and the router listen on their nodes' IPs
-    and need the shared token. See docs/cluster.md."""
+    and need the run's keys. See docs/cluster.md."""
     auth_token_file: str | None = None
-    """File holding the shared token of engines and router (default: $SLIME_ASYNC_AUTH_TOKEN);
-    never pass the token itself on the command line (nor is it ever recorded)."""
+    """File holding the admin key of engines and router (SGLang's --admin-api-key; default:
+    $SLIME_ASYNC_AUTH_TOKEN); never pass a key itself on the command line (nor is it ever
+    recorded). The run keeps it: agents and plugins get the data-plane key only."""
+    api_key_file: str | None = None
+    """File holding the data-plane key of engines and router (SGLang's --api-key; default:
+    $SLIME_ASYNC_API_KEY; with an admin key and neither, the run mints one)."""
     engines: EngineFleetConfig = flag(default_factory=EngineFleetConfig, cli=False)
     """The rollout engines: backend, count, URLs to attach (flags owned by the backends)."""
     colocate: bool = flag(False, derived="on only when this process may use a single core")
@@ -124,6 +166,15 @@ class RunConfig:
         (), parse=parse_cores, derived="the second half of the usable cores"
     )
     """CPU cores of the engines, comma-separated (empty: no pinning)."""
+    memory_limit_gib: float | None = flag(
+        None,
+        gt=0,
+        derived="80% of this node's memory (a one-node run; a joined cluster: unchecked)",
+    )
+    """Memory the whole run may take on this node (every process: Ray, the driver, the router,
+    the trainer, the role, the engines), in GiB. The start-up memory plan derives the trainer's
+    micro-batch budget and recompute to fit it, or refuses with the numbers (docs/cpu.md#memory).
+    Give it to run several runs side by side on one machine."""
     warmstart_steps: int = flag(
         DEFAULT_WARMSTART_STEPS,
         derived=f"{DEFAULT_WARMSTART_STEPS} for the embedded default run; 0 with --hf-checkpoint, "
@@ -165,7 +216,7 @@ class RunConfig:
         return self.rollout.seed_or(self.seed)
 
 
-_PLACEMENT = ("colocate", "trainer_cores", "rollout_cores")
+_PLACEMENT = ("colocate", "trainer_cores", "rollout_cores", "memory_limit_gib")
 """`RunConfig` fields of the `placement` flag group; the others are the `run` group."""
 
 
@@ -180,5 +231,5 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
-    """Which CPU cores the trainer and the engines run on."""
+    """Which CPU cores the trainer and the engines run on, and the memory the run may take."""
     add_flags(parser, RunConfig, group="placement", only=_PLACEMENT)

@@ -133,8 +133,9 @@ def check_resume(a: argparse.Namespace, env: Environment, trainer: TrainerConfig
 def derive_save_hf(f: Flags, *, embedded: bool, gguf: str | None) -> None:
     """`--save-hf`: when unset, `<run-dir>/hf` for a run that would otherwise keep no model
     (the embedded default run, a user's model without --save); a run with --save keeps it in
-    its checkpoints, and says so. 'none' turns it off. Refused where replacing it would delete
-    or clash with the run's other paths or with data not written by --save-hf."""
+    its checkpoints, and says so. 'none' turns it off. Refused where replacing it (or, with
+    --lora-rank, its adapter directory beside it) would delete or clash with the run's other
+    paths or with data not written by --save-hf."""
     a = f.args
     if f.unset("save_hf"):
         if not embedded and a.save is not None:
@@ -164,7 +165,7 @@ def derive_save_hf(f: Flags, *, embedded: bool, gguf: str | None) -> None:
     }
     if gguf and gguf != a.hf_checkpoint and Path(gguf).exists():
         paths["the GGUF file"] = gguf
-    errors = hf_save.target_errors(a.save_hf, paths=paths)
+    errors = hf_save.target_errors(a.save_hf, paths=paths, lora=bool(a.lora_rank))
     if errors and "--save-hf" in f.derived:
         errors.append("(--save-hf was derived: pass --save-hf DIR elsewhere, or --save-hf none)")
     raise_all(errors)

@@ -70,8 +70,9 @@ _EVAL_SAMPLING = (
     "--eval-top-p, --eval-top-k, --eval-max-response-len (default: training's)"
 )
 _DEBUG = (
-    "a debug/replay mode of slime; not here: RUN_DIR/trained.jsonl records what each step "
-    "trained and metrics.jsonl every step's metrics"
+    "a debug/replay mode of slime; not here: --save-debug-rollout-data PATH dumps what each "
+    "step sampled and trained (JSON) and --load-debug-rollout-data PATH replays it without "
+    "engines (docs/replay.md)"
 )
 _PROFILE = "a profiling setting of slime; not here: profile the process with your own tools"
 _LOG = (
@@ -86,7 +87,8 @@ _RM = (
     "one of slime's built-in reward models; not here by that name: a --prompt-data run is "
     "scored by the built-in math_verify reward (math-verify: the response's final answer "
     "against the label; the built-in tasks by exact_match), or give any reward function with "
-    "--custom-rm-path pkg.mod:fn (slime's async rm(args, sample) works as is)"
+    "--custom-rm-path pkg.mod:fn (slime's async rm(args, sample) works as is); slime's "
+    "remote_rm is --rm-url URL (with --reward-key)"
 )
 _MTP = "multi-token prediction (MTP) training; not here: the trainer has no MTP head"
 _CI = "slime's CI self-checks; not here (the tests under tests/ cover these)"
@@ -232,19 +234,20 @@ NOT_HERE: dict[str, str] = {
         "not here: --use-tensorboard writes to RUN_DIR/tensorboard",
     ),
     **_each("--log-multi-turn --log-passrate --log-reward-category --log-correct-samples", _LOG),
-    **_each(
-        "--save-debug-rollout-data --load-debug-rollout-data --load-debug-rollout-data-subsample "
-        "--load-forge-rollout-data --save-debug-train-data --dump-details --debug-rollout-only "
-        "--debug-train-only --check-weight-update-equal",
-        _DEBUG,
-    ),
+    **_each("--load-forge-rollout-data --check-weight-update-equal", _DEBUG),
+    "--load-debug-rollout-data-subsample": "not here: a replay trains each dump whole, as the "
+    "original step did (a subset would not reproduce it)",
+    "--save-debug-train-data": "not here as a file of its own: the --save-debug-rollout-data "
+    "dump is what the trainer is given, assembled again (bit for bit) when replayed",
+    "--dump-details": "slime's shortcut for its two dumps; here --save-debug-rollout-data DIR "
+    "(one JSON file per step, docs/replay.md)",
     **_each(
         "--memory-snapshot-dir --memory-snapshot-num-steps --profile-target --memory-recorder "
         "--record-memory-history",
         _PROFILE,
     ),
     # rewards and external services
-    **_each("--rm-type --reward-key --eval-reward-key --rm-url", _RM),
+    **_each("--rm-type --eval-reward-key", _RM),
     **_each(
         "--http-proxy --use-distributed-post",
         "how slime's rollout reaches its router; not here: the run's own router (--router-*) "

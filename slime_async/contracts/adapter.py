@@ -20,6 +20,7 @@ import math
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -181,6 +182,46 @@ def peft_shapes(spec: ModelSpec, lora: LoraSpec) -> dict[str, tuple[int, int]]:
     return out
 
 
+_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+"""safetensors dtypes an adapter matrix may be stored in."""
+
+
+def _shape_problems(
+    shapes: dict[str, tuple[tuple[int, ...], bool]],
+    lora: LoraSpec,
+    spec: ModelSpec,
+    *,
+    max_rank: int | None,
+    targets: tuple[str, ...] | None,
+) -> list[str]:
+    """What does not fit `spec` in an adapter of `lora` whose matrices have `shapes`
+    ({key: (shape, floating)}): a rank above `max_rank`, targets outside `targets`, missing or
+    unexpected keys, wrong shapes, non-floating dtypes (the first few)."""
+    problems = []
+    if max_rank is not None and lora.rank > max_rank:
+        problems.append(f"rank {lora.rank} exceeds the engine's max LoRA rank {max_rank}")
+    if targets is not None and (extra := set(lora.targets) - set(targets)):
+        problems.append(f"targets {sorted(extra)} outside the engine's {list(targets)}")
+    if bad := expert_targets(lora.targets, spec):
+        problems.append(f"targets {list(bad)}: {NO_EXPERT_ADAPTERS}")
+    want = peft_shapes(spec, lora)
+    missing = sorted(set(want) - set(shapes))
+    unexpected = sorted(set(shapes) - set(want))
+    if missing:
+        problems.append(f"{len(missing)} missing tensors (first: {missing[0]})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensors (first: {unexpected[0]})")
+    for k in sorted(set(want) & set(shapes)):
+        shape, floating = shapes[k]
+        if shape != want[k]:
+            problems.append(f"{k} has shape {shape}, expected {want[k]}")
+        elif not floating:
+            problems.append(f"{k} is not stored as a floating type")
+        if len(problems) >= 4:
+            break
+    return problems
+
+
 def check_adapter(
     tensors: dict[str, torch.Tensor],
     lora: LoraSpec,
@@ -192,32 +233,14 @@ def check_adapter(
     """Refuse an adapter that does not fit `spec` (ValueError naming the first problems):
     a rank above `max_rank`, targets outside `targets`, missing/unexpected keys, wrong shapes,
     non-floating or non-finite values."""
-    import torch
+    from slime_async.contracts.weights import all_finite
 
-    problems = []
-    if max_rank is not None and lora.rank > max_rank:
-        problems.append(f"rank {lora.rank} exceeds the engine's max LoRA rank {max_rank}")
-    if targets is not None and (extra := set(lora.targets) - set(targets)):
-        problems.append(f"targets {sorted(extra)} outside the engine's {list(targets)}")
-    if bad := expert_targets(lora.targets, spec):
-        problems.append(f"targets {list(bad)}: {NO_EXPERT_ADAPTERS}")
-    want = peft_shapes(spec, lora)
-    missing = sorted(set(want) - set(tensors))
-    unexpected = sorted(set(tensors) - set(want))
-    if missing:
-        problems.append(f"{len(missing)} missing tensors (first: {missing[0]})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensors (first: {unexpected[0]})")
-    for k in sorted(set(want) & set(tensors)):
-        t = tensors[k]
-        if tuple(t.shape) != want[k]:
-            problems.append(f"{k} has shape {tuple(t.shape)}, expected {want[k]}")
-        elif not t.is_floating_point():
-            problems.append(f"{k} has dtype {t.dtype}, expected a floating type")
-        elif not bool(torch.isfinite(t).all()):
-            problems.append(f"{k} has non-finite values")
-        if len(problems) >= 4:
-            break
+    shapes = {k: (tuple(t.shape), t.is_floating_point()) for k, t in tensors.items()}
+    problems = _shape_problems(shapes, lora, spec, max_rank=max_rank, targets=targets)
+    if not problems:
+        problems = [
+            f"{k} has non-finite values" for k, t in sorted(tensors.items()) if not all_finite(t)
+        ][:4]
     if problems:
         raise ValueError("adapter refused: " + "; ".join(problems))
 
@@ -235,9 +258,11 @@ def write_peft_dir(
     *,
     version: int,
     base_model: str | None = None,
+    finish: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a PEFT adapter directory at `path` atomically (a temp dir renamed into place), the
-    version in the safetensors metadata and the weights' sha256 beside them; returns the path."""
+    version in the safetensors metadata and the weights' sha256 beside them; `finish(tmp)` runs
+    last, before the rename (e.g. an ownership marker); returns the path."""
     import torch
     from safetensors.torch import save_file
 
@@ -254,6 +279,8 @@ def write_peft_dir(
         cfg = lora.peft_config(base_model=base_model)
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True))
         (tmp / CHECKSUM_FILE).write_text(file_sha256(tmp / WEIGHTS_FILE) + "\n")
+        if finish is not None:
+            finish(tmp)
         if final.exists():
             old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
             final.rename(old)
@@ -267,9 +294,18 @@ def write_peft_dir(
     return final
 
 
-def read_peft_dir(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor], int]:
+def read_peft_dir(
+    path: str | Path,
+    *,
+    model: ModelSpec | None = None,
+    max_rank: int | None = None,
+    targets: tuple[str, ...] | None = None,
+) -> tuple[LoraSpec, dict[str, torch.Tensor], int]:
     """(spec, tensors, version) of a PEFT adapter directory; safetensors only (nothing is
-    unpickled), the sha256 checked where the directory has one. Errors name the file."""
+    unpickled). With `model`, the safetensors header (names, shapes, dtypes) and the config's
+    rank and targets are checked against it (`max_rank`, `targets`: the receiver's limits)
+    before anything else is read; then the sha256 where the directory has one, then the
+    tensors. Errors name the file."""
     from safetensors import safe_open
 
     from slime_async.host import file_sha256
@@ -285,6 +321,10 @@ def read_peft_dir(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor], 
         lora = LoraSpec.from_peft_config(json.loads(cfg_file.read_text()))
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    if model is not None:
+        shapes = _header_shapes(weights)
+        if problems := _shape_problems(shapes, lora, model, max_rank=max_rank, targets=targets):
+            raise ValueError(f"adapter refused ({weights}): " + "; ".join(problems))
     if (d / CHECKSUM_FILE).is_file():
         want = (d / CHECKSUM_FILE).read_text().strip()
         if file_sha256(weights) != want:
@@ -298,6 +338,21 @@ def read_peft_dir(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor], 
     except Exception as e:  # safetensors raises its own error type on a corrupt header
         raise ValueError(f"{weights} is not a readable safetensors file: {e}") from None
     return lora, tensors, version
+
+
+def _header_shapes(weights: Path) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """{key: (shape, floating)} from the safetensors header of `weights`; reads no tensor."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as fh:
+            out = {}
+            for k in fh.keys():  # noqa: SIM118 - safe_open is not a dict
+                sl = fh.get_slice(k)
+                out[k] = (tuple(sl.get_shape()), sl.get_dtype() in _FLOAT_DTYPES)
+            return out
+    except Exception as e:  # safetensors raises its own error type on a corrupt header
+        raise ValueError(f"{weights} is not a readable safetensors file: {e}") from None
 
 
 def adapter_numel(spec: ModelSpec, lora: LoraSpec) -> int:

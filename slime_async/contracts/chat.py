@@ -7,8 +7,8 @@ Owns: `render_chat` (the tokenizer's chat template through transformers' `apply_
 `tools` passed to it; for a model without a tokenizer, the id codec's stand-in template:
 each message's content encoded and concatenated, an assistant message closed by EOS),
 `normalize_messages` (OpenAI message shapes checked and turned into what HF templates expect:
-text parts joined, tool-call arguments as objects), `parse_tool_calls` (Hermes/Qwen-style
-`<tool_call>{json}</tool_call>` blocks in a completion into OpenAI `tool_calls`),
+text parts joined, tool-call arguments as objects), `parse_tool_calls` (a completion's tool
+calls in the Hermes/Qwen, Mistral or Llama 3.x format into OpenAI `tool_calls`), `tool_names`,
 `request_tools` (a request's `tools` for the template), `request_template_kwargs` (its
 `chat_template_kwargs`, e.g. Qwen3's thinking switch) and `ChatError` (bad input; the caller
 answers 400). Pure functions; imports no component.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -175,35 +175,134 @@ def render_chat(
     return out
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """`(content, tool_calls)` of a completion: Hermes/Qwen `<tool_call>{"name", "arguments"}
-    </tool_call>` blocks become OpenAI tool calls (arguments as a JSON string) and are cut from
-    the content; a block that is not such JSON stays in the content."""
+def tool_names(tools: Sequence[Any] | None) -> frozenset[str]:
+    """The function names a request's `tools` define (OpenAI's `{"type": "function",
+    "function": {"name": ...}}`; a bare `{"name": ...}` too)."""
+    names = set()
+    for t in tools or ():
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            names.add(fn["name"])
+    return frozenset(names)
+
+
+def parse_tool_calls(
+    text: str, *, tools: Collection[str] | None = None
+) -> tuple[str, list[dict[str, Any]]]:
+    """`(content, tool_calls)` of a completion in any of the supported families' formats:
+    the calls become OpenAI tool calls (arguments as a JSON string) and are cut from the
+    content. Text that holds no well-formed call is returned whole as the content.
+
+    * Hermes/Qwen: `<tool_call>{"name", "arguments"}</tool_call>` blocks (anywhere);
+    * Mistral: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` (v3 tokenizers) or
+      `name[ARGS]{...}` per call (v11 and later), after any content;
+    * Llama 3.x: `<|python_tag|>` then `{"name", "parameters"}` objects separated by `;`.
+
+    A completion decoded without its special tokens has lost the Mistral and Llama markers: a
+    whole completion that is a JSON list of calls or `;`-separated call objects is read as
+    calls too, but only when each call names one of `tools` (the request's function names), so
+    a plain JSON answer is never taken for a call."""
+    if "<tool_call>" in text:
+        return _hermes_calls(text)
+    for marker, parse in ((_MISTRAL, _mistral_calls), (_PYTHON_TAG, _json_calls)):
+        at = text.find(marker)
+        if at >= 0:
+            calls = parse(text[at + len(marker) :])
+            if calls:
+                return text[:at].strip(), [
+                    _openai_call(*c, mistral=marker == _MISTRAL) for c in calls
+                ]
+    body = text.strip()
+    if tools and body[:1] in ("[", "{"):
+        calls = _json_calls(body)
+        if calls and all(name in tools for name, _ in calls):
+            return "", [_openai_call(*c, mistral=body[0] == "[") for c in calls]
+    return text, []
+
+
+_MISTRAL, _MISTRAL_ARGS, _PYTHON_TAG = "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"
+_Call = tuple[str, Any]
+"""(function name, arguments as parsed)."""
+
+
+def _call_of(obj: Any) -> _Call | None:
+    """A `{"name", "arguments"|"parameters"}` object as a call, else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return (obj["name"], args) if isinstance(args, dict | str) else None
+
+
+def _openai_call(name: str, args: Any, *, mistral: bool = False) -> dict[str, Any]:
+    """OpenAI's tool call; Mistral's templates accept only 9-character alphanumeric ids."""
+    call_id = uuid.uuid4().hex[:9] if mistral else f"call_{uuid.uuid4().hex[:24]}"
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {
+            "name": name,
+            "arguments": args if isinstance(args, str) else json.dumps(args),
+        },
+    }
+
+
+def _hermes_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Hermes/Qwen `<tool_call>` blocks; a block that is not a call stays in the content."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
     for m in _TOOL_CALL.finditer(text):
         try:
-            obj = json.loads(m.group(1))
+            call = _call_of(json.loads(m.group(1)))
         except json.JSONDecodeError:
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        if call is None:
             continue
         kept.append(text[last : m.start()])
         last = m.end()
-        args = obj.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": obj["name"],
-                    "arguments": args if isinstance(args, str) else json.dumps(args),
-                },
-            }
-        )
+        calls.append(_openai_call(*call))
     kept.append(text[last:])
     return ("".join(kept).strip() if calls else text), calls
+
+
+def _json_calls(text: str) -> list[_Call]:
+    """Calls of a text that is only JSON call objects (`;` or blanks between them) or one JSON
+    list of them; [] when anything else is there."""
+    dec, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text):
+            return calls
+        try:
+            obj, at = dec.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return []
+        for item in obj if isinstance(obj, list) and not calls else [obj]:
+            call = _call_of(item)
+            if call is None:
+                return []
+            calls.append(call)
+
+
+def _mistral_calls(text: str) -> list[_Call]:
+    """What follows Mistral's first `[TOOL_CALLS]`: a JSON list (v3), or `name[ARGS]{...}` per
+    call, each call after its own `[TOOL_CALLS]` (v11 and later)."""
+    if _MISTRAL_ARGS not in text:
+        return _json_calls(text)
+    calls: list[_Call] = []
+    for part in text.split(_MISTRAL):
+        name, sep, args = part.partition(_MISTRAL_ARGS)
+        try:
+            parsed, end = json.JSONDecoder().raw_decode(args.strip())
+        except json.JSONDecodeError:
+            return []
+        if not sep or not name.strip() or not isinstance(parsed, dict):
+            return []
+        if args.strip()[end:].strip():
+            return []
+        calls.append((name.strip(), parsed))
+    return calls
 
 
 class IdText:

@@ -7,7 +7,8 @@ process group on its own TCP rendezvous, never the default `torch.distributed` g
 trainer rank can be in both), `plan_buckets` (the send order: tensors grouped by dtype, each
 group split into buckets of at most `bucket_bytes`), `send_bucket` / `receive_bucket` (SGLang's two
 load formats: one broadcast per tensor in `names` order, or `"flattened_bucket"`: one broadcast
-of the bucket's tensors concatenated, all of one dtype) and `torch_dtype` (SGLang's dtype names).
+of the bucket's tensors concatenated, all of one dtype, packed by `pack_bucket` into a
+`bucket_buffer`) and `torch_dtype` (SGLang's dtype names).
 Both ends must agree on all of it, which is why it is a contract. Imports nothing from the rest
 of slime_async but the weights contract.
 
@@ -37,6 +38,8 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import mmap
+import queue
 import socket
 import threading
 import time
@@ -70,6 +73,10 @@ CHECKSUM_KEY = "crc32/{}"
 """Store key of the CRC-32 of the group's k-th bucket (set by rank 0 before it sends it)."""
 ABORT_POLL_S = 0.05
 """How often a member waiting on its op looks at the `abort` key (one store round trip)."""
+_HUGE_PAGE = 2 << 20
+"""Bytes of a transparent huge page on x86-64 and most arm64 kernels (`bucket_buffer`)."""
+_CRC_THREAD_BYTES = 4 << 20
+"""From this bucket size on, `pack_bucket` computes the CRC in a second thread."""
 
 
 class WeightGroupAborted(RuntimeError):
@@ -405,6 +412,95 @@ def publish_checksum(g: WeightGroup, crc: int) -> None:
         g.store.set(CHECKSUM_KEY.format(g.buckets), str(crc))  # type: ignore[attr-defined]
 
 
+def bucket_buffer(nbytes: int, device: str = "cpu") -> torch.Tensor:
+    """A fresh uint8 buffer of `nbytes` for one flat bucket (the sender packs into it, a member
+    receives into it), freed with its last view.
+
+    On a Linux CPU a large one is anonymous memory advised to be backed by transparent huge
+    pages (`madvise(MADV_HUGEPAGE)`, effective where THP is `madvise` or `always`) and aligned
+    to them: a bucket is written once end to end, and faulting it in 4 KiB pages costs several
+    times the writing (docs/results/2026-11-27-weight-sync-floor.md). Elsewhere, or where that
+    fails, `torch.empty`."""
+    if device != "cpu" or nbytes < 2 * _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    try:
+        m = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    with contextlib.suppress(OSError):  # no THP here: plain pages, as torch.empty would get
+        m.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(m, dtype=torch.uint8)  # holds `m` until its last view is freed
+    pad = -whole.data_ptr() % _HUGE_PAGE
+    return whole[pad : pad + nbytes]
+
+
+def pack_bucket(
+    tensors: Mapping[str, torch.Tensor], bucket: Sequence[TensorEntry], device: str
+) -> tuple[torch.Tensor, int]:
+    """The flattened format's payload and its CRC-32: the bucket's tensors, each cast to its
+    entry's dtype, one after another in `bucket` order, as one flat tensor on `device`.
+
+    Each tensor is read once and written once, straight into a fresh `bucket_buffer` (the cast
+    is that copy); a bucket of one tensor already contiguous in its dtype on `device` is sent
+    as it is. On the CPU a second thread computes the CRC of each tensor's bytes as soon as
+    they are written (torch's copy and zlib both release the GIL), so the two passes overlap.
+    Raises ValueError for a bucket of several dtypes or a tensor whose shape is not its
+    entry's."""
+    dtypes = {e.dtype for e in bucket}
+    if len(dtypes) != 1:
+        raise ValueError(f"a {FLATTENED} bucket holds one dtype, got {sorted(dtypes)}")
+    dt = torch_dtype(bucket[0].dtype)
+    for e in bucket:
+        if tuple(tensors[e.name].shape) != tuple(e.shape):
+            raise ValueError(
+                f"tensor {e.name!r} has shape {tuple(tensors[e.name].shape)}, its manifest "
+                f"entry {tuple(e.shape)}: the weights changed shape since the manifest was made"
+            )
+    if len(bucket) == 1:
+        t = tensors[bucket[0].name].detach()
+        if t.dtype == dt and t.device == torch.device(device) and t.is_contiguous():
+            return t.reshape(-1), tensors_crc32([t])
+    nbytes = sum(entry_nbytes(e) for e in bucket)
+    flat = bucket_buffer(nbytes, device).view(dt)
+    pieces, at = [], 0
+    for e in bucket:
+        t = tensors[e.name].detach()
+        pieces.append((flat[at : at + t.numel()].view(t.shape), t))
+        at += t.numel()
+    if flat.device.type != "cpu" or nbytes < _CRC_THREAD_BYTES:
+        for dst, src in pieces:
+            dst.copy_(src)
+        return flat, tensors_crc32([flat])
+    return flat, _copy_and_crc(pieces)
+
+
+def _copy_and_crc(pieces: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Copy each `(dst, src)` in order here while a second thread keeps the running CRC-32 of
+    the `dst`s already written; returns the CRC of all of them, one after another."""
+    written: queue.SimpleQueue[torch.Tensor | None] = queue.SimpleQueue()
+    crc, failed = [0], []
+
+    def follow() -> None:
+        while (t := written.get()) is not None:
+            try:
+                crc[0] = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc[0])
+            except BaseException as e:  # re-raised by the packing thread
+                failed.append(e)
+
+    worker = threading.Thread(target=follow, daemon=True, name="bucket-crc32")
+    worker.start()
+    try:
+        for dst, src in pieces:
+            dst.copy_(src)
+            written.put(dst)
+    finally:
+        written.put(None)
+        worker.join()
+    if failed:
+        raise failed[0]
+    return crc[0]
+
+
 def send_bucket(
     g: WeightGroup,
     tensors: Mapping[str, torch.Tensor],
@@ -413,12 +509,14 @@ def send_bucket(
     flatten: bool,
 ) -> None:
     """Rank 0: publish the bucket's checksum, then broadcast its tensors (cast to the bucket's
-    dtypes) in `bucket` order."""
-    ts = [tensors[e.name].detach().to(g.device, torch_dtype(e.dtype)) for e in bucket]
-    publish_checksum(g, tensors_crc32(ts))
+    dtypes): one flat broadcast (`pack_bucket`), or one per tensor in `bucket` order."""
     if flatten:
-        g.broadcast(torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1))
+        flat, crc = pack_bucket(tensors, bucket, g.device)
+        publish_checksum(g, crc)
+        g.broadcast(flat)
     else:
+        ts = [tensors[e.name].detach().to(g.device, torch_dtype(e.dtype)) for e in bucket]
+        publish_checksum(g, tensors_crc32(ts))
         for t in ts:
             g.broadcast(t.contiguous())
     g.buckets += 1
@@ -454,11 +552,8 @@ def receive_bucket(
         dtypes = {e.dtype for e in bucket}
         if len(dtypes) != 1:
             raise ValueError(f"a {FLATTENED} bucket holds one dtype, got {sorted(dtypes)}")
-        flat = torch.empty(
-            sum(entry_nbytes(e) for e in bucket) // torch_dtype(bucket[0].dtype).itemsize,
-            dtype=torch_dtype(bucket[0].dtype),
-            device=g.device,
-        )
+        nbytes = sum(entry_nbytes(e) for e in bucket)
+        flat = bucket_buffer(nbytes, g.device).view(torch_dtype(bucket[0].dtype))
         g.broadcast(flat)
         out, at = {}, 0
         for e in bucket:

@@ -5,8 +5,9 @@ version `v` plus the `ModelSpec` they fit), `WeightManifest` (names, dtypes and 
 version's tensors, in a fixed order: what a receiver checks before it swaps anything in, and
 the order in which a distributed transport sends the tensors), `WeightTransport` (what the run
 needs from a weight transport; the transports live in `slime_async.weights`), `Payload` (what
-a transport moves: the full weights or the LoRA adapter alone) and `version_dir_name` (the
-name of a version's exported HF directory). Versions are integers here
+a transport moves: the full weights or the LoRA adapter alone), `version_dir_name` (the
+name of a version's exported HF directory) and `all_finite` (the check every receiver runs
+before it serves a tensor). Versions are integers here
 and strings on the wire (`weight_version`, SGLang's convention).
 """
 
@@ -37,6 +38,18 @@ def version_dir_name(version: int) -> str:
     """Name of the HF directory holding an exported version (`v000007`): the trainer's export
     at start-up and every version the disk transport writes."""
     return f"v{version:06d}"
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite (no NaN, no ±inf); non-float tensors always are.
+
+    One reduction pass (`aminmax`, which propagates NaN, and an infinity is the min or the
+    max), without the temporaries of `isfinite(t).all()`, which on a CPU made the finite check
+    of a bf16 model take longer than receiving it (docs/results/2026-11-27-weight-sync-floor.md)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t.detach())
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def version_of_dir_name(name: str) -> int | None:

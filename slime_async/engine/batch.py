@@ -90,7 +90,8 @@ class PrefillOut:
     last_logits: torch.Tensor
     """`[N, V]` fp32 logits at each sequence's last token (its next-token distribution)."""
     prompt_logits: list[torch.Tensor | None]
-    """Per sequence `[P_i, V]` fp32 logits at every prompt position, where asked for."""
+    """Per sequence, where asked for (`prompt_logits_from[i]` = a), `[P_i − 1 − a, V]` fp32
+    logits at the prompt positions a..P_i − 2 (those predicting prompt tokens a + 1..)."""
     routed: list[torch.Tensor] | None
     """Per sequence int32 `[P_i, num_layers, topk]`, when capture was asked for."""
 
@@ -115,7 +116,7 @@ def prefill(
     lm: LoadedModel,
     seqs: list[list[int]],
     *,
-    want_prompt_logits: list[bool],
+    prompt_logits_from: list[int | None],
     capture: bool,
     past: list[list[tuple[torch.Tensor, torch.Tensor]] | None] | None = None,
 ) -> PrefillOut:
@@ -124,8 +125,11 @@ def prefill(
     `past[i]`, where given, is the KV of the first `c_i` tokens of `seqs[i]` (per layer
     `[kv_heads, c_i, head_dim]`, from the prefix cache): only `seqs[i][c_i:]` is forwarded, at
     positions `c_i..`, attending to that KV. The returned rows hold past and new KV (row layout
-    `[pad, past, pad, new]`, the mask marks the real columns); `prompt_logits` and `routed` cover
-    the forwarded tokens only."""
+    `[pad, past, pad, new]`, the mask marks the real columns); `routed` covers the forwarded
+    tokens only. Only the hidden states that are read go through the output layer: each row's
+    last (its next-token distribution) and, where `prompt_logits_from[i]` is given (a position
+    of `seqs[i]` at or after its past), positions `prompt_logits_from[i]`..P_i − 2 (the
+    log-probs of prompt tokens from `prompt_logits_from[i]` + 1 on)."""
     n = len(seqs)
     plen = [0 if past is None or past[i] is None else int(past[i][0][0].shape[1]) for i in range(n)]
     new = [s[c:] for s, c in zip(seqs, plen)]
@@ -155,8 +159,8 @@ def prefill(
         routed_all = lm.capture.take(n, p) if capture else None
         last_logits = head(h[:, -1]).float()
         prompt_logits: list[torch.Tensor | None] = [
-            head(h[i, p - len(s) :]).float() if want else None
-            for i, (s, want) in enumerate(zip(new, want_prompt_logits))
+            None if a is None else head(h[i, p - len(s) + a - c : p - 1]).float()
+            for i, (s, a, c) in enumerate(zip(new, prompt_logits_from, plen))
         ]
     routed = (
         [routed_all[i, p - len(s) :] for i, s in enumerate(new)] if routed_all is not None else None

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any, Literal, get_args
 
 from clifields import add_flags, check_ranges, flag, flag_name, from_args
-from router.config import is_loopback
+from router.access import check_keys
 from slime_async.contracts.adapter import PEFT_MODULES
 
 Dtype = Literal["bf16", "fp32"]
@@ -28,8 +28,8 @@ class EngineConfig:
     """Everything the embedded engine needs to start; one instance per engine process/actor."""
 
     host: str = "127.0.0.1"
-    """Address to bind. Loopback unless you really mean to expose the engine (then a token is
-    required)."""
+    """Address to bind. Loopback unless you really mean to expose the engine (then a data-plane
+    key is required)."""
     port: int = flag(0, ge=0, le=65535, hint="0 = pick a free one")
     """TCP port; 0 picks a free ephemeral port (read it back from `EngineServer.start()` or
     --port-file)."""
@@ -106,10 +106,17 @@ class EngineConfig:
     """Projections an adapter may target (SGLang's --lora-target-modules; 'all': every one)."""
     max_loaded_loras: int = flag(4, ge=1)
     """Most adapters loaded at once (SGLang's --max-loaded-loras)."""
-    auth_token: str | None = flag(None, repr=False, cli=False)
-    """Shared bearer token required on every endpoint (`Authorization: Bearer <token>`);
-    mandatory off loopback. Read from `$SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`, never a
-    flag (argv is visible in `ps`)."""
+    api_key: str | None = flag(None, repr=False, cli=False)
+    """Data-plane key (SGLang's `--api-key`): generation, `/v1/*` and info need it
+    (`Authorization: Bearer <key>`); so do the admin routes when no admin key is set. Mandatory
+    off loopback. From `$SLIME_ASYNC_API_KEY` or `--api-key-file`, never a flag (argv is visible
+    in `ps`)."""
+    admin_api_key: str | None = flag(None, repr=False, cli=False)
+    """Admin key (SGLang's `--admin-api-key`): weights, adapters, pause/continue, flush and
+    abort need it. From `$SLIME_ASYNC_AUTH_TOKEN` or `--auth-token-file`."""
+    open_data_plane: bool = False
+    """With an admin key and no data-plane key: serve generation and info to anyone who can reach
+    the engine, on purpose (loopback only). Without it such an engine is refused."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -131,24 +138,28 @@ class EngineConfig:
             )
         if "all" in self.lora_target_modules:
             object.__setattr__(self, "lora_target_modules", PEFT_MODULES)
-        if not self.auth_token and not is_loopback(self.host):
-            raise ValueError(
-                f"the engine would listen on {self.host!r}, off loopback, without a token: "
-                "export SLIME_ASYNC_AUTH_TOKEN=<token> (or pass --auth-token-file PATH) so every "
-                "endpoint requires 'Authorization: Bearer <token>', or bind 127.0.0.1"
-            )
+        check_keys(
+            "engine",
+            host=self.host,
+            api_key=self.api_key,
+            admin_api_key=self.admin_api_key,
+            open_data_plane=self.open_data_plane,
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class EngineServerArgs:
     """The flags of `python -m slime_async.engine` that are not `EngineConfig` fields: where the
-    server reports its port, where its token is, and the model to build given as JSON."""
+    server reports its port, where its keys are, and the model to build given as JSON."""
 
     port_file: str | None = None
     """Write the bound port to this file (atomically) once serving."""
+    api_key_file: str | None = None
+    """File holding the data-plane key (default: $SLIME_ASYNC_API_KEY; required off loopback;
+    never pass a key itself)."""
     auth_token_file: str | None = None
-    """File holding the bearer token every endpoint then requires (default:
-    $SLIME_ASYNC_AUTH_TOKEN; required off loopback; never pass the token itself)."""
+    """File holding the admin key the admin routes then require (default:
+    $SLIME_ASYNC_AUTH_TOKEN)."""
     model_spec_json: str | None = None
     """ModelSpec JSON file to build instead of TINY_MOE."""
     model_spec: str | None = None
@@ -191,14 +202,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build an `EngineConfig` from parsed `add_engine_args` flags."""
-    from router.config import load_auth_token
+    from router.access import load_api_key, load_auth_token
 
     server = from_args(EngineServerArgs, args)
     return from_args(
         EngineConfig,
         args,
         model_spec=server.read_model_spec(),
-        auth_token=load_auth_token(server.auth_token_file),
+        api_key=load_api_key(server.api_key_file),
+        admin_api_key=load_auth_token(server.auth_token_file),
     )
 
 
@@ -206,20 +218,31 @@ RUN_FLAGS: tuple[str, ...] = ("dtype", "max_running_requests")
 """The `EngineConfig` fields `train_async.py` exposes (as `--engine-<field>`); the run sets the
 model, port, seed and version itself."""
 RUN_PREFIX = "engine-"
+RUN_DERIVED = {"dtype": "bf16 where the CPU has AMX/AVX512_BF16 and for the default run, else fp32"}
+"""The run flags whose default the run derives (rule `engine` in `slime_async/config/rules/`)."""
 
 
 def add_engine_run_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine flags of `train_async.py` (`--engine-dtype`,
     `--engine-max-running-requests`)."""
-    add_flags(parser, EngineConfig, group="embedded engine", prefix=RUN_PREFIX, only=RUN_FLAGS)
+    add_flags(
+        parser,
+        EngineConfig,
+        group="embedded engine",
+        prefix=RUN_PREFIX,
+        only=RUN_FLAGS,
+        derived=RUN_DERIVED,
+    )
 
 
 def engine_run_config_from_args(
     args: argparse.Namespace, *, seed: int, num_threads: int | None
 ) -> EngineConfig:
-    """The engines' config of a run (model directory and version are filled in at launch)."""
+    """The engines' config of a run (model directory and version are filled in at launch); a
+    derived flag still unset (`RUN_DERIVED`) leaves the class default."""
     dests = {flag_name(EngineConfig, f, prefix=RUN_PREFIX)[2:].replace("-", "_") for f in RUN_FLAGS}
-    mine = argparse.Namespace(**{d: v for d, v in vars(args).items() if d in dests})
+    given = {d: v for d, v in vars(args).items() if d in dests and v is not None}
+    mine = argparse.Namespace(**given)
     try:
         return from_args(
             EngineConfig,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from slime_async.contracts.weights import all_finite
 from slime_async.engine.model import LoadedModel
 
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -71,7 +72,7 @@ def _check_finite(d: Path) -> None:
         with safe_open(str(f), framework="pt") as h:
             for k in h.keys():  # noqa: SIM118
                 t = h.get_tensor(k)
-                if not bool(torch.isfinite(t).all()):
+                if not all_finite(t):
                     bad = int((~torch.isfinite(t)).sum())
                     raise ValueError(
                         f"tensor {k!r} in {f.name} holds {bad} non-finite value(s) (NaN or inf); "
@@ -139,7 +140,7 @@ def read_weights_from_disk(lm: LoadedModel, path: str) -> dict[str, torch.Tensor
             "(its config.json differs); export from the same ModelSpec"
         )
     for k, t in sd.items():
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             bad = int((~torch.isfinite(t)).sum())
             raise ValueError(
                 f"tensor {k!r} (from {path!r}) holds {bad} non-finite value(s) (NaN or inf) in "

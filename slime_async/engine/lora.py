@@ -84,11 +84,14 @@ class EngineLora:
 
     # ------------------------------------------------------------------ adapters
     def stage(self, name: str, path: str) -> LoadedAdapter:
-        """Read and check the PEFT directory at `path` (ValueError / FileNotFoundError naming the
-        problem); nothing served changes."""
+        """Read and check the PEFT directory at `path` (its header against the served model
+        before any tensor is read; ValueError / FileNotFoundError naming the problem); nothing
+        served changes."""
         if not isinstance(name, str) or not name:
             raise ValueError("lora_name must be a non-empty string")
-        lora, tensors, version = read_peft_dir(Path(path))
+        lora, tensors, version = read_peft_dir(
+            Path(path), model=self.spec, max_rank=self.max_rank, targets=self.targets
+        )
         return self.stage_tensors(name, lora, tensors, path=str(path), version=version)
 
     def stage_tensors(

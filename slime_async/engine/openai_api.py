@@ -5,7 +5,8 @@ Owns: `add_openai_routes(app)` and the translation both ways. A chat request is 
 prompt ids by the tokenizer's chat template (`slime_async.contracts.chat.render_chat`, `tools`
 passed to the template), then becomes a `/generate` request (`parse_generate`: the same
 validation, limits and scheduler, the model lock held as a reader); the answer becomes OpenAI's
-shape: `choices[i].message` (Hermes/Qwen `<tool_call>` blocks parsed into `tool_calls`),
+shape: `choices[i].message` (tool calls in the Hermes/Qwen, Mistral or Llama 3.x format parsed
+into `tool_calls`),
 `logprobs.content` when `logprobs: true`, `finish_reason`, `usage`, and `meta_info`
 (`weight_version`, the sampled `output_ids` of each choice: token in, token out).
 OpenAI keys: `model` (any; the served model answers), `messages`/`prompt`, `tools`,
@@ -36,6 +37,7 @@ from slime_async.contracts.chat import (
     render_chat,
     request_template_kwargs,
     request_tools,
+    tool_names,
 )
 from slime_async.engine.engine import Engine, EngineState
 from slime_async.engine.http_common import client_gone, error
@@ -129,11 +131,19 @@ def _metadata(seqs: list[Sequence]) -> dict[str, Any]:
     }
 
 
-def _chat_choice(i: int, s: Sequence, tok: Any, *, tools: bool, logprobs: bool) -> dict[str, Any]:
+def _chat_choice(
+    i: int, s: Sequence, tok: Any, *, tools: frozenset[str] | None, logprobs: bool
+) -> dict[str, Any]:
     """OpenAI's `choices[i]` of one finished sample: the message (with `tool_calls` parsed
-    out when the request named tools), `logprobs.content` when asked, `finish_reason`."""
+    out, in the model family's format, when the request named `tools`; from the text with its
+    special tokens, which mark Mistral's and Llama's calls), `logprobs.content` when asked,
+    `finish_reason`."""
     text = response_item(s, tokenizer=tok)["text"]
-    content, calls = parse_tool_calls(text) if tools else (text, [])
+    content, calls = text, []
+    if tools is not None:
+        raw = response_item(s, tokenizer=tok, skip_special_tokens=False)["text"]
+        content, calls = parse_tool_calls(raw, tools=tools)
+        content = content if calls else text
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = calls
@@ -182,7 +192,8 @@ async def chat_completions(eng: Engine, request: web.Request) -> web.StreamRespo
         return got
     seqs = got
     choices = [
-        _chat_choice(i, s, tok, tools=bool(tools), logprobs=want_lp) for i, s in enumerate(seqs)
+        _chat_choice(i, s, tok, tools=tool_names(tools) if tools else None, logprobs=want_lp)
+        for i, s in enumerate(seqs)
     ]
     out = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",

@@ -329,9 +329,11 @@ def response_item(
     tokenizer: Any,
     return_text_in_logprobs: bool = False,
     index: int | None = None,
+    skip_special_tokens: bool | None = None,
 ) -> dict[str, Any]:
-    """SGLang's response object for one sequence (cumulative; final when finished)."""
-    skip = seq.params.skip_special_tokens
+    """SGLang's response object for one sequence (cumulative; final when finished); its text
+    without special tokens as the request says, unless `skip_special_tokens` overrides it."""
+    skip = seq.params.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
     text = tokenizer.decode(_text_ids(seq), skip_special_tokens=skip)
     if seq.text_end is not None:
         text = text[: seq.text_end]

@@ -27,6 +27,7 @@ from pathlib import Path
 from aiohttp import web
 
 from clifields import flag_name, flag_specs
+from router.access import ADMIN_KEY_ENV, API_KEY_ENV
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.engine import Engine
 from slime_async.engine.server import build_app, cap_connections
@@ -217,8 +218,14 @@ class EngineProcess:
             cmd = [sys.executable, "-m", "slime_async.engine", *config_to_argv(self.cfg)]
             cmd += [*self.extra_args, "--port-file", port_file]
             env = {**os.environ, "HF_HUB_OFFLINE": "1", **(self.env or {})}
-            if self.cfg.auth_token:  # through the environment: argv is visible in `ps`
-                env["SLIME_ASYNC_AUTH_TOKEN"] = self.cfg.auth_token
+            # the keys travel through the environment: argv is visible in `ps`
+            for var, key in (
+                (API_KEY_ENV, self.cfg.api_key),
+                (ADMIN_KEY_ENV, self.cfg.admin_api_key),
+            ):
+                env.pop(var, None)
+                if key:
+                    env[var] = key
             if self.log_path:  # the child holds its own copy of the log's fd
                 with open(self.log_path, "ab") as out:
                     self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -251,7 +258,7 @@ class EngineProcess:
             self.url,
             timeout=max(1.0, deadline - time.monotonic()),
             proc=self.proc,
-            token=self.cfg.auth_token,
+            token=self.cfg.api_key,
         )
         return self.url
 

@@ -262,9 +262,9 @@ def sample(
     return tokens.tolist(), chosen.tolist()
 
 
-def prompt_logprobs(logits: torch.Tensor, ids: list[int], temperature: float) -> list[float]:
-    """log p(ids[t+1] | ids[:t+1]) for t < len(ids)-1 from prompt logits `[P, V]`."""
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], temperature: float) -> list[float]:
+    """log p(targets[j]) under row j of prompt logits `[n, V]` (the positions before them)."""
     t = 1.0 if temperature < GREEDY_EPS else temperature
-    lp = torch.log_softmax(logits[:-1] / t, dim=-1)
-    tgt = torch.tensor(ids[1:], dtype=torch.long)[:, None]
+    lp = torch.log_softmax(logits / t, dim=-1)
+    tgt = torch.tensor(targets, dtype=torch.long)[:, None]
     return lp.gather(1, tgt)[:, 0].tolist()

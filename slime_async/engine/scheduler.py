@@ -320,11 +320,17 @@ class Scheduler:
         tokens = [s.prefill_tokens() for s in seqs]
         capture = any(s.return_routed_experts for s in seqs)
         hits = [self._lookup(s, t, w) for s, t, w in zip(seqs, tokens, want_in)]
+        # the first position whose logits give a prompt log-prob asked for (token
+        # logprob_start_len is read at the position before it; never inside the reused prefix)
+        starts = [
+            max(s.logprob_start_len - 1, h.length, 0) if w else None
+            for s, h, w in zip(seqs, hits, want_in)
+        ]
         with self._adapters(seqs):
             out = batch.prefill(
                 self.lm,
                 tokens,
-                want_prompt_logits=want_in,
+                prompt_logits_from=starts,
                 capture=capture,
                 past=[h.kv for h in hits] if any(h.length for h in hits) else None,
             )
@@ -346,12 +352,13 @@ class Scheduler:
         in_lps: list[list[float] | None] = [None] * len(seqs)
         for i, s in enumerate(seqs):
             if want_in[i] and i not in failed:
-                try:  # logits of the forwarded positions c.. give log-probs of c+1..
-                    c = hits[i].length
+                try:  # logits of positions a.. give the log-probs of tokens a+1..
+                    a = starts[i]
+                    assert a is not None
                     in_lps[i] = (
-                        [None] * c
+                        [None] * a
                         + prompt_logprobs(  # type: ignore[operator]
-                            out.prompt_logits[i], s.prompt[c:], s.params.temperature
+                            out.prompt_logits[i], s.prompt[a + 1 :], s.params.temperature
                         )
                     )
                 except Exception as e:

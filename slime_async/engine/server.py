@@ -3,8 +3,9 @@ route passes through, with SGLang's paths, bodies and status codes.
 
 Owns: `build_app(engine)` (the routes of `routes_generate.py`, `routes_control.py` and
 `openai_api.py` on one app), the per-route body limits and read deadline
-(`_limits_middleware`), the bearer-token check (`_auth_middleware`), the connection cap
-(`cap_connections`) and the filter for sglang-router's HTTP/2 probes. Every handler turns bad
+(`_limits_middleware`), the key check (`router.access`: SGLang's `--api-key` and
+`--admin-api-key`, run first, before any body is read), the connection cap (`cap_connections`)
+and the filter for sglang-router's HTTP/2 probes. Every handler turns bad
 input into HTTP 400 with a message naming the problem; nothing a client sends can crash the
 server. Must never import torch model code directly (it talks to `Engine`).
 """
@@ -12,12 +13,12 @@ server. Must never import torch model code directly (it talks to `Engine`).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from typing import Any
 
 from aiohttp import web
 
+from router.access import auth_middleware
 from slime_async.engine.engine import Engine
 from slime_async.engine.http_common import (
     ENGINE_KEY,
@@ -96,35 +97,24 @@ def cap_connections(runner: web.AppRunner, max_connections: int) -> None:
     server.connection_made = connection_made  # type: ignore[method-assign]
 
 
-def _auth_middleware(token: str) -> Any:
-    """Every route needs `Authorization: Bearer <token>` (compared in constant time)."""
-    expected = f"Bearer {token}".encode()
-
-    @web.middleware
-    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-        got = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(got, expected):
-            return error(
-                f"{request.path} needs 'Authorization: Bearer <token>' (the run's shared token, "
-                "$SLIME_ASYNC_AUTH_TOKEN)",
-                status=401,
-                **unreceived(request),
-            )
-        return await handler(request)
-
-    return auth
+def _refuse(request: web.Request, status: int, message: str) -> web.Response:
+    return error(message, status=status, **unreceived(request))
 
 
 def build_app(engine: Engine) -> web.Application:
-    """The aiohttp application serving `engine` (SGLang paths, plus the `get_` aliases); with
-    `auth_token` set, every route requires it."""
+    """The aiohttp application serving `engine` (SGLang paths, plus the `get_` aliases). The key
+    check runs first, so a request without the key is refused before its body is read; then
+    the body limits."""
     log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _DropHttp2Probe) for f in log.filters):
         log.addFilter(_DropHttp2Probe())
-    token = engine.cfg.auth_token
+    cfg = engine.cfg
+    auth = auth_middleware(
+        "engine", api_key=cfg.api_key, admin_api_key=cfg.admin_api_key, refuse=_refuse
+    )
     app = web.Application(
-        client_max_size=int(engine.cfg.max_request_mb * 1024**2),
-        middlewares=[_limits_middleware(engine)] + ([_auth_middleware(token)] if token else []),
+        client_max_size=int(cfg.max_request_mb * 1024**2),
+        middlewares=[auth, _limits_middleware(engine)],
     )
     app[ENGINE_KEY] = engine
     add_generate_routes(app)

@@ -18,10 +18,10 @@ import subprocess
 import sys
 import time
 
-from router.config import is_loopback
+from router.access import check_keys
 from slime_async.engine import sglang_launch
 from slime_async.engine.runner import wait_healthy
-from slime_async.engine.sglang_launch import API_KEY_ENV
+from slime_async.engine.sglang_launch import ADMIN_KEY_ENV, API_KEY_ENV
 
 SGLANG_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -96,9 +96,12 @@ class SGLangConfig:
     extra_args: tuple[str, ...] = ()
     """Further SGLang flags, passed through verbatim (must not repeat a flag set above)."""
     api_key: str | None = dataclasses.field(default=None, repr=False)
-    """Bearer token SGLang requires (its `--api-key`); handed over through the environment and
+    """Data-plane key SGLang requires (its `--api-key`); handed over through the environment and
     added to the server's own argv in-process (`sglang_launch`), so it is never on a command
     line. Required off loopback."""
+    admin_api_key: str | None = dataclasses.field(default=None, repr=False)
+    """Admin key (SGLang's `--admin-api-key`: weights, adapters, pause, flush), handed over the
+    same way."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -120,15 +123,21 @@ class SGLangConfig:
             raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank ({self.node_rank}) must be in [0, nnodes={self.nnodes})")
-        if not self.api_key and not is_loopback(self.host):
-            raise ValueError(
-                f"the SGLang server would listen on {self.host!r}, off loopback, without a token: "
-                "export SLIME_ASYNC_AUTH_TOKEN=<token> (or --auth-token-file PATH), or bind "
-                "127.0.0.1"
-            )
+        check_keys(
+            "SGLang server",
+            host=self.host,
+            api_key=self.api_key,
+            admin_api_key=self.admin_api_key,
+        )
         ours = {a for a in build_command(self, _with_extra=False) if a.startswith("--")}
-        ours.add("--api-key")
+        ours |= {"--api-key", "--admin-api-key"}
         clash = sorted(ours & {a.split("=")[0] for a in self.extra_args if a.startswith("--")})
+        if keys := [c for c in clash if c in ("--api-key", "--admin-api-key")]:
+            raise ValueError(
+                f"{'/'.join(keys)} on SGLang's command line would be visible in `ps`: the "
+                "launcher hands the keys over itself (export SLIME_ASYNC_API_KEY and "
+                "SLIME_ASYNC_AUTH_TOKEN, or pass --api-key-file / --auth-token-file)"
+            )
         if clash:
             raise ValueError(
                 f"extra_args repeat flags the launcher already sets: {clash}; use the "
@@ -140,14 +149,15 @@ class SGLangConfig:
         return f"http://{self.host}:{self.port}"
 
 
-__all__ = ["API_KEY_ENV", "SGLangConfig", "SGLangServer", "build_command"]
+__all__ = ["ADMIN_KEY_ENV", "API_KEY_ENV", "SGLangConfig", "SGLangServer", "build_command"]
 
 
 def build_command(cfg: SGLangConfig, *, _with_extra: bool = True) -> list[str]:
     """The argv that starts `cfg` (`[python, -m, sglang.launch_server, --model-path, ...]`; with
-    an `api_key`, `[python, <path of this package>/sglang_launch.py, sglang.launch_server, ...]`, which adds
-    `--api-key` in-process; run by path, so `cfg.python` needs only sglang, not this project)."""
-    if cfg.api_key:
+    a key, `[python, <path of this package>/sglang_launch.py, sglang.launch_server, ...]`, which
+    adds `--api-key` / `--admin-api-key` in-process; run by path, so `cfg.python` needs only
+    sglang, not this project)."""
+    if cfg.api_key or cfg.admin_api_key:
         cmd = [cfg.python, os.path.abspath(sglang_launch.__file__), cfg.launch_module]
     else:
         cmd = [cfg.python, "-m", cfg.launch_module]
@@ -240,8 +250,10 @@ class SGLangServer:
         env = dict(os.environ)
         if self.cfg.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.cuda_visible_devices
-        if self.cfg.api_key:
-            env[API_KEY_ENV] = self.cfg.api_key
+        for var, key in ((API_KEY_ENV, self.cfg.api_key), (ADMIN_KEY_ENV, self.cfg.admin_api_key)):
+            env.pop(var, None)
+            if key:
+                env[var] = key
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         # own process group: SGLang forks scheduler/detokenizer children; stop() ends them all
         self.proc = subprocess.Popen(

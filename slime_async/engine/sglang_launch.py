@@ -1,9 +1,10 @@
 """`PYTHON <installed path>/slime_async/engine/sglang_launch.py MODULE ARGS...`: run SGLang's launcher MODULE
-with ARGS plus `--api-key <token>`, the token read from `$SLIME_ASYNC_SGLANG_API_KEY`.
+with ARGS plus `--api-key <key>` (the data-plane key, from `$SLIME_ASYNC_SGLANG_API_KEY`) and
+`--admin-api-key <key>` (from `$SLIME_ASYNC_SGLANG_ADMIN_API_KEY`), each where it is set.
 
-Owns only that hand-over: SGLang takes its key on the command line, and a command line is
-readable by every user of the node (`ps`, /proc/PID/cmdline). The key is appended to `sys.argv`
-inside this process, which /proc does not show. It is run by path with SGLang's interpreter
+Owns only that hand-over: SGLang takes its keys on the command line, and a command line is
+readable by every user of the node (`ps`, /proc/PID/cmdline). The keys are appended to
+`sys.argv` inside this process, which /proc does not show. It is run by path with SGLang's interpreter
 (`--sglang-python`, which may be a separate virtual environment without this project), so it
 imports the standard library only: never sglang at module level, this project, Ray or torch.
 """
@@ -15,7 +16,9 @@ import runpy
 import sys
 
 API_KEY_ENV = "SLIME_ASYNC_SGLANG_API_KEY"
-"""Environment variable the token is handed over in."""
+"""Environment variable the data-plane key is handed over in."""
+ADMIN_KEY_ENV = "SLIME_ASYNC_SGLANG_ADMIN_API_KEY"
+"""Environment variable the admin key is handed over in."""
 
 
 def main() -> None:
@@ -27,10 +30,17 @@ def main() -> None:
         # `sglang` package; `python -m MODULE` would have the working directory there instead
         sys.path[0] = os.getcwd()
     module, args = sys.argv[1], sys.argv[2:]
-    key = os.environ.pop(API_KEY_ENV, None)
-    if not key:
-        sys.exit(f"${API_KEY_ENV} is not set: the launcher hands the server's token over in it")
-    sys.argv = [module, *args, "--api-key", key]
+    keys: list[str] = []
+    for var, flag in ((API_KEY_ENV, "--api-key"), (ADMIN_KEY_ENV, "--admin-api-key")):
+        key = os.environ.pop(var, None)
+        if key:
+            keys += [flag, key]
+    if not keys:
+        sys.exit(
+            f"neither ${API_KEY_ENV} nor ${ADMIN_KEY_ENV} is set: the launcher hands the "
+            "server's keys over in them"
+        )
+    sys.argv = [module, *args, *keys]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

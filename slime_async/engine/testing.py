@@ -81,10 +81,16 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def stock_sglang_router(
-    worker_urls: Sequence[str], *, policy: str = "round_robin", timeout_s: float = 60.0
+    worker_urls: Sequence[str],
+    *,
+    policy: str = "round_robin",
+    timeout_s: float = 60.0,
+    api_key: str | None = None,
 ) -> Iterator[str]:
     """The real `sglang-router` (PyPI wheel) in front of `worker_urls`; yields its URL once every
-    worker is registered and healthy, stops it (by PID: it renames itself) afterwards."""
+    worker is registered and healthy, stops it (by PID: it renames itself) afterwards. `api_key`:
+    its one `--api-key` (asked of its clients, presented to its workers; on its command line,
+    so a test's key only)."""
     port = _free_port()
     cmd = [
         sys.executable,
@@ -102,7 +108,9 @@ def stock_sglang_router(
         "warn",
         "--prometheus-port",
         str(_free_port()),
+        *(("--api-key", api_key) if api_key else ()),
     ]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -111,7 +119,8 @@ def stock_sglang_router(
             if proc.poll() is not None:
                 raise RuntimeError(f"sglang-router exited with {proc.returncode}")
             try:
-                with urllib.request.urlopen(url + "/workers", timeout=2) as r:
+                req = urllib.request.Request(url + "/workers", headers=headers)
+                with urllib.request.urlopen(req, timeout=2) as r:
                     ws = json.loads(r.read())["workers"]
                 if len(ws) == len(worker_urls) and all(w["is_healthy"] for w in ws):
                     break

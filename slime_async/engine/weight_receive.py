@@ -30,7 +30,7 @@ from slime_async.contracts.weight_group import (
     checksum_problem,
     receive_bucket,
 )
-from slime_async.contracts.weights import TensorEntry
+from slime_async.contracts.weights import TensorEntry, all_finite
 from slime_async.engine.checkpoint_names import CheckpointAssembler
 from slime_async.engine.model import swap_weights
 from slime_async.engine.weight_updates import ServingEngine, UpdateResult, WeightUpdates
@@ -208,21 +208,26 @@ class WeightGroups:
                     received=False,
                     group_broken=True,
                 )
-            corrupted = await asyncio.to_thread(checksum_problem, inbox.group, entries, got)
+            crc = asyncio.to_thread(checksum_problem, inbox.group, entries, got)
             if adapter is not None:
                 name, spec = adapter
                 assert spec is not None
                 return await self._stage_adapter_bucket(
-                    inbox, group_name, got, corrupted, name, spec, weight_version=weight_version
+                    inbox, group_name, got, await crc, name, spec, weight_version=weight_version
                 )
+            t1 = time.monotonic()
+            # the checksum (zlib) and the finite check (torch) both release the GIL: together
+            corrupted, nonfinite = await asyncio.gather(
+                crc, asyncio.to_thread(_nonfinite, {} if inbox.spoiled else got)
+            )
             return await self._apply_model_bucket(
                 inbox,
                 entries,
                 got,
-                corrupted,
+                (corrupted, nonfinite),
                 weight_version=weight_version,
                 flush_cache=flush_cache,
-                t0=t0,
+                times=(t0, t1, time.monotonic()),
             )
 
     # ------------------------------------------------------------------ model weights
@@ -231,14 +236,16 @@ class WeightGroups:
         inbox: _Inbox,
         entries: tuple[TensorEntry, ...],
         got: dict[str, torch.Tensor],
-        corrupted: str | None,
+        checked: tuple[str | None, list[str]],
         *,
         weight_version: str | None,
         flush_cache: bool,
-        t0: float,
+        times: tuple[float, float, float],
     ) -> UpdateResult:
         """One received bucket of model weights: refused (and its version dropped), staged,
-        or, with the bucket that ends the version, swapped in through the shared swap tail."""
+        or, with the bucket that ends the version, swapped in through the shared swap tail.
+        `checked`: the checksum problem (or None) and the non-finite tensors; `times`: when the
+        receive started, ended, and the checks ended (for the answer's message)."""
         if inbox.spoiled:
             inbox.assembler.reset()
             if weight_version is not None:  # the spoiled version ends with this bucket
@@ -249,7 +256,7 @@ class WeightGroups:
                 "refused, so none of it is applied; push the whole version again",
             )
         updates = self.updates
-        ready, problem = _check_model_bucket(inbox.assembler, got, corrupted, weight_version)
+        ready, problem = _check_model_bucket(inbox.assembler, got, *checked, weight_version)
         refused = None
         if problem is not None:
             refused = UpdateResult(success=False, message=f"Failed to update weights: {problem}")
@@ -265,17 +272,19 @@ class WeightGroups:
         if weight_version is None and not whole:
             return UpdateResult(  # more buckets of this version to come
                 success=True,
-                message=f"Received {len(entries)} tensors; they are applied with the "
-                "bucket that carries weight_version",
+                message=f"Received {len(entries)} tensors ({_took(times)}); they are applied "
+                "with the bucket that carries weight_version",
             )
         ready = dict(inbox.staged)
         inbox.staged.clear()
         in_flight = await updates.swap(
             lambda: swap_weights(lm, ready), flush_cache=flush_cache, weight_version=weight_version
         )
+        now = time.monotonic()
         return UpdateResult(
             success=True,
-            message=f"Succeeded to update {len(entries)} tensors in {time.monotonic() - t0:.3f}s.",
+            message=f"Succeeded to update {len(entries)} tensors in {now - times[0]:.3f}s "
+            f"({_took(times)}, swapped in {now - times[2]:.3f}s).",
             num_paused_requests=in_flight,
         )
 
@@ -338,26 +347,39 @@ class WeightGroups:
         )
 
 
+def _took(times: tuple[float, float, float]) -> str:
+    """How long the receive and the checks of a bucket took, for its answer's message."""
+    t0, t1, t2 = times
+    return f"received in {t1 - t0:.3f}s, checked in {t2 - t1:.3f}s"
+
+
+def _nonfinite(got: dict[str, torch.Tensor]) -> list[str]:
+    """The received tensors holding NaN or inf (never served, whichever transport brought
+    them)."""
+    return [
+        f"tensor {k!r} holds non-finite values (NaN or inf)"
+        for k, t in got.items()
+        if not all_finite(t)
+    ]
+
+
 def _check_model_bucket(
     asm: CheckpointAssembler,
     got: dict[str, torch.Tensor],
     corrupted: str | None,
+    nonfinite: list[str],
     weight_version: str | None,
 ) -> tuple[dict[str, torch.Tensor], str | None]:
     """(served parameters ready from this bucket, why it is refused or None): a corrupted
-    bucket, names or shapes the served model does not have, non-finite values (never served,
-    whichever transport brought them), or a version that ends with pieces missing."""
+    bucket, names or shapes the served model does not have, non-finite values (`nonfinite`,
+    from `_nonfinite`), or a version that ends with pieces missing."""
     if corrupted:
         return {}, (
             f"{corrupted}. No tensor of this version was applied; push the whole version again"
         )
     ready, bad = asm.add(got)
     if not bad:
-        bad = [
-            f"tensor {k!r} holds non-finite values (NaN or inf)"
-            for k, t in got.items()
-            if not bool(torch.isfinite(t).all())
-        ]
+        bad = nonfinite
     if not bad and weight_version is not None and asm.incomplete():
         bad = [f"the version is incomplete: {p} misses pieces" for p in asm.incomplete()]
     if not bad:

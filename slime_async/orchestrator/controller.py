@@ -6,6 +6,11 @@ Rollout never waits for training: the data worker keeps dispatching in this same
 while a train step runs in the trainer actor, limited only by the staleness budget
 (`--max-staleness S`: S = 0 synchronous, 1 one-step off-policy, > 1 fully async). Setting up
 the roles, the data and resuming live in `slime_async.orchestrator.launch`; this file is only the schedule.
+slime's debug modes: `--debug-rollout-only` runs the loop without a trainer (`_rollouts_only`);
+`--debug-train-only` (replaying dumps, or SFT) trains without engines
+(`slime_async.orchestrator.offline`).
+A run that must stop (a lost trainer rank, no engine left) says why through `on_stop` before it
+tears anything down, so the process ends within a bound (`slime_async.orchestrator.stop`).
 """
 
 from __future__ import annotations
@@ -14,23 +19,32 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from slime_async.config.run_config import RunConfig
 from slime_async.orchestrator.launch import setup_run
 from slime_async.orchestrator.node_loss import TrainerLostError, trainer_lost_message
+from slime_async.orchestrator.offline import train_offline
+from slime_async.orchestrator.run import Run
 from slime_async.orchestrator.supervisor import EnginesDownError
-from slime_async.rollout.generate.assemble import assemble
+from slime_async.rollout.generate.assemble import assemble, overlong_shaping
 
 log = logging.getLogger(__name__)
 
 
-async def train(cfg: RunConfig) -> dict[str, Any]:
-    """Run the whole job; returns the last step's metrics plus the run's accounting."""
+async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the whole job; returns the last step's metrics plus the run's accounting. `on_stop`
+    hears the reason of a stop (`StopWatchdog.arm`) before the run is torn down."""
+    if cfg.debug_train_only:  # from rollout dumps, or SFT: no engines
+        return await train_offline(cfg)
+    say = on_stop or (lambda _why: None)
     run = await setup_run(cfg)  # data, warm start, Ray roles, trainer, data worker, resume
     last: dict[str, Any] = {}
     try:
         await run.worker.start()
+        if cfg.debug_rollout_only:
+            return await _rollouts_only(run, cfg)
         eval_task: asyncio.Task | None = None
         if cfg.rollout.eval_interval and run.start_step == 0:  # the baseline: the initial weights
             eval_task = asyncio.create_task(run.evaluate(step=0))
@@ -45,11 +59,11 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
             data = assemble(
                 batch,
                 estimator=cfg.rollout.advantage_estimator,
+                overlong=overlong_shaping(cfg.rollout),
                 normalize_rewards=cfg.rollout.rewards_normalization,
                 whiten=cfg.rollout.normalize_advantages,
             )
-            trained = await asyncio.to_thread(run.trainer.train_step, data.batch)
-            run.record_step(trained.version, batch)  # the trainer's new version, checked
+            trained = await run.train_step(batch, data.batch)  # recorded (and dumped)
             t2 = time.perf_counter()
 
             sync: dict[str, float] = {}
@@ -80,14 +94,40 @@ async def train(cfg: RunConfig) -> dict[str, Any]:
             await run.save(run.version)
         last.update(run.accounting())
         return last
-    except EnginesDownError:  # stop with a checkpoint: --load resumes once engines are back
+    except EnginesDownError as e:  # stop with a checkpoint: --load resumes once engines are back
         if run.saves:
             await run.save(run.version)
+        say(str(e))
         raise
     except Exception as e:  # a lost trainer rank: say which, where it stands, how to resume
-        if not (lost := await asyncio.to_thread(run.trainer.ranks_lost)):
+        if run.trainer is None or not (lost := await asyncio.to_thread(run.trainer.ranks_lost)):
             raise
         why = trainer_lost_message(lost, step=run.version, save=cfg.trainer.save, argv=sys.argv)
+        say(why)  # the rest of the group may never answer again: the stop is bounded from here
         raise TrainerLostError(why) from e
     finally:
         await run.close()
+
+
+async def _rollouts_only(run: Run, cfg: RunConfig) -> dict[str, Any]:
+    """`--debug-rollout-only`: each step's batch generated, scored, assembled (its rollout
+    metrics logged at step + 1) and dumped (`--save-debug-rollout-data`); nothing is trained,
+    pushed, evaluated or saved, so the engines serve their start weights throughout."""
+    last: dict[str, Any] = {}
+    for step in range(cfg.num_steps):
+        t0 = time.perf_counter()
+        batch = await run.next_batch(cfg.rollout.groups_per_step)
+        if not batch.groups:
+            log.warning("prompt source exhausted at step %d", step)
+            break
+        batch = await run.score(batch)
+        data = assemble(
+            batch, estimator=cfg.rollout.advantage_estimator, overlong=overlong_shaping(cfg.rollout)
+        )
+        await run.dump(step, batch, trained=None)
+        wait = time.perf_counter() - t0
+        last = {**data.metrics, **run.worker.metrics(), **run.chain.agent_metrics()}
+        last |= run.timing(wait_s=wait, train_s=0.0, sync_s=0.0)
+        run.log(step + 1, last)
+    last.update(run.accounting())
+    return last

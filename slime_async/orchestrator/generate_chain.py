@@ -107,7 +107,7 @@ def build_generate_chain(
         top_k=r.top_k,
         stop=r.stop,
         stop_token_ids=(plan.eos_id, *r.stop_token_ids),
-        auth_token=cfg.engine.auth_token,
+        api_key=cfg.engine.api_key,
         lora_name=lora_name,
     )
     eval_cfg = dataclasses.replace(
@@ -164,7 +164,7 @@ def slime_plugin_args(cfg: RunConfig, router_url: str) -> SlimeArgs:
     return slime_args(
         router_url,
         router_headers=(
-            {"Authorization": f"Bearer {cfg.engine.auth_token}"} if cfg.engine.auth_token else {}
+            {"Authorization": f"Bearer {cfg.engine.api_key}"} if cfg.engine.api_key else {}
         ),
         hf_checkpoint=cfg.trainer.hf_checkpoint,
         rollout_batch_size=r.rollout_batch_size,
@@ -178,6 +178,8 @@ def slime_plugin_args(cfg: RunConfig, router_url: str) -> SlimeArgs:
         rollout_stop_token_ids=list(r.stop_token_ids) or None,
         rollout_seed=cfg.rollout_seed,
         custom_rm_path=r.custom_rm_path,
+        rm_url=r.rm_url,
+        reward_key=r.reward_key,
         group_rm=r.group_rm,
         custom_generate_function_path=r.custom_generate_function_path,
         partial_rollout=cfg.data_worker.partial_rollout.value == "continue",
@@ -199,7 +201,7 @@ def _agent(cfg: RunConfig, client: GenerateClient, plan: DataPlan) -> AgentGener
     gateway = TrainingGateway(
         tokenizer=tokenizer,
         eos_id=plan.eos_id,
-        auth_token=cfg.engine.auth_token,
+        api_key=cfg.engine.api_key,
         template_kwargs=r.chat_template_kwargs,
     )
     return AgentGenerate(

@@ -94,7 +94,9 @@ async def setup_run(cfg: RunConfig) -> Run:
 
 
 async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
-    """`setup_run`'s body; each thing it brings up goes onto `undo` as it comes up."""
+    """`setup_run`'s body; each thing it brings up goes onto `undo` as it comes up. With
+    `--debug-rollout-only` no trainer starts: the engines start on `--hf-checkpoint` (or the
+    warm start) and nothing is ever pushed."""
     record_config(cfg)
     backend = get_engine_backend(cfg.engines.backend)(cfg.engines, cfg.engine)
     await backend.preflight()  # e.g. attached URLs answer: fail in seconds, before the trainer
@@ -102,17 +104,22 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     plan = make_data_plan(
         cfg.rollout, seed=cfg.rollout_seed, hf_checkpoint=cfg.trainer.hf_checkpoint
     )
-    logger = _logger(cfg)
+    logger = run_logger(cfg)
     undo.append(logger.close)
-    trainer_cfg = await _warm_started(cfg)
-    placement = await _place(cfg)
+    trainer_cfg = await warm_started(cfg)
+    placement = await place(cfg)
     if placement is not None:
         undo.append(placement.remove)
-    trainer = await start_trainer(cfg, trainer_cfg, placement)
-    undo.append(trainer.shutdown)
-    start = await asyncio.to_thread(start_point, cfg, trainer, load=trainer_cfg.load)
-    first = await _export_start(cfg, trainer, start.version)
-    role = await start_behavior_role(cfg, trainer_cfg)
+    trainer, role, start = None, None, StartPoint(version=0, worker_state=None)
+    if cfg.debug_rollout_only:  # the rules saw to a checkpoint (given or the warm start's)
+        assert trainer_cfg.hf_checkpoint is not None
+        first = Path(trainer_cfg.hf_checkpoint)
+    else:
+        trainer = await start_trainer(cfg, trainer_cfg, placement)
+        undo.append(trainer.shutdown)
+        start = await asyncio.to_thread(start_point, cfg, trainer, load=trainer_cfg.load)
+        first = await _export_start(cfg, trainer, start.version)
+        role = await start_behavior_role(cfg, trainer_cfg)
     if role is not None:
         undo.append(role.shutdown)
         give_role_start(role, travel, first, start.version)
@@ -153,7 +160,7 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     return run
 
 
-def _logger(cfg: RunConfig) -> MetricsLogger:
+def run_logger(cfg: RunConfig) -> MetricsLogger:
     """The run's metrics logger, with the config it records and the guards it checks."""
     return MetricsLogger(
         cfg.run_dir,
@@ -177,7 +184,7 @@ def _supervisor(cfg: RunConfig, cluster: Cluster, versions: RunVersions) -> Engi
     )
 
 
-async def _warm_started(cfg: RunConfig) -> TrainerConfig:
+async def warm_started(cfg: RunConfig) -> TrainerConfig:
     """The trainer config, pointed at the warm start's model when the run warm-starts
     (validation leaves `warmstart_steps` 0 unless a fresh embedded default run)."""
     if not cfg.warmstart_steps:
@@ -217,7 +224,7 @@ async def _check_routed_experts(
     experts, which would otherwise surface only at the first train step."""
     if trainer_cfg.routing_replay.replays_engine_routing and cfg.model.is_moe:
         await asyncio.gather(
-            *(check_routed_experts(u, token=cfg.engine.auth_token) for u in cluster.engine_urls)
+            *(check_routed_experts(u, token=cfg.engine.api_key) for u in cluster.engine_urls)
         )
 
 
@@ -243,11 +250,12 @@ def _data_worker(
     return worker
 
 
-async def _place(cfg: RunConfig) -> Placement | None:
+async def place(cfg: RunConfig, *, engines: bool = True) -> Placement | None:
     """Join (or start) Ray and reserve the trainer's and engines' bundles (`placement`).
-    Engines a backend attaches run nowhere on the cluster: only the trainer is placed then."""
+    Engines a backend attaches run nowhere on the cluster, and a run without `engines` has
+    none: only the trainer is placed then."""
     t, e = cfg.trainer, cfg.engines
-    starts_engines = not get_engine_backend(e.backend).needs.urls
+    starts_engines = engines and not get_engine_backend(e.backend).needs.urls
     need = t.world_size * t.actor_num_cpus_per_rank + e.num_engines * e.cpus_per_engine
     startup.say(f"Ray ({'joining ' + cfg.ray_address if cfg.ray_address else 'local node'})")
     joined = init_ray(address=cfg.ray_address, num_cpus=need)
@@ -270,7 +278,7 @@ async def _start_engines(
     cfg: RunConfig,
     backend: EngineBackend,
     travel: type[WeightTransport],
-    trainer: TrainerGroup,
+    trainer: TrainerGroup | None,
     start: StartPoint,
     *,
     first: Path,
@@ -284,10 +292,11 @@ async def _start_engines(
     directory); they get `version` through the transport before anything generates unless they
     already serve it (`serves_start_export`). On a joined cluster engines bind their nodes' IPs
     and the router this driver's node IP. A directory transport hands each directory it writes
-    to the forward-only `role`; otherwise `Run._feed_role` exports one for it."""
+    to the forward-only `role`; otherwise `Run._feed_role` exports one for it. Without a
+    `trainer` (`--debug-rollout-only`) they start on `first`, the checkpoint, and load nothing."""
 
     joined, version = cfg.ray_address is not None, start.version
-    start_from = start_source(cfg, travel, first)
+    start_from = start_source(cfg, travel, first) if trainer is not None else str(first)
     if not start_from:  # built from the architecture
         backend.engine = dataclasses.replace(backend.engine, model_spec=cfg.model.to_dict())
     n = cfg.engines.num_engines
@@ -310,7 +319,7 @@ async def _start_engines(
     transport = build_transport(
         travel, cfg, trainer=trainer, cluster=cluster, backend=backend, role=role
     )
-    if not serves_start_export(travel, backend):
+    if trainer is not None and not serves_start_export(travel, backend):
         startup.say(f"engines load version {version} through the {cfg.weights.transport} transport")
         try:
             await transport.load(version)

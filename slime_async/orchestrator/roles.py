@@ -195,7 +195,7 @@ class Cluster:
             engines=engines,
             router=router,
             router_url=router_url,
-            control=RouterClient(router_url, token=rcfg.auth_token),
+            control=RouterClient(router_url, token=rcfg.admin_api_key or rcfg.api_key),
             engine_cores=per,
             seed=seed,
             slots=slots,

@@ -1,9 +1,10 @@
 """The live run: what the step loop (`controller.train`) calls between and around steps.
+One responsibility over 400 lines: the live run's side of each step.
 
-Owns `Run` (weight push and the replacement engines' catch-up, the next batch, evaluation,
-checkpoint, timing, each trained step's record, logging, shutdown), `RunVersions` (the
-trainer's, the start's and the fleet's versions, and what a replacement starts on) and
-`write_roles`.
+Owns `Run` (weight push and the replacement engines' catch-up, the next batch, the train step
+with its record and its rollout dump (`--save-debug-rollout-data`), evaluation, checkpoint,
+timing, logging, shutdown), `RunVersions` (the trainer's, the start's and the fleet's
+versions, and what a replacement starts on) and `write_roles`.
 `slime_async.orchestrator.launch.setup_run` builds a `Run`; nothing here starts a role.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -23,8 +25,10 @@ from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
 from slime_async.config.run_config import RunConfig
 from slime_async.config.run_paths import batch_shape
+from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.rollout import Batch, GenerationRequest, Prompt, segment_payload
 from slime_async.contracts.weights import WeightTransport
+from slime_async.host import trim_heap
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.stability import mean_and_se
 from slime_async.orchestrator.generate_chain import GenerateChain
@@ -35,7 +39,8 @@ from slime_async.orchestrator.supervisor import EnginesDownError, EngineSupervis
 from slime_async.orchestrator.transport import feed_role
 from slime_async.rollout.data.plan import DataPlan
 from slime_async.rollout.generate.assemble import ScoredGenerate
-from slime_async.trainer.actor import TrainerGroup
+from slime_async.rollout.generate.dump import write_step
+from slime_async.trainer.actor import TrainerGroup, TrainStep
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 60.0
@@ -108,7 +113,8 @@ class Run:
     versions)."""
 
     cfg: RunConfig
-    trainer: TrainerGroup
+    trainer: TrainerGroup | None
+    """None with `--debug-rollout-only`: the run generates, scores and dumps, nothing else."""
     cluster: Cluster
     worker: RolloutDataWorker
     chain: GenerateChain
@@ -146,11 +152,40 @@ class Run:
     def pushed_version(self) -> int:
         return self.versions.pushed
 
+    async def train_step(self, batch: Batch, data: TrainerBatch) -> TrainStep:
+        """One train step on `batch` (assembled as `data`): the trainer's new version recorded
+        (`record_step`), and the batch dumped with the step's metrics, or without them when
+        the step fails (`dump`)."""
+        assert self.trainer is not None
+        try:
+            trained = await asyncio.to_thread(self.trainer.train_step, data)
+        except Exception:
+            await self.dump(batch.current_version, batch, trained=None)
+            raise
+        self.record_step(trained.version, batch)
+        await self.dump(batch.current_version, batch, trained=trained.metrics)
+        return trained
+
+    async def dump(
+        self, rollout_id: int, batch: Batch, *, trained: dict[str, float] | None
+    ) -> None:
+        """`--save-debug-rollout-data`: step `rollout_id`'s batch (and, with `trained`, its
+        train step's metrics) as a checksummed JSON file, written off the event loop; one that
+        cannot be written is logged, never the end of the run."""
+        if (spec := self.cfg.save_debug_rollout_data) is None:
+            return
+        write = functools.partial(write_step, spec, batch, rollout_id=rollout_id, trained=trained)
+        try:
+            await asyncio.to_thread(write, decode=self.plan.decode)
+        except OSError as e:
+            log.warning("rollout dump of step %d not written: %s", rollout_id, e)
+
     def record_step(self, version: int, batch: Any) -> None:
         """Step `version` trained on `batch`: the version the trainer returned (checked to be
         the next one) and the prompt ledger's line."""
         self.versions.advance(version)
         record_trained(ledger_path(self.cfg.run_dir), version, batch)
+        trim_heap()  # what the step's batch, responses and pushes freed, back to the node
 
     async def push_weights(self, version: int) -> dict[str, float]:
         """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
@@ -170,7 +205,7 @@ class Run:
         return metrics
 
     async def _admit_caught_up(self, version: int) -> None:
-        for url in await self.cluster.admit_caught_up(version, token=self.cfg.engine.auth_token):
+        for url in await self.cluster.admit_caught_up(version, token=self.cfg.engine.api_key):
             log.info("replacement engine %s has v%d: admitted to the router", url, version)
 
     async def catch_up_replacements(self) -> None:
@@ -231,7 +266,7 @@ class Run:
     async def _record_served_versions(self) -> None:
         """`run_dir/served_versions.json`: the version each engine serves at the end (the last
         push reached every engine when all equal the trainer's version)."""
-        versions = await self.cluster.served_versions(token=self.cfg.engine.auth_token)
+        versions = await self.cluster.served_versions(token=self.cfg.engine.api_key)
         record = {
             "trainer_version": self.version,
             "pushed_version": self.pushed_version,
@@ -282,8 +317,8 @@ class Run:
     @property
     def saves(self) -> bool:
         """Whether the run writes anything at a save: a checkpoint (--save) or an HF
-        directory (--save-hf)."""
-        return bool(self.cfg.trainer.save or self.cfg.trainer.save_hf)
+        directory (--save-hf); never without a trainer."""
+        return self.trainer is not None and bool(self.cfg.trainer.save or self.cfg.trainer.save_hf)
 
     def should_save(self, version: int) -> bool:
         every = self.cfg.save_interval * self.cfg.rollout.num_steps_per_rollout  # rollouts
@@ -291,6 +326,7 @@ class Run:
 
     async def save(self, version: int) -> None:
         """The checkpoint (--save) and the loadable HF directory (--save-hf) of `version`."""
+        assert self.trainer is not None
         if self.cfg.trainer.save:
             state = {
                 "step": version,
@@ -347,7 +383,8 @@ class Run:
             log.warning("weight transport did not close cleanly: %s", e or type(e).__name__)
         await self._record_served_versions()
         await self.cluster.stop()
-        self.trainer.shutdown()
+        if self.trainer is not None:
+            self.trainer.shutdown()
         if self.behavior_role is not None:
             self.behavior_role.shutdown()
         if self.placement is not None:

@@ -23,7 +23,9 @@ through the engine backend (`Cluster.backend`, the protocol in `slime_async.cont
   calls it missed) when its `/health` answers again;
 * either way, with no healthy engine a clear line is logged every `log_every_s`; after
   `all_down_timeout_s` `failed` is set with the reason and the controller stops the run with a
-  checkpoint (`EnginesDownError`).
+  checkpoint (`EnginesDownError`);
+* an engine dropped for good (its node lost, no live node with room) that was the last one
+  leaves nothing to wait for: `failed` is set at once, naming the node.
 
 Never imports a backend implementation or the controller.
 """
@@ -166,6 +168,15 @@ class EngineSupervisor:
                 total = len(self.cluster.engines)
                 await self.cluster.drop_engine(i)
                 self.dropped += 1
+                if not self.cluster.engines:  # nothing left to wait for: stop now
+                    self.reason = (
+                        f"no rollout engine is left: the last one, engine {i} at {old}, was on "
+                        f"node {node}, which is lost, and no live node had room for its bundle "
+                        f"within {self.cfg.relocate_wait_s:.0f}s; bring the node back or add "
+                        "one, then resume"
+                    )
+                    self.failed.set()
+                    return False
                 log.warning(
                     "engine %d at %s: its node %s is lost and no live node has room for its "
                     "bundle (waited %.0fs); continuing on %d of %d engines",

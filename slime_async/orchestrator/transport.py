@@ -53,7 +53,7 @@ def build_transport(
         engine_urls=lambda: cluster.engine_urls,  # read at every push: replacements come and go
         cfg=cfg.weights,
         collective_backend=backend.needs.collective_backend,
-        token=cfg.engine.auth_token,
+        token=cfg.engine.admin_api_key or cfg.engine.api_key,
         on_written=None if role is None else role.add_version,
         lora=lora_spec(cfg.trainer, cfg.model),
     )

@@ -62,6 +62,11 @@ def parse_eval_prompt_data(entries: tuple[str, ...]) -> tuple[tuple[str, str], .
     return tuple(pairs)
 
 
+SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
+"""slime's SFT data path (`--rollout-function-path`): here SFT's own (`--loss-type sft_loss`,
+`rollout.data.sft`)."""
+
+
 def _json_object(text: str) -> str:
     """`--apply-chat-template-kwargs`: a JSON object (kept as its text, so config.json
     replays it)."""
@@ -130,6 +135,12 @@ class RolloutConfig:
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards all agree (no learning signal) and refill with fresh
     prompts."""
+    overlong_buffer_len: int = flag(0, ge=0, hint="0 = off")
+    """DAPO's soft over-long punishment (its L_buffer, verl's overlong_buffer.len): a response
+    longer than --rollout-max-response-len minus this many tokens loses reward linearly, up to
+    --overlong-penalty-factor at the limit; 0: off"""
+    overlong_penalty_factor: float = flag(1.0, ge=0, lt=math.inf, hint="finite")
+    """The over-long penalty at --rollout-max-response-len tokens (with --overlong-buffer-len)"""
     prompt_data: str | None = None
     """jsonl/parquet prompts; None uses the built-in verifiable task family."""
     prompt_source: str | None = None
@@ -162,6 +173,18 @@ class RolloutConfig:
     """Dotted path of a reward function: ours `fn(RewardInput) -> float` or slime's
     `async fn(args, sample, **kwargs) -> float` (`rollout.rewards`); None: exact match /
     math-verify."""
+    rm_url: str | None = None
+    """slime's remote reward model: POST each finished sample as JSON {prompt, response,
+    label} to this URL and take the number it answers (or the one under --reward-key) as the
+    reward (`rollout.remote_rm`; slime_async/examples/reward_server.py is an example server);
+    for training and evaluation alike"""
+    rm_timeout: float = flag(30.0, gt=0, lt=math.inf, hint="seconds")
+    """Seconds one --rm-url request may take before it is tried again"""
+    rm_retries: int = flag(3, ge=0)
+    """Tries after the first of an --rm-url request that timed out, could not connect or got
+    HTTP 429/5xx; then the run stops, naming the server and the sample"""
+    reward_key: str | None = flag(None, derived="reward")
+    """slime's: the key of the reward in an --rm-url answer that is a JSON object"""
     group_rm: bool = False
     """slime's `--group-rm`: the reward function scores a whole group at once,
     `async fn(args, samples: list, **kwargs) -> list[float]`."""
@@ -180,8 +203,9 @@ class RolloutConfig:
     """Most tokens of one model turn of an agent episode, whatever the agent asks (the episode
     as a whole has --rollout-max-response-len)."""
     rollout_function_path: str | None = None
-    """slime's whole-rollout function: always refused (the data worker decides which sample is
-    generated next); the error names the equivalents."""
+    """slime's whole-rollout function: refused (the data worker decides which sample is
+    generated next; the error names the equivalents), except slime's SFT one,
+    slime.rollout.sft_rollout.generate_rollout, with --loss-type sft_loss"""
     eval_interval: int | None = flag(
         None, ge=0, hint="0: never", derived="10; 0 when the run has no eval set"
     )
@@ -216,7 +240,7 @@ class RolloutConfig:
     """Top-k sampling of eval samples (-1: off; 1: greedy, slime's deterministic eval)."""
 
     def __post_init__(self) -> None:
-        if self.rollout_function_path is not None:
+        if self.rollout_function_path not in (None, SFT_ROLLOUT):
             raise ValueError(
                 f"--rollout-function-path {self.rollout_function_path}: slime's whole-rollout "
                 "function cannot apply here, where the data worker decides which sample is "
@@ -243,6 +267,13 @@ class RolloutConfig:
             self.reasoning_gym_config(0)  # bad names / settings fail at start-up
         check_ranges(self)
         self._resolve_eval()
+        self._check_remote_rm()
+        if self.overlong_buffer_len > self.max_response_len:
+            raise ValueError(
+                f"--overlong-buffer-len {self.overlong_buffer_len} is longer than "
+                f"--rollout-max-response-len {self.max_response_len}: the punished tokens are "
+                "the last ones before the limit; give at most the limit"
+            )
         for name, k in (("--rollout-top-k", self.top_k), ("--eval-top-k", self.eval_top_k)):
             if k == 0 or k < -1:
                 raise ValueError(f"{name} {k}: give -1 (off) or k >= 1")
@@ -266,6 +297,26 @@ class RolloutConfig:
                 f"--global-batch-size {gbs} must be a multiple of --n-samples-per-prompt {n} "
                 "(whole groups are trained together)"
             )
+
+    def _check_remote_rm(self) -> None:
+        """--rm-url is the reward function; its settings need it."""
+        if self.rm_url is None:
+            if self.reward_key is not None:
+                raise ValueError(
+                    f"--reward-key {self.reward_key} reads the reward out of an --rm-url answer; "
+                    "give --rm-url (a --custom-rm-path function returns the number itself)"
+                )
+            return
+        if not self.rm_url.startswith(("http://", "https://")):
+            raise ValueError(f"--rm-url {self.rm_url!r}: give the reward model's http(s):// URL")
+        for other, value in (
+            ("--custom-rm-path", self.custom_rm_path),
+            ("--group-rm", self.group_rm or None),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"--rm-url {self.rm_url} and {other} both name the reward; give one of them"
+                )
 
     def _resolve_eval(self) -> None:
         """Parse the eval sets, fill the eval settings left unset from the rollout's, and refuse

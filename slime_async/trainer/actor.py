@@ -25,6 +25,7 @@ from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weight_group import WeightGroup, send_buckets, torch_dtype
 from slime_async.contracts.weights import HFWeights, TensorEntry, WeightManifest
+from slime_async.host import limit_malloc_arenas, trim_heap
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
 
@@ -59,6 +60,7 @@ class _TrainerActorImpl:
     ) -> None:
         import torch
 
+        limit_malloc_arenas()  # torch's and Ray's threads share two heaps
         torch.set_num_threads(num_threads)
         _gloo_interface(master_addr)
         from slime_async.trainer.trainer import MegatronTrainer
@@ -85,6 +87,7 @@ class _TrainerActorImpl:
     def train_step(self, batch: TrainerBatch) -> tuple[int, dict[str, float]]:
         """One optimizer update; returns (the new version, metrics)."""
         metrics = self.trainer.train_step(batch)
+        trim_heap()  # the step's freed activations back to the node (docs/cpu.md#memory)
         return self.trainer.version, metrics
 
     def snapshot(self) -> int:
@@ -163,8 +166,8 @@ class _TrainerActorImpl:
         PEFT's names; rank 0 broadcasts the buckets. Returns the version."""
         if adapter:
             tensors, version = self.trainer.export_adapter(), self.trainer.version
-        else:
-            w = self.trainer.export_weights()
+        else:  # no copy: the buckets are packed from the parameters (nothing trains meanwhile)
+            w = self.trainer.export_weights(copy=False)
             tensors, version = w.tensors, w.version
         if self.rank == 0:
             if self.weight_group is None:
@@ -290,7 +293,8 @@ class TrainerGroup:
         return int(self._all("version")[0])
 
     def compute_logprobs(self, batch: TrainerBatch, version: int | None = None) -> tuple[Any, Any]:
-        """Token-aligned `[B, T]` numpy log-probs and entropies (see MegatronTrainer)."""
+        """Token-aligned `[B, T]` numpy log-probs and entropies of the trained tokens, 0
+        elsewhere (see MegatronTrainer)."""
         ref = ray.put(batch)
         return self._all("compute_logprobs", ref, version)[0]
 

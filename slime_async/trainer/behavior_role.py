@@ -39,6 +39,7 @@ from slime_async.contracts.adapter import read_peft_dir
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
+from slime_async.host import limit_malloc_arenas, trim_heap
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.lora import is_adapter_param
 from slime_async.trainer.snapshots import SnapshotStore
@@ -103,7 +104,7 @@ class BehaviorForwarder:
             if isinstance(source, dict):
                 tensors = source
             else:
-                spec, tensors, _ = read_peft_dir(source)
+                spec, tensors, _ = read_peft_dir(source, model=self.trainer.spec)
                 if spec.rank != self.trainer.lora.rank or spec.targets != self.trainer.lora.targets:
                     raise ValueError(f"{source}: the adapter's rank/targets are not this run's")
             self.trainer.import_adapter(tensors)
@@ -127,7 +128,8 @@ class BehaviorForwarder:
                 continue
             sel = mask & (batch.token_versions == v)
             rows = [i for i in range(batch.size) if bool(sel[i].any())]
-            part = batch.select(rows)
+            # only v's own tokens go through the LM head (a row may hold tokens of other versions)
+            part = dataclasses.replace(batch.select(rows), loss_mask=sel[rows])
             with self.store.swapped_in(self.trainer.model, v):
                 lp, _ = self.trainer.compute_logprobs(part)
             full = torch.full_like(out, float("nan"))
@@ -142,6 +144,7 @@ class _BehaviorActorImpl:
     def __init__(
         self, cfg: TrainerConfig, spec: ModelSpec, *, max_versions: int, num_threads: int
     ) -> None:
+        limit_malloc_arenas()
         torch.set_num_threads(num_threads)
         self.fwd = BehaviorForwarder(cfg, spec, max_versions=max_versions)
 
@@ -158,7 +161,9 @@ class _BehaviorActorImpl:
         return self.fwd.versions()
 
     def logprobs(self, batch: TrainerBatch) -> np.ndarray:
-        return self.fwd.logprobs(batch)
+        out = self.fwd.logprobs(batch)
+        trim_heap()  # the forwards' freed tensors back to the node
+        return out
 
 
 BehaviorActor = ray.remote(num_cpus=0)(_BehaviorActorImpl)

@@ -52,27 +52,65 @@ def token_logprobs(
 
 
 def position_logprobs(
-    logits: torch.Tensor | Logits, input_ids: torch.Tensor, *, temperature: float = 1.0
+    logits: torch.Tensor | Logits,
+    input_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    read: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position `[R, W − 1]` log-probs and entropies of `[R, W, V]` logits: position c of
     row r scores `input_ids[r, c + 1]` (across a packed sample boundary the value is
     meaningless and never read; see `packing.sample_index`). fp32 math. Not-yet-multiplied
     `Logits` go through `lm_head.chunked_logprobs` (no `[R, W, V]` tensor), unless their
-    `chunk_tokens` is 0."""
+    `chunk_tokens` is 0.
+
+    `read` (`[R, W − 1]` bool, `MicroBatch.read`): only those positions go through the head
+    (the hidden states of the others, e.g. every prompt position but the last, are never
+    multiplied by the output weight); the others are 0. None: every position."""
+    r, w = input_ids.shape[0], input_ids.shape[1] - 1
+    targets = input_ids[:, 1:].reshape(-1)
+    idx = None if read is None else read.reshape(-1).nonzero().squeeze(-1)
+    if idx is not None:
+        targets = targets[idx]
     if isinstance(logits, Logits):
+        hidden = _positions(logits.hidden, idx)
         if logits.chunk_tokens == 0:
-            return position_logprobs(logits.full(), input_ids, temperature=temperature)
-        h = logits.hidden[:, :-1]
-        r, w = h.shape[:2]
-        lp, ent = chunked_logprobs(
-            h.reshape(r * w, -1),
-            logits.weight,
-            input_ids[:, 1:].reshape(-1),
-            temperature=temperature,
-            chunk_tokens=logits.chunk_tokens,
-            group=logits.group,
-        )
-        return lp.view(r, w), ent.view(r, w)
-    logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    tgt = input_ids[:, 1:].to(logp.device).unsqueeze(-1)
-    return logp.gather(-1, tgt).squeeze(-1), -(logp.exp() * logp).sum(-1)
+            lp, ent = _plain(
+                lm_head.full_logits(hidden, logits.weight, logits.group), targets, temperature
+            )
+        else:
+            lp, ent = chunked_logprobs(
+                hidden,
+                logits.weight,
+                targets,
+                temperature=temperature,
+                chunk_tokens=logits.chunk_tokens,
+                group=logits.group,
+            )
+    else:
+        lp, ent = _plain(_positions(logits, idx), targets, temperature)
+    if idx is not None:
+        lp, ent = _scatter(lp, idx, r * w), _scatter(ent, idx, r * w)
+    return lp.view(r, w), ent.view(r, w)
+
+
+def _positions(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """`[n, d]` rows of `x` `[R, W, d]` at the flat positions `idx` of `[R, W − 1]` (every
+    position when None): the last column of each row predicts nothing."""
+    r, w, d = x.shape
+    if idx is None:
+        return x[:, :-1].reshape(r * (w - 1), d)
+    rows = idx.to(x.device)
+    return x.reshape(r * w, d).index_select(0, rows + rows // max(w - 1, 1))
+
+
+def _plain(z: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple:
+    """(log-probs, entropies) `[n]` of `targets` under `[n, V]` logits (the whole tensor)."""
+    logp = F.log_softmax(z.float() / temperature, dim=-1)
+    lp = logp.gather(-1, targets.to(logp.device)[:, None].long()).squeeze(-1)
+    return lp, -(logp.exp() * logp).sum(-1)
+
+
+def _scatter(values: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """`[n]`: `values` at `idx`, 0 elsewhere (differentiable in `values`)."""
+    return values.new_zeros(n).index_copy(0, idx.to(values.device), values)

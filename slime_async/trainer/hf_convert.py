@@ -69,6 +69,11 @@ def _gather(t: torch.Tensor, group: dist.ProcessGroup | None, n: int) -> list[to
     return list(all_gather_cat(t.detach(), group).chunk(n, 0))
 
 
+def _cat(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """`torch.cat`, except that one tensor is returned as it is (cat would copy it)."""
+    return ts[0] if len(ts) == 1 else torch.cat(ts, dim=dim)
+
+
 def _split_gated(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     half = t.shape[0] // 2
     return t[:half], t[half:]
@@ -81,19 +86,22 @@ def _chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Mod
 
 @torch.no_grad()
 def megatron_to_hf(
-    model: torch.nn.Module | list[torch.nn.Module], spec: ModelSpec
+    model: torch.nn.Module | list[torch.nn.Module], spec: ModelSpec, *, copy: bool = True
 ) -> dict[str, torch.Tensor]:
     """Full HF-named fp32 CPU tensors from this rank's shards (collective over TP, EP and PP).
 
     `model` is one GPTModel or this rank's chunks. Every rank must call it; every rank gets
-    the full dict.
+    the full dict. `copy=False` (a weight push, read at once): without pipeline parallelism the
+    tensors stay in the parameters' dtype and device and are views of them wherever the layout
+    allows (everything but q/k/v, which megatron interleaves): no model-sized copy is made, and
+    they must be read before the parameters change.
     """
-    return megatron_to_hf_tensors(global_named_parameters(_chunks(model)), spec)
+    return megatron_to_hf_tensors(global_named_parameters(_chunks(model)), spec, copy=copy)
 
 
 @torch.no_grad()
 def megatron_to_hf_tensors(
-    params: dict[str, torch.Tensor], spec: ModelSpec
+    params: dict[str, torch.Tensor], spec: ModelSpec, *, copy: bool = True
 ) -> dict[str, torch.Tensor]:
     """Same as `megatron_to_hf` for any per-parameter tensors (weights, Adam moments, ...)."""
     r = _Ranks()
@@ -102,7 +110,7 @@ def megatron_to_hf_tensors(
     grp = nq // nkv
 
     def gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
-        return torch.cat(_gather(t, r.tp_group, r.tp), dim=dim)
+        return _cat(_gather(t, r.tp_group, r.tp), dim)
 
     if "embedding.word_embeddings.weight" in params:  # first pipeline stage
         out["model.embed_tokens.weight"] = gather_tp(params["embedding.word_embeddings.weight"], 0)
@@ -134,8 +142,8 @@ def megatron_to_hf_tensors(
             out[pre + "self_attn.o_proj.weight"] = gather_tp(p, 1)
         elif rest == "mlp.linear_fc1.weight":
             shards = [_split_gated(s) for s in _gather(p, r.tp_group, r.tp)]
-            out[pre + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in shards], 0)
-            out[pre + "mlp.up_proj.weight"] = torch.cat([u for _, u in shards], 0)
+            out[pre + "mlp.gate_proj.weight"] = _cat([g for g, _ in shards], 0)
+            out[pre + "mlp.up_proj.weight"] = _cat([u for _, u in shards], 0)
         elif rest == "mlp.linear_fc2.weight":
             out[pre + "mlp.down_proj.weight"] = gather_tp(p, 1)
         elif (em := _EXPERT.match(rest)) is not None:
@@ -143,6 +151,8 @@ def megatron_to_hf_tensors(
         else:
             raise KeyError(f"no HF mapping for megatron parameter {name!r}")
     _export_experts(experts, spec, r, out)
+    if not copy and r.pp == 1:  # read at once by the caller (a weight push)
+        return {k: v.detach() for k, v in out.items()}
     # copies: the export must not alias live parameters (the optimizer mutates them)
     full = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in out.items()}
     return _union_pipeline(full, spec, r)
@@ -177,13 +187,13 @@ def _export_experts(
     per_rank = spec.num_experts // r.ep
     for (i, le, kind), p in sorted(experts.items()):
         etp_shards = _gather(p, r.etp_group, r.etp)
-        if kind == "linear_fc1":
+        if kind == "linear_fc1" and len(etp_shards) > 1:
             halves = [_split_gated(s) for s in etp_shards]
             local = torch.cat(
                 [torch.cat([g for g, _ in halves], 0), torch.cat([u for _, u in halves], 0)], 0
             )
-        else:
-            local = torch.cat(etp_shards, 1)
+        else:  # one shard is already [gate; up]
+            local = _cat(etp_shards, 1)
         for ep_rank, t in enumerate(_gather(local, r.ep_group, r.ep)):
             e = ep_rank * per_rank + le
             pre = f"model.layers.{i}.mlp.experts.{e}."

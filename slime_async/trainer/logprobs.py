@@ -46,6 +46,16 @@ class LogprobForwards:
     loss_cfg: Any
     version: int
     moe_layers: list[int]
+    every_position_through_head: bool = False
+    """True: every position goes through the LM head, as before the head computed only what is
+    read (the reference the tests compare against); False: only `MicroBatch.read`."""
+
+    def head_reads(self, mb: MicroBatch, tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The positions of `mb` the LM head computes (`position_logprobs`'s `read`): those of
+        its trained tokens, or of `tokens` (a token-aligned `[b, w]` mask) when given."""
+        if self.every_position_through_head:
+            return None
+        return mb.read if tokens is None else mb.reads(tokens)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -139,13 +149,25 @@ class LogprobForwards:
             )
 
     def _logprobs_local(
-        self, mbs: list[MicroBatch], *, record: bool = False
+        self,
+        mbs: list[MicroBatch],
+        *,
+        record: bool = False,
+        version: int | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """No-grad token-aligned (log-probs, entropies) `[b, w]` per micro-batch, on every
-        pipeline stage. `record` (R2): each micro-batch's routing is kept in `mb.recorded`."""
+        pipeline stage, of the trained tokens (only those sampled by `version`, when given; 0
+        elsewhere). `record` (R2): each micro-batch's routing is kept in `mb.recorded`."""
 
         def head(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-            lp, ent = position_logprobs(logits, mb.input_ids, temperature=self.cfg.temperature)
+            b = mb.batch
+            tokens = None if version is None else b.loss_mask & (b.token_versions == version)
+            lp, ent = position_logprobs(
+                logits,
+                mb.input_ids,
+                temperature=self.cfg.temperature,
+                read=self.head_reads(mb, tokens),
+            )
             return torch.stack([mb.to_samples(lp), mb.to_samples(ent)]).cpu()
 
         outs = self.schedule.run(mbs, head, forward_only=True, record=record)
@@ -176,7 +198,9 @@ class LogprobForwards:
         self, batch: TrainerBatch, version: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-aligned `[B, T]` log-probs and entropies under the current weights (π_k) or a
-        kept snapshot of `version` (π_j^Meg). R3 replays `batch.routed_experts` when enabled."""
+        kept snapshot of `version` (π_j^Meg), of the trained tokens (`batch.loss_mask`; 0
+        elsewhere: only their positions go through the LM head). R3 replays
+        `batch.routed_experts` when enabled."""
         mbs = self._local(batch)
         self._set_engine_routing(mbs)
         ctx = (
@@ -232,7 +256,7 @@ class LogprobForwards:
             interleaved = self.cfg.virtual_pipeline_model_parallel_size is not None
             idx = [i for i in range(len(mbs)) if interleaved or int(has[i]) > 0]
             with self.snapshots.swapped_in(self.model, v):
-                lps, _ = self._logprobs_local([mbs[i] for i in idx])
+                lps, _ = self._logprobs_local([mbs[i] for i in idx], version=v)
             passes += len(idx)
             for lp_v, i in zip(lps, idx, strict=True):
                 out[i] = torch.where(mbs[i].batch.token_versions == v, lp_v, out[i])

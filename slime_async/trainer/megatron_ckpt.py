@@ -1,5 +1,5 @@
 """Weights from outside this project: a Megatron `torch_dist` checkpoint (what slime's
-HF-to-torch_dist converter writes, or a slime or Megatron run's checkpoint) or a Hugging Face
+`tools/convert_hf_to_torch_dist` script writes, or a slime or Megatron run's checkpoint) or a Hugging Face
 directory, told apart by what the directory holds.
 
 Owns `WeightsDir` (a directory of weights and its kind), `weights_dir` (tells the kinds apart,

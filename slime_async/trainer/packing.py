@@ -4,7 +4,8 @@ Owns: `plan_micro_batches` (which samples of each data-parallel shard form each 
 a fixed sample count, or a token budget filled longest-first and balanced) and `RowLayout`
 (where each sample of a micro-batch sits in the model's `[rows, width]` input: packed THD —
 one row, samples back to back, `cu_seqlens` — or padded BSHD — one row per sample), with the
-index maps that turn per-position model outputs back into token-aligned `[b, w]` tensors.
+index maps that turn per-position model outputs back into token-aligned `[b, w]` tensors (and
+`read_positions`: the positions a token-aligned mask reads, the only ones the LM head computes).
 Must never import anything from `slime_async` outside `slime_async.trainer` and contracts.
 
 Worked example (token budget 10, DP 1, lengths [7, 2, 5, 3, 1]): first-fit decreasing needs
@@ -213,6 +214,17 @@ def sample_index(layout: RowLayout, width: int) -> tuple[torch.Tensor, torch.Ten
             src[i, 1:n] = r * (layout.width - 1) + c + torch.arange(n - 1)
             valid[i, 1:n] = True
     return src, valid
+
+
+def read_positions(
+    src: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor, rows: int, width: int
+) -> torch.Tensor:
+    """`[rows, width − 1]` bool: the positions whose per-position value is read, those that
+    `sample_index`'s (`src`, `valid`) map to a token where the token-aligned `mask` `[b, w]`
+    is True (a response token's log-prob is read at the position before it)."""
+    out = torch.zeros(rows * (width - 1), dtype=torch.bool)
+    out[src[valid & mask.to(valid.device)]] = True
+    return out.view(rows, width - 1)
 
 
 def to_samples(per_position: torch.Tensor, src: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

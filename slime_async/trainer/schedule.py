@@ -45,7 +45,17 @@ class MicroBatch:
         self.input_ids = packing.model_input(self.batch.tokens, self.layout)
         self.position_ids = packing.position_ids(self.layout)
         self.src, self.valid = packing.sample_index(self.layout, self.batch.width)
+        self.read = self.reads(self.batch.loss_mask)
+        """`[rows, width − 1]` bool: the positions whose log-prob is read (those predicting a
+        trained token, `batch.loss_mask`); only these go through the LM head."""
         self.packed_seq_params = _packed_params(self.layout)
+
+    def reads(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`[rows, width − 1]` bool: the positions that predict the tokens of a token-aligned
+        `[b, w]` mask (`read` is this of `batch.loss_mask`)."""
+        return packing.read_positions(
+            self.src, self.valid, tokens, self.layout.rows, self.layout.width
+        )
 
     def to_samples(self, per_position: torch.Tensor) -> torch.Tensor:
         """`[rows, width − 1]` per-position values → token-aligned `[b, w]`."""

@@ -79,7 +79,7 @@ class MegatronTrainer(LogprobForwards):
     Example (world size 1)::
 
         tr = MegatronTrainer(TrainerConfig(lr=1e-3), TINY_MOE)
-        lp, ent = tr.compute_logprobs(batch)          # π_k, [B, T] token-aligned
+        lp, ent = tr.compute_logprobs(batch)          # π_k, [B, T] where batch.loss_mask
         metrics = tr.train_step(batch)                # version 0 → 1 (tr.version)
         tr.save_weights("/tmp/w")                     # HF dir for the engines
     """
@@ -251,7 +251,7 @@ class MegatronTrainer(LogprobForwards):
         def head(logits: torch.Tensor, m: MicroBatch) -> tuple[torch.Tensor, tuple]:
             i, mb = index[id(m)], m.batch
             lp_pos, ent_pos = position_logprobs(
-                logits, m.input_ids, temperature=self.cfg.temperature
+                logits, m.input_ids, temperature=self.cfg.temperature, read=self.head_reads(m)
             )
             lp, ent = m.to_samples(lp_pos), m.to_samples(ent_pos.detach())
             # an entropy bonus needs the entropy with its gradient
@@ -338,10 +338,15 @@ class MegatronTrainer(LogprobForwards):
         return self.snapshots.release(version)
 
     # ------------------------------------------------------------------ weights
-    def export_weights(self) -> HFWeights:
+    def export_weights(self, *, copy: bool = True) -> HFWeights:
         """Full HF-named tensors of the current version (collective over TP/EP); with LoRA the
-        adapters merged into the base (`W + (alpha / r) · B A`)."""
-        tensors = hf_convert.megatron_to_hf(self.chunks, self.spec)
+        adapters merged into the base (`W + (alpha / r) · B A`). `copy=False` (a weight push
+        that reads them at once, before the next step): views of the parameters where the
+        layout allows, in their dtype (`hf_convert.megatron_to_hf`); with LoRA always fp32
+        copies, as the merge has to make them anyway."""
+        tensors = hf_convert.megatron_to_hf(
+            self.chunks, self.spec, copy=copy or self.lora is not None
+        )
         if self.lora is not None:
             tensors = lora.merge(tensors, self.export_adapter(), self.lora)
         return HFWeights(version=self.version, spec=self.spec, tensors=tensors)
@@ -396,13 +401,14 @@ class MegatronTrainer(LogprobForwards):
             raise ValueError("no HF directory: pass out or set TrainerConfig.save_hf")
         w = self.export_weights()  # with LoRA: merged
         adapter = self.export_adapter() if self.lora is not None else None
-        if self.rank == 0:
+        if self.rank == 0:  # neither directory is touched unless both are --save-hf's own
+            hf_save.check_writable(target, lora=adapter is not None)
             hf_save.write(w, target, source=self.cfg.hf_source)
             if adapter is not None:  # and the PEFT adapter beside it (docs/lora.md)
-                write_peft_dir(
-                    adapter_dir(target),
+                hf_save.write_adapter(
                     adapter,
                     self.lora,
+                    adapter_dir(target),
                     version=self.version,
                     base_model=self.cfg.hf_source,
                 )

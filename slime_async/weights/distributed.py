@@ -222,7 +222,7 @@ class DistributedTransport:
     ) -> None:
         self.sender, self.control, self.engine_urls, self.cfg = sender, control, engine_urls, cfg
         self._headers = {"Authorization": f"Bearer {token}"} if token else None
-        """The run's shared token: engines off loopback require it on every route."""
+        """The run's admin key: the weight-group routes are the engines' admin routes."""
         self.backend = cfg.backend or backend
         self.members: tuple[str, ...] = ()
         """Engines in the current group (rank i + 1 is members[i]); empty: no group."""

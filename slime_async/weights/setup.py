@@ -32,7 +32,7 @@ class TransportSetup:
     collective_backend: str = "gloo"
     """The engines' collective backend (gloo for CPU engines, NCCL for GPU ones)."""
     token: str | None = None
-    """The run's shared token (engines off loopback require it on every route)."""
+    """The run's admin key: the weight routes an engine takes are its admin routes."""
     on_written: Callable[[int, Path], object] | None = None
     """Called with (version, directory) after a directory transport wrote it (the forward-only
     role's feed); None: nobody listens."""

@@ -23,31 +23,32 @@ come out in this order):
 | 9 | `schedule` | N >= S, I - 1 <= S | 8 |
 | 10 | `off_policy_drop` | --max-off-policy-steps = the staleness bound | 8 |
 | 11 | `loss` | the loss and its config | 4 |
-| 12 | `lr` | --lr by run kind | 2 |
-| 13 | `run_kind` | the run-kind trainer defaults (micro batch, routing replay, snapshots) | 2, 11 |
-| 14 | `behavior_forward` | where pi_j^Meg is computed: the forward-only role or the trainer | 8, 11, 13 |
-| 15 | `snapshots` | --max-snapshots from the staleness bound | 10, 13, 14 |
-| 16 | `bf16` | --bf16 from the CPU and the run kind | 2 |
-| 17 | `save_hf` | --save-hf (`run_paths.derive_save_hf`) | 2 |
-| 18 | `trainer` | the trainer's config, checked against the model | 11-17 |
-| 19 | `script_flags` | the flags of slime's scripts: Megatron's model shape against config.json, the run flags (`script_flags`) | 18 |
-| 20 | `resume` | what it resumes from (`run_paths.resume_from`, `check_resume`) | 18 |
-| 21 | `engines` | the engine fleet (--num-engines, --rollout-num-gpus) | |
-| 22 | `placement` | --colocate, --trainer-cores, --rollout-cores | 21 |
-| 23 | `cache_salt` | --router-cache-salt by engine backend | 21 |
-| 24 | `shared_token` | the router's config and the run's shared token | |
-| 25 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 20 |
-| 26 | `engine` | the embedded engines' settings | 4, 22 |
-| 27 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 18, 21, 26 |
-| 28 | `transport` | --update-weight-transport | 18, 21 |
-| 29 | `weight_dtype` | --update-weight-dtype | 18, 26, 28 |
-| 30 | `run_config` | the `RunConfig` | all |
-| 31 | `batch_shape` | a resume keeps its checkpoint's batch shape | 30 |
-| 32 | `memory` | the memory check; a derived role that would not fit -> the trainer | 30 |
+| 12 | `debug_modes` | --debug-train-only; the debug modes and dump paths | 11 |
+| 13 | `lr` | --lr by run kind | 2 |
+| 14 | `run_kind` | the run-kind trainer defaults (micro batch, routing replay, snapshots) | 2, 11 |
+| 15 | `behavior_forward` | where pi_j^Meg is computed: the forward-only role or the trainer | 8, 11, 14 |
+| 16 | `snapshots` | --max-snapshots from the staleness bound | 10, 14, 15 |
+| 17 | `bf16` | --bf16 from the CPU, the trainer's device and the run kind | 2 |
+| 18 | `save_hf` | --save-hf (`run_paths.derive_save_hf`) | 2 |
+| 19 | `trainer` | the trainer's config, checked against the model | 11-18 |
+| 20 | `script_flags` | the flags of slime's scripts: Megatron's model shape against config.json, the run flags (`script_flags`) | 19 |
+| 21 | `resume` | what it resumes from (`run_paths.resume_from`, `check_resume`) | 19 |
+| 22 | `engines` | the engine fleet (--num-engines, --rollout-num-gpus) | |
+| 23 | `placement` | --colocate, --trainer-cores, --rollout-cores | 22 |
+| 24 | `cache_salt` | --router-cache-salt by engine backend | 22 |
+| 25 | `keys` | the router's config and the run's two keys (a data-plane key minted) | 22 |
+| 26 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 21 |
+| 27 | `engine` | the embedded engines' settings, --engine-dtype from the CPU | 2, 4, 22, 23 |
+| 28 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 19, 22, 27 |
+| 29 | `transport` | --update-weight-transport | 19, 22 |
+| 30 | `weight_dtype` | --update-weight-dtype | 19, 27, 29 |
+| 31 | `run_config` | the `RunConfig` | all |
+| 32 | `batch_shape` | a resume keeps its checkpoint's batch shape | 31 |
+| 33 | `memory` | the memory plan: a CPU trainer's micro-batch; a derived role that would not fit -> the trainer | 31 |
 
-`memory` re-runs only the rules that `--behavior-forward` feeds (`memory.REFIT`: 15, 18, 20,
-29, 30) when it moves pi_j^Meg to the trainer. The rules live by topic: `data` (1-11),
-`training` (12-20), `serving` (21-29), `memory` (30-32); the draft and the rule type are
+`memory` re-runs only the rules that `--behavior-forward` feeds (`memory.REFIT`: 16, 19, 21,
+30, 31) when it moves pi_j^Meg to the trainer. The rules live by topic: `data` (1-12),
+`training` (13-21), `serving` (22-30), `memory` (31-33); the draft and the rule type are
 `draft`'s. Imports nothing of the orchestrator.
 """
 
@@ -73,6 +74,7 @@ RULES: tuple[Rule, ...] = (
     data.schedule,
     data.off_policy_drop,
     data.loss,
+    data.debug_modes,
     training.lr,
     training.run_kind,
     training.behavior_forward,
@@ -85,7 +87,7 @@ RULES: tuple[Rule, ...] = (
     serving.engines,
     serving.placement,
     serving.cache_salt,
-    serving.shared_token,
+    serving.keys,
     serving.warmstart,
     serving.engine,
     serving.lora,

@@ -2,7 +2,7 @@
 settings, the step count, the concurrency, the data worker's staleness budget and the loss.
 
 Rules (in `RULES` order): `gguf`, `embedded`, `run_flags`, `rollout`, `eval`, `steps`,
-`inflight`, `data_worker`, `schedule`, `off_policy_drop`, `loss`. The math of the budget is
+`inflight`, `data_worker`, `schedule`, `off_policy_drop`, `loss`, `debug_modes`. The math of the budget is
 `data_worker.budget` (docs/staleness-budget.md, docs/windowed-fifo.md).
 """
 
@@ -15,14 +15,17 @@ from clifields import range_errors
 from data_worker.budget import staleness_bound
 from data_worker.config import data_worker_config_from_args
 from loss import loss_settings_from_args
+from loss.slime_cli import SFT_LOSS
 from slime_async.config.derive import raise_all
 from slime_async.config.rules.draft import Draft, rule
 from slime_async.config.run_config import DEFAULT_NUM_ROLLOUT, Derived, RunConfig
 from slime_async.engine.backends import EngineFleetConfig
-from slime_async.rollout.config import rollout_config_from_args
+from slime_async.rollout.config import SFT_ROLLOUT, rollout_config_from_args
+from slime_async.rollout.generate.dump import check_dump_path
 
 __all__ = [
     "data_worker",
+    "debug_modes",
     "embedded",
     "eval_settings",
     "gguf",
@@ -236,3 +239,77 @@ def loss(d: Draft) -> None:
     )
     for flag, value, why in d.loss.derived:
         d.flags.derived[flag] = Derived(value, why)
+
+
+@rule("debug_modes", fills=("debug_train_only",))
+def debug_modes(d: Draft) -> None:
+    """slime's debug modes: --debug-train-only (derived on with --load-debug-rollout-data, as
+    slime sets it, and with SFT, which needs no engines), --debug-rollout-only (no trainer);
+    the dump paths and what each mode cannot take."""
+    a, f = d.args, d.flags
+    sft, load = d.loss.loss.name == SFT_LOSS, a.load_debug_rollout_data
+    for flag, spec in (
+        ("--save-debug-rollout-data", a.save_debug_rollout_data),
+        ("--load-debug-rollout-data", load),
+    ):
+        if spec is not None:
+            check_dump_path(spec, flag=flag)
+    if a.rollout_function_path == SFT_ROLLOUT and not sft:
+        raise ValueError(
+            f"--rollout-function-path {SFT_ROLLOUT} is slime's SFT data path; it goes with "
+            "--loss-type sft_loss (the RL rollout here is the data worker's)"
+        )
+    if a.debug_rollout_only:
+        _rollout_only(d, sft=sft)
+        return
+    why = (
+        "slime's rule: train from the dumps, without engines"
+        if load
+        else ("--loss-type sft_loss trains on the data's own responses: no engines")
+    )
+    if f.unset("debug_train_only") and (load or sft):
+        f.fill("debug_train_only", True, why)
+    elif a.debug_train_only is False and (load or sft):
+        raise ValueError(
+            f"--no-debug-train-only: {'--load-debug-rollout-data' if load else 'SFT'} trains "
+            "without engines here; drop --no-debug-train-only"
+        )
+    elif a.debug_train_only and not (load or sft):
+        raise ValueError(
+            "--debug-train-only trains without engines, from --load-debug-rollout-data PATH "
+            "(the dumps of --save-debug-rollout-data) or with --loss-type sft_loss (on "
+            "--prompt-data's conversations); give one"
+        )
+    if a.debug_train_only and a.save_debug_rollout_data is not None:
+        raise ValueError(
+            "--save-debug-rollout-data: a --debug-train-only run generates nothing to dump"
+        )
+    if sft and not load and a.prompt_data is None:
+        raise ValueError(
+            "--loss-type sft_loss trains on conversations: give --prompt-data PATH whose "
+            "--input-key field (e.g. messages) holds {role, content} lists, and --hf-checkpoint "
+            "with a chat template (or --load-debug-rollout-data to train on dumped responses)"
+        )
+
+
+def _rollout_only(d: Draft, *, sft: bool) -> None:
+    """--debug-rollout-only: no trainer, so nothing that trains, saves or resumes one."""
+    a = d.args
+    given = {
+        "--debug-train-only": a.debug_train_only,
+        "--load-debug-rollout-data": a.load_debug_rollout_data,
+        "--loss-type sft_loss": sft or None,
+        "--load": a.load,
+        "--save": a.save,
+        "--save-hf": a.save_hf,
+    }
+    if bad := [flag for flag, value in given.items() if value]:
+        raise ValueError(
+            f"--debug-rollout-only runs no trainer, so {', '.join(bad)} cannot apply; drop "
+            f"{'it' if len(bad) == 1 else 'them'} (the engines serve --hf-checkpoint)"
+        )
+    if a.hf_checkpoint is None and a.warmstart_steps == 0:
+        raise ValueError(
+            "--debug-rollout-only: the engines serve a checkpoint, and --warmstart-steps 0 "
+            "leaves none; give --hf-checkpoint DIR (or let the embedded run warm-start)"
+        )

@@ -64,8 +64,10 @@ class Draft:
     engines: EngineFleetConfig = field(init=False, repr=False)
     placement: Placement = field(init=False, repr=False)
     router: RouterConfig = field(init=False, repr=False)
-    token: str | None = field(init=False, repr=False)
-    """The run's shared token (router and engines), if any."""
+    api_key: str | None = field(init=False, repr=False)
+    """The run's data-plane key (router and engines), if any."""
+    admin_api_key: str | None = field(init=False, repr=False)
+    """The run's admin key (router and engines), if any."""
     engine: EngineConfig = field(init=False, repr=False)
     config: RunConfig = field(init=False, repr=False)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from slime_async.config import memory_plan
 from slime_async.config.rules.draft import Draft, Rule, rule
 from slime_async.config.rules.serving import weight_dtype
-from slime_async.config.rules.training import resume, snapshots, trainer
+from slime_async.config.rules.training import resume, snapshots, trainer, trainer_on_gpu
 from slime_async.config.run_config import Derived, RunConfig
 from slime_async.config.run_paths import check_batch_shape
 from slime_async.config.supervision import supervisor_config_from_args
@@ -35,13 +35,19 @@ def run_config(d: Draft) -> None:
         run_dir=Path(a.run_dir),
         ray_address=d.env.ray_address,
         auth_token_file=a.auth_token_file,
+        api_key_file=a.api_key_file,
         num_steps=a.num_steps,
         update_weights_interval=a.update_weights_interval,
         save_interval=a.save_interval,
+        save_debug_rollout_data=a.save_debug_rollout_data,
+        load_debug_rollout_data=a.load_debug_rollout_data,
+        debug_rollout_only=a.debug_rollout_only,
+        debug_train_only=bool(a.debug_train_only),
         engines=d.engines,
         colocate=p.colocate,
         trainer_cores=p.trainer_cores,
         rollout_cores=p.rollout_cores,
+        memory_limit_gib=a.memory_limit_gib,
         warmstart_steps=a.warmstart_steps,
         seed=a.seed,
         loggers=logging_config_from_args(a),
@@ -49,7 +55,12 @@ def run_config(d: Draft) -> None:
         rollout=d.rollout,
         data_worker=d.data_worker,
         router=d.router,
-        engine=dataclasses.replace(d.engine, auth_token=d.token),
+        engine=dataclasses.replace(
+            d.engine,
+            api_key=d.api_key,
+            admin_api_key=d.admin_api_key,
+            open_data_plane=d.router.open_data_plane,
+        ),
         trainer=d.trainer,
         supervisor=supervisor_config_from_args(a),
         weights=weight_sync_config_from_args(a),
@@ -66,63 +77,223 @@ def batch_shape(d: Draft) -> None:
         check_batch_shape(d.env.load.batch_shape, d.config, where=str(d.args.load))
 
 
-def memory_parts(cfg: RunConfig) -> dict[str, int]:
-    """Bytes each role of `cfg` holds on this node (`memory_plan.role_bytes`)."""
-    t = cfg.trainer
+def run_shape(cfg: RunConfig, *, trainer_on_gpu: bool = False) -> memory_plan.RunShape:
+    """What sets `cfg`'s memory on this node (`memory_plan.RunShape`)."""
+    t, r = cfg.trainer, cfg.rollout
     snaps = t.max_snapshots if t.keep_old_actor else 0
     role = t.behavior_forward == "role" and t.keep_old_actor
-    lay = (t.tensor_model_parallel_size, t.pipeline_model_parallel_size)
-    dp = max(1, t.world_size // (lay[0] * lay[1]))
+    tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+    dp = max(1, t.world_size // (tp * pp))
     spec = lora_spec(t, cfg.model)
-    shape = memory_plan.RunShape(
-        params=memory_plan.param_count(cfg.model),
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu:
+        tokens = t.max_tokens_per_gpu
+    else:  # a fixed sample count: its prompts are unknown here, `PROMPT_TOKENS` each assumed
+        embedded = not any(
+            cfg.flags.get(k) for k in ("hf_checkpoint", "prompt_data", "prompt_source")
+        )
+        prompt = EMBEDDED_PROMPT_TOKENS if embedded else PROMPT_TOKENS
+        tokens = t.micro_batch_size * (prompt + r.max_response_len)
+    rc = None
+    if t.recompute_granularity == "full":
+        rc = memory_plan.Recompute(method=t.recompute_method, num_layers=t.recompute_num_layers)
+    return memory_plan.RunShape(
+        spec=cfg.model,
         trainer_ranks=t.world_size,
-        tp_pp=lay[0] * lay[1],
+        tp_pp=tp * pp,
+        pp=pp,
         dp=dp,
         distributed_optimizer=t.use_distributed_optimizer is not False and dp > 1,
         bf16=t.bf16,
+        trainer_on_gpu=trainer_on_gpu,
+        micro_batch_tokens=tokens,
+        recompute=rc,
+        chunk_tokens=t.logits_chunk_tokens or None,
         trainer_snapshots=0 if role else snaps,
         role_versions=snaps if role else None,
         engines=cfg.engines.num_engines if cfg.engines.backend == "embedded" else 0,
         engine_bytes=2 if cfg.engine.dtype == "bf16" else 4,
+        engine_cache_tokens=cfg.engine.prefix_cache_tokens,
+        wire_bytes=2 if cfg.weights.dtype in ("bfloat16", "float16") else 4,
         adapter_params=0 if spec is None else adapter_numel(cfg.model, spec),
     )
-    return memory_plan.role_bytes(shape)
 
 
+def memory_parts(cfg: RunConfig, *, trainer_on_gpu: bool = False) -> dict[str, int]:
+    """Peak bytes of each part of `cfg`'s run on this node (`memory_plan.process_bytes`)."""
+    return memory_plan.process_bytes(run_shape(cfg, trainer_on_gpu=trainer_on_gpu))
+
+
+PROMPT_TOKENS = 512
+"""Prompt tokens per sample the plan assumes for a micro-batch of a fixed sample count (the
+data's prompts are not read at start-up); a token budget (--use-dynamic-batch-size) bounds it."""
+EMBEDDED_PROMPT_TOKENS = 32
+"""The same for the embedded default run, whose built-in tasks' prompts are a few digits."""
+MICRO_BATCH_TOKENS = (512, 256, 128)
+"""Token budgets a CPU trainer's micro-batch is derived from, largest first: the largest that
+fits the memory limit (docs/cpu.md#memory: on a CPU a micro-batch above 512 tokens buys no
+speed, measured, and costs activations linearly)."""
+BATCH_FLAGS = ("use_dynamic_batch_size", "max_tokens_per_gpu", "recompute_granularity")
 REFIT: tuple[Rule, ...] = (snapshots, trainer, resume, weight_dtype, run_config)
 """The rules `--behavior-forward` feeds, in `RULES` order: the snapshot count (the role holds
 only pushed versions), the trainer's config (and the resume step that completes it), the
 dtype weights travel in (the role reads disk exports) and the `RunConfig`."""
+REBATCH: tuple[Rule, ...] = (trainer, resume, run_config)
+"""The rules the micro-batch flags feed: the trainer's config (and its resume step), the
+`RunConfig`."""
+
+
+def memory_limit(d: Draft) -> int | None:
+    """Bytes the run may take on this node: --memory-limit-gib, else `MEMORY_FRACTION` of the
+    node's memory; None on a joined cluster (each node holds its own share) or unknown memory."""
+    if d.env.ray_address is not None:
+        return None
+    if d.args.memory_limit_gib is not None:
+        return int(d.args.memory_limit_gib * memory_plan.GIB)
+    if d.env.memory_bytes is None:
+        return None
+    return int(memory_plan.MEMORY_FRACTION * d.env.memory_bytes)
 
 
 @rule("memory")
 def memory(d: Draft) -> None:
-    """A one-node run whose roles would not fit in the node's memory: with a derived
-    `--behavior-forward role`, derive `trainer` instead when that fits (the snapshots live in
-    the trainer, no second model); otherwise refuse, with the numbers and the fix."""
-    mem = d.env.memory_bytes
-    if mem is None or d.env.ray_address is not None:  # a joined cluster: nodes of their own
+    """The run fits in its memory limit (`memory_limit`), or is refused with the numbers and the
+    fix before anything starts. A CPU trainer of a user's model whose micro-batching the user
+    left unset gets the largest token budget that fits (`MICRO_BATCH_TOKENS`; full recompute
+    when none does without); a derived `--behavior-forward role` that would not fit becomes
+    `trainer` when that fits. GPU trainers are checked against their GPU's memory."""
+    limit = memory_limit(d)
+    gpu = trainer_on_gpu(d)
+    if gpu:
+        _check_gpu_trainer(d)
+    if limit is None:
         return
-    parts = memory_parts(d.config)
-    if memory_plan.fits(parts, mem):
+    mem = None if d.args.memory_limit_gib is not None else d.env.memory_bytes
+    leanest = None
+    if not gpu and not d.embedded and _batching_unset(d):
+        tries = [(d, False)] + ([(_with_trainer_forward(d), True)] if _forward_movable(d) else [])
+        for alt, moved in tries:
+            fitted = _fit_micro_batch(alt, limit, mem, moved=moved)
+            if fitted is not None:
+                d.adopt(fitted)
+                return
+        leanest = _with_micro_batch(tries[-1][0], MICRO_BATCH_TOKENS[-1], recompute=True)
+    parts = memory_parts(d.config, trainer_on_gpu=gpu)
+    if memory_plan.fits(parts, limit):
         return
-    why = memory_plan.describe(parts, mem)
-    if d.config.trainer.behavior_forward == "role" and "--behavior-forward" in d.config.derived:
+    why = memory_plan.describe(parts, limit, mem)
+    if _forward_movable(d):
         alt = _with_trainer_forward(d)
-        alt_parts = memory_parts(alt.config)
-        if memory_plan.fits(alt_parts, mem):
-            alt.flags.derived["--behavior-forward"] = Derived(
-                "trainer",
-                f"the forward-only role would not fit ({why}); with the snapshots in the "
-                f"trainer: {memory_plan.describe(alt_parts, mem)}",
-            )
+        alt_parts = memory_parts(alt.config, trainer_on_gpu=gpu)
+        if memory_plan.fits(alt_parts, limit):
+            fit = memory_plan.describe(alt_parts, limit, mem)
+            _note_trainer_forward(alt, f"the forward-only role would not fit ({why})", fit)
             d.adopt(alt)
             return
+    if leanest is not None:  # what the plan tried last: the smallest budget, with recompute
+        why = memory_plan.describe(memory_parts(leanest.config), limit, mem)
     raise ValueError(
-        f"this run would not fit in this node's memory: {why}. Fix: --bf16 (half the weights), "
-        "fewer --max-snapshots or --no-keep-old-actor, fewer --num-engines, --engine-dtype "
-        "bf16, or a node with more memory (docs/cpu.md#memory)"
+        f"this run would not fit in its memory: {why}. Fix: {', '.join(_fixes(d))}, a larger "
+        "--memory-limit-gib, or a node with more memory (docs/cpu.md#memory)"
+    )
+
+
+def _fixes(d: Draft) -> list[str]:
+    """The flags that would shrink `d`'s run, leaving out what it already does."""
+    t = d.config.trainer
+    out = [] if t.bf16 else ["--bf16 (half the weights)"]
+    if not t.use_dynamic_batch_size or (t.max_tokens_per_gpu or 0) > MICRO_BATCH_TOKENS[-1]:
+        out.append("--use-dynamic-batch-size with a smaller --max-tokens-per-gpu")
+    if t.recompute_granularity != "full":
+        out.append(
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+        )
+    if t.keep_old_actor:
+        out.append("fewer --max-snapshots or --no-keep-old-actor")
+    if d.config.engines.num_engines > 1:
+        out.append("fewer --num-engines")
+    if d.config.engine.dtype != "bf16":
+        out.append("--engine-dtype bf16")
+    if not t.lora_rank:
+        out.append("--lora-rank (the base frozen: no gradients or Adam state for it)")
+    tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+    if t.world_size == 1 and tp * pp == 1:
+        out.append("a cluster with more trainer ranks (--actor-num-gpus-per-node, TP/PP)")
+    return out
+
+
+def _check_gpu_trainer(d: Draft) -> None:
+    """A GPU trainer rank's model state and activations fit its GPU (when this node's GPUs are
+    known: the smallest of them); refused with the numbers otherwise."""
+    if not d.env.gpu_memory_bytes:
+        return
+    gpu = min(d.env.gpu_memory_bytes)
+    need = memory_plan.gpu_trainer_bytes(run_shape(d.config, trainer_on_gpu=True))
+    if need > memory_plan.MEMORY_FRACTION * gpu:
+        g = memory_plan.GIB
+        raise ValueError(
+            f"a trainer rank would not fit on its GPU: {need / g:.1f} GiB of model state and "
+            f"activations, {memory_plan.MEMORY_FRACTION:.0%} of {gpu / g:.1f} GiB allowed. Fix: "
+            "more ranks with --tensor-model-parallel-size / --pipeline-model-parallel-size or "
+            "--use-distributed-optimizer, a smaller --max-tokens-per-gpu, or full recompute "
+            "(docs/cpu.md#memory)"
+        )
+
+
+def _batching_unset(d: Draft) -> bool:
+    """The user gave none of the micro-batching flags (`BATCH_FLAGS`; --micro-batch-size is
+    derived by run kind)."""
+    a = d.args
+    given = a.use_dynamic_batch_size or a.max_tokens_per_gpu is not None
+    return not given and a.recompute_granularity is None and "micro_batch_size" in d.flags.filled
+
+
+def _forward_movable(d: Draft) -> bool:
+    return d.config.trainer.behavior_forward == "role" and "--behavior-forward" in d.config.derived
+
+
+def _fit_micro_batch(d: Draft, limit: int, mem: int | None, *, moved: bool = False) -> Draft | None:
+    """A copy of `d` with the largest `MICRO_BATCH_TOKENS` budget whose run fits `limit`
+    (derived, with the numbers), full recompute if only that fits; None if nothing does."""
+    for recompute in (False, True):
+        for tokens in MICRO_BATCH_TOKENS:
+            alt = _with_micro_batch(d, tokens, recompute=recompute)
+            parts = memory_parts(alt.config)
+            if memory_plan.fits(parts, limit):
+                fit = memory_plan.describe(parts, limit, mem)
+                why = f"the largest micro-batch for a CPU trainer that fits: {fit}"
+                if recompute:
+                    why = f"no micro-batch fits without recompute; with it: {fit}"
+                alt.flags.derived["--max-tokens-per-gpu"] = Derived(tokens, why)
+                if moved:
+                    _note_trainer_forward(alt, "the forward-only role would not fit", fit)
+                return alt
+    return None
+
+
+def _with_micro_batch(d: Draft, tokens: int, *, recompute: bool) -> Draft:
+    """A copy of `d` as if `--use-dynamic-batch-size --max-tokens-per-gpu tokens` (and full
+    uniform recompute of single layers) had been derived; the `REBATCH` rules run again."""
+    alt = d.fork()
+    f = alt.flags
+    values = {"use_dynamic_batch_size": True, "max_tokens_per_gpu": tokens}
+    if recompute:
+        values |= {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    for dest, value in values.items():
+        setattr(f.args, dest, value)
+        f.filled.add(dest)
+        f.note(dest, value, "the memory plan (docs/cpu.md#memory)")
+    for r in REBATCH:
+        r.rerun(alt)
+    return alt
+
+
+def _note_trainer_forward(alt: Draft, why: str, fit: str) -> None:
+    alt.flags.derived["--behavior-forward"] = Derived(
+        "trainer", f"{why}; with the snapshots in the trainer: {fit}"
     )
 
 

@@ -1,8 +1,8 @@
 """The rules of the engines and how weights reach them: the fleet, the cores each role runs
-on, the prefix-cache salt, the shared token, the warm start, the engines' own settings (LoRA
+on, the prefix-cache salt, the run's two keys, the warm start, the engines' own settings (LoRA
 on for a LoRA run), the weight transport and the dtype weights travel in.
 
-Rules (in `RULES` order): `engines`, `placement`, `cache_salt`, `shared_token`, `warmstart`,
+Rules (in `RULES` order): `engines`, `placement`, `cache_salt`, `keys`, `warmstart`,
 `engine`, `lora`, `transport`, `weight_dtype`.
 """
 
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import secrets
 
+from router.access import ADMIN_KEY_ENV, API_KEY_ENV
 from router.config import router_config_from_args
 from slime_async.config.rules.draft import Draft, Placement, rule
 from slime_async.config.run_paths import derive_warmstart
@@ -24,9 +26,9 @@ __all__ = [
     "cache_salt",
     "engine",
     "engines",
+    "keys",
     "lora",
     "placement",
-    "shared_token",
     "transport",
     "warmstart",
     "weight_dtype",
@@ -142,28 +144,50 @@ def cache_salt(d: Draft) -> None:
         d.flags.fill("router_cache_salt", False, why)
 
 
-@rule("shared_token")
-def shared_token(d: Draft) -> None:
-    """The router's config and the run's shared token. One token guards the router and every
-    engine (the router presents it to them): `$SLIME_ASYNC_AUTH_TOKEN` / `--auth-token-file`,
-    or a deprecated `--router-auth-token`. Joining a cluster puts servers on node IPs, so it
-    needs one."""
-    flag, env = d.args.router_auth_token, d.env
+@rule("keys")
+def keys(d: Draft) -> None:
+    """The router's config and the run's two keys, SGLang's `--admin-api-key` and `--api-key`
+    on the router and every engine. The admin key is the operator's (`$SLIME_ASYNC_AUTH_TOKEN`
+    / `--auth-token-file`, or a deprecated `--router-auth-token`) and stays with the run; the
+    data-plane key (`$SLIME_ASYNC_API_KEY` / `--api-key-file`) is what the rollout client,
+    plugins and agents get. With an admin key and no data-plane key the run mints one (attached
+    engines need theirs given). Joining a cluster puts servers on node IPs, so it needs keys."""
+    a, env = d.args, d.env
+    flag = a.router_auth_token
     if flag and env.auth_token and flag != env.auth_token:
         raise ValueError(
-            "--router-auth-token differs from the run's shared token ($SLIME_ASYNC_AUTH_TOKEN / "
-            "--auth-token-file); router and engines use one token: drop --router-auth-token"
+            f"--router-auth-token differs from the run's admin key (${ADMIN_KEY_ENV} / "
+            "--auth-token-file); router and engines use one admin key: drop --router-auth-token"
         )
-    token = flag or env.auth_token
-    if env.ray_address is not None and not token:
+    admin, api = flag or env.auth_token, env.api_key
+    if env.ray_address is not None and not admin:
         raise ValueError(
             f"joining the Ray cluster at {env.ray_address} puts the engines and the router on "
-            "their nodes' IPs, which needs the run's shared token: export "
-            "SLIME_ASYNC_AUTH_TOKEN=<token> or pass --auth-token-file PATH (never the token "
-            "itself on the command line)"
+            f"their nodes' IPs, which needs the run's admin key: export {ADMIN_KEY_ENV}=<key> "
+            "or pass --auth-token-file PATH (never the key itself on the command line)"
         )
-    a = argparse.Namespace(**{**vars(d.args), "router_auth_token": token})
-    d.router, d.token = router_config_from_args(a, prefix="router-"), token
+    if api and not admin:
+        raise ValueError(
+            f"${API_KEY_ENV} (or --api-key-file) without an admin key: the data-plane key would "
+            f"also open the control routes; export {ADMIN_KEY_ENV}=<another key> (or pass "
+            "--auth-token-file PATH) too"
+        )
+    if admin and not api and not a.router_open_data_plane:
+        if d.engines.backend == "external":
+            raise ValueError(
+                f"attaching engines (--engine-backend external) with an admin key: give their "
+                f"data-plane key too ({API_KEY_ENV}=<key> or --api-key-file PATH; the servers "
+                "run with --api-key <it> --admin-api-key <the admin key>)"
+            )
+        api = secrets.token_urlsafe(32)
+        d.flags.note(
+            "api_key_file",
+            "none: a data-plane key minted for this run",
+            "the rollout client, plugins and agents get it; the admin key stays with the run",
+        )
+    ns = argparse.Namespace(**{**vars(a), "router_auth_token": admin})
+    d.router = router_config_from_args(ns, prefix="router-", api_key=api)
+    d.api_key, d.admin_api_key = api, admin
 
 
 @rule("warmstart", fills=("warmstart_steps",))
@@ -172,10 +196,31 @@ def warmstart(d: Draft) -> None:
     derive_warmstart(d.flags, embedded=d.embedded, resume=d.trainer.load is not None)
 
 
-@rule("engine")
+@rule("engine", fills=("engine_dtype",))
 def engine(d: Draft) -> None:
     """The embedded engines' settings: the run's rollout seed, one thread each when the roles
-    have cores of their own."""
+    have cores of their own, and `--engine-dtype` from the CPU as rule `bf16` derives `--bf16`:
+    bf16 where the CPU multiplies bf16 natively (AMX / AVX512_BF16), fp32 where bf16 would be
+    emulated (many times slower than fp32); bf16 for the embedded default run (docs/cpu.md)."""
+    f, env = d.flags, d.env
+    if f.unset("engine_dtype") and d.engines.backend == "embedded":
+        if d.embedded:
+            why = (
+                "the embedded default run's engines serve bf16 against its fp32 trainer: the "
+                "mismatch its CompIS corrects (a tiny model, fast either way)"
+            )
+            f.fill("engine_dtype", "bf16", why)
+        elif env.ray_address is not None:
+            why = (
+                "the engines run on the cluster's nodes, whose CPUs are not read here (give "
+                "--engine-dtype fp32 where they lack AMX/AVX512_BF16)"
+            )
+            f.fill("engine_dtype", "bf16", why)
+        elif env.cpu_bf16:
+            f.fill("engine_dtype", "bf16", f"the CPU has {env.cpu_bf16}: native bf16 matmuls")
+        else:
+            why = "the CPU has no AMX/AVX512_BF16 (bf16 matmuls would be emulated): fp32"
+            f.fill("engine_dtype", "fp32", why)
     d.engine = engine_run_config_from_args(
         d.args,
         seed=d.rollout.seed_or(d.args.seed),
@@ -267,9 +312,10 @@ def weight_dtype(d: Draft) -> None:
     elif d.engines.backend == "embedded" and d.engine.dtype == "bf16" and not role_reads_disk:
         f.fill("update_weight_dtype", "bfloat16", "the engines serve bf16 (--engine-dtype bf16)")
     else:
-        why = (
-            "the forward-only role reads the disk exports as the trainer's weights"
-            if role_reads_disk
-            else "the trainer's dtype (the engines' is not known here)"
-        )
+        if role_reads_disk:
+            why = "the forward-only role reads the disk exports as the trainer's weights"
+        elif d.engines.backend == "embedded":
+            why = "the trainer and the engines compute in fp32"
+        else:
+            why = "the trainer's dtype (the engines' is not known here)"
         f.fill("update_weight_dtype", "float32", why)

@@ -22,6 +22,7 @@ from slime_async.config.run_paths import (
     start_weights,
 )
 from slime_async.config.script_flags import RunFacts, check_run_flags, check_shape
+from slime_async.engine.backends import get_engine_backend
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
     REAL_MODEL_LR_WARN,
@@ -42,6 +43,7 @@ __all__ = [
     "script_flags",
     "snapshots",
     "trainer",
+    "trainer_on_gpu",
 ]
 
 _USER_RUN = "a run with --hf-checkpoint/--prompt-data/--prompt-source"
@@ -152,7 +154,8 @@ def snapshots(d: Draft) -> None:
 @rule("bf16", fills=("bf16",))
 def bf16(d: Draft) -> None:
     """bf16 compute (fp32 main weights and gradient accumulation) for a run with a user's model
-    on a CPU with native bf16 matmuls (AMX / AVX512_BF16); fp32 otherwise (docs/cpu.md)."""
+    whose trainer runs on GPUs (`trainer_on_gpu`) or on a CPU with native bf16 matmuls (AMX /
+    AVX512_BF16); fp32 otherwise (docs/cpu.md)."""
     f, env = d.flags, d.env
     if not f.unset("bf16"):
         return
@@ -161,11 +164,22 @@ def bf16(d: Draft) -> None:
     elif env.load is not None and env.load.version is not None:
         why = "a resumed run keeps fp32 unless told: give --bf16 if its checkpoint was saved so"
         f.fill("bf16", False, why)
+    elif trainer_on_gpu(d):
+        why = "the trainer runs on GPUs: bf16 compute, fp32 main weights and gradients, as slime"
+        f.fill("bf16", True, why)
     elif env.cpu_bf16:
         why = f"the CPU has {env.cpu_bf16}: bf16 matmuls, fp32 main weights and gradients"
         f.fill("bf16", True, why)
     else:
         f.fill("bf16", False, "the CPU has no AMX/AVX512_BF16 (bf16 would be emulated): fp32")
+
+
+def trainer_on_gpu(d: Draft) -> bool:
+    """The trainer ranks run on GPUs: this node has CUDA devices (a local Ray node offers them
+    and each rank takes one), or the engines are GPU engines (their cluster has GPUs, and the
+    ranks' bundles take GPUs wherever the cluster has them: `orchestrator.placement`)."""
+    needs = get_engine_backend(d.args.engine_backend).needs
+    return bool(d.env.gpu_memory_bytes) or needs.gpus_per_engine > 0
 
 
 @rule("save_hf", fills=("save_hf",))

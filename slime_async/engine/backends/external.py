@@ -49,8 +49,9 @@ def _auth(token: str | None) -> dict[str, str] | None:
 
 async def probe(url: str, *, timeout_s: float, token: str | None = None) -> dict[str, Any]:
     """Poll `url` until `/health` is 200 and `/model_info` a JSON object (returned), or raise
-    `EngineAttachError` after `timeout_s` with the last answer. `token`: the run's shared token
-    (servers started with it, e.g. SGLang's `--api-key`, require it)."""
+    `EngineAttachError` after `timeout_s` with the last answer, or at once when the key is
+    refused. `token`: the run's data-plane key (servers started with SGLang's `--api-key`
+    require it on `/model_info`)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     async with aiohttp.ClientSession(headers=_auth(token)) as s:
@@ -65,6 +66,12 @@ async def probe(url: str, *, timeout_s: float, token: str | None = None) -> dict
                     if status == 200 and isinstance(info, dict):
                         return info
                     last = f"/model_info answered HTTP {status}: {str(info)[:200]}"
+                    if status in (401, 403):  # a wrong key does not fix itself: say so now
+                        raise EngineAttachError(
+                            f"external engine {url} refused the run's data-plane key ({last}); "
+                            "give the key it was started with (--api-key) as $SLIME_ASYNC_API_KEY "
+                            "or --api-key-file"
+                        )
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 last = f"{type(e).__name__}: {e}"
             if time.monotonic() + 0.2 >= deadline:
@@ -83,8 +90,9 @@ class ExternalBackend:
     can_restart: ClassVar[bool] = False
 
     def __init__(self, fleet: Any, engine: Any = None) -> None:
-        # the servers were configured by whoever launched them; only the run's token is used
-        self.token: str | None = getattr(engine, "auth_token", None)
+        # the servers were configured by whoever launched them; the run's data-plane key is what
+        # the probes (/health, /model_info) present
+        self.token: str | None = getattr(engine, "api_key", None)
         self.urls: tuple[str, ...] = tuple(fleet.urls)
         self.timeout_s: float = fleet.attach_timeout_s
 

@@ -6,7 +6,7 @@ Owns `sglang_config` (the run's `EngineConfig` + fleet + one launch → `SGLangC
 GPUs (Ray's `CUDA_VISIBLE_DEVICES`), which is the server's tensor parallelism; `--sglang-*`
 flags of the run reach every server verbatim (prefix removed), except the run's own
 (`RUN_SGLANG_FLAGS`); `--sglang-python` is the interpreter that runs it. The port is picked on the actor's
-node, on the address the server binds (its node's IP on a joined cluster, with the run's token
+node, on the address the server binds (its node's IP on a joined cluster, with the run's keys
 handed over outside the command line). The handle's pid is the SGLang server's (the leader of
 its process group): killing it kills the engine, and `alive()` notices. Stopping ends the whole
 group (scheduler and detokenizer children included), then the actor; a server whose actor dies
@@ -74,7 +74,8 @@ def sglang_config(
         max_lora_rank=engine.max_lora_rank,
         lora_target_modules=engine.lora_target_modules,
         max_loaded_loras=engine.max_loaded_loras,
-        api_key=engine.auth_token,
+        api_key=engine.api_key,
+        admin_api_key=engine.admin_api_key,
         python=getattr(fleet, "sglang_python", None) or sys.executable,
     )
 

@@ -7,7 +7,8 @@ timeout) and `load_agent_function`.
 
 The contract: ``def fn(client: openai.OpenAI, sample: AgentSample) -> float | dict | None``
 (or ``async def`` with an `openai.AsyncOpenAI`). The client's `base_url` is the episode's
-gateway URL and its `api_key` the run's token; `model` may be anything. Whatever the agent
+gateway URL and its `api_key` the gateway's key (the run's data-plane key, never its admin
+key); `model` may be anything. Whatever the agent
 sends, the run's sampling settings apply (`rollout.gateway`). The reward of the episode is, in
 order: what was posted to `<base_url>/../reward`, the function's return value (a number or
 `{"reward": x}`), else the run's reward function on the trajectory. An agent that raises or
@@ -138,7 +139,8 @@ class AgentGenerate:
 
     def metrics(self) -> dict[str, float]:
         """Cumulative `agent/*` counters: episodes and how they ended, the gateway's turns,
-        prefix mismatches (sampled ids kept), sampling overrides, turns resumed after a push."""
+        prefix mismatches (sampled ids kept), sampling overrides, turns resumed after a push,
+        calls refused with a 4xx (the gateway's or the engine's)."""
         g = self.gateway.stats
         return {
             "agent/episodes": self.stats.episodes,
@@ -149,6 +151,7 @@ class AgentGenerate:
             "agent/prefix_mismatches": g.prefix_mismatches,
             "agent/sampling_overrides": g.sampling_overrides,
             "agent/resumed_turns": g.resumed_turns,
+            "agent/bad_calls": g.bad_calls,
         }
 
     async def close(self) -> None:
@@ -176,7 +179,7 @@ class AgentGenerate:
     def _run_sync(self, url: str, sample: AgentSample) -> Any:
         import openai
 
-        token = self.gateway.token or "none"
+        token = self.gateway.api_key
         with openai.OpenAI(
             base_url=url, api_key=token, max_retries=0, timeout=self.timeout_s
         ) as client:
@@ -185,7 +188,7 @@ class AgentGenerate:
     async def _run_async(self, url: str, sample: AgentSample) -> Any:
         import openai
 
-        token = self.gateway.token or "none"
+        token = self.gateway.api_key
         async with openai.AsyncOpenAI(
             base_url=url, api_key=token, max_retries=0, timeout=self.timeout_s
         ) as client:

@@ -27,18 +27,21 @@ completion ids, their log-probs and weight versions. The rules (docs/agents.md):
 * **Reward** per episode: `POST <episode url>/reward {"reward": x}` (AReaL's shape), the agent
   function's return value, or the run's reward function (docs/agents.md).
 
-Calls to a closed or unknown episode are 404; bad input is 400 naming the problem; the
-gateway binds 127.0.0.1 and requires the run's token when it has one. Never imports the
-trainer, engine or controller.
+Calls to a closed or unknown episode are 404; bad input is 400 naming the problem; a turn the
+engine refuses (its 4xx, e.g. a message that renders to ids outside the vocabulary) is that 4xx
+with the engine's message, counted as a bad call; only an engine that is down or failing makes
+a 503. The gateway binds 127.0.0.1 and requires its key on every route: the run's data-plane
+key, or one it mints (`api_key`), which is all an agent ever holds (never the run's admin
+key). Never imports the trainer, engine or controller.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Sequence
@@ -47,6 +50,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from router.access import auth_middleware
 from slime_async.contracts.chat import (
     ChatError,
     has_chat_template,
@@ -56,10 +60,11 @@ from slime_async.contracts.chat import (
     render_chat,
     request_template_kwargs,
     request_tools,
+    tool_names,
 )
 from slime_async.contracts.rollout import FinishStatus, segment_payload
 from slime_async.rollout.agents.episode import Episode, GatewayError, Sampled
-from slime_async.rollout.generate.client import GenerateClient
+from slime_async.rollout.generate.client import GenerateClient, GenerateError
 
 log = logging.getLogger(__name__)
 _MAX_BODY = 16 << 20
@@ -81,7 +86,7 @@ class GatewayStats:
     resumed_turns: int = 0
     """Turns aborted by a weight update and continued from their partial output."""
     bad_calls: int = 0
-    """Calls refused with 4xx."""
+    """Calls refused with 4xx (the gateway's own refusals and the engine's)."""
 
 
 def _assistant_count(messages: list[dict[str, Any]]) -> int:
@@ -97,7 +102,7 @@ class TrainingGateway:
         *,
         tokenizer: Any,
         eos_id: int | None,
-        auth_token: str | None = None,
+        api_key: str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         template_kwargs: dict[str, Any] | None = None,
@@ -105,8 +110,10 @@ class TrainingGateway:
         """`template_kwargs`: the chat template's keyword arguments the data prompts were
         rendered with (--apply-chat-template-kwargs); a request's own `chat_template_kwargs`
         go over them."""
-        self.tokenizer, self.eos_id, self.token = tokenizer, eos_id, auth_token
+        self.tokenizer, self.eos_id = tokenizer, eos_id
         self.template_kwargs = dict(template_kwargs or {})
+        self.api_key = api_key or secrets.token_urlsafe(32)
+        """What every route needs (`Authorization: Bearer`): the agents' only credential."""
         self.host, self.port = host, port
         self.stats = GatewayStats()
         self.episodes: dict[str, Episode] = {}
@@ -125,8 +132,8 @@ class TrainingGateway:
         return await asyncio.shield(self._started)
 
     async def _start(self) -> str:
-        mws = [self._auth] if self.token else []
-        app = web.Application(client_max_size=_MAX_BODY, middlewares=mws)
+        auth = auth_middleware("gateway", api_key=self.api_key, admin_api_key=None, refuse=_refuse)
+        app = web.Application(client_max_size=_MAX_BODY, middlewares=[auth])
         app.router.add_post("/episodes/{eid}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{eid}/v1/models", self._models)
         app.router.add_post("/episodes/{eid}/reward", self._reward)
@@ -180,17 +187,6 @@ class TrainingGateway:
         return f"{self.url}/episodes/{ep.id}/reward"
 
     # ------------------------------------------------------------------ HTTP
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        want = f"Bearer {self.token}".encode()
-        if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), want):
-            return _error(
-                401,
-                "the training gateway needs 'Authorization: Bearer <run token>' "
-                "(give the agent's client api_key=<the run's token>)",
-            )
-        return await handler(request)
-
     def _episode(self, request: web.Request) -> Episode:
         ep = self.episodes.get(request.match_info["eid"])
         if ep is None or ep.closed:
@@ -217,6 +213,11 @@ class TrainingGateway:
         except (GatewayError, ChatError) as e:
             self.stats.bad_calls += 1
             return _error(getattr(e, "status", 400), str(e))
+        except GenerateError as e:  # the engine's answer to this turn
+            if e.status is not None and 400 <= e.status < 500:
+                self.stats.bad_calls += 1
+                return _error(e.status, f"the engine refused this turn: {e}")
+            return _error(503, f"the engine could not serve this turn (down or failing): {e}")
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
@@ -330,7 +331,9 @@ class TrainingGateway:
         t1 = time.perf_counter()
         ep.record(prompt, sampled, mismatch=mismatch)
         self.stats.turns += 1
-        answer = _answer(ep, prompt, sampled, mismatch=mismatch, tools=bool(tools))
+        answer = _answer(
+            ep, prompt, sampled, mismatch=mismatch, tools=tool_names(tools) if tools else None
+        )
         overhead += time.perf_counter() - t1
         self.turn_overhead_s.append(overhead)
         if len(self.turn_overhead_s) > 10_000:
@@ -421,12 +424,18 @@ def _generate_body(
 
 
 def _answer(
-    ep: Episode, prompt: list[int], sampled: Sampled, *, mismatch: bool, tools: bool
+    ep: Episode,
+    prompt: list[int],
+    sampled: Sampled,
+    *,
+    mismatch: bool,
+    tools: frozenset[str] | None,
 ) -> dict[str, Any]:
     """The OpenAI chat-completion answer of the turn just recorded (tool calls parsed from
-    the text when the call offered tools)."""
+    the text, in the model family's format, when the call offered `tools`: their names)."""
     out, finish = sampled.output_ids, sampled.finish
-    content, calls = parse_tool_calls(sampled.text) if tools else (sampled.text, [])
+    text = sampled.text
+    content, calls = parse_tool_calls(text, tools=tools) if tools is not None else (text, [])
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = calls
@@ -448,6 +457,10 @@ def _answer(
             "prefix_mismatch": mismatch,
         },
     }
+
+
+def _refuse(_request: web.Request, status: int, message: str) -> web.Response:
+    return _error(status, f"{message} (an agent's client gets it as its api_key)")
 
 
 def _error(status: int, message: str) -> web.Response:

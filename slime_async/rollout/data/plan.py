@@ -3,7 +3,8 @@
 Owns `DataPlan`, `EvalSet` and `make_data_plan`: the prompt source handed to the data worker
 (built-in tasks, a jsonl/parquet file, or reasoning-gym tasks from `rollout.gym`), the held-out
 eval prompts, the named eval sets read from `--eval-prompt-data` files (tokenized like
-`--prompt-data`, scored by `--custom-rm-path` else math-verify), the reward function, the EOS id and (for real data) the tokenizer's decoder that
+`--prompt-data`, scored by `--rm-url` or `--custom-rm-path`, else math-verify), the reward
+function, the EOS id and (for real data) the tokenizer's decoder that
 text rewards such as math-verify need. Real data reads jsonl/parquet through
 `rollout.datasets` (bad rows skipped with a count, or an error naming file:line under
 `--strict-data`) and tokenizes with the tokenizer found in `--hf-checkpoint`.
@@ -26,6 +27,7 @@ from slime_async.rollout.data.gym import (
     ReasoningGymConfig,
     ReasoningGymTasks,
 )
+from slime_async.rollout.data.remote_rm import RemoteReward
 from slime_async.rollout.data.sources import (
     TaskPromptSource,
     dataset_prompts,
@@ -107,7 +109,15 @@ def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | No
 
 
 def _reward(rollout: RolloutConfig, default: Callable[[rw.RewardInput], Any]) -> Any:
-    """`--custom-rm-path` when given, else `default`."""
+    """`--rm-url` (the remote reward model) or `--custom-rm-path` when given, else
+    `default`."""
+    if rollout.rm_url:
+        return RemoteReward(
+            rollout.rm_url,
+            timeout_s=rollout.rm_timeout,
+            retries=rollout.rm_retries,
+            reward_key=rollout.reward_key,
+        )
     return rw.load_reward_fn(rollout.custom_rm_path) if rollout.custom_rm_path else default
 
 

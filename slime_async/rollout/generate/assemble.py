@@ -1,4 +1,5 @@
 """From completed groups to the trainer's batch: scoring, advantages, padded tensors.
+One responsibility over 400 lines: turning generated samples into what the trainer trains.
 
 Owns `ScoredGenerate` (wraps the generate client: a finished sample is scored once, its reward
 stored in its payload, so group filters such as DAPO's see rewards; with slime's `--group-rm`
@@ -6,7 +7,9 @@ whole groups are scored when a step consumes them, `score_groups`) and `assemble
 `Batch` -> `TrainerBatch` + rollout metrics). A reward function that raises stops the run with
 `RewardError` naming the function and the sample; samples whose reward was not finite, tokens
 whose engine log-prob was not finite, and tokens a multi-turn rollout marked as tool output
-(payload `loss_mask` 0) are masked out of the loss and counted here.
+(payload `loss_mask` 0) are masked out of the loss and counted here. DAPO's soft over-long
+penalty (`Overlong`, `--overlong-buffer-len`) is added to the rewards here, before the
+advantages (group filters such as `--dynamic-sampling` saw the unshaped rewards).
 Advantages come from `loss`'s estimator registry (`loss.compute_advantages`, by name);
 this module only arranges tensors.
 """
@@ -33,6 +36,7 @@ from slime_async.contracts.rollout import (
     SegmentPayload,
     segment_payload,
 )
+from slime_async.rollout.config import RolloutConfig
 from slime_async.rollout.data.rewards import (
     RewardError,
     RewardInput,
@@ -179,6 +183,33 @@ class ScoredGenerate:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Overlong:
+    """DAPO's soft over-long punishment (`loss.overlong_penalty`): a response longer than
+    `max_len - buffer_len` tokens loses `factor` x (its excess / `buffer_len`) of reward, up to
+    `factor` at `max_len`.
+
+    Example: max_len 20, buffer_len 4, factor 1: lengths 16, 18, 20 lose 0, 0.5, 1.0."""
+
+    max_len: int
+    """L_max: the most new tokens a response may have (`--rollout-max-response-len`)."""
+    buffer_len: int
+    """L_buffer (`--overlong-buffer-len`): the punished last tokens before L_max."""
+    factor: float
+    """Penalty at L_max (`--overlong-penalty-factor`)."""
+
+
+def overlong_shaping(rollout: RolloutConfig) -> Overlong | None:
+    """The over-long shaping of `rollout`'s flags; None when `--overlong-buffer-len` is 0."""
+    if not rollout.overlong_buffer_len:
+        return None
+    return Overlong(
+        max_len=rollout.max_response_len,
+        buffer_len=rollout.overlong_buffer_len,
+        factor=rollout.overlong_penalty_factor,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Assembled:
     """A train batch plus what the controller logs about it."""
 
@@ -317,9 +348,15 @@ class _Padded:
 
 
 def assemble(
-    batch: Batch, *, estimator: str, normalize_rewards: bool = True, whiten: bool = False
+    batch: Batch,
+    *,
+    estimator: str,
+    overlong: Overlong | None = None,
+    normalize_rewards: bool = True,
+    whiten: bool = False,
 ) -> Assembled:
     """Build the padded `TrainerBatch` of a consumed batch (prompt + response per sample);
+    with `overlong`, DAPO's over-long penalty is added to each scored sample's reward first;
     `normalize_rewards` / `whiten`: `loss.compute_advantages`'s (slime's
     --disable-rewards-normalization and --normalize-advantages)."""
     rows: list[tuple[Group, Any]] = [(g, s) for g in batch.groups for s in g.samples]
@@ -339,6 +376,9 @@ def assemble(
             f"{t.tool_tokens} are tool output; check the reward function (--custom-rm-path) "
             "and the engines"
         )
+    metrics = t.metrics([len(s.output_ids) for _, s in rows])
+    if overlong is not None:
+        metrics |= _shape_overlong(t, [len(s.output_ids) for _, s in rows], overlong)
     group_ids = torch.as_tensor([gi for gi, g in enumerate(batch.groups) for _ in g.samples])
     token_adv = adv.compute_advantages(
         estimator,
@@ -359,4 +399,22 @@ def assemble(
         routed_experts=tuple(t.routed) if t.routed else None,
         behavior_logprobs=t.behavior,
     )
-    return Assembled(batch=tb, metrics=t.metrics([len(s.output_ids) for _, s in rows]))
+    return Assembled(batch=tb, metrics=metrics)
+
+
+def _shape_overlong(t: _Padded, lengths: Sequence[int], overlong: Overlong) -> dict[str, float]:
+    """Add the over-long penalty to the scored samples' rewards of `t` (in place); its metrics:
+    the mean penalty and the fraction of scored samples punished."""
+    pen = adv.overlong_penalty(
+        torch.as_tensor(lengths),
+        max_len=overlong.max_len,
+        buffer_len=overlong.buffer_len,
+        factor=overlong.factor,
+    ).to(t.rewards.dtype)
+    pen = torch.where(t.valid, pen, torch.zeros_like(pen))
+    t.rewards += pen
+    n = max(1, int(t.valid.sum()))
+    return {
+        "rollout/overlong_penalty": float(pen.sum()) / n,
+        "rollout/overlong_frac": float((pen < 0).sum()) / n,
+    }

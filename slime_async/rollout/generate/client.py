@@ -56,13 +56,19 @@ class GenerateClientConfig:
     lora_name: str | None = None
     """A LoRA run's adapter: every request is served under it (`lora_path`), and a body that
     names no adapter is refused here rather than silently served by the base model."""
-    auth_token: str | None = dataclasses.field(default=None, repr=False)
-    """The run's shared token, sent as `Authorization: Bearer` (a router or engine off loopback
-    requires it on every route)."""
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """The run's data-plane key, sent as `Authorization: Bearer` (a router or engine with keys
+    requires it on /generate); never the admin key."""
 
 
 class GenerateError(RuntimeError):
-    """The engine answered with an error the client cannot recover from."""
+    """The engine answered with an error the client cannot recover from; `status` is the HTTP
+    status of a refusal (4xx: the request's fault), None when no engine answered in time or
+    every answer was a 5xx (an engine that is down)."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _version(raw: Any) -> int:
@@ -102,7 +108,7 @@ class GenerateClient:
 
     def _s(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            token = self.cfg.auth_token
+            token = self.cfg.api_key
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s),
                 headers={"Authorization": f"Bearer {token}"} if token else None,
@@ -167,7 +173,9 @@ class GenerateClient:
                     if resp.status >= 500 or resp.status == 429:
                         last = GenerateError(f"/generate HTTP {resp.status}: {text[:300]}")
                     elif resp.status != 200:
-                        raise GenerateError(f"/generate HTTP {resp.status}: {text[:300]}")
+                        raise GenerateError(
+                            f"/generate HTTP {resp.status}: {text[:300]}", status=resp.status
+                        )
                     else:
                         return json.loads(text)
             except (TimeoutError, aiohttp.ClientConnectionError) as e:

@@ -35,14 +35,17 @@ KEEP = (
     "--served-model-name",
 )
 ours = ["--dtype", "fp32", "--num-threads", "1"]
+KEYS = {"--api-key": "SLIME_ASYNC_API_KEY", "--admin-api-key": "SLIME_ASYNC_AUTH_TOKEN"}
+for var in KEYS.values():  # SGLang takes its keys from its command line only
+    os.environ.pop(var, None)
 i = 0
 while i < len(args):
     a = args[i]
     value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
     if a in KEEP and value is not None:
         ours += [a, value]
-    elif a == "--api-key" and value is not None:  # ours reads it from the environment
-        os.environ["SLIME_ASYNC_AUTH_TOKEN"] = value
+    elif a in KEYS and value is not None:  # ours reads them from the environment
+        os.environ[KEYS[a]] = value
     i += 2 if value is not None else 1
 
 from slime_async.engine.__main__ import main  # noqa: E402
