@@ -158,7 +158,7 @@ class RolloutDataWorker:
             await self._abort_fn()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):
             raise TimeoutError(
                 f"pause(): {self._core.running} generations still running after {timeout}s; "
                 "generate must return ABORTED promptly when abort_fn is called."

@@ -185,7 +185,7 @@ class Proxy:
             session = check_session_id(request.headers.get(SESSION_HEADER))
             try:
                 body = await asyncio.wait_for(request.read(), self.cfg.client_timeout_s)
-            except TimeoutError:  # distinct classes on Python 3.10
+            except (TimeoutError, asyncio.TimeoutError):  # distinct classes on Python 3.10
                 return error_response(
                     408, f"request body not received within {self.cfg.client_timeout_s:g}s"
                 )

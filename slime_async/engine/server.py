@@ -62,7 +62,7 @@ def _limits_middleware(engine: Engine) -> Any:
         if request.body_exists:
             try:
                 body = await asyncio.wait_for(request.read(), timeout)
-            except TimeoutError:  # distinct classes on Python 3.10
+            except (TimeoutError, asyncio.TimeoutError):  # distinct classes on Python 3.10
                 return error(
                     f"request body not received within {timeout:g}s",
                     status=408,
