@@ -3,8 +3,9 @@
 Owns `flag` (a dataclass field that carries its flag's spelling, choices and range), `add_flags`
 (one argparse group from a config class), `from_args` (the config object back from the parsed
 namespace), `check_ranges` (the ranges declared beside the fields, checked in `__post_init__`),
-`field_docs` (the attribute docstrings, which are the flags' help) and `flag_of` (which field an
-argparse action was generated from). Imports only the standard library, so the leaf packages
+`field_docs` (the attribute docstrings, which are the flags' help), `flag_of` (which field an
+argparse action was generated from) and `StrEnum` (`enum.StrEnum` on Python 3.10 too: the string
+enums flags choose from). Imports only the standard library, so the leaf packages
 (`loss`, `data_worker`, `router`) use it as well as `slime_async`.
 
 A config field needs nothing more than its annotation, default and docstring to be a flag:
@@ -40,6 +41,7 @@ import functools
 import inspect
 import itertools
 import math
+import sys
 import textwrap
 import types
 import typing
@@ -49,6 +51,7 @@ from typing import Any
 __all__ = [
     "FlagSpec",
     "HelpFormatter",
+    "StrEnum",
     "Switch",
     "add_flags",
     "check_ranges",
@@ -61,6 +64,24 @@ __all__ = [
     "from_args",
     "range_errors",
 ]
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # Python 3.10
+
+    class StrEnum(str, enum.Enum):
+        """`enum.StrEnum` of Python 3.11+: members are strings and print as their value."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return format(str(self.value), spec)
+
+        @staticmethod
+        def _generate_next_value_(name: str, *_: object) -> str:
+            return name.lower()
+
 
 _KEY = "clifields"
 _MISSING: Any = dataclasses.MISSING

@@ -15,10 +15,9 @@ import argparse
 import dataclasses
 import math
 from collections.abc import Mapping
-from enum import StrEnum
 from typing import Any
 
-from clifields import add_flags, flag, from_args
+from clifields import StrEnum, add_flags, flag, from_args
 
 
 class ProbeSiblings(StrEnum):

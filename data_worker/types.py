@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from enum import StrEnum
 from typing import Any
 
+from clifields import StrEnum
 from data_worker.versions import VersionRuns
 
 

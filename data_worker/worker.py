@@ -158,7 +158,7 @@ class RolloutDataWorker:
             await self._abort_fn()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):
             raise TimeoutError(
                 f"pause(): {self._core.running} generations still running after {timeout}s; "
                 "generate must return ABORTED promptly when abort_fn is called."
@@ -285,7 +285,7 @@ class RolloutDataWorker:
                     f"{timeout}s ({core.running} generations running, {core.queued} queued)."
                 )
             self._progress.clear()
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                 await asyncio.wait_for(
                     self._progress.wait(), None if math.isinf(remaining) else remaining
                 )

@@ -15,11 +15,11 @@ Worked example (spec A1): one group, rewards R = [1, 0, 0, 0]
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
 
 import torch
 
+from clifields import StrEnum
 from loss.named import Registry
 from loss.ratios import broadcast_seq
 
@@ -302,7 +302,7 @@ def dynamic_sampling_keep(group_metrics: Sequence[Sequence[float]]) -> list[bool
     return keep
 
 
-class SamplingDecision(enum.StrEnum):
+class SamplingDecision(StrEnum):
     """What the rollout loop does after filtering a generation batch."""
 
     ENOUGH = "enough"

@@ -17,14 +17,13 @@ Worked example: Δ = log 2 gives k1 = 0.693, k2 = 0.240, k3 = 0.5 − 1 + 0.693 
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
+from clifields import StrEnum
 from loss.ratios import safe_log_ratio
 
 
-class KLType(enum.StrEnum):
+class KLType(StrEnum):
     """Estimator of KL(π_θ ‖ π_ref) per token."""
 
     K1 = "k1"

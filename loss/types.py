@@ -9,16 +9,17 @@ problem and the fix. Must never import `slime_async` (the loss package is a leaf
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from typing import Any
 
 import torch
 
+from clifields import StrEnum
+
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-class Method(enum.StrEnum):
+class Method(StrEnum):
     """Per-source correction f(r; l, u) (docs/loss-spec.md §1)."""
 
     NONE = "none"
@@ -31,7 +32,7 @@ class Method(enum.StrEnum):
     """w = r if l <= r <= u else 0 (two-sided mask, inclusive bounds)."""
 
 
-class AggMode(enum.StrEnum):
+class AggMode(StrEnum):
     """Loss aggregation over tokens and sequences (docs/loss-spec.md §10)."""
 
     TOKEN_MEAN = "token-mean"
@@ -40,7 +41,7 @@ class AggMode(enum.StrEnum):
     SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
 
 
-class Denom(enum.StrEnum):
+class Denom(StrEnum):
     """Whether tokens zeroed by a masking correction stay in the loss denominator (docs/loss-spec.md §0.3)."""
 
     KEEP = "keep"
@@ -49,7 +50,7 @@ class Denom(enum.StrEnum):
     """Masked tokens leave the denominator too (verl rejection sampling, AReaL M2PO)."""
 
 
-def parse_enum(enum_cls: type[enum.StrEnum], value: object, *, field: str) -> enum.StrEnum:
+def parse_enum(enum_cls: type[StrEnum], value: object, *, field: str) -> StrEnum:
     """Turn a string (or enum member) into `enum_cls`, or raise a ValueError naming the choices."""
     try:
         return enum_cls(value)

@@ -197,7 +197,7 @@ class ControlFanout:
                     "body": data,
                     "error": "" if ok else f"HTTP {r.status}",
                 }
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+        except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, ConnectionError) as e:
             return {
                 "url": w.url,
                 "status": None,

@@ -84,7 +84,7 @@ class HealthMonitor:
                 await r.read()
                 ok = r.status == 200
                 err = "" if ok else f"{path} answered HTTP {r.status}"
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+        except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, ConnectionError) as e:
             ok, err = False, f"{path} failed: {type(e).__name__}: {e}"
         if not ok:
             self.probe_failures += 1

@@ -184,9 +184,8 @@ class Proxy:
             )
             session = check_session_id(request.headers.get(SESSION_HEADER))
             try:
-                async with asyncio.timeout(self.cfg.client_timeout_s):
-                    body = await request.read()
-            except TimeoutError:
+                body = await asyncio.wait_for(request.read(), self.cfg.client_timeout_s)
+            except (TimeoutError, asyncio.TimeoutError):  # distinct classes on Python 3.10
                 return error_response(
                     408, f"request body not received within {self.cfg.client_timeout_s:g}s"
                 )

@@ -231,7 +231,7 @@ class FakeEngine:
             rate = self.cfg.tokens_per_step / step  # tokens per second per active request
             soonest = min(j.target + j.prefill - j.work for j in self._jobs) / rate
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(min(step, soonest), 0.0))
             self._advance_to(loop.time())
 

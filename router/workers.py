@@ -221,6 +221,6 @@ class WorkerRegistry:
             return False
         try:
             await asyncio.wait_for(self._healthy_event.wait(), timeout)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):
             return False
         return bool(self.healthy())

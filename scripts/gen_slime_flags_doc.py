@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from clifields import flag_name
-from slime_async.config.script_flags import RUN_TABLE, SHAPE_TABLE, ModelShapeFlags
+from slime_async.config.model_shape import SHAPE_TABLE, ModelShapeFlags
+from slime_async.config.script_flags import RUN_TABLE
 from slime_async.config.slime_flags import MEGATRON_NOT_HERE, NOT_HERE
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "coming-from-slime.md"

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import json
 from typing import Literal
 
 import pytest
 
-from clifields import add_flags, check_ranges, flag, flag_of, from_args
+from clifields import StrEnum, add_flags, check_ranges, flag, flag_of, from_args
 from slime_async.config import build_parser, parse_config
 
 
@@ -104,7 +103,7 @@ def test_a_replayed_config_still_lets_the_command_line_win(tmp_path, capsys):
 # ------------------------------------------------------------------------- the generator
 
 
-class Color(enum.StrEnum):
+class Color(StrEnum):
     RED = "red"
     BLUE = "blue"
 

@@ -6,6 +6,8 @@ exactly, and one of another architecture is refused naming it."""
 
 from __future__ import annotations
 
+import argparse
+import fractions
 import json
 from pathlib import Path
 
@@ -37,7 +39,15 @@ def _slime_converted(tr, root: Path) -> Path:
 
     (root / "release").mkdir(parents=True)
     (root / TRACKER).write_text("release")
-    dist_checkpointing.save({"model": model_state(tr.chunks[0])}, str(root / "release"))
+    state = {
+        "model": model_state(tr.chunks[0]),
+        # Megatron's save_checkpoint also writes its args and counters into common.pt: pickled
+        # objects, some of which torch.load(weights_only=True) refuses; never read here
+        "args": argparse.Namespace(num_layers=2, hidden_size=128, extra=fractions.Fraction(1, 3)),
+        "checkpoint_version": 3.0,
+        "iteration": 1,
+    }
+    dist_checkpointing.save(state, str(root / "release"))
     return root
 
 

@@ -213,7 +213,10 @@ def test_wandb_flags_without_use_wandb_are_refused(capsys: pytest.CaptureFixture
 
 def test_tensorboard_is_a_dependency() -> None:
     """`--use-tensorboard` needs no extra install: tensorboard is a main dependency."""
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10 (the [test] extra installs tomli there)
+        import tomli as tomllib
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
     from packaging.requirements import Requirement

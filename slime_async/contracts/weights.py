@@ -14,17 +14,17 @@ and strings on the wire (`weight_version`, SGLang's convention).
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
 
+from clifields import StrEnum
 from slime_async.contracts.model import ModelSpec
 
 
-class Payload(enum.StrEnum):
+class Payload(StrEnum):
     """What one push moves from the trainer to the engines."""
 
     FULL = "full"

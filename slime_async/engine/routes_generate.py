@@ -164,7 +164,7 @@ async def health_generate(request: web.Request) -> web.Response:
     (seq,) = eng.submit(GenerateRequest(items=[item], batch=False, stream=False))
     try:
         await asyncio.wait_for(seq.done.wait(), eng.cfg.health_generate_timeout_s)
-    except TimeoutError:
+    except (TimeoutError, asyncio.TimeoutError):
         eng.abort_seqs([seq], "health check timed out")
         return web.Response(status=503)
     aborted = (seq.finish_reason or {}).get("type") == "abort"

@@ -61,9 +61,8 @@ def _limits_middleware(engine: Engine) -> Any:
             return error(too_big, status=413, **unreceived(request))
         if request.body_exists:
             try:
-                async with asyncio.timeout(timeout):
-                    body = await request.read()
-            except TimeoutError:
+                body = await asyncio.wait_for(request.read(), timeout)
+            except (TimeoutError, asyncio.TimeoutError):  # distinct classes on Python 3.10
                 return error(
                     f"request body not received within {timeout:g}s",
                     status=408,

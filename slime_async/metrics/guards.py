@@ -15,11 +15,11 @@ never on absence of data.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from clifields import StrEnum
 from slime_async.metrics.detectors import (
     entropy_spike,
     finite,
@@ -35,7 +35,7 @@ IS_SOURCES = ("staleness", "engine", "combined")
 """Sources whose IS weight mean `is/<source>/mean` is range-checked by default."""
 
 
-class GuardKind(enum.StrEnum):
+class GuardKind(StrEnum):
     """Which signal crossed its threshold."""
 
     ENTROPY_SPIKE = "entropy_spike"

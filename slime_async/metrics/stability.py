@@ -28,12 +28,12 @@ the steps (at least `min_window` of them).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from clifields import StrEnum
 from slime_async.metrics.guards import GuardConfig, GuardKind, scan
 
 GAP_KEY = "mismatch/train_rollout_logprob_abs_diff"
@@ -78,7 +78,7 @@ _T975 = (
 )
 
 
-class Verdict(enum.StrEnum):
+class Verdict(StrEnum):
     """How a run behaved, from best to worst."""
 
     STABLE = "stable"

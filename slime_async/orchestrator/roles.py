@@ -320,7 +320,7 @@ class Cluster:
             try:
                 async with s.get(f"{url}/model_info", headers=headers) as r:
                     return (await r.json()).get("weight_version") if r.status == 200 else None
-            except (aiohttp.ClientError, TimeoutError, ValueError):
+            except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, ValueError):
                 return None
 
         timeout = aiohttp.ClientTimeout(total=timeout_s)

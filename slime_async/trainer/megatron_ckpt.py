@@ -16,8 +16,9 @@ Distributed Checkpoint files (`.metadata`, `*.distcp`, `common.pt`). The model's
 stored under megatron-core's sharded keys (`decoder.layers.self_attention.linear_qkv.weight`,
 ...), the same keys this trainer's model gives, so a checkpoint of the same architecture loads
 into it whatever its parallel layout; only the model weights are read (a slime run's optimizer
-state is not). Reading unpickles the checkpoint's `.metadata` (PyTorch's format): give only
-checkpoints you trust, as with a plug-in module (docs/security.md).
+state is not, nor is `common.pt`, the run's pickled args and counters). Reading unpickles the
+checkpoint's `.metadata` (PyTorch's format): give only checkpoints you trust, as with a plug-in
+module (docs/security.md).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def load_megatron_weights(chunks: list[Any], path: Path) -> None:
     template = {f"model{i}": dist_ckpt.model_state(c) for i, c in enumerate(chunks)}
     dests = [(p, leaf.data) for p, leaf in dist_ckpt.walk(template)]
     try:
-        loaded = dist_checkpointing.load(template, str(path))
+        loaded = dist_checkpointing.load(template, str(path), common_strategy=_no_common())
     except (Exception, CheckpointException) as e:  # torch's is a BaseException
         raise ValueError(
             f"{path}: its tensors do not fit this model ({_first_line(e)}); give a checkpoint "
@@ -159,3 +160,16 @@ def _first_line(e: BaseException) -> str:
     wraps each rank's failure with its traceback)."""
     lines = [ln.strip() for ln in str(e).splitlines() if "Exception:" in ln or "Error:" in ln]
     return lines[-1] if lines else f"{type(e).__name__}: {e}"
+
+
+def _no_common() -> Any:
+    """dist_checkpointing's common-state reader that reads nothing: a Megatron run's common.pt
+    (its args, iteration, RNG and rerun state: pickled objects) is not what this trainer loads,
+    so it is never unpickled."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class NoCommon(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir: Any) -> dict[str, Any]:
+            return {}
+
+    return NoCommon()

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from enum import StrEnum
 from typing import ClassVar, Literal
 
-from clifields import add_flags, check_ranges, flag, from_args
+from clifields import StrEnum, add_flags, check_ranges, flag, from_args
 
 
 class TransportKind(StrEnum):

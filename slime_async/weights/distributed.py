@@ -266,7 +266,7 @@ class DistributedTransport:
                 )
         except ValueError as e:  # an answer that is not JSON
             return _Reply(False, f"{type(e).__name__}: {e}")
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+        except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, ConnectionError) as e:
             return _Reply(False, f"{type(e).__name__}: {e}", answered=False)
 
     async def _healthy(self, url: str) -> bool:
@@ -274,7 +274,7 @@ class DistributedTransport:
             timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
             async with self._session().get(url + "/health", timeout=timeout) as r:
                 return r.status == 200
-        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+        except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, ConnectionError):
             return False
 
     # ------------------------------------------------------------------ group membership

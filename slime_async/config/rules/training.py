@@ -14,6 +14,7 @@ import math
 from data_worker.budget import snapshot_count, staleness_bound
 from loss import resolve_loss_spec
 from slime_async.config.derive import raise_all
+from slime_async.config.model_shape import check_shape
 from slime_async.config.rules.draft import Draft, rule
 from slime_async.config.run_paths import (
     check_resume,
@@ -21,7 +22,7 @@ from slime_async.config.run_paths import (
     resume_from,
     start_weights,
 )
-from slime_async.config.script_flags import RunFacts, check_run_flags, check_shape
+from slime_async.config.script_flags import RunFacts, check_run_flags
 from slime_async.engine.backends import get_engine_backend
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
@@ -225,7 +226,8 @@ def trainer(d: Draft) -> None:
 def script_flags(d: Draft) -> None:
     """The flags of slime's scripts that set nothing here: Megatron's model shape checked
     against the model the trainer builds (config.json), and the run flags accepted where their
-    slime meaning holds here (`script_flags`: one line each, in the accepted record)."""
+    slime meaning holds here (`model_shape`, `script_flags`: one line each, in the accepted
+    record)."""
     a, model = d.args, d.env.model
     where = (
         f"{a.hf_checkpoint}/config.json"

@@ -72,7 +72,7 @@ async def probe(url: str, *, timeout_s: float, token: str | None = None) -> dict
                             "give the key it was started with (--api-key) as $SLIME_ASYNC_API_KEY "
                             "or --api-key-file"
                         )
-            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, ValueError) as e:
                 last = f"{type(e).__name__}: {e}"
             if time.monotonic() + 0.2 >= deadline:
                 raise EngineAttachError(
@@ -125,7 +125,7 @@ class ExternalBackend:
             async with aiohttp.ClientSession(headers=_auth(self.token)) as s:
                 status, _ = await _get(s, f"{handle.url}/health", PROBE_TIMEOUT_S)
             return status == 200
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+        except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, ValueError):
             return False
 
     async def stop(self, handle: EngineHandle, *, timeout_s: float = 30.0) -> None:

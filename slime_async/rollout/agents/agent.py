@@ -223,7 +223,7 @@ class AgentGenerate:
             ep, ret = await self.episode(req)
             res = ep.trajectory()
             reward = ep.reward if ep.reward is not None else _reward_of(ret)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):
             self.stats.timed_out += 1
             return self._failed(req, f"ran past --agent-timeout {self.timeout_s:g}s")
         except Exception as e:  # the agent's own error fails its episode, not the run

@@ -96,7 +96,7 @@ class RemoteReward:
                         f"{resp.status}: {text[:200]}; it must take POST "
                         "{prompt, response, label} as JSON"
                     )
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):
             raise _Retry(f"no answer within --rm-timeout {self.timeout_s:g} s") from None
         except aiohttp.ClientError as e:
             raise _Retry(f"{type(e).__name__}: {e}") from None

@@ -19,7 +19,6 @@ Plugin contracts, named by ``"package.module:function"`` or ``"package.module.fu
 from __future__ import annotations
 
 import dataclasses
-import enum
 import importlib
 import inspect
 import math
@@ -27,6 +26,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from clifields import StrEnum
 from slime_async.rollout.data.tasks import EOS
 from slime_async.rollout.slime_sample import SlimeSample, is_slime_style
 
@@ -69,7 +69,7 @@ class RewardError(RuntimeError):
     """A reward function raised: the run stops with the function and the sample named."""
 
 
-class RewardStatus(enum.StrEnum):
+class RewardStatus(StrEnum):
     """Outcome of one reward call."""
 
     OK = "ok"

@@ -27,11 +27,11 @@ Worked example (defaults)::
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import random
 from typing import Any
 
+from clifields import StrEnum
 from slime_async.contracts.model import ModelSpec
 
 PAD = 0
@@ -48,7 +48,7 @@ TASK_VOCAB_SIZE = DIGIT0 + 10
 """Smallest vocabulary that holds every task token (ids 8 and 9 are reserved)."""
 
 
-class TaskKind(enum.StrEnum):
+class TaskKind(StrEnum):
     """The built-in verifiable tasks; the value is the marker name used in keys."""
 
     COPY = "copy"

@@ -178,7 +178,7 @@ class GenerateClient:
                         )
                     else:
                         return json.loads(text)
-            except (TimeoutError, aiohttp.ClientConnectionError) as e:
+            except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientConnectionError) as e:
                 last = e
             await asyncio.sleep(0.5)
         raise GenerateError(f"/generate failed after retries: {last}")
@@ -253,7 +253,7 @@ async def check_routed_experts(
         ):
             text = await r.text()
             data = json.loads(text) if r.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+    except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, ValueError) as e:
         raise GenerateError(f"routing-replay probe of {url} failed: {e}") from e
     if data is None:
         raise GenerateError(
