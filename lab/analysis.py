@@ -44,6 +44,7 @@ LOSSES: dict[str, tuple[str, ...]] = {
     "ppo": ("--loss", "ppo"),
     "decoupled_ppo": ("--loss", "decoupled_ppo"),
     "tis": ("--loss", "single_ratio"),  # token-level truncated IS, clip(π_k/π_SGL, 0, 2)
+    "is": ("--loss", "single_ratio", "--loss-config", "method=none"),  # unclipped π_k/π_SGL
     "icepop": ("--loss", "single_ratio", "--loss-config", "method=icepop", "low=0.5", "high=2.0"),
     "compis": ("--loss", "compis", "--keep-old-actor"),
 }

@@ -446,3 +446,35 @@ def test_guard_calibration_picks_the_quietest_of_the_settings_within_one_unstabl
     assert lab.choose_setting(rows, 9, 270) == ("quiet", 4, 12)
     assert lab.choose_setting([("loud", 7, 89), ("silent", 2, 0)], 9, 270)[0] == "loud"
     assert lab.choose_setting([("over", 9, 100)], 9, 270) is None
+
+
+def test_protocol_rules_pick_the_regime_and_test_equivalence():
+    import dataclasses
+
+    from lab.protocol import RegimeOutcome, choose_regime, confirm_cells, paired_diffs, tost
+
+    o = [
+        RegimeOutcome(regime="a", sync_stable=True, none_minus_sync=-0.01, none_unstable=False),
+        RegimeOutcome(regime="b", sync_stable=True, none_minus_sync=-0.06, none_unstable=False),
+        RegimeOutcome(regime="c", sync_stable=True, none_minus_sync=-0.2, none_unstable=True),
+    ]
+    assert choose_regime(o) == ("b", True)
+    assert choose_regime(o[:1]) == ("a", False)
+    o[1] = dataclasses.replace(o[1], sync_stable=False)  # not eligible: skipped
+    assert choose_regime(o) == ("c", True)
+    with pytest.raises(ValueError, match="no search regime"):
+        choose_regime([dataclasses.replace(o[1], regime="x")])
+    t = tost([0.01, -0.01, 0.02, 0.0, 0.01])  # mean 0.006, sd 0.0114: t(4) = 2.132
+    assert t.mean == pytest.approx(0.006) and t.high == pytest.approx(
+        0.006 + 2.132 * 0.011402 / 5**0.5, abs=1e-5
+    )
+    assert t.equivalent
+    assert not tost([0.1, -0.1, 0.08, -0.09]).equivalent  # too noisy to show it
+    assert not tost([-0.06, -0.07, -0.065]).equivalent
+    seeds, d = paired_diffs(
+        {"a-seed1": 0.5, "a-seed2": 0.4, "b-seed1": 0.3, "b-seed3": 0.1}, "a", "b"
+    )
+    assert seeds == [1] and d == [pytest.approx(0.2)]
+    cells = confirm_cells()
+    assert len({c.name for c in cells}) == len(cells) == 30 + 3 * 10 + 6
+    assert [c.group for c in cells[:3]] == ["s0-ppo-rron-n1", "s8-ppo-rron-n1", "s8-compis-rron-n1"]
