@@ -478,3 +478,77 @@ def test_protocol_rules_pick_the_regime_and_test_equivalence():
     cells = confirm_cells()
     assert len({c.name for c in cells}) == len(cells) == 30 + 3 * 10 + 6
     assert [c.group for c in cells[:3]] == ["s0-ppo-rron-n1", "s8-ppo-rron-n1", "s8-compis-rron-n1"]
+
+
+def test_protocol_report_reads_the_search_leads_and_equivalence():
+    from lab.analysis import Cell, RunData
+    from lab.protocol_report import (
+        early_warning,
+        equivalence_rows,
+        onset_step,
+        regime_outcome,
+        render_protocol,
+        speedups,
+    )
+
+    def run(group_cell: Cell, records, wall=10.0):
+        return RunData(cell=group_cell, records=records, gbs=64, wall_s=wall)
+
+    def pr(group, seed, verdict_, final, wall=10.0):
+        return {
+            f"{group}-seed{seed}": {
+                "group": group,
+                "verdict": verdict_,
+                "eval_final": final,
+                "wall_s": wall,
+            }
+        }
+
+    search = {
+        **pr("s0-ppo-rron-n1", 1, "stable", 0.40),
+        **pr("s0-ppo-rron-n1", 2, "stable", 0.30),
+        **pr("s8-ppo-rron-n1", 1, "stable", 0.33),
+        **pr("s8-ppo-rron-n1", 2, "stable", 0.26),
+    }
+    o = regime_outcome("lr4e-4", search)
+    assert o.sync_stable and o.none_minus_sync == pytest.approx(-0.055) and o.breaks
+
+    # a run whose reward falls in its second half: unstable from some step on; its ESS
+    # collapses ten steps before the reward starts to fall
+    falling = curves(60, reward=lambda t: 0.6 if t < 0.5 else 0.6 - 0.8 * (t - 0.5), seed=1)
+    for k, rec in enumerate(falling):
+        rec["is/staleness/ess"] = 0.9 if k < 20 else 0.2
+    flat = curves(60, seed=2)
+    for rec in flat:
+        rec["is/staleness/ess"] = 0.9
+    bad = run(Cell(staleness=8, loss="ppo", replay=True, nspr=1, seed=1), falling)
+    sync = run(Cell(staleness=0, loss="ppo", replay=True, nspr=1, seed=1), flat)
+    onset = onset_step(bad, RULES)
+    assert onset is not None and 30 < onset <= 60 and onset_step(sync, RULES) is None
+    ew = early_warning([("a", bad, "collapsed"), ("b", sync, "stable")], RULES)["is_ess_low"]
+    assert ew["sync_runs"] == 1 and ew["sync_alarms"] == 0
+    (u,) = ew["unstable"]
+    # the 5-step mean is below 0.5 from step 23 (3 low steps); reported after 3 in a row
+    assert u["fired"] == 25 and u["lead"] == onset - 25
+
+    confirm = {}
+    for seed, (s0, c8, n8) in enumerate([(0.4, 0.41, 0.30), (0.3, 0.29, 0.2), (0.5, 0.5, 0.41)]):
+        confirm |= pr("s0-ppo-rron-n1", seed, "stable", s0, wall=30.0)
+        confirm |= pr("s8-compis-rron-n1", seed, "stable", c8, wall=15.0)
+        confirm |= pr("s8-ppo-rron-n1", seed, "stable", n8, wall=12.0)
+    rows = {r["cell"]: r for r in equivalence_rows(confirm)}
+    assert rows["s8-compis-rron-n1"]["equivalent"] and not rows["s8-ppo-rron-n1"]["equivalent"]
+    assert rows["s1-tis-rron-n1"]["n"] == 0
+    assert speedups(confirm) == [(0, 2.0), (1, 2.0), (2, 2.0)]
+    md = render_protocol(
+        outcomes=[o],
+        choice=("lr4e-4", True),
+        search_runs={"lr4e-4": search},
+        confirm_per_run=confirm,
+        confirm_runs=[],
+        planned=66,
+        judged=[],
+        rules=RULES,
+    )
+    assert "Confirmatory regime: **lr4e-4**" in md and "| `s8-compis-rron-n1` | 3 |" in md
+    assert "median 2.00×" in md and "0 of 66 planned runs finished" in md
