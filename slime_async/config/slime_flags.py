@@ -83,12 +83,10 @@ _BUFFER = (
     "slime's external rollout buffer (agent framework); not here: generate agentic, "
     "multi-turn samples with --custom-generate-function-path"
 )
-_RM = (
-    "one of slime's built-in reward models; not here by that name: a --prompt-data run is "
-    "scored by the built-in math_verify reward (math-verify: the response's final answer "
-    "against the label; the built-in tasks by exact_match), or give any reward function with "
-    "--custom-rm-path pkg.mod:fn (slime's async rm(args, sample) works as is); slime's "
-    "remote_rm is --rm-url URL (with --reward-key)"
+_EVAL_RM = (
+    "slime's --reward-key for eval samples (the key of the reward in a reward that is a dict); "
+    "not here: eval samples are scored as training's (--rm-type, --rm-url with its "
+    "--reward-key, --custom-rm-path, else math-verify)"
 )
 _MTP = "multi-token prediction (MTP) training; not here: the trainer has no MTP head"
 _CI = "slime's CI self-checks; not here (the tests under tests/ cover these)"
@@ -247,7 +245,7 @@ NOT_HERE: dict[str, str] = {
         _PROFILE,
     ),
     # rewards and external services
-    **_each("--rm-type --eval-reward-key", _RM),
+    "--eval-reward-key": _EVAL_RM,
     **_each(
         "--http-proxy --use-distributed-post",
         "how slime's rollout reaches its router; not here: the run's own router (--router-*) "

@@ -178,6 +178,7 @@ def slime_plugin_args(cfg: RunConfig, router_url: str) -> SlimeArgs:
         rollout_stop_token_ids=list(r.stop_token_ids) or None,
         rollout_seed=cfg.rollout_seed,
         custom_rm_path=r.custom_rm_path,
+        rm_type=r.rm_type,
         rm_url=r.rm_url,
         reward_key=r.reward_key,
         group_rm=r.group_rm,

@@ -23,6 +23,7 @@ from loss import DEFAULT_ADVANTAGE_ESTIMATOR
 from loss.advantages import RAW_REWARD_ESTIMATORS
 from loss.slime_cli import advantage_estimator_from_args
 from slime_async.rollout.data.gym import ANSWER_FORMATS, ReasoningGymConfig, parse_prompt_source
+from slime_async.rollout.data.slime_rm import parse_rm_type
 
 _DATA_SUFFIXES = (".jsonl", ".ndjson", ".json-lines", ".parquet", ".pq")
 
@@ -79,6 +80,14 @@ def _json_object(text: str) -> str:
             f"{text!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'"
         )
     return text
+
+
+def _rm_type(text: str) -> str:
+    """`--rm-type`: one of slime's rule-based reward types taken here."""
+    try:
+        return parse_rm_type(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _system_prompt(text: str) -> str | None:
@@ -173,6 +182,11 @@ class RolloutConfig:
     """Dotted path of a reward function: ours `fn(RewardInput) -> float` or slime's
     `async fn(args, sample, **kwargs) -> float` (`rollout.rewards`); None: exact match /
     math-verify."""
+    rm_type: str | None = flag(None, parse=_rm_type, metavar="NAME")
+    """slime's built-in rule-based reward, by slime's name: deepscaler, math, dapo, f1, gpqa,
+    boxed_<type>, random, remote_rm (the --rm-url model); a sample's metadata["rm_type"]
+    overrides it (`rollout.data.slime_rm`, docs/coming-from-slime.md); None: --custom-rm-path,
+    --rm-url, else math-verify"""
     rm_url: str | None = None
     """slime's remote reward model: POST each finished sample as JSON {prompt, response,
     label} to this URL and take the number it answers (or the one under --reward-key) as the
@@ -267,6 +281,7 @@ class RolloutConfig:
             self.reasoning_gym_config(0)  # bad names / settings fail at start-up
         check_ranges(self)
         self._resolve_eval()
+        self._check_rm_type()
         self._check_remote_rm()
         if self.overlong_buffer_len > self.max_response_len:
             raise ValueError(
@@ -297,6 +312,32 @@ class RolloutConfig:
                 f"--global-batch-size {gbs} must be a multiple of --n-samples-per-prompt {n} "
                 "(whole groups are trained together)"
             )
+
+    def _check_rm_type(self) -> None:
+        """--rm-type is the reward function: of a run on text, and alone (or remote_rm with
+        the --rm-url it posts to)."""
+        name = self.rm_type
+        if name is None:
+            return
+        if self.prompt_data is None and self.prompt_source is None:
+            raise ValueError(
+                f"--rm-type {name} scores response text, but this run trains on the built-in "
+                "tasks (scored by exact_match); give --prompt-data (or --prompt-source), or drop "
+                "--rm-type"
+            )
+        if name == "remote_rm" and self.rm_url is None:
+            raise ValueError(
+                "--rm-type remote_rm posts each sample to a reward model: give its --rm-url URL"
+            )
+        for other, value in (
+            ("--custom-rm-path", self.custom_rm_path),
+            ("--group-rm", self.group_rm or None),
+            ("--rm-url", self.rm_url if name != "remote_rm" else None),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"--rm-type {name} and {other} both name the reward; give one of them"
+                )
 
     def _check_remote_rm(self) -> None:
         """--rm-url is the reward function; its settings need it."""

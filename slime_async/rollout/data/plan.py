@@ -3,9 +3,9 @@
 Owns `DataPlan`, `EvalSet` and `make_data_plan`: the prompt source handed to the data worker
 (built-in tasks, a jsonl/parquet file, or reasoning-gym tasks from `rollout.gym`), the held-out
 eval prompts, the named eval sets read from `--eval-prompt-data` files (tokenized like
-`--prompt-data`, scored by `--rm-url` or `--custom-rm-path`, else math-verify), the reward
-function, the EOS id and (for real data) the tokenizer's decoder that
-text rewards such as math-verify need. Real data reads jsonl/parquet through
+`--prompt-data`, scored by `--rm-type`, `--rm-url` or `--custom-rm-path`, else math-verify), the
+reward function (`--rm-type`: slime's rule-based rewards, `rollout.data.slime_rm`), the EOS id
+and (for real data) the tokenizer's decoder that text rewards such as math-verify need. Real data reads jsonl/parquet through
 `rollout.datasets` (bad rows skipped with a count, or an error naming file:line under
 `--strict-data`) and tokenizes with the tokenizer found in `--hf-checkpoint`.
 """
@@ -28,6 +28,7 @@ from slime_async.rollout.data.gym import (
     ReasoningGymTasks,
 )
 from slime_async.rollout.data.remote_rm import RemoteReward
+from slime_async.rollout.data.slime_rm import SlimeRewards
 from slime_async.rollout.data.sources import (
     TaskPromptSource,
     dataset_prompts,
@@ -46,7 +47,8 @@ class EvalSet:
     prompts: tuple[Prompt, ...]
     """Its usable rows, in file order."""
     reward_fn: Callable[[rw.RewardInput], Any]
-    """Scores one sample: --custom-rm-path, else math-verify (as a --prompt-data run)."""
+    """Scores one sample: --rm-type, --rm-url, --custom-rm-path, else math-verify (as a
+    --prompt-data run)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,7 +88,7 @@ def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | No
             "--prompt-data or --prompt-source (the built-in tasks have their own vocabulary)"
         )
     tok = _tokenizer(hf_checkpoint)
-    reward = _reward(rollout, rw.math_verify_reward)
+    reward = _reward(rollout, rw.math_verify_reward, seed)
     sets, metrics = [], dict(plan.metrics)
     for name, path in eval_data:
         data = load_dataset(
@@ -108,16 +110,21 @@ def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | No
     return dataclasses.replace(plan, eval_sets=tuple(sets), metrics=metrics)
 
 
-def _reward(rollout: RolloutConfig, default: Callable[[rw.RewardInput], Any]) -> Any:
-    """`--rm-url` (the remote reward model) or `--custom-rm-path` when given, else
-    `default`."""
+def _reward(rollout: RolloutConfig, default: Callable[[rw.RewardInput], Any], seed: int) -> Any:
+    """`--rm-type` (slime's rule-based rewards; its `random` seeded by `seed`), `--rm-url` (the
+    remote reward model) or `--custom-rm-path` when given, else `default`."""
+    remote = None
     if rollout.rm_url:
-        return RemoteReward(
+        remote = RemoteReward(
             rollout.rm_url,
             timeout_s=rollout.rm_timeout,
             retries=rollout.rm_retries,
             reward_key=rollout.reward_key,
         )
+    if rollout.rm_type:
+        return SlimeRewards(rollout.rm_type, seed=seed, remote=remote)
+    if remote is not None:
+        return remote
     return rw.load_reward_fn(rollout.custom_rm_path) if rollout.custom_rm_path else default
 
 
@@ -128,7 +135,9 @@ def _plan(
     eval_prompts = rollout.eval_prompts if evaluates else 0
     gym = rollout.reasoning_gym_config(seed)
     if gym is not None:
-        return _gym_plan(gym, rollout, hf_checkpoint=hf_checkpoint, eval_prompts=eval_prompts)
+        return _gym_plan(
+            gym, rollout, hf_checkpoint=hf_checkpoint, eval_prompts=eval_prompts, seed=seed
+        )
     if rollout.prompt_data is None:
         family = TaskFamily(TaskFamilyConfig(seed=seed))
         per_level = max(1, eval_prompts // family.config.num_levels) if eval_prompts else 0
@@ -136,7 +145,7 @@ def _plan(
         return DataPlan(
             source=TaskPromptSource(family),
             eval_prompts=tuple(held_out),
-            reward_fn=_reward(rollout, rw.exact_match_reward),
+            reward_fn=_reward(rollout, rw.exact_match_reward, seed),
             eos_id=EOS,
             decode=None,
             metrics={},
@@ -161,7 +170,7 @@ def _plan(
     return DataPlan(
         source=dataset_source(data, seed=seed),
         eval_prompts=(),
-        reward_fn=_reward(rollout, rw.math_verify_reward),
+        reward_fn=_reward(rollout, rw.math_verify_reward, seed),
         eos_id=int(tok.eos_token_id),
         decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
         metrics=data.metrics(),
@@ -183,6 +192,7 @@ def _gym_plan(
     *,
     hf_checkpoint: str | None,
     eval_prompts: int,
+    seed: int,
 ) -> DataPlan:
     if hf_checkpoint is None:
         raise ValueError(
@@ -195,7 +205,7 @@ def _gym_plan(
     return DataPlan(
         source=GymPromptSource(tasks),
         eval_prompts=tuple(held_out),
-        reward_fn=_reward(rollout, GymReward(tasks)),
+        reward_fn=_reward(rollout, GymReward(tasks), seed),
         eos_id=int(tok.eos_token_id),
         decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
         metrics={"data/eval_prompts": float(len(held_out))},
