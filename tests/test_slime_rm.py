@@ -94,6 +94,9 @@ def test_math(response, label, want):
 )
 def test_dapo(response, label, want):
     assert score("dapo", response, label) == want
+    inp = RewardInput(response_ids=[1], response_text=response, label=label)
+    assert SlimeRewards("dapo", seed=0, reward_key="score")(inp) == want
+    assert SlimeRewards("dapo", seed=0, reward_key="acc")(inp) == (want + 1) / 2
 
 
 def test_f1():
@@ -248,3 +251,42 @@ async def test_a_slime_script_with_rm_type_deepscaler_scores_as_slime(tmp_path, 
         )
         res = await scored(GenerationRequest(prompt=prompt, group_seq=0, sample_index=0), 0, 8)
         assert res.payload["reward"] == want, text
+
+
+def test_dapo_reward_keys_as_slimes_dapo_scripts(tmp_path):
+    """slime's DAPO scripts: `--rm-type dapo --reward-key score --eval-reward-key acc`: training
+    samples score 1.0 / -1.0, eval samples (the `--eval-prompt-data` set) 1 / 0."""
+    hf, spec = _model_dir(tmp_path, "qwen3-tiny")
+    _text_tokenizer(hf)
+    argv = without(fit_shape(script_argv("qwen3-4B", _paths(tmp_path, hf)), spec), *_SGLANG)
+    argv = [*without(argv, "--rm-type"), "--rm-type", "dapo", "--reward-key", "score"]
+    argv += ["--eval-reward-key", "acc", "--run-dir", str(tmp_path / "run")]
+    cfg = parse_config(argv)
+    plan = make_data_plan(
+        cfg.rollout, seed=cfg.rollout_seed, hf_checkpoint=cfg.trainer.hf_checkpoint
+    )
+    (aime,) = plan.eval_sets
+    right, wrong = (
+        RewardInput(response_ids=[1], response_text=f"1+1 is {x}.\nAnswer: {x}", label="2")
+        for x in ("2", "3")
+    )
+    assert [plan.reward_fn(right), plan.reward_fn(wrong)] == [1.0, -1.0]
+    assert [aime.reward_fn(right), aime.reward_fn(wrong)] == [1.0, 0.0]
+    only_train = parse_config([*without(argv, "--eval-reward-key")])
+    assert only_train.rollout.eval_reward_key == "score"  # slime's fallback: --reward-key
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--rm-type", "math", "--reward-key", "score"], "gives the reward itself"),
+        (["--rm-type", "dapo", "--reward-key", "reward"], "give --reward-key score or acc"),
+        (["--rm-type", "dapo", "--eval-reward-key", "pred"], "give --eval-reward-key score"),
+        (["--eval-reward-key", "acc"], "give --rm-url"),
+    ],
+)
+def test_reward_keys_refuse_what_cannot_work(argv, match, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1?", "label": "2"}\n')
+    with pytest.raises(ValueError, match=match):
+        rollout_config_from_args(build_parser().parse_args([*argv, "--prompt-data", str(data)]))

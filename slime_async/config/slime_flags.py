@@ -83,11 +83,6 @@ _BUFFER = (
     "slime's external rollout buffer (agent framework); not here: generate agentic, "
     "multi-turn samples with --custom-generate-function-path"
 )
-_EVAL_RM = (
-    "slime's --reward-key for eval samples (the key of the reward in a reward that is a dict); "
-    "not here: eval samples are scored as training's (--rm-type, --rm-url with its "
-    "--reward-key, --custom-rm-path, else math-verify)"
-)
 _MTP = "multi-token prediction (MTP) training; not here: the trainer has no MTP head"
 _CI = "slime's CI self-checks; not here (the tests under tests/ cover these)"
 _DIST = "a torch.distributed setting of slime's actor; not here: the trainer sets its own"
@@ -245,7 +240,6 @@ NOT_HERE: dict[str, str] = {
         _PROFILE,
     ),
     # rewards and external services
-    "--eval-reward-key": _EVAL_RM,
     **_each(
         "--http-proxy --use-distributed-post",
         "how slime's rollout reaches its router; not here: the run's own router (--router-*) "

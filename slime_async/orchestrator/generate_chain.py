@@ -181,6 +181,7 @@ def slime_plugin_args(cfg: RunConfig, router_url: str) -> SlimeArgs:
         rm_type=r.rm_type,
         rm_url=r.rm_url,
         reward_key=r.reward_key,
+        eval_reward_key=r.eval_reward_key,
         group_rm=r.group_rm,
         custom_generate_function_path=r.custom_generate_function_path,
         partial_rollout=cfg.data_worker.partial_rollout.value == "continue",

@@ -284,7 +284,8 @@ class Run:
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.plan.eval_prompts:
-            rewards = await self._eval_rewards(self.plan.eval_prompts, self.chain.scored_alone())
+            scored = self.chain.scored_alone(self.plan.eval_reward_fn)
+            rewards = await self._eval_rewards(self.plan.eval_prompts, scored)
             by_level: dict[int, list[float]] = {}
             for p, reward in rewards:
                 by_level.setdefault(int(p.payload.get("level", 0)), []).append(reward)

@@ -23,7 +23,7 @@ from loss import DEFAULT_ADVANTAGE_ESTIMATOR
 from loss.advantages import RAW_REWARD_ESTIMATORS
 from loss.slime_cli import advantage_estimator_from_args
 from slime_async.rollout.data.gym import ANSWER_FORMATS, ReasoningGymConfig, parse_prompt_source
-from slime_async.rollout.data.slime_rm import parse_rm_type
+from slime_async.rollout.data.slime_rm import DAPO_KEYS, parse_rm_type
 
 _DATA_SUFFIXES = (".jsonl", ".ndjson", ".json-lines", ".parquet", ".pq")
 
@@ -198,7 +198,11 @@ class RolloutConfig:
     """Tries after the first of an --rm-url request that timed out, could not connect or got
     HTTP 429/5xx; then the run stops, naming the server and the sample"""
     reward_key: str | None = flag(None, derived="reward")
-    """slime's: the key of the reward in an --rm-url answer that is a JSON object"""
+    """slime's: the key of the reward in an --rm-url answer that is a JSON object, or in
+    --rm-type dapo's score (score: 1.0 / -1.0, acc: 1 / 0)"""
+    eval_reward_key: str | None = flag(None, derived="--reward-key")
+    """slime's: --reward-key for eval samples (slime's DAPO scripts: train on score, evaluate
+    on acc)"""
     group_rm: bool = False
     """slime's `--group-rm`: the reward function scores a whole group at once,
     `async fn(args, samples: list, **kwargs) -> list[float]`."""
@@ -283,6 +287,7 @@ class RolloutConfig:
         self._resolve_eval()
         self._check_rm_type()
         self._check_remote_rm()
+        self._check_reward_keys()
         if self.overlong_buffer_len > self.max_response_len:
             raise ValueError(
                 f"--overlong-buffer-len {self.overlong_buffer_len} is longer than "
@@ -339,14 +344,39 @@ class RolloutConfig:
                     f"--rm-type {name} and {other} both name the reward; give one of them"
                 )
 
+    def _check_reward_keys(self) -> None:
+        """--reward-key / --eval-reward-key pick the reward out of an --rm-url answer or
+        --rm-type dapo's score; a reward that is a number has no key. --eval-reward-key
+        defaults to --reward-key."""
+        base = (self.rm_type or "").removeprefix("boxed_")
+        for name, key in (
+            ("--reward-key", self.reward_key),
+            ("--eval-reward-key", self.eval_reward_key),
+        ):
+            if key is None or (self.rm_url is not None and base in ("", "remote_rm")):
+                continue
+            if base == "dapo":
+                if key not in DAPO_KEYS:
+                    raise ValueError(
+                        f"{name} {key}: --rm-type {self.rm_type} scores as DAPO, "
+                        f"{{score: 1.0 / -1.0, acc: 1 / 0}}; give {name} score or acc"
+                    )
+            elif base:
+                raise ValueError(
+                    f"{name} {key}: --rm-type {self.rm_type} gives the reward itself (a number); "
+                    "a key picks it out of --rm-type dapo's score or an --rm-url answer: drop it"
+                )
+            else:
+                raise ValueError(
+                    f"{name} {key} reads the reward out of an --rm-url answer; give --rm-url "
+                    "(a --custom-rm-path function returns the number itself)"
+                )
+        if self.eval_reward_key is None:
+            object.__setattr__(self, "eval_reward_key", self.reward_key)
+
     def _check_remote_rm(self) -> None:
         """--rm-url is the reward function; its settings need it."""
         if self.rm_url is None:
-            if self.reward_key is not None:
-                raise ValueError(
-                    f"--reward-key {self.reward_key} reads the reward out of an --rm-url answer; "
-                    "give --rm-url (a --custom-rm-path function returns the number itself)"
-                )
             return
         if not self.rm_url.startswith(("http://", "https://")):
             raise ValueError(f"--rm-url {self.rm_url!r}: give the reward model's http(s):// URL")

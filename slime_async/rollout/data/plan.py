@@ -69,6 +69,8 @@ class DataPlan:
     """Data-loading counters (rows, skipped) logged with the first step."""
     eval_sets: tuple[EvalSet, ...] = ()
     """Named eval sets (`--eval-prompt-data`), beside the held-out `eval_prompts`."""
+    eval_reward_fn: Callable[[rw.RewardInput], Any] | None = None
+    """Scores the held-out `eval_prompts` (None: `reward_fn`)."""
 
 
 def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | None) -> DataPlan:
@@ -88,7 +90,7 @@ def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | No
             "--prompt-data or --prompt-source (the built-in tasks have their own vocabulary)"
         )
     tok = _tokenizer(hf_checkpoint)
-    reward = _reward(rollout, rw.math_verify_reward, seed)
+    reward = _reward(rollout, rw.math_verify_reward, seed, evaluates=True)
     sets, metrics = [], dict(plan.metrics)
     for name, path in eval_data:
         data = load_dataset(
@@ -110,19 +112,27 @@ def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | No
     return dataclasses.replace(plan, eval_sets=tuple(sets), metrics=metrics)
 
 
-def _reward(rollout: RolloutConfig, default: Callable[[rw.RewardInput], Any], seed: int) -> Any:
+def _reward(
+    rollout: RolloutConfig,
+    default: Callable[[rw.RewardInput], Any],
+    seed: int,
+    *,
+    evaluates: bool = False,
+) -> Any:
     """`--rm-type` (slime's rule-based rewards; its `random` seeded by `seed`), `--rm-url` (the
-    remote reward model) or `--custom-rm-path` when given, else `default`."""
+    remote reward model) or `--custom-rm-path` when given, else `default`; `evaluates`: the
+    eval samples' (read under `--eval-reward-key`)."""
+    key = rollout.eval_reward_key if evaluates else rollout.reward_key
     remote = None
     if rollout.rm_url:
         remote = RemoteReward(
             rollout.rm_url,
             timeout_s=rollout.rm_timeout,
             retries=rollout.rm_retries,
-            reward_key=rollout.reward_key,
+            reward_key=key,
         )
     if rollout.rm_type:
-        return SlimeRewards(rollout.rm_type, seed=seed, remote=remote)
+        return SlimeRewards(rollout.rm_type, seed=seed, remote=remote, reward_key=key)
     if remote is not None:
         return remote
     return rw.load_reward_fn(rollout.custom_rm_path) if rollout.custom_rm_path else default
@@ -146,6 +156,7 @@ def _plan(
             source=TaskPromptSource(family),
             eval_prompts=tuple(held_out),
             reward_fn=_reward(rollout, rw.exact_match_reward, seed),
+            eval_reward_fn=_reward(rollout, rw.exact_match_reward, seed, evaluates=True),
             eos_id=EOS,
             decode=None,
             metrics={},
@@ -202,10 +213,12 @@ def _gym_plan(
     tok = _tokenizer(hf_checkpoint)
     tasks = ReasoningGymTasks(config, tokenizer=tok, template_kwargs=rollout.chat_template_kwargs)
     held_out = tasks.eval_set(eval_prompts)  # before any training prompt: the split is exact
+    scorer = GymReward(tasks)
     return DataPlan(
         source=GymPromptSource(tasks),
         eval_prompts=tuple(held_out),
-        reward_fn=_reward(rollout, GymReward(tasks), seed),
+        reward_fn=_reward(rollout, scorer, seed),
+        eval_reward_fn=_reward(rollout, scorer, seed, evaluates=True),
         eos_id=int(tok.eos_token_id),
         decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
         metrics={"data/eval_prompts": float(len(held_out))},

@@ -13,7 +13,8 @@ The types (the answer each one grades, and its score):
   ``###Response``); a response with neither marker scores 0. 1 if equal to the label, else 0.
 * ``math``: the response's last ``\\boxed{}`` answer; 1 if equal to the label, else 0.
 * ``dapo``: DAPO's: the text after the last ``Answer:`` in the response's last 300 characters;
-  1.0 if equal to the label, else -1.0 (also when there is no ``Answer:``).
+  1.0 if equal to the label, else -1.0 (also when there is no ``Answer:``); under the reward key
+  ``acc`` (slime's ``--reward-key`` / ``--eval-reward-key``) 1 or 0.
 * ``f1``: SQuAD's token F1 of the response against the label (lower-cased, punctuation and
   articles removed; a yes/no/noanswer on one side only scores 0).
 * ``gpqa``: the option letter the response picks (after ``</think>``) against the label letter
@@ -43,6 +44,9 @@ from slime_async.rollout.data.rewards import RewardFn, RewardInput, _import_math
 RM_TYPES = ("deepscaler", "math", "dapo", "f1", "gpqa", "random", "remote_rm")
 """slime's rule-based reward types taken here (each also as ``boxed_<type>``, but
 ``remote_rm``)."""
+DAPO_KEYS = ("score", "acc")
+"""The keys of DAPO's score (slime's ``--reward-key`` / ``--eval-reward-key``): ``score``
+1.0 / -1.0, ``acc`` 1 / 0."""
 
 _FIX = (
     f"take one of {', '.join(RM_TYPES)} (or boxed_<type>), or give the reward function with "
@@ -272,8 +276,17 @@ class SlimeRewards:
         # 1.0
     """
 
-    def __init__(self, rm_type: str, *, seed: int, remote: RewardFn | None = None) -> None:
+    def __init__(
+        self,
+        rm_type: str,
+        *,
+        seed: int,
+        remote: RewardFn | None = None,
+        reward_key: str | None = None,
+    ) -> None:
         self.rm_type, self.remote = parse_rm_type(rm_type), remote
+        self.reward_key = reward_key
+        """``dapo``'s key (`DAPO_KEYS`; None: score)."""
         self._rng = random.Random(seed)
 
     def __repr__(self) -> str:
@@ -286,10 +299,23 @@ class SlimeRewards:
                 name = parse_rm_type(str(inp.metadata["rm_type"]))
             except ValueError as e:
                 raise ValueError(f"the sample's metadata rm_type {e}") from None
-        if name == "remote_rm":
+        if name == "remote_rm":  # the reward model's answer, read under its own key
             if self.remote is None:
                 raise ValueError("rm_type remote_rm needs the reward model's --rm-url URL")
             return self.remote(inp)
+        base = name.removeprefix("boxed_")
+        reward = self._rule(name, inp)
+        if self.reward_key is None or (base == "dapo" and self.reward_key == "score"):
+            return reward
+        if base == "dapo" and self.reward_key == "acc":
+            return float(reward > 0)
+        raise ValueError(
+            f"rm_type {name} gives the reward itself (a number), but the run reads it under the "
+            f"key {self.reward_key!r} (--reward-key / --eval-reward-key: dapo's {DAPO_KEYS})"
+        )
+
+    def _rule(self, name: str, inp: RewardInput) -> float:
+        """The score of the rule-based type `name` (not remote_rm)."""
         if name.removeprefix("boxed_") == "random":
             return float(self._rng.randint(0, 1))
         if inp.response_text is None:
