@@ -156,3 +156,18 @@ async def test_rm_type_remote_rm_is_the_rm_url_model(example_server):
         response_ids=[1], response_text="so \\boxed{5}", label="5", metadata={"rm_type": "math"}
     )
     assert (await compute_reward(rm, boxed)).reward == 1.0
+
+
+def test_eval_samples_read_the_answer_under_eval_reward_key():
+    """slime's `--eval-reward-key` (default `--reward-key`): the key of eval samples' reward."""
+    argv = ["--rm-url", "http://127.0.0.1:9/rm", "--reward-key", "score"]
+    plan = make_data_plan(
+        rollout_config_from_args(build_parser().parse_args([*argv, "--eval-reward-key", "acc"])),
+        seed=0,
+        hf_checkpoint=None,
+    )
+    assert (plan.reward_fn.reward_key, plan.eval_reward_fn.reward_key) == ("score", "acc")
+    plan = make_data_plan(
+        rollout_config_from_args(build_parser().parse_args(argv)), seed=0, hf_checkpoint=None
+    )
+    assert plan.eval_reward_fn.reward_key == "score"

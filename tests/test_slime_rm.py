@@ -74,6 +74,9 @@ def test_deepscaler(response, label, want):
         ("The ratio is \\boxed{\\frac{3}{4}}", "3/4", 1.0),
         ("The ratio is \\boxed{\\frac{3}{4}}", "4/3", 0.0),
         ("The set is \\boxed{\\{1, 2\\}}", "\\{1,2\\}", 1.0),
+        ("It costs \\boxed{\\$1,000}.", "1000", 1.0),
+        ("So \\boxed{x = 5}", "5", 1.0),
+        ("About \\boxed{0.333}", "\\frac{1}{3}", 0.0),
     ],
 )
 def test_math(response, label, want):

@@ -100,10 +100,11 @@ def label_answer(label: Any) -> str:
 
 
 def _loose(text: str) -> str:
-    """An answer's text without what does not change it: spaces, `$`, ``\\text{}``/``\\mathrm{}``
-    wrappers, ``\\left``/``\\right``, a trailing period; lower-cased."""
+    """An answer's text without what does not change it: spaces, `$` (and ``\\$``), the
+    ``\\text{}``/``\\mathrm{}`` wrappers, ``\\left``/``\\right``, a trailing period;
+    lower-cased."""
     text = re.sub(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}", r"\1", text)
-    for noise in ("\\left", "\\right", "\\!", "\\,", "\\;", "$", " "):
+    for noise in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\$", "$", " "):
         text = text.replace(noise, "")
     return text.replace("dfrac", "frac").replace("tfrac", "frac").rstrip(".").lower()
 
@@ -120,6 +121,7 @@ def math_equal(answer: str, label: str) -> bool:
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
 
     def parse(text: str) -> Any:
+        text = text.replace("\\$", "")  # a currency sign, not math
         return mv.parse(text if "$" in text else f"${text}$", parsing_timeout=timeout)
 
     gold, pred = parse(label), parse(answer)
