@@ -14,7 +14,8 @@ The types (the answer each one grades, and its score):
 * ``math``: the response's last ``\\boxed{}`` answer; 1 if equal to the label, else 0.
 * ``dapo``: DAPO's: the text after the last ``Answer:`` in the response's last 300 characters;
   1.0 if equal to the label, else -1.0 (also when there is no ``Answer:``); under the reward key
-  ``acc`` (slime's ``--reward-key`` / ``--eval-reward-key``) 1 or 0.
+  ``acc`` (slime's ``--reward-key`` / ``--eval-reward-key``) 1 or 0. DAPO compares normalised
+  strings of integer labels; here math-verify compares (``34.0`` is ``34``).
 * ``f1``: SQuAD's token F1 of the response against the label (lower-cased, punctuation and
   articles removed; a yes/no/noanswer on one side only scores 0).
 * ``gpqa``: the option letter the response picks (after ``</think>``) against the label letter
