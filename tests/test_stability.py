@@ -551,4 +551,5 @@ def test_protocol_report_reads_the_search_leads_and_equivalence():
         rules=RULES,
     )
     assert "Confirmatory regime: **lr4e-4**" in md and "| `s8-compis-rron-n1` | 3 |" in md
-    assert "median 2.00×" in md and "0 of 66 planned runs finished" in md
+    assert "compis S = 8 wall: median 2.00×" in md and "none S = 8 wall: median 2.50×" in md
+    assert "0 of 66 planned runs finished" in md
