@@ -256,7 +256,7 @@ async def test_a_slime_script_with_rm_type_deepscaler_scores_as_slime(tmp_path, 
         assert res.payload["reward"] == want, text
 
 
-def test_dapo_reward_keys_as_slimes_dapo_scripts(tmp_path):
+def test_dapo_reward_keys_as_slimes_dapo_scripts(tmp_path, capsys):
     """slime's DAPO scripts: `--rm-type dapo --reward-key score --eval-reward-key acc`: training
     samples score 1.0 / -1.0, eval samples (the `--eval-prompt-data` set) 1 / 0."""
     hf, spec = _model_dir(tmp_path, "qwen3-tiny")
@@ -277,6 +277,8 @@ def test_dapo_reward_keys_as_slimes_dapo_scripts(tmp_path):
     assert [aime.reward_fn(right), aime.reward_fn(wrong)] == [1.0, 0.0]
     only_train = parse_config([*without(argv, "--eval-reward-key")])
     assert only_train.rollout.eval_reward_key == "score"  # slime's fallback: --reward-key
+    code, err, _ = _dry_run_out(without(argv, "--eval-reward-key", "--run-dir"), tmp_path, capsys)
+    assert code == 0 and "derived: --eval-reward-key score (--reward-key, as training)" in err
 
 
 @pytest.mark.parametrize(
