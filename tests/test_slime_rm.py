@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from transformers import AutoTokenizer
 
 from data_worker.types import GenerationRequest, GenerationResult
 from slime_async.config import parse_config
@@ -219,8 +220,6 @@ async def test_a_slime_script_with_rm_type_deepscaler_scores_as_slime(tmp_path, 
     """slime's Qwen3-4B script (`--rm-type deepscaler`) passes the dry run, and its run scores
     a finished sample through the rollout's scoring (`ScoredGenerate`, as the generate chain
     builds it) with deepscaler's rule."""
-    from transformers import AutoTokenizer
-
     hf, spec = _model_dir(tmp_path, "qwen3-tiny")
     _text_tokenizer(hf)
     argv = without(fit_shape(script_argv("qwen3-4B", _paths(tmp_path, hf)), spec), *_SGLANG)
@@ -295,3 +294,45 @@ def test_reward_keys_refuse_what_cannot_work(argv, match, tmp_path):
     data.write_text('{"prompt": "1+1?", "label": "2"}\n')
     with pytest.raises(ValueError, match=match):
         rollout_config_from_args(build_parser().parse_args([*argv, "--prompt-data", str(data)]))
+
+
+async def test_a_rows_metadata_rm_type_scores_its_samples(tmp_path, capsys):
+    """slime's `--metadata-key` (default `metadata`): a row's metadata reaches the reward, its
+    `rm_type` overriding the run's `--rm-type deepscaler`, its `choices` read by gpqa."""
+    hf, spec = _model_dir(tmp_path, "qwen3-tiny")
+    _text_tokenizer(hf)
+    argv = without(fit_shape(script_argv("qwen3-4B", _paths(tmp_path, hf)), spec), *_SGLANG)
+    data = tmp_path / "mixed.jsonl"
+    rows = [
+        {"prompt": "1+1?", "label": "2"},
+        {"prompt": "2+2?", "label": "4", "metadata": {"rm_type": "math"}},
+        {
+            "prompt": "Capital?",
+            "label": "Paris",
+            "metadata": {"rm_type": "gpqa", "choices": ["Rome", "Paris"]},
+        },
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [*without(argv, "--prompt-data"), "--prompt-data", str(data)]
+    cfg = parse_config([*argv, "--run-dir", str(tmp_path / "run")])
+    assert cfg.rollout.metadata_key == "metadata"
+    plan = make_data_plan(
+        cfg.rollout, seed=cfg.rollout_seed, hf_checkpoint=cfg.trainer.hf_checkpoint
+    )
+    prompts = {p.payload["label"]: p for p in (plan.source.next_prompt() for _ in range(3))}
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    cases = [
+        ("2", "No thinking: \\boxed{2}", 0.0),  # the run's deepscaler wants </think>
+        ("4", "No thinking: \\boxed{4}", 1.0),  # the row's math does not
+        ("Paris", "The answer is B.", 1.0),  # gpqa: B is the second choice, Paris
+        ("Paris", "The answer is A.", 0.0),
+    ]
+    for label, text, want in cases:
+        ids = [*tok.encode(text, add_special_tokens=False), plan.eos_id]
+
+        async def generate(req, priority, expected_len, ids=ids):
+            return GenerationResult(output_ids=ids, token_versions=[0] * len(ids))
+
+        scored = ScoredGenerate(generate, plan.reward_fn, eos_id=plan.eos_id, decode=plan.decode)
+        req = GenerationRequest(prompt=prompts[label], group_seq=0, sample_index=0)
+        assert (await scored(req, 0, 8)).payload["reward"] == want, (label, text)

@@ -170,6 +170,10 @@ class RolloutConfig:
     """Field holding the prompt in --prompt-data rows."""
     label_key: str = "label"
     """Field holding the reference answer in --prompt-data rows."""
+    metadata_key: str = "metadata"
+    """slime's: the field of --prompt-data / --eval-prompt-data rows holding the sample's
+    metadata (a JSON object, or its text), which reward functions read (e.g. --rm-type's
+    metadata["rm_type"], gpqa's "choices"); a row without it has none."""
     apply_chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template."""
     apply_chat_template_kwargs: str | None = flag(None, parse=_json_object, metavar="JSON")
