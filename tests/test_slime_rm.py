@@ -241,7 +241,7 @@ async def test_a_slime_script_with_rm_type_deepscaler_scores_as_slime(tmp_path, 
         "1+1 is 2, so $\\boxed{2}$.": 0.0,  # no </think>
     }
     args = slime_plugin_args(cfg, "http://127.0.0.1:1")
-    assert args.rm_type == "deepscaler"
+    assert (args.rm_type, args.metadata_key) == ("deepscaler", "metadata")
     for text, want in responses.items():
         ids = [*tok.encode(text, add_special_tokens=False), plan.eos_id]
 

@@ -179,6 +179,7 @@ def slime_plugin_args(cfg: RunConfig, router_url: str) -> SlimeArgs:
         rollout_seed=cfg.rollout_seed,
         custom_rm_path=r.custom_rm_path,
         rm_type=r.rm_type,
+        metadata_key=r.metadata_key,
         rm_url=r.rm_url,
         reward_key=r.reward_key,
         eval_reward_key=r.eval_reward_key,
