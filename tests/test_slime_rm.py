@@ -16,7 +16,12 @@ from slime_async.config.cli import build_parser
 from slime_async.orchestrator.generate_chain import slime_plugin_args
 from slime_async.rollout.config import rollout_config_from_args
 from slime_async.rollout.data.plan import make_data_plan
-from slime_async.rollout.data.rewards import RewardInput, RewardStatus, compute_reward
+from slime_async.rollout.data.rewards import (
+    RewardInput,
+    RewardStatus,
+    compute_reward,
+    math_verify_reward,
+)
 from slime_async.rollout.data.slime_rm import SlimeRewards, last_boxed, parse_rm_type
 from slime_async.rollout.generate.assemble import ScoredGenerate
 from tests.test_slime_scripts import (
@@ -336,3 +341,20 @@ async def test_a_rows_metadata_rm_type_scores_its_samples(tmp_path, capsys):
         scored = ScoredGenerate(generate, plan.reward_fn, eos_id=plan.eos_id, decode=plan.decode)
         req = GenerationRequest(prompt=prompts[label], group_seq=0, sample_index=0)
         assert (await scored(req, 0, 8)).payload["reward"] == want, (label, text)
+
+    # without --rm-type, as in slime, the rows naming a type are scored by it; the others by
+    # the run's default (math-verify)
+    cfg = parse_config([*without(argv, "--rm-type"), "--run-dir", str(tmp_path / "run2")])
+    plan = make_data_plan(cfg.rollout, seed=0, hf_checkpoint=cfg.trainer.hf_checkpoint)
+    prompts = {p.payload["label"]: p for p in (plan.source.next_prompt() for _ in range(3))}
+    for label, text, want in [("2", "It is 2", 1.0), ("4", "It is 4", 0.0), ("Paris", "B", 1.0)]:
+        inp = RewardInput(
+            response_ids=[1],
+            response_text=text,
+            label=label,
+            metadata=prompts[label].payload["metadata"],
+        )
+        assert plan.reward_fn(inp) == want, (label, text)  # math_verify; math wants a box; gpqa
+    data.write_text(json.dumps(rows[0]) + "\n")
+    plan = make_data_plan(cfg.rollout, seed=0, hf_checkpoint=cfg.trainer.hf_checkpoint)
+    assert plan.reward_fn is math_verify_reward  # no row names a type: the default as it was

@@ -4,10 +4,11 @@ Owns `DataPlan`, `EvalSet` and `make_data_plan`: the prompt source handed to the
 (built-in tasks, a jsonl/parquet file, or reasoning-gym tasks from `rollout.gym`), the held-out
 eval prompts, the named eval sets read from `--eval-prompt-data` files (tokenized like
 `--prompt-data`, scored by `--rm-type`, `--rm-url` or `--custom-rm-path`, else math-verify), the
-reward function (`--rm-type`: slime's rule-based rewards, `rollout.data.slime_rm`), the EOS id
-and (for real data) the tokenizer's decoder that text rewards such as math-verify need. Real data reads jsonl/parquet through
-`rollout.datasets` (bad rows skipped with a count, or an error naming file:line under
-`--strict-data`) and tokenizes with the tokenizer found in `--hf-checkpoint`.
+reward function (`--rm-type` and a row's metadata `rm_type`: slime's rule-based rewards,
+`rollout.data.slime_rm`), the EOS id and (for real data) the tokenizer's decoder that text
+rewards such as math-verify need. Real data reads jsonl/parquet through `rollout.datasets` (bad
+rows skipped with a count, or an error naming file:line under `--strict-data`) and tokenizes
+with the tokenizer found in `--hf-checkpoint`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from data_worker.source import PromptSource
 from slime_async.contracts.rollout import Prompt
 from slime_async.rollout.config import RolloutConfig
 from slime_async.rollout.data import rewards as rw
-from slime_async.rollout.data.datasets import DatasetConfig, load_dataset
+from slime_async.rollout.data.datasets import DataRow, DatasetConfig, load_dataset
 from slime_async.rollout.data.gym import (
     GymPromptSource,
     GymReward,
@@ -90,7 +91,6 @@ def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | No
             "--prompt-data or --prompt-source (the built-in tasks have their own vocabulary)"
         )
     tok = _tokenizer(hf_checkpoint)
-    reward = _reward(rollout, rw.math_verify_reward, seed, evaluates=True)
     sets, metrics = [], dict(plan.metrics)
     for name, path in eval_data:
         data = load_dataset(
@@ -107,6 +107,7 @@ def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | No
             tokenizer=tok,
         )
         prompts = dataset_prompts(data)
+        reward = _reward(rollout, rw.math_verify_reward, seed, evaluates=True, rows=data.rows)
         sets.append(EvalSet(name=name, prompts=tuple(prompts), reward_fn=reward))
         metrics[f"data/eval/{name}/rows"] = float(len(data.rows))
         metrics[f"data/eval/{name}/skipped"] = float(data.num_skipped)
@@ -119,10 +120,14 @@ def _reward(
     seed: int,
     *,
     evaluates: bool = False,
+    rows: Sequence[DataRow] = (),
 ) -> Any:
-    """`--rm-type` (slime's rule-based rewards; its `random` seeded by `seed`), `--rm-url` (the
-    remote reward model) or `--custom-rm-path` when given, else `default`; `evaluates`: the
-    eval samples' (read under `--eval-reward-key`)."""
+    """`--custom-rm-path`, `--rm-type` (slime's rule-based rewards; its `random` seeded by
+    `seed`) or `--rm-url` (the remote reward model) when given, else `default`; `evaluates`:
+    the eval samples' (read under `--eval-reward-key`). As in slime, a row whose metadata names
+    an `rm_type` is scored by that type, unless --custom-rm-path scores every sample."""
+    if rollout.custom_rm_path:
+        return rw.load_reward_fn(rollout.custom_rm_path)
     key = rollout.eval_reward_key if evaluates else rollout.reward_key
     remote = None
     if rollout.rm_url:
@@ -132,11 +137,12 @@ def _reward(
             retries=rollout.rm_retries,
             reward_key=key,
         )
-    if rollout.rm_type:
-        return SlimeRewards(rollout.rm_type, seed=seed, remote=remote, reward_key=key)
-    if remote is not None:
-        return remote
-    return rw.load_reward_fn(rollout.custom_rm_path) if rollout.custom_rm_path else default
+    fallback = remote if remote is not None else default
+    if rollout.rm_type or any(r.metadata.get("rm_type") for r in rows):
+        return SlimeRewards(
+            rollout.rm_type, seed=seed, remote=remote, reward_key=key, fallback=fallback
+        )
+    return fallback
 
 
 def _plan(
@@ -183,7 +189,7 @@ def _plan(
     return DataPlan(
         source=dataset_source(data, seed=seed),
         eval_prompts=(),
-        reward_fn=_reward(rollout, rw.math_verify_reward, seed),
+        reward_fn=_reward(rollout, rw.math_verify_reward, seed, rows=data.rows),
         eos_id=int(tok.eos_token_id),
         decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
         metrics=data.metrics(),

@@ -269,8 +269,9 @@ SCORERS: dict[str, Scorer] = {
 # ---------------------------------------------------------------------------- the reward
 class SlimeRewards:
     """The reward of ``--rm-type NAME``: scores one sample by its ``metadata["rm_type"]``,
-    else by `rm_type`. `seed` seeds ``random``; `remote` is the ``--rm-url`` reward (None
-    without one: a ``remote_rm`` sample is then an error naming the flag).
+    else by `rm_type`, else (`rm_type` None: a run whose rows name their types) by
+    `fallback`. `seed` seeds ``random``; `remote` is the ``--rm-url`` reward (None without
+    one: a ``remote_rm`` sample is then an error naming the flag).
 
     Example::
 
@@ -281,19 +282,23 @@ class SlimeRewards:
 
     def __init__(
         self,
-        rm_type: str,
+        rm_type: str | None,
         *,
         seed: int,
         remote: RewardFn | None = None,
         reward_key: str | None = None,
+        fallback: RewardFn | None = None,
     ) -> None:
-        self.rm_type, self.remote = parse_rm_type(rm_type), remote
+        if rm_type is None and fallback is None:
+            raise ValueError("SlimeRewards needs an rm_type or a fallback reward")
+        self.rm_type = parse_rm_type(rm_type) if rm_type is not None else None
+        self.remote, self.fallback = remote, fallback
         self.reward_key = reward_key
         """``dapo``'s key (`DAPO_KEYS`; None: score)."""
         self._rng = random.Random(seed)
 
     def __repr__(self) -> str:
-        return f"SlimeRewards({self.rm_type})"
+        return f"SlimeRewards({self.rm_type or self.fallback})"
 
     def __call__(self, inp: RewardInput) -> Any:
         name = self.rm_type
@@ -302,6 +307,9 @@ class SlimeRewards:
                 name = parse_rm_type(str(inp.metadata["rm_type"]))
             except ValueError as e:
                 raise ValueError(f"the sample's metadata rm_type {e}") from None
+        if name is None:
+            assert self.fallback is not None
+            return self.fallback(inp)
         if name == "remote_rm":  # the reward model's answer, read under its own key
             if self.remote is None:
                 raise ValueError("rm_type remote_rm needs the reward model's --rm-url URL")
