@@ -358,3 +358,7 @@ async def test_a_rows_metadata_rm_type_scores_its_samples(tmp_path, capsys):
     data.write_text(json.dumps(rows[0]) + "\n")
     plan = make_data_plan(cfg.rollout, seed=0, hf_checkpoint=cfg.trainer.hf_checkpoint)
     assert plan.reward_fn is math_verify_reward  # no row names a type: the default as it was
+    for bad, says in [("ifbench", "'ifbench' is not a rule-based"), ("remote_rm", "--rm-url")]:
+        data.write_text(json.dumps({**rows[1], "metadata": {"rm_type": bad}}) + "\n")
+        with pytest.raises(ValueError, match=f"mixed.jsonl:1: the row's metadata rm_type.*{says}"):
+            make_data_plan(cfg.rollout, seed=0, hf_checkpoint=cfg.trainer.hf_checkpoint)

@@ -29,7 +29,7 @@ from slime_async.rollout.data.gym import (
     ReasoningGymTasks,
 )
 from slime_async.rollout.data.remote_rm import RemoteReward
-from slime_async.rollout.data.slime_rm import SlimeRewards
+from slime_async.rollout.data.slime_rm import SlimeRewards, parse_rm_type
 from slime_async.rollout.data.sources import (
     TaskPromptSource,
     dataset_prompts,
@@ -107,7 +107,9 @@ def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | No
             tokenizer=tok,
         )
         prompts = dataset_prompts(data)
-        reward = _reward(rollout, rw.math_verify_reward, seed, evaluates=True, rows=data.rows)
+        reward = _reward(
+            rollout, rw.math_verify_reward, seed, evaluates=True, rows=data.rows, where=path
+        )
         sets.append(EvalSet(name=name, prompts=tuple(prompts), reward_fn=reward))
         metrics[f"data/eval/{name}/rows"] = float(len(data.rows))
         metrics[f"data/eval/{name}/skipped"] = float(data.num_skipped)
@@ -121,6 +123,7 @@ def _reward(
     *,
     evaluates: bool = False,
     rows: Sequence[DataRow] = (),
+    where: str = "",
 ) -> Any:
     """`--custom-rm-path`, `--rm-type` (slime's rule-based rewards; its `random` seeded by
     `seed`) or `--rm-url` (the remote reward model) when given, else `default`; `evaluates`:
@@ -138,11 +141,31 @@ def _reward(
             reward_key=key,
         )
     fallback = remote if remote is not None else default
+    _check_row_types(rows, where, remote=remote is not None)
     if rollout.rm_type or any(r.metadata.get("rm_type") for r in rows):
         return SlimeRewards(
             rollout.rm_type, seed=seed, remote=remote, reward_key=key, fallback=fallback
         )
     return fallback
+
+
+def _check_row_types(rows: Sequence[DataRow], where: str, *, remote: bool) -> None:
+    """Each rm_type rows name is one scored here (remote_rm with --rm-url): refused at start-up,
+    naming the first row, rather than at its first sample."""
+    first: dict[str, int] = {}
+    for r in rows:
+        if r.metadata.get("rm_type"):
+            first.setdefault(str(r.metadata["rm_type"]), r.line)
+    for name, line in first.items():
+        try:
+            parse_rm_type(name)
+        except ValueError as e:
+            raise ValueError(f"{where}:{line}: the row's metadata rm_type {e}") from None
+        if name.strip() == "remote_rm" and not remote:
+            raise ValueError(
+                f"{where}:{line}: the row's metadata rm_type remote_rm posts the sample to a "
+                "reward model: give its --rm-url URL"
+            )
 
 
 def _plan(
@@ -189,7 +212,9 @@ def _plan(
     return DataPlan(
         source=dataset_source(data, seed=seed),
         eval_prompts=(),
-        reward_fn=_reward(rollout, rw.math_verify_reward, seed, rows=data.rows),
+        reward_fn=_reward(
+            rollout, rw.math_verify_reward, seed, rows=data.rows, where=rollout.prompt_data
+        ),
         eos_id=int(tok.eos_token_id),
         decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True),
         metrics=data.metrics(),
