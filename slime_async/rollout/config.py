@@ -232,8 +232,10 @@ class RolloutConfig:
         None, ge=0, hint="0: never", derived="10; 0 when the run has no eval set"
     )
     """Evaluate every this many rollouts (slime's unit; one rollout is --num-steps-per-rollout
-    train steps), and at step 0; 0: never. Given > 0, the run needs an eval set (a --prompt-data
-    run has one only from --eval-prompt-data)."""
+    train steps), at step 0 (before the first push) and on the final weights; 0: never. The
+    evals in between run beside training and skip a due step while the last one still runs;
+    in an async run they can span versions (`eval/version_min`, `eval/version_max`). Given > 0,
+    the run needs an eval set (a --prompt-data run has one only from --eval-prompt-data)."""
     eval_prompts: int = flag(64, ge=0)
     """Held-out prompts per evaluation of the built-in tasks or reasoning-gym (a
     --eval-prompt-data file is evaluated whole)."""
