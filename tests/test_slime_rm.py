@@ -123,6 +123,9 @@ def test_gpqa():
     assert score("gpqa", THINK + "The correct answer is (C).", "B") == 0.0
     assert score("gpqa", "<think>answer is B</think>\nC is correct.", "C") == 1.0
     assert score("gpqa", "Final answer: D", 3) == 1.0  # the label as an index
+    assert score("gpqa", "The answer is a prime's letter, namely C.", "C") == 1.0  # "a": a word
+    assert score("gpqa", "the answer is (c)", "C") == 1.0
+    assert score("gpqa", "The answer is B. Wait, no: the answer is D.", "D") == 1.0  # the last
     choices = {"choices": ["London", "Berlin", "Paris", "Rome"]}
     assert score("gpqa", "I pick C.", "Paris", choices) == 1.0  # the label as a choice
     assert score("gpqa", "I pick A.", "Paris", choices) == 0.0

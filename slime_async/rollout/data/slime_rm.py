@@ -192,9 +192,11 @@ def f1(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> float
     return max((token_f1(text, str(g)) for g in labels), default=0.0)
 
 
+_LETTER = r"(?:\(([A-Za-z])\)|\b([A-Z])\b)"
+"""An option letter: a capital, or any letter in parentheses (a lone ``a`` is a word)."""
 _LETTER_PATTERNS = (
-    r"(?:answer|option|choice)\s*(?:is|:)?\s*\(?([A-Za-z])\b",
-    r"\b([A-Z])\)?\s*is\s*(?:the\s*)?correct",
+    rf"(?i:answer|option|choice)\s*(?i:is|:)?\s*{_LETTER}",
+    rf"{_LETTER}\s*(?i:is\s*(?:the\s*)?correct)",
 )
 
 
@@ -215,12 +217,14 @@ def _words(text: str) -> str:
 
 
 def gpqa_letter(text: str, letters: list[str]) -> str | None:
-    """The option letter `text` picks: ``answer is C`` / ``C is correct`` / ``final answer:
-    C``, else its last standalone capital that is an option; None if none."""
+    """The option letter `text` picks: the last ``answer is C`` / ``final answer: (c)``, else
+    the last ``C is correct``, else its last standalone capital that is an option; None if
+    none."""
     for pattern in _LETTER_PATTERNS:
-        m = re.search(pattern, text, flags=re.IGNORECASE)
-        if m and m.group(1).upper() in letters:
-            return m.group(1).upper()
+        found = [(m[0] or m[1]).upper() for m in re.findall(pattern, text)]
+        found = [c for c in found if c in letters]
+        if found:
+            return found[-1]
     standalone = [c for c in re.findall(r"\b([A-Z])\b", text) if c in letters]
     return standalone[-1] if standalone else None
 
