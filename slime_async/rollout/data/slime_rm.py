@@ -134,7 +134,7 @@ Scorer = Callable[[str, Any, Mapping[str, Any], bool], float]
 """`(text, label, metadata, boxed) -> score`; `boxed`: `text` is already the boxed answer."""
 
 
-def deepscaler(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> float:
+def deepscaler_score(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> float:
     """deepscaler's: the final answer after the thinking, boxed, against the label."""
     if not boxed:
         if "</think>" in text:
@@ -143,10 +143,10 @@ def deepscaler(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) 
             text = text.split("###Response", 1)[1]
         else:
             return 0.0
-    return math(text, label, metadata, boxed)
+    return math_score(text, label, metadata, boxed)
 
 
-def math(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> float:
+def math_score(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> float:
     """The last boxed answer against the label: 1 or 0."""
     answer = text if boxed else last_boxed(text)
     return float(answer is not None and math_equal(answer, label_answer(label)))
@@ -155,7 +155,7 @@ def math(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> flo
 _ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
 
 
-def dapo(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> float:
+def dapo_score(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> float:
     """DAPO's: the answer after the last ``Answer:`` near the end, 1.0 if right else -1.0."""
     if not boxed:
         found = _ANSWER_LINE.findall(text[-300:])
@@ -186,7 +186,7 @@ def token_f1(prediction: str, truth: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def f1(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> float:
+def f1_score(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> float:
     """Token F1 against the label (the best over a list of labels)."""
     labels = label if isinstance(label, list | tuple) else [label]
     return max((token_f1(text, str(g)) for g in labels), default=0.0)
@@ -241,7 +241,7 @@ def _gold_letter(label: Any, letters: list[str], choices: list[str]) -> str | No
     return None
 
 
-def gpqa(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> float:
+def gpqa_score(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> float:
     """Multiple choice: the letter picked against the right one; 1.0 or 0.0. Without a letter
     either side, the right choice's text appearing in the response counts."""
     text = text.rsplit("</think>", 1)[-1]
@@ -261,11 +261,11 @@ def gpqa(text: str, label: Any, metadata: Mapping[str, Any], boxed: bool) -> flo
 
 
 SCORERS: dict[str, Scorer] = {
-    "deepscaler": deepscaler,
-    "math": math,
-    "dapo": dapo,
-    "f1": f1,
-    "gpqa": gpqa,
+    "deepscaler": deepscaler_score,
+    "math": math_score,
+    "dapo": dapo_score,
+    "f1": f1_score,
+    "gpqa": gpqa_score,
 }
 """The rule-based types that read the response (``random`` and ``remote_rm`` do not)."""
 
