@@ -227,6 +227,11 @@ class RunData:
         _, ys = self.series(key)
         return ys[-1] if ys else math.nan
 
+    def first(self, key: str) -> float:
+        """The first finite value of `key` (NaN if none)."""
+        _, ys = self.series(key)
+        return ys[0] if ys else math.nan
+
 
 def load_runs(out: Path, cells: Sequence[Cell], budget: Budget | None = None) -> list[RunData]:
     """The finished runs among `cells` with `budget` (None: any); failed or missing ones are
@@ -281,6 +286,7 @@ def analyse(runs: Sequence[RunData], rules: VerdictRules) -> dict[str, Any]:
             "reward_peak": s.reward_peak,
             "reward_end": s.reward_end,
             "eval_final": r.last("eval/reward"),
+            "eval_first": r.first("eval/reward"),
             "eval_se": r.last("eval/reward_se"),
             "staleness_mean": _mean_of(r, "staleness/mean"),
             "staleness_max": max(r.series("staleness/max")[1], default=math.nan),

@@ -20,6 +20,9 @@ from lab.analysis import Cell
 MARGIN = 0.05
 """Equivalence margin on the final held-out pass rate (the paired difference's 90% interval
 must lie inside ±MARGIN)."""
+UNLEARN = 0.05
+"""A sync run whose final held-out pass rate is this far below its step-0 baseline unlearned:
+its regime cannot test whether async matches sync (amendment 1)."""
 BREAK_DROP = 0.05
 """The uncorrected arm breaks when its mean paired deficit to sync reaches this."""
 ARMS: dict[str, str] = {"sync": "ppo", "none": "ppo", "tis": "tis", "is": "is", "compis": "compis"}
@@ -43,6 +46,7 @@ class Regime:
 REGIMES = (
     Regime(name="lr1e-4", flags=("--lr", "1e-4")),
     Regime(name="lr4e-4", flags=("--lr", "4e-4")),
+    Regime(name="lr8e-4", flags=("--lr", "8e-4")),  # amendment 1
     Regime(name="lr1.6e-3", flags=("--lr", "1.6e-3")),
 )
 """The search's regimes in the order the rule reads them."""
@@ -92,7 +96,8 @@ class RegimeOutcome:
 
     regime: str
     sync_stable: bool
-    """Both sync runs judged stable (the regime is eligible)."""
+    """Both sync runs judged stable and none ended more than `UNLEARN` below its baseline
+    (the regime is eligible; the second half is amendment 1)."""
     none_minus_sync: float
     """Mean over seeds of the paired none − sync final held-out pass rate (NaN if unpaired)."""
     none_unstable: bool

@@ -23,6 +23,7 @@ from lab.protocol import (
     MARGIN,
     PRIMARY_STALENESS,
     STALENESS,
+    UNLEARN,
     RegimeOutcome,
     paired_diffs,
     tost,
@@ -59,7 +60,12 @@ def regime_outcome(regime: str, per_run: Mapping[str, Any]) -> RegimeOutcome:
     _, diffs = paired_diffs(_finals(per_run), none, SYNC)
     return RegimeOutcome(
         regime=regime,
-        sync_stable=len(syncs) >= 2 and all(r["verdict"] == Verdict.STABLE for r in syncs),
+        sync_stable=len(syncs) >= 2
+        and all(
+            r["verdict"] == Verdict.STABLE
+            and r.get("eval_first", -math.inf) - r["eval_final"] <= UNLEARN
+            for r in syncs
+        ),
         none_minus_sync=statistics.fmean(diffs) if diffs else math.nan,
         none_unstable=any(r["verdict"] != Verdict.STABLE for r in nones),
     )
@@ -186,11 +192,16 @@ def render_protocol(
             "",
             f"Confirmatory regime: **{choice[0]}** (the uncorrected arm broke: {choice[1]}).",
         ]
-    lines += ["", "| regime | run | verdict | final eval | wall s |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| regime | run | verdict | baseline eval | final eval | wall s |",
+        "|---|---|---|---|---|---|",
+    ]
     for regime, per_run in search_runs.items():
         for n, r in sorted(per_run.items()):
             lines.append(
-                f"| {regime} | `{n}` | {r['verdict']} | {r['eval_final']:.3f} | {r['wall_s']:.0f} |"
+                f"| {regime} | `{n}` | {r['verdict']} | {r.get('eval_first', math.nan):.3f} | "
+                f"{r['eval_final']:.3f} | {r['wall_s']:.0f} |"
             )
     lines += ["", "## Phase 2: confirmatory runs", ""]
     lines.append(f"{len(confirm_runs)} of {planned} planned runs finished.")

@@ -223,10 +223,19 @@ def run_grid(
         return
     own = ("--hf-checkpoint", "--prompt-data", "--prompt-source", "--load", "--config")
     embedded = not any(f in budget.extra for f in own)  # else no tiny-model warm start
-    ws = {}
-    if embedded and budget.warmstart_steps != 0:
-        for seed in sorted({c.seed for c in todo}):
-            ws[seed] = prepare_warmstart(out, seed, budget.warmstart_steps)
+    ws: dict[int, Path] = {}
+    seed_locks = {seed: threading.Lock() for seed in {c.seed for c in todo}}
+
+    def warmstart(seed: int) -> Path | None:
+        """The seed's warm start, trained when its first run starts (once: a lock per seed),
+        so the first runs need not wait for every seed's warm start."""
+        if not embedded or budget.warmstart_steps == 0:
+            return None
+        with seed_locks[seed]:
+            if seed not in ws:
+                ws[seed] = prepare_warmstart(out, seed, budget.warmstart_steps)
+            return ws[seed]
+
     usable = sorted(os.sched_getaffinity(0))
     pairs = (
         [(usable[2 * i], usable[2 * i + 1]) for i in range(jobs)]
@@ -245,7 +254,7 @@ def run_grid(
                 budget,
                 out,
                 cores=pairs[slot] if pairs else None,
-                warmstart=ws.get(cell.seed),
+                warmstart=warmstart(cell.seed),
                 python=sys.executable,
                 stall_s=stall_s,
             )

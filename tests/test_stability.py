@@ -512,6 +512,10 @@ def test_protocol_report_reads_the_search_leads_and_equivalence():
     }
     o = regime_outcome("lr4e-4", search)
     assert o.sync_stable and o.none_minus_sync == pytest.approx(-0.055) and o.breaks
+    unlearned = {n: {**r, "eval_first": r["eval_final"] + 0.04} for n, r in search.items()}
+    assert regime_outcome("x", unlearned).sync_stable  # 0.04 below the baseline: within 0.05
+    unlearned["s0-ppo-rron-n1-seed2"]["eval_first"] = 0.36  # 0.36 → 0.30: unlearned
+    assert not regime_outcome("x", unlearned).sync_stable
 
     # a run whose reward falls in its second half: unstable from some step on; its ESS
     # collapses ten steps before the reward starts to fall
