@@ -207,10 +207,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, col, held, ent, lse = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_h = torch.zeros_like(hidden) if want_h else None
-        g_w = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        )
+        g_h = torch.empty_like(hidden) if want_h else None
+        g_w = None  # fp32; the first chunk's product initialises it (no zero-filled pass)
         for s in range(0, hidden.shape[0], chunk):
             e = min(s + chunk, hidden.shape[0])
             h = hidden[s:e]
@@ -226,8 +224,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             gz = gz.to(weight.dtype)
             if g_h is not None:
                 g_h[s:e] = (gz @ weight).to(hidden.dtype)
-            if g_w is not None:  # in the weight's dtype (bf16 matmuls), summed in fp32
-                g_w.add_(gz.t() @ h.to(weight.dtype))
+            if want_w:  # in the weight's dtype (bf16 matmuls), summed in fp32
+                part = gz.t() @ h.to(weight.dtype)
+                g_w = part.float() if g_w is None else g_w.add_(part)
+        if want_w and g_w is None:  # no tokens
+            g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         return g_h, None if g_w is None else g_w.to(weight.dtype), None, None, None, None
 
 
