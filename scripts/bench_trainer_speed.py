@@ -16,6 +16,18 @@ same threads (or the GPU), and the model FLOP utilisation of the forward+backwar
 
     .venv/bin/python scripts/bench_trainer.py --only speed
     .venv/bin/python scripts/bench_trainer_speed.py --threads 1 --speed-steps 2
+
+`--limit` (`bench_limit`) puts the step against its own matmuls instead of one square matmul:
+each worker process times the GEMMs one training forward+backward runs (`gemm_shapes`: every
+linear layer's forward, input and weight gradient at the batch's token count, the chunked
+head's four products per chunk; in the compute dtype, the operands laid out as the step has
+them) before and after its steps, and reports 6·N·tokens / forward+backward seconds / that
+rate, in wall-clock seconds and in the process's CPU seconds (on a loaded machine the wall
+clock also counts waiting for a core; CPU seconds do not). This tree's worker alternates the
+batched attention and one attention call per sample step by step; `--limit-base main` also
+runs the tree of that commit, back to back:
+
+    nice -n 10 .venv/bin/python scripts/bench_trainer_speed.py --limit --limit-base main
 """
 
 from __future__ import annotations
@@ -298,12 +310,14 @@ def bench_limit(args: argparse.Namespace) -> dict:
                     key = label if mode is None else f"{label}, attention {mode}"
                     pick = (lambda v: v) if mode is None else (lambda v, m=mode: v[m])
                     row = {k: pick(r[k]) for k in ("step_s", "fwd_bwd_s", "fwd_bwd_cpu_s")}
-                    rows.setdefault(key, []).append({**row, "gemm": r["gemm"]})
+                    rows.setdefault(key, []).append(
+                        {**row, "gemm": r["gemm"], "rss_gib": r["rss_gib"]}
+                    )
     load.append(os.getloadavg())
     flops = 6 * params * tokens
     print(
         f"{'tree / attention':<36} {'fwd+bwd s':>9} {'CPU s':>7} {'GEMM GFLOP/s':>13} "
-        f"{'6NT/limit':>9} {'(CPU)':>6} {'GEMM share':>10}"
+        f"{'6NT/limit':>9} {'(CPU)':>6} {'GEMM share':>10} {'peak RSS GiB':>12}"
     )
     out = {}
     for key, rs in rows.items():
@@ -315,14 +329,15 @@ def bench_limit(args: argparse.Namespace) -> dict:
             print(
                 f"{key:<36} {r['fwd_bwd_s']:>9.2f} {r['fwd_bwd_cpu_s']:>7.2f} "
                 f"{g['wall'] / 1e9:>6.0f}/{g['cpu'] / 1e9:<6.0f} {r['frac_wall']:>9.1%} "
-                f"{r['frac_cpu']:>6.1%} {r['gemm_share']:>10.1%}"
+                f"{r['frac_cpu']:>6.1%} {r['gemm_share']:>10.1%} {r['rss_gib']:>12.2f}"
             )
         out[key] = rs
     print(
         f"GEMM GFLOP/s: the step's matmuls alone, wall/CPU; 6NT/limit = 6·N·tokens / fwd+bwd s / "
         f"GEMM rate (wall, then CPU seconds); GEMM share = the step's matmul FLOPs "
         f"({shapes and sum(2 * m * k * n * c for m, k, n, _, c in shapes) / 1e12:.2f} TFLOP) at the "
-        f"GEMM rate / fwd+bwd CPU s. Load average before {load[0][0]:.1f}, after {load[1][0]:.1f}"
+        f"GEMM rate / fwd+bwd CPU s; peak RSS of the process (both attention modes ran in one). "
+        f"Load average before {load[0][0]:.1f}, after {load[1][0]:.1f}"
     )
     result = {"tokens": tokens, "read": read, "params": params, "rows": out, "load": load}
     if args.json:
