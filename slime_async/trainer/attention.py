@@ -229,6 +229,8 @@ class PackedDotProductAttention(DotProductAttention):
                 query[s:e].unsqueeze(1), key[s:e].unsqueeze(1), value[s:e].unsqueeze(1)
             )
             out.append(one.squeeze(1))
+        if not out:  # no tokens
+            return query.new_zeros(0, 1, self.hidden_size_per_partition)
         rows = out[0] if len(out) == 1 else torch.cat(out, 0)
         return rows.index_select(0, plan.inverse).unsqueeze(1)
 
