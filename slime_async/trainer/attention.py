@@ -41,9 +41,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-SCORE_ELEMENTS = 1 << 24
-"""Most `[samples, heads, n, n]` fp32 score elements one batched group holds (64 MiB; a
-group's scores, probabilities and their gradients are alive only inside its own call)."""
+SCORE_ELEMENTS = 1 << 22
+"""Most `[samples, heads, n, n]` fp32 score elements one batched group holds (16 MiB; a
+group's scores, probabilities and their gradients, a few such tensors, are alive only inside
+its own call, well under the chunked head's temporaries the memory plan counts). A sample
+longer than this allows alone (n > 682 at 9 heads) takes SDPA, where one call per sample costs
+little next to its n² work."""
 
 
 @dataclasses.dataclass(frozen=True)
