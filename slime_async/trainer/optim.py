@@ -156,7 +156,7 @@ class MegatronOptim:
         for sub, p, s in zip(subs, prev, sketches, strict=True):
             sums = cosine_sums(s, p)
             all_reduce_sum(sums, sub.get_grad_stats_parallel_group())
-            total += sums
+            total += sums.to(device="cpu", dtype=torch.float64)  # sums live on the grads' device
         dot, na, nb = total.tolist()
         self.grad_cosine = dot / math.sqrt(na * nb) if na > 0 and nb > 0 else math.nan
 
