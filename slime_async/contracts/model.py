@@ -12,8 +12,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-Family = Literal["qwen3_moe", "qwen3", "qwen2", "llama", "mistral"]
-FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3", "qwen2", "llama", "mistral")
+from slime_async.contracts.vision import VisionSpec, refuse_modalities
+
+Family = Literal["qwen3_moe", "qwen3", "qwen2", "llama", "mistral", "qwen2_5_vl"]
+FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3", "qwen2", "llama", "mistral", "qwen2_5_vl")
 """The HF `model_type`s a spec can describe (the family name is the `model_type`)."""
 RopeScaling = Literal["llama3"]
 
@@ -23,6 +25,7 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 _CONFIGS = {
     "qwen3_moe": "Qwen3MoeConfig",
@@ -30,6 +33,7 @@ _CONFIGS = {
     "qwen2": "Qwen2Config",
     "llama": "LlamaConfig",
     "mistral": "MistralConfig",
+    "qwen2_5_vl": "Qwen2_5_VLConfig",
 }
 
 
@@ -45,10 +49,11 @@ class ModelSpec:
     | `qwen2`     | yes        | no      | dense        |
     | `llama`     | no         | no      | dense        |
     | `mistral`   | no         | no      | dense (full attention only) |
+    | `qwen2_5_vl`| yes        | no      | dense, mRoPE, a vision encoder (`vision`) |
     """
 
     family: Family = "qwen3_moe"
-    """HF model type: `qwen3_moe`, `qwen3`, `qwen2`, `llama` or `mistral` (see the table)."""
+    """HF model type: `qwen3_moe`, `qwen3`, `qwen2`, `llama`, `mistral` or `qwen2_5_vl`."""
     vocab_size: int = 4096
     """Vocabulary size (token ids are in [0, vocab_size))."""
     hidden_size: int = 128
@@ -90,8 +95,18 @@ class ModelSpec:
     """Share input embedding and output projection."""
     init_std: float = 0.02
     """Initializer standard deviation for models built from scratch."""
+    mrope_section: tuple[int, ...] | None = None
+    """qwen2_5_vl: rotary frequencies (of head_dim / 2) turned by the temporal, height and
+    width position ids (multimodal RoPE); None for text families."""
+    vision: VisionSpec | None = None
+    """qwen2_5_vl: the vision encoder; None for text families."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.vision, dict):
+            object.__setattr__(self, "vision", VisionSpec.from_dict(self.vision))
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
+        self._check_vl()
         if self.family not in FAMILIES:
             raise ValueError(
                 f"unknown model family {self.family!r}; use one of {', '.join(FAMILIES)}"
@@ -116,6 +131,29 @@ class ModelSpec:
                 f"{self.rope_high_freq_factor})"
             )
 
+    def _check_vl(self) -> None:
+        vl = self.family == "qwen2_5_vl"
+        if vl != (self.vision is not None) or vl != (self.mrope_section is not None):
+            raise ValueError(
+                "vision and mrope_section are set exactly for the qwen2_5_vl family "
+                f"(family {self.family!r})"
+            )
+        if vl and sum(self.mrope_section) != self.head_dim // 2:  # type: ignore[arg-type]
+            raise ValueError(
+                f"mrope_section {list(self.mrope_section)} must sum to head_dim / 2 "  # type: ignore[arg-type]
+                f"({self.head_dim // 2})"
+            )
+        if vl and self.vision.out_hidden_size != self.hidden_size:  # type: ignore[union-attr]
+            raise ValueError(
+                f"vision out_hidden_size ({self.vision.out_hidden_size}) must equal the "  # type: ignore[union-attr]
+                f"language model's hidden_size ({self.hidden_size})"
+            )
+
+    @property
+    def is_vl(self) -> bool:
+        """A vision-language model (images in the prompt)."""
+        return self.vision is not None
+
     @property
     def is_moe(self) -> bool:
         return self.family == "qwen3_moe"
@@ -123,7 +161,7 @@ class ModelSpec:
     @property
     def qkv_bias(self) -> bool:
         """q/k/v projections carry a bias (Qwen2; the output projection never does)."""
-        return self.family == "qwen2"
+        return self.family in ("qwen2", "qwen2_5_vl")
 
     @property
     def qk_norm(self) -> bool:
@@ -188,7 +226,32 @@ class ModelSpec:
                 output_router_logits=False,
                 router_aux_loss_coef=0.0,
             )
+        if self.is_vl:
+            return self._vl_hf_config(common)
         return getattr(transformers, _CONFIGS[self.family])(**common)
+
+    def _vl_hf_config(self, common: dict[str, Any]) -> Any:
+        """`Qwen2_5_VLConfig`: the language model's fields as its `text_config` (mRoPE in
+        `rope_parameters`), the vision encoder's, and the image token ids."""
+        import transformers
+
+        assert self.vision is not None and self.mrope_section is not None
+        skip = ("architectures", "tie_word_embeddings", "rope_theta", "head_dim")
+        text = {k: v for k, v in common.items() if k not in skip}
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "mrope_section": list(self.mrope_section),
+            "rope_theta": self.rope_theta,
+        }
+        text["tie_word_embeddings"] = self.tie_word_embeddings
+        vision, ids = self.vision.to_hf()
+        return transformers.Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=vision,
+            tie_word_embeddings=self.tie_word_embeddings,
+            architectures=[self.hf_architecture],
+            **ids,
+        )
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelSpec:
@@ -199,8 +262,10 @@ class ModelSpec:
         attention in use, biases other than Qwen2's q/k/v, another activation, ...): such a
         model would train and serve different math, so nothing is silently dropped.
         """
-        d = cfg if isinstance(cfg, dict) else cfg.to_dict()
-        mtype = d.get("model_type")
+        top = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        mtype = top.get("model_type")
+        refuse_modalities(mtype)
+        d = _text_fields(top) if mtype == "qwen2_5_vl" else top
         if mtype not in FAMILIES:
             raise ValueError(
                 f"model_type {mtype!r} is not supported; supported: {', '.join(FAMILIES)}"
@@ -240,6 +305,13 @@ class ModelSpec:
                 moe_topk=d["num_experts_per_tok"],
                 moe_intermediate_size=d["moe_intermediate_size"],
             )
+        if mtype == "qwen2_5_vl":
+            if heads * kwargs["head_dim"] != kwargs["hidden_size"]:
+                raise ValueError("qwen2_5_vl config field head_dim must be hidden_size / heads")
+            section = rp.get("mrope_section")
+            if not section:
+                raise ValueError("qwen2_5_vl config has no rope_scaling.mrope_section")
+            kwargs.update(mrope_section=tuple(section), vision=VisionSpec.from_hf(top))
         return cls(**kwargs)
 
     # ---------------------------------------------------------------- persistence
@@ -262,6 +334,17 @@ class ModelSpec:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+def _text_fields(top: dict[str, Any]) -> dict[str, Any]:
+    """A VL config's language-model fields: a published (flat) config.json keeps them at the
+    top, transformers 5 nests them in `text_config`; either way one flat dict."""
+    text = {**top, **(top.get("text_config") or {})}
+    text["model_type"] = top["model_type"]
+    text["tie_word_embeddings"] = bool(
+        top.get("tie_word_embeddings") or (top.get("text_config") or {}).get("tie_word_embeddings")
+    )
+    return text
+
+
 def _rope_params(d: dict[str, Any]) -> dict[str, Any]:
     """The rope parameters of an HF config dict: `rope_parameters` (transformers 5) or
     `rope_scaling` (older config.json files)."""
@@ -281,6 +364,8 @@ def _refuse_unrepresentable(d: dict[str, Any], mtype: str) -> None:
 
     rp = _rope_params(d)
     rtype = _rope_type(rp)
+    if mtype == "qwen2_5_vl" and rtype == "mrope":  # the multimodal RoPE is the default one
+        rtype = "default"
     if rtype not in ("default", "llama3"):
         refuse("rope_scaling.rope_type", rtype, "the trainer implements plain RoPE and llama3")
     if rtype == "llama3":
