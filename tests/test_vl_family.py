@@ -202,3 +202,97 @@ def test_trainer_logits_equal_hf_with_images_and_weights_round_trip(vl, tmp_path
             input_ids=x, pixel_values=pixels, image_grid_thw=grids, mm_token_type_ids=mm
         )
     assert torch.equal(back.logits.float(), theirs)
+
+
+def _batch(spec: ModelSpec, hf, *, n_new: int = 6):
+    """Two samples (one with two images, one text-only) with HF-sampled responses: (batch,
+    HF's per-token log-probs of the responses)."""
+    from slime_async.contracts.batch import TrainerBatch
+    from slime_async.contracts.vision import SampleImages
+
+    ids, pixels, grids = _prompt(spec)
+    x = torch.tensor([ids])
+    mm = (x == spec.vision.image_token_id).int()
+    torch.manual_seed(4)
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            pixel_values=pixels,
+            image_grid_thw=grids,
+            mm_token_type_ids=mm,
+            do_sample=True,
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0].tolist()
+        full = torch.tensor([out])
+        mm_full = (full == spec.vision.image_token_id).int()
+        logits = hf(
+            input_ids=full, pixel_values=pixels, image_grid_thw=grids, mm_token_type_ids=mm_full
+        ).logits[0, :-1]
+    lp = torch.log_softmax(logits.float(), -1).gather(1, full[0, 1:, None])[:, 0]
+    want = lp[len(ids) - 1 :].tolist()
+    text = [3, 4, 5, 6, 7, 8, 9]
+    batch = TrainerBatch.from_lists(
+        tokens=[out, [*text, 11, 12]],
+        prompt_lengths=[len(ids), len(text)],
+        rollout_logprobs=[want, [0.0, 0.0]],
+        advantages=[1.0, -1.0],
+        versions=[0, 0],
+        images=[SampleImages(pixels=pixels, grids=GRIDS), None],
+    )
+    return batch, want
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_trainer_logprobs_equal_hf_in_packed_and_padded_micro_batches(vl, packed):
+    from slime_async.trainer.config import TrainerConfig
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    spec, ckpt, hf = vl
+    batch, want = _batch(spec, hf)
+    cfg = TrainerConfig(
+        seed=3, hf_checkpoint=str(ckpt), micro_batch_size=2, qkv_format="thd" if packed else "bshd"
+    )
+    tr = MegatronTrainer(cfg, spec)
+    lp, _ = tr.compute_logprobs(batch)
+    n = int(batch.loss_mask[0].sum())
+    got = lp[0][batch.loss_mask[0]].tolist()
+    assert len(got) == n == len(want)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= LOGIT_TOL
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_train_step_with_images_and_the_frozen_vision_tower(vl, freeze):
+    from slime_async.trainer.config import TrainerConfig
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    spec, ckpt, hf = vl
+    batch, _ = _batch(spec, hf)
+    cfg = TrainerConfig(seed=3, hf_checkpoint=str(ckpt), lr=1e-3, freeze_vision_tower=freeze)
+    tr = MegatronTrainer(cfg, spec)
+    before = {k: v.clone() for k, v in tr.export_weights().tensors.items()}
+    metrics = tr.train_step(batch)
+    assert metrics and tr.version == 1
+    after = tr.export_weights().tensors
+    vision_moved = any(not torch.equal(after[k], v) for k, v in before.items() if "visual." in k)
+    lm_moved = any(not torch.equal(after[k], v) for k, v in before.items() if "visual." not in k)
+    assert lm_moved and vision_moved == (not freeze)
+
+
+def test_image_placeholders_in_the_loss_mask_are_refused(vl):
+    import dataclasses
+
+    from slime_async.trainer.config import TrainerConfig
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    spec, ckpt, hf = vl
+    batch, _ = _batch(spec, hf)
+    mask = batch.loss_mask.clone()
+    mask[0, 5] = True  # an image placeholder of the first image
+    assert batch.tokens[0, 5] == spec.vision.image_token_id
+    tr = MegatronTrainer(TrainerConfig(seed=3, hf_checkpoint=str(ckpt)), spec)
+    with pytest.raises(ValueError, match="never trained"):
+        tr.compute_logprobs(dataclasses.replace(batch, loss_mask=mask))

@@ -4,14 +4,17 @@ Owns: `VisionSpec` (the shape of a Qwen2.5-VL vision encoder and patch merger, a
 token ids that place an image in the token stream), its conversion from and to the HF
 `vision_config` plus the top-level token ids, `refuse_modalities` (the one-line refusal of
 model types and data keys this repository does not run: video, audio, omni models) and
-`image_tokens` (how many placeholder tokens an image of a given patch grid takes). Imports
-nothing from the rest of slime_async.
+`image_tokens` (how many placeholder tokens an image of a given patch grid takes), and
+`SampleImages` (one sample's preprocessed images as the trainer reads them). Imports nothing
+from the rest of slime_async.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import torch
 
 VL_FAMILIES: tuple[str, ...] = ("qwen2_5_vl",)
 """The vision-language HF `model_type`s a `ModelSpec` can describe."""
@@ -192,3 +195,22 @@ def refuse_data_modalities(keys: dict[str, str]) -> None:
             f"--multimodal-keys names {', '.join(bad)}: only images are supported (video and "
             f'audio are not); map the image column as {{"image": "<column>"}}'
         )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SampleImages:
+    """One sample's images, preprocessed (the processor's output, done once per sample)."""
+
+    pixels: torch.Tensor
+    """`[patches, patch_dim]` float32 flattened patches, image after image."""
+    grids: tuple[tuple[int, int, int], ...]
+    """Each image's patch grid (t, h, w), in the order its placeholders appear."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grids", tuple(tuple(int(v) for v in g) for g in self.grids))
+        want = sum(t * h * w for t, h, w in self.grids)
+        if self.pixels.dim() != 2 or self.pixels.shape[0] != want:
+            raise ValueError(
+                f"pixels has shape {tuple(self.pixels.shape)}; its grids {list(self.grids)} "
+                f"need [{want}, patch_dim]"
+            )

@@ -79,6 +79,7 @@ class ForwardOnlyModel(LogprobForwards):
             recompute=False,
             chunks=self.chunks,
             chunk_tokens=cfg.logits_chunk_tokens,
+            vision=spec.vision,
         )
         self.version = 0
         self.snapshots = SnapshotStore(1)

@@ -5,17 +5,19 @@ text tokens count up on all three, an image's placeholder tokens sit on its merg
 starting at the position where the image begins, and the text after it resumes past the larger
 grid side; pure), `image_embeddings` (the word embeddings of a batch with the vision tower's
 output written into the image placeholder positions, in megatron's `[T, B, H]` layout) and
-`vl_forward` (one GPTModel forward of token rows with images, for parity checks and log-prob
-forwards). Image placeholder tokens are never trained: their targets are not sampled, so the
+`vl_forward` (one GPTModel forward of token rows with images, for parity checks), and
+`layout_inputs` (a micro-batch's positions and images in its packed or padded row layout). Image placeholder tokens are never trained: their targets are not sampled, so the
 loss mask is 0 there (`image_token_mask` says which they are). Must never import the
 controller, engine, rollout or data-worker parts of `slime_async`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from slime_async.contracts.vision import VisionSpec
+from slime_async.contracts.vision import SampleImages, VisionSpec
 
 
 def mrope_positions(
@@ -102,3 +104,34 @@ def vl_forward(
     mRoPE ids); returns what the model returns (hidden states or logits)."""
     decoder_input = image_embeddings(chunk, tokens, pixels, grid_thw)
     return chunk(tokens, positions, attention_mask=None, decoder_input=decoder_input, **kwargs)
+
+
+def layout_inputs(
+    tokens: torch.Tensor,
+    loss_mask: torch.Tensor,
+    images: tuple[SampleImages | None, ...] | None,
+    layout: Any,
+    vision: VisionSpec,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(`[3, rows, width]` mRoPE positions, pixels, `[images, 3]` grids) of a micro-batch whose
+    samples (`tokens` `[b, w]`, right-padded) sit at `layout.starts` (`packing.RowLayout`):
+    each sample's positions start at 0 (padding stays 0) and its images are concatenated in
+    the order their placeholders appear in the model input. Raises ValueError when a trained
+    token is an image placeholder (images are prompt, never trained)."""
+    if bool((loss_mask & image_token_mask(tokens, vision)).any()):
+        raise ValueError("loss_mask marks image placeholder tokens; images are never trained")
+    pos = torch.zeros(3, layout.rows, layout.width, dtype=torch.long)
+    pixels: list[torch.Tensor] = []
+    grids: list[tuple[int, int, int]] = []
+    order = sorted(range(len(layout.starts)), key=lambda i: layout.starts[i])
+    for i in order:
+        (r, c), n = layout.starts[i], layout.lengths[i]
+        img = None if images is None else images[i]
+        g = list(img.grids) if img is not None else []
+        pos[:, r, c : c + n], _ = mrope_positions(tokens[i, :n].tolist(), g, vision)
+        if img is not None and img.grids:
+            pixels.append(img.pixels)
+            grids += g
+    if not grids:
+        return pos, None, None
+    return pos, torch.cat(pixels), torch.tensor(grids, dtype=torch.long)
