@@ -4,7 +4,12 @@ Owns: `VisionSpec` (the shape of a Qwen2.5-VL vision encoder and patch merger, a
 token ids that place an image in the token stream), its conversion from and to the HF
 `vision_config` plus the top-level token ids, `refuse_modalities` (the one-line refusal of
 model types and data keys this repository does not run: video, audio, omni models) and
-`image_tokens` (how many placeholder tokens an image of a given patch grid takes), and
+`image_tokens` (how many placeholder tokens an image of a given patch grid takes),
+`mrope_positions` (the three position ids, temporal / row / column, of one token row: text
+tokens count up on all three, an image's placeholders sit on its merged patch grid starting
+where the image begins, the text after it resumes past the larger grid side; pure; the trainer
+and the engine both use it), `image_processor` (the one preprocessing of an image, which the
+data path and the engine share, so both count the same placeholders), and
 `SampleImages` (one sample's preprocessed images as the trainer reads them). Imports nothing
 from the rest of slime_async.
 """
@@ -175,6 +180,45 @@ class VisionSpec:
         return cls(**d)
 
 
+def mrope_positions(
+    ids: list[int], grids: list[tuple[int, int, int]], vision: VisionSpec
+) -> tuple[torch.Tensor, int]:
+    """(`[3, T]` int64 positions of the token row `ids`, the rope delta: the next position
+    minus T, which every later token, e.g. each decoded one, adds to its index).
+
+    Raises ValueError when the placeholders do not match `grids` (one run of
+    `vision.image_tokens(grid)` image tokens per image, in order)."""
+    m = vision.spatial_merge_size
+    out = torch.empty(3, len(ids), dtype=torch.long)
+    pending = list(grids)
+    i, cur = 0, 0
+    while i < len(ids):
+        if ids[i] != vision.image_token_id:
+            out[:, i] = cur
+            i, cur = i + 1, cur + 1
+            continue
+        if not pending:
+            raise ValueError(f"image placeholder at token {i} has no image (more placeholders)")
+        t, h, w = pending.pop(0)
+        if t != 1:
+            raise ValueError("a grid with t > 1 is a video; only images are supported")
+        gh, gw = h // m, w // m
+        n = gh * gw
+        if ids[i : i + n] != [vision.image_token_id] * n:
+            raise ValueError(
+                f"image at token {i} needs {n} placeholder tokens for its {h}x{w} patch grid"
+            )
+        rows = torch.arange(gh)[:, None].expand(gh, gw).flatten()
+        cols = torch.arange(gw)[None, :].expand(gh, gw).flatten()
+        out[0, i : i + n] = cur
+        out[1, i : i + n] = cur + rows
+        out[2, i : i + n] = cur + cols
+        i, cur = i + n, cur + max(gh, gw)
+    if pending:
+        raise ValueError(f"{len(pending)} image(s) have no placeholder tokens in the prompt")
+    return out, cur - len(ids)
+
+
 def refuse_modalities(model_type: Any) -> None:
     """Raise ValueError (one line, naming the fix) for a multimodal model type this repository
     does not run; any other type passes (the caller checks its own list)."""
@@ -214,3 +258,36 @@ class SampleImages:
                 f"pixels has shape {tuple(self.pixels.shape)}; its grids {list(self.grids)} "
                 f"need [{want}, patch_dim]"
             )
+
+
+def image_processor(model_dir: str | None, vision: VisionSpec, *, max_pixels: int | None = None):
+    """The HF image processor of a VL checkpoint: its `preprocessor_config.json` when
+    `model_dir` has one, else Qwen2-VL's preprocessing with `vision`'s patch sizes (pixels
+    resized to multiples of merge x patch, at most `max_pixels`, default 1024 merged tokens)."""
+    from pathlib import Path
+
+    if model_dir is not None and (Path(model_dir) / "preprocessor_config.json").is_file():
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(model_dir)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    side = vision.patch_size * vision.spatial_merge_size
+    return Qwen2VLImageProcessorPil(
+        min_pixels=side * side * 4,
+        max_pixels=max_pixels or side * side * 1024,
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+    )
+
+
+def preprocess(processor: Any, images: list[Any]) -> SampleImages:
+    """One sample's PIL images → `SampleImages` (pixels and grids), run once per sample."""
+    if not images:
+        return SampleImages(pixels=torch.zeros(0, 0), grids=())
+    out = processor(images=images, return_tensors="pt")
+    grids = tuple(tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist())
+    return SampleImages(pixels=out["pixel_values"].float(), grids=grids)

@@ -48,6 +48,10 @@ class GenerateItem:
     """`lora_path`: the loaded adapter this item is served under (None: the base)."""
     extra_key: str | None = None
     """SGLang's `extra_key`: only requests with the same key share cached prefixes."""
+    images: Any = None
+    """`engine.vision.EngineImages` (set by `with_images`), or None."""
+    image_data: tuple[str, ...] = ()
+    """This input's `image_data` strings, until `with_images` decodes them."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,7 +83,6 @@ class ModelLimits:
 
 _UNSUPPORTED = (
     "input_embeds",
-    "image_data",
     "video_data",
     "audio_data",
     "top_logprobs_num",
@@ -189,6 +192,9 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
     rsl = _per_item(body, "routed_experts_start_len", n_in, 0)
     loras = [_lora_name(v, limits) for v in _per_item(body, "lora_path", n_in, None)]
     eks = _per_item(body, "extra_key", n_in, None)
+    from slime_async.engine.vision import parse_image_data
+
+    imgs = parse_image_data(body.get("image_data"), n_in, batch=is_batch)
     if not all(k is None or isinstance(k, str) for k in eks):
         raise RequestError("extra_key must be a string (or a list of strings, one per input)")
     rtl = _flag(body.get("return_text_in_logprobs") or False, "return_text_in_logprobs")
@@ -214,6 +220,7 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
                     routed_start=rstart,
                     lora=loras[i],
                     extra_key=eks[i],
+                    image_data=tuple(imgs[i]),
                 )
             )
     return GenerateRequest(items=items, batch=is_batch or len(items) > 1, stream=stream)

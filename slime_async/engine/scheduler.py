@@ -333,6 +333,7 @@ class Scheduler:
                 prompt_logits_from=starts,
                 capture=capture,
                 past=[h.kv for h in hits] if any(h.length for h in hits) else None,
+                images=[s.images for s in seqs] if self.lm.vision is not None else None,
             )
         if out.routed is not None:  # expert ids of reused tokens come from the cache
             out.routed = [

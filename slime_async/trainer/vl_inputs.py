@@ -1,12 +1,10 @@
 """What a vision-language forward feeds the language model: mRoPE positions and image embeddings.
 
-Owns: `mrope_positions` (the three position ids, temporal / row / column, of one token row:
-text tokens count up on all three, an image's placeholder tokens sit on its merged patch grid
-starting at the position where the image begins, and the text after it resumes past the larger
-grid side; pure), `image_embeddings` (the word embeddings of a batch with the vision tower's
+Owns: `image_embeddings` (the word embeddings of a batch with the vision tower's
 output written into the image placeholder positions, in megatron's `[T, B, H]` layout) and
 `vl_forward` (one GPTModel forward of token rows with images, for parity checks), and
-`layout_inputs` (a micro-batch's positions and images in its packed or padded row layout). Image placeholder tokens are never trained: their targets are not sampled, so the
+`layout_inputs` (a micro-batch's positions, `contracts.vision.mrope_positions`, and images in
+its packed or padded row layout). Image placeholder tokens are never trained: their targets are not sampled, so the
 loss mask is 0 there (`image_token_mask` says which they are). Must never import the
 controller, engine, rollout or data-worker parts of `slime_async`.
 """
@@ -17,46 +15,7 @@ from typing import Any
 
 import torch
 
-from slime_async.contracts.vision import SampleImages, VisionSpec
-
-
-def mrope_positions(
-    ids: list[int], grids: list[tuple[int, int, int]], vision: VisionSpec
-) -> tuple[torch.Tensor, int]:
-    """(`[3, T]` int64 positions of the token row `ids`, the rope delta: the next position
-    minus T, which every later token, e.g. each decoded one, adds to its index).
-
-    Raises ValueError when the placeholders do not match `grids` (one run of
-    `vision.image_tokens(grid)` image tokens per image, in order)."""
-    m = vision.spatial_merge_size
-    out = torch.empty(3, len(ids), dtype=torch.long)
-    pending = list(grids)
-    i, cur = 0, 0
-    while i < len(ids):
-        if ids[i] != vision.image_token_id:
-            out[:, i] = cur
-            i, cur = i + 1, cur + 1
-            continue
-        if not pending:
-            raise ValueError(f"image placeholder at token {i} has no image (more placeholders)")
-        t, h, w = pending.pop(0)
-        if t != 1:
-            raise ValueError("a grid with t > 1 is a video; only images are supported")
-        gh, gw = h // m, w // m
-        n = gh * gw
-        if ids[i : i + n] != [vision.image_token_id] * n:
-            raise ValueError(
-                f"image at token {i} needs {n} placeholder tokens for its {h}x{w} patch grid"
-            )
-        rows = torch.arange(gh)[:, None].expand(gh, gw).flatten()
-        cols = torch.arange(gw)[None, :].expand(gh, gw).flatten()
-        out[0, i : i + n] = cur
-        out[1, i : i + n] = cur + rows
-        out[2, i : i + n] = cur + cols
-        i, cur = i + n, cur + max(gh, gw)
-    if pending:
-        raise ValueError(f"{len(pending)} image(s) have no placeholder tokens in the prompt")
-    return out, cur - len(ids)
+from slime_async.contracts.vision import SampleImages, VisionSpec, mrope_positions
 
 
 def image_token_mask(tokens: torch.Tensor, vision: VisionSpec) -> torch.Tensor:
