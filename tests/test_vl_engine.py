@@ -162,3 +162,37 @@ async def test_placeholders_and_images_must_match(served):
         no_image = await post(s, url + "/generate", _body(_prompt(spec, [7]), None))
     assert no_pad[0] == 400 and "placeholders" in str(no_pad[1])
     assert no_image[0] == 400 and "no image_data" in str(no_image[1])
+
+
+async def test_chat_completions_take_image_content_parts(served):
+    """An OpenAI chat request with an image part answers what `/generate` answers for the
+    rendered prompt with that image (the id codec renders each message's ids)."""
+    from slime_async.engine.testing import post
+
+    spec, _, hf, url = served
+    png = _png(8, (70, 98))
+    uri = "data:image/png;base64," + base64.b64encode(png).decode()
+    want, ids = _hf_greedy(spec, hf, png, _prompt(spec, [31, 32]))
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "5"},
+                {"type": "image_url", "image_url": {"url": uri}},
+                {"type": "text", "text": "31 32"},
+            ],
+        }
+    ]
+    body = {"messages": messages, "max_tokens": NEW, "temperature": 0.0}
+    async with aiohttp.ClientSession() as s:
+        status, answer = await post(s, url + "/v1/chat/completions", body)
+        bad_status, bad = await post(
+            s,
+            url + "/v1/chat/completions",
+            {**body, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        )
+    assert status == 200, answer
+    got = answer["meta_info"]["output_ids"][0]  # eos may end it early
+    assert got and got == want[: len(got)]
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+    assert bad_status == 400 and "image_url.url" in str(bad)

@@ -217,6 +217,8 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(str(path), **kw)
         except Exception:  # no tokenizer files in the checkpoint: fall back to the id codec
             tokenizer = None
+        if tokenizer is not None and len(tokenizer) < 2:
+            tokenizer = None  # transformers 5 builds an empty tokenizer for a directory without one
         model_path = str(path)
     model.eval()
     hf = model.config.get_text_config()

@@ -12,7 +12,6 @@ import torch model code (it talks to `Engine`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 
 from aiohttp import web
@@ -33,7 +32,7 @@ from slime_async.engine.protocol import (
 )
 from slime_async.engine.sampling import RequestError, SamplingParams
 from slime_async.engine.sequence import Sequence, wait_done
-from slime_async.engine.vision import attach_images
+from slime_async.engine.vision import with_images
 
 _dumps = json.dumps
 
@@ -80,27 +79,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
             return await _serve(request, eng, req)
         except RequestError as e:  # its adapter was unloaded between parse and submit
             return error(str(e))
-
-
-def with_images(req: GenerateRequest, eng: Engine) -> GenerateRequest:
-    """`req` with each item's `image_data` decoded and preprocessed (once per distinct input)
-    and its placeholders expanded (`engine.vision.attach_images`); the expanded prompt must
-    still fit the context."""
-    done: dict[tuple[tuple[int, ...], tuple[str, ...]], tuple[list[int], object]] = {}
-    items = []
-    for it in req.items:
-        key = (tuple(it.prompt), it.image_data)
-        if key not in done:
-            done[key] = attach_images(it.prompt, list(it.image_data), eng.lm)
-        prompt, images = done[key]
-        ctx = eng.limits.context_length
-        if len(prompt) + it.params.max_new_tokens > ctx:
-            raise RequestError(
-                f"with its images the prompt has {len(prompt)} tokens; + max_new_tokens "
-                f"{it.params.max_new_tokens} is over the engine's context length of {ctx}"
-            )
-        items.append(dataclasses.replace(it, prompt=list(prompt), images=images, image_data=()))
-    return dataclasses.replace(req, items=items)
 
 
 async def _serve(request: web.Request, eng: Engine, req: GenerateRequest) -> web.StreamResponse:

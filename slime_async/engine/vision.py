@@ -1,8 +1,8 @@
 """Images in the embedded engine: SGLang's `image_data`, placeholders, and the prefill's inputs.
 
-Owns: `EngineImages` (one request's preprocessed images and their digest), `parse_image_data`
-(the `image_data` field: per input a base64 string, a `data:image/...;base64,` URI, or a list
-of them; URLs and file paths are refused, the engine reads nothing named by a request),
+Owns: `EngineImages` (one request's preprocessed images and their digest), `decode_image` (a
+base64 string or a `data:image/...;base64,` URI; URLs and file paths are refused, the engine
+reads nothing a request names; `protocol.parse_image_data` reads the field), `with_images` and
 `attach_images` (decode, preprocess with the checkpoint's processor, expand each image's
 single `<|image_pad|>` into its grid's count or check an expanded run; runs off the event
 loop) and `prefill_inputs` (the embeddings with image features written into the placeholder
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from slime_async.contracts.vision import SampleImages, VisionSpec, mrope_positions, preprocess
+from slime_async.engine.protocol import GenerateRequest
 from slime_async.engine.sampling import RequestError
 
 
@@ -34,22 +35,6 @@ class EngineImages:
     digest: str
     """sha256 of the raw image bytes: a prefix is shared only between requests with the same
     images (the placeholders alone do not say which image they hold)."""
-
-
-def parse_image_data(raw: Any, n_in: int, *, batch: bool) -> list[list[str]]:
-    """Per input, its image strings (empty: none). A batch takes one entry per input."""
-    if raw is None or raw == [] or raw == "":
-        return [[] for _ in range(n_in)]
-    per = raw if batch else [raw]
-    if not isinstance(per, list) or len(per) != n_in:
-        raise RequestError(f"image_data must have one entry per input ({n_in})")
-    out = []
-    for entry in per:
-        items = [] if entry is None else entry if isinstance(entry, list) else [entry]
-        if not all(isinstance(s, str) and s for s in items):
-            raise RequestError("image_data entries must be base64 strings or data URIs")
-        out.append(items)
-    return out
 
 
 def decode_image(s: str) -> tuple[Any, bytes]:
@@ -112,6 +97,27 @@ def attach_images(prompt: list[int], strings: list[str], lm: Any) -> tuple[list[
     return expand_placeholders(prompt, list(images.grids), v), EngineImages(
         images=images, digest=digest
     )
+
+
+def with_images(req: GenerateRequest, eng: Any) -> GenerateRequest:
+    """`req` with each item's `image_data` decoded and preprocessed (once per distinct input)
+    and its placeholders expanded (`engine.vision.attach_images`); the expanded prompt must
+    still fit the context."""
+    done: dict[tuple[tuple[int, ...], tuple[str, ...]], tuple[list[int], object]] = {}
+    items = []
+    for it in req.items:
+        key = (tuple(it.prompt), it.image_data)
+        if key not in done:
+            done[key] = attach_images(it.prompt, list(it.image_data), eng.lm)
+        prompt, images = done[key]
+        ctx = eng.limits.context_length
+        if len(prompt) + it.params.max_new_tokens > ctx:
+            raise RequestError(
+                f"with its images the prompt has {len(prompt)} tokens; + max_new_tokens "
+                f"{it.params.max_new_tokens} is over the engine's context length of {ctx}"
+            )
+        items.append(dataclasses.replace(it, prompt=list(prompt), images=images, image_data=()))
+    return dataclasses.replace(req, items=items)
 
 
 @torch.no_grad()
