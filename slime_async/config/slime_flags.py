@@ -166,7 +166,7 @@ NOT_HERE: dict[str, str] = {
     "--num-epoch": "training length in epochs; not here: give --num-rollout (or --num-steps); "
     "the prompt data is cycled in shuffled epochs as long as the run needs",
     **_each(
-        "--disable-rollout-global-dataset --data-source-path --multimodal-keys --metadata-key "
+        "--disable-rollout-global-dataset --data-source-path --metadata-key "
         "--tool-key --eval-tool-key",
         _DATA,
     ),

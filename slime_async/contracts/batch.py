@@ -27,7 +27,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from slime_async.contracts.vision import SampleImages
+from slime_async.contracts.vision import ImageRefs, SampleImages
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,9 +52,9 @@ class TrainerBatch:
     """[B, T] float32 π_j^Meg of each token under its own version's trainer weights, computed
     off the train step (`--behavior-forward role`); NaN where not computed. None: the trainer
     computes π_j^Meg itself when its loss reads it."""
-    images: tuple[SampleImages | None, ...] | None = None
-    """Vision-language models: each sample's images (None: a sample without), or None for a
-    batch without any. Their placeholder tokens are prompt tokens: never in `loss_mask`."""
+    images: tuple[SampleImages | ImageRefs | None, ...] | None = None
+    """Vision-language models: each sample's images, preprocessed or by reference (None: a
+    sample without), or None for a batch without any. Their placeholder tokens are prompt tokens: never in `loss_mask`."""
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape if self.tokens.dim() == 2 else (None, None)
@@ -172,7 +172,7 @@ class TrainerBatch:
         routed_experts: list[np.ndarray] | None = None,
         pad_id: int = 0,
         pad_to_multiple: int = 1,
-        images: list[SampleImages | None] | None = None,
+        images: list[SampleImages | ImageRefs | None] | None = None,
     ) -> TrainerBatch:
         """Build from per-sample lists (response log-probs/versions cover the response only)."""
         b = len(tokens)

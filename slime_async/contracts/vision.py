@@ -10,8 +10,10 @@ tokens count up on all three, an image's placeholders sit on its merged patch gr
 where the image begins, the text after it resumes past the larger grid side; pure; the trainer
 and the engine both use it), `image_processor` (the one preprocessing of an image, which the
 data path and the engine share, so both count the same placeholders), and
-`SampleImages` (one sample's preprocessed images as the trainer reads them). Imports nothing
-from the rest of slime_async.
+`SampleImages` (one sample's preprocessed images as the trainer reads them), `ImageRefs` (the
+same by reference: paths or base64, what crosses Ray), `read_image` / `data_uri` (a reference's
+bytes) and `expand_image_pads` (one pad per image → its grid's count). Imports nothing from the
+rest of slime_async.
 """
 
 from __future__ import annotations
@@ -291,3 +293,76 @@ def preprocess(processor: Any, images: list[Any]) -> SampleImages:
     out = processor(images=images, return_tensors="pt")
     grids = tuple(tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist())
     return SampleImages(pixels=out["pixel_values"].float(), grids=grids)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ImageRefs:
+    """One sample's images by reference (local paths, base64 strings or data URIs): what
+    crosses process boundaries instead of pixels; the trainer preprocesses them itself."""
+
+    refs: tuple[str, ...]
+    """The images, in the order of their placeholders."""
+
+
+def read_image(ref: str) -> tuple[Any, bytes]:
+    """(the RGB PIL image, its raw bytes) of a local path, a base64 string or a
+    `data:image/...;base64,` URI (the data side's references; no URLs)."""
+    import base64
+    import binascii
+    import io
+    from pathlib import Path
+
+    from PIL import Image
+
+    if ref.startswith(("http://", "https://")):
+        raise ValueError(f"image {ref[:60]!r}: URLs are not fetched; give a local path or base64")
+    if ref.startswith("data:"):
+        raw = base64.b64decode(ref.split(",", 1)[-1])
+    elif len(ref) < 4096 and Path(ref).is_file():
+        raw = Path(ref).read_bytes()
+    else:
+        try:
+            raw = base64.b64decode(ref, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(
+                f"image {ref[:60]!r} is neither an existing file nor base64 data"
+            ) from None
+    return Image.open(io.BytesIO(raw)).convert("RGB"), raw
+
+
+def data_uri(ref: str) -> str:
+    """`ref` as a `data:` URI (what the engine's `image_data` takes): a path is read."""
+    import base64
+
+    if ref.startswith("data:"):
+        return ref
+    _, raw = read_image(ref)
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+def expand_image_pads(ids: list[int], grids: list[tuple[int, int, int]], v: VisionSpec):
+    """`ids` with each image's placeholder run made as long as its grid needs: a single pad is
+    expanded, a run of the right length kept; ValueError otherwise (counts that differ)."""
+    out: list[int] = []
+    i, k = 0, 0
+    while i < len(ids):
+        if ids[i] != v.image_token_id:
+            out.append(ids[i])
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and ids[j] == v.image_token_id:
+            j += 1
+        if k >= len(grids):
+            raise ValueError(f"the prompt has more image placeholders than images ({k})")
+        need = v.image_tokens(grids[k])
+        if j - i not in (1, need):
+            raise ValueError(
+                f"image {k} takes {need} placeholder tokens; the prompt has {j - i} (send one "
+                "<|image_pad|> per image to have it expanded)"
+            )
+        out += [v.image_token_id] * need
+        i, k = j, k + 1
+    if k != len(grids):
+        raise ValueError(f"{len(grids)} images but {k} image placeholders in the prompt")
+    return out

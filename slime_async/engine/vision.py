@@ -4,8 +4,8 @@ Owns: `EngineImages` (one request's preprocessed images and their digest), `deco
 base64 string or a `data:image/...;base64,` URI; URLs and file paths are refused, the engine
 reads nothing a request names; `protocol.parse_image_data` reads the field), `with_images` and
 `attach_images` (decode, preprocess with the checkpoint's processor, expand each image's
-single `<|image_pad|>` into its grid's count or check an expanded run; runs off the event
-loop) and `prefill_inputs` (the embeddings with image features written into the placeholder
+single `<|image_pad|>` into its grid's count or check an expanded run,
+`contracts.vision.expand_image_pads`; runs off the event loop) and `prefill_inputs` (the embeddings with image features written into the placeholder
 positions and the three mRoPE position ids of a prefill's new tokens, plus each row's rope
 delta for decoding). Must never import the server, the scheduler or aiohttp.
 """
@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from slime_async.contracts.vision import SampleImages, VisionSpec, mrope_positions, preprocess
+from slime_async.contracts.vision import (
+    SampleImages,
+    VisionSpec,
+    expand_image_pads,
+    mrope_positions,
+    preprocess,
+)
 from slime_async.engine.protocol import GenerateRequest
 from slime_async.engine.sampling import RequestError
 
@@ -54,34 +60,6 @@ def decode_image(s: str) -> tuple[Any, bytes]:
         raise RequestError(f"image_data holds no decodable image ({type(e).__name__})") from None
 
 
-def expand_placeholders(prompt: list[int], grids: list[tuple[int, int, int]], v: VisionSpec):
-    """`prompt` with each image's placeholder run made as long as its grid needs: a single
-    `<|image_pad|>` is expanded, a run of the right length is kept; RequestError otherwise."""
-    out: list[int] = []
-    i, k = 0, 0
-    while i < len(prompt):
-        if prompt[i] != v.image_token_id:
-            out.append(prompt[i])
-            i += 1
-            continue
-        j = i
-        while j < len(prompt) and prompt[j] == v.image_token_id:
-            j += 1
-        if k >= len(grids):
-            raise RequestError(f"the prompt has more image placeholders than images ({k})")
-        need = v.image_tokens(grids[k])
-        if j - i not in (1, need):
-            raise RequestError(
-                f"image {k} takes {need} placeholder tokens; the prompt has {j - i} (send one "
-                "<|image_pad|> per image to have it expanded)"
-            )
-        out += [v.image_token_id] * need
-        i, k = j, k + 1
-    if k != len(grids):
-        raise RequestError(f"{len(grids)} images but {k} image placeholders in the prompt")
-    return out
-
-
 def attach_images(prompt: list[int], strings: list[str], lm: Any) -> tuple[list[int], Any]:
     """(the prompt with expanded placeholders, `EngineImages` or None) of one input."""
     v: VisionSpec | None = getattr(lm, "vision", None)
@@ -94,9 +72,11 @@ def attach_images(prompt: list[int], strings: list[str], lm: Any) -> tuple[list[
     decoded = [decode_image(s) for s in strings]
     images = preprocess(lm.image_processor, [im for im, _ in decoded])
     digest = hashlib.sha256(b"".join(hashlib.sha256(r).digest() for _, r in decoded)).hexdigest()
-    return expand_placeholders(prompt, list(images.grids), v), EngineImages(
-        images=images, digest=digest
-    )
+    try:
+        expanded = expand_image_pads(prompt, list(images.grids), v)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    return expanded, EngineImages(images=images, digest=digest)
 
 
 def with_images(req: GenerateRequest, eng: Any) -> GenerateRequest:

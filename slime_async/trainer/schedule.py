@@ -111,10 +111,13 @@ class Schedule:
         chunks: list[torch.nn.Module] | None = None,
         chunk_tokens: int | None = None,
         vision: VisionSpec | None = None,
+        images: Callable[[Any], Any] | None = None,
     ) -> None:
         self.wrapped = wrapped
         self.vision = vision
         """A vision-language model's vision spec: inputs get mRoPE positions and images."""
+        self.images = images
+        """Turns a sample's images by reference into pixels (`vl_inputs.ImageResolver`)."""
         self.chunks = chunks or []
         """The unwrapped chunks (their output weight, when the last one returns hidden states)."""
         self.chunk_tokens = chunk_tokens
@@ -258,8 +261,11 @@ class _Step:
 
         b = mb.batch
         assert self.schedule.vision is not None
+        images = b.images
+        if images is not None and self.schedule.images is not None:
+            images = tuple(self.schedule.images(i) for i in images)
         pos, pixels, grids = layout_inputs(
-            b.tokens, b.loss_mask, b.images, mb.layout, self.schedule.vision
+            b.tokens, b.loss_mask, images, mb.layout, self.schedule.vision
         )
         chunk = self.schedule.chunks[k] if self.schedule.chunks else None
         if chunk is None or getattr(chunk, "vision", None) is None:

@@ -150,6 +150,7 @@ class MegatronTrainer(LogprobForwards):
             chunks=self.chunks,
             chunk_tokens=cfg.logits_chunk_tokens,
             vision=spec.vision,
+            images=_images(cfg, spec),
         )
         self.version = 0
         self.extra_state: dict[str, object] = {}
@@ -486,3 +487,12 @@ def _freeze_vision(
         for c in chunks:
             if getattr(c, "vision", None) is not None:
                 c.vision.requires_grad_(False)
+
+
+def _images(cfg: TrainerConfig, spec: ModelSpec) -> object:
+    """The resolver of images that come by reference (vision-language models), else None."""
+    if spec.vision is None:
+        return None
+    from slime_async.trainer.vl_inputs import ImageResolver
+
+    return ImageResolver(cfg.hf_source or cfg.hf_checkpoint, spec.vision)

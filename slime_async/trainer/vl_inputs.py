@@ -3,6 +3,7 @@
 Owns: `image_embeddings` (the word embeddings of a batch with the vision tower's
 output written into the image placeholder positions, in megatron's `[T, B, H]` layout) and
 `vl_forward` (one GPTModel forward of token rows with images, for parity checks), and
+`ImageResolver` (images that came by reference, preprocessed here once each), and
 `layout_inputs` (a micro-batch's positions, `contracts.vision.mrope_positions`, and images in
 its packed or padded row layout). Image placeholder tokens are never trained: their targets are not sampled, so the
 loss mask is 0 there (`image_token_mask` says which they are). Must never import the
@@ -15,7 +16,15 @@ from typing import Any
 
 import torch
 
-from slime_async.contracts.vision import SampleImages, VisionSpec, mrope_positions
+from slime_async.contracts.vision import (
+    ImageRefs,
+    SampleImages,
+    VisionSpec,
+    image_processor,
+    mrope_positions,
+    preprocess,
+    read_image,
+)
 
 
 def image_token_mask(tokens: torch.Tensor, vision: VisionSpec) -> torch.Tensor:
@@ -94,3 +103,27 @@ def layout_inputs(
     if not grids:
         return pos, None, None
     return pos, torch.cat(pixels), torch.tensor(grids, dtype=torch.long)
+
+
+class ImageResolver:
+    """`ImageRefs` → `SampleImages` with the checkpoint's image processor; each distinct set of
+    references is read and preprocessed once (kept in a bounded cache), so pixels never cross
+    a process boundary while a path (or the base64 the data carries) suffices."""
+
+    def __init__(self, model_dir: str | None, vision: VisionSpec, *, capacity: int = 4096):
+        self.model_dir, self.vision, self.capacity = model_dir, vision, capacity
+        self._processor: Any = None
+        self._cache: dict[tuple[str, ...], SampleImages] = {}
+
+    def __call__(self, img: SampleImages | ImageRefs | None) -> SampleImages | None:
+        if not isinstance(img, ImageRefs):
+            return img
+        hit = self._cache.get(img.refs)
+        if hit is None:
+            if self._processor is None:
+                self._processor = image_processor(self.model_dir, self.vision)
+            hit = preprocess(self._processor, [read_image(r)[0] for r in img.refs])
+            if len(self._cache) >= self.capacity:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[img.refs] = hit
+        return hit

@@ -27,6 +27,7 @@ from slime_async.rollout.data.gym import (
     ReasoningGymConfig,
     ReasoningGymTasks,
 )
+from slime_async.rollout.data.images import vision_data
 from slime_async.rollout.data.remote_rm import RemoteReward
 from slime_async.rollout.data.sources import (
     TaskPromptSource,
@@ -155,8 +156,10 @@ def _plan(
             strict=rollout.strict_data,
             apply_chat_template=rollout.apply_chat_template or None,
             chat_template_kwargs=rollout.chat_template_kwargs,
+            image_key=rollout.image_key,
         ),
         tokenizer=tok,
+        vision=vision_data(hf_checkpoint, tok) if rollout.image_key else None,
     )
     return DataPlan(
         source=dataset_source(data, seed=seed),

@@ -27,6 +27,7 @@ from slime_async.contracts.rollout import (
     SegmentPayload,
     decode_routed_experts,
 )
+from slime_async.contracts.vision import data_uri
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,6 +138,9 @@ class GenerateClient:
         }
         if cfg.return_routed_experts:
             body["return_routed_experts"] = True
+        refs = req.prompt.payload.get("images")
+        if refs:  # the engine takes the images themselves (data URIs), never a path
+            body["image_data"] = [data_uri(r) for r in refs]
         if cfg.lora_name is not None:
             body["lora_path"] = cfg.lora_name
         return body
