@@ -176,7 +176,10 @@ def _row_problem(rec: Any, cfg: DatasetConfig) -> tuple[str, str] | None:
 def _row_key(rec: dict[str, Any], cfg: DatasetConfig) -> str:
     if cfg.id_key is not None and rec.get(cfg.id_key) is not None:
         return str(rec[cfg.id_key])
-    blob = json.dumps([rec[cfg.prompt_key], rec.get(cfg.label_key)], sort_keys=True, default=str)
+    parts = [rec[cfg.prompt_key], rec.get(cfg.label_key)]
+    if cfg.image_key is not None:  # the same question about another image is another row
+        parts.append(rec.get(cfg.image_key))
+    blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
