@@ -282,6 +282,27 @@ def test_train_step_with_images_and_the_frozen_vision_tower(vl, freeze):
     assert lm_moved and vision_moved == (not freeze)
 
 
+def test_lora_on_the_language_model_trains_with_images(vl):
+    from slime_async.trainer.config import TrainerConfig
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    spec, ckpt, hf = vl
+    batch, want = _batch(spec, hf)
+    cfg = TrainerConfig(seed=3, hf_checkpoint=str(ckpt), lr=1e-2, lora_rank=4)
+    tr = MegatronTrainer(cfg, spec)
+    lp0, _ = tr.compute_logprobs(batch)
+    got = lp0[0][batch.loss_mask[0]].tolist()
+    assert max(abs(a - b) for a, b in zip(got, want)) <= LOGIT_TOL  # B = 0: the base model
+    base = tr.export_weights().tensors
+    tr.train_step(batch)
+    tr.train_step(batch)
+    lp2, _ = tr.compute_logprobs(batch)
+    assert not torch.equal(lp2, lp0)  # the adapters learned on image + text samples
+    after = tr.export_weights().tensors  # the adapters merged in
+    assert all(torch.equal(after[k], v) for k, v in base.items() if k.startswith("visual."))
+    assert any(not torch.equal(after[k], v) for k, v in base.items() if "self_attn" in k)
+
+
 def test_image_placeholders_in_the_loss_mask_are_refused(vl):
     import dataclasses
 
