@@ -180,3 +180,31 @@ def test_video_and_audio_keys_are_refused_at_parse_time(keys, capsys):
         build_parser().parse_args(["--multimodal-keys", keys])
     (line,) = [x for x in capsys.readouterr().err.splitlines() if "only images" in x]
     assert "--multimodal-keys" in line and '{"image": "<column>"}' in line
+
+
+def test_sft_conversations_with_images_train_only_the_answer(tmp_path):
+    from slime_async.contracts.vision import ImageRefs
+    from slime_async.rollout.data.images import vision_data
+    from slime_async.rollout.data.sft import SFTData
+    from slime_async.tools.tiny_vl import word_tokenizer, write_checkpoint, write_shapes_dataset
+
+    hf = write_checkpoint(tmp_path / "hf")
+    write_shapes_dataset(tmp_path / "d", 4, seed=0)
+    tok = word_tokenizer()
+    data = SFTData(
+        str(tmp_path / "d" / "shapes_sft.jsonl"),
+        tokenizer=tok,
+        input_key="messages",
+        batch_size=4,
+        seed=0,
+        image_key="images",
+        vision=vision_data(str(hf), tok),
+    )
+    tb, _ = data.batch(0, version=0)
+    assert all(isinstance(i, ImageRefs) for i in tb.images)
+    for r in range(4):
+        ids = tb.tokens[r, : tb.lengths[r]]
+        pads = ids == 252
+        assert int(pads.sum()) >= 4 and not bool((tb.loss_mask[r] & (tb.tokens[r] == 252)).any())
+        trained = tok.decode(tb.tokens[r][tb.loss_mask[r]].tolist()).split()
+        assert trained[0] in ("one", "two", "three", "red", "green", "blue"), trained

@@ -5,7 +5,8 @@ and vision special tokens and a chat template; no download), `write_checkpoint` 
 published Qwen2.5-VL config, `tests/data/configs/qwen2.5-vl-tiny`, with seeded random weights
 and that tokenizer), `draw_shapes` (a procedurally drawn image: 1 to 3 filled shapes of one
 colour on a light background), `write_shapes_dataset` (`--prompt-data` rows asking how many
-shapes or which colour, the image by path, the answer as the label) and `shapes_reward` (exact
+shapes or which colour, the image by path, the answer as the label; the same rows as SFT
+conversations in `shapes_sft.jsonl`) and `shapes_reward` (exact
 match of the first word of the response; `--custom-rm-path
 slime_async.tools.tiny_vl.shapes_reward`).
 
@@ -81,7 +82,8 @@ def word_tokenizer() -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<pad>", "<unk>", *COUNTS, *COLOURS, *WORDS, *[f"w{i}" for i in range(40)]]
+    words = ["<pad>", "<unk>", "<|im_end|>", *COUNTS, *COLOURS, *WORDS]
+    words += [f"w{i}" for i in range(40)]
     vocab = {w: i for i, w in enumerate(words)} | SPECIAL
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -144,6 +146,17 @@ def write_shapes_dataset(out: str | Path, n: int, *, seed: int = 0) -> Path:
         rows[-1]["images"] = str(path)
     data = out / "shapes.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sft = [  # the same rows as conversations, for an SFT warm start (--loss-type sft_loss)
+        {
+            "messages": [
+                {"role": "user", "content": r["prompt"]},
+                {"role": "assistant", "content": r["label"]},
+            ],
+            "images": r["images"],
+        }
+        for r in rows
+    ]
+    (out / "shapes_sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft))
     return data
 
 

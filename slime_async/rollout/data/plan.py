@@ -99,8 +99,10 @@ def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | No
                 apply_chat_template=rollout.apply_chat_template or None,
                 chat_template_kwargs=rollout.chat_template_kwargs,
                 flag="--eval-prompt-data",
+                image_key=rollout.image_key,
             ),
             tokenizer=tok,
+            vision=vision_data(hf_checkpoint, tok) if rollout.image_key else None,
         )
         prompts = dataset_prompts(data)
         sets.append(EvalSet(name=name, prompts=tuple(prompts), reward_fn=reward))
