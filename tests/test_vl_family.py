@@ -315,5 +315,23 @@ def test_image_placeholders_in_the_loss_mask_are_refused(vl):
     mask[0, 5] = True  # an image placeholder of the first image
     assert batch.tokens[0, 5] == spec.vision.image_token_id
     tr = MegatronTrainer(TrainerConfig(seed=3, hf_checkpoint=str(ckpt)), spec)
-    with pytest.raises(ValueError, match="never trained"):
+    with pytest.raises(ValueError, match="placeholder in the loss mask"):
         tr.compute_logprobs(dataclasses.replace(batch, loss_mask=mask))
+
+
+def test_a_sampled_image_token_is_trained_as_text(vl):
+    """The engine never samples a vision token; another engine might: such a response token
+    is in the loss mask, so the trainer reads it as text, not as an image's slot."""
+    import dataclasses
+
+    from slime_async.trainer.config import TrainerConfig
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    spec, ckpt, hf = vl
+    batch, _ = _batch(spec, hf)
+    tokens = batch.tokens.clone()
+    last = int(batch.lengths[0]) - 1
+    tokens[0, last] = spec.vision.image_token_id
+    tr = MegatronTrainer(TrainerConfig(seed=3, hf_checkpoint=str(ckpt)), spec)
+    lp, _ = tr.compute_logprobs(dataclasses.replace(batch, tokens=tokens))
+    assert torch.isfinite(lp).all() and lp[0, last] < 0

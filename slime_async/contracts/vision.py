@@ -183,19 +183,25 @@ class VisionSpec:
 
 
 def mrope_positions(
-    ids: list[int], grids: list[tuple[int, int, int]], vision: VisionSpec
+    ids: list[int],
+    grids: list[tuple[int, int, int]],
+    vision: VisionSpec,
+    *,
+    is_image: list[bool] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """(`[3, T]` int64 positions of the token row `ids`, the rope delta: the next position
     minus T, which every later token, e.g. each decoded one, adds to its index).
 
     Raises ValueError when the placeholders do not match `grids` (one run of
-    `vision.image_tokens(grid)` image tokens per image, in order)."""
+    `vision.image_tokens(grid)` image tokens per image, in order). `is_image`: which tokens are
+    placeholders (default: every image token id; the trainer excludes sampled ones)."""
     m = vision.spatial_merge_size
+    img = is_image if is_image is not None else [t == vision.image_token_id for t in ids]
     out = torch.empty(3, len(ids), dtype=torch.long)
     pending = list(grids)
     i, cur = 0, 0
     while i < len(ids):
-        if ids[i] != vision.image_token_id:
+        if not img[i]:
             out[:, i] = cur
             i, cur = i + 1, cur + 1
             continue
@@ -206,7 +212,7 @@ def mrope_positions(
             raise ValueError("a grid with t > 1 is a video; only images are supported")
         gh, gw = h // m, w // m
         n = gh * gw
-        if ids[i : i + n] != [vision.image_token_id] * n:
+        if img[i : i + n] != [True] * n:
             raise ValueError(
                 f"image at token {i} needs {n} placeholder tokens for its {h}x{w} patch grid"
             )

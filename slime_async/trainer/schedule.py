@@ -264,13 +264,13 @@ class _Step:
         images = b.images
         if images is not None and self.schedule.images is not None:
             images = tuple(self.schedule.images(i) for i in images)
-        pos, pixels, grids = layout_inputs(
+        pos, pixels, grids, where = layout_inputs(
             b.tokens, b.loss_mask, images, mb.layout, self.schedule.vision
         )
         chunk = self.schedule.chunks[k] if self.schedule.chunks else None
         if chunk is None or getattr(chunk, "vision", None) is None:
             return pos.to(self.device), {}
-        emb = image_embeddings(chunk, ids, pixels, grids)
+        emb = image_embeddings(chunk, ids, pixels, grids, where)
         return pos.to(self.device), {"decoder_input": emb}
 
     def forward_step(self, data_iterator: Any, model: torch.nn.Module) -> tuple[Any, Callable]:

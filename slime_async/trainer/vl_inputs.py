@@ -37,15 +37,17 @@ def image_embeddings(
     tokens: torch.Tensor,
     pixels: torch.Tensor | None,
     grid_thw: torch.Tensor | None,
+    where: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[T, B, H]` decoder input of the first pipeline stage: word embeddings of `tokens`
     `[B, T]`, with the vision tower's embeddings of `pixels` written into the image
-    placeholder positions, row-major (the order the images appear in)."""
+    placeholder positions (`where`, default every image token), row-major (the order the images
+    appear in)."""
     emb = chunk.embedding.word_embeddings(tokens)  # [B, T, H], all-reduced over TP
     vision = chunk.vision
     if pixels is not None and pixels.numel():
         feats = vision(pixels.to(emb.device), grid_thw).to(emb.dtype)
-        mask = image_token_mask(tokens, vision.spec)
+        mask = image_token_mask(tokens, vision.spec) if where is None else where.to(emb.device)
         if int(mask.sum()) != feats.shape[0]:
             raise ValueError(
                 f"{int(mask.sum())} image placeholder tokens but {feats.shape[0]} image "
@@ -80,15 +82,17 @@ def layout_inputs(
     images: tuple[SampleImages | None, ...] | None,
     layout: Any,
     vision: VisionSpec,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(`[3, rows, width]` mRoPE positions, pixels, `[images, 3]` grids) of a micro-batch whose
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(`[3, rows, width]` mRoPE positions, pixels, `[images, 3]` grids, `[rows, width]` the
+    placeholder positions) of a micro-batch whose
     samples (`tokens` `[b, w]`, right-padded) sit at `layout.starts` (`packing.RowLayout`):
     each sample's positions start at 0 (padding stays 0) and its images are concatenated in
-    the order their placeholders appear in the model input. Raises ValueError when a trained
-    token is an image placeholder (images are prompt, never trained)."""
-    if bool((loss_mask & image_token_mask(tokens, vision)).any()):
-        raise ValueError("loss_mask marks image placeholder tokens; images are never trained")
+    the order their placeholders appear in the model input. Placeholders are the image tokens
+    outside the loss mask (prompt tokens; a sampled image token id is trained text); ValueError
+    when they do not fit the images."""
+    placeholders = image_token_mask(tokens, vision) & ~loss_mask  # a sampled one is text
     pos = torch.zeros(3, layout.rows, layout.width, dtype=torch.long)
+    where = torch.zeros(layout.rows, layout.width, dtype=torch.bool)
     pixels: list[torch.Tensor] = []
     grids: list[tuple[int, int, int]] = []
     order = sorted(range(len(layout.starts)), key=lambda i: layout.starts[i])
@@ -96,13 +100,20 @@ def layout_inputs(
         (r, c), n = layout.starts[i], layout.lengths[i]
         img = None if images is None else images[i]
         g = list(img.grids) if img is not None else []
-        pos[:, r, c : c + n], _ = mrope_positions(tokens[i, :n].tolist(), g, vision)
+        is_image = placeholders[i, :n]
+        try:
+            pos[:, r, c : c + n], _ = mrope_positions(
+                tokens[i, :n].tolist(), g, vision, is_image=is_image.tolist()
+            )
+        except ValueError as e:
+            raise ValueError(f"sample {i}: {e} (a placeholder in the loss mask?)") from None
+        where[r, c : c + n] = is_image
         if img is not None and img.grids:
             pixels.append(img.pixels)
             grids += g
     if not grids:
-        return pos, None, None
-    return pos, torch.cat(pixels), torch.tensor(grids, dtype=torch.long)
+        return pos, None, None, where
+    return pos, torch.cat(pixels), torch.tensor(grids, dtype=torch.long), where
 
 
 class ImageResolver:
