@@ -121,6 +121,7 @@ def test_multimodal_rows_become_prompts_with_expanded_placeholders(ckpt, tmp_pat
     assert ids[i - 1] == vision.vision_start_token_id and ids[i + 6] == vision.vision_end_token_id
     assert ids[0] == SPECIAL["<|im_start|>"]  # the chat template rendered it
     assert one.payload["images"] == [str(tmp_path / "a.png")]  # by reference, no pixels
+    assert one.payload["image_tokens"] == 6
     (two,) = by_label["w9"]
     assert list(two.prompt_ids).count(vision.image_token_id) == 6 + 8
     text_only = by_label["w5"]
@@ -208,3 +209,41 @@ def test_sft_conversations_with_images_train_only_the_answer(tmp_path):
         assert int(pads.sum()) >= 4 and not bool((tb.loss_mask[r] & (tb.tokens[r] == 252)).any())
         trained = tok.decode(tb.tokens[r][tb.loss_mask[r]].tolist()).split()
         assert trained[0] in ("one", "two", "three", "red", "green", "blue"), trained
+
+
+async def test_the_router_hint_counts_image_tokens_as_work(tmp_path):
+    """`X-Expected-Tokens` = the expected response length + the prompt's image tokens."""
+    from aiohttp import web
+
+    from data_worker.types import GenerationRequest, Prompt
+    from slime_async.rollout.generate.client import (
+        GenerateClient,
+        GenerateClientConfig,
+        GenerateError,
+    )
+
+    seen = []
+
+    async def handler(request):
+        seen.append(request.headers["X-Expected-Tokens"])
+        return web.json_response({"error": "captured"}, status=400)
+
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    path = tmp_path / "x.png"
+    path.write_bytes(_png((56, 56), 0))
+    client = GenerateClient(GenerateClientConfig(url=url, max_connection_retries=0))
+    try:
+        for payload in ({"images": [str(path)], "image_tokens": 4}, {}):
+            prompt = Prompt(key="k", prompt_ids=[5, 6], payload=payload)
+            with pytest.raises(GenerateError):
+                await client(GenerationRequest(prompt=prompt, group_seq=0, sample_index=0), 0, 10)
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert seen == ["14", "10"]

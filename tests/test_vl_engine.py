@@ -196,3 +196,34 @@ async def test_chat_completions_take_image_content_parts(served):
     assert got and got == want[: len(got)]
     assert answer["usage"]["prompt_tokens"] == len(ids)
     assert bad_status == 400 and "image_url.url" in str(bad)
+
+
+async def test_the_engine_never_samples_vision_tokens(tmp_path):
+    """A model whose favourite next token is `<|image_pad|>` still answers with text: a
+    placeholder is an image's slot, never an answer."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from slime_async.contracts.model import ModelSpec
+    from slime_async.engine import EngineConfig, EngineServer
+    from slime_async.engine.testing import post
+
+    cfg = AutoConfig.from_pretrained(str(CONFIGS / "qwen2.5-vl-tiny"))
+    torch.manual_seed(0)
+    hf = Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=torch.float32).eval()
+    v = ModelSpec.from_hf_config(cfg).vision
+    with torch.no_grad():  # tied embeddings: a long pad row wins most dot products
+        emb = hf.get_input_embeddings().weight
+        emb[v.image_token_id] = emb[v.image_token_id] * 50
+        emb[v.vision_start_token_id] = emb[v.vision_start_token_id] * 40
+    x = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        top = int(hf(input_ids=x).logits[0, -1].argmax())
+    assert top in (v.image_token_id, v.vision_start_token_id)  # what greedy would pick
+    ckpt = tmp_path / "hf"
+    hf.save_pretrained(str(ckpt))
+    with EngineServer(EngineConfig(dtype="fp32", model_dir=str(ckpt))) as srv:
+        async with aiohttp.ClientSession() as s:
+            status, body = await post(s, srv.url + "/generate", _body([5, 6, 7], None))
+    assert status == 200, body
+    vision = {v.image_token_id, v.video_token_id, v.vision_start_token_id, v.vision_end_token_id}
+    assert len(body["output_ids"]) == NEW and not set(body["output_ids"]) & vision

@@ -80,6 +80,8 @@ class DataRow:
     """Copied `metadata_keys`."""
     images: tuple[str, ...] = ()
     """The row's image references (`image_key`); its prompt ids hold their placeholders."""
+    image_tokens: int = 0
+    """How many of its prompt ids are image placeholders (the router counts them as work)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -232,6 +234,10 @@ def _tokenized(
     return text, (im.expand(ids, refs, vision) if refs else ids), refs
 
 
+def _image_tokens(ids: list[int] | None, vision: Any) -> int:
+    return 0 if ids is None else sum(t == vision.vision.image_token_id for t in ids)
+
+
 def load_dataset(
     config: DatasetConfig, *, tokenizer: Any = None, vision: Any = None
 ) -> LoadedDataset:
@@ -277,6 +283,7 @@ def load_dataset(
                 prompt_ids=tuple(ids) if ids is not None else None,
                 metadata={k: rec.get(k) for k in config.metadata_keys},
                 images=refs,
+                image_tokens=_image_tokens(ids, vision) if refs else 0,
             )
         )
     if skipped:

@@ -89,7 +89,11 @@ def dataset_prompts(data: LoadedDataset) -> list[Prompt]:
                 key=key,
                 prompt_ids=list(row.prompt_ids),
                 payload={"label": row.label, "metadata": dict(row.metadata)}
-                | ({"images": list(row.images)} if row.images else {}),
+                | (
+                    {"images": list(row.images), "image_tokens": row.image_tokens}
+                    if row.images
+                    else {}
+                ),
             )
         )
     if repeats:

@@ -150,8 +150,10 @@ class GenerateClient:
     ) -> GenerationResult:
         del priority  # ordering is the data worker's job; the router balances on expected_len
         body = self.build_request(req)
+        # an image's placeholders cost a prefill and a vision forward: counted as work too
+        work = int(expected_len) + int(req.prompt.payload.get("image_tokens") or 0)
         headers = {
-            "X-Expected-Tokens": str(max(1, int(expected_len))),
+            "X-Expected-Tokens": str(max(1, work)),
             # the router keeps a group's samples on the engine that caches their prompt
             "X-Group-Key": f"{req.prompt.key}-g{req.group_seq}",
         }
