@@ -1,4 +1,4 @@
-"""A vision-language model end to end: the tiny Qwen2.5-VL built here (`tools/tiny_vl.py`) on
+"""A vision-language model end to end: the tiny Qwen2.5-VL built here (`slime_async/tools/tiny_vl.py`) on
 procedurally drawn shapes (`--multimodal-keys`), fully async with a weight push every step
 through the distributed transport; the engine's and the trainer's log-probs of the same image
 + text samples agree, and `--save-hf` writes a VL checkpoint transformers loads. The shapes

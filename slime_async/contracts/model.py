@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from slime_async.contracts.vision import VisionSpec, refuse_modalities
+from slime_async.contracts.vl_config import check_vl, text_fields, vl_hf_config
 
 Family = Literal["qwen3_moe", "qwen3", "qwen2", "llama", "mistral", "qwen2_5_vl"]
 FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3", "qwen2", "llama", "mistral", "qwen2_5_vl")
@@ -106,7 +107,7 @@ class ModelSpec:
             object.__setattr__(self, "vision", VisionSpec.from_dict(self.vision))
         if self.mrope_section is not None:
             object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
-        self._check_vl()
+        check_vl(self.family, self.vision, self.mrope_section, self.head_dim, self.hidden_size)
         if self.family not in FAMILIES:
             raise ValueError(
                 f"unknown model family {self.family!r}; use one of {', '.join(FAMILIES)}"
@@ -129,24 +130,6 @@ class ModelSpec:
                 "llama3 rope scaling needs rope_factor > 0 and 0 < rope_low_freq_factor < "
                 f"rope_high_freq_factor (got {self.rope_factor}, {self.rope_low_freq_factor}, "
                 f"{self.rope_high_freq_factor})"
-            )
-
-    def _check_vl(self) -> None:
-        vl = self.family == "qwen2_5_vl"
-        if vl != (self.vision is not None) or vl != (self.mrope_section is not None):
-            raise ValueError(
-                "vision and mrope_section are set exactly for the qwen2_5_vl family "
-                f"(family {self.family!r})"
-            )
-        if vl and sum(self.mrope_section) != self.head_dim // 2:  # type: ignore[arg-type]
-            raise ValueError(
-                f"mrope_section {list(self.mrope_section)} must sum to head_dim / 2 "  # type: ignore[arg-type]
-                f"({self.head_dim // 2})"
-            )
-        if vl and self.vision.out_hidden_size != self.hidden_size:  # type: ignore[union-attr]
-            raise ValueError(
-                f"vision out_hidden_size ({self.vision.out_hidden_size}) must equal the "  # type: ignore[union-attr]
-                f"language model's hidden_size ({self.hidden_size})"
             )
 
     @property
@@ -227,31 +210,15 @@ class ModelSpec:
                 router_aux_loss_coef=0.0,
             )
         if self.is_vl:
-            return self._vl_hf_config(common)
+            return vl_hf_config(
+                common,
+                mrope_section=self.mrope_section,
+                rope_theta=self.rope_theta,
+                tie=self.tie_word_embeddings,
+                vision=self.vision,
+                architecture=self.hf_architecture,
+            )
         return getattr(transformers, _CONFIGS[self.family])(**common)
-
-    def _vl_hf_config(self, common: dict[str, Any]) -> Any:
-        """`Qwen2_5_VLConfig`: the language model's fields as its `text_config` (mRoPE in
-        `rope_parameters`), the vision encoder's, and the image token ids."""
-        import transformers
-
-        assert self.vision is not None and self.mrope_section is not None
-        skip = ("architectures", "tie_word_embeddings", "rope_theta", "head_dim")
-        text = {k: v for k, v in common.items() if k not in skip}
-        text["rope_parameters"] = {
-            "rope_type": "default",
-            "mrope_section": list(self.mrope_section),
-            "rope_theta": self.rope_theta,
-        }
-        text["tie_word_embeddings"] = self.tie_word_embeddings
-        vision, ids = self.vision.to_hf()
-        return transformers.Qwen2_5_VLConfig(
-            text_config=text,
-            vision_config=vision,
-            tie_word_embeddings=self.tie_word_embeddings,
-            architectures=[self.hf_architecture],
-            **ids,
-        )
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelSpec:
@@ -265,7 +232,7 @@ class ModelSpec:
         top = cfg if isinstance(cfg, dict) else cfg.to_dict()
         mtype = top.get("model_type")
         refuse_modalities(mtype)
-        d = _text_fields(top) if mtype == "qwen2_5_vl" else top
+        d = text_fields(top) if mtype == "qwen2_5_vl" else top
         if mtype not in FAMILIES:
             raise ValueError(
                 f"model_type {mtype!r} is not supported; supported: {', '.join(FAMILIES)}"
@@ -332,17 +299,6 @@ class ModelSpec:
     @classmethod
     def load(cls, path: str | Path) -> ModelSpec:
         return cls.from_dict(json.loads(Path(path).read_text()))
-
-
-def _text_fields(top: dict[str, Any]) -> dict[str, Any]:
-    """A VL config's language-model fields: a published (flat) config.json keeps them at the
-    top, transformers 5 nests them in `text_config`; either way one flat dict."""
-    text = {**top, **(top.get("text_config") or {})}
-    text["model_type"] = top["model_type"]
-    text["tie_word_embeddings"] = bool(
-        top.get("tie_word_embeddings") or (top.get("text_config") or {}).get("tie_word_embeddings")
-    )
-    return text
 
 
 def _rope_params(d: dict[str, Any]) -> dict[str, Any]:
