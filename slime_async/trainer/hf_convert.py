@@ -31,6 +31,7 @@ import torch.distributed as dist
 from slime_async.contracts.model import ModelSpec
 from slime_async.trainer.model import global_named_parameters
 from slime_async.trainer.parallel import all_gather_cat, all_reduce_sum
+from slime_async.trainer.vision import tower_shapes
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -366,7 +367,8 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     }
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
-    shapes.update(_vision_shapes(spec))
+    if spec.vision is not None:
+        shapes.update({_HF_VISION + k: v for k, v in tower_shapes(spec.vision).items()})
     for i in range(spec.num_layers):
         pre = f"model.layers.{i}."
         shapes[pre + "input_layernorm.weight"] = (h,)
@@ -395,14 +397,3 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[pre + "mlp.up_proj.weight"] = (f, h)
             shapes[pre + "mlp.down_proj.weight"] = (h, f)
     return shapes
-
-
-def _vision_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """HF name → shape of the vision tower's tensors (none for a text model)."""
-    if spec.vision is None:
-        return {}
-    from slime_async.trainer.vision import VisionTower
-
-    with torch.device("meta"):
-        tower = VisionTower(spec.vision)
-    return {_HF_VISION + k: tuple(t.shape) for k, t in tower.state_dict().items()}

@@ -201,3 +201,10 @@ def window_layout(
                     bounds.append(bounds[-1] + win.numel() * unit)
         base += t * gh * gw
     return torch.cat(order), bounds
+
+
+def tower_shapes(spec: VisionSpec) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor of a `VisionTower` (built on the meta device)."""
+    with torch.device("meta"):
+        tower = VisionTower(spec)
+    return {k: tuple(t.shape) for k, t in tower.state_dict().items()}
