@@ -149,6 +149,13 @@ def test_vision_tower_equals_hf(vl):
     assert (ours - theirs).abs().max().item() <= 1e-6
 
 
+def test_the_memory_plan_counts_every_parameter(vl):
+    from slime_async.config.memory_plan import param_count
+
+    spec, _, hf = vl
+    assert param_count(spec) == sum(p.numel() for p in hf.parameters())
+
+
 def test_mrope_positions_equal_hf_rope_index(vl):
     from slime_async.trainer.vl_inputs import mrope_positions
 

@@ -114,6 +114,14 @@ class VisionSpec:
         """Values per flattened patch (`pixel_values` columns)."""
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
+    def param_count(self) -> int:
+        """Parameters of the encoder and merger (what the memory plan adds for them)."""
+        h, f, out = self.hidden_size, self.intermediate_size, self.out_hidden_size
+        block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (3 * h * f + 2 * f + h)
+        w = h * self.spatial_merge_size**2
+        merger = h + (w * w + w) + (w * out + out)
+        return self.patch_dim * h + self.depth * block + merger
+
     def image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         """Placeholder tokens of one image with patch grid `(t, h, w)`."""
         t, h, w = grid_thw
