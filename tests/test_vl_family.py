@@ -149,6 +149,32 @@ def test_vision_tower_equals_hf(vl):
     assert (ours - theirs).abs().max().item() <= 1e-6
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vision_tower_equals_hf_on_cuda(vl, dtype):
+    """The tower's CUDA path (SDPA kernels, bf16 as a GPU trainer runs it) against HF's on the
+    same device and dtype."""
+    import copy
+
+    from slime_async.trainer.vision import VisionTower
+
+    spec, _, hf = vl
+    visual = copy.deepcopy(hf.model.visual).to("cuda", dtype)
+    tower = VisionTower(spec.vision)
+    pre = "model.visual."
+    tower.load_state_dict(
+        {k[len(pre) :]: v for k, v in hf.state_dict().items() if k.startswith(pre)}
+    )
+    tower = tower.to("cuda", dtype)
+    _, pixels, grids = _prompt(spec)
+    pixels = pixels.to("cuda", dtype)
+    with torch.no_grad():
+        theirs = visual(pixels, grid_thw=grids.to("cuda")).pooler_output.float()
+        ours = tower(pixels, grids.to("cuda")).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 * theirs.abs().max().item()
+    assert ours.is_cuda and (ours - theirs).abs().max().item() <= tol
+
+
 def test_the_memory_plan_counts_every_parameter(vl):
     from slime_async.config.memory_plan import param_count
 
