@@ -93,7 +93,8 @@ Ray actor with torch and megatron imported; `engine`: an embedded engine actor."
 
 
 def param_count(spec: ModelSpec) -> int:
-    """Parameters of the model `spec` describes (embeddings, attention, MLP or experts, norms)."""
+    """Parameters of the model `spec` describes (embeddings, attention, MLP or experts, norms,
+    a VL model's vision encoder)."""
     h, hd = spec.hidden_size, spec.head_dim
     attn = h * hd * (2 * spec.num_attention_heads + 2 * spec.num_key_value_heads)
     if spec.qkv_bias:
@@ -106,7 +107,8 @@ def param_count(spec: ModelSpec) -> int:
         mlp = 3 * h * spec.intermediate_size
     layer = attn + mlp + 2 * h
     embed = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
-    return spec.num_layers * layer + embed + h
+    vision = spec.vision.param_count() if spec.vision is not None else 0
+    return spec.num_layers * layer + embed + h + vision
 
 
 def layer_values(spec: ModelSpec) -> int:

@@ -32,7 +32,7 @@ _WEIGHT_SYNC = (
 )
 _MEGATRON_HOOK = (
     "a hook into slime's Megatron actor; not here: the trainer builds its model from "
-    "--hf-checkpoint's config.json (qwen2, qwen3, qwen3_moe, llama, mistral) and has no "
+    "--hf-checkpoint's config.json (qwen2, qwen3, qwen3_moe, llama, mistral, qwen2_5_vl) and has no "
     "such hook points; plug-ins here are --custom-generate-function-path, --custom-rm-path, "
     "--custom-loss-function-path"
 )
@@ -159,8 +159,7 @@ NOT_HERE: dict[str, str] = {
     "--num-epoch": "training length in epochs; not here: give --num-rollout (or --num-steps); "
     "the prompt data is cycled in shuffled epochs as long as the run needs",
     **_each(
-        "--disable-rollout-global-dataset --data-source-path --multimodal-keys "
-        "--tool-key --eval-tool-key",
+        "--disable-rollout-global-dataset --data-source-path --tool-key --eval-tool-key",
         _DATA,
     ),
     "--start-rollout-id": "not here: a resumed run continues at the step its --load "
@@ -264,7 +263,7 @@ NOT_HERE: dict[str, str] = {
 }
 
 
-_FAMILIES = "qwen2, qwen3, qwen3_moe, llama, mistral"
+_FAMILIES = "qwen2, qwen3, qwen3_moe, llama, mistral, qwen2_5_vl"
 _ARCH = (
     "a Megatron model-shape flag of a model family the trainer does not build; the supported "
     f"families ({_FAMILIES}) have no such part, and the model is built from --hf-checkpoint's "

@@ -27,6 +27,8 @@ import dataclasses
 import numpy as np
 import torch
 
+from slime_async.contracts.vision import ImageRefs, SampleImages
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerBatch:
@@ -50,6 +52,9 @@ class TrainerBatch:
     """[B, T] float32 π_j^Meg of each token under its own version's trainer weights, computed
     off the train step (`--behavior-forward role`); NaN where not computed. None: the trainer
     computes π_j^Meg itself when its loss reads it."""
+    images: tuple[SampleImages | ImageRefs | None, ...] | None = None
+    """Vision-language models: each sample's images, preprocessed or by reference (None: a
+    sample without), or None for a batch without any. Their placeholder tokens are prompt tokens: never in `loss_mask`."""
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape if self.tokens.dim() == 2 else (None, None)
@@ -78,6 +83,8 @@ class TrainerBatch:
         pos = torch.arange(t).unsqueeze(0)
         if bool((self.loss_mask & (pos >= self.lengths.unsqueeze(1))).any()):
             raise ValueError("loss_mask marks padding positions (t >= lengths[b])")
+        if self.images is not None and len(self.images) != b:
+            raise ValueError(f"images has {len(self.images)} entries, not one per sample ({b})")
         if self.routed_experts is not None:
             if len(self.routed_experts) != b:
                 raise ValueError(f"routed_experts has {len(self.routed_experts)} samples, not {b}")
@@ -109,6 +116,7 @@ class TrainerBatch:
             advantages=self.advantages[ix],
             token_versions=self.token_versions[ix],
             routed_experts=re_,
+            images=None if self.images is None else tuple(self.images[i] for i in rows),
             behavior_logprobs=None
             if self.behavior_logprobs is None
             else self.behavior_logprobs[ix],
@@ -164,6 +172,7 @@ class TrainerBatch:
         routed_experts: list[np.ndarray] | None = None,
         pad_id: int = 0,
         pad_to_multiple: int = 1,
+        images: list[SampleImages | ImageRefs | None] | None = None,
     ) -> TrainerBatch:
         """Build from per-sample lists (response log-probs/versions cover the response only)."""
         b = len(tokens)
@@ -196,4 +205,5 @@ class TrainerBatch:
             advantages=adv,
             token_versions=ver,
             routed_experts=None if routed_experts is None else tuple(routed_experts),
+            images=None if images is None else tuple(images),
         )

@@ -35,6 +35,44 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def take_images(messages: Any, placeholder: str | None) -> tuple[Any, list[str]]:
+    """(`messages` with each image content part replaced by a text part holding
+    `placeholder`, the images' URLs in order). OpenAI's `{"type": "image_url", "image_url":
+    {"url": ...}}` and the bare `{"type": "image", "image": ...}`; with `placeholder` None (a
+    model without images) an image part is refused."""
+    if not isinstance(messages, list):
+        return messages, []
+    images: list[str] = []
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for p in content:
+            url = _image_url(p)
+            if url is None:
+                parts.append(p)
+                continue
+            if placeholder is None:
+                raise ChatError(f"messages[{i}] has an image; this model takes text only")
+            images.append(url)
+            parts.append({"type": "text", "text": placeholder})
+        out.append({**m, "content": parts})
+    return out, images
+
+
+def _image_url(part: Any) -> str | None:
+    if not isinstance(part, dict) or part.get("type") not in ("image_url", "image"):
+        return None
+    ref = part.get("image_url") if part["type"] == "image_url" else part.get("image")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str) or not url:
+        raise ChatError("an image content part needs image_url.url (a data:image/...;base64, URI)")
+    return url
+
+
 def _text(content: Any, where: str) -> str:
     if content is None:
         return ""

@@ -12,8 +12,11 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-Family = Literal["qwen3_moe", "qwen3", "qwen2", "llama", "mistral"]
-FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3", "qwen2", "llama", "mistral")
+from slime_async.contracts.vision import VisionSpec, refuse_modalities
+from slime_async.contracts.vl_config import check_vl, text_fields, vl_hf_config
+
+Family = Literal["qwen3_moe", "qwen3", "qwen2", "llama", "mistral", "qwen2_5_vl"]
+FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3", "qwen2", "llama", "mistral", "qwen2_5_vl")
 """The HF `model_type`s a spec can describe (the family name is the `model_type`)."""
 RopeScaling = Literal["llama3"]
 
@@ -23,6 +26,7 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 _CONFIGS = {
     "qwen3_moe": "Qwen3MoeConfig",
@@ -30,6 +34,7 @@ _CONFIGS = {
     "qwen2": "Qwen2Config",
     "llama": "LlamaConfig",
     "mistral": "MistralConfig",
+    "qwen2_5_vl": "Qwen2_5_VLConfig",
 }
 
 
@@ -45,10 +50,11 @@ class ModelSpec:
     | `qwen2`     | yes        | no      | dense        |
     | `llama`     | no         | no      | dense        |
     | `mistral`   | no         | no      | dense (full attention only) |
+    | `qwen2_5_vl`| yes        | no      | dense, mRoPE, a vision encoder (`vision`) |
     """
 
     family: Family = "qwen3_moe"
-    """HF model type: `qwen3_moe`, `qwen3`, `qwen2`, `llama` or `mistral` (see the table)."""
+    """HF model type: `qwen3_moe`, `qwen3`, `qwen2`, `llama`, `mistral` or `qwen2_5_vl`."""
     vocab_size: int = 4096
     """Vocabulary size (token ids are in [0, vocab_size))."""
     hidden_size: int = 128
@@ -90,8 +96,18 @@ class ModelSpec:
     """Share input embedding and output projection."""
     init_std: float = 0.02
     """Initializer standard deviation for models built from scratch."""
+    mrope_section: tuple[int, ...] | None = None
+    """qwen2_5_vl: rotary frequencies (of head_dim / 2) turned by the temporal, height and
+    width position ids (multimodal RoPE); None for text families."""
+    vision: VisionSpec | None = None
+    """qwen2_5_vl: the vision encoder; None for text families."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.vision, dict):
+            object.__setattr__(self, "vision", VisionSpec.from_dict(self.vision))
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
+        check_vl(self.family, self.vision, self.mrope_section, self.head_dim, self.hidden_size)
         if self.family not in FAMILIES:
             raise ValueError(
                 f"unknown model family {self.family!r}; use one of {', '.join(FAMILIES)}"
@@ -117,13 +133,18 @@ class ModelSpec:
             )
 
     @property
+    def is_vl(self) -> bool:
+        """A vision-language model (images in the prompt)."""
+        return self.vision is not None
+
+    @property
     def is_moe(self) -> bool:
         return self.family == "qwen3_moe"
 
     @property
     def qkv_bias(self) -> bool:
         """q/k/v projections carry a bias (Qwen2; the output projection never does)."""
-        return self.family == "qwen2"
+        return self.family in ("qwen2", "qwen2_5_vl")
 
     @property
     def qk_norm(self) -> bool:
@@ -188,6 +209,15 @@ class ModelSpec:
                 output_router_logits=False,
                 router_aux_loss_coef=0.0,
             )
+        if self.is_vl:
+            return vl_hf_config(
+                common,
+                mrope_section=self.mrope_section,
+                rope_theta=self.rope_theta,
+                tie=self.tie_word_embeddings,
+                vision=self.vision,
+                architecture=self.hf_architecture,
+            )
         return getattr(transformers, _CONFIGS[self.family])(**common)
 
     @classmethod
@@ -199,8 +229,10 @@ class ModelSpec:
         attention in use, biases other than Qwen2's q/k/v, another activation, ...): such a
         model would train and serve different math, so nothing is silently dropped.
         """
-        d = cfg if isinstance(cfg, dict) else cfg.to_dict()
-        mtype = d.get("model_type")
+        top = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        mtype = top.get("model_type")
+        refuse_modalities(mtype)
+        d = text_fields(top) if mtype == "qwen2_5_vl" else top
         if mtype not in FAMILIES:
             raise ValueError(
                 f"model_type {mtype!r} is not supported; supported: {', '.join(FAMILIES)}"
@@ -240,6 +272,13 @@ class ModelSpec:
                 moe_topk=d["num_experts_per_tok"],
                 moe_intermediate_size=d["moe_intermediate_size"],
             )
+        if mtype == "qwen2_5_vl":
+            if heads * kwargs["head_dim"] != kwargs["hidden_size"]:
+                raise ValueError("qwen2_5_vl config field head_dim must be hidden_size / heads")
+            section = rp.get("mrope_section")
+            if not section:
+                raise ValueError("qwen2_5_vl config has no rope_scaling.mrope_section")
+            kwargs.update(mrope_section=tuple(section), vision=VisionSpec.from_hf(top))
         return cls(**kwargs)
 
     # ---------------------------------------------------------------- persistence
@@ -281,6 +320,8 @@ def _refuse_unrepresentable(d: dict[str, Any], mtype: str) -> None:
 
     rp = _rope_params(d)
     rtype = _rope_type(rp)
+    if mtype == "qwen2_5_vl" and rtype == "mrope":  # the multimodal RoPE is the default one
+        rtype = "default"
     if rtype not in ("default", "llama3"):
         refuse("rope_scaling.rope_type", rtype, "the trainer implements plain RoPE and llama3")
     if rtype == "llama3":

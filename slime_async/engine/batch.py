@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -29,6 +30,9 @@ class KVBatch:
     """Per layer keys/values `[B, kv_heads, L, head_dim]`, left-padded."""
     mask: torch.Tensor
     """`[B, L]` bool, True where the cache holds a real token."""
+    rope_delta: torch.Tensor | None = None
+    """Vision-language models: `[B]` int64 added to each row's next index to get its mRoPE
+    position (negative after an image: its placeholders span fewer positions than tokens)."""
 
     @property
     def size(self) -> int:
@@ -63,7 +67,14 @@ def merge(a: KVBatch | None, b: KVBatch) -> KVBatch:
         v = torch.cat([_left_pad(va, length, 2), _left_pad(vb, length, 2)], dim=0)
         layers.append((k, v))
     mask = torch.cat([_left_pad(a.mask, length, 1), _left_pad(b.mask, length, 1)], dim=0)
-    return KVBatch(cache=DynamicCache(ddp_cache_data=layers), mask=mask)
+    delta = None
+    if a.rope_delta is not None or b.rope_delta is not None:
+        delta = torch.cat([_delta(a), _delta(b)])
+    return KVBatch(cache=DynamicCache(ddp_cache_data=layers), mask=mask, rope_delta=delta)
+
+
+def _delta(kv: KVBatch) -> torch.Tensor:
+    return kv.rope_delta if kv.rope_delta is not None else torch.zeros(kv.size, dtype=torch.long)
 
 
 def select(kv: KVBatch, rows: list[int]) -> KVBatch | None:
@@ -78,7 +89,12 @@ def select(kv: KVBatch, rows: list[int]) -> KVBatch | None:
         (k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:])
         for k, v in _kv_of(kv.cache)
     ]
-    return KVBatch(cache=DynamicCache(ddp_cache_data=layers), mask=mask[:, start:].contiguous())
+    delta = None if kv.rope_delta is None else kv.rope_delta.index_select(0, idx)
+    return KVBatch(
+        cache=DynamicCache(ddp_cache_data=layers),
+        mask=mask[:, start:].contiguous(),
+        rope_delta=delta,
+    )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -119,6 +135,7 @@ def prefill(
     prompt_logits_from: list[int | None],
     capture: bool,
     past: list[list[tuple[torch.Tensor, torch.Tensor]] | None] | None = None,
+    images: list[Any] | None = None,
 ) -> PrefillOut:
     """Forward N token lists (left-padded into one batch) and build their cache.
 
@@ -129,7 +146,9 @@ def prefill(
     tokens only. Only the hidden states that are read go through the output layer: each row's
     last (its next-token distribution) and, where `prompt_logits_from[i]` is given (a position
     of `seqs[i]` at or after its past), positions `prompt_logits_from[i]`..P_i − 2 (the
-    log-probs of prompt tokens from `prompt_logits_from[i]` + 1 on)."""
+    log-probs of prompt tokens from `prompt_logits_from[i]` + 1 on). A vision-language model
+    forwards embeddings with `images[i]`'s features (`engine.vision.EngineImages`, None: text
+    only) at mRoPE positions (`vision.prefill_inputs`)."""
     n = len(seqs)
     plen = [0 if past is None or past[i] is None else int(past[i][0][0].shape[1]) for i in range(n)]
     new = [s[c:] for s, c in zip(seqs, plen)]
@@ -148,11 +167,16 @@ def prefill(
     else:
         cache, mask = DynamicCache(), real
     decoder, head = _heads(lm)
+    delta, inputs = None, {"input_ids": ids, "position_ids": pos}
     with _forward(lm, tokens=n * p, capture=capture):
+        if getattr(lm, "vision", None) is not None:
+            from slime_async.engine.vision import prefill_inputs
+
+            emb, pos3, delta = prefill_inputs(lm, seqs, plen, images or [None] * n, p)
+            inputs = {"inputs_embeds": emb, "position_ids": pos3}
         h = decoder(
-            input_ids=ids,
+            **inputs,
             attention_mask=allowed[:, None],
-            position_ids=pos,
             past_key_values=cache,
             use_cache=True,
         ).last_hidden_state
@@ -166,7 +190,7 @@ def prefill(
         [routed_all[i, p - len(s) :] for i, s in enumerate(new)] if routed_all is not None else None
     )
     return PrefillOut(
-        kv=KVBatch(cache=cache, mask=mask),
+        kv=KVBatch(cache=cache, mask=mask, rope_delta=delta),
         last_logits=last_logits,
         prompt_logits=prompt_logits,
         routed=routed,
@@ -222,6 +246,8 @@ def decode(
     [B, num_layers, topk] int32 or None)`."""
     b = kv.size
     pos = kv.lengths()[:, None]
+    if kv.rope_delta is not None:  # mRoPE: all three position ids continue past the prompt
+        pos = (pos + kv.rope_delta[:, None])[None].expand(3, -1, -1)
     new_mask = torch.cat([kv.mask, torch.ones(b, 1, dtype=torch.bool)], dim=1)
     decoder, head = _heads(lm)
     with _forward(lm, tokens=b, capture=capture):

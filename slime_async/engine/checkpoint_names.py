@@ -5,7 +5,9 @@ Owns `CheckpointAssembler`. Senders use checkpoint names (what the trainer expor
 loads): one tensor per expert and projection. transformers 5 serves MoE experts fused:
 `mlp.experts.gate_up_proj [E, 2I, H]` (expert e's gate rows, then its up rows, as transformers'
 own loader concatenates them) and `mlp.experts.down_proj [E, H, I]`. Every other name maps to
-itself. The pieces of a fused parameter may arrive over several calls (buckets); a parameter is
+itself, but for a vision-language model's, which transformers 5 serves under other prefixes than
+it saves (`visual.*` → `model.visual.*`, `model.*` → `model.language_model.*`). The pieces of a
+fused parameter may arrive over several calls (buckets); a parameter is
 ready once all its pieces are there, and pieces wait meanwhile.
 Must never import the server, the scheduler or aiohttp.
 
@@ -26,6 +28,9 @@ _EXPERT = re.compile(
 )
 
 
+_VL_PREFIXES = (("visual.", "model.visual."), ("model.", "model.language_model."))
+
+
 class CheckpointAssembler:
     """Collects checkpoint-named tensors into served parameters (`want`: name -> shape)."""
 
@@ -42,6 +47,15 @@ class CheckpointAssembler:
         fused = f"{m['prefix']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
         return (fused, int(m["e"]), proj) if fused in self.want else None
 
+    def served(self, name: str) -> str:
+        """The served name of checkpoint name `name` (itself unless a VL prefix maps it)."""
+        if name in self.want:
+            return name
+        for saved, served in _VL_PREFIXES:
+            if name.startswith(saved) and served + name[len(saved) :] in self.want:
+                return served + name[len(saved) :]
+        return name
+
     def add(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
         """Take a call's tensors; returns the parameters now complete, and every problem (a
         name the model does not have, a wrong shape). Nothing is kept from a call with problems."""
@@ -49,6 +63,7 @@ class CheckpointAssembler:
         pieces: list[tuple[str, int, str, torch.Tensor]] = []
         bad: list[str] = []
         for name, t in tensors.items():
+            name = self.served(name)
             if name in self.want:
                 if tuple(t.shape) != self.want[name]:
                     bad.append(

@@ -116,7 +116,7 @@ def read_weights_from_disk(lm: LoadedModel, path: str) -> dict[str, torch.Tensor
     dtype, the copy the swap needs), every tensor is finite. Raises `ValueError` naming the file
     and tensor; touches nothing that is serving.
     """
-    from transformers import AutoModelForCausalLM
+    from slime_async.engine.model import auto_class
 
     p = Path(path)
     if not p.is_dir():
@@ -128,7 +128,7 @@ def read_weights_from_disk(lm: LoadedModel, path: str) -> dict[str, torch.Tensor
     _check_headers(lm, p, path)
     _check_finite(p)
     try:
-        new = AutoModelForCausalLM.from_pretrained(str(p), dtype=lm.dtype)
+        new = auto_class(lm.model.config.model_type).from_pretrained(str(p), dtype=lm.dtype)
     except Exception as e:  # corrupt file, bad config, ...: report, keep serving
         raise ValueError(f"could not load weights from {path!r}: {type(e).__name__}: {e}") from e
     sd = new.state_dict()

@@ -22,7 +22,7 @@ import torch
 
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.model import LoadedModel, load_model
-from slime_async.engine.protocol import GenerateRequest, ModelLimits
+from slime_async.engine.protocol import GenerateItem, GenerateRequest, ModelLimits
 from slime_async.engine.rwlock import RWLock
 from slime_async.engine.sampling import RequestError
 from slime_async.engine.scheduler import PauseMode, Scheduler
@@ -124,10 +124,10 @@ class Engine:
                 return_routed_experts=it.return_routed_experts,
                 routed_start=it.routed_start,
                 lora=it.lora,
-                # a cached prefix is shared only under the same extra_key and the same adapter
-                cache_key=it.extra_key
-                if it.lora is None
-                else f"{it.extra_key or ''}\0lora:{it.lora}",
+                images=it.images,
+                # a cached prefix is shared only under the same extra_key, the same adapter
+                # and the same images
+                cache_key=_cache_key(it),
             )
             seqs.append(seq)
         for seq in seqs:
@@ -188,7 +188,7 @@ class Engine:
             "reasoning_parser": None,
             "tool_call_parser": None,
             "disaggregation_mode": "null",
-            "has_image_understanding": False,
+            "has_image_understanding": self.lm.vision is not None,
             "has_audio_understanding": False,
             "model_type": self.lm.model_type,
             "architectures": list(getattr(self.lm.model.config, "architectures", None) or [])
@@ -249,3 +249,13 @@ class Engine:
             raise ValueError(
                 f"mode must be one of {[m.value for m in PauseMode]}, got {raw!r}"
             ) from None
+
+
+def _cache_key(it: GenerateItem) -> str | None:
+    """The prefix-cache namespace of an item: its extra_key, adapter and images."""
+    key = it.extra_key
+    if it.lora is not None:
+        key = f"{key or ''}\0lora:{it.lora}"
+    if it.images is not None:
+        key = f"{key or ''}\0images:{it.images.digest}"
+    return key

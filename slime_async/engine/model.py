@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from slime_async.contracts.chat import IdText
 from slime_async.contracts.model import TINY_MOE, ModelSpec
+from slime_async.contracts.vision import VisionSpec, image_processor
 from slime_async.engine.config import EngineConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -144,6 +145,10 @@ class LoadedModel:
     """Run bf16 matmuls/attention through `Bf16ViaFp32`."""
     lora: Any = None
     """`engine.lora.EngineLora` with --enable-lora (adapters applied per row), else None."""
+    vision: VisionSpec | None = None
+    """A vision-language model's vision spec (images in `/generate`), else None."""
+    image_processor: Any = None
+    """The checkpoint's image processor (vision-language models only)."""
 
     @contextlib.contextmanager
     def compute(self, tokens: int) -> Iterator[None]:
@@ -172,7 +177,11 @@ class LoadedModel:
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
-    for src in (model.config, getattr(model, "generation_config", None)):
+    for src in (
+        model.config,
+        model.config.get_text_config(),
+        getattr(model, "generation_config", None),
+    ):
         eos = getattr(src, "eos_token_id", None) if src is not None else None
         if eos is None:
             continue
@@ -185,7 +194,7 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
 def load_model(cfg: EngineConfig) -> LoadedModel:
     """Build `cfg.model_spec` (random init seeded by `cfg.seed`) or load `cfg.model_dir`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     dtype = _DTYPES[cfg.dtype]
     tokenizer: Any = None
@@ -194,7 +203,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             # init in fp32, then cast: bf16 and fp32 engines with one seed hold the same weights
-            model = AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=torch.float32)
+            model = auto_class(spec.family).from_config(spec.to_hf_config(), dtype=torch.float32)
         model = model.to(dtype)
         model_path = "tiny-moe" if spec == TINY_MOE else f"spec-{spec.family}"
     else:
@@ -202,14 +211,18 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         if not path.is_dir():
             raise FileNotFoundError(f"--model-dir {path} is not a directory")
         kw: dict[str, Any] = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kw)
+        mtype = _model_type(path)
+        model = auto_class(mtype).from_pretrained(str(path), dtype=dtype, **kw)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path), **kw)
         except Exception:  # no tokenizer files in the checkpoint: fall back to the id codec
             tokenizer = None
+        if tokenizer is not None and len(tokenizer) < 2:
+            tokenizer = None  # transformers 5 builds an empty tokenizer for a directory without one
         model_path = str(path)
     model.eval()
-    hf = model.config
+    hf = model.config.get_text_config()
+    vision = ModelSpec.from_hf_config(model.config).vision if _is_vl(model) else None
     num_layers = int(hf.num_hidden_layers)
     topk = int(getattr(hf, "num_experts_per_tok", 0) or 0)
     ctx = int(getattr(hf, "max_position_embeddings", 2048))
@@ -227,10 +240,32 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         topk=topk,
         capture=RouterCapture(model, num_layers=num_layers, topk=max(topk, 1)),
         model_path=model_path,
-        model_type=str(hf.model_type),
+        model_type=str(model.config.model_type),
         bf16_via_fp32=cfg.bf16_via_fp32,
         lora=_lora(model, cfg),
+        vision=vision,
+        image_processor=None if vision is None else image_processor(cfg.model_dir, vision),
     )
+
+
+def _model_type(path: Path) -> str | None:
+    import json
+
+    f = path / "config.json"
+    return json.loads(f.read_text()).get("model_type") if f.is_file() else None
+
+
+def _is_vl(model: torch.nn.Module) -> bool:
+    return getattr(model.config, "model_type", None) == "qwen2_5_vl"
+
+
+def auto_class(model_type: str | None) -> Any:
+    """The transformers auto class that builds a servable model of `model_type`."""
+    import transformers
+
+    if model_type == "qwen2_5_vl":
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def _lora(model: torch.nn.Module, cfg: EngineConfig) -> Any:

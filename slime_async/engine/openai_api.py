@@ -10,7 +10,8 @@ into `tool_calls`),
 `logprobs.content` when `logprobs: true`, `finish_reason`, `usage`, and `meta_info`
 (`weight_version`, the sampled `output_ids` of each choice: token in, token out).
 OpenAI keys: `model` (any; the served model answers), `messages`/`prompt`, `tools`,
-`tool_choice` ("none" drops the tools, others leave the choice to the model),
+`tool_choice` ("none" drops the tools, others leave the choice to the model), image content
+parts (`image_url` with a data URI; vision-language models only, `contracts.chat.take_images`),
 `chat_template_kwargs` (SGLang's: keyword arguments of the chat template, e.g.
 `{"enable_thinking": false}`), `n`,
 `max_tokens`/`max_completion_tokens`, `temperature`, `top_p`, `stop`, `seed`, `logprobs`,
@@ -22,6 +23,7 @@ torch model code.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import time
@@ -37,6 +39,7 @@ from slime_async.contracts.chat import (
     render_chat,
     request_template_kwargs,
     request_tools,
+    take_images,
     tool_names,
 )
 from slime_async.engine.engine import Engine, EngineState
@@ -44,6 +47,7 @@ from slime_async.engine.http_common import client_gone, error
 from slime_async.engine.protocol import parse_generate, response_item
 from slime_async.engine.sampling import RequestError
 from slime_async.engine.sequence import Sequence, wait_done
+from slime_async.engine.vision import with_images
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
 """Generation routes whose bodies may be as large as `/generate`'s."""
@@ -95,16 +99,24 @@ def _finish(seq: Sequence, *, tool_calls: bool = False) -> str:
 
 
 async def _run(
-    request: web.Request, eng: Engine, ids_list: list[list[int]], sp: dict[str, Any]
+    request: web.Request,
+    eng: Engine,
+    ids_list: list[list[int]],
+    sp: dict[str, Any],
+    images: list[str] | None = None,
 ) -> list[Sequence] | web.Response:
-    """Generate for each prompt (n samples each); the finished sequences, or an error answer."""
+    """Generate for each prompt (n samples each, `images` with a single prompt); the finished
+    sequences, or an error answer."""
     assert eng.lm is not None
     body = {
         "input_ids": ids_list if len(ids_list) > 1 else ids_list[0],
         "sampling_params": sp,
         "return_logprob": True,
+        "image_data": images or None,
     }
     req = parse_generate(body, tokenizer=eng.lm.tokenizer, limits=eng.limits)
+    if eng.lm.vision is not None:
+        req = await asyncio.to_thread(with_images, req, eng)
     async with eng.model_lock.reader():
         seqs = eng.submit(req)
         if not await wait_done(seqs, lambda: client_gone(request)):
@@ -115,6 +127,17 @@ async def _run(
         if code is not None and code >= 400:
             return error(s.finish_reason["message"], status=code)  # type: ignore[index]
     return seqs
+
+
+def _placeholder(eng: Engine) -> str | None:
+    """The text of one image in a rendered chat (`<|vision_start|><|image_pad|><|vision_end|>`
+    through the tokenizer; the engine expands the pad), None for a text model."""
+    v = eng.lm.vision if eng.lm is not None else None
+    if v is None:
+        return None
+    ids = [v.vision_start_token_id, v.image_token_id, v.vision_end_token_id]
+    text = eng.lm.tokenizer.decode(ids, skip_special_tokens=False)
+    return text if eng.lm.has_tokenizer else f" {text} "  # the id codec's words need spaces
 
 
 def _usage(seqs: list[Sequence], prompts: list[list[int]]) -> dict[str, int]:
@@ -175,7 +198,8 @@ async def chat_completions(eng: Engine, request: web.Request) -> web.StreamRespo
     tok = eng.lm.tokenizer
     try:
         body = await _body(request)
-        messages = normalize_messages(body.get("messages"))
+        raw, images = take_images(body.get("messages"), _placeholder(eng))
+        messages = normalize_messages(raw)
         tools = request_tools(body)
         eos = min(eng.lm.eos_token_ids) if eng.lm.eos_token_ids else None
         kwargs = request_template_kwargs(body)
@@ -185,7 +209,7 @@ async def chat_completions(eng: Engine, request: web.Request) -> web.StreamRespo
         if not isinstance(want_lp, bool):
             raise RequestError("logprobs must be true or false")
         stream = body.get("stream") or False
-        got = await _run(request, eng, [ids], sp)
+        got = await _run(request, eng, [ids], sp, images)
     except (RequestError, ChatError) as e:
         return error(str(e))
     if isinstance(got, web.Response):
@@ -201,7 +225,7 @@ async def chat_completions(eng: Engine, request: web.Request) -> web.StreamRespo
         "created": int(time.time()),
         "model": eng.served_model_name(),
         "choices": choices,
-        "usage": _usage(seqs, [ids]),
+        "usage": _usage(seqs, [seqs[0].prompt]),
         "meta_info": _metadata(seqs),
     }
     if stream:

@@ -2,7 +2,8 @@
 
 Owns: `parse_generate` (SGLang `GenerateReqInput`: single or batch `input_ids`/`text`, per-item
 or shared `sampling_params`, `rid`, `return_logprob`, `logprob_start_len`,
-`return_routed_experts`, `routed_experts_start_len`, `n` > 1; unknown top-level keys ignored,
+`return_routed_experts`, `routed_experts_start_len`, `n` > 1, `image_data` (strings per input,
+decoded later by `engine.vision`); unknown top-level keys ignored,
 unknown sampling keys rejected), `response_item` (`text`, `output_ids`, `meta_info` with
 `finish_reason`, token counts, `[logprob, id, text|null]` lists, `weight_version(s)`,
 `e2e_latency`, base64 int32 `routed_experts`: the codec is a contract, in
@@ -48,6 +49,10 @@ class GenerateItem:
     """`lora_path`: the loaded adapter this item is served under (None: the base)."""
     extra_key: str | None = None
     """SGLang's `extra_key`: only requests with the same key share cached prefixes."""
+    images: Any = None
+    """`engine.vision.EngineImages` (set by `with_images`), or None."""
+    image_data: tuple[str, ...] = ()
+    """This input's `image_data` strings, until `with_images` decodes them."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,7 +84,6 @@ class ModelLimits:
 
 _UNSUPPORTED = (
     "input_embeds",
-    "image_data",
     "video_data",
     "audio_data",
     "top_logprobs_num",
@@ -189,6 +193,7 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
     rsl = _per_item(body, "routed_experts_start_len", n_in, 0)
     loras = [_lora_name(v, limits) for v in _per_item(body, "lora_path", n_in, None)]
     eks = _per_item(body, "extra_key", n_in, None)
+    imgs = parse_image_data(body.get("image_data"), n_in, batch=is_batch)
     if not all(k is None or isinstance(k, str) for k in eks):
         raise RequestError("extra_key must be a string (or a list of strings, one per input)")
     rtl = _flag(body.get("return_text_in_logprobs") or False, "return_text_in_logprobs")
@@ -214,9 +219,26 @@ def parse_generate(body: Any, *, tokenizer: Any, limits: ModelLimits) -> Generat
                     routed_start=rstart,
                     lora=loras[i],
                     extra_key=eks[i],
+                    image_data=tuple(imgs[i]),
                 )
             )
     return GenerateRequest(items=items, batch=is_batch or len(items) > 1, stream=stream)
+
+
+def parse_image_data(raw: Any, n_in: int, *, batch: bool) -> list[list[str]]:
+    """Per input, its image strings (empty: none). A batch takes one entry per input."""
+    if raw is None or raw == [] or raw == "":
+        return [[] for _ in range(n_in)]
+    per = raw if batch else [raw]
+    if not isinstance(per, list) or len(per) != n_in:
+        raise RequestError(f"image_data must have one entry per input ({n_in})")
+    out = []
+    for entry in per:
+        items = [] if entry is None else entry if isinstance(entry, list) else [entry]
+        if not all(isinstance(s, str) and s for s in items):
+            raise RequestError("image_data entries must be base64 strings or data URIs")
+        out.append(items)
+    return out
 
 
 def _prompts(

@@ -32,6 +32,7 @@ from slime_async.engine.protocol import (
 )
 from slime_async.engine.sampling import RequestError, SamplingParams
 from slime_async.engine.sequence import Sequence, wait_done
+from slime_async.engine.vision import with_images
 
 _dumps = json.dumps
 
@@ -69,6 +70,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             raise RequestError(TOO_DEEP) from None
         assert eng.lm is not None
         req = parse_generate(body, tokenizer=eng.lm.tokenizer, limits=eng.limits)
+        if eng.lm.vision is not None or any(it.image_data for it in req.items):
+            req = await asyncio.to_thread(with_images, req, eng)  # decoding is CPU work
     except RequestError as e:
         return error(str(e))
     async with eng.model_lock.reader():  # SGLang: a request reads the model for its whole life

@@ -22,6 +22,7 @@ import collections
 import concurrent.futures
 import contextlib
 import enum
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -340,10 +341,21 @@ class Scheduler:
         return toks, lps, failed
 
     def _banned(self, seq: Sequence) -> frozenset[int]:
-        p = seq.params
+        """Ids row `seq` may not sample: stop/EOS ids before min_new_tokens, and a VL model's
+        vision tokens always (a placeholder is an image's slot, never an answer)."""
+        p, always = seq.params, self._vision_ids
         if len(seq.output) >= p.min_new_tokens:
+            return always
+        return always | p.stop_token_ids | (frozenset() if p.ignore_eos else self.lm.eos_token_ids)
+
+    @functools.cached_property
+    def _vision_ids(self) -> frozenset[int]:
+        v = self.lm.vision
+        if v is None:
             return frozenset()
-        return p.stop_token_ids | (frozenset() if p.ignore_eos else self.lm.eos_token_ids)
+        return frozenset(
+            (v.image_token_id, v.video_token_id, v.vision_start_token_id, v.vision_end_token_id)
+        )
 
     def _prefill_job(self, seqs: list[Sequence]) -> tuple[Any, ...]:
         want_in = [s.return_logprob and s.logprob_start_len >= 0 and not s.output for s in seqs]
@@ -363,6 +375,7 @@ class Scheduler:
                 prompt_logits_from=starts,
                 capture=capture,
                 past=[h.kv for h in hits] if any(h.length for h in hits) else None,
+                images=[s.images for s in seqs] if self.lm.vision is not None else None,
             )
         if out.routed is not None:  # expert ids of reused tokens come from the cache
             out.routed = [

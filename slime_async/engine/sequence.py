@@ -55,6 +55,8 @@ class Sequence:
     """`routed_experts_start_len`: first position whose expert ids are returned."""
     lora: str | None = None
     """Name of the LoRA adapter this request is served under (`lora_path`); None: the base."""
+    images: Any = None
+    """`engine.vision.EngineImages` of a request with `image_data`, else None."""
     status: SeqStatus = SeqStatus.WAITING
     output: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)

@@ -118,13 +118,18 @@ class SFTSource:
         r, hf = cfg.rollout, cfg.trainer.hf_checkpoint
         if hf is None or r.prompt_data is None:
             raise ValueError("SFT needs --hf-checkpoint (its tokenizer) and --prompt-data")
+        tok = AutoTokenizer.from_pretrained(hf)
+        from slime_async.rollout.data.images import vision_data
+
         self.data = SFTData(
             r.prompt_data,
-            tokenizer=AutoTokenizer.from_pretrained(hf),
+            tokenizer=tok,
             input_key=r.input_key,
             batch_size=r.global_batch_size,
             seed=cfg.rollout_seed,
             strict=r.strict_data,
+            image_key=r.image_key,
+            vision=vision_data(hf, tok) if r.image_key else None,
         )
         self.metrics = dict(self.data.metrics)
 

@@ -22,6 +22,7 @@ from clifields import add_flags, check_ranges, flag, from_args
 from loss import DEFAULT_ADVANTAGE_ESTIMATOR
 from loss.advantages import RAW_REWARD_ESTIMATORS
 from loss.slime_cli import advantage_estimator_from_args
+from slime_async.contracts.vision import refuse_data_modalities
 from slime_async.rollout.data.gym import ANSWER_FORMATS, ReasoningGymConfig, parse_prompt_source
 from slime_async.rollout.data.slime_rm import DAPO_KEYS, parse_rm_type
 
@@ -79,6 +80,17 @@ def _json_object(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'"
         )
+    return text
+
+
+def _multimodal_keys(text: str) -> str:
+    """`--multimodal-keys`: a JSON object of modality → field; images only (one line
+    otherwise, naming the fix)."""
+    _json_object(text)
+    try:
+        refuse_data_modalities(json.loads(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
@@ -176,6 +188,11 @@ class RolloutConfig:
     metadata["rm_type"], gpqa's "choices"); a row without it has none."""
     apply_chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template."""
+    multimodal_keys: str | None = flag(None, parse=_multimodal_keys, metavar="JSON")
+    """slime's: the --prompt-data field holding each row's images, '{"image": "FIELD"}' (a
+    local path, base64 or a data URI per image, or a list; `<image>` in the prompt marks where
+    each goes, else they lead it); needs a vision-language --hf-checkpoint. Video and audio
+    are refused."""
     apply_chat_template_kwargs: str | None = flag(None, parse=_json_object, metavar="JSON")
     """slime's: a JSON object of keyword arguments for the chat template, e.g.
     '{"enable_thinking": false}' (Qwen3's thinking switch): used to render --prompt-data,
@@ -449,6 +466,12 @@ class RolloutConfig:
         if self.prompt_data is not None:
             return "a --prompt-data file has no held-out split and no --eval-prompt-data is given"
         return "--eval-prompts is 0 and no --eval-prompt-data is given"
+
+    @property
+    def image_key(self) -> str | None:
+        """The --prompt-data field with each row's images (--multimodal-keys), or None."""
+        keys = json.loads(self.multimodal_keys or "{}")
+        return keys.get("image") or keys.get("images")
 
     @property
     def chat_template_kwargs(self) -> dict[str, Any]:

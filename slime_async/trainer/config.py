@@ -289,6 +289,10 @@ class TrainerConfig:
     See docs/resume-guards.md."""
     keep_checkpoints: int = flag(2, ge=0, hint="0 = keep all")
     """Complete checkpoints kept in --save (older ones are deleted)."""
+    freeze_vision_tower: bool = False
+    """Vision-language models: keep the vision encoder and merger fixed (train the language
+    model only, as most VL RL recipes do); the weight push still carries them unchanged. Needed
+    with --tensor-model-parallel-size > 1 (the vision tower is not tensor-parallel)."""
     lora_rank: int = flag(0, ge=0, hint="0 = full fine-tuning")
     """LoRA rank r: train adapters (A [r, d_in], B [d_out, r]) on --lora-target-modules with the
     base frozen; only they are in the optimizer and in each weight push. 0: train every

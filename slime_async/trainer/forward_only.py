@@ -79,6 +79,8 @@ class ForwardOnlyModel(LogprobForwards):
             recompute=False,
             chunks=self.chunks,
             chunk_tokens=cfg.logits_chunk_tokens,
+            vision=spec.vision,
+            images=_images(cfg, spec),
         )
         self.version = 0
         self.snapshots = SnapshotStore(1)
@@ -106,3 +108,12 @@ class ForwardOnlyModel(LogprobForwards):
     def parameter_bytes(self) -> int:
         """Bytes of every tensor this model holds (its parameters; nothing else)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def _images(cfg: TrainerConfig, spec: ModelSpec) -> object:
+    """The resolver of images that come by reference (vision-language models), else None."""
+    if spec.vision is None:
+        return None
+    from slime_async.trainer.vl_inputs import ImageResolver
+
+    return ImageResolver(cfg.hf_source or cfg.hf_checkpoint, spec.vision)

@@ -4,7 +4,9 @@ Owns: the name and layout mapping between a megatron-core GPTModel (local spec, 
 the HF checkpoint format that `transformers` 5.23 writes with `save_pretrained`
 (`Qwen3MoeForCausalLM`: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`;
 `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM`: `self_attn.{q,k}_norm.weight`;
-`Qwen2ForCausalLM`: `self_attn.{q,k,v}_proj.bias`; `LlamaForCausalLM`, `MistralForCausalLM`).
+`Qwen2ForCausalLM`: `self_attn.{q,k,v}_proj.bias`; `LlamaForCausalLM`, `MistralForCausalLM`;
+`Qwen2_5_VLForConditionalGeneration`: Qwen2's names plus the vision tower's `visual.*`, which
+are the trainer's `vision.*` one for one).
 This is our own converter rather than mbridge (see docs/real-workloads.md). Must never import the controller, engine, rollout or data-worker parts of
 `slime_async`.
 
@@ -29,9 +31,13 @@ import torch.distributed as dist
 from slime_async.contracts.model import ModelSpec
 from slime_async.trainer.model import global_named_parameters
 from slime_async.trainer.parallel import all_gather_cat, all_reduce_sum
+from slime_async.trainer.vision import tower_shapes
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+_VISION, _HF_VISION = "vision.", "visual."
+"""The vision tower's parameters (`vision.py`) carry the HF names after these prefixes."""
 
 _SIMPLE = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -120,6 +126,9 @@ def megatron_to_hf_tensors(
         out["model.norm.weight"] = params["decoder.final_layernorm.weight"]
     experts: dict[tuple[int, int, str], torch.Tensor] = {}
     for name, p in params.items():
+        if name.startswith(_VISION):  # the vision tower is whole on every rank that has it
+            out[_HF_VISION + name[len(_VISION) :]] = p
+            continue
         m = _LAYER.match(name)
         if m is None:
             continue
@@ -292,6 +301,8 @@ class _HfShards:
             return _shard(self.get("lm_head.weight"), r.tp_rank, r.tp, 0)
         if name == "decoder.final_layernorm.weight":
             return self.get("model.norm.weight")
+        if name.startswith(_VISION):
+            return self.get(_HF_VISION + name[len(_VISION) :])
         m = _LAYER.match(name)
         if m is None:
             raise KeyError(f"no HF mapping for megatron parameter {name!r}")
@@ -356,6 +367,8 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     }
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
+    if spec.vision is not None:
+        shapes.update({_HF_VISION + k: v for k, v in tower_shapes(spec.vision).items()})
     for i in range(spec.num_layers):
         pre = f"model.layers.{i}."
         shapes[pre + "input_layernorm.weight"] = (h,)

@@ -75,6 +75,8 @@ def transformer_config(
         **_moe_kwargs(spec),
     )
     cfg.variable_seq_lengths = vp is None
+    if spec.mrope_section is not None:  # megatron reads it beside position_embedding_type
+        cfg.mrope_section = list(spec.mrope_section)
     return cfg
 
 
@@ -212,10 +214,18 @@ def build_model(
         post_process=last,
         parallel_output=False,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="mrope" if spec.is_vl else "rope",
         rotary_base=int(spec.rope_theta),
         vp_stage=vp_stage,
     )
+    if spec.vision is not None and first:
+        # the whole vision tower sits beside the embedding (vision.py); its parameters are
+        # `vision.*` among the chunk's, in params_dtype like the rest
+        from slime_async.trainer.vision import VisionTower
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.vision.depth * 7919 + spec.vision.hidden_size)
+            model.vision = VisionTower(spec.vision).to(params_dtype)
     if spec.rope_scaling is not None:
         # megatron's own llama3 option fixes low/high_freq_factor and the original context
         # (1, 4, 8192); install the spec's frequencies before the first (cached) forward

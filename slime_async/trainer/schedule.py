@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from slime_async.contracts.batch import TrainerBatch
+from slime_async.contracts.vision import VisionSpec
 from slime_async.trainer import cpu_compat, packing
 
 Routing = list[torch.Tensor] | None
@@ -109,8 +110,14 @@ class Schedule:
         recompute: bool,
         chunks: list[torch.nn.Module] | None = None,
         chunk_tokens: int | None = None,
+        vision: VisionSpec | None = None,
+        images: Callable[[Any], Any] | None = None,
     ) -> None:
         self.wrapped = wrapped
+        self.vision = vision
+        """A vision-language model's vision spec: inputs get mRoPE positions and images."""
+        self.images = images
+        """Turns a sample's images by reference into pixels (`vl_inputs.ImageResolver`)."""
         self.chunks = chunks or []
         """The unwrapped chunks (their output weight, when the last one returns hidden states)."""
         self.chunk_tokens = chunk_tokens
@@ -245,17 +252,37 @@ class _Step:
         # 3-tuple + calculate_per_token_loss: megatron back-propagates `loss` as it is
         return loss, self.one, {"loss": loss.detach().clone()}
 
+    def _vl_inputs(
+        self, mb: MicroBatch, k: int, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """(mRoPE positions, the image-bearing `decoder_input` on the stage with the vision
+        tower) of a vision-language micro-batch (`vl_inputs.layout_inputs`)."""
+        from slime_async.trainer.vl_inputs import image_embeddings, layout_inputs
+
+        b = mb.batch
+        assert self.schedule.vision is not None
+        images = b.images
+        if images is not None and self.schedule.images is not None:
+            images = tuple(self.schedule.images(i) for i in images)
+        pos, pixels, grids, where = layout_inputs(
+            b.tokens, b.loss_mask, images, mb.layout, self.schedule.vision
+        )
+        chunk = self.schedule.chunks[k] if self.schedule.chunks else None
+        if chunk is None or getattr(chunk, "vision", None) is None:
+            return pos.to(self.device), {}
+        emb = image_embeddings(chunk, ids, pixels, grids, where)
+        return pos.to(self.device), {"decoder_input": emb}
+
     def forward_step(self, data_iterator: Any, model: torch.nn.Module) -> tuple[Any, Callable]:
         mb = next(data_iterator)
         k = self.chunk_of[id(model)]
         sched = self.schedule
         with cpu_compat.model_code():
             sched._before(mb, k, self.record)
-            out = model(
-                mb.input_ids.to(self.device),
-                mb.position_ids.to(self.device),
-                attention_mask=None,
-                packed_seq_params=mb.packed_seq_params,
-            )
+            ids, kw = mb.input_ids.to(self.device), {}
+            pos = mb.position_ids.to(self.device)
+            if sched.vision is not None:
+                pos, kw = self._vl_inputs(mb, k, ids)
+            out = model(ids, pos, attention_mask=None, packed_seq_params=mb.packed_seq_params, **kw)
             sched._after(mb, k, self.record, training=not self.forward_only)
         return out, functools.partial(self.loss_func, mb, k)

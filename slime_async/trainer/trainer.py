@@ -132,6 +132,7 @@ class MegatronTrainer(LogprobForwards):
             vp=vp,
             params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
         )
+        _freeze_vision(self.chunks, cfg, self.layout, spec)
         self.lora = lora_spec(cfg, spec)  # LoRA: adapters on the frozen base, see lora.py
         if self.lora is not None:
             lora.attach(self.chunks, spec, self.lora, seed=cfg.seed)
@@ -149,6 +150,8 @@ class MegatronTrainer(LogprobForwards):
             recompute=cfg.recompute_granularity is not None,
             chunks=self.chunks,
             chunk_tokens=cfg.logits_chunk_tokens,
+            vision=spec.vision,
+            images=_images(cfg, spec),
         )
         self.version = 0
         self.extra_state: dict[str, object] = {}
@@ -468,3 +471,31 @@ class MegatronTrainer(LogprobForwards):
         parallel.drop_stale_graphs(self.chunks)
         self.optim.wrapped.clear()
         parallel.release_model_parallel()
+
+
+def _freeze_vision(
+    chunks: list[torch.nn.Module], cfg: TrainerConfig, layout: object, spec: ModelSpec
+) -> None:
+    """--freeze-vision-tower: the vision tower gets no gradient and no optimizer state. Refuses
+    training it with TP > 1 (it is replicated, not tensor-parallel, and its gradients would
+    differ between TP ranks)."""
+    if spec.vision is None:
+        return
+    if not cfg.freeze_vision_tower and getattr(layout, "tp", 1) > 1:
+        raise ValueError(
+            "the vision tower is not tensor-parallel: with --tensor-model-parallel-size > 1 "
+            "give --freeze-vision-tower (train the language model only)"
+        )
+    if cfg.freeze_vision_tower:
+        for c in chunks:
+            if getattr(c, "vision", None) is not None:
+                c.vision.requires_grad_(False)
+
+
+def _images(cfg: TrainerConfig, spec: ModelSpec) -> object:
+    """The resolver of images that come by reference (vision-language models), else None."""
+    if spec.vision is None:
+        return None
+    from slime_async.trainer.vl_inputs import ImageResolver
+
+    return ImageResolver(cfg.hf_source or cfg.hf_checkpoint, spec.vision)

@@ -58,6 +58,12 @@ ARCH_FIELDS = (
     "attention_bias",
     "mlp_bias",
     "dtype",
+    "text_config",
+    "vision_config",
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
 )
 """`config.json` fields an export owns (the `ModelSpec` and the tensors written); every other
 field of the source's config is kept."""
@@ -76,6 +82,7 @@ IDENTITY_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
     "chat_template.json",
+    "preprocessor_config.json",
 )
 """Files copied unchanged from the source into every export (those it has)."""
 

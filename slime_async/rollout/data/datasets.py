@@ -4,9 +4,11 @@ Owns: `DatasetConfig`, `DataRow`, `load_dataset`. A row needs a non-empty prompt
 list of chat messages ``{"role", "content"}``) and, unless ``require_label=False``, a label.
 Malformed rows (invalid JSON, not an object, missing or empty prompt, missing label, metadata
 that is not an object) are skipped and counted by reason; with ``strict=True`` the first one
-raises `DatasetError` naming the file and line (jsonl) or row (parquet). With a tokenizer, prompts go through its chat template
-(``add_generation_prompt=True``) and are tokenized. Never imports the trainer, engine or
-controller; pyarrow and transformers are imported lazily.
+raises `DatasetError` naming the file and line (jsonl) or row (parquet). With a tokenizer,
+prompts go through its chat template (``add_generation_prompt=True``) and are tokenized; rows
+with images (``image_key``) get their placeholders (`rollout.data.images`), an unreadable image
+making a malformed row. Never imports the trainer, engine or controller; pyarrow and
+transformers are imported lazily.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class DatasetConfig:
     """Optional system message prepended to string prompts before the chat template."""
     flag: str = "--prompt-data"
     """The flag that named the file (said when it does not exist)."""
+    image_key: str | None = None
+    """Field holding each row's images (`--multimodal-keys '{"image": FIELD}'`): a path,
+    base64 or a data URI, or a list of them (`rollout.data.images`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +82,10 @@ class DataRow:
     """Tokenized prompt (None without a tokenizer)."""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Copied `metadata_keys`."""
+    images: tuple[str, ...] = ()
+    """The row's image references (`image_key`); its prompt ids hold their placeholders."""
+    image_tokens: int = 0
+    """How many of its prompt ids are image placeholders (the router counts them as work)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,7 +200,10 @@ def _row_metadata(rec: dict[str, Any], key: str) -> dict[str, Any] | None:
 def _row_key(rec: dict[str, Any], cfg: DatasetConfig) -> str:
     if cfg.id_key is not None and rec.get(cfg.id_key) is not None:
         return str(rec[cfg.id_key])
-    blob = json.dumps([rec[cfg.prompt_key], rec.get(cfg.label_key)], sort_keys=True, default=str)
+    parts = [rec[cfg.prompt_key], rec.get(cfg.label_key)]
+    if cfg.image_key is not None:  # the same question about another image is another row
+        parts.append(rec.get(cfg.image_key))
+    blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -222,8 +234,37 @@ def _apply_template(prompt: Any, tokenizer: Any, cfg: DatasetConfig) -> tuple[st
     return text, list(ids)
 
 
-def load_dataset(config: DatasetConfig, *, tokenizer: Any = None) -> LoadedDataset:
-    """Read every usable row of ``config.path`` (see the module docstring for the rules)."""
+def _tokenized(
+    rec: dict[str, Any], config: DatasetConfig, tokenizer: Any, vision: Any
+) -> tuple[str | None, list[int] | None, tuple[str, ...]]:
+    """(prompt text, ids, image references) of a row; images get their placeholders
+    (`images.with_placeholders`, `images.expand`). ValueError: an unusable image."""
+    from slime_async.rollout.data import images as im
+
+    prompt = rec[config.prompt_key]
+    refs = im.row_images(rec, config.image_key) if config.image_key else ()
+    if refs and vision is None:
+        raise DatasetError(
+            f"rows have images ({config.image_key!r}) but the model is not a vision-language "
+            "model; give a Qwen2.5-VL --hf-checkpoint or drop --multimodal-keys"
+        )
+    if tokenizer is None:
+        return None, None, refs
+    if refs:
+        prompt = im.with_placeholders(prompt, len(refs), vision.placeholder)
+    text, ids = _apply_template(prompt, tokenizer, config)
+    return text, (im.expand(ids, refs, vision) if refs else ids), refs
+
+
+def _image_tokens(ids: list[int] | None, vision: Any) -> int:
+    return 0 if ids is None else sum(t == vision.vision.image_token_id for t in ids)
+
+
+def load_dataset(
+    config: DatasetConfig, *, tokenizer: Any = None, vision: Any = None
+) -> LoadedDataset:
+    """Read every usable row of ``config.path`` (see the module docstring for the rules);
+    `vision` (`images.VisionData`) with `config.image_key`."""
     path = Path(config.path)
     if not path.is_file():
         raise DatasetError(f"dataset file {path} does not exist (check {config.flag})")
@@ -237,6 +278,13 @@ def load_dataset(config: DatasetConfig, *, tokenizer: Any = None) -> LoadedDatas
             found = _row_problem(rec, config)
             if found is not None:
                 reason, detail = found
+        if detail is None:
+            try:
+                text, ids, refs = _tokenized(rec, config, tokenizer, vision)
+            except DatasetError:
+                raise
+            except (ValueError, OSError) as e:
+                reason, detail = "bad image", str(e)
         if detail is not None:
             if config.strict:
                 where = f"{path}:{lineno}" if unit == "line" else f"{path} (row {lineno})"
@@ -247,9 +295,6 @@ def load_dataset(config: DatasetConfig, *, tokenizer: Any = None) -> LoadedDatas
             skipped[reason] += 1
             continue
         prompt = rec[config.prompt_key]
-        text = ids = None
-        if tokenizer is not None:
-            text, ids = _apply_template(prompt, tokenizer, config)
         rows.append(
             DataRow(
                 key=_row_key(rec, config),
@@ -262,6 +307,8 @@ def load_dataset(config: DatasetConfig, *, tokenizer: Any = None) -> LoadedDatas
                     **{k: rec.get(k) for k in config.metadata_keys},
                     **(_row_metadata(rec, config.metadata_key) if config.metadata_key else {}),
                 },
+                images=refs,
+                image_tokens=_image_tokens(ids, vision) if refs else 0,
             )
         )
     if skipped:

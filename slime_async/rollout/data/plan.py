@@ -28,6 +28,7 @@ from slime_async.rollout.data.gym import (
     ReasoningGymConfig,
     ReasoningGymTasks,
 )
+from slime_async.rollout.data.images import vision_data
 from slime_async.rollout.data.remote_rm import RemoteReward
 from slime_async.rollout.data.slime_rm import SlimeRewards, parse_rm_type
 from slime_async.rollout.data.sources import (
@@ -103,8 +104,10 @@ def make_data_plan(rollout: RolloutConfig, *, seed: int, hf_checkpoint: str | No
                 apply_chat_template=rollout.apply_chat_template or None,
                 chat_template_kwargs=rollout.chat_template_kwargs,
                 flag="--eval-prompt-data",
+                image_key=rollout.image_key,
             ),
             tokenizer=tok,
+            vision=vision_data(hf_checkpoint, tok) if rollout.image_key else None,
         )
         prompts = dataset_prompts(data)
         reward = _reward(
@@ -206,8 +209,10 @@ def _plan(
             strict=rollout.strict_data,
             apply_chat_template=rollout.apply_chat_template or None,
             chat_template_kwargs=rollout.chat_template_kwargs,
+            image_key=rollout.image_key,
         ),
         tokenizer=tok,
+        vision=vision_data(hf_checkpoint, tok) if rollout.image_key else None,
     )
     return DataPlan(
         source=dataset_source(data, seed=seed),

@@ -5,7 +5,8 @@ Owns `render_trained` (one conversation -> its ids and which of them are trained
 (the usable conversations of `--prompt-data`, read with `--input-key`, and the batches of each
 step: `--global-batch-size` conversations, in an order shuffled per epoch by the rollout seed,
 so step k's batch depends only on (seed, k) and a resume repeats and skips nothing) and
-`sft_batch` (conversations -> `TrainerBatch`). Never imports the trainer, engine or controller.
+`sft_batch` (conversations -> `TrainerBatch`); rows with images (`--multimodal-keys`) get their
+placeholders expanded (`with_images`) and travel to the trainer by reference. Never imports the trainer, engine or controller.
 
 Which tokens are trained: for each assistant message i, the tokens the chat template renders for
 it after the conversation up to it with the generation prompt (its content and its closing
@@ -30,6 +31,7 @@ import torch
 
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.chat import ChatError, has_chat_template, normalize_messages, render_chat
+from slime_async.contracts.vision import ImageRefs
 from slime_async.rollout.data.datasets import DataRow, DatasetConfig, DatasetError, load_dataset
 
 
@@ -71,7 +73,28 @@ def render_trained(
     return Conversation(ids=tuple(full), trained=tuple(trained))
 
 
-def sft_batch(conversations: Sequence[Conversation], *, version: int) -> TrainerBatch:
+def with_images(conv: Conversation, refs: tuple[str, ...], vision: Any) -> Conversation:
+    """`conv` with each image's single pad expanded to its grid (`images.expand`, the
+    processor run once); the pads are prompt tokens, never trained."""
+    from slime_async.rollout.data import images as im
+
+    ids = im.expand(list(conv.ids), refs, vision)
+    trained: list[bool] = []
+    j = 0
+    for i, t in enumerate(conv.ids):
+        if t == vision.vision.image_token_id and (i == 0 or conv.ids[i - 1] != t):
+            while j < len(ids) and ids[j] == t:
+                trained.append(False)
+                j += 1
+        elif t != vision.vision.image_token_id:
+            trained.append(conv.trained[i])
+            j += 1
+    return Conversation(ids=tuple(ids), trained=tuple(trained))
+
+
+def sft_batch(
+    conversations: Sequence[Conversation], *, version: int, images: Sequence[Any] | None = None
+) -> TrainerBatch:
     """The padded batch of `conversations`: each its ids, loss mask on its trained tokens (never
     token 0), no engine log-probs or advantages (the SFT loss reads neither), tokens labelled
     with the trainer's `version`."""
@@ -90,6 +113,7 @@ def sft_batch(conversations: Sequence[Conversation], *, version: int) -> Trainer
         rollout_logprobs=torch.zeros(n, width),
         advantages=torch.zeros(n, width),
         token_versions=versions,
+        images=None if images is None or not any(images) else tuple(images),
     )
 
 
@@ -108,7 +132,11 @@ class SFTData:
         batch_size: int,
         seed: int,
         strict: bool = False,
+        image_key: str | None = None,
+        vision: Any = None,
     ) -> None:
+        """`image_key`, `vision` (`images.VisionData`): rows with images (`--multimodal-keys`);
+        each user turn's `<image>` markers (or its front) get the placeholders."""
         if not has_chat_template(tokenizer):
             raise ValueError(
                 "SFT (--loss-type sft_loss) renders conversations with the tokenizer's chat "
@@ -116,8 +144,17 @@ class SFTData:
                 "tokenizer (or add a chat_template to its tokenizer_config.json)"
             )
         data = load_dataset(
-            DatasetConfig(path=path, prompt_key=input_key, require_label=False, strict=strict)
+            DatasetConfig(
+                path=path,
+                prompt_key=input_key,
+                require_label=False,
+                strict=strict,
+                image_key=image_key,
+            ),
+            vision=vision,
         )
+        self.vision = vision
+        self._rendered: dict[int, Conversation] = {}
         self.rows = [r for r in data.rows if _conversation(r)]
         if not self.rows:
             raise DatasetError(
@@ -130,6 +167,20 @@ class SFTData:
             "data/rows": float(len(self.rows)),
             "data/skipped": float(data.num_skipped + len(data.rows) - len(self.rows)),
         }
+
+    def _render(self, k: int) -> Conversation:
+        """Row `k` rendered (and its images' pads expanded) once, then reused."""
+        if k not in self._rendered:
+            row = self.rows[k]
+            where = f"{self.path}:{row.line}"
+            messages = row.prompt
+            if row.images:
+                from slime_async.rollout.data.images import with_placeholders
+
+                messages = with_placeholders(messages, len(row.images), self.vision.placeholder)
+            conv = render_trained(self.tokenizer, messages, where=where)
+            self._rendered[k] = with_images(conv, row.images, self.vision) if row.images else conv
+        return self._rendered[k]
 
     def order(self, epoch: int) -> list[int]:
         """Row indices in epoch `epoch`'s shuffled order (a function of the seed and epoch;
@@ -144,12 +195,13 @@ class SFTData:
     def batch(self, step: int, *, version: int) -> tuple[TrainerBatch, dict[str, float]]:
         """Step `step`'s batch (at trainer `version`) and its `sft/*` metrics."""
         first, n = step * self.batch_size, len(self.rows)
-        picked = []
+        picked, images = [], []
         for j in range(first, first + self.batch_size):
-            row = self.rows[self.order(j // n)[j % n]]
-            where = f"{self.path}:{row.line}"
-            picked.append(render_trained(self.tokenizer, row.prompt, where=where))
-        tb = sft_batch(picked, version=version)
+            k = self.order(j // n)[j % n]
+            picked.append(self._render(k))
+            refs = self.rows[k].images
+            images.append(ImageRefs(refs=refs) if refs else None)
+        tb = sft_batch(picked, version=version, images=images)
         return tb, {
             "sft/epoch": float((first + self.batch_size - 1) // n),
             "sft/trained_tokens": float(tb.loss_mask.sum()),

@@ -3,7 +3,8 @@
 Owns `TaskPromptSource` (an endless, resumable stream over `TaskFamily`: the prompt at cursor
 i depends only on (seed, i), so a restored cursor replays nothing and skips nothing) and
 `dataset_source` (a loaded jsonl/parquet dataset as an epoch-based in-memory source over
-`dataset_prompts`, the rows as prompts, which eval sets use as they are; repeated rows are
+`dataset_prompts`, the rows as prompts, which eval sets use as they are; a row's image
+references ride in the payload as `images`; repeated rows are
 kept, keyed by their line). reasoning-gym tasks are `rollout.gym.GymPromptSource`.
 """
 
@@ -87,7 +88,12 @@ def dataset_prompts(data: LoadedDataset) -> list[Prompt]:
             Prompt(
                 key=key,
                 prompt_ids=list(row.prompt_ids),
-                payload={"label": row.label, "metadata": dict(row.metadata)},
+                payload={"label": row.label, "metadata": dict(row.metadata)}
+                | (
+                    {"images": list(row.images), "image_tokens": row.image_tokens}
+                    if row.images
+                    else {}
+                ),
             )
         )
     if repeats:

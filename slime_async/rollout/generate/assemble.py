@@ -36,6 +36,7 @@ from slime_async.contracts.rollout import (
     SegmentPayload,
     segment_payload,
 )
+from slime_async.contracts.vision import ImageRefs
 from slime_async.rollout.config import RolloutConfig
 from slime_async.rollout.data.rewards import (
     RewardError,
@@ -398,8 +399,18 @@ def assemble(
         token_versions=t.versions,
         routed_experts=tuple(t.routed) if t.routed else None,
         behavior_logprobs=t.behavior,
+        images=_image_refs(rows),
     )
     return Assembled(batch=tb, metrics=metrics)
+
+
+def _image_refs(rows: list[tuple[Group, Any]]) -> tuple[ImageRefs | None, ...] | None:
+    """Each sample's images by reference (its prompt's `images`), None without any: the
+    trainer preprocesses them itself, no pixels cross the process boundary."""
+    refs = [g.prompt.payload.get("images") for g, _ in rows]
+    if not any(refs):
+        return None
+    return tuple(ImageRefs(refs=tuple(r)) if r else None for r in refs)
 
 
 def _shape_overlong(t: _Padded, lengths: Sequence[int], overlong: Overlong) -> dict[str, float]:

@@ -27,6 +27,7 @@ from slime_async.contracts.rollout import (
     SegmentPayload,
     decode_routed_experts,
 )
+from slime_async.contracts.vision import data_uri
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,6 +138,9 @@ class GenerateClient:
         }
         if cfg.return_routed_experts:
             body["return_routed_experts"] = True
+        refs = req.prompt.payload.get("images")
+        if refs:  # the engine takes the images themselves (data URIs), never a path
+            body["image_data"] = [data_uri(r) for r in refs]
         if cfg.lora_name is not None:
             body["lora_path"] = cfg.lora_name
         return body
@@ -146,8 +150,10 @@ class GenerateClient:
     ) -> GenerationResult:
         del priority  # ordering is the data worker's job; the router balances on expected_len
         body = self.build_request(req)
+        # an image's placeholders cost a prefill and a vision forward: counted as work too
+        work = int(expected_len) + int(req.prompt.payload.get("image_tokens") or 0)
         headers = {
-            "X-Expected-Tokens": str(max(1, int(expected_len))),
+            "X-Expected-Tokens": str(max(1, work)),
             # the router keeps a group's samples on the engine that caches their prompt
             "X-Group-Key": f"{req.prompt.key}-g{req.group_seq}",
         }
