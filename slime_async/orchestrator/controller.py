@@ -45,11 +45,9 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
         await run.worker.start()
         if cfg.debug_rollout_only:
             return await _rollouts_only(run, cfg)
-        eval_task: asyncio.Task | None = None
-        evaluated = -1  # the step of the last eval started
-        if cfg.rollout.eval_interval and run.start_step == 0:
-            await run.evaluate(step=0)  # the baseline, before any push: the initial weights only
-            evaluated = 0
+        evals = _Evals(run, cfg)
+        if run.start_step == 0:
+            await evals.baseline()
         for step in range(run.start_step, cfg.num_steps):
             t0 = time.perf_counter()
             batch = await run.next_batch(cfg.rollout.groups_per_step)
@@ -73,11 +71,7 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
                 sync = await run.push_weights(run.version)
             t3 = time.perf_counter()
 
-            every = cfg.rollout.eval_interval * cfg.rollout.num_steps_per_rollout  # rollouts
-            eval_due = every and run.version % every == 0
-            if eval_due and (eval_task is None or eval_task.done()):
-                eval_task = asyncio.create_task(run.evaluate(step=run.version))
-                evaluated = run.version
+            evals.maybe_start()
             if run.should_save(run.version):
                 await run.save(run.version)
 
@@ -91,12 +85,7 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
                 **run.timing(wait_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2),
             }
             run.log(run.version, last)
-        if eval_task is not None:
-            await eval_task
-        if cfg.rollout.eval_interval and evaluated != run.version:
-            # the final weights, whatever the interval skipped: no push comes after the loop, so
-            # this eval (the one runs are compared by) sees exactly one version
-            await run.evaluate(step=run.version)
+        await evals.final()
         if run.saves and run.version > run.start_step:
             await run.save(run.version)
         last.update(run.accounting())
@@ -114,6 +103,36 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
         raise TrainerLostError(why) from e
     finally:
         await run.close()
+
+
+class _Evals:
+    """When the run evaluates: the baseline before the first push, every `--eval-interval`
+    rollouts beside training (a due step is skipped while the last eval still runs), and the
+    final weights after the last step, whatever the interval skipped: no push comes after the
+    loop, so that eval (the one runs are compared by) sees exactly one version."""
+
+    def __init__(self, run: Run, cfg: RunConfig) -> None:
+        self.run = run
+        self.every = cfg.rollout.eval_interval * cfg.rollout.num_steps_per_rollout  # rollouts
+        self.task: asyncio.Task | None = None
+        self.evaluated = -1  # the step of the last eval started
+
+    async def baseline(self) -> None:
+        if self.every:
+            await self.run.evaluate(step=0)  # before any push: the initial weights only
+            self.evaluated = 0
+
+    def maybe_start(self) -> None:
+        v = self.run.version
+        if self.every and v % self.every == 0 and (self.task is None or self.task.done()):
+            self.task = asyncio.create_task(self.run.evaluate(step=v))
+            self.evaluated = v
+
+    async def final(self) -> None:
+        if self.task is not None:
+            await self.task
+        if self.every and self.evaluated != self.run.version:
+            await self.run.evaluate(step=self.run.version)
 
 
 async def _rollouts_only(run: Run, cfg: RunConfig) -> dict[str, Any]:
