@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.hangs import engine_report
 from tests.leaks import Held, gained, held
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,6 +31,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """On a pytest-timeout failure, add what the in-process engines still hold (tests/hangs.py)
+    to the report, beside the thread stacks pytest-timeout prints."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and "Timeout (>" in str(report.longrepr):
+        text = engine_report()
+        if text:
+            report.sections.append(("engines at the timeout", text))
 
 
 LEAK_MARGIN = {"threads": 32, "fds": 96}

@@ -394,3 +394,14 @@ def test_number_check_catches_what_it_should() -> None:
     found = measured_numbers("took **2 min 2 s**, 831 MB, r2 p99 1.04, 89%, `0.123` [x](a1.25.md)")
     assert found == {"2min", "2s", "831MB", "1.04", "89%"}
     assert not measured_numbers("S = 8, B = 64, lr 1e-5, version 0.16.1, step 40")
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    """`.ci/run` ends with exactly the README's test command (so CI measures what a user runs,
+    and both print the slowest tests)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = re.search(r"^\.venv/bin/python -m pytest -m \"not slow\".*$", readme, re.M)
+    assert command is not None, 'README.md shows no `pytest -m "not slow"` test command'
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()
+    assert ci[-1] == command.group(0), f".ci/run ends with {ci[-1]!r}, README: {command.group(0)!r}"
+    assert "--durations=15" in command.group(0)

@@ -30,6 +30,7 @@ from slime_async.engine.backends import (
 )
 from slime_async.engine.backends.external import EngineAttachError
 from slime_async.engine.backends.sglang import sglang_config
+from slime_async.engine.testing import start_processes, stop_processes
 from slime_async.orchestrator.controller import train
 from slime_async.orchestrator.supervisor import EnginesDownError
 
@@ -191,11 +192,10 @@ def external_engines(tmp_path):
         for i in range(2)
     ]
     try:
-        urls = [p.start() for p in procs]
+        urls = start_processes(procs)
         yield procs, urls
     finally:
-        for p in procs:
-            p.stop()
+        stop_processes(procs)
 
 
 async def test_external_engines_get_the_run_weights_and_stay_running(

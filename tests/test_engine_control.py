@@ -372,3 +372,28 @@ async def test_failed_model_step_is_a_500_and_the_engine_recovers(engine, monkey
             lines = [ln.decode().strip() async for ln in r.content if ln.strip()]
     assert lines[-1] == "data: [DONE]"
     assert '"error"' in lines[-2] and "injected step failure" in lines[-2]
+
+
+async def test_failure_while_admitting_a_prefill_answers_its_rows(engine, monkeypatch) -> None:
+    """A step that fails after the prefill forward, while its rows join the running batch,
+    answers those rows with a 500 (they used to be in neither the queue nor the batch then, so
+    their clients waited forever); the engine serves the next request."""
+    from slime_async.engine import batch
+
+    url, _ = engine
+    real = batch.merge
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected merge failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(batch, "merge", flaky)
+    body = {"input_ids": [7, 2, 9], "sampling_params": {"max_new_tokens": 4, "n": 2}}
+    async with aiohttp.ClientSession() as s:
+        st, err = await asyncio.wait_for(post(s, url + "/generate", body), 30)
+        assert st == 500 and "injected merge failure" in err["error"]["message"], err
+        st, ok = await asyncio.wait_for(post(s, url + "/generate", body), 30)
+    assert st == 200 and [len(o["output_ids"]) for o in ok] == [4, 4], ok

@@ -35,12 +35,26 @@ async def _load(session: aiohttp.ClientSession, url: str) -> dict:
         return (await r.json())[0]
 
 
-async def _honest_and_bad(url: str, bad: dict, *, honest: int = 4) -> tuple[list, tuple]:
-    """`honest` honest requests in flight, then `bad` while they decode; all answers."""
-    async with aiohttp.ClientSession() as s:
+async def _honest_in_batch(s: aiohttp.ClientSession, url: str, honest: int) -> list:
+    """Start `honest` honest requests; return their tasks once all their rows are in the batch.
+
+    On a loaded machine the rows may never be in the batch together (the first can finish its
+    tokens before the last arrives): a round whose rows finish before that is seen is run
+    again. (Waiting on the load alone once waited forever in a full-suite run.)"""
+    for _ in range(5):
         tasks = [asyncio.ensure_future(post(s, url + "/generate", HONEST)) for _ in range(honest)]
-        while (await _load(s, url))["num_reqs"] < honest:  # the honest rows are in the batch
+        while (await _load(s, url))["num_reqs"] < honest and not any(t.done() for t in tasks):
             await asyncio.sleep(0.01)
+        if not any(t.done() for t in tasks):
+            return tasks
+        await asyncio.gather(*tasks)
+    raise AssertionError(f"the {honest} honest requests were never in the batch together")
+
+
+async def _honest_and_bad(url: str, bad: dict, *, honest: int = 4) -> tuple[list, tuple]:
+    """`honest` honest requests in flight, then `bad` while they all decode; all answers."""
+    async with aiohttp.ClientSession() as s:
+        tasks = await _honest_in_batch(s, url, honest)
         bad_answer = await post(s, url + "/generate", bad)
         return await asyncio.gather(*tasks), bad_answer
 
@@ -118,9 +132,7 @@ async def test_a_row_that_fails_in_the_shared_step_fails_alone(engine):
         return seq.finish_reason
 
     async with aiohttp.ClientSession() as s:
-        tasks = [asyncio.ensure_future(post(s, engine.url + "/generate", HONEST)) for _ in range(4)]
-        while (await _load(s, engine.url))["num_reqs"] < 4:
-            await asyncio.sleep(0.01)
+        tasks = await _honest_in_batch(s, engine.url, 4)
         reason = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(submit_poison(), loop))
         honest = await asyncio.gather(*tasks)
     assert reason["type"] == "abort" and reason["status_code"] == 400, reason

@@ -17,9 +17,11 @@ from router.testing import FakeEngine, FakeEngineConfig
 pytestmark = pytest.mark.timeout(60)
 
 
-async def _start(n: int, **router_kw) -> tuple[Router, list[FakeEngine], str]:
+async def _start(
+    n: int, *, step_s: float = 0.002, **router_kw
+) -> tuple[Router, list[FakeEngine], str]:
     engines = [
-        FakeEngine(FakeEngineConfig(name=f"e{i}", step_s=0.002, tokens_per_step=10))
+        FakeEngine(FakeEngineConfig(name=f"e{i}", step_s=step_s, tokens_per_step=10))
         for i in range(n)
     ]
     urls = tuple([await e.start() for e in engines])
@@ -131,7 +133,9 @@ async def test_openai_routes_pass_through() -> None:
 
 
 async def test_streaming_pass_through() -> None:
-    router, engines, url = await _start(1)
+    # 4 steps of 0.15 s: the fake engine's progress follows the wall clock, so with 2 ms steps
+    # a busy machine woke it once after all 40 tokens were due, and the stream was one chunk
+    router, engines, url = await _start(1, step_s=0.15)
     body = _gen(40, rid="s1", stream=True)
     async with aiohttp.ClientSession() as s:
         r = await s.post(url + "/generate", json=body)

@@ -25,7 +25,12 @@ from slime_async.contracts.weight_group import plan_buckets
 from slime_async.contracts.weights import WeightManifest, version_dir_name
 from slime_async.engine import EngineConfig, EngineProcess
 from slime_async.engine.model import load_model
-from slime_async.engine.testing import check_against_reference, post
+from slime_async.engine.testing import (
+    check_against_reference,
+    post,
+    start_processes,
+    stop_processes,
+)
 from slime_async.weights import DistributedTransport, InProcessSender, WeightSyncConfig, distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,21 +83,25 @@ class _StoppingSender(InProcessSender):
         return await super().send(buckets, flatten=flatten)
 
 
-def _start(**kw) -> EngineProcess:
-    e = EngineProcess(
+def _engine(**kw) -> EngineProcess:
+    return EngineProcess(
         EngineConfig(dtype="fp32", weight_version="0", num_threads=1, weight_group_timeout_s=60.0),
         **kw,
     )
+
+
+def _start(**kw) -> EngineProcess:
+    e = _engine(**kw)
     e.start()
     return e
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    engines = [_start(), _start()]
+    engines = [_engine(), _engine()]
+    start_processes(engines)
     yield engines
-    for e in engines:
-        e.stop()
+    stop_processes(engines)
 
 
 async def _served(s: aiohttp.ClientSession, url: str) -> tuple[str, dict]:

@@ -25,7 +25,7 @@ from slime_async.contracts.adapter import LoraSpec, adapter_numel, peft_shapes, 
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weight_group import publish_checksum, tensors_crc32, torch_dtype
 from slime_async.engine import EngineConfig, EngineProcess
-from slime_async.engine.testing import post
+from slime_async.engine.testing import post, start_processes, stop_processes
 from slime_async.weights import InProcessSender, WeightSyncConfig
 from slime_async.weights.adapter import AdapterTransport, DistributedAdapterTransport
 
@@ -97,11 +97,9 @@ def fleet():
         max_loaded_loras=1,
     )
     engines = [EngineProcess(cfg), EngineProcess(cfg)]
-    for e in engines:
-        e.start()
+    start_processes(engines)
     yield engines
-    for e in engines:
-        e.stop()
+    stop_processes(engines)
 
 
 @contextlib.asynccontextmanager

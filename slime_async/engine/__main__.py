@@ -1,4 +1,5 @@
-"""`python -m slime_async.engine`: serve one embedded engine until SIGTERM/SIGINT.
+"""`python -m slime_async.engine`: serve one embedded engine until SIGTERM/SIGINT, then exit
+at once (status 0) without the interpreter's slow teardown.
 
 Owns: the shell entry point only (flags come from `config.add_engine_args`).
 Must never import Ray or the trainer.
@@ -11,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 
 from slime_async.engine.config import add_engine_args, engine_config_from_args
 from slime_async.engine.engine import Engine
@@ -44,6 +46,13 @@ def main(argv: list[str] | None = None) -> None:
         await serve(cfg, stop, on_ready=ready)
 
     asyncio.run(run())
+    # Stopped and flushed: exit now. The interpreter's own teardown of a process that loaded
+    # torch and a model takes seconds (measured: docs/results/2026-11-27-test-suite.md), and
+    # every caller that stops an engine (a test, a supervisor replacing one) waits it out.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,18 @@ class Engine:
             await self.scheduler.close()
         self.weight_groups.close()
 
+    def describe(self) -> dict[str, Any]:
+        """What this engine holds, for a hang report: state, the model lock, the batch."""
+        lock = self.model_lock
+        return {
+            "state": self.state.value,
+            "weight_version": self.weight_version,
+            "paused": self.paused,
+            "model_lock": f"readers={lock.readers} writer_active={lock.writer_active} "
+            f"writers_waiting={lock.writers_waiting}",
+            **(self.scheduler.describe() if self.scheduler is not None else {}),
+        }
+
     # ------------------------------------------------------------------ generation
     @property
     def limits(self) -> ModelLimits:

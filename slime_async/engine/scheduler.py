@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import enum
 import functools
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -169,6 +170,33 @@ class Scheduler:
             "num_tokens": sum(s.num_tokens for s in self.running),
         }
 
+    def describe(self) -> dict[str, Any]:
+        """The batch state for a hang report (the test suite prints it on a timeout): the step
+        loop's task, and every held sequence with how far it got."""
+        task = self._task
+        if task is None or not task.done():
+            loop_state = "not started" if task is None else "running"
+        else:
+            loop_state = "cancelled" if task.cancelled() else f"ended: {task.exception()!r}"
+
+        def row(s: Sequence) -> str:
+            return (
+                f"{s.rid} {s.status.name} prompt={len(s.prompt)} out={len(s.output)}"
+                f"/{s.params.max_new_tokens} age={time.monotonic() - s.created:.1f}s"
+                + (f" abort={s.abort_message!r}" if s.abort_message else "")
+            )
+
+        return {
+            "loop": loop_state,
+            "paused": self.paused,
+            "in_step": self._in_step,
+            "step_lock_held": self._step_lock.locked(),
+            "steps": self.steps,
+            "waiting": [row(s) for s in self.waiting],
+            "prefilling": [row(s) for s in self._prefilling],
+            "running": [row(s) for s in self.running],
+        }
+
     # ------------------------------------------------------------------ loop
     async def _loop(self) -> None:
         while True:
@@ -225,9 +253,11 @@ class Scheduler:
             done = await self._prefill_isolated(first)
             if rest:
                 done += await self._prefill_isolated(rest)
-            self._prefilling = []
             for seqs, result in done:
                 self._apply_prefill(seqs, *result)
+            # cleared only once every admitted row is in `running` (or finished): if applying
+            # a prefill raises, `_fail_step` still finds the rows not yet moved and answers them
+            self._prefilling = []
             self._retire()
         if self.running and self.kv is not None and not self.paused:
             # a failing batched forward is an engine fault (all rows fail: _fail_step); a row

@@ -2,12 +2,15 @@
 
 Owns: `post` (one JSON POST with aiohttp, returns status and parsed body),
 `check_against_reference` (teacher-forced comparison of a `/generate` answer) and
-`stock_sglang_router` (the real sglang-router binary in front of engines). Test support
+`stock_sglang_router` (the real sglang-router binary in front of engines) and
+`start_processes` / `stop_processes` (several `EngineProcess` children started or stopped at
+once: each start is mostly the child's imports and model build, which overlap). Test support
 only; production code must never import this module.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -25,6 +28,26 @@ import torch
 
 from slime_async.contracts.rollout import decode_routed_experts
 from slime_async.engine.model import LoadedModel, teacher_forced
+from slime_async.engine.runner import EngineProcess
+
+
+def start_processes(procs: Sequence[EngineProcess]) -> list[str]:
+    """Start every child at once; their URLs in order. If any start fails, every child is
+    stopped and the first error raised."""
+    with concurrent.futures.ThreadPoolExecutor(len(procs) or 1) as ex:
+        futures = [ex.submit(p.start) for p in procs]
+        concurrent.futures.wait(futures)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        stop_processes(procs)
+        raise errors[0]  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
+def stop_processes(procs: Sequence[EngineProcess]) -> None:
+    """Stop every child at once (each stop waits for its child's graceful exit)."""
+    with concurrent.futures.ThreadPoolExecutor(len(procs) or 1) as ex:
+        list(ex.map(lambda p: p.stop(), procs))
 
 
 async def post(
