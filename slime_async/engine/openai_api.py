@@ -106,6 +106,8 @@ async def _run(
     }
     req = parse_generate(body, tokenizer=eng.lm.tokenizer, limits=eng.limits)
     async with eng.model_lock.reader():
+        if eng.memory.sleeping:
+            return error(eng.memory.why_asleep(), status=503)
         seqs = eng.submit(req)
         if not await wait_done(seqs, lambda: client_gone(request)):
             eng.abort_seqs(seqs, "client disconnected")
