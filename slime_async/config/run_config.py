@@ -105,6 +105,12 @@ class RunConfig:
     """slime-style: rollouts to run (--num-steps = this x --num-steps-per-rollout)."""
     update_weights_interval: int = flag(1, ge=1)
     """Push weights to the engines every this many train steps."""
+    engine_sleep_level: int = flag(0, ge=0, le=2)
+    """Put the engines to sleep during every train step (generation paused, in-flight samples
+    continued after it, as across a weight push): 1 frees their KV and prefix caches, 2 also
+    their weights (SGLang's release_memory_occupation), so a colocated run really releases
+    the engines' memory while the trainer needs it; 0 (the default): engines keep generating
+    while the trainer trains (asynchronous)."""
     save_interval: int = flag(0, ge=0, hint="0 = only at the end")
     """Checkpoint (--save) and HF export (--save-hf) every this many rollouts, slime's unit
     (this x --num-steps-per-rollout train steps); 0: only at the end."""

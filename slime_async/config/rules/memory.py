@@ -38,6 +38,7 @@ def run_config(d: Draft) -> None:
         api_key_file=a.api_key_file,
         num_steps=a.num_steps,
         update_weights_interval=a.update_weights_interval,
+        engine_sleep_level=a.engine_sleep_level,
         save_interval=a.save_interval,
         save_debug_rollout_data=a.save_debug_rollout_data,
         load_debug_rollout_data=a.load_debug_rollout_data,
