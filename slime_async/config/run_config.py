@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from clifields import add_flags, check_ranges, flag
 from data_worker.config import DataWorkerConfig
 from router.config import RouterConfig
+from slime_async.config.pipeline import PipelineConfig
 from slime_async.config.supervision import SupervisorConfig
 from slime_async.contracts.model import ModelSpec
 from slime_async.engine.backends.config import EngineFleetConfig
@@ -185,6 +186,8 @@ class RunConfig:
     engine: EngineConfig = flag(cli=False)
     trainer: TrainerConfig = flag(cli=False)
     supervisor: SupervisorConfig = flag(cli=False)
+    pipeline: PipelineConfig = flag(default_factory=PipelineConfig, cli=False)
+    """Membership in a pipeline scheduler (docs/pipeline-scheduler.md); default: none."""
     weights: WeightSyncConfig = flag(default_factory=WeightSyncConfig, cli=False)
     """How weights reach the engines (`--update-weight-transport`, ...)."""
     derived: dict[str, Derived] = flag(default_factory=dict, cli=False)

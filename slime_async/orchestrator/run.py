@@ -132,6 +132,8 @@ class Run:
     """The reserved bundles (given back at close)."""
     _logged_once: bool = False
     _rollout_idle_mark: float = 0.0
+    pipeline: Any = None
+    """This run's `PipelineMember` (`--pipeline-scheduler`), or None."""
     sleeps: int = 0
     """Train steps the engines slept through (`--engine-sleep-level`)."""
     sleep_s: float = 0.0
@@ -217,8 +219,12 @@ class Run:
         trim_heap()  # what the step's batch, responses and pushes freed, back to the node
 
     async def push_weights(self, version: int) -> dict[str, float]:
-        """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
+        """Make the engines serve `version` (see `--partial-rollout` for in-flight requests).
+        With every engine asleep (the pipeline scheduler gave their slots away) nothing is
+        pushed: an engine that wakes gets the trainer's version then (`catch_up_replacements`)."""
         await self._feed_role(version)
+        if not self.cluster.awake_urls:
+            return {}
         requeue = self.cfg.data_worker.partial_rollout is PartialRolloutPolicy.REQUEUE
         if requeue:  # abort in-flight generations; the data worker re-issues them whole
             await self.worker.pause()
@@ -405,6 +411,8 @@ class Run:
         self.logger.log(step, metrics)
 
     async def close(self) -> None:
+        if self.pipeline is not None:  # leave first: the run's slots go to the others at once
+            await self.pipeline.stop()
         try:
             await self.worker.stop()
         except Exception as e:  # shutting down after an error: report, keep closing
