@@ -5,9 +5,9 @@ engines (engine i on slot i), then every `heartbeat_s` reports the run's generat
 (samples it still wants at its current version within its staleness bound: the groups the
 staleness budget still admits times the samples per group, plus the samples queued or in
 flight) and acts on the answer: a slot to give up has its engine put to sleep through the
-router (abort, drain, release: the cut requests go to the run's other engines, or, when none
-serves any more, the data worker is paused first and re-issues them after the next wake) and
-taken out of the router; a slot granted wakes its engine, which then waits out of the router
+router (abort, drain, release: the router sends each cut request whole to the run's other
+engines, or, when none serves, holds it in its queue until one is admitted again, within
+`--router-wait-for-worker`) and taken out of the router; a slot granted wakes its engine, which then waits out of the router
 (`Cluster.pending`) until the run gives it its current version (selective sync: a version is
 pushed only to the engines that serve, `Cluster.serving_urls`). Stopping leaves the scheduler,
 which frees the run's slots at once; a run that dies without leaving is dropped after the
@@ -106,9 +106,6 @@ class PipelineMember:
         cluster = self.cluster
         if url in cluster.asleep:
             return
-        last = [u for u in cluster.serving_urls if u != url] == []
-        if last and url not in cluster.pending:  # no engine left: pause, re-issue later
-            await self.run.worker.pause()
         if url in cluster.pending:  # woken but not yet admitted: not in the router
             await _engine_call(url, "/release_memory_occupation", self.tags, self._token)
             cluster.pending.discard(url)
@@ -124,8 +121,6 @@ class PipelineMember:
         cluster.asleep.discard(url)
         cluster.pending.add(url)
         self.run.supervisor.behind.set()  # the run pushes its version to it, then admits it
-        if self.run.worker.paused:
-            await self.run.worker.resume()
 
     @property
     def _token(self) -> str | None:
