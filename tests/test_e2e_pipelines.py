@@ -52,7 +52,7 @@ def pool():
 
 
 async def test_two_pipelines_share_a_slot_and_both_finish(tmp_path, pool) -> None:
-    steps = {"a": 10, "b": 3}  # a still trains when b (started alongside) has joined
+    steps = {"a": 30, "b": 3}  # a still trains when b (started alongside) has joined
     runs = {n: tmp_path / n for n in steps}
     cfgs = {n: parse_config(_argv(d, n, steps[n])) for n, d in runs.items()}
     out = await asyncio.gather(*(train(c) for c in cfgs.values()))

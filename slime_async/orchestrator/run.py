@@ -221,10 +221,13 @@ class Run:
     async def push_weights(self, version: int) -> dict[str, float]:
         """Make the engines serve `version` (see `--partial-rollout` for in-flight requests).
         With every engine asleep (the pipeline scheduler gave their slots away) nothing is
-        pushed: an engine that wakes gets the trainer's version then (`catch_up_replacements`)."""
+        pushed: no engine serves until one woke and was given this version, the trainer's
+        (`catch_up_replacements`), so the data worker may count on it now."""
         await self._feed_role(version)
-        if not self.cluster.awake_urls:
-            return {}
+        if not self.cluster.awake_urls:  # no engine serves before one woke and took `version`
+            self.worker.set_served_version(version)
+            self.versions.fleet = version
+            return {"weights/push_deferred": 1.0}
         requeue = self.cfg.data_worker.partial_rollout is PartialRolloutPolicy.REQUEUE
         if requeue:  # abort in-flight generations; the data worker re-issues them whole
             await self.worker.pause()
@@ -256,7 +259,7 @@ class Run:
         if self.version == self.fleet_version:
             await self.transport.push(self.version)
             await self._admit_caught_up(self.version)
-        elif len(self.cluster.pending) == len(self.cluster.engines):
+        elif not self.cluster.serving_urls:  # every engine waits (or sleeps): none serves
             log.warning(
                 "every engine is a replacement waiting for weights: pushing v%d now, "
                 "before --update-weights-interval %d is due",
