@@ -7,6 +7,7 @@ Arms (same flags, same seed, `--num-steps` each, one Ray node in this process):
   shared     a and b side by side, their engines on one slot of a pipeline scheduler (each
              serves only while the slot is granted, sleeps at level 2 otherwise)
 
+Runs use the random-init tiny model (`--warmstart-steps 0`), 32-token answers, no eval.
 Per arm: wall time from the first run's start to the last run's end (start-ups included: they
 overlap in the shared arm), the trained samples of both pipelines together and the aggregate
 samples/s; per pipeline its steady samples/s (trained samples over the sum of its step times),
@@ -35,6 +36,8 @@ from slime_async.orchestrator.roles import init_ray
 def _argv(run_dir: Path, steps: int, name: str | None) -> list[str]:
     argv = ["--run-dir", str(run_dir), "--num-steps", str(steps), "--max-staleness", "1"]
     argv += ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4"]
+    # the random-init tiny model, short answers: the mechanism's costs, not a learning curve
+    argv += ["--warmstart-steps", "0", "--eval-interval", "0", "--rollout-max-response-len", "32"]
     if name is not None:
         argv += ["--pipeline-scheduler", "bench-pool", "--pipeline-name", name]
     return argv
