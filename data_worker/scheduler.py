@@ -79,6 +79,10 @@ class SchedulerCore:
         self.n_admitted = self.n_consumed = self.n_dropped = self.n_filtered = 0
         self.n_dispatches = self.n_aborted = self.n_errors = 0
         self.n_probes = self.n_cache_hits = 0
+        # response tokens and samples of the groups consumed (trained) and dropped as too stale:
+        # the length bias of the staleness drop (dropping stale groups starves long responses)
+        self.consumed_tokens = self.consumed_samples = 0
+        self.dropped_tokens = self.dropped_samples = 0
         self.wait_sum = 0.0
         self.wait_count = 0
         self._bucket = cfg.bucket_groups
@@ -342,6 +346,9 @@ class SchedulerCore:
     def _drop(self, rec: GroupRecord, *, staged: bool) -> None:
         rec.state = GroupState.DROPPED
         self.n_dropped += 1
+        tokens, samples = _response_size(rec.group)
+        self.dropped_tokens += tokens
+        self.dropped_samples += samples
         del self.groups[rec.seq]
         if not staged:
             self.window.release(rec.seq)
@@ -381,6 +388,9 @@ class SchedulerCore:
         for rec in out:
             rec.state = GroupState.CONSUMED
             del self.groups[rec.seq]
+            tokens, samples = _response_size(rec.group)
+            self.consumed_tokens += tokens
+            self.consumed_samples += samples
         self.n_consumed += len(out)
         return [rec.group for rec in out]  # type: ignore[misc]
 
@@ -415,3 +425,10 @@ class SchedulerCore:
     def num_blocked(self) -> int:
         """Completed groups waiting for the window head to advance."""
         return self.window.num_blocked
+
+
+def _response_size(group: Group | None) -> tuple[int, int]:
+    """(response tokens, samples) of a completed group."""
+    if group is None:
+        return 0, 0
+    return sum(len(s.output_ids) for s in group.samples), len(group.samples)

@@ -32,6 +32,8 @@ _COUNTERS = (
     "n_probes",
     "n_cache_hits",
 )
+_LENGTH_COUNTERS = ("consumed_tokens", "consumed_samples", "dropped_tokens", "dropped_samples")
+"""Saved too; a state written before they existed loads them as 0."""
 
 
 def core_state_dict(core: SchedulerCore) -> dict[str, Any]:
@@ -43,7 +45,7 @@ def core_state_dict(core: SchedulerCore) -> dict[str, Any]:
         "next_seq": core.next_seq,
         "served_version": core.served_version,
         "exhausted": core.exhausted,
-        "counters": {name: getattr(core, name) for name in _COUNTERS},
+        "counters": {name: getattr(core, name) for name in _COUNTERS + _LENGTH_COUNTERS},
         "length_cache": core.cache.to_json(),
         "pending": [
             {"seq": r.seq, "admitted_version": r.admitted_version, "prompt": r.prompt.to_json()}
@@ -77,6 +79,8 @@ def core_load_state_dict(core: SchedulerCore, state: Mapping[str, Any]) -> None:
     core.exhausted = bool(state["exhausted"])
     for name in _COUNTERS:
         setattr(core, name, int(state["counters"][name]))
+    for name in _LENGTH_COUNTERS:
+        setattr(core, name, int(state["counters"].get(name, 0)))
     core.cache.load_json(state["length_cache"])
     entries = sorted(state["pending"], key=lambda e: int(e["seq"]))
     seqs = [int(e["seq"]) for e in entries]

@@ -349,6 +349,7 @@ class RolloutDataWorker:
             "data/aborted": float(core.n_aborted),
             "data/generate_errors": float(core.n_errors),
             "data/dropped_groups": float(acc.dropped),
+            **length_fairness(core),
             **self._last,
         }
 
@@ -361,3 +362,20 @@ class RolloutDataWorker:
         if self._state is not WorkerState.CREATED:
             raise RuntimeError("load_state_dict() must be called before start().")
         core_load_state_dict(self._core, state)
+
+
+def length_fairness(core: SchedulerCore) -> dict[str, float]:
+    """Cumulative response lengths of the groups trained and of those dropped as too stale
+    (`length/*`): `length/trained_bias` = trained mean / completed mean − 1, where completed =
+    trained + dropped. Dropping stale groups drops the slow ones, which are the long ones, so
+    a negative bias means the staleness drop trains shorter responses than the engines wrote."""
+    ct, cs = core.consumed_tokens, core.consumed_samples
+    dt, ds = core.dropped_tokens, core.dropped_samples
+    trained = ct / cs if cs else 0.0
+    completed = (ct + dt) / (cs + ds) if cs + ds else 0.0
+    return {
+        "length/trained_mean": trained,
+        "length/dropped_mean": dt / ds if ds else 0.0,
+        "length/completed_mean": completed,
+        "length/trained_bias": trained / completed - 1.0 if completed else 0.0,
+    }

@@ -44,6 +44,7 @@ LOSSES: dict[str, tuple[str, ...]] = {
     "ppo": ("--loss", "ppo"),
     "decoupled_ppo": ("--loss", "decoupled_ppo"),
     "tis": ("--loss", "single_ratio"),  # token-level truncated IS, clip(π_k/π_SGL, 0, 2)
+    "is": ("--loss", "single_ratio", "--loss-config", "method=none"),  # unclipped π_k/π_SGL
     "icepop": ("--loss", "single_ratio", "--loss-config", "method=icepop", "low=0.5", "high=2.0"),
     "compis": ("--loss", "compis", "--keep-old-actor"),
 }
@@ -226,6 +227,11 @@ class RunData:
         _, ys = self.series(key)
         return ys[-1] if ys else math.nan
 
+    def first(self, key: str) -> float:
+        """The first finite value of `key` (NaN if none)."""
+        _, ys = self.series(key)
+        return ys[0] if ys else math.nan
+
 
 def load_runs(out: Path, cells: Sequence[Cell], budget: Budget | None = None) -> list[RunData]:
     """The finished runs among `cells` with `budget` (None: any); failed or missing ones are
@@ -280,6 +286,7 @@ def analyse(runs: Sequence[RunData], rules: VerdictRules) -> dict[str, Any]:
             "reward_peak": s.reward_peak,
             "reward_end": s.reward_end,
             "eval_final": r.last("eval/reward"),
+            "eval_first": r.first("eval/reward"),
             "eval_se": r.last("eval/reward_se"),
             "staleness_mean": _mean_of(r, "staleness/mean"),
             "staleness_max": max(r.series("staleness/max")[1], default=math.nan),
@@ -434,6 +441,8 @@ GUARD_SWEEP: dict[str, tuple[str, tuple[float, ...]]] = {
     str(GuardKind.ENTROPY_SPIKE): ("entropy_factor", (1.5, 2.0, 3.0)),
     str(GuardKind.IS_WEIGHT_RANGE): ("is_upper", (1.1, 1.25, 1.5)),
     str(GuardKind.ROLLOUT_LOGPROB_TREND): ("trend_min_drop", (0.35, 0.4, 0.5)),
+    str(GuardKind.IS_ESS_LOW): ("ess_floor", (0.3, 0.5, 0.7)),
+    str(GuardKind.GRAD_COSINE_LOW): ("grad_cosine_floor", (-0.3, -0.2, -0.1)),
 }
 """Each guard's main threshold and the values the calibration tries (the default among them)."""
 

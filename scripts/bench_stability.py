@@ -223,10 +223,19 @@ def run_grid(
         return
     own = ("--hf-checkpoint", "--prompt-data", "--prompt-source", "--load", "--config")
     embedded = not any(f in budget.extra for f in own)  # else no tiny-model warm start
-    ws = {}
-    if embedded and budget.warmstart_steps != 0:
-        for seed in sorted({c.seed for c in todo}):
-            ws[seed] = prepare_warmstart(out, seed, budget.warmstart_steps)
+    ws: dict[int, Path] = {}
+    seed_locks = {seed: threading.Lock() for seed in {c.seed for c in todo}}
+
+    def warmstart(seed: int) -> Path | None:
+        """The seed's warm start, trained when its first run starts (once: a lock per seed),
+        so the first runs need not wait for every seed's warm start."""
+        if not embedded or budget.warmstart_steps == 0:
+            return None
+        with seed_locks[seed]:
+            if seed not in ws:
+                ws[seed] = prepare_warmstart(out, seed, budget.warmstart_steps)
+            return ws[seed]
+
     usable = sorted(os.sched_getaffinity(0))
     pairs = (
         [(usable[2 * i], usable[2 * i + 1]) for i in range(jobs)]
@@ -245,7 +254,7 @@ def run_grid(
                 budget,
                 out,
                 cores=pairs[slot] if pairs else None,
-                warmstart=ws.get(cell.seed),
+                warmstart=warmstart(cell.seed),
                 python=sys.executable,
                 stall_s=stall_s,
             )
@@ -339,6 +348,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0.05,
         help="Moving-average window of the curves, as a fraction of the steps.",
     )
+    p.add_argument(
+        "--protocol",
+        action="store_true",
+        help="Run docs/stability-protocol.md on the tiny model: the search over its regimes, "
+        "the rule that picks one, then the confirmatory cells in the protocol's order, and "
+        "its report (--out/protocol.md). Resumable; the axis flags are ignored.",
+    )
     p.add_argument("--report-only", action="store_true", help="Only read finished runs and report.")
     p.add_argument("--dry-run", action="store_true", help="Print the runs and their commands.")
     a = p.parse_args(argv)
@@ -354,9 +370,87 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
+def _shared_warmstart(out: Path, d: Path) -> None:
+    """Every phase of the protocol reuses one warm start per seed (`out/warmstart`)."""
+    d.mkdir(parents=True, exist_ok=True)
+    (out / "warmstart").mkdir(parents=True, exist_ok=True)
+    if not (d / "warmstart").exists():
+        (d / "warmstart").symlink_to(Path("..") / "warmstart")
+
+
+def run_protocol(a: argparse.Namespace, out: Path) -> int:
+    """docs/stability-protocol.md, phases 1 and 2 on the tiny model, then its report."""
+    from lab.protocol import REGIMES, choose_regime, confirm_cells, search_cells
+    from lab.protocol_report import regime_outcome, render_protocol
+
+    rules = VerdictRules()
+    base = Budget(
+        num_rollout=FULL["num_rollout"],
+        eval_interval=FULL["eval_interval"],
+        eval_prompts=a.eval_prompts,
+        eval_samples=a.eval_samples,
+        warmstart_steps=a.warmstart_steps,
+        extra=a.extra,
+    )
+    stall = a.stall_timeout or None
+    outcomes, search_runs, judged, budgets = [], {}, [], {}
+    for regime in REGIMES:
+        d, rb = (
+            out / f"search-{regime.name}",
+            dataclasses.replace(base, extra=a.extra + regime.flags),
+        )
+        budgets[regime.name] = rb
+        _shared_warmstart(out, d)
+        if not a.report_only:
+            run_grid(search_cells(), rb, d, jobs=a.jobs, stall_s=stall)
+        runs = load_runs(d, search_cells(), rb)
+        per_run = analyse(runs, rules)["runs"] if runs else {}
+        outcomes.append(regime_outcome(regime.name, per_run))
+        search_runs[regime.name] = per_run
+        judged += [
+            (f"{regime.name}/{r.cell.name}", r, per_run[r.cell.name]["verdict"]) for r in runs
+        ]
+    done = sum(len(v) for v in search_runs.values()) == len(REGIMES) * len(search_cells())
+    choice = choose_regime(outcomes) if done else None
+    confirm_per_run: dict[str, Any] = {}
+    confirm_runs: list = []
+    cells = confirm_cells()
+    if choice is not None:
+        d, rb = out / "confirm", budgets[choice[0]]
+        _shared_warmstart(out, d)
+        (out / "choice.json").write_text(json.dumps({"regime": choice[0], "broke": choice[1]}))
+        if not a.report_only:
+            run_grid(cells, rb, d, jobs=a.jobs, stall_s=stall)
+        confirm_runs = load_runs(d, cells, rb)
+        if confirm_runs:
+            an = analyse(confirm_runs, rules)
+            confirm_per_run = an["runs"]
+            judged += [
+                (f"confirm/{r.cell.name}", r, confirm_per_run[r.cell.name]["verdict"])
+                for r in confirm_runs
+            ]
+            render_figure(confirm_runs, out / "confirm.png", smooth=a.smooth)
+            (out / "confirm.md").write_text(render_markdown(an, confirm_runs, "protocol: confirm"))
+    text = render_protocol(
+        outcomes=outcomes,
+        choice=choice,
+        search_runs=search_runs,
+        confirm_per_run=confirm_per_run,
+        confirm_runs=confirm_runs,
+        planned=len(cells),
+        judged=judged,
+        rules=rules,
+    )
+    (out / "protocol.md").write_text(text)
+    print(text)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     out = Path(a.out).resolve()
+    if a.protocol:
+        return run_protocol(a, out)
     cells = select(grid(a.staleness, a.losses, a.replay, a.nspr, a.seeds), a.cells)
     if not cells:
         print(f"no run matches --cells {a.cells!r}", file=sys.stderr)

@@ -16,6 +16,18 @@ same threads (or the GPU), and the model FLOP utilisation of the forward+backwar
 
     .venv/bin/python scripts/bench_trainer.py --only speed
     .venv/bin/python scripts/bench_trainer_speed.py --threads 1 --speed-steps 2
+
+`--limit` (`bench_limit`) puts the step against its own matmuls instead of one square matmul:
+each worker process times the GEMMs one training forward+backward runs (`gemm_shapes`: every
+linear layer's forward, input and weight gradient at the batch's token count, the chunked
+head's four products per chunk; in the compute dtype, the operands laid out as the step has
+them) before and after its steps, and reports 6·N·tokens / forward+backward seconds / that
+rate, in wall-clock seconds and in the process's CPU seconds (on a loaded machine the wall
+clock also counts waiting for a core; CPU seconds do not). This tree's worker alternates the
+batched attention and one attention call per sample step by step; `--limit-base main` also
+runs the tree of that commit, back to back:
+
+    nice -n 10 .venv/bin/python scripts/bench_trainer_speed.py --limit --limit-base main
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,18 +75,46 @@ cfg = TrainerConfig(lr=1e-6, seed=0, bf16=args["bf16"], logits_chunk_tokens=args
 tr = MegatronTrainer(cfg, spec)
 lengths = args["lengths"]
 b = random_batch(spec, batch=len(lengths), width=max(lengths), prompt=40, seed=1, lengths=lengths)
-steps, fb = [], []
+cpu = []
+inner = tr._forward_backward
+def timed(*a, **kw):  # CPU seconds of the training forward+backward (this process, all threads)
+    c = time.process_time()
+    out = inner(*a, **kw)
+    cpu.append(time.process_time() - c)
+    return out
+tr._forward_backward = timed
+modes = args.get("attention") or [None]
+if modes != [None]:
+    from slime_async.trainer.attention import PackedDotProductAttention
+limit = args.get("limit")
+if limit:
+    sys.path.insert(0, args["scripts"])
+    from bench_trainer_speed import gemm_rate
+    dtype = torch.bfloat16 if args["bf16"] else torch.float32
+    rates = [gemm_rate(limit, dtype)]
+steps, fb, fb_cpu = {}, {}, {}
 for i in range(args["steps"] + 1):
-    t = time.perf_counter()
-    m = tr.train_step(b)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    if i:
-        steps.append(time.perf_counter() - t)
-        fb.append(m["timing/train_fwd_bwd_s"])
-out = {"step_s": statistics.median(steps), "fwd_bwd_s": statistics.median(fb),
+    for mode in modes:
+        if mode is not None:
+            PackedDotProductAttention.batched = mode == "batched"
+        t = time.perf_counter()
+        m = tr.train_step(b)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if i:
+            steps.setdefault(str(mode), []).append(time.perf_counter() - t)
+            fb.setdefault(str(mode), []).append(m["timing/train_fwd_bwd_s"])
+            fb_cpu.setdefault(str(mode), []).append(cpu[-1])
+if limit:
+    rates.append(gemm_rate(limit, dtype))
+med = lambda d: {k: statistics.median(v) for k, v in d.items()}
+out = {"step_s": med(steps), "fwd_bwd_s": med(fb), "fwd_bwd_cpu_s": med(fb_cpu),
        "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
        "gpu_gib": torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else 0}
+if limit:
+    out["gemm"] = {k: max(r[k] for r in rates) for k in rates[0]}
+if modes == [None]:
+    out = {k: (v["None"] if isinstance(v, dict) and "None" in v else v) for k, v in out.items()}
 print("RESULT " + json.dumps(out))
 """
 
@@ -101,17 +142,63 @@ def matmul_peak(dtype: torch.dtype, *, device: str, n: int) -> float:
     return 2 * n**3 / best
 
 
-def run_config(name: str, *, threads: int, steps: int, lengths: list[int]) -> dict:
+def gemm_shapes(
+    spec: object, tokens: int, read: int, chunk: int
+) -> list[tuple[int, int, int, str, int]]:
+    """The matmuls of one training forward+backward of a dense `spec` on `tokens` packed tokens
+    with `read` of them through the chunked head (`chunk` tokens a chunk): `(m, k, n, form,
+    count)`, `form` the operands' layout as the step has it ('nt': x @ wᵀ, 'nn': g @ w, 'tn':
+    gᵀ @ x). Per linear layer the forward, the input gradient and the weight gradient; the head
+    per chunk its forward, the backward's recomputed forward, and its two gradients. Attention's
+    own batched products (q·kᵀ, p·v; under 5% of the FLOPs at these lengths) are left out."""
+    h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
+    kv, f, L = spec.num_key_value_heads * spec.head_dim, spec.intermediate_size, spec.num_layers
+    out = []
+    for o, i in ((q + 2 * kv, h), (h, q), (2 * f, h), (h, f)):
+        out += [(tokens, i, o, "nt", L), (tokens, o, i, "nn", L), (o, tokens, i, "tn", L)]
+    v = spec.vocab_size
+    full, last = divmod(read, chunk)
+    for c, count in ((chunk, full), (last, 1 if last else 0)):
+        if count:
+            out += [(c, h, v, "nt", 2 * count), (c, v, h, "nn", count), (v, c, h, "tn", count)]
+    return out
+
+
+def gemm_rate(shapes: list, dtype: torch.dtype) -> dict[str, float]:
+    """FLOP/s of the matmuls `shapes` (`gemm_shapes`) in `dtype` on this process's threads:
+    each shape's best of 3 (after a warm-up) times its count; `wall` in wall-clock seconds,
+    `cpu` in this process's CPU seconds (what a loaded machine's wall clock adds is waiting)."""
+    flops = wall = cpu = 0.0
+    for m, k, n, form, count in shapes:
+        a = torch.randn(m, k).to(dtype) if form != "tn" else torch.randn(k, m).to(dtype).t()
+        b = torch.randn(n, k).to(dtype).t() if form == "nt" else torch.randn(k, n).to(dtype)
+        best_w = best_c = float("inf")
+        for i in range(4):
+            t, c = time.perf_counter(), time.process_time()
+            a @ b
+            if i:
+                best_w = min(best_w, time.perf_counter() - t)
+                best_c = min(best_c, time.process_time() - c)
+        flops += 2 * m * k * n * count
+        wall += best_w * count
+        cpu += best_c * count
+    return {"wall": flops / wall, "cpu": flops / cpu, "flops": flops}
+
+
+def run_config(
+    name: str, *, threads: int, steps: int, lengths: list[int], tree: Path = ROOT, **extra: object
+) -> dict:
     bf16, chunk, recompute = CONFIGS[name]
     args = dict(
         spec=SMOLLM2.to_dict(), bf16=bf16, chunk=chunk, recompute=recompute, threads=threads,
-        steps=steps, lengths=lengths,
+        steps=steps, lengths=lengths, scripts=str(ROOT / "scripts"), **extra,
     )  # fmt: skip
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}
     p = subprocess.run(
         [sys.executable, "-c", WORKER, json.dumps(args)],
         env=env,
+        cwd=tree,
         capture_output=True,
         text=True,
         check=False,
@@ -186,6 +273,88 @@ def bench_speed(args: argparse.Namespace) -> dict:
     return result
 
 
+def bench_limit(args: argparse.Namespace) -> dict:
+    """The train step against the matmul limit at the recipe's shapes, this tree (attention
+    batched and one call per sample, alternating step by step in one process) and, with
+    `--limit-base`, the tree of that commit (a fresh process, back to back): each process measures
+    the rate of the step's own matmuls (`gemm_shapes`) before and after its steps (the better
+    of the two) and reports 6·N·tokens / forward+backward seconds / that rate, in wall-clock
+    and in CPU seconds."""
+    from slime_async.trainer.lm_head import default_chunk_tokens
+
+    lengths = recipe_lengths()
+    tokens, params = sum(lengths), param_count(SMOLLM2)
+    read = tokens - 40 * len(lengths)  # the worker's batch: 40 prompt tokens a sample
+    shapes = gemm_shapes(SMOLLM2, tokens, read, default_chunk_tokens(SMOLLM2.vocab_size))
+    name = args.limit_config
+    load = [os.getloadavg()]
+    print(
+        f"\n[limit] {name}, SmolLM2-135M shapes ({params / 1e6:.1f}M parameters), "
+        f"{len(lengths)} samples / {tokens} tokens ({read} through the head), "
+        f"{args.threads} thread(s), {args.speed_steps} timed step(s) per mode; "
+        f"load average {load[0][0]:.1f}"
+    )
+    runs: list[tuple[str, Path, list[str] | None]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.limit_base:
+            runs.append((f"base {args.limit_base}", _base_tree(args.limit_base, tmp), None))
+        runs.append(("this tree", ROOT, ["per-sample", "batched"]))
+        rows = {}
+        for _ in range(args.limit_rounds):
+            for label, tree, modes in runs:
+                r = run_config(
+                    name, threads=args.threads, steps=args.speed_steps, lengths=lengths,
+                    tree=tree, limit=shapes, attention=modes,
+                )  # fmt: skip
+                for mode in modes or [None]:
+                    key = label if mode is None else f"{label}, attention {mode}"
+                    pick = (lambda v: v) if mode is None else (lambda v, m=mode: v[m])
+                    row = {k: pick(r[k]) for k in ("step_s", "fwd_bwd_s", "fwd_bwd_cpu_s")}
+                    rows.setdefault(key, []).append(
+                        {**row, "gemm": r["gemm"], "rss_gib": r["rss_gib"]}
+                    )
+    load.append(os.getloadavg())
+    flops = 6 * params * tokens
+    print(
+        f"{'tree / attention':<36} {'fwd+bwd s':>9} {'CPU s':>7} {'GEMM GFLOP/s':>13} "
+        f"{'6NT/limit':>9} {'(CPU)':>6} {'GEMM share':>10} {'peak RSS GiB':>12}"
+    )
+    out = {}
+    for key, rs in rows.items():
+        for r in rs:
+            g = r["gemm"]
+            r["frac_wall"] = flops / r["fwd_bwd_s"] / g["wall"]
+            r["frac_cpu"] = flops / r["fwd_bwd_cpu_s"] / g["cpu"]
+            r["gemm_share"] = g["flops"] / g["cpu"] / r["fwd_bwd_cpu_s"]
+            print(
+                f"{key:<36} {r['fwd_bwd_s']:>9.2f} {r['fwd_bwd_cpu_s']:>7.2f} "
+                f"{g['wall'] / 1e9:>6.0f}/{g['cpu'] / 1e9:<6.0f} {r['frac_wall']:>9.1%} "
+                f"{r['frac_cpu']:>6.1%} {r['gemm_share']:>10.1%} {r['rss_gib']:>12.2f}"
+            )
+        out[key] = rs
+    print(
+        f"GEMM GFLOP/s: the step's matmuls alone, wall/CPU; 6NT/limit = 6·N·tokens / fwd+bwd s / "
+        f"GEMM rate (wall, then CPU seconds); GEMM share = the step's matmul FLOPs "
+        f"({shapes and sum(2 * m * k * n * c for m, k, n, _, c in shapes) / 1e12:.2f} TFLOP) at the "
+        f"GEMM rate / fwd+bwd CPU s; peak RSS of the process (both attention modes ran in one). "
+        f"Load average before {load[0][0]:.1f}, after {load[1][0]:.1f}"
+    )
+    result = {"tokens": tokens, "read": read, "params": params, "rows": out, "load": load}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _base_tree(commit: str, into: str) -> Path:
+    tree = Path(into) / "base"
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (speed part)")
     ap.add_argument("--speed-steps", type=int, default=2, help="timed steps per configuration")
@@ -193,9 +362,16 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), help="which ones"
     )
     ap.add_argument("--json", help="also write the numbers to this file")
+    ap.add_argument(
+        "--limit", action="store_true", help="the step against its matmuls' rate (bench_limit)"
+    )
+    ap.add_argument("--limit-config", default="bf16 chunked", choices=list(CONFIGS))
+    ap.add_argument("--limit-base", help="with --limit: also this commit's tree (e.g. main)")
+    ap.add_argument("--limit-rounds", type=int, default=1, help="with --limit: rounds over trees")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_args(ap)
-    bench_speed(ap.parse_args())
+    a = ap.parse_args()
+    bench_limit(a) if a.limit else bench_speed(a)

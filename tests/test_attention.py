@@ -67,3 +67,79 @@ def test_sdpa_packed_and_padded_equal_megatrons_attention_per_sample():
     q, k, v = _qkv(9, b=3, seed=1)  # padded BSHD: causal over the whole row
     want = theirs(q, k, v, _causal_mask(9))
     assert torch.allclose(ours(q, k, v, None), want, atol=TOL, rtol=1e-5)
+
+
+def _packed(bounds: list[int]):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    n = max(e - s for s, e in itertools.pairwise(bounds))
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n
+    )
+
+
+def _attend(layer, batched: bool, q, k, v, packed):
+    """Output and q/k/v gradients of one packed call, batched or one SDPA call per sample."""
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    layer.batched = batched
+    try:
+        out = layer(q, k, v, None, packed_seq_params=packed)
+    finally:
+        layer.batched = True
+    g = torch.Generator().manual_seed(7)
+    out.backward(torch.randn(out.shape, generator=g).to(DEVICE))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("budget", [None, 400])
+def test_batched_packed_attention_equals_one_call_per_sample(monkeypatch, budget):
+    """Packed samples attended in padded groups (grouped-query heads, fp32) give each sample's
+    per-sample SDPA output and q/k/v gradients to 1e-6; with a small score budget the samples
+    split into several groups and the longest runs alone (SDPA), the same numbers."""
+    from slime_async.trainer import attention
+
+    if budget is not None:
+        monkeypatch.setattr(attention, "SCORE_ELEMENTS", budget)
+    attention.padded_groups.cache_clear()
+    ours, _ = _layers()
+    bounds = [0, 5, 6, 13, 20, 29, 31, 42]
+    plan = attention.padded_groups(tuple(bounds), SPEC.num_attention_heads, torch.device(DEVICE))
+    if budget is None:
+        # lengths 11, 9, 7, 7 | 5 | 2, 1: each at least half its group's longest
+        assert [g.samples for g in plan.groups] == [4, 1, 2] and not plan.alone
+    else:
+        assert plan.alone == ((31, 42),) and [g.samples for g in plan.groups] == [1, 2, 1, 2]
+    q, k, v = (x[:, 0] for x in _qkv(42, seed=2))
+    batched = _attend(ours, True, q, k, v, _packed(bounds))
+    per_sample = _attend(ours, False, q, k, v, _packed(bounds))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), batched, per_sample, strict=True):
+        assert a.shape == b.shape, name
+        assert (a - b).abs().max() <= TOL, (name, (a - b).abs().max())
+    attention.padded_groups.cache_clear()
+
+
+def test_batched_attention_gives_the_models_logprobs_of_one_call_per_sample():
+    """The trainer's log-probs and entropies (fp32, a dense 2-layer model, ragged packed
+    samples in one micro-batch) are those of one attention call per sample, to 1e-6 (plus
+    1e-6 relative)."""
+    from slime_async.trainer.attention import PackedDotProductAttention
+    from slime_async.trainer.config import TrainerConfig
+    from slime_async.trainer.testing import random_batch
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    spec = ModelSpec(family="llama", num_layers=2)
+    lengths = [9, 23, 5, 17, 30, 12, 2, 26]
+    b = random_batch(spec, batch=len(lengths), width=30, prompt=1, seed=4, lengths=lengths)
+    tr = MegatronTrainer(TrainerConfig(lr=1e-4, seed=0), spec)
+    try:
+        lp, ent = tr.compute_logprobs(b)
+        PackedDotProductAttention.batched = False
+        lp_ref, ent_ref = tr.compute_logprobs(b)
+    finally:
+        PackedDotProductAttention.batched = True
+        tr.shutdown()
+    # 1e-6 absolute plus 1e-6 relative: entropies near 8 move by a few fp32 ulps (~1e-6 each)
+    assert torch.allclose(lp, lp_ref, atol=1e-6, rtol=1e-6)
+    assert torch.allclose(ent, ent_ref, atol=1e-6, rtol=1e-6)
+    assert lp[0, 1:9].abs().min() > 0  # real log-probs were compared

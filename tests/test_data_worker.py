@@ -203,6 +203,32 @@ def test_off_policy_groups_are_dropped_and_counted() -> None:
     run_virtual(main())
 
 
+def test_the_staleness_drop_reports_the_length_bias_it_causes() -> None:
+    """Long responses finish late, go stale and are dropped: `length/*` shows trained
+    responses shorter than the ones the engines completed (a negative bias)."""
+    eng = SimulatedEngine(length_fn=lambda p, i: 10 if p.prompt_ids[0] % 2 else 40, chunk=10)
+    cfg = _cfg(groups_per_step=2, max_staleness=2, max_off_policy_steps=1, max_inflight=64)
+    worker = RolloutDataWorker(cfg, _source(50), eng.generate)
+
+    async def main() -> None:
+        await worker.start()
+        await asyncio.sleep(0.15)  # the short groups of v = 0 complete, the long ones run
+        eng.set_version(3)
+        worker.set_served_version(3)
+        await asyncio.sleep(0.5)  # the long ones complete too, already too stale
+        b = await worker.get_batch(2, 3)
+        m = worker.metrics()
+        assert b.dropped == 6 and m["data/dropped_groups"] == 6.0
+        assert m["length/dropped_mean"] == pytest.approx((3 * 10 + 3 * 40) / 6)
+        assert m["length/trained_mean"] == 10.0  # the batch: groups admitted at v = 3
+        completed = (6 * 25.0 * 2 + 2 * 10 * 2) / (8 * 2)
+        assert m["length/completed_mean"] == pytest.approx(completed)
+        assert m["length/trained_bias"] == pytest.approx(10.0 / completed - 1.0)
+        await worker.stop()
+
+    run_virtual(main())
+
+
 def _pause_run(policy: str, *, abortable: bool) -> tuple[list, RolloutDataWorker, SimulatedEngine]:
     eng = SimulatedEngine(length_fn=lambda p, i: 40)
     cfg = _cfg(partial_rollout=policy, n_samples_per_prompt=2, groups_per_step=2, max_inflight=4)

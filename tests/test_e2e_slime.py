@@ -157,7 +157,12 @@ async def test_slime_launch_flags_train_a_few_steps(tmp_path):
     assert summary["train/version"] == 3 and math.isfinite(summary["loss/total"])
     assert summary["loss/kl_ref"] > 0 and summary["loss/entropy"] > 0  # slime's GRPO_ARGS terms
     rows = _metrics(tmp_path)
-    assert any("eval/reward" in r for r in rows)  # eval every 2 rollouts ran
+    evals = {r["step"]: r for r in rows if "eval/reward" in r}
+    # the baseline before any push, and the final weights although 3 is no multiple of 2:
+    # each sampled on exactly one version
+    assert {0, 3} <= set(evals)
+    assert evals[0]["eval/version_min"] == evals[0]["eval/version_max"] == 0
+    assert evals[3]["eval/version_min"] == evals[3]["eval/version_max"] == 3
     steps = [r for r in rows if "train/version" in r]
     assert all(r["rollout/reward_masked"] == 0.0 for r in steps)  # slime's rm scored everything
 

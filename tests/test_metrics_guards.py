@@ -14,6 +14,7 @@ from slime_async.metrics.detectors import (
     is_weight_out_of_range,
     logprob_diff_drift,
     trend_drop,
+    window_mean_below,
 )
 from slime_async.metrics.guards import (
     BASELINE_AFTER_BOUNDS,
@@ -45,6 +46,8 @@ def healthy(n: int = 60, seed: int = 0) -> list[dict]:
                 "is/engine/mean": 1.0 + rng.gauss(0, 0.01),
                 "is/combined/mean": 1.0 + rng.gauss(0, 0.03),
                 "rollout/logprob_mean": -1.0 + 0.004 * k + rng.gauss(0, 0.02),
+                "is/staleness/ess": 0.95 + rng.gauss(0, 0.02),
+                "train/grad_cosine": 0.1 + rng.gauss(0, 0.1),
             }
         )
     return out
@@ -95,6 +98,24 @@ def test_is_weight_range_per_source() -> None:
     hits = scan(run, CFG)
     assert [(w.step, w.key) for w in hits] == [(21, "is/engine/mean"), (22, "is/staleness/mean")]
     assert "engine IS weight mean 1.9 left [0.8, 1.25]" in hits[0].message
+
+
+def test_ess_and_gradient_cosine_floors() -> None:
+    assert window_mean_below([0.9, 0.2, 0.3], window=2, floor=0.5) == (0.25, 0.5)
+    assert window_mean_below([0.2, None, 0.3], window=3, floor=0.5) is None  # too few values
+    assert window_mean_below([0.6, 0.7], window=2, floor=0.5) is None
+    run = healthy()
+    for k in range(30, 40):  # the weights concentrate, then the updates turn against each other
+        run[k]["is/staleness/ess"] = 0.2
+    for k in range(35, 45):
+        run[k]["train/grad_cosine"] = -0.6
+    cfg = dataclasses.replace(CFG, ess_window=3, grad_cosine_window=3)
+    hits = scan(run, cfg)
+    kinds = [(w.kind, w.step) for w in hits]
+    assert kinds[0] == (GuardKind.IS_ESS_LOW, 32)  # 2 of 3 steps low: the mean is 0.45
+    first_cos = next(s for k, s in kinds if k is GuardKind.GRAD_COSINE_LOW)
+    assert first_cos == 37
+    assert "effective sample size" in hits[0].message
 
 
 def test_rollout_logprob_trend() -> None:

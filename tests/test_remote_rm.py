@@ -140,3 +140,34 @@ def test_slime_style_plugins_read_the_rm_url_from_args(tmp_path):
     argv = ["--run-dir", str(tmp_path), "--rm-url", "http://127.0.0.1:9/rm", "--reward-key", "r"]
     args = slime_plugin_args(parse_config(argv), "http://127.0.0.1:1")
     assert (args.rm_url, args.reward_key) == ("http://127.0.0.1:9/rm", "r")
+
+
+async def test_rm_type_remote_rm_is_the_rm_url_model(example_server):
+    """slime's `--rm-type remote_rm --rm-url URL`: the same remote reward model; a sample whose
+    metadata names another type is scored in-process by that type."""
+    from slime_async.rollout.data.slime_rm import SlimeRewards
+
+    rm = SlimeRewards(
+        "remote_rm", seed=0, remote=RemoteReward(example_server, timeout_s=10, retries=0)
+    )
+    assert (await compute_reward(rm, _inp("2 plus 3 makes 5"))).reward == 1.0
+    assert (await compute_reward(rm, _inp("2 plus 3 makes 6"))).reward == 0.0
+    boxed = RewardInput(
+        response_ids=[1], response_text="so \\boxed{5}", label="5", metadata={"rm_type": "math"}
+    )
+    assert (await compute_reward(rm, boxed)).reward == 1.0
+
+
+def test_eval_samples_read_the_answer_under_eval_reward_key():
+    """slime's `--eval-reward-key` (default `--reward-key`): the key of eval samples' reward."""
+    argv = ["--rm-url", "http://127.0.0.1:9/rm", "--reward-key", "score"]
+    plan = make_data_plan(
+        rollout_config_from_args(build_parser().parse_args([*argv, "--eval-reward-key", "acc"])),
+        seed=0,
+        hf_checkpoint=None,
+    )
+    assert (plan.reward_fn.reward_key, plan.eval_reward_fn.reward_key) == ("score", "acc")
+    plan = make_data_plan(
+        rollout_config_from_args(build_parser().parse_args(argv)), seed=0, hf_checkpoint=None
+    )
+    assert plan.eval_reward_fn.reward_key == "score"

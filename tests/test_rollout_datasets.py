@@ -36,6 +36,29 @@ def messy(tmp_path: Path) -> Path:
     )
 
 
+def test_slimes_metadata_key_gives_each_row_its_metadata(tmp_path: Path) -> None:
+    """slime's `--metadata-key`: a JSON object (or its text) per row; none when absent."""
+    path = tmp_path / "m.jsonl"
+    rows = [
+        {"prompt": "a", "label": "1", "metadata": {"rm_type": "f1", "choices": ["x", "y"]}},
+        {"prompt": "b", "label": "2", "metadata": '{"rm_type": "math"}'},
+        {"prompt": "c", "label": "3"},
+        {"prompt": "d", "label": "4", "metadata": "not json"},
+        {"prompt": "e", "label": "5", "metadata": [1]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_dataset(DatasetConfig(path=str(path), metadata_key="metadata"))
+    assert [r.metadata for r in data.rows] == [
+        {"rm_type": "f1", "choices": ["x", "y"]},
+        {"rm_type": "math"},
+        {},
+    ]
+    assert data.skipped == {"bad metadata": 2}
+    with pytest.raises(DatasetError, match=r"m.jsonl:4: 'metadata' must be a JSON object"):
+        load_dataset(DatasetConfig(path=str(path), metadata_key="metadata", strict=True))
+    assert len(load_dataset(DatasetConfig(path=str(path))).rows) == 5  # no key: not read
+
+
 def test_bad_rows_are_skipped_and_counted(messy: Path) -> None:
     data = load_dataset(DatasetConfig(path=str(messy), metadata_keys=("source",)))
     assert [r.line for r in data.rows] == [1, 8, 10]

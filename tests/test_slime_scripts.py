@@ -122,11 +122,10 @@ def _dry_run_out(argv: list[str], tmp: Path, capsys) -> tuple[int, str, str]:
 _SGLANG = ("--sglang-mem-fraction-static",)
 SCRIPTS_CASES = {
     # script: (test model, the flags answered with a refusal here, the changes that pass)
-    "qwen3-4B": ("qwen3-tiny", ("--rm-type", *_SGLANG), []),
+    "qwen3-4B": ("qwen3-tiny", _SGLANG, []),
     "qwen2.5-0.5B": (
         "qwen2.5-tiny",
         (
-            "--rm-type",
             *_SGLANG,
             "--sglang-enable-deterministic-inference",
             "--sglang-attention-backend",
@@ -136,7 +135,6 @@ SCRIPTS_CASES = {
     "qwen3-30B-A3B": (
         "tiny-moe",
         (
-            "--rm-type",
             *_SGLANG,
             "--sglang-cuda-graph-bs",
             "--optimizer-cpu-offload",
@@ -148,7 +146,7 @@ SCRIPTS_CASES = {
         # TP 4 x DP 2 on 8 ranks: the experts split by TP here, so EP divides DP
         ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"],
     ),
-    "llama3.2-3B": ("llama3.2-tiny", ("--rm-type", *_SGLANG), []),
+    "llama3.2-3B": ("llama3.2-tiny", _SGLANG, []),
 }
 
 
@@ -160,11 +158,13 @@ def test_a_slime_script_runs_but_for_its_paths_and_the_answered_flags(name, tmp_
 
     code, err = _dry_run(argv, tmp_path, capsys)
     assert "unrecognized argument " not in err, err
-    assert code == 2 and any(f in err for f in answered), err  # answered, with the reason
+    # answered, with the reason (the --sglang-* flags named as the SGLang server's)
+    assert code == 2 and any(f.replace("--sglang-", "--") in err for f in answered), err
 
     code, err, out = _dry_run_out([*without(argv, *answered), *changes], tmp_path, capsys)
     assert code == 0, err
     cfg = json.loads(out)
+    assert cfg["rollout"]["rm_type"] == argv[argv.index("--rm-type") + 1]  # slime's reward
     if name == "qwen2.5-0.5B":  # its deterministic eval and training
         assert cfg["rollout"]["eval_top_k"] == 1 and cfg["trainer"]["deterministic_mode"]
     accepted = [line for line in err.splitlines() if line.startswith("accepted: ")]
@@ -175,7 +175,7 @@ def test_a_slime_script_runs_but_for_its_paths_and_the_answered_flags(name, tmp_
 
 def test_shape_flags_that_differ_from_config_json_are_one_line_each(tmp_path, capsys):
     hf, _ = _model_dir(tmp_path, "qwen3-tiny")
-    argv = without(script_argv("qwen3-4B", _paths(tmp_path, hf)), "--rm-type", *_SGLANG)
+    argv = without(script_argv("qwen3-4B", _paths(tmp_path, hf)), *_SGLANG)
     code, err = _dry_run(argv, tmp_path, capsys)  # Qwen3-4B's shapes, a tiny Qwen3's config
     assert code == 2
     lines = err.splitlines()

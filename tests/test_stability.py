@@ -446,3 +446,114 @@ def test_guard_calibration_picks_the_quietest_of_the_settings_within_one_unstabl
     assert lab.choose_setting(rows, 9, 270) == ("quiet", 4, 12)
     assert lab.choose_setting([("loud", 7, 89), ("silent", 2, 0)], 9, 270)[0] == "loud"
     assert lab.choose_setting([("over", 9, 100)], 9, 270) is None
+
+
+def test_protocol_rules_pick_the_regime_and_test_equivalence():
+    import dataclasses
+
+    from lab.protocol import RegimeOutcome, choose_regime, confirm_cells, paired_diffs, tost
+
+    o = [
+        RegimeOutcome(regime="a", sync_stable=True, none_minus_sync=-0.01, none_unstable=False),
+        RegimeOutcome(regime="b", sync_stable=True, none_minus_sync=-0.06, none_unstable=False),
+        RegimeOutcome(regime="c", sync_stable=True, none_minus_sync=-0.2, none_unstable=True),
+    ]
+    assert choose_regime(o) == ("b", True)
+    assert choose_regime(o[:1]) == ("a", False)
+    o[1] = dataclasses.replace(o[1], sync_stable=False)  # not eligible: skipped
+    assert choose_regime(o) == ("c", True)
+    with pytest.raises(ValueError, match="no search regime"):
+        choose_regime([dataclasses.replace(o[1], regime="x")])
+    t = tost([0.01, -0.01, 0.02, 0.0, 0.01])  # mean 0.006, sd 0.0114: t(4) = 2.132
+    assert t.mean == pytest.approx(0.006) and t.high == pytest.approx(
+        0.006 + 2.132 * 0.011402 / 5**0.5, abs=1e-5
+    )
+    assert t.equivalent
+    assert not tost([0.1, -0.1, 0.08, -0.09]).equivalent  # too noisy to show it
+    assert not tost([-0.06, -0.07, -0.065]).equivalent
+    seeds, d = paired_diffs(
+        {"a-seed1": 0.5, "a-seed2": 0.4, "b-seed1": 0.3, "b-seed3": 0.1}, "a", "b"
+    )
+    assert seeds == [1] and d == [pytest.approx(0.2)]
+    cells = confirm_cells()
+    assert len({c.name for c in cells}) == len(cells) == 30 + 3 * 10 + 6
+    assert [c.group for c in cells[:3]] == ["s0-ppo-rron-n1", "s8-ppo-rron-n1", "s8-compis-rron-n1"]
+
+
+def test_protocol_report_reads_the_search_leads_and_equivalence():
+    from lab.analysis import Cell, RunData
+    from lab.protocol_report import (
+        early_warning,
+        equivalence_rows,
+        onset_step,
+        regime_outcome,
+        render_protocol,
+        speedups,
+    )
+
+    def run(group_cell: Cell, records, wall=10.0):
+        return RunData(cell=group_cell, records=records, gbs=64, wall_s=wall)
+
+    def pr(group, seed, verdict_, final, wall=10.0):
+        return {
+            f"{group}-seed{seed}": {
+                "group": group,
+                "verdict": verdict_,
+                "eval_final": final,
+                "wall_s": wall,
+            }
+        }
+
+    search = {
+        **pr("s0-ppo-rron-n1", 1, "stable", 0.40),
+        **pr("s0-ppo-rron-n1", 2, "stable", 0.30),
+        **pr("s8-ppo-rron-n1", 1, "stable", 0.33),
+        **pr("s8-ppo-rron-n1", 2, "stable", 0.26),
+    }
+    o = regime_outcome("lr4e-4", search)
+    assert o.sync_stable and o.none_minus_sync == pytest.approx(-0.055) and o.breaks
+    unlearned = {n: {**r, "eval_first": r["eval_final"] + 0.04} for n, r in search.items()}
+    assert regime_outcome("x", unlearned).sync_stable  # 0.04 below the baseline: within 0.05
+    unlearned["s0-ppo-rron-n1-seed2"]["eval_first"] = 0.36  # 0.36 → 0.30: unlearned
+    assert not regime_outcome("x", unlearned).sync_stable
+
+    # a run whose reward falls in its second half: unstable from some step on; its ESS
+    # collapses ten steps before the reward starts to fall
+    falling = curves(60, reward=lambda t: 0.6 if t < 0.5 else 0.6 - 0.8 * (t - 0.5), seed=1)
+    for k, rec in enumerate(falling):
+        rec["is/staleness/ess"] = 0.9 if k < 20 else 0.2
+    flat = curves(60, seed=2)
+    for rec in flat:
+        rec["is/staleness/ess"] = 0.9
+    bad = run(Cell(staleness=8, loss="ppo", replay=True, nspr=1, seed=1), falling)
+    sync = run(Cell(staleness=0, loss="ppo", replay=True, nspr=1, seed=1), flat)
+    onset = onset_step(bad, RULES)
+    assert onset is not None and 30 < onset <= 60 and onset_step(sync, RULES) is None
+    ew = early_warning([("a", bad, "collapsed"), ("b", sync, "stable")], RULES)["is_ess_low"]
+    assert ew["sync_runs"] == 1 and ew["sync_alarms"] == 0
+    (u,) = ew["unstable"]
+    # the 5-step mean is below 0.5 from step 23 (3 low steps); reported after 3 in a row
+    assert u["fired"] == 25 and u["lead"] == onset - 25
+
+    confirm = {}
+    for seed, (s0, c8, n8) in enumerate([(0.4, 0.41, 0.30), (0.3, 0.29, 0.2), (0.5, 0.5, 0.41)]):
+        confirm |= pr("s0-ppo-rron-n1", seed, "stable", s0, wall=30.0)
+        confirm |= pr("s8-compis-rron-n1", seed, "stable", c8, wall=15.0)
+        confirm |= pr("s8-ppo-rron-n1", seed, "stable", n8, wall=12.0)
+    rows = {r["cell"]: r for r in equivalence_rows(confirm)}
+    assert rows["s8-compis-rron-n1"]["equivalent"] and not rows["s8-ppo-rron-n1"]["equivalent"]
+    assert rows["s1-tis-rron-n1"]["n"] == 0
+    assert speedups(confirm) == [(0, 2.0), (1, 2.0), (2, 2.0)]
+    md = render_protocol(
+        outcomes=[o],
+        choice=("lr4e-4", True),
+        search_runs={"lr4e-4": search},
+        confirm_per_run=confirm,
+        confirm_runs=[],
+        planned=66,
+        judged=[],
+        rules=RULES,
+    )
+    assert "Confirmatory regime: **lr4e-4**" in md and "| `s8-compis-rron-n1` | 3 |" in md
+    assert "compis S = 8 wall: median 2.00×" in md and "none S = 8 wall: median 2.50×" in md
+    assert "0 of 66 planned runs finished" in md

@@ -74,3 +74,34 @@ def test_trainer_group_over_ray_matches_in_process(ray_session, tmp_path):
         assert ck.name == "iter_0000001" and (ck / "meta.json").is_file()
     finally:
         group.shutdown()
+
+
+def test_a_taken_rendezvous_port_builds_the_trainer_again_on_another(ray_session, monkeypatch):
+    """The port found free can be taken before rank 0 binds it (another process on the
+    node): the group is built again on another port, not failed."""
+    import socket
+
+    import slime_async.trainer.actor as actor_mod
+    from slime_async.trainer.config import TrainerConfig
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    real, calls = actor_mod.free_port, []
+
+    def racy_free_port() -> int:
+        calls.append(1)
+        return taken if len(calls) == 1 else real()
+
+    monkeypatch.setattr(actor_mod, "free_port", racy_free_port)
+    try:
+        group = actor_mod.TrainerGroup(
+            TrainerConfig(micro_batch_size=2, seed=2), TINY_MOE, world_size=1, timeout_s=180
+        )
+        try:
+            assert group.version() == 0 and group.master[1] != taken and len(calls) == 2
+        finally:
+            group.shutdown()
+    finally:
+        held.close()

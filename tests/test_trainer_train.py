@@ -353,3 +353,22 @@ def test_use_rollout_logprobs_makes_the_engines_logprobs_the_old_policy():
     m = tr.train_step(b)
     assert m["loss/total"] == pytest.approx(ppo(b.rollout_logprobs), abs=1e-6)
     assert abs(ppo(b.rollout_logprobs) - ppo(lp0)) > 1e-3  # the flag changed the old policy
+
+
+def test_grad_cosine_compares_consecutive_steps_gradients():
+    """`train/grad_cosine`: absent on the first step; 1 when the weights did not move and the
+    batch is the same (lr 0); below 1 for a different batch; the sketch of a small model is the
+    whole gradient, so the logged value is the exact cosine."""
+    from slime_async.trainer.optim import cosine_sums, grad_sketch
+
+    tr = _trainer(lr=0.0)
+    b, other = _batch(seed=0), _batch(seed=5)
+    assert "train/grad_cosine" not in tr.train_step(b)
+    assert tr.train_step(b)["train/grad_cosine"] == pytest.approx(1.0, abs=1e-9)
+    before = grad_sketch(tr.optim.optimizer.get_main_grads_for_grad_norm())
+    c = tr.train_step(other)["train/grad_cosine"]
+    after = grad_sketch(tr.optim.optimizer.get_main_grads_for_grad_norm())
+    dot, na, nb = cosine_sums(after, before).tolist()
+    assert c == pytest.approx(dot / (na * nb) ** 0.5, abs=1e-9) and -1.0 < c < 0.999
+    sk = grad_sketch([torch.arange(10.0), torch.arange(5.0)], budget=4)  # every 4th of 15
+    assert sk.tolist() == [0.0, 4.0, 8.0, 0.0, 4.0]

@@ -30,10 +30,12 @@ distributed optimizer shards the main weights and Adam moments over DP.
 
 **Activations**: what the trainer's layer spec (megatron's local spec, unfused: the reference
 math op for op) keeps per token for its backward, counted from the shapes (`layer_values`):
-per layer 7·h (the two RMSNorms' input, normalised input and output, the residual) + 5·q +
-5·kv (q/k/v, RoPE's outputs, attention's contiguous copies and output, the projection's input)
-+ 4·ffn (SwiGLU's gate, up, activation and product), for q = heads·head_dim, kv =
-kv_heads·head_dim; an MoE layer keeps its routed copies instead of the MLP. A value takes 4
+per layer 5·h (the two RMSNorms' input and output, the residual; the norms' own backward keeps
+no normalised copy, `trainer/norm.py`) + 2·q + 2·kv (q/k/v as the batched attention pads them,
+`trainer/attention.py`, and the output projection's input; RoPE keeps only its cos/sin tables)
++ 4·ffn (SwiGLU's gate, up, activation and product), + q + kv for q/k norms, for q =
+heads·head_dim, kv = kv_heads·head_dim; an MoE layer keeps its routed copies instead of the
+MLP. Counted for the CPU trainer (a GPU trainer's torch norms keep a normalised copy more). A value takes 4
 bytes in fp32 and `BF16_BYTES_PER_VALUE` under bf16 (some tensors stay fp32). Full recompute
 keeps each recomputed layer's input (h values) and one layer's activations at a time. On top,
 at the backward's peak: the head's and the embedding's weight gradients (`HEAD_WEIGHT_GRADS` ×
@@ -112,7 +114,7 @@ def layer_values(spec: ModelSpec) -> int:
     h = spec.hidden_size
     q = spec.num_attention_heads * spec.head_dim
     kv = spec.num_key_value_heads * spec.head_dim
-    attn = 7 * h + 5 * q + 5 * kv + (3 * (q + kv) if spec.qk_norm else 0)
+    attn = 5 * h + 2 * q + 2 * kv + (q + kv if spec.qk_norm else 0)
     if spec.is_moe:  # router scores + each routed copy's input, SwiGLU and output
         k, e = spec.moe_topk, spec.num_experts
         mlp = 3 * e + k * (2 * h + 4 * spec.moe_intermediate_size)

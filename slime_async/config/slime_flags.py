@@ -83,13 +83,6 @@ _BUFFER = (
     "slime's external rollout buffer (agent framework); not here: generate agentic, "
     "multi-turn samples with --custom-generate-function-path"
 )
-_RM = (
-    "one of slime's built-in reward models; not here by that name: a --prompt-data run is "
-    "scored by the built-in math_verify reward (math-verify: the response's final answer "
-    "against the label; the built-in tasks by exact_match), or give any reward function with "
-    "--custom-rm-path pkg.mod:fn (slime's async rm(args, sample) works as is); slime's "
-    "remote_rm is --rm-url URL (with --reward-key)"
-)
 _MTP = "multi-token prediction (MTP) training; not here: the trainer has no MTP head"
 _CI = "slime's CI self-checks; not here (the tests under tests/ cover these)"
 _DIST = "a torch.distributed setting of slime's actor; not here: the trainer sets its own"
@@ -166,7 +159,7 @@ NOT_HERE: dict[str, str] = {
     "--num-epoch": "training length in epochs; not here: give --num-rollout (or --num-steps); "
     "the prompt data is cycled in shuffled epochs as long as the run needs",
     **_each(
-        "--disable-rollout-global-dataset --data-source-path --multimodal-keys --metadata-key "
+        "--disable-rollout-global-dataset --data-source-path --multimodal-keys "
         "--tool-key --eval-tool-key",
         _DATA,
     ),
@@ -247,7 +240,6 @@ NOT_HERE: dict[str, str] = {
         _PROFILE,
     ),
     # rewards and external services
-    **_each("--rm-type --eval-reward-key", _RM),
     **_each(
         "--http-proxy --use-distributed-post",
         "how slime's rollout reaches its router; not here: the run's own router (--router-*) "

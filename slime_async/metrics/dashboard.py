@@ -249,7 +249,7 @@ def _mark_warnings(axes: dict[str, Any], warnings: Sequence[GuardWarning]) -> No
         if w.kind is GuardKind.IS_WEIGHT_RANGE:
             ax = axes.get(w.key.split("/")[1])
         else:
-            ax = axes.get(where[w.kind])
+            ax = axes.get(where.get(w.kind, ""))
         if ax is not None:
             ax.axvline(w.step, color="red", alpha=0.25, lw=2)
 

@@ -1,6 +1,7 @@
 """The divergence guards' detectors: pure functions on float sequences.
 
-Owns `entropy_spike`, `logprob_diff_drift`, `is_weight_out_of_range`, `trend_drop` (each returns
+Owns `entropy_spike`, `logprob_diff_drift`, `is_weight_out_of_range`, `trend_drop`,
+`window_mean_below` (each returns
 (value, threshold) when its signal crossed, else None) and `finite`. Non-finite values (NaN,
 inf, missing) are ignored: a detector fires on evidence, never on absence of data. Their
 composition over a run's history, and the thresholds, are `guards.py`'s. Imports nothing from
@@ -81,3 +82,15 @@ def trend_drop(
     )
     drop = -slope * (n - 1)
     return (drop, min_drop) if drop > min_drop else None
+
+
+def window_mean_below(
+    values: Sequence[Any], *, window: int, floor: float
+) -> tuple[float, float] | None:
+    """(mean, floor) if the mean of the last `window` finite values is below `floor`, else
+    None (also with fewer than `window` finite values)."""
+    xs = finite(values)[-window:]
+    if len(xs) < window:
+        return None
+    mean = sum(xs) / len(xs)
+    return (mean, floor) if mean < floor else None

@@ -26,6 +26,7 @@ from slime_async.metrics.detectors import (
     is_weight_out_of_range,
     logprob_diff_drift,
     trend_drop,
+    window_mean_below,
 )
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class GuardKind(StrEnum):
     LOGPROB_DIFF_DRIFT = "logprob_diff_drift"
     IS_WEIGHT_RANGE = "is_weight_range"
     ROLLOUT_LOGPROB_TREND = "rollout_logprob_trend"
+    IS_ESS_LOW = "is_ess_low"
+    GRAD_COSINE_LOW = "grad_cosine_low"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,13 +91,33 @@ class GuardConfig:
     trend_min_drop: float = 0.4
     """Trend when the fitted fall across the window exceeds this many nats per token (the
     healthy default run wanders by up to ~0.2; its lr=1e-3 collapse fell ~1.0)."""
+    ess_sources: tuple[str, ...] = IS_SOURCES
+    """IS sources whose effective sample size `is/<source>/ess` (a fraction of the tokens,
+    (Σw)² / (N·Σw²)) is watched: weights concentrating on few tokens mean the batch's
+    gradient rests on those few."""
+    ess_window: int = 5
+    """Steps averaged before comparing the ESS with its floor."""
+    ess_floor: float = 0.5
+    """Warn when a source's mean ESS over the window falls below this."""
+    grad_cosine_window: int = 5
+    """Steps averaged before comparing the gradient cosine with its floor."""
+    grad_cosine_floor: float = -0.2
+    """Warn when the mean cosine between consecutive steps' gradients (`train/grad_cosine`)
+    over the window falls below this: successive updates undoing each other."""
     persist_steps: int = 3
     """A guard is reported only once it has fired on this many consecutive steps: with small
     batches one noisy step (an entropy blip) is not a divergence."""
 
     def __post_init__(self) -> None:
         if (
-            min(self.entropy_window, self.diff_baseline_steps, self.diff_window, self.persist_steps)
+            min(
+                self.entropy_window,
+                self.diff_baseline_steps,
+                self.diff_window,
+                self.persist_steps,
+                self.ess_window,
+                self.grad_cosine_window,
+            )
             < 1
         ):
             raise ValueError("guard windows must be >= 1")
@@ -214,6 +237,8 @@ def check_step(
         _diff_warning(history, cfg, step, diff_baseline=diff_baseline, total=total),
         *_is_warnings(history[-1], cfg, step),
         _trend_warning(history, cfg, step),
+        *_ess_warnings(history, cfg, step),
+        _grad_cosine_warning(history, cfg, step),
     ]
     return [w for w in out if w is not None]
 
@@ -332,8 +357,66 @@ def _trend_warning(
     )
 
 
+def _ess_warnings(
+    history: Sequence[Mapping[str, Any]], cfg: GuardConfig, step: int
+) -> list[GuardWarning]:
+    """`window_mean_below` of each watched source's ESS, if the last record logs it."""
+    out = []
+    for source in cfg.ess_sources:
+        key = f"is/{source}/ess"
+        if history[-1].get(key) is None:
+            continue
+        hit = window_mean_below(
+            _series(history[-cfg.ess_window :], key), window=cfg.ess_window, floor=cfg.ess_floor
+        )
+        if hit:
+            out.append(
+                _warning(
+                    GuardKind.IS_ESS_LOW,
+                    step,
+                    key,
+                    hit,
+                    f"{source} IS weights' effective sample size {hit[0]:.3g} of the tokens "
+                    f"(mean of {cfg.ess_window} steps), below {cfg.ess_floor:g}",
+                )
+            )
+    return out
+
+
+GRAD_COSINE_KEY = "train/grad_cosine"
+
+
+def _grad_cosine_warning(
+    history: Sequence[Mapping[str, Any]], cfg: GuardConfig, step: int
+) -> GuardWarning | None:
+    """`window_mean_below` of the consecutive-gradient cosine, if the last record logs it."""
+    if history[-1].get(GRAD_COSINE_KEY) is None:
+        return None
+    hit = window_mean_below(
+        _series(history[-cfg.grad_cosine_window :], GRAD_COSINE_KEY),
+        window=cfg.grad_cosine_window,
+        floor=cfg.grad_cosine_floor,
+    )
+    if not hit:
+        return None
+    return _warning(
+        GuardKind.GRAD_COSINE_LOW,
+        step,
+        GRAD_COSINE_KEY,
+        hit,
+        f"consecutive gradients' cosine {hit[0]:.3g} (mean of {cfg.grad_cosine_window} steps), "
+        f"below {cfg.grad_cosine_floor:g}: updates are undoing each other",
+    )
+
+
 def _tail_len(cfg: GuardConfig) -> int:
-    return max(cfg.entropy_window + 1, cfg.trend_window, cfg.diff_window)
+    return max(
+        cfg.entropy_window + 1,
+        cfg.trend_window,
+        cfg.diff_window,
+        cfg.ess_window,
+        cfg.grad_cosine_window,
+    )
 
 
 def scan(history: Sequence[Mapping[str, Any]], cfg: GuardConfig) -> list[GuardWarning]:

@@ -50,8 +50,10 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
         if cfg.debug_rollout_only:
             return await _rollouts_only(run, cfg)
         eval_task: asyncio.Task | None = None
-        if cfg.rollout.eval_interval and run.start_step == 0:  # the baseline: the initial weights
-            eval_task = asyncio.create_task(run.evaluate(step=0))
+        evaluated = -1  # the step of the last eval started
+        if cfg.rollout.eval_interval and run.start_step == 0:
+            await run.evaluate(step=0)  # the baseline, before any push: the initial weights only
+            evaluated = 0
         for step in range(run.start_step, cfg.num_steps):
             t0 = time.perf_counter()
             batch = await run.next_batch(cfg.rollout.groups_per_step)
@@ -79,6 +81,7 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
             eval_due = every and run.version % every == 0
             if eval_due and (eval_task is None or eval_task.done()):
                 eval_task = asyncio.create_task(run.evaluate(step=run.version))
+                evaluated = run.version
             if run.should_save(run.version):
                 await run.save(run.version)
 
@@ -95,6 +98,10 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
             run.log(run.version, last)
         if eval_task is not None:
             await eval_task
+        if cfg.rollout.eval_interval and evaluated != run.version:
+            # the final weights, whatever the interval skipped: no push comes after the loop, so
+            # this eval (the one runs are compared by) sees exactly one version
+            await run.evaluate(step=run.version)
         if run.saves and run.version > run.start_step:
             await run.save(run.version)
         last.update(run.accounting())

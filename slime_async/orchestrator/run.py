@@ -321,8 +321,10 @@ class Run:
             return
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
+        versions: list[int] = []
         if self.plan.eval_prompts:
-            rewards = await self._eval_rewards(self.plan.eval_prompts, self.chain.scored_alone())
+            scored = self.chain.scored_alone(self.plan.eval_reward_fn)
+            rewards = await self._eval_rewards(self.plan.eval_prompts, scored, versions)
             by_level: dict[int, list[float]] = {}
             for p, reward in rewards:
                 by_level.setdefault(int(p.payload.get("level", 0)), []).append(reward)
@@ -330,15 +332,21 @@ class Run:
             for level, rs in sorted(by_level.items()):
                 metrics[f"eval/reward_level{level}"] = sum(rs) / len(rs)
         for ev in self.plan.eval_sets:
-            rewards = await self._eval_rewards(ev.prompts, self.chain.scored_alone(ev.reward_fn))
+            rewards = await self._eval_rewards(
+                ev.prompts, self.chain.scored_alone(ev.reward_fn), versions
+            )
             metrics |= _eval_metrics(f"eval/{ev.name}/", [r for _, r in rewards])
+        if versions:  # an eval running beside the pushes of an async run spans versions
+            metrics["eval/version_min"] = float(min(versions))
+            metrics["eval/version_max"] = float(max(versions))
         metrics["timing/eval_s"] = time.perf_counter() - t0
         self.logger.log(step, metrics)
 
     async def _eval_rewards(
-        self, eval_prompts: Sequence[Prompt], scored: ScoredGenerate
+        self, eval_prompts: Sequence[Prompt], scored: ScoredGenerate, versions: list[int]
     ) -> list[tuple[Prompt, float]]:
-        """(prompt, reward) of each eval sample: `--n-samples-per-eval-prompt` per prompt."""
+        """(prompt, reward) of each eval sample: `--n-samples-per-eval-prompt` per prompt; the
+        lowest and highest weight version its tokens were sampled on go into `versions`."""
         k = self.cfg.rollout.n_samples_per_eval_prompt
         prompts = [p for p in eval_prompts for _ in range(k)]
         reqs = [
@@ -347,6 +355,9 @@ class Run:
         ]
         expected = self.cfg.rollout.eval_max_response_len
         results = await asyncio.gather(*(scored(r, 0.0, expected) for r in reqs))
+        for res in results:
+            tv = list(res.token_versions)
+            versions.extend((min(tv), max(tv)) if tv else ())
         return [
             (p, float(segment_payload(res.payload).get("reward", 0.0)))
             for p, res in zip(prompts, results, strict=True)

@@ -23,6 +23,7 @@ from loss import DEFAULT_ADVANTAGE_ESTIMATOR
 from loss.advantages import RAW_REWARD_ESTIMATORS
 from loss.slime_cli import advantage_estimator_from_args
 from slime_async.rollout.data.gym import ANSWER_FORMATS, ReasoningGymConfig, parse_prompt_source
+from slime_async.rollout.data.slime_rm import DAPO_KEYS, parse_rm_type
 
 _DATA_SUFFIXES = (".jsonl", ".ndjson", ".json-lines", ".parquet", ".pq")
 
@@ -79,6 +80,14 @@ def _json_object(text: str) -> str:
             f"{text!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'"
         )
     return text
+
+
+def _rm_type(text: str) -> str:
+    """`--rm-type`: one of slime's rule-based reward types taken here."""
+    try:
+        return parse_rm_type(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _system_prompt(text: str) -> str | None:
@@ -161,6 +170,10 @@ class RolloutConfig:
     """Field holding the prompt in --prompt-data rows."""
     label_key: str = "label"
     """Field holding the reference answer in --prompt-data rows."""
+    metadata_key: str = "metadata"
+    """slime's: the field of --prompt-data / --eval-prompt-data rows holding the sample's
+    metadata (a JSON object, or its text), which reward functions read (e.g. --rm-type's
+    metadata["rm_type"], gpqa's "choices"); a row without it has none."""
     apply_chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template."""
     apply_chat_template_kwargs: str | None = flag(None, parse=_json_object, metavar="JSON")
@@ -173,6 +186,11 @@ class RolloutConfig:
     """Dotted path of a reward function: ours `fn(RewardInput) -> float` or slime's
     `async fn(args, sample, **kwargs) -> float` (`rollout.rewards`); None: exact match /
     math-verify."""
+    rm_type: str | None = flag(None, parse=_rm_type, metavar="NAME")
+    """slime's built-in rule-based reward, by slime's name: deepscaler, math, dapo, f1, gpqa,
+    boxed_<type>, random, remote_rm (the --rm-url model); a sample's metadata["rm_type"]
+    overrides it (`rollout.data.slime_rm`, docs/coming-from-slime.md); None: --custom-rm-path,
+    --rm-url, else math-verify"""
     rm_url: str | None = None
     """slime's remote reward model: POST each finished sample as JSON {prompt, response,
     label} to this URL and take the number it answers (or the one under --reward-key) as the
@@ -184,7 +202,11 @@ class RolloutConfig:
     """Tries after the first of an --rm-url request that timed out, could not connect or got
     HTTP 429/5xx; then the run stops, naming the server and the sample"""
     reward_key: str | None = flag(None, derived="reward")
-    """slime's: the key of the reward in an --rm-url answer that is a JSON object"""
+    """slime's: the key of the reward in an --rm-url answer that is a JSON object, or in
+    --rm-type dapo's score (score: 1.0 / -1.0, acc: 1 / 0)"""
+    eval_reward_key: str | None = flag(None, derived="--reward-key")
+    """slime's: --reward-key for eval samples (slime's DAPO scripts: train on score, evaluate
+    on acc)"""
     group_rm: bool = False
     """slime's `--group-rm`: the reward function scores a whole group at once,
     `async fn(args, samples: list, **kwargs) -> list[float]`."""
@@ -210,8 +232,10 @@ class RolloutConfig:
         None, ge=0, hint="0: never", derived="10; 0 when the run has no eval set"
     )
     """Evaluate every this many rollouts (slime's unit; one rollout is --num-steps-per-rollout
-    train steps), and at step 0; 0: never. Given > 0, the run needs an eval set (a --prompt-data
-    run has one only from --eval-prompt-data)."""
+    train steps), at step 0 (before the first push) and on the final weights; 0: never. The
+    evals in between run beside training and skip a due step while the last one still runs;
+    in an async run they can span versions (`eval/version_min`, `eval/version_max`). Given > 0,
+    the run needs an eval set (a --prompt-data run has one only from --eval-prompt-data)."""
     eval_prompts: int = flag(64, ge=0)
     """Held-out prompts per evaluation of the built-in tasks or reasoning-gym (a
     --eval-prompt-data file is evaluated whole)."""
@@ -267,7 +291,9 @@ class RolloutConfig:
             self.reasoning_gym_config(0)  # bad names / settings fail at start-up
         check_ranges(self)
         self._resolve_eval()
+        self._check_rm_type()
         self._check_remote_rm()
+        self._check_reward_keys()
         if self.overlong_buffer_len > self.max_response_len:
             raise ValueError(
                 f"--overlong-buffer-len {self.overlong_buffer_len} is longer than "
@@ -298,14 +324,65 @@ class RolloutConfig:
                 "(whole groups are trained together)"
             )
 
+    def _check_rm_type(self) -> None:
+        """--rm-type is the reward function: of a run on text, and alone (or remote_rm with
+        the --rm-url it posts to)."""
+        name = self.rm_type
+        if name is None:
+            return
+        if self.prompt_data is None and self.prompt_source is None:
+            raise ValueError(
+                f"--rm-type {name} scores response text, but this run trains on the built-in "
+                "tasks (scored by exact_match); give --prompt-data (or --prompt-source), or drop "
+                "--rm-type"
+            )
+        if name == "remote_rm" and self.rm_url is None:
+            raise ValueError(
+                "--rm-type remote_rm posts each sample to a reward model: give its --rm-url URL"
+            )
+        for other, value in (
+            ("--custom-rm-path", self.custom_rm_path),
+            ("--group-rm", self.group_rm or None),
+            ("--rm-url", self.rm_url if name != "remote_rm" else None),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"--rm-type {name} and {other} both name the reward; give one of them"
+                )
+
+    def _check_reward_keys(self) -> None:
+        """--reward-key / --eval-reward-key pick the reward out of an --rm-url answer or
+        --rm-type dapo's score; a reward that is a number has no key. --eval-reward-key
+        defaults to --reward-key."""
+        base = (self.rm_type or "").removeprefix("boxed_")
+        for name, key in (
+            ("--reward-key", self.reward_key),
+            ("--eval-reward-key", self.eval_reward_key),
+        ):
+            if key is None or (self.rm_url is not None and base in ("", "remote_rm")):
+                continue
+            if base == "dapo":
+                if key not in DAPO_KEYS:
+                    raise ValueError(
+                        f"{name} {key}: --rm-type {self.rm_type} scores as DAPO, "
+                        f"{{score: 1.0 / -1.0, acc: 1 / 0}}; give {name} score or acc"
+                    )
+            elif base:
+                raise ValueError(
+                    f"{name} {key}: --rm-type {self.rm_type} gives the reward itself (a number); "
+                    "a key picks it out of --rm-type dapo's score or an --rm-url answer: drop it"
+                )
+            else:
+                raise ValueError(
+                    f"{name} {key} reads the reward out of an --rm-url answer; give --rm-url "
+                    "(a --custom-rm-path function returns the number itself)"
+                )
+        if self.eval_reward_key is None:
+            object.__setattr__(self, "eval_reward_key", self.reward_key)
+
     def _check_remote_rm(self) -> None:
         """--rm-url is the reward function; its settings need it."""
         if self.rm_url is None:
-            if self.reward_key is not None:
-                raise ValueError(
-                    f"--reward-key {self.reward_key} reads the reward out of an --rm-url answer; "
-                    "give --rm-url (a --custom-rm-path function returns the number itself)"
-                )
             return
         if not self.rm_url.startswith(("http://", "https://")):
             raise ValueError(f"--rm-url {self.rm_url!r}: give the reward model's http(s):// URL")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +29,8 @@ from slime_async.contracts.weights import HFWeights, TensorEntry, WeightManifest
 from slime_async.host import limit_malloc_arenas, trim_heap
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
+
+log = logging.getLogger(__name__)
 
 DEFAULT_NUM_CPUS = 0.25
 """Logical CPUs per trainer actor (fractional: see docs/cpu.md, Ray actors on a small node)."""
@@ -250,20 +253,42 @@ class TrainerGroup:
         """Each rank's node IP (what a lost-rank message names)."""
         self.master_addr = addr
         """Rank 0's rendezvous address (also the weight group's, unless configured)."""
-        self.actors = [
-            TrainerActor.options(**opts[r]).remote(
-                cfg,
-                spec,
-                rank=r,
-                world_size=world_size,
-                master_addr=addr,
-                master_port=port,
-                num_threads=num_threads,
-                hf_from_rank0=hf_from_rank0,
-            )
-            for r in range(world_size)
-        ]
-        self._all("version")  # wait until every rank is up (raises the build error if any)
+        for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+            self.actors = [
+                TrainerActor.options(**opts[r]).remote(
+                    cfg,
+                    spec,
+                    rank=r,
+                    world_size=world_size,
+                    master_addr=addr,
+                    master_port=port,
+                    num_threads=num_threads,
+                    hf_from_rank0=hf_from_rank0,
+                )
+                for r in range(world_size)
+            ]
+            try:
+                self._all("version")  # every rank up (raises the build error if any)
+                break
+            except Exception as e:
+                # a port found free on loopback can be taken before rank 0 binds it (another
+                # process on the node): build again on another port; never a remote node's
+                if (
+                    not (addr.startswith("127.") and _port_taken(e))
+                    or attempt == RENDEZVOUS_ATTEMPTS
+                ):
+                    self.shutdown()
+                    raise
+                log.warning(
+                    "trainer rendezvous port %d was taken before rank 0 bound it; "
+                    "building the trainer again on another (attempt %d of %d)",
+                    port,
+                    attempt + 1,
+                    RENDEZVOUS_ATTEMPTS,
+                )
+                self.shutdown()
+                port = free_port()
+                self.master = (addr, port)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         """Call `method` on every rank; the first rank that fails raises at once (a rank whose
@@ -413,6 +438,15 @@ class TrainerGroup:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+
+
+RENDEZVOUS_ATTEMPTS = 3
+"""Builds of a local trainer group before a rendezvous port race is reported as an error."""
+
+
+def _port_taken(e: BaseException) -> bool:
+    """The error is rank 0's rendezvous store failing to bind its port (EADDRINUSE)."""
+    return "EADDRINUSE" in str(e) or "address already in use" in str(e)
 
 
 class AdapterSender:

@@ -1,36 +1,161 @@
 """Packed-sequence (THD) core attention for megatron-core's local layer spec.
 
 Owns: `PackedDotProductAttention`, a drop-in for megatron's local `DotProductAttention` (the
-`core_attention` of `get_gpt_layer_local_spec`) that accepts `PackedSeqParams` in THD format.
-megatron-core 0.16.1 runs packed sequences only through TransformerEngine's attention
+`core_attention` of `get_gpt_layer_local_spec`) that accepts `PackedSeqParams` in THD format,
+and `padded_groups` / `causal_attention` (the batched path's layout and math). megatron-core
+0.16.1 runs packed sequences only through TransformerEngine's attention
 (`TEDotProductAttention`); its local attention asserts `packed_seq_params is None`. Everything
 else on the THD path is megatron's own: `GPTModel` sizes RoPE by `max_seqlen`, `SelfAttention`
 squeezes q/k/v to `[t, heads, dim]` and applies RoPE per segment of `cu_seqlens` (positions
 restart at 0 in every sample), MoE and sequence parallelism see `[t, 1, hidden]`.
 
-Here each segment `cu_seqlens[i]:cu_seqlens[i+1]` runs through
-`torch.nn.functional.scaled_dot_product_attention` with a causal mask (the same math as the
-parent's `baddbmm` → masked softmax → `bmm`, with the parent's softmax scale), so no token
-attends across a sample boundary and a packed sample computes exactly what it computes alone.
-An unpacked (BSHD, right-padded) micro-batch takes the same call. SDPA picks a fused kernel
-(flash / memory-efficient on a GPU, the fused CPU kernel on a CPU), so no `[heads, n, n]` score
-matrix is materialised; the cost is Σ nᵢ² per head (no padding), one call per sample. Settings
-SDPA does not express (a given mask or bias, a non-vanilla softmax) run the parent's math.
-Parameter names are the parent's (it has none with the vanilla softmax). Must never import
-anything from `slime_async` outside `slime_async.trainer`.
+The samples of a packed micro-batch are attended in a few batched calls, not one per sample:
+`padded_groups` sorts the segments `cu_seqlens[i]:cu_seqlens[i+1]` by length and groups
+samples of similar length (each at least half its group's longest), while a group's
+`[samples, heads, longest, longest]` fp32 scores stay within `SCORE_ELEMENTS`; each group is
+right-padded to its longest sample and runs through `causal_attention`: scores `q·kᵀ` in the
+inputs' dtype, scale, causal mask, softmax in fp32, probabilities in the inputs' dtype times
+`v` (the parent's `baddbmm` → masked fp32 softmax → `bmm`). Right padding needs no key mask:
+under the causal mask a real query sees only keys at or before it, all real; padded query rows
+are computed and dropped. Grouped-query heads are not repeated: the query heads of one
+key/value group are stacked along the sequence axis and share one matmul with that group's
+keys. The backward recomputes the probabilities from q and k (the flash-attention idea): only
+q, k and v are kept, never a `[heads, n, n]` tensor, so the memory per token is what the
+per-sample kernel kept. A sample too long for the score budget alone runs through
+`torch.nn.functional.scaled_dot_product_attention` with a causal mask (the fused CPU / flash
+kernel, no score matrix), one call per such sample; so do unpacked (BSHD, right-padded)
+micro-batches. Either way no token attends across a sample boundary and a packed sample
+computes exactly what it computes alone. Settings SDPA does not express (a given mask or bias,
+a non-vanilla softmax) run the parent's math per sample. Parameter names are the parent's (it
+has none with the vanilla softmax). Must never import anything from `slime_async` outside
+`slime_async.trainer`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+SCORE_ELEMENTS = 1 << 22
+"""Most `[samples, heads, n, n]` fp32 score elements one batched group holds (16 MiB; a
+group's scores, probabilities and their gradients, a few such tensors, are alive only inside
+its own call, well under the chunked head's temporaries the memory plan counts). A sample
+longer than this allows alone (n > 682 at 9 heads) takes SDPA, where one call per sample costs
+little next to its n² work."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Samples attended in one batched call: right-padded to `width`."""
+
+    width: int
+    """The longest sample's length."""
+    src: torch.Tensor
+    """`[tokens]` int64: the group's tokens' positions in the packed input, sample by sample."""
+    dst: torch.Tensor
+    """`[tokens]` int64: the same tokens' positions in the padded `[samples · width]` rows."""
+    samples: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one packed micro-batch is attended: batched groups and long single samples."""
+
+    groups: tuple[Group, ...]
+    alone: tuple[tuple[int, int], ...]
+    """`(start, end)` of each sample too long for the score budget (its own SDPA call)."""
+    order: torch.Tensor
+    """`[tokens]` int64: packed position of the i-th output row (groups, then `alone`)."""
+    inverse: torch.Tensor
+    """`[tokens]` int64: the output row of each packed position (`order`'s inverse)."""
+
+
+@functools.lru_cache(maxsize=16)
+def padded_groups(bounds: tuple[int, ...], heads: int, device: torch.device) -> Plan:
+    """The batched layout of the packed samples `bounds` (`cu_seqlens`) for `heads` query
+    heads (see the module docstring)."""
+    segs = sorted(((e - s, s) for s, e in itertools.pairwise(bounds) if e > s), key=lambda x: -x[0])
+    members: list[list[tuple[int, int]]] = []
+    alone: list[tuple[int, int]] = []
+    for n, s in segs:
+        if heads * n * n > SCORE_ELEMENTS:
+            alone.append((s, s + n))
+            continue
+        cur = members[-1] if members else None
+        if cur and 2 * n >= cur[0][0] and (len(cur) + 1) * heads * cur[0][0] ** 2 <= SCORE_ELEMENTS:
+            cur.append((n, s))
+        else:
+            members.append([(n, s)])
+    groups, order = [], []
+    for mem in members:
+        width = mem[0][0]
+        src = torch.cat([torch.arange(s, s + n) for n, s in mem])
+        dst = torch.cat([torch.arange(b * width, b * width + n) for b, (n, _) in enumerate(mem)])
+        groups.append(Group(width, src.to(device), dst.to(device), len(mem)))
+        order.append(src)
+    order += [torch.arange(s, e) for s, e in alone]
+    order_t = torch.cat(order) if order else torch.zeros(0, dtype=torch.int64)
+    inverse = torch.empty_like(order_t)
+    inverse[order_t] = torch.arange(order_t.numel())
+    return Plan(tuple(groups), tuple(alone), order_t.to(device), inverse.to(device))
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 causal softmax `[b, g, r·n, n]` of stacked queries `[b, g, r·n, d]` over keys
+    `[b, g, n, d]` (query row i sits at position i mod n)."""
+    n = k.shape[-2]
+    s = (q @ k.transpose(-1, -2)).float().mul_(scale)
+    pos = torch.arange(q.shape[-2], device=q.device) % n
+    mask = torch.arange(n, device=q.device)[None, :] > pos[:, None]
+    return s.masked_fill_(mask, float("-inf")).softmax(-1)
+
+
+class _CausalAttention(torch.autograd.Function):
+    """Softmax attention with a causal mask over `[b, g, r·n, d]` stacked queries and `[b, g,
+    n, d]` keys/values; the backward recomputes the probabilities (only q, k, v are saved)."""
+
+    @staticmethod
+    def forward(ctx: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):  # type: ignore[override]
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return _probs(q, k, scale).to(v.dtype) @ v
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> tuple:  # type: ignore[override]
+        q, k, v = ctx.saved_tensors
+        p = _probs(q, k, ctx.scale)
+        g = g.to(v.dtype)
+        gv = p.to(v.dtype).transpose(-1, -2) @ g
+        gp = (g @ v.transpose(-1, -2)).float()
+        gs = gp.sub_((gp * p).sum(-1, keepdim=True)).mul_(p).mul_(ctx.scale).to(q.dtype)
+        return gs @ k, gs.transpose(-1, -2) @ q, gv, None
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of right-padded `q` `[b, n, heads, d]`, `k`/`v` `[b, n, groups, d]`
+    (query heads grouped as megatron groups them: `heads / groups` consecutive heads per
+    key/value group) → `[b, n, heads, d]`."""
+    b, n, h, d = q.shape
+    g = k.shape[2]
+    qs = q.view(b, n, g, h // g, d).permute(0, 2, 3, 1, 4).reshape(b, g, (h // g) * n, d)
+    ks, vs = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+    out = _CausalAttention.apply(qs, ks, vs, scale)
+    return out.view(b, g, h // g, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)
+
 
 class PackedDotProductAttention(DotProductAttention):
     """Local attention that also takes THD-packed inputs (see the module docstring)."""
+
+    batched: bool = True
+    """Packed samples attended in batched groups; False: one SDPA call per sample (the
+    reference the batched path is tested and benchmarked against)."""
 
     def forward(
         self,
@@ -53,19 +178,10 @@ class PackedDotProductAttention(DotProductAttention):
             return super().forward(
                 query, key, value, attention_mask, attn_mask_type, attention_bias
             )
-        if packed_seq_params.qkv_format != "thd":
-            raise ValueError(
-                f"packed attention supports qkv_format='thd', got {packed_seq_params.qkv_format!r}"
-            )
-        if attention_mask is not None or attention_bias is not None:
-            raise ValueError("packed (THD) attention builds its own causal mask per sample")
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
-        if bounds != packed_seq_params.cu_seqlens_kv.tolist():
-            raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
-        if bounds[-1] != query.shape[0]:
-            raise ValueError(
-                f"cu_seqlens covers {bounds[-1]} tokens but the packed input has {query.shape[0]}"
-            )
+        bounds = self._bounds(query, attention_mask, attention_bias, packed_seq_params)
+        no_dropout = not self.training or self.config.attention_dropout == 0.0
+        if fused and no_dropout and self.batched:
+            return self._batched(query, key, value, bounds)
         # [t, heads, dim] → per segment [n, 1, heads, dim] → [n, 1, heads * dim]
         one = self._causal if fused else super().forward
         out = [
@@ -74,6 +190,52 @@ class PackedDotProductAttention(DotProductAttention):
             if e > s
         ]
         return torch.cat(out, 0)
+
+    @staticmethod
+    def _bounds(
+        query: torch.Tensor, mask: object, bias: object, packed_seq_params: object
+    ) -> tuple[int, ...]:
+        """The checked `cu_seqlens` of a packed (THD) call."""
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(
+                f"packed attention supports qkv_format='thd', got {packed_seq_params.qkv_format!r}"
+            )
+        if mask is not None or bias is not None:
+            raise ValueError("packed (THD) attention builds its own causal mask per sample")
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        if bounds != packed_seq_params.cu_seqlens_kv.tolist():
+            raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        if bounds[-1] != query.shape[0]:
+            raise ValueError(
+                f"cu_seqlens covers {bounds[-1]} tokens but the packed input has {query.shape[0]}"
+            )
+        return tuple(bounds)
+
+    def _batched(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: tuple
+    ) -> torch.Tensor:
+        """Packed `[t, heads, dim]` q and `[t, groups, dim]` k/v → `[t, 1, heads · dim]`,
+        attended group by group (`padded_groups`)."""
+        plan = padded_groups(bounds, query.shape[1], query.device)
+        out = []
+        for grp in plan.groups:
+            padded = [
+                x.new_zeros(grp.samples * grp.width, *x.shape[1:])
+                .index_copy(0, grp.dst, x.index_select(0, grp.src))
+                .view(grp.samples, grp.width, *x.shape[1:])
+                for x in (query, key, value)
+            ]
+            o = causal_attention(*padded, self.softmax_scale)
+            out.append(o.reshape(grp.samples * grp.width, -1).index_select(0, grp.dst))
+        for s, e in plan.alone:
+            one = self._causal(
+                query[s:e].unsqueeze(1), key[s:e].unsqueeze(1), value[s:e].unsqueeze(1)
+            )
+            out.append(one.squeeze(1))
+        if not out:  # no tokens
+            return query.new_zeros(0, 1, self.hidden_size_per_partition)
+        rows = out[0] if len(out) == 1 else torch.cat(out, 0)
+        return rows.index_select(0, plan.inverse).unsqueeze(1)
 
     def _causal(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, _mask: object = None

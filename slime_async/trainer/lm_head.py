@@ -138,7 +138,10 @@ def full_logits(hidden: torch.Tensor, weight: torch.Tensor, group: object | None
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    return (h.to(weight.dtype) @ weight.t()).float() / temperature
+    """fp32 `[c, V/TP]` logits / temperature of one chunk (a fresh tensor the caller may
+    overwrite: the softmax below works in place on it)."""
+    z = (h.to(weight.dtype) @ weight.t()).float()
+    return z if temperature == 1.0 else z.div_(temperature)
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: object | None) -> None:
@@ -155,22 +158,24 @@ def _shard(targets: torch.Tensor, v_local: int, group: object | None) -> tuple:
 
 def _softmax_stats(
     z: torch.Tensor, col: torch.Tensor, held: torch.Tensor, group: object | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log p `[c, V/TP]`, target log-prob `[c]`, entropy `[c]`, `m + log s` `[c]`) of `z`."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target log-prob `[c]`, entropy `[c]`, `m + log s` `[c]`) of the logits `z` `[c, V/TP]`
+    (overwritten with `z − m`). Entropy as `log s − Σ e·(z − m) / s` with `e = exp(z − m)`:
+    one exponential pass, no `[c, V/TP]` log-prob tensor."""
     m = z.max(-1).values
     _all_reduce(m, dist.ReduceOp.MAX, group)
-    shifted = z - m[:, None]
-    s = shifted.exp().sum(-1)
-    _all_reduce(s, dist.ReduceOp.SUM, group)
-    logp = shifted - s.log()[:, None]
+    shifted = z.sub_(m[:, None])
+    e = shifted.exp()
     sums = torch.stack(
         [
-            torch.where(held, logp.gather(-1, col[:, None]).squeeze(-1), 0.0),
-            -(logp.exp() * logp).sum(-1),
+            e.sum(-1),
+            torch.linalg.vecdot(e, shifted),
+            torch.where(held, shifted.gather(-1, col[:, None]).squeeze(-1), 0.0),
         ]
     )
     _all_reduce(sums, dist.ReduceOp.SUM, group)
-    return logp, sums[0], sums[1], m + s.log()
+    log_s = sums[0].log()
+    return sums[2] - log_s, log_s - sums[1] / sums[0], m + log_s
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -190,7 +195,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ent, lse = torch.empty_like(lp), torch.empty_like(lp)
         for s in range(0, n, chunk):
             z = _chunk_logits(hidden[s : s + chunk], weight, temperature)
-            _, lp[s : s + chunk], ent[s : s + chunk], lse[s : s + chunk] = _softmax_stats(
+            lp[s : s + chunk], ent[s : s + chunk], lse[s : s + chunk] = _softmax_stats(
                 z, col[s : s + chunk], held[s : s + chunk], group
             )
         ctx.save_for_backward(hidden, weight, col, held, ent, lse)
@@ -202,23 +207,28 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, col, held, ent, lse = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_h = torch.zeros_like(hidden) if want_h else None
-        g_w = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        )
+        g_h = torch.empty_like(hidden) if want_h else None
+        g_w = None  # fp32; the first chunk's product initialises it (no zero-filled pass)
         for s in range(0, hidden.shape[0], chunk):
             e = min(s + chunk, hidden.shape[0])
             h = hidden[s:e]
-            logp = _chunk_logits(h, weight, t) - lse[s:e, None]
+            logp = _chunk_logits(h, weight, t).sub_(lse[s:e, None])
             p = logp.exp()
-            gz = -p * (g_lp[s:e, None] + g_ent[s:e, None] * (logp + ent[s:e, None]))
+            # ∂/∂z = −p·(g_lp + g_ent·(log p + H)) + g_lp·onehot, all / T; in place on log p
+            gz = logp.add_(ent[s:e, None]).mul_(g_ent[s:e, None]).add_(g_lp[s:e, None])
+            gz = gz.mul_(p).neg_()
             rows = held[s:e].nonzero().squeeze(-1)
             gz[rows, col[s:e][rows]] += g_lp[s:e][rows]
-            gz /= t
+            if t != 1.0:
+                gz.div_(t)
+            gz = gz.to(weight.dtype)
             if g_h is not None:
-                g_h[s:e] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
-            if g_w is not None:  # in the weight's dtype (bf16 matmuls), summed in fp32
-                g_w += (gz.t().to(weight.dtype) @ h.to(weight.dtype)).float()
+                g_h[s:e] = (gz @ weight).to(hidden.dtype)
+            if want_w:  # in the weight's dtype (bf16 matmuls), summed in fp32
+                part = gz.t() @ h.to(weight.dtype)
+                g_w = part.float() if g_w is None else g_w.add_(part)
+        if want_w and g_w is None:  # no tokens
+            g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         return g_h, None if g_w is None else g_w.to(weight.dtype), None, None, None, None
 
 

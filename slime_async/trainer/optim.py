@@ -26,6 +26,24 @@ from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import ParallelLayout, all_reduce_sum
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+GRAD_SKETCH_ELEMENTS = 1 << 20
+"""Gradient elements kept per optimizer group to compare consecutive steps' gradients (a fixed
+strided subset when there are more: the cosine of the subsets estimates the full one)."""
+
+
+def grad_sketch(grads: list[torch.Tensor], budget: int = GRAD_SKETCH_ELEMENTS) -> torch.Tensor:
+    """A fixed strided subset (about `budget` elements, fp32) of the concatenated `grads`: the
+    same positions every step, so two steps' sketches can be compared element by element."""
+    total = sum(g.numel() for g in grads)
+    stride = max(1, -(-total // budget))
+    parts = [g.detach().reshape(-1)[::stride].float() for g in grads]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def cosine_sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[a·b, a·a, b·b] in float64: the sums a cosine is made of (they add over shards)."""
+    a, b = a.double(), b.double()
+    return torch.stack([a @ b, a @ a, b @ b])
 
 
 def lr_at(step: int, cfg: TrainerConfig) -> float:
@@ -84,6 +102,10 @@ class MegatronOptim:
     """Adam state and main parameters are sharded over DP."""
     bf16: bool
     """Model parameters are bf16 with fp32 main parameters in the optimizer."""
+    grad_cosine: float = math.nan
+    """Cosine between this step's gradient and the previous step's (before clipping; NaN on
+    the first step): an early sign of collapse when it turns negative or erratic."""
+    _prev_sketch: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ step
     def zero_grad(self) -> None:
@@ -102,6 +124,7 @@ class MegatronOptim:
         with cpu_compat.cuda_literals_on_cpu():
             self.optimizer.prepare_grads()
             gnorm = float(self.optimizer.get_grad_norm())
+            self._update_grad_cosine()
             if not math.isfinite(gnorm):
                 self.zero_grad()
                 raise FloatingPointError(
@@ -119,6 +142,23 @@ class MegatronOptim:
             self.optimizer.step_with_ready_grads()
         self.scheduler.step(1)
         return gnorm, lr
+
+    def _update_grad_cosine(self) -> None:
+        """`grad_cosine` of this step's reduced gradient against the previous step's, from
+        each optimizer group's sketch, the sums reduced over the group's grad-stats ranks."""
+        subs = self._subs()
+        sketches = [grad_sketch(sub.get_main_grads_for_grad_norm()) for sub in subs]
+        prev, self._prev_sketch = self._prev_sketch, sketches
+        if prev is None or any(p.shape != s.shape for p, s in zip(prev, sketches, strict=True)):
+            self.grad_cosine = math.nan
+            return
+        total = torch.zeros(3, dtype=torch.float64)
+        for sub, p, s in zip(subs, prev, sketches, strict=True):
+            sums = cosine_sums(s, p)
+            all_reduce_sum(sums, sub.get_grad_stats_parallel_group())
+            total += sums.to(device="cpu", dtype=torch.float64)  # sums live on the grads' device
+        dot, na, nb = total.tolist()
+        self.grad_cosine = dot / math.sqrt(na * nb) if na > 0 and nb > 0 else math.nan
 
     def set_version(self, version: int) -> None:
         """Point the LR schedule at update number `version` (after a resume)."""

@@ -16,6 +16,7 @@ rank works on its contiguous shard and results are gathered back, so callers nev
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import weakref
@@ -224,6 +225,8 @@ class MegatronTrainer(LogprobForwards):
                 "timing/train_step_s": time.perf_counter() - t0,
             }
         )
+        if math.isfinite(self.optim.grad_cosine):  # none on the first step
+            metrics["train/grad_cosine"] = self.optim.grad_cosine
         return metrics
 
     def _denominators(self, mbs: list[MicroBatch], inputs: StepInputs) -> tuple[float, float]:

@@ -116,6 +116,8 @@ def eval_settings(d: Draft) -> None:
     inherited = dict(_INHERITED)
     if r.eval_prompt_data:
         inherited |= {"eval_input_key": "--input-key", "eval_label_key": "--label-key"}
+    if r.reward_key is not None:  # slime's: eval samples read the reward under the same key
+        inherited["eval_reward_key"] = "--reward-key"
     for dest, source in inherited.items():
         if f.unset(dest):
             f.note(dest, getattr(r, dest), f"{source}, as training")

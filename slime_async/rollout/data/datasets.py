@@ -2,9 +2,9 @@
 
 Owns: `DatasetConfig`, `DataRow`, `load_dataset`. A row needs a non-empty prompt (a string, or a
 list of chat messages ``{"role", "content"}``) and, unless ``require_label=False``, a label.
-Malformed rows (invalid JSON, not an object, missing or empty prompt, missing label) are skipped
-and counted by reason; with ``strict=True`` the first one raises `DatasetError` naming the file
-and line (jsonl) or row (parquet). With a tokenizer, prompts go through its chat template
+Malformed rows (invalid JSON, not an object, missing or empty prompt, missing label, metadata
+that is not an object) are skipped and counted by reason; with ``strict=True`` the first one
+raises `DatasetError` naming the file and line (jsonl) or row (parquet). With a tokenizer, prompts go through its chat template
 (``add_generation_prompt=True``) and are tokenized. Never imports the trainer, engine or
 controller; pyarrow and transformers are imported lazily.
 """
@@ -41,6 +41,9 @@ class DatasetConfig:
     """Optional field with a stable row id (default: a hash of prompt and label)."""
     metadata_keys: tuple[str, ...] = ()
     """Extra fields copied into `DataRow.metadata`."""
+    metadata_key: str | None = None
+    """slime's `--metadata-key`: the field holding the row's metadata, a JSON object (or its
+    text), merged into `DataRow.metadata`; a row without it has none."""
     require_label: bool = True
     """Treat rows without a label as malformed."""
     strict: bool = False
@@ -164,7 +167,25 @@ def _row_problem(rec: Any, cfg: DatasetConfig) -> tuple[str, str] | None:
         label = rec.get(cfg.label_key)
         if label is None or (isinstance(label, str) and not label.strip()):
             return "missing label", f"no or empty {cfg.label_key!r} field; set the label key"
+    if cfg.metadata_key is not None and _row_metadata(rec, cfg.metadata_key) is None:
+        return "bad metadata", (
+            f"{cfg.metadata_key!r} must be a JSON object (or its text), got "
+            f"{type(rec[cfg.metadata_key]).__name__}"
+        )
     return None
+
+
+def _row_metadata(rec: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """The object under `key` ({} when absent or null); None when it is not an object."""
+    value = rec.get(key)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if value is None:
+        return {}
+    return value if isinstance(value, dict) else None
 
 
 def _row_key(rec: dict[str, Any], cfg: DatasetConfig) -> str:
@@ -237,7 +258,10 @@ def load_dataset(config: DatasetConfig, *, tokenizer: Any = None) -> LoadedDatas
                 line=lineno,
                 prompt_text=text,
                 prompt_ids=tuple(ids) if ids is not None else None,
-                metadata={k: rec.get(k) for k in config.metadata_keys},
+                metadata={
+                    **{k: rec.get(k) for k in config.metadata_keys},
+                    **(_row_metadata(rec, config.metadata_key) if config.metadata_key else {}),
+                },
             )
         )
     if skipped:

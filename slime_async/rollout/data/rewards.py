@@ -8,6 +8,7 @@ scorer raises for an ERROR (a reward that throws is a bug to fix, named with the
 the sample, never a silently masked sample); NON_FINITE samples are masked and counted
 (`summarize_rewards`). Imports the task token ids from `slime_async.rollout.data.tasks` and slime's
 sample shape from `slime_async.rollout.slime_sample`; never the trainer, engine or controller.
+slime's rule-based rewards (`--rm-type`) follow the same contract in `rollout.data.slime_rm`.
 
 Plugin contracts, named by ``"package.module:function"`` or ``"package.module.function"``:
 * ours: ``fn(inp: RewardInput) -> float | bool`` (or an ``async def`` returning one);

@@ -1,0 +1,249 @@
+"""The staleness sweep's analysis and results in the protocol's terms (docs/stability-protocol.md).
+
+Owns what the protocol reports beyond the lab's per-cell table: the search's outcome per regime
+(`regime_outcome`), the equivalence tests of every async arm against sync (`equivalence_rows`),
+CompIS against the uncorrected arm, the speedups (`speedups`), the length bias of the
+staleness drop (`length_bias`), the early-warning lead times and false alarms (`early_warning`,
+with `onset_step`: the first step at which the run's verdict rules, applied to the steps so far,
+call it unstable), and the markdown of it all (`render_protocol`). Pure over read-back runs
+(`lab.analysis.RunData`) and `lab.analysis.analyse`'s per-run dict.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lab.analysis import RunData, fill_steps, run_guards
+from lab.protocol import (
+    ARMS,
+    ASYNC_ARMS,
+    MARGIN,
+    PRIMARY_STALENESS,
+    STALENESS,
+    UNLEARN,
+    RegimeOutcome,
+    paired_diffs,
+    tost,
+)
+from slime_async.metrics.guards import GuardKind, scan
+from slime_async.metrics.stability import (
+    Verdict,
+    VerdictRules,
+    mean_ci,
+    summarize,
+    verdict,
+)
+
+SYNC = "s0-ppo-rron-n1"
+EARLY_WARNING = (GuardKind.IS_ESS_LOW, GuardKind.GRAD_COSINE_LOW)
+"""The guards whose lead time the protocol measures (the others are reported by the lab)."""
+
+
+def group_of(arm: str, staleness: int, *, replay: bool = True) -> str:
+    """The lab's cell name of a protocol arm."""
+    s = 0 if arm == "sync" else staleness
+    return f"s{s}-{ARMS[arm]}-rr{'on' if replay else 'off'}-n1"
+
+
+def _finals(per_run: Mapping[str, Any]) -> dict[str, float]:
+    return {n: r["eval_final"] for n, r in per_run.items() if math.isfinite(r["eval_final"])}
+
+
+def regime_outcome(regime: str, per_run: Mapping[str, Any]) -> RegimeOutcome:
+    """The search's reading of one regime's runs."""
+    none = group_of("none", PRIMARY_STALENESS)
+    syncs = [r for r in per_run.values() if r["group"] == SYNC]
+    nones = [r for r in per_run.values() if r["group"] == none]
+    _, diffs = paired_diffs(_finals(per_run), none, SYNC)
+    return RegimeOutcome(
+        regime=regime,
+        sync_stable=len(syncs) >= 2
+        and all(
+            r["verdict"] == Verdict.STABLE
+            and r.get("eval_first", -math.inf) - r["eval_final"] <= UNLEARN
+            for r in syncs
+        ),
+        none_minus_sync=statistics.fmean(diffs) if diffs else math.nan,
+        none_unstable=any(r["verdict"] != Verdict.STABLE for r in nones),
+    )
+
+
+def equivalence_rows(per_run: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """TOST of every async cell against sync (same seeds), the primary cell first."""
+    finals = _finals(per_run)
+    out = []
+    cells = [("compis", PRIMARY_STALENESS, True)] + [
+        (arm, s, True)
+        for s in STALENESS
+        for arm in ASYNC_ARMS
+        if (arm, s) != ("compis", PRIMARY_STALENESS)
+    ]
+    cells += [(arm, PRIMARY_STALENESS, False) for arm in ("none", "compis")]
+    for arm, s, rr in cells:
+        g = group_of(arm, s, replay=rr)
+        _, diffs = paired_diffs(finals, g, SYNC)
+        row: dict[str, Any] = {"cell": g, "arm": arm, "staleness": s, "r3": rr, "n": len(diffs)}
+        if len(diffs) >= 2:
+            t = tost(diffs)
+            row.update(mean=t.mean, low=t.low, high=t.high, equivalent=t.equivalent)
+        out.append(row)
+    return out
+
+
+def compis_vs_none(per_run: Mapping[str, Any]) -> tuple[int, float, float]:
+    """(pairs, mean, 95% half-width) of compis − none at the primary staleness."""
+    _, d = paired_diffs(
+        _finals(per_run),
+        group_of("compis", PRIMARY_STALENESS),
+        group_of("none", PRIMARY_STALENESS),
+    )
+    m, h = mean_ci(d)
+    return len(d), m, h
+
+
+def speedups(per_run: Mapping[str, Any], arm: str = "compis") -> list[tuple[int, float]]:
+    """(seed, sync wall / async wall) for the arm at the primary staleness, per seed."""
+    g = group_of(arm, PRIMARY_STALENESS)
+    walls = {n: r["wall_s"] for n, r in per_run.items()}
+    seeds, _ = paired_diffs(walls, g, SYNC)
+    return [(s, walls[f"{SYNC}-seed{s}"] / walls[f"{g}-seed{s}"]) for s in seeds]
+
+
+def length_bias(runs: Sequence[RunData]) -> dict[str, list[float]]:
+    """Cell -> the final `length/trained_bias` of each of its runs."""
+    out: dict[str, list[float]] = {}
+    for r in runs:
+        v = r.last("length/trained_bias")
+        if math.isfinite(v):
+            out.setdefault(r.cell.group, []).append(v)
+    return out
+
+
+MIN_ONSET_STEPS = 10
+"""Steps before the onset search starts (the verdict's windows need some steps)."""
+
+
+def onset_step(r: RunData, rules: VerdictRules) -> int | None:
+    """The first step at which the verdict rules, applied to the run's steps so far, judge it
+    unstable (None when they never do)."""
+    train = [x for x in r.records if "rollout/reward" in x]
+    fill = fill_steps(r)
+    for t in range(MIN_ONSET_STEPS, len(train) + 1):
+        v, _ = verdict(summarize(train[:t], rules, fill_steps=fill), rules)
+        if v is not Verdict.STABLE:
+            return int(train[t - 1]["step"])
+    return None
+
+
+def early_warning(runs: Sequence[tuple[str, RunData, str]], rules: VerdictRules) -> dict[str, Any]:
+    """Per early-warning guard, over `(label, run, verdict)` triples: for every unstable run,
+    the step it first fired and the lead over the run's onset; for every sync run, whether it
+    fired (a false alarm)."""
+    out: dict[str, Any] = {}
+    for kind in EARLY_WARNING:
+        unstable, sync_alarms, sync_n = [], 0, 0
+        for label, r, v in runs:
+            fired = [w.step for w in scan(r.records, run_guards(r)) if w.kind is kind]
+            first = min(fired, default=None)
+            if r.cell.group == SYNC:
+                sync_n += 1
+                sync_alarms += first is not None
+            elif v != Verdict.STABLE:
+                onset = onset_step(r, rules)
+                lead = None if first is None or onset is None else onset - first
+                unstable.append({"run": label, "fired": first, "onset": onset, "lead": lead})
+        out[str(kind)] = {"unstable": unstable, "sync_runs": sync_n, "sync_alarms": sync_alarms}
+    return out
+
+
+# ------------------------------------------------------------------------------- markdown
+def _f(x: float, d: int = 3) -> str:
+    return "—" if not math.isfinite(x) else f"{x:+.{d}f}"
+
+
+def render_protocol(
+    *,
+    outcomes: Sequence[RegimeOutcome],
+    choice: tuple[str, bool] | None,
+    search_runs: Mapping[str, Mapping[str, Any]],
+    confirm_per_run: Mapping[str, Any],
+    confirm_runs: Sequence[RunData],
+    planned: int,
+    judged: Sequence[tuple[str, RunData, str]],
+    rules: VerdictRules,
+) -> str:
+    """The protocol's results as markdown: the search, the choice, the equivalence table,
+    compis − none, speedups, length bias, early warning, and every run."""
+    lines = ["## Phase 1: the search", ""]
+    lines += [
+        "| regime | sync stable | none − sync (mean over seeds) | none unstable | breaks |",
+        "|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        lines.append(
+            f"| {o.regime} | {o.sync_stable} | {_f(o.none_minus_sync)} | {o.none_unstable} | "
+            f"{o.breaks} |"
+        )
+    if choice:
+        lines += [
+            "",
+            f"Confirmatory regime: **{choice[0]}** (the uncorrected arm broke: {choice[1]}).",
+        ]
+    lines += [
+        "",
+        "| regime | run | verdict | baseline eval | final eval | wall s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for regime, per_run in search_runs.items():
+        for n, r in sorted(per_run.items()):
+            lines.append(
+                f"| {regime} | `{n}` | {r['verdict']} | {r.get('eval_first', math.nan):.3f} | "
+                f"{r['eval_final']:.3f} | {r['wall_s']:.0f} |"
+            )
+    lines += ["", "## Phase 2: confirmatory runs", ""]
+    lines.append(f"{len(confirm_runs)} of {planned} planned runs finished.")
+    lines += [
+        "",
+        f"Equivalence to sync (final held-out pass rate, margin ±{MARGIN}, TOST at 0.05):",
+        "",
+    ]
+    lines += ["| cell | pairs | mean | 90% interval | equivalent |", "|---|---|---|---|---|"]
+    for row in equivalence_rows(confirm_per_run):
+        if row["n"] < 2:
+            lines.append(f"| `{row['cell']}` | {row['n']} | — | — | not enough pairs |")
+            continue
+        eq = "**yes**" if row["equivalent"] else "not shown"
+        lines.append(
+            f"| `{row['cell']}` | {row['n']} | {_f(row['mean'])} | "
+            f"[{_f(row['low'])}, {_f(row['high'])}] | {eq} |"
+        )
+    n, m, h = compis_vs_none(confirm_per_run)
+    lines += ["", f"CompIS − none at S = {PRIMARY_STALENESS}: {_f(m)} ± {_f(h)} (95%, {n} pairs)."]
+    for arm in ("compis", "none"):
+        sp = speedups(confirm_per_run, arm)
+        if sp:
+            med = statistics.median(x for _, x in sp)
+            lines.append(
+                f"Speedup sync wall / {arm} S = {PRIMARY_STALENESS} wall: median {med:.2f}× over "
+                f"{len(sp)} seeds (per seed: {', '.join(f'{x:.2f}' for _, x in sp)})."
+            )
+    lines += ["", "Length bias of the staleness drop (final `length/trained_bias`):", ""]
+    for g, vs in sorted(length_bias(confirm_runs).items()):
+        mm, hh = mean_ci(vs)
+        lines.append(f"* `{g}`: {_f(mm, 4)} ± {_f(hh, 4)} ({len(vs)} runs)")
+    lines += [
+        "",
+        "Early warning over every run of both phases (lead = onset − first alarm, in steps):",
+        "",
+    ]
+    for kind, ew in early_warning(judged, rules).items():
+        leads = [u["lead"] for u in ew["unstable"] if u["lead"] is not None]
+        lines.append(
+            f"* `{kind}`: fired ahead of {sum(x >= 0 for x in leads)} of "
+            f"{len(ew['unstable'])} unstable runs (leads {leads}); false alarms on "
+            f"{ew['sync_alarms']} of {ew['sync_runs']} sync runs"
+        )
+    return "\n".join(lines) + "\n"
