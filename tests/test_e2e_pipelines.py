@@ -46,7 +46,9 @@ def _ledger(run_dir: Path) -> list[dict]:
 @pytest.fixture
 def pool():
     init_ray(num_cpus=8)  # two runs' bundles on this node
-    sched = start_scheduler("pool", PipelineSchedulerConfig(slots=1, min_hold_s=1.0))
+    # both pipelines begin together (min_pipelines): their sharing never depends on start-up speed
+    cfg = PipelineSchedulerConfig(slots=1, min_hold_s=1.0, min_pipelines=2)
+    sched = start_scheduler("pool", cfg)
     yield sched
     ray.kill(sched)
 

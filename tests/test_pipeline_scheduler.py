@@ -92,3 +92,13 @@ def test_bad_joins_and_configs_name_the_fix() -> None:
         PipelineSchedulerConfig(sleep_level=3)
     with pytest.raises(ValueError, match="heartbeat_s"):
         PipelineConfig(heartbeat_s=0)
+
+
+def test_no_grant_before_min_pipelines_joined() -> None:
+    core = _core(min_pipelines=2)
+    core.join("a", priority=1.0, slots=[0], now=0.0)
+    assert core.report("a", demand=4, version=0, now=0.0)["take"] == []
+    core.join("b", priority=1.0, slots=[0], now=1.0)
+    assert core.report("a", demand=4, version=0, now=1.0)["take"] == [0]
+    core.leave("b", now=2.0)  # once gathered, a leave holds nothing back
+    assert core.report("a", demand=4, version=0, now=2.0)["serve"] == [0]

@@ -50,11 +50,16 @@ class PipelineSchedulerConfig:
     min_hold_s: float = 2.0
     """A granted slot stays with its pipeline at least this long while it still wants
     generation (a switch costs a sleep and a wake)."""
+    min_pipelines: int = 1
+    """Grant no slot before this many pipelines joined (a gang start: the pipelines of a pool
+    begin sharing together); once reached, later leaves do not hold grants back."""
     sleep_level: int = 2
     """How a pipeline's engine sleeps while its slot serves another: 1 frees the KV and prefix
     caches, 2 also the weights."""
 
     def __post_init__(self) -> None:
+        if self.min_pipelines < 1:
+            raise ValueError(f"min_pipelines must be >= 1, got {self.min_pipelines}")
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         for name in ("heartbeat_timeout_s", "min_hold_s"):

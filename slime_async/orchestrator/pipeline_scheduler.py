@@ -96,6 +96,8 @@ class SchedulerCore:
         self.events: list[tuple[float, str, str]] = []
         """(time, pipeline, what): joins, grants, hand-overs, drops (for `state()`)."""
         self._accounted = 0.0
+        self.gathered = cfg.min_pipelines <= 1
+        """`min_pipelines` have joined (grants start)."""
 
     def join(self, name: str, *, priority: float, slots: list[int], now: float) -> None:
         if name in self.pipelines:
@@ -137,6 +139,9 @@ class SchedulerCore:
         if p is None:
             raise KeyError(f"pipeline {name!r} is not joined (dropped after a silence?)")
         p.demand, p.version, p.last_seen = max(0, int(demand)), int(version), now
+        self.gathered = self.gathered or len(self.pipelines) >= self.cfg.min_pipelines
+        if not self.gathered:
+            return {"serve": [], "give_up": [], "take": []}
         target = plan_slots(
             self.pipelines, self.owner, self.since, now=now, min_hold_s=self.cfg.min_hold_s
         )

@@ -193,6 +193,8 @@ class Run:
         finally:
             t0 = time.perf_counter()
             await self.cluster.control.resume_memory_occupation(tags)
+            # the data worker's pause paused the engines (abort mode): let them generate again
+            await self.cluster.control.continue_generation()
             self.sleep_s += time.perf_counter() - t0
             self.sleeps += 1
             await self.worker.resume()
