@@ -164,6 +164,11 @@ class RolloutDataWorker:
                 "generate must return ABORTED promptly when abort_fn is called."
             ) from None
 
+    @property
+    def paused(self) -> bool:
+        """Between `pause()` and `resume()`."""
+        return self._state is WorkerState.PAUSED
+
     async def resume(self) -> None:
         """Resume dispatching after `pause()` (aborted samples go first)."""
         if self._state is WorkerState.RUNNING:

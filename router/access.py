@@ -101,6 +101,8 @@ _ROUTER_ADMIN = (
     "/abort_request",
     "/load_lora_adapter",
     "/unload_lora_adapter",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
     "/workers",
     "/workers/{worker_id}",
 )

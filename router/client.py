@@ -130,6 +130,25 @@ class RouterClient:
         """Fan out `/pause_generation`."""
         return await self.fan_out("/pause_generation", {"mode": mode})
 
+    async def release_memory_occupation(
+        self, tags: list[str] | None = None, *, worker_urls: list[str] | None = None
+    ) -> dict:
+        """Put engines to sleep (abort, drain, release; router/sleep.py): `worker_urls`, or every
+        serving engine. Raises `FanoutError` when one failed."""
+        body: dict = {"tags": tags}
+        if worker_urls is not None:
+            body["worker_urls"] = worker_urls
+        return await self.fan_out("/release_memory_occupation", body, strict=True)
+
+    async def resume_memory_occupation(
+        self, tags: list[str] | None = None, *, worker_urls: list[str] | None = None
+    ) -> dict:
+        """Wake engines (`worker_urls`, or every sleeping one), caught up on missed weights."""
+        body: dict = {"tags": tags}
+        if worker_urls is not None:
+            body["worker_urls"] = worker_urls
+        return await self.fan_out("/resume_memory_occupation", body, strict=True)
+
     async def continue_generation(self) -> dict:
         """Fan out `/continue_generation`."""
         return await self.fan_out("/continue_generation", {})

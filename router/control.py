@@ -135,7 +135,13 @@ class ControlFanout:
         fleet's weights are quarantined too (they would serve stale weights). If every reachable
         engine refused, nothing changed and none is quarantined for it.
         """
-        workers = [w for w in self.registry.all() if w.state is not WorkerState.REMOVED]
+        # a sleeping engine gets no control call: it catches up on the weight calls it missed
+        # when it wakes (router/sleep.py), so only the engines that serve get a new version
+        workers = [
+            w
+            for w in self.registry.all()
+            if w.state not in (WorkerState.REMOVED, WorkerState.SLEEPING)
+        ]
         self.fanouts += 1
         if path == "/pause_generation":  # before any engine pauses (router/cache_salt.py)
             self.pauses += 1
@@ -179,6 +185,10 @@ class ControlFanout:
             "total": len(workers),
             "succeeded": len(workers) - len(failed),
         }
+
+    async def call(self, w: Worker, method: str, path_qs: str, body: bytes) -> dict:
+        """One control call on one engine (the fan-out's per-engine outcome dict)."""
+        return await self._call(w, method, path_qs, body)
 
     async def _call(self, w: Worker, method: str, path_qs: str, body: bytes) -> dict:
         t0 = time.perf_counter()

@@ -55,13 +55,17 @@ class HealthMonitor:
 
     async def _run(self) -> None:
         while True:
-            workers = [w for w in self.registry.all() if w.state is not WorkerState.REMOVED]
+            workers = [
+                w
+                for w in self.registry.all()
+                if w.state not in (WorkerState.REMOVED, WorkerState.SLEEPING)
+            ]
             await asyncio.gather(*(self.probe_now(w) for w in workers), return_exceptions=True)
             await asyncio.sleep(self.cfg.health_interval_s)
 
     def poke(self, w: Worker) -> None:
         """Probe `w` soon, outside the periodic schedule (called after a proxied failure)."""
-        if w.id not in self._probing and w.state is not WorkerState.REMOVED:
+        if w.id not in self._probing and w.state not in (WorkerState.REMOVED, WorkerState.SLEEPING):
             self._probing[w.id] = asyncio.create_task(self._probe(w))
             self._probing[w.id].add_done_callback(lambda _t, i=w.id: self._probing.pop(i, None))
 

@@ -8,7 +8,11 @@ Contract: request and response bodies pass through byte for byte (`meta_info`, `
 router/cache_salt.py); the group a request belongs to (router/affinity.py) steers its binding; a request is answered exactly once; a retry happens only while
 nothing has been sent to the client (connection error, timeout or 5xx before the first byte), on
 at most `MAX_ENGINES_PER_REQUEST` engines; a 4xx is the client's fault: passed through, never
-retried and never counted against the engine.
+retried and never counted against the engine. A non-streamed request cut by its engine's
+preemption (router/sleep.py: aborted, or refused asleep, after the engine was put to sleep
+under it) is sent whole to another engine and counted (`redispatched`): its partial output is
+dropped, so the client gets exactly one complete answer. A streamed one has sent bytes already:
+it ends with its abort chunk, as in SGLang.
 Must never import: `slime_async`, or the server/health modules (it gets callbacks instead).
 """
 
@@ -64,6 +68,38 @@ class ProxyStats:
     """Streams that lost their engine after bytes were sent (client got an SSE error event)."""
     client_gone: int = 0
     """Streams whose client disconnected (the engine request is closed, which aborts it)."""
+    redispatched: int = 0
+    """Requests cut by an engine's preemption (sleep) and sent whole to another engine."""
+
+
+class _Preempted(Exception):
+    """The engine was put to sleep while this request ran on it and answered it aborted (or
+    refused it asleep): nothing reached the client, the request goes whole to another engine."""
+
+
+def _cut(status: int, data: bytes) -> bool:
+    """A response of an engine preempted under the request: refused asleep (503), failed, or finished
+    with `finish_reason` abort (any item of a batch)."""
+    if status >= 500:
+        return True
+    if status != 200:
+        return False
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False
+    items = obj if isinstance(obj, list) else [obj]
+    for it in items:
+        meta = it.get("meta_info") if isinstance(it, dict) else None
+        reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            return True
+        choices = it.get("choices") if isinstance(it, dict) else None  # the OpenAI routes
+        if isinstance(choices, list) and any(
+            isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices
+        ):
+            return True
+    return False
 
 
 class _Retryable(Exception):
@@ -245,7 +281,8 @@ class Proxy:
         last_error = "no attempt"
         path_qs = request.path_qs
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        for attempt in range(self.cfg.max_retries + 1):
+        attempt = 0  # failed attempts; a preemption is not one (the engine did nothing wrong)
+        while True:
             candidates = await self._candidates(tried, deadline)
             if not candidates:
                 return self._failed(
@@ -259,7 +296,7 @@ class Proxy:
                     candidates = [affine]
             # Bound now, or later from the router's queue (late binding, router/dispatch.py).
             w = await self.dispatcher.acquire(
-                candidates, expected_tokens, exclude=tried, retry=attempt > 0, group=group
+                candidates, expected_tokens, exclude=tried, retry=bool(tried), group=group
             )
             if w is None:
                 return self._failed(
@@ -273,12 +310,18 @@ class Proxy:
                 self.affinity.affine += w is affine
             try:
                 resp = await self._attempt(request, w, path_qs, sent, headers)
+            except _Preempted:
+                self.stats.redispatched += 1
+                tried.discard(w.id)  # it may serve again once awake
+                deadline = time.monotonic() + self.cfg.wait_for_worker_s
+                continue
             except _Retryable as e:
                 last_error = f"{w.url}: {e}"
                 self._retried_away(w, e)
                 if attempt < self.cfg.max_retries and len(tried) < MAX_ENGINES_PER_REQUEST:
                     self.stats.retries += 1
                     await asyncio.sleep(min(self.cfg.retry_backoff_s * 2**attempt, 1.0))
+                    attempt += 1
                     continue
                 self.stats.failed += 1
                 return _gave_up(e, attempts=attempt + 1, last_error=last_error)
@@ -287,7 +330,6 @@ class Proxy:
             self.registry.record_request_success(w)
             self.stats.succeeded += 1
             return resp
-        raise AssertionError("unreachable: the loop returns on its last attempt")
 
     def _failed(self, message: str) -> web.Response:
         """A 503 for a request that found no engine (counted as failed)."""
@@ -309,7 +351,9 @@ class Proxy:
     async def _attempt(
         self, request: web.Request, w: Worker, path_qs: str, body: bytes, headers: dict
     ) -> web.StreamResponse:
-        """One try on `w`. Raises `_Retryable` only while the client has received nothing."""
+        """One try on `w`. Raises `_Retryable` only while the client has received nothing, and
+        `_Preempted` when `w` was put to sleep under the request and answered it cut."""
+        epoch = w.preemptions
         try:
             async with self._session().request(
                 request.method,
@@ -318,16 +362,20 @@ class Proxy:
                 headers=headers,
                 timeout=self._timeout,
             ) as up:
-                if up.status >= 500:
+                if up.status >= 500 and w.preemptions == epoch:
                     raise _Retryable(f"HTTP {up.status}", status=up.status, body=await up.read())
                 ctype = up.headers.get("Content-Type", "application/octet-stream")
                 if not ctype.startswith(_SSE):
                     data = await up.read()
+                    if w.preemptions != epoch and _cut(up.status, data):
+                        raise _Preempted
                     return web.Response(
                         status=up.status, body=data, headers={"Content-Type": ctype}
                     )
                 return await self._stream(request, w, up, ctype)
         except _RETRYABLE_EXC as e:
+            if w.preemptions != epoch:  # the connection died with the preempted request
+                raise _Preempted from None
             raise _Retryable(f"{type(e).__name__}: {e}") from None
 
     async def _stream(

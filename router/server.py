@@ -29,7 +29,8 @@ from router.health import HealthMonitor
 from router.metrics import metrics_json, metrics_prometheus
 from router.policies import make_policy
 from router.proxy import Proxy, error_response
-from router.workers import WorkerRegistry
+from router.sleep import SLEEP_PATHS, SleepControl
+from router.workers import WorkerRegistry, WorkerState
 
 GENERATE_PATHS: tuple[str, ...] = ("/generate", "/v1/completions", "/v1/chat/completions")
 INFO_PATHS: tuple[str, ...] = (
@@ -81,6 +82,7 @@ class Router:
             on_failure=self.health.poke,
             salt=self._salt if cfg.cache_salt else None,
         )
+        self.sleep = SleepControl(registry=self.registry, control=self.control)
         self._runner: web.AppRunner | None = None
         self._started = time.monotonic()
         self.url = ""
@@ -176,6 +178,10 @@ class Router:
             "waited": s.waited,
             "bad_requests": s.bad_requests,
             "stream_broken": s.stream_broken,
+            "redispatched": s.redispatched,
+            "sleeps": self.sleep.sleeps,
+            "wakes": self.sleep.wakes,
+            "workers_sleeping": sum(w.state is WorkerState.SLEEPING for w in workers),
             "client_gone": s.client_gone,
             "session_requests": self.proxy.affinity.session_requests,
             "session_affine": self.proxy.affinity.affine,
@@ -225,6 +231,8 @@ def build_app(router: Router) -> web.Application:
     for path in CONTROL_PATHS:
         app.router.add_post(path, router.control.handle)
     app.router.add_get("/flush_cache", router.control.handle)
+    for path in SLEEP_PATHS:
+        app.router.add_post(path, router.sleep.handle)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/liveness", routes.liveness)
     app.router.add_get("/readiness", routes.readiness)

@@ -22,12 +22,16 @@ class WorkerState(enum.Enum):
     PENDING -> HEALTHY            first successful probe (after weight catch-up, if needed)
     HEALTHY -> QUARANTINED        `failure_threshold` consecutive failures (probes or requests)
     QUARANTINED -> HEALTHY        `success_threshold` consecutive successful probes (+ catch-up)
+    HEALTHY -> SLEEPING           `/release_memory_occupation` through the router (router/sleep.py):
+                                  no new request, the in-flight ones aborted and re-dispatched
+    SLEEPING -> HEALTHY           `/resume_memory_occupation` (+ catch-up of missed weights)
     any -> REMOVED                `DELETE /workers/{id}`; in-flight requests still finish
     """
 
     PENDING = "pending"
     HEALTHY = "healthy"
     QUARANTINED = "quarantined"
+    SLEEPING = "sleeping"
     REMOVED = "removed"
 
 
@@ -58,6 +62,11 @@ class Worker:
     state_since: float = field(default_factory=time.monotonic)
     weight_generation: int = 0
     """Index of the last weight-changing control call this engine applied (see health catch-up)."""
+    preemptions: int = 0
+    """Times the engine was put to sleep; a request that sees this change while it runs was cut
+    by a preemption (the proxy re-dispatches it)."""
+    sleep_tags: tuple[str, ...] = ()
+    """The memory tags released on the engine while SLEEPING."""
 
     @property
     def is_healthy(self) -> bool:
@@ -83,6 +92,8 @@ class Worker:
             "total_failures": self.total_failures,
             "retries_away": self.retries_away,
             "quarantines": self.quarantines,
+            "preemptions": self.preemptions,
+            "sleep_tags": list(self.sleep_tags),
             "last_error": self.last_error,
         }
 
@@ -162,7 +173,7 @@ class WorkerRegistry:
     def _failed(self, w: Worker, streak: int, error: str) -> bool:
         w.total_failures += 1
         w.last_error = error
-        if w.state in (WorkerState.REMOVED, WorkerState.QUARANTINED):
+        if w.state in (WorkerState.REMOVED, WorkerState.QUARANTINED, WorkerState.SLEEPING):
             return False
         if streak >= self.failure_threshold:
             self.quarantine(w, error)
@@ -170,8 +181,9 @@ class WorkerRegistry:
         return False
 
     def quarantine(self, w: Worker, reason: str) -> None:
-        """Take `w` out of rotation now (the health checker re-admits it on recovery)."""
-        if w.state in (WorkerState.QUARANTINED, WorkerState.REMOVED):
+        """Take `w` out of rotation now (the health checker re-admits it on recovery); a
+        sleeping engine stays asleep (its wake decides)."""
+        if w.state in (WorkerState.QUARANTINED, WorkerState.REMOVED, WorkerState.SLEEPING):
             return
         w.quarantines += 1
         w.last_error = reason
@@ -193,6 +205,14 @@ class WorkerRegistry:
                 self.admit(w)
             return True
         return False
+
+    def sleep(self, w: Worker) -> None:
+        """Take `w` out of rotation for a sleep (no probe re-admits it; only `admit` after its
+        wake does); requests in flight on it now count as cut by this preemption."""
+        if w.state is WorkerState.REMOVED:
+            return
+        w.preemptions += 1
+        self._set_state(w, WorkerState.SLEEPING)
 
     def admit(self, w: Worker) -> None:
         """Put `w` into rotation and wake requests waiting for an engine."""

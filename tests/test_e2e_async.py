@@ -178,3 +178,19 @@ async def test_pushes_every_few_steps_keep_a_snapshot_of_every_trained_version(
     ]
     if forward == "role":
         assert all(m["train/behavior_forwards"] == 0 for m in per_step)  # the role computed them
+
+
+@pytest.mark.slow  # a whole run (~80 s on 2 shared cores)
+async def test_colocated_run_sleeps_its_engines_through_each_train_step(tmp_path):
+    """--colocate --engine-sleep-level 2: the engines release KV cache and weights during every
+    train step (through the router: abort, drain, release; wake), and the run trains on as
+    usual: every step recorded once, weights pushed after each wake."""
+    steps = 2
+    argv = _argv(tmp_path, "--num-steps", str(steps), "--colocate", "--engine-sleep-level", "2")
+    summary = await train(parse_config(argv))
+    assert summary["train/version"] == steps and math.isfinite(summary["loss/total"])
+    assert summary["engines/sleeps"] == steps and summary["timing/sleep_wake_s"] > 0
+    ledger = _ledger(tmp_path)
+    assert [row["step"] for row in ledger] == list(range(1, steps + 1))
+    keys = [(key, seq) for row in ledger for key, seq, _ in row["groups"]]
+    assert len(keys) == len(set(keys))

@@ -255,6 +255,8 @@ async def test_health_info_and_load_routes(engine) -> None:
         assert load[0]["num_reqs"] == 0 and "num_tokens" in load[0]
         async with s.post(url + "/release_memory_occupation", json={}) as r:
             assert r.status == 200
+        async with s.post(url + "/resume_memory_occupation", json={}) as r:
+            assert r.status == 200  # asleep in between (tests/test_engine_sleep.py)
 
 
 async def test_model_dir_engine_stops_on_eos(tmp_path: Path) -> None:

@@ -488,3 +488,44 @@ def test_token_shim_needs_only_the_standard_library(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["--port", "1", "--api-key", "k", "--admin-api-key", "a"]
+
+
+def test_sleep_and_wake_pass_through_the_sglang_launcher(fake_sglang, tmp_path: Path) -> None:
+    """--engine-sleep starts SGLang with its memory saver (and the weights' CPU backup), and
+    SGLang's release/resume routes reach the server the launcher started."""
+    import asyncio
+
+    from slime_async.contracts.engine import EngineLaunch
+
+    record, model = fake_sglang
+    fleet = EngineFleetConfig(backend="sglang", engine_sleep=True)
+    launch = EngineLaunch(index=0, model_dir=str(model), weight_version=0, seed=1, host=None)
+    cfg = sglang_config(
+        EngineConfig(dtype="fp32"), launch, port=_server(tmp_path).cfg.port, fleet=fleet
+    )
+    assert {"--enable-memory-saver", "--enable-weights-cpu-backup"} <= set(build_command(cfg))
+    off = sglang_config(
+        EngineConfig(), launch, port=30000, fleet=EngineFleetConfig(backend="sglang")
+    )
+    assert "--enable-memory-saver" not in build_command(off)
+    srv = SGLangServer(cfg, log_path=str(tmp_path / "server.log"))
+    url = srv.start(timeout=120)
+
+    async def sleep_wake() -> None:
+        async with aiohttp.ClientSession() as s:
+            level2 = {"tags": ["kv_cache", "weights"]}
+            async with s.post(url + "/release_memory_occupation", json=level2) as r:
+                assert r.status == 200 and await r.json() is None
+            async with s.post(url + "/generate", json=GEN) as r:
+                assert r.status == 503
+            async with s.post(url + "/resume_memory_occupation", json=level2) as r:
+                assert r.status == 200
+            async with s.post(url + "/generate", json=GEN) as r:
+                assert r.status == 200
+
+    try:
+        asyncio.run(sleep_wake())
+        argv = _records(record)[-1]["argv"]
+        assert "--enable-memory-saver" in argv and "--enable-weights-cpu-backup" in argv
+    finally:
+        srv.stop()

@@ -35,6 +35,7 @@ from router.config import add_router_args, load_api_key, load_auth_token
 from slime_async import startup
 from slime_async.config import hardware
 from slime_async.config.inputs import check_inputs
+from slime_async.config.pipeline import add_pipeline_args
 from slime_async.config.recipe import add_config_arg, apply_config_file, config_json, derived_lines
 from slime_async.config.rules import derive
 from slime_async.config.run_config import (
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_script_args(parser)
     add_engine_run_args(parser)
     add_supervisor_args(parser)
+    add_pipeline_args(parser)
     add_weight_sync_args(parser)
     add_logging_args(parser)
     add_router_args(parser, prefix="router-")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from clifields import add_flags, check_ranges, flag
 from data_worker.config import DataWorkerConfig
 from router.config import RouterConfig
+from slime_async.config.pipeline import PipelineConfig
 from slime_async.config.supervision import SupervisorConfig
 from slime_async.contracts.model import ModelSpec
 from slime_async.engine.backends.config import EngineFleetConfig
@@ -105,6 +106,12 @@ class RunConfig:
     """slime-style: rollouts to run (--num-steps = this x --num-steps-per-rollout)."""
     update_weights_interval: int = flag(1, ge=1)
     """Push weights to the engines every this many train steps."""
+    engine_sleep_level: int = flag(0, ge=0, le=2)
+    """Put the engines to sleep during every train step (generation paused, in-flight samples
+    continued after it, as across a weight push): 1 frees their KV and prefix caches, 2 also
+    their weights (SGLang's release_memory_occupation), so a colocated run really releases
+    the engines' memory while the trainer needs it; 0 (the default): engines keep generating
+    while the trainer trains (asynchronous)."""
     save_interval: int = flag(0, ge=0, hint="0 = only at the end")
     """Checkpoint (--save) and HF export (--save-hf) every this many rollouts, slime's unit
     (this x --num-steps-per-rollout train steps); 0: only at the end."""
@@ -179,6 +186,8 @@ class RunConfig:
     engine: EngineConfig = flag(cli=False)
     trainer: TrainerConfig = flag(cli=False)
     supervisor: SupervisorConfig = flag(cli=False)
+    pipeline: PipelineConfig = flag(default_factory=PipelineConfig, cli=False)
+    """Membership in a pipeline scheduler (docs/pipeline-scheduler.md); default: none."""
     weights: WeightSyncConfig = flag(default_factory=WeightSyncConfig, cli=False)
     """How weights reach the engines (`--update-weight-transport`, ...)."""
     derived: dict[str, Derived] = flag(default_factory=dict, cli=False)

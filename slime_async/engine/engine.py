@@ -1,12 +1,12 @@
 """The embedded engine: one served model (model + scheduler + weight version) and the serving
 operations the HTTP routes call (generate, pause/continue, abort, flush, health, info, load).
 
-Owns: `Engine` and its lifecycle `EngineState`, the model lock (SGLang 0.5.x: every running
+Owns: `Engine` and its lifecycle `EngineState`, the idle check, the model lock (SGLang 0.5.x: every running
 `/generate` holds `model_lock` as a reader, taken by the server; a weight update while
 generation is not paused takes it as the writer) and the pause state. Weight, adapter and
 version updates are `engine.weights` (`engine/weight_updates.py`: the lock rule and the swap
-tail) and `engine.weight_groups` (`engine/weight_receive.py`: updates over weight-update
-groups). Must never import aiohttp (the server wraps this class).
+tail), `engine.weight_groups` (`engine/weight_receive.py`: updates over weight-update
+groups) and `engine.memory` (`engine/sleep.py`: sleep and wake). Must never import aiohttp (the server wraps this class).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from slime_async.engine.rwlock import RWLock
 from slime_async.engine.sampling import RequestError
 from slime_async.engine.scheduler import PauseMode, Scheduler
 from slime_async.engine.sequence import Sequence
+from slime_async.engine.sleep import MemoryOccupation
 from slime_async.engine.weight_receive import WeightGroups
 from slime_async.engine.weight_updates import WeightUpdates
 
@@ -59,6 +60,8 @@ class Engine:
         """Weight, adapter and version updates (the lock rule and the swap tail)."""
         self.weight_groups = WeightGroups(self, self.weights)
         """Weight-update process groups this engine joined, and what they are receiving."""
+        self.memory = MemoryOccupation(self)
+        """Sleep and wake (`/release_memory_occupation`, `/resume_memory_occupation`)."""
         self._seed_rng = random.Random(cfg.seed)
 
     async def start(self) -> None:
@@ -74,6 +77,7 @@ class Engine:
         if self.scheduler is not None:
             await self.scheduler.close()
         self.weight_groups.close()
+        self.memory.close()
 
     def describe(self) -> dict[str, Any]:
         """What this engine holds, for a hang report: state, the model lock, the batch."""
@@ -165,6 +169,10 @@ class Engine:
         assert self.scheduler is not None
         return self.scheduler.in_engine()
 
+    def idle(self) -> bool:
+        """No request queued, running, paused or being answered: a release may run."""
+        return self.requests_in_engine() == 0 and self.model_lock.readers == 0
+
     def flush_cache(self) -> bool:
         """SGLang semantics: refuse while requests are in the engine; else drop the prefix
         cache."""
@@ -235,6 +243,8 @@ class Engine:
                     "weight_update_groups": self.weight_groups.names(),
                     "steps": self.scheduler.steps,
                     "decoded_tokens": self.scheduler.decoded_tokens,
+                    "idle": self.idle(),
+                    "memory": self.memory.info(),
                     "prefix_cache": (
                         self.scheduler.cache.info() if self.scheduler.cache is not None else None
                     ),

@@ -118,6 +118,8 @@ async def _run(
     if eng.lm.vision is not None:
         req = await asyncio.to_thread(with_images, req, eng)
     async with eng.model_lock.reader():
+        if eng.memory.sleeping:
+            return error(eng.memory.why_asleep(), status=503)
         seqs = eng.submit(req)
         if not await wait_done(seqs, lambda: client_gone(request)):
             eng.abort_seqs(seqs, "client disconnected")

@@ -3,7 +3,8 @@ generation control (`/pause_generation`, `/continue_generation`, `/abort_request
 `/flush_cache`), weight updates (`/update_weights_from_disk`, `/init_weights_update_group`,
 `/update_weights_from_distributed`, `/destroy_weights_update_group`, `/update_weight_version`,
 the refused `/update_weights_from_tensor`), LoRA adapters (`/load_lora_adapter`,
-`/unload_lora_adapter`, the refused `/load_lora_adapter_from_tensors`) and the memory no-ops.
+`/unload_lora_adapter`, the refused `/load_lora_adapter_from_tensors`) and sleep / wake
+(`/release_memory_occupation`, `/resume_memory_occupation`: `engine/sleep.py`).
 
 Owns: `add_control_routes(app)`, the handlers and their body parsing: every field is checked
 here and a bad one answers 400 naming it before the engine is called (a bucket call refused
@@ -22,6 +23,7 @@ from slime_async.contracts.weight_group import FLATTENED, entries_from_body
 from slime_async.engine.engine import Engine
 from slime_async.engine.http_common import engine_of, error, json_body
 from slime_async.engine.sampling import RequestError
+from slime_async.engine.sleep import parse_tags
 
 
 def add_control_routes(app: web.Application) -> None:
@@ -39,8 +41,8 @@ def add_control_routes(app: web.Application) -> None:
     r.add_post("/load_lora_adapter", load_lora_adapter)
     r.add_post("/unload_lora_adapter", unload_lora_adapter)
     r.add_post("/load_lora_adapter_from_tensors", load_lora_adapter_from_tensors)
-    r.add_route("*", "/release_memory_occupation", memory_occupation)
-    r.add_route("*", "/resume_memory_occupation", memory_occupation)
+    r.add_route("*", "/release_memory_occupation", release_memory_occupation)
+    r.add_route("*", "/resume_memory_occupation", resume_memory_occupation)
 
 
 # ---------------------------------------------------------------------------- generation
@@ -130,6 +132,8 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         version = _version_field(body)
         abort_all = _bool_field(body, "abort_all_requests", False)
         flush = _bool_field(body, "flush_cache", True)
+        if why := eng.memory.refuse_update("update_weights_from_disk"):
+            raise RequestError(why)
     except RequestError as e:
         return _refuse(str(e))
     res = await eng.weights.update_weights_from_disk(
@@ -211,6 +215,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         abort_all = _bool_field(body, "abort_all_requests", False)
         flush = _bool_field(body, "flush_cache", True)
         lora_name, lora_spec = _adapter_fields(body)
+        if why := eng.memory.refuse_update("update_weights_from_distributed"):
+            raise RequestError(why)
     except RequestError as e:
         # refused before receiving: the sender must abort the group (docs/weight-sync.md)
         return _refuse(str(e), received=False)
@@ -273,8 +279,32 @@ async def update_weight_version(request: web.Request) -> web.Response:
     )
 
 
-async def memory_occupation(request: web.Request) -> web.Response:
-    """release/resume_memory_occupation: accepted for API parity; a CPU engine keeps its memory."""
+async def _memory_tags(request: web.Request) -> list[str] | None:
+    """The body's tags; None when it names none (SGLang: all of them)."""
+    raw = (await json_body(request, required=False)).get("tags")
+    return None if raw is None or raw == [] else parse_tags(raw)
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    """SGLang's sleep: `{tags}` (null: all). 200 with a null body; an engine that is not idle,
+    or a bad tag, is answered 400 with SGLang's error body (engine/sleep.py)."""
+    eng = engine_of(request)
+    try:
+        await eng.memory.release(await _memory_tags(request) or parse_tags(None))
+    except ValueError as e:  # RequestError included
+        return error(str(e))
+    return web.json_response(None)
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    """SGLang's wake: `{tags}`; a tag that is not released is refused (400). Null wakes
+    whatever is released (SGLang would refuse null after a partial release)."""
+    eng = engine_of(request)
+    try:
+        tags = await _memory_tags(request)
+        await eng.memory.resume(sorted(eng.memory.released) if tags is None else tags)
+    except ValueError as e:
+        return error(str(e))
     return web.json_response(None)
 
 
@@ -315,6 +345,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         version = _version_field(body)
         if received and version is None:
             raise RequestError("from_distributed needs the weight_version that was received")
+        if why := eng.memory.refuse_update("load_lora_adapter"):
+            raise RequestError(why)
     except RequestError as e:
         return error(str(e))
     res = await eng.weights.load_lora_adapter(

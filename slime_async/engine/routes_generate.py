@@ -75,6 +75,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except RequestError as e:
         return error(str(e))
     async with eng.model_lock.reader():  # SGLang: a request reads the model for its whole life
+        if eng.memory.sleeping:  # checked under the lock: a release never overlaps a request
+            return error(eng.memory.why_asleep(), status=503)
         try:
             return await _serve(request, eng, req)
         except RequestError as e:  # its adapter was unloaded between parse and submit
@@ -150,7 +152,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def health_generate(request: web.Request) -> web.Response:
     eng = engine_of(request)
-    if eng.state is not EngineState.SERVING:
+    if eng.state is not EngineState.SERVING or eng.memory.sleeping:
         return web.Response(status=503)
     rid = f"HEALTH_CHECK_{id(request)}"
     item = GenerateItem(

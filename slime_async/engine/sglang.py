@@ -76,6 +76,10 @@ class SGLangConfig:
     """host:port rendezvous for nnodes > 1."""
     disable_radix_cache: bool = False
     """Turn off prefix caching."""
+    enable_memory_saver: bool = False
+    """Sleep and wake: `--enable-memory-saver` (SGLang's `/release_memory_occupation` then
+    really frees the KV cache and the weights) and `--enable-weights-cpu-backup` (a level-2
+    sleep keeps a CPU copy of the weights, which `/resume_memory_occupation` restores)."""
     enable_lora: bool = False
     """Serve LoRA adapters (`--enable-lora`; the run's adapter pushes load them by name)."""
     max_lora_rank: int | None = None
@@ -189,6 +193,8 @@ def build_command(cfg: SGLangConfig, *, _with_extra: bool = True) -> list[str]:
         "--skip-tokenizer-init": cfg.skip_tokenizer_init,
         "--trust-remote-code": cfg.trust_remote_code,
         "--disable-radix-cache": cfg.disable_radix_cache,
+        "--enable-memory-saver": cfg.enable_memory_saver,
+        "--enable-weights-cpu-backup": cfg.enable_memory_saver,
     }
     cmd += [flag for flag, on in switches.items() if on]
     if cfg.enable_lora:

@@ -70,6 +70,11 @@ class WeightUpdates:
         self._lock = asyncio.Lock()
         """One update at a time (the version-only update included)."""
 
+    @property
+    def lock(self) -> asyncio.Lock:
+        """The one-update-at-a-time lock (a sleep or wake takes it too: `engine/sleep.py`)."""
+        return self._lock
+
     # ------------------------------------------------------------------ the rule and the tail
     @contextlib.asynccontextmanager
     async def access(self, *, abort_all_requests: bool, what: str) -> AsyncIterator[None]:

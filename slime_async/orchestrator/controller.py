@@ -26,6 +26,7 @@ from slime_async.config.run_config import RunConfig
 from slime_async.orchestrator.launch import setup_run
 from slime_async.orchestrator.node_loss import TrainerLostError, trainer_lost_message
 from slime_async.orchestrator.offline import train_offline
+from slime_async.orchestrator.pipeline_member import PipelineMember
 from slime_async.orchestrator.run import Run
 from slime_async.orchestrator.supervisor import EnginesDownError
 from slime_async.rollout.generate.assemble import assemble, overlong_shaping
@@ -43,6 +44,9 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
     last: dict[str, Any] = {}
     try:
         await run.worker.start()
+        if cfg.pipeline.scheduler is not None:  # engines serve only while their slot is granted
+            run.pipeline = PipelineMember(run)
+            await run.pipeline.start()
         if cfg.debug_rollout_only:
             return await _rollouts_only(run, cfg)
         evals = _Evals(run, cfg)
@@ -83,6 +87,7 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
                 **run.supervisor.metrics(),
                 **run.chain.agent_metrics(),
                 **run.timing(wait_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2),
+                **(run.pipeline.metrics() if run.pipeline is not None else {}),
             }
             run.log(run.version, last)
         await evals.final()

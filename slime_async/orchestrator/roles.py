@@ -114,9 +114,24 @@ class Cluster:
     with the router (no generation) until a push gave them the fleet's version
     (`admit_caught_up`)."""
 
+    asleep: set[str] = dataclasses.field(default_factory=set)
+    """Engines put to sleep because the pipeline scheduler gave their slot to another run: out
+    of the router, their memory released, no weight push reaches them (they get the run's
+    version when they wake: `PipelineMember`)."""
+
     @property
     def engine_urls(self) -> list[str]:
         return [h.url for h in self.engines]
+
+    @property
+    def awake_urls(self) -> list[str]:
+        """Engines not asleep (the ones a weight push goes to: selective sync)."""
+        return [u for u in self.engine_urls if u not in self.asleep]
+
+    @property
+    def serving_urls(self) -> list[str]:
+        """Engines in the router: neither asleep nor waiting for the run's version."""
+        return [u for u in self.awake_urls if u not in self.pending]
 
     @property
     def engine_pids(self) -> list[int | None]:

@@ -11,13 +11,14 @@ versions, and what a replacement starts on) and `write_roles`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from slime_async.config.run_paths import batch_shape
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.rollout import Batch, GenerationRequest, Prompt, segment_payload
 from slime_async.contracts.weights import WeightTransport
+from slime_async.engine.sleep import tags_for_level
 from slime_async.host import trim_heap
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.stability import mean_and_se
@@ -130,6 +132,12 @@ class Run:
     """The reserved bundles (given back at close)."""
     _logged_once: bool = False
     _rollout_idle_mark: float = 0.0
+    pipeline: Any = None
+    """This run's `PipelineMember` (`--pipeline-scheduler`), or None."""
+    sleeps: int = 0
+    """Train steps the engines slept through (`--engine-sleep-level`)."""
+    sleep_s: float = 0.0
+    """Seconds spent putting them to sleep and waking them."""
 
     @property
     def transport(self) -> WeightTransport:
@@ -158,13 +166,38 @@ class Run:
         the step fails (`dump`)."""
         assert self.trainer is not None
         try:
-            trained = await asyncio.to_thread(self.trainer.train_step, data)
+            async with self._engines_asleep():
+                trained = await asyncio.to_thread(self.trainer.train_step, data)
         except Exception:
             await self.dump(batch.current_version, batch, trained=None)
             raise
         self.record_step(trained.version, batch)
         await self.dump(batch.current_version, batch, trained=trained.metrics)
         return trained
+
+    @contextlib.asynccontextmanager
+    async def _engines_asleep(self) -> AsyncIterator[None]:
+        """`--engine-sleep-level N`: the engines sleep at level N while the body runs (the data
+        worker paused first, so none is busy; its aborted samples go on after the wake)."""
+        level = self.cfg.engine_sleep_level
+        if not level:
+            yield
+            return
+        tags = tags_for_level(level)
+        await self.worker.pause()
+        t0 = time.perf_counter()
+        await self.cluster.control.release_memory_occupation(tags)
+        self.sleep_s += time.perf_counter() - t0
+        try:
+            yield
+        finally:
+            t0 = time.perf_counter()
+            await self.cluster.control.resume_memory_occupation(tags)
+            # the data worker's pause paused the engines (abort mode): let them generate again
+            await self.cluster.control.continue_generation()
+            self.sleep_s += time.perf_counter() - t0
+            self.sleeps += 1
+            await self.worker.resume()
 
     async def dump(
         self, rollout_id: int, batch: Batch, *, trained: dict[str, float] | None
@@ -188,8 +221,15 @@ class Run:
         trim_heap()  # what the step's batch, responses and pushes freed, back to the node
 
     async def push_weights(self, version: int) -> dict[str, float]:
-        """Make the engines serve `version` (see `--partial-rollout` for in-flight requests)."""
+        """Make the engines serve `version` (see `--partial-rollout` for in-flight requests).
+        With every engine asleep (the pipeline scheduler gave their slots away) nothing is
+        pushed: no engine serves until one woke and was given this version, the trainer's
+        (`catch_up_replacements`), so the data worker may count on it now."""
         await self._feed_role(version)
+        if not self.cluster.awake_urls:  # no engine serves before one woke and took `version`
+            self.worker.set_served_version(version)
+            self.versions.fleet = version
+            return {"weights/push_deferred": 1.0}
         requeue = self.cfg.data_worker.partial_rollout is PartialRolloutPolicy.REQUEUE
         if requeue:  # abort in-flight generations; the data worker re-issues them whole
             await self.worker.pause()
@@ -221,7 +261,7 @@ class Run:
         if self.version == self.fleet_version:
             await self.transport.push(self.version)
             await self._admit_caught_up(self.version)
-        elif len(self.cluster.pending) == len(self.cluster.engines):
+        elif not self.cluster.serving_urls:  # every engine waits (or sleeps): none serves
             log.warning(
                 "every engine is a replacement waiting for weights: pushing v%d now, "
                 "before --update-weights-interval %d is due",
@@ -363,6 +403,11 @@ class Run:
             "timing/step_s": total,
             "timing/elapsed_s": time.perf_counter() - self.started,
             "idle/trainer_ratio": wait_s / total,
+            **(
+                {"engines/sleeps": self.sleeps, "timing/sleep_wake_s": self.sleep_s}
+                if self.cfg.engine_sleep_level
+                else {}
+            ),
         }
 
     def accounting(self) -> dict[str, float]:
@@ -382,6 +427,8 @@ class Run:
         self.logger.log(step, metrics)
 
     async def close(self) -> None:
+        if self.pipeline is not None:  # leave first: the run's slots go to the others at once
+            await self.pipeline.stop()
         try:
             await self.worker.stop()
         except Exception as e:  # shutting down after an error: report, keep closing

@@ -107,6 +107,9 @@ class EngineSupervisor:
         healthy = {w["url"]: bool(w["is_healthy"]) for w in workers}
         state = {w["url"]: w.get("state") for w in workers}
         for i, url in enumerate(list(self.cluster.engine_urls)):
+            if url in self.cluster.asleep or state.get(url) == "sleeping":  # asleep by design
+                self._unhealthy_since.pop(url, None)
+                continue
             if url in self.cluster.pending:  # not in the router yet: only its process counts
                 if not await self.cluster.engine_alive(i):
                     why = "its process is gone (while waiting for weights)"
@@ -134,7 +137,13 @@ class EngineSupervisor:
                 why = "its process is gone" if dead else f"unhealthy for {now - since:.0f}s"
                 if not await self._replace(i, why):
                     return  # the fleet shrank: indices moved, look again next pass
-        if any(healthy.get(u, False) for u in self.cluster.engine_urls):
+        up = [u for u in self.cluster.engine_urls if healthy.get(u, False)]
+        by_design = [
+            u
+            for u in self.cluster.engine_urls
+            if u in self.cluster.asleep or state.get(u) == "sleeping"
+        ]
+        if up or by_design:  # an engine that sleeps (its slot serves another run) is not down
             self._all_down_since = None
             return
         self._all_down_since = self._all_down_since or now

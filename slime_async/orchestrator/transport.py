@@ -50,7 +50,8 @@ def build_transport(
         run_dir=cfg.run_dir,
         trainer=trainer,
         control=cluster.control,
-        engine_urls=lambda: cluster.engine_urls,  # read at every push: replacements come and go
+        # read at every push: replacements come and go, sleeping engines get no push
+        engine_urls=lambda: cluster.awake_urls,
         cfg=cfg.weights,
         collective_backend=backend.needs.collective_backend,
         token=cfg.engine.admin_api_key or cfg.engine.api_key,

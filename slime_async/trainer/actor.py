@@ -96,6 +96,18 @@ class _TrainerActorImpl:
     def snapshot(self) -> int:
         return self.trainer.snapshot()
 
+    def sleep(self) -> int:
+        """Close the weight group (the transport forms it again at its next push), keep the
+        newest version in the CPU weight cache, offload parameters, gradients and optimizer
+        state (`trainer/offload.py`); returns the bytes freed."""
+        self.close_weight_group()
+        freed = self.trainer.sleep()
+        trim_heap()
+        return freed
+
+    def wake(self) -> None:
+        self.trainer.wake()
+
     def release(self, version: int) -> bool:
         return self.trainer.release(version)
 
@@ -338,6 +350,13 @@ class TrainerGroup:
 
     def snapshot(self) -> int:
         return int(self._all("snapshot")[0])
+
+    def sleep(self) -> int:
+        """Every rank asleep (`_TrainerActorImpl.sleep`); returns the bytes rank 0 freed."""
+        return int(self._all("sleep")[0])
+
+    def wake(self) -> None:
+        self._all("wake")
 
     def release(self, version: int) -> bool:
         return bool(self._all("release", version)[0])

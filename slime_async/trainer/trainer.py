@@ -54,6 +54,7 @@ from slime_async.trainer.model import (
     moe_layer_numbers,
     router_replays,
 )
+from slime_async.trainer.offload import TrainerOffload, WeightCache
 from slime_async.trainer.optim import build_optim
 from slime_async.trainer.reference import maybe_reference
 from slime_async.trainer.replay import RoutingReplay
@@ -140,10 +141,8 @@ class MegatronTrainer(LogprobForwards):
         self.moe_layers = moe_layer_numbers(self.chunks)
         self.optim = build_optim(self.chunks, cfg, self.layout)
         weakref.finalize(self, parallel.drop_stale_graphs, self.chunks)  # see its docstring
-        if rank == 0 and cfg.use_distributed_optimizer is None and self.layout.dp > 1:
-            log.info("derived: --use-distributed-optimizer on (DP=%d)", self.layout.dp)
-        if rank == 0 and cfg.ckpt_format is None and self.lora is not None:
-            log.info("derived: --ckpt-format torch (LoRA adapters are saved gathered)")
+        if rank == 0:
+            self._log_derived()
         self.schedule = Schedule(
             self.optim.wrapped,
             [router_replays(c) for c in self.chunks],
@@ -165,6 +164,17 @@ class MegatronTrainer(LogprobForwards):
         if self.keeps_snapshots:
             self.snapshots.snapshot(self.model, self.version)
         self.reference = maybe_reference(self)  # KL penalty: π_ref weights (initial or --ref-load)
+        self.offload = TrainerOffload(self)
+        """Sleep and wake of this rank's parameters, gradients and optimizer state."""
+        self.weight_cache = WeightCache()
+        """The newest version's weights on the CPU (filled by `sleep`)."""
+
+    def _log_derived(self) -> None:
+        """What the trainer derives from its layout (rank 0 says it once)."""
+        if self.cfg.use_distributed_optimizer is None and self.layout.dp > 1:
+            log.info("derived: --use-distributed-optimizer on (DP=%d)", self.layout.dp)
+        if self.cfg.ckpt_format is None and self.lora is not None:
+            log.info("derived: --ckpt-format torch (LoRA adapters are saved gathered)")
 
     def _resolve_loss(self, rank: int) -> None:
         """The loss of `cfg.loss` (fails fast on a bad name or path; entropy / KL-to-reference
@@ -342,6 +352,20 @@ class MegatronTrainer(LogprobForwards):
     def release(self, version: int) -> bool:
         """Drop the snapshot of `version` (no in-flight sample references it any more)."""
         return self.snapshots.release(version)
+
+    # ------------------------------------------------------------------ sleep and wake
+    def sleep(self, *, cache_weights: bool = True) -> int:
+        """Put the newest version into the CPU weight cache (unless it holds it already), then
+        offload parameters, gradients and optimizer state (`offload.py`); returns the bytes
+        freed. Nothing of this rank may run until `wake`."""
+        if cache_weights and self.weight_cache.version != self.version:
+            self.weight_cache.put(self.export_weights())
+        return self.offload.offload()
+
+    def wake(self) -> None:
+        """Everything `sleep` offloaded back, bit for bit: training goes on as if it never
+        slept."""
+        self.offload.restore()
 
     # ------------------------------------------------------------------ weights
     def export_weights(self, *, copy: bool = True) -> HFWeights:

@@ -573,6 +573,12 @@ class DistributedTransport:
             )
         await self._activate(version, 0, strict=True)
 
+    async def release_group(self) -> None:
+        """Destroy the group everywhere (the trainer goes to sleep, or the engines that serve
+        change); the next push forms it again with the engines that serve then."""
+        async with self._lock:
+            await self._teardown()
+
     async def close(self) -> None:
         """Destroy the group everywhere and close the HTTP session (closed even when the
         teardown fails: a trainer rank lost with its node)."""

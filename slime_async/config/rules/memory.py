@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 
 from slime_async.config import memory_plan
+from slime_async.config.pipeline import pipeline_config_from_args
 from slime_async.config.rules.draft import Draft, Rule, rule
 from slime_async.config.rules.serving import weight_dtype
 from slime_async.config.rules.training import resume, snapshots, trainer, trainer_on_gpu
@@ -38,6 +39,7 @@ def run_config(d: Draft) -> None:
         api_key_file=a.api_key_file,
         num_steps=a.num_steps,
         update_weights_interval=a.update_weights_interval,
+        engine_sleep_level=a.engine_sleep_level,
         save_interval=a.save_interval,
         save_debug_rollout_data=a.save_debug_rollout_data,
         load_debug_rollout_data=a.load_debug_rollout_data,
@@ -63,6 +65,7 @@ def run_config(d: Draft) -> None:
         ),
         trainer=d.trainer,
         supervisor=supervisor_config_from_args(a),
+        pipeline=pipeline_config_from_args(a),
         weights=weight_sync_config_from_args(a),
         derived=d.flags.derived,
         accepted=d.flags.accepted,

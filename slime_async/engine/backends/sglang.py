@@ -57,6 +57,7 @@ def sglang_config(
         if not _has_tokenizer(launch.model_dir) and _has_tokenizer(source):
             tokenizer = source
         skip = tokenizer is None and not _has_tokenizer(launch.model_dir)
+    sleep = bool(getattr(fleet, "engine_sleep", False))
     return SGLangConfig(
         model_path=launch.model_dir,
         host=launch.host or engine.host,
@@ -70,6 +71,7 @@ def sglang_config(
         skip_tokenizer_init=skip,
         tokenizer_path=tokenizer,
         extra_args=extra,
+        enable_memory_saver=sleep and not user & {"--enable-memory-saver"},
         enable_lora=engine.enable_lora,
         max_lora_rank=engine.max_lora_rank,
         lora_target_modules=engine.lora_target_modules,

@@ -1,0 +1,79 @@
+"""Many pipelines on one pool: the settings of a run that joins a pipeline scheduler
+(`PipelineConfig`, its flags) and of the scheduler itself (`PipelineSchedulerConfig`). The
+scheduler is `slime_async.orchestrator.pipeline_scheduler`, the run's side of it
+`slime_async.orchestrator.pipeline_member`; the rules are docs/pipeline-scheduler.md. Their
+configs live on the config side so that parsing a run imports nothing of the live run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+from clifields import add_flags, check_ranges, flag, from_args
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineConfig:
+    """How this run takes part in a pipeline scheduler (none: it owns its engines, as always)."""
+
+    scheduler: str | None = flag(None, name="pipeline-scheduler", metavar="NAME")
+    """Join the pipeline scheduler named NAME (a Ray actor in this Ray cluster, started by
+    `start_scheduler`): its engines serve only while the scheduler grants their slots, and sleep
+    otherwise (docs/pipeline-scheduler.md). Unset: the run owns its engines for its whole life."""
+    name: str | None = flag(None, name="pipeline-name")
+    """This pipeline's name at the scheduler, unique among the live ones (unset: the run
+    directory's name)."""
+    priority: float = flag(1.0, name="pipeline-priority", gt=0, lt=math.inf)
+    """Weight of this pipeline's share of engine time (2 gets twice the time of 1 when both
+    want engines)."""
+    heartbeat_s: float = flag(0.5, cli=False)
+    """Seconds between the run's reports (demand and heartbeat) to the scheduler."""
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+        if not 0 < self.heartbeat_s < math.inf:
+            raise ValueError(
+                f"heartbeat_s must be a finite number of seconds > 0, got {self.heartbeat_s}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineSchedulerConfig:
+    """The scheduler's own settings (it is started by whoever runs the pool, not by a run)."""
+
+    slots: int = 1
+    """Engine slots in the pool (devices); a pipeline's engine i sits on slot i mod slots."""
+    heartbeat_timeout_s: float = 10.0
+    """A pipeline silent this long is dropped: its grants go to the others at once."""
+    min_hold_s: float = 2.0
+    """A granted slot stays with its pipeline at least this long while it still wants
+    generation (a switch costs a sleep and a wake)."""
+    min_pipelines: int = 1
+    """Grant no slot before this many pipelines joined (a gang start: the pipelines of a pool
+    begin sharing together); once reached, later leaves do not hold grants back."""
+    sleep_level: int = 2
+    """How a pipeline's engine sleeps while its slot serves another: 1 frees the KV and prefix
+    caches, 2 also the weights."""
+
+    def __post_init__(self) -> None:
+        if self.min_pipelines < 1:
+            raise ValueError(f"min_pipelines must be >= 1, got {self.min_pipelines}")
+        if self.slots < 1:
+            raise ValueError(f"slots must be >= 1, got {self.slots}")
+        for name in ("heartbeat_timeout_s", "min_hold_s"):
+            v = getattr(self, name)
+            if not 0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
+
+
+def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
+    """Add the pipeline-membership flags (the `PipelineConfig` fields that are flags)."""
+    add_flags(parser, PipelineConfig, group="pipeline scheduler")
+
+
+def pipeline_config_from_args(args: argparse.Namespace) -> PipelineConfig:
+    return from_args(PipelineConfig, args)
