@@ -1,8 +1,8 @@
 """CPU compatibility shim for megatron-core 0.16.1 (the ONLY place that patches Megatron/torch).
 
 Owns: the handful of patches that let megatron-core run without CUDA (see
-docs/cpu.md, "megatron-core without CUDA"). Every patch is a no-op when CUDA is available, and `apply()` is
-idempotent. Must never import anything from the rest of `slime_async`.
+docs/cpu.md, "megatron-core without CUDA"). Every patch but one (5) is a no-op when CUDA is
+available, and `apply()` is idempotent. Must never import anything from the rest of `slime_async`.
 
 Patches (CPU only):
 1. `torch.cuda.current_device()` returns "cpu" (RoPE inv_freq, router weight moves).
@@ -11,7 +11,9 @@ Patches (CPU only):
 3. `torch.cuda.synchronize` / `current_stream` become no-ops.
 4. Causal-mask helpers hard-coded to `device="cuda"` build on CPU instead.
 5. megatron-core 0.16.1 without TransformerEngine references undefined TE names in
-   `moe_utils` (`te_general_gemm`, `fused_*`): define them as None.
+   `moe_utils` (`te_general_gemm`, `fused_*`): define them as None. The one patch that also
+   applies with CUDA: an MoE router on a GPU without TransformerEngine hits the same names
+   (a NameError in `router_gating_linear`, seen on an H200).
 6. `WrappedTorchNorm` refuses sequence parallelism: build `torch.nn.RMSNorm` anyway and tag its
    parameters `sequence_parallel=True` so their grads are all-reduced over TP.
 7. `cuda_literals_on_cpu()`: a context (a `TorchFunctionMode`) for megatron's DDP, optimizers and
@@ -46,6 +48,7 @@ def cuda_available() -> bool:
 def apply() -> bool:
     """Apply all CPU patches once; returns True if patches are active (no CUDA)."""
     global _APPLIED
+    _patch_moe_utils()  # a megatron-core bug without TransformerEngine, on GPUs too
     if cuda_available():
         return False
     with _LOCK:
