@@ -442,7 +442,7 @@ GUARD_SWEEP: dict[str, tuple[str, tuple[float, ...]]] = {
     str(GuardKind.IS_WEIGHT_RANGE): ("is_upper", (1.1, 1.25, 1.5)),
     str(GuardKind.ROLLOUT_LOGPROB_TREND): ("trend_min_drop", (0.35, 0.4, 0.5)),
     str(GuardKind.IS_ESS_LOW): ("ess_floor", (0.3, 0.5, 0.7)),
-    str(GuardKind.GRAD_COSINE_LOW): ("grad_cosine_floor", (-0.3, -0.2, -0.1)),
+    str(GuardKind.GRAD_COSINE_LOW): ("grad_cosine_floor", (-0.2, -0.1, 0.0)),
 }
 """Each guard's main threshold and the values the calibration tries (the default among them)."""
 

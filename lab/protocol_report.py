@@ -11,12 +11,13 @@ call it unstable), and the markdown of it all (`render_protocol`). Pure over rea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lab.analysis import RunData, fill_steps, run_guards
+from lab.analysis import GUARD_SWEEP, RunData, fill_steps, run_guards
 from lab.protocol import (
     ARMS,
     ASYNC_ARMS,
@@ -138,24 +139,39 @@ def onset_step(r: RunData, rules: VerdictRules) -> int | None:
     return None
 
 
-def early_warning(runs: Sequence[tuple[str, RunData, str]], rules: VerdictRules) -> dict[str, Any]:
+def early_warning(
+    runs: Sequence[tuple[str, RunData, str]],
+    rules: VerdictRules,
+    settings: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
     """Per early-warning guard, over `(label, run, verdict)` triples: for every unstable run,
     the step it first fired and the lead over the run's onset; for every sync run, whether it
-    fired (a false alarm)."""
+    fired (a false alarm). `settings`: guard-config fields to override (a calibration value)."""
     out: dict[str, Any] = {}
+    onsets = {label: onset_step(r, rules) for label, r, v in runs if v != Verdict.STABLE}
     for kind in EARLY_WARNING:
-        unstable, sync_alarms, sync_n = [], 0, 0
+        unstable, sync_alarms, sync_n, stable_alarms, stable_n = [], 0, 0, 0, 0
         for label, r, v in runs:
-            fired = [w.step for w in scan(r.records, run_guards(r)) if w.kind is kind]
+            cfg = dataclasses.replace(run_guards(r), **(settings or {}))
+            fired = [w.step for w in scan(r.records, cfg) if w.kind is kind]
             first = min(fired, default=None)
             if r.cell.group == SYNC:
                 sync_n += 1
                 sync_alarms += first is not None
-            elif v != Verdict.STABLE:
-                onset = onset_step(r, rules)
+            elif v == Verdict.STABLE:  # an async run the verdict calls healthy
+                stable_n += 1
+                stable_alarms += first is not None
+            else:
+                onset = onsets[label]
                 lead = None if first is None or onset is None else onset - first
                 unstable.append({"run": label, "fired": first, "onset": onset, "lead": lead})
-        out[str(kind)] = {"unstable": unstable, "sync_runs": sync_n, "sync_alarms": sync_alarms}
+        out[str(kind)] = {
+            "unstable": unstable,
+            "sync_runs": sync_n,
+            "sync_alarms": sync_alarms,
+            "stable_async_runs": stable_n,
+            "stable_async_alarms": stable_alarms,
+        }
     return out
 
 
@@ -236,14 +252,22 @@ def render_protocol(
         lines.append(f"* `{g}`: {_f(mm, 4)} ± {_f(hh, 4)} ({len(vs)} runs)")
     lines += [
         "",
-        "Early warning over every run of both phases (lead = onset − first alarm, in steps):",
+        "Early warning over every run of both phases, at each setting the calibration tries "
+        "(lead = onset − first alarm, in steps; ahead = lead ≥ 0):",
         "",
+        "| guard | setting | ahead of unstable runs | fired late | leads | alarms on sync runs "
+        "| alarms on stable async runs |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for kind, ew in early_warning(judged, rules).items():
-        leads = [u["lead"] for u in ew["unstable"] if u["lead"] is not None]
-        lines.append(
-            f"* `{kind}`: fired ahead of {sum(x >= 0 for x in leads)} of "
-            f"{len(ew['unstable'])} unstable runs (leads {leads}); false alarms on "
-            f"{ew['sync_alarms']} of {ew['sync_runs']} sync runs"
-        )
+    for kind in EARLY_WARNING:
+        field, values = GUARD_SWEEP[str(kind)]
+        for value in values:
+            ew = early_warning(judged, rules, {field: value})[str(kind)]
+            leads = [u["lead"] for u in ew["unstable"] if u["lead"] is not None]
+            lines.append(
+                f"| `{kind}` | {field}={value:g} | {sum(x >= 0 for x in leads)} of "
+                f"{len(ew['unstable'])} | {sum(x < 0 for x in leads)} | {sorted(leads)} | "
+                f"{ew['sync_alarms']} of {ew['sync_runs']} | "
+                f"{ew['stable_async_alarms']} of {ew['stable_async_runs']} |"
+            )
     return "\n".join(lines) + "\n"
