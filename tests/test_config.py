@@ -18,6 +18,7 @@ from data_worker.config import DataWorkerConfig
 from router.config import RouterConfig
 from slime_async.config import Environment, build_parser, read_environment, validate
 from slime_async.config.model_shape import ModelShapeFlags
+from slime_async.config.pipeline import PipelineConfig
 from slime_async.config.run_config import RunConfig
 from slime_async.config.script_flags import ScriptRunFlags
 from slime_async.config.supervision import SupervisorConfig
@@ -270,6 +271,7 @@ def test_read_environment_reads_the_model_and_names_a_bad_checkpoint(tmp_path):
 # flag group title -> (config class, {dest: field} where the names differ, dest prefix)
 _OWNERS = {
     "run": (RunConfig, {}, ""),
+    "pipeline scheduler": (PipelineConfig, {}, "pipeline_"),
     "placement": (RunConfig, {}, ""),
     "rollout engines": (
         EngineFleetConfig,
