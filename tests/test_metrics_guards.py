@@ -109,7 +109,7 @@ def test_ess_and_gradient_cosine_floors() -> None:
         run[k]["is/staleness/ess"] = 0.2
     for k in range(35, 45):
         run[k]["train/grad_cosine"] = -0.6
-    cfg = dataclasses.replace(CFG, ess_window=3, grad_cosine_window=3)
+    cfg = dataclasses.replace(CFG, ess_window=3, ess_floor=0.5, grad_cosine_window=3)
     hits = scan(run, cfg)
     kinds = [(w.kind, w.step) for w in hits]
     assert kinds[0] == (GuardKind.IS_ESS_LOW, 32)  # 2 of 3 steps low: the mean is 0.45
