@@ -532,8 +532,8 @@ def test_protocol_report_reads_the_search_leads_and_equivalence():
     ew = early_warning([("a", bad, "collapsed"), ("b", sync, "stable")], RULES)["is_ess_low"]
     assert ew["sync_runs"] == 1 and ew["sync_alarms"] == 0
     (u,) = ew["unstable"]
-    # the 5-step mean is below 0.5 from step 23 (3 low steps); reported after 3 in a row
-    assert u["fired"] == 25 and u["lead"] == onset - 25
+    # the 5-step mean is below the 0.7 floor from step 22 (2 low steps); reported after 3 in a row
+    assert u["fired"] == 24 and u["lead"] == onset - 24
 
     confirm = {}
     for seed, (s0, c8, n8) in enumerate([(0.4, 0.41, 0.30), (0.3, 0.29, 0.2), (0.5, 0.5, 0.41)]):
