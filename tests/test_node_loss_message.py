@@ -186,6 +186,7 @@ async def test_losing_the_node_of_the_last_engine_stops_the_run_at_once() -> Non
         control: Control = dataclasses.field(default_factory=Control)
         backend: Backend = dataclasses.field(default_factory=Backend)
         pending: set[str] = dataclasses.field(default_factory=set)
+        asleep: set[str] = dataclasses.field(default_factory=set)
 
         @property
         def engine_urls(self) -> list[str]:
