@@ -353,7 +353,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="Run docs/stability-protocol.md on the tiny model: the search over its regimes, "
         "the rule that picks one, then the confirmatory cells in the protocol's order, and "
-        "its report (--out/protocol.md). Resumable; the axis flags are ignored.",
+        "its report (under --out). Resumable; the axis flags are ignored.",
     )
     p.add_argument("--report-only", action="store_true", help="Only read finished runs and report.")
     p.add_argument("--dry-run", action="store_true", help="Print the runs and their commands.")

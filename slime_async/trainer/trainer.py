@@ -164,10 +164,8 @@ class MegatronTrainer(LogprobForwards):
         if self.keeps_snapshots:
             self.snapshots.snapshot(self.model, self.version)
         self.reference = maybe_reference(self)  # KL penalty: π_ref weights (initial or --ref-load)
-        self.offload = TrainerOffload(self)
-        """Sleep and wake of this rank's parameters, gradients and optimizer state."""
-        self.weight_cache = WeightCache()
-        """The newest version's weights on the CPU (filled by `sleep`)."""
+        # sleep and wake of this rank's state; the newest weights on the CPU (filled by `sleep`)
+        self.offload, self.weight_cache = TrainerOffload(self), WeightCache()
 
     def _log_derived(self) -> None:
         """What the trainer derives from its layout (rank 0 says it once)."""
