@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.contracts.engine import EngineLaunch
-from slime_async.engine.backends import EngineFleetConfig
-from slime_async.engine.backends.sglang import sglang_config
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.sglang import SGLangServer, build_command
+from slime_async.orchestrator.engines.sglang import sglang_config
 from tests.test_vl_data import _png, _tokenizer
 from tests.test_vl_family import CONFIGS, _hf_model
 
