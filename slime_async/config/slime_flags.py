@@ -32,7 +32,7 @@ _WEIGHT_SYNC = (
 )
 _MEGATRON_HOOK = (
     "a hook into slime's Megatron actor; not here: the trainer builds its model from "
-    "--hf-checkpoint's config.json (qwen2, qwen3, qwen3_moe, llama, mistral, qwen2_5_vl) and has no "
+    "--hf-checkpoint's config.json (qwen2, qwen3, qwen3_moe, llama, mistral, qwen2_5_vl, qwen3_vl) and has no "
     "such hook points; plug-ins here are --custom-generate-function-path, --custom-rm-path, "
     "--custom-loss-function-path"
 )
@@ -263,7 +263,7 @@ NOT_HERE: dict[str, str] = {
 }
 
 
-_FAMILIES = "qwen2, qwen3, qwen3_moe, llama, mistral, qwen2_5_vl"
+_FAMILIES = "qwen2, qwen3, qwen3_moe, llama, mistral, qwen2_5_vl, qwen3_vl"
 _ARCH = (
     "a Megatron model-shape flag of a model family the trainer does not build; the supported "
     f"families ({_FAMILIES}) have no such part, and the model is built from --hf-checkpoint's "

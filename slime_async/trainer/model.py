@@ -221,11 +221,15 @@ def build_model(
     if spec.vision is not None and first:
         # the whole vision tower sits beside the embedding (vision.py); its parameters are
         # `vision.*` among the chunk's, in params_dtype like the rest
-        from slime_async.trainer.vision import VisionTower
+        from slime_async.trainer.towers import build_tower
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.vision.depth * 7919 + spec.vision.hidden_size)
-            model.vision = VisionTower(spec.vision).to(params_dtype)
+            model.vision = build_tower(spec.vision).to(params_dtype)
+    if spec.family == "qwen3_vl":  # interleaved mRoPE, DeepStack (deepstack.py)
+        from slime_async.trainer import deepstack
+
+        deepstack.install(model, spec)
     if spec.rope_scaling is not None:
         # megatron's own llama3 option fixes low/high_freq_factor and the original context
         # (1, 4, 8192); install the spec's frequencies before the first (cached) forward

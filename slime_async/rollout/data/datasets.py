@@ -246,7 +246,7 @@ def _tokenized(
     if refs and vision is None:
         raise DatasetError(
             f"rows have images ({config.image_key!r}) but the model is not a vision-language "
-            "model; give a Qwen2.5-VL --hf-checkpoint or drop --multimodal-keys"
+            "model; give a Qwen2.5-VL or Qwen3-VL --hf-checkpoint or drop --multimodal-keys"
         )
     if tokenizer is None:
         return None, None, refs
