@@ -26,24 +26,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import simulate_dispatch as sd
-from simulate_pipelines import PoolConfig, PoolResult, jain, simulate_pool
+from simulate_pipelines import PoolConfig, PoolResult, simulate_pool
 
 # Seconds per GB measured on the 2-core CPU machine (docs/results/2026-11-27-pipelines-sim.md
 # says which run): level-2 sleep and wake of the embedded engine (`bench_pipelines.py
 # --mechanism`), and a weight push into an engine (the median distributed sync of SmolLM2-135M,
 # 0.269 s for 0.269 GB, docs/results/2026-11-27-weight-sync-floor.md).
-SLEEP_S_PER_GB = 1.0
-WAKE_S_PER_GB = 1.0
+SLEEP_S_PER_GB = 1.53
+WAKE_S_PER_GB = 1.33
 SYNC_S_PER_GB = 1.0
 
 
-def metrics(r: PoolResult, engine_slots: int, share: int) -> dict[str, float]:
+def jain(xs: list[float]) -> float:
+    """Jain's fairness index of `xs`: 1 when all equal, 1/n when one has everything.
+
+    >>> jain([1.0, 1.0, 1.0, 1.0]), jain([1.0, 0.0, 0.0, 0.0])
+    (1.0, 0.25)
+    """
+    s, q = sum(xs), sum(x * x for x in xs)
+    return s * s / (len(xs) * q) if q > 0 else 1.0
+
+
+def metrics(r: PoolResult, engine_slots: int) -> dict[str, float]:
     """The arm's aggregate numbers (per simulated second; fractions of accelerator time)."""
     t, acc = r.sim_s, r.accelerators
-    if r.arm == "shared":
-        grants = [p.granted_s for p in r.pipes]
-    else:
-        grants = [share * t for _ in r.pipes]
+    grants = [p.granted_s for p in r.pipes]
     return {
         "rollout samples/s": sum(p.rollout_samples for p in r.pipes) / t,
         "train steps/s": sum(p.steps for p in r.pipes) / t,
@@ -95,8 +102,8 @@ def _parse() -> argparse.Namespace:
     a("--max-len", type=int, default=30_000, help="longest response (tokens)")
     a("--prompts", type=int, default=4_000, help="prompts per pipeline")
     a("--horizon-h", type=float, default=6.0, help="simulated hours per arm")
-    a("--heartbeat-s", type=float, default=5.0, help="seconds between demand reports")
-    a("--min-hold-s", type=float, default=60.0, help="the scheduler's min_hold_s")
+    a("--heartbeat-s", type=float, default=0.5, help="seconds between demand reports")
+    a("--min-hold-s", type=float, default=2.0, help="the scheduler's min_hold_s")
     a("--heartbeat-timeout-s", type=float, default=10.0, help="the scheduler's drop timeout")
     a("--model-gb", type=float, default=16.0, help="weights per engine, GB (assumed: 8B bf16)")
     a("--sleep-s-per-gb", type=float, default=SLEEP_S_PER_GB, help="level-2 sleep, s/GB")
@@ -146,8 +153,7 @@ def main() -> None:
         t = time.perf_counter()
         results.append(simulate_pool(arm, pool, cfgs))
         print(f"  {arm}: {a.horizon_h:g} simulated h in {time.perf_counter() - t:.1f} s wall")
-    share = engine_slots // a.pipelines
-    ex, sh = (metrics(r, engine_slots, share) for r in results)
+    ex, sh = (metrics(r, engine_slots) for r in results)
     print(
         f"\n{a.pipelines} pipelines, {a.accelerators} accelerators ({engine_slots} engine slots "
         f"x {a.slots} requests, {a.trainer_devices} trainer devices each); switch costs: sleep "

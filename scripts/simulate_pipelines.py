@@ -1,25 +1,23 @@
-"""Several RL pipelines on one pool of accelerators, in virtual time (the dispatch simulator with
-pipelines).
+"""Several RL pipelines on one pool of accelerators, in virtual time: the dispatch simulator
+(`simulate_dispatch.py`) with pipelines.
 
-Each pipeline is what `simulate_dispatch.py` simulates for one run: the REAL `RolloutDataWorker`
-(admission, staleness budget, window) against simulated engines, and a trainer that takes
-`groups_per_step` groups, trains `train_step_s` and pushes in place. Here several of them share
-a pool of engine slots (one accelerator each) beside their own trainer devices, in one of two
-arms:
+Each pipeline is what `simulate_dispatch.py` simulates for one run (the REAL `RolloutDataWorker`
+against simulated engines, a trainer that takes `groups_per_step` groups, trains `train_step_s`
+and pushes in place); here several share a pool of engine slots (one accelerator each) beside
+their own trainer devices, in one of two arms:
 
 * `exclusive`: pipeline i owns a fixed, equal share of the engine slots for the whole run.
-* `shared`: every pipeline has an engine on every slot and the pipeline scheduler decides who
-  serves where: the REAL `SchedulerCore` (`slime_async.orchestrator.pipeline_policy`, the code
-  the scheduler actor runs), fed every `heartbeat_s` with each pipeline's
-  `generation_demand` of its worker's metrics, exactly as `PipelineMember.tick` does. A slot to
-  give up has its running requests cut (the router sends each whole to another of the
-  pipeline's serving engines, or queues it), its engine sleeps (`sleep_s`), then is released;
-  a slot taken wakes (`wake_s`, one after another as the member does) and then gets the
+* `shared`: every pipeline has an engine on every slot and the REAL `SchedulerCore`
+  (`slime_async.orchestrator.pipeline_policy`, what the scheduler actor runs) decides who serves
+  where, fed every `heartbeat_s` with each pipeline's `generation_demand` as
+  `PipelineMember.tick` does, which it mirrors: a slot to give up has its running requests cut
+  (each sent whole to another of the pipeline's serving engines, or queued), its engine sleeps
+  (`sleep_s`) and is released; a slot taken wakes (`wake_s`, one after another) and gets the
   pipeline's current version (selective sync, `sync_s`) before it serves.
 
-Trainer devices are dedicated to their pipeline in both arms (the scheduler grants engine
-slots only). An accelerator is idle when its engine runs no request, while it switches, and a
-trainer device while its trainer waits for a batch. Used by `scripts/bench_sim_pipelines.py`.
+Trainer devices are dedicated in both arms (the scheduler grants engine slots only). An
+accelerator is idle when its engine runs no request, while it switches, and a trainer device
+while its trainer waits for a batch. Used by `scripts/bench_sim_pipelines.py`.
 """
 
 from __future__ import annotations
@@ -49,12 +47,9 @@ class PoolConfig:
     heartbeat_s: float = 1.0
     min_hold_s: float = 30.0
     heartbeat_timeout_s: float = 10.0
-    sleep_s: float = 0.0
-    """Abort, drain and release of one engine (level 2: its weights go to host memory)."""
-    wake_s: float = 0.0
-    """Resume of one engine (its weights back from host memory)."""
-    sync_s: float = 0.0
-    """The pipeline's current version into a woken engine (selective sync)."""
+    sleep_s: float = 0.0  # abort, drain, release of one engine (level 2: weights to host)
+    wake_s: float = 0.0  # resume of one engine (its weights back from host memory)
+    sync_s: float = 0.0  # the pipeline's current version into a woken engine (selective)
     horizon_s: float | None = None
     """Stop every pipeline at this simulated time (None: each trains its `steps`)."""
 
@@ -140,7 +135,7 @@ class Pool:
 
     def asleep(self, e: int, now: float) -> None:
         self._touch(e, now)
-        self.switching[e] = False
+        self.switching[e] = False  # idle until granted
 
     def close(self, now: float) -> None:
         for e in range(self.n):
@@ -148,7 +143,7 @@ class Pool:
 
 
 class PipeEngines(sd.Cluster):
-    """One pipeline's engines in the pool (versions and counters are the pipeline's own)."""
+    """One pipeline's engines in the pool (its own versions and counters)."""
 
     def __init__(self, cfg: sd.SimConfig, work: sd.Workload, pool: Pool, name: str) -> None:
         super().__init__(cfg, work)
@@ -260,6 +255,7 @@ class Pipeline:
                     self.pool.stop_serving(slot, loop.time())
                     self.pool.asleep(slot, loop.time())
                 return
+            self.r.granted_s = core.pipelines[self.name].served_s
             for slot in todo["give_up"]:
                 self.pool.stop_serving(slot, loop.time())
                 if pool_cfg.sleep_s:
@@ -313,7 +309,7 @@ def _arm_slots(arm: str, pool_cfg: PoolConfig, names: list[str]) -> dict[str, li
 
 async def _run_arm(pipes: list[Pipeline], pool: Pool, arm: str, pool_cfg: PoolConfig) -> float:
     loop = asyncio.get_running_loop()
-    names = [p.name for p in pipes]
+    own = _arm_slots(arm, pool_cfg, [p.name for p in pipes])
     core = None
     if arm == "shared":
         core = SchedulerCore(
@@ -327,7 +323,7 @@ async def _run_arm(pipes: list[Pipeline], pool: Pool, arm: str, pool_cfg: PoolCo
         for p in pipes:  # every engine asleep until granted, as `PipelineMember.start`
             core.join(p.name, priority=1.0, slots=list(range(pool_cfg.engine_slots)), now=0.0)
     else:
-        for name, slots in _arm_slots(arm, pool_cfg, names).items():
+        for name, slots in own.items():
             for e in slots:
                 pool.serve(e, name, 0.0)
     trainers = [loop.create_task(p.train(), name=p.name) for p in pipes]
@@ -338,11 +334,15 @@ async def _run_arm(pipes: list[Pipeline], pool: Pool, arm: str, pool_cfg: PoolCo
     else:
         await asyncio.sleep(pool_cfg.horizon_s)
         end = loop.time()
+    if core is not None:
+        core._account(end)  # slot time up to the horizon
     for p in pipes:
         p.r.rollout_samples = p.engines.samples
         if p.training_since is not None:  # a step under way at the horizon
             p.r.train_s += end - p.training_since
-        if core is not None and p.name in core.pipelines:
+        if core is None:
+            p.r.granted_s = len(own[p.name]) * end
+        elif p.name in core.pipelines:  # else: what it had at its last report
             p.r.granted_s = core.pipelines[p.name].served_s
     pool.close(end)
     for t in trainers + members:
@@ -389,13 +389,3 @@ def simulate_pool(
         trainer_busy_s=sum(p.r.train_s for p in pipes) * pool_cfg.trainer_devices,
         preempted=pool.preempted,
     )
-
-
-def jain(xs: list[float]) -> float:
-    """Jain's fairness index of `xs`: 1 when all equal, 1/n when one has everything.
-
-    >>> jain([1.0, 1.0, 1.0, 1.0]), jain([1.0, 0.0, 0.0, 0.0])
-    (1.0, 0.25)
-    """
-    s, q = sum(xs), sum(x * x for x in xs)
-    return s * s / (len(xs) * q) if q > 0 else 1.0
