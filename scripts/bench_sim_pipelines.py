@@ -38,13 +38,14 @@ SYNC_S_PER_GB = 1.0
 
 
 def jain(xs: list[float]) -> float:
-    """Jain's fairness index of `xs`: 1 when all equal, 1/n when one has everything.
+    """Jain's fairness index of `xs`: 1 when all equal, 1/n when one has everything (nan when
+    all are 0).
 
     >>> jain([1.0, 1.0, 1.0, 1.0]), jain([1.0, 0.0, 0.0, 0.0])
     (1.0, 0.25)
     """
     s, q = sum(xs), sum(x * x for x in xs)
-    return s * s / (len(xs) * q) if q > 0 else 1.0
+    return s * s / (len(xs) * q) if q > 0 else float("nan")  # nothing granted at all
 
 
 def metrics(r: PoolResult, engine_slots: int) -> dict[str, float]:
