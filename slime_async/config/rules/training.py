@@ -14,6 +14,7 @@ import math
 from data_worker.budget import snapshot_count, staleness_bound
 from loss import resolve_loss_spec
 from slime_async.config.derive import raise_all
+from slime_async.config.engine_backends import engine_backend_needs
 from slime_async.config.model_shape import check_shape
 from slime_async.config.rules.draft import Draft, rule
 from slime_async.config.run_paths import (
@@ -23,7 +24,6 @@ from slime_async.config.run_paths import (
     start_weights,
 )
 from slime_async.config.script_flags import RunFacts, check_run_flags
-from slime_async.engine.backends import get_engine_backend
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
     REAL_MODEL_LR_WARN,
@@ -179,7 +179,7 @@ def trainer_on_gpu(d: Draft) -> bool:
     """The trainer ranks run on GPUs: this node has CUDA devices (a local Ray node offers them
     and each rank takes one), or the engines are GPU engines (their cluster has GPUs, and the
     ranks' bundles take GPUs wherever the cluster has them: `orchestrator.placement`)."""
-    needs = get_engine_backend(d.args.engine_backend).needs
+    needs = engine_backend_needs(d.args.engine_backend)
     return bool(d.env.gpu_memory_bytes) or needs.gpus_per_engine > 0
 
 
