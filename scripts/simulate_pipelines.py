@@ -271,7 +271,9 @@ class Pipeline:
                 self.pool.switching[slot] = True
                 if pool_cfg.wake_s:
                     await asyncio.sleep(pool_cfg.wake_s)
-                self.syncs.add(loop.create_task(self._sync_then_serve(slot, core, pool_cfg.sync_s)))
+                task = loop.create_task(self._sync_then_serve(slot, core, pool_cfg.sync_s))
+                self.syncs.add(task)
+                task.add_done_callback(self.syncs.discard)
             self.pool.feed(self.name, loop.time())
             await asyncio.sleep(pool_cfg.heartbeat_s)
 
