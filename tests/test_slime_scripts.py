@@ -14,6 +14,7 @@ config.json:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -83,9 +84,10 @@ def _model_dir(tmp: Path, model: str) -> tuple[Path, ModelSpec]:
     out = tmp / model
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"")
-    if model == "tiny-moe":
-        TINY_MOE.to_hf_config().save_pretrained(str(out))
-        return out, TINY_MOE
+    if model == "tiny-moe":  # 8 experts: the script's EP 8 splits them
+        spec = dataclasses.replace(TINY_MOE, num_experts=8)
+        spec.to_hf_config().save_pretrained(str(out))
+        return out, spec
     cfg = json.loads((CONFIGS / model / "config.json").read_text())
     if model == "llama3.2-tiny":  # Megatron's --use-rope-scaling fixes the original context
         cfg["rope_scaling"]["original_max_position_embeddings"] = 8192
@@ -140,11 +142,8 @@ SCRIPTS_CASES = {
             "--optimizer-cpu-offload",
             "--overlap-cpu-optimizer-d2h-h2d",
             "--use-precision-aware-optimizer",
-            "--expert-model-parallel-size",
-            "--expert-tensor-parallel-size",
         ),
-        # TP 4 x DP 2 on 8 ranks: the experts split by TP here, so EP divides DP
-        ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"],
+        [],  # TP 4 x DP 2 for the dense layers, ETP 1 x EP 8 for the experts, as in slime
     ),
     "llama3.2-3B": ("llama3.2-tiny", _SGLANG, []),
 }
@@ -222,3 +221,20 @@ def test_a_flag_whose_slime_meaning_does_not_hold_is_refused_with_the_reason(
 def test_sglang_list_flags_pass_all_their_values():
     rest, sglang = split_sglang_args(["--sglang-cuda-graph-bs", "1", "2", "4", "--lr", "1e-6"])
     assert sglang == ("--cuda-graph-bs", "1", "2", "4") and rest == ["--lr", "1e-6"]
+
+
+def test_expert_tensor_parallel_size_apart_from_tp_follows_megatrons_rules(tmp_path, capsys):
+    """ETP 1 under TP 2: the dense layers' DP is ranks / (TP x PP), the experts' is ranks /
+    (ETP x EP x PP); a layout that does not split is one line naming the sizes."""
+    hf, _ = _model_dir(tmp_path, "tiny-moe")
+    base = ["--hf-checkpoint", str(hf), "--actor-num-gpus-per-node", "2"]
+    base += ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    code, err, out = _dry_run_out([*base, "--expert-model-parallel-size", "2"], tmp_path, capsys)
+    assert code == 0, err
+    trainer = json.loads(out)["trainer"]
+    assert (trainer["expert_tensor_parallel_size"], trainer["expert_model_parallel_size"]) == (1, 2)
+    code, err = _dry_run([*base, "--expert-model-parallel-size", "4"], tmp_path, capsys)
+    assert code == 2 and "--expert-tensor-parallel-size 1 x EP 4 x PP 1" in err, err
+    wide = ["--hf-checkpoint", str(hf), "--actor-num-gpus-per-node", "16"]
+    code, err = _dry_run([*wide, "--expert-model-parallel-size", "16"], tmp_path, capsys)
+    assert code == 2 and "the model's 8 experts do not split evenly" in err, err

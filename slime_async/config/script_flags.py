@@ -42,9 +42,6 @@ class ScriptRunFlags:
     (Megatron turns it off at TP 1)."""
     context_parallel_size: int | None = flag(None, ge=1)
     """Megatron's context parallelism: 1 only (not implemented here)."""
-    expert_tensor_parallel_size: int | None = flag(None, ge=1)
-    """Megatron's tensor parallelism of the experts: here the experts are split like the rest
-    of the model, so it equals --tensor-model-parallel-size (any value for a dense model)."""
     optimizer: Literal["adam", "sgd"] | None = None
     """Megatron's optimizer: adam (Megatron's Adam with decoupled weight decay) only."""
     attention_dropout: float | None = flag(None, ge=0, lt=1)
@@ -119,18 +116,6 @@ def _only(*ok: Any, why: str) -> Verdict:
     return lambda v, _f: None if any(same(v, o) for o in ok) else why
 
 
-def _etp(v: Any, f: RunFacts) -> str | None:
-    if not f.moe or v == f.tp:
-        return None
-    return (
-        f"here the experts are split by tensor parallelism like the rest of the model, so "
-        f"--expert-tensor-parallel-size is --tensor-model-parallel-size ({f.tp}) and "
-        "--expert-model-parallel-size must divide the data-parallel size; give "
-        f"--expert-tensor-parallel-size {f.tp} (or drop it) and an expert-parallel size that "
-        "divides ranks / (TP x PP)"
-    )
-
-
 def _sp(v: Any, f: RunFacts) -> str | None:
     if v or f.tp == 1:
         return None
@@ -174,12 +159,6 @@ RUN_TABLE: dict[str, RunAnswer] = {
         "no context parallelism: it is not implemented here (long samples: "
         "--recompute-granularity, --use-dynamic-batch-size --max-tokens-per-gpu)",
         _only(1, why="context parallelism is not implemented here; give 1 (or drop it)"),
-    ),
-    "expert_tensor_parallel_size": RunAnswer(
-        "--tensor-model-parallel-size's value; any for a dense model",
-        "the experts are split by tensor parallelism like the rest of the model (a dense "
-        "model has none)",
-        _etp,
     ),
     "optimizer": RunAnswer(
         "adam",

@@ -130,7 +130,7 @@ def _parallel_kwargs(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.tp,
+        expert_tensor_parallel_size=layout.etp,
         sequence_parallel=layout.tp > 1,
         use_cpu_initialization=True,
         perform_initialization=True,

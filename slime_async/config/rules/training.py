@@ -23,6 +23,7 @@ from slime_async.config.run_paths import (
     start_weights,
 )
 from slime_async.config.script_flags import RunFacts, check_run_flags
+from slime_async.contracts.model import ModelSpec
 from slime_async.engine.backends import get_engine_backend
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
@@ -217,9 +218,30 @@ def trainer(d: Draft) -> None:
             f"--routing-replay {replay} needs an MoE model, but {d.args.hf_checkpoint} is dense "
             f"({model.family}); drop the routing-replay flag"
         )
+    _check_expert_split(t, model)
     d.trainer = dataclasses.replace(
         t, loss=d.loss.loss, temperature=d.rollout.temperature, hf_source=d.args.hf_checkpoint
     )
+
+
+def _check_expert_split(t: TrainerConfig, model: ModelSpec) -> None:
+    """The experts split over --expert-model-parallel-size ranks and each expert's MLP over
+    the expert tensor-parallel ranks (ValueError naming the sizes), now rather than when the
+    trainer builds the model."""
+    if not model.is_moe:
+        return
+    ep, etp = t.expert_model_parallel_size, t.expert_tensor_parallel
+    if model.num_experts % ep:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep}: the model's {model.num_experts} experts do not "
+            "split evenly over that many ranks; give a divisor of the expert count"
+        )
+    if model.moe_intermediate_size % etp:
+        raise ValueError(
+            f"expert tensor-parallel size {etp} (--expert-tensor-parallel-size, default: TP): "
+            f"the experts' MLP width {model.moe_intermediate_size} does not split evenly; give "
+            "a divisor of it"
+        )
 
 
 @rule("script_flags")
