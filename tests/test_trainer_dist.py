@@ -1,10 +1,12 @@
 """Multi-rank layouts against the single-rank reference (gloo processes, one torch thread each).
 
 For every layout the loss and grad norm of two train steps, the per-token log-probs (plain,
-R2-trained, π_j snapshots, R3-replayed) and the weights after the two steps match DP1. The
-default suite runs world size 2 (DP2 with the distributed optimizer, TP2+SP, EP2, PP2 1F1B)
-with packed sequences; `slow` tests add padded sequences with token-budget micro-batches,
-activation recompute with R3 replay, world size 4 (TP2×PP2, TP2×EP2×DP2) and the interleaved
+R2-trained, π_j snapshots, R3-replayed) and the weights after the two steps match DP1, and the
+exported and pushed weights are the reference's bit for bit. The default suite runs world size
+2 (DP2 with the distributed optimizer, TP2+SP, EP2, PP2 1F1B, and TP2 × ETP1: the experts' own
+tensor parallelism apart from TP) with packed sequences; `slow` tests add padded sequences with
+token-budget micro-batches, activation recompute with R3 replay, world size 4 (TP2×PP2,
+TP2×EP2×DP2, TP2×ETP1 with EP1 and EP2), TP2×ETP1×EP2 at world size 2 and the interleaved
 pipeline schedule (PP2 × 2 virtual stages). Checkpoints written by a distributed-optimizer
 layout and a TP2 layout resume at DP1 exactly.
 """
@@ -224,17 +226,21 @@ def test_world_size_4_combinations_match_dp1(tmp_path):
 
 
 def test_expert_tensor_parallel_apart_from_tp_matches_dp1(tmp_path):
-    """slime's Qwen3-30B-A3B layout in small: the dense layers split by TP 2, each expert
-    whole on its rank (ETP 1) and the experts split by EP 2."""
-    _compare(tmp_path, world=2, layouts={"tp2etp1ep2": (2, 2, 1, None, 1)})
+    """The experts' own tensor parallelism: the dense layers split by TP 2, each expert whole
+    on both TP ranks (ETP 1, EP 1): its gradient is summed over the experts' DP group (both
+    ranks), not the dense layers' (one)."""
+    _compare(tmp_path, world=2, layouts={"tp2etp1": (2, 1, 1, None, 1)})
 
 
 @pytest.mark.slow
-def test_expert_tensor_parallel_world_size_4_matches_dp1(tmp_path):
-    """ETP 1 under TP 2 with the experts replicated (EP 1: the experts' DP is 4) and split
-    (EP 2 x DP 2)."""
+def test_expert_tensor_parallel_with_expert_parallel_matches_dp1(tmp_path):
+    """slime's Qwen3-30B-A3B layout in small: TP 2, ETP 1, EP 2 on 2 ranks; and on 4 ranks
+    ETP 1 under TP 2 x DP 2 with the experts replicated (EP 1: the experts' DP is 4, the dense
+    layers' 2) and split (EP 2: the experts' DP is 2)."""
+    (tmp_path / "ws2").mkdir(), (tmp_path / "ws4").mkdir()
+    _compare(tmp_path / "ws2", world=2, layouts={"tp2etp1ep2": (2, 2, 1, None, 1)})
     layouts = {"tp2etp1": (2, 1, 1, None, 1), "tp2etp1ep2dp2": (2, 2, 1, None, 1)}
-    _compare(tmp_path, world=4, layouts=layouts)
+    _compare(tmp_path / "ws4", world=4, layouts=layouts)
 
 
 @pytest.mark.slow
