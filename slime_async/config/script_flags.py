@@ -3,7 +3,8 @@ model shape (`model_shape`: checked against config.json) and the run flags whose
 is either what happens here anyway or not available here.
 
 Owns `ScriptRunFlags` (Megatron's and slime's run flags of those scripts: `--sequence-parallel`,
-`--attention-dropout`, `--optimizer`, `--rollout-shuffle`, ...), `add_script_args` (both flag
+`--attention-dropout`, `--optimizer`, `--rollout-shuffle`,
+`--disable-compute-advantages-and-returns`, ...), `add_script_args` (both flag
 groups), `RUN_TABLE` (each run flag's answer: the values accepted, what they mean here, the
 check; docs/coming-from-slime.md's generated table) and `check_run_flags` (a run flag is
 accepted where its value means here what it means in slime, refused with the reason
@@ -78,6 +79,9 @@ class ScriptRunFlags:
     """Megatron's precision-aware optimizer: not implemented here (refused)."""
     rollout_shuffle: bool | None = None
     """slime's prompt shuffling: the prompt order is always shuffled here, by --rollout-seed."""
+    disable_compute_advantages_and_returns: bool | None = None
+    """slime's switch for SFT: no advantages or returns; with --loss-type sft_loss only (its
+    loss reads none), refused with the RL losses (they train on the advantages)."""
     balance_data: bool | None = None
     """slime's token balance across data-parallel ranks: a performance setting only; here each
     rank takes a contiguous part of the batch (the loss is the same)."""
@@ -104,8 +108,8 @@ class RunFacts:
 
     tp: int
     """--tensor-model-parallel-size."""
-    moe: bool
-    """The model has routed experts."""
+    sft: bool = False
+    """The loss is --loss-type sft_loss."""
 
 
 Verdict = Callable[[Any, RunFacts], str | None]
@@ -114,6 +118,16 @@ Verdict = Callable[[Any, RunFacts], str | None]
 
 def _only(*ok: Any, why: str) -> Verdict:
     return lambda v, _f: None if any(same(v, o) for o in ok) else why
+
+
+_ADVANTAGES = (
+    "the RL losses here train on the advantages, so they are always computed; slime's switch "
+    "is for SFT: it goes with --loss-type sft_loss (drop it otherwise)"
+)
+
+
+def _advantages(v: Any, f: RunFacts) -> str | None:
+    return None if not v or f.sft else _ADVANTAGES
 
 
 def _sp(v: Any, f: RunFacts) -> str | None:
@@ -215,6 +229,11 @@ RUN_TABLE: dict[str, RunAnswer] = {
         "on",
         "the prompt order is always shuffled here, by --rollout-seed",
         _only(True, why="the prompt order is always shuffled here (by --rollout-seed)"),
+    ),
+    "disable_compute_advantages_and_returns": RunAnswer(
+        "with --loss-type sft_loss",
+        "SFT trains on the NLL of the data's responses: no advantages or returns are computed",
+        _advantages,
     ),
     "balance_data": RunAnswer(
         "any",

@@ -211,9 +211,17 @@ class TrainerConfig:
     lr_warmup_steps: int = flag(0, name="lr-warmup-iters", ge=0, hint="0 = no warmup")
     """Linear warmup steps from --lr-warmup-init to --lr (slime's name; megatron's schedule:
     update k uses the LR at step k, so the first update of a warmup uses --lr-warmup-init)."""
-    lr_decay_steps: int | None = flag(None, name="lr-decay-iters", ge=0)
-    """Steps over which the LR decays to --min-lr (slime's name; needed for linear/cosine;
-    unset: constant after warmup)."""
+    lr_decay_steps: int | None = flag(
+        None,
+        name="lr-decay-iters",
+        ge=0,
+        derived="the run's train steps (--num-steps) for linear/cosine, as in slime",
+    )
+    """Steps over which the LR decays to --min-lr (slime's name; unset: constant after
+    warmup)."""
+    lr_warmup_fraction: float | None = flag(None, ge=0, lt=1)
+    """Megatron's/slime's warmup as a fraction of --lr-decay-iters (of the run's train steps
+    under a constant LR): derives --lr-warmup-iters, rounded to whole steps."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """LR decay shape."""
     weight_decay: float = flag(0.0, ge=0, lt=math.inf)
