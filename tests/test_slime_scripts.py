@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from slime_async.config import parse_config
+from slime_async.config.engine_fleet import split_sglang_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.engine.backends.config import split_sglang_args
 
 DATA = Path(__file__).parent / "data"
 SCRIPTS = DATA / "slime_scripts"

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from clifields import add_flags, check_ranges, flag
 from data_worker.config import DataWorkerConfig
 from router.config import RouterConfig
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.config.pipeline import PipelineConfig
 from slime_async.config.supervision import SupervisorConfig
 from slime_async.contracts.model import ModelSpec
-from slime_async.engine.backends.config import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
 from slime_async.metrics.config import LoggingConfig
 from slime_async.rollout.config import RolloutConfig

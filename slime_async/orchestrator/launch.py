@@ -34,10 +34,10 @@ from slime_async.config.run_config import RunConfig
 from slime_async.contracts.engine import EngineBackend
 from slime_async.contracts.rollout import Group, segment_payload
 from slime_async.contracts.weights import Payload, WeightTransport, version_dir_name
-from slime_async.engine.backends import get_engine_backend
 from slime_async.host import atomic_write_text
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.guards import run_guard_config
+from slime_async.orchestrator.engines import get_engine_backend
 from slime_async.orchestrator.generate_chain import GenerateChain, build_generate_chain
 from slime_async.orchestrator.placement import Placement, place_roles
 from slime_async.orchestrator.resume import StartPoint, start_point

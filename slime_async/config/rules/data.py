@@ -17,9 +17,9 @@ from data_worker.config import data_worker_config_from_args
 from loss import loss_settings_from_args
 from loss.slime_cli import SFT_LOSS
 from slime_async.config.derive import raise_all
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.config.rules.draft import Draft, rule
 from slime_async.config.run_config import DEFAULT_NUM_ROLLOUT, Derived, RunConfig
-from slime_async.engine.backends import EngineFleetConfig
 from slime_async.rollout.config import SFT_ROLLOUT, rollout_config_from_args
 from slime_async.rollout.data.datasets import count_rows
 from slime_async.rollout.generate.dump import check_dump_path

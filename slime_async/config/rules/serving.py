@@ -14,11 +14,12 @@ import secrets
 
 from router.access import ADMIN_KEY_ENV, API_KEY_ENV
 from router.config import router_config_from_args
+from slime_async.config.engine_backends import engine_backend_needs
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.config.rules.draft import Draft, Placement, rule
 from slime_async.config.run_paths import derive_warmstart
 from slime_async.contracts.adapter import lora_spec
 from slime_async.contracts.weights import Payload
-from slime_async.engine.backends import EngineFleetConfig, get_engine_backend
 from slime_async.engine.config import engine_run_config_from_args
 from slime_async.weights.registry import get_weight_transport, resolve_weight_transport
 
@@ -89,7 +90,7 @@ def placement(d: Draft) -> None:
 
 def _check_colocate(a: argparse.Namespace, given: dict[str, tuple[int, ...]]) -> None:
     """--colocate shares CPU cores: not with GPU engines, nor with cores given per role."""
-    if a.colocate and get_engine_backend(a.engine_backend).needs.gpus_per_engine > 0:
+    if a.colocate and engine_backend_needs(a.engine_backend).gpus_per_engine > 0:
         raise ValueError(
             "--colocate here shares CPU cores between trainer and engines; slime's --colocate "
             "(engines and trainer time-sharing the GPUs, with offload) is not implemented for "

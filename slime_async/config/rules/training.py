@@ -15,6 +15,7 @@ from data_worker.budget import snapshot_count, staleness_bound
 from loss import resolve_loss_spec
 from loss.slime_cli import SFT_LOSS
 from slime_async.config.derive import raise_all
+from slime_async.config.engine_backends import engine_backend_needs
 from slime_async.config.model_shape import check_shape
 from slime_async.config.rules.draft import Draft, rule
 from slime_async.config.run_paths import (
@@ -25,7 +26,6 @@ from slime_async.config.run_paths import (
 )
 from slime_async.config.script_flags import RunFacts, check_run_flags
 from slime_async.contracts.model import ModelSpec
-from slime_async.engine.backends import get_engine_backend
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
     REAL_MODEL_LR_WARN,
@@ -206,7 +206,7 @@ def trainer_on_gpu(d: Draft) -> bool:
     """The trainer ranks run on GPUs: this node has CUDA devices (a local Ray node offers them
     and each rank takes one), or the engines are GPU engines (their cluster has GPUs, and the
     ranks' bundles take GPUs wherever the cluster has them: `orchestrator.placement`)."""
-    needs = get_engine_backend(d.args.engine_backend).needs
+    needs = engine_backend_needs(d.args.engine_backend)
     return bool(d.env.gpu_memory_bytes) or needs.gpus_per_engine > 0
 
 

@@ -24,10 +24,11 @@ from typing import Any, ClassVar
 
 import ray
 
+from slime_async.config.engine_backends import BUILTIN_NEEDS
 from slime_async.contracts.engine import EngineLaunch, EngineNeeds
-from slime_async.engine.backends.ray_actor import RayActorBackend
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.sglang import SGLangConfig, SGLangServer
+from slime_async.orchestrator.engines.ray_actor import RayActorBackend
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 """Any of these in a checkpoint directory: SGLang can load a tokenizer from it."""
@@ -118,13 +119,7 @@ class SGLangActor:
 class SGLangBackend(RayActorBackend):
     """One `SGLangActor` (its bundle's GPUs) per engine; restartable."""
 
-    needs: ClassVar[EngineNeeds] = EngineNeeds(
-        model_dir=True,
-        gpus_per_engine=1,
-        collective_backend="nccl",
-        checkpoint_to_start=True,
-        sglang_flags=True,
-    )
+    needs: ClassVar[EngineNeeds] = BUILTIN_NEEDS["sglang"]
     label: ClassVar[str] = "sglang server"
 
     def start_limit_s(self) -> float:
