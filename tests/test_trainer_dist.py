@@ -127,7 +127,7 @@ def _worker(rank, world, port, layouts, variant, spec_d, hf_dir, out_dir) -> Non
         )
         tr = MegatronTrainer(cfg, spec, rank=rank, world_size=world, master_port=port)
         res = _run(tr, spec)
-        if name in ("dp2", "tp2"):
+        if name in ("dp2", "tp2", "tp2etp1"):
             tr.save_checkpoint()
         from megatron.core import parallel_state as ps
 
@@ -228,8 +228,10 @@ def test_world_size_4_combinations_match_dp1(tmp_path):
 def test_expert_tensor_parallel_apart_from_tp_matches_dp1(tmp_path):
     """The experts' own tensor parallelism: the dense layers split by TP 2, each expert whole
     on both TP ranks (ETP 1, EP 1): its gradient is summed over the experts' DP group (both
-    ranks), not the dense layers' (one)."""
-    _compare(tmp_path, world=2, layouts={"tp2etp1": (2, 1, 1, None, 1)})
+    ranks), not the dense layers' (one). Its checkpoint (the experts' Adam state sharded over
+    the experts' DP group) resumes at DP1 exactly."""
+    ref, _, _ = _compare(tmp_path, world=2, layouts={"tp2etp1": (2, 1, 1, None, 1)})
+    _resume_matches(tmp_path, ref, "tp2etp1")
 
 
 @pytest.mark.slow
