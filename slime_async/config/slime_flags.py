@@ -156,8 +156,6 @@ NOT_HERE: dict[str, str] = {
         "--rollout-health-check-first-wait",
         _HEALTH,
     ),
-    "--num-epoch": "training length in epochs; not here: give --num-rollout (or --num-steps); "
-    "the prompt data is cycled in shuffled epochs as long as the run needs",
     **_each(
         "--disable-rollout-global-dataset --data-source-path --tool-key --eval-tool-key",
         _DATA,
@@ -188,8 +186,7 @@ NOT_HERE: dict[str, str] = {
     "--adam-eps)",
     # algorithm
     **_each(
-        "--num-critic-only-steps --value-clip --gamma --lambd "
-        "--disable-compute-advantages-and-returns",
+        "--num-critic-only-steps --value-clip --gamma --lambd",
         _CRITIC,
     ),
     "--ref-update-interval": "not here: the reference policy stays the run's initial weights "
@@ -302,8 +299,6 @@ MEGATRON_NOT_HERE: dict[str, str] = {
     ),
     "--seq-length": "Megatron's fixed sequence length; not here: samples are packed at their "
     "own lengths (--rollout-max-response-len bounds them)",
-    "--lr-warmup-fraction": "warmup as a fraction of the run; not here: give --lr-warmup-iters N "
-    "(train steps)",
 }
 """Megatron flags that slime's scripts pass and `train_async.py` does not take (besides those
 `script_flags` accepts), each with its answer."""

@@ -64,7 +64,8 @@ async def start_trainer(
         f"building the trainer ({trainer_cfg.world_size} rank(s), "
         f"TP {trainer_cfg.tensor_model_parallel_size} / "
         f"PP {trainer_cfg.pipeline_model_parallel_size} / "
-        f"EP {trainer_cfg.expert_model_parallel_size}"
+        f"EP {trainer_cfg.expert_model_parallel_size} / "
+        f"ETP {trainer_cfg.expert_tensor_parallel}"
         + (f", loading {trainer_cfg.load})" if trainer_cfg.load else ")")
     )
     trainer = await asyncio.to_thread(

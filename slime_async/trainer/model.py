@@ -130,7 +130,7 @@ def _parallel_kwargs(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.tp,
+        expert_tensor_parallel_size=layout.etp,
         sequence_parallel=layout.tp > 1,
         use_cpu_initialization=True,
         perform_initialization=True,
@@ -285,7 +285,7 @@ def build_chunks(
             f"{layout.pp} x {vp}; choose sizes that split the layers evenly"
         )
     stages = [None] if vp is None else list(range(vp))
-    return [
+    chunks = [
         build_model(
             spec,
             layout,
@@ -297,6 +297,23 @@ def build_chunks(
         )
         for i, st in enumerate(stages)
     ]
+    _mark_expert_grads(chunks, layout)
+    return chunks
+
+
+def _mark_expert_grads(chunks: list[torch.nn.Module], layout: ParallelLayout) -> None:
+    """Route the experts' gradients to the experts' data-parallel reduction when it differs
+    from the dense layers' (ETP < TP with EP 1). megatron-core 0.16.1 marks an expert weight
+    for the expert-DP reduction (`allreduce=False`) only when EP > 1, so with EP 1 it is
+    reduced over the dense DP ranks alone, and the TP ranks that hold the same whole expert
+    (ETP < TP) never sum their shares of its gradient. Marked here, DDP reduces it over the
+    expert-DP group and the optimizer steps it with the expert parameters."""
+    if layout.ep > 1 or layout.etp == layout.tp:
+        return
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".experts." in name:
+                param.allreduce = False
 
 
 def global_named_parameters(chunks: list[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:

@@ -116,6 +116,7 @@ class MegatronTrainer(LogprobForwards):
             tp=cfg.tensor_model_parallel_size,
             ep=cfg.expert_model_parallel_size,
             pp=cfg.pipeline_model_parallel_size,
+            etp=cfg.expert_tensor_parallel_size,
         )
         parallel.check_model_layout(spec, self.layout)
         vp = cfg.virtual_pipeline_model_parallel_size
