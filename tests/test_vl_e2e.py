@@ -43,6 +43,52 @@ def test_shapes_are_drawn_labelled_and_rewarded(tmp_path):
     assert shapes_reward(hit) == 1.0 and shapes_reward(miss) == 0.0
 
 
+def test_the_tiny_checkpoint_carries_its_processor_with_unchanged_preprocessing(tmp_path):
+    """`write_checkpoint` writes `preprocessor_config.json` (the SGLang launcher refuses a VL
+    checkpoint without it), and loading it gives the very pixels and grids of the preprocessing
+    derived from the config when the file was absent: earlier runs' inputs are unchanged."""
+    import importlib.util
+
+    from transformers import AutoImageProcessor
+
+    from slime_async.config.engine_fleet import EngineFleetConfig
+    from slime_async.contracts.engine import EngineLaunch
+    from slime_async.contracts.model import ModelSpec
+    from slime_async.contracts.vision import image_processor, preprocess
+    from slime_async.engine.config import EngineConfig
+    from slime_async.engine.sglang import build_command
+    from slime_async.orchestrator.engines.sglang import sglang_config
+    from slime_async.tools.tiny_vl import draw_shapes, write_checkpoint
+
+    hf = write_checkpoint(tmp_path / "hf")
+    assert (hf / "preprocessor_config.json").is_file()
+    vision = ModelSpec.from_hf_config(json.loads((hf / "config.json").read_text())).vision
+    derived = image_processor(None, vision)  # what the data path used without the file
+    loaded = [
+        image_processor(str(hf), vision),
+        AutoImageProcessor.from_pretrained(hf, backend="pil"),
+    ]
+    rng = random.Random(5)
+    for size in ((56, 84), (84, 84), (112, 84), (300, 200)):
+        img = draw_shapes(rng, size)[0]
+        want = preprocess(derived, [img])
+        for proc in loaded:
+            got = preprocess(proc, [img])
+            assert got.grids == want.grids and torch.equal(got.pixels, want.pixels), size
+    assert preprocess(derived, [draw_shapes(rng, (112, 84))[0]]).grids == ((1, 6, 8),)
+    launch = EngineLaunch(index=0, model_dir=str(hf), weight_version=0, seed=1)
+    fleet = EngineFleetConfig(backend="sglang")
+    cmd = build_command(sglang_config(EngineConfig(), launch, port=30000, fleet=fleet))
+    assert "--enable-multimodal" in cmd and "--skip-tokenizer-init" not in cmd
+    if importlib.util.find_spec("torchvision") is not None:  # SGLang's AutoProcessor needs it
+        from transformers import AutoProcessor
+
+        out = AutoProcessor.from_pretrained(hf, backend="pil")(
+            images=[img], text=["<|vision_start|> <|image_pad|> <|vision_end|>"]
+        )
+        assert [tuple(g) for g in out["image_grid_thw"].tolist()] == list(want.grids)
+
+
 @pytest.mark.slow
 async def test_async_vl_run_with_images_and_a_push_every_step(tmp_path):
     from slime_async.config import parse_config

@@ -2,8 +2,9 @@
 
 Owns: `word_tokenizer` (a word-level tokenizer over the tiny model's 256 ids with Qwen's chat
 and vision special tokens and a chat template; no download), `write_checkpoint` (the shrunk
-published Qwen2.5-VL config, `tests/data/configs/qwen2.5-vl-tiny`, with seeded random weights
-and that tokenizer), `draw_shapes` (a procedurally drawn image: 1 to 3 filled shapes of one
+published Qwen2.5-VL config, `tests/data/configs/qwen2.5-vl-tiny`, with seeded random weights,
+that tokenizer and the processor's `preprocessor_config.json`: the settings the data path
+already uses without one, so SGLang's processor can load the checkpoint too), `draw_shapes` (a procedurally drawn image: 1 to 3 filled shapes of one
 colour on a light background), `write_shapes_dataset` (`--prompt-data` rows asking how many
 shapes or which colour, the image by path, the answer as the label; the same rows as SFT
 conversations in `shapes_sft.jsonl`) and `shapes_reward` (exact
@@ -94,9 +95,13 @@ def word_tokenizer() -> Any:
 
 
 def write_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
-    """A seeded random tiny Qwen2.5-VL with its tokenizer, saved as an HF directory."""
+    """A seeded random tiny Qwen2.5-VL with its tokenizer and image processor config, saved
+    as an HF directory."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from slime_async.contracts.model import ModelSpec
+    from slime_async.contracts.vision import image_processor
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,6 +113,9 @@ def write_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
     model.save_pretrained(str(out))
     (out / "config.json").write_text(json.dumps(CONFIG, indent=2))  # the published (flat) form
     word_tokenizer().save_pretrained(str(out))
+    # the preprocessing the data path derives from the config when the file is absent, written
+    # down (SGLang's processor needs the file); the same pixels and grids either way
+    image_processor(None, ModelSpec.from_hf_config(CONFIG).vision).save_pretrained(str(out))
     return out
 
 
