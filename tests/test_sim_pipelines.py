@@ -33,6 +33,7 @@ def _load(name: str):
 @pytest.fixture(scope="module")
 def sim():
     sd = _load("simulate_dispatch")
+    _load("sim_pool"), _load("sim_member")
     return sd, _load("simulate_pipelines")
 
 
@@ -93,8 +94,9 @@ def test_the_simulator_drives_the_scheduler_actors_core(sim, monkeypatch) -> Non
 
     class Recording(sp.SchedulerCore):
         def join(self, name, **kw):
-            calls.append(("join", name, kw, None))
-            return super().join(name, **kw)
+            out = super().join(name, **kw)
+            calls.append(("join", name, kw, out))
+            return out
 
         def report(self, name, **kw):
             out = super().report(name, **kw)
