@@ -137,3 +137,47 @@ def test_a_grant_made_in_another_pipelines_report_reaches_its_pipeline() -> None
     todo = core.report("b", demand=3, version=0, now=4.5)
     assert todo["take"] == [0] and todo["serve"] == [0]
     assert core.report("b", demand=3, version=0, now=5.0)["take"] == []  # delivered once
+
+
+def test_grants_are_capped_by_demand_and_the_rest_goes_to_the_others() -> None:
+    """No pipeline gets more slots than its demand plus its samples in flight fill (over its
+    engines' capacity); what it cannot use goes to the others, so several serve at once."""
+    core = _core(slots=8, heartbeat_timeout_s=100.0)
+    for n in "abc":
+        core.join(n, priority=1.0, slots=list(range(8)), now=0.0, capacity=4)
+    assert len(core.report("a", demand=6, inflight=2, version=0, now=0.0)["take"]) == 2
+    assert len(core.report("b", demand=40, version=0, now=0.1)["take"]) == 6
+    assert core.report("c", demand=0, version=0, now=0.2)["take"] == []
+    held = {n: sum(h == n for h in core.owner.values()) for n in "abc"}
+    assert held == {"a": 2, "b": 6, "c": 0}
+    # c now wants: b (above its fair share) gives up its idle slots first, after its hold
+    load = {s: (0 if i < 2 else 4) for i, s in enumerate(core.report("b", demand=40,
+            version=0, now=3.0)["serve"])}  # fmt: skip
+    assert core.report("c", demand=12, version=0, now=3.1)["take"] == []
+    todo = core.report("b", demand=40, version=0, now=3.2, load=load)
+    idle = sorted(s for s, n in load.items() if n == 0)
+    busy = sorted(s for s, n in load.items() if n)
+    # targets a 2, b 3, c 3: b gives up 3, its 2 idle slots and 1 busy one (drained, not cut)
+    assert todo["give_up"] == idle + busy[:1] and todo["cut"] == []
+    assert len(idle) == 2 and core.giving_up.keys() == {*idle, busy[0]}
+
+
+def test_a_busy_slot_drains_for_an_equal_and_is_cut_only_for_a_higher_priority() -> None:
+    core = _core(slots=2, heartbeat_timeout_s=100.0, drain_timeout_s=45.0)
+    core.join("a", priority=1.0, slots=[0, 1], now=0.0, capacity=4)
+    core.join("b", priority=1.0, slots=[0, 1], now=0.0, capacity=4)
+    core.join("c", priority=5.0, slots=[0, 1], now=0.0, capacity=4)
+    assert core.report("a", demand=8, version=0, now=0.0)["take"] == [0, 1]
+    busy = {0: 4, 1: 1}
+    core.report("a", demand=0, inflight=5, version=0, now=4.9, load=busy)
+    core.report("b", demand=8, version=0, now=5.0)
+    todo = core.report("a", demand=0, inflight=5, version=0, now=5.1, load=busy)
+    assert todo["give_up"] == [1] and todo["cut"] == [] and todo["drain_s"] == 45.0
+    core.released("a", 1, now=30.0)  # it drained
+    assert core.report("b", demand=8, version=0, now=30.1)["take"] == [1]
+    # c, of higher priority, wants both: a busy slot is cut at once, even within the hold
+    core.report("b", demand=8, inflight=1, version=0, now=30.15, load={1: 1})
+    core.report("c", demand=8, version=0, now=30.2)
+    todo_a = core.report("a", demand=0, inflight=4, version=0, now=30.3, load={0: 4})
+    todo_b = core.report("b", demand=8, inflight=1, version=0, now=30.4, load={1: 1})
+    assert (todo_a["cut"], todo_b["cut"]) == ([0], [1])
