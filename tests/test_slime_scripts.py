@@ -207,7 +207,7 @@ def test_shape_flags_that_differ_from_config_json_are_one_line_each(tmp_path, ca
         (["--optimizer", "sgd"], "Megatron's Adam"),
         (["--no-rollout-shuffle"], "always shuffled"),
         (["--kl-coef", "0.1"], "--use-kl-loss --kl-loss-coef C"),
-        (["--offload-train"], "nothing to offload"),
+        (["--offload-train", "--lora-rank", "4"], "adapter pushes read the live trainer"),
     ],
 )
 def test_a_flag_whose_slime_meaning_does_not_hold_is_refused_with_the_reason(
