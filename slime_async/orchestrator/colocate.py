@@ -100,7 +100,7 @@ class Colocation:
         did not say, e.g. a real SGLang server's decoded tokens)."""
         import aiohttp
 
-        token = self.cfg.engine.admin_api_key or self.cfg.engine.api_key
+        token = self.cfg.engine.api_key  # /server_info is a data-plane route
         headers = {"Authorization": f"Bearer {token}"} if token else {}
 
         async def one(s: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
