@@ -25,8 +25,8 @@ Integration contract (what the controller calls)::
   is awaited once per sample (or per segment of a continued sample). `priority`: larger = more
   urgent (`PROBE_PRIORITY` for probes and re-issued samples, else the expected length, or 0.0
   with `length_probe=False`). `expected_len` is the EMA response length of the prompt (the
-  default for unknown prompts), minus tokens already generated; send it to the router as
-  `X-Expected-Tokens`. Return the NEW tokens, one policy version per token (ints, or
+  default for unknown prompts), minus tokens already generated, plus the prompt's
+  `extra_work` (its image tokens); send it to the router as `X-Expected-Tokens`. Return the NEW tokens, one policy version per token (ints, or
   `VersionRuns`), `FinishStatus.FINISHED` or `ABORTED`, and an opaque payload (log-probs,
   routed experts, reward, ...) stored untouched in `Sample.payloads`. A continued sample's
   request carries `prefix_ids`, `prefix_versions` and `prefix_payloads`: generate only the

@@ -10,7 +10,8 @@ Lifecycle of a sample: WAITING_PROBE -> QUEUED -> RUNNING -> DONE (an abort or a
 RUNNING back to QUEUED). Lifecycle of a group: GENERATING -> COMPLETE -> STAGED -> CONSUMED,
 or -> DROPPED (too stale) / FILTERED (rejected by the group filter).
 
-Dispatch order is a heap on `(tier, bucket, -expected_len, seq, index)`: tier 0 = re-issued
+Dispatch order is a heap on `(tier, bucket, -expected_work, seq, index)` (expected work: the
+cached response length, or the default, plus the prompt's `extra_work`, e.g. image tokens): tier 0 = re-issued
 or continued samples, tier 1 = probes, tier 2 = everything else; `bucket = seq // bucket_groups`
 keeps longest-first inside a bucket of consecutive groups so old short groups cannot starve.
 """
@@ -138,7 +139,9 @@ class SchedulerCore:
         return True
 
     def _schedule_new(self, rec: GroupRecord) -> None:
+        extra = rec.prompt.extra_work
         expected = self.cache.get(rec.prompt.key)
+        expected = None if expected is None else expected + extra
         if not self.cfg.length_probe:
             for slot in rec.slots:
                 self._push(slot, 2, 0.0)
@@ -148,7 +151,7 @@ class SchedulerCore:
             self._push(rec.slots[0], 1, 0.0)
             if self._siblings is ProbeSiblings.QUEUE:
                 for slot in rec.slots[1:]:
-                    self._push(slot, 2, self._default_len)
+                    self._push(slot, 2, self._default_len + extra)
             else:
                 rec.next_wait = 1
                 self.waiting += self._n - 1
@@ -199,7 +202,8 @@ class SchedulerCore:
             slot.first_version = self.served_version
         known = self.cache.get(rec.prompt.key)
         expected = known if known is not None else float(self.cfg.default_expected_len)
-        expected_len = max(1, round(expected) - len(slot.prefix_ids))
+        # the response still to come, plus the prompt's fixed work (its image tokens)
+        expected_len = max(1, round(expected) - len(slot.prefix_ids)) + rec.prompt.extra_work
         if tier < 2:
             priority = PROBE_PRIORITY
         else:
@@ -269,7 +273,7 @@ class SchedulerCore:
         rec = slot.rec
         expected = self.cache.update(rec.prompt.key, len(ids))
         if rec.probing:
-            self._release_waiters(rec, expected)
+            self._release_waiters(rec, expected + rec.prompt.extra_work)
         rec.remaining -= 1
         if rec.remaining == 0:
             return self._complete(rec)

@@ -41,7 +41,7 @@ class InMemoryPromptSource:
     """Prompts held in memory, served epoch after epoch.
 
     Each item is a `Prompt` or a mapping with `prompt_ids` and optionally `key` (default: the
-    item's index as a string) and `payload`. With `shuffle`, epoch e uses the permutation of
+    item's index as a string), `payload` and `extra_work`. With `shuffle`, epoch e uses the permutation of
     `random.Random(seed + e)`, so a restored cursor reproduces the same order.
     """
 
@@ -80,6 +80,7 @@ class InMemoryPromptSource:
             prompt_ids=list(p["prompt_ids"]),
             payload=dict(p.get("payload", {})),
             index=i,
+            extra_work=int(p.get("extra_work", 0)),
         )
 
     def _permutation(self, epoch: int) -> list[int]:
@@ -112,6 +113,7 @@ class InMemoryPromptSource:
             payload=item.payload,
             epoch=self._epoch,
             index=item.index,
+            extra_work=item.extra_work,
         )
 
     def state_dict(self) -> dict[str, Any]:

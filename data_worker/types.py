@@ -30,6 +30,14 @@ class Prompt:
     """Epoch in which the source emitted this prompt."""
     index: int = 0
     """Position of the prompt in the dataset."""
+    extra_work: int = 0
+    """Tokens of work each sample costs besides its response (a vision-language prompt's image
+    placeholders: a vision forward and their prefill). The length-probe dispatch ranks samples
+    on expected response length + `extra_work` and passes the sum as `expected_len`."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.extra_work, int) or self.extra_work < 0:
+            raise ValueError(f"Prompt.extra_work must be an integer >= 0, got {self.extra_work!r}")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-serialisable form."""
@@ -39,6 +47,7 @@ class Prompt:
             "payload": dict(self.payload),
             "epoch": self.epoch,
             "index": self.index,
+            "extra_work": self.extra_work,
         }
 
     @classmethod
@@ -50,6 +59,7 @@ class Prompt:
             payload=dict(d.get("payload", {})),
             epoch=int(d.get("epoch", 0)),
             index=int(d.get("index", 0)),
+            extra_work=int(d.get("extra_work", 0)),
         )
 
 

@@ -15,6 +15,14 @@ its mean reward and its final loss; for the shared arm the scheduler's hand-over
 `bench_pipelines.json` into `--out`.
 
     nice -n 10 .venv/bin/python scripts/bench_pipelines.py --num-steps 8
+
+`--mechanism` measures instead what one switch of an engine slot costs, for the simulator
+(`scripts/bench_sim_pipelines.py`): one embedded engine with ~250 MB of fp32 weights, level-2
+sleep and wake `--repeats` times (the engine's own `release_s` / `resume_s` and bytes, from
+`/server_info`), against the memcpy bound (one thread copying 256 MiB, best of 5) measured in
+the same run; prints seconds per GB of weights.
+
+    nice -n 10 .venv/bin/python scripts/bench_pipelines.py --mechanism
 """
 
 from __future__ import annotations
@@ -92,11 +100,78 @@ async def _shared(out: Path, steps: int) -> dict:
     }
 
 
+def _memcpy_s_per_gb() -> float:
+    import torch
+
+    src = torch.ones(256 * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return best / (src.numel() / 1e9)
+
+
+async def _sleep_wake(url: str, repeats: int) -> list[dict]:
+    import aiohttp
+
+    from slime_async.engine.testing import post
+
+    rows = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(repeats):
+            st, _res = await post(s, url + "/release_memory_occupation", {"tags": None})
+            st2, _res = await post(s, url + "/resume_memory_occupation", {})
+            assert (st, st2) == (200, 200), (st, st2)
+            async with s.get(url + "/server_info") as r:
+                rows.append((await r.json())["internal_states"][0]["memory"])
+    return rows
+
+
+def mechanism(repeats: int, out: Path) -> dict:
+    """Level-2 sleep and wake seconds per GB of one embedded engine, and the memcpy bound."""
+    import dataclasses as dc
+    import statistics
+
+    from slime_async.contracts.model import TINY_MOE
+    from slime_async.engine import EngineConfig, EngineProcess
+
+    spec = dc.replace(TINY_MOE, vocab_size=32768, hidden_size=768, intermediate_size=1536)
+    cfg = EngineConfig(dtype="fp32", model_spec=spec.to_dict(), num_threads=1)
+    proc = EngineProcess(cfg, log_path=str(out / "engine.log"))
+    url = proc.start()
+    try:
+        memcpy_before = _memcpy_s_per_gb()
+        rows = asyncio.run(_sleep_wake(url, repeats))
+        memcpy = min(memcpy_before, _memcpy_s_per_gb())
+    finally:
+        proc.stop()
+    gb = rows[0]["weights_bytes"] / 1e9
+    sleep = [r["release_s"] / gb for r in rows]
+    wake = [r["resume_s"] / gb for r in rows]
+    return {
+        "weights_gb": gb,
+        "sleep_s_per_gb": sleep,
+        "wake_s_per_gb": wake,
+        "sleep_s_per_gb_median": statistics.median(sleep),
+        "wake_s_per_gb_median": statistics.median(wake),
+        "memcpy_s_per_gb": memcpy,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-steps", type=int, default=8)
     ap.add_argument("--out", default="/tmp/bench_pipelines")
+    ap.add_argument("--mechanism", action="store_true", help="sleep/wake s/GB and memcpy only")
+    ap.add_argument("--repeats", type=int, default=5, help="sleep/wake pairs (--mechanism)")
     args = ap.parse_args()
+    if args.mechanism:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(mechanism(args.repeats, out), indent=2))
+        return
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

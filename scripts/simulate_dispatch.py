@@ -194,10 +194,9 @@ class Result:
     wall_s: float
 
 
-def simulate(cfg: SimConfig, policy: Policy) -> Result:
-    work = Workload(cfg)
-    cluster = Cluster(cfg, work)
-    wcfg = DataWorkerConfig(
+def worker_config(cfg: SimConfig, policy: Policy, max_inflight: int) -> DataWorkerConfig:
+    """The data worker's settings for `cfg` under `policy` (`simulate_pipelines.py` too)."""
+    return DataWorkerConfig(
         n_samples_per_prompt=cfg.n,
         groups_per_step=cfg.groups_per_step,
         max_staleness=cfg.max_staleness,
@@ -205,9 +204,15 @@ def simulate(cfg: SimConfig, policy: Policy) -> Result:
         max_off_policy_steps=cfg.max_off_policy_steps,
         length_probe=policy.probe,
         probe_siblings=policy.siblings,
-        max_inflight=cfg.engines * cfg.slots,
+        max_inflight=max_inflight,
         default_expected_len=(cfg.min_len + cfg.max_len) // 2,
     )
+
+
+def simulate(cfg: SimConfig, policy: Policy) -> Result:
+    work = Workload(cfg)
+    cluster = Cluster(cfg, work)
+    wcfg = worker_config(cfg, policy, cfg.engines * cfg.slots)
     source = InMemoryPromptSource(
         [{"prompt_ids": [i], "key": str(i)} for i in range(cfg.prompts)], num_epochs=None
     )

@@ -14,11 +14,11 @@ import torch
 
 from slime_async.config import parse_config
 from slime_async.contracts.engine import EngineLaunch
-from slime_async.engine.backends.sglang import sglang_config
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.sglang import build_command
 from slime_async.orchestrator.colocate import read_events
 from slime_async.orchestrator.controller import train
+from slime_async.orchestrator.engines.sglang import sglang_config
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 3

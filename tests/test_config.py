@@ -17,13 +17,13 @@ import pytest
 from data_worker.config import DataWorkerConfig
 from router.config import RouterConfig
 from slime_async.config import Environment, build_parser, read_environment, validate
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.config.model_shape import ModelShapeFlags
 from slime_async.config.pipeline import PipelineConfig
 from slime_async.config.run_config import RunConfig
 from slime_async.config.script_flags import ScriptRunFlags
 from slime_async.config.supervision import SupervisorConfig
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
 from slime_async.metrics.config import LoggingConfig
 from slime_async.rollout.config import RolloutConfig

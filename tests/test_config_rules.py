@@ -15,13 +15,13 @@ import slime_async.config.rules as rules_pkg
 from data_worker.config import DataWorkerConfig
 from loss import loss_settings_from_args
 from slime_async.config import Environment, build_parser, validate
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.config.memory_plan import MEMORY_FRACTION
 from slime_async.config.rules import RULES, Draft, data, memory, serving, training
 from slime_async.config.rules.draft import Placement
 from slime_async.config.run_config import Derived
 from slime_async.contracts.adapter import ATTENTION_MODULES, NO_EXPERT_ADAPTERS
 from slime_async.contracts.model import SMOLLM2_135M, TINY_MOE
-from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.config import engine_run_config_from_args
 from slime_async.rollout.config import rollout_config_from_args
 from slime_async.trainer.checkpoint import LoadFacts

@@ -8,9 +8,11 @@ group; a resumed run continues from the saved step with no prompt lost or repeat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -92,18 +94,20 @@ async def test_async_modes_train_and_respect_staleness(tmp_path, staleness, capl
     assert summary["accounting/consumed"] == steps * b
     per_step = _metrics(tmp_path)
     assert len(per_step) == steps
-    # start-up said what it was doing, phase by phase, in order
+    # start-up said what it was doing, phase by phase: on a fresh run the engines start while
+    # the trainer comes up (two chains, each in order), then they load the trainer's v0
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up: ")]
-    phases = [
-        "start-up: Ray (local node)",
-        "start-up: building the trainer (1 rank(s), TP 1 / PP 1 / EP 1)",
-        "start-up: exporting the trainer's weights v0 to",
-        "start-up: starting 1 engine(s) (embedded) and the router",
-        "start-up: router on http://",
-        "start-up: done in ",
-    ]
-    at = [next(i for i, x in enumerate(said) if x.startswith(p)) for p in phases]
-    assert at == sorted(at), said
+
+    def at(phase: str) -> int:
+        return next(i for i, x in enumerate(said) if x.startswith("start-up: " + phase))
+
+    trainer = [at("building the trainer (1 rank(s), TP 1 / PP 1 / EP 1 / ETP 1)"), at("exporting")]
+    engines = [at("starting 1 engine(s) (embedded) and the router"), at("router on http://")]
+    load = at("engines load version 0 through the distributed transport")
+    assert at("Ray (local node)") < min(trainer + engines), said
+    assert trainer == sorted(trainer) and engines == sorted(engines), said
+    assert engines[0] < trainer[1], f"the engines waited for the trainer's export: {said}"
+    assert max(trainer + engines) < load < at("done in "), said
     assert said[-1].endswith("; training from step 0"), said
     assert all(
         "is/staleness/mean" in m and "mismatch/train_rollout_logprob_abs_diff" in m
@@ -194,3 +198,37 @@ async def test_colocated_run_sleeps_its_engines_through_each_train_step(tmp_path
     assert [row["step"] for row in ledger] == list(range(1, steps + 1))
     keys = [(key, seq) for row in ledger for key, seq, _ in row["groups"]]
     assert len(keys) == len(set(keys))
+
+
+async def test_a_start_that_fails_after_the_engines_started_early_stops_them(tmp_path):
+    """The engines start beside the trainer on a fresh run; when the start then fails (here the
+    trainer cannot write its v0 export: `weights` is a file), they are stopped and their Ray
+    resources returned: no engine or router worker of this Ray node is left."""
+    import psutil
+    import ray
+
+    from slime_async.orchestrator.launch import setup_run
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "weights").write_text("not a directory")
+    cfg = parse_config(_argv(run_dir, "--num-rollout", "2"))
+    with pytest.raises(Exception, match="weights"):
+        await setup_run(cfg)
+    raylet = psutil.Process(ray._private.worker._global_node.all_processes["raylet"][0].process.pid)
+
+    def left() -> list[str]:
+        titles = []
+        for p in raylet.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                titles.append(" ".join(p.cmdline()))
+        return [t for t in titles if "EngineActor" in t or "RouterActor" in t]
+
+    def cpus_held() -> float:  # a removed placement group's CPUs come back asynchronously
+        return ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
+
+    deadline = time.monotonic() + 30
+    while (left() or cpus_held()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left(), left()
+    assert cpus_held() == 0

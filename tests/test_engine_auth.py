@@ -259,9 +259,9 @@ async def test_an_opened_data_plane_is_said_at_start_up(engine, caplog) -> None:
 
 
 async def test_attaching_a_protected_engine_uses_the_run_data_key(engine) -> None:
+    from slime_async.config.engine_fleet import EngineFleetConfig
     from slime_async.contracts.engine import EngineLaunch
-    from slime_async.engine.backends import EngineFleetConfig
-    from slime_async.engine.backends.external import EngineAttachError, ExternalBackend
+    from slime_async.orchestrator.engines.external import EngineAttachError, ExternalBackend
 
     fleet = EngineFleetConfig(backend="external", urls=(engine,), attach_timeout_s=2)
     keys = EngineConfig(api_key=DATA, admin_api_key=ADMIN)

@@ -14,6 +14,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -21,17 +23,18 @@ from pathlib import Path
 import pytest
 
 from slime_async.config import parse_config
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.contracts.engine import EngineLaunch
 from slime_async.engine import EngineConfig, EngineProcess
-from slime_async.engine.backends import (
-    EngineFleetConfig,
-    available_engine_backends,
-    get_engine_backend,
-)
-from slime_async.engine.backends.external import EngineAttachError
-from slime_async.engine.backends.sglang import sglang_config
 from slime_async.engine.testing import start_processes, stop_processes
 from slime_async.orchestrator.controller import train
+from slime_async.orchestrator.engines import (
+    available_engine_backends,
+    get_engine_backend,
+    register_engine_backend,
+)
+from slime_async.orchestrator.engines.external import EngineAttachError
+from slime_async.orchestrator.engines.sglang import sglang_config
 from slime_async.orchestrator.supervisor import EnginesDownError
 
 pytestmark = pytest.mark.timeout(600)
@@ -83,6 +86,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
 # ------------------------------------------------------------------------- registry and flags
 def test_builtin_backends_are_registered_with_their_needs() -> None:
     assert {"embedded", "sglang", "external"} <= set(available_engine_backends())
@@ -103,6 +109,27 @@ def test_capabilities_say_what_the_backend_names_used_to() -> None:
     )
     assert [n.checkpoint_to_start for n in (emb, sgl, ext)] == [False, True, False]
     assert [n.sglang_flags for n in (emb, sgl, ext)] == [False, True, False]
+
+
+def test_the_flags_are_checked_without_loading_a_backend() -> None:
+    """The config wing reads each built-in backend's needs from the registry's table: parsing
+    an sglang fleet loads no backend code (no Ray), and a class registered under a built-in
+    name must declare the same needs."""
+    code = (
+        "import sys; from slime_async.config.engine_fleet import EngineFleetConfig\n"
+        "f = EngineFleetConfig(backend='sglang', num_engines=2)\n"
+        "assert f.needs.gpus_per_engine == 1\n"
+        "assert 'slime_async.orchestrator.engines' not in sys.modules\n"
+        "assert 'ray' not in sys.modules, 'ray imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+    class Impostor(get_engine_backend("embedded")):
+        needs = get_engine_backend("sglang").needs
+
+    with pytest.raises(ValueError, match="differ from the built-in"):
+        register_engine_backend("embedded", Impostor)
+    assert get_engine_backend("embedded") is not Impostor
 
 
 @pytest.mark.parametrize(

@@ -356,8 +356,8 @@ async def test_lora_routes_need_the_token(setup, tmp_path):
 
 def test_sglang_launcher_passes_the_lora_flags():
     from slime_async.contracts.engine import EngineLaunch
-    from slime_async.engine.backends.sglang import sglang_config
     from slime_async.engine.sglang import build_command
+    from slime_async.orchestrator.engines.sglang import sglang_config
 
     eng = EngineConfig(enable_lora=True, max_lora_rank=16, lora_target_modules=("q_proj", "v_proj"))
     launch = EngineLaunch(index=0, model_dir="/ckpt", weight_version=0, seed=1)

@@ -16,11 +16,11 @@ import ray
 
 from router.config import RouterConfig
 from slime_async.config import parse_config
-from slime_async.engine.backends import EngineFleetConfig
-from slime_async.engine.backends.sglang import SGLangBackend, sglang_config
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.model import load_model
 from slime_async.engine.sglang import SGLangConfig, SGLangServer, build_command
+from slime_async.orchestrator.engines.sglang import SGLangBackend, sglang_config
 from slime_async.orchestrator.placement import place_roles
 from slime_async.orchestrator.roles import Cluster, init_ray
 
@@ -299,10 +299,10 @@ def test_the_docs_gpu_recipe_derives_what_it_says() -> None:
     """docs/cluster.md's command, validated against a 2-node cluster's environment: 4 engines
     of TP 2, 8 trainer ranks as TP 2 x DP 4, the --sglang-* flags on every server's command."""
     from slime_async.config import build_parser, validate
+    from slime_async.config.engine_fleet import split_sglang_args
     from slime_async.config.run_config import Environment
     from slime_async.contracts.engine import EngineLaunch
     from slime_async.contracts.model import ModelSpec
-    from slime_async.engine.backends.config import split_sglang_args
 
     argv, sglang = split_sglang_args(_recipe_argv())
     args = build_parser().parse_args(argv)
@@ -347,7 +347,7 @@ SLIME_ROUTER_FLAGS = [
 def test_run_sglang_flags_never_reach_the_server() -> None:
     """slime's router/concurrency flags and --sglang-python are the run's: parsed as flags, only
     the rest passed through."""
-    from slime_async.engine.backends.config import split_sglang_args
+    from slime_async.config.engine_fleet import split_sglang_args
 
     argv = [
         "--sglang-router-ip",

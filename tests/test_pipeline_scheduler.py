@@ -102,3 +102,21 @@ def test_no_grant_before_min_pipelines_joined() -> None:
     assert core.report("a", demand=4, version=0, now=1.0)["take"] == [0]
     core.leave("b", now=2.0)  # once gathered, a leave holds nothing back
     assert core.report("a", demand=4, version=0, now=2.0)["serve"] == [0]
+
+
+def test_a_grant_made_in_another_pipelines_report_reaches_its_pipeline() -> None:
+    """A slot freed and granted to b while a reports is in b's next `take` (else b never wakes
+    its engine there and the slot idles until the hold runs out)."""
+    core = _core(heartbeat_timeout_s=100.0)
+    core.join("a", priority=1.0, slots=[0], now=0.0)
+    core.join("b", priority=1.0, slots=[0], now=0.0)
+    assert core.report("a", demand=5, version=0, now=0.0)["take"] == [0]
+    assert core.report("b", demand=3, version=0, now=3.0)["take"] == []
+    assert core.report("a", demand=5, version=0, now=3.5)["give_up"] == [0]
+    core.released("a", 0, now=3.6)
+    # a reports first after its release: the free slot goes to b (less served) in a's report
+    assert core.report("a", demand=5, version=0, now=4.0)["take"] == []
+    assert core.owner[0] == "b"
+    todo = core.report("b", demand=3, version=0, now=4.5)
+    assert todo["take"] == [0] and todo["serve"] == [0]
+    assert core.report("b", demand=3, version=0, now=5.0)["take"] == []  # delivered once

@@ -124,7 +124,7 @@ async def test_a_dead_or_wrong_reward_model_is_a_clear_error(unused_tcp_port):
     [
         (["--rm-url", "localhost:8000"], "http"),
         (["--rm-url", "http://x", "--custom-rm-path", "m:f"], "both name the reward"),
-        (["--reward-key", "score"], "give --rm-url"),
+        (["--reward-key", "score"], "of an --rm-url reward model or a --custom-rm-path function"),
     ],
 )
 def test_remote_rm_flags_refuse_what_cannot_work(argv, match):

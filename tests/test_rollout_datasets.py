@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from slime_async.rollout.data.datasets import DatasetConfig, DatasetError, load_dataset
+from slime_async.rollout.data.datasets import (
+    DatasetConfig,
+    DatasetError,
+    count_rows,
+    load_dataset,
+)
 
 GOOD = {"prompt": "What is 2+2?", "label": "4"}
 
@@ -140,6 +145,10 @@ def test_parquet_rows_and_strict_row_number(tmp_path: Path) -> None:
     assert data.skipped == {"empty prompt": 1, "missing label": 1}
     with pytest.raises(DatasetError, match=r"d\.parquet \(row 2\): 'prompt' is empty"):
         load_dataset(DatasetConfig(path=str(path), strict=True))
+    assert count_rows(path) == 3  # slime's --num-epoch counts the file's rows (the footer's)
+    lines = tmp_path / "d.jsonl"
+    lines.write_text('{"prompt": "a?"}\n\n{"prompt": "b?"}\nnot json\n')
+    assert count_rows(lines) == 3  # non-blank lines, a malformed one too
 
 
 def _tokenizer(chat: bool):

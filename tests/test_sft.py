@@ -106,7 +106,8 @@ async def test_an_sft_run_trains_without_engines_and_its_nll_falls(tmp_path):
         *("--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout"),
         *("--prompt-data", str(_chat_data(tmp_path / "c.jsonl")), "--input-key", "messages"),
         *("--rollout-batch-size", "4", "--n-samples-per-prompt", "1", "--loss-type", "sft_loss"),
-        *("--calculate-per-token-loss", "--debug-train-only", "--num-steps", "4"),
+        *("--calculate-per-token-loss", "--debug-train-only", "--rollout-shuffle"),
+        *("--disable-compute-advantages-and-returns", "--num-epoch", "4"),  # 5 rows // 4: 4 steps
         *("--lr", "3e-3", "--micro-batch-size", "4"),
     ]
     cfg = parse_config(argv)

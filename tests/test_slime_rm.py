@@ -5,6 +5,7 @@ Qwen3 model writes them (right, wrong, no `</think>`, no box, a boxed label), a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -294,7 +295,7 @@ def test_dapo_reward_keys_as_slimes_dapo_scripts(tmp_path, capsys):
         (["--rm-type", "math", "--reward-key", "score"], "gives the reward itself"),
         (["--rm-type", "dapo", "--reward-key", "reward"], "give --reward-key score or acc"),
         (["--rm-type", "dapo", "--eval-reward-key", "pred"], "give --eval-reward-key score"),
-        (["--eval-reward-key", "acc"], "give --rm-url"),
+        (["--eval-reward-key", "acc"], "an --rm-url reward model or a --custom-rm-path function"),
     ],
 )
 def test_reward_keys_refuse_what_cannot_work(argv, match, tmp_path):
@@ -365,3 +366,52 @@ async def test_a_rows_metadata_rm_type_scores_its_samples(tmp_path, capsys):
         data.write_text(json.dumps({**rows[1], "metadata": {"rm_type": bad}}) + "\n")
         with pytest.raises(ValueError, match=f"mixed.jsonl:1: the row's metadata rm_type.*{says}"):
             make_data_plan(cfg.rollout, seed=0, hf_checkpoint=cfg.trainer.hf_checkpoint)
+
+
+def _keyed_plan(*flags: str):
+    argv = ["--custom-rm-path", "tests.plugins.dict_rm:rm", *flags]
+    rollout = rollout_config_from_args(build_parser().parse_args(argv))
+    return make_data_plan(rollout, seed=0, hf_checkpoint=None)
+
+
+async def test_reward_key_picks_the_reward_out_of_a_custom_rm_dict():
+    """slime's `--custom-rm-path` with `--reward-key`: the function answers a dict, training
+    takes its value under --reward-key, eval samples under --eval-reward-key (default: the
+    same key)."""
+    from slime_async.rollout.agents.custom_generate import slime_args
+    from slime_async.rollout.data.rewards import compute_group_rewards
+    from tests.plugins.dict_rm import group_rm
+
+    plan = _keyed_plan("--reward-key", "score", "--eval-reward-key", "acc")
+    args = slime_args("http://127.0.0.1:1", n_samples_per_prompt=1)
+    right = RewardInput(response_ids=[1], response_text=" 5", label="5")
+    wrong = RewardInput(response_ids=[1], response_text="6", label="5")
+    got = [(await compute_reward(plan.reward_fn, i, args=args)).reward for i in (right, wrong)]
+    assert got == [1.0, -1.0]
+    ev = [(await compute_reward(plan.eval_reward_fn, i, args=args)).reward for i in (right, wrong)]
+    assert ev == [1.0, 0.0]
+    same = _keyed_plan("--reward-key", "acc")
+    assert (await compute_reward(same.eval_reward_fn, wrong, args=args)).reward == 0.0
+    group = _keyed_plan("--reward-key", "score", "--group-rm")
+    group_fn = dataclasses.replace(group.reward_fn, fn=group_rm)
+    results = await compute_group_rewards(group_fn, [right, wrong], args=args)
+    assert [r.reward for r in results] == [1.0, -1.0]
+
+
+async def test_a_reward_key_missing_from_the_answer_names_the_key_and_the_keys_present():
+    from slime_async.rollout.data.rewards import KeyedReward
+    from tests.plugins.dict_rm import ours
+
+    inp = RewardInput(response_ids=[1], response_text="5", label="5")
+    got = await compute_reward(_keyed_plan("--reward-key", "reward").reward_fn, inp)
+    assert got.status is RewardStatus.ERROR, got
+    assert "without the key 'reward' (--reward-key)" in got.error
+    assert "'score', 'acc', 'pred'" in got.error
+    plain = await compute_reward(ours, inp)  # a dict without --reward-key: said, not masked
+    assert plain.status is RewardStatus.ERROR and "give --reward-key KEY" in plain.error
+    assert "'score', 'acc'" in plain.error
+    number = await compute_reward(KeyedReward(math_verify_reward, "acc"), inp)
+    assert number.status is RewardStatus.ERROR and "not a dict: --reward-key acc" in number.error
+    ev = _keyed_plan("--reward-key", "score", "--eval-reward-key", "hit").eval_reward_fn
+    got = await compute_reward(ev, inp, args=None)
+    assert "without the key 'hit' (--eval-reward-key)" in got.error

@@ -1,7 +1,7 @@
 """slime's example launch scripts, as written, on `train_async.py --dry-run`.
 
 The argv of slime's Qwen3-4B, Qwen2.5-0.5B and Qwen3-30B-A3B launch scripts (and its Llama 3.2
-model file), vendored as flag lists in tests/data/slime_scripts/ (its README.md names the
+model file) and of its Qwen3-4B-Base SFT script, vendored as flag lists in tests/data/slime_scripts/ (its README.md names the
 scripts), with local paths swapped in and Megatron's shape flags set to the test model's
 config.json:
 
@@ -9,11 +9,15 @@ config.json:
   against config.json, run flags whose slime meaning holds here) or answered with a reason;
 * the dry run passes once the few flags answered with a refusal are changed (the same list
   docs/coming-from-slime.md gives), and logs an `accepted:` line per accepted flag;
-* a shape flag that differs from config.json is one error line naming both values.
+* a shape flag that differs from config.json is one error line naming both values;
+* the Qwen3-30B-A3B script's expert layout (ETP 1 under TP 4, EP 8) and the SFT script
+  (`--num-epoch`, `--disable-compute-advantages-and-returns`, `--lr-warmup-fraction`) pass as
+  written, with slime's meaning.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -21,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from slime_async.config import parse_config
+from slime_async.config.engine_fleet import split_sglang_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.engine.backends.config import split_sglang_args
 
 DATA = Path(__file__).parent / "data"
 SCRIPTS = DATA / "slime_scripts"
@@ -83,9 +87,10 @@ def _model_dir(tmp: Path, model: str) -> tuple[Path, ModelSpec]:
     out = tmp / model
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"")
-    if model == "tiny-moe":
-        TINY_MOE.to_hf_config().save_pretrained(str(out))
-        return out, TINY_MOE
+    if model == "tiny-moe":  # 8 experts: the script's EP 8 splits them
+        spec = dataclasses.replace(TINY_MOE, num_experts=8)
+        spec.to_hf_config().save_pretrained(str(out))
+        return out, spec
     cfg = json.loads((CONFIGS / model / "config.json").read_text())
     if model == "llama3.2-tiny":  # Megatron's --use-rope-scaling fixes the original context
         cfg["rope_scaling"]["original_max_position_embeddings"] = 8192
@@ -140,11 +145,8 @@ SCRIPTS_CASES = {
             "--optimizer-cpu-offload",
             "--overlap-cpu-optimizer-d2h-h2d",
             "--use-precision-aware-optimizer",
-            "--expert-model-parallel-size",
-            "--expert-tensor-parallel-size",
         ),
-        # TP 4 x DP 2 on 8 ranks: the experts split by TP here, so EP divides DP
-        ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"],
+        [],  # TP 4 x DP 2 for the dense layers, ETP 1 x EP 8 for the experts, as in slime
     ),
     "llama3.2-3B": ("llama3.2-tiny", _SGLANG, []),
 }
@@ -208,6 +210,9 @@ def test_shape_flags_that_differ_from_config_json_are_one_line_each(tmp_path, ca
         (["--no-rollout-shuffle"], "always shuffled"),
         (["--kl-coef", "0.1"], "--use-kl-loss --kl-loss-coef C"),
         (["--offload-train", "--lora-rank", "4"], "adapter pushes read the live trainer"),
+        (["--disable-compute-advantages-and-returns"], "slime's switch is for SFT"),
+        (["--num-epoch", "2"], "counts passes over --prompt-data"),
+        (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "both set the warmup"),
     ],
 )
 def test_a_flag_whose_slime_meaning_does_not_hold_is_refused_with_the_reason(
@@ -222,3 +227,54 @@ def test_a_flag_whose_slime_meaning_does_not_hold_is_refused_with_the_reason(
 def test_sglang_list_flags_pass_all_their_values():
     rest, sglang = split_sglang_args(["--sglang-cuda-graph-bs", "1", "2", "4", "--lr", "1e-6"])
     assert sglang == ("--cuda-graph-bs", "1", "2", "4") and rest == ["--lr", "1e-6"]
+
+
+def test_expert_tensor_parallel_size_apart_from_tp_follows_megatrons_rules(tmp_path, capsys):
+    """ETP 1 under TP 2: the dense layers' DP is ranks / (TP x PP), the experts' is ranks /
+    (ETP x EP x PP); a layout that does not split is one line naming the sizes."""
+    hf, _ = _model_dir(tmp_path, "tiny-moe")
+    base = ["--hf-checkpoint", str(hf), "--actor-num-gpus-per-node", "2"]
+    base += ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    code, err, out = _dry_run_out([*base, "--expert-model-parallel-size", "2"], tmp_path, capsys)
+    assert code == 0, err
+    trainer = json.loads(out)["trainer"]
+    assert (trainer["expert_tensor_parallel_size"], trainer["expert_model_parallel_size"]) == (1, 2)
+    code, err = _dry_run([*base, "--expert-model-parallel-size", "4"], tmp_path, capsys)
+    assert code == 2 and "--expert-tensor-parallel-size 1 x EP 4 x PP 1" in err, err
+    wide = ["--hf-checkpoint", str(hf), "--actor-num-gpus-per-node", "16"]
+    code, err = _dry_run([*wide, "--expert-model-parallel-size", "16"], tmp_path, capsys)
+    assert code == 2 and "the model's 8 experts do not split evenly" in err, err
+
+
+def test_slimes_sft_script_runs_as_written(tmp_path, capsys):
+    """slime's Qwen3-4B-Base SFT script (`--loss-type sft_loss` on conversations): its flags
+    as slime means them. --num-epoch 3 over 300 rows at --rollout-batch-size 128 is 3 x 2
+    rollouts of one step each; the cosine schedule decays over them and warms up for a tenth;
+    --disable-compute-advantages-and-returns is SFT's."""
+    hf, spec = _model_dir(tmp_path, "qwen3-tiny")
+    paths = _paths(tmp_path, hf)
+    turns = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    (tmp_path / "sft.jsonl").write_text((json.dumps({"messages": turns}) + "\n") * 300)
+    paths["$SFT_DATA"] = str(tmp_path / "sft.jsonl")
+    argv = fit_shape(script_argv("qwen3-4B-base-sft", paths), spec)
+
+    code, err, out = _dry_run_out(argv, tmp_path, capsys)
+    assert code == 0, err
+    cfg = json.loads(out)
+    assert cfg["trainer"]["loss"]["name"] == "sft" and cfg["debug_train_only"]
+    assert cfg["num_steps"] == 6, err
+    assert (
+        f"derived: --num-steps 6 (--num-epoch 3 x (300 rows of {tmp_path}/sft.jsonl // "
+        "--rollout-batch-size 128) x --num-steps-per-rollout 1)" in err
+    )
+    assert (cfg["trainer"]["lr_decay_steps"], cfg["trainer"]["lr_warmup_steps"]) == (6, 1)
+    assert "derived: --lr-warmup-iters 1 (--lr-warmup-fraction 0.1 x --lr-decay-iters 6" in err
+    assert "accepted: --disable-compute-advantages-and-returns (SFT trains on" in err
+    assert "accepted: --rollout-shuffle (" in err
+
+    code, err, out = _dry_run_out([*argv, "--num-rollout", "2"], tmp_path, capsys)
+    assert code == 0 and json.loads(out)["num_steps"] == 2, err  # slime: --num-epoch ignored
+    assert "accepted: --num-epoch 3 (ignored: --num-rollout gives the run's length" in err
+    rl = [*without(argv, "--loss-type", "--rollout-function-path", "--debug-train-only")]
+    code, err = _dry_run([*rl, "--label-key", "label"], tmp_path, capsys)
+    assert code == 2 and "--disable-compute-advantages-and-returns (a flag of slime's" in err

@@ -13,11 +13,11 @@ import time
 import pytest
 
 from slime_async import startup
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.contracts.engine import EngineLaunch
-from slime_async.engine.backends import EngineFleetConfig
-from slime_async.engine.backends.sglang import SGLangBackend
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.runner import wait_healthy
+from slime_async.orchestrator.engines.sglang import SGLangBackend
 
 
 def _lines(caplog) -> list[str]:

@@ -1,10 +1,12 @@
 """Multi-rank layouts against the single-rank reference (gloo processes, one torch thread each).
 
 For every layout the loss and grad norm of two train steps, the per-token log-probs (plain,
-R2-trained, π_j snapshots, R3-replayed) and the weights after the two steps match DP1. The
-default suite runs world size 2 (DP2 with the distributed optimizer, TP2+SP, EP2, PP2 1F1B)
-with packed sequences; `slow` tests add padded sequences with token-budget micro-batches,
-activation recompute with R3 replay, world size 4 (TP2×PP2, TP2×EP2×DP2) and the interleaved
+R2-trained, π_j snapshots, R3-replayed) and the weights after the two steps match DP1, and the
+exported and pushed weights are the reference's bit for bit. The default suite runs world size
+2 (DP2 with the distributed optimizer, TP2+SP, EP2, PP2 1F1B, and TP2 × ETP1: the experts' own
+tensor parallelism apart from TP) with packed sequences; `slow` tests add padded sequences with
+token-budget micro-batches, activation recompute with R3 replay, world size 4 (TP2×PP2,
+TP2×EP2×DP2, TP2×ETP1 with EP1 and EP2), TP2×ETP1×EP2 at world size 2 and the interleaved
 pipeline schedule (PP2 × 2 virtual stages). Checkpoints written by a distributed-optimizer
 layout and a TP2 layout resume at DP1 exactly.
 """
@@ -89,9 +91,12 @@ def _run(tr, spec: ModelSpec) -> dict[str, object]:
     """Two steps, then every kind of log-prob forward; the reference and the layouts alike."""
     b = _batch(spec)
     init = tr.export_weights().tensors
+    # what a weight push sends (views of the parameters where the layout allows): cloned now
+    pushed = {k: v.clone() for k, v in tr.export_weights(copy=False).tensors.items()}
     metrics = [tr.train_step(b) for _ in range(STEPS)]
     return {
         "init": init,
+        "pushed": pushed,
         "loss": torch.tensor([m["loss/total"] for m in metrics], dtype=torch.float64),
         "gnorm": torch.tensor([m["train/grad_norm"] for m in metrics], dtype=torch.float64),
         "lp": tr.compute_logprobs(b)[0],
@@ -109,11 +114,12 @@ def _worker(rank, world, port, layouts, variant, spec_d, hf_dir, out_dir) -> Non
 
     spec = ModelSpec.from_dict(spec_d)
     results: dict[str, object] = {}
-    for name, (tp, ep, pp, vp) in layouts.items():
+    for name, (tp, ep, pp, vp, *etp) in layouts.items():
         cfg = _cfg(
             hf_checkpoint=hf_dir,
             tensor_model_parallel_size=tp,
             expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp[0] if etp else None,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vp,
             save=os.path.join(out_dir, f"ck_{name}"),
@@ -121,9 +127,12 @@ def _worker(rank, world, port, layouts, variant, spec_d, hf_dir, out_dir) -> Non
         )
         tr = MegatronTrainer(cfg, spec, rank=rank, world_size=world, master_port=port)
         res = _run(tr, spec)
-        if name in ("dp2", "tp2"):
+        if name in ("dp2", "tp2", "tp2etp1"):
             tr.save_checkpoint()
-        res["layout"] = torch.tensor([tr.layout.tp, tr.layout.ep, tr.layout.pp, tr.layout.dp])
+        from megatron.core import parallel_state as ps
+
+        lay, etp = tr.layout, ps.get_expert_tensor_parallel_world_size()  # megatron's own
+        res["layout"] = torch.tensor([lay.tp, lay.ep, lay.pp, lay.dp, etp])
         if rank == 0:
             results[name] = res
         tr.shutdown()
@@ -149,14 +158,16 @@ def _compare(tmp_path, *, world, layouts, variant="packed", spec=TINY_MOE):
         assert r["init"].keys() == want["init"].keys()
         for k in want["init"]:
             assert torch.equal(r["init"][k], want["init"][k]), (name, k)
+            assert torch.equal(r["pushed"][k], want["init"][k]), (name, k)
         assert (r["loss"] - want["loss"]).abs().max() <= 1e-5, (name, r["loss"], want["loss"])
         assert torch.allclose(r["gnorm"], want["gnorm"], rtol=1e-4), (name, r["gnorm"])
         for key in ("lp", "lp_j", "lp_r3"):  # per token: TP partial sums differ ~1e-5
             assert (r[key] - want[key]).abs().max() <= 1e-4, (name, key)
         for k in want["final"]:
             assert (r["final"][k] - want["final"][k]).abs().max() <= 1e-5, (name, k)
-        tp, ep, pp, _ = layouts[name]
+        tp, ep, pp, _, *etp = layouts[name]
         assert r["layout"].tolist()[:3] == [tp, ep, pp], name
+        assert int(r["layout"][4]) == (etp[0] if etp else tp), name
         # DP > 1: the distributed optimizer (default) holds its share of the Adam state
         dp = int(r["layout"][3])
         assert bool(r["distributed"]) == (dp > 1), name
@@ -212,6 +223,26 @@ def test_world_size_2_layouts_match_dp1_variants(tmp_path, variant):
 @pytest.mark.slow
 def test_world_size_4_combinations_match_dp1(tmp_path):
     _compare(tmp_path, world=4, layouts={k: (*v, None) for k, v in WS4.items()})
+
+
+def test_expert_tensor_parallel_apart_from_tp_matches_dp1(tmp_path):
+    """The experts' own tensor parallelism: the dense layers split by TP 2, each expert whole
+    on both TP ranks (ETP 1, EP 1): its gradient is summed over the experts' DP group (both
+    ranks), not the dense layers' (one). Its checkpoint (the experts' Adam state sharded over
+    the experts' DP group) resumes at DP1 exactly."""
+    ref, _, _ = _compare(tmp_path, world=2, layouts={"tp2etp1": (2, 1, 1, None, 1)})
+    _resume_matches(tmp_path, ref, "tp2etp1")
+
+
+@pytest.mark.slow
+def test_expert_tensor_parallel_with_expert_parallel_matches_dp1(tmp_path):
+    """slime's Qwen3-30B-A3B layout in small: TP 2, ETP 1, EP 2 on 2 ranks; and on 4 ranks
+    ETP 1 under TP 2 x DP 2 with the experts replicated (EP 1: the experts' DP is 4, the dense
+    layers' 2) and split (EP 2: the experts' DP is 2)."""
+    (tmp_path / "ws2").mkdir(), (tmp_path / "ws4").mkdir()
+    _compare(tmp_path / "ws2", world=2, layouts={"tp2etp1ep2": (2, 2, 1, None, 1)})
+    layouts = {"tp2etp1": (2, 1, 1, None, 1), "tp2etp1ep2dp2": (2, 2, 1, None, 1)}
+    _compare(tmp_path / "ws4", world=4, layouts=layouts)
 
 
 @pytest.mark.slow

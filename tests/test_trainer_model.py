@@ -306,8 +306,10 @@ def test_layout_errors_say_what_to_change():
     assert resolve_layout(world_size=2, tp=1, ep=1, pp=2).dp == 1
     with pytest.raises(ValueError, match="not divisible by tp\\*pp=2"):
         resolve_layout(world_size=3, tp=2, ep=1, pp=1)
-    with pytest.raises(ValueError, match="must divide the data-parallel size 1"):
-        resolve_layout(world_size=2, tp=2, ep=2, pp=1)
+    with pytest.raises(ValueError, match="tensor-parallel size 2 x expert parallel size 2"):
+        resolve_layout(world_size=2, tp=2, ep=2, pp=1)  # ETP = TP: EP divides DP
+    lay = resolve_layout(world_size=2, tp=2, ep=2, pp=1, etp=1)  # ETP apart: ETP x EP x PP
+    assert (lay.dp, lay.etp) == (1, 1)
 
 
 def test_trainer_config_flags_schedule_and_errors():

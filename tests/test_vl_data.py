@@ -211,8 +211,59 @@ def test_sft_conversations_with_images_train_only_the_answer(tmp_path):
         assert trained[0] in ("one", "two", "three", "red", "green", "blue"), trained
 
 
-async def test_the_router_hint_counts_image_tokens_as_work(tmp_path):
-    """`X-Expected-Tokens` = the expected response length + the prompt's image tokens."""
+def test_the_length_probe_counts_image_tokens_in_expected_work(ckpt, tmp_path):
+    """Two prompts with the same text and different image sizes: the data worker's dispatch
+    ranks and sends them with expected work = the expected response length + their image
+    tokens (a 56x56 image: 4, a 112x112 one: 16), larger work first; the length cache keeps
+    response lengths only."""
+    from data_worker.config import DataWorkerConfig
+    from data_worker.scheduler import SchedulerCore
+    from data_worker.types import FinishStatus, GenerationResult, Prompt
+    from slime_async.rollout.config import RolloutConfig
+    from slime_async.rollout.data.plan import make_data_plan
+
+    rows = []
+    for name, side in (("small", 56), ("large", 112)):
+        (tmp_path / f"{name}.png").write_bytes(_png((side, side), 3))
+        rows.append({"prompt": "how many <image> shapes ?", "label": "3", "images": f"{name}.png"})
+    rows = [{**r, "images": str(tmp_path / r["images"])} for r in rows]
+    path = tmp_path / "same-text.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rollout = RolloutConfig(
+        prompt_data=str(path), apply_chat_template=True, multimodal_keys='{"image": "images"}'
+    )
+    source = make_data_plan(rollout, seed=0, hf_checkpoint=str(ckpt)).source
+    cfg = DataWorkerConfig(
+        n_samples_per_prompt=2, groups_per_step=2, default_expected_len=100, max_inflight=8
+    )
+    core = SchedulerCore(cfg, source, clock=lambda: 0.0)
+    assert core.admit_one() and core.admit_one()
+
+    def tokens(d) -> int:
+        return list(d.request.prompt.prompt_ids).count(252)
+
+    probes = [core.next_dispatch(), core.next_dispatch()]  # sample 0 of each, unknown length
+    assert [d.request.sample_index for d in probes] == [0, 0]
+    assert [tokens(d) for d in probes] == [4, 16]  # equal text: 4 vs 16 image tokens
+    assert [d.expected_len for d in probes] == [100 + 4, 100 + 16]
+    for d in probes:
+        out = GenerationResult(
+            output_ids=[1] * 10, token_versions=[0] * 10, status=FinishStatus.FINISHED
+        )
+        core.on_result(d, out)
+    assert [core.cache.get(d.request.prompt.key) for d in probes] == [10.0, 10.0]
+    p = probes[1].request.prompt  # a resumed worker re-issues it with the same work
+    assert p.extra_work == 16 and Prompt.from_json(json.loads(json.dumps(p.to_json()))) == p
+    rest = [core.next_dispatch(), core.next_dispatch()]  # re-ranked on work: 16 tokens first
+    assert [(tokens(d), d.expected_len, d.priority) for d in rest] == [
+        (16, 10 + 16, 10 + 16),
+        (4, 10 + 4, 10 + 4),
+    ]
+
+
+async def test_the_router_hint_is_the_expected_work(tmp_path):
+    """`X-Expected-Tokens` is the data worker's expected work, sent unchanged (the image
+    tokens are in it already, counted once)."""
     from aiohttp import web
 
     from data_worker.types import GenerationRequest, Prompt
@@ -246,4 +297,4 @@ async def test_the_router_hint_counts_image_tokens_as_work(tmp_path):
     finally:
         await client.close()
         await runner.cleanup()
-    assert seen == ["14", "10"]
+    assert seen == ["10", "10"]

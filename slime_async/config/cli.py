@@ -34,6 +34,7 @@ from loss import add_loss_args
 from router.config import add_router_args, load_api_key, load_auth_token
 from slime_async import startup
 from slime_async.config import hardware
+from slime_async.config.engine_fleet import EngineFleetConfig, split_sglang_args
 from slime_async.config.inputs import check_inputs
 from slime_async.config.pipeline import add_pipeline_args
 from slime_async.config.recipe import add_config_arg, apply_config_file, config_json, derived_lines
@@ -48,8 +49,6 @@ from slime_async.config.script_flags import add_script_args
 from slime_async.config.slime_flags import explain_unrecognized
 from slime_async.config.supervision import add_supervisor_args
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.engine.backends import EngineFleetConfig
-from slime_async.engine.backends.config import split_sglang_args
 from slime_async.engine.config import add_engine_run_args
 from slime_async.host import ray_address, trim_heap
 from slime_async.metrics.config import add_logging_args, refused_secret_flags

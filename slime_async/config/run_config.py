@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from clifields import add_flags, check_ranges, flag
 from data_worker.config import DataWorkerConfig
 from router.config import RouterConfig
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.config.pipeline import PipelineConfig
 from slime_async.config.supervision import SupervisorConfig
 from slime_async.contracts.model import ModelSpec
-from slime_async.engine.backends.config import EngineFleetConfig
 from slime_async.engine.config import EngineConfig
 from slime_async.metrics.config import LoggingConfig
 from slime_async.rollout.config import RolloutConfig
@@ -101,9 +101,15 @@ class RunConfig:
     num_steps: int = flag(derived="--num-rollout x --num-steps-per-rollout", ge=1)
     """Train steps (optimizer updates) to run."""
     num_rollout: int | None = flag(
-        None, derived=f"{DEFAULT_NUM_ROLLOUT} unless --num-steps is given", ge=1
+        None,
+        derived=f"{DEFAULT_NUM_ROLLOUT} unless --num-steps or --num-epoch is given",
+        ge=1,
     )
     """slime-style: rollouts to run (--num-steps = this x --num-steps-per-rollout)."""
+    num_epoch: int | None = flag(None, ge=1)
+    """slime's: passes over --prompt-data; with neither --num-rollout nor --num-steps,
+    --num-rollout = this x (the file's rows // --rollout-batch-size), as in slime (which
+    ignores it when --num-rollout is given: logged so here)."""
     update_weights_interval: int = flag(1, ge=1)
     """Push weights to the engines every this many train steps."""
     engine_sleep_level: int = flag(

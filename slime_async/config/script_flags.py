@@ -3,7 +3,8 @@ model shape (`model_shape`: checked against config.json) and the run flags whose
 is either what happens here anyway or not available here.
 
 Owns `ScriptRunFlags` (Megatron's and slime's run flags of those scripts: `--sequence-parallel`,
-`--attention-dropout`, `--optimizer`, `--rollout-shuffle`, ...), `add_script_args` (both flag
+`--attention-dropout`, `--optimizer`, `--rollout-shuffle`,
+`--disable-compute-advantages-and-returns`, ...), `add_script_args` (both flag
 groups), `RUN_TABLE` (each run flag's answer: the values accepted, what they mean here, the
 check; docs/coming-from-slime.md's generated table) and `check_run_flags` (a run flag is
 accepted where its value means here what it means in slime, refused with the reason
@@ -42,9 +43,6 @@ class ScriptRunFlags:
     (Megatron turns it off at TP 1)."""
     context_parallel_size: int | None = flag(None, ge=1)
     """Megatron's context parallelism: 1 only (not implemented here)."""
-    expert_tensor_parallel_size: int | None = flag(None, ge=1)
-    """Megatron's tensor parallelism of the experts: here the experts are split like the rest
-    of the model, so it equals --tensor-model-parallel-size (any value for a dense model)."""
     optimizer: Literal["adam", "sgd"] | None = None
     """Megatron's optimizer: adam (Megatron's Adam with decoupled weight decay) only."""
     attention_dropout: float | None = flag(None, ge=0, lt=1)
@@ -81,6 +79,9 @@ class ScriptRunFlags:
     """Megatron's precision-aware optimizer: not implemented here (refused)."""
     rollout_shuffle: bool | None = None
     """slime's prompt shuffling: the prompt order is always shuffled here, by --rollout-seed."""
+    disable_compute_advantages_and_returns: bool | None = None
+    """slime's switch for SFT: no advantages or returns; with --loss-type sft_loss only (its
+    loss reads none), refused with the RL losses (they train on the advantages)."""
     balance_data: bool | None = None
     """slime's token balance across data-parallel ranks: a performance setting only; here each
     rank takes a contiguous part of the batch (the loss is the same)."""
@@ -102,8 +103,8 @@ class RunFacts:
 
     tp: int
     """--tensor-model-parallel-size."""
-    moe: bool
-    """The model has routed experts."""
+    sft: bool = False
+    """The loss is --loss-type sft_loss."""
 
 
 Verdict = Callable[[Any, RunFacts], str | None]
@@ -114,16 +115,14 @@ def _only(*ok: Any, why: str) -> Verdict:
     return lambda v, _f: None if any(same(v, o) for o in ok) else why
 
 
-def _etp(v: Any, f: RunFacts) -> str | None:
-    if not f.moe or v == f.tp:
-        return None
-    return (
-        f"here the experts are split by tensor parallelism like the rest of the model, so "
-        f"--expert-tensor-parallel-size is --tensor-model-parallel-size ({f.tp}) and "
-        "--expert-model-parallel-size must divide the data-parallel size; give "
-        f"--expert-tensor-parallel-size {f.tp} (or drop it) and an expert-parallel size that "
-        "divides ranks / (TP x PP)"
-    )
+_ADVANTAGES = (
+    "the RL losses here train on the advantages, so they are always computed; slime's switch "
+    "is for SFT: it goes with --loss-type sft_loss (drop it otherwise)"
+)
+
+
+def _advantages(v: Any, f: RunFacts) -> str | None:
+    return None if not v or f.sft else _ADVANTAGES
 
 
 def _sp(v: Any, f: RunFacts) -> str | None:
@@ -165,12 +164,6 @@ RUN_TABLE: dict[str, RunAnswer] = {
         "no context parallelism: it is not implemented here (long samples: "
         "--recompute-granularity, --use-dynamic-batch-size --max-tokens-per-gpu)",
         _only(1, why="context parallelism is not implemented here; give 1 (or drop it)"),
-    ),
-    "expert_tensor_parallel_size": RunAnswer(
-        "--tensor-model-parallel-size's value; any for a dense model",
-        "the experts are split by tensor parallelism like the rest of the model (a dense "
-        "model has none)",
-        _etp,
     ),
     "optimizer": RunAnswer(
         "adam",
@@ -227,6 +220,11 @@ RUN_TABLE: dict[str, RunAnswer] = {
         "on",
         "the prompt order is always shuffled here, by --rollout-seed",
         _only(True, why="the prompt order is always shuffled here (by --rollout-seed)"),
+    ),
+    "disable_compute_advantages_and_returns": RunAnswer(
+        "with --loss-type sft_loss",
+        "SFT trains on the NLL of the data's responses: no advantages or returns are computed",
+        _advantages,
     ),
     "balance_data": RunAnswer(
         "any",

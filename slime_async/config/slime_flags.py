@@ -33,7 +33,7 @@ _WEIGHT_SYNC = (
 )
 _MEGATRON_HOOK = (
     "a hook into slime's Megatron actor; not here: the trainer builds its model from "
-    "--hf-checkpoint's config.json (qwen2, qwen3, qwen3_moe, llama, mistral, qwen2_5_vl) and has no "
+    "--hf-checkpoint's config.json (qwen2, qwen3, qwen3_moe, llama, mistral, qwen2_5_vl, qwen3_vl) and has no "
     "such hook points; plug-ins here are --custom-generate-function-path, --custom-rm-path, "
     "--custom-loss-function-path"
 )
@@ -157,8 +157,6 @@ NOT_HERE: dict[str, str] = {
         "--rollout-health-check-first-wait",
         _HEALTH,
     ),
-    "--num-epoch": "training length in epochs; not here: give --num-rollout (or --num-steps); "
-    "the prompt data is cycled in shuffled epochs as long as the run needs",
     **_each(
         "--disable-rollout-global-dataset --data-source-path --tool-key --eval-tool-key",
         _DATA,
@@ -189,8 +187,7 @@ NOT_HERE: dict[str, str] = {
     "--adam-eps)",
     # algorithm
     **_each(
-        "--num-critic-only-steps --value-clip --gamma --lambd "
-        "--disable-compute-advantages-and-returns",
+        "--num-critic-only-steps --value-clip --gamma --lambd",
         _CRITIC,
     ),
     "--ref-update-interval": "not here: the reference policy stays the run's initial weights "
@@ -264,7 +261,7 @@ NOT_HERE: dict[str, str] = {
 }
 
 
-_FAMILIES = "qwen2, qwen3, qwen3_moe, llama, mistral, qwen2_5_vl"
+_FAMILIES = "qwen2, qwen3, qwen3_moe, llama, mistral, qwen2_5_vl, qwen3_vl"
 _ARCH = (
     "a Megatron model-shape flag of a model family the trainer does not build; the supported "
     f"families ({_FAMILIES}) have no such part, and the model is built from --hf-checkpoint's "
@@ -303,8 +300,6 @@ MEGATRON_NOT_HERE: dict[str, str] = {
     ),
     "--seq-length": "Megatron's fixed sequence length; not here: samples are packed at their "
     "own lengths (--rollout-max-response-len bounds them)",
-    "--lr-warmup-fraction": "warmup as a fraction of the run; not here: give --lr-warmup-iters N "
-    "(train steps)",
 }
 """Megatron flags that slime's scripts pass and `train_async.py` does not take (besides those
 `script_flags` accepts), each with its answer."""

@@ -11,7 +11,8 @@ internals. What lives where:
 * `weights` — `HFWeights` (one exported version), `WeightManifest` (names/dtypes/shapes) and
   `WeightTransport` (what the run needs from a weight transport).
 * `engine` — the engine backend protocol (`EngineBackend`, `EngineLaunch`, `EngineHandle`,
-  `EngineNeeds`); the registry and the backends live in `slime_async.engine.backends`.
+  `EngineNeeds`); the registry lives in `slime_async.config.engine_backends`, the backends in
+  `slime_async.orchestrator.engines`.
 
 Submodules import only each other, the leaves (`data_worker`, `loss`) and third-party
 libraries; importing this package is cheap (no torch until a submodule that needs it loads).

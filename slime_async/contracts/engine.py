@@ -3,8 +3,9 @@
 Owns `EngineLaunch` (what engine i starts on), `EngineHandle` (a started or attached engine: the
 URL the router reaches it at, its pid where the backend owns a local process), `EngineNeeds`
 (what a backend needs from the run) and `EngineBackend` (the protocol every backend implements).
-The registry of backends, their flags and the built-in backends (embedded, sglang, external) live
-in `slime_async.engine.backends`; the handle set a run holds (`Cluster`) lives in
+The registry of backends and their flags live in the config wing
+(`slime_async.config.engine_backends`, `engine_fleet`), the built-in backends (embedded,
+sglang, external) in `slime_async.orchestrator.engines`; the handle set a run holds (`Cluster`) lives in
 `slime_async.orchestrator.roles`. Nothing here is backend-specific. Imports nothing from the rest of
 slime_async.
 

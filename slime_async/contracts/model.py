@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from slime_async.contracts.vision import VisionSpec, refuse_modalities
-from slime_async.contracts.vl_config import check_vl, text_fields, vl_hf_config
+from slime_async.contracts.vision_spec import VL_FAMILIES
+from slime_async.contracts.vl_config import check_vl, text_fields, vl_fields, vl_hf_config
 
-Family = Literal["qwen3_moe", "qwen3", "qwen2", "llama", "mistral", "qwen2_5_vl"]
-FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3", "qwen2", "llama", "mistral", "qwen2_5_vl")
+Family = Literal["qwen3_moe", "qwen3", "qwen2", "llama", "mistral", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen3", "qwen2", "llama", "mistral", *VL_FAMILIES)
 """The HF `model_type`s a spec can describe (the family name is the `model_type`)."""
 RopeScaling = Literal["llama3"]
 
@@ -27,6 +28,7 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 _CONFIGS = {
     "qwen3_moe": "Qwen3MoeConfig",
@@ -35,6 +37,7 @@ _CONFIGS = {
     "llama": "LlamaConfig",
     "mistral": "MistralConfig",
     "qwen2_5_vl": "Qwen2_5_VLConfig",
+    "qwen3_vl": "Qwen3VLConfig",
 }
 
 
@@ -51,10 +54,12 @@ class ModelSpec:
     | `llama`     | no         | no      | dense        |
     | `mistral`   | no         | no      | dense (full attention only) |
     | `qwen2_5_vl`| yes        | no      | dense, mRoPE, a vision encoder (`vision`) |
+    | `qwen3_vl`  | no         | yes     | dense, interleaved mRoPE, a vision encoder with DeepStack |
     """
 
     family: Family = "qwen3_moe"
-    """HF model type: `qwen3_moe`, `qwen3`, `qwen2`, `llama`, `mistral` or `qwen2_5_vl`."""
+    """HF model type: `qwen3_moe`, `qwen3`, `qwen2`, `llama`, `mistral`, `qwen2_5_vl` or
+    `qwen3_vl`."""
     vocab_size: int = 4096
     """Vocabulary size (token ids are in [0, vocab_size))."""
     hidden_size: int = 128
@@ -97,10 +102,11 @@ class ModelSpec:
     init_std: float = 0.02
     """Initializer standard deviation for models built from scratch."""
     mrope_section: tuple[int, ...] | None = None
-    """qwen2_5_vl: rotary frequencies (of head_dim / 2) turned by the temporal, height and
-    width position ids (multimodal RoPE); None for text families."""
+    """VL families: rotary frequencies (of head_dim / 2) turned by the temporal, height and
+    width position ids (multimodal RoPE; qwen3_vl interleaves them: frequency i takes height
+    when i % 3 == 1, width when i % 3 == 2, within 3x their sections); None for text."""
     vision: VisionSpec | None = None
-    """qwen2_5_vl: the vision encoder; None for text families."""
+    """VL families: the vision encoder; None for text families."""
 
     def __post_init__(self) -> None:
         if isinstance(self.vision, dict):
@@ -149,7 +155,7 @@ class ModelSpec:
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm on queries and keys before RoPE (Qwen3 dense and MoE)."""
-        return self.family in ("qwen3", "qwen3_moe")
+        return self.family in ("qwen3", "qwen3_moe", "qwen3_vl")
 
     @property
     def hf_architecture(self) -> str:
@@ -190,7 +196,7 @@ class ModelSpec:
                 "high_freq_factor": self.rope_high_freq_factor,
                 "original_max_position_embeddings": self.rope_original_max_position_embeddings,
             }
-        if self.family in ("llama", "mistral", "qwen3", "qwen3_moe"):
+        if self.family in ("llama", "mistral", "qwen3", "qwen3_moe", "qwen3_vl"):
             common["attention_bias"] = False
         if self.family == "llama":
             common["mlp_bias"] = False
@@ -232,7 +238,7 @@ class ModelSpec:
         top = cfg if isinstance(cfg, dict) else cfg.to_dict()
         mtype = top.get("model_type")
         refuse_modalities(mtype)
-        d = text_fields(top) if mtype == "qwen2_5_vl" else top
+        d = text_fields(top) if mtype in VL_FAMILIES else top
         if mtype not in FAMILIES:
             raise ValueError(
                 f"model_type {mtype!r} is not supported; supported: {', '.join(FAMILIES)}"
@@ -272,13 +278,8 @@ class ModelSpec:
                 moe_topk=d["num_experts_per_tok"],
                 moe_intermediate_size=d["moe_intermediate_size"],
             )
-        if mtype == "qwen2_5_vl":
-            if heads * kwargs["head_dim"] != kwargs["hidden_size"]:
-                raise ValueError("qwen2_5_vl config field head_dim must be hidden_size / heads")
-            section = rp.get("mrope_section")
-            if not section:
-                raise ValueError("qwen2_5_vl config has no rope_scaling.mrope_section")
-            kwargs.update(mrope_section=tuple(section), vision=VisionSpec.from_hf(top))
+        if mtype in VL_FAMILIES:
+            kwargs.update(vl_fields(top, d, rp))
         return cls(**kwargs)
 
     # ---------------------------------------------------------------- persistence
@@ -320,7 +321,7 @@ def _refuse_unrepresentable(d: dict[str, Any], mtype: str) -> None:
 
     rp = _rope_params(d)
     rtype = _rope_type(rp)
-    if mtype == "qwen2_5_vl" and rtype == "mrope":  # the multimodal RoPE is the default one
+    if mtype in VL_FAMILIES and rtype == "mrope":  # the multimodal RoPE is the default one
         rtype = "default"
     if rtype not in ("default", "llama3"):
         refuse("rope_scaling.rope_type", rtype, "the trainer implements plain RoPE and llama3")

@@ -1,19 +1,16 @@
 """The vision side of a vision-language model, shared by the trainer, the engine and the data path.
 
-Owns: `VisionSpec` (the shape of a Qwen2.5-VL vision encoder and patch merger, and the special
-token ids that place an image in the token stream), its conversion from and to the HF
-`vision_config` plus the top-level token ids, `refuse_modalities` (the one-line refusal of
-model types and data keys this repository does not run: video, audio, omni models) and
-`image_tokens` (how many placeholder tokens an image of a given patch grid takes),
-`mrope_positions` (the three position ids, temporal / row / column, of one token row: text
-tokens count up on all three, an image's placeholders sit on its merged patch grid starting
-where the image begins, the text after it resumes past the larger grid side; pure; the trainer
-and the engine both use it), `image_processor` (the one preprocessing of an image, which the
-data path and the engine share, so both count the same placeholders), and
-`SampleImages` (one sample's preprocessed images as the trainer reads them), `ImageRefs` (the
-same by reference: paths or base64, what crosses Ray), `read_image` / `data_uri` (a reference's
-bytes) and `expand_image_pads` (one pad per image → its grid's count). Imports nothing from the
-rest of slime_async.
+Owns: `refuse_modalities` (the one-line refusal of model types and data keys this repository
+does not run: video, audio, omni models), `mrope_positions` (the three position ids, temporal /
+row / column, of one token row: text tokens count up on all three, an image's placeholders sit
+on its merged patch grid starting where the image begins, the text after it resumes past the
+larger grid side; pure; the trainer and the engine both use it), `image_processor` (the one
+preprocessing of an image, which the data path and the engine share, so both count the same
+placeholders), and `SampleImages` (one sample's preprocessed images as the trainer reads
+them), `ImageRefs` (the same by reference: paths or base64, what crosses Ray), `read_image` /
+`data_uri` (a reference's bytes) and `expand_image_pads` (one pad per image → its grid's
+count). The encoder's shape, `VisionSpec`, is `contracts.vision_spec`'s (re-exported here).
+Imports nothing from the rest of slime_async.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ from typing import Any
 
 import torch
 
-VL_FAMILIES: tuple[str, ...] = ("qwen2_5_vl",)
-"""The vision-language HF `model_type`s a `ModelSpec` can describe."""
+from slime_async.contracts.vision_spec import VL_FAMILIES, VisionSpec
 
 _OTHER_MODALITIES = {
     "qwen2_audio": "audio",
@@ -32,8 +28,7 @@ _OTHER_MODALITIES = {
     "qwen2_5_omni_thinker": "audio and video",
     "qwen3_omni_moe": "audio and video",
     "qwen3_omni_moe_thinker": "audio and video",
-    "qwen3_vl": "the Qwen3-VL vision encoder",
-    "qwen3_vl_moe": "the Qwen3-VL vision encoder",
+    "qwen3_vl_moe": "a mixture-of-experts Qwen3-VL language model",
     "qwen2_vl": "the Qwen2-VL vision encoder",
     "whisper": "audio",
     "llava": "the LLaVA vision encoder",
@@ -42,152 +37,6 @@ _OTHER_MODALITIES = {
 
 IMAGE_KEYS: tuple[str, ...] = ("image", "images")
 """`--multimodal-keys` modalities the data path carries (everything else is refused)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class VisionSpec:
-    """A Qwen2.5-VL vision encoder: Conv3d patch embedding, `depth` pre-norm blocks (RMSNorm,
-    2-D axial RoPE, windowed attention but in `fullatt_block_indexes`, biased SwiGLU MLP), and
-    the patch merger (RMSNorm, 2x2 patches concatenated, MLP with GELU) into the LM's width."""
-
-    depth: int = 2
-    """Vision transformer blocks."""
-    hidden_size: int = 32
-    """Vision width."""
-    intermediate_size: int = 64
-    """Vision MLP width."""
-    num_heads: int = 2
-    """Vision attention heads."""
-    in_channels: int = 3
-    """Image channels."""
-    patch_size: int = 14
-    """Pixels per patch side."""
-    temporal_patch_size: int = 2
-    """Frames per patch (an image is repeated to fill them)."""
-    spatial_merge_size: int = 2
-    """Patches per merged token side: one LM token covers merge² patches."""
-    window_size: int = 112
-    """Pixels per side of a windowed-attention window."""
-    fullatt_block_indexes: tuple[int, ...] = (1,)
-    """Blocks with full (whole-image) attention; the others attend within windows."""
-    out_hidden_size: int = 128
-    """Merger output width (= the LM's hidden size)."""
-    tokens_per_second: int = 2
-    """Temporal rope spacing of video frames (read for fidelity; videos are refused)."""
-    rope_theta: float = 10000.0
-    """Base of the vision encoder's axial RoPE."""
-    image_token_id: int = 252
-    """The image placeholder token (`<|image_pad|>`), one per merged patch."""
-    video_token_id: int = 253
-    """The video placeholder token (refused in prompts)."""
-    vision_start_token_id: int = 250
-    """`<|vision_start|>`, in front of an image's placeholders."""
-    vision_end_token_id: int = 251
-    """`<|vision_end|>`, after them."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes)
-        )
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"vision hidden_size ({self.hidden_size}) must be a multiple of num_heads "
-                f"({self.num_heads})"
-            )
-        if (self.hidden_size // self.num_heads) % 4:
-            raise ValueError("vision head_dim must be a multiple of 4 (2-D axial RoPE)")
-        bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.depth]
-        if bad:
-            raise ValueError(f"vision fullatt_block_indexes {bad} are outside [0, {self.depth})")
-        if self.window_size % (self.spatial_merge_size * self.patch_size):
-            raise ValueError(
-                f"vision window_size ({self.window_size}) must be a multiple of "
-                f"spatial_merge_size x patch_size ({self.spatial_merge_size * self.patch_size})"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per flattened patch (`pixel_values` columns)."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    def param_count(self) -> int:
-        """Parameters of the encoder and merger (what the memory plan adds for them)."""
-        h, f, out = self.hidden_size, self.intermediate_size, self.out_hidden_size
-        block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (3 * h * f + 2 * f + h)
-        w = h * self.spatial_merge_size**2
-        merger = h + (w * w + w) + (w * out + out)
-        return self.patch_dim * h + self.depth * block + merger
-
-    def image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
-        """Placeholder tokens of one image with patch grid `(t, h, w)`."""
-        t, h, w = grid_thw
-        return t * h * w // self.spatial_merge_size**2
-
-    def to_hf(self) -> tuple[dict[str, Any], dict[str, int]]:
-        """(the HF `vision_config` dict, the top-level token ids)."""
-        cfg = dict(
-            depth=self.depth,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_heads=self.num_heads,
-            in_channels=self.in_channels,
-            patch_size=self.patch_size,
-            temporal_patch_size=self.temporal_patch_size,
-            spatial_merge_size=self.spatial_merge_size,
-            window_size=self.window_size,
-            fullatt_block_indexes=list(self.fullatt_block_indexes),
-            out_hidden_size=self.out_hidden_size,
-            tokens_per_second=self.tokens_per_second,
-            hidden_act="silu",
-            rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta},
-        )
-        ids = dict(
-            image_token_id=self.image_token_id,
-            video_token_id=self.video_token_id,
-            vision_start_token_id=self.vision_start_token_id,
-            vision_end_token_id=self.vision_end_token_id,
-        )
-        return cfg, ids
-
-    @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> VisionSpec:
-        """Read the vision spec of a `qwen2_5_vl` config dict (its `vision_config` and ids)."""
-        v = d.get("vision_config") or {}
-        act = v.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"qwen2_5_vl vision_config.hidden_act={act!r} is not supported")
-        rp = v.get("rope_parameters") or {}
-        return cls(
-            depth=v["depth"],
-            hidden_size=v["hidden_size"],
-            intermediate_size=v["intermediate_size"],
-            num_heads=v["num_heads"],
-            in_channels=v.get("in_channels", v.get("in_chans", 3)),
-            patch_size=v.get("patch_size", 14),
-            temporal_patch_size=v.get("temporal_patch_size", 2),
-            spatial_merge_size=v.get("spatial_merge_size", 2),
-            window_size=v.get("window_size", 112),
-            fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", ())),
-            out_hidden_size=v["out_hidden_size"],
-            tokens_per_second=v.get("tokens_per_second", 2),
-            rope_theta=float(rp.get("rope_theta", 10000.0)),
-            image_token_id=d.get("image_token_id", 151655),
-            video_token_id=d.get("video_token_id", 151656),
-            vision_start_token_id=d.get("vision_start_token_id", 151652),
-            vision_end_token_id=d.get("vision_end_token_id", 151653),
-        )
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> VisionSpec:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown VisionSpec fields {sorted(unknown)}")
-        return cls(**d)
 
 
 def mrope_positions(
@@ -242,8 +91,8 @@ def refuse_modalities(model_type: Any) -> None:
     if need is not None:
         raise ValueError(
             f"model_type {model_type!r} needs {need}, which is not supported; vision-language "
-            f"training supports {', '.join(VL_FAMILIES)} (images only): use a Qwen2.5-VL "
-            "checkpoint, or a text model"
+            f"training supports {', '.join(VL_FAMILIES)} (images only): use a Qwen2.5-VL or "
+            "Qwen3-VL (dense) checkpoint, or a text model"
         )
 
 

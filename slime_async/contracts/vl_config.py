@@ -1,17 +1,19 @@
 """The vision-language side of a `ModelSpec`'s HF conversion (kept apart from `model.py`).
 
-Owns: `check_vl` (a spec's VL fields are set exactly for the VL family and fit its shape),
-`vl_hf_config` (the `Qwen2_5_VLConfig` of a spec: the language model's fields as `text_config`
-with mRoPE in `rope_parameters`, the vision encoder's, the image token ids) and `text_fields`
-(a VL config's language-model fields as one flat dict, from a published flat `config.json` or
-transformers 5's nested one). Imports nothing from slime_async but `contracts.vision`.
+Owns: `check_vl` (a spec's VL fields are set exactly for the VL families and fit its shape),
+`vl_hf_config` (the `Qwen2_5_VLConfig` or `Qwen3VLConfig` of a spec: the language model's
+fields as `text_config` with mRoPE in `rope_parameters`, the vision encoder's, the image token
+ids), `vl_fields` (the VL fields of a spec read from an HF config, with the checks the trainer
+needs) and `text_fields` (a VL config's language-model fields as one flat dict, from a
+published flat `config.json` or transformers 5's nested one). Imports nothing from slime_async
+but `contracts.vision_spec`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from slime_async.contracts.vision import VisionSpec
+from slime_async.contracts.vision_spec import VL_FAMILIES, VisionSpec
 
 
 def check_vl(
@@ -21,15 +23,19 @@ def check_vl(
     head_dim: int,
     hidden_size: int,
 ) -> None:
-    """ValueError when the VL fields do not fit: set exactly for `qwen2_5_vl`, the mRoPE
-    sections covering head_dim / 2, the merger's output as wide as the language model."""
-    vl = family == "qwen2_5_vl"
+    """ValueError when the VL fields do not fit: set exactly for the VL families (the encoder
+    of the family's kind), the mRoPE sections covering head_dim / 2, the merger's output as wide
+    as the language model."""
+    vl = family in VL_FAMILIES
     if vl != (vision is not None) or vl != (mrope_section is not None):
         raise ValueError(
-            f"vision and mrope_section are set exactly for the qwen2_5_vl family (family {family!r})"
+            f"vision and mrope_section are set exactly for the {'/'.join(VL_FAMILIES)} families "
+            f"(family {family!r})"
         )
     if vision is None or mrope_section is None:
         return
+    if vision.encoder != family:
+        raise ValueError(f"a {family} model needs its own vision encoder, not {vision.encoder}")
     if sum(mrope_section) != head_dim // 2:
         raise ValueError(
             f"mrope_section {list(mrope_section)} must sum to head_dim / 2 ({head_dim // 2})"
@@ -50,26 +56,52 @@ def vl_hf_config(
     vision: VisionSpec | None,
     architecture: str,
 ) -> Any:
-    """`Qwen2_5_VLConfig` from the text fields `common` (`ModelSpec.to_hf_config`'s)."""
+    """`Qwen2_5_VLConfig` / `Qwen3VLConfig` from the text fields `common`
+    (`ModelSpec.to_hf_config`'s)."""
     import transformers
 
     assert vision is not None and mrope_section is not None
-    skip = ("architectures", "tie_word_embeddings", "rope_theta", "head_dim")
+    skip = ("architectures", "tie_word_embeddings", "rope_theta")
+    skip += ("use_sliding_window", "sliding_window") if vision.qwen3 else ("head_dim",)
     text = {k: v for k, v in common.items() if k not in skip}
     text["rope_parameters"] = {
         "rope_type": "default",
         "mrope_section": list(mrope_section),
         "rope_theta": rope_theta,
     }
+    if vision.qwen3:
+        text["rope_parameters"]["mrope_interleaved"] = True
     text["tie_word_embeddings"] = tie
     vision_cfg, ids = vision.to_hf()
-    return transformers.Qwen2_5_VLConfig(
+    cls = transformers.Qwen3VLConfig if vision.qwen3 else transformers.Qwen2_5_VLConfig
+    return cls(
         text_config=text,
         vision_config=vision_cfg,
         tie_word_embeddings=tie,
         architectures=[architecture],
         **ids,
     )
+
+
+def vl_fields(top: dict[str, Any], d: dict[str, Any], rp: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelSpec` fields of a VL config (`top`; `d` its flat text fields, `rp` their rope
+    parameters): `mrope_section` and `vision`. ValueError for what the trainer does not run."""
+    mtype = top["model_type"]
+    heads = d["num_attention_heads"]
+    if (
+        mtype == "qwen2_5_vl"
+        and (d.get("head_dim") or d["hidden_size"] // heads) * heads != (d["hidden_size"])
+    ):
+        raise ValueError("qwen2_5_vl config field head_dim must be hidden_size / heads")
+    section = rp.get("mrope_section")
+    if not section:
+        raise ValueError(f"{mtype} config has no rope_scaling.mrope_section")
+    if mtype == "qwen3_vl" and not rp.get("mrope_interleaved"):
+        raise ValueError(
+            "qwen3_vl config field rope_scaling.mrope_interleaved=False is not supported: "
+            "Qwen3-VL's multimodal RoPE interleaves the temporal, height and width frequencies"
+        )
+    return dict(mrope_section=tuple(section), vision=VisionSpec.from_hf(top))
 
 
 def text_fields(top: dict[str, Any]) -> dict[str, Any]:

@@ -186,6 +186,9 @@ class WeightGroup:
         """The group's `PrefixStore` (rank 0 hosts it): the `abort` and `sent` keys."""
         self._work: object | None = None
         """The op in flight, if any (`close` must not wait for it)."""
+        self._lock = threading.RLock()
+        """Orders starting an op against leaving the group: `close` either sees the op in
+        flight (and abandons) or shuts the group down before the op could start on it."""
         self._next_look = 0.0
         """When `_wait` next reads the `abort` key (at most every `ABORT_POLL_S`)."""
         self.buckets = 0
@@ -248,11 +251,12 @@ class WeightGroup:
         """Broadcast `t` from rank 0 (in place on the other ranks). Raises the op's error, or
         `WeightGroupAborted` soon after the group's `abort` key is set (the group is then
         left: see `abandon`)."""
-        if self.pg is None:  # left by `close`/`abort`, possibly from another thread mid-send
-            raise WeightGroupAborted("the weight update group is closed")
-        # no local reference to the group: a failed broadcast's traceback must not keep it
-        # alive, or `close` could not release its connections
-        self._work = self.pg.broadcast(t, 0)  # type: ignore[attr-defined]
+        with self._lock:
+            if self.pg is None:  # left by `close`/`abort`, maybe from another thread mid-send
+                raise WeightGroupAborted("the weight update group is closed")
+            # no local reference to the group: a failed broadcast's traceback must not keep
+            # it alive, or `close` could not release its connections
+            self._work = self.pg.broadcast(t, 0)  # type: ignore[attr-defined]
         try:
             self._wait()
         finally:
@@ -306,7 +310,8 @@ class WeightGroup:
     def abandon(self) -> None:
         """Leave the group without waiting for its op in flight: a daemon thread releases the
         process group once that op ends (it fails at the op timeout at the latest)."""
-        pg, work, self.pg, self.store, self._work = self.pg, self._work, None, None, None
+        with self._lock:
+            pg, work, self.pg, self.store, self._work = self.pg, self._work, None, None, None
         if pg is not None:
             threading.Thread(
                 target=_release,
@@ -320,10 +325,11 @@ class WeightGroup:
         blocked in a broadcast from this rank fail at once instead of at the timeout. With an
         op in flight (another thread is in `broadcast`) it abandons the group instead: it
         never blocks."""
-        if self._work is not None:
-            self.abandon()
-            return
-        pg, self.pg, self.store = self.pg, None, None
+        with self._lock:
+            if self._work is not None:
+                self.abandon()
+                return
+            pg, self.pg, self.store = self.pg, None, None
         _shutdown(pg)
         del pg
         gc.collect()

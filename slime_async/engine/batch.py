@@ -172,8 +172,7 @@ def prefill(
         if getattr(lm, "vision", None) is not None:
             from slime_async.engine.vision import prefill_inputs
 
-            emb, pos3, delta = prefill_inputs(lm, seqs, plen, images or [None] * n, p)
-            inputs = {"inputs_embeds": emb, "position_ids": pos3}
+            inputs, delta = prefill_inputs(lm, seqs, plen, images or [None] * n, p)
         h = decoder(
             **inputs,
             attention_mask=allowed[:, None],

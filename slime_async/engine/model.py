@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from slime_async.contracts.chat import IdText
 from slime_async.contracts.model import TINY_MOE, ModelSpec
-from slime_async.contracts.vision import VisionSpec, image_processor
+from slime_async.contracts.vision import VL_FAMILIES, VisionSpec, image_processor
 from slime_async.engine.config import EngineConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -256,14 +256,14 @@ def _model_type(path: Path) -> str | None:
 
 
 def _is_vl(model: torch.nn.Module) -> bool:
-    return getattr(model.config, "model_type", None) == "qwen2_5_vl"
+    return getattr(model.config, "model_type", None) in VL_FAMILIES
 
 
 def auto_class(model_type: str | None) -> Any:
     """The transformers auto class that builds a servable model of `model_type`."""
     import transformers
 
-    if model_type == "qwen2_5_vl":
+    if model_type in VL_FAMILIES:
         return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
 

@@ -62,6 +62,10 @@ class SGLangConfig:
     """Serve token ids only (no `text`; SGLang's `/v1/*` OpenAI routes need the tokenizer)."""
     tokenizer_path: str | None = None
     """Where SGLang loads the tokenizer from (its `--tokenizer-path`); None: `model_path`."""
+    enable_multimodal: bool = False
+    """A vision-language model: `--enable-multimodal` (SGLang's image processor on; it decodes
+    `input_ids` with the tokenizer and expands each image's `<|image_pad|>`, so the tokenizer
+    and the processor config must be loadable)."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the checkpoint."""
     base_gpu_id: int = 0
@@ -125,6 +129,11 @@ class SGLangConfig:
             raise ValueError(f"port must be in [1, 65535], got {self.port}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
+        if self.enable_multimodal and self.skip_tokenizer_init:
+            raise ValueError(
+                "a vision-language model cannot run with skip_tokenizer_init: SGLang's image "
+                "processor decodes input_ids with the tokenizer to place the images"
+            )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank ({self.node_rank}) must be in [0, nnodes={self.nnodes})")
         check_keys(
@@ -191,6 +200,7 @@ def build_command(cfg: SGLangConfig, *, _with_extra: bool = True) -> list[str]:
     switches = {
         "--enable-return-routed-experts": cfg.enable_return_routed_experts,
         "--skip-tokenizer-init": cfg.skip_tokenizer_init,
+        "--enable-multimodal": cfg.enable_multimodal,
         "--trust-remote-code": cfg.trust_remote_code,
         "--disable-radix-cache": cfg.disable_radix_cache,
         "--enable-memory-saver": cfg.enable_memory_saver,

@@ -103,31 +103,40 @@ def with_images(req: GenerateRequest, eng: Any) -> GenerateRequest:
 @torch.no_grad()
 def prefill_inputs(
     lm: Any, full: list[list[int]], plen: list[int], images: list[Any], width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(`[n, width, H]` input embeddings, `[3, n, width]` positions, `[n]` rope deltas) of a
-    prefill whose row i forwards `full[i][plen[i]:]` left-padded to `width`: image features
-    fill the placeholders among the forwarded tokens (an image partly in the reused prefix
-    gives its last features), positions are the whole row's mRoPE ids from `plen[i]` on."""
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """(the decoder's inputs, `[n]` rope deltas) of a prefill whose row i forwards
+    `full[i][plen[i]:]` left-padded to `width`: `inputs_embeds` `[n, width, H]` with image
+    features in the placeholders among the forwarded tokens (an image partly in the reused
+    prefix gives its last features), `position_ids` `[3, n, width]`, the whole row's mRoPE ids
+    from `plen[i]` on, and for Qwen3-VL the DeepStack features of those placeholders
+    (`visual_pos_masks`, `deepstack_visual_embeds`)."""
     model = lm.model.model
     v: VisionSpec = lm.vision
     embed = model.get_input_embeddings()
     rows, pos, deltas = [], torch.zeros(3, len(full), width, dtype=torch.long), []
+    masks, deep = torch.zeros(len(full), width, dtype=torch.bool), []
     for i, (ids, c) in enumerate(zip(full, plen)):
         new = torch.tensor(ids[c:], dtype=torch.long)
         e = embed(new)
         img: EngineImages | None = images[i]
         grids = list(img.images.grids) if img is not None else []
         p3, delta = mrope_positions(ids, grids, v)
-        if img is not None:
-            n_new = int((new == v.image_token_id).sum())
-            if n_new:
-                feats = model.get_image_features(
-                    img.images.pixels.to(model.visual.dtype), torch.tensor(grids)
-                ).pooler_output
-                feats = torch.cat(feats)[-n_new:].to(e.dtype)
-                e = e.masked_scatter((new == v.image_token_id)[:, None], feats)
         pad = width - len(new)
+        where = new == v.image_token_id
+        n_new = int(where.sum()) if img is not None else 0
+        if n_new:
+            out = model.get_image_features(
+                img.images.pixels.to(model.visual.dtype), torch.tensor(grids)
+            )
+            e = e.masked_scatter(where[:, None], torch.cat(out.pooler_output)[-n_new:].to(e.dtype))
+            if v.qwen3:
+                masks[i, pad:] = where
+                deep.append([torch.cat(f)[-n_new:].to(e.dtype) for f in out.deepstack_features])
         rows.append(torch.cat([e.new_zeros(pad, e.shape[1]), e]))
         pos[:, i, pad:] = p3[:, c:]
         deltas.append(delta)
-    return torch.stack(rows), pos, torch.tensor(deltas, dtype=torch.long)
+    inputs: dict[str, Any] = {"inputs_embeds": torch.stack(rows), "position_ids": pos}
+    if deep:  # per layer: the rows' features, row after row (the mask's order)
+        inputs["visual_pos_masks"] = masks
+        inputs["deepstack_visual_embeds"] = [torch.cat(layer) for layer in zip(*deep)]
+    return inputs, torch.tensor(deltas, dtype=torch.long)

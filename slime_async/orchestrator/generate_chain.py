@@ -109,6 +109,7 @@ def build_generate_chain(
         stop_token_ids=(plan.eos_id, *r.stop_token_ids),
         api_key=cfg.engine.api_key,
         lora_name=lora_name,
+        image_token_id=cfg.model.vision.image_token_id if cfg.model.vision else None,
     )
     eval_cfg = dataclasses.replace(
         train_cfg,

@@ -3,13 +3,14 @@
 Owns `setup_run` (prompt source and rewards, warm start, Ray roles in the right order, resume),
 which returns the live `slime_async.orchestrator.run.Run`; each component is built from its
 own config, and the weight transport is chosen once (`orchestrator.transport.transport_class`).
-Order matters: the trainer comes up first (fresh, from an HF directory, or resumed from
-`--load` through the guarded checkpoint loader; `orchestrator.trainer_start`), the launch-time
-resume step checks where it stands (`orchestrator.resume`), then its weights are exported and
-the engines start *from that export* (engines a backend attaches instead of starting,
-`--engine-backend external`, load it through the weight transport before anything generates),
-so engines and trainer always begin on identical weights at the same version, and a resume can
-never serve anything but the loaded weights. The engine backend is built from the registry here
+Order matters: the trainer comes up (fresh, from an HF directory, or resumed from `--load`
+through the guarded checkpoint loader; `orchestrator.trainer_start`), the launch-time resume
+step checks where it stands (`orchestrator.resume`), then its weights are exported and the
+engines start *from that export*, or, where the transport sends the whole model itself, the
+engines load the trainer's version through it before anything generates (on a fresh run they
+start meanwhile, beside the trainer: `engines_early`). Either way engines and trainer begin on
+identical weights at the same version, and a resume never serves anything but the loaded
+weights. The engine backend is built from the registry here
 and checked (`preflight`) before anything expensive starts.
 """
 
@@ -21,45 +22,36 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
-
-import ray
 
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep
 from slime_async import startup
 from slime_async.config.recipe import config_json, config_record, derived_lines
 from slime_async.config.run_config import RunConfig
-from slime_async.contracts.engine import EngineBackend
 from slime_async.contracts.rollout import Group, segment_payload
-from slime_async.contracts.weights import Payload, WeightTransport, version_dir_name
-from slime_async.engine.backends import get_engine_backend
+from slime_async.contracts.weights import Payload
 from slime_async.host import atomic_write_text
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.guards import run_guard_config
+from slime_async.orchestrator.engine_start import engines_early, start_engines
+from slime_async.orchestrator.engines import get_engine_backend
 from slime_async.orchestrator.generate_chain import GenerateChain, build_generate_chain
 from slime_async.orchestrator.placement import Placement, place_roles
-from slime_async.orchestrator.resume import StartPoint, start_point
+from slime_async.orchestrator.resume import StartPoint
 from slime_async.orchestrator.roles import Cluster, init_ray
 from slime_async.orchestrator.run import Run, RunVersions, write_roles
 from slime_async.orchestrator.supervisor import EngineSupervisor
-from slime_async.orchestrator.trainer_start import start_behavior_role, start_trainer
+from slime_async.orchestrator.trainer_start import trainer_side
 from slime_async.orchestrator.transport import (
-    build_transport,
     feed_role,
-    give_role_start,
     lora_name,
-    serves_start_export,
-    start_source,
     transport_class,
 )
 from slime_async.orchestrator.warmstart import WarmStartConfig, is_cached, warm_start
 from slime_async.rollout.data.plan import DataPlan, make_data_plan
 from slime_async.rollout.data.tasks import TaskFamilyConfig
 from slime_async.rollout.generate.client import check_routed_experts
-from slime_async.trainer.actor import TrainerGroup
-from slime_async.trainer.behavior_role import BehaviorRole
 from slime_async.trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -110,22 +102,10 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
     placement = await place(cfg)
     if placement is not None:
         undo.append(placement.remove)
-    trainer, role, start = None, None, StartPoint(version=0, worker_state=None)
-    if cfg.debug_rollout_only:  # the rules saw to a checkpoint (given or the warm start's)
-        assert trainer_cfg.hf_checkpoint is not None
-        first = Path(trainer_cfg.hf_checkpoint)
-    else:
-        trainer = await start_trainer(cfg, trainer_cfg, placement)
-        undo.append(trainer.shutdown)
-        start = await asyncio.to_thread(start_point, cfg, trainer, load=trainer_cfg.load)
-        first = await _export_start(cfg, trainer, start.version)
-        role = await start_behavior_role(cfg, trainer_cfg)
-    if role is not None:
-        undo.append(role.shutdown)
-        give_role_start(role, travel, first, start.version)
-    cluster, transport = await _start_engines(
-        cfg, backend, travel, trainer, start, first=first, placement=placement, role=role
-    )
+    early = engines_early(cfg, backend, travel, trainer_cfg, placement, undo)
+    side = await trainer_side(cfg, trainer_cfg, placement, travel, undo)
+    trainer, role, start, first = side.trainer, side.role, side.start, side.first
+    cluster, transport = await start_engines(cfg, backend, travel, side, placement, early)
     undo.append(cluster.stop)
     undo.append(transport.close)
     if travel.payload is Payload.ADAPTER:  # the start adapter, where no directory was handed over
@@ -207,16 +187,6 @@ async def warm_started(cfg: RunConfig) -> TrainerConfig:
     return dataclasses.replace(cfg.trainer, hf_checkpoint=str(ws.path))
 
 
-async def _export_start(cfg: RunConfig, trainer: TrainerGroup, version: int) -> Path:
-    """The trainer's weights of `version` as an HF directory, which the engines start on (or,
-    attached ones, load): identical weights. With LoRA the frozen base, which the engines serve
-    the adapter over (docs/lora.md)."""
-    first = cfg.run_dir / "weights" / version_dir_name(version)
-    startup.say(f"exporting the trainer's weights v{version} to {first}")
-    await asyncio.to_thread(trainer.save_base_weights, first)
-    return first
-
-
 async def _check_routed_experts(
     cfg: RunConfig, trainer_cfg: TrainerConfig, cluster: Cluster
 ) -> None:
@@ -272,62 +242,6 @@ async def place(cfg: RunConfig, *, engines: bool = True) -> Placement | None:
         gpus_per_engine=e.gpus_per_engine,
         cpus_per_engine=e.cpus_per_engine,
     )
-
-
-async def _start_engines(
-    cfg: RunConfig,
-    backend: EngineBackend,
-    travel: type[WeightTransport],
-    trainer: TrainerGroup | None,
-    start: StartPoint,
-    *,
-    first: Path,
-    placement: Placement | None = None,
-    role: BehaviorRole | None = None,
-) -> tuple[Cluster, WeightTransport]:
-    """Engines, a router in front, the weight transport `travel` built for them, all serving
-    the `start` version.
-    Engines start on `start_source` (the trainer's export `first`, unless the transport sends
-    the whole model itself: then they need no shared filesystem and never read the run
-    directory); they get `version` through the transport before anything generates unless they
-    already serve it (`serves_start_export`). On a joined cluster engines bind their nodes' IPs
-    and the router this driver's node IP. A directory transport hands each directory it writes
-    to the forward-only `role`; otherwise `Run._feed_role` exports one for it. Without a
-    `trainer` (`--debug-rollout-only`) they start on `first`, the checkpoint, and load nothing."""
-
-    joined, version = cfg.ray_address is not None, start.version
-    start_from = start_source(cfg, travel, first) if trainer is not None else str(first)
-    if not start_from:  # built from the architecture
-        backend.engine = dataclasses.replace(backend.engine, model_spec=cfg.model.to_dict())
-    n = cfg.engines.num_engines
-    verb = "attaching" if backend.needs.urls else "starting"
-    startup.say(f"{verb} {n} engine(s) ({cfg.engines.backend}) and the router")
-    cluster = await Cluster.start(
-        backend=backend,
-        num_engines=n,
-        model_dir=start_from,
-        version=version,
-        seed=cfg.engine.seed,
-        router_cfg=cfg.router,
-        rollout_cores=cfg.rollout_cores,
-        slots=placement.engines if placement is not None and placement.engines else None,
-        bind_node_ips=joined,
-        pin_slot_cores=joined and not cfg.colocate,
-        router_host=ray.util.get_node_ip_address() if joined else None,
-    )
-    startup.say(f"router on {cluster.router_url} in front of {len(cluster.engines)} engine(s)")
-    transport = build_transport(
-        travel, cfg, trainer=trainer, cluster=cluster, backend=backend, role=role
-    )
-    if trainer is not None and not serves_start_export(travel, backend):
-        startup.say(f"engines load version {version} through the {cfg.weights.transport} transport")
-        try:
-            await transport.load(version)
-        except BaseException:
-            await cluster.stop()
-            raise
-        log.info("engines attached and serving the trainer's weights v%d", version)
-    return cluster, transport
 
 
 def record_config(cfg: RunConfig) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from slime_async.engine.sleep import tags_for_level
+from slime_async.orchestrator.pipeline_policy import generation_demand
 from slime_async.orchestrator.pipeline_scheduler import scheduler_handle
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,9 @@ class PipelineMember:
                 await self.handle.leave.remote(self.name)
 
     def demand(self) -> int:
-        m = self.run.worker.metrics()
-        n = self.run.cfg.rollout.n_samples_per_prompt
-        room = max(0.0, m["data/admission_limit"] - m["data/live_groups"])
-        return int(room * n + m["data/inflight"] + m["data/queue_depth"])
+        return generation_demand(
+            self.run.worker.metrics(), self.run.cfg.rollout.n_samples_per_prompt
+        )
 
     def metrics(self) -> dict[str, float]:
         return {

@@ -5,7 +5,7 @@ Owns `RouterActor`, `init_ray` (join a cluster or start a local node),
 Engines are started, checked, replaced and stopped only through the engine backend protocol
 (`slime_async.contracts.engine`); which backend runs them (embedded Ray actors, SGLang servers,
 attached external servers, a plugin) is chosen by the caller from the registry in
-`slime_async.engine.backends`. A run places trainer ranks and engines in placement-group bundles
+`slime_async.orchestrator.engines`. A run places trainer ranks and engines in placement-group bundles
 (`slime_async.orchestrator.placement`; a local node gets logical CPUs for all of them, so nothing waits on
 a 2-core machine, docs/cpu.md); actors outside bundles (the router) take `num_cpus=0`.
 Cores are given out explicitly (`pin_cores` inside the process, per node): the CPU analogue of

@@ -3,8 +3,10 @@
 Owns `start_trainer` (`world_size` trainer ranks in their placement bundles, the rendezvous on
 rank 0's node, each rank's cores pinned, and on a joined cluster the check that every trainer
 node holds the paths it reads: `node_paths.check_trainer_paths`) and `start_behavior_role` (the
-forward-only role computing π_j^Meg on the rollout cores, when the run needs one).
-`slime_async.orchestrator.launch.setup_run` calls them in order.
+forward-only role computing π_j^Meg on the rollout cores, when the run needs one), and
+`trainer_side`, which brings both up in order with the start point (`orchestrator.resume`) and
+the export of that version engines start on (`export_start`).
+`slime_async.orchestrator.launch.setup_run` calls it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +24,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from loss import resolve_loss_spec
 from slime_async import startup
 from slime_async.config.run_config import RunConfig
+from slime_async.contracts.weights import WeightTransport, version_dir_name
 from slime_async.host import free_port
 from slime_async.orchestrator.node_paths import check_trainer_paths
 from slime_async.orchestrator.placement import Placement
+from slime_async.orchestrator.resume import StartPoint, start_point
 from slime_async.orchestrator.roles import pin_actor
+from slime_async.orchestrator.transport import give_role_start
 from slime_async.trainer import checkpoint
 from slime_async.trainer.actor import TrainerGroup
 from slime_async.trainer.behavior_role import BehaviorRole
@@ -58,7 +64,8 @@ async def start_trainer(
         f"building the trainer ({trainer_cfg.world_size} rank(s), "
         f"TP {trainer_cfg.tensor_model_parallel_size} / "
         f"PP {trainer_cfg.pipeline_model_parallel_size} / "
-        f"EP {trainer_cfg.expert_model_parallel_size}"
+        f"EP {trainer_cfg.expert_model_parallel_size} / "
+        f"ETP {trainer_cfg.expert_tensor_parallel}"
         + (f", loading {trainer_cfg.load})" if trainer_cfg.load else ")")
     )
     trainer = await asyncio.to_thread(
@@ -123,3 +130,49 @@ async def start_behavior_role(cfg: RunConfig, trainer_cfg: TrainerConfig) -> Beh
     )
     await pin_actor(role.actor, cfg.rollout_cores)
     return role
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSide:
+    """What `trainer_side` brought up: the trainer (None with `--debug-rollout-only`), the
+    forward-only role, where the run starts, and what engines start on (`first`)."""
+
+    trainer: TrainerGroup | None
+    role: BehaviorRole | None
+    start: StartPoint
+    first: Path
+
+
+async def trainer_side(
+    cfg: RunConfig,
+    trainer_cfg: TrainerConfig,
+    placement: Placement | None,
+    travel: type[WeightTransport],
+    undo: list[Callable[[], Any]],
+) -> TrainerSide:
+    """The trainer, where it stands (`start_point`), its export of that version (what engines
+    and the forward-only role start on) and the role. With `--debug-rollout-only` no trainer
+    starts: the engines start on `--hf-checkpoint` (or the warm start) and nothing is pushed."""
+    trainer, role, start = None, None, StartPoint(version=0, worker_state=None)
+    if cfg.debug_rollout_only:  # the rules saw to a checkpoint (given or the warm start's)
+        assert trainer_cfg.hf_checkpoint is not None
+        return TrainerSide(None, None, start, Path(trainer_cfg.hf_checkpoint))
+    trainer = await start_trainer(cfg, trainer_cfg, placement)
+    undo.append(trainer.shutdown)
+    start = await asyncio.to_thread(start_point, cfg, trainer, load=trainer_cfg.load)
+    first = await export_start(cfg, trainer, start.version)
+    role = await start_behavior_role(cfg, trainer_cfg)
+    if role is not None:
+        undo.append(role.shutdown)
+        give_role_start(role, travel, first, start.version)
+    return TrainerSide(trainer, role, start, first)
+
+
+async def export_start(cfg: RunConfig, trainer: TrainerGroup, version: int) -> Path:
+    """The trainer's weights of `version` as an HF directory, which the engines start on (or,
+    attached ones, load): identical weights. With LoRA the frozen base, which the engines serve
+    the adapter over (docs/lora.md)."""
+    first = cfg.run_dir / "weights" / version_dir_name(version)
+    startup.say(f"exporting the trainer's weights v{version} to {first}")
+    await asyncio.to_thread(trainer.save_base_weights, first)
+    return first

@@ -76,9 +76,16 @@ def serves_start_export(cls: type[WeightTransport], backend: EngineBackend) -> b
 
 def start_source(cfg: RunConfig, cls: type[WeightTransport], first: Path) -> str:
     """What engines (and replacements) start on: the trainer's export `first`, unless the
-    transport sends the whole model itself (`sends_start_weights`): then `--hf-checkpoint` or ""
-    (build the architecture), the transport then loading the trainer's weights. LoRA: always
-    `first` (the frozen base; only the adapter travels, whichever transport)."""
+    transport sends the whole model itself (`source_before_export`). LoRA: always `first` (the
+    frozen base; only the adapter travels, whichever transport)."""
+    src = source_before_export(cfg, cls)
+    return str(first.resolve()) if src is None else src
+
+
+def source_before_export(cfg: RunConfig, cls: type[WeightTransport]) -> str | None:
+    """What engines start on when that need not wait for the trainer's export: with a transport
+    that sends the whole model itself (`sends_start_weights`), `--hf-checkpoint` or "" (build
+    the architecture), the transport then loading the trainer's weights; None otherwise."""
     if sends_start_weights(cls):
         if cfg.trainer.hf_checkpoint:
             return cfg.trainer.hf_checkpoint
@@ -86,7 +93,7 @@ def start_source(cfg: RunConfig, cls: type[WeightTransport], first: Path) -> str
             return ""
         # SGLang cannot start without a checkpoint: the trainer's export, which the engine
         # nodes must then be able to read (give --hf-checkpoint on a cluster, as in slime)
-    return str(first.resolve())
+    return None
 
 
 def give_role_start(role: Any, cls: type[WeightTransport], first: Path, version: int) -> None:

@@ -219,8 +219,8 @@ class RolloutConfig:
     """Tries after the first of an --rm-url request that timed out, could not connect or got
     HTTP 429/5xx; then the run stops, naming the server and the sample"""
     reward_key: str | None = flag(None, derived="reward")
-    """slime's: the key of the reward in an --rm-url answer that is a JSON object, or in
-    --rm-type dapo's score (score: 1.0 / -1.0, acc: 1 / 0)"""
+    """slime's: the key of the reward in a dict answer: of an --rm-url reward model, of a
+    --custom-rm-path function, or --rm-type dapo's score (score: 1.0 / -1.0, acc: 1 / 0)"""
     eval_reward_key: str | None = flag(None, derived="--reward-key")
     """slime's: --reward-key for eval samples (slime's DAPO scripts: train on score, evaluate
     on acc)"""
@@ -368,15 +368,18 @@ class RolloutConfig:
                 )
 
     def _check_reward_keys(self) -> None:
-        """--reward-key / --eval-reward-key pick the reward out of an --rm-url answer or
-        --rm-type dapo's score; a reward that is a number has no key. --eval-reward-key
+        """--reward-key / --eval-reward-key pick the reward out of an --rm-url answer, a
+        --custom-rm-path function's dict or --rm-type dapo's score; a reward that is a number
+        has no key. --eval-reward-key
         defaults to --reward-key."""
         base = (self.rm_type or "").removeprefix("boxed_")
         for name, key in (
             ("--reward-key", self.reward_key),
             ("--eval-reward-key", self.eval_reward_key),
         ):
-            if key is None or (self.rm_url is not None and base in ("", "remote_rm")):
+            if key is None or self.custom_rm_path is not None:  # its answers are dicts
+                continue
+            if self.rm_url is not None and base in ("", "remote_rm"):
                 continue
             if base == "dapo":
                 if key not in DAPO_KEYS:
@@ -391,8 +394,9 @@ class RolloutConfig:
                 )
             else:
                 raise ValueError(
-                    f"{name} {key} reads the reward out of an --rm-url answer; give --rm-url "
-                    "(a --custom-rm-path function returns the number itself)"
+                    f"{name} {key} reads the reward out of a dict answer: of an --rm-url "
+                    "reward model or a --custom-rm-path function; give one of them (the "
+                    "built-in reward gives a number)"
                 )
         if self.eval_reward_key is None:
             object.__setattr__(self, "eval_reward_key", self.reward_key)

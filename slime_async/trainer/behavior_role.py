@@ -70,6 +70,7 @@ class BehaviorForwarder:
             ref_load=None,
             tensor_model_parallel_size=1,
             expert_model_parallel_size=1,
+            expert_tensor_parallel_size=None,
             pipeline_model_parallel_size=1,
             virtual_pipeline_model_parallel_size=None,
             use_distributed_optimizer=None,

@@ -412,7 +412,7 @@ def load(tr: TrainerState, load_dir: Path) -> dict[str, object]:
             _lr_schedule(tr),
             meta["version"],
         )
-    saved = ParallelLayout(**meta["layout"])
+    saved = ParallelLayout(**{"etp": meta["layout"]["tp"], **meta["layout"]})  # etp: TP before
     if saved != tr.layout:
         log.warning("resharding checkpoint %s from layout %s to %s", ckpt, saved, tr.layout)
     mine = getattr(tr, "lora", None)

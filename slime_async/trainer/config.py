@@ -72,19 +72,31 @@ def _env_vars(text: str) -> str:
 
 
 def check_world(c: TrainerConfig) -> None:
-    """Ranks (nodes x GPUs per node) against TP x PP x DP with EP inside DP (ValueError).
-    Checked for `train_async.py`'s flags; a `TrainerGroup` built directly gives its own
-    world size."""
+    """Ranks (nodes x GPUs per node) against megatron's two layouts (ValueError): TP x PP x DP
+    for the dense layers, ETP x EP x PP x expert-DP for the experts. Checked for
+    `train_async.py`'s flags; a `TrainerGroup` built directly gives its own world size."""
     world, tp, pp = c.world_size, c.tensor_model_parallel_size, c.pipeline_model_parallel_size
-    ep = c.expert_model_parallel_size
-    if tp < 1 or pp < 1 or ep < 1 or world % (tp * pp) or (world // (tp * pp)) % ep:
+    ep, etp = c.expert_model_parallel_size, c.expert_tensor_parallel
+    ranks = (
+        f"{world} trainer ranks (--actor-num-nodes {c.actor_num_nodes} x "
+        f"--actor-num-gpus-per-node {c.actor_num_gpus_per_node})"
+    )
+    if world % (tp * pp):
         raise ValueError(
-            f"{world} trainer ranks (--actor-num-nodes {c.actor_num_nodes} x "
-            f"--actor-num-gpus-per-node {c.actor_num_gpus_per_node}) do not split into "
-            f"TP {tp} x PP {pp} x DP with EP {ep} dividing DP; make the rank count a multiple "
-            "of TP x PP x EP (or change the parallel sizes). The experts are split by TP like "
-            "the rest of the model here (Megatron's --expert-tensor-parallel-size = TP), so EP "
-            "splits them inside DP"
+            f"{ranks} do not split into TP {tp} x PP {pp} x DP; make the rank count a "
+            "multiple of TP x PP (or change the parallel sizes)"
+        )
+    if world % (etp * ep * pp):
+        given = (
+            f"--expert-tensor-parallel-size {etp}"
+            if c.expert_tensor_parallel_size is not None
+            else f"ETP {etp} (--expert-tensor-parallel-size, default: TP)"
+        )
+        raise ValueError(
+            f"{ranks} do not split into {given} x EP {ep} x PP {pp} x the experts' DP "
+            "(Megatron's rule for the expert layers); make the rank count a multiple of "
+            "ETP x EP x PP (or lower --expert-model-parallel-size / "
+            "--expert-tensor-parallel-size)"
         )
 
 
@@ -133,8 +145,12 @@ class TrainerConfig:
     """Tensor-parallel size; with TP > 1 sequence parallelism is on (MoE + TP requires it).
     TP=2 on 4 ranks: DP=2 x TP=2. See docs/parallelism.md."""
     expert_model_parallel_size: int = flag(1, ge=1, hint="1 = no such parallelism")
-    """Expert-parallel size (experts split across ranks); must divide the data-parallel size.
-    EP=2 on 2 ranks: DP=2, experts split in two."""
+    """Expert-parallel size (experts split across ranks); ETP x EP x PP must divide the rank
+    count (Megatron's rule). EP=2 on 2 ranks: DP=2, experts split in two."""
+    expert_tensor_parallel_size: int | None = flag(None, ge=1)
+    """Megatron's tensor parallelism of the routed experts, apart from the dense layers'
+    (default: --tensor-model-parallel-size). TP 2, ETP 1, EP 2 on 2 ranks: attention split in
+    two, each rank holds half the experts whole."""
     pipeline_model_parallel_size: int = flag(1, ge=1, hint="1 = no such parallelism")
     """Pipeline-parallel size: layers split evenly, megatron's 1F1B schedule. PP=2 on 4 ranks:
     DP=2 x PP=2."""
@@ -195,9 +211,17 @@ class TrainerConfig:
     lr_warmup_steps: int = flag(0, name="lr-warmup-iters", ge=0, hint="0 = no warmup")
     """Linear warmup steps from --lr-warmup-init to --lr (slime's name; megatron's schedule:
     update k uses the LR at step k, so the first update of a warmup uses --lr-warmup-init)."""
-    lr_decay_steps: int | None = flag(None, name="lr-decay-iters", ge=0)
-    """Steps over which the LR decays to --min-lr (slime's name; needed for linear/cosine;
-    unset: constant after warmup)."""
+    lr_decay_steps: int | None = flag(
+        None,
+        name="lr-decay-iters",
+        ge=0,
+        derived="the run's train steps (--num-steps) for linear/cosine, as in slime",
+    )
+    """Steps over which the LR decays to --min-lr (slime's name; unset: constant after
+    warmup)."""
+    lr_warmup_fraction: float | None = flag(None, ge=0, lt=1)
+    """Megatron's/slime's warmup as a fraction of --lr-decay-iters (of the run's train steps
+    under a constant LR): derives --lr-warmup-iters, rounded to whole steps."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """LR decay shape."""
     weight_decay: float = flag(0.0, ge=0, lt=math.inf)
@@ -329,8 +353,15 @@ class TrainerConfig:
         return "torch" if self.lora_rank > 0 else "torch_dist"
 
     @property
+    def expert_tensor_parallel(self) -> int:
+        """The experts' tensor-parallel size: --expert-tensor-parallel-size, else TP."""
+        ep = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if ep is None else ep
+
+    @property
     def data_parallel_size(self) -> int:
-        """DP = ranks / (TP x PP); EP splits experts inside it."""
+        """DP = ranks / (TP x PP) (of the dense layers; the experts' is ranks / (ETP x EP x
+        PP))."""
         return self.world_size // (
             self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         )

@@ -6,7 +6,9 @@ the HF checkpoint format that `transformers` 5.23 writes with `save_pretrained`
 `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM`: `self_attn.{q,k}_norm.weight`;
 `Qwen2ForCausalLM`: `self_attn.{q,k,v}_proj.bias`; `LlamaForCausalLM`, `MistralForCausalLM`;
 `Qwen2_5_VLForConditionalGeneration`: Qwen2's names plus the vision tower's `visual.*`, which
-are the trainer's `vision.*` one for one).
+are the trainer's `vision.*` one for one; `Qwen3VLForConditionalGeneration`: Qwen3's names under
+`model.language_model.` and the tower's under `model.visual.`). The names and shapes of a spec's
+checkpoint are `hf_shapes.py`'s.
 This is our own converter rather than mbridge (see docs/real-workloads.md). Must never import the controller, engine, rollout or data-worker parts of
 `slime_async`.
 
@@ -29,15 +31,17 @@ import torch
 import torch.distributed as dist
 
 from slime_async.contracts.model import ModelSpec
+from slime_async.trainer.hf_shapes import hf_names, hf_shapes
 from slime_async.trainer.model import global_named_parameters
 from slime_async.trainer.parallel import all_gather_cat, all_reduce_sum
-from slime_async.trainer.vision import tower_shapes
+from slime_async.trainer.towers import hf_prefixes
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
-_VISION, _HF_VISION = "vision.", "visual."
-"""The vision tower's parameters (`vision.py`) carry the HF names after these prefixes."""
+_VISION = "vision."
+"""The vision tower's parameters (`vision.py`) carry the HF names after `hf_prefixes`'s."""
+__all__ = ["hf_names", "hf_shapes", "hf_to_megatron", "megatron_to_hf", "megatron_to_hf_tensors"]
 
 _SIMPLE = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -118,22 +122,23 @@ def megatron_to_hf_tensors(
     def gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
         return _cat(_gather(t, r.tp_group, r.tp), dim)
 
+    lm, vis = hf_prefixes(spec.family)
     if "embedding.word_embeddings.weight" in params:  # first pipeline stage
-        out["model.embed_tokens.weight"] = gather_tp(params["embedding.word_embeddings.weight"], 0)
+        out[lm + "embed_tokens.weight"] = gather_tp(params["embedding.word_embeddings.weight"], 0)
     if "output_layer.weight" in params and not spec.tie_word_embeddings:  # last stage
         out["lm_head.weight"] = gather_tp(params["output_layer.weight"], 0)
     if "decoder.final_layernorm.weight" in params:
-        out["model.norm.weight"] = params["decoder.final_layernorm.weight"]
+        out[lm + "norm.weight"] = params["decoder.final_layernorm.weight"]
     experts: dict[tuple[int, int, str], torch.Tensor] = {}
     for name, p in params.items():
         if name.startswith(_VISION):  # the vision tower is whole on every rank that has it
-            out[_HF_VISION + name[len(_VISION) :]] = p
+            out[vis + name[len(_VISION) :]] = p
             continue
         m = _LAYER.match(name)
         if m is None:
             continue
         i, rest = int(m.group(1)), m.group(2)
-        pre = f"model.layers.{i}."
+        pre = f"{lm}layers.{i}."
         if rest in _SIMPLE:
             out[pre + _SIMPLE[rest]] = p
         elif rest == "self_attention.linear_qkv.weight":
@@ -295,18 +300,19 @@ class _HfShards:
     def shard(self, name: str) -> torch.Tensor:
         """The shard of megatron parameter `name` (KeyError when no HF tensor maps to it)."""
         r = self.r
+        lm, vis = hf_prefixes(self.spec.family)
         if name == "embedding.word_embeddings.weight":
-            return _shard(self.get("model.embed_tokens.weight"), r.tp_rank, r.tp, 0)
+            return _shard(self.get(lm + "embed_tokens.weight"), r.tp_rank, r.tp, 0)
         if name == "output_layer.weight":
             return _shard(self.get("lm_head.weight"), r.tp_rank, r.tp, 0)
         if name == "decoder.final_layernorm.weight":
-            return self.get("model.norm.weight")
+            return self.get(lm + "norm.weight")
         if name.startswith(_VISION):
-            return self.get(_HF_VISION + name[len(_VISION) :])
+            return self.get(vis + name[len(_VISION) :])
         m = _LAYER.match(name)
         if m is None:
             raise KeyError(f"no HF mapping for megatron parameter {name!r}")
-        new = self._layer(f"model.layers.{int(m.group(1))}.", m.group(2))
+        new = self._layer(f"{lm}layers.{int(m.group(1))}.", m.group(2))
         if new is None:
             raise KeyError(f"no HF mapping for megatron parameter {name!r}")
         return new
@@ -351,49 +357,3 @@ class _HfShards:
         """The fused gate/up projection: each one's shard, gate first."""
         gate, up = self.get(pre + "gate_proj.weight"), self.get(pre + "up_proj.weight")
         return torch.cat([_shard(gate, rank, n, 0), _shard(up, rank, n, 0)], 0)
-
-
-def hf_names(spec: ModelSpec) -> set[str]:
-    """Every tensor name `save_pretrained` writes for a model of this spec."""
-    return set(hf_shapes(spec))
-
-
-def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Name → shape of every tensor `save_pretrained` writes for a model of this spec."""
-    h, v, hd = spec.hidden_size, spec.vocab_size, spec.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (v, h),
-        "model.norm.weight": (h,),
-    }
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    if spec.vision is not None:
-        shapes.update({_HF_VISION + k: v for k, v in tower_shapes(spec.vision).items()})
-    for i in range(spec.num_layers):
-        pre = f"model.layers.{i}."
-        shapes[pre + "input_layernorm.weight"] = (h,)
-        shapes[pre + "post_attention_layernorm.weight"] = (h,)
-        shapes[pre + "self_attn.q_proj.weight"] = (spec.num_attention_heads * hd, h)
-        shapes[pre + "self_attn.k_proj.weight"] = (spec.num_key_value_heads * hd, h)
-        shapes[pre + "self_attn.v_proj.weight"] = (spec.num_key_value_heads * hd, h)
-        shapes[pre + "self_attn.o_proj.weight"] = (h, spec.num_attention_heads * hd)
-        if spec.qkv_bias:
-            shapes[pre + "self_attn.q_proj.bias"] = (spec.num_attention_heads * hd,)
-            shapes[pre + "self_attn.k_proj.bias"] = (spec.num_key_value_heads * hd,)
-            shapes[pre + "self_attn.v_proj.bias"] = (spec.num_key_value_heads * hd,)
-        if spec.qk_norm:
-            shapes[pre + "self_attn.q_norm.weight"] = (hd,)
-            shapes[pre + "self_attn.k_norm.weight"] = (hd,)
-        if spec.is_moe:
-            shapes[pre + "mlp.gate.weight"] = (spec.num_experts, h)
-            f = spec.moe_intermediate_size
-            for e in range(spec.num_experts):
-                shapes[pre + f"mlp.experts.{e}.gate_proj.weight"] = (f, h)
-                shapes[pre + f"mlp.experts.{e}.up_proj.weight"] = (f, h)
-                shapes[pre + f"mlp.experts.{e}.down_proj.weight"] = (h, f)
-        else:
-            f = spec.intermediate_size
-            shapes[pre + "mlp.gate_proj.weight"] = (f, h)
-            shapes[pre + "mlp.up_proj.weight"] = (f, h)
-            shapes[pre + "mlp.down_proj.weight"] = (h, f)
-    return shapes

@@ -96,7 +96,7 @@ class LogprobForwards:
         packed = c.qkv_format == "thd"
         vp = c.virtual_pipeline_model_parallel_size
         floors = None
-        if lay.ep > 1 or vp is not None:
+        if lay.ep > 1 or lay.etp > lay.tp or vp is not None:  # tp_ep groups span DP
             floors = packing.shape_floor(plans, lengths, packed=packed)
             if vp is not None:
                 floors = [tuple(max(f[j] for f in floors) for j in (0, 1))] * len(floors)

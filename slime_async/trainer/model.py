@@ -130,7 +130,7 @@ def _parallel_kwargs(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.tp,
+        expert_tensor_parallel_size=layout.etp,
         sequence_parallel=layout.tp > 1,
         use_cpu_initialization=True,
         perform_initialization=True,
@@ -221,11 +221,15 @@ def build_model(
     if spec.vision is not None and first:
         # the whole vision tower sits beside the embedding (vision.py); its parameters are
         # `vision.*` among the chunk's, in params_dtype like the rest
-        from slime_async.trainer.vision import VisionTower
+        from slime_async.trainer.towers import build_tower
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.vision.depth * 7919 + spec.vision.hidden_size)
-            model.vision = VisionTower(spec.vision).to(params_dtype)
+            model.vision = build_tower(spec.vision).to(params_dtype)
+    if spec.family == "qwen3_vl":  # interleaved mRoPE, DeepStack (deepstack.py)
+        from slime_async.trainer import deepstack
+
+        deepstack.install(model, spec)
     if spec.rope_scaling is not None:
         # megatron's own llama3 option fixes low/high_freq_factor and the original context
         # (1, 4, 8192); install the spec's frequencies before the first (cached) forward
@@ -281,7 +285,7 @@ def build_chunks(
             f"{layout.pp} x {vp}; choose sizes that split the layers evenly"
         )
     stages = [None] if vp is None else list(range(vp))
-    return [
+    chunks = [
         build_model(
             spec,
             layout,
@@ -293,6 +297,23 @@ def build_chunks(
         )
         for i, st in enumerate(stages)
     ]
+    _mark_expert_grads(chunks, layout)
+    return chunks
+
+
+def _mark_expert_grads(chunks: list[torch.nn.Module], layout: ParallelLayout) -> None:
+    """Route the experts' gradients to the experts' data-parallel reduction when it differs
+    from the dense layers' (ETP < TP with EP 1). megatron-core 0.16.1 marks an expert weight
+    for the expert-DP reduction (`allreduce=False`) only when EP > 1, so with EP 1 it is
+    reduced over the dense DP ranks alone, and the TP ranks that hold the same whole expert
+    (ETP < TP) never sum their shares of its gradient. Marked here, DDP reduces it over the
+    expert-DP group and the optimizer steps it with the expert parameters."""
+    if layout.ep > 1 or layout.etp == layout.tp:
+        return
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".experts." in name:
+                param.allreduce = False
 
 
 def global_named_parameters(chunks: list[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:

@@ -30,6 +30,9 @@ class ParallelLayout:
     """Tensor-parallel size (sequence parallelism is switched on with it for MoE models)."""
     ep: int = 1
     """Expert-parallel size (experts are split across ranks; tokens use the allgather dispatcher)."""
+    etp: int = 1
+    """Expert tensor-parallel size: how many ranks split each expert's MLP (megatron's
+    expert_tensor_parallel_size; the TP size unless set apart)."""
     pp: int = 1
     """Pipeline-parallel size (layers split evenly; megatron's 1F1B schedule)."""
     dp: int = 1
@@ -39,26 +42,37 @@ class ParallelLayout:
         return dataclasses.asdict(self)
 
 
-def resolve_layout(*, world_size: int, tp: int, ep: int, pp: int) -> ParallelLayout:
-    """Check the sizes against the world size and derive DP; raises ValueError with the fix."""
-    if tp < 1 or ep < 1 or pp < 1 or world_size % (tp * pp):
+def resolve_layout(
+    *, world_size: int, tp: int, ep: int, pp: int, etp: int | None = None
+) -> ParallelLayout:
+    """Check the sizes against the world size and derive DP (and ETP = TP when None); raises
+    ValueError with the fix. megatron's rules: TP x PP divides the world (the dense layers'
+    DP is the rest) and ETP x EP x PP divides it (the experts' DP is the rest)."""
+    etp = tp if etp is None else etp
+    if tp < 1 or ep < 1 or pp < 1 or etp < 1 or world_size % (tp * pp):
         raise ValueError(
             f"world size {world_size} is not divisible by tp*pp={tp * pp}; choose sizes whose "
             "product divides the number of trainer processes"
         )
     dp = world_size // (tp * pp)
-    if dp % ep:
+    if world_size % (etp * ep * pp):
         raise ValueError(
-            f"expert parallel size {ep} must divide the data-parallel size {dp} (world "
-            f"{world_size} = tp {tp} x pp {pp} x dp {dp}; experts are TP-sharded like dense layers)"
+            f"expert tensor-parallel size {etp} x expert parallel size {ep} x pp {pp} must "
+            f"divide the world size {world_size} (the experts' data-parallel size is the rest; "
+            f"world {world_size} = tp {tp} x pp {pp} x dp {dp} for the dense layers)"
         )
-    return ParallelLayout(tp=tp, ep=ep, pp=pp, dp=dp)
+    return ParallelLayout(tp=tp, ep=ep, pp=pp, dp=dp, etp=etp)
 
 
 def check_model_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
     """Refuse a model the layout cannot split (ValueError naming the sizes)."""
     if spec.is_moe and spec.num_experts % layout.ep:
         raise ValueError(f"num_experts={spec.num_experts} is not divisible by EP={layout.ep}")
+    if spec.is_moe and spec.moe_intermediate_size % layout.etp:
+        raise ValueError(
+            f"moe_intermediate_size={spec.moe_intermediate_size} is not divisible by "
+            f"ETP={layout.etp} (each expert's MLP is split over the expert tensor-parallel ranks)"
+        )
     if spec.num_layers % layout.pp:
         raise ValueError(f"num_layers={spec.num_layers} is not divisible by PP={layout.pp}")
     if spec.tie_word_embeddings and layout.pp > 1:
@@ -97,7 +111,7 @@ def init_model_parallel(layout: ParallelLayout, *, seed: int, vp: int | None = N
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.tp,
+        expert_tensor_parallel_size=layout.etp,
         virtual_pipeline_model_parallel_size=vp,
     )
     _KEPT_GROUPS[:] = [before]

@@ -116,20 +116,16 @@ class MegatronTrainer(LogprobForwards):
             tp=cfg.tensor_model_parallel_size,
             ep=cfg.expert_model_parallel_size,
             pp=cfg.pipeline_model_parallel_size,
+            etp=cfg.expert_tensor_parallel_size,
         )
         parallel.check_model_layout(spec, self.layout)
         vp = cfg.virtual_pipeline_model_parallel_size
         parallel.init_model_parallel(self.layout, seed=cfg.seed, vp=vp)
         self.rank, self.world_size = rank, world_size
-        recompute = Recompute(
-            granularity=cfg.recompute_granularity,
-            method=cfg.recompute_method,
-            num_layers=cfg.recompute_num_layers,
-        )
         self.chunks = build_chunks(
             spec,
             self.layout,
-            recompute=recompute,
+            recompute=_recompute(cfg),
             vp=vp,
             params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
         )
@@ -533,3 +529,12 @@ def _images(cfg: TrainerConfig, spec: ModelSpec) -> object:
     from slime_async.trainer.vl_inputs import ImageResolver
 
     return ImageResolver(cfg.hf_source or cfg.hf_checkpoint, spec.vision)
+
+
+def _recompute(cfg: TrainerConfig) -> Recompute:
+    """The activation recompute the config asks for (`--recompute-*`)."""
+    return Recompute(
+        granularity=cfg.recompute_granularity,
+        method=cfg.recompute_method,
+        num_layers=cfg.recompute_num_layers,
+    )

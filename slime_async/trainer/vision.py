@@ -2,7 +2,8 @@
 
 Owns: `VisionTower` (Conv3d patch embedding, `depth` pre-norm blocks with 2-D axial RoPE and
 windowed attention, the 2x2 patch merger into the language model's width), the window layout
-(`window_layout`) and the per-patch (row, column) positions (`patch_positions`). Parameter
+(`window_layout`) and the per-patch (row, column) positions (`patch_positions`); which tower
+a spec gets is `towers.py`'s. Parameter
 names are the HF checkpoint's names under `visual.` (`blocks.{i}.attn.qkv.weight`,
 `merger.mlp.0.weight`, ...), so the HF mapping is the prefix alone (`hf_convert.py`). The tower
 is not tensor- or pipeline-parallel: it is small next to the language model and lives, whole,
@@ -201,10 +202,3 @@ def window_layout(
                     bounds.append(bounds[-1] + win.numel() * unit)
         base += t * gh * gw
     return torch.cat(order), bounds
-
-
-def tower_shapes(spec: VisionSpec) -> dict[str, tuple[int, ...]]:
-    """Name → shape of every tensor of a `VisionTower` (built on the meta device)."""
-    with torch.device("meta"):
-        tower = VisionTower(spec)
-    return {k: tuple(t.shape) for k, t in tower.state_dict().items()}

@@ -42,24 +42,40 @@ def image_embeddings(
     """`[T, B, H]` decoder input of the first pipeline stage: word embeddings of `tokens`
     `[B, T]`, with the vision tower's embeddings of `pixels` written into the image
     placeholder positions (`where`, default every image token), row-major (the order the images
-    appear in)."""
+    appear in). A Qwen3-VL tower's DeepStack features go to the chunk's early layers the same
+    way (`deepstack.set_features`)."""
     emb = chunk.embedding.word_embeddings(tokens)  # [B, T, H], all-reduced over TP
     vision = chunk.vision
+    deep: list[torch.Tensor] | None = None
     if pixels is not None and pixels.numel():
-        feats = vision(pixels.to(emb.device), grid_thw).to(emb.dtype)
+        out = vision(pixels.to(emb.device), grid_thw)
+        feats, extra = out if isinstance(out, tuple) else (out, [])
         mask = image_token_mask(tokens, vision.spec) if where is None else where.to(emb.device)
         if int(mask.sum()) != feats.shape[0]:
             raise ValueError(
                 f"{int(mask.sum())} image placeholder tokens but {feats.shape[0]} image "
                 "embeddings: the prompt and its images do not match"
             )
-        emb = emb.masked_scatter(mask[..., None], feats)
-    emb = emb.transpose(0, 1).contiguous()
+        emb = emb.masked_scatter(mask[..., None], feats.to(emb.dtype))
+        deep = [
+            _layout(chunk, torch.zeros_like(emb).masked_scatter(mask[..., None], f.to(emb.dtype)))
+            for f in extra
+        ]
+    if vision.spec.qwen3:
+        from slime_async.trainer import deepstack
+
+        deepstack.set_features(chunk, deep or None)
+    return _layout(chunk, emb)
+
+
+def _layout(chunk: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`[B, T, H]` → the decoder's `[T, B, H]` (scattered over TP with sequence parallelism)."""
+    x = x.transpose(0, 1).contiguous()
     if chunk.config.sequence_parallel:
         from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
-        emb = scatter_to_sequence_parallel_region(emb)
-    return emb
+        x = scatter_to_sequence_parallel_region(x)
+    return x
 
 
 def vl_forward(

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from slime_async.contracts.engine import EngineHandle, EngineLaunch, EngineNeeds
 from slime_async.engine import EngineConfig, EngineProcess
-from slime_async.engine.backends import launch_engine_config, register_engine_backend
+from slime_async.orchestrator.engines import launch_engine_config, register_engine_backend
 
 
 class SubprocessBackend:

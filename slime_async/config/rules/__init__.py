@@ -17,14 +17,14 @@ come out in this order):
 | 3 | `run_flags` | the run's own flags (ranges, --num-steps xor --num-rollout) | |
 | 4 | `rollout` | the rollout settings; --global-batch-size | |
 | 5 | `eval` | --eval-interval, the eval settings inherited from training | 4 |
-| 6 | `steps` | --num-steps = --num-rollout x --num-steps-per-rollout | 4 |
+| 6 | `steps` | --num-steps = --num-rollout (or slime's --num-epoch count) x --num-steps-per-rollout | 4 |
 | 7 | `inflight` | --max-inflight from --sglang-server-concurrency | |
 | 8 | `data_worker` | the data worker (--max-inflight, --fifo-window defaults) | 4, 7 |
 | 9 | `schedule` | N >= S, I - 1 <= S | 8 |
 | 10 | `off_policy_drop` | --max-off-policy-steps = the staleness bound | 8 |
 | 11 | `loss` | the loss and its config | 4 |
 | 12 | `debug_modes` | --debug-train-only; the debug modes and dump paths | 11 |
-| 13 | `lr` | --lr by run kind | 2 |
+| 13 | `lr` | --lr by run kind; --lr-decay-iters, --lr-warmup-iters as slime derives them | 2, 6 |
 | 14 | `run_kind` | the run-kind trainer defaults (micro batch, routing replay, snapshots) | 2, 11 |
 | 15 | `behavior_forward` | where pi_j^Meg is computed: the forward-only role or the trainer | 8, 11, 14 |
 | 16 | `snapshots` | --max-snapshots from the staleness bound | 10, 14, 15 |

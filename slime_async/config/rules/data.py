@@ -17,10 +17,11 @@ from data_worker.config import data_worker_config_from_args
 from loss import loss_settings_from_args
 from loss.slime_cli import SFT_LOSS
 from slime_async.config.derive import raise_all
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.config.rules.draft import Draft, rule
 from slime_async.config.run_config import DEFAULT_NUM_ROLLOUT, Derived, RunConfig
-from slime_async.engine.backends import EngineFleetConfig
 from slime_async.rollout.config import SFT_ROLLOUT, rollout_config_from_args
+from slime_async.rollout.data.datasets import count_rows
 from slime_async.rollout.generate.dump import check_dump_path
 
 __all__ = [
@@ -125,18 +126,45 @@ def eval_settings(d: Draft) -> None:
 
 @rule("steps", fills=("num_steps",))
 def steps(d: Draft) -> None:
-    """Unset --num-steps: --num-rollout (default `DEFAULT_NUM_ROLLOUT`) x
-    --num-steps-per-rollout."""
+    """Unset --num-steps: --num-rollout (default `DEFAULT_NUM_ROLLOUT`; with --num-epoch,
+    slime's count: the epochs x the prompt file's rows // --rollout-batch-size) x
+    --num-steps-per-rollout. As in slime, --num-epoch counts only when --num-rollout is not
+    given (nor --num-steps here): then it is logged as ignored."""
+    a, per = d.args, d.rollout.num_steps_per_rollout
+    length_given = not d.flags.unset("num_steps") or a.num_rollout is not None
+    if length_given and a.num_epoch is not None:
+        given = "--num-steps" if a.num_rollout is None else "--num-rollout"
+        d.flags.accepted[f"--num-epoch {a.num_epoch}"] = (
+            f"ignored: {given} gives the run's length (slime ignores --num-epoch then)"
+        )
     if not d.flags.unset("num_steps"):
         return
-    given = d.args.num_rollout
-    rollouts = DEFAULT_NUM_ROLLOUT if given is None else given
-    per = d.rollout.num_steps_per_rollout
-    d.flags.fill(
-        "num_steps",
-        rollouts * per,
-        f"--num-rollout {rollouts} x --num-steps-per-rollout {per}",
-    )
+    if a.num_rollout is None and a.num_epoch is not None:
+        rollouts, why = _epoch_rollouts(d)
+    else:
+        rollouts = DEFAULT_NUM_ROLLOUT if a.num_rollout is None else a.num_rollout
+        why = f"--num-rollout {rollouts}"
+    d.flags.fill("num_steps", rollouts * per, f"{why} x --num-steps-per-rollout {per}")
+
+
+def _epoch_rollouts(d: Draft) -> tuple[int, str]:
+    """slime's `--num-epoch`: (rollouts, how they were counted) = epochs x (the rows of
+    --prompt-data // --rollout-batch-size)."""
+    a, batch = d.args, d.rollout.rollout_batch_size
+    if a.prompt_data is None:
+        raise ValueError(
+            f"--num-epoch {a.num_epoch} counts passes over --prompt-data, and this run has no "
+            "prompt file; give --num-rollout N (or --num-steps N)"
+        )
+    rows = count_rows(a.prompt_data)
+    if rows < batch:
+        raise ValueError(
+            f"--num-epoch {a.num_epoch}: {a.prompt_data} has {rows} rows, fewer than one "
+            f"--rollout-batch-size {batch}, so an epoch is no rollout; lower "
+            "--rollout-batch-size or give --num-rollout N"
+        )
+    why = f"--num-epoch {a.num_epoch} x ({rows} rows of {a.prompt_data} // --rollout-batch-size {batch})"
+    return a.num_epoch * (rows // batch), why
 
 
 @rule("inflight", fills=("max_inflight",))

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from data_worker.config import DataWorkerConfig
     from loss import LossSettings
     from router.config import RouterConfig
+    from slime_async.config.engine_fleet import EngineFleetConfig
     from slime_async.config.run_config import RunConfig
-    from slime_async.engine.backends import EngineFleetConfig
     from slime_async.engine.config import EngineConfig
     from slime_async.rollout.config import RolloutConfig
     from slime_async.trainer.config import TrainerConfig

@@ -14,12 +14,12 @@ import secrets
 
 from router.access import ADMIN_KEY_ENV, API_KEY_ENV
 from router.config import router_config_from_args
+from slime_async.config.engine_fleet import EngineFleetConfig
 from slime_async.config.rules.colocation import TURN_FLAGS, turns
 from slime_async.config.rules.draft import Draft, Placement, rule
 from slime_async.config.run_paths import derive_warmstart
 from slime_async.contracts.adapter import lora_spec
 from slime_async.contracts.weights import Payload
-from slime_async.engine.backends import EngineFleetConfig
 from slime_async.engine.config import engine_run_config_from_args
 from slime_async.weights.registry import get_weight_transport, resolve_weight_transport
 

@@ -13,7 +13,9 @@ import math
 
 from data_worker.budget import snapshot_count, staleness_bound
 from loss import resolve_loss_spec
+from loss.slime_cli import SFT_LOSS
 from slime_async.config.derive import raise_all
+from slime_async.config.engine_backends import engine_backend_needs
 from slime_async.config.model_shape import check_shape
 from slime_async.config.rules.draft import Draft, rule
 from slime_async.config.run_paths import (
@@ -23,7 +25,7 @@ from slime_async.config.run_paths import (
     start_weights,
 )
 from slime_async.config.script_flags import RunFacts, check_run_flags
-from slime_async.engine.backends import get_engine_backend
+from slime_async.contracts.model import ModelSpec
 from slime_async.trainer.config import (
     REAL_MODEL_LR,
     REAL_MODEL_LR_WARN,
@@ -55,10 +57,12 @@ def _reads_behavior(d: Draft) -> bool:
     return resolve_loss_spec(d.loss.loss.name).needs.behavior_logprobs
 
 
-@rule("lr", fills=("lr",))
+@rule("lr", fills=("lr", "lr_decay_iters"))
 def lr(d: Draft) -> None:
     """The learning rate by run kind; a user lr far above what RL on a pretrained model takes is
-    kept, with a warning (it is the user's flag)."""
+    kept, with a warning (it is the user's flag). The schedule's lengths as in slime
+    (`_schedule_lengths`)."""
+    _schedule_lengths(d)
     f = d.flags
     if f.unset("lr"):
         if d.embedded:
@@ -72,6 +76,29 @@ def lr(d: Draft) -> None:
             d.args.lr,
             REAL_MODEL_LR,
         )
+
+
+def _schedule_lengths(d: Draft) -> None:
+    """slime's (Megatron's) defaults: a decaying --lr-decay-style without --lr-decay-iters
+    decays over the run's train steps; --lr-warmup-fraction F warms up for F x
+    --lr-decay-iters (the run's train steps under a constant LR), rounded to whole steps."""
+    a, f = d.args, d.flags
+    decay = a.lr_decay_iters
+    if decay is None and a.lr_decay_style != "constant":
+        decay = a.num_steps
+        f.fill("lr_decay_iters", decay, "slime's default: the run's train steps (--num-steps)")
+    frac = a.lr_warmup_fraction
+    if frac is None:
+        return
+    if a.lr_warmup_iters:
+        raise ValueError(
+            f"--lr-warmup-fraction {frac} and --lr-warmup-iters {a.lr_warmup_iters} both set "
+            "the warmup; give one of them"
+        )
+    length, of = (decay, "--lr-decay-iters") if decay else (a.num_steps, "--num-steps")
+    a.lr_warmup_iters = round(frac * length)  # its default is 0, not unset: set, and said
+    why = f"--lr-warmup-fraction {frac} x {of} {length}, rounded to whole steps"
+    f.note("lr_warmup_iters", a.lr_warmup_iters, why)
 
 
 @rule("run_kind", fills=tuple(run_kind_defaults(embedded=True)))
@@ -179,7 +206,7 @@ def trainer_on_gpu(d: Draft) -> bool:
     """The trainer ranks run on GPUs: this node has CUDA devices (a local Ray node offers them
     and each rank takes one), or the engines are GPU engines (their cluster has GPUs, and the
     ranks' bundles take GPUs wherever the cluster has them: `orchestrator.placement`)."""
-    needs = get_engine_backend(d.args.engine_backend).needs
+    needs = engine_backend_needs(d.args.engine_backend)
     return bool(d.env.gpu_memory_bytes) or needs.gpus_per_engine > 0
 
 
@@ -217,9 +244,30 @@ def trainer(d: Draft) -> None:
             f"--routing-replay {replay} needs an MoE model, but {d.args.hf_checkpoint} is dense "
             f"({model.family}); drop the routing-replay flag"
         )
+    _check_expert_split(t, model)
     d.trainer = dataclasses.replace(
         t, loss=d.loss.loss, temperature=d.rollout.temperature, hf_source=d.args.hf_checkpoint
     )
+
+
+def _check_expert_split(t: TrainerConfig, model: ModelSpec) -> None:
+    """The experts split over --expert-model-parallel-size ranks and each expert's MLP over
+    the expert tensor-parallel ranks (ValueError naming the sizes), now rather than when the
+    trainer builds the model."""
+    if not model.is_moe:
+        return
+    ep, etp = t.expert_model_parallel_size, t.expert_tensor_parallel
+    if model.num_experts % ep:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep}: the model's {model.num_experts} experts do not "
+            "split evenly over that many ranks; give a divisor of the expert count"
+        )
+    if model.moe_intermediate_size % etp:
+        raise ValueError(
+            f"expert tensor-parallel size {etp} (--expert-tensor-parallel-size, default: TP): "
+            f"the experts' MLP width {model.moe_intermediate_size} does not split evenly; give "
+            "a divisor of it"
+        )
 
 
 @rule("script_flags")
@@ -235,7 +283,7 @@ def script_flags(d: Draft) -> None:
         else "the embedded default model (the tiny MoE)"
     )
     shape, errors = check_shape(a, model, where=where)
-    facts = RunFacts(tp=d.trainer.tensor_model_parallel_size, moe=model.is_moe)
+    facts = RunFacts(tp=d.trainer.tensor_model_parallel_size, sft=d.loss.loss.name == SFT_LOSS)
     run, refused = check_run_flags(a, facts)
     raise_all(errors + refused)
     d.flags.accepted.update(shape | run)

@@ -145,6 +145,22 @@ def _reader(path: Path) -> tuple[Iterator[tuple[int, Any, str | None]], str]:
     raise DatasetError(f"{path}: unsupported dataset format {suffix!r}; use .jsonl or .parquet")
 
 
+def count_rows(path: str | Path) -> int:
+    """The rows of a dataset file without reading them: the non-blank lines of a JSONL file,
+    the row count a parquet file's footer records (what slime's `--num-epoch` counts: rows
+    that fail validation count too). Raises `DatasetError` for another format."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        return int(pq.ParquetFile(p).metadata.num_rows)
+    if suffix in (".jsonl", ".ndjson") or p.name.lower().endswith(".json-lines"):
+        with p.open("rb") as f:
+            return sum(1 for line in f if line.strip())
+    raise DatasetError(f"{p}: unsupported dataset format {suffix!r}; use .jsonl or .parquet")
+
+
 # ---------------------------------------------------------------------------- validation
 def _is_messages(x: Any) -> bool:
     return (
@@ -246,7 +262,7 @@ def _tokenized(
     if refs and vision is None:
         raise DatasetError(
             f"rows have images ({config.image_key!r}) but the model is not a vision-language "
-            "model; give a Qwen2.5-VL --hf-checkpoint or drop --multimodal-keys"
+            "model; give a Qwen2.5-VL or Qwen3-VL --hf-checkpoint or drop --multimodal-keys"
         )
     if tokenizer is None:
         return None, None, refs

@@ -130,11 +130,16 @@ def _reward(
 ) -> Any:
     """`--custom-rm-path`, `--rm-type` (slime's rule-based rewards; its `random` seeded by
     `seed`) or `--rm-url` (the remote reward model) when given, else `default`; `evaluates`:
-    the eval samples' (read under `--eval-reward-key`). As in slime, a row whose metadata names
+    the eval samples' (read under `--eval-reward-key`; a --custom-rm-path function's dict
+    answers too: `rw.KeyedReward`). As in slime, a row whose metadata names
     an `rm_type` is scored by that type, unless --custom-rm-path scores every sample."""
-    if rollout.custom_rm_path:
-        return rw.load_reward_fn(rollout.custom_rm_path)
     key = rollout.eval_reward_key if evaluates else rollout.reward_key
+    if rollout.custom_rm_path:
+        fn = rw.load_reward_fn(rollout.custom_rm_path)
+        if key is None:
+            return fn
+        own = evaluates and rollout.eval_reward_key != rollout.reward_key
+        return rw.KeyedReward(fn, key, "--eval-reward-key" if own else "--reward-key")
     remote = None
     if rollout.rm_url:
         remote = RemoteReward(

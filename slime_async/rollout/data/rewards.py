@@ -15,6 +15,9 @@ Plugin contracts, named by ``"package.module:function"`` or ``"package.module.fu
 * slime's: ``async def rm(args, sample, **kwargs) -> float`` (`SlimeSample`), told apart by its
   two required positional parameters; with ``--group-rm`` slime's group form
   ``async def rm(args, samples: list, **kwargs) -> list[float]``.
+
+Any of them may answer a dict instead of a number, as in slime: `KeyedReward` reads the reward
+under ``--reward-key`` (``--eval-reward-key`` for eval samples).
 """
 
 from __future__ import annotations
@@ -194,13 +197,58 @@ def slime_sample(inp: RewardInput, *, group_index: int = 0) -> SlimeSample:
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyedReward:
+    """A reward function whose answer is a dict, read under `key`: slime's `--reward-key`
+    (`--eval-reward-key` for eval samples) with `--custom-rm-path`. The function is called as
+    it would be alone (ours, slime's, slime's group form); each answer is a dict and the reward
+    is its value under `key`."""
+
+    fn: Any
+    """The reward function itself."""
+    key: str
+    """The key of the reward in each answer."""
+    flag: str = "--reward-key"
+    """The flag that gave `key` (for messages)."""
+
+    def pick(self, answer: Any) -> Any:
+        """The reward in `answer` (ValueError naming the key and what the answer holds)."""
+        if not isinstance(answer, Mapping):
+            raise ValueError(
+                f"returned {type(answer).__name__} {answer!r}, not a dict: {self.flag} "
+                f"{self.key} reads the reward out of a dict answer; return a dict holding "
+                f"{self.key!r} (or drop {self.flag})"
+            )
+        if self.key not in answer:
+            raise ValueError(
+                f"returned a dict without the key {self.key!r} ({self.flag}); its keys: "
+                f"{', '.join(map(repr, answer)) or 'none'}: give {self.flag} one of them"
+            )
+        return answer[self.key]
+
+
+def _unkeyed(fn: Any) -> tuple[Any, KeyedReward | None]:
+    """The function to call, and the `KeyedReward` that reads its answers (None: the answer
+    is the reward)."""
+    return (fn.fn, fn) if isinstance(fn, KeyedReward) else (fn, None)
+
+
 def function_name(fn: Any) -> str:
     """`module.qualname` of a plugin, for messages."""
+    fn, _ = _unkeyed(fn)
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 # ---------------------------------------------------------------------------- safe calls
 def _to_result(value: Any) -> RewardResult:
+    if isinstance(value, Mapping):  # slime's reward dicts are read under --reward-key
+        keys = ", ".join(map(repr, value)) or "none"
+        return RewardResult(
+            reward=0.0,
+            status=RewardStatus.ERROR,
+            error=f"returned a dict (keys: {keys}), not a number; give --reward-key KEY "
+            "(and --eval-reward-key KEY for eval samples) to take the reward out of it",
+        )
     if isinstance(value, bool):
         return RewardResult(reward=float(value))
     try:
@@ -222,12 +270,15 @@ def _error_result(e: BaseException) -> RewardResult:
 
 def compute_reward_sync(fn: RewardFn, inp: RewardInput) -> RewardResult:
     """Call a synchronous reward outside an event loop; never raises."""
+    fn, keyed = _unkeyed(fn)
     try:
         value = fn(inp)
         if inspect.isawaitable(value):
             if inspect.iscoroutine(value):
                 value.close()
             raise TypeError("async reward called through compute_reward_sync; use compute_reward")
+        if keyed is not None:
+            value = keyed.pick(value)
     except Exception as e:
         return _error_result(e)
     return _to_result(value)
@@ -239,10 +290,13 @@ async def compute_reward(fn: RewardFn, inp: RewardInput, *, args: Any = None) ->
 
     Errors and NaN/inf/non-numbers become results with status ERROR/NON_FINITE (reward 0.0).
     """
+    fn, keyed = _unkeyed(fn)
     try:
         value = fn(args, slime_sample(inp)) if is_slime_style(fn) else fn(inp)
         if inspect.isawaitable(value):
             value = await value
+        if keyed is not None:
+            value = keyed.pick(value)
     except Exception as e:
         return _error_result(e)
     return _to_result(value)
@@ -253,6 +307,7 @@ async def compute_group_rewards(
 ) -> list[RewardResult]:
     """slime's `--group-rm`: `rm(args, samples) -> list` once for a whole group; never raises
     (a raise, or a list of the wrong length, gives every sample an ERROR result)."""
+    fn, keyed = _unkeyed(fn)
     try:
         value = fn(args, [slime_sample(i, group_index=group_index) for i in inps])
         if inspect.isawaitable(value):
@@ -260,6 +315,8 @@ async def compute_group_rewards(
         values = list(value)
         if len(values) != len(inps):
             raise ValueError(f"returned {len(values)} rewards for a group of {len(inps)}")
+        if keyed is not None:
+            values = [keyed.pick(v) for v in values]
     except Exception as e:
         return [_error_result(e)] * len(inps)
     return [_to_result(v) for v in values]

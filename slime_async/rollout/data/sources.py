@@ -94,6 +94,7 @@ def dataset_prompts(data: LoadedDataset) -> list[Prompt]:
                     if row.images
                     else {}
                 ),
+                extra_work=row.image_tokens if row.images else 0,
             )
         )
     if repeats:

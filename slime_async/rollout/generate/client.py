@@ -60,6 +60,10 @@ class GenerateClientConfig:
     api_key: str | None = dataclasses.field(default=None, repr=False)
     """The run's data-plane key, sent as `Authorization: Bearer` (a router or engine with keys
     requires it on /generate); never the admin key."""
+    image_token_id: int | None = None
+    """A vision-language model's `<|image_pad|>`: a prompt with images is sent in SGLang's form,
+    each image's placeholder run collapsed to one pad (SGLang's processor expands it again from
+    the image; so does the embedded engine), the images themselves in `image_data`."""
 
 
 class GenerateError(RuntimeError):
@@ -90,6 +94,12 @@ def token_versions(meta: dict[str, Any], n_tokens: int) -> list[int]:
         for t in range(max(0, int(span["start"])), min(n_tokens, int(span["end"]))):
             out[t] = v
     return out
+
+
+def one_pad_per_image(ids: list[int], pad: int) -> list[int]:
+    """`ids` with every run of `pad` tokens collapsed to one (SGLang's `/generate` form of a
+    prompt with images: its processor expands each pad to the image's token count)."""
+    return [t for i, t in enumerate(ids) if t != pad or i == 0 or ids[i - 1] != pad]
 
 
 class GenerateClient:
@@ -130,15 +140,18 @@ class GenerateClient:
             sampling["stop_token_ids"] = list(cfg.stop_token_ids)
         if cfg.stop:
             sampling["stop"] = list(cfg.stop)
+        refs = req.prompt.payload.get("images")
+        ids = list(req.prompt.prompt_ids)
+        if refs and cfg.image_token_id is not None:
+            ids = one_pad_per_image(ids, cfg.image_token_id)
         body: dict[str, Any] = {
-            "input_ids": [*req.prompt.prompt_ids, *req.prefix_ids],
+            "input_ids": [*ids, *req.prefix_ids],
             "sampling_params": sampling,
             "return_logprob": True,
             "rid": f"{req.prompt.key}-g{req.group_seq}-s{req.sample_index}-a{req.attempt}",
         }
         if cfg.return_routed_experts:
             body["return_routed_experts"] = True
-        refs = req.prompt.payload.get("images")
         if refs:  # the engine takes the images themselves (data URIs), never a path
             body["image_data"] = [data_uri(r) for r in refs]
         if cfg.lora_name is not None:
@@ -150,15 +163,16 @@ class GenerateClient:
     ) -> GenerationResult:
         del priority  # ordering is the data worker's job; the router balances on expected_len
         body = self.build_request(req)
-        # an image's placeholders cost a prefill and a vision forward: counted as work too
-        work = int(expected_len) + int(req.prompt.payload.get("image_tokens") or 0)
+        # expected_len already counts the prompt's image tokens (the data worker's extra_work)
         headers = {
-            "X-Expected-Tokens": str(max(1, work)),
+            "X-Expected-Tokens": str(max(1, int(expected_len))),
             # the router keeps a group's samples on the engine that caches their prompt
             "X-Group-Key": f"{req.prompt.key}-g{req.group_seq}",
         }
         data = await self.post(body, headers)
-        return self.parse_response(data, prompt_len=len(body["input_ids"]))
+        # the trained prompt is the expanded one (a collapsed body is shorter)
+        prompt_len = len(req.prompt.prompt_ids) + len(req.prefix_ids)
+        return self.parse_response(data, prompt_len=prompt_len)
 
     async def post(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         """POST `/generate` with connection-level retries; the parsed JSON answer. In a LoRA

@@ -24,10 +24,11 @@ from typing import Any, ClassVar
 
 import ray
 
+from slime_async.config.engine_backends import BUILTIN_NEEDS
 from slime_async.contracts.engine import EngineLaunch, EngineNeeds
-from slime_async.engine.backends.ray_actor import RayActorBackend
 from slime_async.engine.config import EngineConfig
 from slime_async.engine.sglang import SGLangConfig, SGLangServer
+from slime_async.orchestrator.engines.ray_actor import RayActorBackend
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 """Any of these in a checkpoint directory: SGLang can load a tokenizer from it."""
@@ -35,6 +36,37 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 def _has_tokenizer(path: str | None) -> bool:
     return bool(path) and any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def _is_vl(model_dir: str | None) -> bool:
+    """The checkpoint's `config.json` names a vision-language model (its `vision_config`)."""
+    import json
+
+    path = os.path.join(model_dir or "", "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return bool(json.load(f).get("vision_config"))
+
+
+def _vl_tokenizer(launch: EngineLaunch, tokenizer: str | None, user: set[str]) -> None:
+    """ValueError naming the fix when SGLang could not place a VL model's images: its image
+    processor decodes `input_ids` with the tokenizer and reads `preprocessor_config.json`
+    beside it."""
+    if "--skip-tokenizer-init" in user:
+        raise ValueError(
+            "--sglang-skip-tokenizer-init cannot serve a vision-language model: SGLang's image "
+            "processor decodes input_ids with the tokenizer; drop the flag"
+        )
+    where = tokenizer or launch.model_dir
+    if "--tokenizer-path" not in user and not (
+        _has_tokenizer(where) and os.path.isfile(os.path.join(where, "preprocessor_config.json"))
+    ):
+        raise ValueError(
+            f"a vision-language model on SGLang needs the tokenizer and preprocessor_config.json "
+            f"of its processor; {where} lacks them: use an --hf-checkpoint that has both (the "
+            "HF processor's save_pretrained writes them)"
+        )
 
 
 def sglang_config(
@@ -48,7 +80,10 @@ def sglang_config(
     `--hf-checkpoint` (the trainer's export has no tokenizer files). Only where neither has
     tokenizer files on the server's node (a model built from its spec, a hub id) is it started
     with `--skip-tokenizer-init`. A `--sglang-skip-tokenizer-init` or `--sglang-tokenizer-path` of the
-    user's decides instead, untouched."""
+    user's decides instead, untouched. A vision-language checkpoint (`vision_config` in its
+    `config.json`) adds `--enable-multimodal` and needs the tokenizer and the processor's
+    `preprocessor_config.json` (ValueError otherwise); its memory fraction stays SGLang's own,
+    which reserves room for the vision encoder, unless `--sglang-mem-fraction-static` is given."""
     extra = tuple(getattr(fleet, "sglang_args", ()))
     user = {a.split("=", 1)[0] for a in extra}
     tokenizer, skip = None, False
@@ -57,6 +92,9 @@ def sglang_config(
         if not _has_tokenizer(launch.model_dir) and _has_tokenizer(source):
             tokenizer = source
         skip = tokenizer is None and not _has_tokenizer(launch.model_dir)
+    vl = _is_vl(launch.model_dir)
+    if vl:
+        _vl_tokenizer(launch, tokenizer, user)
     sleep = bool(getattr(fleet, "engine_sleep", False))
     return SGLangConfig(
         model_path=launch.model_dir,
@@ -70,6 +108,7 @@ def sglang_config(
         enable_return_routed_experts=True,
         skip_tokenizer_init=skip,
         tokenizer_path=tokenizer,
+        enable_multimodal=vl and "--enable-multimodal" not in user,
         extra_args=extra,
         enable_memory_saver=sleep and not user & {"--enable-memory-saver"},
         enable_lora=engine.enable_lora,
@@ -118,13 +157,7 @@ class SGLangActor:
 class SGLangBackend(RayActorBackend):
     """One `SGLangActor` (its bundle's GPUs) per engine; restartable."""
 
-    needs: ClassVar[EngineNeeds] = EngineNeeds(
-        model_dir=True,
-        gpus_per_engine=1,
-        collective_backend="nccl",
-        checkpoint_to_start=True,
-        sglang_flags=True,
-    )
+    needs: ClassVar[EngineNeeds] = BUILTIN_NEEDS["sglang"]
     label: ClassVar[str] = "sglang server"
 
     def start_limit_s(self) -> float:

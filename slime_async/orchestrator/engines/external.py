@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import aiohttp
 
+from slime_async.config.engine_backends import BUILTIN_NEEDS
 from slime_async.contracts.engine import EngineHandle, EngineLaunch, EngineNeeds
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ async def probe(url: str, *, timeout_s: float, token: str | None = None) -> dict
 class ExternalBackend:
     """Engines are the servers at `fleet.urls`, one per index (see module docstring)."""
 
-    needs: ClassVar[EngineNeeds] = EngineNeeds(model_dir=False, urls=True, owns_processes=False)
+    needs: ClassVar[EngineNeeds] = BUILTIN_NEEDS["external"]
     can_restart: ClassVar[bool] = False
 
     def __init__(self, fleet: Any, engine: Any = None) -> None:

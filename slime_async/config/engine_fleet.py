@@ -20,11 +20,8 @@ import os
 
 from clifields import add_flags, check_ranges, flag, from_args
 from router.config import check_worker_url
+from slime_async.config.engine_backends import engine_backend_needs, resolve_engine_backend
 from slime_async.contracts.engine import EngineLaunch, EngineNeeds
-from slime_async.engine.backends.registry import (
-    get_engine_backend,
-    resolve_engine_backend,
-)
 from slime_async.engine.config import EngineConfig
 
 
@@ -173,8 +170,8 @@ class EngineFleetConfig:
 
     @property
     def needs(self) -> EngineNeeds:
-        """What the chosen backend needs and can do (its registered class's `needs`)."""
-        return get_engine_backend(self.backend).needs
+        """What the chosen backend needs and can do (`engine_backend_needs`)."""
+        return engine_backend_needs(self.backend)
 
     @property
     def rollout_num_gpus(self) -> int:
@@ -182,11 +179,11 @@ class EngineFleetConfig:
         return self.num_engines * self.gpus_per_engine
 
     def __post_init__(self) -> None:
-        backend = get_engine_backend(self.backend)  # unknown names fail with the choices
+        needs = engine_backend_needs(self.backend)  # unknown names fail with the choices
         self._check_gpus()
         check_ranges(self)
-        self._check_sglang_flags(backend.needs)
-        self._check_urls(backend.needs)
+        self._check_sglang_flags(needs)
+        self._check_urls(needs)
 
     def _check_gpus(self) -> None:
         """`--rollout-num-gpus` is a multiple of the per-engine GPUs and agrees with
@@ -282,7 +279,7 @@ class EngineFleetConfig:
             backend = getattr(args, "engine_backend", None) or "embedded"
             if total is not None:
                 num = max(total // per, 1)  # a total that is no multiple is refused, naming it
-            elif urls and get_engine_backend(backend).needs.urls:
+            elif urls and engine_backend_needs(backend).urls:
                 num = len(urls)
         given = {} if num is None else {"num_engines": num}
         sglang = tuple(getattr(args, "sglang_args", ()) or ())

@@ -11,11 +11,12 @@ from typing import ClassVar
 
 import ray
 
+from slime_async.config.engine_backends import BUILTIN_NEEDS
+from slime_async.config.engine_fleet import launch_engine_config
 from slime_async.contracts.engine import EngineLaunch, EngineNeeds
-from slime_async.engine.backends.config import launch_engine_config
-from slime_async.engine.backends.ray_actor import RayActorBackend
 from slime_async.engine.config import EngineConfig
 from slime_async.host import gloo_interface, pin_cores
+from slime_async.orchestrator.engines.ray_actor import RayActorBackend
 
 
 @ray.remote(num_cpus=0)
@@ -45,9 +46,7 @@ class EngineActor:
 class EmbeddedBackend(RayActorBackend):
     """One `EngineActor` per engine; restartable; CPU or any device torch has."""
 
-    needs: ClassVar[EngineNeeds] = EngineNeeds(
-        model_dir=True, versioned_adapters=True, distributed_adapters=True
-    )
+    needs: ClassVar[EngineNeeds] = BUILTIN_NEEDS["embedded"]
     label: ClassVar[str] = "embedded engine"
 
     def make_actor(self, launch: EngineLaunch) -> ray.actor.ActorHandle:
