@@ -131,11 +131,18 @@ class RouterClient:
         return await self.fan_out("/pause_generation", {"mode": mode})
 
     async def release_memory_occupation(
-        self, tags: list[str] | None = None, *, worker_urls: list[str] | None = None
+        self,
+        tags: list[str] | None = None,
+        *,
+        worker_urls: list[str] | None = None,
+        drain_s: float = 0.0,
     ) -> dict:
         """Put engines to sleep (abort, drain, release; router/sleep.py): `worker_urls`, or every
-        serving engine. Raises `FanoutError` when one failed."""
+        serving engine; `drain_s`: first let their running requests finish for up to that long.
+        Raises `FanoutError` when one failed."""
         body: dict = {"tags": tags}
+        if drain_s:
+            body["drain_s"] = drain_s
         if worker_urls is not None:
             body["worker_urls"] = worker_urls
         return await self.fan_out("/release_memory_occupation", body, strict=True)

@@ -7,7 +7,9 @@ each engine out of rotation first (`WorkerState.SLEEPING`: no new request is bou
 probe re-admits it, no control fan-out reaches it), aborts what runs on it
 (`/abort_request {"abort_all": true}`) until none of its requests is in flight (the proxy
 re-dispatches each aborted one to another engine: router/proxy.py), then calls the engine's
-release; an engine that refuses (it was not idle yet) is retried until `control_timeout_s`,
+release. With `drain_s` in the body (ours, not SGLang's) the release first waits up to that
+many seconds for the engine's running requests to finish on their own (a drain: out of
+rotation, nothing cut) and aborts only what is left. An engine that refuses (it was not idle yet) is retried until `control_timeout_s`,
 then put back into rotation and reported failed. A resume wakes the engine, replays the weight
 calls it missed while asleep (the control fan-out skips sleeping engines: only engines that
 serve get a new version), and only then admits it. Reply: the control fan-out's shape.
@@ -28,6 +30,15 @@ from router.workers import Worker, WorkerRegistry, WorkerState
 
 _ABORT_ALL = json.dumps({"abort_all": True}).encode()
 SLEEP_PATHS = ("/release_memory_occupation", "/resume_memory_occupation")
+
+
+def parse_drain_s(raw: bytes) -> float:
+    """The body's `drain_s` (0 when absent); ValueError when it is not a number >= 0."""
+    body = json.loads(raw) if raw.strip() else {}
+    v = body.get("drain_s", 0.0) if isinstance(body, dict) else 0.0
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < float("inf"):
+        raise ValueError(f"drain_s must be a number of seconds >= 0, got {v!r}")
+    return float(v)
 
 
 def parse_sleep_body(raw: bytes) -> tuple[Any, tuple[str, ...] | None]:
@@ -76,7 +87,9 @@ class SleepControl:
     async def handle(self, request: web.Request) -> web.Response:
         waking = request.path == "/resume_memory_occupation"
         try:
-            tags, urls = parse_sleep_body(await request.read())
+            raw = await request.read()
+            tags, urls = parse_sleep_body(raw)
+            drain_s = parse_drain_s(raw)
             targets = self._targets(urls, waking=waking)
         except ValueError as e:
             return web.json_response(
@@ -84,8 +97,10 @@ class SleepControl:
                 status=400,
             )
         body = json.dumps({"tags": tags}).encode()
-        one = self.wake if waking else self.sleep
-        outcomes = await asyncio.gather(*(one(w, body, tags) for w in targets))
+        if waking:
+            outcomes = await asyncio.gather(*(self.wake(w, body, tags) for w in targets))
+        else:
+            outcomes = await asyncio.gather(*(self.sleep(w, body, tags, drain_s) for w in targets))
         failed = [
             {"worker_id": w.id, "url": w.url, "status": o["status"], "error": o["error"]}
             for w, o in zip(targets, outcomes)
@@ -100,13 +115,16 @@ class SleepControl:
         }
         return web.json_response(reply, status=200 if not failed else 207)
 
-    async def sleep(self, w: Worker, body: bytes, tags: Any) -> dict:
-        """Abort → drain → release on one engine (see the module docstring)."""
+    async def sleep(self, w: Worker, body: bytes, tags: Any, drain_s: float = 0.0) -> dict:
+        """(Wait up to `drain_s`) → abort → drain → release on one engine (module docstring)."""
         if w.state is WorkerState.SLEEPING:  # already asleep: release more tags
             return await self.control.call(w, "POST", "/release_memory_occupation", body)
         was = w.state
         self.registry.sleep(w)
         self.sleeps += 1
+        drained = time.monotonic() + drain_s
+        while w.outstanding_requests and time.monotonic() < drained:
+            await asyncio.sleep(0.02)
         deadline = time.monotonic() + self.control.cfg.control_timeout_s
         while True:
             while w.outstanding_requests and time.monotonic() < deadline:

@@ -2,7 +2,8 @@
 
 Owns `pin_cores` (CPU core pinning inside a process: the CPU analogue of separate GPU pools),
 `free_port` (a free local TCP port), `trim_heap` (freed memory back to the system) and
-`limit_malloc_arenas` (fewer per-thread heaps), `ray_address` (the cluster a run joins: the flag, else
+`limit_malloc_arenas` (fewer per-thread heaps), `rss_bytes` (this process's resident memory),
+`ray_address` (the cluster a run joins: the flag, else
 `RAY_ADDRESS`), and the two file primitives every durable write uses:
 `atomic_write_text` (temp file, fsync, rename) and `file_sha256`. Imports nothing from
 slime_async.
@@ -39,6 +40,17 @@ def trim_heap() -> bool:
     made the step 1.75x slower here (a page fault per fresh block): not done."""
     libc = _glibc()
     return libc is not None and bool(libc.malloc_trim(0))
+
+
+def rss_bytes() -> float:
+    """This process's resident memory in bytes (`VmRSS`; 0.0 where /proc has none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def limit_malloc_arenas(arenas: int = 2) -> bool:

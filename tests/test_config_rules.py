@@ -377,19 +377,41 @@ def test_engines_from_the_gpus():
     assert why(d, "--num-engines") == "--rollout-num-gpus 4 / --rollout-num-gpus-per-engine 2"
 
 
+_ROLES = {"trainer": TrainerConfig(), "engines": EngineFleetConfig()}
+
+
 def test_placement_splits_the_cores_or_shares_one():
-    d = draft()
+    d = draft(**_ROLES)
     serving.placement(d)
     assert d.placement == Placement(colocate=False, trainer_cores=(0, 1), rollout_cores=(2, 3))
     assert why(d, "--colocate") == "4 usable CPU core(s): [0, 1, 2, 3]"
-    one = draft(env=dataclasses.replace(ENV, cpus=(5,)))
+    assert d.args.offload_train is False and d.args.engine_sleep_level == 0
+    one = draft(env=dataclasses.replace(ENV, cpus=(5,)), **_ROLES)
     serving.placement(one)
     assert one.placement == Placement(colocate=True)
+    assert one.args.offload_train is False  # a derived --colocate shares the core only
     with pytest.raises(ValueError, match="overlap"):
-        serving.placement(draft("--trainer-cores", "0,1", "--rollout-cores", "1,2"))
+        serving.placement(draft("--trainer-cores", "0,1", "--rollout-cores", "1,2", **_ROLES))
     joined = dataclasses.replace(ENV, ray_address="h:1")
     with pytest.raises(ValueError, match="joined Ray cluster"):
-        serving.placement(draft("--trainer-cores", "0", env=joined))
+        serving.placement(draft("--trainer-cores", "0", env=joined, **_ROLES))
+
+
+def test_a_given_colocate_takes_turns_as_in_slime():
+    d = draft("--colocate", **_ROLES)
+    serving.placement(d)
+    assert d.args.offload_train is True and d.args.offload_rollout is True
+    assert d.args.engine_sleep_level == 2 and "--colocate (slime's" in why(d, "--offload-train")
+    kept = draft("--colocate", "--engine-sleep-level", "1", **_ROLES)
+    serving.placement(kept)
+    assert kept.args.engine_sleep_level == 1 and "--engine-sleep-level" not in kept.flags.derived
+    gpu = draft("--colocate", env=dataclasses.replace(ENV, gpu_memory_bytes=(80 << 30,)), **_ROLES)
+    serving.placement(gpu)
+    assert gpu.args.offload_train is False and "GPUs" in why(gpu, "--offload-train")
+    with pytest.raises(ValueError, match="built for CPU memory only"):
+        serving.placement(
+            draft("--offload", env=dataclasses.replace(ENV, gpu_memory_bytes=(1,)), **_ROLES)
+        )
 
 
 def test_cache_salt_by_backend():

@@ -101,7 +101,7 @@ async def test_async_modes_train_and_respect_staleness(tmp_path, staleness, capl
     def at(phase: str) -> int:
         return next(i for i, x in enumerate(said) if x.startswith("start-up: " + phase))
 
-    trainer = [at("building the trainer (1 rank(s), TP 1 / PP 1 / EP 1)"), at("exporting the")]
+    trainer = [at("building the trainer (1 rank(s), TP 1 / PP 1 / EP 1 / ETP 1)"), at("exporting")]
     engines = [at("starting 1 engine(s) (embedded) and the router"), at("router on http://")]
     load = at("engines load version 0 through the distributed transport")
     assert at("Ray (local node)") < min(trainer + engines), said
@@ -224,8 +224,11 @@ async def test_a_start_that_fails_after_the_engines_started_early_stops_them(tmp
                 titles.append(" ".join(p.cmdline()))
         return [t for t in titles if "EngineActor" in t or "RouterActor" in t]
 
+    def cpus_held() -> float:  # a removed placement group's CPUs come back asynchronously
+        return ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
+
     deadline = time.monotonic() + 30
-    while left() and time.monotonic() < deadline:
+    while (left() or cpus_held()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left(), left()
-    assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
+    assert cpus_held() == 0

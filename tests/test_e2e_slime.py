@@ -140,7 +140,7 @@ def test_slime_flags_keep_slime_meanings(tmp_path):
             "--custom-generate-function-path",
         ),
         (["--group-rm", "--dynamic-sampling"], "drop one of them"),
-        (["--colocate", "--engine-backend", "sglang"], "GPU"),
+        (["--colocate", "--engine-sleep-level", "0"], "--engine-sleep-level 0 keeps it"),
     ],
 )
 def test_slime_flags_without_an_equivalent_are_refused_with_ours(tmp_path, extra, match, capsys):

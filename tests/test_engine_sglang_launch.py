@@ -529,3 +529,36 @@ def test_sleep_and_wake_pass_through_the_sglang_launcher(fake_sglang, tmp_path: 
         assert "--enable-memory-saver" in argv and "--enable-weights-cpu-backup" in argv
     finally:
         srv.stop()
+
+
+def test_colocated_train_async_with_sglang_backend(fake_sglang, tmp_path: Path) -> None:
+    """slime's `--colocate` with SGLang servers: each server starts with its memory saver, and
+    every train step releases it (level 2: weights and KV cache) while the trainer trains and
+    resumes it after the trainer offloaded; the server itself reports each state."""
+    import subprocess
+    import sys
+
+    from slime_async.orchestrator.colocate import read_events
+    from tests.test_colocate import TURN, check_turns
+
+    record, _ = fake_sglang
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "SLIME_ASYNC_AUTH_TOKEN": TOKEN, "RAY_ADDRESS": "local"}
+    argv = [
+        *(sys.executable, "train_async.py", "--engine-backend", "sglang", "--colocate"),
+        *("--rollout-num-gpus", "1", "--run-dir", str(run_dir), "--num-steps", "2"),
+        *("--warmstart-steps", "0", "--eval-interval", "0", "--rollout-batch-size", "2"),
+        *("--n-samples-per-prompt", "2", "--rollout-max-response-len", "8"),
+        *("--micro-batch-size", "2", "--update-weight-backend", "gloo", "--max-staleness", "0"),
+    ]
+    res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=280)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    assert "derived: --engine-sleep True" in res.stderr
+    (rec,) = _records(record)
+    assert {"--enable-memory-saver", "--enable-weights-cpu-backup"} <= set(rec["argv"])
+    events = read_events(run_dir)
+    check_turns(events, [1, 2])
+    assert [e["event"] for e in events[9:]] == TURN[1:3]  # the final save's onload, offload
+    served = json.loads((run_dir / "served_versions.json").read_text())
+    assert list(served["engines"].values()) == ["2"], served
+    assert _wait_gone(rec["pid"]), "the SGLang server outlived the run"

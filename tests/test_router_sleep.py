@@ -119,3 +119,38 @@ async def test_sleep_body_errors_name_the_field(engine_urls):
             assert st == 400 and "tags must be a list" in reply["error"]["message"]
     finally:
         await router.stop()
+
+
+async def test_a_drained_sleep_lets_running_requests_finish_and_cuts_none(engine_urls):
+    """`drain_s`: the engine leaves the rotation at once (a new request goes to the other), its
+    running requests finish where they are (none cut, none re-dispatched), then it sleeps."""
+    a_url, b_url = engine_urls
+    router = Router(RouterConfig(worker_urls=(a_url, b_url), health_interval_s=0.1))
+    url = await router.start()
+    a = router.registry.find_url(a_url)
+    try:
+        async with aiohttp.ClientSession() as s:
+            while len(router.registry.healthy()) < 2:
+                await asyncio.sleep(0.05)
+            jobs = [asyncio.ensure_future(post(s, url + "/generate", _body(i))) for i in range(4)]
+            while not a.outstanding_requests:
+                await asyncio.sleep(0.01)
+            on_a, served = a.outstanding_requests, a.total_requests
+            body = {"tags": ["kv_cache"], "worker_urls": [a_url], "drain_s": 60}
+            sleeping = asyncio.ensure_future(post(s, url + "/release_memory_occupation", body))
+            while a.state is not WorkerState.SLEEPING:
+                await asyncio.sleep(0.01)
+            st, _ = await post(s, url + "/generate", {**_body(9), "rid": "during-drain"})
+            assert st == 200 and a.total_requests == served  # not sent to the draining one
+            st, reply = await sleeping
+            assert st == 200 and reply["succeeded"] == 1, reply
+            answers = await asyncio.gather(*jobs)
+            assert [st for st, _ in answers] == [200] * 4
+            assert all(o["meta_info"]["finish_reason"]["type"] == "length" for _, o in answers)
+            assert on_a >= 1 and router.proxy.stats.redispatched == 0
+            st, reply = await post(s, url + "/release_memory_occupation", {"drain_s": -1})
+            assert st == 400 and "drain_s" in reply["error"]["message"]
+            st, reply = await post(s, url + "/resume_memory_occupation", {"tags": None})
+            assert st == 200 and reply["succeeded"] == 1, reply
+    finally:
+        await router.stop()

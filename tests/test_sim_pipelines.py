@@ -33,6 +33,7 @@ def _load(name: str):
 @pytest.fixture(scope="module")
 def sim():
     sd = _load("simulate_dispatch")
+    _load("sim_pool"), _load("sim_member")
     return sd, _load("simulate_pipelines")
 
 
@@ -93,8 +94,9 @@ def test_the_simulator_drives_the_scheduler_actors_core(sim, monkeypatch) -> Non
 
     class Recording(sp.SchedulerCore):
         def join(self, name, **kw):
-            calls.append(("join", name, kw, None))
-            return super().join(name, **kw)
+            out = super().join(name, **kw)
+            calls.append(("join", name, kw, out))
+            return out
 
         def report(self, name, **kw):
             out = super().report(name, **kw)
@@ -120,3 +122,20 @@ def test_the_simulator_drives_the_scheduler_actors_core(sim, monkeypatch) -> Non
             assert getattr(replay, what)(name, **kw) == out
     grants = [e for e in replay.events if "granted" in e[2]]
     assert len(grants) > 4
+
+
+def test_a_hung_member_is_fenced_and_rejoins_and_no_device_holds_two_engines(sim) -> None:
+    """A pipeline whose reports hang is dropped; its member puts its engines to sleep on its
+    own and joins again when the reports come back; the others go on; at no moment are two
+    pipelines' engines awake on one accelerator (`Pool` raises `DoubleOccupancy`)."""
+    sd, sp = sim
+    kw = dict(heartbeat_s=1.0, min_hold_s=30.0, sleep_s=30.0, wake_s=1.0, sync_s=0.5)
+    stall = ("a", 300.0, 360.0)
+    r = _two(sd, sp, heartbeat_timeout_s=10.0, fence_s=45.0, stall=stall, **kw)
+    a, b = r.pipes
+    assert a.fences == 1 and a.rejoins == 1 and a.dropped_at is not None
+    assert b.rejoins == 0 and min(a.steps, b.steps) >= 5
+    pool = sp.Pool(1, 4)
+    pool.load(0, "a")
+    with pytest.raises(sp.DoubleOccupancy, match="resident"):
+        pool.load(0, "b")

@@ -65,7 +65,7 @@ def _error_lines(argv, tmp_path, capsys) -> list[str]:
         (["--num-steps", "3", "--num-rollout", "2"], "give either --num-steps or --num-rollout"),
         (["--max-staleness", "-1"], "must be an integer >= 0, got -1"),
         (["--advantage-estimator", "ppo"], "no critic"),
-        (["--offload-train"], "nothing to offload"),
+        (["--offload", "--no-offload-train"], "drop one of them"),
         (["--gamma=1.0"], NOT_HERE["--gamma"]),
     ],
 )
@@ -78,10 +78,10 @@ def test_one_error_is_one_message_and_a_hint(argv, says, tmp_path, capsys):
 
 
 def test_several_unknown_slime_flags_each_get_their_answer(tmp_path, capsys):
-    argv = ["--offload", "--http-proxy", "http://proxy:3128", "--bogus"]
+    argv = ["--release-train", "--http-proxy", "http://proxy:3128", "--bogus"]
     lines = _error_lines(argv, tmp_path, capsys)
     text = "\n".join(lines)
-    assert NOT_HERE["--offload"] in text and NOT_HERE["--http-proxy"] in text
+    assert NOT_HERE["--release-train"] in text and NOT_HERE["--http-proxy"] in text
     assert "unrecognized argument --bogus" in text
 
 

@@ -209,7 +209,7 @@ def test_shape_flags_that_differ_from_config_json_are_one_line_each(tmp_path, ca
         (["--optimizer", "sgd"], "Megatron's Adam"),
         (["--no-rollout-shuffle"], "always shuffled"),
         (["--kl-coef", "0.1"], "--use-kl-loss --kl-loss-coef C"),
-        (["--offload-train"], "nothing to offload"),
+        (["--offload-train", "--lora-rank", "4"], "adapter pushes read the live trainer"),
         (["--disable-compute-advantages-and-returns"], "slime's switch is for SFT"),
         (["--num-epoch", "2"], "counts passes over --prompt-data"),
         (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "both set the warmup"),

@@ -147,7 +147,9 @@ class EngineFleetConfig:
     """Interpreter that runs `python -m sglang.launch_server` on every engine node (None: this
     run's own), e.g. /opt/sglang/bin/python of a virtual environment that has only SGLang; the
     path must exist on each node (`--engine-backend sglang` only)."""
-    engine_sleep: bool = False
+    engine_sleep: bool = flag(
+        False, derived="on with --engine-sleep-level > 0 (--colocate) and --engine-backend sglang"
+    )
     """Start SGLang servers able to sleep and wake (`--enable-memory-saver` and
     `--enable-weights-cpu-backup`), so `/release_memory_occupation` really frees their memory
     (the pipeline scheduler and the colocated mode use it). The embedded engine always can."""

@@ -48,8 +48,18 @@ class PipelineSchedulerConfig:
     heartbeat_timeout_s: float = 10.0
     """A pipeline silent this long is dropped: its grants go to the others at once."""
     min_hold_s: float = 2.0
-    """A granted slot stays with its pipeline at least this long while it still wants
-    generation (a switch costs a sleep and a wake)."""
+    """A granted slot stays with its pipeline at least this long (a switch costs a sleep and a
+    wake), unless a pipeline of higher priority needs it."""
+    drain_timeout_s: float = 60.0
+    """A slot handed over to a pipeline of equal or lower priority first drains: its engine
+    takes no new request and the slot is released once its running requests finished, or
+    after this many seconds (the rest are cut and sent whole to the pipeline's other engines).
+    A pipeline of higher priority gets it at once (cut, no drain)."""
+    fence_s: float = 30.0
+    """A dropped (silent) pipeline's slots are granted to others only this long after the drop,
+    or as soon as it joins again: the time its member has to put its engines to sleep on its
+    own (it does once it had no answer for `heartbeat_timeout_s`), so that two engines never
+    share a device."""
     min_pipelines: int = 1
     """Grant no slot before this many pipelines joined (a gang start: the pipelines of a pool
     begin sharing together); once reached, later leaves do not hold grants back."""
@@ -62,7 +72,7 @@ class PipelineSchedulerConfig:
             raise ValueError(f"min_pipelines must be >= 1, got {self.min_pipelines}")
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
-        for name in ("heartbeat_timeout_s", "min_hold_s"):
+        for name in ("heartbeat_timeout_s", "min_hold_s", "drain_timeout_s", "fence_s"):
             v = getattr(self, name)
             if not 0 <= v < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v}")

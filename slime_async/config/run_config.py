@@ -112,12 +112,14 @@ class RunConfig:
     ignores it when --num-rollout is given: logged so here)."""
     update_weights_interval: int = flag(1, ge=1)
     """Push weights to the engines every this many train steps."""
-    engine_sleep_level: int = flag(0, ge=0, le=2)
+    engine_sleep_level: int = flag(
+        0, ge=0, le=2, derived="2 with --offload-rollout (--colocate, --offload), else 0"
+    )
     """Put the engines to sleep during every train step (generation paused, in-flight samples
     continued after it, as across a weight push): 1 frees their KV and prefix caches, 2 also
     their weights (SGLang's release_memory_occupation), so a colocated run really releases
-    the engines' memory while the trainer needs it; 0 (the default): engines keep generating
-    while the trainer trains (asynchronous)."""
+    the engines' memory while the trainer needs it; 0: engines keep generating while the
+    trainer trains (asynchronous)."""
     save_interval: int = flag(0, ge=0, hint="0 = only at the end")
     """Checkpoint (--save) and HF export (--save-hf) every this many rollouts, slime's unit
     (this x --num-steps-per-rollout train steps); 0: only at the end."""
@@ -152,8 +154,20 @@ class RunConfig:
     engines: EngineFleetConfig = flag(default_factory=EngineFleetConfig, cli=False)
     """The rollout engines: backend, count, URLs to attach (flags owned by the backends)."""
     colocate: bool = flag(False, derived="on only when this process may use a single core")
-    """Share all CPU cores between trainer and engines instead of pinning them to disjoint
-    cores. Not slime's GPU colocation: refused with --engine-backend sglang."""
+    """slime's: trainer and engines share the devices (all CPU cores; with --engine-backend
+    sglang the SGLang servers start with --enable-memory-saver) and take turns: given, it
+    means --offload-train --offload-rollout (engines released while the trainer trains, the
+    trainer offloaded while the engines generate). Derived (one usable core), it shares the
+    cores only."""
+    offload: bool = False
+    """slime's: --offload-train and --offload-rollout together."""
+    offload_train: bool = flag(False, derived="on with --colocate or --offload")
+    """slime's: offload the trainer (parameters, gradients, optimizer state; the newest
+    version kept in a CPU weight cache, which the engines are given) while the engines
+    generate; it onloads for each train step (docs/pipeline-scheduler.md#the-colocated-mode)."""
+    offload_rollout: bool = flag(False, derived="on with --colocate or --offload")
+    """slime's: release the engines' memory (SGLang's release_memory_occupation, at
+    --engine-sleep-level) while the trainer trains; they resume before the weight push."""
     trainer_cores: tuple[int, ...] = flag(
         (), parse=parse_cores, derived="the first half of the usable cores"
     )
@@ -214,7 +228,15 @@ class RunConfig:
         return self.rollout.seed_or(self.seed)
 
 
-_PLACEMENT = ("colocate", "trainer_cores", "rollout_cores", "memory_limit_gib")
+_PLACEMENT = (
+    "colocate",
+    "offload",
+    "offload_train",
+    "offload_rollout",
+    "trainer_cores",
+    "rollout_cores",
+    "memory_limit_gib",
+)
 """`RunConfig` fields of the `placement` flag group; the others are the `run` group."""
 
 

@@ -88,11 +88,6 @@ class ScriptRunFlags:
     kl_coef: float | None = flag(None, ge=0)
     """slime's KL penalty in the reward: 0 only (the KL term is in the loss here:
     --use-kl-loss --kl-loss-coef)."""
-    offload_train: bool | None = None
-    """slime's offload of the trainer while the engines generate: --no-offload-train only (the
-    trainer and the engines run on their own devices here)."""
-    offload_rollout: bool | None = None
-    """slime's offload of the engines while the trainer trains: --no-offload-rollout only."""
 
 
 def add_script_args(parser: argparse.ArgumentParser) -> None:
@@ -140,10 +135,6 @@ _OFFLOAD_OPT = (
     "Megatron's CPU offload of the optimizer is not implemented here: the optimizer state "
     "stays with the trainer ranks (sharded over data-parallel ranks with "
     "--use-distributed-optimizer, the default with DP > 1); drop the flag"
-)
-_NO_OFFLOAD = (
-    "slime time-shares the GPUs between trainer and engines; here they run on their own "
-    "devices, so there is nothing to offload"
 )
 
 
@@ -251,8 +242,6 @@ RUN_TABLE: dict[str, RunAnswer] = {
             "--use-kl-loss --kl-loss-coef C --kl-loss-type",
         ),
     ),
-    "offload_train": RunAnswer("off", _NO_OFFLOAD, _only(False, why=_NO_OFFLOAD)),
-    "offload_rollout": RunAnswer("off", _NO_OFFLOAD, _only(False, why=_NO_OFFLOAD)),
 }
 """Run flag (dest) -> its answer (the table in docs/coming-from-slime.md, and the check)."""
 

@@ -20,10 +20,11 @@ def _each(flags: str, answer: str) -> dict[str, str]:
     return {f: answer for f in flags.split()}
 
 
-_OFFLOAD = (
-    "slime time-shares the GPUs between trainer and engines (--colocate, offloading each in "
-    "turn); not here: the trainer and the engines run on their own GPUs, so there is nothing "
-    "to offload or release; drop the flag"
+_RELEASE_TRAIN = (
+    "slime kills the Megatron actors during rollout and re-creates them from --save before "
+    "each train step; not here: the actors live for the whole run, and --offload-train "
+    "(on with --colocate) frees their parameters, gradients and optimizer state while the "
+    "engines generate instead"
 )
 _WEIGHT_SYNC = (
     "a variant of slime's weight update; not here: use --update-weight-transport "
@@ -92,7 +93,7 @@ NOT_HERE: dict[str, str] = {
     "--num-gpus-per-node": "slime's GPUs per node for placement; not here: Ray places the "
     "trainer by --actor-num-nodes x --actor-num-gpus-per-node and the engines by "
     "--rollout-num-gpus / --rollout-num-gpus-per-engine",
-    **_each("--offload --release-train", _OFFLOAD),
+    "--release-train": _RELEASE_TRAIN,
     "--qwen-gdn-backend": "the kernel of Qwen3-Next's gated delta net; not here: the trainer "
     "has no gated-delta-net models (it builds qwen2, qwen3, qwen3_moe, llama, mistral)",
     **_each(

@@ -43,6 +43,7 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
     run = await setup_run(cfg)  # data, warm start, Ray roles, trainer, data worker, resume
     last: dict[str, Any] = {}
     try:
+        await run.colocation.start(run.version)  # --colocate: the trainer offloaded first
         await run.worker.start()
         if cfg.pipeline.scheduler is not None:  # engines serve only while their slot is granted
             run.pipeline = PipelineMember(run)

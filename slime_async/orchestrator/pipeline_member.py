@@ -1,17 +1,21 @@
 """A run's side of the pipeline scheduler (`--pipeline-scheduler NAME`).
 
-Owns `PipelineMember`: it joins the scheduler with the run's priority and the slots of its
-engines (engine i on slot i), then every `heartbeat_s` reports the run's generation demand
-(samples it still wants at its current version within its staleness bound: the groups the
-staleness budget still admits times the samples per group, plus the samples queued or in
-flight) and acts on the answer: a slot to give up has its engine put to sleep through the
-router (abort, drain, release: the router sends each cut request whole to the run's other
-engines, or, when none serves, holds it in its queue until one is admitted again, within
-`--router-wait-for-worker`) and taken out of the router; a slot granted wakes its engine, which then waits out of the router
-(`Cluster.pending`) until the run gives it its current version (selective sync: a version is
-pushed only to the engines that serve, `Cluster.serving_urls`). Stopping leaves the scheduler,
-which frees the run's slots at once; a run that dies without leaving is dropped after the
-scheduler's heartbeat timeout. Rules: docs/pipeline-scheduler.md.
+Owns `PipelineMember`: it joins the scheduler with the run's priority, the slots of its
+engines (engine i on slot i) and their capacity (concurrent requests per engine), then every
+`heartbeat_s` reports the run's generation demand (samples it can still use within its
+staleness bound and has not started), its samples in flight and each serving engine's running
+requests (the router's count), and starts what the answer asks for, each slot's hand-over in
+its own task (a slot's tasks run one after another; the reports never wait on them): a slot to
+give up has its engine put to sleep through the router (out of rotation, its running requests
+left to finish for up to the answer's `drain_s`, none for a slot in `cut`; the rest aborted
+and sent whole to the run's other engines, or held in the router's queue until one is admitted
+again) and is confirmed `released`; a slot granted wakes its engine, which then waits out of the
+router (`Cluster.pending`) until the run gives it its current version (selective sync). At
+start every engine is put to sleep concurrently while the reports already run. With no answer
+for the scheduler's `heartbeat_timeout_s` it puts every engine to sleep on its own (the fence:
+the scheduler grants a dropped pipeline's slots to others only after `fence_s`); told it was
+dropped, it joins again once its engines sleep. Stopping leaves the scheduler, which frees the
+run's slots at once. Rules: docs/pipeline-scheduler.md.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
 
 from slime_async.engine.sleep import tags_for_level
-from slime_async.orchestrator.pipeline_policy import generation_demand
+from slime_async.orchestrator.pipeline_policy import generation_demand, generation_inflight
 from slime_async.orchestrator.pipeline_scheduler import scheduler_handle
 
 log = logging.getLogger(__name__)
@@ -41,7 +47,12 @@ class PipelineMember:
         self.tags = tags_for_level(level)
         self.handle: Any = None
         self._task: asyncio.Task | None = None
-        self.switches = 0
+        self.ops: dict[int, asyncio.Task] = {}
+        self.leaving: set[int] = set()
+        self.fencing = False
+        self.timeout_s = 10.0
+        self.last_ok = time.monotonic()
+        self.switches = self.rejoins = self.fences = 0
         self.last_demand = 0
 
     @property
@@ -49,21 +60,29 @@ class PipelineMember:
         return self.run.cluster
 
     async def start(self) -> None:
-        """Join (every engine asleep until a grant), then report on a loop."""
+        """Join, put every engine to sleep (concurrently, until a grant), report on a loop."""
         if self.cfg.name is None:
             log.info("derived: --pipeline-name %s (the run directory's name)", self.name)
         self.handle = scheduler_handle(self.cfg.scheduler)
-        slots = list(range(len(self.cluster.engines)))
-        await self.handle.join.remote(self.name, self.cfg.priority, slots)
-        for url in list(self.cluster.engine_urls):
-            await self._sleep(url)
+        await self._join()
+        for slot in range(len(self.cluster.engine_urls)):
+            self._op(slot, self._sleep_slot(slot))
         self._task = asyncio.create_task(self._loop(), name=f"pipeline-{self.name}")
 
+    async def _join(self) -> None:
+        n = len(self.cluster.engines)
+        capacity = max(1, self.run.worker.cfg.max_inflight // max(1, n))
+        answer = await self.handle.join.remote(
+            self.name, self.cfg.priority, list(range(n)), capacity
+        )
+        self.timeout_s, self.last_ok = float(answer["heartbeat_timeout_s"]), time.monotonic()
+
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        for t in [self._task, *self.ops.values()]:
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
         if self.handle is not None:
             with contextlib.suppress(Exception):
                 await self.handle.leave.remote(self.name)
@@ -78,6 +97,8 @@ class PipelineMember:
             "pipeline/switches": float(self.switches),
             "pipeline/demand": float(self.last_demand),
             "pipeline/serving_engines": float(len(self.cluster.serving_urls)),
+            "pipeline/rejoins": float(self.rejoins),
+            "pipeline/fences": float(self.fences),
         }
 
     async def _loop(self) -> None:
@@ -86,23 +107,88 @@ class PipelineMember:
                 await self.tick()
             except Exception as e:  # one failed report must not end the membership
                 log.warning("pipeline %s: report to the scheduler failed: %s", self.name, e)
+            if not self.fencing and time.monotonic() - self.last_ok > self.timeout_s:
+                log.warning("pipeline %s: no answer for %.0fs: fencing", self.name, self.timeout_s)
+                self._start_fence()
             await asyncio.sleep(self.cfg.heartbeat_s)
 
-    async def tick(self) -> None:
-        """One report and the hand-overs it asks for."""
-        self.last_demand = self.demand()
-        todo = await self.handle.report.remote(self.name, self.last_demand, self.run.version)
-        urls = self.cluster.engine_urls
-        for slot in todo["give_up"]:
-            await self._sleep(urls[slot])
-            await self.handle.released.remote(self.name, slot)
-            self.switches += 1
-        for slot in todo["take"]:
-            await self._wake(urls[slot])
-            self.switches += 1
+    async def _load(self) -> dict[int, int]:
+        """Running requests per serving engine (the router's count), by slot."""
+        slot_of = {u: i for i, u in enumerate(self.cluster.engine_urls)}
+        workers = await self.cluster.control.list_workers()
+        return {
+            slot_of[w["url"]]: int(w["outstanding_requests"])
+            for w in workers
+            if w["url"] in slot_of
+        }
 
-    async def _sleep(self, url: str) -> None:
-        """Abort, drain, release (through the router), then out of the router."""
+    async def tick(self) -> None:
+        """One report; the hand-overs it asks for start in their own tasks."""
+        m = self.run.worker.metrics()
+        self.last_demand = generation_demand(m, self.run.cfg.rollout.n_samples_per_prompt)
+        load = await self._load()
+        call = self.handle.report.remote(
+            self.name, self.last_demand, self.run.version, generation_inflight(m), load
+        )
+        try:
+            todo = await asyncio.wait_for(call, timeout=self.timeout_s)
+        except Exception as e:
+            if not (isinstance(e, KeyError) or "is not joined" in str(e)):
+                raise
+            log.warning("pipeline %s: dropped by the scheduler: fencing, joining again", self.name)
+            await self._fence()
+            await self._join()
+            self.rejoins += 1
+            return
+        self.last_ok = time.monotonic()
+        for slot in todo["give_up"]:
+            if slot not in self.leaving:
+                self.leaving.add(slot)
+                drain = 0.0 if slot in todo["cut"] else float(todo["drain_s"])
+                self._op(slot, self._give_up(slot, drain))
+        for slot in todo["take"]:
+            self._op(slot, self._wake(self.cluster.engine_urls[slot]))
+
+    def _op(self, slot: int, coro: Coroutine) -> None:
+        """Run `coro` for `slot` after the slot's earlier tasks."""
+        prev = self.ops.get(slot)
+
+        async def chained() -> None:
+            if prev is not None:
+                await asyncio.wait([prev])
+            try:
+                await coro
+            except Exception as e:
+                log.warning("pipeline %s: slot %d: %s", self.name, slot, e)
+
+        self.ops[slot] = asyncio.create_task(chained())
+
+    async def _give_up(self, slot: int, drain_s: float) -> None:
+        await self._sleep(self.cluster.engine_urls[slot], drain_s=drain_s)
+        await self.handle.released.remote(self.name, slot)
+        self.leaving.discard(slot)
+        self.switches += 1
+
+    async def _sleep_slot(self, slot: int) -> None:
+        await self._sleep(self.cluster.engine_urls[slot])
+
+    def _start_fence(self) -> None:
+        """Every engine to sleep on its own (no drain): its slots may be granted to others."""
+        self.fencing = True
+        self.fences += 1
+        for slot in range(len(self.cluster.engine_urls)):
+            self._op(slot, self._sleep_slot(slot))
+
+    async def _fence(self) -> None:
+        if not self.fencing:
+            self._start_fence()
+        await asyncio.gather(*self.ops.values())
+        self.ops.clear()
+        self.leaving.clear()
+        self.fencing = False
+
+    async def _sleep(self, url: str, *, drain_s: float = 0.0) -> None:
+        """(Let it drain), abort, release (through the router), then out of the router."""
         cluster = self.cluster
         if url in cluster.asleep:
             return
@@ -110,14 +196,19 @@ class PipelineMember:
             await _engine_call(url, "/release_memory_occupation", self.tags, self._token)
             cluster.pending.discard(url)
         else:
-            await cluster.control.release_memory_occupation(self.tags, worker_urls=[url])
+            await cluster.control.release_memory_occupation(
+                self.tags, worker_urls=[url], drain_s=drain_s
+            )
             await cluster.control.remove_worker(url)
         cluster.asleep.add(url)
 
     async def _wake(self, url: str) -> None:
         """Resume, then wait out of the router for the run's version (`Cluster.pending`)."""
         cluster = self.cluster
+        if self.fencing:  # no answer meanwhile: it stays asleep
+            return
         await _engine_call(url, "/resume_memory_occupation", self.tags, self._token)
+        self.switches += 1
         cluster.asleep.discard(url)
         cluster.pending.add(url)
         self.run.supervisor.behind.set()  # the run pushes its version to it, then admits it

@@ -1,18 +1,20 @@
 """The pipeline scheduler's decisions, pure: no Ray, no clock of its own, no I/O.
 
-Owns `PipelineState` (what the scheduler knows of one pipeline), `plan_slots` (the policy: who
-each slot should serve next), `SchedulerCore` (the state machine around it: joins, reports,
-heartbeats, hand-overs, drops; `now` is always given) and `generation_demand` (what a run
-reports: the samples it still wants at its current version). The Ray actor
+Owns `PipelineState` (what the scheduler knows of one pipeline), `slot_need` and `fair_targets`
+(how many slots each pipeline should hold), `plan_slots` (the policy: which free slot goes to
+whom, which held slot is given up and whether it drains or is cut), `SchedulerCore` (the state
+machine around it: joins, reports, heartbeats, hand-overs, drops, fences; `now` is always
+given) and `generation_demand` / `generation_inflight` (what a run reports). The Ray actor
 (`pipeline_scheduler.PipelineScheduler`) and the cluster-scale simulator
-(`scripts/bench_sim_pipelines.py`, virtual time) both drive this one core, so what the
-simulator measures is the policy the live scheduler runs. Rules: docs/pipeline-scheduler.md.
+(`scripts/simulate_pipelines.py`, virtual time) both drive this one core, so what the simulator
+measures is the policy the live scheduler runs. Rules: docs/pipeline-scheduler.md.
 Must never import Ray, the controller or a run's roles.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,17 +22,24 @@ from slime_async.config.pipeline import PipelineSchedulerConfig
 
 
 def generation_demand(metrics: Mapping[str, float], n_samples_per_prompt: int) -> int:
-    """Samples a run still wants at its current version within its staleness bound: the
-    groups its staleness budget still admits times the samples per group, plus the samples
-    queued or in flight (from the data worker's `metrics()`).
+    """Samples a run can still use at its current version within its staleness bound and has
+    not started yet: the groups its staleness budget still admits times the samples per group,
+    plus the samples queued or waiting on a length probe (from the data worker's `metrics()`).
+    Samples in flight are not demand: they are `generation_inflight`.
 
     >>> m = {"data/admission_limit": 6, "data/live_groups": 4, "data/inflight": 3,
-    ...      "data/queue_depth": 1}
+    ...      "data/queue_depth": 1, "data/waiting_probe": 2}
     >>> generation_demand(m, 4)
-    12
+    11
     """
     room = max(0.0, metrics["data/admission_limit"] - metrics["data/live_groups"])
-    return int(room * n_samples_per_prompt + metrics["data/inflight"] + metrics["data/queue_depth"])
+    queued = metrics["data/queue_depth"] + metrics.get("data/waiting_probe", 0.0)
+    return int(room * n_samples_per_prompt + queued)
+
+
+def generation_inflight(metrics: Mapping[str, float]) -> int:
+    """Samples a run has sent to its engines and not had back (running or in its router)."""
+    return int(metrics["data/inflight"])
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,52 +50,156 @@ class PipelineState:
     priority: float
     slots: tuple[int, ...]
     """Slots this pipeline has an engine on."""
+    capacity: int = 1
+    """Concurrent requests one of its engines serves (samples per slot)."""
     demand: int = 0
-    """Samples it still wants at its current version (its last report)."""
+    """Samples it can still use and has not started (its last report)."""
+    inflight: int = 0
+    """Samples it has running (its last report)."""
+    load: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Requests running on each slot it serves (its last report; missing: 0)."""
     version: int = 0
     last_seen: float = 0.0
     served_s: float = 0.0
     """Slot-seconds granted so far (the fairness account, weighted by `priority`)."""
 
 
+def slot_need(p: PipelineState) -> int:
+    """The slots `p` can fill: its demand plus its samples in flight over its engines'
+    capacity, at most the slots it has engines on.
+
+    >>> slot_need(PipelineState("a", 1.0, (0, 1, 2, 3), capacity=8, demand=9, inflight=3))
+    2
+    """
+    return min(len(p.slots), math.ceil((p.demand + p.inflight) / p.capacity))
+
+
+def fair_targets(
+    need: Mapping[str, int], weight: Mapping[str, float], order: list[str], n_slots: int
+) -> dict[str, int]:
+    """Water-fill `n_slots` over the pipelines in proportion to `weight`, none above its
+    `need`; what one cannot use goes to the others; the indivisible rest one each in `order`.
+
+    >>> fair_targets({"a": 2, "b": 10, "c": 10}, dict.fromkeys("abc", 1.0), list("abc"), 13)
+    {'a': 2, 'b': 6, 'c': 5}
+    >>> fair_targets({"a": 20, "b": 20}, {"a": 3.0, "b": 1.0}, list("ab"), 8)
+    {'a': 6, 'b': 2}
+    """
+    target = dict.fromkeys(need, 0)
+    left, open_ = n_slots, [n for n in order if need[n] > 0]
+    while left > 0 and open_:
+        total = sum(weight[n] for n in open_)
+        share = {n: left * weight[n] / total for n in open_}
+        full = [n for n in open_ if need[n] <= share[n]]
+        if full:  # they get all they need; the rest is shared again among the others
+            for n in full:
+                target[n], left = need[n], left - need[n]
+            open_ = [n for n in open_ if n not in full]
+            continue
+        for n in open_:
+            target[n], left = int(share[n]), left - int(share[n])
+        for n in open_[:left]:  # need > share > target here: one more fits
+            target[n] += 1
+        left = 0
+    return target
+
+
+@dataclasses.dataclass(slots=True)
+class Plan:
+    """One decision of `plan_slots`."""
+
+    grant: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Free slots and the pipeline each goes to."""
+    give_up: dict[int, bool] = dataclasses.field(default_factory=dict)
+    """Held slots whose holder must give them up, and whether at once (True: its running
+    requests are cut) or after a drain (False)."""
+    target: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Slots each pipeline should hold (`fair_targets` of the needs)."""
+
+
 def plan_slots(
-    pipelines: dict[str, PipelineState],
-    owner: dict[int, str | None],
-    since: dict[int, float],
+    pipelines: Mapping[str, PipelineState],
+    owner: Mapping[int, str | None],
+    since: Mapping[int, float],
+    *,
+    leaving: frozenset[int] | set[int] = frozenset(),
+    blocked: frozenset[int] | set[int] = frozenset(),
+    now: float,
+    min_hold_s: float,
+) -> Plan:
+    """Who should serve where next (pure). Each pipeline's target is its share of the usable
+    slots (not `blocked`) by priority, never above its `slot_need`; the least served (slot
+    time per priority) first for the indivisible rest. Free slots go to pipelines below their
+    target. Only while some pipeline is still short after that (and the slots already
+    `leaving` do not cover it) is a holder above its target asked to give up slots: the ones
+    with the fewest running requests first, none held less than `min_hold_s`. A slot with
+    running requests is cut at once only for a pipeline of higher priority; otherwise it
+    drains. A slot nobody else needs stays with its holder.
+
+    >>> a = PipelineState("a", 1.0, (0, 1), capacity=4, demand=8, load={0: 4, 1: 1})
+    >>> b = PipelineState("b", 1.0, (0, 1), capacity=4, demand=8)
+    >>> p = plan_slots({"a": a, "b": b}, {0: "a", 1: "a"}, {}, now=5.0, min_hold_s=2.0)
+    >>> p.target, p.give_up
+    ({'a': 1, 'b': 1}, {1: False})
+    >>> b.priority = 2.0
+    >>> plan_slots({"a": a, "b": b}, {0: "a", 1: "a"}, {}, now=5.0, min_hold_s=2.0).give_up
+    {1: True}
+    """
+    order = sorted(pipelines.values(), key=lambda p: (p.served_s / p.priority, p.name))
+    need = {p.name: slot_need(p) for p in order}
+    usable = [s for s in owner if s not in blocked]
+    weight = {p.name: p.priority for p in order}
+    target = fair_targets(need, weight, [p.name for p in order], len(usable))
+    plan = Plan(target=target)
+    held = {n: [s for s, h in owner.items() if h == n and s not in leaving] for n in pipelines}
+    free = [s for s in usable if owner[s] is None]
+    short: dict[str, int] = {}
+    for p in order:
+        want = target[p.name] - len(held[p.name])
+        for s in free:
+            if want <= 0:
+                break
+            if s not in plan.grant and s in p.slots:
+                plan.grant[s], want = p.name, want - 1
+        if want > 0:
+            short[p.name] = want
+    missing = sum(short.values()) - len(leaving)
+    if missing > 0:
+        _give_up(plan, pipelines, held, short, since, missing, now=now, min_hold_s=min_hold_s)
+    return plan
+
+
+def _give_up(
+    plan: Plan,
+    pipelines: Mapping[str, PipelineState],
+    held: Mapping[str, list[int]],
+    short: Mapping[str, int],
+    since: Mapping[int, float],
+    missing: int,
     *,
     now: float,
     min_hold_s: float,
-) -> dict[int, str | None]:
-    """Who each slot should serve next (pure). A slot stays with its holder while the holder
-    wants generation and has held it less than `min_hold_s`, or while no other pipeline on the
-    slot wants generation; otherwise it goes to the pipeline on it that wants generation and
-    has had the least slot time per unit of priority (ties: by name). A free slot nobody wants
-    stays free.
-
-    >>> a = PipelineState("a", 1.0, (0,), demand=4, served_s=10.0)
-    >>> b = PipelineState("b", 1.0, (0,), demand=4)
-    >>> plan_slots({"a": a, "b": b}, {0: "a"}, {0: 0.0}, now=5.0, min_hold_s=2.0)
-    {0: 'b'}
-    >>> plan_slots({"a": a, "b": b}, {0: "a"}, {0: 4.0}, now=5.0, min_hold_s=2.0)
-    {0: 'a'}
-    """
-    target: dict[int, str | None] = {}
-    for slot, holder in owner.items():
-        on = [p for p in pipelines.values() if slot in p.slots]
-        wanting = [p for p in on if p.demand > 0]
-        held = pipelines.get(holder) if holder is not None else None
-        if held is not None and (
-            (held.demand > 0 and now - since.get(slot, now) < min_hold_s)
-            or not [p for p in wanting if p.name != held.name]
-        ):
-            target[slot] = holder
+) -> None:
+    """Pick up to `missing` slots above their holders' targets for the `short` pipelines."""
+    candidates: list[tuple[bool, int, int, bool]] = []
+    for name, slots in held.items():
+        q = pipelines[name]
+        surplus = len(slots) - plan.target[name]
+        if surplus <= 0:
             continue
-        if not wanting:
-            target[slot] = holder if held is not None else None
-            continue
-        best = min(wanting, key=lambda p: (p.served_s / p.priority, p.name))
-        target[slot] = best.name
-    return target
+        mine = []
+        for s in slots:
+            wanting = [pipelines[n] for n in short if s in pipelines[n].slots]
+            if not wanting:
+                continue
+            higher = max(p.priority for p in wanting) > q.priority
+            if not higher and now - since.get(s, -math.inf) < min_hold_s:
+                continue
+            load = q.load.get(s, 0)
+            mine.append((not higher, load, s, higher and load > 0))
+        candidates.extend(sorted(mine)[:surplus])
+    for _, _, s, cut in sorted(candidates)[:missing]:
+        plan.give_up[s] = cut
 
 
 class SchedulerCore:
@@ -98,26 +211,46 @@ class SchedulerCore:
         self.owner: dict[int, str | None] = dict.fromkeys(range(cfg.slots))
         self.since: dict[int, float] = {}
         self.giving_up: dict[int, str] = {}
+        """Slots whose holder was told to give them up (they wait for its `released`)."""
+        self.cutting: set[int] = set()
+        """Of those, the ones to give up at once (a pipeline of higher priority wants them)."""
         self.undelivered: dict[int, str] = {}
         """Slots granted to a pipeline during another's report: its next report's `take`."""
-        """Slots whose holder was told to give them up (they wait for its `released`)."""
+        self.fenced: dict[int, tuple[str, float]] = {}
+        """Slots of a dropped pipeline: (its name, until when nobody is granted them)."""
         self.events: list[tuple[float, str, str]] = []
         """(time, pipeline, what): joins, grants, hand-overs, drops (for `state()`)."""
         self._accounted = 0.0
         self.gathered = cfg.min_pipelines <= 1
         """`min_pipelines` have joined (grants start)."""
 
-    def join(self, name: str, *, priority: float, slots: list[int], now: float) -> None:
+    def join(
+        self, name: str, *, priority: float, slots: list[int], now: float, capacity: int = 1
+    ) -> dict[str, float]:
+        """Join (or join again after a drop: the member joins only once every engine of it
+        sleeps, so its fenced slots are free at once). Returns the timings the member keeps."""
         if name in self.pipelines:
             raise ValueError(f"a pipeline named {name!r} is already live: give --pipeline-name")
         bad = [s for s in slots if not 0 <= s < self.cfg.slots]
         if bad or not slots:
             raise ValueError(f"slots {slots} outside the pool's 0..{self.cfg.slots - 1}")
-        self.pipelines[name] = PipelineState(name, priority, tuple(slots), last_seen=now)
+        if capacity < 1:
+            raise ValueError(f"capacity (requests per engine) must be >= 1, got {capacity}")
+        for slot, (holder, _) in list(self.fenced.items()):
+            if holder == name:
+                del self.fenced[slot]
+        self.pipelines[name] = PipelineState(
+            name, priority, tuple(slots), capacity=int(capacity), last_seen=now
+        )
         self.events.append((now, name, "joined"))
+        return {
+            "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s,
+            "drain_timeout_s": self.cfg.drain_timeout_s,
+        }
 
-    def leave(self, name: str, *, now: float, why: str = "left") -> None:
-        """Drop `name`: its slots are free at once (a crashed engine is not waited for)."""
+    def leave(self, name: str, *, now: float, why: str = "left", fence: bool = False) -> None:
+        """Drop `name`: its slots are free at once, or after `fence_s` when `fence` (a silent
+        pipeline's engines may still run until its member puts them to sleep)."""
         if self.pipelines.pop(name, None) is None:
             return
         for slot, holder in self.owner.items():
@@ -125,6 +258,9 @@ class SchedulerCore:
                 self.owner[slot] = None
                 self.giving_up.pop(slot, None)
                 self.undelivered.pop(slot, None)
+                self.cutting.discard(slot)
+                if fence:
+                    self.fenced[slot] = (name, now + self.cfg.fence_s)
         self.events.append((now, name, why))
 
     def _account(self, now: float) -> None:
@@ -136,40 +272,75 @@ class SchedulerCore:
     def _expire(self, now: float) -> None:
         for name, p in list(self.pipelines.items()):
             if now - p.last_seen > self.cfg.heartbeat_timeout_s:
-                self.leave(name, now=now, why=f"dropped: silent for {now - p.last_seen:.1f}s")
+                why = f"dropped: silent for {now - p.last_seen:.1f}s"
+                self.leave(name, now=now, why=why, fence=True)
+        for slot, (_, until) in list(self.fenced.items()):
+            if now >= until:
+                del self.fenced[slot]
 
-    def report(self, name: str, *, demand: int, version: int, now: float) -> dict[str, Any]:
-        """A heartbeat with the pipeline's demand; returns what it must do: `serve` (its slots
-        now), `give_up` (slots to put to sleep, then `released`), `take` (slots granted
-        to it since its last report, in its report or another's: wake, sync, serve)."""
+    def report(
+        self,
+        name: str,
+        *,
+        demand: int,
+        version: int,
+        now: float,
+        inflight: int = 0,
+        load: Mapping[int, int] | None = None,
+    ) -> dict[str, Any]:
+        """A heartbeat with the pipeline's demand (samples it can use and has not started),
+        its samples in flight and its running requests per slot; returns what it must do:
+        `serve` (its slots now), `give_up` (slots to put to sleep, then `released`: those in
+        `cut` at once, the others after their running requests finished or `drain_s`), `take`
+        (slots granted to it since its last report, in its report or another's: wake, sync,
+        serve)."""
         self._account(now)
         self._expire(now)
         p = self.pipelines.get(name)
         if p is None:
             raise KeyError(f"pipeline {name!r} is not joined (dropped after a silence?)")
-        p.demand, p.version, p.last_seen = max(0, int(demand)), int(version), now
+        p.demand, p.inflight, p.version = max(0, int(demand)), max(0, int(inflight)), version
+        p.load, p.last_seen = {int(s): int(n) for s, n in (load or {}).items()}, now
         self.gathered = self.gathered or len(self.pipelines) >= self.cfg.min_pipelines
         if not self.gathered:
-            return {"serve": [], "give_up": [], "take": []}
-        target = plan_slots(
-            self.pipelines, self.owner, self.since, now=now, min_hold_s=self.cfg.min_hold_s
-        )
-        for slot, want in target.items():
-            holder = self.owner[slot]
-            if holder is None and want is not None:
-                self.owner[slot], self.since[slot] = want, now
-                self.undelivered[slot] = want
-                self.events.append((now, want, f"granted slot {slot}"))
-            elif holder is not None and want != holder and slot not in self.giving_up:
-                self.giving_up[slot] = holder
-                self.events.append((now, holder, f"asked to give up slot {slot}"))
+            return {"serve": [], "give_up": [], "cut": [], "take": [], "drain_s": 0.0}
+        self._apply(now)
         serve = [s for s, h in self.owner.items() if h == name and s not in self.giving_up]
         give_up = [s for s, h in self.giving_up.items() if h == name]
         mine = [s for s, h in self.undelivered.items() if h == name]
         for slot in mine:  # one given up before it was delivered sleeps already: no wake
             del self.undelivered[slot]
         take = [s for s in mine if s not in self.giving_up]
-        return {"serve": sorted(serve), "give_up": sorted(give_up), "take": sorted(take)}
+        return {
+            "serve": sorted(serve),
+            "give_up": sorted(give_up),
+            "cut": sorted(s for s in give_up if s in self.cutting),
+            "take": sorted(take),
+            "drain_s": self.cfg.drain_timeout_s,
+        }
+
+    def _apply(self, now: float) -> None:
+        plan = plan_slots(
+            self.pipelines,
+            self.owner,
+            self.since,
+            leaving=set(self.giving_up),
+            blocked=set(self.fenced),
+            now=now,
+            min_hold_s=self.cfg.min_hold_s,
+        )
+        for slot, want in plan.grant.items():
+            self.owner[slot], self.since[slot] = want, now
+            self.undelivered[slot] = want
+            self.events.append((now, want, f"granted slot {slot}"))
+        for slot, cut in plan.give_up.items():
+            holder = self.owner[slot]
+            assert holder is not None
+            self.giving_up[slot] = holder
+            if cut:
+                self.cutting.add(slot)
+            how = "at once" if cut else "after a drain"
+            self.events.append((now, holder, f"asked to give up slot {slot} {how}"))
 
     def released(self, name: str, slot: int, *, now: float) -> None:
         """`name`'s engine on `slot` sleeps: the slot is free for the next grant."""
@@ -177,12 +348,14 @@ class SchedulerCore:
             self.owner[slot] = None
             self.giving_up.pop(slot, None)
             self.undelivered.pop(slot, None)
+            self.cutting.discard(slot)
             self.events.append((now, name, f"released slot {slot}"))
 
     def state(self) -> dict[str, Any]:
         return {
             "owner": dict(self.owner),
             "giving_up": dict(self.giving_up),
+            "fenced": dict(self.fenced),
             "pipelines": {n: dataclasses.asdict(p) for n, p in self.pipelines.items()},
             "events": list(self.events),
         }

@@ -2,16 +2,17 @@
 
 Owns `PipelineScheduler` (the core as a named Ray actor, on the wall clock) and
 `start_scheduler` / `scheduler_handle`. The decisions themselves, `plan_slots` (the policy) and
-`SchedulerCore` (the state machine: joins, reports, heartbeats, hand-overs), are pure and live in
+`SchedulerCore` (the state machine: joins, reports, heartbeats, hand-overs, fences), are pure and live in
 `pipeline_policy.py` (re-exported here), where the cluster-scale simulator drives the same code
 in virtual time. The rules are docs/pipeline-scheduler.md:
-each pipeline joins with its priority and the slots its engines sit on, and reports its
-generation demand (samples it still wants at its current version within its staleness bound)
-with every heartbeat; each slot serves one pipeline at a time; a slot moves only through a
-hand-over (the holder is told to give it up, puts its engine there to sleep, confirms, and only
-then is the slot granted to the next pipeline, which wakes its own engine there and gives it
-its current version before it serves: selective sync); a pipeline that leaves, or stays silent
-for `heartbeat_timeout_s`, loses its slots at once (its engines are no longer waited for). The
+each pipeline joins with its priority, the slots its engines sit on and their capacity, and
+reports its generation demand, its samples in flight and its running requests per slot with
+every heartbeat; each slot serves one pipeline at a time, and no pipeline is granted more
+slots than its demand fills; a slot moves only through a hand-over (the holder is told to give
+it up, lets it drain or cuts it, puts its engine there to sleep, confirms, and only then is the
+slot granted to the next pipeline, which wakes its own engine there and gives it its current
+version before it serves: selective sync); a pipeline that leaves loses its slots at once, one
+silent for `heartbeat_timeout_s` is dropped and its slots are fenced for `fence_s`. The
 scheduler never talks to an engine itself: the pipelines act (`pipeline_member.py`).
 Must never import the controller or a run's roles.
 """
@@ -45,14 +46,32 @@ class PipelineScheduler:
     def __init__(self, cfg: PipelineSchedulerConfig) -> None:
         self.core = SchedulerCore(cfg)
 
-    def join(self, name: str, priority: float, slots: list[int]) -> None:
-        self.core.join(name, priority=priority, slots=slots, now=time.monotonic())
+    def join(
+        self, name: str, priority: float, slots: list[int], capacity: int = 1
+    ) -> dict[str, float]:
+        return self.core.join(
+            name, priority=priority, slots=slots, capacity=capacity, now=time.monotonic()
+        )
 
     def leave(self, name: str) -> None:
         self.core.leave(name, now=time.monotonic())
 
-    def report(self, name: str, demand: int, version: int) -> dict[str, Any]:
-        return self.core.report(name, demand=demand, version=version, now=time.monotonic())
+    def report(
+        self,
+        name: str,
+        demand: int,
+        version: int,
+        inflight: int = 0,
+        load: dict[int, int] | None = None,
+    ) -> dict[str, Any]:
+        return self.core.report(
+            name,
+            demand=demand,
+            version=version,
+            inflight=inflight,
+            load=load,
+            now=time.monotonic(),
+        )
 
     def released(self, name: str, slot: int) -> None:
         self.core.released(name, slot, now=time.monotonic())

@@ -11,14 +11,13 @@ versions, and what a replacement starts on) and `write_roles`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,10 @@ from slime_async.config.run_paths import batch_shape
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.rollout import Batch, GenerationRequest, Prompt, segment_payload
 from slime_async.contracts.weights import WeightTransport
-from slime_async.engine.sleep import tags_for_level
 from slime_async.host import trim_heap
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics.stability import mean_and_se
+from slime_async.orchestrator.colocate import Colocation
 from slime_async.orchestrator.generate_chain import GenerateChain
 from slime_async.orchestrator.ledger import ledger_path, record_trained
 from slime_async.orchestrator.placement import Placement
@@ -134,10 +133,17 @@ class Run:
     _rollout_idle_mark: float = 0.0
     pipeline: Any = None
     """This run's `PipelineMember` (`--pipeline-scheduler`), or None."""
-    sleeps: int = 0
-    """Train steps the engines slept through (`--engine-sleep-level`)."""
-    sleep_s: float = 0.0
-    """Seconds spent putting them to sleep and waking them."""
+    colocation: Colocation = dataclasses.field(init=False)
+    """The turns of trainer and engines (`--colocate`: `orchestrator/colocate.py`)."""
+
+    def __post_init__(self) -> None:
+        self.colocation = Colocation(
+            cfg=self.cfg,
+            trainer=self.trainer,
+            cluster=self.cluster,
+            worker=self.worker,
+            transport=self.versions.transport,
+        )
 
     @property
     def transport(self) -> WeightTransport:
@@ -166,7 +172,7 @@ class Run:
         the step fails (`dump`)."""
         assert self.trainer is not None
         try:
-            async with self._engines_asleep():
+            async with self.colocation.train_turn(self.version + 1):
                 trained = await asyncio.to_thread(self.trainer.train_step, data)
         except Exception:
             await self.dump(batch.current_version, batch, trained=None)
@@ -174,30 +180,6 @@ class Run:
         self.record_step(trained.version, batch)
         await self.dump(batch.current_version, batch, trained=trained.metrics)
         return trained
-
-    @contextlib.asynccontextmanager
-    async def _engines_asleep(self) -> AsyncIterator[None]:
-        """`--engine-sleep-level N`: the engines sleep at level N while the body runs (the data
-        worker paused first, so none is busy; its aborted samples go on after the wake)."""
-        level = self.cfg.engine_sleep_level
-        if not level:
-            yield
-            return
-        tags = tags_for_level(level)
-        await self.worker.pause()
-        t0 = time.perf_counter()
-        await self.cluster.control.release_memory_occupation(tags)
-        self.sleep_s += time.perf_counter() - t0
-        try:
-            yield
-        finally:
-            t0 = time.perf_counter()
-            await self.cluster.control.resume_memory_occupation(tags)
-            # the data worker's pause paused the engines (abort mode): let them generate again
-            await self.cluster.control.continue_generation()
-            self.sleep_s += time.perf_counter() - t0
-            self.sleeps += 1
-            await self.worker.resume()
 
     async def dump(
         self, rollout_id: int, batch: Batch, *, trained: dict[str, float] | None
@@ -378,6 +360,11 @@ class Run:
     async def save(self, version: int) -> None:
         """The checkpoint (--save) and the loadable HF directory (--save-hf) of `version`."""
         assert self.trainer is not None
+        async with self.colocation.trainer_awake(version):  # an offloaded trainer onloads
+            await self._save(version)
+
+    async def _save(self, version: int) -> None:
+        assert self.trainer is not None
         if self.cfg.trainer.save:
             state = {
                 "step": version,
@@ -403,11 +390,7 @@ class Run:
             "timing/step_s": total,
             "timing/elapsed_s": time.perf_counter() - self.started,
             "idle/trainer_ratio": wait_s / total,
-            **(
-                {"engines/sleeps": self.sleeps, "timing/sleep_wake_s": self.sleep_s}
-                if self.cfg.engine_sleep_level
-                else {}
-            ),
+            **self.colocation.metrics(),
         }
 
     def accounting(self) -> dict[str, float]:
@@ -443,6 +426,7 @@ class Run:
         await self.cluster.stop()
         if self.trainer is not None:
             self.trainer.shutdown()
+            self.colocation.close()
         if self.behavior_role is not None:
             self.behavior_role.shutdown()
         if self.placement is not None:

@@ -26,7 +26,7 @@ from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weight_group import WeightGroup, send_buckets, torch_dtype
 from slime_async.contracts.weights import HFWeights, TensorEntry, WeightManifest
-from slime_async.host import limit_malloc_arenas, trim_heap
+from slime_async.host import limit_malloc_arenas, rss_bytes, trim_heap
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
 
@@ -96,17 +96,25 @@ class _TrainerActorImpl:
     def snapshot(self) -> int:
         return self.trainer.snapshot()
 
-    def sleep(self) -> int:
+    def sleep(self, spill_dir: str | None = None) -> dict[str, float]:
         """Close the weight group (the transport forms it again at its next push), keep the
         newest version in the CPU weight cache, offload parameters, gradients and optimizer
-        state (`trainer/offload.py`); returns the bytes freed."""
+        state (`trainer/offload.py`, spilled under `spill_dir`); returns the bytes offloaded,
+        this process's resident memory before and after, and the seconds it took."""
+        t0, rss = time.monotonic(), rss_bytes()
         self.close_weight_group()
+        if spill_dir is not None:
+            self.trainer.offload.spill_dir = spill_dir
         freed = self.trainer.sleep()
         trim_heap()
-        return freed
+        return {"bytes": float(freed), "rss_before": rss, "rss_after": rss_bytes(),
+                "seconds": time.monotonic() - t0}  # fmt: skip
 
-    def wake(self) -> None:
+    def wake(self) -> dict[str, float]:
+        """Onload: everything `sleep` offloaded back; the resident memory after, and seconds."""
+        t0 = time.monotonic()
         self.trainer.wake()
+        return {"rss_after": rss_bytes(), "seconds": time.monotonic() - t0}
 
     def release(self, version: int) -> bool:
         return self.trainer.release(version)
@@ -351,12 +359,13 @@ class TrainerGroup:
     def snapshot(self) -> int:
         return int(self._all("snapshot")[0])
 
-    def sleep(self) -> int:
-        """Every rank asleep (`_TrainerActorImpl.sleep`); returns the bytes rank 0 freed."""
-        return int(self._all("sleep")[0])
+    def sleep(self, spill_dir: str | None = None) -> dict[str, float]:
+        """Every rank asleep (`_TrainerActorImpl.sleep`); rank 0's bytes, memory, seconds."""
+        return self._all("sleep", spill_dir)[0]
 
-    def wake(self) -> None:
-        self._all("wake")
+    def wake(self) -> dict[str, float]:
+        """Every rank awake (`_TrainerActorImpl.wake`); rank 0's memory and seconds."""
+        return self._all("wake")[0]
 
     def release(self, version: int) -> bool:
         return bool(self._all("release", version)[0])

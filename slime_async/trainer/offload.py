@@ -102,6 +102,11 @@ class TrainerOffload:
             return 0
         t0 = time.monotonic()
         storages = self._storages()
+        if on := sorted({str(s.device) for s in storages if s.device.type != "cpu"}):
+            raise RuntimeError(
+                f"trainer offload is built for CPU memory only, and this rank's state is on "
+                f"{on}; run with --no-offload-train (the engines still release theirs)"
+            )
         d = self.spill_dir or tempfile.gettempdir()
         os.makedirs(d, exist_ok=True)
         fd, path = tempfile.mkstemp(prefix="trainer-offload-", suffix=".bin", dir=d)

@@ -361,13 +361,25 @@ class MegatronTrainer(LogprobForwards):
         slept."""
         self.offload.restore()
 
+    def _cached_weights(self) -> HFWeights:
+        w = self.weight_cache.weights
+        if w is None or w.version != self.version:
+            raise RuntimeError(
+                f"the trainer is offloaded and its CPU weight cache holds version "
+                f"{self.weight_cache.version}, not its version {self.version}: wake it first"
+            )
+        return w
+
     # ------------------------------------------------------------------ weights
     def export_weights(self, *, copy: bool = True) -> HFWeights:
         """Full HF-named tensors of the current version (collective over TP/EP); with LoRA the
         adapters merged into the base (`W + (alpha / r) · B A`). `copy=False` (a weight push
         that reads them at once, before the next step): views of the parameters where the
         layout allows, in their dtype (`hf_convert.megatron_to_hf`); with LoRA always fp32
-        copies, as the merge has to make them anyway."""
+        copies, as the merge has to make them anyway. While asleep: the CPU weight cache (the
+        version `sleep` put there; no collective)."""
+        if self.offload.asleep:
+            return self._cached_weights()
         tensors = hf_convert.megatron_to_hf(
             self.chunks, self.spec, copy=copy or self.lora is not None
         )

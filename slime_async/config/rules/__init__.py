@@ -34,7 +34,7 @@ come out in this order):
 | 20 | `script_flags` | the flags of slime's scripts: Megatron's model shape against config.json, the run flags (`script_flags`) | 19 |
 | 21 | `resume` | what it resumes from (`run_paths.resume_from`, `check_resume`) | 19 |
 | 22 | `engines` | the engine fleet (--num-engines, --rollout-num-gpus) | |
-| 23 | `placement` | --colocate, --trainer-cores, --rollout-cores | 22 |
+| 23 | `placement` | --colocate, --trainer-cores, --rollout-cores; the turns of a colocated run (--offload-train, --offload-rollout, --engine-sleep-level, --engine-sleep: `colocation`) | 19, 22 |
 | 24 | `cache_salt` | --router-cache-salt by engine backend | 22 |
 | 25 | `keys` | the router's config and the run's two keys (a data-plane key minted) | 22 |
 | 26 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 21 |

@@ -14,8 +14,8 @@ import secrets
 
 from router.access import ADMIN_KEY_ENV, API_KEY_ENV
 from router.config import router_config_from_args
-from slime_async.config.engine_backends import engine_backend_needs
 from slime_async.config.engine_fleet import EngineFleetConfig
+from slime_async.config.rules.colocation import TURN_FLAGS, turns
 from slime_async.config.rules.draft import Draft, Placement, rule
 from slime_async.config.run_paths import derive_warmstart
 from slime_async.contracts.adapter import lora_spec
@@ -57,12 +57,19 @@ def engines(d: Draft) -> None:
 _CORE_FLAGS = ("trainer-cores", "rollout-cores")
 
 
-@rule("placement", fills=("colocate",))
+@rule("placement", fills=("colocate", *TURN_FLAGS))
 def placement(d: Draft) -> None:
     """Colocation and the trainer's and engines' cores on the cores this process may use: apart
     (the two halves) unless it may use a single core. On a joined cluster the roles run on
     other nodes: each pins cores of its own node at start-up
-    (`slime_async.orchestrator.placement`), so none are derived from this machine."""
+    (`slime_async.orchestrator.placement`), so none are derived from this machine. Then the
+    turns trainer and engines take (`colocation.turns`: --offload-train, --offload-rollout,
+    --engine-sleep-level, the SGLang servers' memory saver)."""
+    _placement(d)
+    turns(d)
+
+
+def _placement(d: Draft) -> None:
     a, f, cpus = d.args, d.flags, d.env.cpus
     given = {k: tuple(v) for k in _CORE_FLAGS if (v := getattr(a, k.replace("-", "_"))) is not None}
     if d.env.ray_address is not None:
@@ -89,14 +96,7 @@ def placement(d: Draft) -> None:
 
 
 def _check_colocate(a: argparse.Namespace, given: dict[str, tuple[int, ...]]) -> None:
-    """--colocate shares CPU cores: not with GPU engines, nor with cores given per role."""
-    if a.colocate and engine_backend_needs(a.engine_backend).gpus_per_engine > 0:
-        raise ValueError(
-            "--colocate here shares CPU cores between trainer and engines; slime's --colocate "
-            "(engines and trainer time-sharing the GPUs, with offload) is not implemented for "
-            f"--engine-backend {a.engine_backend} (GPU engines); drop --colocate and give the "
-            "engines their own GPUs"
-        )
+    """--colocate shares all cores: not with cores given per role."""
     if a.colocate and given:
         raise ValueError(
             "--colocate shares all cores; do not also pass --trainer-cores/--rollout-cores"
