@@ -11,8 +11,10 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
+import socket
 from pathlib import Path
 
 import aiohttp
@@ -168,6 +170,54 @@ async def _pushing(urls: list[str], sender: object, *, cfg: WeightSyncConfig = C
                 await t.close()
     finally:
         await router.stop()
+
+
+class _PortTakenSender(InProcessSender):
+    """A sender whose first endpoint is a port another process took between the free-port
+    probe and rank 0's bind (here a listening socket of this test)."""
+
+    def __init__(self, weights: Weights, taken: int) -> None:
+        super().__init__(weights)
+        self.taken, self.ports = taken, []
+
+    async def endpoint(self) -> tuple[str, int]:
+        addr, port = await super().endpoint()
+        self.ports.append(self.taken if not self.ports else port)
+        return addr, self.ports[-1]
+
+
+async def test_a_port_taken_before_rank_0_binds_it_is_chosen_again(fleet, caplog) -> None:
+    """EADDRINUSE at rank 0's bind (another process on the node won the race for the probed
+    port): the group is formed again on another port and the push lands; a port the user gave
+    is never replaced: that fails naming it."""
+    urls = [e.url for e in fleet]
+    weights = Weights()
+    cfg = dataclasses.replace(CFG, timeout_s=12.0)  # the engines give up on the taken port
+    with socket.socket() as occupier:
+        occupier.bind(("127.0.0.1", 0))
+        occupier.listen()
+        taken = occupier.getsockname()[1]
+        sender = _PortTakenSender(weights, taken)
+        async with _pushing(urls, sender, cfg=cfg) as (t, s, _):
+            weights.set(70, 70)
+            with caplog.at_level(logging.WARNING):
+                assert (await t.push(70))["weights/push_failed_engines"] == 0.0
+            assert sender.ports[0] == taken and sender.ports[-1] != taken
+            assert any("was taken by another process" in r.getMessage() for r in caplog.records)
+            assert t.groups_formed == 1
+            served, answer = await _served(s, urls[0])
+            assert served == "70" and _exact(weights, answer)
+        caplog.clear()
+        given = dataclasses.replace(cfg, master_port=taken)
+        async with _pushing(urls, InProcessSender(weights), cfg=given) as (t, _, _):
+            weights.set(71, 71)
+            with caplog.at_level(logging.WARNING):
+                assert (await t.push(71))["weights/push_failed_engines"] == 2.0
+        said = [r.getMessage() for r in caplog.records]
+        assert any(
+            f"could not form the weight update group at 127.0.0.1:{taken}" in m for m in said
+        )
+        assert not any("was taken by another process" in m for m in said)
 
 
 async def test_versions_advance_on_both_engines(fleet) -> None:

@@ -69,6 +69,10 @@ HEALTH_TIMEOUT_S = 30.0
 hold the push for the session's timeout."""
 STORE_TIMEOUT_S = 10.0
 """Bound of connecting the driver's client to a new group's store (rank 0 hosts it)."""
+FORM_ATTEMPTS = 3
+"""Groups formed before giving up when another process takes rank 0's port first."""
+BIND_GRACE_S = 1.0
+"""How long `_form` waits for rank 0's bind to fail before sending the engines to its port."""
 POLL_S = 0.2
 """How often `_watch_bucket` re-checks its deadlines while bucket calls are out."""
 
@@ -299,8 +303,35 @@ class DistributedTransport:
 
     async def _form(self, urls: Sequence[str], stopped: Collection[str] = ()) -> None:
         """A new group of the sender and `urls` (any old one is destroyed first; see
-        `_teardown` for `stopped`)."""
+        `_teardown` for `stopped`). A port of the sender's choosing that another process on its
+        node took before rank 0 bound it (EADDRINUSE) is chosen again, up to `FORM_ATTEMPTS`
+        times; a port the user gave (`--update-weight-master-port`) is never changed."""
         await self._teardown(stopped)
+        for attempt in range(1, FORM_ATTEMPTS + 1):
+            addr, port, failed, taken = await self._try_form(urls)
+            if not failed:
+                break
+            self.members = tuple(urls)
+            await self._teardown()
+            if not taken or self.cfg.master_port or attempt == FORM_ATTEMPTS:
+                raise WeightSyncError(
+                    f"could not form the weight update group at {addr}:{port} "
+                    f"(world size {len(urls) + 1}): {'; '.join(failed)}. Check that every "
+                    "engine can reach that address (--update-weight-master-address) and port."
+                )
+            log.warning(
+                "weight group port %d was taken by another process before rank 0 bound it; "
+                "forming the group again on another port (attempt %d of %d)",
+                port,
+                attempt + 1,
+                FORM_ATTEMPTS,
+            )
+        self.members, self._group_ok = tuple(urls), True
+        self.groups_formed += 1
+        self._control = await self._connect_control(addr, port)
+
+    async def _try_form(self, urls: Sequence[str]) -> tuple[str, int, list[str], bool]:
+        """One attempt: (address, port, what failed, whether rank 0's port was taken)."""
         addr, port = await self.sender.endpoint()
         addr = self.cfg.master_address or addr
         port = self.cfg.master_port or port
@@ -315,6 +346,11 @@ class DistributedTransport:
                 timeout_s=self.cfg.timeout_s,
             )
         )
+        # rank 0 binds its port at once: a port taken meanwhile fails here, before any engine
+        # is sent to it (an engine would wait out its rendezvous timeout on a foreign listener)
+        await asyncio.wait({opened}, timeout=BIND_GRACE_S)
+        if opened.done() and (e := opened.exception()) is not None and _port_taken(e):
+            return addr, port, [f"sender: {type(e).__name__}: {e}"], True
         joins = await asyncio.gather(
             *(
                 self._call(
@@ -333,21 +369,13 @@ class DistributedTransport:
             )
         )
         failed = [f"{u}: {r.why}" for u, r in zip(urls, joins) if not r.ok]
+        taken = False
         try:
             await opened
         except Exception as e:
             failed.append(f"sender: {type(e).__name__}: {e}")
-        if failed:
-            self.members = tuple(urls)
-            await self._teardown()
-            raise WeightSyncError(
-                f"could not form the weight update group at {addr}:{port} "
-                f"(world size {world}): {'; '.join(failed)}. Check that every "
-                "engine can reach that address (--update-weight-master-address) and port."
-            )
-        self.members, self._group_ok = tuple(urls), True
-        self.groups_formed += 1
-        self._control = await self._connect_control(addr, port)
+            taken = _port_taken(e)
+        return addr, port, failed, taken
 
     async def _connect_control(self, addr: str, port: int) -> GroupControl | None:
         """The driver's client on the new group's store; None (with a warning) if rank 0's
@@ -590,3 +618,8 @@ class DistributedTransport:
             if self._http is not None:
                 await self._http.close()
                 self._http = None
+
+
+def _port_taken(e: BaseException) -> bool:
+    """Rank 0 could not bind its port: another process took it (EADDRINUSE)."""
+    return "EADDRINUSE" in str(e) or "address already in use" in str(e).lower()
