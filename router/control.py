@@ -156,8 +156,8 @@ class ControlFanout:
         elif path == "/continue_generation":
             self.pause.end()
         outcomes = await asyncio.gather(*(self._call(w, method, path_qs, body) for w in workers))
-        if aborting:
-            await self._abort_held(workers)
+        if aborting:  # only an engine that paused holds what reaches it late
+            await self._abort_held([w for w, o in zip(workers, outcomes) if o["success"]])
         results: dict[str, dict] = {}
         failed: list[dict] = []
         any_ok = any(o["success"] for o in outcomes)
