@@ -37,3 +37,31 @@ def test_actors_run_at_the_drivers_priority():
     assert out.returncode == 0, out.stderr[-2000:]
     driver, actor = map(int, out.stdout.split()[-2:])
     assert actor == driver
+
+
+GROW = """
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from slime_async.orchestrator.roles import init_ray
+init_ray(num_cpus=2)
+first = ray.cluster_resources()["CPU"]
+pg = placement_group([{"CPU": 1}])
+ray.get(pg.ready())
+init_ray(num_cpus=first + 1)  # busy: the node is kept (the run's reservation will say why)
+busy = ray.cluster_resources()["CPU"]
+remove_placement_group(pg)
+init_ray(num_cpus=first + 1)  # idle: started again, larger
+print(first, busy, ray.cluster_resources()["CPU"])
+"""
+
+
+def test_a_second_run_that_needs_more_cpus_gets_a_larger_local_node():
+    """A process that runs twice (a notebook, a test session) asks for more logical CPUs the
+    second time: its own local node, idle, is started again with them; a busy one is kept."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", GROW], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, busy, grown = map(float, out.stdout.split()[-3:])
+    assert busy == first and grown == first + 1

@@ -7,6 +7,7 @@ generates and dumps without a trainer. The round trip of a dump and the refusals
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -80,7 +81,7 @@ async def test_a_replay_of_the_dumps_reproduces_each_step_bit_for_bit(tmp_path):
     assert not (tmp_path / "b" / "roles.json").exists()  # no engine or router ever started
 
 
-async def test_rollout_only_generates_and_dumps_without_a_trainer(tmp_path):
+async def test_rollout_only_generates_and_dumps_without_a_trainer(tmp_path, caplog):
     from slime_async.engine.testing import chat_model_dir
 
     model = chat_model_dir(str(tmp_path / "m"))
@@ -91,13 +92,16 @@ async def test_rollout_only_generates_and_dumps_without_a_trainer(tmp_path):
     run = tmp_path / "run"
     argv = [
         *("--run-dir", str(run), "--hf-checkpoint", model, "--prompt-data", str(data)),
-        *("--num-steps", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"),
-        *("--rollout-max-response-len", "6", "--debug-rollout-only"),
+        *("--num-steps", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"),
+        *("--rollout-max-response-len", "6", "--debug-rollout-only", "--max-staleness", "0"),
         *("--save-debug-rollout-data", str(tmp_path / "dumps")),
     ]
-    summary = await train(parse_config(argv))
-    assert summary["accounting/consumed"] == 4
-    for step in (0, 1):
+    # more steps than S + 1: no version is ever pushed, yet admission keeps up with the steps
+    with caplog.at_level(logging.WARNING):
+        summary = await train(parse_config(argv))
+    assert not [r for r in caplog.records if "did not close cleanly" in r.getMessage()]
+    assert summary["accounting/consumed"] == 6
+    for step in (0, 1, 2):
         body = read_dump(tmp_path / "dumps" / f"{step}.json")
         assert body["trained"] is None and body["trainer_version"] == 0
         s = body["groups"][0]["samples"][0]

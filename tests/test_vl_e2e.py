@@ -1,8 +1,10 @@
-"""A vision-language model end to end: the tiny Qwen2.5-VL built here (`slime_async/tools/tiny_vl.py`) on
-procedurally drawn shapes (`--multimodal-keys`), fully async with a weight push every step
-through the distributed transport; the engine's and the trainer's log-probs of the same image
-+ text samples agree, and `--save-hf` writes a VL checkpoint transformers loads. The shapes
-task's pieces (drawing, labels, the verifiable reward) are checked on their own."""
+"""A vision-language model end to end: the tiny Qwen2.5-VL and Qwen3-VL built here
+(`slime_async/tools/tiny_vl.py`) on procedurally drawn shapes (`--multimodal-keys`), fully
+async with a weight push every step through the distributed transport; the engine's and the
+trainer's log-probs of the same image + text samples agree, and `--save-hf` writes a VL
+checkpoint transformers loads. The shapes task's pieces (drawing, labels, the verifiable
+reward) and the tiny checkpoints' processor config (the preprocessing unchanged by it) are
+checked on their own."""
 
 from __future__ import annotations
 
@@ -43,13 +45,68 @@ def test_shapes_are_drawn_labelled_and_rewarded(tmp_path):
     assert shapes_reward(hit) == 1.0 and shapes_reward(miss) == 0.0
 
 
+@pytest.mark.parametrize(("family", "patch"), [("qwen2_5_vl", 14), ("qwen3_vl", 16)])
+def test_the_tiny_checkpoint_carries_its_processor_with_unchanged_preprocessing(
+    tmp_path, family, patch
+):
+    """`write_checkpoint` (Qwen2.5-VL, or Qwen3-VL) writes `preprocessor_config.json` (the
+    SGLang launcher refuses a VL checkpoint without it), and loading it gives the very pixels
+    and grids of the preprocessing derived from the config when the file was absent: earlier
+    runs' inputs are unchanged."""
+    import importlib.util
+
+    from transformers import AutoImageProcessor
+
+    from slime_async.config.engine_fleet import EngineFleetConfig
+    from slime_async.contracts.engine import EngineLaunch
+    from slime_async.contracts.model import ModelSpec
+    from slime_async.contracts.vision import image_processor, preprocess
+    from slime_async.engine.config import EngineConfig
+    from slime_async.engine.sglang import build_command
+    from slime_async.orchestrator.engines.sglang import sglang_config
+    from slime_async.tools.tiny_vl import draw_shapes, write_checkpoint
+
+    hf = write_checkpoint(tmp_path / "hf", family=family)
+    assert (hf / "preprocessor_config.json").is_file()
+    spec = ModelSpec.from_hf_config(json.loads((hf / "config.json").read_text()))
+    vision = spec.vision
+    assert spec.is_vl and vision.patch_size == patch and vision.qwen3 == (family == "qwen3_vl")
+    derived = image_processor(None, vision)  # what the data path used without the file
+    loaded = [
+        image_processor(str(hf), vision),
+        AutoImageProcessor.from_pretrained(hf, backend="pil"),
+    ]
+    rng = random.Random(5)
+    for size in ((56, 84), (84, 84), (112, 84), (300, 200)):
+        img = draw_shapes(rng, size)[0]
+        want = preprocess(derived, [img])
+        for proc in loaded:
+            got = preprocess(proc, [img])
+            assert got.grids == want.grids and torch.equal(got.pixels, want.pixels), size
+    side = 2 * patch  # a merged token's side: 112 x 84 resized to multiples of it
+    grid = (1, 2 * round(84 / side), 2 * round(112 / side))
+    assert preprocess(derived, [draw_shapes(rng, (112, 84))[0]]).grids == (grid,)
+    launch = EngineLaunch(index=0, model_dir=str(hf), weight_version=0, seed=1)
+    fleet = EngineFleetConfig(backend="sglang")
+    cmd = build_command(sglang_config(EngineConfig(), launch, port=30000, fleet=fleet))
+    assert "--enable-multimodal" in cmd and "--skip-tokenizer-init" not in cmd
+    if importlib.util.find_spec("torchvision") is not None:  # SGLang's AutoProcessor needs it
+        from transformers import AutoProcessor
+
+        out = AutoProcessor.from_pretrained(hf, backend="pil")(
+            images=[img], text=["<|vision_start|> <|image_pad|> <|vision_end|>"]
+        )
+        assert [tuple(g) for g in out["image_grid_thw"].tolist()] == list(want.grids)
+
+
 @pytest.mark.slow
-async def test_async_vl_run_with_images_and_a_push_every_step(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+async def test_async_vl_run_with_images_and_a_push_every_step(tmp_path, family):
     from slime_async.config import parse_config
     from slime_async.orchestrator.controller import train
     from slime_async.tools.tiny_vl import write_checkpoint, write_shapes_dataset
 
-    hf = write_checkpoint(tmp_path / "hf")
+    hf = write_checkpoint(tmp_path / "hf", family=family)
     data = write_shapes_dataset(tmp_path / "data", 16, seed=2)
     run = tmp_path / "run"
     argv = [
@@ -78,12 +135,12 @@ async def test_async_vl_run_with_images_and_a_push_every_step(tmp_path):
         # engine (bf16) vs trainer on the same image + text samples
         assert r["mismatch/train_rollout_logprob_abs_diff"] < 0.02, r
     assert steps[-1]["data/served_version"] == 3
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from slime_async.contracts.model import ModelSpec
 
     saved = run / "hf"
     cfg = json.loads((saved / "config.json").read_text())
-    assert ModelSpec.from_hf_config(cfg).is_vl
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(saved), dtype=torch.float32)
-    assert model.config.vision_config.depth == 2
+    assert ModelSpec.from_hf_config(cfg).is_vl and cfg["model_type"] == family
+    model = AutoModelForImageTextToText.from_pretrained(str(saved), dtype=torch.float32)
+    assert model.config.vision_config.depth == (3 if family == "qwen3_vl" else 2)

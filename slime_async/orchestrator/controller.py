@@ -157,6 +157,9 @@ async def _rollouts_only(run: Run, cfg: RunConfig) -> dict[str, Any]:
             batch, estimator=cfg.rollout.advantage_estimator, overlong=overlong_shaping(cfg.rollout)
         )
         await run.dump(step, batch, trained=None)
+        # no version is ever pushed: the admission budget (S + v + 1) x B counts the steps
+        # consumed instead, so generation stays S + 1 steps ahead as in a training run
+        run.worker.set_served_version(step + 1)
         wait = time.perf_counter() - t0
         last = {**data.metrics, **run.worker.metrics(), **run.chain.agent_metrics()}
         last |= run.timing(wait_s=wait, train_s=0.0, sync_s=0.0)

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,15 @@ def init_ray(*, address: str | None = None, num_cpus: float | None = None) -> bo
     """Join the Ray cluster at `address` (see `ray_address`), or start a local node quietly (no
     dashboard, `num_cpus` logical CPUs, at least this machine's). A stale
     /tmp/ray/ray_current_cluster never hijacks a local run. A no-op when Ray is already up.
-    Returns True when a cluster was joined (servers must then bind their node's IP)."""
+    Returns True when a cluster was joined (servers must then bind their node's IP). A local
+    node this process started earlier (a notebook or a test running a second run) that has
+    fewer logical CPUs than `num_cpus` is started again, larger, when nothing holds any of it;
+    otherwise the run's reservation names what it lacks."""
     if ray.is_initialized():
-        return not _LOCAL[0]
+        if not _LOCAL[0] or not _too_small_and_idle(num_cpus):
+            return not _LOCAL[0]
+        log.info("restarting this process's local Ray node with %s logical CPUs", num_cpus)
+        ray.shutdown()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     quiet = {"log_to_driver": True, "logging_level": logging.WARNING, "configure_logging": False}
     if address is not None:  # an existing cluster: its nodes say what they have
@@ -90,6 +97,20 @@ def init_ray(*, address: str | None = None, num_cpus: float | None = None) -> bo
 
 _LOCAL = [True]
 """Whether this process started its own Ray node (set by `init_ray`)."""
+
+
+def _too_small_and_idle(num_cpus: float | None) -> bool:
+    """This process's local node has fewer logical CPUs than `num_cpus`, and every CPU of it
+    is free (no actor or placement group holds any)."""
+    total = ray.cluster_resources().get("CPU", 0.0)
+    if num_cpus is None or total >= num_cpus:
+        return False
+    deadline = time.monotonic() + 5.0  # a finished run's CPUs come back asynchronously
+    while ray.available_resources().get("CPU", 0.0) < total - 1e-6:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @dataclasses.dataclass(kw_only=True)

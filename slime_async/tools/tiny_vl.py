@@ -2,12 +2,14 @@
 
 Owns: `word_tokenizer` (a word-level tokenizer over the tiny model's 256 ids with Qwen's chat
 and vision special tokens and a chat template; no download), `write_checkpoint` (the shrunk
-published Qwen2.5-VL config, `tests/data/configs/qwen2.5-vl-tiny`, with seeded random weights
-and that tokenizer), `draw_shapes` (a procedurally drawn image: 1 to 3 filled shapes of one
-colour on a light background), `write_shapes_dataset` (`--prompt-data` rows asking how many
-shapes or which colour, the image by path, the answer as the label; the same rows as SFT
-conversations in `shapes_sft.jsonl`) and `shapes_reward` (exact
-match of the first word of the response; `--custom-rm-path
+published Qwen2.5-VL config, `tests/data/configs/qwen2.5-vl-tiny`, or with
+`family="qwen3_vl"` the shrunk Qwen3-VL one, `qwen3-vl-tiny`, with seeded random weights, that
+tokenizer and the processor's `preprocessor_config.json`: the settings the data path already
+uses without one, so SGLang's processor can load the checkpoint too), `draw_shapes` (a
+procedurally drawn image: 1 to 3 filled shapes of one colour on a light background),
+`write_shapes_dataset` (`--prompt-data` rows asking how many shapes or which colour, the image
+by path, the answer as the label; the same rows as SFT conversations in `shapes_sft.jsonl`)
+and `shapes_reward` (exact match of the first word of the response; `--custom-rm-path
 slime_async.tools.tiny_vl.shapes_reward`).
 
     python -m slime_async.tools.tiny_vl OUT_DIR   # OUT_DIR/hf, OUT_DIR/shapes.jsonl
@@ -60,6 +62,56 @@ CONFIG = {
 }
 """Qwen2.5-VL-3B's config.json shrunk (2 + 2 layers, width 64 / 32, 256 ids)."""
 
+QWEN3_CONFIG = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "model_type": "qwen3_vl",
+    "image_token_id": 252,
+    "video_token_id": 253,
+    "vision_start_token_id": 250,
+    "vision_end_token_id": 251,
+    "tie_word_embeddings": True,
+    "text_config": {
+        "model_type": "qwen3_vl_text",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "attention_bias": False,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "max_position_embeddings": 1024,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "mrope_interleaved": True,
+            "mrope_section": [2, 3, 3],
+            "rope_type": "default",
+        },
+        "rope_theta": 5000000,
+        "tie_word_embeddings": True,
+        "vocab_size": 256,
+    },
+    "vision_config": {
+        "model_type": "qwen3_vl",
+        "deepstack_visual_indexes": [0, 2],
+        "depth": 3,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 32,
+        "in_channels": 3,
+        "intermediate_size": 48,
+        "num_heads": 2,
+        "num_position_embeddings": 64,
+        "out_hidden_size": 64,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+}
+"""Qwen3-VL's config shrunk (`tests/data/configs/qwen3-vl-tiny`: 3 + 3 layers with DeepStack,
+width 64 / 32, the same 256 ids and vision token ids as `CONFIG`)."""
+
 SPECIAL = {
     "<|im_start|>": 248,
     "<|im_end|>": 2,
@@ -93,21 +145,41 @@ def word_tokenizer() -> Any:
     return fast
 
 
-def write_checkpoint(out: str | Path, *, seed: int = 0) -> Path:
-    """A seeded random tiny Qwen2.5-VL with its tokenizer, saved as an HF directory."""
+def write_checkpoint(out: str | Path, *, seed: int = 0, family: str = "qwen2_5_vl") -> Path:
+    """A seeded random tiny Qwen2.5-VL (or, `family="qwen3_vl"`, Qwen3-VL) with its
+    tokenizer and image processor config, saved as an HF directory."""
     import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import (
+        AutoConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+    )
 
+    from slime_async.contracts.model import ModelSpec
+    from slime_async.contracts.vision import image_processor
+
+    configs = {"qwen2_5_vl": CONFIG, "qwen3_vl": QWEN3_CONFIG}
+    if family not in configs:
+        raise ValueError(f"family {family!r}: the tiny VL models are {', '.join(configs)}")
+    config = configs[family]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(CONFIG, indent=2))
-    cfg = Qwen2_5_VLConfig.from_pretrained(str(out))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    cfg = AutoConfig.from_pretrained(str(out))
+    cls = (
+        Qwen3VLForConditionalGeneration
+        if family == "qwen3_vl"
+        else Qwen2_5_VLForConditionalGeneration
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=torch.float32)
+        model = cls._from_config(cfg, dtype=torch.float32)
     model.save_pretrained(str(out))
-    (out / "config.json").write_text(json.dumps(CONFIG, indent=2))  # the published (flat) form
+    (out / "config.json").write_text(json.dumps(config, indent=2))  # the published form
     word_tokenizer().save_pretrained(str(out))
+    # the preprocessing the data path derives from the config when the file is absent, written
+    # down (SGLang's processor needs the file); the same pixels and grids either way
+    image_processor(None, ModelSpec.from_hf_config(config).vision).save_pretrained(str(out))
     return out
 
 

@@ -294,7 +294,8 @@ class DistributedTransport:
                 for u in members
             )
         )
-        await self.sender.close_group()
+        if self.sender is not None:  # none without a trainer (--debug-rollout-only)
+            await self.sender.close_group()
 
     async def _form(self, urls: Sequence[str], stopped: Collection[str] = ()) -> None:
         """A new group of the sender and `urls` (any old one is destroyed first; see
