@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from router.config import RouterConfig
+from router.pause import AbortPause, pause_mode
 from router.workers import Worker, WorkerRegistry, WorkerState
 
 CONTROL_PATHS: tuple[str, ...] = (
@@ -40,6 +41,7 @@ _REQUIRED_KEYS = {
     "/unload_lora_adapter": "lora_name",
     "/update_weight_version": "new_version",
 }
+_ABORT_ALL = json.dumps({"abort_all": True}).encode()
 
 
 def _engine_ok(status: int, body: object) -> bool:
@@ -72,10 +74,13 @@ class ControlFanout:
         cfg: RouterConfig,
         registry: WorkerRegistry,
         session: Callable[[], aiohttp.ClientSession],
+        pause: AbortPause | None = None,
     ) -> None:
         self.cfg = cfg
         self.registry = registry
         self._session = session
+        self.pause = pause if pause is not None else AbortPause()
+        """The abort-mode pause the proxy honours (router/pause.py)."""
         self._timeout = aiohttp.ClientTimeout(
             total=cfg.control_timeout_s, sock_connect=cfg.connect_timeout_s
         )
@@ -143,9 +148,16 @@ class ControlFanout:
             if w.state not in (WorkerState.REMOVED, WorkerState.SLEEPING)
         ]
         self.fanouts += 1
+        aborting = path == "/pause_generation" and pause_mode(body) == "abort"
         if path == "/pause_generation":  # before any engine pauses (router/cache_salt.py)
             self.pauses += 1
+            if aborting:  # before any engine pauses: nothing is forwarded from here on
+                self.pause.begin()
+        elif path == "/continue_generation":
+            self.pause.end()
         outcomes = await asyncio.gather(*(self._call(w, method, path_qs, body) for w in workers))
+        if aborting:  # only an engine that paused holds what reaches it late
+            await self._abort_held([w for w, o in zip(workers, outcomes) if o["success"]])
         results: dict[str, dict] = {}
         failed: list[dict] = []
         any_ok = any(o["success"] for o in outcomes)
@@ -185,6 +197,24 @@ class ControlFanout:
             "total": len(workers),
             "succeeded": len(workers) - len(failed),
         }
+
+    async def _abort_held(self, workers: list[Worker]) -> None:
+        """Abort again, until none is left, the requests forwarded before the pause began that
+        reached their engine after it paused (held there, not aborted: router/pause.py)."""
+        deadline = time.monotonic() + self.cfg.control_timeout_s
+        while self.pause.active and time.monotonic() < deadline:
+            held = [
+                w
+                for w in workers
+                if w.outstanding_requests
+                and w.state not in (WorkerState.REMOVED, WorkerState.SLEEPING)
+            ]
+            if not held:
+                return
+            await asyncio.gather(
+                *(self._call(w, "POST", "/abort_request", _ABORT_ALL) for w in held)
+            )
+            await asyncio.sleep(0.02)
 
     async def call(self, w: Worker, method: str, path_qs: str, body: bytes) -> dict:
         """One control call on one engine (the fan-out's per-engine outcome dict)."""

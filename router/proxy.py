@@ -33,6 +33,7 @@ from router.affinity import GROUP_KEY_HEADER, group_key
 from router.cache_salt import salt_body
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
+from router.pause import AbortPause, aborted_response
 from router.session_affinity import (
     SESSION_HEADER,
     AffinityStats,
@@ -70,6 +71,9 @@ class ProxyStats:
     """Streams whose client disconnected (the engine request is closed, which aborts it)."""
     redispatched: int = 0
     """Requests cut by an engine's preemption (sleep) and sent whole to another engine."""
+    aborted_paused: int = 0
+    """Generate requests answered aborted by the router during an abort-mode pause
+    (router/pause.py)."""
 
 
 class _Preempted(Exception):
@@ -186,8 +190,11 @@ class Proxy:
         session: Callable[[], aiohttp.ClientSession],
         on_failure: Callable[[Worker], None],
         salt: Callable[[], str] | None = None,
+        pause: AbortPause | None = None,
     ) -> None:
         self.cfg = cfg
+        self.pause = pause if pause is not None else AbortPause()
+        """The fleet's abort-mode pause: generate requests are answered aborted meanwhile."""
         self.registry = registry
         self.dispatcher = dispatcher
         self._session = session
@@ -243,6 +250,7 @@ class Proxy:
             # the cache salt goes into SGLang's native /generate bodies only
             parsed=obj if request.path == "/generate" else None,
             session=session,
+            abortable=True,
         )
 
     async def handle_info(self, request: web.Request) -> web.StreamResponse:
@@ -250,9 +258,12 @@ class Proxy:
         self.stats.requests += 1
         return await self.forward(request, body=await request.read(), expected_tokens=0)
 
-    async def _candidates(self, tried: set[str], deadline: float) -> list[Worker]:
+    async def _candidates(
+        self, tried: set[str], deadline: float, *, abortable: bool = False
+    ) -> list[Worker]:
         """Healthy engines not tried yet (all healthy ones once every engine was tried);
-        waits up to `deadline` while none is healthy; empty list on timeout."""
+        waits up to `deadline` while none is healthy; empty list on timeout, or (`abortable`)
+        once an abort-mode pause begins."""
         waited = False
         while True:
             healthy = self.registry.healthy()
@@ -261,8 +272,25 @@ class Proxy:
             if not waited:
                 self.stats.waited += 1
                 waited = True
-            if not await self.registry.wait_for_healthy(deadline - time.monotonic()):
+            if abortable and self.pause.active:
                 return []
+            if not await self._wait_for_healthy(deadline, abortable=abortable):
+                return []
+
+    async def _wait_for_healthy(self, deadline: float, *, abortable: bool) -> bool:
+        """`registry.wait_for_healthy` until `deadline`; an abortable request stops waiting
+        when an abort-mode pause begins (False then)."""
+        healthy = asyncio.ensure_future(self.registry.wait_for_healthy(deadline - time.monotonic()))
+        if not abortable:
+            return await healthy
+        paused = asyncio.ensure_future(self.pause.wait_begun())
+        try:
+            await asyncio.wait({healthy, paused}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            paused.cancel()
+            if not healthy.done():
+                healthy.cancel()
+        return not healthy.cancelled() and healthy.result()
 
     async def forward(
         self,
@@ -273,9 +301,12 @@ class Proxy:
         group: str | None = None,
         parsed: Any = None,
         session: str | None = None,
+        abortable: bool = False,
     ) -> web.StreamResponse:
         """Send `body` to an engine (the session's first, when one is named and healthy, else
-        the group's: router/affinity.py); retry on another engine while nothing was streamed."""
+        the group's: router/affinity.py); retry on another engine while nothing was streamed.
+        An `abortable` (generate) request is answered aborted by the router instead whenever it
+        would be sent during an abort-mode pause (router/pause.py)."""
         deadline = time.monotonic() + self.cfg.wait_for_worker_s
         tried: set[str] = set()
         last_error = "no attempt"
@@ -283,7 +314,11 @@ class Proxy:
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         attempt = 0  # failed attempts; a preemption is not one (the engine did nothing wrong)
         while True:
-            candidates = await self._candidates(tried, deadline)
+            if abortable and self.pause.active:
+                return await self._aborted(request, body)
+            candidates = await self._candidates(tried, deadline, abortable=abortable)
+            if abortable and self.pause.active:
+                return await self._aborted(request, body)
             if not candidates:
                 return self._failed(
                     f"no healthy engine became available within {self.cfg.wait_for_worker_s:g}s "
@@ -302,6 +337,9 @@ class Proxy:
                 return self._failed(
                     f"no healthy engine for {self.cfg.wait_for_worker_s:g}s while queued"
                 )
+            if abortable and self.pause.active:  # the pause began while it waited for room
+                self.dispatcher.release(w, expected_tokens)
+                return await self._aborted(request, body)
             tried.add(w.id)
             w.total_requests += 1
             sent = self._salted(body, parsed)
@@ -330,6 +368,12 @@ class Proxy:
             self.registry.record_request_success(w)
             self.stats.succeeded += 1
             return resp
+
+    async def _aborted(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        """The router's own aborted answer during an abort-mode pause (counted)."""
+        self.stats.aborted_paused += 1
+        self.pause.answered += 1
+        return await aborted_response(request, request.path, body)
 
     def _failed(self, message: str) -> web.Response:
         """A 503 for a request that found no engine (counted as failed)."""

@@ -27,6 +27,7 @@ from router.control import CONTROL_PATHS, ControlFanout
 from router.dispatch import Dispatcher
 from router.health import HealthMonitor
 from router.metrics import metrics_json, metrics_prometheus
+from router.pause import AbortPause
 from router.policies import make_policy
 from router.proxy import Proxy, error_response
 from router.sleep import SLEEP_PATHS, SleepControl
@@ -63,7 +64,10 @@ class Router:
         for url in cfg.worker_urls:
             self.registry.add(check_worker_url(url))
         self._session: aiohttp.ClientSession | None = None
-        self.control = ControlFanout(cfg=cfg, registry=self.registry, session=self.session)
+        self.abort_pause = AbortPause()
+        self.control = ControlFanout(
+            cfg=cfg, registry=self.registry, session=self.session, pause=self.abort_pause
+        )
         self.health = HealthMonitor(
             cfg=cfg, registry=self.registry, session=self.session, catch_up=self.control.catch_up
         )
@@ -81,6 +85,7 @@ class Router:
             session=self.session,
             on_failure=self.health.poke,
             salt=self._salt if cfg.cache_salt else None,
+            pause=self.abort_pause,
         )
         self.sleep = SleepControl(registry=self.registry, control=self.control)
         self._runner: web.AppRunner | None = None
@@ -179,6 +184,8 @@ class Router:
             "bad_requests": s.bad_requests,
             "stream_broken": s.stream_broken,
             "redispatched": s.redispatched,
+            "aborted_paused": s.aborted_paused,
+            "paused_abort": int(self.abort_pause.active),
             "sleeps": self.sleep.sleeps,
             "wakes": self.sleep.wakes,
             "workers_sleeping": sum(w.state is WorkerState.SLEEPING for w in workers),

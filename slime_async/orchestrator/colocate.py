@@ -192,8 +192,7 @@ class Colocation:
     async def trainer_awake(self, step: int) -> AsyncIterator[None]:
         """An offloaded trainer onloaded for the body (a save), offloaded again after it. The
         engines are not released for it: a save reads the trainer's state while they go on
-        generating (with `--max-staleness 0` after the last step, pausing the data worker
-        there waits on generations that are re-issued into paused engines)."""
+        generating."""
         if not self.trainer_asleep:
             yield
             return
