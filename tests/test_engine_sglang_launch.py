@@ -5,6 +5,8 @@ backend, the launcher, the token hand-over, the router, replacement and shutdown
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -217,6 +219,38 @@ def test_server_exiting_early_reports_its_log(fake_sglang, tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="exited with code 3") as e:
         srv.start(timeout=60)
     assert "CUDA out of memory (simulated)" in str(e.value)
+
+
+def test_a_port_something_else_holds_is_a_port_taken_error(fake_sglang, tmp_path):
+    """Another process took the server's port after it was chosen and answers it with bytes
+    that are not HTTP (a gloo socket, say): the health poll waits for the server instead of
+    failing on them, and the server's failed bind is a `PortTakenError`, which the launching
+    actor answers with another port."""
+    import socket
+    import threading
+
+    from slime_async.engine.sglang import PortTakenError
+
+    _, model = fake_sglang
+    srv = _server(tmp_path)
+    srv = SGLangServer(
+        dataclasses.replace(srv.cfg, model_path=str(model)), log_path=str(tmp_path / "s.log")
+    )
+    with socket.socket() as occupier:
+        occupier.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+        occupier.bind(("127.0.0.1", srv.cfg.port))
+        occupier.listen()
+
+        def garble() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    conn, _ = occupier.accept()
+                    with conn:
+                        conn.sendall(b"\x00\x01@\xfe not http\r\n\r\n")
+
+        threading.Thread(target=garble, daemon=True).start()
+        with pytest.raises(PortTakenError, match=r"(?i)address already in use"):
+            srv.start(timeout=60)
 
 
 def test_train_async_with_sglang_backend(fake_sglang, tmp_path: Path) -> None:

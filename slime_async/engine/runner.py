@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import http.client
 import json
 import os
 import signal
@@ -188,8 +189,8 @@ def wait_healthy(
             with urllib.request.urlopen(req, timeout=2) as r:
                 if r.status == 200:
                     return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
+        except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException):
+            pass  # not up yet, or something else answers its port (it then fails to bind)
         time.sleep(0.1)
     raise TimeoutError(f"{url}/health not ready within {timeout}s")
 

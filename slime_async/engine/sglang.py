@@ -237,6 +237,10 @@ def _tail(path: str | None, n: int = 2000) -> str:
         return ""
 
 
+class PortTakenError(RuntimeError):
+    """The server could not bind its port: another process took it after it was chosen."""
+
+
 class SGLangServer:
     """A launched SGLang server. `start()` returns its URL once `/health` answers 200."""
 
@@ -295,7 +299,8 @@ class SGLangServer:
                 if self.log_path
                 else ""
             )
-            raise RuntimeError(f"SGLang server {self.cfg.url} {why}{log}") from e
+            error = PortTakenError if "address already in use" in log.lower() else RuntimeError
+            raise error(f"SGLang server {self.cfg.url} {why}{log}") from e
         except BaseException:
             self.stop()
             raise

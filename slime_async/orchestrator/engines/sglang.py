@@ -27,7 +27,7 @@ import ray
 from slime_async.config.engine_backends import BUILTIN_NEEDS
 from slime_async.contracts.engine import EngineLaunch, EngineNeeds
 from slime_async.engine.config import EngineConfig
-from slime_async.engine.sglang import SGLangConfig, SGLangServer
+from slime_async.engine.sglang import PortTakenError, SGLangConfig, SGLangServer
 from slime_async.orchestrator.engines.ray_actor import RayActorBackend
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -121,6 +121,11 @@ def sglang_config(
     )
 
 
+PORT_ATTEMPTS = 3
+"""Ports an SGLang server is started on before its start fails (each taken by another
+process between the free-port probe and the server's bind)."""
+
+
 @ray.remote(num_cpus=0)
 class SGLangActor:
     """Launches and owns one SGLang server process group."""
@@ -128,21 +133,35 @@ class SGLangActor:
     def __init__(
         self, engine: EngineConfig, launch: EngineLaunch, fleet: Any, start_timeout_s: float
     ) -> None:
+        self._args = (engine, launch, fleet)
+        self._server = self._on_free_port()
+        self._timeout = start_timeout_s
+
+    def _on_free_port(self) -> SGLangServer:
         from slime_async.host import free_port
 
-        host = launch.host or engine.host
-        cfg = sglang_config(engine, launch, port=free_port(host), fleet=fleet)
+        engine, launch, fleet = self._args
+        cfg = sglang_config(engine, launch, port=free_port(launch.host or engine.host), fleet=fleet)
         logs = os.path.join(tempfile.gettempdir(), "slime_async_sglang")
         os.makedirs(logs, exist_ok=True)
-        log = os.path.join(logs, f"engine{launch.index}_{cfg.port}.log")
-        self._server = SGLangServer(cfg, log_path=log)
-        self._timeout = start_timeout_s
+        return SGLangServer(
+            cfg, log_path=os.path.join(logs, f"engine{launch.index}_{cfg.port}.log")
+        )
 
     def log_path(self) -> str | None:
         return self._server.log_path
 
     def start(self) -> str:
-        return self._server.start(timeout=self._timeout)
+        """Start the server; a port another process took after it was chosen is chosen again
+        (up to `PORT_ATTEMPTS` times)."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._server.start(timeout=self._timeout)
+            except PortTakenError:
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                self._server = self._on_free_port()
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         self._server.stop()
