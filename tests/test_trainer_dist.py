@@ -248,3 +248,34 @@ def test_expert_tensor_parallel_with_expert_parallel_matches_dp1(tmp_path):
 @pytest.mark.slow
 def test_interleaved_pipeline_matches_dp1(tmp_path):
     _compare(tmp_path, world=2, layouts={"pp2vp2": (1, 1, 2, 2)}, spec=DEEP)
+
+
+ONE_RANK = """
+import socket, sys
+from slime_async.trainer import parallel
+with socket.socket() as held:  # another process's listener on the port the probe would give
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    parallel.init_distributed(
+        rank=0, world_size=1, master_addr="127.0.0.1", master_port=held.getsockname()[1]
+    )
+    import torch.distributed as dist
+    print(dist.get_world_size())
+"""
+
+
+def test_a_one_rank_group_binds_no_port():
+    """A one-rank trainer (or the forward-only role) rendezvouses in memory: a port another
+    process holds does not stop it (before: EADDRINUSE when the probed port was taken)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", ONE_RANK], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "1"

@@ -82,19 +82,27 @@ def check_model_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
 def init_distributed(
     *, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float = 300.0
 ) -> None:
-    """Start torch.distributed (gloo on CPU, NCCL on GPU) unless already started."""
+    """Start torch.distributed (gloo on CPU, NCCL on GPU) unless already started. A one-rank
+    group rendezvouses in memory (a `HashStore`): it binds no port, so no other process on
+    the node can take its port between the probe and the bind."""
     if dist.is_initialized():
         return
     backend = "nccl" if cpu_compat.cuda_available() else "gloo"
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         torch.cuda.set_device(local)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if world_size == 1:
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
 
 
