@@ -78,7 +78,8 @@ def test_trainer_group_over_ray_matches_in_process(ray_session, tmp_path):
 
 def test_a_taken_rendezvous_port_builds_the_trainer_again_on_another(ray_session, monkeypatch):
     """The port found free can be taken before rank 0 binds it (another process on the
-    node): the group is built again on another port, not failed."""
+    node): the group is built again on another port, not failed. Two ranks: a one-rank group
+    binds no port (`parallel.init_distributed`)."""
     import socket
 
     import slime_async.trainer.actor as actor_mod
@@ -97,7 +98,7 @@ def test_a_taken_rendezvous_port_builds_the_trainer_again_on_another(ray_session
     monkeypatch.setattr(actor_mod, "free_port", racy_free_port)
     try:
         group = actor_mod.TrainerGroup(
-            TrainerConfig(micro_batch_size=2, seed=2), TINY_MOE, world_size=1, timeout_s=180
+            TrainerConfig(micro_batch_size=2, seed=2), TINY_MOE, world_size=2, timeout_s=180
         )
         try:
             assert group.version() == 0 and group.master[1] != taken and len(calls) == 2
