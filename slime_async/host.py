@@ -124,3 +124,9 @@ def ray_address(flag: str | None = None) -> str | None:
     local one."""
     address = flag or os.environ.get("RAY_ADDRESS") or None
     return None if address == "local" else address
+
+
+def port_taken(text: str) -> bool:
+    """Whether an error's text (or a server's log) says a bind failed because another process
+    holds the port (EADDRINUSE): the caller picks another port, unless the user gave it."""
+    return "EADDRINUSE" in text or "address already in use" in text.lower()

@@ -22,6 +22,7 @@ from router.access import check_keys
 from slime_async.engine import sglang_launch
 from slime_async.engine.runner import wait_healthy
 from slime_async.engine.sglang_launch import ADMIN_KEY_ENV, API_KEY_ENV
+from slime_async.host import port_taken
 
 SGLANG_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -299,7 +300,7 @@ class SGLangServer:
                 if self.log_path
                 else ""
             )
-            error = PortTakenError if "address already in use" in log.lower() else RuntimeError
+            error = PortTakenError if port_taken(log) else RuntimeError
             raise error(f"SGLang server {self.cfg.url} {why}{log}") from e
         except BaseException:
             self.stop()

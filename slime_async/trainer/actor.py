@@ -26,7 +26,7 @@ from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weight_group import WeightGroup, send_buckets, torch_dtype
 from slime_async.contracts.weights import HFWeights, TensorEntry, WeightManifest
-from slime_async.host import limit_malloc_arenas, rss_bytes, trim_heap
+from slime_async.host import limit_malloc_arenas, port_taken, rss_bytes, trim_heap
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
 
@@ -282,7 +282,7 @@ class TrainerGroup:
                 # a port found free on loopback can be taken before rank 0 binds it (another
                 # process on the node): build again on another port; never a remote node's
                 if (
-                    not (addr.startswith("127.") and _port_taken(e))
+                    not (addr.startswith("127.") and port_taken(str(e)))
                     or attempt == RENDEZVOUS_ATTEMPTS
                 ):
                     self.shutdown()
@@ -451,11 +451,6 @@ class TrainerGroup:
 
 RENDEZVOUS_ATTEMPTS = 3
 """Builds of a local trainer group before a rendezvous port race is reported as an error."""
-
-
-def _port_taken(e: BaseException) -> bool:
-    """The error is rank 0's rendezvous store failing to bind its port (EADDRINUSE)."""
-    return "EADDRINUSE" in str(e) or "address already in use" in str(e)
 
 
 class AdapterSender:

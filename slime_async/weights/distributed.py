@@ -50,6 +50,7 @@ from slime_async.contracts.weight_group import (
     plan_buckets,
 )
 from slime_async.contracts.weights import Payload, WeightManifest
+from slime_async.host import port_taken
 from slime_async.weights.config import WeightSyncConfig
 from slime_async.weights.pause import paused_in_place
 from slime_async.weights.sender import WeightSender
@@ -349,7 +350,7 @@ class DistributedTransport:
         # rank 0 binds its port at once: a port taken meanwhile fails here, before any engine
         # is sent to it (an engine would wait out its rendezvous timeout on a foreign listener)
         await asyncio.wait({opened}, timeout=BIND_GRACE_S)
-        if opened.done() and (e := opened.exception()) is not None and _port_taken(e):
+        if opened.done() and (e := opened.exception()) is not None and port_taken(str(e)):
             return addr, port, [f"sender: {type(e).__name__}: {e}"], True
         joins = await asyncio.gather(
             *(
@@ -374,7 +375,7 @@ class DistributedTransport:
             await opened
         except Exception as e:
             failed.append(f"sender: {type(e).__name__}: {e}")
-            taken = _port_taken(e)
+            taken = port_taken(str(e))
         return addr, port, failed, taken
 
     async def _connect_control(self, addr: str, port: int) -> GroupControl | None:
@@ -618,8 +619,3 @@ class DistributedTransport:
             if self._http is not None:
                 await self._http.close()
                 self._http = None
-
-
-def _port_taken(e: BaseException) -> bool:
-    """Rank 0 could not bind its port: another process took it (EADDRINUSE)."""
-    return "EADDRINUSE" in str(e) or "address already in use" in str(e).lower()
