@@ -345,6 +345,7 @@ class DistributedTransport:
                 group_name=self.cfg.group_name,
                 backend=self.backend,
                 timeout_s=self.cfg.timeout_s,
+                same_node=self.cfg.same_node,
             )
         )
         # rank 0 binds its port at once: a port taken meanwhile fails here, before any engine
