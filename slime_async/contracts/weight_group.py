@@ -101,7 +101,7 @@ ABORT_POLL_S = 0.05
 """How often a member waiting on its op looks at the `abort` key (one store round trip)."""
 _HUGE_PAGE = 2 << 20
 """Bytes of a transparent huge page on x86-64 and most arm64 kernels (`bucket_buffer`)."""
-_CRC_THREAD_BYTES = 4 << 20
+_CHECKSUM_THREAD_BYTES = 4 << 20
 """From this bucket size on, `pack_bucket` computes the checksum in a second thread."""
 _SHM_SETS = 3
 """Most segment sets rank 0 keeps (two alternate; a third only if members hold both)."""
@@ -683,7 +683,7 @@ def pack_bucket(
     raw = bucket_buffer(nbytes, device)
     flat = raw.view(dt)
     pieces = _pieces(tensors, bucket, flat)
-    if flat.device.type != "cpu" or nbytes < _CRC_THREAD_BYTES:
+    if flat.device.type != "cpu" or nbytes < _CHECKSUM_THREAD_BYTES:
         for dst, src in pieces:
             dst.copy_(src)
         return flat, tensors_checksum([flat])
