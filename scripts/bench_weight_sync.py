@@ -243,7 +243,11 @@ async def bench_model(name: str, cfg: EngineConfig, a: argparse.Namespace) -> di
                         control=rc,
                         dtype=None if dt == "float32" else dt,
                     )
-                    for name, same_node in (("distributed", True), ("distributed-wire", False)):
+                    # a tree before the same-node path: `distributed` is the wire, nothing else
+                    paths = {"distributed": {}}
+                    if "same_node" in WeightSyncConfig.__dataclass_fields__:
+                        paths["distributed-wire"] = {"same_node": False}
+                    for name, extra in paths.items():
                         transports[name + tag] = DistributedTransport(
                             sender=InProcessSender(holder),
                             control=rc,
@@ -252,7 +256,7 @@ async def bench_model(name: str, cfg: EngineConfig, a: argparse.Namespace) -> di
                                 bucket_bytes=a.bucket_mb * 1024**2,
                                 group_name=f"bench_{name}_{dt}",
                                 dtype=None if dt == "float32" else dt,
-                                same_node=same_node,
+                                **extra,
                             ),
                         )
                 wanted = a.transports.split(",")
