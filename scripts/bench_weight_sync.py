@@ -247,14 +247,14 @@ async def bench_model(name: str, cfg: EngineConfig, a: argparse.Namespace) -> di
                     paths = {"distributed": {}}
                     if "same_node" in WeightSyncConfig.__dataclass_fields__:
                         paths["distributed-wire"] = {"same_node": False}
-                    for name, extra in paths.items():
-                        transports[name + tag] = DistributedTransport(
+                    for path, extra in paths.items():
+                        transports[path + tag] = DistributedTransport(
                             sender=InProcessSender(holder),
                             control=rc,
                             engine_urls=lambda: urls,
                             cfg=WeightSyncConfig(
                                 bucket_bytes=a.bucket_mb * 1024**2,
-                                group_name=f"bench_{name}_{dt}",
+                                group_name=f"bench_{path}_{dt}",
                                 dtype=None if dt == "float32" else dt,
                                 **extra,
                             ),
