@@ -87,7 +87,10 @@ def _segments_held_here() -> list[str]:
 
 
 def _shm_files() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """Names in /dev/shm that could be ours (other processes on the machine come and go)."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {n for n in os.listdir("/dev/shm") if "slime" in n or "wg-" in n}
 
 
 async def _spilled(s, e: EngineProcess, d: Path) -> dict[str, torch.Tensor]:
@@ -199,6 +202,7 @@ async def test_a_segment_changed_after_its_checksum_is_refused_and_old_weights_s
     in shared memory, B over the wire (it got the segment's bytes); the push fails, both keep
     serving v30 exactly, A maps only v30's segments, and the sender holds none afterwards."""
     (a, b), _ = pair
+    shm_before = _shm_files()
     good = Weights()
     good.set(30, 30)
     async with _pushing([a.url, b.url], InProcessSender(good)) as (t, s, _rc):
@@ -218,7 +222,7 @@ async def test_a_segment_changed_after_its_checksum_is_refused_and_old_weights_s
             served, answer = await _served(s, e.url)
             assert served == "30" and _exact(good, answer)
     assert _segments_mapped(a) == serving  # the refused version's segments are gone
-    assert _segments_held_here() == []
+    assert _segments_held_here() == [] and _shm_files() == shm_before
 
 
 async def test_a_resend_after_a_corrupted_segment_serves_the_intact_version(pair) -> None:
@@ -329,3 +333,80 @@ def test_segment_names_are_checked_never_paths() -> None:
     for bad in ("/dev/shm/x", "slime-wg-0123-s0-b0", "slime-wg-0123456789abcdef-s0-b0/..", None):
         with pytest.raises(ValueError, match="not a weight-group segment name"):
             weight_shm.parse_segment_name(bad)
+
+
+def _rank0_then_die(port: int, ready) -> None:
+    """Rank 0 in a child process: send one version (two buckets), then hang until killed."""
+    import threading
+
+    from slime_async.contracts.weight_group import WeightGroup, send_buckets
+
+    g = WeightGroup.open(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=2,
+        group_name="crash",
+        backend="gloo",
+        same_node=True,
+    )
+    send_buckets(g, _CRASH_TENSORS, _crash_buckets(), flatten=True)
+    ready.set()
+    threading.Event().wait(600)
+
+
+_CRASH_TENSORS = {f"w{i}": torch.full((300_000,), float(i)) for i in range(4)}
+
+
+def _crash_buckets():
+    from slime_async.contracts.weight_group import plan_buckets
+    from slime_async.contracts.weights import WeightManifest
+
+    return plan_buckets(WeightManifest.of(_CRASH_TENSORS, version=0), 2_400_000)
+
+
+def test_a_sender_killed_mid_group_leaves_no_segment_behind() -> None:
+    """Rank 0 (a child process) sends a version through shared memory and is SIGKILLed while
+    this member waits for the next bucket: the wait fails at once (the store died with rank
+    0), and once the member let go of what it received no segment is mapped or named."""
+    import multiprocessing as mp
+    import time
+
+    from slime_async.contracts.weight_group import WeightGroup, receive_checked
+    from slime_async.host import free_port
+
+    shm_before = _shm_files()
+    ctx = mp.get_context("spawn")
+    ready, port = ctx.Event(), free_port()
+    child = ctx.Process(target=_rank0_then_die, args=(port, ready), daemon=True)
+    child.start()
+    g = WeightGroup.open(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=1,
+        world_size=2,
+        group_name="crash",
+        backend="gloo",
+        timeout_s=60.0,
+        same_node=True,
+    )
+    try:
+        got = [receive_checked(g, b, flatten=True, check_finite=True) for b in _crash_buckets()]
+        assert [r.corrupted for r in got] == [None, None] and got[0].segment is not None
+        assert float(got[1].tensors["w3"][0]) == 3.0
+        assert ready.wait(30)
+        child.kill()
+        child.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError):  # the store is gone: no waiting out the op timeout
+            receive_checked(g, _crash_buckets()[0], flatten=True, check_finite=True)
+        assert time.monotonic() - t0 < 10
+    finally:
+        g.close()
+        child.kill()
+    del got
+    import gc
+
+    gc.collect()
+    assert not [ln for ln in Path("/proc/self/maps").read_text().splitlines() if "slime-wg-" in ln]
+    assert _segments_held_here() == [] and _shm_files() == shm_before
