@@ -279,6 +279,25 @@ def process_bytes(shape: RunShape) -> dict[str, int]:
     return out
 
 
+OBJECT_STORE_FLOOR = 256 * MIB
+"""The smallest Ray object store a one-node run starts (batches, log-probs, LoRA adapters and
+metrics take a few MiB a step)."""
+
+
+def object_store_bytes(shape: RunShape) -> int:
+    """Ray's object store for a one-node run, sized for what the run puts in it: batches and
+    log-probs, each LoRA adapter version, and, with a forward-only role whose trainer cannot
+    hand it a version in this node's memory file system, two versions in the parameters' dtype;
+    never below `OBJECT_STORE_FLOOR`. Its pages are shared memory: only what objects touched
+    is resident, and stays so (the store reuses it), so a store no larger than needed bounds
+    what it can hold."""
+    if shape.role_versions is None:
+        return OBJECT_STORE_FLOOR
+    w = 2 if shape.bf16 else 4
+    version = shape.adapter_params * 4 if shape.adapter_params else shape.params * w
+    return max(OBJECT_STORE_FLOOR, 2 * version)
+
+
 def gpu_trainer_bytes(shape: RunShape) -> int:
     """One GPU trainer rank's bytes on its GPU (state + activations; the CUDA context aside)."""
     return trainer_state_bytes(shape) + trainer_activation_bytes(shape)
