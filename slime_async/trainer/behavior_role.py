@@ -6,9 +6,16 @@ gradients), world size 1, with the weights of every version the engines served, 
 sample's token log-probs under the version that sampled the token), its Ray actor
 `BehaviorActor` and the driver-side handle `BehaviorRole`. With `--behavior-forward role` the
 run gives it each version's exported weights before the engines load them (the directory the
-disk transport writes; otherwise the trainer's HF tensors through Ray's object store, so no
-file is written on the trainer's critical path) and asks it for every finished sample's log-probs; the trainer then reads them
-from `TrainerBatch.behavior_logprobs` instead of swapping in snapshots during the train step.
+disk transport writes; otherwise one file trainer rank 0 writes in this node's memory file
+system, in the parameters' dtype, which the role maps and removes (`add_version_file`), or,
+with rank 0 on another node, the trainer's tensors through Ray's object store) and asks it
+for every finished sample's log-probs; the trainer then reads them from
+`TrainerBatch.behavior_logprobs` instead of swapping in snapshots during the train step.
+
+Memory: the role holds `max_versions` versions and nothing else per parameter: its model's
+parameters are the newest version's tensors, a forward points them at the version it needs
+(`SnapshotStore.pointed_at`), and a new version is loaded, one tensor at a time, into the
+storage of the version it evicts (`SnapshotStore.vacate` / `adopt`).
 Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
 
 With LoRA (`--lora-rank`) the role shares the base: it loads the frozen base once (`set_base`,
