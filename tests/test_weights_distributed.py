@@ -438,7 +438,7 @@ async def test_engine_dying_as_the_broadcast_starts(fleet) -> None:
             with contextlib.suppress(OSError):  # the listing's own descriptor is gone
                 held.append(os.readlink(f"/proc/self/fd/{fd}"))
         assert not [h for h in held if h.startswith("/memfd:slime-wg-")]
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith("slime")]
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith("slime-wg-")]
     finally:
         await router.stop()
 

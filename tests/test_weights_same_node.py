@@ -87,10 +87,10 @@ def _segments_held_here() -> list[str]:
 
 
 def _shm_files() -> set[str]:
-    """Names in /dev/shm that could be ours (other processes on the machine come and go)."""
+    """Weight-group names in /dev/shm (other tests' and processes' files come and go)."""
     if not os.path.isdir("/dev/shm"):
         return set()
-    return {n for n in os.listdir("/dev/shm") if "slime" in n or "wg-" in n}
+    return {n for n in os.listdir("/dev/shm") if n.startswith(weight_shm.NAME_PREFIX)}
 
 
 async def _spilled(s, e: EngineProcess, d: Path) -> dict[str, torch.Tensor]:
