@@ -189,6 +189,7 @@ class _TrainerActorImpl:
         group_name: str,
         backend: str,
         timeout_s: float,
+        same_node: bool = True,
     ) -> None:
         self.close_weight_group()
         self.weight_group = WeightGroup.open(
@@ -199,6 +200,7 @@ class _TrainerActorImpl:
             group_name=group_name,
             backend=backend,
             timeout_s=timeout_s,
+            same_node=same_node,
         )
 
     def send_weights(
@@ -447,9 +449,10 @@ class TrainerGroup:
         group_name: str,
         backend: str,
         timeout_s: float,
+        same_node: bool = True,
     ) -> None:
         await self.actors[0].open_weight_group.remote(
-            master_address, master_port, world_size, group_name, backend, timeout_s
+            master_address, master_port, world_size, group_name, backend, timeout_s, same_node
         )
 
     async def send(self, buckets: Sequence[Sequence[TensorEntry]], *, flatten: bool) -> int:
