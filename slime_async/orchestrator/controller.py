@@ -52,7 +52,7 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
             return await _rollouts_only(run, cfg)
         evals = _Evals(run, cfg)
         if run.start_step == 0:
-            await evals.baseline()
+            await run.tending(evals.baseline())
         for step in range(run.start_step, cfg.num_steps):
             t0 = time.perf_counter()
             batch = await run.next_batch(cfg.rollout.groups_per_step)
@@ -91,7 +91,7 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
                 **(run.pipeline.metrics() if run.pipeline is not None else {}),
             }
             run.log(run.version, last)
-        await evals.final()
+        await run.tending(evals.final())  # a replacement started meanwhile needs a push
         if run.saves and run.version > run.start_step:
             await run.save(run.version)
         last.update(run.accounting())
