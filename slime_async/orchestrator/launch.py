@@ -171,13 +171,12 @@ async def warm_started(cfg: RunConfig) -> TrainerConfig:
     (validation leaves `warmstart_steps` 0 unless a fresh embedded default run)."""
     if not cfg.warmstart_steps:
         return cfg.trainer
-    threads = max(1, len(cfg.trainer_cores + cfg.rollout_cores))
+    # One torch thread: the tiny model's matmuls gain nothing from a second one, and two
+    # threads run 5x slower as soon as anything else holds a core (docs/results/2026-11-23-default-run.md)
     ws_args: dict[str, Any] = {
         "spec": cfg.model,
         "task": TaskFamilyConfig(seed=cfg.seed),
-        "config": WarmStartConfig(
-            max_steps=cfg.warmstart_steps, seed=cfg.seed, num_threads=threads
-        ),
+        "config": WarmStartConfig(max_steps=cfg.warmstart_steps, seed=cfg.seed, num_threads=1),
     }
     cached = is_cached(cfg.run_dir, **ws_args)
     startup.say(
