@@ -252,17 +252,18 @@ def render_phase3(
         f"{len(runs)} of {planned} planned runs finished.",
     ]
     lines += _comparisons(per_run, runs, cells, staleness, replay=False)
-    lines += [
-        "",
-        "| run | verdict | baseline eval | final eval | wall s |",
-        "|---|---|---|---|---|",
-    ]
+    return "\n".join(lines + _every_run(per_run)) + "\n"
+
+
+def _every_run(per_run: Mapping[str, Any]) -> list[str]:
+    """One row per finished run: verdict, the baseline and final held-out pass rates, wall."""
+    lines = ["", "| run | verdict | baseline eval | final eval | wall s |", "|---|---|---|---|---|"]
     for n, r in sorted(per_run.items()):
         lines.append(
             f"| `{n}` | {r['verdict']} | {r.get('eval_first', math.nan):.3f} | "
             f"{r['eval_final']:.3f} | {r['wall_s']:.0f} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def render_protocol(
@@ -307,6 +308,7 @@ def render_protocol(
     lines += ["", "## Phase 2: confirmatory runs", ""]
     lines.append(f"{len(confirm_runs)} of {planned} planned runs finished.")
     lines += _comparisons(confirm_per_run, confirm_runs, None, PRIMARY_STALENESS, replay=True)
+    lines += _every_run(confirm_per_run)
     lines += [
         "",
         "Early warning over every run of both phases, at each setting the calibration tries "

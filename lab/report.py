@@ -1,7 +1,7 @@
 """The stability lab's outputs: its figure grid and its markdown report.
 
 Owns `render_figure` (rows = the `PANELS` metrics over samples trained, columns = (staleness,
-steps per rollout), one line per (loss, replay), mean ± one standard deviation over seeds) and
+steps per rollout), one line per (loss, replay), mean ± one standard error over seeds) and
 `render_markdown` (the table of final values, per-source diagnostics, seed-paired and pooled
 differences, per-run verdicts, the goal checks against `lab.goals.GOALS`, the guards' hit
 rates), both from `lab.analysis`. matplotlib is imported only to draw. May import
@@ -98,7 +98,8 @@ def render_figure(runs: Sequence[RunData], path: Path, *, smooth: float) -> None
                 ys = np.array(
                     [_smooth([dict(zip(*c, strict=True))[x] for x in grid_x], w) for c in curves]
                 )
-                m, sd = ys.mean(0), ys.std(0)
+                m = ys.mean(0)  # ± the standard error of the mean over seeds
+                se = ys.std(0, ddof=1) / np.sqrt(len(ys)) if len(ys) > 1 else np.zeros_like(m)
                 style = "-" if rr else "--"
                 label = f"{loss}{'' if rr else ' (no R3)'} ×{len(curves)}"
                 ax.plot(
@@ -111,13 +112,13 @@ def render_figure(runs: Sequence[RunData], path: Path, *, smooth: float) -> None
                     marker="o" if key == "eval/reward" else None,
                     ms=3,
                 )
-                ax.fill_between(grid_x, m - sd, m + sd, color=COLORS[loss], alpha=0.15, lw=0)
+                ax.fill_between(grid_x, m - se, m + se, color=COLORS[loss], alpha=0.15, lw=0)
             if key.startswith("is/") or key in (GAP_KEY, "train/grad_norm"):
                 ax.set_yscale("log")
             if i == len(PANELS) - 1:
                 ax.set_xlabel("samples trained", fontsize=8)
         axes[0][j].legend(fontsize=6, loc="lower right")
-    fig.suptitle("stability lab: mean ± 1 sd over seeds", fontsize=10)
+    fig.suptitle("stability lab: mean ± 1 standard error over seeds", fontsize=10)
     fig.savefig(path, dpi=90)
 
 

@@ -11,7 +11,7 @@ reads each run's `metrics.jsonl` and writes, under `--out`:
 * `stability.png`: rows = train reward, eval reward, train–rollout log-prob gap, entropy, IS
   p99 of each source (staleness r3, engine r2, drift r1), grad norm, over samples trained;
   columns = (staleness, steps per rollout); one line per (loss, replay), mean ± one standard
-  deviation over seeds (curves smoothed over `--smooth` of the steps). The per-source split
+  error over seeds (curves smoothed over `--smooth` of the steps). The per-source split
   (r2/r3) needs π_j^Meg, which only `compis` reads; the other losses show the combined ratio;
 * `stability.md`: the table of final values (mean ± 95% t-interval over seeds), the verdict
   of every run and cell (`slime_async.metrics.stability`: stable / drifting / collapsed), the

@@ -353,6 +353,7 @@ NUMBER = re.compile(
 )
 # Constants a rule page states and a results page happens to contain too.
 RULE_CONSTANTS = {
+    "2.15": "a version bound (torch <2.15 in the install table)",
     "2×": "a product of sizes (TP 2 × DP 4) or a bound's factor",
     "5×": "the collapse rule of the stability verdicts",
     "10%": "the verdict rules' start window",
