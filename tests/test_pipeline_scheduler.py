@@ -181,3 +181,53 @@ def test_a_busy_slot_drains_for_an_equal_and_is_cut_only_for_a_higher_priority()
     todo_a = core.report("a", demand=0, inflight=4, version=0, now=30.3, load={0: 4})
     todo_b = core.report("b", demand=8, inflight=1, version=0, now=30.4, load={1: 1})
     assert (todo_a["cut"], todo_b["cut"]) == ([0], [1])
+
+
+def _held(core: SchedulerCore) -> dict[str, int]:
+    return {n: sum(h == n for h in core.owner.values()) for n in core.pipelines}
+
+
+def test_spread_lends_the_slots_nobody_needs_and_they_are_the_first_given_back() -> None:
+    """With `spread`, the slots left after every pipeline's need are lent to the ones whose
+    requests could spread over more engines (one request each at most); a lent slot is above
+    its holder's target, so it is the first given up (idle first) when another is short."""
+    for spread in (False, True):
+        core = _core(slots=8, heartbeat_timeout_s=100.0, spread=spread)
+        for n in "ab":
+            core.join(n, priority=1.0, slots=list(range(8)), now=0.0, capacity=4)
+        take = core.report("a", demand=6, inflight=0, version=0, now=0.0)["take"]
+        # need ceil(6/4) = 2; spreading: 6 requests over up to 6 engines
+        assert len(take) == (6 if spread else 2)
+        assert sum("lent" in e[2] for e in core.events) == (4 if spread else 0)
+    # b wants 3 slots: it gets the 2 free ones, and a gives up 1 of the 4 above its target,
+    # an idle one (its running requests per slot reported), drained, not cut
+    load = {s: (2 if i < 2 else 1 if i == 2 else 0) for i, s in enumerate(take)}
+    core.report("a", demand=0, inflight=6, version=0, now=2.9, load=load)
+    assert len(core.report("b", demand=12, version=0, now=3.0)["take"]) == 2
+    todo = core.report("a", demand=0, inflight=6, version=0, now=3.1, load=load)
+    idle = sorted(s for s, n in load.items() if n == 0)
+    assert todo["give_up"] == idle[:1] and todo["cut"] == []
+    core.released("a", idle[0], now=4.0)
+    assert core.report("b", demand=12, version=0, now=4.1)["take"] == idle[:1]
+    assert _held(core) == {"a": 5, "b": 3}
+
+
+def test_lending_never_takes_a_slot_from_anyone_and_follows_priority() -> None:
+    core = _core(slots=4, heartbeat_timeout_s=100.0, spread=True)
+    core.join("a", priority=1.0, slots=list(range(4)), now=0.0, capacity=4)
+    core.join("b", priority=3.0, slots=list(range(4)), now=0.0, capacity=4)
+    assert len(core.report("a", demand=4, version=0, now=0.0)["take"]) == 4  # 1 + 3 lent
+    # b (higher priority) needs 1: a's idle lent slot goes at once, within the hold; b could
+    # spread over 4, but a's other lent slots are not taken for spreading
+    busy = {0: 2, 1: 1, 2: 1}
+    core.report("a", demand=0, inflight=4, version=0, now=0.4, load=busy)
+    assert core.report("b", demand=4, version=0, now=0.5)["take"] == []
+    assert core.report("a", demand=0, inflight=4, version=0, now=0.6, load=busy)["give_up"] == [3]
+    core.released("a", 3, now=0.7)
+    assert core.report("b", demand=4, version=0, now=0.8)["take"] == [3]
+    for t in (1.0, 5.0, 50.0):
+        assert core.report("b", demand=3, inflight=1, version=0, now=t)["give_up"] == []
+        assert core.report("a", demand=0, inflight=4, version=0, now=t, load=busy)["give_up"] == []
+    assert _held(core) == {"a": 3, "b": 1}
+    core.leave("a", now=60.0)  # free slots: now b spreads over them
+    assert len(core.report("b", demand=3, inflight=1, version=0, now=60.5)["take"]) == 3
