@@ -212,7 +212,7 @@ def test_spread_lends_the_slots_nobody_needs_and_they_are_the_first_given_back()
     assert _held(core) == {"a": 5, "b": 3}
 
 
-def test_lending_never_takes_a_slot_from_anyone_and_follows_priority() -> None:
+def test_lending_never_drains_a_busy_slot_and_follows_priority() -> None:
     core = _core(slots=4, heartbeat_timeout_s=100.0, spread=True)
     core.join("a", priority=1.0, slots=list(range(4)), now=0.0, capacity=4)
     core.join("b", priority=3.0, slots=list(range(4)), now=0.0, capacity=4)
@@ -231,3 +231,23 @@ def test_lending_never_takes_a_slot_from_anyone_and_follows_priority() -> None:
     assert _held(core) == {"a": 3, "b": 1}
     core.leave("a", now=60.0)  # free slots: now b spreads over them
     assert len(core.report("b", demand=3, inflight=1, version=0, now=60.5)["take"]) == 3
+
+
+def test_a_training_pipelines_idle_slots_stay_with_it_unless_another_needs_them() -> None:
+    """Lending takes no held slot: a synchronous pipeline's slots, idle while its trainer
+    trains, stay with it although another could spread over them; only the other's need
+    (not its spreading) has them given up, idle ones first, drained."""
+    core = _core(slots=4, heartbeat_timeout_s=100.0, spread=True, min_hold_s=2.0)
+    core.join("a", priority=1.0, slots=list(range(4)), now=0.0, capacity=4)
+    core.join("b", priority=1.0, slots=list(range(4)), now=0.0, capacity=4)
+    assert core.report("a", demand=16, version=0, now=0.0)["take"] == [0, 1, 2, 3]
+    # a trains (nothing to generate); b could spread 4 requests over 4 engines but needs 1
+    core.report("a", demand=0, version=1, now=3.0)
+    core.report("b", demand=4, version=0, now=3.1)
+    assert core.report("a", demand=0, version=1, now=3.2)["give_up"] == [0]
+    core.released("a", 0, now=3.3)
+    assert core.report("b", demand=4, version=0, now=3.4)["take"] == [0]
+    for t in (4.0, 10.0, 60.0):
+        core.report("b", demand=0, inflight=4, version=0, now=t, load={0: 4})
+        assert core.report("a", demand=0, version=1, now=t + 0.1)["give_up"] == []
+    assert _held(core) == {"a": 3, "b": 1}

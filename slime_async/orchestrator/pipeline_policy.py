@@ -153,7 +153,9 @@ def plan_slots(
     asked to give up slots (lent slots are above it): the ones with the fewest running requests
     first, none held less than `min_hold_s`. A slot with running requests is cut at once only
     for a pipeline of higher priority; otherwise it drains. A slot nobody else needs stays with
-    its holder; lending never takes a slot from anyone.
+    its holder: lending never takes a slot from anyone (a held idle slot taken for spreading
+    comes too late: a step's requests are placed when they start, and taking it only moves the
+    next step's short for its holder; the simulator showed it losing).
 
     >>> a = PipelineState("a", 1.0, (0, 1), capacity=4, demand=8, load={0: 4, 1: 1})
     >>> b = PipelineState("b", 1.0, (0, 1), capacity=4, demand=8)
