@@ -181,6 +181,8 @@ def _parse() -> argparse.Namespace:
     a("--min-hold-s", type=float, default=2.0, help="the scheduler's min_hold_s")
     a("--heartbeat-timeout-s", type=float, default=10.0, help="the scheduler's drop timeout")
     a("--drain-timeout-s", type=float, default=60.0, help="the scheduler's drain_timeout_s")
+    a("--priority", default="1", help="each pipeline's priority (list, cycled)")
+    a("--keep-partial", action="store_true", help="what-if, not built: cut requests go on")
     a("--model-gb", type=float, default=16.0, help="weights per engine, GB (assumed: 8B bf16)")
     a("--costs", choices=("measured", "gpu", "free"), default="measured", help="switch costs")
     a("--sleep-s-per-gb", type=float, default=SLEEP_S_PER_GB, help="level-2 sleep, s/GB")
@@ -257,11 +259,14 @@ def main() -> None:
             f"{a.pipelines} x --trainer-devices {a.trainer_devices}: give more accelerators"
         )
     sleep_s, wake_s, sync_s = switch_costs(a)
+    prio = _cycled(a.priority, float)
     pool = PoolConfig(
         engine_slots=engine_slots, trainer_devices=a.trainer_devices,
         heartbeat_s=a.heartbeat_s, min_hold_s=a.min_hold_s,
         heartbeat_timeout_s=a.heartbeat_timeout_s, drain_timeout_s=a.drain_timeout_s,
         sleep_s=sleep_s, wake_s=wake_s, sync_s=sync_s, horizon_s=a.horizon_h * 3600,
+        priorities=tuple(prio[i % len(prio)] for i in range(a.pipelines)),
+        keep_partial=a.keep_partial,
     )  # fmt: skip
     cfgs = configs(a, engine_slots)
     results = run_arms(a, pool, cfgs)

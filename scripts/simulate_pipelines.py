@@ -61,6 +61,10 @@ class PoolConfig:
     """Stop every pipeline at this simulated time (None: each trains its `steps`)."""
     spread: bool = False
     """The scheduler lends slots nobody needs (`PipelineSchedulerConfig.spread`)."""
+    keep_partial: bool = False
+    """What-if (not built): a request cut by a hand-over goes on from its partial output."""
+    priorities: tuple[float, ...] | None = None
+    """Shared arms: each pipeline's priority at the scheduler (None: all 1)."""
     shares: tuple[int, ...] | None = None
     """Exclusive arm: engine slots of each pipeline (None: equal shares, the rest idle)."""
 
@@ -225,6 +229,7 @@ def simulate_pool(
     if len(slots) != 1:
         raise ValueError(f"every pipeline's engines need the same --slots, got {sorted(slots)}")
     pool = Pool(pool_cfg.engine_slots, slots.pop())
+    pool.keep_partial = pool_cfg.keep_partial
     names = [chr(ord("a") + i) for i in range(len(cfgs))]
     share = _arm_slots(arm, pool_cfg, names)
     pipes = []
