@@ -4,7 +4,8 @@ Owns what docs/stability-protocol.md fixes before any run: the search regimes (`
 arms (`ARMS`: protocol name -> lab loss name), the phases' cells and seeds (`search_cells`,
 `confirm_cells`), the rule that picks the confirmatory regime from the search
 (`choose_regime`), and the equivalence test (`tost`: two one-sided tests on seed-paired
-differences, `MARGIN`). Running the phases is `scripts/bench_stability.py --protocol`; reading
+differences, `MARGIN`); phase 3's workload (`WORKLOAD_S`), the rule that picks its staleness
+from phase 2 (`phase3_staleness`) and its cells (`phase3_cells`). Running the phases is `scripts/bench_stability.py --protocol`; reading
 runs back is `lab.analysis`. Pure: no files, no processes.
 """
 
@@ -14,6 +15,7 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from lab.analysis import Cell
 
@@ -33,6 +35,13 @@ PRIMARY_STALENESS = 8
 SEARCH_SEEDS = (1, 2)
 CONFIRM_PRIMARY_SEEDS = tuple(range(11, 21))
 CONFIRM_OTHER_SEEDS = (11, 12, 13)
+S_PRIMARY_SEEDS = (11, 12, 13, 14, 15)
+"""Phase 3: seeds of sync, none and compis."""
+S_OTHER_SEEDS = (11, 12, 13)
+"""Phase 3: seeds of tis and is."""
+DIFFER = 0.05
+"""Workload T's async arms differ at a staleness when the means over seeds of their final
+held-out pass rates span at least this (amendment 2)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,6 +97,53 @@ def confirm_cells() -> list[Cell]:
         for arm in ("none", "compis")
     ]
     return primary + others + no_r3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WorkloadS:
+    """Phase 3's workload (amendment 2): the SmolLM2 recipe as shipped, its 40 steps, an
+    eval of its held-out prompts before the first step, every 10 steps and after the last."""
+
+    recipe: Path = Path("recipes/smollm2-chain-sum.yaml")
+    steps: int = 40
+    eval_interval: int = 10
+    eval_prompts: int = 64
+    eval_samples: int = 4
+    flags: tuple[str, ...] = ("--save-hf", "none")
+    """Beside the recipe: no Hugging Face export per run (the recipe writes one into a
+    directory every run would share)."""
+
+
+WORKLOAD_S = WorkloadS()
+
+
+def phase3_staleness(means: Mapping[str, float]) -> int:
+    """The staleness at which workload T's async arms (R3 on) differ most: the largest span
+    of their mean final held-out pass rates (`means`: the lab's cell name -> mean over seeds;
+    cells absent are skipped); `PRIMARY_STALENESS` when no span reaches `DIFFER`. A tie
+    goes to the larger staleness."""
+    spans = {}
+    for s in STALENESS:
+        vals = [means[g] for a in ASYNC_ARMS if (g := _cell(a, s, 0).group) in means]
+        if len(vals) >= 2:
+            spans[s] = max(vals) - min(vals)
+    if not spans or max(spans.values()) < DIFFER:
+        return PRIMARY_STALENESS
+    return max(spans, key=lambda s: (spans[s], s))
+
+
+def phase3_cells(staleness: int) -> list[Cell]:
+    """Phase 3's runs in order: sync, none and compis seed by seed, then tis and is seed by
+    seed. Routing replay off: SmolLM2 is dense, it has no routing to replay."""
+    primary = [
+        _cell(arm, staleness, seed, replay=False)
+        for seed in S_PRIMARY_SEEDS
+        for arm in ("sync", "none", "compis")
+    ]
+    others = [
+        _cell(arm, staleness, seed, replay=False) for seed in S_OTHER_SEEDS for arm in ("tis", "is")
+    ]
+    return primary + others
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -5,7 +5,7 @@ Owns what the protocol reports beyond the lab's per-cell table: the search's out
 CompIS against the uncorrected arm, the speedups (`speedups`), the length bias of the
 staleness drop (`length_bias`), the early-warning lead times and false alarms (`early_warning`,
 with `onset_step`: the first step at which the run's verdict rules, applied to the steps so far,
-call it unstable), and the markdown of it all (`render_protocol`). Pure over read-back runs
+call it unstable), and the markdown of it all (`render_protocol`; phase 3's: `render_phase3`). Pure over read-back runs
 (`lab.analysis.RunData`) and `lab.analysis.analyse`'s per-run dict.
 """
 
@@ -72,20 +72,30 @@ def regime_outcome(regime: str, per_run: Mapping[str, Any]) -> RegimeOutcome:
     )
 
 
-def equivalence_rows(per_run: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """TOST of every async cell against sync (same seeds), the primary cell first."""
-    finals = _finals(per_run)
-    out = []
+def _phase2_cells() -> list[tuple[str, int, bool]]:
+    """Phase 2's async cells as (arm, staleness, R3), the primary cell first."""
     cells = [("compis", PRIMARY_STALENESS, True)] + [
         (arm, s, True)
         for s in STALENESS
         for arm in ASYNC_ARMS
         if (arm, s) != ("compis", PRIMARY_STALENESS)
     ]
-    cells += [(arm, PRIMARY_STALENESS, False) for arm in ("none", "compis")]
-    for arm, s, rr in cells:
+    return cells + [(arm, PRIMARY_STALENESS, False) for arm in ("none", "compis")]
+
+
+def equivalence_rows(
+    per_run: Mapping[str, Any],
+    cells: Sequence[tuple[str, int, bool]] | None = None,
+    *,
+    sync: str = SYNC,
+) -> list[dict[str, Any]]:
+    """TOST of every async cell (`cells`: (arm, staleness, R3); phase 2's by default)
+    against the `sync` cell on the same seeds."""
+    finals = _finals(per_run)
+    out = []
+    for arm, s, rr in _phase2_cells() if cells is None else cells:
         g = group_of(arm, s, replay=rr)
-        _, diffs = paired_diffs(finals, g, SYNC)
+        _, diffs = paired_diffs(finals, g, sync)
         row: dict[str, Any] = {"cell": g, "arm": arm, "staleness": s, "r3": rr, "n": len(diffs)}
         if len(diffs) >= 2:
             t = tost(diffs)
@@ -94,23 +104,31 @@ def equivalence_rows(per_run: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def compis_vs_none(per_run: Mapping[str, Any]) -> tuple[int, float, float]:
-    """(pairs, mean, 95% half-width) of compis − none at the primary staleness."""
+def compis_vs_none(
+    per_run: Mapping[str, Any], staleness: int = PRIMARY_STALENESS, *, replay: bool = True
+) -> tuple[int, float, float]:
+    """(pairs, mean, 95% half-width) of compis − none at `staleness`."""
     _, d = paired_diffs(
         _finals(per_run),
-        group_of("compis", PRIMARY_STALENESS),
-        group_of("none", PRIMARY_STALENESS),
+        group_of("compis", staleness, replay=replay),
+        group_of("none", staleness, replay=replay),
     )
     m, h = mean_ci(d)
     return len(d), m, h
 
 
-def speedups(per_run: Mapping[str, Any], arm: str = "compis") -> list[tuple[int, float]]:
-    """(seed, sync wall / async wall) for the arm at the primary staleness, per seed."""
-    g = group_of(arm, PRIMARY_STALENESS)
+def speedups(
+    per_run: Mapping[str, Any],
+    arm: str = "compis",
+    staleness: int = PRIMARY_STALENESS,
+    *,
+    replay: bool = True,
+) -> list[tuple[int, float]]:
+    """(seed, sync wall / async wall) for the arm at `staleness`, per seed."""
+    g, sync = group_of(arm, staleness, replay=replay), group_of("sync", 0, replay=replay)
     walls = {n: r["wall_s"] for n, r in per_run.items()}
-    seeds, _ = paired_diffs(walls, g, SYNC)
-    return [(s, walls[f"{SYNC}-seed{s}"] / walls[f"{g}-seed{s}"]) for s in seeds]
+    seeds, _ = paired_diffs(walls, g, sync)
+    return [(s, walls[f"{sync}-seed{s}"] / walls[f"{g}-seed{s}"]) for s in seeds]
 
 
 def length_bias(runs: Sequence[RunData]) -> dict[str, list[float]]:
@@ -180,6 +198,73 @@ def _f(x: float, d: int = 3) -> str:
     return "—" if not math.isfinite(x) else f"{x:+.{d}f}"
 
 
+def _comparisons(
+    per_run: Mapping[str, Any],
+    runs: Sequence[RunData],
+    cells: Sequence[tuple[str, int, bool]] | None,
+    staleness: int,
+    *,
+    replay: bool,
+) -> list[str]:
+    """The equivalence table, compis − none, the speedups and the length bias of one phase."""
+    lines = [
+        "",
+        f"Equivalence to sync (final held-out pass rate, margin ±{MARGIN}, TOST at 0.05):",
+        "",
+        "| cell | pairs | mean | 90% interval | equivalent |",
+        "|---|---|---|---|---|",
+    ]
+    for row in equivalence_rows(per_run, cells, sync=group_of("sync", 0, replay=replay)):
+        if row["n"] < 2:
+            lines.append(f"| `{row['cell']}` | {row['n']} | — | — | not enough pairs |")
+            continue
+        eq = "**yes**" if row["equivalent"] else "not shown"
+        lines.append(
+            f"| `{row['cell']}` | {row['n']} | {_f(row['mean'])} | "
+            f"[{_f(row['low'])}, {_f(row['high'])}] | {eq} |"
+        )
+    n, m, h = compis_vs_none(per_run, staleness, replay=replay)
+    lines += ["", f"CompIS − none at S = {staleness}: {_f(m)} ± {_f(h)} (95%, {n} pairs)."]
+    for arm in ("compis", "none"):
+        sp = speedups(per_run, arm, staleness, replay=replay)
+        if sp:
+            med = statistics.median(x for _, x in sp)
+            lines.append(
+                f"Speedup sync wall / {arm} S = {staleness} wall: median {med:.2f}× over "
+                f"{len(sp)} seeds (per seed: {', '.join(f'{x:.2f}' for _, x in sp)})."
+            )
+    lines += ["", "Length bias of the staleness drop (final `length/trained_bias`):", ""]
+    for g, vs in sorted(length_bias(runs).items()):
+        mm, hh = mean_ci(vs)
+        lines.append(f"* `{g}`: {_f(mm, 4)} ± {_f(hh, 4)} ({len(vs)} runs)")
+    return lines
+
+
+def render_phase3(
+    *, staleness: int, per_run: Mapping[str, Any], runs: Sequence[RunData], planned: int
+) -> str:
+    """Phase 3's results as markdown: its staleness, the equivalence table, compis − none,
+    the speedups, the length bias, and every run."""
+    cells = [(arm, staleness, False) for arm in ("compis", "none", "tis", "is")]
+    lines = [
+        f"## Phase 3: workload S (SmolLM2-135M) at S = {staleness}",
+        "",
+        f"{len(runs)} of {planned} planned runs finished.",
+    ]
+    lines += _comparisons(per_run, runs, cells, staleness, replay=False)
+    lines += [
+        "",
+        "| run | verdict | baseline eval | final eval | wall s |",
+        "|---|---|---|---|---|",
+    ]
+    for n, r in sorted(per_run.items()):
+        lines.append(
+            f"| `{n}` | {r['verdict']} | {r.get('eval_first', math.nan):.3f} | "
+            f"{r['eval_final']:.3f} | {r['wall_s']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render_protocol(
     *,
     outcomes: Sequence[RegimeOutcome],
@@ -221,35 +306,7 @@ def render_protocol(
             )
     lines += ["", "## Phase 2: confirmatory runs", ""]
     lines.append(f"{len(confirm_runs)} of {planned} planned runs finished.")
-    lines += [
-        "",
-        f"Equivalence to sync (final held-out pass rate, margin ±{MARGIN}, TOST at 0.05):",
-        "",
-    ]
-    lines += ["| cell | pairs | mean | 90% interval | equivalent |", "|---|---|---|---|---|"]
-    for row in equivalence_rows(confirm_per_run):
-        if row["n"] < 2:
-            lines.append(f"| `{row['cell']}` | {row['n']} | — | — | not enough pairs |")
-            continue
-        eq = "**yes**" if row["equivalent"] else "not shown"
-        lines.append(
-            f"| `{row['cell']}` | {row['n']} | {_f(row['mean'])} | "
-            f"[{_f(row['low'])}, {_f(row['high'])}] | {eq} |"
-        )
-    n, m, h = compis_vs_none(confirm_per_run)
-    lines += ["", f"CompIS − none at S = {PRIMARY_STALENESS}: {_f(m)} ± {_f(h)} (95%, {n} pairs)."]
-    for arm in ("compis", "none"):
-        sp = speedups(confirm_per_run, arm)
-        if sp:
-            med = statistics.median(x for _, x in sp)
-            lines.append(
-                f"Speedup sync wall / {arm} S = {PRIMARY_STALENESS} wall: median {med:.2f}× over "
-                f"{len(sp)} seeds (per seed: {', '.join(f'{x:.2f}' for _, x in sp)})."
-            )
-    lines += ["", "Length bias of the staleness drop (final `length/trained_bias`):", ""]
-    for g, vs in sorted(length_bias(confirm_runs).items()):
-        mm, hh = mean_ci(vs)
-        lines.append(f"* `{g}`: {_f(mm, 4)} ± {_f(hh, 4)} ({len(vs)} runs)")
+    lines += _comparisons(confirm_per_run, confirm_runs, None, PRIMARY_STALENESS, replay=True)
     lines += [
         "",
         "Early warning over every run of both phases, at each setting the calibration tries "

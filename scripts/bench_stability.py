@@ -355,6 +355,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "the rule that picks one, then the confirmatory cells in the protocol's order, and "
         "its report (under --out). Resumable; the axis flags are ignored.",
     )
+    p.add_argument(
+        "--phase3",
+        action="store_true",
+        help="With --protocol: once phase 2 is complete, also run phase 3 (SmolLM2-135M, "
+        "one run at a time: each holds several GiB) under --out/smollm2.",
+    )
     p.add_argument("--report-only", action="store_true", help="Only read finished runs and report.")
     p.add_argument("--dry-run", action="store_true", help="Print the runs and their commands.")
     a = p.parse_args(argv)
@@ -379,7 +385,8 @@ def _shared_warmstart(out: Path, d: Path) -> None:
 
 
 def run_protocol(a: argparse.Namespace, out: Path) -> int:
-    """docs/stability-protocol.md, phases 1 and 2 on the tiny model, then its report."""
+    """docs/stability-protocol.md, phases 1 and 2 on the tiny model (and with `--phase3`,
+    phase 3 on SmolLM2), then its report."""
     from lab.protocol import REGIMES, choose_regime, confirm_cells, search_cells
     from lab.protocol_report import regime_outcome, render_protocol
 
@@ -431,6 +438,11 @@ def run_protocol(a: argparse.Namespace, out: Path) -> int:
             ]
             render_figure(confirm_runs, out / "confirm.png", smooth=a.smooth)
             (out / "confirm.md").write_text(render_markdown(an, confirm_runs, "protocol: confirm"))
+    phase3 = (
+        run_phase3(a, out, confirm_per_run, stall)
+        if a.phase3 and len(confirm_runs) == len(cells)
+        else ("Phase 3 waits for phase 2.\n" if a.phase3 else "")
+    )
     text = render_protocol(
         outcomes=outcomes,
         choice=choice,
@@ -441,9 +453,42 @@ def run_protocol(a: argparse.Namespace, out: Path) -> int:
         judged=judged,
         rules=rules,
     )
+    text += phase3 and f"\n{phase3}"
     (out / "protocol.md").write_text(text)
     print(text)
     return 0
+
+
+def run_phase3(
+    a: argparse.Namespace, out: Path, confirm_per_run: dict[str, Any], stall: float | None
+) -> str:
+    """Phase 3 of docs/stability-protocol.md (amendment 2): workload S at the staleness where
+    phase 2's arms differ most, one run at a time; returns its markdown."""
+    from lab.protocol import WORKLOAD_S, phase3_cells, phase3_staleness
+    from lab.protocol_report import render_phase3
+
+    rules = VerdictRules()
+    by_group: dict[str, list[float]] = {}
+    for r in confirm_per_run.values():
+        by_group.setdefault(r["group"], []).append(r["eval_final"])
+    staleness = phase3_staleness({g: sum(v) / len(v) for g, v in by_group.items()})
+    d, w = out / "smollm2", WORKLOAD_S
+    budget = Budget(
+        num_rollout=w.steps,
+        eval_interval=w.eval_interval,
+        eval_prompts=w.eval_prompts,
+        eval_samples=w.eval_samples,
+        warmstart_steps=None,
+        extra=("--config", str(w.recipe), *w.flags, *a.extra),  # runs start in ROOT
+    )
+    cells = phase3_cells(staleness)
+    if not a.report_only:
+        run_grid(cells, budget, d, jobs=1, stall_s=stall)
+    runs = load_runs(d, cells, budget)
+    per_run = analyse(runs, rules)["runs"] if runs else {}
+    if runs:
+        render_figure(runs, out / "smollm2.png", smooth=a.smooth)
+    return render_phase3(staleness=staleness, per_run=per_run, runs=runs, planned=len(cells))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

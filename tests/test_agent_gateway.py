@@ -357,3 +357,31 @@ def test_agent_function_must_take_client_and_sample() -> None:
 
     with pytest.raises(ValueError, match="takes \\(client, sample\\)"):
         load_agent_function("slime_async.examples.agent_calculator:_ids")
+
+
+async def test_a_turn_waits_out_an_abort_pause_and_comes_back_whole(stack, engines, tok) -> None:
+    """The fleet paused in abort mode for a second mid-turn: the router answers every call
+    aborted at once; the gateway waits (a few calls, not 64 in a row) and the agent gets the
+    whole pinned turn after the continue, not one cut by the pause."""
+    url, router, client, gw = stack
+    sent = threading.Event()
+
+    def agent(c: openai.OpenAI, sample) -> float:
+        sent.set()
+        c.chat.completions.create(model="m", messages=list(sample.messages), max_tokens=7)
+        return 1.0
+
+    gen = AgentGenerate(agent, client, gw, timeout_s=120, decode=tok.decode, max_turn_tokens=120)
+    task = asyncio.ensure_future(gen.episode(_request(tok)))
+    await asyncio.to_thread(sent.wait)
+    ep = next(iter(gw.episodes.values()))
+    await _wait_tokens(engines, len(ep.ids) + 30)
+    before = router.proxy.stats.aborted_paused
+    async with RouterClient(url, token=TOKEN).paused(mode="abort"):
+        await asyncio.sleep(1.5)
+    ep, ret = await task
+    (turn,) = ep.turns
+    assert ret == 1.0 and len(turn.output_ids) == 120  # whole: not cut by the pause
+    assert gw.stats.resumed_turns == 1
+    calls = router.proxy.stats.aborted_paused - before
+    assert 2 <= calls <= 12 and gw.stats.resumed_calls == calls + 1  # +1: the turn's own abort

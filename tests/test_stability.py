@@ -557,3 +557,79 @@ def test_protocol_report_reads_the_search_leads_and_equivalence():
     assert "Confirmatory regime: **lr4e-4**" in md and "| `s8-compis-rron-n1` | 3 |" in md
     assert "compis S = 8 wall: median 2.00×" in md and "none S = 8 wall: median 2.50×" in md
     assert "0 of 66 planned runs finished" in md
+
+
+def test_phase3_picks_its_staleness_and_every_run_validates_with_the_recipe(bench, tmp_path):
+    """Phase 3 (amendment 2): the staleness where workload T's arms span most (ties to the
+    larger, 8 when none spans 0.05), its 21 runs in the protocol's order, each command line
+    the real parser accepts with the shipped SmolLM2 recipe, meaning what its arm says."""
+    pytest.importorskip("reasoning_gym")
+    from lab.protocol import WORKLOAD_S, phase3_cells, phase3_staleness
+    from slime_async.config import Environment, build_parser, validate
+    from slime_async.config.recipe import apply_config_file
+    from slime_async.contracts.model import ModelSpec
+
+    means = {"s1-ppo-rron-n1": 0.30, "s1-compis-rron-n1": 0.32, "s4-ppo-rron-n1": 0.20}
+    means |= {"s4-compis-rron-n1": 0.31, "s4-is-rron-n1": 0.27, "s8-ppo-rron-n1": 0.24}
+    means |= {"s8-compis-rron-n1": 0.33, "s0-ppo-rron-n1": 0.0}  # sync is not an async arm
+    assert phase3_staleness(means) == 4  # spans: S1 0.02, S4 0.11, S8 0.09
+    assert phase3_staleness({**means, "s8-tis-rron-n1": 0.22}) == 8  # S8 0.11: the tie → 8
+    assert phase3_staleness({k: 0.3 for k in means}) == 8  # nothing differs
+    assert phase3_staleness({"s1-ppo-rron-n1": 0.1}) == 8  # one arm has no span
+    cells = phase3_cells(4)
+    assert len({c.name for c in cells}) == len(cells) == 5 * 3 + 3 * 2
+    assert [c.group for c in cells[:3]] == [
+        "s0-ppo-rroff-n1",
+        "s4-ppo-rroff-n1",
+        "s4-compis-rroff-n1",
+    ]
+    assert {c.seed for c in cells if c.loss == "tis"} == {11, 12, 13} and not any(
+        c.replay for c in cells
+    )
+
+    w = WORKLOAD_S
+    budget = lab.Budget(
+        num_rollout=w.steps,
+        eval_interval=w.eval_interval,
+        eval_prompts=w.eval_prompts,
+        eval_samples=w.eval_samples,
+        warmstart_steps=None,
+        extra=w.flags,
+    )
+    env = Environment(model=ModelSpec(family="llama"), cpus=(0, 1), memory_bytes=24 * 1024**3)
+    for c in cells[:3] + cells[-2:]:
+        parser = build_parser()
+        apply_config_file(parser, ROOT / w.recipe)
+        cfg = validate(parser.parse_args(lab.train_args(c, budget, tmp_path / c.name, None)), env)
+        assert cfg.data_worker.max_staleness == c.staleness and cfg.num_steps == w.steps
+        assert cfg.trainer.keep_old_actor is (c.loss == "compis")
+        assert cfg.trainer.loss.name == lab.LOSSES[c.loss][1] and cfg.trainer.save_hf is None
+        assert cfg.trainer.routing_replay.value == "none"
+        assert cfg.rollout.eval_interval == w.eval_interval and cfg.rollout.eval_prompts == 64
+        assert (
+            cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt == 32
+        )  # the recipe's
+
+
+def test_phase3_report_compares_the_dense_arms_with_sync():
+    from lab.protocol_report import render_phase3
+
+    per_run = {}
+    for seed, (s0, c4, n4) in enumerate([(0.4, 0.41, 0.30), (0.3, 0.29, 0.2), (0.5, 0.5, 0.41)]):
+        for g, v, wall in (
+            ("s0-ppo-rroff-n1", s0, 30.0),
+            ("s4-compis-rroff-n1", c4, 15.0),
+            ("s4-ppo-rroff-n1", n4, 20.0),
+        ):
+            per_run[f"{g}-seed{seed}"] = {
+                "group": g,
+                "verdict": "stable",
+                "eval_final": v,
+                "wall_s": wall,
+            }
+    md = render_phase3(staleness=4, per_run=per_run, runs=[], planned=21)
+    assert "## Phase 3: workload S (SmolLM2-135M) at S = 4" in md and "0 of 21 planned" in md
+    assert "| `s4-compis-rroff-n1` | 3 | -0.000 | [-0.017, +0.017] |" in md and "**yes**" in md
+    assert "| `s4-ppo-rroff-n1` | 3 | -0.097 |" in md and "| `s4-tis-rroff-n1` | 0 |" in md
+    assert "compis S = 4 wall: median 2.00×" in md and "none S = 4 wall: median 1.50×" in md
+    assert "| `s4-ppo-rroff-n1-seed2` | stable | nan | 0.410 | 20 |" in md

@@ -8,15 +8,14 @@ keys are refused at parse time."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from tests.test_vl_family import CONFIGS, _hf_model
+from tests.test_vl_family import _hf_model
+from tests.vl_inputs import CONFIGS, random_png
 
 pytestmark = pytest.mark.timeout(300)
 torch.set_num_threads(1)
@@ -55,12 +54,7 @@ def _tokenizer():
 
 
 def _png(size: tuple[int, int], seed: int) -> bytes:
-    from PIL import Image
-
-    arr = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype("uint8")
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
+    return random_png(seed, size)
 
 
 @pytest.fixture(scope="module")

@@ -11,25 +11,15 @@ import base64
 import io
 
 import aiohttp
-import numpy as np
 import pytest
 import torch
 
-from tests.test_vl_family import CONFIGS
+from tests.vl_inputs import CONFIGS
+from tests.vl_inputs import random_png as _png
 
 pytestmark = pytest.mark.timeout(300)
 torch.set_num_threads(1)
 NEW = 10
-
-
-def _png(seed: int, size: tuple[int, int]) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    arr = (rng.random((size[1], size[0], 3)) * 255).astype("uint8")
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,14 @@ import torch
 
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.vision import refuse_data_modalities
+from tests.vl_inputs import CONFIGS, image_prompt, seeded_vl
+from tests.vl_inputs import raw_config as _raw
 
 pytestmark = pytest.mark.timeout(300)
 torch.set_num_threads(1)
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
 LOGIT_TOL = 1e-5  # what the text families meet (test_model_families.py)
 GRIDS = [(1, 8, 12), (1, 4, 4)]  # two images of different sizes; the first spans 2 x 3 windows
-
-
-def _raw(name: str) -> dict:
-    return json.loads((CONFIGS / name / "config.json").read_text())
 
 
 def _hf_model(cfg):
@@ -37,31 +34,17 @@ def _hf_model(cfg):
 def vl(tmp_path_factory):
     """(spec, checkpoint dir, fp32 HF model): a seeded random tiny Qwen2.5-VL, norms and biases
     given noise so a mis-mapped one shows."""
-    from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(str(CONFIGS / "qwen2.5-vl-tiny"))
-    torch.manual_seed(0)
-    hf = _hf_model(cfg)
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    ckpt = tmp_path_factory.mktemp("vl") / "hf"
-    hf.save_pretrained(str(ckpt))
-    return ModelSpec.from_hf_config(cfg), ckpt, hf
+    def noise(p: torch.Tensor) -> None:
+        if p.ndim == 1:
+            p.add_(0.1 * torch.randn_like(p))
+
+    return seeded_vl(tmp_path_factory.mktemp("vl"), "qwen2.5-vl-tiny", _hf_model, noise)
 
 
 def _prompt(spec: ModelSpec) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """(token ids with two images' placeholders, their pixel patches, their grids)."""
-    v = spec.vision
-    ids = [5, 6]
-    for t, h, w in GRIDS:
-        n = v.image_tokens((t, h, w))
-        ids += [v.vision_start_token_id] + [v.image_token_id] * n + [v.vision_end_token_id, 7]
-    ids += list(range(10, 40))
-    g = torch.Generator().manual_seed(1)
-    pixels = torch.randn(sum(t * h * w for t, h, w in GRIDS), v.patch_dim, generator=g)
-    return ids, pixels, torch.tensor(GRIDS)
+    return image_prompt(spec, GRIDS)
 
 
 def _args(ckpt: Path, run_dir: Path) -> argparse.Namespace:

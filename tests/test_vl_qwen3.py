@@ -12,21 +12,19 @@ import io
 import json
 
 import aiohttp
-import numpy as np
 import pytest
 import torch
 
 from slime_async.contracts.model import ModelSpec
-from tests.test_vl_family import CONFIGS, LOGIT_TOL
+from tests.test_vl_family import LOGIT_TOL
+from tests.vl_inputs import CONFIGS, image_prompt, seeded_vl
+from tests.vl_inputs import random_png as _png
+from tests.vl_inputs import raw_config as _raw
 
 pytestmark = pytest.mark.timeout(300)
 torch.set_num_threads(1)
 GRIDS = [(1, 8, 12), (1, 4, 4)]  # two images of different sizes
 NEW = 8
-
-
-def _raw(name: str) -> dict:
-    return json.loads((CONFIGS / name / "config.json").read_text())
 
 
 def _hf_model(cfg):
@@ -39,29 +37,15 @@ def _hf_model(cfg):
 def vl(tmp_path_factory):
     """(spec, checkpoint dir, fp32 HF model): a seeded random tiny Qwen3-VL, weights scaled
     up and norms and biases given noise so a mis-mapped or skipped piece shows."""
-    from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(str(CONFIGS / "qwen3-vl-tiny"))
-    torch.manual_seed(0)
-    hf = _hf_model(cfg)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.mul_(3.0) if p.ndim > 1 else p.add_(0.1 * torch.randn_like(p))
-    ckpt = tmp_path_factory.mktemp("qwen3-vl") / "hf"
-    hf.save_pretrained(str(ckpt))
-    return ModelSpec.from_hf_config(cfg), ckpt, hf
+    def scale(p: torch.Tensor) -> None:
+        p.mul_(3.0) if p.ndim > 1 else p.add_(0.1 * torch.randn_like(p))
+
+    return seeded_vl(tmp_path_factory.mktemp("qwen3-vl"), "qwen3-vl-tiny", _hf_model, scale)
 
 
 def _prompt(spec: ModelSpec) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    v = spec.vision
-    ids = [5, 6]
-    for g in GRIDS:
-        n = v.image_tokens(g)
-        ids += [v.vision_start_token_id] + [v.image_token_id] * n + [v.vision_end_token_id, 7]
-    ids += list(range(10, 40))
-    gen = torch.Generator().manual_seed(1)
-    pixels = torch.randn(sum(t * h * w for t, h, w in GRIDS), v.patch_dim, generator=gen)
-    return ids, pixels, torch.tensor(GRIDS)
+    return image_prompt(spec, GRIDS)
 
 
 def test_published_and_tiny_configs_are_read(tmp_path):
@@ -255,15 +239,6 @@ def test_trainer_logprobs_equal_hf_and_a_train_step(vl, packed):
             after["model.visual.deepstack_merger_list.1.linear_fc2.weight"],
             before["model.visual.deepstack_merger_list.1.linear_fc2.weight"],
         )
-
-
-def _png(seed: int, size: tuple[int, int]) -> bytes:
-    from PIL import Image
-
-    arr = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype("uint8")
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _hf_greedy(spec, hf, png: bytes, prompt: list[int]) -> list[int]:

@@ -151,6 +151,7 @@ class AgentGenerate:
             "agent/prefix_mismatches": g.prefix_mismatches,
             "agent/sampling_overrides": g.sampling_overrides,
             "agent/resumed_turns": g.resumed_turns,
+            "agent/resumed_calls": g.resumed_calls,
             "agent/bad_calls": g.bad_calls,
         }
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import secrets
@@ -68,6 +69,13 @@ from slime_async.rollout.generate.client import GenerateClient, GenerateError
 
 log = logging.getLogger(__name__)
 _MAX_BODY = 16 << 20
+RESUME_WAIT_S = (0.02, 1.0)
+"""After an aborted call that brought no new token (the fleet is paused for a weight update:
+the router answers every call aborted until it continues), the next call waits this long,
+doubling up to the second value; a call that brought tokens resets it."""
+RESUME_BUDGET_S = 600.0
+"""A turn stops being continued (it ends aborted) after this long without a finished call:
+longer than any weight update's pause (`--update-weight-timeout`)."""
 _SEARCH_AHEAD = 4
 """How far into the tokens after a re-rendered assistant turn its sampled closing token (EOS)
 is looked for."""
@@ -85,6 +93,8 @@ class GatewayStats:
     """Calls whose temperature / top_p / token limit differed from the run's (overridden)."""
     resumed_turns: int = 0
     """Turns aborted by a weight update and continued from their partial output."""
+    resumed_calls: int = 0
+    """The calls those continuations took (several while the fleet stays paused)."""
     bad_calls: int = 0
     """Calls refused with 4xx (the gateway's own refusals and the engine's)."""
 
@@ -359,12 +369,15 @@ class TrainingGateway:
 
     async def _generate(self, ep: Episode, prompt: list[int], n: int, stop: list[str]) -> Sampled:
         """One model turn through the router; a turn aborted by a weight update is continued
-        from its partial output (its tokens keep the versions that produced them)."""
+        from its partial output (its tokens keep the versions that produced them), waiting out
+        a pause (`RESUME_WAIT_S`) instead of calling again at once."""
         client = ep.client
         got = Sampled()
         data: dict[str, Any] = {}
         turn = len(ep.turns)
-        for attempt in range(64):
+        loop = asyncio.get_running_loop()
+        deadline, wait = loop.time() + RESUME_BUDGET_S, RESUME_WAIT_S[0]
+        for attempt in itertools.count():
             left = n - len(got.output_ids)
             body = _generate_body(
                 client, prompt + got.output_ids, left, stop, rid=f"{ep.id}-t{turn}-a{attempt}"
@@ -381,7 +394,17 @@ class TrainingGateway:
             got.finish = pay.get("finish")
             if res.status is not FinishStatus.ABORTED or len(got.output_ids) >= n:
                 break
-            self.stats.resumed_turns += 1
+            if attempt == 0:
+                self.stats.resumed_turns += 1
+            self.stats.resumed_calls += 1
+            wait = RESUME_WAIT_S[0] if res.output_ids else wait
+            if loop.time() + wait > deadline:
+                log.warning(
+                    "turn %d of episode %s: still aborted after %.0fs", turn, ep.id, RESUME_BUDGET_S
+                )
+                break
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, RESUME_WAIT_S[1])
         matched = ((data.get("meta_info") or {}).get("finish_reason") or {}).get("matched")
         got.text = self._completion_text(got.output_ids, got.finish, matched)
         return got
