@@ -210,6 +210,7 @@ def learn(out: Path, steps: int, every: int, arms: list[str]) -> dict:
         res[arm]["groups_per_s"] = groups / res[arm]["wall_s"]
         res[arm]["load_avg_after"] = os.getloadavg()
         print(f"{arm}: {time.perf_counter() - t:.0f} s, load {os.getloadavg()}", flush=True)
+        (out / "bench_learn.json").write_text(json.dumps(res, indent=2))  # arm by arm
     return res
 
 

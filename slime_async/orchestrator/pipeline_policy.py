@@ -146,7 +146,9 @@ def plan_slots(
     """Who should serve where next (pure). Each pipeline's target is its share of the usable
     slots (not `blocked`) by priority, never above its `slot_need`; the least served (slot
     time per priority) first for the indivisible rest. Free slots go to pipelines below their
-    target. With `spread`, the free slots left after that (nobody needs them) are lent to
+    target. With `spread`, a pipeline's need is at least its share of the pool by priority (what
+    an exclusive allocation would give it) while its requests could spread over that many
+    engines, and the free slots left after the targets (nobody needs them) are lent to
     pipelines whose work could spread over more engines (`spread_need`), water-filled by
     priority: fewer requests per engine decode faster. Only while some pipeline is still short
     after that (and the slots already `leaving` do not cover it) is a holder above its target
@@ -167,9 +169,14 @@ def plan_slots(
     {1: True}
     """
     order = sorted(pipelines.values(), key=lambda p: (p.served_s / p.priority, p.name))
-    need = {p.name: slot_need(p) for p in order}
     usable = [s for s in owner if s not in blocked]
     weight = {p.name: p.priority for p in order}
+    need = {p.name: slot_need(p) for p in order}
+    if spread:  # entitled to spread over its share, as it would on an exclusive allocation
+        total = sum(weight.values())
+        for p in order:
+            share = int(len(usable) * p.priority / total)
+            need[p.name] = min(spread_need(p), max(need[p.name], share))
     target = fair_targets(need, weight, [p.name for p in order], len(usable))
     plan = Plan(target=target)
     held = {n: [s for s, h in owner.items() if h == n and s not in leaving] for n in pipelines}
