@@ -124,8 +124,8 @@ class _Evals:
         self.evaluated = -1  # the step of the last eval started
 
     async def baseline(self) -> None:
-        if self.every:
-            await self.run.evaluate(step=0)  # before any push: the initial weights only
+        if self.every:  # before any push: the initial weights only
+            await self.run.catching_up(self.run.evaluate(step=0))
             self.evaluated = 0
 
     def maybe_start(self) -> None:
@@ -135,10 +135,11 @@ class _Evals:
             self.evaluated = v
 
     async def final(self) -> None:
+        """After the loop nothing else gives a woken engine its version: `catching_up`."""
         if self.task is not None:
-            await self.task
+            await self.run.catching_up(self.task)
         if self.every and self.evaluated != self.run.version:
-            await self.run.evaluate(step=self.run.version)
+            await self.run.catching_up(self.run.evaluate(step=self.run.version))
 
 
 async def _rollouts_only(run: Run, cfg: RunConfig) -> dict[str, Any]:

@@ -17,9 +17,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from data_worker.config import PartialRolloutPolicy
 from data_worker.worker import RolloutDataWorker
@@ -43,6 +43,7 @@ from slime_async.rollout.generate.assemble import ScoredGenerate
 from slime_async.rollout.generate.dump import write_step
 from slime_async.trainer.actor import TrainerGroup, TrainStep
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 60.0
 """How long closing the weight transport may take at shutdown before the run goes on closing."""
@@ -262,7 +263,16 @@ class Run:
 
     async def next_batch(self, num_groups: int) -> Batch:
         """The next batch for train step `self.version`, unless every engine stays down."""
-        get = asyncio.ensure_future(self.worker.get_batch(num_groups, current_version=self.version))
+        get = self.worker.get_batch(num_groups, current_version=self.version)
+        return await self.catching_up(get)
+
+    async def catching_up(self, work: Awaitable[T]) -> T:
+        """Await `work` while giving each engine that waits for the fleet's weights (a
+        replacement, or an engine woken for this run's scheduler slot: `supervisor.behind`) its
+        version, unless every engine stays down. Used where nothing else pushes meanwhile: the
+        next batch, and the evals before the first and after the last step (a woken engine
+        serves only once it has the version, so an eval there would wait forever)."""
+        get = asyncio.ensure_future(work)
         down = asyncio.ensure_future(self.supervisor.failed.wait())
         try:
             while True:
