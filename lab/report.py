@@ -33,6 +33,17 @@ PANELS: tuple[tuple[str, str], ...] = (
 """(metric key, row title) of the figure."""
 
 
+COLORS = {
+    "ppo": "tab:red",
+    "decoupled_ppo": "tab:orange",
+    "tis": "tab:purple",
+    "is": "tab:green",
+    "icepop": "tab:brown",
+    "compis": "tab:blue",
+}
+"""The figure's colour of each loss of `lab.analysis.LOSSES`."""
+
+
 def _smooth(ys: Sequence[float], w: int) -> list[float]:
     if w <= 1:
         return list(ys)
@@ -56,13 +67,6 @@ def render_figure(runs: Sequence[RunData], path: Path, *, smooth: float) -> None
         {(r.cell.loss, r.cell.replay) for r in runs},
         key=lambda t: (list(LOSSES).index(t[0]), not t[1]),
     )
-    colors = {
-        "ppo": "tab:red",
-        "decoupled_ppo": "tab:orange",
-        "tis": "tab:purple",
-        "icepop": "tab:brown",
-        "compis": "tab:blue",
-    }
     fig = Figure(figsize=(3.4 * len(cols) + 1, 2.1 * len(PANELS)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(PANELS), len(cols), squeeze=False, sharex="col")
@@ -101,13 +105,13 @@ def render_figure(runs: Sequence[RunData], path: Path, *, smooth: float) -> None
                     grid_x,
                     m,
                     style,
-                    color=colors[loss],
+                    color=COLORS[loss],
                     lw=1.2,
                     label=label,
                     marker="o" if key == "eval/reward" else None,
                     ms=3,
                 )
-                ax.fill_between(grid_x, m - sd, m + sd, color=colors[loss], alpha=0.15, lw=0)
+                ax.fill_between(grid_x, m - sd, m + sd, color=COLORS[loss], alpha=0.15, lw=0)
             if key.startswith("is/") or key in (GAP_KEY, "train/grad_norm"):
                 ax.set_yscale("log")
             if i == len(PANELS) - 1:

@@ -129,14 +129,16 @@ def cases(steps: int) -> dict[str, tuple[str, list[str]]]:
     }
 
 
-def run_case(name: str, recipe: str, flags: list[str], out_dir: Path) -> dict:
+def run_case(
+    name: str, recipe: str, flags: list[str], out_dir: Path, sampling: list[str] = ()
+) -> dict:
     if name == "qwen2.5-0.5b":
         flags = ["--hf-checkpoint", str(hf_dir("qwen2.5-0.5b", QWEN25_05B, weights=True)), *flags]
     out = out_dir / f"{name}.json"
     run_dir = WORK / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_recipe.py"), recipe, "--out", str(out),
-           "--", *flags, "--run-dir", str(run_dir)]  # fmt: skip
+           *sampling, "--", *flags, "--run-dir", str(run_dir)]  # fmt: skip
     subprocess.run(cmd, check=False, cwd=ROOT, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text()) if out.is_file() else {"error": "no summary"}
 
@@ -158,6 +160,10 @@ def main() -> None:
     p.add_argument("--cases", default="default,smollm2,smollm2-lora,qwen2.5-0.5b,qwen3-1.7b")
     p.add_argument("--steps", type=int, default=10, help="steps of the SmolLM2 cases")
     p.add_argument("--out-dir", default=str(WORK / "results"))
+    p.add_argument("--pss-every", type=int, default=10, help="PSS on every N-th 2 s sample")
+    p.add_argument(
+        "--kinds", action="store_true", help="each process's PSS by kind of mapping at the peak"
+    )
     args = p.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +174,8 @@ def main() -> None:
             rows[name] = dry_run_17b()
             print(name, json.dumps(rows[name]), flush=True)
             continue
-        r = run_case(name, *table[name], out_dir)
+        sampling = ["--pss-every", str(args.pss_every), *(["--kinds"] if args.kinds else [])]
+        r = run_case(name, *table[name], out_dir, sampling)
         rows[name] = r
         keep = ("returncode", "wall_s", "peak_rss_sum_gib", "peak_pss_sum_gib", "plan_gib",
                 "plan_over_rss", "plan_over_pss", "loadavg_start", "loadavg_end")  # fmt: skip

@@ -47,17 +47,45 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+def _kinds(p: psutil.Process) -> dict[str, int]:
+    """`p`'s PSS by kind of mapping: `anon` (heap, anonymous), `shm` (shared memory: Ray's
+    object store, /dev/shm files), `libs` (shared libraries) and `files` (other mapped files)."""
+    out = {"anon": 0, "shm": 0, "libs": 0, "files": 0}
+    for m in p.memory_maps(grouped=True):
+        path = m.path
+        if "/dev/shm" in path or "plasma" in path or path.startswith("/memfd"):
+            kind = "shm"
+        elif not path.startswith("/"):
+            kind = "anon"
+        elif ".so" in path:
+            kind = "libs"
+        else:
+            kind = "files"
+        out[kind] += m.pss
+    return out
+
+
 def _sample(
-    pid: int, per_proc: dict[str, int], *, pss: bool, per_proc_pss: dict[str, int] | None = None
+    pid: int,
+    per_proc: dict[str, int],
+    *,
+    pss: bool,
+    per_proc_pss: dict[str, int] | None = None,
+    kinds: dict[str, dict[str, int]] | None = None,
 ) -> tuple[int, int]:
     """(sum of RSS, sum of PSS or 0) of `pid`'s tree now; updates each process's peak RSS. PSS
-    walks every mapping (`smaps_rollup`), costly for Ray's large address spaces: only when asked."""
+    walks every mapping (`smaps_rollup`), costly for Ray's large address spaces: only when asked;
+    with `kinds`, each process's PSS by kind of mapping (`_kinds`) is recorded there too."""
     rss_sum = pss_sum = 0
     for p in _tree(pid):
         try:
             rss = p.memory_info().rss
             title = f"{_role(p)} [{p.pid}]"
-            one = p.memory_full_info().pss if pss else 0
+            if pss and kinds is not None:
+                kinds[title] = _kinds(p)
+                one = sum(kinds[title].values())
+            else:
+                one = p.memory_full_info().pss if pss else 0
             pss_sum += one
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -182,6 +210,12 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=2.0, help="seconds between RSS samples")
     p.add_argument("--pss-every", type=int, default=10, help="PSS on every N-th sample only")
     p.add_argument(
+        "--kinds",
+        action="store_true",
+        help="also each process's PSS by kind of mapping (heap, shared memory, libraries, "
+        "files) at the whole run's PSS peak (`pss_kinds_at_peak_mib`)",
+    )
+    p.add_argument(
         "--mfu-params",
         type=float,
         help="the model's parameter count N: report MFU = 6·N·tokens / fwd+bwd s / one core's "
@@ -220,16 +254,24 @@ def main() -> None:
     per_proc: dict[str, int] = {}
     per_proc_pss: dict[str, int] = {}
     at_peak: dict[str, int] = {}
+    kinds_at_peak: dict[str, dict[str, int]] = {}
     peak_rss = peak_pss = 0
     first_step = None
     n = 0
     while child.poll() is None:
         now_pss: dict[str, int] = {}
-        rss, pss = _sample(child.pid, per_proc, pss=n % args.pss_every == 0, per_proc_pss=now_pss)
+        now_kinds: dict[str, dict[str, int]] | None = {} if args.kinds else None
+        rss, pss = _sample(
+            child.pid,
+            per_proc,
+            pss=n % args.pss_every == 0,
+            per_proc_pss=now_pss,
+            kinds=now_kinds,
+        )
         for k, v in now_pss.items():
             per_proc_pss[k] = max(per_proc_pss.get(k, 0), v)
         if pss > peak_pss:
-            at_peak = now_pss
+            at_peak, kinds_at_peak = now_pss, now_kinds or {}
         n += 1
         peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
         if first_step is None and run_dir is not None and _metrics(run_dir):
@@ -251,6 +293,10 @@ def main() -> None:
         "peak_pss_by_process_gib": {k: round(per_proc_pss.get(k, 0) / gib, 2) for k, _ in top},
         "pss_at_peak_by_process_gib": {
             k: round(v / gib, 2) for k, v in sorted(at_peak.items(), key=lambda kv: -kv[1])[:10]
+        },
+        "pss_kinds_at_peak_mib": {
+            k: {kind: round(b / 2**20) for kind, b in v.items()}
+            for k, v in sorted(kinds_at_peak.items(), key=lambda kv: -sum(kv[1].values()))[:10]
         },
         "loadavg_start": load0,
         "loadavg_end": os.getloadavg(),

@@ -77,11 +77,13 @@ def test_role_logprobs_equal_the_train_steps_and_the_step_reads_them(tmp_path, r
 
 
 def test_role_fed_through_the_object_store_equals_the_role_fed_from_directories(tmp_path, ray_up):
-    """The distributed transport writes no directory: the trainer's in-memory export reaches
-    the role as a Ray ref. Same weights, same log-probs (bit for bit); a ref whose version
-    does not match is refused."""
+    """The distributed transport writes no directory: the trainer's export reaches the role as
+    one file in this node's memory file system (removed once the role mapped it), or as a Ray
+    ref. Same weights, same log-probs (bit for bit); a ref whose version does not match is
+    refused."""
     import ray
 
+    from slime_async.trainer import weights_io
     from slime_async.trainer.behavior_role import BehaviorRole
     from slime_async.trainer.trainer import MegatronTrainer
 
@@ -94,25 +96,37 @@ def test_role_fed_through_the_object_store_equals_the_role_fed_from_directories(
         dirs[v] = tr.save_weights(tmp_path / f"v{v}")
         refs[v] = ray.put(tr.export_weights())  # a copy, as an actor's return value is
     b = _batch(7, versions=(0, 1, 2), routed=True)
-    from_dirs, from_refs = (
+    from_dirs, from_refs, from_files = (
+        BehaviorRole(cfg.trainer, cfg.model),
         BehaviorRole(cfg.trainer, cfg.model),
         BehaviorRole(cfg.trainer, cfg.model),
     )
     try:
+        files = {}
         for v in (0, 1, 2):
             from_dirs.add_version(v, dirs[v])
             from_refs.add_version(v, refs[v])
+            tr.import_hf(dirs[v])  # the trainer at version v writes its one file
+            tr.version = v
+            files[v] = from_files.version_file(v, "127.0.0.1")
+            assert files[v] is not None and files[v].parent == weights_io.SHM_DIR
+            assert tr.write_weights_file(files[v]) == files[v].stat().st_size
+            from_files.add_version_file(v, files[v])
         a = torch.as_tensor(asyncio_run(from_dirs.logprobs(b)))
         c = torch.as_tensor(asyncio_run(from_refs.logprobs(b)))
+        f = torch.as_tensor(asyncio_run(from_files.logprobs(b)))
+        assert not any(p.exists() for p in files.values())  # the role removed each once mapped
+        assert from_files.version_file(3, "10.255.255.1") is None  # a writer on another node
         with pytest.raises(ray.exceptions.RayTaskError, match="version 2 given as version 5"):
             ray.get(from_refs.add_version(5, refs[2]))
     finally:
         from_dirs.shutdown()
         from_refs.shutdown()
+        from_files.shutdown()
         tr.shutdown()
     m = b.loss_mask
     assert bool(torch.isfinite(c[m]).all())
-    assert torch.equal(a[m], c[m])
+    assert torch.equal(a[m], c[m]) and torch.equal(a[m], f[m])
 
 
 def asyncio_run(coro):
@@ -244,6 +258,46 @@ def test_the_role_holds_only_weights_and_computes_the_trainers_values(tmp_path):
     assert all(not hasattr(p, "main_grad") for p in model.model.parameters())
     params = sum(p.numel() for p in model.model.parameters())
     assert model.parameter_bytes() == 4 * params  # fp32 weights, nothing per parameter else
+
+
+def _storages(*tensor_sets) -> int:
+    """Bytes of the distinct storages behind the tensors (a shared one counted once)."""
+    seen: dict[int, int] = {}
+    for ts in tensor_sets:
+        for t in ts:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def test_the_role_holds_exactly_its_versions_and_reads_them_in_place(tmp_path):
+    """The role keeps `max_versions` versions and nothing more: its model's parameters are the
+    newest version's tensors (no current copy), a forward points them at a version (no swap
+    copy), and a new version is loaded into the evicted oldest one's storage. The log-probs
+    are each version's, as the trainer computes them."""
+    from slime_async.trainer.behavior_role import BehaviorForwarder
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    cfg = _parse("--keep-old-actor")
+    tr = MegatronTrainer(cfg.trainer, cfg.model)
+    fwd = BehaviorForwarder(cfg.trainer, cfg.model, max_versions=2)
+    params = list(fwd.trainer.model.parameters())
+    one = fwd.trainer.parameter_bytes()
+    evicted = []
+    for v in (0, 1, 2):
+        if v:
+            tr.train_step(_batch(v))
+        evicted += fwd.add_version(v, tr.export_weights())
+        held = [list(fwd.store.state(x).values()) for x in fwd.versions()]
+        assert _storages(params, *held) == one * len(fwd.versions())  # no copy beside them
+    assert evicted == [0] and fwd.versions() == [1, 2]
+    newest = [p.data_ptr() for p in params]
+    b = _batch(7, versions=(1, 2))
+    got = torch.as_tensor(fwd.logprobs(b))
+    assert [p.data_ptr() for p in params] == newest  # pointed back at the newest version
+    want = tr.compute_behavior_logprobs(b)
+    m = b.loss_mask
+    assert bool(torch.isfinite(got[m]).all()) and (got[m] - want[m]).abs().max() <= 1e-6
+    tr.shutdown()
 
 
 def test_lora_role_shares_the_base_and_equals_the_trainers_adapter_snapshots(tmp_path):

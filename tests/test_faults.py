@@ -89,6 +89,28 @@ async def test_killed_engine_is_replaced_and_the_run_finishes(tmp_path):
     assert len(groups) == len(set(groups)) == 5 * cfg.rollout.groups_per_step
 
 
+async def test_an_engine_killed_after_the_last_step_is_caught_up_for_the_final_eval(tmp_path):
+    """The final eval has no push after it: a replacement started on older weights would wait
+    for one forever (and the all-down stop was never looked at after the loop). It gets the
+    trainer's version and the eval finishes on it."""
+    cfg = parse_config(
+        _argv(tmp_path, "--num-steps", "3", "--eval-interval", "3", "--eval-prompts", "172",
+              "--n-samples-per-eval-prompt", "8", "--eval-max-response-len", "24")
+    )  # fmt: skip
+    task = asyncio.create_task(train(cfg))
+    await _wait_for_step(tmp_path, 3, task)  # trained: the push and the final eval follow
+    pid = json.loads((tmp_path / "roles.json").read_text())["engine_pids"][0]
+    os.kill(pid, signal.SIGKILL)
+    summary = await asyncio.wait_for(task, 600)
+    assert summary["train/version"] == 3
+    assert json.loads((tmp_path / "roles.json").read_text())["engine_pids"][0] != pid  # replaced
+    served = json.loads((tmp_path / "served_versions.json").read_text())
+    assert list(served["engines"].values()) == ["3"]  # the replacement serves the final weights
+    finals = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if "eval/reward" in r and r["step"] == 3]  # fmt: skip
+    assert finals and finals[-1]["eval/version_min"] == finals[-1]["eval/version_max"] == 3
+
+
 async def test_all_engines_down_stops_with_a_checkpoint(tmp_path, caplog):
     ckpt = tmp_path / "ckpt"
     cfg = parse_config(

@@ -75,17 +75,68 @@ def test_with_lora_the_role_holds_the_base_once_and_an_adapter_per_version():
     a, n = adapter_numel(SMOLLM2, lora), param_count(SMOLLM2)
     shape = RunShape(spec=SMOLLM2, role_versions=3, trainer_snapshots=0, adapter_params=a)
     role = RUNTIME["role"]
-    flight = 4 * a  # the adapter of a version in flight (fp32 on the wire)
+    flight = 4 * a  # the adapter of a version in flight (fp32 through the object store)
     assert process_bytes(shape)["role"] == role + 4 * n + 4 * a * (1 + 3) + flight
     full = process_bytes(dataclasses.replace(shape, adapter_params=0))
-    assert full["role"] == role + 4 * n * 4 + 4 * n  # the whole model in flight
+    # three versions (the model's parameters are the newest one's) + the incoming file, mapped
+    assert full["role"] == role + 4 * n * 3 + 4 * n
     assert process_bytes(shape)["trainer"] < full["trainer"]
     cfg = _cfg(*ASYNC, "--lora-rank", "8", "--behavior-forward", "role", memory=None)
     parts = memory_parts(cfg)
     fwd = forward_bytes(SMOLLM2, run_shape(cfg).micro_batch_tokens, bf16=cfg.trainer.bf16)
-    wire = run_shape(cfg).wire_bytes
-    want = role + 4 * n + 4 * a * (1 + cfg.trainer.max_snapshots) + wire * a
+    want = role + 4 * n + 4 * a * (1 + cfg.trainer.max_snapshots) + 4 * a
     assert parts["role"] - fwd == want
+
+
+def test_the_trainer_holds_no_export_and_the_role_no_copy_beside_its_versions():
+    """The trainer's pushes and the role's file read views of its parameters: no version in
+    flight is counted in the trainer (the engines still receive one each); the role holds its
+    versions in the parameters' dtype and the incoming one, nothing else per parameter."""
+    from slime_async.config.memory_plan import RunShape, process_bytes, trainer_state_bytes
+
+    n = param_count(SMOLLM2)
+    shape = RunShape(spec=SMOLLM2, bf16=True, role_versions=5, engines=1, wire_bytes=2)
+    parts = process_bytes(shape)
+    assert parts["trainer"] == RUNTIME["trainer"] + trainer_state_bytes(shape)
+    assert parts["role"] == RUNTIME["role"] + 2 * n * 5 + 2 * n
+    assert parts["engines"] == RUNTIME["engine"] + 2 * n + 2 * n  # its weights + one in flight
+
+
+def test_only_the_read_positions_count_in_the_heads_logits():
+    """A fixed micro-batch's head sees its responses only (`head_tokens`); a token budget's
+    mix is unknown, so all of its tokens are counted."""
+    from slime_async.config.memory_plan import (
+        CHUNK_ELEMENTS_CPU,
+        HEAD_TEMPORARIES,
+        activation_bytes,
+        forward_bytes,
+    )
+
+    spec = TINY_MOE
+    assert CHUNK_ELEMENTS_CPU // spec.vocab_size >= 1024  # the chunk holds the whole batch
+    lean = HEAD_TEMPORARIES * 4 * spec.vocab_size * (1024 - 256)  # 768 positions fewer
+    assert activation_bytes(spec, 1024, bf16=False) - lean == activation_bytes(
+        spec, 1024, bf16=False, head_tokens=256
+    )
+    assert forward_bytes(spec, 1024, bf16=False) - lean == forward_bytes(
+        spec, 1024, bf16=False, head_tokens=256
+    )
+    cfg = _cfg(*ASYNC, "--micro-batch-size", "2", memory=None)
+    fixed = run_shape(cfg)
+    assert fixed.head_tokens == 2 * cfg.rollout.max_response_len < fixed.micro_batch_tokens
+    assert run_shape(_cfg(*ASYNC, *BATCH, memory=None)).head_tokens is None
+
+
+def test_the_object_store_is_sized_for_what_the_run_puts_there():
+    from slime_async.config.memory_plan import OBJECT_STORE_FLOOR, RunShape, object_store_bytes
+
+    n = param_count(SMOLLM2)
+    plain = RunShape(spec=SMOLLM2, bf16=True)
+    assert object_store_bytes(plain) == OBJECT_STORE_FLOOR  # batches and log-probs only
+    role = dataclasses.replace(plain, role_versions=5)
+    assert object_store_bytes(role) == 2 * 2 * n  # two bf16 versions, when no memory file
+    lora = dataclasses.replace(role, adapter_params=1000)
+    assert object_store_bytes(lora) == OBJECT_STORE_FLOOR  # adapters are small
 
 
 def _need(*argv: str) -> int:

@@ -611,6 +611,10 @@ def test_phase3_picks_its_staleness_and_every_run_validates_with_the_recipe(benc
         )  # the recipe's
 
 
+def test_every_loss_of_the_grid_has_a_colour_in_the_figure():
+    assert set(lab.LOSSES) <= set(lab_report.COLORS)  # the protocol's `is` arm had none
+
+
 def test_phase3_report_compares_the_dense_arms_with_sync():
     from lab.protocol_report import render_phase3
 

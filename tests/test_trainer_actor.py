@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -29,6 +30,7 @@ def ray_session():
 
 
 def test_trainer_group_over_ray_matches_in_process(ray_session, tmp_path):
+    from slime_async.trainer import weights_io
     from slime_async.trainer.actor import TrainerGroup
     from slime_async.trainer.config import TrainerConfig
     from slime_async.trainer.testing import load_hf, random_batch
@@ -70,6 +72,18 @@ def test_trainer_group_over_ray_matches_in_process(ray_session, tmp_path):
         out = group.save_weights(tmp_path / "v1")
         hf = load_hf(out, torch.float32)
         assert sum(p.numel() for p in hf.parameters()) > 1_000_000
+        # the forward-only role's copies: one file rank 0 writes, or an object-store ref that
+        # only the role fetches; both the saved version's tensors, in the parameters' dtype
+        node, n = asyncio.run(group.write_weights_file(tmp_path / "v1.safetensors"))
+        assert node == ray_session.get_runtime_context().get_node_id()
+        assert n == (tmp_path / "v1.safetensors").stat().st_size
+        mapped, meta = weights_io.map_tensor_file(tmp_path / "v1.safetensors")
+        ref = asyncio.run(group.export_weights_ref())
+        assert isinstance(ref, ray_session.ObjectRef) and meta["weight_version"] == "1"
+        put, saved = ray_session.get(ref), weights_io.read_hf_dir(out)
+        assert put.version == 1 and mapped.keys() == put.tensors.keys() == saved.tensors.keys()
+        for k, t in saved.tensors.items():
+            assert torch.equal(mapped[k], t) and torch.equal(put.tensors[k], t), k
         ck = group.save_checkpoint(tmp_path / "ck", extra_state={"controller": {"step": 1}})
         assert ck.name == "iter_0000001" and (ck / "meta.json").is_file()
     finally:

@@ -110,6 +110,46 @@ def test_llama_export_import_roundtrip(tmp_path):
     assert (lp - lp_hf).abs().max().item() <= 1e-5
 
 
+def test_a_one_file_version_maps_in_place_and_imports_in_its_own_dtype(tmp_path):
+    """The one-file hand-off (`write_tensor_file` / `map_tensor_file`): a safetensors file
+    (safetensors reads it), mapped as views in the written dtype and removed once mapped; the
+    import takes one tensor at a time in that dtype (no fp32 copy of a bf16 model), and gives
+    the parameters the values written."""
+    from safetensors import safe_open
+
+    from slime_async.trainer import hf_convert, parallel, weights_io
+    from slime_async.trainer.model import build_model
+    from slime_async.trainer.trainer import free_port
+
+    parallel.init_distributed(
+        rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()
+    )
+    layout = parallel.resolve_layout(world_size=1, tp=1, ep=1, pp=1)
+    parallel.init_model_parallel(layout, seed=11)
+    model = build_model(LLAMA, layout)
+    views = hf_convert.megatron_to_hf(model, LLAMA, copy=False)
+    path = tmp_path / "v3.safetensors"
+    n = weights_io.write_tensor_file(
+        views, path, dtype=torch.bfloat16, metadata={"weight_version": "3"}
+    )
+    params = sum(t.numel() for t in views.values())
+    assert n == path.stat().st_size and 2 * params < n < 2 * params + 64 * 1024
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(views) and f.metadata()["weight_version"] == "3"
+        k = next(iter(views))
+        assert torch.equal(f.get_tensor(k), views[k].to(torch.bfloat16))
+    mapped, meta = weights_io.map_tensor_file(path, unlink=True)
+    assert meta["weight_version"] == "3" and not path.exists()
+    assert all(t.dtype == torch.bfloat16 for t in mapped.values())
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    first = next(hf_convert._iter_shards(mapped, LLAMA, shapes, upcast=False))[1]
+    assert first.dtype == torch.bfloat16  # as written: no fp32 copy on the way in
+    model2 = build_model(LLAMA, layout)
+    hf_convert.hf_to_megatron(model2, LLAMA, mapped)
+    for (name, a), (_, b) in zip(model.named_parameters(), model2.named_parameters()):
+        assert torch.equal(a.to(torch.bfloat16).float(), b), name
+
+
 def test_a_push_packs_the_parameters_without_copying_the_model(moe_trainer):
     """What `send_weights` broadcasts: the export without copies (views of the parameters but
     for q/k/v, which megatron interleaves) packs into exactly the bytes of the copying fp32

@@ -406,7 +406,8 @@ async def test_engine_refusing_before_receiving_is_left_out_of_the_resend(fleet)
 async def test_engine_dying_as_the_broadcast_starts(fleet) -> None:
     """The group holds both engines; one is killed as rank 0 starts sending. The push re-forms
     the group with the survivor and sends the whole version again before generation continues:
-    the survivor serves exactly that version. (Runs last: it kills a fleet engine.)"""
+    the survivor serves exactly that version; no shared-memory segment outlives the groups.
+    (Runs last: it kills a fleet engine.)"""
     urls = [e.url for e in fleet]
     weights = Weights()
     router, rurl = await _router(urls)
@@ -430,6 +431,14 @@ async def test_engine_dying_as_the_broadcast_starts(fleet) -> None:
             served, answer = await _served(s, urls[0])
             assert served == "52" and _exact(weights, answer)
             await t.close()
+        # both engines took the buckets through shared memory: the sender gave every segment
+        # up with its groups (the aborted one included), and none was ever named in /dev/shm
+        held = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+                held.append(os.readlink(f"/proc/self/fd/{fd}"))
+        assert not [h for h in held if h.startswith("/memfd:slime-wg-")]
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith("slime-wg-")]
     finally:
         await router.stop()
 

@@ -7,6 +7,7 @@ served; the run derives the dtype from the engines'."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -18,7 +19,7 @@ from slime_async.contracts.weight_group import (
     pack_bucket,
     plan_buckets,
     publish_checksum,
-    tensors_crc32,
+    tensors_checksum,
     torch_dtype,
 )
 from slime_async.contracts.weights import WeightManifest
@@ -49,7 +50,7 @@ class _CorruptingSender(InProcessSender):
         assert g is not None and flatten
         for i, b in enumerate(buckets):
             ts = [tensors[e.name].detach().to(g.device, torch_dtype(e.dtype)) for e in b]
-            publish_checksum(g, tensors_crc32(ts))
+            publish_checksum(g, tensors_checksum(ts))
             flat = torch.cat([t.reshape(-1) for t in ts])
             if i == self.bad:
                 flat[0] += 1.0
@@ -76,10 +77,10 @@ def test_manifest_in_the_engine_dtype_halves_the_bytes():
 def test_crc_of_a_flat_bucket_equals_its_pieces():
     a, b = torch.randn(5), torch.randn(3, 2).to(torch.bfloat16)
     flat = torch.cat([a.view(torch.uint8), b.reshape(-1).view(torch.uint8)])
-    assert tensors_crc32([a, b]) == tensors_crc32([flat])
+    assert tensors_checksum([a, b]) == tensors_checksum([flat])
     c = a.clone()
     c[0] += 1
-    assert tensors_crc32([c, b]) != tensors_crc32([a, b])
+    assert tensors_checksum([c, b]) != tensors_checksum([a, b])
 
 
 @pytest.mark.parametrize("scale", [1, 64])  # under and over the size with a CRC thread
@@ -98,7 +99,7 @@ def test_a_packed_bucket_is_its_tensors_cast_back_to_back_with_their_crc(scale) 
         flat, crc = pack_bucket(tensors, bucket, "cpu")
         want = torch.cat([tensors[e.name].to(torch_dtype(dtype)).reshape(-1) for e in bucket])
         assert flat.dtype == want.dtype and torch.equal(flat, want)
-        assert crc == tensors_crc32([want])
+        assert crc == tensors_checksum([want])
 
 
 def test_a_bucket_packs_without_a_copy_only_when_nothing_changes() -> None:
@@ -106,7 +107,7 @@ def test_a_bucket_packs_without_a_copy_only_when_nothing_changes() -> None:
     m = WeightManifest.of({"w": w}, version=0)
     (same,) = plan_buckets(m, 1 << 30)
     flat, crc = pack_bucket({"w": w}, same, "cpu")
-    assert flat.data_ptr() == w.data_ptr() and crc == tensors_crc32([w])  # sent as it is
+    assert flat.data_ptr() == w.data_ptr() and crc == tensors_checksum([w])  # sent as it is
     (cast,) = plan_buckets(in_dtype(m, "bfloat16"), 1 << 30)
     assert pack_bucket({"w": w}, cast, "cpu")[0].data_ptr() != w.data_ptr()
     with pytest.raises(ValueError, match="'w' has shape \\(200, 300\\)"):
@@ -150,10 +151,13 @@ async def test_bf16_push_serves_the_sender_weights_rounded_to_bf16(fleet) -> Non
 
 
 async def test_corrupted_bucket_is_refused_resent_and_never_served(fleet, caplog) -> None:  # noqa: F811
+    """Over the wire (the same-node path is off: the corruption is a changed value in transit;
+    in shared memory: tests/test_weights_same_node.py)."""
     urls = [e.url for e in fleet]
     weights = Weights()
     sender = _CorruptingSender(weights)
-    async with _pushing(urls, sender) as (t, s, _rc):
+    wire = dataclasses.replace(CFG, same_node=False)
+    async with _pushing(urls, sender, cfg=wire) as (t, s, _rc):
         with caplog.at_level(logging.WARNING):
             weights.set(80, 80)
             m = await t.push(80)

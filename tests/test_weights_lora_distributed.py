@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import aiohttp
@@ -23,7 +24,7 @@ import torch
 from router import Router, RouterClient, RouterConfig
 from slime_async.contracts.adapter import LoraSpec, adapter_numel, peft_shapes, write_peft_dir
 from slime_async.contracts.model import ModelSpec
-from slime_async.contracts.weight_group import publish_checksum, tensors_crc32, torch_dtype
+from slime_async.contracts.weight_group import publish_checksum, tensors_checksum, torch_dtype
 from slime_async.engine import EngineConfig, EngineProcess
 from slime_async.engine.testing import post, start_processes, stop_processes
 from slime_async.weights import InProcessSender, WeightSyncConfig
@@ -74,7 +75,7 @@ class _CorruptingSender(InProcessSender):
         assert g is not None
         for i, b in enumerate(buckets):
             ts = [tensors[e.name].to(torch_dtype(e.dtype)) for e in b]
-            publish_checksum(g, tensors_crc32(ts))
+            publish_checksum(g, tensors_checksum(ts))
             flat = torch.cat([t.reshape(-1) for t in ts])
             if i == 1:
                 flat[0] += 1.0
@@ -181,10 +182,11 @@ async def test_refused_adapter_keeps_the_old_one_serving(fleet, fault: str) -> N
             k = sorted(bad.tensors)[3]
             bad.tensors[k][0, 0] = float("nan")
             sender = InProcessSender(bad)
-        else:
+        else:  # a value changed in transit: over the wire
             sender = _CorruptingSender(bad)
+        cfg = CFG if fault == "nan" else dataclasses.replace(CFG, same_node=False)
         t = DistributedAdapterTransport(
-            lora=LORA, sender=sender, control=rc, engine_urls=lambda: urls, cfg=CFG
+            lora=LORA, sender=sender, control=rc, engine_urls=lambda: urls, cfg=cfg
         )
         try:
             m = await t.push(11)

@@ -18,13 +18,17 @@ docs/cpu.md#memory.
 |---|---|
 | trainer rank, fp32 | 4 weights + 4 gradient buffer + 8 Adam moments = 16, + 4 per snapshot |
 | trainer rank, bf16 | 2 weights + 4 fp32 gradient buffer + 4 fp32 main weights + 8 Adam = 18, + 2 per snapshot |
-| forward-only role | its weights + one copy per kept version (the parameters' dtype) |
-| embedded engine | its weights in the engine dtype (2 for bf16, 4 for fp32) |
-| each of them, during a weight sync | one version in flight in `--update-weight-dtype` |
+| forward-only role | one copy per kept version (the parameters' dtype; the model's parameters are the newest one's) + the incoming version's file, mapped |
+| embedded engine | its weights in the engine dtype (2 for bf16, 4 for fp32) + one version in flight in `--update-weight-dtype` during a weight sync |
+
+The trainer's exports are views of its parameters: a push packs them bucket by bucket, and the
+forward-only role's copy is one file the trainer writes tensor by tensor into this node's
+memory file system (`/dev/shm`), which the role maps and removes.
 
 With LoRA (A adapter numbers, fp32) the base is frozen and shared: the trainer holds the base
 weights + 16 bytes per adapter number (weight, gradient buffer, two Adam moments) + 4 per
-adapter number and snapshot; the forward-only role holds the base once + 4 · A per version.
+adapter number and snapshot; the forward-only role holds the base once + 4 · A per version,
+for its model and for the adapter in flight.
 Under tensor/pipeline parallelism each rank holds 1 / (TP × PP) of the weights; the
 distributed optimizer shards the main weights and Adam moments over DP.
 
@@ -77,16 +81,17 @@ CHUNK_ELEMENTS_CPU = 1 << 23
 """The chunked head's default logits per chunk on a CPU (`trainer.lm_head.CHUNK_ELEMENTS`)."""
 
 RUNTIME: dict[str, int] = {
-    "ray": 430 * MIB,
+    "ray": 350 * MIB,
     "driver": 300 * MIB,
     "router": 80 * MIB,
-    "trainer": 500 * MIB,
-    "role": 450 * MIB,
+    "trainer": 480 * MIB,
+    "role": 390 * MIB,
     "engine": 370 * MIB,
 }
 """Each process's own bytes before it holds a model, as the node counts them (proportional set
 size: the pages of torch's and Python's libraries that processes share counted once), measured
-on the default run's processes, whose tiny model takes a few MiB (scripts/bench_memory.py):
+on the default run's processes at the whole run's peak, less their tiny model's few MiB
+(scripts/bench_memory.py; the driver's is the SmolLM2 recipe's, which holds a tokenizer):
 `ray`: Ray's daemons together (GCS, raylet, dashboard and runtime-env agents, log monitor, an
 idle worker); `driver`: train_async.py with the data worker; `router`; `trainer` and `role`: a
 Ray actor with torch and megatron imported; `engine`: an embedded engine actor."""
@@ -144,18 +149,21 @@ def activation_bytes(
     chunk_tokens: int | None = None,
     vocab_local: int | None = None,
     slack: float = 1.0,
+    head_tokens: int | None = None,
 ) -> int:
     """Peak bytes of one trainer rank's forward+backward over a micro-batch of `tokens` tokens,
     above its model state: the saved activations of its `layers` (default: all) + the head's
     weight gradient and logits chunk (`chunk_tokens`, default `CHUNK_ELEMENTS_CPU` logits).
     `slack` multiplies the layers' part (`ALLOCATOR_SLACK` on a CPU), not the head's: its
     blocks are larger than glibc's largest heap block (32 MiB) and leave the process when
-    freed."""
+    freed. `head_tokens`: the positions of a micro-batch whose log-probs are read, the only
+    ones that go through the head (default: all `tokens`)."""
     n = spec.num_layers if layers is None else layers
     v = spec.vocab_size if vocab_local is None else vocab_local
     per_value = BF16_BYTES_PER_VALUE if bf16 else 4.0
     full = layer_values(spec) * per_value * slack  # bytes per token of one layer's activations
-    chunk = min(tokens, chunk_tokens or max(1, CHUNK_ELEMENTS_CPU // v))
+    read = tokens if head_tokens is None else min(tokens, head_tokens)
+    chunk = min(read, chunk_tokens or max(1, CHUNK_ELEMENTS_CPU // v))
     head = int(HEAD_WEIGHT_GRADS * v * spec.hidden_size * 4) + HEAD_TEMPORARIES * chunk * v * 4
     if recompute is None:  # every layer's activations are alive when the head's backward runs
         return int(tokens * n * full) + head
@@ -169,11 +177,15 @@ def activation_bytes(
     return int(tokens * kept) + max(head, int(tokens * redo))
 
 
-def forward_bytes(spec: ModelSpec, tokens: int, *, bf16: bool) -> int:
+def forward_bytes(
+    spec: ModelSpec, tokens: int, *, bf16: bool, head_tokens: int | None = None
+) -> int:
     """Peak bytes of a forward without a backward (the forward-only role) over `tokens` tokens:
-    one layer's tensors at a time and the head's logits chunk."""
+    one layer's tensors at a time and the head's logits chunk (of the `head_tokens` read
+    positions, default all)."""
     per_value = BF16_BYTES_PER_VALUE if bf16 else 4.0
-    chunk = min(tokens, max(1, CHUNK_ELEMENTS_CPU // spec.vocab_size))
+    read = tokens if head_tokens is None else min(tokens, head_tokens)
+    chunk = min(read, max(1, CHUNK_ELEMENTS_CPU // spec.vocab_size))
     return (
         int(tokens * layer_values(spec) * per_value)
         + HEAD_TEMPORARIES * chunk * spec.vocab_size * 4
@@ -202,6 +214,9 @@ class RunShape:
     """Trainer ranks on GPUs: their model state and activations are not in this node's RAM."""
     micro_batch_tokens: int = 0
     """Tokens of the largest micro-batch (0: no activations counted)."""
+    head_tokens: int | None = None
+    """Of those, the positions whose log-probs are read (the responses'), the only ones that go
+    through the head; None: as many as `micro_batch_tokens`."""
     recompute: Recompute | None = None
     chunk_tokens: int | None = None
     trainer_snapshots: int = 0
@@ -251,32 +266,58 @@ def trainer_activation_bytes(shape: RunShape) -> int:
         chunk_tokens=shape.chunk_tokens,
         vocab_local=shape.spec.vocab_size * shape.pp // max(1, shape.tp_pp),
         slack=1.0 if shape.trainer_on_gpu else ALLOCATOR_SLACK,  # CUDA's allocator reuses
+        head_tokens=shape.head_tokens,
     )
 
 
 def process_bytes(shape: RunShape) -> dict[str, int]:
     """Peak bytes per part of the run on this node: `trainer` (all ranks: state + activations +
-    runtime, only the runtime when on GPUs; + rank 0's export of a version), `role` (the
-    forward-only role: its versions + an incoming one), `engines` (weights + KV pool + runtime +
-    an incoming version, each) and `runtime` (Ray's daemons, the driver, the router)."""
+    runtime, only the runtime when on GPUs; its exports are views of its parameters, written
+    or sent tensor by tensor), `role` (the forward-only role: its versions, the model's
+    parameters being the newest one's, + the incoming version's file, mapped), `engines`
+    (weights + KV pool + runtime + an incoming version, each) and `runtime` (Ray's daemons,
+    the driver, the router)."""
     w = 2 if shape.bf16 else 4
     flight = (shape.adapter_params or shape.params) * shape.wire_bytes  # a version in flight
     rank = RUNTIME["trainer"]
     if not shape.trainer_on_gpu:
         rank += trainer_state_bytes(shape) + trainer_activation_bytes(shape)
-    export = 0 if shape.trainer_on_gpu else flight  # rank 0's export (on its GPU there)
-    out = {"trainer": rank * shape.trainer_ranks + export}
+    out = {"trainer": rank * shape.trainer_ranks}  # a push and the role's file read views
     if shape.role_versions is not None:
         n, a, v = shape.params, shape.adapter_params, shape.role_versions
-        weights = n * w + a * 4 * (1 + v) if a else n * w * (1 + v)
-        fwd = forward_bytes(shape.spec, shape.micro_batch_tokens, bf16=shape.bf16)
-        out["role"] = RUNTIME["role"] + weights + flight + (fwd if shape.micro_batch_tokens else 0)
+        if a:  # the shared base, the model's adapter and each version's; an adapter in flight
+            weights = n * w + a * 4 * (1 + v) + a * 4
+        else:  # the model's parameters are the newest version's; the incoming file, mapped
+            weights = n * w * v + n * w
+        fwd = forward_bytes(
+            shape.spec, shape.micro_batch_tokens, bf16=shape.bf16, head_tokens=shape.head_tokens
+        )
+        out["role"] = RUNTIME["role"] + weights + (fwd if shape.micro_batch_tokens else 0)
     if shape.engines:
         kv = kv_cache_bytes(shape.spec, shape.engine_cache_tokens, dtype_bytes=shape.engine_bytes)
         each = RUNTIME["engine"] + shape.params * shape.engine_bytes + kv + flight
         out["engines"] = each * shape.engines
     out["runtime"] = RUNTIME["ray"] + RUNTIME["driver"] + RUNTIME["router"]
     return out
+
+
+OBJECT_STORE_FLOOR = 256 * MIB
+"""The smallest Ray object store a one-node run starts (batches, log-probs, LoRA adapters and
+metrics take a few MiB a step)."""
+
+
+def object_store_bytes(shape: RunShape) -> int:
+    """Ray's object store for a one-node run, sized for what the run puts in it: batches and
+    log-probs, each LoRA adapter version, and, with a forward-only role whose trainer cannot
+    hand it a version in this node's memory file system, two versions in the parameters' dtype;
+    never below `OBJECT_STORE_FLOOR`. Its pages are shared memory: only what objects touched
+    is resident, and stays so (the store reuses it), so a store no larger than needed bounds
+    what it can hold."""
+    if shape.role_versions is None:
+        return OBJECT_STORE_FLOOR
+    w = 2 if shape.bf16 else 4
+    version = shape.adapter_params * 4 if shape.adapter_params else shape.params * w
+    return max(OBJECT_STORE_FLOOR, 2 * version)
 
 
 def gpu_trainer_bytes(shape: RunShape) -> int:

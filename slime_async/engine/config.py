@@ -88,6 +88,10 @@ class EngineConfig:
     weight_group_timeout_s: float = flag(300.0, name="weight-group-timeout", gt=0)
     """Seconds before a weight-update group's rendezvous or a broadcast fails (a member that
     died must not hang the others forever)."""
+    same_node_weights: bool = True
+    """Take a weight group's buckets through shared memory when trainer rank 0 is on this node
+    (decided when the group forms: same boot and pid namespace, rank 0's segment readable);
+    --no-same-node-weights always takes them over the wire (docs/weight-sync.md)."""
     max_request_mb: float = flag(64.0, gt=0)
     """Largest `/generate` body in MiB (413 beyond); every other route takes at most 1 MiB."""
     client_timeout_s: float = flag(120.0, gt=0)

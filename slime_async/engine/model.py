@@ -145,6 +145,10 @@ class LoadedModel:
     """Run bf16 matmuls/attention through `Bf16ViaFp32`."""
     lora: Any = None
     """`engine.lora.EngineLora` with --enable-lora (adapters applied per row), else None."""
+    borrowed: dict[int, Any] = dataclasses.field(default_factory=dict)
+    """Parameters (by `id`) whose data is a read-only view of memory the engine does not own (a
+    weight group's shared-memory segment), with the tag `swap_weights` was given: never written
+    in place (a later swap gives them their own memory)."""
     vision: VisionSpec | None = None
     """A vision-language model's vision spec (images in `/generate`), else None."""
     image_processor: Any = None
@@ -283,11 +287,29 @@ def _lora(model: torch.nn.Module, cfg: EngineConfig) -> Any:
 
 
 @torch.no_grad()
-def swap_weights(lm: LoadedModel, state: dict[str, torch.Tensor]) -> None:
-    """Copy a validated state dict (from `read_weights_from_disk`) into the serving model."""
+def swap_weights(lm: LoadedModel, state: dict[str, torch.Tensor], *, borrowed: Any = None) -> None:
+    """Put a validated state dict (from `read_weights_from_disk` or a weight group) into the
+    serving model. By default each tensor is copied in. With a `borrowed` tag (the tensors are
+    read-only views that stay valid while served: a weight group's segment) every parameter of
+    the same dtype and shape takes its tensor by reference instead (no copy; `lm.borrowed`
+    records the tag), and the rest is copied. A parameter that was borrowed is never written
+    in place: it gets memory of its own."""
+    params = dict(lm.model.named_parameters(remove_duplicate=False))  # tied names too
     own = lm.model.state_dict()
     for k, v in state.items():
-        own[k].copy_(v)
+        p = params.get(k)
+        if borrowed is not None and p is not None and _same_layout(p, v):
+            p.data = v
+            lm.borrowed[id(p)] = borrowed
+        elif p is not None and id(p) in lm.borrowed:
+            p.data = v.to(p.dtype, copy=True).contiguous()
+            del lm.borrowed[id(p)]
+        else:
+            own[k].copy_(v)
+
+
+def _same_layout(p: torch.Tensor, v: torch.Tensor) -> bool:
+    return p.dtype == v.dtype and p.shape == v.shape and v.is_contiguous() and p.device == v.device
 
 
 @torch.no_grad()

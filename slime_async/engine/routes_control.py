@@ -215,6 +215,9 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         abort_all = _bool_field(body, "abort_all_requests", False)
         flush = _bool_field(body, "flush_cache", True)
         lora_name, lora_spec = _adapter_fields(body)
+        segment = body.get("shm_segment")
+        if segment is not None and not isinstance(segment, str):
+            raise RequestError("shm_segment must be a string (a weight-group segment name)")
         if why := eng.memory.refuse_update("update_weights_from_distributed"):
             raise RequestError(why)
     except RequestError as e:
@@ -229,6 +232,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         flush_cache=flush,
         lora_name=lora_name,
         lora_spec=lora_spec,
+        shm_segment=segment,
     )
     return _update_reply(res)
 

@@ -35,6 +35,7 @@ from slime_async.engine.model import LoadedModel
 from slime_async.engine.prefix_cache import MISS, PrefixCache
 from slime_async.engine.sampling import prompt_logprobs, sample
 from slime_async.engine.sequence import SeqStatus, Sequence, abort_reason, check_finish
+from slime_async.host import trim_heap
 
 T = TypeVar("T")
 
@@ -98,6 +99,7 @@ class Scheduler:
         sequences holding KV (running, frozen in place) keep it but never hand it to the cache."""
         async with self._step_lock:
             out = await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+            trim_heap()  # the incoming version's buffers, freed by the swap, back to the node
             self.epoch += 1
             for seq in [*self._prefilling, *self.running]:
                 seq.kv_epoch = None

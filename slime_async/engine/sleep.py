@@ -198,6 +198,7 @@ class MemoryOccupation:
             self._shapes[k] = (p.shape, p.dtype)
             freed += p.numel() * p.element_size()
             p.data = torch.empty(0, dtype=p.dtype)
+        self.engine.lm.borrowed.clear()  # nothing views a weight group's segment any more
         return freed
 
     def _restore_weights(self) -> None:

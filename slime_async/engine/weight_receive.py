@@ -19,23 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 
 import torch
 
+from slime_async.contracts import weight_shm
 from slime_async.contracts.adapter import LoraSpec
-from slime_async.contracts.weight_group import (
-    FLATTENED,
-    WeightGroup,
-    checksum_problem,
-    receive_bucket,
-)
-from slime_async.contracts.weights import TensorEntry, all_finite
+from slime_async.contracts.weight_group import FLATTENED, Received, WeightGroup, receive_checked
+from slime_async.contracts.weights import TensorEntry
 from slime_async.engine.checkpoint_names import CheckpointAssembler
 from slime_async.engine.model import swap_weights
 from slime_async.engine.weight_updates import ServingEngine, UpdateResult, WeightUpdates
 
 _WHAT = "update_weights_from_distributed"
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -55,12 +53,15 @@ class _Inbox:
     spoiled: bool = False
     """The current version had a bucket refused: its remaining buckets are received (the
     broadcast must complete) and dropped, up to the one carrying `weight_version`."""
+    staged_set: int | None = None
+    """The segment set the staged tensors view (same-node path), None when they are owned."""
 
     def drop_version(self, weight_version: str | None) -> None:
         """Forget the version being received after a refused bucket; unless this bucket ends
         it, its later buckets are dropped too."""
         self.assembler.reset()
         self.staged.clear()
+        self.staged_set = None
         if weight_version is None:
             self.spoiled = True
 
@@ -110,13 +111,20 @@ class WeightGroups:
                 group_name=group_name,
                 backend=backend,
                 timeout_s=self.engine.cfg.weight_group_timeout_s,
+                same_node=self.engine.cfg.same_node_weights,
             )
         except (ValueError, RuntimeError, OSError) as e:
             return UpdateResult(success=False, message=f"Failed to init group {group_name!r}: {e}")
         assert self.engine.lm is not None
         asm = CheckpointAssembler(self.engine.lm.state_signature())
         self._inboxes[group_name] = _Inbox(group=g, assembler=asm)
-        return UpdateResult(success=True, message=f"Succeeded to init group {group_name!r}.")
+        how = "through shared memory (rank 0 is on this node)"
+        if g.same_node.reader is None:
+            how = f"over {backend}" + (f" ({g.same_node.why})" if g.same_node.why else "")
+        log.info("weight group %r joined: buckets arrive %s", group_name, how)
+        return UpdateResult(
+            success=True, message=f"Succeeded to init group {group_name!r}; buckets arrive {how}."
+        )
 
     def destroy_weights_update_group(self, group_name: str) -> UpdateResult:
         inbox = self._inboxes.pop(group_name, None)
@@ -138,6 +146,7 @@ class WeightGroups:
         flush_cache: bool = True,
         lora_name: str | None = None,
         lora_spec: LoraSpec | None = None,
+        shm_segment: str | None = None,
     ) -> UpdateResult:
         """Receive one bucket broadcast by rank 0 of `group_name`, then check and swap it in.
         With `lora_name` (and its `lora_spec`) the bucket holds adapter tensors in PEFT's
@@ -166,6 +175,8 @@ class WeightGroups:
                 "and the adapter's lora_config",
                 received=False,
             )
+        if shm_segment is not None and (why := _segment_refusal(inbox.group, shm_segment)):
+            return UpdateResult(success=False, message=why, received=False)
         adapter = None if lora_name is None else (lora_name, lora_spec)
         res = await self._receive_and_apply(
             inbox,
@@ -176,6 +187,7 @@ class WeightGroups:
             abort_all_requests=abort_all_requests,
             flush_cache=flush_cache,
             adapter=adapter,
+            shm_segment=shm_segment,
         )
         return dataclasses.replace(res, received=res.received is not False)
 
@@ -190,17 +202,23 @@ class WeightGroups:
         abort_all_requests: bool,
         flush_cache: bool,
         adapter: tuple[str, LoraSpec | None] | None,
+        shm_segment: str | None,
     ) -> UpdateResult:
         """`update_weights_from_distributed` once the group is known: receive, check, stage or
-        swap. A failed receive answers `received=False`."""
+        swap. A failed receive answers `received=False`; a bucket whose segment is not the one
+        the call named (`shm_segment`) is refused after it was read."""
         updates = self.updates
         async with updates.access(abort_all_requests=abort_all_requests, what=_WHAT):
             t0 = time.monotonic()
             try:
-                got = await asyncio.to_thread(
-                    receive_bucket, inbox.group, entries, flatten=load_format == FLATTENED
+                rx = await asyncio.to_thread(
+                    receive_checked,
+                    inbox.group,
+                    entries,
+                    flatten=load_format == FLATTENED,
+                    check_finite=adapter is None and not inbox.spoiled,
                 )
-            except (RuntimeError, ValueError, AttributeError) as e:
+            except (RuntimeError, ValueError, AttributeError, OSError) as e:
                 return UpdateResult(
                     success=False,
                     message=f"Failed to receive the bucket over group {group_name!r} ({e}); it "
@@ -208,26 +226,24 @@ class WeightGroups:
                     received=False,
                     group_broken=True,
                 )
-            crc = asyncio.to_thread(checksum_problem, inbox.group, entries, got)
+            if shm_segment is not None and shm_segment != rx.segment:
+                rx = dataclasses.replace(rx, corrupted=_segment_mismatch(shm_segment, rx))
             if adapter is not None:
                 name, spec = adapter
                 assert spec is not None
+                got = rx.tensors
+                if rx.segment_set is not None:  # kept past this push: copied out of rank 0's
+                    got = {k: v.clone() for k, v in got.items()}
                 return await self._stage_adapter_bucket(
-                    inbox, group_name, got, await crc, name, spec, weight_version=weight_version
+                    inbox, group_name, got, rx.corrupted, name, spec, weight_version=weight_version
                 )
-            t1 = time.monotonic()
-            # the checksum (zlib) and the finite check (torch) both release the GIL: together
-            corrupted, nonfinite = await asyncio.gather(
-                crc, asyncio.to_thread(_nonfinite, {} if inbox.spoiled else got)
-            )
             return await self._apply_model_bucket(
                 inbox,
                 entries,
-                got,
-                (corrupted, nonfinite),
+                rx,
                 weight_version=weight_version,
                 flush_cache=flush_cache,
-                times=(t0, t1, time.monotonic()),
+                times=(t0, time.monotonic()),
             )
 
     # ------------------------------------------------------------------ model weights
@@ -235,17 +251,18 @@ class WeightGroups:
         self,
         inbox: _Inbox,
         entries: tuple[TensorEntry, ...],
-        got: dict[str, torch.Tensor],
-        checked: tuple[str | None, list[str]],
+        rx: Received,
         *,
         weight_version: str | None,
         flush_cache: bool,
-        times: tuple[float, float, float],
+        times: tuple[float, float],
     ) -> UpdateResult:
-        """One received bucket of model weights: refused (and its version dropped), staged,
-        or, with the bucket that ends the version, swapped in through the shared swap tail.
-        `checked`: the checksum problem (or None) and the non-finite tensors; `times`: when the
-        receive started, ended, and the checks ended (for the answer's message)."""
+        """One received and checked bucket of model weights: refused (and its version dropped),
+        staged, or, with the bucket that ends the version, swapped in through the shared swap
+        tail: by reference where it came through shared memory in the served dtype (the
+        parameters view the segment, which rank 0 does not write while this engine holds
+        it), else copied. `times`: when the receive started, and when it and the checks
+        ended (for the answer's message)."""
         if inbox.spoiled:
             inbox.assembler.reset()
             if weight_version is not None:  # the spoiled version ends with this bucket
@@ -256,7 +273,9 @@ class WeightGroups:
                 "refused, so none of it is applied; push the whole version again",
             )
         updates = self.updates
-        ready, problem = _check_model_bucket(inbox.assembler, got, *checked, weight_version)
+        ready, problem = _check_model_bucket(
+            inbox.assembler, rx.tensors, rx.corrupted, rx.nonfinite, weight_version
+        )
         refused = None
         if problem is not None:
             refused = UpdateResult(success=False, message=f"Failed to update weights: {problem}")
@@ -268,23 +287,35 @@ class WeightGroups:
         lm = self.engine.lm
         assert lm is not None
         inbox.staged.update(ready)
+        if rx.segment_set is not None:
+            inbox.staged_set = rx.segment_set
         whole = {n for n, _ in lm.model.named_parameters()} <= inbox.staged.keys()
         if weight_version is None and not whole:
             return UpdateResult(  # more buckets of this version to come
                 success=True,
-                message=f"Received {len(entries)} tensors ({_took(times)}); they are applied "
-                "with the bucket that carries weight_version",
+                message=f"Received {len(entries)} tensors ({_took(rx, times)}); they are "
+                "applied with the bucket that carries weight_version",
             )
-        ready = dict(inbox.staged)
+        ready, tag = dict(inbox.staged), None
+        if inbox.staged_set is not None:
+            tag = (inbox.group.same_node.reader, inbox.staged_set)
         inbox.staged.clear()
+        inbox.staged_set = None
         in_flight = await updates.swap(
-            lambda: swap_weights(lm, ready), flush_cache=flush_cache, weight_version=weight_version
+            lambda: swap_weights(lm, ready, borrowed=tag),
+            flush_cache=flush_cache,
+            weight_version=weight_version,
         )
+        if inbox.group.same_node.reader is not None:  # rank 0 must not overwrite what serves
+            reader = inbox.group.same_node.reader
+            held = {s for r, s in lm.borrowed.values() if r is reader}
+            await asyncio.to_thread(inbox.group.hold, held)
         now = time.monotonic()
+        how = "by reference" if tag is not None else "copied"
         return UpdateResult(
             success=True,
             message=f"Succeeded to update {len(entries)} tensors in {now - times[0]:.3f}s "
-            f"({_took(times)}, swapped in {now - times[2]:.3f}s).",
+            f"({_took(rx, times)}, swapped in {now - times[1]:.3f}s, {how}).",
             num_paused_requests=in_flight,
         )
 
@@ -347,20 +378,43 @@ class WeightGroups:
         )
 
 
-def _took(times: tuple[float, float, float]) -> str:
+def _took(rx: Received, times: tuple[float, float]) -> str:
     """How long the receive and the checks of a bucket took, for its answer's message."""
-    t0, t1, t2 = times
-    return f"received in {t1 - t0:.3f}s, checked in {t2 - t1:.3f}s"
+    if rx.segment is not None:
+        return f"received and checked in {times[1] - times[0]:.3f}s through shared memory"
+    return f"received in {rx.received_s:.3f}s, checked in {rx.checked_s:.3f}s"
 
 
-def _nonfinite(got: dict[str, torch.Tensor]) -> list[str]:
-    """The received tensors holding NaN or inf (never served, whichever transport brought
-    them)."""
-    return [
-        f"tensor {k!r} holds non-finite values (NaN or inf)"
-        for k, t in got.items()
-        if not all_finite(t)
-    ]
+def _segment_refusal(g: WeightGroup, named: str) -> str | None:
+    """Why a call naming segment `named` is refused before anything is read (None: it names
+    one of this group's segments). Names are checked, never opened: the segment read is the
+    one rank 0 published in the group's store."""
+    try:
+        nonce, _, _ = weight_shm.parse_segment_name(named)
+    except ValueError as e:
+        return f"shm_segment: {e}"
+    reader = g.same_node.reader
+    if reader is None:
+        return (
+            f"shm_segment {named!r}: this engine receives the group's buckets over the wire, "
+            "not through shared memory (it is not on rank 0's node, or the path is off)"
+        )
+    if nonce != reader.offer.nonce:
+        return f"shm_segment {named!r} is not a segment of this weight group"
+    return None
+
+
+def _segment_mismatch(named: str, rx: Received) -> str:
+    """Why a bucket whose call named segment `named` is refused."""
+    if rx.segment is None:
+        return (
+            f"the call names shared-memory segment {named!r}, but this engine receives the "
+            "group's buckets over the wire"
+        )
+    return (
+        f"the call names shared-memory segment {named!r}, but rank 0 wrote this bucket into "
+        f"{rx.segment!r}"
+    )
 
 
 def _check_model_bucket(
@@ -372,7 +426,7 @@ def _check_model_bucket(
 ) -> tuple[dict[str, torch.Tensor], str | None]:
     """(served parameters ready from this bucket, why it is refused or None): a corrupted
     bucket, names or shapes the served model does not have, non-finite values (`nonfinite`,
-    from `_nonfinite`), or a version that ends with pieces missing."""
+    from `weight_group.nonfinite_names`), or a version that ends with pieces missing."""
     if corrupted:
         return {}, (
             f"{corrupted}. No tensor of this version was applied; push the whole version again"

@@ -52,7 +52,7 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
             return await _rollouts_only(run, cfg)
         evals = _Evals(run, cfg)
         if run.start_step == 0:
-            await evals.baseline()
+            await run.tending(evals.baseline())
         for step in range(run.start_step, cfg.num_steps):
             t0 = time.perf_counter()
             batch = await run.next_batch(cfg.rollout.groups_per_step)
@@ -91,7 +91,7 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
                 **(run.pipeline.metrics() if run.pipeline is not None else {}),
             }
             run.log(run.version, last)
-        await evals.final()
+        await run.tending(evals.final())  # a replacement started meanwhile needs a push
         if run.saves and run.version > run.start_step:
             await run.save(run.version)
         last.update(run.accounting())
@@ -124,8 +124,8 @@ class _Evals:
         self.evaluated = -1  # the step of the last eval started
 
     async def baseline(self) -> None:
-        if self.every:  # before any push: the initial weights only
-            await self.run.catching_up(self.run.evaluate(step=0))
+        if self.every:
+            await self.run.evaluate(step=0)  # before any push: the initial weights only
             self.evaluated = 0
 
     def maybe_start(self) -> None:
@@ -135,11 +135,10 @@ class _Evals:
             self.evaluated = v
 
     async def final(self) -> None:
-        """After the loop nothing else gives a woken engine its version: `catching_up`."""
         if self.task is not None:
-            await self.run.catching_up(self.task)
+            await self.task
         if self.every and self.evaluated != self.run.version:
-            await self.run.catching_up(self.run.evaluate(step=self.run.version))
+            await self.run.evaluate(step=self.run.version)
 
 
 async def _rollouts_only(run: Run, cfg: RunConfig) -> dict[str, Any]:

@@ -27,7 +27,9 @@ from typing import Any
 from data_worker.worker import RolloutDataWorker
 from loss import dynamic_sampling_keep
 from slime_async import startup
+from slime_async.config import memory_plan
 from slime_async.config.recipe import config_json, config_record, derived_lines
+from slime_async.config.rules.memory import run_shape
 from slime_async.config.run_config import RunConfig
 from slime_async.contracts.rollout import Group, segment_payload
 from slime_async.contracts.weights import Payload
@@ -169,13 +171,12 @@ async def warm_started(cfg: RunConfig) -> TrainerConfig:
     (validation leaves `warmstart_steps` 0 unless a fresh embedded default run)."""
     if not cfg.warmstart_steps:
         return cfg.trainer
-    threads = max(1, len(cfg.trainer_cores + cfg.rollout_cores))
+    # One torch thread: the tiny model's matmuls gain nothing from a second one, and two
+    # threads run 5x slower as soon as anything else holds a core (docs/results/2026-11-23-default-run.md)
     ws_args: dict[str, Any] = {
         "spec": cfg.model,
         "task": TaskFamilyConfig(seed=cfg.seed),
-        "config": WarmStartConfig(
-            max_steps=cfg.warmstart_steps, seed=cfg.seed, num_threads=threads
-        ),
+        "config": WarmStartConfig(max_steps=cfg.warmstart_steps, seed=cfg.seed, num_threads=1),
     }
     cached = is_cached(cfg.run_dir, **ws_args)
     startup.say(
@@ -220,6 +221,21 @@ def _data_worker(
     return worker
 
 
+def _store(cfg: RunConfig) -> int | None:
+    """The object store of a local Ray node for this run (`memory_plan.object_store_bytes`),
+    logged as derived; None when joining a cluster (its nodes have theirs)."""
+    if cfg.ray_address is not None:
+        return None
+    n = memory_plan.object_store_bytes(run_shape(cfg))
+    log.info(
+        "derived: Ray's object store %d MiB (what the run puts in it: batches, log-probs, "
+        "adapters, and two versions for the forward-only role when they cannot travel as "
+        "memory files; docs/cpu.md#memory)",
+        n // memory_plan.MIB,
+    )
+    return n
+
+
 async def place(cfg: RunConfig, *, engines: bool = True) -> Placement | None:
     """Join (or start) Ray and reserve the trainer's and engines' bundles (`placement`).
     Engines a backend attaches run nowhere on the cluster, and a run without `engines` has
@@ -228,7 +244,7 @@ async def place(cfg: RunConfig, *, engines: bool = True) -> Placement | None:
     starts_engines = engines and not get_engine_backend(e.backend).needs.urls
     need = t.world_size * t.actor_num_cpus_per_rank + e.num_engines * e.cpus_per_engine
     startup.say(f"Ray ({'joining ' + cfg.ray_address if cfg.ray_address else 'local node'})")
-    joined = init_ray(address=cfg.ray_address, num_cpus=need)
+    joined = init_ray(address=cfg.ray_address, num_cpus=need, object_store_memory=_store(cfg))
     if cfg.ray_address is not None and not joined:
         raise RuntimeError(
             f"Ray was already started locally in this process; cannot join {cfg.ray_address}"

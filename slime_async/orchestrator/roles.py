@@ -66,14 +66,20 @@ class RouterActor:
         await self._router.stop()
 
 
-def init_ray(*, address: str | None = None, num_cpus: float | None = None) -> bool:
+def init_ray(
+    *,
+    address: str | None = None,
+    num_cpus: float | None = None,
+    object_store_memory: int | None = None,
+) -> bool:
     """Join the Ray cluster at `address` (see `ray_address`), or start a local node quietly (no
     dashboard, `num_cpus` logical CPUs, at least this machine's). A stale
     /tmp/ray/ray_current_cluster never hijacks a local run. A no-op when Ray is already up.
     Returns True when a cluster was joined (servers must then bind their node's IP). A local
     node this process started earlier (a notebook or a test running a second run) that has
     fewer logical CPUs than `num_cpus` is started again, larger, when nothing holds any of it;
-    otherwise the run's reservation names what it lacks."""
+    otherwise the run's reservation names what it lacks. `object_store_memory`: the bytes of a
+    local node's object store (Ray's default, 30% of the node's memory, when None)."""
     if ray.is_initialized():
         if not _LOCAL[0] or not _too_small_and_idle(num_cpus):
             return not _LOCAL[0]
@@ -90,7 +96,13 @@ def init_ray(*, address: str | None = None, num_cpus: float | None = None) -> bo
     # the local node's raylet starts workers at this niceness (Ray's default is 15): our actors
     # are the run itself and compete with nothing of ours, so they run at normal priority
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        include_dashboard=False,
+        object_store_memory=object_store_memory,
+        **quiet,
+    )
     _LOCAL[0] = True
     return False
 

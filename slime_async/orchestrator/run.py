@@ -43,8 +43,8 @@ from slime_async.rollout.generate.assemble import ScoredGenerate
 from slime_async.rollout.generate.dump import write_step
 from slime_async.trainer.actor import TrainerGroup, TrainStep
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 CLOSE_TIMEOUT_S = 60.0
 """How long closing the weight transport may take at shutdown before the run goes on closing."""
 
@@ -263,32 +263,31 @@ class Run:
 
     async def next_batch(self, num_groups: int) -> Batch:
         """The next batch for train step `self.version`, unless every engine stays down."""
-        get = self.worker.get_batch(num_groups, current_version=self.version)
-        return await self.catching_up(get)
+        return await self.tending(self.worker.get_batch(num_groups, current_version=self.version))
 
-    async def catching_up(self, work: Awaitable[T]) -> T:
-        """Await `work` while giving each engine that waits for the fleet's weights (a
-        replacement, or an engine woken for this run's scheduler slot: `supervisor.behind`) its
-        version, unless every engine stays down. Used where nothing else pushes meanwhile: the
-        next batch, and the evals before the first and after the last step (a woken engine
-        serves only once it has the version, so an eval there would wait forever)."""
-        get = asyncio.ensure_future(work)
+    async def tending(self, work: Awaitable[T]) -> T:
+        """`work`'s result, the fleet tended meanwhile: a replacement started on older weights
+        gets the fleet's version (`catch_up_replacements`), and every engine down past
+        `--engine-down-timeout` raises `EnginesDownError`. Whatever waits on generation goes
+        through here (the next batch, the evals: the final one has no push after it to bring a
+        replacement up to date)."""
+        task = asyncio.ensure_future(work)
         down = asyncio.ensure_future(self.supervisor.failed.wait())
         try:
             while True:
                 behind = asyncio.ensure_future(self.supervisor.behind.wait())
                 done, _ = await asyncio.wait(
-                    {get, down, behind}, return_when=asyncio.FIRST_COMPLETED
+                    {task, down, behind}, return_when=asyncio.FIRST_COMPLETED
                 )
                 behind.cancel()
-                if get in done:
-                    return get.result()
+                if task in done:
+                    return task.result()
                 if down in done:
                     raise EnginesDownError(self.supervisor.reason)
                 self.supervisor.behind.clear()  # a replacement waits for the fleet's weights
                 await self.catch_up_replacements()
         finally:
-            for f in (get, down):
+            for f in (task, down):
                 f.cancel()
 
     async def write_roles(self) -> None:

@@ -109,12 +109,19 @@ def give_role_start(role: Any, cls: type[WeightTransport], first: Path, version:
 async def feed_role(role: Any, transport: WeightTransport, trainer: Any, version: int) -> None:
     """Give the forward-only `role` `version`'s weights (the adapter, when pushes move the
     adapter) before any engine serves it. A directory transport hands over the directory it
-    writes (`on_written`); any other transport has no such directory, so the trainer's
-    in-memory export goes to the role through Ray's object store (the trainer pays the export,
-    no file write; the role loads it in order)."""
+    writes (`on_written`); any other transport has no such directory, so trainer rank 0 writes
+    the version in the parameters' dtype as one file in this node's memory file system, which
+    the role maps and removes (`BehaviorRole.version_file`: no copy in the object store, none
+    in the driver), or, where rank 0 is on another node or the memory file system has no
+    room, puts it in Ray's object store for the role. The role loads it in order."""
     if role is None or transport.on_written is not None:
         return
     if transport.payload is Payload.ADAPTER:  # the adapter alone (the role holds the base)
         role.add_version(version, await trainer.export_adapter_ref())
+        return
+    path = role.version_file(version, trainer.node_ips[0])
+    if path is not None:  # one file in memory on this node, mapped by the role: no copy
+        await trainer.write_weights_file(path)
+        role.add_version_file(version, path)
     else:
         role.add_version(version, await trainer.export_weights_ref())

@@ -142,6 +142,25 @@ class _TrainerActorImpl:
         w = self.trainer.export_weights()
         return w if self.rank == 0 else None
 
+    def export_weights_put(self) -> list[Any] | None:
+        """`[ref]`: the current version's HF tensors in the parameters' dtype, put in the
+        object store (a collective); rank 0 returns the ref in a list (so the caller gets the
+        ref, not the tensors), the others None."""
+        import torch
+
+        w = self.trainer.export_weights(copy=False)  # views, copied right here
+        if self.rank != 0:
+            return None
+        dtype = torch.bfloat16 if self.trainer.cfg.bf16 else torch.float32
+        tensors = {k: v.detach().to("cpu", dtype, copy=True) for k, v in w.tensors.items()}
+        return [ray.put(dataclasses.replace(w, tensors=tensors))]
+
+    def write_weights_file(self, path: str) -> tuple[str, int]:
+        """The current version as one file at `path` (`MegatronTrainer.write_weights_file`; a
+        collective): (this rank's Ray node id, the bytes rank 0 wrote; 0 on the others)."""
+        n = self.trainer.write_weights_file(path)
+        return ray.get_runtime_context().get_node_id(), n
+
     def save_checkpoint(self, save_dir: str | None, extra_state: dict[str, object]) -> str:
         return str(self.trainer.save_checkpoint(save_dir, extra_state=extra_state))
 
@@ -170,6 +189,7 @@ class _TrainerActorImpl:
         group_name: str,
         backend: str,
         timeout_s: float,
+        same_node: bool = True,
     ) -> None:
         self.close_weight_group()
         self.weight_group = WeightGroup.open(
@@ -180,6 +200,7 @@ class _TrainerActorImpl:
             group_name=group_name,
             backend=backend,
             timeout_s=timeout_s,
+            same_node=same_node,
         )
 
     def send_weights(
@@ -382,11 +403,21 @@ class TrainerGroup:
         return Path(self._all("save_adapter", str(path))[0])
 
     async def export_weights_ref(self) -> Any:
-        """A Ray ref to the current version's HF tensors (`HFWeights`), held in the object
-        store and not fetched here: hand it to another actor, which receives the tensors."""
-        refs = [a.export_weights.remote() for a in self.actors]
-        await asyncio.to_thread(self._wait_all, refs, "weight export")
-        return refs[0]
+        """A Ray ref to the current version's HF tensors (`HFWeights`, in the parameters'
+        dtype), put in the object store by rank 0 and not fetched here (only the ref is): hand
+        it to another actor, which receives the tensors."""
+        refs = [a.export_weights_put.remote() for a in self.actors]
+        return (await asyncio.to_thread(self._all_refs, refs, "weight export"))[0][0]
+
+    async def write_weights_file(self, path: str | Path) -> tuple[str, int]:
+        """Rank 0 writes the current version as one file at `path` on its node (every rank
+        exports: a collective): (rank 0's Ray node id, the file's bytes)."""
+        refs = [a.write_weights_file.remote(str(path)) for a in self.actors]
+        return (await asyncio.to_thread(self._all_refs, refs, "weight file"))[0]
+
+    def _all_refs(self, refs: list[Any], what: str) -> list[Any]:
+        self._wait_all(refs, what)
+        return ray.get(refs)
 
     def save_checkpoint(
         self, save_dir: str | Path | None = None, *, extra_state: dict[str, object] | None = None
@@ -418,9 +449,10 @@ class TrainerGroup:
         group_name: str,
         backend: str,
         timeout_s: float,
+        same_node: bool = True,
     ) -> None:
         await self.actors[0].open_weight_group.remote(
-            master_address, master_port, world_size, group_name, backend, timeout_s
+            master_address, master_port, world_size, group_name, backend, timeout_s, same_node
         )
 
     async def send(self, buckets: Sequence[Sequence[TensorEntry]], *, flatten: bool) -> int:

@@ -6,9 +6,16 @@ gradients), world size 1, with the weights of every version the engines served, 
 sample's token log-probs under the version that sampled the token), its Ray actor
 `BehaviorActor` and the driver-side handle `BehaviorRole`. With `--behavior-forward role` the
 run gives it each version's exported weights before the engines load them (the directory the
-disk transport writes; otherwise the trainer's HF tensors through Ray's object store, so no
-file is written on the trainer's critical path) and asks it for every finished sample's log-probs; the trainer then reads them
-from `TrainerBatch.behavior_logprobs` instead of swapping in snapshots during the train step.
+disk transport writes; otherwise one file trainer rank 0 writes in this node's memory file
+system, in the parameters' dtype, which the role maps and removes (`add_version_file`), or,
+with rank 0 on another node, the trainer's tensors through Ray's object store) and asks it
+for every finished sample's log-probs; the trainer then reads them from
+`TrainerBatch.behavior_logprobs` instead of swapping in snapshots during the train step.
+
+Memory: the role holds `max_versions` versions and nothing else per parameter: its model's
+parameters are the newest version's tensors, a forward points them at the version it needs
+(`SnapshotStore.pointed_at`), and a new version is loaded, one tensor at a time, into the
+storage of the version it evicts (`SnapshotStore.vacate` / `adopt`).
 Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
 
 With LoRA (`--lora-rank`) the role shares the base: it loads the frozen base once (`set_base`,
@@ -27,6 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +50,7 @@ from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
 from slime_async.host import limit_malloc_arenas, trim_heap
+from slime_async.trainer import weights_io
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.lora import is_adapter_param
 from slime_async.trainer.snapshots import SnapshotStore
@@ -99,6 +110,7 @@ class BehaviorForwarder:
         """Load version `version` from its exported HF directory or the exported tensors
         themselves, and keep it; returns the evicted versions. With LoRA: from the version's
         PEFT adapter directory or adapter tensors (PEFT keys), over the base of `set_base`."""
+        evicted = self.store.vacate(self.trainer.model)  # load into storage no version holds
         if self.trainer.lora is not None:
             if not self.base_set:
                 raise ValueError(f"adapter v{version} given before the base (call set_base)")
@@ -115,7 +127,18 @@ class BehaviorForwarder:
             self.trainer.import_weights(source, where=f"the trainer's export of v{version}")
         else:
             self.trainer.import_hf(source)
-        return self.store.snapshot(self.trainer.model, version)
+        return evicted + self.store.adopt(self.trainer.model, version)
+
+    def add_version_file(self, version: int, path: str | Path) -> list[int]:
+        """Load version `version` from the one-file export the trainer wrote for this process
+        (`MegatronTrainer.write_weights_file`, on this node's memory file system), removing the
+        file once it is mapped; returns the evicted versions. The tensors are read in place,
+        in the dtype they were written in (the parameters')."""
+        tensors, meta = weights_io.map_tensor_file(path, unlink=True)
+        if int(meta.get("weight_version", version)) != version:
+            raise ValueError(f"{path} holds version {meta['weight_version']}, not {version}")
+        w = HFWeights(version=version, spec=self.trainer.spec, tensors=tensors)
+        return self.add_version(version, w)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainerBatch) -> np.ndarray:
@@ -131,7 +154,7 @@ class BehaviorForwarder:
             rows = [i for i in range(batch.size) if bool(sel[i].any())]
             # only v's own tokens go through the LM head (a row may hold tokens of other versions)
             part = dataclasses.replace(batch.select(rows), loss_mask=sel[rows])
-            with self.store.swapped_in(self.trainer.model, v):
+            with self.store.pointed_at(self.trainer.model, v):
                 lp, _ = self.trainer.compute_logprobs(part)
             full = torch.full_like(out, float("nan"))
             full[rows, : lp.shape[1]] = lp.float()
@@ -152,8 +175,17 @@ class _BehaviorActorImpl:
     def ready(self) -> bool:
         return True
 
+    def where(self) -> tuple[str, int]:
+        """(this node's IP, the bytes of one version of the model)."""
+        return ray.util.get_node_ip_address(), self.fwd.trainer.parameter_bytes()
+
     def add_version(self, version: int, source: str | HFWeights | dict) -> list[int]:
         return self.fwd.add_version(version, source)
+
+    def add_version_file(self, version: int, path: str) -> list[int]:
+        out = self.fwd.add_version_file(version, path)
+        trim_heap()
+        return out
 
     def set_base(self, path: str) -> None:
         self.fwd.set_base(path)
@@ -193,6 +225,21 @@ class BehaviorRole:
             cfg, spec, max_versions=cfg.max_snapshots, num_threads=num_threads
         )
         ray.get(self.actor.ready.remote(), timeout=timeout_s)  # raises the build error, if any
+        self.node_ip, self.version_bytes = ray.get(self.actor.where.remote(), timeout=timeout_s)
+        self.file_prefix = f"slime_async-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        """Of this run's one-file versions in `weights_io.SHM_DIR` (`version_file`)."""
+
+    def version_file(self, version: int, writer_ip: str) -> Path | None:
+        """Where a writer on the node `writer_ip` puts `version` for this role to map
+        (`add_version_file`): this node's memory file system, when the writer is on this node
+        and it has room for two versions; None otherwise (the object store then)."""
+        d = weights_io.SHM_DIR
+        here = writer_ip in (self.node_ip, "127.0.0.1")  # loopback: ranks on the driver's node
+        if not here or not d.is_dir():
+            return None
+        if shutil.disk_usage(d).free < 2 * self.version_bytes:
+            return None
+        return d / f"{self.file_prefix}v{version:06d}.safetensors"
 
     def add_version(self, version: int, source: str | Path | Any) -> Any:
         """Queue loading `version` from its export: an HF directory, or a Ray ref to the
@@ -202,6 +249,12 @@ class BehaviorRole:
         if isinstance(source, (str, Path)):
             source = str(source)
         return self.actor.add_version.remote(version, source)
+
+    def add_version_file(self, version: int, path: str | Path) -> Any:
+        """Queue loading `version` from the trainer's one-file export at `path` on this node
+        (`TrainerGroup.write_weights_file`); the role removes the file once mapped. The Ray
+        ref of the call."""
+        return self.actor.add_version_file.remote(version, str(path))
 
     def set_base(self, path: str | Path) -> Any:
         """LoRA: queue loading the frozen base (before any adapter version); the Ray ref."""
@@ -216,3 +269,5 @@ class BehaviorRole:
 
     def shutdown(self) -> None:
         ray.kill(self.actor)
+        for f in weights_io.SHM_DIR.glob(f"{self.file_prefix}*"):  # a version never mapped
+            f.unlink(missing_ok=True)

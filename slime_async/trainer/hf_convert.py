@@ -26,6 +26,7 @@ Layout facts used below (megatron-core 0.16):
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -253,21 +254,54 @@ def hf_to_megatron(
     """Copy full HF-named tensors into this rank's megatron shards (no communication).
 
     Raises KeyError naming missing/unused tensors, ValueError on a shape mismatch.
+
+    One parameter at a time, in the tensors' own dtype until the copy casts it: the import
+    holds no model-sized temporary (an fp32 copy of a bf16 export was one).
     """
     params = global_named_parameters(_chunks(model))
-    shards = hf_to_megatron_tensors(hf, spec, {n: tuple(p.shape) for n, p in params.items()})
-    for name, t in shards.items():
-        params[name].copy_(t.to(dtype=params[name].dtype, device=params[name].device))
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    for name, t in _iter_shards(hf, spec, shapes, upcast=False):
+        params[name].copy_(t)  # casts to the parameter's dtype and device
 
 
 @torch.no_grad()
 def hf_to_megatron_tensors(
     hf: dict[str, torch.Tensor], spec: ModelSpec, shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, torch.Tensor]:
-    """This rank's shards (global megatron name → tensor) of full HF-named tensors."""
+    """This rank's shards (global megatron name → fp32 tensor) of full HF-named tensors."""
+    return {n: t.contiguous() for n, t in _iter_shards(hf, spec, shapes, upcast=True)}
+
+
+def _iter_shards(
+    hf: dict[str, torch.Tensor],
+    spec: ModelSpec,
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    upcast: bool,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(megatron name, this rank's shard) of each of `shapes`, made one at a time (fp32 when
+    `upcast`, else the HF tensors' dtype; a model import, which also needs every tensor). The
+    HF tensors' names and shapes are checked before the first shard is made, so the import of
+    a checkpoint of another model changes nothing."""
     hf = _normalize_hf(hf, spec)
-    src = _HfShards(hf, spec, _Ranks())
-    result: dict[str, torch.Tensor] = {}
+    unused = sorted(set(hf) - hf_names(spec))
+    if unused:
+        raise KeyError(
+            f"HF checkpoint has tensors a {spec.family} model does not use: {unused[:5]}; "
+            "is it a checkpoint of another model family?"
+        )
+    want = hf_shapes(spec)
+    missing = sorted(set(want) - set(hf)) if not upcast else []  # the import: every tensor
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise KeyError(f"HF checkpoint is missing tensor {missing[0]!r}{more}")
+    for k, t in hf.items():
+        if k in want and tuple(t.shape) != tuple(want[k]):
+            raise ValueError(
+                f"HF tensor {k!r} has shape {tuple(t.shape)}, a model of this spec has "
+                f"{tuple(want[k])}: the checkpoint does not match this ModelSpec"
+            )
+    src = _HfShards(hf, spec, _Ranks(), upcast=upcast)
     for name, shape in shapes.items():
         new = src.shard(name)
         if tuple(new.shape) != tuple(shape):
@@ -275,27 +309,22 @@ def hf_to_megatron_tensors(
                 f"HF tensor for {name!r} has shape {tuple(new.shape)}, model expects "
                 f"{tuple(shape)}: the checkpoint does not match this ModelSpec"
             )
-        result[name] = new.contiguous()
-    unused = sorted(set(hf) - hf_names(spec))
-    if unused:
-        raise KeyError(
-            f"HF checkpoint has tensors a {spec.family} model does not use: {unused[:5]}; "
-            "is it a checkpoint of another model family?"
-        )
-    return result
+        yield name, new
 
 
 class _HfShards:
     """This rank's shard of each megatron parameter, cut from full HF-named tensors."""
 
-    def __init__(self, hf: dict[str, torch.Tensor], spec: ModelSpec, ranks: _Ranks) -> None:
-        self.hf, self.spec, self.r = hf, spec, ranks
+    def __init__(
+        self, hf: dict[str, torch.Tensor], spec: ModelSpec, ranks: _Ranks, *, upcast: bool = True
+    ) -> None:
+        self.hf, self.spec, self.r, self.upcast = hf, spec, ranks, upcast
         self.per_rank = spec.num_experts // ranks.ep if spec.is_moe else 0
 
     def get(self, key: str) -> torch.Tensor:
         if key not in self.hf:
             raise KeyError(f"HF checkpoint is missing tensor {key!r}")
-        return self.hf[key].float()
+        return self.hf[key].float() if self.upcast else self.hf[key]
 
     def shard(self, name: str) -> torch.Tensor:
         """The shard of megatron parameter `name` (KeyError when no HF tensor maps to it)."""

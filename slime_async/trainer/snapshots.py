@@ -7,6 +7,12 @@ engine, rollout or data-worker parts of `slime_async`.
 Worked example (max_snapshots = 2): snapshot(0), snapshot(1), snapshot(2) → versions {1, 2}
 (0 evicted, oldest first); release(1) → {2}; `swapped_in(model, 2)` runs the body with
 version-2 weights and restores the current ones afterwards, even on error.
+
+A model that only reads its weights (the forward-only role) keeps its versions without copies:
+`vacate` (the parameters on storage no version holds: the evicted oldest version's when full),
+load the new version into the model, `adopt` (the store keeps the parameters' tensors as that
+version), and `pointed_at(model, v)` points the parameters at version v's tensors for a
+forward. The role then holds exactly its versions: no current copy, no swap copy.
 """
 
 from __future__ import annotations
@@ -51,6 +57,56 @@ class SnapshotStore:
             v, _ = self._store.popitem(last=False)
             evicted.append(v)
         return evicted
+
+    @torch.no_grad()
+    def vacate(self, model: torch.nn.Module) -> list[int]:
+        """Before loading a new version into `model` in place (`adopt` after): give the
+        parameters this store keeps storage that no kept version shares. When the store is
+        full, the oldest version is evicted and, with every parameter kept (`keep` None: an
+        import writes all of them), its tensors are reused: nothing is allocated. Returns the
+        evicted versions."""
+        evicted, reuse = [], None
+        if len(self._store) >= self.max_snapshots:
+            v, reuse = self._store.popitem(last=False)
+            evicted.append(v)
+        held = {t.data_ptr() for snap in self._store.values() for t in snap.values()}
+        for n, p in model.named_parameters():
+            if self.keep is not None and not self.keep(n):
+                continue
+            if reuse is not None and self.keep is None:
+                p.data = reuse[n]
+            elif p.data_ptr() in held:
+                p.data = p.data.clone()
+        return evicted
+
+    def adopt(self, model: torch.nn.Module, version: int) -> list[int]:
+        """Keep `model`'s parameters (those `keep` names) as `version` without copying them:
+        the model and the store share the tensors until `vacate` (the forward-only role loads
+        each version into its model, then keeps it this way). Returns evicted versions."""
+        self._store[version] = {
+            n: p.data for n, p in model.named_parameters() if self.keep is None or self.keep(n)
+        }
+        self._store.move_to_end(version)
+        evicted = []
+        while len(self._store) > self.max_snapshots:
+            v, _ = self._store.popitem(last=False)
+            evicted.append(v)
+        return evicted
+
+    @contextlib.contextmanager
+    def pointed_at(self, model: torch.nn.Module, version: int) -> Iterator[None]:
+        """Run the body with `model`'s parameters pointing at `version`'s tensors (no copy;
+        for a model that only reads its weights); the previous tensors come back after."""
+        snap = self.state(version)
+        params = {n: p for n, p in model.named_parameters() if n in snap}
+        before = {n: p.data for n, p in params.items()}
+        for n, p in params.items():
+            p.data = snap[n]
+        try:
+            yield
+        finally:
+            for n, p in params.items():
+                p.data = before[n]
 
     def release(self, version: int) -> bool:
         """Drop `version`; True if it was held."""

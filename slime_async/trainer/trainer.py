@@ -387,6 +387,18 @@ class MegatronTrainer(LogprobForwards):
             tensors = lora.merge(tensors, self.export_adapter(), self.lora)
         return HFWeights(version=self.version, spec=self.spec, tensors=tensors)
 
+    def write_weights_file(self, path: str | Path) -> int:
+        """Write the current version as one safetensors file at `path` in the parameters'
+        dtype, tensor by tensor from views of the parameters (`weights_io.write_tensor_file`:
+        no model-sized copy), for a process on this node that maps it (the forward-only role).
+        A collective like `export_weights`; rank 0 writes and returns the bytes, the others 0."""
+        tensors = self.export_weights(copy=False)
+        dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
+        if self.rank != 0:
+            return 0
+        meta = {"format": "pt", "weight_version": str(self.version)}
+        return weights_io.write_tensor_file(tensors.tensors, path, dtype=dtype, metadata=meta)
+
     def export_adapter(self) -> dict[str, torch.Tensor]:
         """The LoRA adapter in PEFT's keys (full fp32 tensors; collective over TP/PP)."""
         if self.lora is None:

@@ -239,3 +239,91 @@ def read_hf_dir(path: str | Path) -> HFWeights:
             for k in fh.keys():  # noqa: SIM118 - safe_open is not a dict
                 tensors[k] = fh.get_tensor(k)
     return HFWeights(version=version, spec=spec, tensors=tensors)
+
+
+# --------------------------------------------------------------------------- one-file hand-off
+SHM_DIR = Path("/dev/shm")
+"""Where a version handed to a process on the same node is written (`write_tensor_file`): a
+memory file system, so the file's pages are the receiver's too once it maps them."""
+_ST_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def write_tensor_file(
+    tensors: dict[str, torch.Tensor],
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+) -> int:
+    """Write `tensors` as one safetensors file at `path`, tensor by tensor (each cast to
+    `dtype` when floating and made contiguous on its own: no copy of the whole model is ever
+    held), atomically (a temporary name, then renamed); returns the file's bytes. `tensors`
+    may be views of live parameters: they are read here, before this returns."""
+    items = sorted(tensors.items())
+    out_dtype = {
+        k: (dtype if dtype is not None and t.is_floating_point() else t.dtype) for k, t in items
+    }
+    header: dict[str, object] = {"__metadata__": dict(metadata or {})}
+    at = 0
+    for k, t in items:
+        size = t.numel() * torch.empty((), dtype=out_dtype[k]).element_size()
+        header[k] = {"dtype": _ST_DTYPES[out_dtype[k]], "shape": list(t.shape),
+                     "data_offsets": [at, at + size]}  # fmt: skip
+        at += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for k, t in items:
+                c = t.detach().to("cpu", out_dtype[k]).contiguous()
+                if c.numel():
+                    f.write(memoryview(c.view(-1).view(torch.uint8).numpy()))
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return 8 + len(raw) + at
+
+
+def map_tensor_file(
+    path: str | Path, *, unlink: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors of a safetensors file (`write_tensor_file`'s, or any) and its metadata,
+    as views of the file's pages (mapped copy-on-write: nothing is read or copied until a
+    tensor is, and the pages stay mapped while any tensor lives). `unlink`: remove the file
+    once mapped (its pages go when the last tensor does)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
+    if unlink:
+        Path(path).unlink()
+    n = int.from_bytes(bytes(mm[:8]), "little")
+    header = json.loads(bytes(mm[8 : 8 + n]))
+    meta = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for k, e in header.items():
+        begin, end = e["data_offsets"]
+        dt = _ST_NAMES[e["dtype"]]
+        if end == begin:
+            tensors[k] = torch.empty(e["shape"], dtype=dt)
+            continue
+        flat = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=8 + n + begin)
+        tensors[k] = flat.view(dt).view(e["shape"])
+    return tensors, meta

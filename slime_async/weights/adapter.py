@@ -11,7 +11,7 @@ logs the load as a weight call and replays it on an engine that missed it, so a 
 engine serves the fleet's adapter before it generates.
 
 `DistributedAdapterTransport` is the distributed transport (`weights.distributed`: the same
-group, buckets, CRC-32s, aborts and resends) carrying the adapter's tensors alone, in PEFT's
+group, buckets, checksums, aborts and resends) carrying the adapter's tensors alone, in PEFT's
 names and the adapter's dtype (fp32, never `--update-weight-dtype`: the engines must serve the
 trainer's adapter exactly). Every bucket call names the adapter (`lora_name`, `lora_config`);
 the engines check the whole adapter as they check a PEFT directory (`check_adapter`) and keep

@@ -78,6 +78,11 @@ class WeightSyncConfig:
     NCCL for SGLang engines on GPUs)."""
     timeout_s: float = flag(300.0, name="timeout", gt=0)
     """Seconds before a weight group rendezvous, a bucket or a whole push fails."""
+    same_node: bool = flag(True, name="same-node")
+    """Distributed transport, gloo: hand buckets to the engines on trainer rank 0's node through
+    shared memory instead of the socket (each engine decides when the group forms whether it is
+    on that node; the others get the broadcast). --no-update-weight-same-node: every engine
+    gets the broadcast."""
 
     def __post_init__(self) -> None:
         check_ranges(self)

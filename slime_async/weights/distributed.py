@@ -9,9 +9,12 @@ one `/update_weights_from_distributed` call to every engine (`flush_cache: false
 version arrived) while the sender broadcasts that bucket, then `/continue_generation`. Requests
 in flight keep their KV cache and go on with the new weights, each token labelled with its
 version. Nothing touches a filesystem. Floating-point tensors travel in `--update-weight-dtype`
-(bf16 when the engines serve bf16: half the bytes), each bucket with a CRC-32 the engine checks
+(bf16 when the engines serve bf16: half the bytes), each bucket with a checksum the engine checks
 before staging (`contracts.weight_group`): a corrupted bucket is refused like any other
-refusal, so the whole version is sent again and the corrupted one is never served.
+refusal, so the whole version is sent again and the corrupted one is never served. Engines
+on rank 0's node take the buckets through shared memory instead of the broadcast, each one
+deciding when the group forms (`--update-weight-same-node`; `contracts.weight_group`, "Same
+node"); nothing here changes with it.
 
 Membership: the group holds the engines that answer `/health` at the push; it is re-formed
 (destroyed everywhere, then initialised again on a fresh port) whenever that set changes or a
@@ -345,6 +348,7 @@ class DistributedTransport:
                 group_name=self.cfg.group_name,
                 backend=self.backend,
                 timeout_s=self.cfg.timeout_s,
+                same_node=self.cfg.same_node,
             )
         )
         # rank 0 binds its port at once: a port taken meanwhile fails here, before any engine

@@ -40,8 +40,10 @@ class WeightSender(Protocol):
         group_name: str,
         backend: str,
         timeout_s: float,
+        same_node: bool = True,
     ) -> None:
-        """Join as rank 0 (returns once every member joined)."""
+        """Join as rank 0 (returns once every member joined); `same_node`: offer the members
+        on this node shared memory (`WeightGroup.open`)."""
         ...
 
     async def send(self, buckets: Sequence[Sequence[TensorEntry]], *, flatten: bool) -> int:
@@ -70,8 +72,12 @@ class InProcessSender:
         weights: Callable[[], tuple[int, Mapping[str, torch.Tensor]]],
         *,
         address: str = "127.0.0.1",
+        host_id: str | None = None,
     ) -> None:
         self._weights, self.address = weights, address
+        self.host_id = host_id
+        """The host identity its offer names (None: this process's; a test names another
+        node with it)."""
         self._group: WeightGroup | None = None
 
     async def endpoint(self) -> tuple[str, int]:
@@ -90,6 +96,7 @@ class InProcessSender:
         group_name: str,
         backend: str,
         timeout_s: float,
+        same_node: bool = True,
     ) -> None:
         await self.close_group()
         self._group = await asyncio.to_thread(
@@ -101,6 +108,8 @@ class InProcessSender:
             group_name=group_name,
             backend=backend,
             timeout_s=timeout_s,
+            same_node=same_node,
+            host_id=self.host_id,
         )
 
     async def send(self, buckets: Sequence[Sequence[TensorEntry]], *, flatten: bool) -> int:

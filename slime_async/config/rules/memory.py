@@ -91,6 +91,7 @@ def run_shape(cfg: RunConfig, *, trainer_on_gpu: bool = False) -> memory_plan.Ru
     tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
     dp = max(1, t.world_size // (tp * pp))
     spec = lora_spec(t, cfg.model)
+    head = None  # a token budget: how many of its tokens are responses' is not known here
     if t.use_dynamic_batch_size and t.max_tokens_per_gpu:
         tokens = t.max_tokens_per_gpu
     else:  # a fixed sample count: its prompts are unknown here, `PROMPT_TOKENS` each assumed
@@ -99,6 +100,7 @@ def run_shape(cfg: RunConfig, *, trainer_on_gpu: bool = False) -> memory_plan.Ru
         )
         prompt = EMBEDDED_PROMPT_TOKENS if embedded else PROMPT_TOKENS
         tokens = t.micro_batch_size * (prompt + r.max_response_len)
+        head = t.micro_batch_size * r.max_response_len  # only the responses reach the head
     rc = None
     if t.recompute_granularity == "full":
         rc = memory_plan.Recompute(method=t.recompute_method, num_layers=t.recompute_num_layers)
@@ -112,6 +114,7 @@ def run_shape(cfg: RunConfig, *, trainer_on_gpu: bool = False) -> memory_plan.Ru
         bf16=t.bf16,
         trainer_on_gpu=trainer_on_gpu,
         micro_batch_tokens=tokens,
+        head_tokens=head,
         recompute=rc,
         chunk_tokens=t.logits_chunk_tokens or None,
         trainer_snapshots=0 if role else snaps,
