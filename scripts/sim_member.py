@@ -39,8 +39,9 @@ class SimMember:
 
     def join(self, now: float) -> None:
         slots = list(range(self.pool.n))
+        prio = self.cfg.priorities[ord(self.name) - ord("a")] if self.cfg.priorities else 1.0
         self.core.join(
-            self.name, priority=1.0, slots=slots, now=now, capacity=self.pool.concurrency
+            self.name, priority=prio, slots=slots, now=now, capacity=self.pool.concurrency
         )
 
     def _stalled(self, now: float) -> bool:

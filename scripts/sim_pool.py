@@ -41,6 +41,9 @@ class Pool:
         self.switch_s = [0.0] * n
         self.occupied_s = 0.0
         self.preempted = 0
+        self.keep_partial = False
+        """What-if (not built): a cut request goes on from its partial output on its next
+        engine (a prefill again) instead of being sent whole."""
 
     def _touch(self, e: int, now: float) -> None:
         dt, self._t[e] = now - self._t[e], now
@@ -165,6 +168,8 @@ class PipeEngines(sd.Cluster):
             pool.running[e][fut] = loop.call_later(duration, fut.set_result, True)
             if await fut:  # False: the slot was given up under it; send it whole again
                 break
+            if pool.keep_partial:  # the what-if: go on from the tokens it decoded
+                todo -= min(todo - 1, max(0, int((loop.time() - t0) / tau)))
         del pool.running[e][fut]
         pool.vacate(e, expected_len, loop.time())
         self.busy_slot_s += duration

@@ -6,13 +6,15 @@ against simulated engines, a trainer that takes `groups_per_step` groups, trains
 and pushes in place); here several share a pool of engine slots (one accelerator each) beside
 their own trainer devices, in one of two arms:
 
-* `exclusive`: pipeline i owns a fixed, equal share of the engine slots for the whole run.
+* `exclusive`: pipeline i owns a fixed share of the engine slots for the whole run (equal
+  shares, or `PoolConfig.shares`: a static split sized to each pipeline's demand).
 * `shared`: every pipeline has an engine on every slot and the REAL `SchedulerCore`
   (`slime_async.orchestrator.pipeline_policy`, what the scheduler actor runs) decides who serves
   where, fed every `heartbeat_s` with each pipeline's `generation_demand`,
   `generation_inflight` and running requests per slot by `sim_member.SimMember`, which mirrors
   `PipelineMember` (hand-overs concurrent with the reports: drain, cut, sleep, release; wake,
-  selective sync, serve). The pool itself (`Pool`, `PipeEngines`) is `sim_pool.py`.
+  selective sync, serve); with `PoolConfig.spread` the core lends the slots nobody needs to
+  pipelines whose requests could spread over more engines. The pool itself (`Pool`, `PipeEngines`) is `sim_pool.py`.
 
 Trainer devices are dedicated in both arms (the scheduler grants engine slots only). An
 accelerator is idle when its engine runs no request, while it switches, and a trainer device
@@ -57,6 +59,14 @@ class PoolConfig:
     sync_s: float = 0.0  # the pipeline's current version into a woken engine (selective)
     horizon_s: float | None = None
     """Stop every pipeline at this simulated time (None: each trains its `steps`)."""
+    spread: bool = False
+    """The scheduler lends slots nobody needs (`PipelineSchedulerConfig.spread`)."""
+    keep_partial: bool = False
+    """What-if (not built): a request cut by a hand-over goes on from its partial output."""
+    priorities: tuple[float, ...] | None = None
+    """Shared arms: each pipeline's priority at the scheduler (None: all 1)."""
+    shares: tuple[int, ...] | None = None
+    """Exclusive arm: engine slots of each pipeline (None: equal shares, the rest idle)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -135,11 +145,19 @@ class PoolResult:
 
 
 def _arm_slots(arm: str, pool_cfg: PoolConfig, names: list[str]) -> dict[str, list[int]]:
-    """Exclusive: equal contiguous shares of the engine slots (the remainder idles)."""
+    """Exclusive: contiguous shares of the engine slots, equal (the remainder idles) or
+    `pool_cfg.shares`."""
     if arm == "shared":
         return {n: list(range(pool_cfg.engine_slots)) for n in names}
     k = pool_cfg.engine_slots // len(names)
-    return {n: list(range(i * k, (i + 1) * k)) for i, n in enumerate(names)}
+    shares = pool_cfg.shares or (k,) * len(names)
+    if len(shares) != len(names) or min(shares) < 1 or sum(shares) > pool_cfg.engine_slots:
+        raise ValueError(
+            f"shares {shares}: one share >= 1 per pipeline ({len(names)}), "
+            f"{pool_cfg.engine_slots} slots in all at most"
+        )
+    start = [sum(shares[:i]) for i in range(len(names))]
+    return {n: list(range(b, b + k)) for n, b, k in zip(names, start, shares)}
 
 
 async def _run_arm(pipes: list[Pipeline], pool: Pool, arm: str, pool_cfg: PoolConfig) -> float:
@@ -155,6 +173,7 @@ async def _run_arm(pipes: list[Pipeline], pool: Pool, arm: str, pool_cfg: PoolCo
                 drain_timeout_s=pool_cfg.drain_timeout_s,
                 fence_s=pool_cfg.fence_s,
                 min_pipelines=len(pipes),
+                spread=pool_cfg.spread,
             )
         )
         sims = [SimMember(p, core, pool_cfg) for p in pipes]
@@ -210,6 +229,7 @@ def simulate_pool(
     if len(slots) != 1:
         raise ValueError(f"every pipeline's engines need the same --slots, got {sorted(slots)}")
     pool = Pool(pool_cfg.engine_slots, slots.pop())
+    pool.keep_partial = pool_cfg.keep_partial
     names = [chr(ord("a") + i) for i in range(len(cfgs))]
     share = _arm_slots(arm, pool_cfg, names)
     pipes = []

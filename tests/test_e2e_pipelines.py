@@ -86,3 +86,21 @@ async def test_a_pipeline_that_stops_loses_its_slot_and_the_other_trains_on(tmp_
     assert summary["train/version"] == 3
     assert [r["step"] for r in _ledger(tmp_path / "b")] == [1, 2, 3]
     assert len(_ledger(tmp_path / "a")) < 50
+
+
+async def test_a_pipeline_evaluates_before_its_first_and_after_its_last_step(tmp_path) -> None:
+    """The evals outside the training loop (the baseline before the first push, the final one
+    after the last step) give the engine woken for the run's slot its version: nothing else
+    would, and it serves only once it has it (they waited forever before)."""
+    init_ray(num_cpus=8)
+    sched = start_scheduler("pool-eval", PipelineSchedulerConfig(slots=1, min_hold_s=1.0))
+    try:
+        argv = _argv(tmp_path / "e", "e", 2)
+        argv[argv.index("--eval-interval") + 1] = "5"  # the baseline and the final eval only
+        argv[argv.index("--pipeline-scheduler") + 1] = "pool-eval"
+        summary = await asyncio.wait_for(train(parse_config(argv)), timeout=400)
+    finally:
+        ray.kill(sched)
+    assert summary["train/version"] == 2
+    rows = [json.loads(x) for x in (tmp_path / "e" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/reward" in r] == [0, 2]

@@ -160,3 +160,34 @@ def test_levels() -> None:
     assert level_of(set(tags_for_level(1))) == 1 and level_of(set(tags_for_level(2))) == 2
     with pytest.raises(ValueError, match="sleep level"):
         tags_for_level(3)
+
+
+async def test_a_member_wakes_an_engine_a_push_left_paused_able_to_serve(engine, tmp_path) -> None:
+    """A push pauses the engines in place and continues them through the router; an engine a
+    pipeline put to sleep between the two (out of the router) missed the continue. Woken by
+    `PipelineMember._wake` it serves again (it held every request before: the run starved)."""
+    from types import SimpleNamespace
+
+    from slime_async.config.pipeline import PipelineConfig
+    from slime_async.orchestrator.pipeline_member import PipelineMember
+
+    url = engine
+    cluster = SimpleNamespace(asleep={url}, pending=set(), engine_urls=[url])
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(
+            pipeline=PipelineConfig(name="p"),
+            run_dir=tmp_path,
+            engine=SimpleNamespace(admin_api_key=None, api_key=None),
+        ),
+        cluster=cluster,
+        supervisor=SimpleNamespace(behind=asyncio.Event()),
+    )
+    member = PipelineMember(run, level=2)
+    async with aiohttp.ClientSession() as s:
+        assert (await post(s, url + "/pause_generation", {"mode": "in_place"}))[0] == 200
+        tags = tags_for_level(2)
+        assert (await post(s, url + "/release_memory_occupation", {"tags": tags}))[0] == 200
+        await member._wake(url)
+        assert url in cluster.pending and run.supervisor.behind.is_set()
+        st, out = await asyncio.wait_for(post(s, url + "/generate", BODY), timeout=30)
+        assert st == 200 and len(out) == 2

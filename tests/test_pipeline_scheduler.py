@@ -181,3 +181,81 @@ def test_a_busy_slot_drains_for_an_equal_and_is_cut_only_for_a_higher_priority()
     todo_a = core.report("a", demand=0, inflight=4, version=0, now=30.3, load={0: 4})
     todo_b = core.report("b", demand=8, inflight=1, version=0, now=30.4, load={1: 1})
     assert (todo_a["cut"], todo_b["cut"]) == ([0], [1])
+
+
+def _held(core: SchedulerCore) -> dict[str, int]:
+    return {n: sum(h == n for h in core.owner.values()) for n in core.pipelines}
+
+
+def test_spread_lends_the_slots_nobody_needs_and_they_are_the_first_given_back() -> None:
+    """With `spread`, a pipeline is entitled to spread its requests over its share of the pool
+    (as on an exclusive allocation), and the slots left after every target are lent to the
+    ones whose requests could spread over more engines (one request each at most); a lent slot
+    is above its holder's target, so it is the first given up (idle first) when another is
+    short."""
+    for spread in (False, True):
+        core = _core(slots=8, heartbeat_timeout_s=100.0, spread=spread)
+        for n in "ab":
+            core.join(n, priority=1.0, slots=list(range(8)), now=0.0, capacity=4)
+        take = core.report("a", demand=6, inflight=0, version=0, now=0.0)["take"]
+        # need ceil(6/4) = 2; spreading: its share 4, and 2 more lent (6 requests)
+        assert len(take) == (6 if spread else 2)
+        assert sum("lent" in e[2] for e in core.events) == (2 if spread else 0)
+    # b wants 12 requests (its share, 4): it gets the 2 free slots, and a gives up the 2 above
+    # its target, idle ones (its running requests per slot reported), drained, not cut
+    load = {s: (2 if i < 2 else 1 if i == 2 else 0) for i, s in enumerate(take)}
+    core.report("a", demand=0, inflight=6, version=0, now=2.9, load=load)
+    assert len(core.report("b", demand=12, version=0, now=3.0)["take"]) == 2
+    todo = core.report("a", demand=0, inflight=6, version=0, now=3.1, load=load)
+    idle = sorted(s for s, n in load.items() if n == 0)
+    assert todo["give_up"] == idle[:2] and todo["cut"] == []
+    for s in idle[:2]:
+        core.released("a", s, now=4.0)
+    assert core.report("b", demand=12, version=0, now=4.1)["take"] == idle[:2]
+    assert _held(core) == {"a": 4, "b": 4}
+
+
+def test_a_share_is_taken_back_by_priority_and_lending_never_takes_a_held_slot() -> None:
+    """With `spread` a pipeline with work gets its share back from a holder of lent slots (cut
+    at once for a higher priority); beyond its share it spreads only over free slots."""
+    core = _core(slots=4, heartbeat_timeout_s=100.0, spread=True)
+    core.join("a", priority=1.0, slots=list(range(4)), now=0.0, capacity=4)
+    core.join("b", priority=3.0, slots=list(range(4)), now=0.0, capacity=4)
+    assert len(core.report("a", demand=4, version=0, now=0.0)["take"]) == 4  # share 1, 3 lent
+    busy = {0: 2, 1: 1, 2: 1}
+    core.report("a", demand=0, inflight=4, version=0, now=0.4, load=busy)
+    assert core.report("b", demand=4, version=0, now=0.5)["take"] == []  # its share: 3
+    todo = core.report("a", demand=0, inflight=4, version=0, now=0.6, load=busy)
+    assert (todo["give_up"], todo["cut"]) == ([1, 2, 3], [1, 2])  # higher priority: at once
+    for s in todo["give_up"]:
+        core.released("a", s, now=0.7)
+    assert core.report("b", demand=4, version=0, now=0.8)["take"] == [1, 2, 3]
+    # b runs 1 request: its 2 idle slots stay with it, a (4 requests, share 1) spreads no more
+    for t in (1.0, 5.0, 50.0):
+        assert (
+            core.report("b", demand=0, inflight=1, version=0, now=t, load={1: 1})["give_up"] == []
+        )
+        assert core.report("a", demand=0, inflight=4, version=0, now=t, load={0: 4})["take"] == []
+    assert _held(core) == {"a": 1, "b": 3}
+
+
+def test_a_training_pipelines_idle_slots_stay_with_it_unless_another_needs_them() -> None:
+    """Lending takes no held slot: a synchronous pipeline's slots, idle while its trainer
+    trains, stay with it although another could spread over them; only the other's need (its
+    share here) has them given up, idle ones first, drained."""
+    core = _core(slots=4, heartbeat_timeout_s=100.0, spread=True, min_hold_s=2.0)
+    core.join("a", priority=1.0, slots=list(range(4)), now=0.0, capacity=4)
+    core.join("b", priority=1.0, slots=list(range(4)), now=0.0, capacity=4)
+    assert core.report("a", demand=16, version=0, now=0.0)["take"] == [0, 1, 2, 3]
+    # a trains (nothing to generate); b could spread 4 requests over 4 engines, its share is 2
+    core.report("a", demand=0, version=1, now=3.0)
+    core.report("b", demand=4, version=0, now=3.1)
+    todo = core.report("a", demand=0, version=1, now=3.2)
+    assert todo["give_up"] == [0, 1] and todo["cut"] == []
+    for s in todo["give_up"]:
+        core.released("a", s, now=3.3)
+    assert core.report("b", demand=4, version=0, now=3.4)["take"] == [0, 1]
+    for t in (4.0, 10.0, 60.0):
+        core.report("b", demand=0, inflight=4, version=0, now=t, load={0: 2, 1: 2})
+        assert core.report("a", demand=0, version=1, now=t + 0.1)["give_up"] == []
+    assert _held(core) == {"a": 2, "b": 2}

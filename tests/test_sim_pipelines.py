@@ -139,3 +139,28 @@ def test_a_hung_member_is_fenced_and_rejoins_and_no_device_holds_two_engines(sim
     pool.load(0, "a")
     with pytest.raises(sp.DoubleOccupancy, match="resident"):
         pool.load(0, "b")
+
+
+def test_spread_lends_idle_slots_and_decodes_faster_without_double_occupancy(sim) -> None:
+    """Two synchronous pipelines (S 0) of 16 requests a step on 4 engines of 32 places: the
+    demand-capped policy gives each one engine (its need); with `spread` the two slots nobody
+    needs are lent, a pipeline's requests spread over more engines and decode faster (the
+    simulated engine's step time grows with its running requests), so it trains more steps in
+    the same time; neither is slower, and no accelerator ever holds two engines (`Pool`
+    raises `DoubleOccupancy`)."""
+    sd, sp = sim
+    kw = dict(heartbeat_s=1.0, min_hold_s=5.0, sleep_s=1.0, wake_s=1.0, sync_s=0.5)
+    cfg = _cfg(sd, min_len=200, max_len=4000, slots=32, steps=10**9, groups_per_step=4,
+               max_staleness=0, train_step_s=60.0)  # fmt: skip
+    cfgs = [cfg, dataclasses.replace(cfg, seed=1)]
+    arms = {}
+    for spread in (False, True):
+        pool = sp.PoolConfig(engine_slots=4, trainer_devices=1, horizon_s=1800.0, spread=spread,
+                             **kw)  # fmt: skip
+        arms[spread] = sp.simulate_pool("shared", pool, cfgs)
+    capped, spread = arms[False], arms[True]
+    assert [round(p.granted_s / 1800) for p in capped.pipes] == [1, 1]
+    assert sum(round(p.granted_s / 1800) for p in spread.pipes) == 4
+    assert all(x.steps >= y.steps for x, y in zip(spread.pipes, capped.pipes))
+    assert sum(p.steps for p in spread.pipes) > sum(p.steps for p in capped.pipes)
+    assert spread.preempted == capped.preempted == 0

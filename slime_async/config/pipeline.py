@@ -63,6 +63,11 @@ class PipelineSchedulerConfig:
     min_pipelines: int = 1
     """Grant no slot before this many pipelines joined (a gang start: the pipelines of a pool
     begin sharing together); once reached, later leaves do not hold grants back."""
+    spread: bool = False
+    """Lend the slots nobody needs to pipelines whose requests could spread over more engines
+    (fewer requests per engine decode faster); a lent slot is the first given up (idle ones
+    first, busy ones drained) when another pipeline is short. Off: no pipeline holds more slots
+    than its demand fills."""
     sleep_level: int = 2
     """How a pipeline's engine sleeps while its slot serves another: 1 frees the KV and prefix
     caches, 2 also the weights."""

@@ -193,7 +193,7 @@ class PipelineMember:
         if url in cluster.asleep:
             return
         if url in cluster.pending:  # woken but not yet admitted: not in the router
-            await _engine_call(url, "/release_memory_occupation", self.tags, self._token)
+            await _engine_call(url, "/release_memory_occupation", {"tags": self.tags}, self._token)
             cluster.pending.discard(url)
         else:
             await cluster.control.release_memory_occupation(
@@ -203,11 +203,15 @@ class PipelineMember:
         cluster.asleep.add(url)
 
     async def _wake(self, url: str) -> None:
-        """Resume, then wait out of the router for the run's version (`Cluster.pending`)."""
+        """Resume and continue it (a push pauses the engines in place and continues them
+        through the router: one put to sleep between the two, out of the router, missed the
+        continue and would hold every request), then wait out of the router for the run's
+        version (`Cluster.pending`)."""
         cluster = self.cluster
         if self.fencing:  # no answer meanwhile: it stays asleep
             return
-        await _engine_call(url, "/resume_memory_occupation", self.tags, self._token)
+        await _engine_call(url, "/resume_memory_occupation", {"tags": self.tags}, self._token)
+        await _engine_call(url, "/continue_generation", {}, self._token)
         self.switches += 1
         cluster.asleep.discard(url)
         cluster.pending.add(url)
@@ -219,11 +223,11 @@ class PipelineMember:
         return e.admin_api_key or e.api_key
 
 
-async def _engine_call(url: str, path: str, tags: list[str], token: str | None) -> None:
+async def _engine_call(url: str, path: str, body: dict, token: str | None) -> None:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with (
         aiohttp.ClientSession() as s,
-        s.post(url + path, json={"tags": tags}, headers=headers) as r,
+        s.post(url + path, json=body, headers=headers) as r,
     ):
         if r.status != 200:
             raise RuntimeError(f"{url}{path} -> HTTP {r.status}: {await r.text()}")

@@ -1,8 +1,9 @@
 """The pipeline scheduler's decisions, pure: no Ray, no clock of its own, no I/O.
 
-Owns `PipelineState` (what the scheduler knows of one pipeline), `slot_need` and `fair_targets`
-(how many slots each pipeline should hold), `plan_slots` (the policy: which free slot goes to
-whom, which held slot is given up and whether it drains or is cut), `SchedulerCore` (the state
+Owns `PipelineState` (what the scheduler knows of one pipeline), `slot_need`, `spread_need` and
+`fair_targets` (how many slots each pipeline should hold), `plan_slots` (the policy: which free
+slot goes to whom, which slots nobody needs are lent to spread a pipeline's requests, which held
+slot is given up and whether it drains or is cut), `SchedulerCore` (the state
 machine around it: joins, reports, heartbeats, hand-overs, drops, fences; `now` is always
 given) and `generation_demand` / `generation_inflight` (what a run reports). The Ray actor
 (`pipeline_scheduler.PipelineScheduler`) and the cluster-scale simulator
@@ -74,6 +75,17 @@ def slot_need(p: PipelineState) -> int:
     return min(len(p.slots), math.ceil((p.demand + p.inflight) / p.capacity))
 
 
+def spread_need(p: PipelineState) -> int:
+    """The slots `p`'s work could spread over: one request per engine (its demand plus its
+    samples in flight), at most the slots it has engines on. Above `slot_need` only while it has
+    fewer requests than its engines' places.
+
+    >>> spread_need(PipelineState("a", 1.0, (0, 1, 2, 3), capacity=8, demand=2, inflight=1))
+    3
+    """
+    return min(len(p.slots), p.demand + p.inflight)
+
+
 def fair_targets(
     need: Mapping[str, int], weight: Mapping[str, float], order: list[str], n_slots: int
 ) -> dict[str, int]:
@@ -115,6 +127,9 @@ class Plan:
     requests are cut) or after a drain (False)."""
     target: dict[str, int] = dataclasses.field(default_factory=dict)
     """Slots each pipeline should hold (`fair_targets` of the needs)."""
+    lent: set[int] = dataclasses.field(default_factory=set)
+    """Of `grant`, the slots lent beyond their pipeline's target (slots nobody needs, to spread
+    its requests over: above its target, so the first given up when another one is short)."""
 
 
 def plan_slots(
@@ -126,15 +141,23 @@ def plan_slots(
     blocked: frozenset[int] | set[int] = frozenset(),
     now: float,
     min_hold_s: float,
+    spread: bool = False,
 ) -> Plan:
     """Who should serve where next (pure). Each pipeline's target is its share of the usable
     slots (not `blocked`) by priority, never above its `slot_need`; the least served (slot
     time per priority) first for the indivisible rest. Free slots go to pipelines below their
-    target. Only while some pipeline is still short after that (and the slots already
-    `leaving` do not cover it) is a holder above its target asked to give up slots: the ones
-    with the fewest running requests first, none held less than `min_hold_s`. A slot with
-    running requests is cut at once only for a pipeline of higher priority; otherwise it
-    drains. A slot nobody else needs stays with its holder.
+    target. With `spread`, a pipeline's need is at least its share of the pool by priority (what
+    an exclusive allocation would give it) while its requests could spread over that many
+    engines, and the free slots left after the targets (nobody needs them) are lent to
+    pipelines whose work could spread over more engines (`spread_need`), water-filled by
+    priority: fewer requests per engine decode faster. Only while some pipeline is still short
+    after that (and the slots already `leaving` do not cover it) is a holder above its target
+    asked to give up slots (lent slots are above it): the ones with the fewest running requests
+    first, none held less than `min_hold_s`. A slot with running requests is cut at once only
+    for a pipeline of higher priority; otherwise it drains. A slot nobody else needs stays with
+    its holder: lending never takes a slot from anyone (a held idle slot taken for spreading
+    comes too late: a step's requests are placed when they start, and taking it only moves the
+    next step's short for its holder; the simulator showed it losing).
 
     >>> a = PipelineState("a", 1.0, (0, 1), capacity=4, demand=8, load={0: 4, 1: 1})
     >>> b = PipelineState("b", 1.0, (0, 1), capacity=4, demand=8)
@@ -146,9 +169,14 @@ def plan_slots(
     {1: True}
     """
     order = sorted(pipelines.values(), key=lambda p: (p.served_s / p.priority, p.name))
-    need = {p.name: slot_need(p) for p in order}
     usable = [s for s in owner if s not in blocked]
     weight = {p.name: p.priority for p in order}
+    need = {p.name: slot_need(p) for p in order}
+    if spread:  # entitled to spread over its share, as it would on an exclusive allocation
+        total = sum(weight.values())
+        for p in order:
+            share = int(len(usable) * p.priority / total)
+            need[p.name] = min(spread_need(p), max(need[p.name], share))
     target = fair_targets(need, weight, [p.name for p in order], len(usable))
     plan = Plan(target=target)
     held = {n: [s for s, h in owner.items() if h == n and s not in leaving] for n in pipelines}
@@ -163,10 +191,32 @@ def plan_slots(
                 plan.grant[s], want = p.name, want - 1
         if want > 0:
             short[p.name] = want
+    if spread:
+        _lend(plan, order, held, [s for s in free if s not in plan.grant])
     missing = sum(short.values()) - len(leaving)
     if missing > 0:
         _give_up(plan, pipelines, held, short, since, missing, now=now, min_hold_s=min_hold_s)
     return plan
+
+
+def _lend(
+    plan: Plan, order: list[PipelineState], held: Mapping[str, list[int]], left: list[int]
+) -> None:
+    """Lend the free slots `left` (nobody needs them) to the pipelines whose work could spread
+    over more engines than they hold, water-filled by priority."""
+    mine = {
+        p.name: len(held[p.name]) + sum(h == p.name for h in plan.grant.values()) for p in order
+    }
+    extra = {p.name: max(0, spread_need(p) - mine[p.name]) for p in order}
+    weight = {p.name: p.priority for p in order}
+    share = fair_targets(extra, weight, [p.name for p in order], len(left))
+    for p in order:
+        for s in left:
+            if share[p.name] <= 0:
+                break
+            if s not in plan.grant and s in p.slots:
+                plan.grant[s], share[p.name] = p.name, share[p.name] - 1
+                plan.lent.add(s)
 
 
 def _give_up(
@@ -328,11 +378,13 @@ class SchedulerCore:
             blocked=set(self.fenced),
             now=now,
             min_hold_s=self.cfg.min_hold_s,
+            spread=self.cfg.spread,
         )
         for slot, want in plan.grant.items():
             self.owner[slot], self.since[slot] = want, now
             self.undelivered[slot] = want
-            self.events.append((now, want, f"granted slot {slot}"))
+            lent = " (lent: nobody needs it)" if slot in plan.lent else ""
+            self.events.append((now, want, f"granted slot {slot}{lent}"))
         for slot, cut in plan.give_up.items():
             holder = self.owner[slot]
             assert holder is not None
