@@ -267,3 +267,55 @@ def test_the_plan_predicts_a_real_train_steps_memory():
     act = activation_bytes(spec, got["tokens"], bf16=False)
     assert 0.85 < got["state"] / state < 1.15, (got, state)
     assert 0.85 < got["transient"] / act < 1.15, (got, act)
+
+
+@pytest.mark.timeout(600)
+def test_the_plan_predicts_a_whole_tiny_runs_peak(tmp_path):
+    """The embedded default run (no warm start, 8 steps) as a child process, its whole process
+    tree's PSS summed every half second: the plan's total for the same flags within 0.75-1.30
+    of the peak. The band is wide for two reasons: PSS divides a shared library's pages among
+    every process on the node that maps it (other tests' processes lower this run's share), and
+    sampling can miss a short peak."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    from slime_async.config import parse_config
+
+    argv = ["--run-dir", str(tmp_path / "run"), "--warmstart-steps", "0", "--num-steps", "8"]
+    planned = sum(memory_parts(parse_config(argv)).values())
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen(
+        [sys.executable, str(root / "train_async.py"), *argv],
+        cwd=root,
+        env={**os.environ, "RAY_ADDRESS": "local"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    peak = 0
+    try:
+        while child.poll() is None:
+            total = 0
+            try:
+                procs = [psutil.Process(child.pid), *psutil.Process(child.pid).children(True)]
+            except psutil.NoSuchProcess:
+                break
+            for p in procs:
+                try:
+                    total += p.memory_full_info().pss
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+            peak = max(peak, total)
+            time.sleep(0.5)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, 9)
+        child.wait()
+    assert child.returncode == 0
+    print(f"plan {planned / GIB:.2f} GiB, peak PSS {peak / GIB:.2f} GiB: {planned / peak:.2f}")
+    assert 0.75 < planned / peak < 1.30, (planned / GIB, peak / GIB)
