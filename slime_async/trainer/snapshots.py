@@ -46,11 +46,19 @@ class SnapshotStore:
     def snapshot(self, model: torch.nn.Module, version: int) -> list[int]:
         """Keep a CPU copy of the model's parameters (those `keep` names) as `version`;
         returns evicted versions."""
-        self._store[version] = {
-            n: p.detach().to("cpu", copy=True)
-            for n, p in model.named_parameters()
-            if self.keep is None or self.keep(n)
-        }
+        return self._keep(
+            version,
+            {
+                n: p.detach().to("cpu", copy=True)
+                for n, p in model.named_parameters()
+                if self.keep is None or self.keep(n)
+            },
+        )
+
+    def _keep(self, version: int, tensors: dict[str, torch.Tensor]) -> list[int]:
+        """Store `tensors` as `version` (the newest); evict the oldest beyond `max_snapshots`
+        and return the evicted versions."""
+        self._store[version] = tensors
         self._store.move_to_end(version)
         evicted = []
         while len(self._store) > self.max_snapshots:
@@ -83,15 +91,10 @@ class SnapshotStore:
         """Keep `model`'s parameters (those `keep` names) as `version` without copying them:
         the model and the store share the tensors until `vacate` (the forward-only role loads
         each version into its model, then keeps it this way). Returns evicted versions."""
-        self._store[version] = {
-            n: p.data for n, p in model.named_parameters() if self.keep is None or self.keep(n)
-        }
-        self._store.move_to_end(version)
-        evicted = []
-        while len(self._store) > self.max_snapshots:
-            v, _ = self._store.popitem(last=False)
-            evicted.append(v)
-        return evicted
+        return self._keep(
+            version,
+            {n: p.data for n, p in model.named_parameters() if self.keep is None or self.keep(n)},
+        )
 
     @contextlib.contextmanager
     def pointed_at(self, model: torch.nn.Module, version: int) -> Iterator[None]:
