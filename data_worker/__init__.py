@@ -17,6 +17,7 @@ Integration contract (what the controller calls)::
     worker.set_served_version(v)             # engines now serve v: budget re-opens
     await worker.resume()
     worker.metrics() -> dict[str, float]     # data/*, staleness/*, timing/*
+    worker.oldest_unfinished_version() -> int # no token still to come is of an older version
     worker.accounting() -> Accounting        # dispatched == consumed + dropped + filtered + pending
     worker.state_dict() -> dict              # JSON only; in-flight work saved as prompts
     await worker.stop(drain=False)

@@ -398,6 +398,21 @@ class SchedulerCore:
         self.n_consumed += len(out)
         return [rec.group for rec in out]  # type: ignore[misc]
 
+    def oldest_unfinished_version(self) -> int:
+        """The oldest weight version a token of a sample not yet finished can carry: a sample
+        once dispatched, the version served at its first dispatch (every token it has or will
+        have, a continued sample's kept ones included, is of that version or newer); any other
+        sample, the served version (versions only grow). What a consumer keeping per-version
+        state for samples as they finish (the forward-only role) must still hold."""
+        oldest = self._served_version
+        for rec in self.groups.values():
+            if rec.state is not GroupState.GENERATING:
+                continue
+            for slot in rec.slots:
+                if slot.state is not SampleState.DONE and slot.first_version is not None:
+                    oldest = min(oldest, slot.first_version)
+        return oldest
+
     def drained(self) -> bool:
         """Source exhausted and every unresolved group is staged: nothing more will come."""
         return self.exhausted and len(self.groups) == len(self.staged)

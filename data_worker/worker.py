@@ -95,6 +95,12 @@ class RolloutDataWorker:
         """Version the engines serve (as last told by `set_served_version`)."""
         return self._core.served_version
 
+    def oldest_unfinished_version(self) -> int:
+        """The oldest version a token of any sample not yet finished can carry
+        (`SchedulerCore.oldest_unfinished_version`): per-version state older than it is no
+        longer needed for the samples still to come."""
+        return self._core.oldest_unfinished_version()
+
     def _now(self) -> float:
         return self._loop.time() if self._loop is not None else 0.0
 

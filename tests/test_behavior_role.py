@@ -173,6 +173,9 @@ async def test_the_run_computes_pi_j_in_the_role(tmp_path):
     assert all(r["train/behavior_forwards"] == 0 for r in steps)
     assert all(r["train/behavior_missing_tokens"] == 0 for r in steps)
     assert all(r["loss/compis_fallback"] == 0 for r in steps)
+    # the role held what the samples in flight needed, not the bound's worst case
+    held = [r["role/versions_held"] for r in steps if "role/versions_held" in r]
+    assert held and max(held) < cfg.trainer.max_snapshots, (held, cfg.trainer.max_snapshots)
     assert any(r["staleness/mean"] > 0 for r in steps)  # older versions were trained on
 
 
@@ -297,6 +300,42 @@ def test_the_role_holds_exactly_its_versions_and_reads_them_in_place(tmp_path):
     want = tr.compute_behavior_logprobs(b)
     m = b.loss_mask
     assert bool(torch.isfinite(got[m]).all()) and (got[m] - want[m]).abs().max() <= 1e-6
+    tr.shutdown()
+
+
+def test_the_role_releases_the_versions_no_sample_to_come_needs(tmp_path):
+    """`release_below(v)` drops every version older than v, never the newest (its model's
+    parameters), and their storage goes: the role then holds the versions it keeps and nothing
+    more; the kept versions' log-probs are unchanged, a released version's tokens have none
+    (NaN, never a wrong value), and the next version is loaded beside the kept ones."""
+    from slime_async.trainer.behavior_role import BehaviorForwarder
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    cfg = _parse("--keep-old-actor")
+    tr = MegatronTrainer(cfg.trainer, cfg.model)
+    fwd = BehaviorForwarder(cfg.trainer, cfg.model, max_versions=4)
+    params = list(fwd.trainer.model.parameters())
+    one = fwd.trainer.parameter_bytes()
+    for v in (0, 1, 2, 3):
+        if v:
+            tr.train_step(_batch(v))
+        fwd.add_version(v, tr.export_weights())
+    b = _batch(7, versions=(1, 2, 3))
+    m = b.loss_mask
+    before = torch.as_tensor(fwd.logprobs(b))
+    assert fwd.release_below(2) == [0, 1] and fwd.versions() == [2, 3]
+    held = [list(fwd.store.state(x).values()) for x in fwd.versions()]
+    assert _storages(params, *held) == 2 * one  # nothing of versions 0 and 1 is left
+    after = torch.as_tensor(fwd.logprobs(b))
+    old = m & (b.token_versions == 1)
+    assert bool(old.any()) and bool(after[old].isnan().all())
+    kept = m & (b.token_versions >= 2)
+    assert bool(kept.any()) and torch.equal(after[kept], before[kept])
+    assert fwd.release_below(99) == [2] and fwd.versions() == [3]  # the newest stays
+    tr.train_step(_batch(4))
+    assert fwd.add_version(4, tr.export_weights()) == [] and fwd.versions() == [3, 4]
+    held = [list(fwd.store.state(x).values()) for x in fwd.versions()]
+    assert _storages(params, *held) == 2 * one
     tr.shutdown()
 
 

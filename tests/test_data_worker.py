@@ -14,6 +14,7 @@ import pytest
 from data_worker import (
     PROBE_PRIORITY,
     DataWorkerConfig,
+    FinishStatus,
     GenerationResult,
     InMemoryPromptSource,
     Prompt,
@@ -227,6 +228,47 @@ def test_the_staleness_drop_reports_the_length_bias_it_causes() -> None:
         await worker.stop()
 
     run_virtual(main())
+
+
+def test_oldest_unfinished_version_bounds_every_token_still_to_come() -> None:
+    """What the forward-only role may release: once `oldest_unfinished_version()` said v, no
+    sample finishing later carries a token older than v (a continued sample's kept tokens
+    included), whether a push aborts and continues samples or updates them in place; and it
+    moves up as the old samples finish."""
+    eng = SimulatedEngine(length_fn=lambda p, i: 10 + 9 * i)
+    cfg = _cfg(n_samples_per_prompt=3, groups_per_step=2, max_staleness=2, max_inflight=4)
+    floors: list[int] = []
+    finished: list[tuple[int, int]] = []  # (oldest token version, the floor said before)
+
+    async def generate(req, priority, expected_len):
+        res = await eng.generate(req, priority, expected_len)
+        if res.status is FinishStatus.FINISHED:
+            tokens = [*req.prefix_versions, *res.token_versions]
+            finished.append((min(tokens), max(floors, default=0)))
+        return res
+
+    worker = RolloutDataWorker(cfg, _source(60), generate, abort_fn=eng.abort_all)
+
+    async def main() -> None:
+        await worker.start()
+        for v in range(1, 8):
+            await worker.get_batch(2, v - 1)
+            floors.append(worker.oldest_unfinished_version())
+            if v % 2:  # abort, continue later (the kept tokens carry v - 1)
+                await worker.pause()
+            eng.set_version(v)  # else in place: a running sample goes on under v
+            worker.set_served_version(v)
+            await worker.resume()
+            floors.append(worker.oldest_unfinished_version())
+            await asyncio.sleep(0.01)
+            floors.append(worker.oldest_unfinished_version())
+        await worker.stop()
+
+    run_virtual(main())
+    assert worker.metrics()["data/aborted"] > 0
+    assert len(finished) > 40 and all(oldest >= floor for oldest, floor in finished)
+    assert any(oldest > 0 and oldest == floor for oldest, floor in finished)  # it is tight
+    assert floors == sorted(floors) and floors[-1] >= 5  # it advances with the pushes
 
 
 def _pause_run(policy: str, *, abortable: bool) -> tuple[list, RolloutDataWorker, SimulatedEngine]:

@@ -172,6 +172,7 @@ class Run:
         (`record_step`), and the batch dumped with the step's metrics, or without them when
         the step fails (`dump`)."""
         assert self.trainer is not None
+        self.release_role_versions()  # before the trainer's peak
         try:
             async with self.colocation.train_turn(self.version + 1):
                 trained = await asyncio.to_thread(self.trainer.train_step, data)
@@ -253,8 +254,17 @@ class Run:
             )
             await self.push_weights(self.version)
 
+    def release_role_versions(self) -> None:
+        """The forward-only role drops the versions no sample still to finish can carry
+        (`RolloutDataWorker.oldest_unfinished_version`): it holds what the samples in flight
+        need, not the staleness bound's worst case (`--max-snapshots`)."""
+        if self.behavior_role is not None:
+            self.behavior_role.release_below(self.worker.oldest_unfinished_version())
+
     async def _feed_role(self, version: int) -> None:
-        """The forward-only role's copy of `version` (`transport.feed_role`)."""
+        """The forward-only role's copy of `version` (`transport.feed_role`), after it dropped
+        the versions nothing needs (their memory is free before the new one is loaded)."""
+        self.release_role_versions()
         await feed_role(self.behavior_role, self.transport, self.trainer, version)
 
     async def score(self, batch: Batch) -> Batch:
@@ -400,6 +410,7 @@ class Run:
             "timing/elapsed_s": time.perf_counter() - self.started,
             "idle/trainer_ratio": wait_s / total,
             **self.colocation.metrics(),
+            **(self.behavior_role.metrics() if self.behavior_role is not None else {}),
         }
 
     def accounting(self) -> dict[str, float]:

@@ -12,10 +12,13 @@ with rank 0 on another node, the trainer's tensors through Ray's object store) a
 for every finished sample's log-probs; the trainer then reads them from
 `TrainerBatch.behavior_logprobs` instead of swapping in snapshots during the train step.
 
-Memory: the role holds `max_versions` versions and nothing else per parameter: its model's
-parameters are the newest version's tensors, a forward points them at the version it needs
-(`SnapshotStore.pointed_at`), and a new version is loaded, one tensor at a time, into the
-storage of the version it evicts (`SnapshotStore.vacate` / `adopt`).
+Memory: the role holds at most `max_versions` versions and nothing else per parameter: its
+model's parameters are the newest version's tensors, a forward points them at the version it
+needs (`SnapshotStore.pointed_at`), and a new version is loaded, one tensor at a time, into the
+storage of the version it evicts (`SnapshotStore.vacate` / `adopt`). The run releases the
+versions no sample still to come can carry (`release_below`, before each train step and each
+push): `max_versions` is the staleness bound's worst case, the role holds what the samples in
+flight need (2-3 versions in the SmolLM2 recipe's steady state).
 Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
 
 With LoRA (`--lora-rank`) the role shares the base: it loads the frozen base once (`set_base`,
@@ -140,6 +143,17 @@ class BehaviorForwarder:
         w = HFWeights(version=version, spec=self.trainer.spec, tensors=tensors)
         return self.add_version(version, w)
 
+    def release_below(self, oldest: int) -> list[int]:
+        """Drop the versions older than `oldest` (no sample still to come carries them: the
+        run's `RolloutDataWorker.oldest_unfinished_version`), never the newest (the model's
+        parameters are its tensors); returns the released versions. Their memory goes back
+        to the node; a later version is loaded into fresh storage (`SnapshotStore.vacate`)."""
+        held = self.store.versions()
+        gone = [v for v in held[:-1] if v < oldest]
+        for v in gone:
+            self.store.release(v)
+        return gone
+
     @torch.no_grad()
     def logprobs(self, batch: TrainerBatch) -> np.ndarray:
         """`[B, T]` float32: each trained token's log-prob under the weights of the version that
@@ -190,6 +204,12 @@ class _BehaviorActorImpl:
     def set_base(self, path: str) -> None:
         self.fwd.set_base(path)
 
+    def release_below(self, oldest: int) -> list[int]:
+        """`BehaviorForwarder.release_below`; returns the versions held after it."""
+        if self.fwd.release_below(oldest):
+            trim_heap()  # the released versions' pages back to the node
+        return self.fwd.versions()
+
     def versions(self) -> list[int]:
         return self.fwd.versions()
 
@@ -226,6 +246,8 @@ class BehaviorRole:
         )
         ray.get(self.actor.ready.remote(), timeout=timeout_s)  # raises the build error, if any
         self.node_ip, self.version_bytes = ray.get(self.actor.where.remote(), timeout=timeout_s)
+        self._held_ref: Any = None
+        self._held: int | None = None
         self.file_prefix = f"slime_async-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         """Of this run's one-file versions in `weights_io.SHM_DIR` (`version_file`)."""
 
@@ -255,6 +277,26 @@ class BehaviorRole:
         (`TrainerGroup.write_weights_file`); the role removes the file once mapped. The Ray
         ref of the call."""
         return self.actor.add_version_file.remote(version, str(path))
+
+    def release_below(self, oldest: int) -> Any:
+        """Queue dropping the versions older than `oldest`, which no sample still to come
+        carries (`BehaviorForwarder.release_below`); calls run in order, so a `logprobs` call
+        queued before this one still finds them. The Ray ref of the call (the versions held
+        after it)."""
+        self._held_ref = self.actor.release_below.remote(int(oldest))
+        return self._held_ref
+
+    def metrics(self) -> dict[str, float]:
+        """`role/versions_held`: the versions the role held after its last release that has
+        answered (never waits for it); empty before any has."""
+        ref = self._held_ref
+        if ref is not None and ray.wait([ref], timeout=0)[0]:
+            self._held_ref = None
+            try:
+                self._held = len(ray.get(ref))
+            except Exception as e:  # the role's failures surface in its own calls
+                log.warning("forward-only role: releasing versions failed: %s", e)
+        return {} if self._held is None else {"role/versions_held": float(self._held)}
 
     def set_base(self, path: str | Path) -> Any:
         """LoRA: queue loading the frozen base (before any adapter version); the Ray ref."""
