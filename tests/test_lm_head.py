@@ -77,6 +77,26 @@ def test_only_the_log_prob_gradient_when_entropy_is_unused():
     assert _close(h.grad, h2.grad, grad=True)
 
 
+@pytest.mark.parametrize("chunk", [5, 1000])
+def test_the_weight_gradient_goes_into_the_gradient_buffer(chunk):
+    """A weight with megatron's fp32 gradient buffer (`main_grad`, as DDP gives it): the head's
+    weight gradient is added there, chunk by chunk, onto what it held, and autograd gets none
+    (no `[V, h]` gradient held until the tied embedding's joins it)."""
+    hidden, weight, targets = _inputs(seed=5)
+    g = torch.Generator().manual_seed(6)
+    g_lp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    ref = _grads(_full, hidden, weight, targets, g_lp, g_ent)
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    earlier = torch.randn(weight.shape, generator=g)  # an earlier micro-batch's gradient
+    w.main_grad = earlier.clone()
+    lp, ent = chunked_logprobs(h, w, targets, temperature=T, chunk_tokens=chunk)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    assert w.grad is None
+    assert _close(w.main_grad - earlier, ref[3], grad=True)
+    assert _close(h.grad, ref[2], grad=True)
+
+
 def test_bad_shapes_are_refused():
     hidden, weight, targets = _inputs()
     with pytest.raises(ValueError, match="expected hidden"):
@@ -123,16 +143,19 @@ def test_vocab_parallel_over_two_ranks_equals_the_whole_vocabulary():
         assert _close(g_w_r, g_w[r * 50 : (r + 1) * 50], grad=True)
 
 
-def test_trainer_chunked_head_equals_the_full_logits_path():
+@pytest.mark.parametrize("tied", [False, True])
+def test_trainer_chunked_head_equals_the_full_logits_path(tied):
     """Same log-probs, entropies and gradients with `--logits-chunk-tokens 0` (the
-    `[tokens, V]` tensor) and with chunks of 3 tokens (a packed micro-batch spans many).
+    `[tokens, V]` tensor) and with chunks of 3 tokens (a packed micro-batch spans many; the
+    head's weight gradient written into the gradient buffer), with the output weight its own
+    or the embedding's (tied: the embedding's gradient still reaches the buffer through DDP).
     A dense model (megatron-core's MoE router needs TransformerEngine on a GPU)."""
     from slime_async.contracts.model import ModelSpec
     from slime_async.trainer.config import TrainerConfig
     from slime_async.trainer.testing import random_batch
     from slime_async.trainer.trainer import MegatronTrainer
 
-    spec = ModelSpec(family="qwen3", num_layers=2)
+    spec = ModelSpec(family="qwen3", num_layers=2, tie_word_embeddings=tied)
     batch = random_batch(spec, batch=4, width=14, prompt=4, seed=0)
     results = []
     for chunk in (0, 3):
