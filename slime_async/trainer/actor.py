@@ -63,7 +63,10 @@ class _TrainerActorImpl:
     ) -> None:
         import torch
 
+        from slime_async.trainer import cpu_compat
+
         limit_malloc_arenas()  # torch's and Ray's threads share two heaps
+        cpu_compat.import_megatron_lean()  # before anything imports megatron in this process
         torch.set_num_threads(num_threads)
         _gloo_interface(master_addr)
         from slime_async.trainer.trainer import MegatronTrainer

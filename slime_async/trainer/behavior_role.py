@@ -182,7 +182,10 @@ class _BehaviorActorImpl:
     def __init__(
         self, cfg: TrainerConfig, spec: ModelSpec, *, max_versions: int, num_threads: int
     ) -> None:
+        from slime_async.trainer import cpu_compat
+
         limit_malloc_arenas()
+        cpu_compat.import_megatron_lean()  # before anything imports megatron in this process
         torch.set_num_threads(num_threads)
         self.fwd = BehaviorForwarder(cfg, spec, max_versions=max_versions)
 

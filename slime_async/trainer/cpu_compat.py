@@ -25,6 +25,11 @@ Patches (CPU only):
    frozen: every base projection under LoRA) multiplies `[s, b, n] @ [n, k]` as one 2-D GEMM;
    torch's CPU matmul ran this 3-D product with b = 1 ~20x slower (a frozen SmolLM2 layer's
    backward took seconds instead of a tenth), which made a LoRA step slower than full training.
+9. `import_megatron_lean()`: `import megatron.core` imports wandb and torch's tensorboard writer
+   (megatron's timers can log to them; nothing here does): ~22 MiB of Python objects in every
+   process that imports megatron (measured RSS). The trainer's and the role's actors import
+   megatron first through it, with those two hidden; they stay importable afterwards (a
+   plugin that imports wandb gets it), only megatron's timers hold None for them.
 """
 
 from __future__ import annotations
@@ -43,6 +48,30 @@ _APPLIED = False
 def cuda_available() -> bool:
     """True when a CUDA device is usable (then every patch here is skipped)."""
     return torch.cuda.is_available()
+
+
+_UNUSED_BY_MEGATRON = ("wandb", "torch.utils.tensorboard")
+"""Modules `megatron.core`'s import pulls in (its timers' loggers) that no part of this project
+uses in the processes that import megatron."""
+
+
+def import_megatron_lean() -> None:
+    """Import `megatron.core` without `_UNUSED_BY_MEGATRON` (patch 9): each is hidden from the
+    import (megatron falls back to None for it), then importable again. A no-op when megatron
+    is imported already, or a hidden module was imported before (it is then left alone)."""
+    import sys
+
+    if "megatron.core" in sys.modules:
+        return
+    hidden = [m for m in _UNUSED_BY_MEGATRON if m not in sys.modules]
+    for m in hidden:
+        sys.modules[m] = None  # type: ignore[assignment]  # `import m` raises ImportError
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        for m in hidden:
+            if sys.modules.get(m, 0) is None:
+                del sys.modules[m]
 
 
 def apply() -> bool:
