@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -336,6 +337,55 @@ def test_the_role_releases_the_versions_no_sample_to_come_needs(tmp_path):
     assert fwd.add_version(4, tr.export_weights()) == [] and fwd.versions() == [3, 4]
     held = [list(fwd.store.state(x).values()) for x in fwd.versions()]
     assert _storages(params, *held) == 2 * one
+    tr.shutdown()
+
+
+def _mapped(path) -> list[tuple[int, int]]:
+    """This process's address ranges that map `path` (removed or not)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if str(path) in line:
+                lo, hi = line.split()[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def test_a_file_of_the_parameters_is_the_version_served_in_place(tmp_path):
+    """A trainer that holds the whole model writes its parameters themselves (not the HF
+    export): the role serves the mapped file as the version, every parameter a view of its
+    pages (nothing copied or allocated), with the log-probs of the HF path bit for bit; a
+    released version's pages leave the process."""
+    from slime_async.trainer import weights_io
+    from slime_async.trainer.behavior_role import BehaviorForwarder
+    from slime_async.trainer.trainer import MegatronTrainer
+
+    cfg = _parse("--keep-old-actor")
+    tr = MegatronTrainer(cfg.trainer, cfg.model)
+    assert tr.holds_whole_model()
+    fwd = BehaviorForwarder(cfg.trainer, cfg.model, max_versions=3)
+    ref = BehaviorForwarder(cfg.trainer, cfg.model, max_versions=3)
+    d = weights_io.SHM_DIR if weights_io.SHM_DIR.is_dir() else tmp_path
+    files = {v: d / f"slime_async-test-{os.getpid()}-v{v}.safetensors" for v in (1, 2)}
+    for v in (1, 2):
+        tr.train_step(_batch(v))
+        tr.write_weights_file(files[v])
+        _, meta = weights_io.map_tensor_file(files[v])
+        assert meta["layout"] == weights_io.PARAMS_LAYOUT
+        fwd.add_version_file(v, files[v])
+        ref.add_version(v, tr.export_weights())
+        assert not files[v].exists()  # removed once mapped
+    ranges = _mapped(files[2])
+    params = dict(fwd.trainer.model.named_parameters())
+    assert ranges and all(
+        any(lo <= p.data_ptr() < hi for lo, hi in ranges) for p in params.values()
+    )
+    b = _batch(7, versions=(1, 2))
+    m = b.loss_mask
+    got, want = torch.as_tensor(fwd.logprobs(b)), torch.as_tensor(ref.logprobs(b))
+    assert bool(torch.isfinite(got[m]).all()) and torch.equal(got[m], want[m])
+    assert _mapped(files[1])
+    assert fwd.release_below(2) == [1] and not _mapped(files[1])  # its pages are gone
     tr.shutdown()
 
 

@@ -136,10 +136,17 @@ class BehaviorForwarder:
         """Load version `version` from the one-file export the trainer wrote for this process
         (`MegatronTrainer.write_weights_file`, on this node's memory file system), removing the
         file once it is mapped; returns the evicted versions. The tensors are read in place,
-        in the dtype they were written in (the parameters')."""
+        in the dtype they were written in (the parameters'). A file of the parameters
+        themselves (`weights_io.PARAMS_LAYOUT`) is the version: its mapped pages are served
+        as they are (`SnapshotStore.adopt_tensors`: no copy, nothing allocated), and go back
+        to the node when the version is released or evicted."""
         tensors, meta = weights_io.map_tensor_file(path, unlink=True)
         if int(meta.get("weight_version", version)) != version:
             raise ValueError(f"{path} holds version {meta['weight_version']}, not {version}")
+        if meta.get("layout") == weights_io.PARAMS_LAYOUT:  # the parameters themselves
+            if self.store.keep is not None:
+                raise ValueError(f"{path} holds whole parameters; this role keeps adapters")
+            return self.store.adopt_tensors(self.trainer.model, version, tensors)
         w = HFWeights(version=version, spec=self.trainer.spec, tensors=tensors)
         return self.add_version(version, w)
 

@@ -96,6 +96,33 @@ class SnapshotStore:
             {n: p.data for n, p in model.named_parameters() if self.keep is None or self.keep(n)},
         )
 
+    def adopt_tensors(
+        self, model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor]
+    ) -> list[int]:
+        """Keep `tensors` (every parameter kept, by name, in the parameters' dtype and shape:
+        a mapped file's views, say) as `version` and point `model`'s parameters at them, the
+        newest version's: nothing is copied or allocated. Returns evicted versions."""
+        params = {n: p for n, p in model.named_parameters() if self.keep is None or self.keep(n)}
+        if tensors.keys() != params.keys():
+            gone, extra = (
+                sorted(params.keys() - tensors.keys()),
+                sorted(tensors.keys() - params.keys()),
+            )
+            raise ValueError(
+                f"v{version}: the tensors are not this model's parameters (missing {gone[:3]}, "
+                f"unknown {extra[:3]})"
+            )
+        for n, p in params.items():
+            t = tensors[n]
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise ValueError(
+                    f"v{version}: {n} is {t.dtype} {tuple(t.shape)}, the model's parameter "
+                    f"{p.dtype} {tuple(p.shape)}"
+                )
+        for n, p in params.items():
+            p.data = tensors[n]
+        return self._keep(version, dict(tensors))
+
     @contextlib.contextmanager
     def pointed_at(self, model: torch.nn.Module, version: int) -> Iterator[None]:
         """Run the body with `model`'s parameters pointing at `version`'s tensors (no copy;

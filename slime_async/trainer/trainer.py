@@ -391,13 +391,30 @@ class MegatronTrainer(LogprobForwards):
         """Write the current version as one safetensors file at `path` in the parameters'
         dtype, tensor by tensor from views of the parameters (`weights_io.write_tensor_file`:
         no model-sized copy), for a process on this node that maps it (the forward-only role).
-        A collective like `export_weights`; rank 0 writes and returns the bytes, the others 0."""
+        Where rank 0 holds every parameter whole (`holds_whole_model`) the file holds the
+        parameters themselves, under their own names (`weights_io.PARAMS_LAYOUT`): the role
+        then serves the mapped file as the version, no conversion and no copy; otherwise the
+        HF export. A collective like `export_weights`; rank 0 writes and returns the bytes, the
+        others 0."""
+        meta = {"format": "pt", "weight_version": str(self.version)}
+        if self.holds_whole_model():
+            if self.rank != 0:
+                return 0
+            meta["layout"] = weights_io.PARAMS_LAYOUT
+            params = {n: p.detach() for n, p in self.model.named_parameters()}
+            return weights_io.write_tensor_file(params, path, metadata=meta)
         tensors = self.export_weights(copy=False)
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
         if self.rank != 0:
             return 0
-        meta = {"format": "pt", "weight_version": str(self.version)}
         return weights_io.write_tensor_file(tensors.tensors, path, dtype=dtype, metadata=meta)
+
+    def holds_whole_model(self) -> bool:
+        """Every rank holds every parameter whole, in one model chunk, in the layout a
+        world-size-1 model of the same spec has (no TP/PP/EP split), awake, without LoRA."""
+        lay = self.layout
+        split = (lay.tp, lay.pp, lay.ep, lay.etp) != (1, 1, 1, 1) or len(self.chunks) != 1
+        return not split and self.lora is None and not self.offload.asleep
 
     def export_adapter(self) -> dict[str, torch.Tensor]:
         """The LoRA adapter in PEFT's keys (full fp32 tensors; collective over TP/PP)."""

@@ -260,6 +260,12 @@ _ST_DTYPES = {
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
+PARAMS_LAYOUT = "megatron-params"
+"""`write_tensor_file` metadata `layout` of a file holding a model's own parameters under their
+names (`MegatronTrainer.write_weights_file` where rank 0 holds the whole model), rather than
+the HF export: a model of the same spec and layout serves its tensors as they are."""
+
+
 def write_tensor_file(
     tensors: dict[str, torch.Tensor],
     path: str | Path,
