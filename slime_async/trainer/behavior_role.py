@@ -14,8 +14,9 @@ for every finished sample's log-probs; the trainer then reads them from
 
 Memory: the role holds at most `max_versions` versions and nothing else per parameter: its
 model's parameters are the newest version's tensors, a forward points them at the version it
-needs (`SnapshotStore.pointed_at`), and a new version is loaded, one tensor at a time, into the
-storage of the version it evicts (`SnapshotStore.vacate` / `adopt`). The run releases the
+needs (`SnapshotStore.pointed_at`), and a new version is either the trainer's mapped file of
+its parameters itself (`SnapshotStore.adopt_tensors`: no copy) or loaded, one tensor at a
+time, into the storage of the version it evicts (`SnapshotStore.vacate` / `adopt`). The run releases the
 versions no sample still to come can carry (`release_below`, before each train step and each
 push): `max_versions` is the staleness bound's worst case, the role holds what the samples in
 flight need (2-3 versions in the SmolLM2 recipe's steady state).

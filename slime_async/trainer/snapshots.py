@@ -12,7 +12,9 @@ A model that only reads its weights (the forward-only role) keeps its versions w
 `vacate` (the parameters on storage no version holds: the evicted oldest version's when full),
 load the new version into the model, `adopt` (the store keeps the parameters' tensors as that
 version), and `pointed_at(model, v)` points the parameters at version v's tensors for a
-forward. The role then holds exactly its versions: no current copy, no swap copy.
+forward. The role then holds exactly its versions: no current copy, no swap copy. Or, where a
+version arrives as tensors in the parameters' layout (the trainer's mapped file of them),
+`adopt_tensors` keeps those tensors as the version and points the parameters at them.
 """
 
 from __future__ import annotations
