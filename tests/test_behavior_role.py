@@ -174,6 +174,11 @@ async def test_the_run_computes_pi_j_in_the_role(tmp_path):
     assert all(r["train/behavior_missing_tokens"] == 0 for r in steps)
     assert all(r["loss/compis_fallback"] == 0 for r in steps)
     assert any(r["staleness/mean"] > 0 for r in steps)  # older versions were trained on
+    # how busy the role kept the rollout side, per step: every trained sample went through it
+    assert all(r["role/failures"] == 0 for r in steps)
+    assert sum(r["role/samples"] for r in steps) >= 4 * 8 - 8  # the first batch may predate
+    assert all(r["role/calls"] <= r["role/samples"] for r in steps)  # bursts of >= 1 sample
+    assert sum(r["role/calls"] for r in steps) > 0 and sum(r["role/busy_s"] for r in steps) > 0
 
 
 def test_a_continued_sample_is_sent_whole_and_assembled_in_place():
