@@ -191,6 +191,8 @@ class PoolResult:
     occupied_s: float
     trainer_busy_s: float
     preempted: int
+    engine_slots: int = 0
+    """Slots engines can run on (with overlap: the trainer devices too)."""
 
 
 def trainer_slots(pool_cfg: PoolConfig, names: list[str]) -> dict[str, list[int]]:
@@ -315,4 +317,5 @@ def simulate_pool(
         occupied_s=pool.occupied_s,
         trainer_busy_s=sum(p.r.train_s for p in pipes) * pool_cfg.trainer_devices,
         preempted=pool.preempted,
+        engine_slots=pool.n,
     )
