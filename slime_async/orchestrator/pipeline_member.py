@@ -134,6 +134,12 @@ class PipelineMember:
                 todo = await asyncio.wait_for(
                     self.handle.before_training.remote(self.name), timeout=self.timeout_s
                 )
+            except TimeoutError:
+                raise RuntimeError(
+                    f"pipeline {self.name}: the pipeline scheduler {self.cfg.scheduler} did not "
+                    f"answer before_training within {self.timeout_s:.0f}s, so its trainer slots "
+                    f"{self.trainer_slots} may still hold engines: not training on them"
+                ) from None
             except Exception as e:  # dropped: the report loop fences and joins again
                 if not (isinstance(e, KeyError) or "is not joined" in str(e)):
                     raise
