@@ -203,6 +203,8 @@ def _parse() -> argparse.Namespace:
       help="overlap: trainer state per trainer device, GB (default: 8 x --model-gb / "
            "--trainer-devices, i.e. 16 bytes a parameter: bf16 weights and grads, fp32 master "
            "weights and Adam moments)")  # fmt: skip
+    a("--overlap-spread", action="store_true",
+      help="the overlap arms with `spread` (slots nobody needs lent to spread requests)")  # fmt: skip
     a("--arms", default="exclusive,shared,spread,split", help="arms to run (exclusive first)")
     a("--json", default=None, help="also write the numbers to this file")
     return p.parse_args()
@@ -281,7 +283,9 @@ def run_arms(a: argparse.Namespace, pool: PoolConfig, cfgs: list[sd.SimConfig]) 
             results.append(r)
         elif arm in OVERLAP_ARMS:
             base, others = OVERLAP_ARMS[arm]
-            cfg = dataclasses.replace(pool, overlap=True, overlap_others=others)
+            cfg = dataclasses.replace(
+                pool, overlap=True, overlap_others=others, spread=a.overlap_spread
+            )
             r = simulate_pool(base, cfg, cfgs)
             r.arm = arm
             results.append(r)
