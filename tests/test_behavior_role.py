@@ -333,3 +333,39 @@ def test_lora_role_shares_the_base_and_equals_the_trainers_adapter_snapshots(tmp
     held = fwd.store.state(2)
     assert sum(t.numel() for t in held.values()) == adapter_numel(cfg.model, tr.lora)
     tr.shutdown()
+
+
+def test_the_role_floats_over_the_runs_cores_with_one_thread(ray_up):
+    """`--behavior-role-cores all`: the role is pinned to the trainer's and the engines' cores
+    together and keeps the one thread it had on the engines' cores; `rollout` (the default)
+    keeps it on the engines' cores."""
+    import os
+
+    import ray
+
+    from slime_async.config import parse_config
+    from slime_async.orchestrator.roles import pin_actor
+    from slime_async.orchestrator.trainer_start import behavior_role_cores
+
+    default = parse_config(["--trainer-cores", "0", "--rollout-cores", "1"])
+    assert default.behavior_role_cores == "rollout" and behavior_role_cores(default) == (1,)
+    both = parse_config(
+        ["--trainer-cores", "0", "--rollout-cores", "1", "--behavior-role-cores", "all"]
+    )
+    assert behavior_role_cores(both) == (0, 1)
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse_config(["--behavior-role-cores", "trainer"])
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def where(self):
+            return sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+
+    probe = Probe.remote()
+    try:
+        asyncio_run(pin_actor(probe, behavior_role_cores(both), 1))
+        assert ray.get(probe.where.remote()) == ([0, 1], 1)
+        asyncio_run(pin_actor(probe, behavior_role_cores(default), 1))
+        assert ray.get(probe.where.remote()) == ([1], 1)
+    finally:
+        ray.kill(probe)
