@@ -173,7 +173,7 @@ def early_warning(
             cfg = dataclasses.replace(run_guards(r), **(settings or {}))
             fired = [w.step for w in scan(r.records, cfg) if w.kind is kind]
             first = min(fired, default=None)
-            if r.cell.group == SYNC:
+            if r.cell.staleness == 0:  # synchronous, with or without routing replay
                 sync_n += 1
                 sync_alarms += first is not None
             elif v == Verdict.STABLE:  # an async run the verdict calls healthy
@@ -241,10 +241,15 @@ def _comparisons(
 
 
 def render_phase3(
-    *, staleness: int, per_run: Mapping[str, Any], runs: Sequence[RunData], planned: int
+    *,
+    staleness: int,
+    per_run: Mapping[str, Any],
+    runs: Sequence[RunData],
+    planned: int,
+    rules: VerdictRules,
 ) -> str:
     """Phase 3's results as markdown: its staleness, the equivalence table, compis − none,
-    the speedups, the length bias, and every run."""
+    the speedups, the length bias, every run, and the early-warning guards on its runs."""
     cells = [(arm, staleness, False) for arm in ("compis", "none", "tis", "is")]
     lines = [
         f"## Phase 3: workload S (SmolLM2-135M) at S = {staleness}",
@@ -252,7 +257,9 @@ def render_phase3(
         f"{len(runs)} of {planned} planned runs finished.",
     ]
     lines += _comparisons(per_run, runs, cells, staleness, replay=False)
-    return "\n".join(lines + _every_run(per_run)) + "\n"
+    judged = [(r.cell.name, r, per_run[r.cell.name]["verdict"]) for r in runs]
+    warn = _early_warning_table(judged, rules, "Early warning over phase 3's runs")
+    return "\n".join(lines + _every_run(per_run) + warn) + "\n"
 
 
 def _every_run(per_run: Mapping[str, Any]) -> list[str]:
@@ -309,10 +316,18 @@ def render_protocol(
     lines.append(f"{len(confirm_runs)} of {planned} planned runs finished.")
     lines += _comparisons(confirm_per_run, confirm_runs, None, PRIMARY_STALENESS, replay=True)
     lines += _every_run(confirm_per_run)
-    lines += [
+    intro = "Early warning over every run of both phases"
+    return "\n".join(lines + _early_warning_table(judged, rules, intro)) + "\n"
+
+
+def _early_warning_table(
+    judged: Sequence[tuple[str, RunData, str]], rules: VerdictRules, intro: str
+) -> list[str]:
+    """Each early-warning guard at each setting the calibration tries, over `judged`."""
+    lines = [
         "",
-        "Early warning over every run of both phases, at each setting the calibration tries "
-        "(lead = onset − first alarm, in steps; ahead = lead ≥ 0):",
+        f"{intro}, at each setting the calibration tries (lead = onset − first alarm, in "
+        "steps; ahead = lead ≥ 0):",
         "",
         "| guard | setting | ahead of unstable runs | fired late | leads | alarms on sync runs "
         "| alarms on stable async runs |",
@@ -329,4 +344,4 @@ def render_protocol(
                 f"{ew['sync_alarms']} of {ew['sync_runs']} | "
                 f"{ew['stable_async_alarms']} of {ew['stable_async_runs']} |"
             )
-    return "\n".join(lines) + "\n"
+    return lines

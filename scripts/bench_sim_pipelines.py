@@ -16,6 +16,15 @@ Arms (`--arms`, in one run, the same pipelines and pool each):
   split       a static split sized to demand: each pipeline owns the slots in proportion to
               the slot time it was granted in the `spread` (else `shared`) arm
   sequential  one after another: each pipeline alone on every engine slot for 1/P of the time
+  ex-overlap  exclusive, and each pipeline's own trainer devices serve its generation between
+              its train steps (partial overlap, `PipelineSchedulerConfig.trainer_slots`)
+  overlap     shared, and every trainer device serves generation between its pipeline's
+              train steps (its own pipeline first, the others' too: `overlap_others`)
+  overlap-own shared, a trainer device serving only its own pipeline between its steps
+
+With overlap, the engines on a trainer's devices are cut and put to sleep before each of its
+steps, its state (`--trainer-gb` per device) is swapped onto them and off again after the step
+at the switch costs' rate, and a woken engine there gets the version (selective sync).
 
 Switch costs (`--costs`): `measured` (CPU: `--model-gb` times the seconds per GB measured by
 `scripts/bench_pipelines.py --mechanism` and the weight-sync results page), `gpu` (assumed:
@@ -82,10 +91,12 @@ def metrics(r: PoolResult, engine_slots: int) -> dict[str, float]:
         "fewest steps": float(min(p.steps for p in r.pipes)),
         "idle fraction": 1.0 - (r.engine_busy_s + r.trainer_busy_s) / (acc * t),
         "switching fraction": r.engine_switch_s / (acc * t),
-        "engine occupancy": r.occupied_s / (engine_slots * t),
+        "engine occupancy": r.occupied_s / ((r.engine_slots or engine_slots) * t),
         "requests cut": float(r.preempted),
         "hand-overs": float(sum(p.switches for p in r.pipes)),
         "pipelines dropped": float(sum(p.dropped_at is not None for p in r.pipes)),
+        "trainer wait s/step": sum(p.trainer_wait_s for p in r.pipes)
+        / max(1, sum(p.steps for p in r.pipes)),
     }
 
 
@@ -188,6 +199,12 @@ def _parse() -> argparse.Namespace:
     a("--sleep-s-per-gb", type=float, default=SLEEP_S_PER_GB, help="level-2 sleep, s/GB")
     a("--wake-s-per-gb", type=float, default=WAKE_S_PER_GB, help="wake, s/GB")
     a("--sync-s-per-gb", type=float, default=SYNC_S_PER_GB, help="selective sync, s/GB")
+    a("--trainer-gb", type=float, default=None,
+      help="overlap: trainer state per trainer device, GB (default: 8 x --model-gb / "
+           "--trainer-devices, i.e. 16 bytes a parameter: bf16 weights and grads, fp32 master "
+           "weights and Adam moments)")  # fmt: skip
+    a("--overlap-spread", action="store_true",
+      help="the overlap arms with `spread` (slots nobody needs lent to spread requests)")  # fmt: skip
     a("--arms", default="exclusive,shared,spread,split", help="arms to run (exclusive first)")
     a("--json", default=None, help="also write the numbers to this file")
     return p.parse_args()
@@ -201,6 +218,18 @@ def switch_costs(a: argparse.Namespace) -> tuple[float, float, float]:
         return tuple(per_gb * a.model_gb + fixed for per_gb, fixed in GPU_COSTS.values())
     return (a.sleep_s_per_gb * a.model_gb, a.wake_s_per_gb * a.model_gb,
             a.sync_s_per_gb * a.model_gb)  # fmt: skip
+
+
+def trainer_swap_s(a: argparse.Namespace) -> float:
+    """Overlap: seconds to move a trainer's state onto its devices (or off them), each way: its
+    `--trainer-gb` at the level-2 sleep's rate (a copy to or from host memory)."""
+    gb = a.trainer_gb if a.trainer_gb is not None else 8 * a.model_gb / a.trainer_devices
+    if a.costs == "free":
+        return 0.0
+    if a.costs == "gpu":
+        per_gb, fixed = GPU_COSTS["sleep"]
+        return per_gb * gb + fixed
+    return a.sleep_s_per_gb * gb
 
 
 def configs(a: argparse.Namespace, engine_slots: int) -> list[sd.SimConfig]:
@@ -220,6 +249,14 @@ def configs(a: argparse.Namespace, engine_slots: int) -> list[sd.SimConfig]:
         dataclasses.replace(base, seed=i, **{k: v[i % len(v)] for k, v in lists.items()})
         for i in range(a.pipelines)
     ]
+
+
+OVERLAP_ARMS = {
+    "ex-overlap": ("exclusive", False),
+    "overlap": ("shared", True),
+    "overlap-own": ("shared", False),
+}
+"""Arms with partial overlap: (the arm it extends, other pipelines served on a trainer slot)."""
 
 
 def run_arms(a: argparse.Namespace, pool: PoolConfig, cfgs: list[sd.SimConfig]) -> list:
@@ -244,6 +281,14 @@ def run_arms(a: argparse.Namespace, pool: PoolConfig, cfgs: list[sd.SimConfig]) 
             r = simulate_pool("exclusive" if arm == "exclusive" else "shared", cfg, cfgs)
             r.arm = arm
             results.append(r)
+        elif arm in OVERLAP_ARMS:
+            base, others = OVERLAP_ARMS[arm]
+            cfg = dataclasses.replace(
+                pool, overlap=True, overlap_others=others, spread=a.overlap_spread
+            )
+            r = simulate_pool(base, cfg, cfgs)
+            r.arm = arm
+            results.append(r)
         else:
             sys.exit(f"--arms: unknown arm {arm!r}")
         print(f"  {arm}: {a.horizon_h:g} simulated h in {time.perf_counter() - t:.1f} s wall")
@@ -266,7 +311,7 @@ def main() -> None:
         heartbeat_timeout_s=a.heartbeat_timeout_s, drain_timeout_s=a.drain_timeout_s,
         sleep_s=sleep_s, wake_s=wake_s, sync_s=sync_s, horizon_s=a.horizon_h * 3600,
         priorities=tuple(prio[i % len(prio)] for i in range(a.pipelines)),
-        keep_partial=a.keep_partial,
+        keep_partial=a.keep_partial, trainer_swap_s=trainer_swap_s(a),
     )  # fmt: skip
     cfgs = configs(a, engine_slots)
     results = run_arms(a, pool, cfgs)
@@ -279,7 +324,8 @@ def main() -> None:
         f"x {a.slots} requests, {a.trainer_devices} trainer devices each); switch costs "
         f"({a.costs}): sleep {sleep_s:.1f} s, wake {wake_s:.1f} s, sync {sync_s:.1f} s; "
         f"heartbeat {pool.heartbeat_s:g} s, min_hold {pool.min_hold_s:g} s, drain "
-        f"{pool.drain_timeout_s:g} s\n"
+        f"{pool.drain_timeout_s:g} s; overlap arms: trainer swap {pool.trainer_swap_s:.1f} s "
+        "each way\n"
     )
     print(table(numbers))
     print()

@@ -488,7 +488,9 @@ def run_phase3(
     per_run = analyse(runs, rules)["runs"] if runs else {}
     if runs:
         render_figure(runs, out / "smollm2.png", smooth=a.smooth)
-    return render_phase3(staleness=staleness, per_run=per_run, runs=runs, planned=len(cells))
+    return render_phase3(
+        staleness=staleness, per_run=per_run, runs=runs, planned=len(cells), rules=rules
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -363,12 +363,8 @@ def trainer_side(name: str, a: argparse.Namespace) -> None:
     Median of `--trainer-side` repetitions, with this tree's code (run the script from an older
     tree for its numbers)."""
     from slime_async.contracts.model import SMOLLM2_135M, TINY_MOE
-    from slime_async.contracts.weight_group import (
-        entry_nbytes,
-        in_dtype,
-        plan_buckets,
-        send_buckets,
-    )
+    from slime_async.contracts.weight_buckets import entry_nbytes, in_dtype, plan_buckets
+    from slime_async.contracts.weight_transfer import send_buckets
     from slime_async.contracts.weights import WeightManifest
     from slime_async.host import free_port
     from slime_async.trainer import hf_convert, parallel

@@ -10,7 +10,8 @@ engines, or queued), sleeps (`sleep_s`) and is released; a slot taken wakes (`wa
 gets the pipeline's current version (`sync_s`) before it serves. A member with no answer for
 `heartbeat_timeout_s` puts all its engines to sleep on its own (the fence); a dropped one,
 once they sleep, joins again. `PoolConfig.stall` makes a member's reports hang for a while
-(a test of the drop, the fence and the re-join).
+(a test of the drop, the fence and the re-join). Partial overlap: `before_training` and
+`after_training` around each train step, as the live member's trainer hooks.
 """
 
 from __future__ import annotations
@@ -29,19 +30,22 @@ from slime_async.orchestrator.pipeline_policy import (
 class SimMember:
     """The member side of one simulated pipeline (`pipe`: a `simulate_pipelines.Pipeline`)."""
 
-    def __init__(self, pipe: Any, core: SchedulerCore, pool_cfg: Any) -> None:
+    def __init__(
+        self, pipe: Any, core: SchedulerCore, pool_cfg: Any, slots: list[int] | None = None
+    ) -> None:
         self.pipe, self.core, self.cfg = pipe, core, pool_cfg
         self.name, self.pool, self.r = pipe.name, pipe.pool, pipe.r
+        self.slots = list(range(self.pool.n)) if slots is None else list(slots)
+        """The slots it has engines on (every slot of the pool unless given)."""
         self.ops: dict[int, asyncio.Task] = {}
         self.leaving: set[int] = set()
         self.fencing = False
         self.granted_before = 0.0
 
     def join(self, now: float) -> None:
-        slots = list(range(self.pool.n))
         prio = self.cfg.priorities[ord(self.name) - ord("a")] if self.cfg.priorities else 1.0
         self.core.join(
-            self.name, priority=prio, slots=slots, now=now, capacity=self.pool.concurrency
+            self.name, priority=prio, slots=self.slots, now=now, capacity=self.pool.concurrency
         )
 
     def _stalled(self, now: float) -> bool:
@@ -148,7 +152,7 @@ class SimMember:
         """No answer for `heartbeat_timeout_s`: put every engine of it to sleep on its own."""
         self.fencing = True
         self.r.fences += 1
-        for slot in range(self.pool.n):
+        for slot in self.slots:
             self._op(slot, self._sleep(slot))
 
     async def _fence(self) -> None:
@@ -157,3 +161,30 @@ class SimMember:
         await asyncio.gather(*self.ops.values(), return_exceptions=False)
         self.ops.clear()
         self.leaving.clear()
+
+    async def before_training(self) -> None:
+        """`PipelineMember.before_training`: its own engines on its trainer slots cut and put
+        to sleep, the others' by their members at their next report; returns once none is
+        resident there (the scheduler's `wait` is empty)."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while True:
+            try:
+                todo = self.core.before_training(self.name, now=loop.time())
+            except KeyError:  # dropped: `run` fences and joins again
+                todo = {"give_up": [], "wait": [None]}
+            for slot in todo["give_up"]:
+                if slot not in self.leaving:
+                    self.leaving.add(slot)
+                    self._op(slot, self._give_up(slot, True, 0.0))
+            if not todo["wait"]:
+                break
+            await asyncio.sleep(self.cfg.heartbeat_s)
+        self.r.trainer_wait_s += loop.time() - t0
+
+    def after_training(self) -> None:
+        """`PipelineMember.after_training`: its trainer slots given back, reported at once."""
+        now = asyncio.get_running_loop().time()
+        self.core.after_training(self.name, now=now)
+        if self.name in self.core.pipelines and not self._stalled(now):
+            self._act(self._report(now))

@@ -4,7 +4,8 @@ engines in it (`PipeEngines`). A slot can drain (out of rotation, its running re
 or stop serving (its running requests are cut and sent whole again). `Pool.resident` is what
 is in each accelerator's memory: an engine is resident from the start of its wake to the end
 of its sleep, and a second resident engine on one accelerator raises `DoubleOccupancy` (two
-engines never share a device).
+engines never share a device); a trainer onloaded onto its device (partial overlap) is
+resident there too, as `<pipeline>:trainer`.
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ class Pool:
         bisect.insort(self.serving[name], e)
         if feed:
             self.feed(name, now)
+
+    def settle(self, e: int, now: float) -> None:
+        """The switch on `e` is over (a trainer onloaded there trains: not an engine's time)."""
+        self._touch(e, now)
+        self.switching[e] = False
 
     def start_switch(self, e: int, now: float) -> None:
         self._touch(e, now)

@@ -16,16 +16,23 @@ their own trainer devices, in one of two arms:
   selective sync, serve); with `PoolConfig.spread` the core lends the slots nobody needs to
   pipelines whose requests could spread over more engines. The pool itself (`Pool`, `PipeEngines`) is `sim_pool.py`.
 
-Trainer devices are dedicated in both arms (the scheduler grants engine slots only). An
-accelerator is idle when its engine runs no request, while it switches, and a trainer device
-while its trainer waits for a batch. Used by `scripts/bench_sim_pipelines.py`.
+Trainer devices are dedicated in both arms, unless `PoolConfig.overlap` (partial overlap):
+then each pipeline's trainer devices are pool slots marked as its trainer slots, which serve
+generation between its train steps (its own engines there first; the others' with
+`overlap_others`), the engines there cut and asleep before each step (the member's
+`before_training`, the scheduler's trainer hooks) and the trainer's state swapped on and off
+them (`trainer_swap_s`); the scheduler then runs in the exclusive arm too (each pipeline on its
+share plus its own trainer devices). An accelerator is idle when its engine runs no request,
+while it switches, and a trainer device while its trainer waits for a batch. Used by `scripts/bench_sim_pipelines.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
+from collections.abc import AsyncIterator
 
 import simulate_dispatch as sd
 from sim_member import SimMember
@@ -67,6 +74,17 @@ class PoolConfig:
     """Shared arms: each pipeline's priority at the scheduler (None: all 1)."""
     shares: tuple[int, ...] | None = None
     """Exclusive arm: engine slots of each pipeline (None: equal shares, the rest idle)."""
+    overlap: bool = False
+    """Partial overlap: each pipeline's trainer devices are pool slots too (its trainer slots,
+    `PipelineSchedulerConfig.trainer_slots`), serving generation between its train steps; the
+    scheduler runs in both arms (exclusive: each pipeline's engines sit only on its share and
+    its own trainer devices)."""
+    overlap_others: bool = False
+    """With `overlap`: other pipelines' engines may serve on a trainer slot too."""
+    trainer_swap_s: float = 0.0
+    """With `overlap`: the trainer's state (parameters, gradients, optimizer) back onto its
+    devices before a step, and off them after it (each way; the new version goes to the CPU
+    weight cache meanwhile)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -90,6 +108,8 @@ class PipeResult:
     fences: int = 0
     """Times it put all its engines to sleep on its own (no answer for the timeout)."""
     rejoins: int = 0
+    trainer_wait_s: float = 0.0
+    """Overlap: time its trainer waited for the engines on its devices to sleep."""
 
 
 class Pipeline:
@@ -108,6 +128,9 @@ class Pipeline:
         self.version = 0
         self.training_since: float | None = None
         self.r = PipeResult(name=name)
+        self.member: SimMember | None = None
+        self.trainer_slots: list[int] = []
+        """Overlap: the pool slots of its trainer's devices (they serve between its steps)."""
 
     async def train(self) -> None:
         """The trainer of `simulate_dispatch.simulate`: batch, train, push in place."""
@@ -118,15 +141,41 @@ class Pipeline:
             batch = await self.worker.get_batch(cfg.groups_per_step, k)
             r.idle_s += loop.time() - t
             r.staleness.extend(batch.staleness())
-            self.training_since = loop.time()
-            await asyncio.sleep(cfg.train_step_s)
-            self.training_since = None
-            r.train_s += cfg.train_step_s
+            async with self._trainer_devices():
+                self.training_since = loop.time()
+                await asyncio.sleep(cfg.train_step_s)
+                self.training_since = None
+                r.train_s += cfg.train_step_s
             self.version = k + 1
             self.engines.set_version(k + 1, loop.time())
             self.worker.set_served_version(k + 1)
             r.steps, r.trained_samples = k + 1, (k + 1) * cfg.groups_per_step * cfg.n
         r.end_s = loop.time()
+
+    @contextlib.asynccontextmanager
+    async def _trainer_devices(self) -> AsyncIterator[None]:
+        """Overlap: the engines on its trainer's devices cut and asleep first (the member's
+        `before_training`), its state onloaded there (`trainer_swap_s`); after the step
+        offloaded and the devices given back (`after_training`). Without: nothing."""
+        if not self.trainer_slots or self.member is None:
+            yield
+            return
+        loop, pool, swap = asyncio.get_running_loop(), self.pool, self.member.cfg.trainer_swap_s
+        await self.member.before_training()
+        who = f"{self.name}:trainer"
+        for e in self.trainer_slots:
+            pool.load(e, who)  # raises DoubleOccupancy if an engine is still resident
+            pool.start_switch(e, loop.time())
+        await asyncio.sleep(swap)
+        for e in self.trainer_slots:
+            pool.settle(e, loop.time())
+        yield
+        for e in self.trainer_slots:
+            pool.start_switch(e, loop.time())
+        await asyncio.sleep(swap)
+        for e in self.trainer_slots:
+            pool.asleep(e, who, loop.time())
+        self.member.after_training()
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -142,13 +191,26 @@ class PoolResult:
     occupied_s: float
     trainer_busy_s: float
     preempted: int
+    engine_slots: int = 0
+    """Slots engines can run on (with overlap: the trainer devices too)."""
+
+
+def trainer_slots(pool_cfg: PoolConfig, names: list[str]) -> dict[str, list[int]]:
+    """Overlap: pipeline i's trainer devices, the pool slots after the engine slots."""
+    if not pool_cfg.overlap:
+        return {}
+    t, base = pool_cfg.trainer_devices, pool_cfg.engine_slots
+    return {n: list(range(base + i * t, base + (i + 1) * t)) for i, n in enumerate(names)}
 
 
 def _arm_slots(arm: str, pool_cfg: PoolConfig, names: list[str]) -> dict[str, list[int]]:
-    """Exclusive: contiguous shares of the engine slots, equal (the remainder idles) or
-    `pool_cfg.shares`."""
+    """The slots each pipeline has engines on. Shared: every slot. Exclusive: contiguous shares
+    of the engine slots, equal (the remainder idles) or `pool_cfg.shares`. With overlap, the
+    trainer slots too (exclusive: its own)."""
+    own = trainer_slots(pool_cfg, names)
     if arm == "shared":
-        return {n: list(range(pool_cfg.engine_slots)) for n in names}
+        every = list(range(pool_cfg.engine_slots + sum(len(x) for x in own.values())))
+        return {n: every for n in names}
     k = pool_cfg.engine_slots // len(names)
     shares = pool_cfg.shares or (k,) * len(names)
     if len(shares) != len(names) or min(shares) < 1 or sum(shares) > pool_cfg.engine_slots:
@@ -157,27 +219,32 @@ def _arm_slots(arm: str, pool_cfg: PoolConfig, names: list[str]) -> dict[str, li
             f"{pool_cfg.engine_slots} slots in all at most"
         )
     start = [sum(shares[:i]) for i in range(len(names))]
-    return {n: list(range(b, b + k)) for n, b, k in zip(names, start, shares)}
+    return {n: list(range(b, b + k)) + own.get(n, []) for n, b, k in zip(names, start, shares)}
 
 
 async def _run_arm(pipes: list[Pipeline], pool: Pool, arm: str, pool_cfg: PoolConfig) -> float:
     loop = asyncio.get_running_loop()
-    own = _arm_slots(arm, pool_cfg, [p.name for p in pipes])
+    names = [p.name for p in pipes]
+    own = _arm_slots(arm, pool_cfg, names)
     core, sims = None, []
-    if arm == "shared":
+    if arm == "shared" or pool_cfg.overlap:
+        mine = trainer_slots(pool_cfg, names)
         core = SchedulerCore(
             PipelineSchedulerConfig(
-                slots=pool_cfg.engine_slots,
+                slots=pool.n,
                 min_hold_s=pool_cfg.min_hold_s,
                 heartbeat_timeout_s=pool_cfg.heartbeat_timeout_s,
                 drain_timeout_s=pool_cfg.drain_timeout_s,
                 fence_s=pool_cfg.fence_s,
                 min_pipelines=len(pipes),
                 spread=pool_cfg.spread,
+                trainer_slots={n: tuple(x) for n, x in mine.items()},
+                overlap_others=pool_cfg.overlap_others,
             )
         )
-        sims = [SimMember(p, core, pool_cfg) for p in pipes]
-        for m in sims:  # every engine asleep until granted, as `PipelineMember.start`
+        sims = [SimMember(p, core, pool_cfg, own[p.name]) for p in pipes]
+        for p, m in zip(pipes, sims):  # engines asleep until granted (`PipelineMember.start`)
+            p.member, p.trainer_slots = m, mine.get(p.name, [])
             m.join(0.0)
     else:
         for name, slots in own.items():
@@ -228,7 +295,8 @@ def simulate_pool(
     slots = {c.slots for c in cfgs}
     if len(slots) != 1:
         raise ValueError(f"every pipeline's engines need the same --slots, got {sorted(slots)}")
-    pool = Pool(pool_cfg.engine_slots, slots.pop())
+    extra = pool_cfg.trainer_devices * len(cfgs) if pool_cfg.overlap else 0
+    pool = Pool(pool_cfg.engine_slots + extra, slots.pop())
     pool.keep_partial = pool_cfg.keep_partial
     names = [chr(ord("a") + i) for i in range(len(cfgs))]
     share = _arm_slots(arm, pool_cfg, names)
@@ -249,4 +317,5 @@ def simulate_pool(
         occupied_s=pool.occupied_s,
         trainer_busy_s=sum(p.r.train_s for p in pipes) * pool_cfg.trainer_devices,
         preempted=pool.preempted,
+        engine_slots=pool.n,
     )

@@ -17,9 +17,9 @@ import socket
 from pathlib import Path
 
 
-def pin_cores(cores: tuple[int, ...]) -> None:
+def pin_cores(cores: tuple[int, ...], threads: int | None = None) -> None:
     """Restrict every thread of this process (and threads started later) to `cores`, and size
-    torch's intra-op pool to match."""
+    torch's intra-op pool to `threads` (default: one per core)."""
     if not cores:
         return
     for tid in os.listdir("/proc/self/task"):
@@ -29,7 +29,7 @@ def pin_cores(cores: tuple[int, ...]) -> None:
             continue
     import torch
 
-    torch.set_num_threads(len(cores))
+    torch.set_num_threads(threads or len(cores))
 
 
 def trim_heap() -> bool:

@@ -178,6 +178,11 @@ async def test_the_run_computes_pi_j_in_the_role(tmp_path):
     held = [r["role/versions_held"] for r in steps if "role/versions_held" in r]
     assert held and max(held) < cfg.trainer.max_snapshots, (held, cfg.trainer.max_snapshots)
     assert any(r["staleness/mean"] > 0 for r in steps)  # older versions were trained on
+    # how busy the role kept the rollout side, per step: every trained sample went through it
+    assert all(r["role/failures"] == 0 for r in steps)
+    assert sum(r["role/samples"] for r in steps) >= 4 * 8 - 8  # the first batch may predate
+    assert all(r["role/calls"] <= r["role/samples"] for r in steps)  # bursts of >= 1 sample
+    assert sum(r["role/calls"] for r in steps) > 0 and sum(r["role/busy_s"] for r in steps) > 0
 
 
 def test_a_continued_sample_is_sent_whole_and_assembled_in_place():
@@ -422,3 +427,39 @@ def test_lora_role_shares_the_base_and_equals_the_trainers_adapter_snapshots(tmp
     held = fwd.store.state(2)
     assert sum(t.numel() for t in held.values()) == adapter_numel(cfg.model, tr.lora)
     tr.shutdown()
+
+
+def test_the_role_floats_over_the_runs_cores_with_one_thread(ray_up):
+    """`--behavior-role-cores all`: the role is pinned to the trainer's and the engines' cores
+    together and keeps the one thread it had on the engines' cores; `rollout` (the default)
+    keeps it on the engines' cores."""
+    import os
+
+    import ray
+
+    from slime_async.config import parse_config
+    from slime_async.orchestrator.roles import pin_actor
+    from slime_async.orchestrator.trainer_start import behavior_role_cores
+
+    default = parse_config(["--trainer-cores", "0", "--rollout-cores", "1"])
+    assert default.behavior_role_cores == "rollout" and behavior_role_cores(default) == (1,)
+    both = parse_config(
+        ["--trainer-cores", "0", "--rollout-cores", "1", "--behavior-role-cores", "all"]
+    )
+    assert behavior_role_cores(both) == (0, 1)
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse_config(["--behavior-role-cores", "trainer"])
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def where(self):
+            return sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+
+    probe = Probe.remote()
+    try:
+        asyncio_run(pin_actor(probe, behavior_role_cores(both), 1))
+        assert ray.get(probe.where.remote()) == ([0, 1], 1)
+        asyncio_run(pin_actor(probe, behavior_role_cores(default), 1))
+        assert ray.get(probe.where.remote()) == ([1], 1)
+    finally:
+        ray.kill(probe)

@@ -311,7 +311,11 @@ _OWNERS = {
     "embedded engine": (EngineConfig, {}, "engine_"),
     "engine supervision": (
         SupervisorConfig,
-        {"engine_restart_after": "restart_after_s", "engine_down_timeout": "all_down_timeout_s"},
+        {
+            "engine_restart_after": "restart_after_s",
+            "engine_hung_timeout": "hung_timeout_s",
+            "engine_down_timeout": "all_down_timeout_s",
+        },
         "",
     ),
     "router": (RouterConfig, {"router_auth_token": "admin_api_key"}, "router_"),

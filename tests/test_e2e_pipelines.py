@@ -104,3 +104,29 @@ async def test_a_pipeline_evaluates_before_its_first_and_after_its_last_step(tmp
     assert summary["train/version"] == 2
     rows = [json.loads(x) for x in (tmp_path / "e" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval/reward" in r] == [0, 2]
+
+
+async def test_a_run_with_a_trainer_slot_clears_it_for_each_step_and_serves_on_it_between(
+    tmp_path,
+) -> None:
+    """Partial overlap in a whole run: its engine 1 sits on its trainer's slot; `Run.train_step`
+    calls the trainer hooks, so before every step that engine is cut and put to sleep and after
+    it the slot is granted back (its engine woken and given the version); the run trains to
+    completion with its ledger whole."""
+    init_ray(num_cpus=8)
+    cfg = PipelineSchedulerConfig(slots=2, min_hold_s=1.0, trainer_slots={"o": (1,)})
+    sched = start_scheduler("pool-overlap", cfg)
+    try:
+        argv = [*_argv(tmp_path / "o", "o", 3), "--num-engines", "2"]
+        argv[argv.index("--pipeline-scheduler") + 1] = "pool-overlap"
+        summary = await asyncio.wait_for(train(parse_config(argv)), timeout=600)
+        events = (await sched.state.remote())["events"]
+    finally:
+        ray.kill(sched)
+    assert summary["train/version"] == 3
+    assert [r["step"] for r in _ledger(tmp_path / "o")] == [1, 2, 3]
+    whats = [e[2] for e in events if e[1] == "o"]
+    assert whats.count("trainer takes slots [1]") == 3
+    assert whats.count("trainer gives back its slots") == 3
+    assert sum(w == "granted slot 1" for w in whats) >= 3  # before the first step, then after
+    assert summary["pipeline/trainer_wait_s"] >= 0.0

@@ -259,3 +259,102 @@ def test_a_training_pipelines_idle_slots_stay_with_it_unless_another_needs_them(
         core.report("b", demand=0, inflight=4, version=0, now=t, load={0: 2, 1: 2})
         assert core.report("a", demand=0, version=1, now=t + 0.1)["give_up"] == []
     assert _held(core) == {"a": 2, "b": 2}
+
+
+def _overlap_core(**kw) -> SchedulerCore:
+    """Slot 0 an engine slot, slot 1 pipeline a's trainer slot (partial overlap)."""
+    return _core(slots=2, heartbeat_timeout_s=100.0, trainer_slots={"a": (1,)}, **kw)
+
+
+def test_a_trainer_slot_serves_its_own_pipeline_only_between_its_steps() -> None:
+    """Partial overlap: a's trainer slot is granted to a's own engine first, and to nobody
+    while a trains; before a's step the engine there is cut at once and the trainer waits
+    until it is released; after the step a's engine gets it back. Without `overlap_others`
+    b never serves on it, even while a wants nothing."""
+    core = _overlap_core()
+    assert core.join("a", priority=1.0, slots=[0, 1], now=0.0, capacity=4)["trainer_slots"] == [1]
+    assert core.join("b", priority=1.0, slots=[0, 1], now=0.0, capacity=4)["trainer_slots"] == []
+    assert core.report("b", demand=8, version=0, now=0.0)["take"] == [0]
+    assert core.report("a", demand=8, version=0, now=0.1)["take"] == [1]  # its own trainer slot
+    todo = core.before_training("a", now=5.0)
+    assert todo == {"wait": [1], "give_up": [1], "cut": [1]}
+    assert core.report("a", demand=8, version=0, now=5.1)["cut"] == [1]
+    core.released("a", 1, now=5.2)
+    assert core.before_training("a", now=5.3)["wait"] == []
+    for t in (6.0, 20.0, 60.0):  # while a trains nobody is granted slot 1, a short or not
+        assert core.report("b", demand=8, version=0, now=t)["take"] == []
+        assert core.report("a", demand=8, version=0, now=t + 0.1)["take"] == []
+        assert core.owner[1] is None and core.state()["training"] == {"a": 5.0}
+    core.after_training("a", now=61.0)
+    assert core.report("a", demand=8, version=1, now=61.1)["take"] == [1]
+    # a wants nothing: its trainer slot still goes to no other pipeline (overlap_others off)
+    core.before_training("a", now=70.0)
+    core.released("a", 1, now=70.1)
+    core.report("a", demand=0, version=1, now=75.0)
+    core.after_training("a", now=80.0)
+    for t in (81.0, 120.0):
+        assert core.report("a", demand=0, version=2, now=t)["take"] == []
+        assert core.report("b", demand=40, version=0, now=t + 0.1)["take"] == []
+    assert core.owner == {0: "b", 1: None}
+
+
+def test_with_overlap_others_a_trainer_slot_is_lent_and_taken_back_at_once() -> None:
+    """With `overlap_others` another pipeline serves on a's trainer slot between a's steps
+    (only after every other free slot); a's next step has its engine there cut at once (not
+    drained, whatever the hold) and a's trainer waits until that pipeline released it."""
+    core = _overlap_core(overlap_others=True, min_hold_s=100.0)
+    core.join("a", priority=1.0, slots=[0, 1], now=0.0, capacity=4)
+    core.join("b", priority=1.0, slots=[0, 1], now=0.0, capacity=4)
+    assert core.report("b", demand=4, version=0, now=0.0)["take"] == [0]  # not the trainer's
+    assert core.report("b", demand=8, version=0, now=0.5)["take"] == [1]  # a wants nothing
+    todo = core.before_training("a", now=1.0)
+    assert todo == {"wait": [1], "give_up": [], "cut": []}
+    todo = core.report("b", demand=8, inflight=4, version=0, now=1.5, load={0: 4, 1: 4})
+    assert (todo["give_up"], todo["cut"]) == ([1], [1])  # at once, within b's hold
+    assert core.before_training("a", now=2.0)["wait"] == [1]
+    core.released("b", 1, now=2.5)
+    assert core.before_training("a", now=3.0)["wait"] == []
+    assert core.report("b", demand=8, version=0, now=3.5)["take"] == []  # a trains
+    core.after_training("a", now=10.0)
+    assert core.report("b", demand=8, version=0, now=10.5)["take"] == [1]
+
+
+def test_a_pipeline_that_crashes_while_training_loses_every_grant_and_its_trainer_slot_is_fenced():
+    """a leaves (its run ended: its trainer crashed) or goes silent mid-step: its engine slots
+    go to the others at once (left) or after the fence (silent), its trainer slot only after
+    `fence_s` (its trainer may still hold that device); b is never stopped."""
+    for silent in (False, True):
+        core = _core(slots=3, heartbeat_timeout_s=5.0, fence_s=20.0, overlap_others=True,
+                     trainer_slots={"a": (2,)})  # fmt: skip
+        core.join("a", priority=1.0, slots=[0, 1, 2], now=0.0, capacity=4)
+        core.join("b", priority=1.0, slots=[0, 1, 2], now=0.0, capacity=4)
+        assert core.report("a", demand=4, version=0, now=0.0)["take"] == [2]
+        assert core.report("b", demand=4, version=0, now=0.1)["take"] == [0]
+        assert core.report("a", demand=8, version=0, now=0.2)["take"] == [1]
+        core.before_training("a", now=1.0)
+        core.released("a", 2, now=1.1)
+        assert core.before_training("a", now=1.2)["wait"] == []
+        if not silent:
+            core.leave("a", now=2.0)
+        takes = {}
+        for t in range(2, 32, 2):  # b reports on; a silent since 1.2 is dropped at 8
+            takes[t] = core.report("b", demand=12, version=0, now=float(t))["take"]
+        assert "a" not in core.pipelines and core.training == {}
+        got = {t: v for t, v in takes.items() if v}
+        assert got == ({28: [1, 2]} if silent else {2: [1], 22: [2]}), got
+        assert core.owner == {0: "b", 1: "b", 2: "b"}
+
+
+def test_bad_trainer_slots_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="outside the pool"):
+        PipelineSchedulerConfig(slots=2, trainer_slots={"a": (2,)})
+    with pytest.raises(ValueError, match="one trainer per device"):
+        PipelineSchedulerConfig(slots=2, trainer_slots={"a": (1,), "b": (1,)})
+    with pytest.raises(ValueError, match="is empty"):
+        PipelineSchedulerConfig(slots=2, trainer_slots={"a": ()})
+    core = _core(slots=3, trainer_slots={"a": (2,)})
+    with pytest.raises(ValueError, match="must be among the slots its engines sit on"):
+        core.join("a", priority=1.0, slots=[0, 1], now=0.0)
+    b = _core(slots=2).before_training  # no trainer slots: nothing to wait for, nothing cut
+    with pytest.raises(KeyError, match="not joined"):
+        b("a", now=0.0)

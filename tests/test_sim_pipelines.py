@@ -164,3 +164,29 @@ def test_spread_lends_idle_slots_and_decodes_faster_without_double_occupancy(sim
     assert all(x.steps >= y.steps for x, y in zip(spread.pipes, capped.pipes))
     assert sum(p.steps for p in spread.pipes) > sum(p.steps for p in capped.pipes)
     assert spread.preempted == capped.preempted == 0
+
+
+def test_overlap_trainer_devices_generate_between_steps_never_beside_their_trainer(sim) -> None:
+    """Partial overlap in the simulator: two synchronous pipelines, each on one engine slot and
+    two trainer devices. With overlap their trainer devices serve their generation between
+    their steps (through the real core's trainer hooks), so each step's requests spread over
+    three engines instead of one and each pipeline trains more steps in the same time; the
+    trainer waits for the engines there to sleep before every step, and no device ever holds
+    an engine beside its trainer (`Pool` raises `DoubleOccupancy`: the trainer is resident)."""
+    sd, sp = sim
+    cfg = _cfg(sd, min_len=200, max_len=600, slots=8, steps=10**9, groups_per_step=16,
+               max_staleness=0, train_step_s=30.0)  # fmt: skip
+    cfgs = [cfg, dataclasses.replace(cfg, seed=1)]
+    kw = dict(engine_slots=2, trainer_devices=2, horizon_s=1800.0, heartbeat_s=1.0,
+              min_hold_s=5.0, sleep_s=1.0, wake_s=1.0, sync_s=0.5, trainer_swap_s=1.0)  # fmt: skip
+    alone = sp.simulate_pool("exclusive", sp.PoolConfig(**kw), cfgs)
+    over = sp.simulate_pool("exclusive", sp.PoolConfig(overlap=True, **kw), cfgs)
+    assert over.engine_slots == 6 and alone.engine_slots == 2
+    for x, y in zip(over.pipes, alone.pipes):
+        assert x.steps > 1.3 * y.steps, (x.steps, y.steps)
+        assert x.granted_s > 1.5 * y.granted_s  # its trainer devices served too
+        assert x.trainer_wait_s > 0 and x.switches > 2 * x.steps  # slept and woke every step
+    pool = sp.Pool(1, 4)
+    pool.load(0, "a")
+    with pytest.raises(sp.DoubleOccupancy, match="resident"):
+        pool.load(0, "a:trainer")

@@ -534,6 +534,9 @@ def test_protocol_report_reads_the_search_leads_and_equivalence():
     (u,) = ew["unstable"]
     # the 5-step mean is below the 0.7 floor from step 22 (2 low steps); reported after 3 in a row
     assert u["fired"] == 24 and u["lead"] == onset - 24
+    dense_sync = run(Cell(staleness=0, loss="ppo", replay=False, nspr=1, seed=1), flat)
+    ew = early_warning([("c", dense_sync, "stable")], RULES)["is_ess_low"]
+    assert ew["sync_runs"] == 1 and ew["stable_async_runs"] == 0  # R3 off is still sync
 
     confirm = {}
     for seed, (s0, c8, n8) in enumerate([(0.4, 0.41, 0.30), (0.3, 0.29, 0.2), (0.5, 0.5, 0.41)]):
@@ -631,7 +634,8 @@ def test_phase3_report_compares_the_dense_arms_with_sync():
                 "eval_final": v,
                 "wall_s": wall,
             }
-    md = render_phase3(staleness=4, per_run=per_run, runs=[], planned=21)
+    md = render_phase3(staleness=4, per_run=per_run, runs=[], planned=21, rules=RULES)
+    assert "Early warning over phase 3's runs, at each setting" in md
     assert "## Phase 3: workload S (SmolLM2-135M) at S = 4" in md and "0 of 21 planned" in md
     assert "| `s4-compis-rroff-n1` | 3 | -0.000 | [-0.017, +0.017] |" in md and "**yes**" in md
     assert "| `s4-ppo-rroff-n1` | 3 | -0.097 |" in md and "| `s4-tis-rroff-n1` | 0 |" in md

@@ -154,7 +154,7 @@ def test_a_push_packs_the_parameters_without_copying_the_model(moe_trainer):
     """What `send_weights` broadcasts: the export without copies (views of the parameters but
     for q/k/v, which megatron interleaves) packs into exactly the bytes of the copying fp32
     export, in fp32 and in bf16 on the wire, bucket by bucket."""
-    from slime_async.contracts.weight_group import in_dtype, pack_bucket, plan_buckets
+    from slime_async.contracts.weight_buckets import in_dtype, pack_bucket, plan_buckets
 
     tr = moe_trainer
     ref, views = tr.export_weights(), tr.export_weights(copy=False)

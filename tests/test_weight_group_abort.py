@@ -13,14 +13,9 @@ import threading
 import pytest
 import torch
 
-from slime_async.contracts.weight_group import (
-    GroupControl,
-    WeightGroup,
-    WeightGroupAborted,
-    plan_buckets,
-    receive_bucket,
-    send_buckets,
-)
+from slime_async.contracts.weight_buckets import plan_buckets
+from slime_async.contracts.weight_group import GroupControl, WeightGroup, WeightGroupAborted
+from slime_async.contracts.weight_transfer import receive_bucket, send_buckets
 from slime_async.contracts.weights import WeightManifest
 from slime_async.host import free_port
 

@@ -23,7 +23,7 @@ import torch
 
 from router import Router, RouterClient, RouterConfig
 from slime_async.contracts.model import ModelSpec
-from slime_async.contracts.weight_group import plan_buckets
+from slime_async.contracts.weight_buckets import plan_buckets
 from slime_async.contracts.weights import WeightManifest, version_dir_name
 from slime_async.engine import EngineConfig, EngineProcess
 from slime_async.engine.model import load_model

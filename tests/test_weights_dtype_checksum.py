@@ -13,15 +13,15 @@ import logging
 import pytest
 import torch
 
-from slime_async.contracts.weight_group import (
+from slime_async.contracts.weight_buckets import (
     bucket_buffer,
     in_dtype,
     pack_bucket,
     plan_buckets,
-    publish_checksum,
     tensors_checksum,
     torch_dtype,
 )
+from slime_async.contracts.weight_transfer import publish_checksum
 from slime_async.contracts.weights import WeightManifest
 from slime_async.weights import InProcessSender, WeightSyncConfig
 from tests.test_weights_distributed import CFG, Weights, _pushing, _served, fleet  # noqa: F401

@@ -24,7 +24,8 @@ import torch
 from router import Router, RouterClient, RouterConfig
 from slime_async.contracts.adapter import LoraSpec, adapter_numel, peft_shapes, write_peft_dir
 from slime_async.contracts.model import ModelSpec
-from slime_async.contracts.weight_group import publish_checksum, tensors_checksum, torch_dtype
+from slime_async.contracts.weight_buckets import tensors_checksum, torch_dtype
+from slime_async.contracts.weight_transfer import publish_checksum
 from slime_async.engine import EngineConfig, EngineProcess
 from slime_async.engine.testing import post, start_processes, stop_processes
 from slime_async.weights import InProcessSender, WeightSyncConfig

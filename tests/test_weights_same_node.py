@@ -20,16 +20,15 @@ import safetensors.torch
 import torch
 
 from slime_async.contracts import weight_shm
-from slime_async.contracts.weight_group import (
-    CHUNK_KEY,
-    SHM_BUCKET_KEY,
-    _copy_and_checksum,
-    _pieces,
+from slime_async.contracts.weight_buckets import (
+    bucket_pieces,
+    copy_and_checksum,
     entry_nbytes,
-    publish_checksum,
     tensors_checksum,
     torch_dtype,
 )
+from slime_async.contracts.weight_group import CHUNK_KEY, SHM_BUCKET_KEY
+from slime_async.contracts.weight_transfer import publish_checksum
 from slime_async.engine import EngineConfig, EngineProcess
 from slime_async.engine.testing import post, start_processes, stop_processes
 from slime_async.weights import InProcessSender
@@ -182,7 +181,7 @@ class _CorruptingShmSender(InProcessSender):
             k, nbytes = g.buckets, sum(entry_nbytes(e) for e in b)
             seg = g.same_node.pool.segment(set_id, j, nbytes)
             flat = seg.buffer.view(torch_dtype(b[0].dtype))
-            digests = _copy_and_checksum(seg.buffer, _pieces(tensors, b, flat))
+            digests = copy_and_checksum(seg.buffer, bucket_pieces(tensors, b, flat))
             if j == self.bad:
                 seg.buffer[nbytes // 2] ^= 1
             g.store.set(SHM_BUCKET_KEY.format(k), f"{set_id},{j},{seg.fd},{nbytes}")
@@ -283,7 +282,7 @@ def test_digests_cross_tensor_and_chunk_boundaries_alike() -> None:
     dst = raw.view(torch.float32)
     seen: list[tuple[int, int]] = []
     pieces = [(dst[: a.numel()], a), (dst[a.numel() :], b)]
-    assert _copy_and_checksum(raw, pieces, lambda c, d: seen.append((c, d))) == want
+    assert copy_and_checksum(raw, pieces, lambda c, d: seen.append((c, d))) == want
     assert seen == list(enumerate(want)) and torch.equal(dst, flat)
     c = flat.clone()
     c[-1] += 1
@@ -305,7 +304,8 @@ def _rank0_then_die(port: int, ready) -> None:
     """Rank 0 in a child process: send one version (two buckets), then hang until killed."""
     import threading
 
-    from slime_async.contracts.weight_group import WeightGroup, send_buckets
+    from slime_async.contracts.weight_group import WeightGroup
+    from slime_async.contracts.weight_transfer import send_buckets
 
     g = WeightGroup.open(
         master_address="127.0.0.1",
@@ -325,7 +325,7 @@ _CRASH_TENSORS = {f"w{i}": torch.full((300_000,), float(i)) for i in range(4)}
 
 
 def _crash_buckets():
-    from slime_async.contracts.weight_group import plan_buckets
+    from slime_async.contracts.weight_buckets import plan_buckets
     from slime_async.contracts.weights import WeightManifest
 
     return plan_buckets(WeightManifest.of(_CRASH_TENSORS, version=0), 2_400_000)
@@ -338,7 +338,8 @@ def test_a_sender_killed_mid_group_leaves_no_segment_behind() -> None:
     import multiprocessing as mp
     import time
 
-    from slime_async.contracts.weight_group import WeightGroup, receive_checked
+    from slime_async.contracts.weight_group import WeightGroup
+    from slime_async.contracts.weight_transfer import receive_checked
     from slime_async.host import free_port
 
     shm_before = _shm_files()

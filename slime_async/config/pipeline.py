@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from collections.abc import Mapping
 
 from clifields import add_flags, check_ranges, flag, from_args
 
@@ -71,6 +72,15 @@ class PipelineSchedulerConfig:
     sleep_level: int = 2
     """How a pipeline's engine sleeps while its slot serves another: 1 frees the KV and prefix
     caches, 2 also the weights."""
+    trainer_slots: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Partial overlap: pipeline name -> the pool slots its trainer trains on. Such a slot
+    serves generation only between that pipeline's train steps (its own engine there first);
+    before each step the engine on it is cut (its requests re-dispatched by its router), put
+    to sleep and released, and the trainer waits for that (`before_training`). Empty: no slot
+    is a trainer's, the trainers keep devices of their own."""
+    overlap_others: bool = False
+    """Grant a pipeline's trainer slot, between its steps, to other pipelines' engines too when
+    its own does not need it (off: only its own pipeline's engine serves there)."""
 
     def __post_init__(self) -> None:
         if self.min_pipelines < 1:
@@ -83,6 +93,26 @@ class PipelineSchedulerConfig:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
+        _check_trainer_slots(self.trainer_slots, self.slots)
+
+
+def _check_trainer_slots(trainer_slots: Mapping[str, tuple[int, ...]], n: int) -> None:
+    """Each trainer slot inside the pool and one pipeline's only."""
+    seen: dict[int, str] = {}
+    for name, slots in trainer_slots.items():
+        if not slots:
+            raise ValueError(f"trainer_slots[{name!r}] is empty: give its slots or drop it")
+        for s in slots:
+            if not (isinstance(s, int) and 0 <= s < n):
+                raise ValueError(
+                    f"trainer_slots[{name!r}]: slot {s!r} is outside the pool's 0..{n - 1}"
+                )
+            if s in seen:
+                raise ValueError(
+                    f"trainer_slots: slot {s} is the trainer slot of both {seen[s]!r} and "
+                    f"{name!r}; one trainer per device"
+                )
+            seen[s] = name
 
 
 def add_pipeline_args(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from clifields import add_flags, check_ranges, flag
 from data_worker.config import DataWorkerConfig
@@ -176,6 +176,10 @@ class RunConfig:
         (), parse=parse_cores, derived="the second half of the usable cores"
     )
     """CPU cores of the engines, comma-separated (empty: no pinning)."""
+    behavior_role_cores: Literal["rollout", "all"] = "rollout"
+    """Where the forward-only role (--behavior-forward role) runs: "rollout" (pinned to the
+    engines' cores) or "all" (the trainer's and the engines' cores together: the OS runs its
+    forwards on whichever side is idle; the role has one thread). docs/cpu.md#the-forward-only-role."""
     memory_limit_gib: float | None = flag(
         None,
         gt=0,
@@ -221,6 +225,11 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_ranges(self)
+        if self.behavior_role_cores not in ("rollout", "all"):
+            raise ValueError(
+                f"behavior_role_cores={self.behavior_role_cores!r}; use 'rollout' (the engines' "
+                "cores) or 'all' (the trainer's and the engines' cores)"
+            )
 
     @property
     def rollout_seed(self) -> int:
@@ -235,6 +244,7 @@ _PLACEMENT = (
     "offload_rollout",
     "trainer_cores",
     "rollout_cores",
+    "behavior_role_cores",
     "memory_limit_gib",
 )
 """`RunConfig` fields of the `placement` flag group; the others are the `run` group."""

@@ -59,7 +59,8 @@ _LOSS_PLUGIN = (
 _HEALTH = (
     "slime's optional fault tolerance; here always on: the router health-checks every engine "
     "(--router-health-interval-s, --router-health-timeout-s) and the supervisor restarts one "
-    "that is down (--engine-down-timeout, --engine-restart-after)"
+    "that is down or does not answer a 1-token generation (--engine-restart-after, "
+    "--engine-hung-timeout: slime's health-check timeout, --engine-down-timeout)"
 )
 _DATA = (
     "a setting of slime's data source; not here: prompts come from --prompt-data "

@@ -1,5 +1,5 @@
 """The engine supervisor's settings: `SupervisorConfig` and its flags (`--engine-restart-after`,
-`--engine-down-timeout`). The supervisor itself is `slime_async.orchestrator.supervisor`; its
+`--engine-hung-timeout`, `--engine-down-timeout`). The supervisor itself is `slime_async.orchestrator.supervisor`; its
 config lives on the config side so that parsing a run imports nothing of the live run.
 """
 
@@ -21,6 +21,11 @@ class SupervisorConfig:
     restart_after_s: float = flag(10.0, name="engine-restart-after", gt=0, lt=math.inf)
     """Restart an engine the router has held unhealthy this many seconds (dead actors at
     once)."""
+    hung_timeout_s: float = flag(30.0, name="engine-hung-timeout", gt=0, lt=math.inf)
+    """Before restarting an engine that is still running, ask it for a 1-token generation
+    (`/health_generate`) and wait this many seconds: one that answers is slow (a loaded node,
+    a long prefill), not hung, and keeps serving; it is looked at again after another
+    --engine-restart-after. slime's --rollout-health-check-timeout plays this part (30 s)."""
     all_down_timeout_s: float = flag(120.0, name="engine-down-timeout", gt=0, lt=math.inf)
     """With no healthy engine for this many seconds, stop the run with a checkpoint."""
     log_every_s: float = flag(10.0, cli=False)

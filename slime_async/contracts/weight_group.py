@@ -1,16 +1,14 @@
-"""The distributed weight transport's wire protocol, both ends: the process group the trainer's
-sender (rank 0) and the engines (ranks `rank_offset + i`) join, how tensors are bucketed, and how
-a bucket travels. One responsibility over 400 lines: the wire protocol both ends must agree on.
+"""The distributed weight transport's process group, both ends: how the trainer's sender (rank
+0) and the engines (ranks `rank_offset + i`) form it, find out who shares rank 0's node, and give
+it up. What travels through it is `weight_buckets` (the layout) and `weight_transfer` (one bucket,
+sent and checked).
 
 Owns `WeightGroup` (one member's handle on a weight-update group: a standalone gloo or NCCL
 process group on its own TCP rendezvous, never the default `torch.distributed` group, so a
-trainer rank can be in both), `plan_buckets` (the send order: tensors grouped by dtype, each
-group split into buckets of at most `bucket_bytes`), `send_bucket` / `receive_bucket` (SGLang's two
-load formats: one broadcast per tensor in `names` order, or `"flattened_bucket"`: one broadcast
-of the bucket's tensors concatenated, all of one dtype, packed by `pack_bucket` into a
-`bucket_buffer`) and `torch_dtype` (SGLang's dtype names).
-Both ends must agree on all of it, which is why it is a contract. Imports nothing from the rest
-of slime_async but the weights contract.
+trainer rank can be in both), the group store's keys, `SameNode` (the same-node handshake's
+outcome) and `GroupControl` (the driver's client on the store). Both ends must agree on all of
+it, which is why it is a contract. Imports nothing from the rest of slime_async but the
+contracts.
 
 Aborting a group. A member that stops receiving (its bucket call failed or was refused before
 the receive, or it hangs) would hold every broadcast until the op timeout. The group's own
@@ -21,31 +19,16 @@ process group (with its op still in flight) to a daemon thread that releases it,
 ever blocks in a broadcast or in `close` on a member that stopped. `GroupControl` is the
 driver's client on that store: it reads `sent` and sets `abort`.
 
-Checksums. Before broadcasting its k-th bucket of a group (k counts from 0 per group), rank 0
-puts the xxh3_64 digests of the bucket's bytes as sent (after the cast to the bucket's dtypes),
-one per `weight_shm.CHUNK_BYTES`, in the store under `xxh3/<k>` (`send_bucket`); a member that
-received its k-th bucket compares (`checksum_problem`) and refuses a bucket whose bytes differ,
-so a corrupted bucket is never staged. SGLang members do not read the key; a sender that writes
-none is not checked.
-
 Same node. On gloo, when the group forms, rank 0 offers shared memory (`shm/offer`: its
 `weight_shm.host_identity`, pid, a probe segment, the group's nonce) and every member answers
 `shm/member/<rank>`: `shm` when it is on the same node (same identity, the probe segment
 readable, not turned off on either side), else `wire`. Only rank 0 and the `wire` members form
-the gloo process group (ranks renumbered in the order of their group ranks). Rank 0 packs each
-bucket straight into a segment of its `SegmentPool` and, per bucket k, puts the segment's
-descriptor in `shm/bucket/<k>` before packing and each chunk's digest in `xxh3/<k>/<c>` as soon
-as the chunk is written; a `shm` member maps the segment read-only (`SegmentReader`), and checks
-chunk c (digest, finite values) while rank 0 writes the next ones. The wire members get the same
-bytes broadcast from the segment. Segments come in sets, one segment per bucket of a version;
-a member that serves tensors viewing a set says so in `shm/holds/<rank>` after its swap, and
-rank 0 writes each version into a set no member holds (two sets alternate), so the bytes a
-member serves are never written while it serves them. Every failure re-forms the group, and a
-new group never writes an old group's segments.
-
-Worked example (bucket_bytes = 1 MiB; fp32 tensors a: 0.6 MiB, b: 0.6 MiB, c: 0.2 MiB, a bf16
-tensor d): buckets [a], [b, c], [d]; with the flattened format each bucket is one broadcast of
-a flat buffer (a: 0.6 MiB; b ++ c: 0.8 MiB; d).
+the gloo process group (ranks renumbered in the order of their group ranks). Segments come in
+sets, one segment per bucket of a version; a member that serves tensors viewing a set says so in
+`shm/holds/<rank>` after its swap (`hold`), and rank 0 writes each version into a set no member
+holds (`free_set`: two sets alternate), so the bytes a member serves are never written while it
+serves them. Every failure re-forms the group, and a new group never writes an old group's
+segments. How a bucket then goes through a segment: `weight_transfer`.
 """
 
 from __future__ import annotations
@@ -54,32 +37,14 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-import mmap
-import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection
 
 import torch
 
 from slime_async.contracts import weight_shm as shm
-from slime_async.contracts.weights import TensorEntry, WeightManifest, all_finite
-
-FLATTENED = "flattened_bucket"
-"""SGLang's `load_format` for one flat broadcast per bucket."""
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-
 
 ABORT_KEY = "abort"
 """Store key: set (to the reason) when the group is given up; every member's op stops."""
@@ -99,84 +64,13 @@ SHM_HOLDS_KEY = "shm/holds/{}"
 """Store key: the sets member r serves tensors from, comma-separated (empty: none)."""
 ABORT_POLL_S = 0.05
 """How often a member waiting on its op looks at the `abort` key (one store round trip)."""
-_HUGE_PAGE = 2 << 20
-"""Bytes of a transparent huge page on x86-64 and most arm64 kernels (`bucket_buffer`)."""
-_CHECKSUM_THREAD_BYTES = 4 << 20
-"""From this bucket size on, `pack_bucket` computes the checksum in a second thread."""
+
 _SHM_SETS = 3
 """Most segment sets rank 0 keeps (two alternate; a third only if members hold both)."""
 
 
 class WeightGroupAborted(RuntimeError):
     """The group was given up while this member waited on an op; form a new group."""
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """SGLang's dtype spelling ("bfloat16", also "torch.bfloat16") -> torch dtype."""
-    key = str(name).removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; one of {sorted(_DTYPES)}")
-    return _DTYPES[key]
-
-
-def entry_nbytes(e: TensorEntry) -> int:
-    n = 1
-    for d in e.shape:
-        n *= d
-    return n * torch_dtype(e.dtype).itemsize
-
-
-def plan_buckets(manifest: WeightManifest, bucket_bytes: int) -> list[tuple[TensorEntry, ...]]:
-    """The send order: per dtype (in order of first appearance), consecutive tensors packed into
-    buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    by_dtype: dict[str, list[TensorEntry]] = {}
-    for e in manifest.entries:
-        by_dtype.setdefault(e.dtype, []).append(e)
-    out: list[tuple[TensorEntry, ...]] = []
-    for entries in by_dtype.values():
-        cur: list[TensorEntry] = []
-        size = 0
-        for e in entries:
-            n = entry_nbytes(e)
-            if cur and size + n > bucket_bytes:
-                out.append(tuple(cur))
-                cur, size = [], 0
-            cur.append(e)
-            size += n
-        if cur:
-            out.append(tuple(cur))
-    return out
-
-
-FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
-
-
-def in_dtype(manifest: WeightManifest, dtype: str | None) -> WeightManifest:
-    """`manifest` with every floating-point tensor sent as `dtype` (None: unchanged);
-    `send_bucket` casts on the sender."""
-    if dtype is None:
-        return manifest
-    torch_dtype(dtype)
-    entries = tuple(
-        dataclasses.replace(e, dtype=dtype) if e.dtype in FLOAT_DTYPES else e
-        for e in manifest.entries
-    )
-    return dataclasses.replace(manifest, entries=entries)
-
-
-def bucket_body(
-    bucket: Sequence[TensorEntry], *, group_name: str, flatten: bool
-) -> dict[str, object]:
-    """The `/update_weights_from_distributed` fields describing `bucket`."""
-    return {
-        "names": [e.name for e in bucket],
-        "dtypes": [e.dtype for e in bucket],
-        "shapes": [list(e.shape) for e in bucket],
-        "group_name": group_name,
-        "load_format": FLATTENED if flatten else None,
-    }
 
 
 def local_address_towards(master_address: str) -> str:
@@ -594,398 +488,3 @@ class GroupControl:
     def abort(self, reason: str) -> None:
         """Give the group up: every member's op stops waiting and raises `WeightGroupAborted`."""
         self.store.set(ABORT_KEY, reason)  # type: ignore[attr-defined]
-
-
-def tensors_checksum(ts: Sequence[torch.Tensor]) -> list[int]:
-    """The digests of the tensors' bytes, one after another (`weight_shm.ChunkHasher`: a flat
-    bucket and its pieces agree)."""
-    h = shm.ChunkHasher()
-    for t in ts:
-        flat = t.detach().contiguous().reshape(-1)
-        if flat.numel():
-            h.update(memoryview(flat.cpu().view(torch.uint8).numpy()))
-    return h.finish()
-
-
-def publish_checksum(g: WeightGroup, digests: list[int]) -> None:
-    """Rank 0: the checksum of the bucket it sends next (index `g.buckets`)."""
-    if g.store is not None:
-        g.store.set(CHECKSUM_KEY.format(g.buckets), shm.format_digests(digests))  # type: ignore[attr-defined]
-
-
-def bucket_buffer(nbytes: int, device: str = "cpu") -> torch.Tensor:
-    """A fresh uint8 buffer of `nbytes` for one flat bucket (the sender packs into it, a member
-    receives into it), freed with its last view.
-
-    On a Linux CPU a large one is anonymous memory advised to be backed by transparent huge
-    pages (`madvise(MADV_HUGEPAGE)`, effective where THP is `madvise` or `always`) and aligned
-    to them: a bucket is written once end to end, and faulting it in 4 KiB pages costs several
-    times the writing (docs/results/2026-11-27-weight-sync-floor.md). Elsewhere, or where that
-    fails, `torch.empty`."""
-    if device != "cpu" or nbytes < 2 * _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    try:
-        m = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    with contextlib.suppress(OSError):  # no THP here: plain pages, as torch.empty would get
-        m.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(m, dtype=torch.uint8)  # holds `m` until its last view is freed
-    pad = -whole.data_ptr() % _HUGE_PAGE
-    return whole[pad : pad + nbytes]
-
-
-def _bucket_dtype(bucket: Sequence[TensorEntry]) -> torch.dtype:
-    dtypes = {e.dtype for e in bucket}
-    if len(dtypes) != 1:
-        raise ValueError(f"a {FLATTENED} bucket holds one dtype, got {sorted(dtypes)}")
-    return torch_dtype(bucket[0].dtype)
-
-
-def _pieces(
-    tensors: Mapping[str, torch.Tensor], bucket: Sequence[TensorEntry], flat: torch.Tensor
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(destination view of `flat`, source tensor) per entry, in order; ValueError for a
-    tensor whose shape is not its entry's."""
-    pieces, at = [], 0
-    for e in bucket:
-        t = tensors[e.name].detach()
-        if tuple(t.shape) != tuple(e.shape):
-            raise ValueError(
-                f"tensor {e.name!r} has shape {tuple(t.shape)}, its manifest entry "
-                f"{tuple(e.shape)}: the weights changed shape since the manifest was made"
-            )
-        pieces.append((flat[at : at + t.numel()].view(t.shape), t))
-        at += t.numel()
-    return pieces
-
-
-def pack_bucket(
-    tensors: Mapping[str, torch.Tensor], bucket: Sequence[TensorEntry], device: str
-) -> tuple[torch.Tensor, list[int]]:
-    """The flattened format's payload and its digests: the bucket's tensors, each cast to its
-    entry's dtype, one after another in `bucket` order, as one flat tensor on `device`.
-
-    Each tensor is read once and written once, straight into a fresh `bucket_buffer` (the cast
-    is that copy); a bucket of one tensor already contiguous in its dtype on `device` is sent
-    as it is. On the CPU a second thread computes the digests of the bytes as soon as they are
-    written (torch's copy and xxhash both release the GIL), so the two passes overlap.
-    Raises ValueError for a bucket of several dtypes or a tensor whose shape is not its
-    entry's."""
-    dt = _bucket_dtype(bucket)
-    if len(bucket) == 1:
-        t = tensors[bucket[0].name].detach()
-        if tuple(t.shape) != tuple(bucket[0].shape):
-            _pieces(tensors, bucket, torch.empty(t.numel(), dtype=dt))  # raises, naming it
-        if t.dtype == dt and t.device == torch.device(device) and t.is_contiguous():
-            return t.reshape(-1), tensors_checksum([t])
-    nbytes = sum(entry_nbytes(e) for e in bucket)
-    raw = bucket_buffer(nbytes, device)
-    flat = raw.view(dt)
-    pieces = _pieces(tensors, bucket, flat)
-    if flat.device.type != "cpu" or nbytes < _CHECKSUM_THREAD_BYTES:
-        for dst, src in pieces:
-            dst.copy_(src)
-        return flat, tensors_checksum([flat])
-    return flat, _copy_and_checksum(raw, pieces)
-
-
-def _copy_and_checksum(
-    raw: torch.Tensor,
-    pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    on_chunk: Callable[[int, int], None] | None = None,
-) -> list[int]:
-    """Copy each `(dst, src)` in order (each `dst` a view of the uint8 buffer `raw`, back to
-    back from its start) here, while a second thread computes the digest of every chunk of
-    `raw` as soon as it is written (`on_chunk(c, digest)` then); returns all the digests."""
-    written: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-    digests: list[int] = []
-    failed: list[BaseException] = []
-    size, base = raw.numel(), raw.data_ptr()
-
-    def follow() -> None:
-        done = 0  # bytes hashed so far
-        while True:
-            upto = written.get()
-            end = size if upto is None else upto - upto % shm.CHUNK_BYTES
-            try:
-                while done < end:
-                    stop = min(done + shm.CHUNK_BYTES, size)
-                    d = shm.chunk_digest(raw[done:stop])
-                    digests.append(d)
-                    if on_chunk is not None:
-                        on_chunk(len(digests) - 1, d)
-                    done = stop
-            except BaseException as e:  # re-raised by the packing thread
-                failed.append(e)
-                return
-            if upto is None:
-                return
-
-    worker = threading.Thread(target=follow, daemon=True, name="bucket-checksum")
-    worker.start()
-    try:
-        for dst, src in pieces:
-            dst.copy_(src)
-            written.put(dst.data_ptr() + dst.numel() * dst.element_size() - base)
-    finally:
-        written.put(None)
-        worker.join()
-    if failed:
-        raise failed[0]
-    return digests
-
-
-def _send_same_node(
-    g: WeightGroup,
-    tensors: Mapping[str, torch.Tensor],
-    bucket: Sequence[TensorEntry],
-    slot: tuple[int, int],
-) -> None:
-    """Rank 0, with members on its node: pack bucket k into segment `slot` (set, bucket of
-    the version), its descriptor published first and each chunk's digest as soon as that chunk
-    is written; then broadcast it to the wire members, if any."""
-    assert g.same_node.pool is not None and g.store is not None
-    dt, k = _bucket_dtype(bucket), g.buckets
-    nbytes = sum(entry_nbytes(e) for e in bucket)
-    seg = g.same_node.pool.segment(*slot, nbytes)
-    store = g.store
-    store.set(SHM_BUCKET_KEY.format(k), f"{slot[0]},{slot[1]},{seg.fd},{nbytes}")  # type: ignore[attr-defined]
-
-    def chunk_done(c: int, d: int) -> None:
-        store.set(CHUNK_KEY.format(k, c), f"{d:016x}")  # type: ignore[attr-defined]
-
-    flat = seg.buffer.view(dt)
-    digests = _copy_and_checksum(seg.buffer, _pieces(tensors, bucket, flat), chunk_done)
-    publish_checksum(g, digests)
-    if g.pg is not None:
-        g.broadcast(flat)
-
-
-def send_bucket(
-    g: WeightGroup,
-    tensors: Mapping[str, torch.Tensor],
-    bucket: Sequence[TensorEntry],
-    *,
-    flatten: bool,
-    slot: tuple[int, int] | None = None,
-) -> None:
-    """Rank 0: publish the bucket's checksum, then broadcast its tensors (cast to the bucket's
-    dtypes): one flat broadcast (`pack_bucket`), or one per tensor in `bucket` order. With
-    members on its node the bucket goes through segment `slot` (default: set `free_set()`,
-    bucket 0), laid out flat whatever `flatten` says, and the wire members get it flat."""
-    if g.same_node.pool is not None:
-        _send_same_node(g, tensors, bucket, slot or (g.free_set(), 0))
-    elif flatten:
-        flat, digests = pack_bucket(tensors, bucket, g.device)
-        publish_checksum(g, digests)
-        g.broadcast(flat)
-    else:
-        ts = [tensors[e.name].detach().to(g.device, torch_dtype(e.dtype)) for e in bucket]
-        publish_checksum(g, tensors_checksum(ts))
-        for t in ts:
-            g.broadcast(t.contiguous())
-    g.buckets += 1
-
-
-def send_buckets(
-    g: WeightGroup,
-    tensors: Mapping[str, torch.Tensor],
-    buckets: Sequence[Sequence[TensorEntry]],
-    *,
-    flatten: bool,
-) -> None:
-    """Rank 0: send every bucket in order, counting each one finished in the `sent` key. On any
-    failure (a member died, the group was aborted) the group is aborted and left, so the other
-    members' receives stop now rather than at the timeout; then it raises. A version's buckets
-    go into one segment set that no member holds (members on rank 0's node).
-
-    The tensors handed to the process group may be views of `tensors`: an op abandoned in
-    flight only reads them (a member that stopped receiving gets nothing usable)."""
-    try:
-        set_id = g.free_set() if g.same_node.pool is not None else 0
-        for j, b in enumerate(buckets):
-            send_bucket(g, tensors, b, flatten=flatten, slot=(set_id, j))
-            g.mark_sent()
-    except BaseException as e:
-        g.abort(f"rank 0 stopped sending: {type(e).__name__}: {e}")
-        raise
-
-
-def receive_bucket(
-    g: WeightGroup, bucket: Sequence[TensorEntry], *, flatten: bool
-) -> dict[str, torch.Tensor]:
-    """Ranks > 0 on the wire: receive the bucket `send_bucket` sends; returns name -> tensor.
-    Every member of a gloo group on rank 0's node receives with `receive_checked` instead."""
-    if flatten or g.same_node.ranks:  # with members on rank 0's node the wire is flat
-        flat = bucket_buffer(sum(entry_nbytes(e) for e in bucket), g.device)
-        flat = flat.view(_bucket_dtype(bucket))
-        g.broadcast(flat)
-        g.buckets += 1
-        return _split(flat, bucket)
-    out = {}
-    for e in bucket:
-        t = torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=g.device)
-        g.broadcast(t)
-        out[e.name] = t
-    g.buckets += 1
-    return out
-
-
-def _split(flat: torch.Tensor, bucket: Sequence[TensorEntry]) -> dict[str, torch.Tensor]:
-    out, at = {}, 0
-    for e in bucket:
-        n = entry_nbytes(e) // flat.itemsize
-        out[e.name] = flat[at : at + n].view(e.shape)
-        at += n
-    return out
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Received:
-    """A member's bucket, received and checked (`receive_checked`)."""
-
-    tensors: dict[str, torch.Tensor]
-    corrupted: str | None
-    """Why its bytes are not what rank 0 sent (None: they are, or nothing was published)."""
-    nonfinite: list[str]
-    """One sentence per tensor holding NaN or inf (not looked at unless asked)."""
-    segment_set: int | None = None
-    """The segment set the tensors view (same-node path): read-only, and written again by rank
-    0 once this member no longer `hold`s it; None: the tensors are this process's own."""
-    segment: str | None = None
-    """The segment's name (same-node path)."""
-    received_s: float = 0.0
-    """Seconds the receive took (the wire; on the same node it overlaps the checks)."""
-    checked_s: float = 0.0
-    """Seconds the checks took after the receive (the wire)."""
-
-
-def receive_checked(
-    g: WeightGroup, bucket: Sequence[TensorEntry], *, flatten: bool, check_finite: bool
-) -> Received:
-    """Ranks > 0: receive the bucket (over the wire, or through rank 0's segment on the same
-    node), then check its digests against rank 0's and (`check_finite`) every value finite,
-    the two checks in two threads (xxhash and torch both release the GIL). On the same node
-    each chunk is checked as soon as rank 0 wrote it. Raises what the receive raises."""
-    if g.same_node.reader is not None:
-        return _receive_same_node(g, bucket, check_finite)
-    t0 = time.monotonic()
-    got = receive_bucket(g, bucket, flatten=flatten)
-    t1 = time.monotonic()
-    finite: list[list[str]] = []
-    t = threading.Thread(
-        target=lambda: finite.append(nonfinite_names(got) if check_finite else []),
-        daemon=True,
-        name="bucket-finite",
-    )
-    t.start()
-    try:
-        corrupted = checksum_problem(g, bucket, got)
-    finally:
-        t.join()
-    nonfinite = finite[0] if finite else ["the finite check failed"]
-    return Received(got, corrupted, nonfinite, received_s=t1 - t0, checked_s=time.monotonic() - t1)
-
-
-def _receive_same_node(
-    g: WeightGroup, bucket: Sequence[TensorEntry], check_finite: bool
-) -> Received:
-    """A member on rank 0's node: map bucket k's segment, check each chunk as its digest
-    appears (this thread) and its values finite (a second thread)."""
-    reader, k = g.same_node.reader, g.buckets
-    assert reader is not None
-    set_id, j, fd, nbytes = (int(x) for x in g.wait_key(SHM_BUCKET_KEY.format(k)).split(","))
-    if nbytes != sum(entry_nbytes(e) for e in bucket):
-        raise ValueError(
-            f"rank 0's bucket {k} holds {nbytes} bytes, this call's names and shapes "
-            f"{sum(entry_nbytes(e) for e in bucket)}: the sender and the call disagree"
-        )
-    raw = reader.view(set_id, j, fd, nbytes)
-    flat = raw.view(_bucket_dtype(bucket))
-    step = shm.CHUNK_BYTES // flat.itemsize
-    todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-    bad_chunks: list[int] = []
-
-    def finite() -> None:
-        while (c := todo.get()) is not None:
-            if not all_finite(flat[c * step : (c + 1) * step]):
-                bad_chunks.append(c)
-
-    worker = threading.Thread(target=finite, daemon=True, name="bucket-finite")
-    worker.start()
-    corrupted = None
-    try:
-        for c in range(shm.n_chunks(nbytes)):
-            want = int(g.wait_key(CHUNK_KEY.format(k, c)), 16)
-            if check_finite:
-                todo.put(c)
-            have = shm.chunk_digest(raw[c * shm.CHUNK_BYTES : (c + 1) * shm.CHUNK_BYTES])
-            if have != want:
-                corrupted = (
-                    f"bucket {k} is corrupted in shared memory (chunk {c}: xxh3 {have:016x}, "
-                    f"rank 0 wrote {want:016x})"
-                )
-                break
-    finally:
-        todo.put(None)
-        worker.join()
-    g.buckets += 1
-    got = _split(flat, bucket)
-    nonfinite = nonfinite_names(got) if bad_chunks else []
-    name = shm.segment_name(reader.offer.nonce, set_id, j)
-    return Received(got, corrupted, nonfinite, segment_set=set_id, segment=name)
-
-
-def nonfinite_names(got: Mapping[str, torch.Tensor]) -> list[str]:
-    """The tensors holding NaN or inf, one sentence each (never served, whichever transport
-    brought them)."""
-    return [
-        f"tensor {k!r} holds non-finite values (NaN or inf)"
-        for k, t in got.items()
-        if not all_finite(t)
-    ]
-
-
-def checksum_problem(
-    g: WeightGroup, bucket: Sequence[TensorEntry], got: Mapping[str, torch.Tensor]
-) -> str | None:
-    """After `receive_bucket`: why the bucket's bytes are not what rank 0 sent (a sentence), or
-    None when they match or rank 0 published no checksum (a sender that does not write one)."""
-    key = CHECKSUM_KEY.format(g.buckets - 1)
-    store = g.store
-    try:
-        if store is None or not store.check([key]):  # type: ignore[attr-defined]
-            return None
-        want = shm.parse_digests(bytes(store.get(key)).decode())  # type: ignore[attr-defined]
-    except (RuntimeError, ValueError):
-        return None  # rank 0's store is gone: the receive itself would have failed
-    have = tensors_checksum([got[e.name] for e in bucket])
-    if have == want:
-        return None
-    bad = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
-    return (
-        f"bucket {g.buckets - 1} arrived corrupted (xxh3 of chunk {bad} differs from what "
-        "rank 0 sent)"
-    )
-
-
-def entries_from_body(names: object, dtypes: object, shapes: object) -> tuple[TensorEntry, ...]:
-    """Validate the `names`/`dtypes`/`shapes` fields of an update call (ValueError names the
-    problem) and return them as entries."""
-    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-        raise ValueError("names, dtypes and shapes must be lists")
-    if not names or not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(
-            f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must be "
-            "non-empty lists of the same length, one entry per tensor"
-        )
-    out = []
-    for n, d, s in zip(names, dtypes, shapes, strict=True):
-        if not isinstance(n, str) or not isinstance(d, str):
-            raise ValueError(f"tensor name and dtype must be strings, got {n!r}, {d!r}")
-        if not isinstance(s, list) or not all(isinstance(x, int) and x >= 0 for x in s):
-            raise ValueError(f"shape of {n!r} must be a list of non-negative ints, got {s!r}")
-        torch_dtype(d)
-        out.append(TensorEntry(name=n, dtype=d.removeprefix("torch."), shape=tuple(s)))
-    return tuple(out)

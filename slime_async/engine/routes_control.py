@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from slime_async.contracts.adapter import LoraSpec
-from slime_async.contracts.weight_group import FLATTENED, entries_from_body
+from slime_async.contracts.weight_buckets import FLATTENED, entries_from_body
 from slime_async.engine.engine import Engine
 from slime_async.engine.http_common import engine_of, error, json_body
 from slime_async.engine.sampling import RequestError

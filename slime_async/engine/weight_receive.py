@@ -3,8 +3,8 @@ checking them, and staging a version until it is whole.
 
 Owns: `WeightGroups` (one per `Engine`, `engine.weight_groups`), behind
 `/init_weights_update_group`, `/update_weights_from_distributed` and
-`/destroy_weights_update_group`. Groups are joined through the
-`slime_async.contracts.weight_group` wire protocol. A bucket is always received in full
+`/destroy_weights_update_group`. Groups are joined through `slime_async.contracts.weight_group`
+and buckets received through `slime_async.contracts.weight_transfer`. A bucket is always received in full
 (leaving a broadcast half-way would hang every other member), then checked against the served
 model (checkpoint names assembled into served parameters, finite values, checksum); a version's
 buckets are staged and swapped in together with the bucket that carries `weight_version` (or
@@ -26,7 +26,9 @@ import torch
 
 from slime_async.contracts import weight_shm
 from slime_async.contracts.adapter import LoraSpec
-from slime_async.contracts.weight_group import FLATTENED, Received, WeightGroup, receive_checked
+from slime_async.contracts.weight_buckets import FLATTENED
+from slime_async.contracts.weight_group import WeightGroup
+from slime_async.contracts.weight_transfer import Received, receive_checked
 from slime_async.contracts.weights import TensorEntry
 from slime_async.engine.checkpoint_names import CheckpointAssembler
 from slime_async.engine.model import swap_weights
@@ -426,7 +428,7 @@ def _check_model_bucket(
 ) -> tuple[dict[str, torch.Tensor], str | None]:
     """(served parameters ready from this bucket, why it is refused or None): a corrupted
     bucket, names or shapes the served model does not have, non-finite values (`nonfinite`,
-    from `weight_group.nonfinite_names`), or a version that ends with pieces missing."""
+    from `weight_buckets.nonfinite_names`), or a version that ends with pieces missing."""
     if corrupted:
         return {}, (
             f"{corrupted}. No tensor of this version was applied; push the whole version again"

@@ -87,6 +87,7 @@ async def train(cfg: RunConfig, *, on_stop: Callable[[str], None] | None = None)
                 **sync,
                 **run.supervisor.metrics(),
                 **run.chain.agent_metrics(),
+                **run.chain.role_metrics(),
                 **run.timing(wait_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2),
                 **(run.pipeline.metrics() if run.pipeline is not None else {}),
             }

@@ -69,6 +69,10 @@ class GenerateChain:
         evaluation."""
         return self.scored.scoring_alone(generate=self.eval_sample, reward_fn=reward_fn)
 
+    def role_metrics(self) -> dict[str, float]:
+        """The forward-only role's `role/*` since the last call ({} without the role)."""
+        return self.head.take_metrics() if isinstance(self.head, BehaviorAnnotate) else {}
+
     def agent_metrics(self) -> dict[str, float]:
         """The training agent link's `agent/*` counters ({} without --agent-function-path)."""
         return self.sample.metrics() if isinstance(self.sample, AgentGenerate) else {}

@@ -15,7 +15,9 @@ start every engine is put to sleep concurrently while the reports already run. W
 for the scheduler's `heartbeat_timeout_s` it puts every engine to sleep on its own (the fence:
 the scheduler grants a dropped pipeline's slots to others only after `fence_s`); told it was
 dropped, it joins again once its engines sleep. Stopping leaves the scheduler, which frees the
-run's slots at once. Rules: docs/pipeline-scheduler.md.
+run's slots at once. Partial overlap: around each train step (`training`, the trainer hooks)
+the run's trainer slots are cleared of engines before the step (`before_training`) and given
+back after it (`after_training`). Rules: docs/pipeline-scheduler.md.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import aiohttp
@@ -54,6 +56,12 @@ class PipelineMember:
         self.last_ok = time.monotonic()
         self.switches = self.rejoins = self.fences = 0
         self.last_demand = 0
+        self.trainer_slots: list[int] = []
+        """Slots this run's trainer trains on (partial overlap; from the join)."""
+        self.trainer_wait_s = 0.0
+        self.owes_after = False
+        """The trainer gave its slots back and the scheduler has not heard it yet."""
+        self._ticking = asyncio.Lock()
 
     @property
     def cluster(self) -> Any:
@@ -76,6 +84,7 @@ class PipelineMember:
             self.name, self.cfg.priority, list(range(n)), capacity
         )
         self.timeout_s, self.last_ok = float(answer["heartbeat_timeout_s"]), time.monotonic()
+        self.trainer_slots = list(answer.get("trainer_slots", []))
 
     async def stop(self) -> None:
         for t in [self._task, *self.ops.values()]:
@@ -99,7 +108,61 @@ class PipelineMember:
             "pipeline/serving_engines": float(len(self.cluster.serving_urls)),
             "pipeline/rejoins": float(self.rejoins),
             "pipeline/fences": float(self.fences),
+            **({"pipeline/trainer_wait_s": self.trainer_wait_s} if self.trainer_slots else {}),
         }
+
+    @contextlib.asynccontextmanager
+    async def training(self) -> AsyncIterator[None]:
+        """Around a train step (the trainer hooks; no-ops without trainer slots): the trainer
+        slots cleared first (`before_training`), given back after a step that returned
+        (`after_training`). A step that raised gives nothing back: the run ends, and leaving
+        fences its trainer slots (its trainer may still hold them)."""
+        await self.before_training()
+        yield
+        await self.after_training()
+
+    async def before_training(self) -> None:
+        """Partial overlap: the engines on this run's trainer slots are cut (their requests
+        re-dispatched by their routers: this run's to its other engines), put to sleep and
+        released, its own by this call, the others' by their pipelines at their next report;
+        returns once no engine is awake there."""
+        if not self.trainer_slots:
+            return
+        t0 = time.monotonic()
+        while True:
+            try:
+                todo = await asyncio.wait_for(
+                    self.handle.before_training.remote(self.name), timeout=self.timeout_s
+                )
+            except TimeoutError:
+                raise RuntimeError(
+                    f"pipeline {self.name}: the pipeline scheduler {self.cfg.scheduler} did not "
+                    f"answer before_training within {self.timeout_s:.0f}s, so its trainer slots "
+                    f"{self.trainer_slots} may still hold engines: not training on them"
+                ) from None
+            except Exception as e:  # dropped: the report loop fences and joins again
+                if not (isinstance(e, KeyError) or "is not joined" in str(e)):
+                    raise
+                todo = {"give_up": [], "wait": [None]}
+            for slot in todo["give_up"]:
+                if slot not in self.leaving:
+                    self.leaving.add(slot)
+                    self._op(slot, self._give_up(slot, 0.0))
+            if not todo["wait"]:
+                break
+            await asyncio.sleep(self.cfg.heartbeat_s)
+        self.trainer_wait_s += time.monotonic() - t0
+
+    async def after_training(self) -> None:
+        """The trainer slots may serve again (this run's engines there first): reported at
+        once, so a slot granted back wakes now, not at the next heartbeat."""
+        if not self.trainer_slots:
+            return
+        self.owes_after = True  # until the scheduler heard it (the report loop tries again)
+        try:
+            await self.tick()
+        except Exception as e:
+            log.warning("pipeline %s: report after training failed: %s", self.name, e)
 
     async def _loop(self) -> None:
         while True:
@@ -124,6 +187,15 @@ class PipelineMember:
 
     async def tick(self) -> None:
         """One report; the hand-overs it asks for start in their own tasks."""
+        async with self._ticking:  # the loop's and `after_training`'s, one at a time
+            await self._tick()
+
+    async def _tick(self) -> None:
+        if self.owes_after:  # the trainer gave its slots back: first of all, say so
+            await asyncio.wait_for(
+                self.handle.after_training.remote(self.name), timeout=self.timeout_s
+            )
+            self.owes_after = False
         m = self.run.worker.metrics()
         self.last_demand = generation_demand(m, self.run.cfg.rollout.n_samples_per_prompt)
         load = await self._load()

@@ -4,8 +4,10 @@ Owns `PipelineState` (what the scheduler knows of one pipeline), `slot_need`, `s
 `fair_targets` (how many slots each pipeline should hold), `plan_slots` (the policy: which free
 slot goes to whom, which slots nobody needs are lent to spread a pipeline's requests, which held
 slot is given up and whether it drains or is cut), `SchedulerCore` (the state
-machine around it: joins, reports, heartbeats, hand-overs, drops, fences; `now` is always
-given) and `generation_demand` / `generation_inflight` (what a run reports). The Ray actor
+machine around it: joins, reports, heartbeats, hand-overs, drops, fences, and the trainer
+hooks of partial overlap: a trainer slot serves generation only between its pipeline's
+`before_training` and `after_training`; `now` is always given) and `generation_demand` /
+`generation_inflight` (what a run reports). The Ray actor
 (`pipeline_scheduler.PipelineScheduler`) and the cluster-scale simulator
 (`scripts/simulate_pipelines.py`, virtual time) both drive this one core, so what the simulator
 measures is the policy the live scheduler runs. Rules: docs/pipeline-scheduler.md.
@@ -142,6 +144,7 @@ def plan_slots(
     now: float,
     min_hold_s: float,
     spread: bool = False,
+    trainer_of: Mapping[int, str] | None = None,
 ) -> Plan:
     """Who should serve where next (pure). Each pipeline's target is its share of the usable
     slots (not `blocked`) by priority, never above its `slot_need`; the least served (slot
@@ -157,7 +160,9 @@ def plan_slots(
     for a pipeline of higher priority; otherwise it drains. A slot nobody else needs stays with
     its holder: lending never takes a slot from anyone (a held idle slot taken for spreading
     comes too late: a step's requests are placed when they start, and taking it only moves the
-    next step's short for its holder; the simulator showed it losing).
+    next step's short for its holder; the simulator showed it losing). A free slot that is a
+    pipeline's trainer slot (`trainer_of`: partial overlap) goes to that pipeline first, and to
+    the others only after every other free slot (it is taken back at its trainer's next step).
 
     >>> a = PipelineState("a", 1.0, (0, 1), capacity=4, demand=8, load={0: 4, 1: 1})
     >>> b = PipelineState("b", 1.0, (0, 1), capacity=4, demand=8)
@@ -180,23 +185,31 @@ def plan_slots(
     target = fair_targets(need, weight, [p.name for p in order], len(usable))
     plan = Plan(target=target)
     held = {n: [s for s, h in owner.items() if h == n and s not in leaving] for n in pipelines}
-    free = [s for s in usable if owner[s] is None]
-    short: dict[str, int] = {}
+    trainer_of = trainer_of or {}
+    # a trainer's slot last: it is taken back at its trainer's next step (stable: slot order)
+    free = sorted((s for s in usable if owner[s] is None), key=lambda s: s in trainer_of)
+    want = {p.name: target[p.name] - len(held[p.name]) for p in order}
+    for p in order:  # a trainer's slot goes to its own pipeline first
+        _grant(plan, p, [s for s in free if trainer_of.get(s) == p.name], want)
     for p in order:
-        want = target[p.name] - len(held[p.name])
-        for s in free:
-            if want <= 0:
-                break
-            if s not in plan.grant and s in p.slots:
-                plan.grant[s], want = p.name, want - 1
-        if want > 0:
-            short[p.name] = want
+        _grant(plan, p, free, want)
+    short = {n: w for n, w in want.items() if w > 0}
     if spread:
         _lend(plan, order, held, [s for s in free if s not in plan.grant])
-    missing = sum(short.values()) - len(leaving)
+    missing = sum(short.values()) - sum(s not in blocked for s in leaving)
     if missing > 0:
         _give_up(plan, pipelines, held, short, since, missing, now=now, min_hold_s=min_hold_s)
     return plan
+
+
+def _grant(plan: Plan, p: PipelineState, free: list[int], want: dict[str, int]) -> None:
+    """Grant `p` the slots of `free` not granted yet that it has engines on, up to its want."""
+    for s in free:
+        if want[p.name] <= 0:
+            return
+        if s not in plan.grant and s in p.slots:
+            plan.grant[s] = p.name
+            want[p.name] -= 1
 
 
 def _lend(
@@ -273,12 +286,18 @@ class SchedulerCore:
         self._accounted = 0.0
         self.gathered = cfg.min_pipelines <= 1
         """`min_pipelines` have joined (grants start)."""
+        self.trainer_of = {s: n for n, slots in cfg.trainer_slots.items() for s in slots}
+        """Partial overlap: each trainer slot and the pipeline whose trainer trains there."""
+        self.training: dict[str, float] = {}
+        """Pipelines whose trainer holds its slots (or waits for them), since when: between
+        `before_training` and `after_training`; their trainer slots are granted to nobody."""
 
     def join(
         self, name: str, *, priority: float, slots: list[int], now: float, capacity: int = 1
     ) -> dict[str, float]:
         """Join (or join again after a drop: the member joins only once every engine of it
-        sleeps, so its fenced slots are free at once). Returns the timings the member keeps."""
+        sleeps, so its fenced slots are free at once). Returns the timings the member keeps
+        and its trainer slots (partial overlap)."""
         if name in self.pipelines:
             raise ValueError(f"a pipeline named {name!r} is already live: give --pipeline-name")
         bad = [s for s in slots if not 0 <= s < self.cfg.slots]
@@ -286,6 +305,13 @@ class SchedulerCore:
             raise ValueError(f"slots {slots} outside the pool's 0..{self.cfg.slots - 1}")
         if capacity < 1:
             raise ValueError(f"capacity (requests per engine) must be >= 1, got {capacity}")
+        mine = self.cfg.trainer_slots.get(name, ())
+        if not set(mine) <= set(slots):
+            raise ValueError(
+                f"pipeline {name!r}: its trainer slots {sorted(mine)} must be among the slots its "
+                f"engines sit on {sorted(slots)} (its own engine serves there between its "
+                "steps): start an engine on each, or change the scheduler's trainer_slots"
+            )
         for slot, (holder, _) in list(self.fenced.items()):
             if holder == name:
                 del self.fenced[slot]
@@ -296,6 +322,7 @@ class SchedulerCore:
         return {
             "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s,
             "drain_timeout_s": self.cfg.drain_timeout_s,
+            "trainer_slots": list(mine),
         }
 
     def leave(self, name: str, *, now: float, why: str = "left", fence: bool = False) -> None:
@@ -303,6 +330,9 @@ class SchedulerCore:
         pipeline's engines may still run until its member puts them to sleep)."""
         if self.pipelines.pop(name, None) is None:
             return
+        if self.training.pop(name, None) is not None:  # its trainer may still hold its slots
+            for slot in self.cfg.trainer_slots[name]:
+                self.fenced[slot] = (name, now + self.cfg.fence_s)
         for slot, holder in self.owner.items():
             if holder == name:
                 self.owner[slot] = None
@@ -369,16 +399,32 @@ class SchedulerCore:
             "drain_s": self.cfg.drain_timeout_s,
         }
 
+    def _eligible(self) -> Mapping[str, PipelineState]:
+        """The pipelines as `plan_slots` sees them: without the slots of other pipelines'
+        trainers unless `overlap_others`."""
+        if self.cfg.overlap_others or not self.trainer_of:
+            return self.pipelines
+        return {
+            n: dataclasses.replace(
+                p, slots=tuple(s for s in p.slots if self.trainer_of.get(s, n) == n)
+            )
+            for n, p in self.pipelines.items()
+        }
+
+    def _trainer_busy(self) -> set[int]:
+        return {s for s, n in self.trainer_of.items() if n in self.training}
+
     def _apply(self, now: float) -> None:
         plan = plan_slots(
-            self.pipelines,
+            self._eligible(),
             self.owner,
             self.since,
             leaving=set(self.giving_up),
-            blocked=set(self.fenced),
+            blocked=set(self.fenced) | self._trainer_busy(),
             now=now,
             min_hold_s=self.cfg.min_hold_s,
             spread=self.cfg.spread,
+            trainer_of=self.trainer_of,
         )
         for slot, want in plan.grant.items():
             self.owner[slot], self.since[slot] = want, now
@@ -394,6 +440,45 @@ class SchedulerCore:
             how = "at once" if cut else "after a drain"
             self.events.append((now, holder, f"asked to give up slot {slot} {how}"))
 
+    def before_training(self, name: str, *, now: float) -> dict[str, Any]:
+        """`name`'s trainer is about to train (a heartbeat too): its trainer slots are granted
+        to nobody until `after_training`, and the engine on each is to be cut and put to sleep
+        at once (its holder is told in its next report; `name`'s own are in this answer's
+        `give_up`, all in `cut`). Called again until `wait` is empty: the trainer may take its
+        slots only then (no engine awake there, no dropped pipeline's fence on them)."""
+        p = self.pipelines.get(name)
+        if p is None:
+            raise KeyError(f"pipeline {name!r} is not joined (dropped after a silence?)")
+        p.last_seen = now
+        mine = self.cfg.trainer_slots.get(name, ())
+        if mine and name not in self.training:
+            self.training[name] = now
+            self.events.append((now, name, f"trainer takes slots {list(mine)}"))
+        for slot in mine:
+            holder = self.owner[slot]
+            if holder is not None and self.giving_up.get(slot) != holder:
+                self.giving_up[slot] = holder
+                self.events.append((now, holder, f"asked to give up slot {slot} at once (trainer)"))
+            if holder is not None:
+                self.cutting.add(slot)
+        fenced = {s for s, (n, _) in self.fenced.items() if n != name}
+        give_up = sorted(s for s in mine if self.owner[s] == name)
+        return {
+            "wait": sorted(s for s in mine if self.owner[s] is not None or s in fenced),
+            "give_up": give_up,
+            "cut": give_up,
+        }
+
+    def after_training(self, name: str, *, now: float) -> None:
+        """`name`'s trainer released its slots (its step is done, its state offloaded): they
+        may serve generation again, its own engines first."""
+        if self.training.pop(name, None) is None:
+            return
+        self.events.append((now, name, "trainer gives back its slots"))
+        if name in self.pipelines and self.gathered:
+            self.pipelines[name].last_seen = now
+            self._apply(now)
+
     def released(self, name: str, slot: int, *, now: float) -> None:
         """`name`'s engine on `slot` sleeps: the slot is free for the next grant."""
         if self.owner.get(slot) == name:
@@ -408,6 +493,7 @@ class SchedulerCore:
             "owner": dict(self.owner),
             "giving_up": dict(self.giving_up),
             "fenced": dict(self.fenced),
+            "training": dict(self.training),
             "pipelines": {n: dataclasses.asdict(p) for n, p in self.pipelines.items()},
             "events": list(self.events),
         }

@@ -12,8 +12,10 @@ slots than its demand fills; a slot moves only through a hand-over (the holder i
 it up, lets it drain or cuts it, puts its engine there to sleep, confirms, and only then is the
 slot granted to the next pipeline, which wakes its own engine there and gives it its current
 version before it serves: selective sync); a pipeline that leaves loses its slots at once, one
-silent for `heartbeat_timeout_s` is dropped and its slots are fenced for `fence_s`. The
-scheduler never talks to an engine itself: the pipelines act (`pipeline_member.py`).
+silent for `heartbeat_timeout_s` is dropped and its slots are fenced for `fence_s`. Partial
+overlap: a slot marked as a pipeline's trainer slot (`PipelineSchedulerConfig.trainer_slots`)
+serves generation only between that pipeline's `before_training` and `after_training` hooks.
+The scheduler never talks to an engine itself: the pipelines act (`pipeline_member.py`).
 Must never import the controller or a run's roles.
 """
 
@@ -75,6 +77,12 @@ class PipelineScheduler:
 
     def released(self, name: str, slot: int) -> None:
         self.core.released(name, slot, now=time.monotonic())
+
+    def before_training(self, name: str) -> dict[str, Any]:
+        return self.core.before_training(name, now=time.monotonic())
+
+    def after_training(self, name: str) -> None:
+        self.core.after_training(name, now=time.monotonic())
 
     def state(self) -> dict[str, Any]:
         self.core._expire(time.monotonic())

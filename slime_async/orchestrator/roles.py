@@ -40,14 +40,17 @@ REPLACE_STOP_TIMEOUT_S = 5.0
 """A replaced engine (dead or wedged) gets this long to stop before it is killed."""
 
 
-def _pin_actor(_actor: object, cores: tuple[int, ...]) -> int:
-    pin_cores(cores)
+def _pin_actor(_actor: object, cores: tuple[int, ...], threads: int | None) -> int:
+    pin_cores(cores, threads)
     return os.getpid()
 
 
-async def pin_actor(actor: ray.actor.ActorHandle, cores: tuple[int, ...]) -> int:
-    """Pin a running actor's process to `cores` (works for any actor class); returns its pid."""
-    return await actor.__ray_call__.remote(_pin_actor, cores)
+async def pin_actor(
+    actor: ray.actor.ActorHandle, cores: tuple[int, ...], threads: int | None = None
+) -> int:
+    """Pin a running actor's process to `cores` with `threads` torch threads (default: one per
+    core); works for any actor class; returns its pid."""
+    return await actor.__ray_call__.remote(_pin_actor, cores, threads)
 
 
 @ray.remote(num_cpus=0)

@@ -11,6 +11,7 @@ versions, and what a replacement starts on) and `write_roles`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -174,7 +175,7 @@ class Run:
         assert self.trainer is not None
         self.release_role_versions()  # before the trainer's peak
         try:
-            async with self.colocation.train_turn(self.version + 1):
+            async with self.colocation.train_turn(self.version + 1), self._trainer_hooks():
                 trained = await asyncio.to_thread(self.trainer.train_step, data)
         except Exception:
             await self.dump(batch.current_version, batch, trained=None)
@@ -182,6 +183,11 @@ class Run:
         self.record_step(trained.version, batch)
         await self.dump(batch.current_version, batch, trained=trained.metrics)
         return trained
+
+    def _trainer_hooks(self) -> contextlib.AbstractAsyncContextManager:
+        """The pipeline scheduler's trainer hooks around a step (partial overlap: its trainer
+        slots cleared of engines first, given back after); nothing without a scheduler."""
+        return self.pipeline.training() if self.pipeline is not None else contextlib.nullcontext()
 
     async def dump(
         self, rollout_id: int, batch: Batch, *, trained: dict[str, float] | None

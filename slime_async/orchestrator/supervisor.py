@@ -8,8 +8,11 @@ through the engine backend (`Cluster.backend`, the protocol in `slime_async.cont
 
 * with a backend that can restart engines (embedded, sglang): an engine its backend reports gone
   (`alive()` false: actor or server process dead, or wedged) is replaced at once; one the router
-  has marked unhealthy for longer than `restart_after_s` (hung, or serving errors) is stopped and
-  replaced;
+  has marked unhealthy for longer than `restart_after_s` is first asked for a 1-token
+  generation itself (`/health_generate`, waiting `hung_timeout_s`): one that answers is slow,
+  not hung (the router's probes time out after seconds; a loaded node or a long prefill passes
+  that), is counted in `engines/slow_spared` and looked at again after another
+  `restart_after_s`; one that does not answer (hung, or serving errors) is stopped and replaced;
 * a replacement starts from the weights the engines currently serve (`current_weights()`: the
   newest pushed directory and its version), and is registered with the router only once it is
   up (the router replays weight calls it missed before admitting it), so it never serves stale
@@ -38,6 +41,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+import aiohttp
 
 from slime_async.config.supervision import SupervisorConfig
 from slime_async.orchestrator.roles import Cluster
@@ -72,6 +77,9 @@ class EngineSupervisor:
         self.restarts = 0
         self.dropped = 0
         """Engines taken out for good (their node lost, no room elsewhere)."""
+        self.slow_spared = 0
+        """Times an engine the router held unhealthy answered a generation itself: not
+        restarted."""
         self._unhealthy_since: dict[str, float] = {}
         self._reported: set[str] = set()
         self._all_down_since: float | None = None
@@ -89,7 +97,11 @@ class EngineSupervisor:
             self._task = None
 
     def metrics(self) -> dict[str, float]:
-        return {"engines/restarts": float(self.restarts), "engines/dropped": float(self.dropped)}
+        return {
+            "engines/restarts": float(self.restarts),
+            "engines/dropped": float(self.dropped),
+            "engines/slow_spared": float(self.slow_spared),
+        }
 
     async def _loop(self) -> None:
         while not self.failed.is_set():
@@ -133,10 +145,26 @@ class EngineSupervisor:
                     )
                 continue
             dead = not await self.cluster.engine_alive(i)
-            if dead or now - since >= self.cfg.restart_after_s:
-                why = "its process is gone" if dead else f"unhealthy for {now - since:.0f}s"
-                if not await self._replace(i, why):
-                    return  # the fleet shrank: indices moved, look again next pass
+            if not dead and now - since < self.cfg.restart_after_s:
+                continue
+            why = "its process is gone"
+            if not dead:
+                problem = await self._generates(url)
+                if problem is None:  # slow, not hung: look again after another interval
+                    self.slow_spared += 1
+                    self._unhealthy_since[url] = time.monotonic()
+                    log.warning(
+                        "engine %d at %s: unhealthy to the router for %.0fs, but it answered a "
+                        "1-token generation within %.0fs: slow, not hung; not restarting it",
+                        i,
+                        url,
+                        now - since,
+                        self.cfg.hung_timeout_s,
+                    )
+                    continue
+                why = f"unhealthy for {now - since:.0f}s and {problem}"
+            if not await self._replace(i, why):
+                return  # the fleet shrank: indices moved, look again next pass
         up = [u for u in self.cluster.engine_urls if healthy.get(u, False)]
         by_design = [
             u
@@ -164,6 +192,23 @@ class EngineSupervisor:
                 f"{self.restarts} restarts; stopping with a checkpoint"
             )
             self.failed.set()
+
+    async def _generates(self, url: str) -> str | None:
+        """None when the engine at `url` answers `/health_generate` (SGLang's 1-token
+        generation; a probe, open without a key) with 200 within `hung_timeout_s`, else what
+        went wrong."""
+        timeout = aiohttp.ClientTimeout(total=self.cfg.hung_timeout_s)
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as s,
+                s.get(f"{url}/health_generate") as r,
+            ):
+                await r.read()
+                if r.status == 200:
+                    return None
+                return f"/health_generate answered HTTP {r.status}"
+        except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, ConnectionError) as e:
+            return f"/health_generate got no answer within {self.cfg.hung_timeout_s:.0f}s ({e!r})"
 
     async def _replace(self, i: int, why: str) -> bool:
         """Replace engine `i`; False when it was dropped instead (its node is lost and no live

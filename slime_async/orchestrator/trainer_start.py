@@ -108,8 +108,16 @@ def _check_paths(cfg: RunConfig, trainer_cfg: TrainerConfig, slots: list[Any]) -
     return bool(shared)
 
 
+def behavior_role_cores(cfg: RunConfig) -> tuple[int, ...]:
+    """The cores the forward-only role is pinned to (`--behavior-role-cores`): the engines', or
+    the trainer's and the engines' together (empty: not pinned)."""
+    if cfg.behavior_role_cores == "rollout" or not cfg.rollout_cores:
+        return cfg.rollout_cores
+    return tuple(sorted({*cfg.trainer_cores, *cfg.rollout_cores}))
+
+
 async def start_behavior_role(cfg: RunConfig, trainer_cfg: TrainerConfig) -> BehaviorRole | None:
-    """The forward-only role, on the rollout cores, when π_j^Meg is computed there: the loss
+    """The forward-only role, on `behavior_role_cores`, when π_j^Meg is computed there: the loss
     reads it, snapshots are on, `--behavior-forward role`, and the run is asynchronous (with
     `--max-staleness 0` every trained token is of the current version: nothing to compute)."""
     if not (
@@ -121,14 +129,15 @@ async def start_behavior_role(cfg: RunConfig, trainer_cfg: TrainerConfig) -> Beh
         return None
     startup.say("starting the forward-only behavior role")
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    threads = max(1, len(cfg.rollout_cores))  # as many as it had on the engines' cores alone
     role = await asyncio.to_thread(
         BehaviorRole,
         trainer_cfg,
         cfg.model,
-        num_threads=max(1, len(cfg.rollout_cores)),
+        num_threads=threads,
         actor_options={"scheduling_strategy": here},  # it reads exports from the run directory
     )
-    await pin_actor(role.actor, cfg.rollout_cores)
+    await pin_actor(role.actor, behavior_role_cores(cfg), threads)
     return role
 
 

@@ -24,7 +24,9 @@ import ray
 
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
-from slime_async.contracts.weight_group import WeightGroup, send_buckets, torch_dtype
+from slime_async.contracts.weight_buckets import torch_dtype
+from slime_async.contracts.weight_group import WeightGroup
+from slime_async.contracts.weight_transfer import send_buckets
 from slime_async.contracts.weights import HFWeights, TensorEntry, WeightManifest
 from slime_async.host import limit_malloc_arenas, port_taken, rss_bytes, trim_heap
 from slime_async.trainer.config import TrainerConfig

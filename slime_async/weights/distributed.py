@@ -10,7 +10,7 @@ version arrived) while the sender broadcasts that bucket, then `/continue_genera
 in flight keep their KV cache and go on with the new weights, each token labelled with its
 version. Nothing touches a filesystem. Floating-point tensors travel in `--update-weight-dtype`
 (bf16 when the engines serve bf16: half the bytes), each bucket with a checksum the engine checks
-before staging (`contracts.weight_group`): a corrupted bucket is refused like any other
+before staging (`contracts.weight_transfer`): a corrupted bucket is refused like any other
 refusal, so the whole version is sent again and the corrupted one is never served. Engines
 on rank 0's node take the buckets through shared memory instead of the broadcast, each one
 deciding when the group forms (`--update-weight-same-node`; `contracts.weight_group`, "Same
@@ -45,13 +45,8 @@ from typing import Any, ClassVar
 import aiohttp
 
 from router.client import RouterClient
-from slime_async.contracts.weight_group import (
-    GroupControl,
-    bucket_body,
-    entry_nbytes,
-    in_dtype,
-    plan_buckets,
-)
+from slime_async.contracts.weight_buckets import bucket_body, entry_nbytes, in_dtype, plan_buckets
+from slime_async.contracts.weight_group import GroupControl
 from slime_async.contracts.weights import Payload, WeightManifest
 from slime_async.host import port_taken
 from slime_async.weights.config import WeightSyncConfig

@@ -15,7 +15,8 @@ from typing import Protocol
 
 import torch
 
-from slime_async.contracts.weight_group import WeightGroup, send_buckets
+from slime_async.contracts.weight_group import WeightGroup
+from slime_async.contracts.weight_transfer import send_buckets
 from slime_async.contracts.weights import TensorEntry, WeightManifest
 from slime_async.host import free_port
 

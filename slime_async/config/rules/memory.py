@@ -52,6 +52,7 @@ def run_config(d: Draft) -> None:
         offload_rollout=bool(a.offload_rollout),
         trainer_cores=p.trainer_cores,
         rollout_cores=p.rollout_cores,
+        behavior_role_cores=a.behavior_role_cores,
         memory_limit_gib=a.memory_limit_gib,
         warmstart_steps=a.warmstart_steps,
         seed=a.seed,

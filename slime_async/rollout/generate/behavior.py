@@ -9,6 +9,11 @@ are sent together in the next one, so the role runs one forward per version per 
 than per sample. The wait is on the rollout side (the sample is admitted a little later), never
 on the trainer's. Errors of the role are logged and leave the sample unannotated (the trainer
 then falls back for that step, `train/behavior_missing_tokens`).
+
+`take_metrics` says, since it was last called, how busy the role kept the rollout side:
+`role/calls`, `role/samples` (samples annotated), `role/busy_s` (seconds a request to the role
+was in flight: one is at a time, so `role/busy_s` over the step's seconds near 1 means the role
+limits how fast samples are admitted) and `role/failures`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -78,6 +84,19 @@ class BehaviorAnnotate:
         self._drain: asyncio.Task | None = None
         self.failures = 0
         """Role requests that failed (their samples went unannotated)."""
+        self.calls = 0
+        self.samples = 0
+        self.busy_s = 0.0
+        """Seconds a request to the role was in flight (all requests, one at a time)."""
+        self._taken = (0, 0, 0.0, 0)
+
+    def take_metrics(self) -> dict[str, float]:
+        """`role/*` since the last call (see the module docstring)."""
+        now = (self.calls, self.samples, self.busy_s, self.failures)
+        d = [a - b for a, b in zip(now, self._taken, strict=True)]
+        self._taken = now
+        names = ("role/calls", "role/samples", "role/busy_s", "role/failures")
+        return {k: float(v) for k, v in zip(names, d, strict=True)}
 
     async def __call__(
         self, req: GenerationRequest, priority: float, expected_len: int
@@ -98,6 +117,9 @@ class BehaviorAnnotate:
     async def _run(self) -> None:
         while self._queue:
             items, self._queue = self._queue, []
+            t0 = time.perf_counter()
+            self.calls += 1
+            self.samples += len(items)
             try:
                 batch = sample_batch([(r, g) for r, g, _ in items])
                 lp = await self._forward(batch)
@@ -108,6 +130,8 @@ class BehaviorAnnotate:
                     if not fut.done():
                         fut.set_result(None)
                 continue
+            finally:
+                self.busy_s += time.perf_counter() - t0
             for i, (req, res, fut) in enumerate(items):
                 p = len(req.prompt.prompt_ids)
                 r = len(req.prefix_ids) + len(res.output_ids)

@@ -1,0 +1,112 @@
+"""The supervisor tells a slow engine from a hung one before it restarts anything.
+
+Pinned: an engine the router holds unhealthy (its probes time out on a loaded node) but that
+answers a 1-token generation itself (a real embedded engine) is not restarted, however long the
+router's verdict lasts; a server that accepts connections and never answers is restarted once.
+The router's verdict is given (the slice of `roles.Cluster` the supervisor reads); the engine
+and the hung server are real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def hung_url():
+    """A server that accepts connections and reads, and never answers."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        lsock.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = lsock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            held.append(conn)
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{lsock.getsockname()[1]}"
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    lsock.close()
+
+
+async def test_a_slow_engine_is_spared_and_a_hung_one_is_restarted(hung_url):
+    from slime_async.config.supervision import SupervisorConfig
+    from slime_async.engine import EngineConfig, EngineServer
+    from slime_async.orchestrator.supervisor import EngineSupervisor
+
+    srv = EngineServer(EngineConfig(dtype="fp32", seed=1, weight_version="0"))
+    slow_url = srv.start()
+    replaced: list[int] = []
+
+    @dataclasses.dataclass
+    class Control:
+        cluster: Fleet
+
+        async def list_workers(self) -> list[dict]:  # the router's verdict: both unhealthy
+            return [
+                {"url": u, "is_healthy": u.startswith("http://new"), "state": "quarantined"}
+                for u in self.cluster.engines
+            ]
+
+    class Backend:
+        can_restart = True
+
+    @dataclasses.dataclass
+    class Fleet:  # the slice of `roles.Cluster` the supervisor calls
+        engines: list[str]
+        pending: set[str] = dataclasses.field(default_factory=set)
+        asleep: set[str] = dataclasses.field(default_factory=set)
+        backend: Backend = dataclasses.field(default_factory=Backend)
+
+        @property
+        def control(self) -> Control:
+            return Control(self)
+
+        @property
+        def engine_urls(self) -> list[str]:
+            return list(self.engines)
+
+        async def engine_alive(self, i: int) -> bool:
+            return True  # both processes run: only an answer tells them apart
+
+        async def lost_node(self, i: int) -> None:
+            return None
+
+        async def replace_engine(self, i: int, *, model_dir: Path, version: int, admit: bool):
+            replaced.append(i)
+            self.engines[i] = f"http://new{i}"
+            return self.engines[i]
+
+    fleet = Fleet(engines=[slow_url, hung_url])
+    cfg = SupervisorConfig(restart_after_s=0.2, hung_timeout_s=3.0, interval_s=0.05)
+    sup = EngineSupervisor(fleet, cfg, current_weights=lambda: (Path("/w"), 0))  # type: ignore[arg-type]
+    try:
+        sup.start()
+        await asyncio.sleep(8)
+    finally:
+        await sup.stop()
+        srv.stop()
+    assert replaced == [1] and fleet.engines == [slow_url, "http://new1"]
+    assert sup.restarts == 1 and sup.slow_spared >= 2  # looked at again, spared again
+    assert sup.metrics()["engines/slow_spared"] == sup.slow_spared
