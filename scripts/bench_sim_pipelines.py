@@ -13,6 +13,11 @@ Arms (`--arms`, in one run, the same pipelines and pool each):
   exclusive   each pipeline owns an equal share of the engine slots (its solo run)
   shared      the scheduler time-shares every slot, grants capped by demand
   spread      shared, and the slots nobody needs are lent (`PipelineSchedulerConfig.spread`)
+  sustained   shared with sustained demand (`--demand-window-s`, `PipelineSchedulerConfig.
+              demand_window_s`): claims sized by each pipeline's averaged need, busy slots
+              taken only for a claim (the arms above run with it off: the instant rule)
+  sustained-spread  sustained, and a pipeline's instant need is at least its share while its
+              requests could spread over it (`spread`)
   split       a static split sized to demand: each pipeline owns the slots in proportion to
               the slot time it was granted in the `spread` (else `shared`) arm
   sequential  one after another: each pipeline alone on every engine slot for 1/P of the time
@@ -205,6 +210,8 @@ def _parse() -> argparse.Namespace:
            "weights and Adam moments)")  # fmt: skip
     a("--overlap-spread", action="store_true",
       help="the overlap arms with `spread` (slots nobody needs lent to spread requests)")  # fmt: skip
+    a("--demand-window-s", type=float, default=1800.0,
+      help="the sustained arms' demand_window_s (the other arms: 0, the instant rule)")  # fmt: skip
     a("--arms", default="exclusive,shared,spread,split", help="arms to run (exclusive first)")
     a("--json", default=None, help="also write the numbers to this file")
     return p.parse_args()
@@ -276,8 +283,11 @@ def run_arms(a: argparse.Namespace, pool: PoolConfig, cfgs: list[sd.SimConfig]) 
             r = simulate_pool("exclusive", dataclasses.replace(pool, shares=shares), cfgs)
             r.arm = f"split {'/'.join(map(str, shares))}"
             results.append(r)
-        elif arm in ("exclusive", "shared", "spread"):
-            cfg = dataclasses.replace(pool, spread=arm == "spread")
+        elif arm in ("exclusive", "shared", "spread", "sustained", "sustained-spread"):
+            window = a.demand_window_s if arm.startswith("sustained") else 0.0
+            cfg = dataclasses.replace(
+                pool, spread=arm in ("spread", "sustained-spread"), demand_window_s=window
+            )
             r = simulate_pool("exclusive" if arm == "exclusive" else "shared", cfg, cfgs)
             r.arm = arm
             results.append(r)

@@ -68,6 +68,8 @@ class PoolConfig:
     """Stop every pipeline at this simulated time (None: each trains its `steps`)."""
     spread: bool = False
     """The scheduler lends slots nobody needs (`PipelineSchedulerConfig.spread`)."""
+    demand_window_s: float = 0.0
+    """The scheduler's sustained demand (`PipelineSchedulerConfig.demand_window_s`; 0: off)."""
     keep_partial: bool = False
     """What-if (not built): a request cut by a hand-over goes on from its partial output."""
     priorities: tuple[float, ...] | None = None
@@ -238,6 +240,7 @@ async def _run_arm(pipes: list[Pipeline], pool: Pool, arm: str, pool_cfg: PoolCo
                 fence_s=pool_cfg.fence_s,
                 min_pipelines=len(pipes),
                 spread=pool_cfg.spread,
+                demand_window_s=pool_cfg.demand_window_s,
                 trainer_slots={n: tuple(x) for n, x in mine.items()},
                 overlap_others=pool_cfg.overlap_others,
             )
