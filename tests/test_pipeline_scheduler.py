@@ -44,7 +44,7 @@ def test_two_wanting_pipelines_alternate_by_priority() -> None:
 
 
 def test_a_slot_goes_where_the_demand_is_and_moves_only_after_release() -> None:
-    core = _core(heartbeat_timeout_s=100.0)
+    core = _core(heartbeat_timeout_s=100.0, demand_window_s=0.0)  # the instant rule
     core.join("a", priority=1.0, slots=[0], now=0.0)
     core.join("b", priority=1.0, slots=[0], now=0.0)
     assert core.report("a", demand=5, version=0, now=0.0)["take"] == [0]
@@ -142,7 +142,7 @@ def test_a_grant_made_in_another_pipelines_report_reaches_its_pipeline() -> None
 def test_grants_are_capped_by_demand_and_the_rest_goes_to_the_others() -> None:
     """No pipeline gets more slots than its demand plus its samples in flight fill (over its
     engines' capacity); what it cannot use goes to the others, so several serve at once."""
-    core = _core(slots=8, heartbeat_timeout_s=100.0)
+    core = _core(slots=8, heartbeat_timeout_s=100.0, demand_window_s=0.0)  # the instant rule
     for n in "abc":
         core.join(n, priority=1.0, slots=list(range(8)), now=0.0, capacity=4)
     assert len(core.report("a", demand=6, inflight=2, version=0, now=0.0)["take"]) == 2
@@ -243,7 +243,9 @@ def test_a_training_pipelines_idle_slots_stay_with_it_unless_another_needs_them(
     """Lending takes no held slot: a synchronous pipeline's slots, idle while its trainer
     trains, stay with it although another could spread over them; only the other's need (its
     share here) has them given up, idle ones first, drained."""
-    core = _core(slots=4, heartbeat_timeout_s=100.0, spread=True, min_hold_s=2.0)
+    core = _core(
+        slots=4, heartbeat_timeout_s=100.0, spread=True, min_hold_s=2.0, demand_window_s=0.0
+    )  # the instant rule
     core.join("a", priority=1.0, slots=list(range(4)), now=0.0, capacity=4)
     core.join("b", priority=1.0, slots=list(range(4)), now=0.0, capacity=4)
     assert core.report("a", demand=16, version=0, now=0.0)["take"] == [0, 1, 2, 3]

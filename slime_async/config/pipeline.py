@@ -69,8 +69,9 @@ class PipelineSchedulerConfig:
     (fewer requests per engine decode faster); a lent slot is the first given up (idle ones
     first, busy ones drained) when another pipeline is short. Off: no pipeline holds more slots
     than its demand fills."""
-    demand_window_s: float = 0.0
-    """Sustained demand (0: off, the instant rule). With it, each pipeline's slot need is also
+    demand_window_s: float = 3600.0
+    """Sustained demand (0: off, the instant rule alone; 3600 from the simulator: longer than
+    a synchronous pipeline's step cycle, docs/results/2026-11-27-pipelines-sim.md). With it, each pipeline's slot need is also
     averaged over about this many seconds (an exponential average of its reports, started at
     its first report, moved by whole slots with half a slot of hysteresis), and the fair share
     of those sustained needs is its *claim*: the slots it keeps even while idle, and the only
@@ -99,7 +100,11 @@ class PipelineSchedulerConfig:
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         for name in (
-            "heartbeat_timeout_s", "min_hold_s", "drain_timeout_s", "fence_s", "demand_window_s"
+            "heartbeat_timeout_s",
+            "min_hold_s",
+            "drain_timeout_s",
+            "fence_s",
+            "demand_window_s",
         ):
             v = getattr(self, name)
             if not 0 <= v < math.inf:
