@@ -1,7 +1,8 @@
 """The pipeline scheduler's decisions, pure: no Ray, no clock of its own, no I/O.
 
 Owns `PipelineState` (what the scheduler knows of one pipeline), `slot_need`, `spread_need` and
-`fair_targets` (how many slots each pipeline should hold), `plan_slots` (the policy: which free
+`fair_targets` (how many slots each pipeline should hold), `smooth_need` and `sustained_slots`
+(its need averaged over `demand_window_s`: what its claim is of), `plan_slots` (the policy: which free
 slot goes to whom, which slots nobody needs are lent to spread a pipeline's requests, which held
 slot is given up and whether it drains or is cut), `SchedulerCore` (the state
 machine around it: joins, reports, heartbeats, hand-overs, drops, fences, and the trainer
