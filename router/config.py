@@ -92,10 +92,13 @@ class RouterConfig:
     refused."""
     health_interval_s: float = 1.0
     """Seconds between `/health` probes of each engine."""
-    health_timeout_s: float = 2.0
-    """Timeout of one health probe; a slower answer counts as a failure."""
-    failure_threshold: int = 2
-    """Consecutive failures (probes or proxied requests) that quarantine an engine."""
+    health_timeout_s: float = 5.0
+    """Timeout of one health probe; a slower answer counts as a failure. sglang-router's
+    default: a loaded engine answers in seconds (2 s quarantined working engines of a run on a
+    node at load 20)."""
+    failure_threshold: int = 3
+    """Consecutive failures (probes or proxied requests) that quarantine an engine
+    (sglang-router's default)."""
     success_threshold: int = 1
     """Consecutive successful probes that re-admit a quarantined engine."""
     readmit_probe_path: str = "/health_generate"

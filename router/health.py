@@ -54,13 +54,11 @@ class HealthMonitor:
         self._probing.clear()
 
     async def _run(self) -> None:
+        """Every `health_interval_s`, probe each engine that has no probe in flight: one slow to
+        answer (up to `health_timeout_s`) never delays the others' probes."""
         while True:
-            workers = [
-                w
-                for w in self.registry.all()
-                if w.state not in (WorkerState.REMOVED, WorkerState.SLEEPING)
-            ]
-            await asyncio.gather(*(self.probe_now(w) for w in workers), return_exceptions=True)
+            for w in self.registry.all():
+                self.poke(w)  # skips removed and sleeping engines, and one already probed
             await asyncio.sleep(self.cfg.health_interval_s)
 
     def poke(self, w: Worker) -> None:

@@ -141,6 +141,8 @@ class FakeEngine:
         self.port = port
         self.weight_version = cfg.weight_version
         self.healthy = True
+        self.health_delay_s = 0.0
+        """Seconds `/health` and `/health_generate` take to answer (a loaded node)."""
         self.fail_status: int | None = None
         """When set, every generate request answers this HTTP status (e.g. 500)."""
         self.paused = False
@@ -372,9 +374,11 @@ class FakeEngine:
         }
 
     async def _health(self, _request: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_delay_s)
         return web.Response(status=200 if self.healthy else 503)
 
     async def _health_generate(self, _request: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_delay_s)
         ok = self.healthy and self.fail_status is None
         return web.Response(status=200 if ok else 503)
 

@@ -149,3 +149,23 @@ async def test_worker_added_at_runtime_gets_traffic_and_removed_one_does_not() -
         await router.stop()
         for e in engines:
             await e.stop()
+
+
+async def test_an_engine_slow_to_answer_its_probes_stays_in_rotation_by_default() -> None:
+    """With the default probe settings (sglang-router's: 5 s, 3 failures) an engine whose
+    `/health` takes 3 s (a loaded node) is never quarantined; one that stops answering is."""
+    slow, dead = FakeEngine(), FakeEngine()
+    urls = [await slow.start(), await dead.start()]
+    slow.health_delay_s = 3.0
+    router = Router(RouterConfig(worker_urls=tuple(urls)))
+    await router.start()
+    try:
+        await _wait(lambda: len(router.registry.healthy()) == 2)
+        dead.healthy = False
+        await asyncio.sleep(8.0)
+        assert router.registry.find_url(urls[0]).state is WorkerState.HEALTHY
+        assert router.registry.find_url(urls[1]).state is WorkerState.QUARANTINED
+    finally:
+        await router.stop()
+        await slow.stop()
+        await dead.stop()
