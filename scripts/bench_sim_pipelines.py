@@ -15,7 +15,8 @@ Arms (`--arms`, in one run, the same pipelines and pool each):
   spread      shared, and the slots nobody needs are lent (`PipelineSchedulerConfig.spread`)
   sustained   shared with sustained demand (`--demand-window-s`, `PipelineSchedulerConfig.
               demand_window_s`): claims sized by each pipeline's averaged need, busy slots
-              taken only for a claim (the arms above run with it off: the instant rule)
+              taken only for a claim (every other arm runs the instant rule, as the results
+              pages before it did)
   sustained-spread  sustained, and a pipeline's instant need is at least its share while its
               requests could spread over it (`spread`)
   split       a static split sized to demand: each pipeline owns the slots in proportion to
@@ -322,6 +323,7 @@ def main() -> None:
         sleep_s=sleep_s, wake_s=wake_s, sync_s=sync_s, horizon_s=a.horizon_h * 3600,
         priorities=tuple(prio[i % len(prio)] for i in range(a.pipelines)),
         keep_partial=a.keep_partial, trainer_swap_s=trainer_swap_s(a),
+        demand_window_s=0.0,  # the instant rule, but in the sustained arms (as on the pages)
     )  # fmt: skip
     cfgs = configs(a, engine_slots)
     results = run_arms(a, pool, cfgs)

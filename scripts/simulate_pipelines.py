@@ -40,7 +40,7 @@ from sim_pool import DoubleOccupancy, PipeEngines, Pool
 
 from data_worker import InMemoryPromptSource, RolloutDataWorker
 from data_worker.virtual_loop import run_virtual
-from slime_async.config.pipeline import PipelineSchedulerConfig
+from slime_async.config.pipeline import DEMAND_WINDOW_S, PipelineSchedulerConfig
 from slime_async.orchestrator.pipeline_policy import SchedulerCore
 
 __all__ = ["DoubleOccupancy", "Pool", "PoolConfig", "PoolResult", "SchedulerCore", "simulate_pool"]
@@ -68,8 +68,9 @@ class PoolConfig:
     """Stop every pipeline at this simulated time (None: each trains its `steps`)."""
     spread: bool = False
     """The scheduler lends slots nobody needs (`PipelineSchedulerConfig.spread`)."""
-    demand_window_s: float = 0.0
-    """The scheduler's sustained demand (`PipelineSchedulerConfig.demand_window_s`; 0: off)."""
+    demand_window_s: float = DEMAND_WINDOW_S
+    """The scheduler's sustained demand (`PipelineSchedulerConfig.demand_window_s`, its default;
+    0: the instant rule alone)."""
     keep_partial: bool = False
     """What-if (not built): a request cut by a hand-over goes on from its partial output."""
     priorities: tuple[float, ...] | None = None

@@ -15,6 +15,10 @@ from collections.abc import Mapping
 from clifields import add_flags, check_ranges, flag, from_args
 
 
+DEMAND_WINDOW_S = 3600.0
+"""`PipelineSchedulerConfig.demand_window_s` by default (the simulator's evidence, see there)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineConfig:
     """How this run takes part in a pipeline scheduler (none: it owns its engines, as always)."""
@@ -69,7 +73,7 @@ class PipelineSchedulerConfig:
     (fewer requests per engine decode faster); a lent slot is the first given up (idle ones
     first, busy ones drained) when another pipeline is short. Off: no pipeline holds more slots
     than its demand fills."""
-    demand_window_s: float = 3600.0
+    demand_window_s: float = DEMAND_WINDOW_S
     """Sustained demand (0: off, the instant rule alone; 3600 from the simulator: longer than
     a synchronous pipeline's step cycle, docs/results/2026-11-27-pipelines-sim.md). With it, each pipeline's slot need is also
     averaged over about this many seconds (an exponential average of its reports, started at
