@@ -14,7 +14,6 @@ from collections.abc import Mapping
 
 from clifields import add_flags, check_ranges, flag, from_args
 
-
 DEMAND_WINDOW_S = 3600.0
 """`PipelineSchedulerConfig.demand_window_s` by default (the simulator's evidence, see there)."""
 
