@@ -56,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import simulate_dispatch as sd
 from simulate_pipelines import PoolConfig, PoolResult, simulate_pool
 
+from slime_async.config.pipeline import DEMAND_WINDOW_S
+
 # Seconds per GB measured on the 2-core CPU machine (docs/results/2026-11-27-pipelines-sim.md
 # says which run): level-2 sleep and wake of the embedded engine (`bench_pipelines.py
 # --mechanism`), and a weight push into an engine (the median distributed sync of SmolLM2-135M,
@@ -211,7 +213,7 @@ def _parse() -> argparse.Namespace:
            "weights and Adam moments)")  # fmt: skip
     a("--overlap-spread", action="store_true",
       help="the overlap arms with `spread` (slots nobody needs lent to spread requests)")  # fmt: skip
-    a("--demand-window-s", type=float, default=1800.0,
+    a("--demand-window-s", type=float, default=DEMAND_WINDOW_S,
       help="the sustained arms' demand_window_s (the other arms: 0, the instant rule)")  # fmt: skip
     a("--arms", default="exclusive,shared,spread,split", help="arms to run (exclusive first)")
     a("--json", default=None, help="also write the numbers to this file")
