@@ -13,6 +13,12 @@ Arms (`--arms`, in one run, the same pipelines and pool each):
   exclusive   each pipeline owns an equal share of the engine slots (its solo run)
   shared      the scheduler time-shares every slot, grants capped by demand
   spread      shared, and the slots nobody needs are lent (`PipelineSchedulerConfig.spread`)
+  sustained   shared with sustained demand (`--demand-window-s`, `PipelineSchedulerConfig.
+              demand_window_s`): claims sized by each pipeline's averaged need, busy slots
+              taken only for a claim (every other arm runs the instant rule, as the results
+              pages before it did)
+  sustained-spread  sustained, and a pipeline's instant need is at least its share while its
+              requests could spread over it (`spread`)
   split       a static split sized to demand: each pipeline owns the slots in proportion to
               the slot time it was granted in the `spread` (else `shared`) arm
   sequential  one after another: each pipeline alone on every engine slot for 1/P of the time
@@ -49,6 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import simulate_dispatch as sd
 from simulate_pipelines import PoolConfig, PoolResult, simulate_pool
+
+from slime_async.config.pipeline import DEMAND_WINDOW_S
 
 # Seconds per GB measured on the 2-core CPU machine (docs/results/2026-11-27-pipelines-sim.md
 # says which run): level-2 sleep and wake of the embedded engine (`bench_pipelines.py
@@ -205,6 +213,8 @@ def _parse() -> argparse.Namespace:
            "weights and Adam moments)")  # fmt: skip
     a("--overlap-spread", action="store_true",
       help="the overlap arms with `spread` (slots nobody needs lent to spread requests)")  # fmt: skip
+    a("--demand-window-s", type=float, default=DEMAND_WINDOW_S,
+      help="the sustained arms' demand_window_s (the other arms: 0, the instant rule)")  # fmt: skip
     a("--arms", default="exclusive,shared,spread,split", help="arms to run (exclusive first)")
     a("--json", default=None, help="also write the numbers to this file")
     return p.parse_args()
@@ -276,8 +286,11 @@ def run_arms(a: argparse.Namespace, pool: PoolConfig, cfgs: list[sd.SimConfig]) 
             r = simulate_pool("exclusive", dataclasses.replace(pool, shares=shares), cfgs)
             r.arm = f"split {'/'.join(map(str, shares))}"
             results.append(r)
-        elif arm in ("exclusive", "shared", "spread"):
-            cfg = dataclasses.replace(pool, spread=arm == "spread")
+        elif arm in ("exclusive", "shared", "spread", "sustained", "sustained-spread"):
+            window = a.demand_window_s if arm.startswith("sustained") else 0.0
+            cfg = dataclasses.replace(
+                pool, spread=arm in ("spread", "sustained-spread"), demand_window_s=window
+            )
             r = simulate_pool("exclusive" if arm == "exclusive" else "shared", cfg, cfgs)
             r.arm = arm
             results.append(r)
@@ -312,6 +325,7 @@ def main() -> None:
         sleep_s=sleep_s, wake_s=wake_s, sync_s=sync_s, horizon_s=a.horizon_h * 3600,
         priorities=tuple(prio[i % len(prio)] for i in range(a.pipelines)),
         keep_partial=a.keep_partial, trainer_swap_s=trainer_swap_s(a),
+        demand_window_s=0.0,  # the instant rule, but in the sustained arms (as on the pages)
     )  # fmt: skip
     cfgs = configs(a, engine_slots)
     results = run_arms(a, pool, cfgs)

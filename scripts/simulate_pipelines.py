@@ -40,7 +40,7 @@ from sim_pool import DoubleOccupancy, PipeEngines, Pool
 
 from data_worker import InMemoryPromptSource, RolloutDataWorker
 from data_worker.virtual_loop import run_virtual
-from slime_async.config.pipeline import PipelineSchedulerConfig
+from slime_async.config.pipeline import DEMAND_WINDOW_S, PipelineSchedulerConfig
 from slime_async.orchestrator.pipeline_policy import SchedulerCore
 
 __all__ = ["DoubleOccupancy", "Pool", "PoolConfig", "PoolResult", "SchedulerCore", "simulate_pool"]
@@ -68,6 +68,9 @@ class PoolConfig:
     """Stop every pipeline at this simulated time (None: each trains its `steps`)."""
     spread: bool = False
     """The scheduler lends slots nobody needs (`PipelineSchedulerConfig.spread`)."""
+    demand_window_s: float = DEMAND_WINDOW_S
+    """The scheduler's sustained demand (`PipelineSchedulerConfig.demand_window_s`, its default;
+    0: the instant rule alone)."""
     keep_partial: bool = False
     """What-if (not built): a request cut by a hand-over goes on from its partial output."""
     priorities: tuple[float, ...] | None = None
@@ -238,6 +241,7 @@ async def _run_arm(pipes: list[Pipeline], pool: Pool, arm: str, pool_cfg: PoolCo
                 fence_s=pool_cfg.fence_s,
                 min_pipelines=len(pipes),
                 spread=pool_cfg.spread,
+                demand_window_s=pool_cfg.demand_window_s,
                 trainer_slots={n: tuple(x) for n, x in mine.items()},
                 overlap_others=pool_cfg.overlap_others,
             )

@@ -399,3 +399,30 @@ async def test_failure_while_admitting_a_prefill_answers_its_rows(engine, monkey
         assert st == 500 and "injected merge failure" in err["error"]["message"], err
         st, ok = await asyncio.wait_for(post(s, url + "/generate", body), 30)
     assert st == 200 and [len(o["output_ids"]) for o in ok] == [4, 4], ok
+
+
+async def test_health_generate_counts_any_output_as_sglang_does() -> None:
+    """SGLang's `/health_generate` answers 200 once its scheduler produces any output: an engine
+    busy with a queue deeper than the probe's timeout is healthy. Its own 1-token request would
+    wait behind the queue (one running request at a time here) past the timeout."""
+    import time
+
+    from slime_async.engine import EngineConfig, EngineServer
+
+    srv = EngineServer(
+        EngineConfig(dtype="fp32", seed=1, max_running_requests=1, health_generate_timeout_s=1.0)
+    )
+    url = srv.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 400}}
+            busy = [asyncio.ensure_future(post(s, url + "/generate", body)) for _ in range(4)]
+            await asyncio.sleep(0.5)  # the first is decoding, three wait
+            t0 = time.monotonic()
+            async with s.get(url + "/health_generate") as r:
+                assert r.status == 200
+            assert time.monotonic() - t0 < 1.0
+            for f in busy:
+                f.cancel()
+    finally:
+        srv.stop()

@@ -110,3 +110,59 @@ async def test_a_slow_engine_is_spared_and_a_hung_one_is_restarted(hung_url):
     assert replaced == [1] and fleet.engines == [slow_url, "http://new1"]
     assert sup.restarts == 1 and sup.slow_spared >= 2  # looked at again, spared again
     assert sup.metrics()["engines/slow_spared"] == sup.slow_spared
+
+
+async def test_a_replacement_that_takes_long_to_start_does_not_count_as_an_outage():
+    """The only engine dies; its replacement takes longer to start than the all-down limit
+    (a loaded node) and then serves: the run goes on. Only an outage after it came up counts."""
+    from slime_async.config.supervision import SupervisorConfig
+    from slime_async.orchestrator.supervisor import EngineSupervisor
+
+    healthy: set[str] = set()
+
+    class Control:
+        async def list_workers(self) -> list[dict]:
+            return [
+                {"url": u, "is_healthy": u in healthy, "state": "healthy"} for u in fleet.engines
+            ]
+
+    class Backend:
+        can_restart = True
+
+    @dataclasses.dataclass
+    class Fleet:
+        engines: list[str]
+        control: Control = dataclasses.field(default_factory=Control)
+        backend: Backend = dataclasses.field(default_factory=Backend)
+        pending: set[str] = dataclasses.field(default_factory=set)
+        asleep: set[str] = dataclasses.field(default_factory=set)
+
+        @property
+        def engine_urls(self) -> list[str]:
+            return list(self.engines)
+
+        async def engine_alive(self, i: int) -> bool:
+            return self.engines[i] != "http://dead"
+
+        async def lost_node(self, i: int) -> None:
+            return None
+
+        async def replace_engine(self, i: int, *, model_dir: Path, version: int, admit: bool):
+            await asyncio.sleep(1.5)  # longer than the all-down limit
+            self.engines[i] = "http://new"
+            asyncio.get_running_loop().call_later(0.3, healthy.add, "http://new")
+            return self.engines[i]
+
+    fleet = Fleet(engines=["http://dead"])
+    cfg = SupervisorConfig(all_down_timeout_s=1.0, interval_s=0.05)
+    sup = EngineSupervisor(fleet, cfg, current_weights=lambda: (Path("/w"), 0))  # type: ignore[arg-type]
+    try:
+        sup.start()
+        await asyncio.sleep(3.0)
+        assert not sup.failed.is_set(), sup.reason
+        assert sup.restarts == 1 and fleet.engines == ["http://new"]
+        healthy.clear()  # now it goes down for good: that outage counts
+        await asyncio.wait_for(sup.failed.wait(), 5.0)
+    finally:
+        await sup.stop()
+    assert "were down for" in sup.reason

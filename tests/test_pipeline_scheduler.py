@@ -44,7 +44,7 @@ def test_two_wanting_pipelines_alternate_by_priority() -> None:
 
 
 def test_a_slot_goes_where_the_demand_is_and_moves_only_after_release() -> None:
-    core = _core(heartbeat_timeout_s=100.0)
+    core = _core(heartbeat_timeout_s=100.0, demand_window_s=0.0)  # the instant rule
     core.join("a", priority=1.0, slots=[0], now=0.0)
     core.join("b", priority=1.0, slots=[0], now=0.0)
     assert core.report("a", demand=5, version=0, now=0.0)["take"] == [0]
@@ -142,7 +142,7 @@ def test_a_grant_made_in_another_pipelines_report_reaches_its_pipeline() -> None
 def test_grants_are_capped_by_demand_and_the_rest_goes_to_the_others() -> None:
     """No pipeline gets more slots than its demand plus its samples in flight fill (over its
     engines' capacity); what it cannot use goes to the others, so several serve at once."""
-    core = _core(slots=8, heartbeat_timeout_s=100.0)
+    core = _core(slots=8, heartbeat_timeout_s=100.0, demand_window_s=0.0)  # the instant rule
     for n in "abc":
         core.join(n, priority=1.0, slots=list(range(8)), now=0.0, capacity=4)
     assert len(core.report("a", demand=6, inflight=2, version=0, now=0.0)["take"]) == 2
@@ -243,7 +243,9 @@ def test_a_training_pipelines_idle_slots_stay_with_it_unless_another_needs_them(
     """Lending takes no held slot: a synchronous pipeline's slots, idle while its trainer
     trains, stay with it although another could spread over them; only the other's need (its
     share here) has them given up, idle ones first, drained."""
-    core = _core(slots=4, heartbeat_timeout_s=100.0, spread=True, min_hold_s=2.0)
+    core = _core(
+        slots=4, heartbeat_timeout_s=100.0, spread=True, min_hold_s=2.0, demand_window_s=0.0
+    )  # the instant rule
     core.join("a", priority=1.0, slots=list(range(4)), now=0.0, capacity=4)
     core.join("b", priority=1.0, slots=list(range(4)), now=0.0, capacity=4)
     assert core.report("a", demand=16, version=0, now=0.0)["take"] == [0, 1, 2, 3]
@@ -358,3 +360,89 @@ def test_bad_trainer_slots_name_the_fix() -> None:
     b = _core(slots=2).before_training  # no trainer slots: nothing to wait for, nothing cut
     with pytest.raises(KeyError, match="not joined"):
         b("a", now=0.0)
+
+
+def _drive(core: SchedulerCore, want, *, start: float, until: float, dt: float = 0.5) -> list:
+    """Every pipeline reports every `dt`: `want(name, t)` gives its demand (samples, one per
+    engine: capacity 1) and whether its engines run requests; a give-up is released at once.
+    Returns the (time, pipeline, what) events of grants and give-ups in [start, until)."""
+    t = start
+    while t < until:
+        for name in list(core.pipelines):
+            demand, busy = want(name, t)
+            mine = [s for s, h in core.owner.items() if h == name]
+            load = dict.fromkeys(mine, 1 if busy else 0)
+            todo = core.report(name, demand=demand, version=0, now=t, load=load)
+            for slot in todo["give_up"]:
+                core.released(name, slot, now=t)
+        t += dt
+    return [e for e in core.events if start <= e[0] < until and ("grant" in e[2] or "give" in e[2])]
+
+
+def _phased(name: str, t: float) -> tuple[int, bool]:
+    """Steady demand with each step's phase: a wants 4 engines but reports 0 for one heartbeat
+    every 10 s (its batch filled, its engines idle); b wants all 12; c wants 2."""
+    if name == "a":
+        return (0, False) if t % 10.0 == 5.0 else (4, True)
+    return (12 if name == "b" else 2), True
+
+
+@pytest.mark.parametrize("window", [0.0, 600.0])
+def test_with_steady_demand_the_grants_settle_on_a_split_by_demand_and_stay(window) -> None:
+    """Sustained demand (`demand_window_s`): a pipeline whose demand drops to 0 for a heartbeat
+    after each batch keeps its slots (its claim), so with steady demand the grants converge on
+    the split its demand sizes (a 4, b 6, c 2 of 12) and no slot moves after that. The instant
+    rule (window 0) hands a's idle slots to b at every dip and drains them back: it never
+    settles."""
+    core = _core(slots=12, heartbeat_timeout_s=100.0, demand_window_s=window)
+    for n in "abc":
+        core.join(n, priority=1.0, slots=list(range(12)), now=0.0)
+    _drive(core, _phased, start=0.0, until=60.0)
+    moves = _drive(core, _phased, start=60.0, until=3660.0)  # an hour after convergence
+    if window == 0.0:
+        assert len(moves) > 100  # the old rule: slots move at every dip
+        return
+    assert moves == [] and _held(core) == {"a": 4, "b": 6, "c": 2}
+
+
+def test_a_real_change_of_demand_is_followed_within_the_window() -> None:
+    """Steady a 4 / b 6 / c 2 as above; then c's demand rises for good (an eval burst): it gets
+    its fair share (4) within the window, from b's busy slots (drained); b's demand then stops
+    (its run done, still joined): it keeps its idle slots while its average still claims them
+    (a training pipeline's do: F3 of the results), and they go to c once it has fallen, within
+    window x ln(2 x its need) (3.2 windows here); a pipeline that joins claims its first report's
+    need at once; one that leaves frees its slots at once."""
+    window = 600.0
+    core = _core(slots=12, heartbeat_timeout_s=100.0, demand_window_s=window)
+    for n in "abc":
+        core.join(n, priority=1.0, slots=list(range(12)), now=0.0)
+    _drive(core, _phased, start=0.0, until=60.0)
+    assert _held(core) == {"a": 4, "b": 6, "c": 2}
+
+    def burst(name: str, t: float) -> tuple[int, bool]:
+        return (12, True) if name == "c" else _phased(name, t)
+
+    _drive(core, burst, start=60.0, until=61.0)
+    assert _held(core)["c"] == 2  # a short peak takes no busy slot...
+    _drive(core, burst, start=61.0, until=60.0 + window)
+    assert _held(core) == {"a": 4, "b": 4, "c": 4}  # ...a sustained one does, in the window
+
+    def b_done(name: str, t: float) -> tuple[int, bool]:
+        return (0, False) if name == "b" else (12, True) if name == "c" else _phased(name, t)
+
+    t0 = 60.0 + window
+    _drive(core, b_done, start=t0, until=t0 + window)
+    assert _held(core)["b"] == 4
+    _drive(core, b_done, start=t0 + window, until=t0 + 3.5 * window)
+    assert _held(core) == {"a": 4, "b": 0, "c": 8}
+    t1 = t0 + 3.5 * window
+    core.join("d", priority=1.0, slots=list(range(12)), now=t1)
+
+    def d_joins(name: str, t: float) -> tuple[int, bool]:
+        return (12, True) if name == "d" else b_done(name, t)
+
+    _drive(core, d_joins, start=t1, until=t1 + 2.0)
+    assert _held(core) == {"a": 4, "b": 0, "c": 4, "d": 4}  # its claim at once (drained)
+    core.leave("c", now=t1 + 2.0)
+    _drive(core, d_joins, start=t1 + 2.0, until=t1 + 3.0)
+    assert _held(core) == {"a": 4, "b": 0, "d": 8}

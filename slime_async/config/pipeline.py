@@ -14,6 +14,9 @@ from collections.abc import Mapping
 
 from clifields import add_flags, check_ranges, flag, from_args
 
+DEMAND_WINDOW_S = 3600.0
+"""`PipelineSchedulerConfig.demand_window_s` by default (the simulator's evidence, see there)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineConfig:
@@ -69,6 +72,18 @@ class PipelineSchedulerConfig:
     (fewer requests per engine decode faster); a lent slot is the first given up (idle ones
     first, busy ones drained) when another pipeline is short. Off: no pipeline holds more slots
     than its demand fills."""
+    demand_window_s: float = DEMAND_WINDOW_S
+    """Sustained demand (0: off, the instant rule alone; 3600 from the simulator: longer than
+    a synchronous pipeline's step cycle, docs/results/2026-11-27-pipelines-sim.md). With it, each pipeline's slot need is also
+    averaged over about this many seconds (an exponential average of its reports, started at
+    its first report, moved by whole slots with half a slot of hysteresis), and the fair share
+    of those sustained needs is its *claim*: the slots it keeps even while idle, and the only
+    ones for which another pipeline's busy slot is drained or cut. Slots beyond the claims still
+    go where the demand is now (free ones, and idle ones above their holder's claim), so nothing
+    idles that a pipeline could use at no cut. A pipeline whose demand rises gets free and idle
+    slots at its next report and busy ones as its average rises (within about this window); one
+    that joins claims its first report's need at once; one that leaves frees its slots at once.
+    With steady demand the grants settle on a split proportional to demand and stay there."""
     sleep_level: int = 2
     """How a pipeline's engine sleeps while its slot serves another: 1 frees the KV and prefix
     caches, 2 also the weights."""
@@ -87,7 +102,13 @@ class PipelineSchedulerConfig:
             raise ValueError(f"min_pipelines must be >= 1, got {self.min_pipelines}")
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
-        for name in ("heartbeat_timeout_s", "min_hold_s", "drain_timeout_s", "fence_s"):
+        for name in (
+            "heartbeat_timeout_s",
+            "min_hold_s",
+            "drain_timeout_s",
+            "fence_s",
+            "demand_window_s",
+        ):
             v = getattr(self, name)
             if not 0 <= v < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v}")

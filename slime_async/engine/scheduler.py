@@ -61,6 +61,9 @@ class Scheduler:
         self.paused = False
         self.steps = 0
         self.decoded_tokens = 0
+        self.outputs = 0
+        """Tokens produced for any sequence (prefill's first tokens and decode's): what
+        `/health_generate` watches, as SGLang's watches any output of its scheduler."""
         self._wake = asyncio.Event()
         self._step_lock = asyncio.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
@@ -470,6 +473,7 @@ class Scheduler:
     def _append(self, seq: Sequence, tok: int, lp: float) -> None:
         if seq.status is not SeqStatus.RUNNING:
             return
+        self.outputs += 1
         seq.output.append(tok)
         seq.output_logprobs.append(lp)
         try:

@@ -1,7 +1,8 @@
 """The pipeline scheduler's decisions, pure: no Ray, no clock of its own, no I/O.
 
 Owns `PipelineState` (what the scheduler knows of one pipeline), `slot_need`, `spread_need` and
-`fair_targets` (how many slots each pipeline should hold), `plan_slots` (the policy: which free
+`fair_targets` (how many slots each pipeline should hold), `smooth_need` and `sustained_slots`
+(its need averaged over `demand_window_s`: what its claim is of), `plan_slots` (the policy: which free
 slot goes to whom, which slots nobody needs are lent to spread a pipeline's requests, which held
 slot is given up and whether it drains or is cut), `SchedulerCore` (the state
 machine around it: joins, reports, heartbeats, hand-overs, drops, fences, and the trainer
@@ -65,6 +66,11 @@ class PipelineState:
     last_seen: float = 0.0
     served_s: float = 0.0
     """Slot-seconds granted so far (the fairness account, weighted by `priority`)."""
+    need_avg: float | None = None
+    """Its `slot_need` averaged over the scheduler's `demand_window_s` (None: not reported
+    yet, or sustained demand off)."""
+    sustained: int = 0
+    """`need_avg` in whole slots, with hysteresis (`sustained_slots`): what its claim is of."""
 
 
 def slot_need(p: PipelineState) -> int:
@@ -86,6 +92,36 @@ def spread_need(p: PipelineState) -> int:
     3
     """
     return min(len(p.slots), p.demand + p.inflight)
+
+
+def smooth_need(avg: float | None, need: float, dt: float, window_s: float) -> float:
+    """The exponential average of a pipeline's slot need over about `window_s` seconds, moved
+    by a report of `need` `dt` seconds after the last one; the first report (`avg` None) is
+    taken whole (a pipeline that joins claims what it needs at once).
+
+    >>> smooth_need(None, 8, 0.0, 600.0)
+    8.0
+    >>> round(smooth_need(8.0, 0, 600.0, 600.0), 3)  # a window of zero need: down to 1/e
+    2.943
+    """
+    if avg is None:
+        return float(need)
+    return avg + (need - avg) * -math.expm1(-dt / window_s)
+
+
+def sustained_slots(avg: float, current: int) -> int:
+    """`avg` in whole slots with half a slot of hysteresis: `current` stays until the average
+    is a whole slot away from it (so an average rippling with each step's phase moves no
+    slot), or below half a slot (demand gone: nothing is kept).
+
+    >>> sustained_slots(3.9, 3), sustained_slots(4.1, 3), sustained_slots(2.2, 3)
+    (3, 4, 2)
+    >>> sustained_slots(0.4, 1)
+    0
+    """
+    if avg < 0.5:
+        return 0
+    return current if abs(avg - current) < 1.0 else round(avg)
 
 
 def fair_targets(
@@ -132,6 +168,9 @@ class Plan:
     lent: set[int] = dataclasses.field(default_factory=set)
     """Of `grant`, the slots lent beyond their pipeline's target (slots nobody needs, to spread
     its requests over: above its target, so the first given up when another one is short)."""
+    claim: dict[str, int] | None = None
+    """Sustained demand: the slots each pipeline keeps even while idle and may take busy
+    (`fair_targets` of the sustained needs); None: off."""
 
 
 def plan_slots(
@@ -145,6 +184,7 @@ def plan_slots(
     min_hold_s: float,
     spread: bool = False,
     trainer_of: Mapping[int, str] | None = None,
+    sustained: Mapping[str, int] | None = None,
 ) -> Plan:
     """Who should serve where next (pure). Each pipeline's target is its share of the usable
     slots (not `blocked`) by priority, never above its `slot_need`; the least served (slot
@@ -163,6 +203,11 @@ def plan_slots(
     next step's short for its holder; the simulator showed it losing). A free slot that is a
     pipeline's trainer slot (`trainer_of`: partial overlap) goes to that pipeline first, and to
     the others only after every other free slot (it is taken back at its trainer's next step).
+    With `sustained` (each pipeline's sustained slot need), the fair shares of those are the
+    claims: a holder never gives up a slot while it holds no more than its claim (nor its
+    target), and a busy slot is taken (drained, or cut for a higher priority) only for a
+    pipeline short of its claim; slots beyond the claims go where the demand is now (free and
+    idle ones only), so a step's short peak takes no running request from anyone.
 
     >>> a = PipelineState("a", 1.0, (0, 1), capacity=4, demand=8, load={0: 4, 1: 1})
     >>> b = PipelineState("b", 1.0, (0, 1), capacity=4, demand=8)
@@ -184,6 +229,9 @@ def plan_slots(
             need[p.name] = min(spread_need(p), max(need[p.name], share))
     target = fair_targets(need, weight, [p.name for p in order], len(usable))
     plan = Plan(target=target)
+    if sustained is not None:
+        capped = {p.name: min(len(p.slots), sustained.get(p.name, 0)) for p in order}
+        plan.claim = fair_targets(capped, weight, [p.name for p in order], len(usable))
     held = {n: [s for s, h in owner.items() if h == n and s not in leaving] for n in pipelines}
     trainer_of = trainer_of or {}
     # a trainer's slot last: it is taken back at its trainer's next step (stable: slot order)
@@ -251,18 +299,34 @@ def _give_up(
         if surplus <= 0:
             continue
         mine = []
+        if plan.claim is not None:  # its claim is kept, idle or not
+            surplus = len(slots) - max(plan.target[name], plan.claim[name])
+            if surplus <= 0:
+                continue
         for s in slots:
             wanting = [pipelines[n] for n in short if s in pipelines[n].slots]
+            load = q.load.get(s, 0)
+            if load and plan.claim is not None:  # a busy slot only for a claim, or a priority
+                wanting = [
+                    p
+                    for p in wanting
+                    if p.priority > q.priority or _below_claim(plan, held, p.name)
+                ]
             if not wanting:
                 continue
             higher = max(p.priority for p in wanting) > q.priority
             if not higher and now - since.get(s, -math.inf) < min_hold_s:
                 continue
-            load = q.load.get(s, 0)
             mine.append((not higher, load, s, higher and load > 0))
         candidates.extend(sorted(mine)[:surplus])
     for _, _, s, cut in sorted(candidates)[:missing]:
         plan.give_up[s] = cut
+
+
+def _below_claim(plan: Plan, held: Mapping[str, list[int]], name: str) -> bool:
+    assert plan.claim is not None
+    granted = sum(n == name for n in plan.grant.values())
+    return len(held[name]) + granted < plan.claim[name]
 
 
 class SchedulerCore:
@@ -380,7 +444,12 @@ class SchedulerCore:
         if p is None:
             raise KeyError(f"pipeline {name!r} is not joined (dropped after a silence?)")
         p.demand, p.inflight, p.version = max(0, int(demand)), max(0, int(inflight)), version
-        p.load, p.last_seen = {int(s): int(n) for s, n in (load or {}).items()}, now
+        p.load = {int(s): int(n) for s, n in (load or {}).items()}
+        if self.cfg.demand_window_s > 0:
+            dt = now - p.last_seen
+            p.need_avg = smooth_need(p.need_avg, slot_need(p), dt, self.cfg.demand_window_s)
+            p.sustained = sustained_slots(p.need_avg, p.sustained)
+        p.last_seen = now
         self.gathered = self.gathered or len(self.pipelines) >= self.cfg.min_pipelines
         if not self.gathered:
             return {"serve": [], "give_up": [], "cut": [], "take": [], "drain_s": 0.0}
@@ -411,6 +480,11 @@ class SchedulerCore:
             for n, p in self.pipelines.items()
         }
 
+    def _sustained(self) -> dict[str, int] | None:
+        if self.cfg.demand_window_s <= 0:
+            return None
+        return {n: p.sustained for n, p in self.pipelines.items()}
+
     def _trainer_busy(self) -> set[int]:
         return {s for s, n in self.trainer_of.items() if n in self.training}
 
@@ -425,6 +499,7 @@ class SchedulerCore:
             min_hold_s=self.cfg.min_hold_s,
             spread=self.cfg.spread,
             trainer_of=self.trainer_of,
+            sustained=self._sustained(),
         )
         for slot, want in plan.grant.items():
             self.owner[slot], self.since[slot] = want, now

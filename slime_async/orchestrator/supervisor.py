@@ -26,7 +26,8 @@ through the engine backend (`Cluster.backend`, the protocol in `slime_async.cont
   calls it missed) when its `/health` answers again;
 * either way, with no healthy engine a clear line is logged every `log_every_s`; after
   `all_down_timeout_s` `failed` is set with the reason and the controller stops the run with a
-  checkpoint (`EnginesDownError`);
+  checkpoint (`EnginesDownError`); a replacement that comes up restarts that clock (its own
+  start, minutes on a loaded node, is progress, not an outage to count against it);
 * an engine dropped for good (its node lost, no live node with room) that was the last one
   leaves nothing to wait for: `failed` is set at once, naming the node.
 
@@ -165,6 +166,7 @@ class EngineSupervisor:
                 why = f"unhealthy for {now - since:.0f}s and {problem}"
             if not await self._replace(i, why):
                 return  # the fleet shrank: indices moved, look again next pass
+        now = time.monotonic()  # a replacement above may have taken minutes
         up = [u for u in self.cluster.engine_urls if healthy.get(u, False)]
         by_design = [
             u
@@ -259,6 +261,8 @@ class EngineSupervisor:
             log.warning("restart of engine %d failed: %s", i, e)
             return True
         self._unhealthy_since.pop(old, None)
+        if self._all_down_since is not None:  # it came up: a fresh all-down allowance
+            self._all_down_since = time.monotonic()
         if version < fleet:
             log.warning(
                 "engine %d replaced: %s -> %s; it holds v%d, the fleet serves v%d: no "

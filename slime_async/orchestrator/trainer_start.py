@@ -137,7 +137,14 @@ async def start_behavior_role(cfg: RunConfig, trainer_cfg: TrainerConfig) -> Beh
         num_threads=threads,
         actor_options={"scheduling_strategy": here},  # it reads exports from the run directory
     )
-    await pin_actor(role.actor, behavior_role_cores(cfg), threads)
+    cores = behavior_role_cores(cfg)
+    await pin_actor(role.actor, cores, threads)
+    log.info(
+        "forward-only role: %d thread(s) on cores %s (--behavior-role-cores %s)",
+        threads,
+        list(cores) or "any",
+        cfg.behavior_role_cores,
+    )
     return role
 
 
