@@ -42,6 +42,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -120,53 +121,71 @@ class EngineSupervisor:
         healthy = {w["url"]: bool(w["is_healthy"]) for w in workers}
         state = {w["url"]: w.get("state") for w in workers}
         for i, url in enumerate(list(self.cluster.engine_urls)):
-            if url in self.cluster.asleep or state.get(url) == "sleeping":  # asleep by design
-                self._unhealthy_since.pop(url, None)
-                continue
-            if url in self.cluster.pending:  # not in the router yet: only its process counts
-                if not await self.cluster.engine_alive(i):
-                    why = "its process is gone (while waiting for weights)"
-                    if not await self._replace(i, why):
-                        return  # the fleet shrank: indices moved, look again next pass
-                continue
-            if healthy.get(url, False):
-                self._unhealthy_since.pop(url, None)
-                self._reported.discard(url)
-                continue
-            since = self._unhealthy_since.setdefault(url, now)
-            if not self.cluster.backend.can_restart:
-                if state.get(url) == "quarantined" and url not in self._reported:
-                    self._reported.add(url)
-                    log.warning(
-                        "engine %d at %s is quarantined; its backend (%s) cannot restart engines: "
-                        "waiting for the router to re-admit it once /health answers again",
-                        i,
-                        url,
-                        type(self.cluster.backend).__name__,
-                    )
-                continue
-            dead = not await self.cluster.engine_alive(i)
-            if not dead and now - since < self.cfg.restart_after_s:
-                continue
-            why = "its process is gone"
-            if not dead:
-                problem = await self._generates(url)
-                if problem is None:  # slow, not hung: look again after another interval
-                    self.slow_spared += 1
-                    self._unhealthy_since[url] = time.monotonic()
-                    log.warning(
-                        "engine %d at %s: unhealthy to the router for %.0fs, but it answered a "
-                        "1-token generation within %.0fs: slow, not hung; not restarting it",
-                        i,
-                        url,
-                        now - since,
-                        self.cfg.hung_timeout_s,
-                    )
-                    continue
-                why = f"unhealthy for {now - since:.0f}s and {problem}"
-            if not await self._replace(i, why):
+            if not await self._look_at(i, url, healthy.get(url, False), state.get(url), now):
                 return  # the fleet shrank: indices moved, look again next pass
-        now = time.monotonic()  # a replacement above may have taken minutes
+        self._track_all_down(healthy, state)
+
+    async def _look_at(
+        self, i: int, url: str, healthy: bool, state: str | None, now: float
+    ) -> bool:
+        """Engine `i`: replaced when dead, or hung past `restart_after_s`; False when a
+        replacement dropped it instead (the fleet shrank)."""
+        if url in self.cluster.asleep or state == "sleeping":  # asleep by design
+            self._unhealthy_since.pop(url, None)
+            return True
+        if url in self.cluster.pending:  # not in the router yet: only its process counts
+            if await self.cluster.engine_alive(i):
+                return True
+            return await self._replace(i, "its process is gone (while waiting for weights)")
+        if healthy:
+            self._unhealthy_since.pop(url, None)
+            self._reported.discard(url)
+            return True
+        since = self._unhealthy_since.setdefault(url, now)
+        if not self.cluster.backend.can_restart:
+            if state == "quarantined" and url not in self._reported:
+                self._reported.add(url)
+                log.warning(
+                    "engine %d at %s is quarantined; its backend (%s) cannot restart engines: "
+                    "waiting for the router to re-admit it once /health answers again",
+                    i,
+                    url,
+                    type(self.cluster.backend).__name__,
+                )
+            return True
+        if await self.cluster.engine_alive(i):
+            if now - since < self.cfg.restart_after_s:
+                return True
+            why = await self._hung(i, url, now - since)
+            if why is None:
+                return True
+        else:
+            why = "its process is gone"
+        return await self._replace(i, why)
+
+    async def _hung(self, i: int, url: str, unhealthy_s: float) -> str | None:
+        """Why engine `i`, running but unhealthy to the router for `unhealthy_s`, is hung; None
+        when it answers a 1-token generation itself (slow, not hung: spared, and looked at
+        again after another `restart_after_s`)."""
+        problem = await self._generates(url)
+        if problem is not None:
+            return f"unhealthy for {unhealthy_s:.0f}s and {problem}"
+        self.slow_spared += 1
+        self._unhealthy_since[url] = time.monotonic()
+        log.warning(
+            "engine %d at %s: unhealthy to the router for %.0fs, but it answered a 1-token "
+            "generation within %.0fs: slow, not hung; not restarting it",
+            i,
+            url,
+            unhealthy_s,
+            self.cfg.hung_timeout_s,
+        )
+        return None
+
+    def _track_all_down(self, healthy: dict[str, bool], state: dict[str, Any]) -> None:
+        """The all-down clock: started when no engine serves, `failed` after
+        `all_down_timeout_s` (read after any replacement of this pass, which may take minutes)."""
+        now = time.monotonic()
         up = [u for u in self.cluster.engine_urls if healthy.get(u, False)]
         by_design = [
             u
