@@ -10,12 +10,13 @@ and the hung server are real sockets.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import socket
 import threading
 from pathlib import Path
 
 import pytest
+
+from tests.supervised_fleet import FleetSlice
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,46 +60,16 @@ async def test_a_slow_engine_is_spared_and_a_hung_one_is_restarted(hung_url):
     slow_url = srv.start()
     replaced: list[int] = []
 
-    @dataclasses.dataclass
-    class Control:
-        cluster: Fleet
-
-        async def list_workers(self) -> list[dict]:  # the router's verdict: both unhealthy
-            return [
-                {"url": u, "is_healthy": u.startswith("http://new"), "state": "quarantined"}
-                for u in self.cluster.engines
-            ]
-
-    class Backend:
-        can_restart = True
-
-    @dataclasses.dataclass
-    class Fleet:  # the slice of `roles.Cluster` the supervisor calls
-        engines: list[str]
-        pending: set[str] = dataclasses.field(default_factory=set)
-        asleep: set[str] = dataclasses.field(default_factory=set)
-        backend: Backend = dataclasses.field(default_factory=Backend)
-
-        @property
-        def control(self) -> Control:
-            return Control(self)
-
-        @property
-        def engine_urls(self) -> list[str]:
-            return list(self.engines)
-
-        async def engine_alive(self, i: int) -> bool:
-            return True  # both processes run: only an answer tells them apart
-
-        async def lost_node(self, i: int) -> None:
-            return None
-
+    class Fleet(FleetSlice):  # the router holds both unhealthy; both processes run
         async def replace_engine(self, i: int, *, model_dir: Path, version: int, admit: bool):
             replaced.append(i)
             self.engines[i] = f"http://new{i}"
             return self.engines[i]
 
-    fleet = Fleet(engines=[slow_url, hung_url])
+    fleet = Fleet(
+        engines=[slow_url, hung_url],
+        verdict=lambda u: (u.startswith("http://new"), "quarantined"),
+    )
     cfg = SupervisorConfig(restart_after_s=0.2, hung_timeout_s=3.0, interval_s=0.05)
     sup = EngineSupervisor(fleet, cfg, current_weights=lambda: (Path("/w"), 0))  # type: ignore[arg-type]
     try:
@@ -120,32 +91,9 @@ async def test_a_replacement_that_takes_long_to_start_does_not_count_as_an_outag
 
     healthy: set[str] = set()
 
-    class Control:
-        async def list_workers(self) -> list[dict]:
-            return [
-                {"url": u, "is_healthy": u in healthy, "state": "healthy"} for u in fleet.engines
-            ]
-
-    class Backend:
-        can_restart = True
-
-    @dataclasses.dataclass
-    class Fleet:
-        engines: list[str]
-        control: Control = dataclasses.field(default_factory=Control)
-        backend: Backend = dataclasses.field(default_factory=Backend)
-        pending: set[str] = dataclasses.field(default_factory=set)
-        asleep: set[str] = dataclasses.field(default_factory=set)
-
-        @property
-        def engine_urls(self) -> list[str]:
-            return list(self.engines)
-
+    class Fleet(FleetSlice):
         async def engine_alive(self, i: int) -> bool:
             return self.engines[i] != "http://dead"
-
-        async def lost_node(self, i: int) -> None:
-            return None
 
         async def replace_engine(self, i: int, *, model_dir: Path, version: int, admit: bool):
             await asyncio.sleep(1.5)  # longer than the all-down limit
@@ -153,7 +101,7 @@ async def test_a_replacement_that_takes_long_to_start_does_not_count_as_an_outag
             asyncio.get_running_loop().call_later(0.3, healthy.add, "http://new")
             return self.engines[i]
 
-    fleet = Fleet(engines=["http://dead"])
+    fleet = Fleet(engines=["http://dead"], verdict=lambda u: (u in healthy, "healthy"))
     cfg = SupervisorConfig(all_down_timeout_s=1.0, interval_s=0.05)
     sup = EngineSupervisor(fleet, cfg, current_weights=lambda: (Path("/w"), 0))  # type: ignore[arg-type]
     try:

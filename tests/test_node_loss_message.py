@@ -168,30 +168,12 @@ async def test_losing_the_node_of_the_last_engine_stops_the_run_at_once() -> Non
     """The supervisor over a cluster whose only engine's node is lost with no room elsewhere:
     `failed` with a reason naming the node, without waiting out the all-down timeout."""
     import asyncio
-    import dataclasses
 
     from slime_async.config.supervision import SupervisorConfig
     from slime_async.orchestrator.supervisor import EngineSupervisor
+    from tests.supervised_fleet import FleetSlice
 
-    class Control:
-        async def list_workers(self) -> list[dict]:
-            return [{"url": u, "is_healthy": False, "state": "quarantined"} for u in urls]
-
-    class Backend:
-        can_restart = True
-
-    @dataclasses.dataclass
-    class LostCluster:  # the slice of `roles.Cluster` the supervisor calls
-        engines: list[str]
-        control: Control = dataclasses.field(default_factory=Control)
-        backend: Backend = dataclasses.field(default_factory=Backend)
-        pending: set[str] = dataclasses.field(default_factory=set)
-        asleep: set[str] = dataclasses.field(default_factory=set)
-
-        @property
-        def engine_urls(self) -> list[str]:
-            return list(self.engines)
-
+    class LostCluster(FleetSlice):  # every engine's node is lost, no live node has room
         async def engine_alive(self, i: int) -> bool:
             return False
 
