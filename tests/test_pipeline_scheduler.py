@@ -4,9 +4,12 @@ and a pipeline that leaves or goes silent loses its slots without stopping the o
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 
 from slime_async.config.pipeline import PipelineConfig, PipelineSchedulerConfig
+from slime_async.orchestrator import pipeline_claims, pipeline_policy
 from slime_async.orchestrator.pipeline_scheduler import SchedulerCore
 
 
@@ -446,3 +449,10 @@ def test_a_real_change_of_demand_is_followed_within_the_window() -> None:
     core.leave("c", now=t1 + 2.0)
     _drive(core, d_joins, start=t1 + 2.0, until=t1 + 3.0)
     assert _held(core) == {"a": 4, "b": 0, "d": 8}
+
+
+@pytest.mark.parametrize("module", [pipeline_claims, pipeline_policy])
+def test_the_policy_and_claims_examples_hold(module) -> None:
+    """The worked examples in the pure modules' docstrings are what their functions return."""
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0

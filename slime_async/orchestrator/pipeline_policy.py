@@ -1,14 +1,15 @@
 """The pipeline scheduler's decisions, pure: no Ray, no clock of its own, no I/O.
 
 Owns `PipelineState` (what the scheduler knows of one pipeline), `slot_need`, `spread_need` and
-`fair_targets` (how many slots each pipeline should hold), `smooth_need` and `sustained_slots`
-(its need averaged over `demand_window_s`: what its claim is of), `plan_slots` (the policy: which free
+`fair_targets` (how many slots each pipeline should hold), `plan_slots` (the policy: which free
 slot goes to whom, which slots nobody needs are lent to spread a pipeline's requests, which held
 slot is given up and whether it drains or is cut), `SchedulerCore` (the state
 machine around it: joins, reports, heartbeats, hand-overs, drops, fences, and the trainer
 hooks of partial overlap: a trainer slot serves generation only between its pipeline's
 `before_training` and `after_training`; `now` is always given) and `generation_demand` /
-`generation_inflight` (what a run reports). The Ray actor
+`generation_inflight` (what a run reports). The sustained-demand claims (a pipeline's need
+averaged over `demand_window_s`, and what its claim protects) are `pipeline_claims.py`'s; the
+grant rules here take their fair shares. The Ray actor
 (`pipeline_scheduler.PipelineScheduler`) and the cluster-scale simulator
 (`scripts/simulate_pipelines.py`, virtual time) both drive this one core, so what the simulator
 measures is the policy the live scheduler runs. Rules: docs/pipeline-scheduler.md.
@@ -23,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from slime_async.config.pipeline import PipelineSchedulerConfig
+from slime_async.orchestrator.pipeline_claims import below_claim, claim_caps, kept, sustain
 
 
 def generation_demand(metrics: Mapping[str, float], n_samples_per_prompt: int) -> int:
@@ -92,36 +94,6 @@ def spread_need(p: PipelineState) -> int:
     3
     """
     return min(len(p.slots), p.demand + p.inflight)
-
-
-def smooth_need(avg: float | None, need: float, dt: float, window_s: float) -> float:
-    """The exponential average of a pipeline's slot need over about `window_s` seconds, moved
-    by a report of `need` `dt` seconds after the last one; the first report (`avg` None) is
-    taken whole (a pipeline that joins claims what it needs at once).
-
-    >>> smooth_need(None, 8, 0.0, 600.0)
-    8.0
-    >>> round(smooth_need(8.0, 0, 600.0, 600.0), 3)  # a window of zero need: down to 1/e
-    2.943
-    """
-    if avg is None:
-        return float(need)
-    return avg + (need - avg) * -math.expm1(-dt / window_s)
-
-
-def sustained_slots(avg: float, current: int) -> int:
-    """`avg` in whole slots with half a slot of hysteresis: `current` stays until the average
-    is a whole slot away from it (so an average rippling with each step's phase moves no
-    slot), or below half a slot (demand gone: nothing is kept).
-
-    >>> sustained_slots(3.9, 3), sustained_slots(4.1, 3), sustained_slots(2.2, 3)
-    (3, 4, 2)
-    >>> sustained_slots(0.4, 1)
-    0
-    """
-    if avg < 0.5:
-        return 0
-    return current if abs(avg - current) < 1.0 else round(avg)
 
 
 def fair_targets(
@@ -230,7 +202,7 @@ def plan_slots(
     target = fair_targets(need, weight, [p.name for p in order], len(usable))
     plan = Plan(target=target)
     if sustained is not None:
-        capped = {p.name: min(len(p.slots), sustained.get(p.name, 0)) for p in order}
+        capped = claim_caps(sustained, {p.name: len(p.slots) for p in order})
         plan.claim = fair_targets(capped, weight, [p.name for p in order], len(usable))
     held = {n: [s for s, h in owner.items() if h == n and s not in leaving] for n in pipelines}
     trainer_of = trainer_of or {}
@@ -295,14 +267,12 @@ def _give_up(
     candidates: list[tuple[bool, int, int, bool]] = []
     for name, slots in held.items():
         q = pipelines[name]
-        surplus = len(slots) - plan.target[name]
+        if len(slots) - plan.target[name] <= 0:
+            continue
+        surplus = len(slots) - kept(plan.target[name], plan.claim, name)  # its claim is kept
         if surplus <= 0:
             continue
         mine = []
-        if plan.claim is not None:  # its claim is kept, idle or not
-            surplus = len(slots) - max(plan.target[name], plan.claim[name])
-            if surplus <= 0:
-                continue
         for s in slots:
             wanting = [pipelines[n] for n in short if s in pipelines[n].slots]
             load = q.load.get(s, 0)
@@ -326,7 +296,7 @@ def _give_up(
 def _below_claim(plan: Plan, held: Mapping[str, list[int]], name: str) -> bool:
     assert plan.claim is not None
     granted = sum(n == name for n in plan.grant.values())
-    return len(held[name]) + granted < plan.claim[name]
+    return below_claim(len(held[name]) + granted, plan.claim, name)
 
 
 class SchedulerCore:
@@ -446,9 +416,8 @@ class SchedulerCore:
         p.demand, p.inflight, p.version = max(0, int(demand)), max(0, int(inflight)), version
         p.load = {int(s): int(n) for s, n in (load or {}).items()}
         if self.cfg.demand_window_s > 0:
-            dt = now - p.last_seen
-            p.need_avg = smooth_need(p.need_avg, slot_need(p), dt, self.cfg.demand_window_s)
-            p.sustained = sustained_slots(p.need_avg, p.sustained)
+            dt, window = now - p.last_seen, self.cfg.demand_window_s
+            p.need_avg, p.sustained = sustain(p.need_avg, p.sustained, slot_need(p), dt, window)
         p.last_seen = now
         self.gathered = self.gathered or len(self.pipelines) >= self.cfg.min_pipelines
         if not self.gathered:
