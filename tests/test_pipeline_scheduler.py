@@ -456,3 +456,54 @@ def test_the_policy_and_claims_examples_hold(module) -> None:
     """The worked examples in the pure modules' docstrings are what their functions return."""
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def _two_trainers(core: SchedulerCore, *, start: float, until: float, names=("a", "b")) -> list:
+    """a trains on slot 0 and b on slot 1 (their trainer slots), 2 s of each 6 s step, b's
+    steps 3 s after a's; both want 2 engines' worth all the time (busy), reported every 0.5 s;
+    a give-up is released at once. Returns the slot moves between pipelines in [start, until):
+    (time, slot, from, to)."""
+    last = {s: h for s, h in core.owner.items()}
+    moves, t = [], start
+    while t < until:
+        for n in [n for n in names if n in core.pipelines]:
+            trains = (t + (0.0 if n == "a" else 3.0)) % 6.0 >= 4.0
+            if trains and n not in core.training:
+                for s in core.before_training(n, now=t)["give_up"]:
+                    core.released(n, s, now=t)
+            elif not trains and n in core.training:
+                core.after_training(n, now=t)
+            mine = [s for s, h in core.owner.items() if h == n]
+            todo = core.report(n, demand=48, inflight=16, version=0, now=t,
+                               load=dict.fromkeys(mine, 16))  # fmt: skip
+            for s in todo["give_up"]:
+                core.released(n, s, now=t)
+        for s, h in core.owner.items():
+            if h is not None and last.get(s) not in (None, h):
+                moves.append((t, s, last[s], h))
+            if h is not None:
+                last[s] = h
+        t += 0.5
+    return moves
+
+
+def test_two_pipelines_training_on_their_own_slots_settle_one_each_and_take_a_freed_one():
+    """Two slots, each one pipeline's trainer slot (`overlap_others`: either may serve on the
+    other's): with steady equal demand each keeps its own slot, its engine there sleeping
+    through its own steps only; no slot passes between them (a training pipeline's trainer
+    slot counts toward its claim, so it takes nothing from the other meanwhile). When b
+    leaves, its slot goes to a at once."""
+    core = _core(slots=2, heartbeat_timeout_s=100.0, min_pipelines=2, overlap_others=True,
+                 trainer_slots={"a": (0,), "b": (1,)})  # fmt: skip
+    for n in "ab":
+        core.join(n, priority=1.0, slots=[0, 1], now=0.0, capacity=32)
+    _two_trainers(core, start=0.0, until=12.0)
+    assert _two_trainers(core, start=12.0, until=600.0) == []  # the old code: one every 3 s
+    assert {n: core.owner[s] for n, s in (("a", 0), ("b", 1))} in (
+        {"a": "a", "b": "b"},
+        {"a": None, "b": "b"},
+        {"a": "a", "b": None},
+    )  # fmt: skip (None: it trains)
+    core.leave("b", now=600.0)
+    _two_trainers(core, start=600.0, until=600.5, names=("a",))
+    assert core.owner[1] == "a" and (600.0, "a", "granted slot 1") in core.events

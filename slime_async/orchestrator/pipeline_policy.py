@@ -143,6 +143,8 @@ class Plan:
     claim: dict[str, int] | None = None
     """Sustained demand: the slots each pipeline keeps even while idle and may take busy
     (`fair_targets` of the sustained needs); None: off."""
+    reserved: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Trainer slots its trainer holds now, per pipeline: they count toward its claim."""
 
 
 def plan_slots(
@@ -157,6 +159,7 @@ def plan_slots(
     spread: bool = False,
     trainer_of: Mapping[int, str] | None = None,
     sustained: Mapping[str, int] | None = None,
+    training: frozenset[str] | set[str] = frozenset(),
 ) -> Plan:
     """Who should serve where next (pure). Each pipeline's target is its share of the usable
     slots (not `blocked`) by priority, never above its `slot_need`; the least served (slot
@@ -179,7 +182,11 @@ def plan_slots(
     claims: a holder never gives up a slot while it holds no more than its claim (nor its
     target), and a busy slot is taken (drained, or cut for a higher priority) only for a
     pipeline short of its claim; slots beyond the claims go where the demand is now (free and
-    idle ones only), so a step's short peak takes no running request from anyone.
+    idle ones only), so a step's short peak takes no running request from anyone. The trainer
+    slots of the pipelines `training` (blocked while their trainer holds them) count toward
+    their own pipeline's claim: a training pipeline is not short of its claim by the slot its
+    trainer is on, so it takes nobody's slot for it. A holder gives up its own trainer slot
+    last (it gets it back first at every step).
 
     >>> a = PipelineState("a", 1.0, (0, 1), capacity=4, demand=8, load={0: 4, 1: 1})
     >>> b = PipelineState("b", 1.0, (0, 1), capacity=4, demand=8)
@@ -201,11 +208,14 @@ def plan_slots(
             need[p.name] = min(spread_need(p), max(need[p.name], share))
     target = fair_targets(need, weight, [p.name for p in order], len(usable))
     plan = Plan(target=target)
+    trainer_of = trainer_of or {}
+    reserved = [s for s in owner if trainer_of.get(s) in training]  # its trainer's: blocked
     if sustained is not None:
         capped = claim_caps(sustained, {p.name: len(p.slots) for p in order})
-        plan.claim = fair_targets(capped, weight, [p.name for p in order], len(usable))
+        n = len(usable) + sum(s in blocked for s in reserved)
+        plan.claim = fair_targets(capped, weight, [p.name for p in order], n)
+        plan.reserved = {p.name: sum(trainer_of[s] == p.name for s in reserved) for p in order}
     held = {n: [s for s, h in owner.items() if h == n and s not in leaving] for n in pipelines}
-    trainer_of = trainer_of or {}
     # a trainer's slot last: it is taken back at its trainer's next step (stable: slot order)
     free = sorted((s for s in usable if owner[s] is None), key=lambda s: s in trainer_of)
     want = {p.name: target[p.name] - len(held[p.name]) for p in order}
@@ -218,7 +228,10 @@ def plan_slots(
         _lend(plan, order, held, [s for s in free if s not in plan.grant])
     missing = sum(short.values()) - sum(s not in blocked for s in leaving)
     if missing > 0:
-        _give_up(plan, pipelines, held, short, since, missing, now=now, min_hold_s=min_hold_s)
+        _give_up(
+            plan, pipelines, held, short, since, missing, now=now, trainer_of=trainer_of,
+            hold_s=(min_hold_s, min_hold_s),
+        )  # fmt: skip
     return plan
 
 
@@ -261,18 +274,21 @@ def _give_up(
     missing: int,
     *,
     now: float,
-    min_hold_s: float,
+    hold_s: tuple[float, float],
+    trainer_of: Mapping[int, str],
 ) -> None:
-    """Pick up to `missing` slots above their holders' targets for the `short` pipelines."""
-    candidates: list[tuple[bool, int, int, bool]] = []
+    """Pick up to `missing` slots above their holders' targets for the `short` pipelines
+    (a holder's own trainer slot last), none held less than `hold_s` (without, with slot need)."""
+    candidates: list[tuple[bool, bool, int, int, bool]] = []
     for name, slots in held.items():
         q = pipelines[name]
         if len(slots) - plan.target[name] <= 0:
             continue
-        surplus = len(slots) - kept(plan.target[name], plan.claim, name)  # its claim is kept
+        mine_now = len(slots) + plan.reserved.get(name, 0)
+        surplus = mine_now - kept(plan.target[name], plan.claim, name)  # its claim is kept
         if surplus <= 0:
             continue
-        mine = []
+        mine, hold = [], hold_s[slot_need(q) > 0]
         for s in slots:
             wanting = [pipelines[n] for n in short if s in pipelines[n].slots]
             load = q.load.get(s, 0)
@@ -285,18 +301,19 @@ def _give_up(
             if not wanting:
                 continue
             higher = max(p.priority for p in wanting) > q.priority
-            if not higher and now - since.get(s, -math.inf) < min_hold_s:
+            if not higher and now - since.get(s, -math.inf) < hold:
                 continue
-            mine.append((not higher, load, s, higher and load > 0))
+            mine.append((not higher, trainer_of.get(s) == name, load, s, higher and load > 0))
         candidates.extend(sorted(mine)[:surplus])
-    for _, _, s, cut in sorted(candidates)[:missing]:
+    for *_, s, cut in sorted(candidates)[:missing]:
         plan.give_up[s] = cut
 
 
 def _below_claim(plan: Plan, held: Mapping[str, list[int]], name: str) -> bool:
     assert plan.claim is not None
     granted = sum(n == name for n in plan.grant.values())
-    return below_claim(len(held[name]) + granted, plan.claim, name)
+    holds = len(held[name]) + granted + plan.reserved.get(name, 0)
+    return below_claim(holds, plan.claim, name)
 
 
 class SchedulerCore:
@@ -331,7 +348,7 @@ class SchedulerCore:
     ) -> dict[str, float]:
         """Join (or join again after a drop: the member joins only once every engine of it
         sleeps, so its fenced slots are free at once). Returns the timings the member keeps
-        and its trainer slots (partial overlap)."""
+        and its trainer slots (partial overlap), and the level its engines sleep at."""
         if name in self.pipelines:
             raise ValueError(f"a pipeline named {name!r} is already live: give --pipeline-name")
         bad = [s for s in slots if not 0 <= s < self.cfg.slots]
@@ -357,6 +374,7 @@ class SchedulerCore:
             "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s,
             "drain_timeout_s": self.cfg.drain_timeout_s,
             "trainer_slots": list(mine),
+            "sleep_level": self.cfg.sleep_level,
         }
 
     def leave(self, name: str, *, now: float, why: str = "left", fence: bool = False) -> None:
@@ -469,6 +487,7 @@ class SchedulerCore:
             spread=self.cfg.spread,
             trainer_of=self.trainer_of,
             sustained=self._sustained(),
+            training=set(self.training),
         )
         for slot, want in plan.grant.items():
             self.owner[slot], self.since[slot] = want, now
