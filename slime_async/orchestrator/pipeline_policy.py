@@ -160,6 +160,7 @@ def plan_slots(
     trainer_of: Mapping[int, str] | None = None,
     sustained: Mapping[str, int] | None = None,
     training: frozenset[str] | set[str] = frozenset(),
+    quantum_s: float = 0.0,
 ) -> Plan:
     """Who should serve where next (pure). Each pipeline's target is its share of the usable
     slots (not `blocked`) by priority, never above its `slot_need`; the least served (slot
@@ -171,7 +172,8 @@ def plan_slots(
     priority: fewer requests per engine decode faster. Only while some pipeline is still short
     after that (and the slots already `leaving` do not cover it) is a holder above its target
     asked to give up slots (lent slots are above it): the ones with the fewest running requests
-    first, none held less than `min_hold_s`. A slot with running requests is cut at once only
+    first, none held less than `min_hold_s`, nor less than `quantum_s` (the rotation quantum)
+    while its holder still needs slots (`slot_need` > 0). A slot with running requests is cut at once only
     for a pipeline of higher priority; otherwise it drains. A slot nobody else needs stays with
     its holder: lending never takes a slot from anyone (a held idle slot taken for spreading
     comes too late: a step's requests are placed when they start, and taking it only moves the
@@ -230,7 +232,7 @@ def plan_slots(
     if missing > 0:
         _give_up(
             plan, pipelines, held, short, since, missing, now=now, trainer_of=trainer_of,
-            hold_s=(min_hold_s, min_hold_s),
+            hold_s=(min_hold_s, max(min_hold_s, quantum_s)),
         )  # fmt: skip
     return plan
 
@@ -339,6 +341,14 @@ class SchedulerCore:
         """`min_pipelines` have joined (grants start)."""
         self.trainer_of = {s: n for n, slots in cfg.trainer_slots.items() for s in slots}
         """Partial overlap: each trainer slot and the pipeline whose trainer trains there."""
+        self.asked: dict[int, float] = {}
+        """Slots asked to be given up to another pipeline, since when (a hand-over begins)."""
+        self.switching: dict[int, float] = {}
+        """Released slots of a hand-over, since when it began, until their next holder serves
+        there (reports running requests on it, or it among its routed engines)."""
+        self.handover_s = 0.0
+        """The last hand-over's seconds, ask to serving (0: none measured yet): times
+        `rotation_quantum`, the least a granted slot serves before it is taken again."""
         self.training: dict[str, float] = {}
         """Pipelines whose trainer holds its slots (or waits for them), since when: between
         `before_training` and `after_training`; their trainer slots are granted to nobody."""
@@ -433,6 +443,7 @@ class SchedulerCore:
             raise KeyError(f"pipeline {name!r} is not joined (dropped after a silence?)")
         p.demand, p.inflight, p.version = max(0, int(demand)), max(0, int(inflight)), version
         p.load = {int(s): int(n) for s, n in (load or {}).items()}
+        self._timed_handovers(name, now)
         if self.cfg.demand_window_s > 0:
             dt, window = now - p.last_seen, self.cfg.demand_window_s
             p.need_avg, p.sustained = sustain(p.need_avg, p.sustained, slot_need(p), dt, window)
@@ -454,6 +465,16 @@ class SchedulerCore:
             "take": sorted(take),
             "drain_s": self.cfg.drain_timeout_s,
         }
+
+    def _timed_handovers(self, name: str, now: float) -> None:
+        """A slot `name` now serves on (it is in its load: woken, synced, routed) that was
+        being handed over: the hand-over's seconds (`handover_s`)."""
+        for slot in self.pipelines[name].load:
+            if slot in self.switching and self.owner.get(slot) == name:
+                self.handover_s = now - self.switching.pop(slot)
+                self.events.append(
+                    (now, name, f"serves slot {slot}: hand-over {self.handover_s:.2f}s")
+                )
 
     def _eligible(self) -> Mapping[str, PipelineState]:
         """The pipelines as `plan_slots` sees them: without the slots of other pipelines'
@@ -488,6 +509,7 @@ class SchedulerCore:
             trainer_of=self.trainer_of,
             sustained=self._sustained(),
             training=set(self.training),
+            quantum_s=self.cfg.rotation_quantum * self.handover_s,
         )
         for slot, want in plan.grant.items():
             self.owner[slot], self.since[slot] = want, now
@@ -498,6 +520,7 @@ class SchedulerCore:
             holder = self.owner[slot]
             assert holder is not None
             self.giving_up[slot] = holder
+            self.asked[slot] = now
             if cut:
                 self.cutting.add(slot)
             how = "at once" if cut else "after a drain"
@@ -549,6 +572,8 @@ class SchedulerCore:
             self.giving_up.pop(slot, None)
             self.undelivered.pop(slot, None)
             self.cutting.discard(slot)
+            if slot in self.asked:  # a hand-over: timed until the next holder serves there
+                self.switching[slot] = self.asked.pop(slot)
             self.events.append((now, name, f"released slot {slot}"))
 
     def state(self) -> dict[str, Any]:
