@@ -121,7 +121,8 @@ class PipelineSchedulerConfig:
         ):
             v = getattr(self, name)
             if not 0 <= v < math.inf:
-                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v}")
+                unit = "hand-overs" if name == "rotation_quantum" else "seconds"
+                raise ValueError(f"{name} must be a finite number of {unit} >= 0, got {v}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
         _check_trainer_slots(self.trainer_slots, self.slots)
