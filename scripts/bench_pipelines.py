@@ -18,14 +18,25 @@ its mean reward and its final loss; for the shared arm the scheduler's hand-over
 
 `--learn` compares learning instead: each pipeline is the embedded default that learns (its warm
 start, evals every `--eval-interval` steps; a and b differ by `--seed`), `--num-steps` each,
-in three arms: `solo` (a, then b, each owning the machine: each pipeline's solo curve),
-`shared` (side by side under the scheduler, one engine slot) and `split` (side by side, each
-in its own process pinned to one core with `taskset`, owning its engine there). Per pipeline and
-arm: the held-out eval (`eval/reward` with its standard error) at each eval step, that is at
-equal trained samples; per arm the wall time and the aggregate trained samples/s. Writes
-`bench_learn.json` into `--out`.
+in up to four arms (`--arms`): `solo` (a, then b, each owning the machine: each pipeline's solo
+curve), `shared` (side by side under the scheduler, one engine slot), `split` (side by side,
+each in its own process pinned to one core with `taskset`, owning its engine there) and
+`scheduled` (side by side under the scheduler with a pool of two slots, one per core: each
+pipeline has an engine on each core (`--num-engines 2 --rollout-cores 0,1`) and its trainer on
+its own core (a: 0, b: 1, `--trainer-cores`), that core's slot its trainer slot
+(`trainer_slots`, partial overlap: the engine there generates between its own train steps and
+sleeps at level 1 through each), `overlap_others` so that the slot a pipeline leaves (done or
+crashed) is granted to the other). Per pipeline and arm: the held-out eval (`eval/reward` with
+its standard error) at each eval step, that is at equal trained samples, its wall time and
+samples/s (trained samples over its own wall time, start-up included); per arm the wall time,
+the aggregate trained samples/s and its ratio to `solo`'s (when `solo` ran in the same
+invocation), the scheduler's hand-overs (a slot granted to another pipeline than its last
+holder) and, for `scheduled`, the trainer-step sleeps of each pipeline's own engine and the
+CPU affinity of every process of the arm (sampled every few seconds: the pinning is real).
+Writes `bench_learn.json` into `--out` and prints a summary table.
 
-    nice -n 10 .venv/bin/python scripts/bench_pipelines.py --learn --num-steps 40
+    nice -n 10 .venv/bin/python scripts/bench_pipelines.py --learn --num-steps 40 \
+        --arms solo,split,shared,scheduled
 
 `--mechanism` measures instead what one switch of an engine slot costs, for the simulator
 (`scripts/bench_sim_pipelines.py`): one embedded engine with ~250 MB of fp32 weights, level-2
@@ -40,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -147,8 +159,8 @@ async def _learn_solo(out: Path, steps: int, every: int) -> dict:
     t0, per = time.perf_counter(), {}
     for name, seed in LEARN_SEEDS.items():
         d = out / "solo" / name
-        await train(parse_config(_learn_argv(d, steps, seed, every)))
-        per[name] = _curve(d)
+        wall = await _timed(train(parse_config(_learn_argv(d, steps, seed, every))))
+        per[name] = {**_curve(d), "wall_s": wall}
     return {"wall_s": time.perf_counter() - t0, "pipelines": per}
 
 
@@ -160,18 +172,104 @@ async def _learn_shared(out: Path, steps: int, every: int) -> dict:
     t0 = time.perf_counter()
     dirs = {n: out / "shared" / n for n in LEARN_SEEDS}
     extra = ["--pipeline-scheduler", "bench-learn", "--pipeline-name"]
-    await asyncio.gather(
+    walls = await asyncio.gather(
         *(
-            train(parse_config([*_learn_argv(d, steps, LEARN_SEEDS[n], every), *extra, n]))
+            _timed(train(parse_config([*_learn_argv(d, steps, LEARN_SEEDS[n], every), *extra, n])))
             for n, d in dirs.items()
         )
     )
     wall = time.perf_counter() - t0
     state = await sched.state.remote()
     ray.kill(sched)
-    per = {n: _curve(d) for n, d in dirs.items()}
-    handovers = sum("released" in e[2] for e in state["events"])
-    return {"wall_s": wall, "pipelines": per, "handovers": handovers}
+    per = {n: {**_curve(d), "wall_s": w} for (n, d), w in zip(dirs.items(), walls)}
+    return {"wall_s": wall, "pipelines": per, **handovers(state["events"])}
+
+
+async def _timed(coro) -> float:
+    t0 = time.perf_counter()
+    await coro
+    return time.perf_counter() - t0
+
+
+def handovers(events: list) -> dict:
+    """From the scheduler's events: slots granted to another pipeline than the slot's last
+    holder (`handovers`: what a switch between pipelines costs), and slots a pipeline released
+    and was granted back with nobody between (`own_returns`: its own trainer step's sleep)."""
+    last: dict[int, str] = {}
+    moved = own = 0
+    for _, name, what in events:
+        if what.startswith("granted slot "):
+            slot = int(what.split()[2])
+            if slot in last:
+                moved, own = moved + (last[slot] != name), own + (last[slot] == name)
+            last[slot] = name
+    return {"handovers": moved, "own_returns": own}
+
+
+async def _affinities(seen: dict, every_s: float = 5.0) -> None:
+    """Every `every_s`: each process under this one, its name and CPU affinity (until cancelled)."""
+    import psutil
+
+    me = psutil.Process()
+    while True:
+        for proc in me.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                seen[proc.pid] = (
+                    proc.name(),
+                    sorted(proc.cpu_affinity()),
+                    sum(proc.cpu_times()[:2]),
+                )
+        await asyncio.sleep(every_s)
+
+
+def _pinning(seen: dict) -> dict:
+    """CPU seconds by affinity (e.g. "0", "1", "0,1") over the processes seen."""
+    out: dict[str, dict] = {}
+    for name, cores, cpu_s in seen.values():
+        row = out.setdefault(",".join(map(str, cores)), {"processes": 0, "cpu_s": 0.0, "names": []})
+        row["processes"] += 1
+        row["cpu_s"] += cpu_s
+        if name not in row["names"]:
+            row["names"].append(name)
+    return out
+
+
+async def _learn_scheduled(out: Path, steps: int, every: int) -> dict:
+    """Two slots, one per core; each pipeline's trainer on its own core, that slot its trainer
+    slot; its engines on both (engine i on slot i, pinned to core i)."""
+    import ray
+
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        raise RuntimeError("the scheduled arm needs 2 usable cores (one slot per core)")
+    own = {n: i for i, n in enumerate(LEARN_SEEDS)}  # a trains on slot/core 0, b on 1
+    cfg = PipelineSchedulerConfig(
+        slots=2, min_hold_s=1.0, min_pipelines=2, sleep_level=1, overlap_others=True,
+        trainer_slots={n: (i,) for n, i in own.items()},
+    )  # fmt: skip
+    sched = start_scheduler("bench-two", cfg)
+    dirs = {n: out / "scheduled" / n for n in LEARN_SEEDS}
+    extra = {
+        n: ["--pipeline-scheduler", "bench-two", "--pipeline-name", n, "--num-engines", "2",
+            "--trainer-cores", str(cores[own[n]]), "--rollout-cores", f"{cores[0]},{cores[1]}"]
+        for n in LEARN_SEEDS
+    }  # fmt: skip
+    seen: dict = {}
+    watch = asyncio.create_task(_affinities(seen))
+    t0 = time.perf_counter()
+    walls = await asyncio.gather(
+        *(
+            _timed(train(parse_config([*_learn_argv(d, steps, LEARN_SEEDS[n], every), *extra[n]])))
+            for n, d in dirs.items()
+        )
+    )
+    wall = time.perf_counter() - t0
+    watch.cancel()
+    state = await sched.state.remote()
+    ray.kill(sched)
+    per = {n: {**_curve(d), "wall_s": w} for (n, d), w in zip(dirs.items(), walls)}
+    return {"wall_s": wall, "pipelines": per, **handovers(state["events"]),
+            "pinning": _pinning(seen)}  # fmt: skip
 
 
 def _learn_split(out: Path, steps: int, every: int) -> dict:
@@ -187,15 +285,75 @@ def _learn_split(out: Path, steps: int, every: int) -> dict:
         argv = [*cmd, *_learn_argv(d, steps, seed, every)]
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
         procs[name] = (proc, log)
-    for name, (proc, log) in procs.items():
-        if proc.wait() != 0:
-            raise RuntimeError(f"split arm: pipeline {name} exited {proc.returncode}: {log.name}")
-        log.close()
+    walls: dict[str, float] = {}
+    while len(walls) < len(procs):  # each one's own end
+        for name, (proc, log) in procs.items():
+            if name in walls or proc.poll() is None:
+                continue
+            walls[name] = time.perf_counter() - t0
+            log.close()
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"split arm: pipeline {name} exited {proc.returncode}: {log.name}"
+                )
+        time.sleep(0.5)
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "pipelines": {n: _curve(out / "split" / n) for n in procs}}
+    per = {n: {**_curve(out / "split" / n), "wall_s": walls[n]} for n in procs}
+    return {"wall_s": wall, "pipelines": per}
+
+
+LEARN_ARMS = {"solo": _learn_solo, "shared": _learn_shared, "scheduled": _learn_scheduled}
+"""The in-process arms (one Ray node in this process); `split` runs two processes."""
+
+
+def _samples_per_group(run_dir: Path) -> int:
+    """`n_samples_per_prompt` as the run recorded it (its config.json)."""
+    cfg = json.loads((run_dir / "config.json").read_text())
+    stack = [cfg]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("n_samples_per_prompt"), int):
+                return node["n_samples_per_prompt"]
+            stack.extend(node.values())
+    raise RuntimeError(f"{run_dir}/config.json: no n_samples_per_prompt")
+
+
+def _rates(out: Path, arm: str, res: dict) -> None:
+    """Trained samples and samples/s, per pipeline (over its own wall time) and aggregate."""
+    total = 0
+    for name, p in res["pipelines"].items():
+        p["trained_samples"] = p["trained_groups"] * _samples_per_group(out / arm / name)
+        p["samples_per_s"] = p["trained_samples"] / p["wall_s"]
+        total += p["trained_samples"]
+    res["trained_samples"], res["samples_per_s"] = total, total / res["wall_s"]
+
+
+def summary(res: dict) -> str:
+    """One row per arm: wall, aggregate samples/s and its ratio to solo's, each pipeline's
+    samples/s (and ratio to its solo), hand-overs."""
+    solo = res.get("solo")
+    rows = ["| arm | wall s | samples/s | vs solo | per pipeline samples/s (vs its solo) | hand-overs |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
+    for arm, r in res.items():
+        ratio = f"{r['samples_per_s'] / solo['samples_per_s']:.2f}x" if solo else "-"
+        per = []
+        for n, p in r["pipelines"].items():
+            mine = f"{n} {p['samples_per_s']:.1f}"
+            if solo and n in solo["pipelines"]:
+                mine += f" ({p['samples_per_s'] / solo['pipelines'][n]['samples_per_s']:.2f}x)"
+            per.append(mine)
+        hand = r.get("handovers", "-")
+        if "own_returns" in r:
+            hand = f"{hand} (+{r['own_returns']} own trainer-step sleeps)"
+        rows.append(f"| {arm} | {r['wall_s']:.0f} | {r['samples_per_s']:.1f} | {ratio} | "
+                    f"{', '.join(per)} | {hand} |")  # fmt: skip
+    return "\n".join(rows)
 
 
 def learn(out: Path, steps: int, every: int, arms: list[str]) -> dict:
+    if bad := sorted(set(arms) - {*LEARN_ARMS, "split"}):
+        raise SystemExit(f"--arms: unknown {bad}; pick from solo, shared, split, scheduled")
     res: dict = {}
     for arm in arms:
         t = time.perf_counter()
@@ -203,8 +361,8 @@ def learn(out: Path, steps: int, every: int, arms: list[str]) -> dict:
             res[arm] = _learn_split(out, steps, every)
         else:
             init_ray(num_cpus=8)
-            fn = _learn_solo if arm == "solo" else _learn_shared
-            res[arm] = asyncio.run(fn(out, steps, every))
+            res[arm] = asyncio.run(LEARN_ARMS[arm](out, steps, every))
+        _rates(out, arm, res[arm])
         groups = sum(p["trained_groups"] for p in res[arm]["pipelines"].values())
         res[arm]["trained_groups"] = groups
         res[arm]["groups_per_s"] = groups / res[arm]["wall_s"]
@@ -280,9 +438,11 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/bench_pipelines")
     ap.add_argument("--mechanism", action="store_true", help="sleep/wake s/GB and memcpy only")
     ap.add_argument("--repeats", type=int, default=5, help="sleep/wake pairs (--mechanism)")
-    ap.add_argument("--learn", action="store_true", help="learning curves: solo, shared, split")
+    ap.add_argument("--learn", action="store_true", help="learning curves: see --arms")
     ap.add_argument("--eval-interval", type=int, default=10, help="steps between evals (--learn)")
-    ap.add_argument("--arms", default="solo,shared,split", help="arms of --learn")
+    ap.add_argument(
+        "--arms", default="solo,shared,split,scheduled", help="arms of --learn, in this order"
+    )
     args = ap.parse_args()
     if args.learn:
         out = Path(args.out)
@@ -291,6 +451,7 @@ def main() -> None:
         res = learn(out, args.num_steps, args.eval_interval, args.arms.split(","))
         (out / "bench_learn.json").write_text(json.dumps(res, indent=2))
         print(json.dumps(res, indent=2))
+        print(summary(res))
         return
     if args.mechanism:
         out = Path(args.out)

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import simulate_dispatch as sd
 from simulate_pipelines import PoolConfig, PoolResult, simulate_pool
 
-from slime_async.config.pipeline import DEMAND_WINDOW_S
+from slime_async.config.pipeline import DEMAND_WINDOW_S, ROTATION_QUANTUM
 
 # Seconds per GB measured on the 2-core CPU machine (docs/results/2026-11-27-pipelines-sim.md
 # says which run): level-2 sleep and wake of the embedded engine (`bench_pipelines.py
@@ -215,6 +215,8 @@ def _parse() -> argparse.Namespace:
       help="the overlap arms with `spread` (slots nobody needs lent to spread requests)")  # fmt: skip
     a("--demand-window-s", type=float, default=DEMAND_WINDOW_S,
       help="the sustained arms' demand_window_s (the other arms: 0, the instant rule)")  # fmt: skip
+    a("--rotation-quantum", type=float, default=ROTATION_QUANTUM,
+      help="the scheduler's rotation_quantum in every shared arm (0: min_hold_s alone)")  # fmt: skip
     a("--arms", default="exclusive,shared,spread,split", help="arms to run (exclusive first)")
     a("--json", default=None, help="also write the numbers to this file")
     return p.parse_args()
@@ -326,6 +328,7 @@ def main() -> None:
         priorities=tuple(prio[i % len(prio)] for i in range(a.pipelines)),
         keep_partial=a.keep_partial, trainer_swap_s=trainer_swap_s(a),
         demand_window_s=0.0,  # the instant rule, but in the sustained arms (as on the pages)
+        rotation_quantum=a.rotation_quantum,
     )  # fmt: skip
     cfgs = configs(a, engine_slots)
     results = run_arms(a, pool, cfgs)
@@ -337,7 +340,8 @@ def main() -> None:
         f"\n{a.pipelines} pipelines, {a.accelerators} accelerators ({engine_slots} engine slots "
         f"x {a.slots} requests, {a.trainer_devices} trainer devices each); switch costs "
         f"({a.costs}): sleep {sleep_s:.1f} s, wake {wake_s:.1f} s, sync {sync_s:.1f} s; "
-        f"heartbeat {pool.heartbeat_s:g} s, min_hold {pool.min_hold_s:g} s, drain "
+        f"heartbeat {pool.heartbeat_s:g} s, min_hold {pool.min_hold_s:g} s, rotation quantum "
+        f"{pool.rotation_quantum:g} hand-overs, drain "
         f"{pool.drain_timeout_s:g} s; overlap arms: trainer swap {pool.trainer_swap_s:.1f} s "
         "each way\n"
     )

@@ -40,7 +40,11 @@ from sim_pool import DoubleOccupancy, PipeEngines, Pool
 
 from data_worker import InMemoryPromptSource, RolloutDataWorker
 from data_worker.virtual_loop import run_virtual
-from slime_async.config.pipeline import DEMAND_WINDOW_S, PipelineSchedulerConfig
+from slime_async.config.pipeline import (
+    DEMAND_WINDOW_S,
+    ROTATION_QUANTUM,
+    PipelineSchedulerConfig,
+)
 from slime_async.orchestrator.pipeline_policy import SchedulerCore
 
 __all__ = ["DoubleOccupancy", "Pool", "PoolConfig", "PoolResult", "SchedulerCore", "simulate_pool"]
@@ -71,6 +75,9 @@ class PoolConfig:
     demand_window_s: float = DEMAND_WINDOW_S
     """The scheduler's sustained demand (`PipelineSchedulerConfig.demand_window_s`, its default;
     0: the instant rule alone)."""
+    rotation_quantum: float = ROTATION_QUANTUM
+    """The scheduler's rotation quantum (`PipelineSchedulerConfig.rotation_quantum`, its
+    default; 0: `min_hold_s` alone)."""
     keep_partial: bool = False
     """What-if (not built): a request cut by a hand-over goes on from its partial output."""
     priorities: tuple[float, ...] | None = None
@@ -242,6 +249,7 @@ async def _run_arm(pipes: list[Pipeline], pool: Pool, arm: str, pool_cfg: PoolCo
                 min_pipelines=len(pipes),
                 spread=pool_cfg.spread,
                 demand_window_s=pool_cfg.demand_window_s,
+                rotation_quantum=pool_cfg.rotation_quantum,
                 trainer_slots={n: tuple(x) for n, x in mine.items()},
                 overlap_others=pool_cfg.overlap_others,
             )

@@ -392,6 +392,11 @@ def test_placement_splits_the_cores_or_shares_one():
     assert one.args.offload_train is False  # a derived --colocate shares the core only
     with pytest.raises(ValueError, match="overlap"):
         serving.placement(draft("--trainer-cores", "0,1", "--rollout-cores", "1,2", **_ROLES))
+    # partial overlap: under a pipeline scheduler an engine may sit on the trainer's core
+    shared = draft("--trainer-cores", "0", "--rollout-cores", "0,1", "--pipeline-scheduler",
+                   "pool", **_ROLES)  # fmt: skip
+    serving.placement(shared)
+    assert shared.placement == Placement(colocate=False, trainer_cores=(0,), rollout_cores=(0, 1))
     joined = dataclasses.replace(ENV, ray_address="h:1")
     with pytest.raises(ValueError, match="joined Ray cluster"):
         serving.placement(draft("--trainer-cores", "0", env=joined, **_ROLES))

@@ -52,6 +52,7 @@ class _Cluster:
     control: RouterClient
     asleep: set[str] = dataclasses.field(default_factory=set)
     pending: set[str] = dataclasses.field(default_factory=set)
+    engine_cores: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
     @property
     def engines(self) -> list[str]:
@@ -62,7 +63,9 @@ class _Cluster:
         return [u for u in self.engine_urls if u not in self.asleep | self.pending]
 
 
-def _run(name: str, scheduler: str, cluster: _Cluster, demand: dict) -> SimpleNamespace:
+def _run(
+    name: str, scheduler: str, cluster: _Cluster, demand: dict, trainer_cores=()
+) -> SimpleNamespace:
     """The parts of a `Run` its member uses; `demand["groups"]` is what it asks for (one sample
     per group, capacity 4 per engine)."""
     metrics = lambda: {  # noqa: E731
@@ -75,6 +78,7 @@ def _run(name: str, scheduler: str, cluster: _Cluster, demand: dict) -> SimpleNa
             run_dir=Path(name),
             rollout=SimpleNamespace(n_samples_per_prompt=1),
             engine=SimpleNamespace(admin_api_key=None, api_key=None),
+            trainer_cores=trainer_cores,
         ),
         cluster=cluster,
         worker=SimpleNamespace(
@@ -102,11 +106,15 @@ async def _catch_up(run: SimpleNamespace) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _pipeline(name: str, scheduler: str, urls: list[str], demand: dict):
+async def _pipeline(name: str, scheduler: str, urls: list[str], demand: dict, cores=None):
+    """`cores`: (the trainer's cores, each engine's cores), as `--trainer-cores` and
+    `--rollout-cores` pin them; None: nothing pinned."""
     router = Router(RouterConfig(worker_urls=tuple(urls), health_interval_s=0.1))
     url = await router.start()
     control = RouterClient(url)
-    run = _run(name, scheduler, _Cluster(list(urls), control), demand)
+    trainer_cores, engine_cores = cores or ((), [])
+    cluster = _Cluster(list(urls), control, engine_cores=list(engine_cores))
+    run = _run(name, scheduler, cluster, demand, trainer_cores)
     member = PipelineMember(run)
     catching = asyncio.ensure_future(_catch_up(run))
     try:
@@ -233,6 +241,37 @@ async def test_the_trainer_slot_serves_between_steps_and_sleeps_while_its_pipeli
             assert [st for st, _ in await asyncio.gather(*more)] == [200] * 4
             assert (await _routed(a.control))[u1]["total_requests"] > served  # it serves again
             assert a.member.metrics()["pipeline/trainer_wait_s"] > 0
+
+
+async def test_an_engine_on_the_trainers_core_sleeps_at_the_schedulers_level_or_is_refused(
+    engines,
+) -> None:
+    """Partial overlap on cores: a's engine 1 pinned to its trainer's core is fine when slot 1
+    is a's trainer slot (it sleeps through the step, at the scheduler's `sleep_level`, here 1:
+    its weights stay); a join whose engine on the trainer's core is not on a trainer slot is
+    refused, naming the fix, and leaves the scheduler."""
+    u0, u1, _ = engines
+    cores = ((1,), [(0,), (1,)])  # --trainer-cores 1 --rollout-cores 0,1
+    kw = {"slots": 2, "min_hold_s": 0.5, "sleep_level": 1}
+    with _scheduler(**kw, trainer_slots={"a": (1,)}) as (name, _sched):
+        async with _pipeline("a", name, [u0, u1], {"groups": 8}, cores) as a:
+            await _until(
+                lambda: _awake(a, 2), what="both slots granted, woken and admitted"
+            )  # fmt: skip
+            async with a.member.training(), aiohttp.ClientSession() as s:
+                memory = (await _server_info(s, u1))["memory"]
+                assert memory["sleep_level"] == 1 and memory["released_tags"] == ["kv_cache"]
+    with _scheduler(**kw, trainer_slots={"a": (0,)}) as (name, sched):
+        with pytest.raises(RuntimeError, match=r"engine\(s\) \[1\] sit on the trainer's cores"):
+            async with _pipeline("a", name, [u0, u1], {"groups": 8}, cores):
+                pass
+        assert (await sched.state.remote())["pipelines"] == {}
+
+
+async def _awake(a: SimpleNamespace, woken: int) -> bool:
+    if a.member.switches < woken or a.run.cluster.pending | a.run.cluster.asleep:
+        return False
+    return len(await _routed(a.control)) == len(a.run.cluster.engine_urls)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from clifields import add_flags, check_ranges, flag, from_args
 
 DEMAND_WINDOW_S = 3600.0
 """`PipelineSchedulerConfig.demand_window_s` by default (the simulator's evidence, see there)."""
+ROTATION_QUANTUM = 4.0
+"""`PipelineSchedulerConfig.rotation_quantum` by default (see there)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,6 +86,13 @@ class PipelineSchedulerConfig:
     slots at its next report and busy ones as its average rises (within about this window); one
     that joins claims its first report's need at once; one that leaves frees its slots at once.
     With steady demand the grants settle on a split proportional to demand and stay there."""
+    rotation_quantum: float = ROTATION_QUANTUM
+    """The rotation quantum, in hand-overs: a granted slot serves its pipeline at least this
+    many times the last hand-over's measured seconds (from the ask to give it up until its
+    next holder serves there: sleep, wake, sync) before it is taken again for a pipeline of
+    equal or lower priority, unless its holder needs no slot any more (no demand, nothing
+    running). So at most about 1 / (1 + this) of a rotating slot's time goes to switching. 0:
+    `min_hold_s` alone (no hand-over measured yet: the same)."""
     sleep_level: int = 2
     """How a pipeline's engine sleeps while its slot serves another: 1 frees the KV and prefix
     caches, 2 also the weights."""
@@ -108,10 +117,12 @@ class PipelineSchedulerConfig:
             "drain_timeout_s",
             "fence_s",
             "demand_window_s",
+            "rotation_quantum",
         ):
             v = getattr(self, name)
             if not 0 <= v < math.inf:
-                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v}")
+                unit = "hand-overs" if name == "rotation_quantum" else "seconds"
+                raise ValueError(f"{name} must be a finite number of {unit} >= 0, got {v}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
         _check_trainer_slots(self.trainer_slots, self.slots)

@@ -42,6 +42,7 @@ class PipelineMember:
     """Membership of one run (`Run`) in a pipeline scheduler."""
 
     def __init__(self, run: Any, *, level: int = 2) -> None:
+        """`level`: the sleep level until the join says the scheduler's (`sleep_level`)."""
         cfg = run.cfg
         self.run = run
         self.cfg = cfg.pipeline
@@ -85,6 +86,18 @@ class PipelineMember:
         )
         self.timeout_s, self.last_ok = float(answer["heartbeat_timeout_s"]), time.monotonic()
         self.trainer_slots = list(answer.get("trainer_slots", []))
+        self.tags = tags_for_level(int(answer.get("sleep_level", 2)))
+        on_trainer = engines_on_trainer_cores(self.run.cfg.trainer_cores, self.cluster.engine_cores)
+        if stray := sorted(set(on_trainer) - set(self.trainer_slots)):
+            await self.handle.leave.remote(self.name)
+            raise RuntimeError(
+                f"pipeline {self.name}: engine(s) {stray} sit on the trainer's cores "
+                f"{list(self.run.cfg.trainer_cores)} (--trainer-cores) but their slots are not "
+                f"its trainer slots {self.trainer_slots}, so they would generate while it "
+                "trains: give the scheduler trainer_slots "
+                f"{{{self.name!r}: {tuple(on_trainer)}}}, or keep --rollout-cores off the "
+                "trainer's cores"
+            )
 
     async def stop(self) -> None:
         for t in [self._task, *self.ops.values()]:
@@ -293,6 +306,18 @@ class PipelineMember:
     def _token(self) -> str | None:
         e = self.run.cfg.engine
         return e.admin_api_key or e.api_key
+
+
+def engines_on_trainer_cores(
+    trainer_cores: tuple[int, ...], engine_cores: list[tuple[int, ...]]
+) -> list[int]:
+    """The engines (their slots) pinned to any of the trainer's cores (partial overlap: each
+    must be a trainer slot). Unpinned roles share nothing known.
+
+    >>> engines_on_trainer_cores((0,), [(0,), (1,)])
+    [0]
+    """
+    return [i for i, c in enumerate(engine_cores) if set(c) & set(trainer_cores)]
 
 
 async def _engine_call(url: str, path: str, body: dict, token: str | None) -> None:

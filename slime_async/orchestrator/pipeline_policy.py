@@ -1,14 +1,15 @@
 """The pipeline scheduler's decisions, pure: no Ray, no clock of its own, no I/O.
 
 Owns `PipelineState` (what the scheduler knows of one pipeline), `slot_need`, `spread_need` and
-`fair_targets` (how many slots each pipeline should hold), `smooth_need` and `sustained_slots`
-(its need averaged over `demand_window_s`: what its claim is of), `plan_slots` (the policy: which free
+`fair_targets` (how many slots each pipeline should hold), `plan_slots` (the policy: which free
 slot goes to whom, which slots nobody needs are lent to spread a pipeline's requests, which held
 slot is given up and whether it drains or is cut), `SchedulerCore` (the state
 machine around it: joins, reports, heartbeats, hand-overs, drops, fences, and the trainer
 hooks of partial overlap: a trainer slot serves generation only between its pipeline's
 `before_training` and `after_training`; `now` is always given) and `generation_demand` /
-`generation_inflight` (what a run reports). The Ray actor
+`generation_inflight` (what a run reports). The sustained-demand claims (a pipeline's need
+averaged over `demand_window_s`, and what its claim protects) are `pipeline_claims.py`'s; the
+grant rules here take their fair shares. The Ray actor
 (`pipeline_scheduler.PipelineScheduler`) and the cluster-scale simulator
 (`scripts/simulate_pipelines.py`, virtual time) both drive this one core, so what the simulator
 measures is the policy the live scheduler runs. Rules: docs/pipeline-scheduler.md.
@@ -23,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from slime_async.config.pipeline import PipelineSchedulerConfig
+from slime_async.orchestrator.pipeline_claims import below_claim, claim_caps, kept, sustain
 
 
 def generation_demand(metrics: Mapping[str, float], n_samples_per_prompt: int) -> int:
@@ -94,36 +96,6 @@ def spread_need(p: PipelineState) -> int:
     return min(len(p.slots), p.demand + p.inflight)
 
 
-def smooth_need(avg: float | None, need: float, dt: float, window_s: float) -> float:
-    """The exponential average of a pipeline's slot need over about `window_s` seconds, moved
-    by a report of `need` `dt` seconds after the last one; the first report (`avg` None) is
-    taken whole (a pipeline that joins claims what it needs at once).
-
-    >>> smooth_need(None, 8, 0.0, 600.0)
-    8.0
-    >>> round(smooth_need(8.0, 0, 600.0, 600.0), 3)  # a window of zero need: down to 1/e
-    2.943
-    """
-    if avg is None:
-        return float(need)
-    return avg + (need - avg) * -math.expm1(-dt / window_s)
-
-
-def sustained_slots(avg: float, current: int) -> int:
-    """`avg` in whole slots with half a slot of hysteresis: `current` stays until the average
-    is a whole slot away from it (so an average rippling with each step's phase moves no
-    slot), or below half a slot (demand gone: nothing is kept).
-
-    >>> sustained_slots(3.9, 3), sustained_slots(4.1, 3), sustained_slots(2.2, 3)
-    (3, 4, 2)
-    >>> sustained_slots(0.4, 1)
-    0
-    """
-    if avg < 0.5:
-        return 0
-    return current if abs(avg - current) < 1.0 else round(avg)
-
-
 def fair_targets(
     need: Mapping[str, int], weight: Mapping[str, float], order: list[str], n_slots: int
 ) -> dict[str, int]:
@@ -171,6 +143,8 @@ class Plan:
     claim: dict[str, int] | None = None
     """Sustained demand: the slots each pipeline keeps even while idle and may take busy
     (`fair_targets` of the sustained needs); None: off."""
+    reserved: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Trainer slots its trainer holds now, per pipeline: they count toward its claim."""
 
 
 def plan_slots(
@@ -185,6 +159,8 @@ def plan_slots(
     spread: bool = False,
     trainer_of: Mapping[int, str] | None = None,
     sustained: Mapping[str, int] | None = None,
+    training: frozenset[str] | set[str] = frozenset(),
+    quantum_s: float = 0.0,
 ) -> Plan:
     """Who should serve where next (pure). Each pipeline's target is its share of the usable
     slots (not `blocked`) by priority, never above its `slot_need`; the least served (slot
@@ -196,7 +172,8 @@ def plan_slots(
     priority: fewer requests per engine decode faster. Only while some pipeline is still short
     after that (and the slots already `leaving` do not cover it) is a holder above its target
     asked to give up slots (lent slots are above it): the ones with the fewest running requests
-    first, none held less than `min_hold_s`. A slot with running requests is cut at once only
+    first, none held less than `min_hold_s`, nor less than `quantum_s` (the rotation quantum)
+    while its holder still needs slots (`slot_need` > 0). A slot with running requests is cut at once only
     for a pipeline of higher priority; otherwise it drains. A slot nobody else needs stays with
     its holder: lending never takes a slot from anyone (a held idle slot taken for spreading
     comes too late: a step's requests are placed when they start, and taking it only moves the
@@ -207,7 +184,11 @@ def plan_slots(
     claims: a holder never gives up a slot while it holds no more than its claim (nor its
     target), and a busy slot is taken (drained, or cut for a higher priority) only for a
     pipeline short of its claim; slots beyond the claims go where the demand is now (free and
-    idle ones only), so a step's short peak takes no running request from anyone.
+    idle ones only), so a step's short peak takes no running request from anyone. The trainer
+    slots of the pipelines `training` (blocked while their trainer holds them) count toward
+    their own pipeline's claim: a training pipeline is not short of its claim by the slot its
+    trainer is on, so it takes nobody's slot for it. A holder gives up its own trainer slot
+    last (it gets it back first at every step).
 
     >>> a = PipelineState("a", 1.0, (0, 1), capacity=4, demand=8, load={0: 4, 1: 1})
     >>> b = PipelineState("b", 1.0, (0, 1), capacity=4, demand=8)
@@ -229,11 +210,14 @@ def plan_slots(
             need[p.name] = min(spread_need(p), max(need[p.name], share))
     target = fair_targets(need, weight, [p.name for p in order], len(usable))
     plan = Plan(target=target)
-    if sustained is not None:
-        capped = {p.name: min(len(p.slots), sustained.get(p.name, 0)) for p in order}
-        plan.claim = fair_targets(capped, weight, [p.name for p in order], len(usable))
-    held = {n: [s for s, h in owner.items() if h == n and s not in leaving] for n in pipelines}
     trainer_of = trainer_of or {}
+    reserved = [s for s in owner if trainer_of.get(s) in training]  # its trainer's: blocked
+    if sustained is not None:
+        capped = claim_caps(sustained, {p.name: len(p.slots) for p in order})
+        n = len(usable) + sum(s in blocked for s in reserved)
+        plan.claim = fair_targets(capped, weight, [p.name for p in order], n)
+        plan.reserved = {p.name: sum(trainer_of[s] == p.name for s in reserved) for p in order}
+    held = {n: [s for s, h in owner.items() if h == n and s not in leaving] for n in pipelines}
     # a trainer's slot last: it is taken back at its trainer's next step (stable: slot order)
     free = sorted((s for s in usable if owner[s] is None), key=lambda s: s in trainer_of)
     want = {p.name: target[p.name] - len(held[p.name]) for p in order}
@@ -246,7 +230,10 @@ def plan_slots(
         _lend(plan, order, held, [s for s in free if s not in plan.grant])
     missing = sum(short.values()) - sum(s not in blocked for s in leaving)
     if missing > 0:
-        _give_up(plan, pipelines, held, short, since, missing, now=now, min_hold_s=min_hold_s)
+        _give_up(
+            plan, pipelines, held, short, since, missing, now=now, trainer_of=trainer_of,
+            hold_s=(min_hold_s, max(min_hold_s, quantum_s)),
+        )  # fmt: skip
     return plan
 
 
@@ -289,20 +276,21 @@ def _give_up(
     missing: int,
     *,
     now: float,
-    min_hold_s: float,
+    hold_s: tuple[float, float],
+    trainer_of: Mapping[int, str],
 ) -> None:
-    """Pick up to `missing` slots above their holders' targets for the `short` pipelines."""
-    candidates: list[tuple[bool, int, int, bool]] = []
+    """Pick up to `missing` slots above their holders' targets for the `short` pipelines
+    (a holder's own trainer slot last), none held less than `hold_s` (without, with slot need)."""
+    candidates: list[tuple[bool, bool, int, int, bool]] = []
     for name, slots in held.items():
         q = pipelines[name]
-        surplus = len(slots) - plan.target[name]
+        if len(slots) - plan.target[name] <= 0:
+            continue
+        mine_now = len(slots) + plan.reserved.get(name, 0)
+        surplus = mine_now - kept(plan.target[name], plan.claim, name)  # its claim is kept
         if surplus <= 0:
             continue
-        mine = []
-        if plan.claim is not None:  # its claim is kept, idle or not
-            surplus = len(slots) - max(plan.target[name], plan.claim[name])
-            if surplus <= 0:
-                continue
+        mine, hold = [], hold_s[slot_need(q) > 0]
         for s in slots:
             wanting = [pipelines[n] for n in short if s in pipelines[n].slots]
             load = q.load.get(s, 0)
@@ -315,18 +303,19 @@ def _give_up(
             if not wanting:
                 continue
             higher = max(p.priority for p in wanting) > q.priority
-            if not higher and now - since.get(s, -math.inf) < min_hold_s:
+            if not higher and now - since.get(s, -math.inf) < hold:
                 continue
-            mine.append((not higher, load, s, higher and load > 0))
+            mine.append((not higher, trainer_of.get(s) == name, load, s, higher and load > 0))
         candidates.extend(sorted(mine)[:surplus])
-    for _, _, s, cut in sorted(candidates)[:missing]:
+    for *_, s, cut in sorted(candidates)[:missing]:
         plan.give_up[s] = cut
 
 
 def _below_claim(plan: Plan, held: Mapping[str, list[int]], name: str) -> bool:
     assert plan.claim is not None
     granted = sum(n == name for n in plan.grant.values())
-    return len(held[name]) + granted < plan.claim[name]
+    holds = len(held[name]) + granted + plan.reserved.get(name, 0)
+    return below_claim(holds, plan.claim, name)
 
 
 class SchedulerCore:
@@ -352,6 +341,14 @@ class SchedulerCore:
         """`min_pipelines` have joined (grants start)."""
         self.trainer_of = {s: n for n, slots in cfg.trainer_slots.items() for s in slots}
         """Partial overlap: each trainer slot and the pipeline whose trainer trains there."""
+        self.asked: dict[int, float] = {}
+        """Slots asked to be given up to another pipeline, since when (a hand-over begins)."""
+        self.switching: dict[int, float] = {}
+        """Released slots of a hand-over, since when it began, until their next holder serves
+        there (reports running requests on it, or it among its routed engines)."""
+        self.handover_s = 0.0
+        """The last hand-over's seconds, ask to serving (0: none measured yet): times
+        `rotation_quantum`, the least a granted slot serves before it is taken again."""
         self.training: dict[str, float] = {}
         """Pipelines whose trainer holds its slots (or waits for them), since when: between
         `before_training` and `after_training`; their trainer slots are granted to nobody."""
@@ -361,7 +358,7 @@ class SchedulerCore:
     ) -> dict[str, float]:
         """Join (or join again after a drop: the member joins only once every engine of it
         sleeps, so its fenced slots are free at once). Returns the timings the member keeps
-        and its trainer slots (partial overlap)."""
+        and its trainer slots (partial overlap), and the level its engines sleep at."""
         if name in self.pipelines:
             raise ValueError(f"a pipeline named {name!r} is already live: give --pipeline-name")
         bad = [s for s in slots if not 0 <= s < self.cfg.slots]
@@ -387,6 +384,7 @@ class SchedulerCore:
             "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s,
             "drain_timeout_s": self.cfg.drain_timeout_s,
             "trainer_slots": list(mine),
+            "sleep_level": self.cfg.sleep_level,
         }
 
     def leave(self, name: str, *, now: float, why: str = "left", fence: bool = False) -> None:
@@ -445,10 +443,10 @@ class SchedulerCore:
             raise KeyError(f"pipeline {name!r} is not joined (dropped after a silence?)")
         p.demand, p.inflight, p.version = max(0, int(demand)), max(0, int(inflight)), version
         p.load = {int(s): int(n) for s, n in (load or {}).items()}
+        self._timed_handovers(name, now)
         if self.cfg.demand_window_s > 0:
-            dt = now - p.last_seen
-            p.need_avg = smooth_need(p.need_avg, slot_need(p), dt, self.cfg.demand_window_s)
-            p.sustained = sustained_slots(p.need_avg, p.sustained)
+            dt, window = now - p.last_seen, self.cfg.demand_window_s
+            p.need_avg, p.sustained = sustain(p.need_avg, p.sustained, slot_need(p), dt, window)
         p.last_seen = now
         self.gathered = self.gathered or len(self.pipelines) >= self.cfg.min_pipelines
         if not self.gathered:
@@ -467,6 +465,16 @@ class SchedulerCore:
             "take": sorted(take),
             "drain_s": self.cfg.drain_timeout_s,
         }
+
+    def _timed_handovers(self, name: str, now: float) -> None:
+        """A slot `name` now serves on (it is in its load: woken, synced, routed) that was
+        being handed over: the hand-over's seconds (`handover_s`)."""
+        for slot in self.pipelines[name].load:
+            if slot in self.switching and self.owner.get(slot) == name:
+                self.handover_s = now - self.switching.pop(slot)
+                self.events.append(
+                    (now, name, f"serves slot {slot}: hand-over {self.handover_s:.2f}s")
+                )
 
     def _eligible(self) -> Mapping[str, PipelineState]:
         """The pipelines as `plan_slots` sees them: without the slots of other pipelines'
@@ -500,6 +508,8 @@ class SchedulerCore:
             spread=self.cfg.spread,
             trainer_of=self.trainer_of,
             sustained=self._sustained(),
+            training=set(self.training),
+            quantum_s=self.cfg.rotation_quantum * self.handover_s,
         )
         for slot, want in plan.grant.items():
             self.owner[slot], self.since[slot] = want, now
@@ -510,6 +520,7 @@ class SchedulerCore:
             holder = self.owner[slot]
             assert holder is not None
             self.giving_up[slot] = holder
+            self.asked[slot] = now
             if cut:
                 self.cutting.add(slot)
             how = "at once" if cut else "after a drain"
@@ -561,6 +572,8 @@ class SchedulerCore:
             self.giving_up.pop(slot, None)
             self.undelivered.pop(slot, None)
             self.cutting.discard(slot)
+            if slot in self.asked:  # a hand-over: timed until the next holder serves there
+                self.switching[slot] = self.asked.pop(slot)
             self.events.append((now, name, f"released slot {slot}"))
 
     def state(self) -> dict[str, Any]:

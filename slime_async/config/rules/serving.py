@@ -105,7 +105,9 @@ def _check_colocate(a: argparse.Namespace, given: dict[str, tuple[int, ...]]) ->
 
 def _split_cores(d: Draft, given: dict[str, tuple[int, ...]]) -> Placement:
     """Trainer and engines apart: the first and second half of the usable cores, or the cores
-    given (usable ones, disjoint)."""
+    given (usable ones, disjoint; under --pipeline-scheduler they may overlap: partial overlap,
+    where the scheduler's trainer slots keep the engines there asleep while the trainer trains,
+    and the run's member refuses an engine on the trainer's cores that is not on one)."""
     cpus = d.env.cpus
     half = max(1, len(cpus) // 2)
     defaults = {"trainer-cores": (cpus[:half], "first"), "rollout-cores": (cpus[half:], "second")}
@@ -120,10 +122,11 @@ def _split_cores(d: Draft, given: dict[str, tuple[int, ...]]) -> Placement:
                 f"{list(cpus)}); pick cores from that set"
             )
     trainer, rollout = given["trainer-cores"], given["rollout-cores"]
-    if set(trainer) & set(rollout):
+    if set(trainer) & set(rollout) and d.args.pipeline_scheduler is None:
         raise ValueError(
             f"--trainer-cores {trainer} and --rollout-cores {rollout} overlap; give disjoint sets "
-            "or use --colocate"
+            "or use --colocate (or, under --pipeline-scheduler, make the slots of the engines "
+            "on the trainer's cores its trainer slots: partial overlap)"
         )
     return Placement(colocate=False, trainer_cores=trainer, rollout_cores=rollout)
 
