@@ -77,6 +77,34 @@ def test_role_logprobs_equal_the_train_steps_and_the_step_reads_them(tmp_path, r
     tr.shutdown()
 
 
+def test_a_logprob_request_drops_the_versions_below_its_floor_before_the_forward(tmp_path, ray_up):
+    """Each request carries the data worker's floor (`BehaviorRole.floor`), capped at the
+    oldest version of its own tokens: the role drops the older versions before that forward,
+    with no release call between, and the log-probs are unchanged."""
+    from slime_async.trainer.behavior_role import BehaviorRole
+
+    cfg, tr, dirs = _trained(tmp_path)
+    tr.shutdown()
+    role = BehaviorRole(cfg.trainer, cfg.model)
+    try:
+        for v, d in dirs.items():
+            role.add_version(v, d)
+        floor = [0]
+        role.floor = lambda: floor[0]
+        b = _batch(7, versions=(1, 2), routed=True)
+        want = torch.as_tensor(asyncio_run(role.logprobs(b)))
+        assert role.versions() == [0, 1, 2]
+        floor[0] = 2  # nothing still to come is older than v2; this batch's tokens are of v1
+        got = torch.as_tensor(asyncio_run(role.logprobs(b)))
+        assert role.versions() == [1, 2]  # v0 went; v1 stays for this batch's own tokens
+        m = b.loss_mask
+        assert bool(torch.isfinite(got[m]).all()) and torch.equal(got[m], want[m])
+        asyncio_run(role.logprobs(_batch(8, versions=(2,), routed=True)))
+        assert role.versions() == [2]
+    finally:
+        role.shutdown()
+
+
 def test_role_fed_through_the_object_store_equals_the_role_fed_from_directories(tmp_path, ray_up):
     """The distributed transport writes no directory: the trainer's export reaches the role as
     one file in this node's memory file system (removed once the role mapped it), or as a Ray

@@ -82,6 +82,54 @@ def test_level2_sleep_frees_the_weights_and_wake_is_bit_identical(tmp_path) -> N
         proc.stop()
 
 
+def test_an_idle_engine_gives_a_bursts_heap_back(tmp_path) -> None:
+    """A burst of 64 concurrent requests grows the engine process's heap (KV, logits, the
+    prefill's tensors); once the engine is idle its RSS is back within 60 MiB of where it was
+    before the burst (the scheduler trims the heap when it goes idle; before: +145-180 MiB,
+    kept until the process ended)."""
+    proc = EngineProcess(EngineConfig(dtype="fp32", num_threads=1), log_path=str(tmp_path / "e"))
+    url = proc.start()
+    try:
+        ps = psutil.Process(proc.proc.pid)
+
+        async def gen(s: aiohttp.ClientSession, i: int, n: int, m: int) -> None:
+            ids = [(7 * i + j) % 500 + 3 for j in range(n)]
+            params = {"max_new_tokens": m, "temperature": 1.0, "ignore_eos": True}
+            st, res = await post(
+                s, url + "/generate", {"input_ids": ids, "sampling_params": params}
+            )
+            assert st == 200, res
+
+        async def settled(limit: float) -> float:
+            """RSS once at most `limit` (polled up to 5 s: the trim follows the last step)."""
+            for _ in range(100):
+                if (rss := ps.memory_info().rss) <= limit:
+                    break
+                await asyncio.sleep(0.05)
+            return rss
+
+        async def run() -> None:
+            async with aiohttp.ClientSession() as s:
+                await gen(s, 0, 20, 4)  # warm: the first forward's one-time allocations
+                await asyncio.sleep(0.5)
+                base = ps.memory_info().rss
+                peak = 0
+                burst = asyncio.ensure_future(
+                    asyncio.gather(*(gen(s, i, 200, 48) for i in range(1, 65)))
+                )
+                while not burst.done():
+                    peak = max(peak, ps.memory_info().rss)
+                    await asyncio.sleep(0.02)
+                await burst
+                after = await settled(base + (60 << 20))
+                mib = [round(x / 2**20) for x in (base, peak, after)]
+                assert after <= base + (60 << 20), f"RSS before, peak, after: {mib} MiB"
+
+        asyncio.run(run())
+    finally:
+        proc.stop()
+
+
 @pytest.fixture(scope="module")
 def engine():
     torch.set_num_threads(1)

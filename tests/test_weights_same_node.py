@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,53 @@ async def test_a_same_node_push_serves_the_senders_bits_from_shared_memory(pair)
     mapped = _segments_mapped(a)  # only what A serves: v3's set, one segment per bucket...
     assert len({n.split("-")[-2] for n in mapped}) == 1 and len(mapped) > 1
     assert _shm_files() == shm_before  # ...and nothing was ever named in /dev/shm
+
+
+def _segment_rss(pid: int | str) -> dict[str, int]:
+    """Resident bytes of each weight-group segment set process `pid` maps (`s0`, `s1`, ...),
+    from /proc/<pid>/smaps."""
+    out: dict[str, int] = {}
+    current = None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            name = line.split("/memfd:")[1].split(" ")[0] if "/memfd:" in line else ""
+            current = name.split("-")[-2] if name.startswith(weight_shm.NAME_PREFIX) else None
+        elif current is not None and line.startswith("Rss:"):
+            out[current] = out.get(current, 0) + int(line.split()[1]) * 1024
+    return out
+
+
+async def _one_set_resident(pid: int | str, one: int, timeout_s: float = 10.0) -> dict[str, int]:
+    """`_segment_rss(pid)` once less than 1.5 versions' bytes are resident (the release runs
+    in a thread of the sender after the engines swapped), or after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while sum((got := _segment_rss(pid)).values()) >= 1.5 * one:
+        if asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    return got
+
+
+async def test_between_pushes_only_the_served_set_holds_memory(pair) -> None:
+    """After each push the set the engine served before holds no memory, in the sender and
+    in the engine (both still map it, neither has pages of it): one version's bytes resident,
+    not two. The released set is written again at the next push and served exactly."""
+    (a, b), _ = pair
+    weights = Weights()
+    async with _pushing([a.url, b.url], InProcessSender(weights)) as (t, s, _rc):
+        for v in (1, 2, 3):
+            weights.set(v, 50 + v)
+            assert (await t.push(v))["weights/push_failed_engines"] == 0.0
+            served, answer = await _served(s, a.url)
+            assert served == str(v) and _exact(weights, answer)
+            one = t.push_bytes()
+            for pid in ("self", a.proc.pid):  # the sender (this process) and engine A
+                rss = await _one_set_resident(pid, one)
+                # the served set, whole (each segment rounded up to a page), nothing else
+                assert one <= sum(rss.values()) < one + 64 * 4096, (v, pid, rss, one)
+                assert len([n for n in rss.values() if n]) == 1, (v, pid, rss)
+                assert len(rss) == min(v, 2), (v, pid, rss)  # both sets mapped from v2 on
+            assert _segment_rss(b.proc.pid) == {}  # B: over the wire
 
 
 async def test_an_engine_on_another_node_gets_the_broadcast(pair, caplog) -> None:

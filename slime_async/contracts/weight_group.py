@@ -27,7 +27,9 @@ the gloo process group (ranks renumbered in the order of their group ranks). Seg
 sets, one segment per bucket of a version; a member that serves tensors viewing a set says so in
 `shm/holds/<rank>` after its swap (`hold`), and rank 0 writes each version into a set no member
 holds (`free_set`: two sets alternate), so the bytes a member serves are never written while it
-serves them. Every failure re-forms the group, and a new group never writes an old group's
+serves them. Once every member swapped away from a set, rank 0 releases its memory until the
+next version is written there (`release_idle`), so between pushes the node holds one set of
+the model in shared memory, not two. Every failure re-forms the group, and a new group never writes an old group's
 segments. How a bucket then goes through a segment: `weight_transfer`.
 """
 
@@ -356,18 +358,61 @@ class WeightGroup:
                 value = ",".join(str(s) for s in sorted(sets))
                 self.store.set(SHM_HOLDS_KEY.format(self.rank), value)  # type: ignore[attr-defined]
 
-    def free_set(self) -> int:
-        """Rank 0: a segment set no same-node member holds (the next version goes there)."""
-        held = set()
+    def _held(self) -> set[int]:
+        """Rank 0: the segment sets some same-node member says it serves from."""
+        held: set[int] = set()
+        store = self.store
         for r in self.same_node.ranks:
             key = SHM_HOLDS_KEY.format(r)
-            if self.store is not None and self.store.check([key]):  # type: ignore[attr-defined]
-                value = bytes(self.store.get(key)).decode()  # type: ignore[attr-defined]
-                held.update(v for v in value.split(",") if v)
+            if store is not None and store.check([key]):  # type: ignore[attr-defined]
+                value = bytes(store.get(key)).decode()  # type: ignore[attr-defined]
+                held.update(int(v) for v in value.split(",") if v)
+        return held
+
+    def free_set(self) -> int:
+        """Rank 0: a segment set no same-node member holds (the next version goes there)."""
+        held = self._held()
         for s in range(_SHM_SETS):
-            if str(s) not in held:
+            if s not in held:
                 return s
         raise RuntimeError(f"every segment set is held by a member ({sorted(held)})")
+
+    def release_idle(self, written: int) -> threading.Thread | None:
+        """Rank 0, after a version went into set `written`: in a daemon thread, release
+        (`SegmentPool.release`) every other set as soon as no same-node member holds it (each
+        member says so after its swap, `hold`), so between pushes only the set being served
+        holds memory. Gives up when the next write begins (`SegmentPool.generation`), the
+        group is left, or after the op timeout (a member that never swapped keeps its set)."""
+        pool = self.same_node.pool
+        if pool is None:
+            return None
+        t = threading.Thread(
+            target=self._release_idle,
+            args=(pool, written, pool.generation, time.monotonic() + self.timeout_s),
+            daemon=True,
+            name="weight-group-release-idle",
+        )
+        t.start()
+        return t
+
+    def _release_idle(self, pool: shm.SegmentPool, written: int, gen: int, until: float) -> None:
+        nap = 0.002
+        while not self.left and time.monotonic() < until:
+            with pool.lock:
+                if pool.generation != gen or self.left:
+                    return
+                try:
+                    held = self._held()
+                except RuntimeError:  # rank 0's own store is closing: the group is going
+                    return
+                idle = [s for s in pool.sets() if s != written and not pool.released(s)]
+                for s in idle:
+                    if s not in held:
+                        pool.release(s)
+                if all(pool.released(s) for s in idle):
+                    return
+            time.sleep(nap)
+            nap = min(nap * 2, 0.05)
 
     def abort_reason(self) -> str | None:
         """The `abort` key's value, None while the group is not aborted (or has no store)."""

@@ -15,9 +15,13 @@ while rank 0 holds it or a member maps it, so nothing is left behind when either
 name is `slime-wg-<nonce>-s<set>-b<bucket>`, the nonce random per group; a member reaches it
 through rank 0's open descriptor (`/proc/<pid>/fd/<n>`) and maps it only after checking that the
 file behind the descriptor is a memfd of exactly that name, of the bucket's size, sealed against
-shrinking and growing (so a mapping can never fault past its end). Segments are reused from
-push to push (fresh shared memory costs more to fault in than to copy); which set a member
-still serves from is what rank 0 must not overwrite (`contracts.weight_group`, "Same node").
+shrinking and growing (so a mapping can never fault past its end). A segment's descriptor and
+mappings are kept for the group's life, but a set no member serves from holds no memory between
+pushes: rank 0 punches its pages out (`SegmentPool.release`, `MADV_REMOVE`: the file keeps its
+size and seals, every mapping of it reads zeros) and populates them again in one call before
+the next version is written there (`MADV_POPULATE_WRITE`, ~2x faster than faulting them in on
+the copy). Which set a member still serves from is what rank 0 must neither overwrite nor
+release (`contracts.weight_group`, "Same node").
 
 Worked example (CHUNK_BYTES = 16 MiB): a 40 MiB bucket has three digests, of bytes [0, 16),
 [16, 32) and [32, 40) MiB; `format_digests` writes them as three 16-digit hex numbers joined by
@@ -35,6 +39,7 @@ import re
 import secrets
 import stat
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -47,6 +52,9 @@ published its digest, while rank 0 still writes the next ones."""
 NAME_PREFIX = "slime-wg-"
 _NAME = re.compile(r"^slime-wg-(?P<nonce>[0-9a-f]{16})-s(?P<set>\d{1,3})-b(?P<j>\d{1,6})$")
 _SEALS = ("F_SEAL_SHRINK", "F_SEAL_GROW")
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+"""Linux >= 5.14: fault a range in writable in one call (older kernels: EINVAL, then the
+copy faults the pages in itself)."""
 
 
 def host_identity() -> str:
@@ -194,11 +202,24 @@ class Segment:
     nbytes: int
     buffer: torch.Tensor
     """uint8 view of the whole mapping (`nbytes`)."""
+    mapping: mmap.mmap | None = None
+    """The writable shared mapping `buffer` views (None once dropped)."""
+    released: bool = False
+    """Its pages were punched out (`SegmentPool.release`): no memory until written again."""
+
+
+def _populate(m: mmap.mmap) -> None:
+    """Fault every page of a shared mapping in, writable, in one call (best effort)."""
+    with contextlib.suppress(OSError, ValueError):
+        m.madvise(MADV_POPULATE_WRITE)
 
 
 class SegmentPool:
     """Rank 0's segments: one per (set, bucket of the version), created on first use and kept
-    for the group's life (a set is written again only once no member serves from it)."""
+    for the group's life (a set is written again only once no member serves from it). A set
+    nobody serves from is `release`d: its pages go back to the kernel until it is written
+    again. `lock` orders a release against a write: every `segment` call counts in
+    `generation`, so a release decided before a write began is not carried out after it."""
 
     def __init__(self) -> None:
         if not supported():
@@ -207,37 +228,73 @@ class SegmentPool:
         self.probe_fd = _memfd(f"{NAME_PREFIX}{self.nonce}-probe", len(self.nonce))
         os.pwrite(self.probe_fd, self.nonce.encode(), 0)
         self.segments: dict[tuple[int, int], Segment] = {}
+        self.lock = threading.Lock()
+        self.generation = 0
+        """How many `segment` calls there were (a release checks it did not change)."""
 
     def offer(self, host: str) -> Offer:
         return Offer(host=host, pid=os.getpid(), probe_fd=self.probe_fd, nonce=self.nonce)
 
     def segment(self, set_id: int, j: int, nbytes: int) -> Segment:
-        """The segment of (set, bucket j), `nbytes` long (re-created if the size changed)."""
-        seg = self.segments.get((set_id, j))
-        if seg is not None and seg.nbytes == nbytes:
+        """The segment of (set, bucket j), `nbytes` long (re-created if the size changed),
+        its pages populated, to be written now."""
+        with self.lock:
+            self.generation += 1
+            seg = self.segments.get((set_id, j))
+            if seg is not None and seg.nbytes == nbytes:
+                if seg.released and seg.mapping is not None:
+                    _populate(seg.mapping)
+                    seg.released = False
+                return seg
+            if seg is not None:
+                self._drop(seg)
+            fd = _memfd(segment_name(self.nonce, set_id, j), nbytes)
+            m = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # effective where shmem THP is `advise`
+                with contextlib.suppress(OSError):
+                    m.madvise(mmap.MADV_HUGEPAGE)
+            _populate(m)
+            seg = Segment(fd=fd, nbytes=nbytes, buffer=_as_tensor(m, nbytes), mapping=m)
+            self.segments[(set_id, j)] = seg
             return seg
-        if seg is not None:
-            self._drop(seg)
-        fd = _memfd(segment_name(self.nonce, set_id, j), nbytes)
-        m = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # effective where shmem THP is `advise`
-            with contextlib.suppress(OSError):
-                m.madvise(mmap.MADV_HUGEPAGE)
-        seg = Segment(fd=fd, nbytes=nbytes, buffer=_as_tensor(m, nbytes))
-        self.segments[(set_id, j)] = seg
-        return seg
+
+    def sets(self) -> set[int]:
+        """The sets that have segments."""
+        return {s for s, _ in self.segments}
+
+    def release(self, set_id: int) -> int:
+        """Punch out the pages of every segment of `set_id` (the caller holds `lock` and knows
+        no member serves from the set): the memory goes back to the kernel, from every process
+        that maps it; size, seals and descriptors stay. Returns the bytes released."""
+        freed = 0
+        for (s, _), seg in self.segments.items():
+            if s != set_id or seg.released or seg.mapping is None:
+                continue
+            try:
+                seg.mapping.madvise(mmap.MADV_REMOVE)
+            except (OSError, ValueError):
+                continue  # kept: the next write reuses it as before
+            seg.released = True
+            freed += seg.nbytes
+        return freed
+
+    def released(self, set_id: int) -> bool:
+        """Whether every segment of `set_id` holds no memory (True for a set with none)."""
+        return all(seg.released for (s, _), seg in self.segments.items() if s == set_id)
 
     @staticmethod
     def _drop(seg: Segment) -> None:
         with contextlib.suppress(OSError):
             os.close(seg.fd)
         seg.buffer = torch.empty(0, dtype=torch.uint8)  # the mapping goes with its last view
+        seg.mapping = None
 
     def close(self) -> None:
         """Give every segment up: what a member still maps stays alive for it alone."""
-        for seg in self.segments.values():
-            self._drop(seg)
-        self.segments.clear()
+        with self.lock:
+            for seg in self.segments.values():
+                self._drop(seg)
+            self.segments.clear()
         if self.probe_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.probe_fd)

@@ -104,7 +104,8 @@ def send_buckets(
     """Rank 0: send every bucket in order, counting each one finished in the `sent` key. On any
     failure (a member died, the group was aborted) the group is aborted and left, so the other
     members' receives stop now rather than at the timeout; then it raises. A version's buckets
-    go into one segment set that no member holds (members on rank 0's node).
+    go into one segment set that no member holds (members on rank 0's node); the set the
+    members served before is released once they all swapped (`WeightGroup.release_idle`).
 
     The tensors handed to the process group may be views of `tensors`: an op abandoned in
     flight only reads them (a member that stopped receiving gets nothing usable)."""
@@ -113,6 +114,7 @@ def send_buckets(
         for j, b in enumerate(buckets):
             send_bucket(g, tensors, b, flatten=flatten, slot=(set_id, j))
             g.mark_sent()
+        g.release_idle(set_id)
     except BaseException as e:
         g.abort(f"rank 0 stopped sending: {type(e).__name__}: {e}")
         raise

@@ -17,6 +17,7 @@ import sys
 from slime_async.engine.config import add_engine_args, engine_config_from_args
 from slime_async.engine.engine import Engine
 from slime_async.engine.runner import serve, write_port_file
+from slime_async.host import limit_malloc_arenas
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m slime_async.engine",
         description="Embedded inference engine speaking SGLang's HTTP API (CPU or any device).",
     )
+    limit_malloc_arenas()  # before any thread starts: the server's and torch's share two heaps
     args = add_engine_args(parser).parse_args(argv)
     try:
         cfg = engine_config_from_args(args)

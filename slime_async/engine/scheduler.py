@@ -60,6 +60,12 @@ class Scheduler:
         self.kv: batch.KVBatch | None = None
         self.paused = False
         self.steps = 0
+        self._trimmed_at = 0
+        """`steps` when the heap was last trimmed: the loop trims once each time it goes idle
+        (no request queued or running, or paused) after stepping, so the freed KV, logits and
+        prefill tensors of a burst go back to the node instead of staying in glibc's heap
+        (measured: +170 MiB resident after a burst of 64 requests on the tiny model, kept
+        until the process ends). Never between two steps of a burst."""
         self.decoded_tokens = 0
         self.outputs = 0
         """Tokens produced for any sequence (prefill's first tokens and decode's): what
@@ -206,6 +212,10 @@ class Scheduler:
     async def _loop(self) -> None:
         while True:
             if self.paused or not (self.waiting or self.running):
+                if self._trimmed_at != self.steps:  # idle after steps: their heap goes back
+                    self._trimmed_at = self.steps
+                    await asyncio.get_running_loop().run_in_executor(self._pool, trim_heap)
+                    continue  # a request may have come meanwhile: look again before waiting
                 self._wake.clear()
                 await self._wake.wait()
                 continue

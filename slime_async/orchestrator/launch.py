@@ -123,6 +123,8 @@ async def _build_run(cfg: RunConfig, undo: list[Callable[[], Any]]) -> Run:
         lora_name=lora_name(travel),
     )
     worker = _data_worker(cfg, plan, chain, cluster, start)
+    if role is not None:  # each log-prob request carries the floor of what is still to come
+        role.floor = worker.oldest_unfinished_version
     supervisor = _supervisor(cfg, cluster, versions)
     run = Run(
         cfg=cfg,

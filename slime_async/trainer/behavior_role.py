@@ -18,8 +18,10 @@ needs (`SnapshotStore.pointed_at`), and a new version is either the trainer's ma
 its parameters itself (`SnapshotStore.adopt_tensors`: no copy) or loaded, one tensor at a
 time, into the storage of the version it evicts (`SnapshotStore.vacate` / `adopt`). The run releases the
 versions no sample still to come can carry (`release_below`, before each train step and each
-push): `max_versions` is the staleness bound's worst case, the role holds what the samples in
-flight need (2-3 versions in the SmolLM2 recipe's steady state).
+push, and with every log-prob request, which carries the data worker's floor as it was when the
+request was sent, so versions go before the next forward, not behind the forwards queued
+before a release): `max_versions` is the staleness bound's worst case, the role holds what the
+samples in flight need.
 Must never import the controller, engine, rollout or data-worker parts of `slime_async`.
 
 With LoRA (`--lora-rank`) the role shares the base: it loads the frozen base once (`set_base`,
@@ -41,6 +43,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +187,16 @@ class BehaviorForwarder:
         return out.numpy()
 
 
+def request_floor(batch: TrainerBatch, floor: Callable[[], int] | None) -> int | None:
+    """The release floor a `logprobs` request carries: `floor()`, capped at the oldest version
+    among the batch's trained tokens; None without a `floor`."""
+    if floor is None:
+        return None
+    out = int(floor())
+    versions = batch.token_versions[batch.loss_mask]
+    return min(out, int(versions.min())) if versions.numel() else out
+
+
 class _BehaviorActorImpl:
     """Actor body: sets the thread count, then builds the forwarder in the actor process."""
 
@@ -224,9 +237,14 @@ class _BehaviorActorImpl:
     def versions(self) -> list[int]:
         return self.fwd.versions()
 
-    def logprobs(self, batch: TrainerBatch) -> np.ndarray:
+    def logprobs(self, batch: TrainerBatch, floor: int | None = None) -> np.ndarray:
+        """`BehaviorForwarder.logprobs`, after dropping the versions older than `floor` (the
+        oldest version a sample still to come can carry, as the driver knew it when it sent
+        this request: no later request needs an older one)."""
+        if floor is not None:
+            self.fwd.release_below(floor)
         out = self.fwd.logprobs(batch)
-        trim_heap()  # the forwards' freed tensors back to the node
+        trim_heap()  # the forwards' freed tensors (and released versions) back to the node
         return out
 
 
@@ -259,6 +277,11 @@ class BehaviorRole:
         self.node_ip, self.version_bytes = ray.get(self.actor.where.remote(), timeout=timeout_s)
         self._held_ref: Any = None
         self._held: int | None = None
+        self.floor: Callable[[], int] | None = None
+        """The oldest version a token of a sample not yet finished can carry (the run sets the
+        data worker's `oldest_unfinished_version` once the worker exists): sent with each
+        `logprobs` request, so the role drops what nothing needs before that forward, not
+        only when the run releases between steps (`release_below`)."""
         self.file_prefix = f"slime_async-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         """Of this run's one-file versions in `weights_io.SHM_DIR` (`version_file`)."""
 
@@ -314,8 +337,10 @@ class BehaviorRole:
         return self.actor.set_base.remote(str(path))
 
     async def logprobs(self, batch: TrainerBatch) -> np.ndarray:
-        """`BehaviorForwarder.logprobs` in the role's process."""
-        return await self.actor.logprobs.remote(batch)
+        """`BehaviorForwarder.logprobs` in the role's process, which first drops the versions
+        below the floor: `floor()` now, never above the oldest version of the batch's own
+        trained tokens (its samples wait for this answer, so `floor()` counts them anyway)."""
+        return await self.actor.logprobs.remote(batch, request_floor(batch, self.floor))
 
     def versions(self) -> list[int]:
         return ray.get(self.actor.versions.remote(), timeout=self.timeout_s)
