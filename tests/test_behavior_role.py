@@ -202,6 +202,9 @@ async def test_the_run_computes_pi_j_in_the_role(tmp_path):
     assert all(r["train/behavior_forwards"] == 0 for r in steps)
     assert all(r["train/behavior_missing_tokens"] == 0 for r in steps)
     assert all(r["loss/compis_fallback"] == 0 for r in steps)
+    assert all(
+        math.isfinite(r["timing/node_load_1m"]) and r["timing/node_load_1m"] >= 0 for r in steps
+    )
     # the role held what the samples in flight needed, not the bound's worst case
     held = [r["role/versions_held"] for r in steps if "role/versions_held" in r]
     assert held and max(held) < cfg.trainer.max_snapshots, (held, cfg.trainer.max_snapshots)

@@ -414,6 +414,9 @@ class Run:
             "timing/weight_sync_s": sync_s,
             "timing/step_s": total,
             "timing/elapsed_s": time.perf_counter() - self.started,
+            # the driver node's 1-minute load average: step times read beside it say whether
+            # the run had its cores to itself (a load above the core count: it did not)
+            "timing/node_load_1m": os.getloadavg()[0],
             "idle/trainer_ratio": wait_s / total,
             **self.colocation.metrics(),
             **(self.behavior_role.metrics() if self.behavior_role is not None else {}),
