@@ -182,7 +182,8 @@ async def _learn_shared(out: Path, steps: int, every: int) -> dict:
     state = await sched.state.remote()
     ray.kill(sched)
     per = {n: {**_curve(d), "wall_s": w} for (n, d), w in zip(dirs.items(), walls)}
-    return {"wall_s": wall, "pipelines": per, **handovers(state["events"])}
+    return {"wall_s": wall, "pipelines": per, **handovers(state["events"]),
+            "slot_s": slot_seconds(state["events"])}  # fmt: skip
 
 
 async def _timed(coro) -> float:
@@ -204,6 +205,28 @@ def handovers(events: list) -> dict:
                 moved, own = moved + (last[slot] != name), own + (last[slot] == name)
             last[slot] = name
     return {"handovers": moved, "own_returns": own}
+
+
+def slot_seconds(events: list) -> dict[str, float]:
+    """From the scheduler's events: the slot-seconds each pipeline held a slot it was granted
+    (from "granted slot N" to its "released slot N", or to its leaving: any event of its own
+    that is not about a slot), up to the last event. The fairness of the grants."""
+    held: dict[int, tuple[str, float]] = {}
+    out: dict[str, float] = {}
+    end = max((t for t, _, _ in events), default=0.0)
+    for t, name, what in events:
+        out.setdefault(name, 0.0)
+        words = what.split()
+        if what.startswith("granted slot "):
+            held[int(words[2])] = (name, t)
+        elif what.startswith("released slot ") and held.get(int(words[2]), ("",))[0] == name:
+            out[name] += t - held.pop(int(words[2]))[1]
+        elif "slot" not in what and what != "joined":  # left, silent, crashed: all its slots
+            for slot in [s for s, (n, _) in held.items() if n == name]:
+                out[name] += t - held.pop(slot)[1]
+    for name, t0 in held.values():
+        out[name] += end - t0
+    return out
 
 
 async def _affinities(seen: dict, every_s: float = 5.0) -> None:
@@ -269,7 +292,7 @@ async def _learn_scheduled(out: Path, steps: int, every: int) -> dict:
     ray.kill(sched)
     per = {n: {**_curve(d), "wall_s": w} for (n, d), w in zip(dirs.items(), walls)}
     return {"wall_s": wall, "pipelines": per, **handovers(state["events"]),
-            "pinning": _pinning(seen)}  # fmt: skip
+            "slot_s": slot_seconds(state["events"]), "pinning": _pinning(seen)}  # fmt: skip
 
 
 def _learn_split(out: Path, steps: int, every: int) -> dict:
@@ -333,8 +356,8 @@ def summary(res: dict) -> str:
     """One row per arm: wall, aggregate samples/s and its ratio to solo's, each pipeline's
     samples/s (and ratio to its solo), hand-overs."""
     solo = res.get("solo")
-    rows = ["| arm | wall s | samples/s | vs solo | per pipeline samples/s (vs its solo) | hand-overs |",
-            "|---|---|---|---|---|---|"]  # fmt: skip
+    rows = ["| arm | wall s | samples/s | vs solo | per pipeline samples/s (vs its solo) | hand-overs "
+            "| granted slot-seconds |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for arm, r in res.items():
         ratio = f"{r['samples_per_s'] / solo['samples_per_s']:.2f}x" if solo else "-"
         per = []
@@ -346,8 +369,9 @@ def summary(res: dict) -> str:
         hand = r.get("handovers", "-")
         if "own_returns" in r:
             hand = f"{hand} (+{r['own_returns']} own trainer-step sleeps)"
+        grants = ", ".join(f"{n} {v:.0f}" for n, v in r.get("slot_s", {}).items()) or "-"
         rows.append(f"| {arm} | {r['wall_s']:.0f} | {r['samples_per_s']:.1f} | {ratio} | "
-                    f"{', '.join(per)} | {hand} |")  # fmt: skip
+                    f"{', '.join(per)} | {hand} | {grants} |")  # fmt: skip
     return "\n".join(rows)
 
 
