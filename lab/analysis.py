@@ -20,7 +20,7 @@ import fnmatch
 import itertools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +200,8 @@ class RunData:
     wall_s: float
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The run's config.json (what it actually ran with)."""
+    load: float = math.nan
+    """Mean 1-minute load average of the node over the run (`node_load`; NaN: not known)."""
 
     def budget(self) -> str:
         """Rollouts, samples and eval size this run had, from its config.json."""
@@ -233,9 +235,48 @@ class RunData:
         return ys[0] if ys else math.nan
 
 
-def load_runs(out: Path, cells: Sequence[Cell], budget: Budget | None = None) -> list[RunData]:
+def node_load(
+    records: Sequence[Mapping[str, Any]], log: Sequence[tuple[float, float]] = ()
+) -> float:
+    """Mean 1-minute load average over a run: its own `timing/node_load_1m` (logged each step)
+    where it has them, else the samples of `log` ((unix time, load) pairs, e.g. a
+    `cut -d' ' -f1 /proc/loadavg` every 30 s) between its first and last record's `time`.
+    NaN when neither says.
+
+    >>> node_load([{"time": 10.0}, {"time": 70.0}], [(0.0, 9.0), (40.0, 3.0), (60.0, 5.0)])
+    4.0
+    """
+    own = [r["timing/node_load_1m"] for r in records if "timing/node_load_1m" in r]
+    if own:
+        return sum(own) / len(own)
+    times = [r["time"] for r in records if isinstance(r.get("time"), (int, float))]
+    if not times or not log:
+        return math.nan
+    inside = [v for t, v in log if min(times) <= t <= max(times)]
+    return sum(inside) / len(inside) if inside else math.nan
+
+
+def read_load_log(path: Path | None) -> list[tuple[float, float]]:
+    """`node_load`'s log: lines of unix time and 1-minute load average (more columns ignored)."""
+    if path is None:
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            rows.append((float(parts[0]), float(parts[1])))
+    return rows
+
+
+def load_runs(
+    out: Path,
+    cells: Sequence[Cell],
+    budget: Budget | None = None,
+    *,
+    load_log: Sequence[tuple[float, float]] = (),
+) -> list[RunData]:
     """The finished runs among `cells` with `budget` (None: any); failed or missing ones are
-    left out."""
+    left out. `load_log`: for runs that did not log their node's load (`node_load`)."""
     runs = []
     for c in cells:
         d = out / "runs" / c.name
@@ -244,13 +285,15 @@ def load_runs(out: Path, cells: Sequence[Cell], budget: Budget | None = None) ->
         cfg = json.loads((d / "config.json").read_text())
         gbs = _find(cfg, "global_batch_size") or 1
         res = json.loads((d / RESULT).read_text())
+        records = read_metrics(d / "metrics.jsonl").records
         runs.append(
             RunData(
                 cell=c,
-                records=read_metrics(d / "metrics.jsonl").records,
+                records=records,
                 gbs=int(gbs),
                 wall_s=float(res["wall_s"]),
                 config=cfg,
+                load=node_load(records, load_log),
             )
         )
     return runs
@@ -296,6 +339,7 @@ def analyse(runs: Sequence[RunData], rules: VerdictRules) -> dict[str, Any]:
             "ppo_clipfrac": _mean_of(r, "policy/clipfrac"),
             "guards": sorted(guard_hits(r.records, run_guards(r))),
             "wall_s": r.wall_s,
+            "load": r.load,
         }
         groups.setdefault(r.cell.group, []).append(r)
     cells: dict[str, Any] = {}

@@ -123,12 +123,22 @@ def speedups(
     staleness: int = PRIMARY_STALENESS,
     *,
     replay: bool = True,
+    max_load: float = math.inf,
 ) -> list[tuple[int, float]]:
-    """(seed, sync wall / async wall) for the arm at `staleness`, per seed."""
+    """(seed, sync wall / async wall) for the arm at `staleness`, per seed; with `max_load`,
+    only seeds whose two runs each kept the node's mean load at or below it (a run whose load
+    is not known does not count then)."""
     g, sync = group_of(arm, staleness, replay=replay), group_of("sync", 0, replay=replay)
     walls = {n: r["wall_s"] for n, r in per_run.items()}
     seeds, _ = paired_diffs(walls, g, sync)
-    return [(s, walls[f"{sync}-seed{s}"] / walls[f"{g}-seed{s}"]) for s in seeds]
+    pairs = [(f"{sync}-seed{s}", f"{g}-seed{s}", s) for s in seeds]
+    if math.isfinite(max_load):
+        pairs = [
+            (a, b, s)
+            for a, b, s in pairs
+            if all(per_run[n].get("load", math.nan) <= max_load for n in (a, b))
+        ]
+    return [(s, walls[a] / walls[b]) for a, b, s in pairs]
 
 
 def length_bias(runs: Sequence[RunData]) -> dict[str, list[float]]:
@@ -205,8 +215,10 @@ def _comparisons(
     staleness: int,
     *,
     replay: bool,
+    quiet_load: float = math.inf,
 ) -> list[str]:
-    """The equivalence table, compis − none, the speedups and the length bias of one phase."""
+    """The equivalence table, compis − none, the speedups (also over the seeds whose runs kept
+    the load at or below `quiet_load`) and the length bias of one phase."""
     lines = [
         "",
         f"Equivalence to sync (final held-out pass rate, margin ±{MARGIN}, TOST at 0.05):",
@@ -233,6 +245,13 @@ def _comparisons(
                 f"Speedup sync wall / {arm} S = {staleness} wall: median {med:.2f}× over "
                 f"{len(sp)} seeds (per seed: {', '.join(f'{x:.2f}' for _, x in sp)})."
             )
+        if sp and math.isfinite(quiet_load):
+            q = speedups(per_run, arm, staleness, replay=replay, max_load=quiet_load)
+            each = ", ".join(f"seed {s} {x:.2f}" for s, x in q) or "none"
+            lines.append(
+                f"Of those, the seeds whose two runs each kept the node's mean load ≤ "
+                f"{quiet_load:g}: {each}."
+            )
     lines += ["", "Length bias of the staleness drop (final `length/trained_bias`):", ""]
     for g, vs in sorted(length_bias(runs).items()):
         mm, hh = mean_ci(vs)
@@ -247,28 +266,37 @@ def render_phase3(
     runs: Sequence[RunData],
     planned: int,
     rules: VerdictRules,
+    quiet_load: float = math.inf,
 ) -> str:
     """Phase 3's results as markdown: its staleness, the equivalence table, compis − none,
-    the speedups, the length bias, every run, and the early-warning guards on its runs."""
+    the speedups (also over quiet pairs: `quiet_load`), the length bias, every run, and the
+    early-warning guards on its runs."""
     cells = [(arm, staleness, False) for arm in ("compis", "none", "tis", "is")]
     lines = [
         f"## Phase 3: workload S (SmolLM2-135M) at S = {staleness}",
         "",
         f"{len(runs)} of {planned} planned runs finished.",
     ]
-    lines += _comparisons(per_run, runs, cells, staleness, replay=False)
+    lines += _comparisons(per_run, runs, cells, staleness, replay=False, quiet_load=quiet_load)
     judged = [(r.cell.name, r, per_run[r.cell.name]["verdict"]) for r in runs]
     warn = _early_warning_table(judged, rules, "Early warning over phase 3's runs")
     return "\n".join(lines + _every_run(per_run) + warn) + "\n"
 
 
 def _every_run(per_run: Mapping[str, Any]) -> list[str]:
-    """One row per finished run: verdict, the baseline and final held-out pass rates, wall."""
-    lines = ["", "| run | verdict | baseline eval | final eval | wall s |", "|---|---|---|---|---|"]
+    """One row per finished run: verdict, the baseline and final held-out pass rates, wall,
+    the node's mean load over the run ("—": not known)."""
+    lines = [
+        "",
+        "| run | verdict | baseline eval | final eval | wall s | mean load |",
+        "|---|---|---|---|---|---|",
+    ]
     for n, r in sorted(per_run.items()):
+        load = r.get("load", math.nan)
         lines.append(
             f"| `{n}` | {r['verdict']} | {r.get('eval_first', math.nan):.3f} | "
-            f"{r['eval_final']:.3f} | {r['wall_s']:.0f} |"
+            f"{r['eval_final']:.3f} | {r['wall_s']:.0f} | "
+            f"{f'{load:.1f}' if math.isfinite(load) else '—'} |"
         )
     return lines
 

@@ -62,6 +62,7 @@ from lab.analysis import (  # noqa: E402
     grid,
     is_done,
     load_runs,
+    read_load_log,
     select,
     train_args,
 )
@@ -361,6 +362,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="With --protocol: once phase 2 is complete, also run phase 3 (SmolLM2-135M, "
         "one run at a time: each holds several GiB) under --out/smollm2.",
     )
+    p.add_argument(
+        "--load-log",
+        help="For runs that did not log their node's load (`timing/node_load_1m`): a file of "
+        "'<unix time> <1-minute load>' lines sampled while they ran; each run's mean load is "
+        "then reported beside its wall time.",
+    )
+    p.add_argument(
+        "--quiet-load",
+        type=float,
+        default=2.5 * (os.cpu_count() or 1),
+        help="Speedups are also reported over the seeds whose runs each kept the node's mean "
+        "load at or below this (default: 2.5 per CPU, %(default)s here: one run alone on the "
+        "2-core machine kept it at 3-4).",
+    )
     p.add_argument("--report-only", action="store_true", help="Only read finished runs and report.")
     p.add_argument("--dry-run", action="store_true", help="Print the runs and their commands.")
     a = p.parse_args(argv)
@@ -484,12 +499,18 @@ def run_phase3(
     cells = phase3_cells(staleness)
     if not a.report_only:
         run_grid(cells, budget, d, jobs=1, stall_s=stall)
-    runs = load_runs(d, cells, budget)
+    log = read_load_log(Path(a.load_log) if a.load_log else None)
+    runs = load_runs(d, cells, budget, load_log=log)
     per_run = analyse(runs, rules)["runs"] if runs else {}
     if runs:
         render_figure(runs, out / "smollm2.png", smooth=a.smooth)
     return render_phase3(
-        staleness=staleness, per_run=per_run, runs=runs, planned=len(cells), rules=rules
+        staleness=staleness,
+        per_run=per_run,
+        runs=runs,
+        planned=len(cells),
+        rules=rules,
+        quiet_load=a.quiet_load,
     )
 
 

@@ -640,4 +640,28 @@ def test_phase3_report_compares_the_dense_arms_with_sync():
     assert "| `s4-compis-rroff-n1` | 3 | -0.000 | [-0.017, +0.017] |" in md and "**yes**" in md
     assert "| `s4-ppo-rroff-n1` | 3 | -0.097 |" in md and "| `s4-tis-rroff-n1` | 0 |" in md
     assert "compis S = 4 wall: median 2.00×" in md and "none S = 4 wall: median 1.50×" in md
-    assert "| `s4-ppo-rroff-n1-seed2` | stable | nan | 0.410 | 20 |" in md
+    assert "| `s4-ppo-rroff-n1-seed2` | stable | nan | 0.410 | 20 | — |" in md
+    # the node's load beside each wall, and the speedups again over the quiet pairs only
+    for n, r in per_run.items():
+        r["load"] = 9.0 if n.endswith("seed1") else 3.0  # seed 1's runs shared the node
+    per_run["s4-compis-rroff-n1-seed2"]["load"] = float("nan")  # not known: not quiet
+    md = render_phase3(
+        staleness=4, per_run=per_run, runs=[], planned=21, rules=RULES, quiet_load=5.0
+    )
+    assert "| `s4-ppo-rroff-n1-seed1` | stable | nan | 0.200 | 20 | 9.0 |" in md
+    assert "| `s4-compis-rroff-n1-seed2` | stable | nan | 0.500 | 15 | — |" in md
+    assert "compis S = 4 wall: median 2.00× over 3 seeds" in md
+    assert "mean load ≤ 5: seed 0 2.00." in md  # seed 1 loaded, seed 2 unknown
+    assert "mean load ≤ 5: seed 0 1.50, seed 2 1.50." in md
+
+
+def test_a_runs_load_is_its_own_or_read_from_a_log_of_the_node():
+    from lab.analysis import node_load, read_load_log
+
+    records = [{"step": 0, "time": 100.0}, {"step": 1, "time": 160.0}]
+    log = [(40.0, 30.0), (100.0, 2.0), (130.0, 4.0), (160.0, 6.0), (200.0, 50.0)]
+    assert node_load(records, log) == pytest.approx(4.0)  # only the samples inside the run
+    assert math.isnan(node_load(records, [(10.0, 1.0)])) and math.isnan(node_load(records))
+    own = [{**r, "timing/node_load_1m": v} for r, v in zip(records, (1.0, 2.0))]
+    assert node_load(own, log) == pytest.approx(1.5)  # what the run logged wins
+    assert read_load_log(None) == []
