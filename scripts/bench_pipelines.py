@@ -183,7 +183,7 @@ async def _learn_shared(out: Path, steps: int, every: int) -> dict:
     ray.kill(sched)
     per = {n: {**_curve(d), "wall_s": w} for (n, d), w in zip(dirs.items(), walls)}
     return {"wall_s": wall, "pipelines": per, **handovers(state["events"]),
-            "slot_s": slot_seconds(state["events"])}  # fmt: skip
+            "slot_s": slot_seconds(state["events"]), "events": state["events"]}  # fmt: skip
 
 
 async def _timed(coro) -> float:
@@ -292,7 +292,8 @@ async def _learn_scheduled(out: Path, steps: int, every: int) -> dict:
     ray.kill(sched)
     per = {n: {**_curve(d), "wall_s": w} for (n, d), w in zip(dirs.items(), walls)}
     return {"wall_s": wall, "pipelines": per, **handovers(state["events"]),
-            "slot_s": slot_seconds(state["events"]), "pinning": _pinning(seen)}  # fmt: skip
+            "slot_s": slot_seconds(state["events"]), "events": state["events"],
+            "pinning": _pinning(seen)}  # fmt: skip
 
 
 def _learn_split(out: Path, steps: int, every: int) -> dict:
