@@ -415,7 +415,8 @@ class Run:
             "timing/step_s": total,
             "timing/elapsed_s": time.perf_counter() - self.started,
             # the driver node's 1-minute load average: step times read beside it say whether
-            # the run had its cores to itself (a load above the core count: it did not)
+            # the run had its cores to itself (a load well above what the run alone keeps it
+            # at: other work shared them)
             "timing/node_load_1m": os.getloadavg()[0],
             "idle/trainer_ratio": wait_s / total,
             **self.colocation.metrics(),
