@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from slime_async.config.pipeline import PipelineSchedulerConfig
@@ -201,22 +201,11 @@ def plan_slots(
     """
     order = sorted(pipelines.values(), key=lambda p: (p.served_s / p.priority, p.name))
     usable = [s for s in owner if s not in blocked]
-    weight = {p.name: p.priority for p in order}
-    need = {p.name: slot_need(p) for p in order}
-    if spread:  # entitled to spread over its share, as it would on an exclusive allocation
-        total = sum(weight.values())
-        for p in order:
-            share = int(len(usable) * p.priority / total)
-            need[p.name] = min(spread_need(p), max(need[p.name], share))
-    target = fair_targets(need, weight, [p.name for p in order], len(usable))
+    target = _targets(order, len(usable), spread=spread)
     plan = Plan(target=target)
     trainer_of = trainer_of or {}
-    reserved = [s for s in owner if trainer_of.get(s) in training]  # its trainer's: blocked
     if sustained is not None:
-        capped = claim_caps(sustained, {p.name: len(p.slots) for p in order})
-        n = len(usable) + sum(s in blocked for s in reserved)
-        plan.claim = fair_targets(capped, weight, [p.name for p in order], n)
-        plan.reserved = {p.name: sum(trainer_of[s] == p.name for s in reserved) for p in order}
+        _claims(plan, order, sustained, owner, usable, blocked, trainer_of, training)
     held = {n: [s for s, h in owner.items() if h == n and s not in leaving] for n in pipelines}
     # a trainer's slot last: it is taken back at its trainer's next step (stable: slot order)
     free = sorted((s for s in usable if owner[s] is None), key=lambda s: s in trainer_of)
@@ -235,6 +224,41 @@ def plan_slots(
             hold_s=(min_hold_s, max(min_hold_s, quantum_s)),
         )  # fmt: skip
     return plan
+
+
+def _targets(order: Sequence[PipelineState], usable: int, *, spread: bool) -> dict[str, int]:
+    """Each pipeline's target: its fair share by priority of the `usable` slots, never above
+    its `slot_need` (with `spread`, at least its share of the pool while its requests could
+    spread over that many engines, as on an exclusive allocation), in `order` for the rest."""
+    weight = {p.name: p.priority for p in order}
+    need = {p.name: slot_need(p) for p in order}
+    if spread:
+        total = sum(weight.values())
+        for p in order:
+            share = int(usable * p.priority / total)
+            need[p.name] = min(spread_need(p), max(need[p.name], share))
+    return fair_targets(need, weight, [p.name for p in order], usable)
+
+
+def _claims(
+    plan: Plan,
+    order: Sequence[PipelineState],
+    sustained: Mapping[str, int],
+    owner: Mapping[int, str | None],
+    usable: list[int],
+    blocked: frozenset[int] | set[int],
+    trainer_of: Mapping[int, str],
+    training: frozenset[str] | set[str],
+) -> None:
+    """`plan.claim` (fair shares of the sustained needs, over the usable slots and the
+    trainer slots of the pipelines `training`) and `plan.reserved` (those trainer slots,
+    counted toward their own pipeline's claim)."""
+    reserved = [s for s in owner if trainer_of.get(s) in training]  # its trainer's: blocked
+    weight = {p.name: p.priority for p in order}
+    capped = claim_caps(sustained, {p.name: len(p.slots) for p in order})
+    n = len(usable) + sum(s in blocked for s in reserved)
+    plan.claim = fair_targets(capped, weight, [p.name for p in order], n)
+    plan.reserved = {p.name: sum(trainer_of[s] == p.name for s in reserved) for p in order}
 
 
 def _grant(plan: Plan, p: PipelineState, free: list[int], want: dict[str, int]) -> None:
