@@ -183,7 +183,7 @@ async def _learn_shared(out: Path, steps: int, every: int) -> dict:
     ray.kill(sched)
     per = {n: {**_curve(d), "wall_s": w} for (n, d), w in zip(dirs.items(), walls)}
     return {"wall_s": wall, "pipelines": per, **handovers(state["events"]),
-            "slot_s": slot_seconds(state["events"]), "events": state["events"]}  # fmt: skip
+            "slot_s": state["served_s"], "events": state["events"]}  # fmt: skip
 
 
 async def _timed(coro) -> float:
@@ -205,28 +205,6 @@ def handovers(events: list) -> dict:
                 moved, own = moved + (last[slot] != name), own + (last[slot] == name)
             last[slot] = name
     return {"handovers": moved, "own_returns": own}
-
-
-def slot_seconds(events: list) -> dict[str, float]:
-    """From the scheduler's events: the slot-seconds each pipeline held a slot it was granted
-    (from "granted slot N" to its "released slot N", or to its leaving: any event of its own
-    that is not about a slot), up to the last event. The fairness of the grants."""
-    held: dict[int, tuple[str, float]] = {}
-    out: dict[str, float] = {}
-    end = max((t for t, _, _ in events), default=0.0)
-    for t, name, what in events:
-        out.setdefault(name, 0.0)
-        words = what.split()
-        if what.startswith("granted slot "):
-            held[int(words[2])] = (name, t)
-        elif what.startswith("released slot ") and held.get(int(words[2]), ("",))[0] == name:
-            out[name] += t - held.pop(int(words[2]))[1]
-        elif "slot" not in what and what != "joined":  # left, silent, crashed: all its slots
-            for slot in [s for s, (n, _) in held.items() if n == name]:
-                out[name] += t - held.pop(slot)[1]
-    for name, t0 in held.values():
-        out[name] += end - t0
-    return out
 
 
 async def _affinities(seen: dict, every_s: float = 5.0) -> None:
@@ -292,7 +270,7 @@ async def _learn_scheduled(out: Path, steps: int, every: int) -> dict:
     ray.kill(sched)
     per = {n: {**_curve(d), "wall_s": w} for (n, d), w in zip(dirs.items(), walls)}
     return {"wall_s": wall, "pipelines": per, **handovers(state["events"]),
-            "slot_s": slot_seconds(state["events"]), "events": state["events"],
+            "slot_s": state["served_s"], "events": state["events"],
             "pinning": _pinning(seen)}  # fmt: skip
 
 

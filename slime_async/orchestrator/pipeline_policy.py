@@ -359,6 +359,9 @@ class SchedulerCore:
         self.fenced: dict[int, tuple[str, float]] = {}
         """Slots of a dropped pipeline: (its name, until when nobody is granted them)."""
         self.events: list[tuple[float, str, str]] = []
+        self.served_before: dict[str, float] = {}
+        """Slot-seconds served by each pipeline's earlier memberships (kept when it leaves,
+        so the fairness of the grants can be read after the pipelines are gone)."""
         """(time, pipeline, what): joins, grants, hand-overs, drops (for `state()`)."""
         self._accounted = 0.0
         self.gathered = cfg.min_pipelines <= 1
@@ -414,8 +417,11 @@ class SchedulerCore:
     def leave(self, name: str, *, now: float, why: str = "left", fence: bool = False) -> None:
         """Drop `name`: its slots are free at once, or after `fence_s` when `fence` (a silent
         pipeline's engines may still run until its member puts them to sleep)."""
-        if self.pipelines.pop(name, None) is None:
+        self._account(now)
+        left = self.pipelines.pop(name, None)
+        if left is None:
             return
+        self.served_before[name] = self.served_before.get(name, 0.0) + left.served_s
         if self.training.pop(name, None) is not None:  # its trainer may still hold its slots
             for slot in self.cfg.trainer_slots[name]:
                 self.fenced[slot] = (name, now + self.cfg.fence_s)
@@ -608,4 +614,9 @@ class SchedulerCore:
             "training": dict(self.training),
             "pipelines": {n: dataclasses.asdict(p) for n, p in self.pipelines.items()},
             "events": list(self.events),
+            "served_s": {
+                n: self.served_before.get(n, 0.0)
+                + (self.pipelines[n].served_s if n in self.pipelines else 0.0)
+                for n in {*self.served_before, *self.pipelines}
+            },
         }
