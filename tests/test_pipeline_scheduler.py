@@ -277,7 +277,11 @@ def test_a_trainer_slot_serves_its_own_pipeline_only_between_its_steps() -> None
     while a trains; before a's step the engine there is cut at once and the trainer waits
     until it is released; after the step a's engine gets it back. Without `overlap_others`
     b never serves on it, even while a wants nothing."""
-    core = _overlap_core()
+    for window in (0.0, 3600.0):  # the instant rule; sustained demand (the default)
+        _trainer_slot_between_steps(_overlap_core(demand_window_s=window), sustained=window > 0)
+
+
+def _trainer_slot_between_steps(core: SchedulerCore, *, sustained: bool) -> None:
     assert core.join("a", priority=1.0, slots=[0, 1], now=0.0, capacity=4)["trainer_slots"] == [1]
     assert core.join("b", priority=1.0, slots=[0, 1], now=0.0, capacity=4)["trainer_slots"] == []
     assert core.report("b", demand=8, version=0, now=0.0)["take"] == [0]
@@ -293,15 +297,16 @@ def test_a_trainer_slot_serves_its_own_pipeline_only_between_its_steps() -> None
         assert core.owner[1] is None and core.state()["training"] == {"a": 5.0}
     core.after_training("a", now=61.0)
     assert core.report("a", demand=8, version=1, now=61.1)["take"] == [1]
-    # a wants nothing: its trainer slot still goes to no other pipeline (overlap_others off)
+    # a wants nothing now: its trainer slot goes to no other pipeline (overlap_others off);
+    # to a itself only while its sustained need still claims it
     core.before_training("a", now=70.0)
     core.released("a", 1, now=70.1)
     core.report("a", demand=0, version=1, now=75.0)
     core.after_training("a", now=80.0)
     for t in (81.0, 120.0):
-        assert core.report("a", demand=0, version=2, now=t)["take"] == []
+        core.report("a", demand=0, version=2, now=t)
         assert core.report("b", demand=40, version=0, now=t + 0.1)["take"] == []
-    assert core.owner == {0: "b", 1: None}
+    assert core.owner == {0: "b", 1: "a" if sustained else None}
 
 
 def test_with_overlap_others_a_trainer_slot_is_lent_and_taken_back_at_once() -> None:
@@ -514,13 +519,6 @@ def test_two_pipelines_training_on_their_own_slots_settle_one_each_and_take_a_fr
     assert core.owner[1] == "a" and (600.0, "a", "granted slot 1") in core.events
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, not fixed: a trainer slot given back is lent at once to the other "
-    "pipeline when its owner reported no demand while training (the live two-slot bench "
-    "churns so); a fix must keep the rules the two tests above state for an owner that "
-    "wants nothing",
-)
 def test_a_trainer_slot_given_back_goes_to_its_own_pipeline_even_if_it_reported_no_demand():
     """Two pipelines with a trainer slot each that report nothing while they train (the live
     two-slot bench: its run's median reported demand is 0): the slot a trainer gives back
@@ -533,8 +531,8 @@ def test_a_trainer_slot_given_back_goes_to_its_own_pipeline_even_if_it_reported_
         core.join(n, priority=1.0, slots=[0, 1], now=0.0, capacity=32)
     _two_trainers(core, start=0.0, until=12.0, quiet_training=True)
     assert _two_trainers(core, start=12.0, until=600.0, quiet_training=True) == []
-    backs = [e for e in core.events if e[2] == "granted slot 0 (its trainer's, back)"]
-    assert backs and all(e[1] == "a" for e in backs)
+    grants = [e[1] for e in core.events if e[2] == "granted slot 0" and e[0] >= 12.0]
+    assert grants and set(grants) == {"a"}  # the old rule: b's engine woke there every step
 
 
 def _rotate(core: SchedulerCore, want, *, until: float, switch_s: float = 2.0) -> list:

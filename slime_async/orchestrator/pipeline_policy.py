@@ -188,7 +188,10 @@ def plan_slots(
     slots of the pipelines `training` (blocked while their trainer holds them) count toward
     their own pipeline's claim: a training pipeline is not short of its claim by the slot its
     trainer is on, so it takes nobody's slot for it. A holder gives up its own trainer slot
-    last (it gets it back first at every step).
+    last (it gets it back first at every step), and gets it back while it is short of its
+    claim even when it wants no slot at that instant (a fully asynchronous pipeline reports
+    no demand between dispatching a step's samples and training on them: lending its slot then
+    only wakes another pipeline's engine there to cut it at the next step).
 
     >>> a = PipelineState("a", 1.0, (0, 1), capacity=4, demand=8, load={0: 4, 1: 1})
     >>> b = PipelineState("b", 1.0, (0, 1), capacity=4, demand=8)
@@ -211,7 +214,12 @@ def plan_slots(
     free = sorted((s for s in usable if owner[s] is None), key=lambda s: s in trainer_of)
     want = {p.name: target[p.name] - len(held[p.name]) for p in order}
     for p in order:  # a trainer's slot goes to its own pipeline first
-        _grant(plan, p, [s for s in free if trainer_of.get(s) == p.name], want)
+        own = [s for s in free if trainer_of.get(s) == p.name]
+        _grant(plan, p, own, want)
+        if plan.claim is not None:  # and back to it while it is short of its claim
+            for s in own:
+                if s not in plan.grant and s in p.slots and _below_claim(plan, held, p.name):
+                    plan.grant[s], want[p.name] = p.name, want[p.name] - 1
     for p in order:
         _grant(plan, p, free, want)
     short = {n: w for n, w in want.items() if w > 0}
