@@ -174,6 +174,17 @@ def test_a_cpu_trainer_gets_the_largest_micro_batch_that_fits_its_memory_limit()
     assert "recompute" in tight.derived["--max-tokens-per-gpu"].why
 
 
+def test_a_run_that_fits_nowhere_is_refused_without_the_fixes_the_plan_already_tried():
+    leanest = _need("--use-dynamic-batch-size", "--max-tokens-per-gpu",
+                    str(MICRO_BATCH_TOKENS[-1]), "--recompute-granularity", "full",
+                    "--recompute-method", "uniform", "--recompute-num-layers", "1")  # fmt: skip
+    with pytest.raises(ValueError, match="would not fit") as e:
+        _cfg(*ASYNC, "--memory-limit-gib", _limit_gib(leanest // 2), memory=64 * GIB)
+    fix = str(e.value).split("Fix: ", 1)[1]
+    assert "--recompute-granularity" not in fix and "--max-tokens-per-gpu" not in fix, fix
+    assert "--memory-limit-gib" in fix
+
+
 def test_a_given_micro_batch_is_kept_and_refused_with_the_numbers_when_it_cannot_fit():
     given = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096")
     cfg = _cfg(*ASYNC, *given, memory=64 * GIB)

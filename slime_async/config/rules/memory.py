@@ -201,8 +201,9 @@ def memory(d: Draft) -> None:
             return
     if leanest is not None:  # what the plan tried last: the smallest budget, with recompute
         why = memory_plan.describe(memory_parts(leanest.config), limit, mem)
+    fixes = _fixes(leanest or d)  # not what the plan already tried
     raise ValueError(
-        f"this run would not fit in its memory: {why}. Fix: {', '.join(_fixes(d))}, a larger "
+        f"this run would not fit in its memory: {why}. Fix: {', '.join(fixes)}, a larger "
         "--memory-limit-gib, or a node with more memory (docs/cpu.md#memory)"
     )
 
