@@ -33,7 +33,9 @@ the aggregate trained samples/s and its ratio to `solo`'s (when `solo` ran in th
 invocation), the scheduler's hand-overs (a slot granted to another pipeline than its last
 holder) and, for `scheduled`, the trainer-step sleeps of each pipeline's own engine and the
 CPU affinity of every process of the arm (sampled every few seconds: the pinning is real).
-Writes `bench_learn.json` into `--out` and prints a summary table.
+Writes `bench_learn.json` into `--out` and prints a summary table. `--pipeline-flags` gives
+every pipeline more flags (e.g. `'--max-staleness 0'`: synchronous pipelines, whose engine and
+trainer each idle while the other works: the capacity time-sharing is for).
 
     nice -n 10 .venv/bin/python scripts/bench_pipelines.py --learn --num-steps 40 \
         --arms solo,split,shared,scheduled
@@ -54,11 +56,13 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from slime_async.config import parse_config
 from slime_async.config.pipeline import PipelineSchedulerConfig
@@ -129,11 +133,18 @@ async def _shared(out: Path, steps: int) -> dict:
 LEARN_SEEDS = {"a": 1, "b": 2}
 
 
-def _learn_argv(run_dir: Path, steps: int, seed: int, eval_every: int) -> list[str]:
+class LearnRun(NamedTuple):
+    """What every pipeline of `--learn` is given: its eval interval and `--pipeline-flags`."""
+
+    every: int
+    flags: tuple[str, ...] = ()
+
+
+def _learn_argv(run_dir: Path, steps: int, seed: int, run: LearnRun) -> list[str]:
     """The embedded default as it learns (warm start and eval at their defaults but the
-    interval), `steps` steps, one seed per pipeline."""
+    interval), `steps` steps, one seed per pipeline, then the bench's `--pipeline-flags`."""
     return ["--run-dir", str(run_dir), "--num-steps", str(steps), "--seed", str(seed),
-            "--eval-interval", str(eval_every)]  # fmt: skip
+            "--eval-interval", str(run.every), *run.flags]  # fmt: skip
 
 
 def _curve(run_dir: Path) -> dict:
@@ -155,16 +166,16 @@ def _curve(run_dir: Path) -> dict:
     }
 
 
-async def _learn_solo(out: Path, steps: int, every: int) -> dict:
+async def _learn_solo(out: Path, steps: int, run: LearnRun) -> dict:
     t0, per = time.perf_counter(), {}
     for name, seed in LEARN_SEEDS.items():
         d = out / "solo" / name
-        wall = await _timed(train(parse_config(_learn_argv(d, steps, seed, every))))
+        wall = await _timed(train(parse_config(_learn_argv(d, steps, seed, run))))
         per[name] = {**_curve(d), "wall_s": wall}
     return {"wall_s": time.perf_counter() - t0, "pipelines": per}
 
 
-async def _learn_shared(out: Path, steps: int, every: int) -> dict:
+async def _learn_shared(out: Path, steps: int, run: LearnRun) -> dict:
     import ray
 
     cfg = PipelineSchedulerConfig(slots=1, min_hold_s=1.0, min_pipelines=2)
@@ -174,7 +185,7 @@ async def _learn_shared(out: Path, steps: int, every: int) -> dict:
     extra = ["--pipeline-scheduler", "bench-learn", "--pipeline-name"]
     walls = await asyncio.gather(
         *(
-            _timed(train(parse_config([*_learn_argv(d, steps, LEARN_SEEDS[n], every), *extra, n])))
+            _timed(train(parse_config([*_learn_argv(d, steps, LEARN_SEEDS[n], run), *extra, n])))
             for n, d in dirs.items()
         )
     )
@@ -235,7 +246,7 @@ def _pinning(seen: dict) -> dict:
     return out
 
 
-async def _learn_scheduled(out: Path, steps: int, every: int) -> dict:
+async def _learn_scheduled(out: Path, steps: int, run: LearnRun) -> dict:
     """Two slots, one per core; each pipeline's trainer on its own core, that slot its trainer
     slot; its engines on both (engine i on slot i, pinned to core i)."""
     import ray
@@ -260,7 +271,7 @@ async def _learn_scheduled(out: Path, steps: int, every: int) -> dict:
     t0 = time.perf_counter()
     walls = await asyncio.gather(
         *(
-            _timed(train(parse_config([*_learn_argv(d, steps, LEARN_SEEDS[n], every), *extra[n]])))
+            _timed(train(parse_config([*_learn_argv(d, steps, LEARN_SEEDS[n], run), *extra[n]])))
             for n, d in dirs.items()
         )
     )
@@ -274,7 +285,7 @@ async def _learn_scheduled(out: Path, steps: int, every: int) -> dict:
             "pinning": _pinning(seen)}  # fmt: skip
 
 
-def _learn_split(out: Path, steps: int, every: int) -> dict:
+def _learn_split(out: Path, steps: int, run: LearnRun) -> dict:
     """a on core 0, b on core 1: two processes (each its own Ray node), side by side."""
     root = Path(__file__).resolve().parents[1]
     t0, procs = time.perf_counter(), {}
@@ -284,7 +295,7 @@ def _learn_split(out: Path, steps: int, every: int) -> dict:
         cmd = ["taskset", "-c", str(core), sys.executable, str(root / "train_async.py")]
         log = open(out / "split" / f"{name}.log", "w")  # noqa: SIM115 (closed below)
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        argv = [*cmd, *_learn_argv(d, steps, seed, every)]
+        argv = [*cmd, *_learn_argv(d, steps, seed, run)]
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
         procs[name] = (proc, log)
     walls: dict[str, float] = {}
@@ -354,17 +365,17 @@ def summary(res: dict) -> str:
     return "\n".join(rows)
 
 
-def learn(out: Path, steps: int, every: int, arms: list[str]) -> dict:
+def learn(out: Path, steps: int, run: LearnRun, arms: list[str]) -> dict:
     if bad := sorted(set(arms) - {*LEARN_ARMS, "split"}):
         raise SystemExit(f"--arms: unknown {bad}; pick from solo, shared, split, scheduled")
     res: dict = {}
     for arm in arms:
         t = time.perf_counter()
         if arm == "split":
-            res[arm] = _learn_split(out, steps, every)
+            res[arm] = _learn_split(out, steps, run)
         else:
             init_ray(num_cpus=8)
-            res[arm] = asyncio.run(LEARN_ARMS[arm](out, steps, every))
+            res[arm] = asyncio.run(LEARN_ARMS[arm](out, steps, run))
         _rates(out, arm, res[arm])
         groups = sum(p["trained_groups"] for p in res[arm]["pipelines"].values())
         res[arm]["trained_groups"] = groups
@@ -446,12 +457,18 @@ def main() -> None:
     ap.add_argument(
         "--arms", default="solo,shared,split,scheduled", help="arms of --learn, in this order"
     )
+    ap.add_argument(
+        "--pipeline-flags", default="", help="more train_async.py flags for every pipeline of "
+        "--learn (e.g. '--max-staleness 0': synchronous pipelines, idle half of each step)"
+    )  # fmt: skip
     args = ap.parse_args()
     if args.learn:
         out = Path(args.out)
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        res = learn(out, args.num_steps, args.eval_interval, args.arms.split(","))
+        run = LearnRun(args.eval_interval, tuple(shlex.split(args.pipeline_flags)))
+        res = learn(out, args.num_steps, run, args.arms.split(","))
+        res["pipeline_flags"] = list(run.flags)
         (out / "bench_learn.json").write_text(json.dumps(res, indent=2))
         print(json.dumps(res, indent=2))
         print(summary(res))
