@@ -20,11 +20,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-from slime_async.orchestrator.pipeline_policy import (
-    SchedulerCore,
-    generation_demand,
-    generation_inflight,
-)
+from slime_async.orchestrator.pipeline_core import SchedulerCore
+from slime_async.orchestrator.pipeline_policy import generation_demand, generation_inflight
 
 
 class SimMember:

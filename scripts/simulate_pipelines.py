@@ -9,7 +9,7 @@ their own trainer devices, in one of two arms:
 * `exclusive`: pipeline i owns a fixed share of the engine slots for the whole run (equal
   shares, or `PoolConfig.shares`: a static split sized to each pipeline's demand).
 * `shared`: every pipeline has an engine on every slot and the REAL `SchedulerCore`
-  (`slime_async.orchestrator.pipeline_policy`, what the scheduler actor runs) decides who serves
+  (`slime_async.orchestrator.pipeline_core`, what the scheduler actor runs) decides who serves
   where, fed every `heartbeat_s` with each pipeline's `generation_demand`,
   `generation_inflight` and running requests per slot by `sim_member.SimMember`, which mirrors
   `PipelineMember` (hand-overs concurrent with the reports: drain, cut, sleep, release; wake,
@@ -45,7 +45,7 @@ from slime_async.config.pipeline import (
     ROTATION_QUANTUM,
     PipelineSchedulerConfig,
 )
-from slime_async.orchestrator.pipeline_policy import SchedulerCore
+from slime_async.orchestrator.pipeline_core import SchedulerCore
 
 __all__ = ["DoubleOccupancy", "Pool", "PoolConfig", "PoolResult", "SchedulerCore", "simulate_pool"]
 

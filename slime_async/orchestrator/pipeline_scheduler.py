@@ -3,7 +3,7 @@
 Owns `PipelineScheduler` (the core as a named Ray actor, on the wall clock) and
 `start_scheduler` / `scheduler_handle`. The decisions themselves, `plan_slots` (the policy) and
 `SchedulerCore` (the state machine: joins, reports, heartbeats, hand-overs, fences), are pure and live in
-`pipeline_policy.py` (re-exported here), where the cluster-scale simulator drives the same code
+`pipeline_policy.py` and `pipeline_core.py` (`SchedulerCore` re-exported here), where the cluster-scale simulator drives the same code
 in virtual time. The rules are docs/pipeline-scheduler.md:
 each pipeline joins with its priority, the slots its engines sit on and their capacity, and
 reports its generation demand, its samples in flight and its running requests per slot with
@@ -27,7 +27,8 @@ from typing import Any
 import ray
 
 from slime_async.config.pipeline import PipelineSchedulerConfig
-from slime_async.orchestrator.pipeline_policy import PipelineState, SchedulerCore, plan_slots
+from slime_async.orchestrator.pipeline_core import SchedulerCore
+from slime_async.orchestrator.pipeline_policy import PipelineState, plan_slots
 
 __all__ = [
     "PipelineScheduler",
