@@ -17,9 +17,6 @@ weight updates (wake first, then push). Must never import aiohttp.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import ctypes.util
 import os
 import tempfile
 import time
@@ -27,6 +24,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from slime_async.host import trim_heap
 
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
 TAGS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
@@ -66,15 +65,6 @@ def parse_tags(raw: Any) -> list[str]:
     if bad:
         raise ValueError(f"unknown memory tag(s) {bad}: SGLang's tags are {list(TAGS)}")
     return list(dict.fromkeys(raw))
-
-
-def _malloc_trim() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps small freed blocks otherwise)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: it keeps what it keeps
-        ctypes.CDLL(name).malloc_trim(0)
 
 
 class SleepingEngine(Protocol):
@@ -157,7 +147,7 @@ class MemoryOccupation:
             except BaseException:
                 self.released.difference_update(new)
                 raise
-            await asyncio.to_thread(_malloc_trim)
+            await asyncio.to_thread(trim_heap)  # freed pages back to the node
             self.last["release_s"] = round(time.monotonic() - t0, 4)
 
     async def resume(self, tags: list[str]) -> None:
