@@ -349,6 +349,8 @@ def summary(res: dict) -> str:
     rows = ["| arm | wall s | samples/s | vs solo | per pipeline samples/s (vs its solo) | hand-overs "
             "| granted slot-seconds |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for arm, r in res.items():
+        if arm not in (*LEARN_ARMS, "split"):  # e.g. a saved file's "pipeline_flags"
+            continue
         ratio = f"{r['samples_per_s'] / solo['samples_per_s']:.2f}x" if solo else "-"
         per = []
         for n, p in r["pipelines"].items():
@@ -468,9 +470,9 @@ def main() -> None:
         out.mkdir(parents=True)
         run = LearnRun(args.eval_interval, tuple(shlex.split(args.pipeline_flags)))
         res = learn(out, args.num_steps, run, args.arms.split(","))
-        res["pipeline_flags"] = list(run.flags)
-        (out / "bench_learn.json").write_text(json.dumps(res, indent=2))
-        print(json.dumps(res, indent=2))
+        saved = {**res, "pipeline_flags": list(run.flags)}  # the arms, and what they were given
+        (out / "bench_learn.json").write_text(json.dumps(saved, indent=2))
+        print(json.dumps(saved, indent=2))
         print(summary(res))
         return
     if args.mechanism:
