@@ -13,6 +13,7 @@ from slime_async.config import Environment, build_parser, parse_config, validate
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.orchestrator.controller import train
 from slime_async.trainer.checkpoint import LoadFacts
+from tests.cli_errors import error_lines
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,10 +43,11 @@ def _argv(run_dir: Path, *extra: str) -> list[str]:
 def _refused(argv: list[str], capsys, *, ray_before: bool = False) -> str:
     import ray
 
+    capsys.readouterr()  # what earlier tests left behind
     with pytest.raises(SystemExit) as e:
         parse_config(argv)
     assert e.value.code == 2 and ray.is_initialized() == ray_before
-    lines = capsys.readouterr().err.strip().splitlines()
+    lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 2 and lines[0].startswith("train_async.py: error: "), lines
     return lines[0]
 

@@ -17,6 +17,7 @@ import pytest
 from slime_async.config import build_parser, parse_config
 from slime_async.config.script_flags import RUN_TABLE
 from slime_async.config.slime_flags import MEGATRON_NOT_HERE, NOT_HERE
+from tests.cli_errors import error_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 SLIME_FLAGS = [
@@ -50,10 +51,11 @@ def test_the_table_answers_only_flags_we_do_not_take():
 
 
 def _error_lines(argv, tmp_path, capsys) -> list[str]:
+    capsys.readouterr()  # what earlier tests left behind
     with pytest.raises(SystemExit) as e:
         parse_config(["--run-dir", str(tmp_path), *argv])
     assert e.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()
+    return error_lines(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize(
