@@ -209,13 +209,7 @@ def plan_slots(
     # a trainer's slot last: it is taken back at its trainer's next step (stable: slot order)
     free = sorted((s for s in usable if owner[s] is None), key=lambda s: s in trainer_of)
     want = {p.name: target[p.name] - len(held[p.name]) for p in order}
-    for p in order:  # a trainer's slot goes to its own pipeline first
-        own = [s for s in free if trainer_of.get(s) == p.name]
-        _grant(plan, p, own, want)
-        if plan.claim is not None:  # and back to it while it is short of its claim
-            for s in own:
-                if s not in plan.grant and s in p.slots and _below_claim(plan, held, p.name):
-                    plan.grant[s], want[p.name] = p.name, want[p.name] - 1
+    _grant_own_trainer_slots(plan, order, free, trainer_of, held, want)
     for p in order:
         _grant(plan, p, free, want)
     short = {n: w for n, w in want.items() if w > 0}
@@ -263,6 +257,26 @@ def _claims(
     n = len(usable) + sum(s in blocked for s in reserved)
     plan.claim = fair_targets(capped, weight, [p.name for p in order], n)
     plan.reserved = {p.name: sum(trainer_of[s] == p.name for s in reserved) for p in order}
+
+
+def _grant_own_trainer_slots(
+    plan: Plan,
+    order: Sequence[PipelineState],
+    free: list[int],
+    trainer_of: Mapping[int, str],
+    held: Mapping[str, list[int]],
+    want: dict[str, int],
+) -> None:
+    """Each pipeline's free trainer slots go to it first: up to its want, and beyond it while it
+    is short of its sustained claim (it may want nothing at this instant between two steps)."""
+    for p in order:
+        own = [s for s in free if trainer_of.get(s) == p.name]
+        _grant(plan, p, own, want)
+        if plan.claim is None:
+            continue
+        for s in own:
+            if s not in plan.grant and s in p.slots and _below_claim(plan, held, p.name):
+                plan.grant[s], want[p.name] = p.name, want[p.name] - 1
 
 
 def _grant(plan: Plan, p: PipelineState, free: list[int], want: dict[str, int]) -> None:
