@@ -2,7 +2,8 @@
 
 Owns `pin_cores` (CPU core pinning inside a process: the CPU analogue of separate GPU pools),
 `free_port` (a free local TCP port), `trim_heap` (freed memory back to the system) and
-`limit_malloc_arenas` (fewer per-thread heaps), `rss_bytes` (this process's resident memory),
+`limit_malloc_arenas` (fewer per-thread heaps), `limit_kernel_caches` (bounded caches of
+compiled CPU matmuls), `rss_bytes` (this process's resident memory),
 `ray_address` (the cluster a run joins: the flag, else
 `RAY_ADDRESS`), and the two file primitives every durable write uses:
 `atomic_write_text` (temp file, fsync, rename) and `file_sha256`. Imports nothing from
@@ -62,6 +63,26 @@ def limit_malloc_arenas(arenas: int = 2) -> bool:
     libc = _glibc()
     m_arena_max = -8  # glibc's M_ARENA_MAX
     return libc is not None and bool(libc.mallopt(m_arena_max, arenas))
+
+
+KERNEL_CACHE_ENTRIES = 64
+"""Compiled CPU matmuls each of oneDNN's and ideep's caches keeps (both default to 1024): one
+micro-batch's shapes (a layer's GEMMs at one token count, reused by all its layers and by a
+recomputed forward) fit, so within a micro-batch every GEMM hits."""
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+"""oneDNN's primitive cache and ideep's computation cache (torch's CPU bf16 matmuls), each
+read once, at the process's first such matmul."""
+
+
+def limit_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> dict[str, str]:
+    """Bound the caches of compiled CPU matmuls this process keeps, keyed by shape, each entry
+    with its own buffers: with micro-batches that differ in token count every step adds new
+    entries, and by default they stay (measured: a SmolLM2 trainer alone grew 1.6 GiB over 14
+    steps of varying batches; docs/cpu.md#memory). A variable the user set is kept. Call
+    before the process's first bf16 matmul. Returns the values in force."""
+    for name in KERNEL_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(entries))
+    return {name: os.environ[name] for name in KERNEL_CACHE_VARIABLES}
 
 
 def _glibc():

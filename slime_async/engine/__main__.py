@@ -17,7 +17,7 @@ import sys
 from slime_async.engine.config import add_engine_args, engine_config_from_args
 from slime_async.engine.engine import Engine
 from slime_async.engine.runner import serve, write_port_file
-from slime_async.host import limit_malloc_arenas
+from slime_async.host import limit_kernel_caches, limit_malloc_arenas
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
         description="Embedded inference engine speaking SGLang's HTTP API (CPU or any device).",
     )
     limit_malloc_arenas()  # before any thread starts: the server's and torch's share two heaps
+    limit_kernel_caches()
     args = add_engine_args(parser).parse_args(argv)
     try:
         cfg = engine_config_from_args(args)

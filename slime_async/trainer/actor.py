@@ -28,7 +28,13 @@ from slime_async.contracts.weight_buckets import torch_dtype
 from slime_async.contracts.weight_group import WeightGroup
 from slime_async.contracts.weight_transfer import send_buckets
 from slime_async.contracts.weights import HFWeights, TensorEntry, WeightManifest
-from slime_async.host import limit_malloc_arenas, port_taken, rss_bytes, trim_heap
+from slime_async.host import (
+    limit_kernel_caches,
+    limit_malloc_arenas,
+    port_taken,
+    rss_bytes,
+    trim_heap,
+)
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.parallel import free_port
 
@@ -68,6 +74,7 @@ class _TrainerActorImpl:
         from slime_async.trainer import cpu_compat
 
         limit_malloc_arenas()  # torch's and Ray's threads share two heaps
+        limit_kernel_caches()  # micro-batches of varying token counts
         cpu_compat.import_megatron_lean()  # before anything imports megatron in this process
         torch.set_num_threads(num_threads)
         _gloo_interface(master_addr)

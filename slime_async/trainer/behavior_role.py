@@ -56,7 +56,7 @@ from slime_async.contracts.adapter import read_peft_dir
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.model import ModelSpec
 from slime_async.contracts.weights import HFWeights
-from slime_async.host import limit_malloc_arenas, trim_heap
+from slime_async.host import limit_kernel_caches, limit_malloc_arenas, trim_heap
 from slime_async.trainer import weights_io
 from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.lora import is_adapter_param
@@ -206,6 +206,7 @@ class _BehaviorActorImpl:
         from slime_async.trainer import cpu_compat
 
         limit_malloc_arenas()
+        limit_kernel_caches()  # requests of varying token counts
         cpu_compat.import_megatron_lean()  # before anything imports megatron in this process
         torch.set_num_threads(num_threads)
         self.fwd = BehaviorForwarder(cfg, spec, max_versions=max_versions)

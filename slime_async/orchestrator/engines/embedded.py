@@ -15,7 +15,7 @@ from slime_async.config.engine_backends import BUILTIN_NEEDS
 from slime_async.config.engine_fleet import launch_engine_config
 from slime_async.contracts.engine import EngineLaunch, EngineNeeds
 from slime_async.engine.config import EngineConfig
-from slime_async.host import gloo_interface, limit_malloc_arenas, pin_cores
+from slime_async.host import gloo_interface, limit_kernel_caches, limit_malloc_arenas, pin_cores
 from slime_async.orchestrator.engines.ray_actor import RayActorBackend
 
 
@@ -25,6 +25,7 @@ class EngineActor:
 
     def __init__(self, cfg: EngineConfig, cores: tuple[int, ...] = ()) -> None:
         limit_malloc_arenas()  # the server's and torch's threads share two heaps
+        limit_kernel_caches()
         pin_cores(cores)
         gloo_interface(cfg.host)  # a weight-update group reaches peers from the bound address
         from slime_async.engine import EngineServer
