@@ -77,8 +77,7 @@ read once, at the process's first such matmul."""
 def limit_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> dict[str, str]:
     """Bound the caches of compiled CPU matmuls this process keeps, keyed by shape, each entry
     with its own buffers: with micro-batches that differ in token count every step adds new
-    entries, and by default they stay (measured: a SmolLM2 trainer alone grew 1.6 GiB over 14
-    steps of varying batches; docs/cpu.md#memory). A variable the user set is kept. Call
+    entries, and by default they stay (docs/cpu.md#memory). A variable the user set is kept. Call
     before the process's first bf16 matmul. Returns the values in force."""
     for name in KERNEL_CACHE_VARIABLES:
         os.environ.setdefault(name, str(entries))
