@@ -372,3 +372,26 @@ def test_grad_cosine_compares_consecutive_steps_gradients():
     assert c == pytest.approx(dot / (na * nb) ** 0.5, abs=1e-9) and -1.0 < c < 0.999
     sk = grad_sketch([torch.arange(10.0), torch.arange(5.0)], budget=4)  # every 4th of 15
     assert sk.tolist() == [0.0, 4.0, 8.0, 0.0, 4.0]
+
+
+def test_cpu_adam_runs_fused_and_updates_as_the_per_tensor_loop(monkeypatch):
+    """On CPU the optimizer runs torch's fused Adam kernel (no parameter-sized temporaries), and
+    two steps move the weights as the per-tensor loop megatron would otherwise run."""
+    from slime_async.trainer import optim
+
+    def groups(tr):
+        return [g for sub in tr.optim._subs() for g in sub.optimizer.param_groups]
+
+    fused = _trainer()
+    assert groups(fused) and all(g["fused"] and not g["foreach"] for g in groups(fused))
+    monkeypatch.setattr(optim, "fuse_cpu_adam", lambda optimizer: False)
+    loop = _trainer()
+    assert not any(g["fused"] for g in groups(loop))
+    start = _params(fused)
+    for seed in range(2):
+        fused.train_step(_batch(seed))
+        loop.train_step(_batch(seed))
+    a, b = _params(fused), _params(loop)
+    assert any(not torch.equal(a[n], start[n]) for n in a)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-6, msg=n)

@@ -320,6 +320,29 @@ def _owned(
                 yield k, rng, st[k]
 
 
+def fuse_cpu_adam(optimizer: object) -> bool:
+    """Switch torch's Adam/AdamW over CPU parameters to its fused CPU kernel (one pass per
+    parameter, no temporaries). Megatron builds torch's optimizer without `fused` when neither
+    Transformer Engine nor Apex is there, so on CPU torch runs its per-tensor loop, whose
+    `sqrt(v)` and update temporaries (a parameter's size each, the embedding's 0.1 GiB on
+    SmolLM2) raise the step's peak. Same update up to float rounding. Set on the groups before
+    the first step (torch reads `fused` from each group at every step); returns whether any
+    group was switched."""
+    switched = False
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if not params or any(p.device.type != "cpu" for p in params):
+            continue
+        for g in inner.param_groups:
+            g["fused"], g["foreach"] = True, False
+        inner.defaults["fused"], inner.defaults["foreach"] = True, False
+        switched = True
+    return switched
+
+
 def build_optim(
     chunks: list[torch.nn.Module], cfg: TrainerConfig, layout: ParallelLayout
 ) -> MegatronOptim:
@@ -361,6 +384,7 @@ def build_optim(
             use_distributed_optimizer=distributed,
         )
         optimizer = get_megatron_optimizer(opt_cfg, wrapped)
+    fuse_cpu_adam(optimizer)
     for c in chunks:
         c.config.finalize_model_grads_func = _finalize
         c.config.no_sync_func = (
