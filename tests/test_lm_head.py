@@ -77,11 +77,15 @@ def test_only_the_log_prob_gradient_when_entropy_is_unused():
     assert _close(h.grad, h2.grad, grad=True)
 
 
-@pytest.mark.parametrize("chunk", [5, 1000])
-def test_the_weight_gradient_goes_into_the_gradient_buffer(chunk):
+@pytest.mark.parametrize("chunk,rows", [(5, 4096), (1000, 4096), (5, 7)])
+def test_the_weight_gradient_goes_into_the_gradient_buffer(chunk, rows, monkeypatch):
     """A weight with megatron's fp32 gradient buffer (`main_grad`, as DDP gives it): the head's
-    weight gradient is added there, chunk by chunk, onto what it held, and autograd gets none
-    (no `[V, h]` gradient held until the tied embedding's joins it)."""
+    weight gradient is added there, chunk by chunk and `rows` vocabulary rows at a time, onto
+    what it held, and autograd gets none (no `[V, h]` gradient held until the tied embedding's
+    joins it)."""
+    from slime_async.trainer import lm_head
+
+    monkeypatch.setattr(lm_head, "WGRAD_ROWS", rows)
     hidden, weight, targets = _inputs(seed=5)
     g = torch.Generator().manual_seed(6)
     g_lp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)

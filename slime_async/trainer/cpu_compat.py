@@ -30,6 +30,11 @@ Patches (CPU only):
    process that imports megatron (measured RSS). The trainer's and the role's actors import
    megatron first through it, with those two hidden; they stay importable afterwards (a
    plugin that imports wandb gets it), only megatron's timers hold None for them.
+10. megatron's CPU `multi_tensor_scale` (gradient clipping, and the optimizer's copy of the fp32
+   main weights into the model's) computes `src * scale` into a new tensor and copies it:
+   a temporary the size of each parameter (the embedding's 0.1 GiB in fp32 on SmolLM2, the
+   trainer's peak at the clip). It now writes the product into the destination directly
+   (the same values: the product in the inputs' dtype, rounded once to the destination's).
 """
 
 from __future__ import annotations
@@ -89,8 +94,26 @@ def apply() -> bool:
         _patch_moe_utils()
         _patch_torch_norm()
         _patch_frozen_linear()
+        _patch_multi_tensor_scale()
         _APPLIED = True
     return True
+
+
+def _scale_into(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, scale: float) -> None:
+    """`dst = src · scale` for each pair of `tensor_lists` (amp_C's `multi_tensor_scale`
+    signature), written into `dst` (in place when it is `src`): no temporary."""
+    for src, dst in zip(tensor_lists[0], tensor_lists[1], strict=True):
+        torch.mul(src, scale, out=dst)
+
+
+def _patch_multi_tensor_scale() -> None:
+    """Patch 10: megatron's local `multi_tensor_scale` fallback without its temporary."""
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.utils import local_multi_tensor_scale
+
+    for mod in (clip_grads, optimizer):
+        if getattr(mod, "multi_tensor_scale_impl", None) is local_multi_tensor_scale:
+            mod.multi_tensor_scale_impl = _scale_into
 
 
 def _patch_torch_cuda() -> None:

@@ -41,6 +41,11 @@ CHUNK_ELEMENTS_GPU = 1 << 26
 """On a GPU (256 MiB of fp32 logits; 1365 tokens at 49k): fewer, larger kernels."""
 
 
+WGRAD_ROWS = 4096
+"""Vocabulary rows of the output weight's gradient computed and added into megatron's fp32
+buffer at once (`add_weight_grad`)."""
+
+
 def default_chunk_tokens(vocab_local: int, device: torch.device | str = "cpu") -> int:
     """Tokens per chunk when `--logits-chunk-tokens` is unset: `CHUNK_ELEMENTS` logits
     (`CHUNK_ELEMENTS_GPU` on a GPU)."""
@@ -185,6 +190,15 @@ def _softmax_stats(
     return sums[2] - log_s, log_s - sums[1] / sums[0], m + log_s
 
 
+def add_weight_grad(main: torch.Tensor, gz: torch.Tensor, h: torch.Tensor) -> None:
+    """`main += gzᵀ·h` (`main` `[V, h]` fp32, `gz` `[n, V]` and `h` `[n, h]` in the weight's
+    dtype), `WGRAD_ROWS` vocabulary rows at a time: alive at once is one block's product and its
+    fp32 cast, not a whole `[V, h]` product and the fp32 copy a mixed-dtype add makes of it
+    (~0.16 GiB at SmolLM2's shapes in bf16)."""
+    for r in range(0, main.shape[0], WGRAD_ROWS):
+        main[r : r + WGRAD_ROWS].add_(gz[:, r : r + WGRAD_ROWS].t() @ h)
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -233,12 +247,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             gz = gz.to(weight.dtype)
             if g_h is not None:
                 g_h[s:e] = (gz @ weight).to(hidden.dtype)
-            if want_w:  # in the weight's dtype (bf16 matmuls), summed in fp32
+            if want_w and main is not None:  # in the weight's dtype (bf16 matmuls), in fp32
+                add_weight_grad(main, gz, h.to(weight.dtype))
+            elif want_w:
                 part = gz.t() @ h.to(weight.dtype)
-                if main is not None:
-                    main.add_(part)
-                else:
-                    g_w = part.float() if g_w is None else g_w.add_(part)
+                g_w = part.float() if g_w is None else g_w.add_(part)
         if main is not None:  # in the buffer already: no [V, h] gradient for autograd to hold
             return g_h, None, None, None, None, None
         if want_w and g_w is None:  # no tokens

@@ -189,7 +189,7 @@ def build_model(
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from slime_async.trainer import lm_head, norm
+    from slime_async.trainer import embedding, lm_head, norm
     from slime_async.trainer.attention import PackedDotProductAttention
 
     cpu_compat.apply()
@@ -239,6 +239,7 @@ def build_model(
         lm_head.install(model)
     if not cpu_compat.cuda_available():
         norm.install(model)  # RMSNorm's backward in a few passes (norm.py)
+        embedding.install(model)  # its gradient straight into the fp32 buffer (embedding.py)
     if cpu_compat.cuda_available():
         model = model.cuda()
     return model
