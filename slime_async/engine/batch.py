@@ -57,20 +57,23 @@ def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 
 
 def merge(a: KVBatch | None, b: KVBatch) -> KVBatch:
-    """Append the rows of `b` after the rows of `a` (left-padding both to a common length)."""
+    """Append the rows of `b` after the rows of `a` (left-padding both to a common length).
+    Consumes both: layer by layer the merged tensors replace `a`'s and `b`'s are dropped, so at
+    most one layer is held twice (not the whole cache)."""
     if a is None or a.size == 0:
         return b
     length = max(a.mask.shape[1], b.mask.shape[1])
-    layers = []
-    for (ka, va), (kb, vb) in zip(_kv_of(a.cache), _kv_of(b.cache)):
-        k = torch.cat([_left_pad(ka, length, 2), _left_pad(kb, length, 2)], dim=0)
-        v = torch.cat([_left_pad(va, length, 2), _left_pad(vb, length, 2)], dim=0)
-        layers.append((k, v))
+    for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+        la.keys = torch.cat([_left_pad(la.keys, length, 2), _left_pad(lb.keys, length, 2)], dim=0)
+        la.values = torch.cat(
+            [_left_pad(la.values, length, 2), _left_pad(lb.values, length, 2)], dim=0
+        )
+        lb.keys = lb.values = None
     mask = torch.cat([_left_pad(a.mask, length, 1), _left_pad(b.mask, length, 1)], dim=0)
     delta = None
     if a.rope_delta is not None or b.rope_delta is not None:
         delta = torch.cat([_delta(a), _delta(b)])
-    return KVBatch(cache=DynamicCache(ddp_cache_data=layers), mask=mask, rope_delta=delta)
+    return KVBatch(cache=a.cache, mask=mask, rope_delta=delta)
 
 
 def _delta(kv: KVBatch) -> torch.Tensor:
@@ -78,23 +81,20 @@ def _delta(kv: KVBatch) -> torch.Tensor:
 
 
 def select(kv: KVBatch, rows: list[int]) -> KVBatch | None:
-    """Keep only `rows` (in that order); drop leading columns that are padding in every kept row."""
+    """Keep only `rows` (in that order); drop leading columns that are padding in every kept row.
+    Consumes `kv`: layer by layer the kept rows replace the old tensors, so at most one layer is
+    held twice."""
     if not rows:
         return None
     idx = torch.tensor(rows, dtype=torch.long)
     mask = kv.mask.index_select(0, idx)
     real_cols = mask.any(dim=0).nonzero()
     start = int(real_cols[0]) if real_cols.numel() else mask.shape[1]
-    layers = [
-        (k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:])
-        for k, v in _kv_of(kv.cache)
-    ]
+    for layer in kv.cache.layers:
+        layer.keys = layer.keys[:, :, start:].index_select(0, idx)
+        layer.values = layer.values[:, :, start:].index_select(0, idx)
     delta = None if kv.rope_delta is None else kv.rope_delta.index_select(0, idx)
-    return KVBatch(
-        cache=DynamicCache(ddp_cache_data=layers),
-        mask=mask[:, start:].contiguous(),
-        rope_delta=delta,
-    )
+    return KVBatch(cache=kv.cache, mask=mask[:, start:].contiguous(), rope_delta=delta)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
