@@ -42,8 +42,8 @@ heads·head_dim, kv = kv_heads·head_dim; an MoE layer keeps its routed copies i
 MLP. Counted for the CPU trainer (a GPU trainer's torch norms keep a normalised copy more). A value takes 4
 bytes in fp32 and `BF16_BYTES_PER_VALUE` under bf16 (some tensors stay fp32). Full recompute
 keeps each recomputed layer's input (h values) and one layer's activations at a time. On top,
-at the backward's peak: the head's weight gradient of a chunk (`HEAD_WEIGHT_GRADS` × V·h in the
-compute dtype; it is added into the fp32 gradient buffer, the model state's) and the chunked
+at the backward's peak: a block of the head's weight gradient (`HEAD_WEIGHT_GRAD_ROWS` × h in the
+compute dtype and in fp32; it is added into the fp32 gradient buffer, the model state's) and the chunked
 head's fp32 logits and temporaries (`HEAD_TEMPORARIES` × chunk × V).
 
 **Runtime**: each process's own bytes before it holds a model (Python, torch, megatron, Ray's
@@ -69,11 +69,11 @@ statistics and a few upcasts fp32 (measured: 0.60× the fp32 bytes on SmolLM2's 
 HEAD_TEMPORARIES = 4
 """fp32 `[chunk, V]` tensors alive at once in the chunked head's backward (logits, softmax,
 its gradient, one temporary; `trainer/lm_head.py`)."""
-HEAD_WEIGHT_GRADS = 1.0
-"""`[V, h]` tensors in the compute dtype alive at the backward's peak: a chunk's weight
-gradient, which the head adds straight into the fp32 gradient buffer (`trainer/lm_head.py`;
-before, 2.3-2.6 fp32 copies were measured: the sum over chunks, its cast for autograd and the
-tied embedding's gradient)."""
+HEAD_WEIGHT_GRAD_ROWS = 4096
+"""Vocabulary rows of the head's weight gradient alive at once (`trainer.lm_head.WGRAD_ROWS`):
+a block's product in the compute dtype and its fp32 cast, added into the fp32 gradient buffer
+block by block (before: a whole `[V, h]` product and the fp32 copy of it the add made; the
+input embedding's dense gradient, too, goes into the buffer row by row: `trainer/embedding.py`)."""
 ALLOCATOR_SLACK = 1.5
 """The process's peak over the tensors' own bytes during a forward+backward: glibc's heap keeps
 blocks freed by earlier micro-batches that later ones cannot reuse (measured 1.48-1.63x on
@@ -167,7 +167,10 @@ def activation_bytes(
     read = tokens if head_tokens is None else min(tokens, head_tokens)
     chunk = min(read, chunk_tokens or max(1, CHUNK_ELEMENTS_CPU // v))
     w = 2 if bf16 else 4
-    head = int(HEAD_WEIGHT_GRADS * v * spec.hidden_size * w) + HEAD_TEMPORARIES * chunk * v * 4
+    head = (
+        min(v, HEAD_WEIGHT_GRAD_ROWS) * spec.hidden_size * (w + 4)
+        + HEAD_TEMPORARIES * chunk * v * 4
+    )
     if recompute is None:  # every layer's activations are alive when the head's backward runs
         return int(tokens * n * full) + head
     if recompute.method == "block":
