@@ -79,7 +79,7 @@ ALLOCATOR_SLACK = 1.5
 blocks freed by earlier micro-batches that later ones cannot reuse (measured 1.48-1.63x on
 SmolLM2's shapes, fp32 and bf16, 512- and 1024-token micro-batches; 1.0 with
 MALLOC_MMAP_THRESHOLD_=65536, which made the step 1.75x slower)."""
-CHUNK_ELEMENTS_CPU = 1 << 23
+CHUNK_ELEMENTS_CPU = 1 << 22
 """The chunked head's default logits per chunk on a CPU (`trainer.lm_head.CHUNK_ELEMENTS`)."""
 
 RUNTIME: dict[str, int] = {
@@ -157,8 +157,7 @@ def activation_bytes(
     above its model state: the saved activations of its `layers` (default: all) + the head's
     weight gradient and logits chunk (`chunk_tokens`, default `CHUNK_ELEMENTS_CPU` logits).
     `slack` multiplies the layers' part (`ALLOCATOR_SLACK` on a CPU), not the head's: its
-    blocks are larger than glibc's largest heap block (32 MiB) and leave the process when
-    freed. `head_tokens`: the positions of a micro-batch whose log-probs are read, the only
+    blocks are the same size chunk after chunk, so each reuses the last one's. `head_tokens`: the positions of a micro-batch whose log-probs are read, the only
     ones that go through the head (default: all `tokens`)."""
     n = spec.num_layers if layers is None else layers
     v = spec.vocab_size if vocab_local is None else vocab_local

@@ -34,9 +34,11 @@ import functools
 import torch
 import torch.distributed as dist
 
-CHUNK_ELEMENTS = 1 << 23
-"""Default logits elements per chunk on a CPU (32 MiB of fp32 logits; 170 tokens at a 49k
-vocabulary: the chunk stays in cache-friendly sizes and the matmuls stay large)."""
+CHUNK_ELEMENTS = 1 << 22
+"""Default logits elements per chunk on a CPU (16 MiB of fp32 logits; 85 tokens at a 49k
+vocabulary: the matmuls stay large, and the chunk's few fp32 temporaries are what the trainer's
+peak holds above its activations; halving it from 32 MiB lowered a SmolLM2 step's peak at
+no cost in time, docs/results/2026-11-28-small-machine.md)."""
 CHUNK_ELEMENTS_GPU = 1 << 26
 """On a GPU (256 MiB of fp32 logits; 1365 tokens at 49k): fewer, larger kernels."""
 
