@@ -157,8 +157,9 @@ def activation_bytes(
     above its model state: the saved activations of its `layers` (default: all) + the head's
     weight gradient and logits chunk (`chunk_tokens`, default `CHUNK_ELEMENTS_CPU` logits).
     `slack` multiplies the layers' part (`ALLOCATOR_SLACK` on a CPU), not the head's: its
-    blocks are the same size chunk after chunk, so each reuses the last one's. `head_tokens`: the positions of a micro-batch whose log-probs are read, the only
-    ones that go through the head (default: all `tokens`)."""
+    blocks are the same size chunk after chunk, so each reuses the last one's. `head_tokens`:
+    the positions of a micro-batch whose log-probs are read, the only ones that go through the
+    head (default: all `tokens`)."""
     n = spec.num_layers if layers is None else layers
     v = spec.vocab_size if vocab_local is None else vocab_local
     per_value = BF16_BYTES_PER_VALUE if bf16 else 4.0
