@@ -26,9 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from bench_trainer_speed import run_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,18 +119,7 @@ def run(part: str, a: argparse.Namespace) -> object:
         "recompute": a.recompute,
         "scripts": str(ROOT / "scripts"),
     }
-    out = subprocess.run(
-        [sys.executable, "-c", WORKER, json.dumps(args)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"the {part} worker failed:\n{out.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    return run_worker(WORKER, args, cwd=ROOT, env=env, what=f"the {part} worker")
 
 
 def main() -> None:

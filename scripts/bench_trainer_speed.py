@@ -194,18 +194,23 @@ def run_config(
         steps=steps, lengths=lengths, scripts=str(ROOT / "scripts"), **extra,
     )  # fmt: skip
     path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
+    return run_worker(WORKER, args, cwd=tree, env={**os.environ, "PYTHONPATH": path}, what=name)
+
+
+def run_worker(code: str, args: dict, *, cwd: Path, env: dict[str, str], what: str) -> object:
+    """Run `code` in a fresh Python process with `args` (JSON, its argv[1]) and return what it
+    printed on its last `RESULT <json>` line; raises with its stderr's tail when it failed."""
     p = subprocess.run(
-        [sys.executable, "-c", WORKER, json.dumps(args)],
+        [sys.executable, "-c", code, json.dumps(args)],
         env=env,
-        cwd=tree,
+        cwd=cwd,
         capture_output=True,
         text=True,
         check=False,
     )
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     if p.returncode or not line:
-        raise RuntimeError(f"{name} failed:\n{p.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed:\n{p.stderr[-3000:]}")
     return json.loads(line[-1][len("RESULT ") :])
 
 
