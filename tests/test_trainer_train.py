@@ -395,3 +395,27 @@ def test_cpu_adam_runs_fused_and_updates_as_the_per_tensor_loop(monkeypatch):
     assert any(not torch.equal(a[n], start[n]) for n in a)
     for n in a:
         torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_cpu_step_trims_the_heap_before_each_micro_batch_after_the_first(monkeypatch):
+    """What the micro-batches before freed goes back to the node before the next one allocates
+    (`schedule._Step.forward_step`; the peak it saves: scripts/bench_trainer_peak.py): a step
+    of 4 micro-batches trims 3 times, each after the previous micro-batch's loss (its backward
+    follows at once); a step of one micro-batch never."""
+    from slime_async.trainer import schedule
+
+    tr = _trainer()
+    events: list[str] = []
+    real_trim, real_loss = schedule.trim_heap, schedule._Step.loss_func
+    monkeypatch.setattr(schedule, "trim_heap", lambda: events.append("trim") or real_trim())
+
+    def loss_func(self, *a, **k):
+        events.append("loss")
+        return real_loss(self, *a, **k)
+
+    monkeypatch.setattr(schedule._Step, "loss_func", loss_func)
+    tr.train_step(_batch())
+    assert events == ["loss", "trim"] * 3 + ["loss"]
+    events.clear()
+    tr.train_step(_batch(batch=2))  # one micro-batch of 2
+    assert events == ["loss"]

@@ -22,6 +22,7 @@ import torch
 
 from slime_async.contracts.batch import TrainerBatch
 from slime_async.contracts.vision import VisionSpec
+from slime_async.host import trim_heap
 from slime_async.trainer import cpu_compat, packing
 
 Routing = list[torch.Tensor] | None
@@ -237,6 +238,9 @@ class _Step:
             else torch.device("cpu")
         )
         self.one = torch.ones((), dtype=torch.int)
+        self.started = 0
+        """Micro-batches whose forward has started (on a CPU, each after the first trims the
+        heap first: `forward_step`)."""
 
     def loss_func(
         self, mb: MicroBatch, k: int, output: torch.Tensor, non_loss_data: bool = False
@@ -277,6 +281,12 @@ class _Step:
         mb = next(data_iterator)
         k = self.chunk_of[id(model)]
         sched = self.schedule
+        if self.started and self.device.type == "cpu":
+            # what the micro-batches before this one freed, back to the node before this one
+            # allocates: glibc otherwise keeps their fragments and the step's peak grows with
+            # every micro-batch (docs/cpu.md#memory)
+            trim_heap()
+        self.started += 1
         with cpu_compat.model_code():
             sched._before(mb, k, self.record)
             ids, kw = mb.input_ids.to(self.device), {}
