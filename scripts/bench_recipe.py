@@ -17,7 +17,10 @@ run's `metrics.jsonl` and prints one JSON summary:
   * `eval`: the held-out curve, `[(step, pass, pass_se)]`, and the train reward per tenth;
   * the load average at start and end (this machine is shared; read the numbers with it);
   * `plan_gib`: the start-up memory plan's prediction for the same flags, per part and in all
-    (`slime_async.config.memory_plan`), and its ratio to the measured peak sums.
+    (`slime_async.config.memory_plan`), and its ratio to the measured peak sums; with a
+    forward-only role, the plan counts it at its bound (`--max-snapshots` versions), which a
+    run may never reach: `plan_at_held_gib` is the same plan with the role at the most versions
+    it held (`role/versions_held`), and its ratio to the PSS peak.
 
     .venv/bin/python scripts/bench_recipe.py recipes/smollm2-chain-sum.yaml --out /tmp/full.json \\
         -- --keep-old-actor --seed 1235 --run-dir runs/full-s1235
@@ -192,15 +195,29 @@ def mfu(rows: list[dict], params: float, prompt_tokens: float, peak: dict[str, f
     }
 
 
-def _plan(argv: list[str]) -> dict[str, float]:
-    """The memory plan's bytes per part for `argv` (as the run parses them; trainer on CPU)."""
+def _plan(argv: list[str], *, role_versions: int | None = None) -> dict[str, float]:
+    """The memory plan's bytes per part for `argv` (as the run parses them; trainer on CPU).
+    `role_versions`: the forward-only role counted at that many versions instead of its bound
+    (`--max-snapshots`), the rest of the plan as it is."""
+    import dataclasses
+
     sys.path.insert(0, str(ROOT))
     from slime_async.config import parse_config
-    from slime_async.config.rules.memory import memory_parts
+    from slime_async.config.memory_plan import process_bytes
+    from slime_async.config.rules.memory import run_shape
 
-    parts = memory_parts(parse_config(argv))
+    shape = run_shape(parse_config(argv))
+    if role_versions is not None and shape.role_versions is not None:
+        shape = dataclasses.replace(shape, role_versions=role_versions)
+    parts = process_bytes(shape)
     out = {k: round(v / 2**30, 2) for k, v in parts.items()}
     return out | {"total": round(sum(parts.values()) / 2**30, 2)}
+
+
+def _most_versions_held(rows: list[dict]) -> int | None:
+    """The most versions the forward-only role held after a release (`role/versions_held`)."""
+    held = [int(r["role/versions_held"]) for r in rows if "role/versions_held" in r]
+    return max(held) if held else None
 
 
 def main() -> None:
@@ -305,6 +322,14 @@ def main() -> None:
         "plan_over_rss": round(plan["total"] * gib / max(1, peak_rss), 3),
         "plan_over_pss": round(plan["total"] * gib / max(1, peak_pss), 3),
     }
+    held = _most_versions_held(_metrics(run_dir)) if run_dir is not None else None
+    if held is not None:  # the plan's parts checked apart from the bound the run did not reach
+        at_held = _plan(["--config", args.recipe, *args.flags], role_versions=held)
+        result |= {
+            "role_versions_held_max": held,
+            "plan_at_held_gib": at_held,
+            "plan_at_held_over_pss": round(at_held["total"] * gib / max(1, peak_pss), 3),
+        }
     if args.mfu_params and run_dir is not None:
         peak = {k: max(p[k] for p in peaks) for k in peaks[0]}
         result |= {"matmul_peak_gflops": {k: round(v / 1e9, 1) for k, v in peak.items()}}
