@@ -10,6 +10,10 @@ does. Two parts, each in a fresh process:
   start, the forward+backward, the head's forward and backward, the optimizer's clipping and
   Adam update, the step's end. What the peak is above the step's start is what the step's
   transients cost; where it lands says which one to cut.
+* `export`: after one step, the peak RSS over its start while the trainer writes an HF
+  directory (`save_hf`, what `--save-hf` writes; `save_base_weights`, what the engines and the
+  forward-only role start from), with `--lora` the adapter folded in: a save that copies
+  the whole model shows here.
 * `growth`: `--steps` steps of batches whose responses grow (6 → 6 + 2·steps tokens, like a run's),
   the anonymous memory and the heap after each step (`/proc/self/smaps`): a process that grows
   here keeps something per new micro-batch shape.
@@ -47,8 +51,11 @@ from slime_async.trainer.config import TrainerConfig
 from slime_async.trainer.testing import random_batch
 from slime_async.trainer.trainer import MegatronTrainer
 rc = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+lora = dict(lora_rank=16, lora_alpha=32.0, lora_target_modules=(
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 cfg = TrainerConfig(lr=1e-6, seed=0, bf16=True, use_dynamic_batch_size=True,
-                    max_tokens_per_gpu=512, **(rc if args["recompute"] else {}))
+                    max_tokens_per_gpu=512, **(rc if args["recompute"] else {}),
+                    **(lora if args["lora"] else {}))
 tr = MegatronTrainer(cfg, spec)
 MIB = 2**20
 def step(batch):
@@ -73,6 +80,26 @@ if args["part"] == "growth":
         rows.append({"step": s, "longest": max(lengths), "cpu_s": round(cpu, 2), "anon_mib": round(a), "heap_mib": round(h)})
     print("RESULT " + json.dumps(rows)); sys.exit(0)
 page = os.sysconf("SC_PAGE_SIZE")
+if args["part"] == "export":
+    import tempfile
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page / MIB
+    lengths = recipe_lengths()
+    step(random_batch(spec, batch=len(lengths), width=max(lengths), prompt=40, seed=1, lengths=lengths))
+    out, top = {}, [0.0]
+    def watch(stop):
+        while not stop:
+            top[0] = max(top[0], rss()); time.sleep(0.001)
+    with tempfile.TemporaryDirectory() as d:
+        for name, save in (("save_hf", lambda: tr.save_hf(f"{d}/hf")),
+                           ("save_base_weights", lambda: tr.save_base_weights(f"{d}/base"))):
+            host.trim_heap(); start = rss(); top[0] = start; stop = []
+            t = threading.Thread(target=watch, args=(stop,), daemon=True); t.start()
+            c = time.perf_counter(); save(); s = time.perf_counter() - c
+            stop.append(1); t.join()
+            out[name] = {"start_mib": round(start), "peak_over_start_mib": round(top[0] - start), "s": round(s, 2)}
+    print("RESULT " + json.dumps(out)); sys.exit(0)
 marks, peaks, state = [], {}, {"mark": "start", "stop": False}
 def mark(name):
     state["mark"] = name; marks.append(name)
@@ -117,6 +144,7 @@ def run(part: str, a: argparse.Namespace) -> object:
         "part": part,
         "steps": a.steps,
         "recompute": a.recompute,
+        "lora": a.lora,
         "scripts": str(ROOT / "scripts"),
     }
     return run_worker(WORKER, args, cwd=ROOT, env=env, what=f"the {part} worker")
@@ -127,6 +155,7 @@ def main() -> None:
     p.add_argument("--parts", default="phases,growth")
     p.add_argument("--steps", type=int, default=10, help="growth: steps of growing batches")
     p.add_argument("--no-recompute", dest="recompute", action="store_false")
+    p.add_argument("--lora", action="store_true", help="LoRA rank 16 on every linear (export)")
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE for the worker")
     p.add_argument("--json", default=None, help="also write the numbers to this file")
     a = p.parse_args()
@@ -139,6 +168,11 @@ def main() -> None:
         )
         for k, v in ph["peaks_mib"].items():
             print(f"  {k:<22} {v:>6}  (+{v - start})")
+    if "export" in a.parts:
+        ex = result["export"] = run("export", a)
+        print("export after a step: RSS at its start, peak over it, seconds")
+        for k, v in ex.items():
+            print(f"  {k:<18} {v['start_mib']:>6} MiB  +{v['peak_over_start_mib']} MiB  {v['s']} s")
     if "growth" in a.parts:
         rows = result["growth"] = run("growth", a)
         print("growth: step, longest sample, CPU s, anonymous MiB, heap MiB")

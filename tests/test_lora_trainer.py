@@ -303,6 +303,14 @@ def test_export_merged_and_peft_adapter(tmp_path):
             logits = model(input_ids=b.tokens).logits.float()
         return torch.log_softmax(logits[:, :-1], -1).gather(-1, b.tokens[:, 1:, None])[..., 0]
 
+    # --save-hf folds the adapter in tensor by tensor as it writes (`lora.merger`), the export
+    # tool merges a whole copy (`lora.merge`): the same numbers
+    from slime_async.trainer.weights_io import read_hf_dir
+
+    folded, whole = read_hf_dir(tmp_path / "hf").tensors, read_hf_dir(tmp_path / "merged").tensors
+    assert folded.keys() == whole.keys()
+    for k, t in whole.items():
+        torch.testing.assert_close(folded[k], t, rtol=0, atol=0, msg=k)
     auto = transformers.AutoModelForCausalLM
     for merged in (tmp_path / "merged", tmp_path / "hf"):
         m = auto.from_pretrained(merged, dtype=torch.float32).eval()

@@ -144,6 +144,43 @@ def test_large_exports_are_sharded_with_an_index_that_transformers_loads(tmp_pat
         torch.testing.assert_close(sd[k], t, rtol=0, atol=0)
 
 
+def test_an_export_is_written_tensor_by_tensor_from_views_cast_and_transformed(tmp_path):
+    """Views of one buffer (as the trainer's parameters are) are written each on its own, cast
+    to the export's dtype, through a transform (a LoRA fold); the shards are split by the
+    bytes written (here bf16: half of each fp32 tensor's), as save_pretrained splits what it
+    writes; a transform that changes a shape is refused before the export lands."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    w = _weights(LLAMA)
+    flat = torch.cat([t.reshape(-1) for t in w.tensors.values()])
+    views, at = {}, 0
+    for k, t in w.tensors.items():  # every tensor a view of one flat buffer
+        views[k] = flat[at : at + t.numel()].view(t.shape)
+        at += t.numel()
+    name = next(k for k in w.tensors if k.endswith("q_proj.weight"))
+    out = weights_io.write_hf_dir(
+        HFWeights(version=4, spec=LLAMA, tensors=views),
+        tmp_path / "out",
+        dtype=torch.bfloat16,
+        max_shard_size=20_000,
+        transform=lambda k, t: t * 2 if k == name else t,
+    )
+    got = weights_io.read_hf_dir(out)
+    assert got.version == 4 and got.tensors.keys() == w.tensors.keys()
+    for k, t in w.tensors.items():
+        want = (t * 2 if k == name else t).to(torch.bfloat16)
+        assert got.tensors[k].dtype == torch.bfloat16
+        torch.testing.assert_close(got.tensors[k], want, rtol=0, atol=0)
+    cast = {k: t.to(torch.bfloat16) for k, t in sorted(w.tensors.items())}  # as written
+    want_split = split_torch_state_dict_into_shards(cast, max_shard_size=20_000)
+    index = json.loads((out / weights_io.INDEX_FILE).read_text())
+    assert index["weight_map"] == want_split.tensor_to_filename
+    with pytest.raises(ValueError, match="must keep each tensor's shape"):
+        weights_io.write_hf_dir(w, tmp_path / "bad", transform=lambda k, t: t.reshape(-1))
+    assert not (tmp_path / "bad").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary directory left
+
+
 def test_save_hf_replaces_its_own_output_atomically_and_never_user_data(tmp_path):
     out = tmp_path / "hf"
     hf_save.write(_weights(LLAMA, 1), out, source=None)

@@ -21,7 +21,8 @@ docs/cpu.md#memory.
 | forward-only role | one copy per kept version (the parameters' dtype; the model's parameters are the newest one's) + the incoming version's file, mapped |
 | embedded engine | its weights in the engine dtype (2 for bf16, 4 for fp32) + one version in flight in `--update-weight-dtype` during a weight sync |
 
-The trainer's exports are views of its parameters: a push packs them bucket by bucket, and the
+The trainer's exports are views of its parameters: a push packs them bucket by bucket, an HF
+directory is written tensor by tensor (a LoRA adapter folded in as each is written), and the
 forward-only role's copy is one file the trainer writes tensor by tensor into this node's
 memory file system (`/dev/shm`), which the role maps and removes.
 

@@ -103,8 +103,17 @@ def check_writable(out: str | Path, *, lora: bool) -> None:
         raise FileExistsError("; ".join(errors))
 
 
-def write(weights: HFWeights, out: str | Path, *, source: str | Path | None) -> Path:
-    """Write `weights` into `out` (replacing a previous save-hf export there); returns `out`."""
+def write(
+    weights: HFWeights,
+    out: str | Path,
+    *,
+    source: str | Path | None,
+    dtype: torch.dtype | None = None,
+    transform: weights_io.Transform | None = None,
+) -> Path:
+    """Write `weights` into `out` (replacing a previous save-hf export there), tensor by tensor
+    (each through `transform`, cast to `dtype` when given: `weights_io.write_hf_dir`); returns
+    `out`."""
     out = Path(out)
     check_writable(out, lora=False)
 
@@ -123,7 +132,9 @@ def write(weights: HFWeights, out: str | Path, *, source: str | Path | None) -> 
         }
         (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))
 
-    return weights_io.write_hf_dir(weights, out, source=source, finish=mark)
+    return weights_io.write_hf_dir(
+        weights, out, dtype=dtype, source=source, finish=mark, transform=transform
+    )
 
 
 def write_adapter(

@@ -33,6 +33,7 @@ The adapters are fp32 whatever the base's dtype; their output is cast to the lay
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -335,15 +336,30 @@ def merge(
     base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], lora: LoraSpec
 ) -> dict[str, torch.Tensor]:
     """HF weights with every adapter folded in: `W + (alpha / r) · B A` (fp32), others as is."""
-    out = dict(base)
+    fold = merger(adapters, lora)
+    return {k: fold(k, w).to(w.dtype) for k, w in base.items()}
+
+
+def merger(
+    adapters: dict[str, torch.Tensor], lora: LoraSpec
+) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """`merge` one HF tensor at a time: `(name, W) -> W + (alpha / r) · B A` in fp32 for a
+    weight with an adapter, `W` itself otherwise. An export written tensor by tensor folds the
+    adapter in as it writes (`weights_io.write_hf_dir`'s `transform`), never holding a merged
+    copy of the whole model."""
+    pairs = {}
     for key_a, a in adapters.items():
-        if not key_a.endswith(".lora_A.weight"):
-            continue
-        b = adapters[key_a.replace(".lora_A.", ".lora_B.")]
-        name = key_a.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
-        w = base[name]
-        out[name] = (w.float() + lora.scaling * (b.double() @ a.double()).float()).to(w.dtype)
-    return out
+        if key_a.endswith(".lora_A.weight"):
+            name = key_a.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            pairs[name] = (a, adapters[key_a.replace(".lora_A.", ".lora_B.")])
+
+    def fold(name: str, w: torch.Tensor) -> torch.Tensor:
+        if name not in pairs:
+            return w
+        a, b = pairs[name]
+        return w.float() + lora.scaling * (b.double() @ a.double()).float()
+
+    return fold
 
 
 def adapter_params(chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:

@@ -409,6 +409,18 @@ class MegatronTrainer(LogprobForwards):
             return 0
         return weights_io.write_tensor_file(tensors.tensors, path, dtype=dtype, metadata=meta)
 
+    def _hf_for_writing(self) -> tuple[HFWeights, weights_io.Transform | None]:
+        """The current version as a save writes it (collective like `export_weights`): the
+        HF-named tensors as views of the parameters wherever the layout allows (no
+        model-sized copy; `hf_convert.megatron_to_hf`) and, with LoRA, the fold of the adapter
+        into each weight as it is written (`lora.merger`). They must be written before the
+        parameters change. While asleep: the CPU weight cache, merged already."""
+        if self.offload.asleep:
+            return self._cached_weights(), None
+        tensors = hf_convert.megatron_to_hf(self.chunks, self.spec, copy=False)
+        fold = None if self.lora is None else lora.merger(self.export_adapter(), self.lora)
+        return HFWeights(version=self.version, spec=self.spec, tensors=tensors), fold
+
     def holds_whole_model(self) -> bool:
         """Every rank holds every parameter whole, in one model chunk, in the layout a
         world-size-1 model of the same spec has (no TP/PP/EP split), awake, without LoRA."""
@@ -427,13 +439,9 @@ class MegatronTrainer(LogprobForwards):
         engines serve the adapter over; without LoRA the same as `save_weights`."""
         if self.lora is None:
             return self.save_weights(path)
-        w = HFWeights(
-            version=self.version,
-            spec=self.spec,
-            tensors=hf_convert.megatron_to_hf(self.chunks, self.spec),
-        )
+        w, _ = self._hf_for_writing()
         if self.rank == 0:
-            weights_io.write_hf_dir(w, path, source=self.cfg.hf_source)
+            weights_io.write_hf_dir(w, path, dtype=torch.float32, source=self.cfg.hf_source)
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
         return Path(path)
@@ -450,10 +458,13 @@ class MegatronTrainer(LogprobForwards):
         return Path(path)
 
     def save_weights(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-        """Export and write an HF directory at `path` (rank 0 writes; all ranks return)."""
-        w = self.export_weights()
+        """Export and write an HF directory at `path` (rank 0 writes; all ranks return), in
+        `dtype` (default fp32), tensor by tensor (`_hf_for_writing`)."""
+        w, fold = self._hf_for_writing()
         if self.rank == 0:
-            weights_io.write_hf_dir(w, path, dtype=dtype, source=self.cfg.hf_source)
+            weights_io.write_hf_dir(
+                w, path, dtype=dtype or torch.float32, source=self.cfg.hf_source, transform=fold
+            )
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
         return Path(path)
@@ -464,11 +475,11 @@ class MegatronTrainer(LogprobForwards):
         target = out or self.cfg.save_hf
         if target is None:
             raise ValueError("no HF directory: pass out or set TrainerConfig.save_hf")
-        w = self.export_weights()  # with LoRA: merged
+        w, fold = self._hf_for_writing()  # with LoRA: merged as it is written
         adapter = self.export_adapter() if self.lora is not None else None
         if self.rank == 0:  # neither directory is touched unless both are --save-hf's own
             hf_save.check_writable(target, lora=adapter is not None)
-            hf_save.write(w, target, source=self.cfg.hf_source)
+            hf_save.write(w, target, source=self.cfg.hf_source, dtype=torch.float32, transform=fold)
             if adapter is not None:  # and the PEFT adapter beside it (docs/lora.md)
                 hf_save.write_adapter(
                     adapter,

@@ -3,9 +3,11 @@
 Owns: the on-disk contract between trainer and engines — a directory with HF `config.json`
 plus `model.safetensors` holding the tensor names `transformers` writes with `save_pretrained`
 (sharded as `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` above
-`max_shard_size`, by `huggingface_hub.split_torch_state_dict_into_shards`, as `save_pretrained`
-does), written to a temp dir and renamed into place. The weight version is recorded in the
-safetensors metadata (`weight_version`). Must never import the controller, engine, rollout or
+`max_shard_size`, by huggingface_hub's shard splitter, as `save_pretrained` does), written to a
+temp dir and renamed into place. The weight version is recorded in the safetensors metadata
+(`weight_version`). Files are written tensor by tensor (`write_tensor_file`): the tensors may
+be views of live parameters, each is cast (and, with a `transform`, e.g. a LoRA adapter folded
+in) on its own as it is written, so no copy of the whole model is ever held. Must never import the controller, engine, rollout or
 data-worker parts of `slime_async`.
 
 The source's identity: given the HF directory the run started from (`source`: --hf-checkpoint
@@ -152,6 +154,11 @@ def atomic_replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+Transform = Callable[[str, torch.Tensor], torch.Tensor]
+"""`(name, tensor) -> tensor` of the same shape, applied to one tensor just before it is written
+(e.g. `trainer.lora.merger`: the adapter folded into its base weight)."""
+
+
 def write_hf_dir(
     weights: HFWeights,
     path: str | Path,
@@ -160,28 +167,27 @@ def write_hf_dir(
     source: str | Path | None = None,
     max_shard_size: int | str = MAX_SHARD_SIZE,
     finish: Callable[[Path], object] | None = None,
+    transform: Transform | None = None,
 ) -> Path:
     """Write `weights` as an HF checkpoint directory at `path`, atomically; returns the path.
 
-    `dtype` (default: keep fp32) casts floating tensors, e.g. torch.bfloat16 to halve the size.
-    `source`: the HF directory whose identity the export carries (see the module docstring).
-    `finish` is called on the complete temporary directory just before it is renamed into
-    place (a marker file written last).
+    `dtype` (default: keep each tensor's) casts floating tensors, e.g. torch.bfloat16 to halve
+    the size. `source`: the HF directory whose identity the export carries (see the module
+    docstring). `finish` is called on the complete temporary directory just before it is
+    renamed into place (a marker file written last). `transform`: applied to each tensor as it
+    is written. Tensor by tensor: `weights.tensors` may be views of live parameters (read
+    before this returns).
     """
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        tensors = {
-            k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-            for k, v in sorted(weights.tensors.items())
-        }
         cfg = export_config(weights.spec, source)
         if dtype is not None:
             cfg["dtype"] = str(dtype).removeprefix("torch.")
         meta = {"format": "pt", "weight_version": str(weights.version)}
-        _save_safetensors(tensors, tmp, meta, max_shard_size)
+        _save_safetensors(weights.tensors, tmp, meta, max_shard_size, dtype, transform)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         copy_identity(source, tmp)
         if finish is not None:
@@ -194,18 +200,34 @@ def write_hf_dir(
 
 
 def _save_safetensors(
-    tensors: dict[str, torch.Tensor], d: Path, meta: dict[str, str], max_shard_size: int | str
+    tensors: dict[str, torch.Tensor],
+    d: Path,
+    meta: dict[str, str],
+    max_shard_size: int | str,
+    dtype: torch.dtype | None,
+    transform: Transform | None,
 ) -> None:
     """One `model.safetensors`, or shards plus `model.safetensors.index.json` (as
-    `save_pretrained` names them) when the tensors exceed `max_shard_size`."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
+    `save_pretrained` names and splits them, sized in the written dtype) when the tensors
+    exceed `max_shard_size`."""
+    from huggingface_hub import constants, split_state_dict_into_shards_factory
 
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    def nbytes(t: torch.Tensor) -> int:
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return t.numel() * torch.empty((), dtype=cast).element_size()
+
+    split = split_state_dict_into_shards_factory(
+        dict(sorted(tensors.items())),
+        get_storage_size=nbytes,
+        get_storage_id=lambda t: None,  # views of one parameter (gate/up) are written apart
+        filename_pattern=constants.SAFETENSORS_WEIGHTS_FILE_PATTERN,
+        max_shard_size=max_shard_size,
+    )
     if not split.filename_to_tensors:  # no tensors: still one (empty) file, as before
-        save_file({}, str(d / WEIGHTS_FILE), metadata=meta)
+        write_tensor_file({}, d / WEIGHTS_FILE, metadata=meta)
     for fname, names in split.filename_to_tensors.items():
-        save_file({n: tensors[n] for n in names}, str(d / fname), metadata=meta)
+        shard = {n: tensors[n] for n in names}
+        write_tensor_file(shard, d / fname, dtype=dtype, metadata=meta, transform=transform)
     if split.is_sharded:
         index = {"metadata": {**split.metadata, **meta}, "weight_map": split.tensor_to_filename}
         (d / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
@@ -260,6 +282,10 @@ _ST_DTYPES = {
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
+WRITE_BLOCK = 1 << 22
+"""Elements of a tensor cast and written at once (`write_tensor_file`): an fp32 export of a
+bf16 embedding never holds the whole fp32 copy (16 MiB at a time)."""
+
 PARAMS_LAYOUT = "megatron-params"
 """`write_tensor_file` metadata `layout` of a file holding a model's own parameters under their
 names (`MegatronTrainer.write_weights_file` where rank 0 holds the whole model), rather than
@@ -272,11 +298,14 @@ def write_tensor_file(
     *,
     dtype: torch.dtype | None = None,
     metadata: dict[str, str] | None = None,
+    transform: Transform | None = None,
 ) -> int:
-    """Write `tensors` as one safetensors file at `path`, tensor by tensor (each cast to
-    `dtype` when floating and made contiguous on its own: no copy of the whole model is ever
-    held), atomically (a temporary name, then renamed); returns the file's bytes. `tensors`
-    may be views of live parameters: they are read here, before this returns."""
+    """Write `tensors` as one safetensors file at `path`, tensor by tensor (each through
+    `transform`, then cast to `dtype` when floating and made contiguous, on its own: no copy
+    of the whole model is ever held), atomically (a temporary name, then renamed); returns the
+    file's bytes. `tensors` may be views of live parameters: they are read here, before this
+    returns. ValueError when `transform` changes a tensor's shape (the header is written
+    first, from the tensors as given)."""
     items = sorted(tensors.items())
     out_dtype = {
         k: (dtype if dtype is not None and t.is_floating_point() else t.dtype) for k, t in items
@@ -296,9 +325,16 @@ def write_tensor_file(
         with open(tmp, "wb") as f:
             f.write(len(raw).to_bytes(8, "little") + raw)
             for k, t in items:
-                c = t.detach().to("cpu", out_dtype[k]).contiguous()
-                if c.numel():
-                    f.write(memoryview(c.view(-1).view(torch.uint8).numpy()))
+                c = t if transform is None else transform(k, t)
+                if c.shape != t.shape:
+                    raise ValueError(
+                        f"the transform turned {k!r} from {tuple(t.shape)} into "
+                        f"{tuple(c.shape)}: it must keep each tensor's shape"
+                    )
+                flat = c.detach().to("cpu").contiguous().view(-1)  # its own dtype: no cast yet
+                for i in range(0, flat.numel(), WRITE_BLOCK):  # cast a block at a time
+                    block = flat[i : i + WRITE_BLOCK].to(out_dtype[k])
+                    f.write(memoryview(block.view(torch.uint8).numpy()))
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
