@@ -7,8 +7,8 @@ plus `model.safetensors` holding the tensor names `transformers` writes with `sa
 temp dir and renamed into place. The weight version is recorded in the safetensors metadata
 (`weight_version`). Files are written tensor by tensor (`write_tensor_file`): the tensors may
 be views of live parameters, each is cast (and, with a `transform`, e.g. a LoRA adapter folded
-in) on its own as it is written, so no copy of the whole model is ever held. Must never import the controller, engine, rollout or
-data-worker parts of `slime_async`.
+in) on its own as it is written, so no copy of the whole model is ever held. Must never import
+the controller, engine, rollout or data-worker parts of `slime_async`.
 
 The source's identity: given the HF directory the run started from (`source`: --hf-checkpoint
 or its GGUF conversion), an export keeps everything of it that `ModelSpec` does not model:
