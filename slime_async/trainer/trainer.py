@@ -409,16 +409,21 @@ class MegatronTrainer(LogprobForwards):
             return 0
         return weights_io.write_tensor_file(tensors.tensors, path, dtype=dtype, metadata=meta)
 
-    def _hf_for_writing(self) -> tuple[HFWeights, weights_io.Transform | None]:
+    def _hf_for_writing(
+        self, adapter: dict[str, torch.Tensor] | None = None
+    ) -> tuple[HFWeights, weights_io.Transform | None]:
         """The current version as a save writes it (collective like `export_weights`): the
         HF-named tensors as views of the parameters wherever the layout allows (no
         model-sized copy; `hf_convert.megatron_to_hf`) and, with LoRA, the fold of the adapter
-        into each weight as it is written (`lora.merger`). They must be written before the
-        parameters change. While asleep: the CPU weight cache, merged already."""
+        (`adapter`, else `export_adapter()`) into each weight as it is written
+        (`lora.merger`). They must be written before the parameters change. While asleep: the
+        CPU weight cache, merged already."""
         if self.offload.asleep:
             return self._cached_weights(), None
         tensors = hf_convert.megatron_to_hf(self.chunks, self.spec, copy=False)
-        fold = None if self.lora is None else lora.merger(self.export_adapter(), self.lora)
+        fold = None
+        if self.lora is not None:
+            fold = lora.merger(adapter if adapter is not None else self.export_adapter(), self.lora)
         return HFWeights(version=self.version, spec=self.spec, tensors=tensors), fold
 
     def holds_whole_model(self) -> bool:
@@ -475,8 +480,8 @@ class MegatronTrainer(LogprobForwards):
         target = out or self.cfg.save_hf
         if target is None:
             raise ValueError("no HF directory: pass out or set TrainerConfig.save_hf")
-        w, fold = self._hf_for_writing()  # with LoRA: merged as it is written
         adapter = self.export_adapter() if self.lora is not None else None
+        w, fold = self._hf_for_writing(adapter)  # with LoRA: merged as it is written
         if self.rank == 0:  # neither directory is touched unless both are --save-hf's own
             hf_save.check_writable(target, lora=adapter is not None)
             hf_save.write(w, target, source=self.cfg.hf_source, dtype=torch.float32, transform=fold)
