@@ -1,4 +1,5 @@
-"""Benchmark: where a CPU trainer's memory peaks within a step, and whether it grows over steps.
+"""Benchmark: where a CPU trainer's memory peaks within a step, whether it grows over steps,
+what a save costs, and where a step's CPU seconds go.
 
 The trainer alone (`MegatronTrainer`, SmolLM2-135M's shapes with random weights, bf16, one
 thread, 512-token micro-batches, full recompute unless `--no-recompute`: the SmolLM2 recipe's
@@ -14,6 +15,8 @@ does. Two parts, each in a fresh process:
   directory (`save_hf`, what `--save-hf` writes; `save_base_weights`, what the engines and the
   forward-only role start from), with `--lora` the adapter folded in: a save that copies
   the whole model shows here.
+* `profile`: one step (after one warm-up) under `torch.profiler`, the `--top` ops by self CPU
+  seconds: where the step's time goes besides its matmuls.
 * `growth`: `--steps` steps of batches whose responses grow (6 → 6 + 2·steps tokens, like a run's),
   the anonymous memory and the heap after each step (`/proc/self/smaps`): a process that grows
   here keeps something per new micro-batch shape.
@@ -80,6 +83,17 @@ if args["part"] == "growth":
         rows.append({"step": s, "longest": max(lengths), "cpu_s": round(cpu, 2), "anon_mib": round(a), "heap_mib": round(h)})
     print("RESULT " + json.dumps(rows)); sys.exit(0)
 page = os.sysconf("SC_PAGE_SIZE")
+if args["part"] == "profile":
+    from torch.profiler import ProfilerActivity, profile
+    lengths = recipe_lengths()
+    batch = random_batch(spec, batch=len(lengths), width=max(lengths), prompt=40, seed=1, lengths=lengths)
+    step(batch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        cpu = step(batch)
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args["top"]]
+    print("RESULT " + json.dumps({"cpu_s": round(cpu, 2), "ops": [
+        {"op": e.key, "self_cpu_s": round(e.self_cpu_time_total / 1e6, 3), "calls": e.count} for e in ops]}))
+    sys.exit(0)
 if args["part"] == "export":
     import tempfile
     def rss():
@@ -145,6 +159,7 @@ def run(part: str, a: argparse.Namespace) -> object:
         "steps": a.steps,
         "recompute": a.recompute,
         "lora": a.lora,
+        "top": a.top,
         "scripts": str(ROOT / "scripts"),
     }
     return run_worker(WORKER, args, cwd=ROOT, env=env, what=f"the {part} worker")
@@ -156,6 +171,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="growth: steps of growing batches")
     p.add_argument("--no-recompute", dest="recompute", action="store_false")
     p.add_argument("--lora", action="store_true", help="LoRA rank 16 on every linear (export)")
+    p.add_argument("--top", type=int, default=15, help="profile: the ops with most self CPU")
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE for the worker")
     p.add_argument("--json", default=None, help="also write the numbers to this file")
     a = p.parse_args()
@@ -168,6 +184,12 @@ def main() -> None:
         )
         for k, v in ph["peaks_mib"].items():
             print(f"  {k:<22} {v:>6}  (+{v - start})")
+    if "profile" in a.parts:
+        pr = result["profile"] = run("profile", a)
+        print(f"one step under torch.profiler: CPU {pr['cpu_s']} s; ops by self CPU seconds:")
+        for o in pr["ops"]:
+            share = o["self_cpu_s"] / pr["cpu_s"]
+            print(f"  {o['op']:<32} {o['self_cpu_s']:>7.3f} s {share:>6.1%} {o['calls']:>7} calls")
     if "export" in a.parts:
         ex = result["export"] = run("export", a)
         print("export after a step: RSS at its start, peak over it, seconds")
