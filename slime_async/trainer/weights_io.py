@@ -212,13 +212,9 @@ def _save_safetensors(
     exceed `max_shard_size`."""
     from huggingface_hub import constants, split_state_dict_into_shards_factory
 
-    def nbytes(t: torch.Tensor) -> int:
-        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        return t.numel() * torch.empty((), dtype=cast).element_size()
-
     split = split_state_dict_into_shards_factory(
         dict(sorted(tensors.items())),
-        get_storage_size=nbytes,
+        get_storage_size=lambda t: _written_bytes(t, dtype),
         get_storage_id=lambda t: None,  # views of one parameter (gate/up) are written apart
         filename_pattern=constants.SAFETENSORS_WEIGHTS_FILE_PATTERN,
         max_shard_size=max_shard_size,
@@ -282,6 +278,15 @@ _ST_DTYPES = {
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
+def _written_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `t` is written in: `dtype` for a floating tensor when given, else its own."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
+def _written_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    return t.numel() * torch.empty((), dtype=_written_dtype(t, dtype)).element_size()
+
+
 WRITE_BLOCK = 1 << 22
 """Elements of a tensor cast and written at once (`write_tensor_file`): an fp32 export of a
 bf16 embedding never holds the whole fp32 copy (16 MiB at a time)."""
@@ -307,13 +312,11 @@ def write_tensor_file(
     returns. ValueError when `transform` changes a tensor's shape (the header is written
     first, from the tensors as given)."""
     items = sorted(tensors.items())
-    out_dtype = {
-        k: (dtype if dtype is not None and t.is_floating_point() else t.dtype) for k, t in items
-    }
+    out_dtype = {k: _written_dtype(t, dtype) for k, t in items}
     header: dict[str, object] = {"__metadata__": dict(metadata or {})}
     at = 0
     for k, t in items:
-        size = t.numel() * torch.empty((), dtype=out_dtype[k]).element_size()
+        size = _written_bytes(t, dtype)
         header[k] = {"dtype": _ST_DTYPES[out_dtype[k]], "shape": list(t.shape),
                      "data_offsets": [at, at + size]}  # fmt: skip
         at += size
