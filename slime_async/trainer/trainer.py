@@ -410,20 +410,18 @@ class MegatronTrainer(LogprobForwards):
         return weights_io.write_tensor_file(tensors.tensors, path, dtype=dtype, metadata=meta)
 
     def _hf_for_writing(
-        self, adapter: dict[str, torch.Tensor] | None = None
+        self, adapter: dict[str, torch.Tensor] | None
     ) -> tuple[HFWeights, weights_io.Transform | None]:
         """The current version as a save writes it (collective like `export_weights`): the
         HF-named tensors as views of the parameters wherever the layout allows (no
-        model-sized copy; `hf_convert.megatron_to_hf`) and, with LoRA, the fold of the adapter
-        (`adapter`, else `export_adapter()`) into each weight as it is written
-        (`lora.merger`). They must be written before the parameters change. While asleep: the
-        CPU weight cache, merged already."""
+        model-sized copy; `hf_convert.megatron_to_hf`) and, given an `adapter`
+        (`export_adapter()`), its fold into each weight as it is written (`lora.merger`); None
+        writes the base as it is. They must be written before the parameters change. While
+        asleep: the CPU weight cache, merged already."""
         if self.offload.asleep:
             return self._cached_weights(), None
         tensors = hf_convert.megatron_to_hf(self.chunks, self.spec, copy=False)
-        fold = None
-        if self.lora is not None:
-            fold = lora.merger(adapter if adapter is not None else self.export_adapter(), self.lora)
+        fold = None if adapter is None else lora.merger(adapter, self.lora)
         return HFWeights(version=self.version, spec=self.spec, tensors=tensors), fold
 
     def holds_whole_model(self) -> bool:
@@ -444,7 +442,7 @@ class MegatronTrainer(LogprobForwards):
         engines serve the adapter over; without LoRA the same as `save_weights`."""
         if self.lora is None:
             return self.save_weights(path)
-        w, _ = self._hf_for_writing()
+        w, _ = self._hf_for_writing(None)
         if self.rank == 0:
             weights_io.write_hf_dir(w, path, dtype=torch.float32, source=self.cfg.hf_source)
         if dist.is_initialized() and self.world_size > 1:
@@ -465,7 +463,7 @@ class MegatronTrainer(LogprobForwards):
     def save_weights(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
         """Export and write an HF directory at `path` (rank 0 writes; all ranks return), in
         `dtype` (default fp32), tensor by tensor (`_hf_for_writing`)."""
-        w, fold = self._hf_for_writing()
+        w, fold = self._hf_for_writing(self.export_adapter() if self.lora is not None else None)
         if self.rank == 0:
             weights_io.write_hf_dir(
                 w, path, dtype=dtype or torch.float32, source=self.cfg.hf_source, transform=fold
