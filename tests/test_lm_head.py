@@ -49,14 +49,20 @@ def _grads(fn, hidden, weight, targets, g_lp, g_ent):
     return lp.detach(), ent.detach(), h.grad, w.grad
 
 
-@pytest.mark.parametrize("chunk", [1, 5, N, 1000])
-def test_values_and_gradients_equal_the_full_vocabulary_path(chunk):
+@pytest.mark.parametrize(
+    "chunk,block", [(1, None), (5, None), (N, None), (1000, None), (5, 7), (N, 32), (N, 100)]
+)
+def test_values_and_gradients_equal_the_full_vocabulary_path(chunk, block):
+    """Whole-vocabulary chunks and tiles of `block` vocabulary rows (the running max rescaled
+    across blocks, a last block shorter than the others)."""
     hidden, weight, targets = _inputs()
     g = torch.Generator().manual_seed(1)
     g_lp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
     ref = _grads(_full, hidden, weight, targets, g_lp, g_ent)
     got = _grads(
-        lambda h, w, t: chunked_logprobs(h, w, t, temperature=T, chunk_tokens=chunk),
+        lambda h, w, t: chunked_logprobs(
+            h, w, t, temperature=T, chunk_tokens=chunk, vocab_block=block
+        ),
         hidden,
         weight,
         targets,
@@ -77,10 +83,12 @@ def test_only_the_log_prob_gradient_when_entropy_is_unused():
     assert _close(h.grad, h2.grad, grad=True)
 
 
-@pytest.mark.parametrize("chunk,rows", [(5, 4096), (1000, 4096), (5, 7)])
-def test_the_weight_gradient_goes_into_the_gradient_buffer(chunk, rows, monkeypatch):
+@pytest.mark.parametrize(
+    "chunk,rows,block", [(5, 4096, None), (1000, 4096, None), (5, 7, None), (N, 5, 16)]
+)
+def test_the_weight_gradient_goes_into_the_gradient_buffer(chunk, rows, block, monkeypatch):
     """A weight with megatron's fp32 gradient buffer (`main_grad`, as DDP gives it): the head's
-    weight gradient is added there, chunk by chunk and `rows` vocabulary rows at a time, onto
+    weight gradient is added there, tile by tile and `rows` vocabulary rows at a time, onto
     what it held, and autograd gets none (no `[V, h]` gradient held until the tied embedding's
     joins it)."""
     from slime_async.trainer import lm_head
@@ -94,11 +102,32 @@ def test_the_weight_gradient_goes_into_the_gradient_buffer(chunk, rows, monkeypa
     w = weight.clone().requires_grad_()
     earlier = torch.randn(weight.shape, generator=g)  # an earlier micro-batch's gradient
     w.main_grad = earlier.clone()
-    lp, ent = chunked_logprobs(h, w, targets, temperature=T, chunk_tokens=chunk)
+    lp, ent = chunked_logprobs(h, w, targets, temperature=T, chunk_tokens=chunk, vocab_block=block)
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     assert w.grad is None
     assert _close(w.main_grad - earlier, ref[3], grad=True)
     assert _close(h.grad, ref[2], grad=True)
+
+
+def test_the_default_tiles():
+    """A CPU: up to `TILE_TOKENS` tokens a chunk, evenly split, by vocabulary blocks that keep a
+    tile within `CHUNK_ELEMENTS` logits, in multiples of `BLOCK_ALIGN` rows; a given chunk is
+    kept. A GPU: whole-vocabulary chunks."""
+    from slime_async.trainer.lm_head import (
+        BLOCK_ALIGN,
+        CHUNK_ELEMENTS,
+        CHUNK_ELEMENTS_GPU,
+        TILE_TOKENS,
+        tiling,
+    )
+
+    for tokens, v in ((1307, 49152), (5000, 49152), (40, 151936), (1, 101), (2049, 32000)):
+        chunk, block = tiling(tokens, v)
+        assert chunk <= TILE_TOKENS and -(-tokens // chunk) == -(-tokens // TILE_TOKENS)
+        assert block == v or (block % BLOCK_ALIGN == 0 and chunk * block <= CHUNK_ELEMENTS)
+    assert tiling(5000, 49152) == (1667, 576)
+    assert tiling(1307, 49152, 85) == (85, 12288)
+    assert tiling(1307, 49152, device="cuda") == (CHUNK_ELEMENTS_GPU // 49152, 49152)
 
 
 def test_bad_shapes_are_refused():
@@ -118,8 +147,8 @@ def _tp_rank(rank: int, port: int, out: dict) -> None:
         g_lp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
         h = hidden.clone().requires_grad_()
         w = shard.clone().requires_grad_()
-        lp, ent = chunked_logprobs(
-            h, w, targets, temperature=T, chunk_tokens=6, group=dist.group.WORLD
+        lp, ent = chunked_logprobs(  # blocks of 16 rows: 16, 16, 16, 2 of the 50
+            h, w, targets, temperature=T, chunk_tokens=6, vocab_block=16, group=dist.group.WORLD
         )
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         g_h = h.grad.clone()

@@ -83,7 +83,10 @@ def test_with_lora_the_role_holds_the_base_once_and_an_adapter_per_version():
     assert process_bytes(shape)["trainer"] < full["trainer"]
     cfg = _cfg(*ASYNC, "--lora-rank", "8", "--behavior-forward", "role", memory=None)
     parts = memory_parts(cfg)
-    fwd = forward_bytes(SMOLLM2, run_shape(cfg).micro_batch_tokens, bf16=cfg.trainer.bf16)
+    rs = run_shape(cfg)
+    fwd = forward_bytes(
+        SMOLLM2, rs.micro_batch_tokens, bf16=cfg.trainer.bf16, head_tokens=rs.head_tokens
+    )
     want = role + 4 * n + 4 * a * (1 + cfg.trainer.max_snapshots) + 4 * a
     assert parts["role"] - fwd == want
 
@@ -106,25 +109,42 @@ def test_only_the_read_positions_count_in_the_heads_logits():
     """A fixed micro-batch's head sees its responses only (`head_tokens`); a token budget's
     mix is unknown, so all of its tokens are counted."""
     from slime_async.config.memory_plan import (
-        CHUNK_ELEMENTS_CPU,
         HEAD_TEMPORARIES,
+        _head_bytes,
         activation_bytes,
         forward_bytes,
+        head_tile,
     )
 
     spec = TINY_MOE
-    assert CHUNK_ELEMENTS_CPU // spec.vocab_size >= 1024  # the chunk holds the whole batch
-    lean = HEAD_TEMPORARIES * 4 * spec.vocab_size * (1024 - 256)  # 768 positions fewer
+    v, h = spec.vocab_size, spec.hidden_size
+    assert head_tile(1024, v) == (1024, 1024) and head_tile(200, v) == (200, v)
+    lean = _head_bytes(1024, v, h, None, 4) - _head_bytes(200, v, h, None, 4)
+    assert lean > 0
     assert activation_bytes(spec, 1024, bf16=False) - lean == activation_bytes(
-        spec, 1024, bf16=False, head_tokens=256
+        spec, 1024, bf16=False, head_tokens=200
     )
-    assert forward_bytes(spec, 1024, bf16=False) - lean == forward_bytes(
-        spec, 1024, bf16=False, head_tokens=256
+    tiles = HEAD_TEMPORARIES * 4 * (1024 * 1024 - 200 * v)  # one tile's logits, fewer rows
+    assert forward_bytes(spec, 1024, bf16=False) - tiles == forward_bytes(
+        spec, 1024, bf16=False, head_tokens=200
     )
     cfg = _cfg(*ASYNC, "--micro-batch-size", "2", memory=None)
     fixed = run_shape(cfg)
     assert fixed.head_tokens == 2 * cfg.rollout.max_response_len < fixed.micro_batch_tokens
     assert run_shape(_cfg(*ASYNC, *BATCH, memory=None)).head_tokens is None
+
+
+def test_the_plan_tiles_the_head_as_the_trainer_does():
+    """The plan's copy of the head's tiling rule (the config must not import torch) equals the
+    trainer's, for read counts around the chunk limit, vocabularies small and large, and a
+    given `--logits-chunk-tokens`."""
+    from slime_async.config.memory_plan import head_tile
+    from slime_async.trainer.lm_head import tiling
+
+    for read in (1, 85, 700, 1307, 2048, 2049, 5000, 40000):
+        for v in (101, 4096, 49152, 151936):
+            for chunk in (None, 85):
+                assert head_tile(read, v, chunk) == tiling(read, v, chunk, "cpu"), (read, v, chunk)
 
 
 def test_the_object_store_is_sized_for_what_the_run_puts_there():

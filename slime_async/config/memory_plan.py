@@ -43,9 +43,11 @@ heads·head_dim, kv = kv_heads·head_dim; an MoE layer keeps its routed copies i
 MLP. Counted for the CPU trainer (a GPU trainer's torch norms keep a normalised copy more). A value takes 4
 bytes in fp32 and `BF16_BYTES_PER_VALUE` under bf16 (some tensors stay fp32). Full recompute
 keeps each recomputed layer's input (h values) and one layer's activations at a time. On top,
-at the backward's peak: a block of the head's weight gradient (`HEAD_WEIGHT_GRAD_ROWS` × h in the
-compute dtype and in fp32; it is added into the fp32 gradient buffer, the model state's) and the chunked
-head's fp32 logits and temporaries (`HEAD_TEMPORARIES` × chunk × V).
+at the backward's peak, the larger of one layer's backward (the gradients of its activations:
+one layer's activations again) and the head's temporaries: a block of the head's weight gradient (`HEAD_WEIGHT_GRAD_ROWS` × h in the
+compute dtype and in fp32; it is added into the fp32 gradient buffer, the model state's), the
+head's fp32 logits and temporaries of one tile (`HEAD_TEMPORARIES` × chunk × block, `head_tile`)
+and its chunk's hidden-state gradient being summed (chunk × h, in fp32 and the compute dtype).
 
 **Runtime**: each process's own bytes before it holds a model (Python, torch, megatron, Ray's
 core worker): `RUNTIME`, measured on this project's processes (scripts/bench_memory.py).
@@ -68,8 +70,8 @@ BF16_BYTES_PER_VALUE = 2.4
 """Bytes per saved activation value under bf16: the layers' tensors are bf16 (2), the norms'
 statistics and a few upcasts fp32 (measured: 0.60× the fp32 bytes on SmolLM2's shapes)."""
 HEAD_TEMPORARIES = 4
-"""fp32 `[chunk, V]` tensors alive at once in the chunked head's backward (logits, softmax,
-its gradient, one temporary; `trainer/lm_head.py`)."""
+"""fp32 tiles (`head_tile`) alive at once in the head's backward (logits, softmax, its
+gradient, one temporary; `trainer/lm_head.py`)."""
 HEAD_WEIGHT_GRAD_ROWS = 4096
 """Vocabulary rows of the head's weight gradient alive at once (`trainer.lm_head.WGRAD_ROWS`):
 a block's product in the compute dtype and its fp32 cast, added into the fp32 gradient buffer
@@ -80,8 +82,38 @@ ALLOCATOR_SLACK = 1.5
 blocks freed by earlier micro-batches that later ones cannot reuse (measured 1.48-1.63x on
 SmolLM2's shapes, fp32 and bf16, 512- and 1024-token micro-batches; 1.0 with
 MALLOC_MMAP_THRESHOLD_=65536, which made the step 1.75x slower)."""
-CHUNK_ELEMENTS_CPU = 1 << 22
-"""The chunked head's default logits per chunk on a CPU (`trainer.lm_head.CHUNK_ELEMENTS`)."""
+CHUNK_ELEMENTS_CPU = 1 << 20
+"""The head's logits per tile on a CPU (`trainer.lm_head.CHUNK_ELEMENTS`)."""
+TILE_TOKENS_CPU = 2048
+"""The head's most tokens per chunk on a CPU by default (`trainer.lm_head.TILE_TOKENS`)."""
+BLOCK_ALIGN = 64
+"""The head's vocabulary rows per block are a multiple of this (`trainer.lm_head.BLOCK_ALIGN`)."""
+
+
+def head_tile(read: int, v: int, chunk_tokens: int | None = None) -> tuple[int, int]:
+    """(tokens per chunk, vocabulary rows per block) of a CPU trainer's head over `read`
+    positions and `v` vocabulary rows: `trainer.lm_head.tiling`'s rule on a CPU."""
+    if chunk_tokens:
+        chunk = chunk_tokens
+    else:
+        chunk = math.ceil(read / max(1, math.ceil(read / TILE_TOKENS_CPU)))
+    block = max(BLOCK_ALIGN, CHUNK_ELEMENTS_CPU // max(1, chunk) // BLOCK_ALIGN * BLOCK_ALIGN)
+    return chunk, min(v, block)
+
+
+def _head_bytes(read: int, v: int, h: int, chunk_tokens: int | None, w: int) -> int:
+    """The head's temporaries at its backward's peak (`w`: bytes of the compute dtype): one
+    tile's fp32 logits and temporaries, the chunk's summed hidden-state gradient (fp32, one
+    block's part, the transposed hidden states) and a block of the weight gradient with its
+    fp32 cast."""
+    chunk, block = head_tile(read, v, chunk_tokens)
+    chunk = min(read, chunk)
+    return (
+        HEAD_TEMPORARIES * chunk * block * 4
+        + chunk * h * (4 + 2 * w)
+        + min(block, HEAD_WEIGHT_GRAD_ROWS) * h * (w + 4)
+    )
+
 
 RUNTIME: dict[str, int] = {
     "ray": 350 * MIB,
@@ -156,7 +188,7 @@ def activation_bytes(
 ) -> int:
     """Peak bytes of one trainer rank's forward+backward over a micro-batch of `tokens` tokens,
     above its model state: the saved activations of its `layers` (default: all) + the head's
-    weight gradient and logits chunk (`chunk_tokens`, default `CHUNK_ELEMENTS_CPU` logits).
+    head's temporaries (`_head_bytes`; `chunk_tokens`: `--logits-chunk-tokens`).
     `slack` multiplies the layers' part (`ALLOCATOR_SLACK` on a CPU), not the head's: its
     blocks are the same size chunk after chunk, so each reuses the last one's. `head_tokens`:
     the positions of a micro-batch whose log-probs are read, the only ones that go through the
@@ -166,36 +198,32 @@ def activation_bytes(
     per_value = BF16_BYTES_PER_VALUE if bf16 else 4.0
     full = layer_values(spec) * per_value * slack  # bytes per token of one layer's activations
     read = tokens if head_tokens is None else min(tokens, head_tokens)
-    chunk = min(read, chunk_tokens or max(1, CHUNK_ELEMENTS_CPU // v))
-    w = 2 if bf16 else 4
-    head = (
-        min(v, HEAD_WEIGHT_GRAD_ROWS) * spec.hidden_size * (w + 4)
-        + HEAD_TEMPORARIES * chunk * v * 4
-    )
+    head = _head_bytes(read, v, spec.hidden_size, chunk_tokens, 2 if bf16 else 4)
     if recompute is None:  # every layer's activations are alive when the head's backward runs
-        return int(tokens * n * full) + head
-    if recompute.method == "block":
+        kept, redo = n * full, 0.0
+    elif recompute.method == "block":
         k = min(n, recompute.num_layers)
         kept, redo = k * spec.hidden_size * per_value * slack + (n - k) * full, full if k else 0.0
     else:
         g = max(1, recompute.num_layers)
         kept, redo = math.ceil(n / g) * spec.hidden_size * per_value * slack, g * full
-    # the checkpoints, with the head's backward first, then one recomputed group at a time
-    return int(tokens * kept) + max(head, int(tokens * redo))
+    # what is kept, with the head's backward first, then one recomputed group at a time and
+    # the gradients of one layer's activations as its backward makes them
+    return int(tokens * kept) + max(head, int(tokens * (redo + full)))
 
 
 def forward_bytes(
     spec: ModelSpec, tokens: int, *, bf16: bool, head_tokens: int | None = None
 ) -> int:
     """Peak bytes of a forward without a backward (the forward-only role) over `tokens` tokens:
-    one layer's tensors at a time and the head's logits chunk (of the `head_tokens` read
+    one layer's tensors at a time and the head's logits tile (of the `head_tokens` read
     positions, default all)."""
     per_value = BF16_BYTES_PER_VALUE if bf16 else 4.0
     read = tokens if head_tokens is None else min(tokens, head_tokens)
-    chunk = min(read, max(1, CHUNK_ELEMENTS_CPU // spec.vocab_size))
+    chunk, block = head_tile(read, spec.vocab_size)
     return (
         int(tokens * layer_values(spec) * per_value)
-        + HEAD_TEMPORARIES * chunk * spec.vocab_size * 4
+        + HEAD_TEMPORARIES * min(read, chunk) * block * 4
     )
 
 

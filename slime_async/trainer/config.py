@@ -190,9 +190,10 @@ class TrainerConfig:
     """bf16 parameters and activations, fp32 main parameters in the optimizer and fp32
     gradient accumulation (megatron's --bf16). See docs/cpu.md."""
     logits_chunk_tokens: int | None = flag(None, ge=0, hint="0 = the whole [tokens, vocab] tensor")
-    """Tokens whose full-vocabulary logits the log-prob/entropy head holds at once (fp32; the
-    backward recomputes them chunk by chunk); unset: as many as fit 16 MiB of logits on a CPU
-    (85 at a 49k vocabulary), 256 MiB on a GPU. See docs/performance.md."""
+    """Tokens per chunk of the log-prob/entropy head (fp32 logits of one chunk by a block of the
+    vocabulary at once, the backward recomputing them tile by tile; `lm_head.tiling`); unset:
+    up to 2048 on a CPU, as many as fit 256 MiB of whole-vocabulary logits on a GPU. See
+    docs/performance.md."""
     recompute_granularity: Literal["full", "selective"] | None = None
     """Activation recomputation in the backward (megatron): full layers or selective (core
     attention). Works with routing replay (replayed in the recompute too)."""

@@ -1,58 +1,89 @@
 """The language-model head without the full-vocabulary tensor: token log-probs and entropies
-straight from the last hidden states and the output weight, a chunk of tokens at a time.
+straight from the last hidden states and the output weight, one tile of tokens by vocabulary
+rows at a time.
 
-Owns: `HiddenOutputLayer` (made by `hidden_output_layer()`; megatron's output `ColumnParallelLinear`, parameter names unchanged,
-that hands the model's caller the hidden states instead of multiplying them out: the model
-then returns `[b, s, hidden]`), `Logits` (those hidden states with the weight and TP group they
-would have been multiplied with), `chunked_logprobs` (the custom autograd function) and
-`full_logits` (the old `[b, s, V]` tensor, for callers that want logits). Must never import the
-controller, engine, rollout or data-worker parts of `slime_async`.
+Owns: `HiddenOutputLayer` (made by `hidden_output_layer()`; megatron's output
+`ColumnParallelLinear`, parameter names unchanged, that hands the model's caller the hidden
+states instead of multiplying them out: the model then returns `[b, s, hidden]`), `Logits`
+(those hidden states with the weight and TP group they would have been multiplied with),
+`tiling` (a tile's tokens and vocabulary rows), `chunked_logprobs` (the custom autograd
+function) and `full_logits` (the old `[b, s, V]` tensor, for callers that want logits). Must
+never import the controller, engine, rollout or data-worker parts of `slime_async`.
 
 Math, per token with logits `z = h·Wᵀ / T` split over TP ranks by vocabulary (rank r holds
-columns `[r·V/TP, (r+1)·V/TP)`; without TP one rank holds all): `m = max z` (all-reduce MAX),
-`s = Σ exp(z − m)` (all-reduce SUM), `log p = z − m − log s`, the target's log-prob summed from
-the one rank holding its column, entropy `H = −Σ p log p` (all-reduce SUM). The backward
-recomputes each chunk's logits from the saved hidden states (the fused-linear-cross-entropy
-idea): `∂lp/∂z = onehot − p`, `∂H/∂z = −p (log p + H)`, then `∂h = ∂z·W`, `∂W = ∂zᵀ·h`. At most one
-chunk's `[chunk, V/TP]` fp32 logits (and a few temporaries of that shape) is alive at once,
-forward or backward. The partial `∂h` of each TP rank is summed by the region op in front of
-the head (megatron's, as in `ColumnParallelLinear`).
+columns `[r·V/TP, (r+1)·V/TP)`; without TP one rank holds all): `m = max z`, `s = Σ exp(z − m)`,
+`log p = z − m − log s`, the target's log-prob from the one rank holding its column, entropy
+`H = −Σ p log p`. The tokens go in chunks, each chunk's logits in blocks of vocabulary rows
+(`tiling`): `m`, `s` and `Σ exp(z − m)·(z − m)` are carried across a rank's blocks and rescaled
+when a block raises the max, then combined over TP ranks at the global max (all-reduce MAX,
+then SUM). The backward recomputes each tile's logits from the saved hidden states (the
+fused-linear-cross-entropy idea): `∂lp/∂z = onehot − p`, `∂H/∂z = −p (log p + H)`, then
+`∂h = ∂z·W` summed over the blocks in fp32, `∂W = ∂zᵀ·h`. At most one tile's fp32 logits (and a
+few temporaries of that shape) is alive at once, forward or backward. The partial `∂h` of each
+TP rank is summed by the region op in front of the head (megatron's, as in
+`ColumnParallelLinear`).
 
 The weight's gradient goes straight into megatron's fp32 gradient buffer (`weight.main_grad`,
-where DDP's hook would add it), chunk by chunk, when the weight has one: autograd then gets
+where DDP's hook would add it), tile by tile, when the weight has one: autograd then gets
 none for it, so no `[V/TP, h]` fp32 sum, its cast, or the cast held until the tied embedding's
 own gradient joins it (~0.16 GiB at SmolLM2's peak in bf16). Without a buffer (a plain
 tensor) the gradient is returned as autograd's. Equal up to float rounding: in bf16 the
-chunks' products are summed in fp32 without the round trip through a bf16 gradient.
+tiles' products are summed in fp32 without the round trip through a bf16 gradient.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 import torch.distributed as dist
 
-CHUNK_ELEMENTS = 1 << 22
-"""Default logits elements per chunk on a CPU (16 MiB of fp32 logits; 85 tokens at a 49k
-vocabulary: the matmuls stay large, and the chunk's few fp32 temporaries are what the trainer's
-peak holds above its activations; halving it from 32 MiB lowered a SmolLM2 step's peak at
-no cost in time, docs/results/2026-11-28-small-machine.md)."""
+CHUNK_ELEMENTS = 1 << 20
+"""Most logits in one tile on a CPU (4 MiB in fp32: a tile and the few temporaries its softmax
+makes stay in a core's cache, where the casts and exponentials run several times faster than
+over 16 MiB tiles; docs/results/2026-11-28-small-machine.md)."""
 CHUNK_ELEMENTS_GPU = 1 << 26
-"""On a GPU (256 MiB of fp32 logits; 1365 tokens at 49k): fewer, larger kernels."""
+"""On a GPU (256 MiB of fp32 logits; whole-vocabulary chunks of 1365 tokens at 49k): fewer,
+larger kernels."""
 
+
+TILE_TOKENS = 2048
+"""Most tokens per chunk by default on a CPU: a chunk's hidden states meet the vocabulary one
+block at a time, so the matmuls keep a large token dimension (85-token whole-vocabulary chunks
+ran SmolLM2's at a third of the rate) and the output weight's gradient is added into the fp32
+buffer once per chunk, not once per 85 tokens."""
+BLOCK_ALIGN = 64
+"""Vocabulary rows per block are a multiple of this (the matmuls' tiles)."""
 
 WGRAD_ROWS = 4096
 """Vocabulary rows of the output weight's gradient computed and added into megatron's fp32
 buffer at once (`add_weight_grad`)."""
 
 
-def default_chunk_tokens(vocab_local: int, device: torch.device | str = "cpu") -> int:
-    """Tokens per chunk when `--logits-chunk-tokens` is unset: `CHUNK_ELEMENTS` logits
-    (`CHUNK_ELEMENTS_GPU` on a GPU)."""
-    elements = CHUNK_ELEMENTS if torch.device(device).type == "cpu" else CHUNK_ELEMENTS_GPU
-    return max(1, elements // max(1, vocab_local))
+def tiling(
+    tokens: int,
+    vocab_local: int,
+    chunk_tokens: int | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[int, int]:
+    """(tokens per chunk, vocabulary rows per block) of the head over `tokens` read positions
+    and a `vocab_local`-row weight: a tile of at most `CHUNK_ELEMENTS` logits
+    (`CHUNK_ELEMENTS_GPU` on a GPU). `chunk_tokens` (`--logits-chunk-tokens`) fixes the chunk;
+    unset, a GPU takes whole-vocabulary chunks of `CHUNK_ELEMENTS_GPU // V` tokens and a CPU up
+    to `TILE_TOKENS` tokens a chunk, the vocabulary in blocks of what the budget leaves
+    (multiples of `BLOCK_ALIGN`)."""
+    cpu = torch.device(device).type == "cpu"
+    elements = CHUNK_ELEMENTS if cpu else CHUNK_ELEMENTS_GPU
+    if chunk_tokens:
+        chunk = chunk_tokens
+    elif cpu:  # the fewest chunks of at most TILE_TOKENS, evenly split
+        chunk = math.ceil(tokens / max(1, math.ceil(tokens / TILE_TOKENS)))
+    else:
+        chunk = max(1, elements // max(1, vocab_local))
+    block = max(BLOCK_ALIGN, elements // chunk // BLOCK_ALIGN * BLOCK_ALIGN)
+    return chunk, min(vocab_local, block)
 
 
 @functools.cache
@@ -133,8 +164,9 @@ class Logits:
     """`[V/TP, h]` output weight."""
     group: object | None
     """Tensor-parallel group whose ranks hold the other vocabulary shards, or None."""
-    chunk_tokens: int
-    """Tokens per chunk (0: the whole `[tokens, V]` tensor at once, the plain path)."""
+    chunk_tokens: int | None
+    """Tokens per chunk (0: the whole `[tokens, V]` tensor at once, the plain path; None:
+    `tiling`'s default)."""
 
     def full(self) -> torch.Tensor:
         """`[b, s, V]` logits (the full vocabulary, gathered over TP)."""
@@ -151,13 +183,6 @@ def full_logits(hidden: torch.Tensor, weight: torch.Tensor, group: object | None
     return gather_from_tensor_model_parallel_region(z)
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 `[c, V/TP]` logits / temperature of one chunk (a fresh tensor the caller may
-    overwrite: the softmax below works in place on it)."""
-    z = (h.to(weight.dtype) @ weight.t()).float()
-    return z if temperature == 1.0 else z.div_(temperature)
-
-
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: object | None) -> None:
     if group is not None:
         dist.all_reduce(t, op=op, group=group)
@@ -170,35 +195,68 @@ def _shard(targets: torch.Tensor, v_local: int, group: object | None) -> tuple:
     return (targets - start).clamp(0, v_local - 1), held
 
 
+def _in_block(col: torch.Tensor, held: torch.Tensor, r: int, rows: int) -> torch.Tensor:
+    """Which of a chunk's targets this rank holds in its vocabulary rows `[r, r + rows)`."""
+    return held & (col >= r) & (col < r + rows)
+
+
 def _softmax_stats(
-    z: torch.Tensor, col: torch.Tensor, held: torch.Tensor, group: object | None
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    col: torch.Tensor,
+    held: torch.Tensor,
+    temperature: float,
+    block: int,
+    group: object | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(target log-prob `[c]`, entropy `[c]`, `m + log s` `[c]`) of the logits `z` `[c, V/TP]`
-    (overwritten with `z − m`). Entropy as `log s − Σ e·(z − m) / s` with `e = exp(z − m)`:
-    one exponential pass, no `[c, V/TP]` log-prob tensor."""
-    m = z.max(-1).values
-    _all_reduce(m, dist.ReduceOp.MAX, group)
-    shifted = z.sub_(m[:, None])
-    e = shifted.exp()
-    sums = torch.stack(
-        [
-            e.sum(-1),
-            torch.linalg.vecdot(e, shifted),
-            torch.where(held, shifted.gather(-1, col[:, None]).squeeze(-1), 0.0),
-        ]
-    )
-    _all_reduce(sums, dist.ReduceOp.SUM, group)
-    log_s = sums[0].log()
-    return sums[2] - log_s, log_s - sums[1] / sums[0], m + log_s
+    """(target log-prob `[c]`, entropy `[c]`, `m + log s` `[c]`) of one chunk's logits
+    `z = h·Wᵀ / T`, `block` vocabulary rows at a time: per row the running max `m`, `s = Σ e`
+    and `a = Σ e·(z − m)` with `e = exp(z − m)` (rescaled by `exp(m − m')` when a block raises the
+    max to `m'`: `s ← s·f`, `a ← f·(a + s·(m − m'))`), the target's raw logit from the block
+    holding it. Entropy `log s − a / s`: one exponential pass, no `[c, V]` tensor. Over TP ranks
+    the three are combined the same way at the global max (all-reduce MAX, then SUM)."""
+    v = weight.shape[0]
+    m = s = a = None
+    zt = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+    for r in range(0, v, block):
+        w = weight[r : r + block]
+        z = h.to(weight.dtype) @ w.t()
+        z = z if temperature == 1.0 else z.float().div_(temperature)
+        inb = _in_block(col, held, r, w.shape[0])
+        at = (col - r).clamp(0, w.shape[0] - 1)[:, None]
+        zt = torch.where(inb, z.gather(-1, at)[:, 0].float(), zt)
+        mb = z.amax(-1).float()
+        if m is None:
+            m, s, a = mb, torch.zeros_like(mb), torch.zeros_like(mb)
+        else:
+            top = torch.maximum(m, mb)
+            f = (m - top).exp_()
+            a = a.add_(s * (m - top)).mul_(f)
+            s, m = s.mul_(f), top
+        shifted = z.float().sub_(m[:, None])  # a fresh copy when z is not fp32 (then in place)
+        e = shifted.exp()
+        s.add_(e.sum(-1))
+        a.add_(torch.linalg.vecdot(e, shifted))
+    if group is not None:  # the global max, and every rank's sums rescaled to it
+        top = m.clone()
+        _all_reduce(top, dist.ReduceOp.MAX, group)
+        f = (m - top).exp_()
+        sums = torch.stack([s * f, a.add_(s * (m - top)).mul_(f), zt])
+        _all_reduce(sums, dist.ReduceOp.SUM, group)
+        m, s, a, zt = top, sums[0], sums[1], sums[2]
+    log_s = s.log()
+    return zt.sub_(m).sub_(log_s), log_s - a / s, m + log_s
 
 
-def add_weight_grad(main: torch.Tensor, gz: torch.Tensor, h: torch.Tensor) -> None:
-    """`main += gzᵀ·h` (`main` `[V, h]` fp32, `gz` `[n, V]` and `h` `[n, h]` in the weight's
-    dtype), `WGRAD_ROWS` vocabulary rows at a time: alive at once is one block's product and its
-    fp32 cast, not a whole `[V, h]` product and the fp32 copy a mixed-dtype add makes of it
-    (~0.16 GiB at SmolLM2's shapes in bf16)."""
+def add_weight_grad(main: torch.Tensor, gz: torch.Tensor, h_t: torch.Tensor) -> None:
+    """`main += gzᵀ·h` (`main` `[rows, h]` fp32, `gz` `[n, rows]` in the weight's dtype, `h_t`
+    `[h, n]` contiguous: the chunk's hidden states transposed once), `WGRAD_ROWS` vocabulary
+    rows at a time. The product is taken as `h_t · gz` (both operands row-major: on a CPU twice
+    the rate of `gzᵀ · h`, which reads its left operand transposed) and added transposed. Alive
+    at once is one block's product and its fp32 cast, not a whole `[V, h]` product and the fp32
+    copy a mixed-dtype add makes of it (~0.16 GiB at SmolLM2's shapes in bf16)."""
     for r in range(0, main.shape[0], WGRAD_ROWS):
-        main[r : r + WGRAD_ROWS].add_(gz[:, r : r + WGRAD_ROWS].t() @ h)
+        main[r : r + WGRAD_ROWS].add_((h_t @ gz[:, r : r + WGRAD_ROWS]).t())
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -210,6 +268,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         targets: torch.Tensor,
         temperature: float,
         chunk: int,
+        block: int,
         group: object | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
@@ -217,48 +276,58 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent, lse = torch.empty_like(lp), torch.empty_like(lp)
         for s in range(0, n, chunk):
-            z = _chunk_logits(hidden[s : s + chunk], weight, temperature)
-            lp[s : s + chunk], ent[s : s + chunk], lse[s : s + chunk] = _softmax_stats(
-                z, col[s : s + chunk], held[s : s + chunk], group
+            e = min(s + chunk, n)
+            lp[s:e], ent[s:e], lse[s:e] = _softmax_stats(
+                hidden[s:e], weight, col[s:e], held[s:e], temperature, block, group
             )
         ctx.save_for_backward(hidden, weight, col, held, ent, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.block = temperature, chunk, block
         ctx.main_grad = getattr(weight, "main_grad", None)
         return lp, ent
 
     @staticmethod
     def backward(ctx: object, g_lp: torch.Tensor, g_ent: torch.Tensor) -> tuple:  # type: ignore[override]
         hidden, weight, col, held, ent, lse = ctx.saved_tensors
-        t, chunk = ctx.temperature, ctx.chunk
+        t, chunk, block = ctx.temperature, ctx.chunk, ctx.block
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        v = weight.shape[0]
         g_h = torch.empty_like(hidden) if want_h else None
-        g_w = None  # fp32; the first chunk's product initialises it (no zero-filled pass)
         main = ctx.main_grad if want_w else None  # megatron's fp32 gradient buffer: added to
+        g_w = None
+        if want_w and main is None:
+            g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        alpha = (g_lp + g_ent * ent).div_(-t)[:, None]
+        beta = (g_ent / -t)[:, None]
         for s in range(0, hidden.shape[0], chunk):
             e = min(s + chunk, hidden.shape[0])
-            h = hidden[s:e]
-            logp = _chunk_logits(h, weight, t).sub_(lse[s:e, None])
-            p = logp.exp()
-            # ∂/∂z = −p·(g_lp + g_ent·(log p + H)) + g_lp·onehot, all / T; in place on log p
-            gz = logp.add_(ent[s:e, None]).mul_(g_ent[s:e, None]).add_(g_lp[s:e, None])
-            gz = gz.mul_(p).neg_()
-            rows = held[s:e].nonzero().squeeze(-1)
-            gz[rows, col[s:e][rows]] += g_lp[s:e][rows]
-            if t != 1.0:
-                gz.div_(t)
-            gz = gz.to(weight.dtype)
-            if g_h is not None:
-                g_h[s:e] = (gz @ weight).to(hidden.dtype)
-            if want_w and main is not None:  # in the weight's dtype (bf16 matmuls), in fp32
-                add_weight_grad(main, gz, h.to(weight.dtype))
-            elif want_w:
-                part = gz.t() @ h.to(weight.dtype)
-                g_w = part.float() if g_w is None else g_w.add_(part)
+            h = hidden[s:e].to(weight.dtype)
+            h_t = h.t().contiguous() if want_w else None
+            acc = None  # fp32 ∂h of the chunk, summed over the vocabulary blocks
+            for r in range(0, v, block):
+                w = weight[r : r + block]
+                z = h @ w.t()
+                logp = z.float() if t == 1.0 else z.float().div_(t)
+                logp = logp.sub_(lse[s:e, None])
+                p = logp.exp()
+                # ∂/∂z = p·(α + β·log p) + g_lp·onehot, all / T, with α = −(g_lp + g_ent·H) and
+                # β = −g_ent per token; in place on log p
+                gz = torch.addcmul(alpha[s:e], logp, beta[s:e], out=logp).mul_(p)
+                rows = _in_block(col[s:e], held[s:e], r, w.shape[0]).nonzero().squeeze(-1)
+                gz[rows, col[s:e][rows] - r] += g_lp[s:e][rows] / t
+                gz = gz.to(weight.dtype)
+                if g_h is not None and w.shape[0] == v:  # one block: one product, one rounding
+                    g_h[s:e] = (gz @ w).to(hidden.dtype)
+                elif g_h is not None:
+                    part = gz @ w
+                    acc = part.float() if acc is None else acc.add_(part)
+                if want_w:  # in the weight's dtype (bf16 matmuls), summed in fp32
+                    into = main if main is not None else g_w
+                    add_weight_grad(into[r : r + block], gz, h_t)
+            if acc is not None:
+                g_h[s:e] = acc.to(hidden.dtype)
         if main is not None:  # in the buffer already: no [V, h] gradient for autograd to hold
-            return g_h, None, None, None, None, None
-        if want_w and g_w is None:  # no tokens
-            g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        return g_h, None if g_w is None else g_w.to(weight.dtype), None, None, None, None
+            return g_h, None, None, None, None, None, None
+        return g_h, None if g_w is None else g_w.to(weight.dtype), None, None, None, None, None
 
 
 def chunked_logprobs(
@@ -268,19 +337,26 @@ def chunked_logprobs(
     *,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    vocab_block: int | None = None,
     group: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs `[N]`, entropies `[N]`) fp32 of `targets` `[N]` under
     `softmax(hidden · weightᵀ / temperature)` for `hidden` `[N, h]` and this rank's vocabulary
     shard `weight` `[V/TP, h]` (`group`: the TP group, None for the whole vocabulary).
-    Differentiable in `hidden` and `weight`; `chunk_tokens` tokens at a time (default
-    `default_chunk_tokens`)."""
+    Differentiable in `hidden` and `weight`; `chunk_tokens` tokens by `vocab_block` vocabulary
+    rows at a time (defaults: `tiling`)."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
             f"expected hidden [N, h] and targets [N], got {tuple(hidden.shape)} and "
             f"{tuple(targets.shape)}"
         )
-    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], weight.device)
+    chunk, block = tiling(hidden.shape[0], weight.shape[0], chunk_tokens, weight.device)
     return _ChunkedLogprobs.apply(
-        hidden, weight, targets.to(hidden.device).long(), float(temperature), chunk, group
+        hidden,
+        weight,
+        targets.to(hidden.device).long(),
+        float(temperature),
+        chunk,
+        min(weight.shape[0], vocab_block or block),
+        group,
     )

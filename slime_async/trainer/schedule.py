@@ -174,11 +174,8 @@ class Schedule:
         if k >= len(self.chunks) or not lm_head.returns_hidden(self.chunks[k]):
             return output
         weight = lm_head.output_weight(self.chunks[k])
-        chunk = self.chunk_tokens
-        if chunk is None:
-            chunk = lm_head.default_chunk_tokens(weight.shape[0], weight.device)
         return lm_head.Logits(
-            hidden=output, weight=weight, group=lm_head.tp_group(), chunk_tokens=chunk
+            hidden=output, weight=weight, group=lm_head.tp_group(), chunk_tokens=self.chunk_tokens
         )
 
     def _before(self, mb: MicroBatch, k: int, record: bool) -> None:
