@@ -143,24 +143,26 @@ def matmul_peak(dtype: torch.dtype, *, device: str, n: int) -> float:
 
 
 def gemm_shapes(
-    spec: object, tokens: int, read: int, chunk: int
+    spec: object, tokens: int, read: int, tile: tuple[int, int]
 ) -> list[tuple[int, int, int, str, int]]:
     """The matmuls of one training forward+backward of a dense `spec` on `tokens` packed tokens
-    with `read` of them through the chunked head (`chunk` tokens a chunk): `(m, k, n, form,
-    count)`, `form` the operands' layout as the step has it ('nt': x @ wᵀ, 'nn': g @ w, 'tn':
-    gᵀ @ x). Per linear layer the forward, the input gradient and the weight gradient; the head
-    per chunk its forward, the backward's recomputed forward, and its two gradients. Attention's
-    own batched products (q·kᵀ, p·v; under 5% of the FLOPs at these lengths) are left out."""
+    with `read` of them through the head in tiles of `tile` = (chunk tokens, vocabulary rows;
+    `lm_head.tiling`): `(m, k, n, form, count)`, `form` the operands' layout as the step has it
+    ('nt': x @ wᵀ, 'nn': g @ w, 'tn': gᵀ @ x). Per linear layer the forward, the input gradient
+    and the weight gradient; the head per tile its forward, the backward's recomputed forward,
+    and its two gradients (the weight's as hᵀ @ ∂z, 'nn'). Attention's own batched products
+    (q·kᵀ, p·v; under 5% of the FLOPs at these lengths) are left out."""
     h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
     kv, f, L = spec.num_key_value_heads * spec.head_dim, spec.intermediate_size, spec.num_layers
     out = []
     for o, i in ((q + 2 * kv, h), (h, q), (2 * f, h), (h, f)):
         out += [(tokens, i, o, "nt", L), (tokens, o, i, "nn", L), (o, tokens, i, "tn", L)]
-    v = spec.vocab_size
-    full, last = divmod(read, chunk)
-    for c, count in ((chunk, full), (last, 1 if last else 0)):
-        if count:
-            out += [(c, h, v, "nt", 2 * count), (c, v, h, "nn", count), (v, c, h, "tn", count)]
+    v, (chunk, block) = spec.vocab_size, tile
+    for c, cn in ((chunk, read // chunk), (read % chunk, 1)):
+        for b, bn in ((block, v // block), (v % block, 1)):
+            n = cn * bn
+            if c and b and n:
+                out += [(c, h, b, "nt", 2 * n), (c, b, h, "nn", n), (h, c, b, "nn", n)]
     return out
 
 
@@ -285,12 +287,12 @@ def bench_limit(args: argparse.Namespace) -> dict:
     the rate of the step's own matmuls (`gemm_shapes`) before and after its steps (the better
     of the two) and reports 6·N·tokens / forward+backward seconds / that rate, in wall-clock
     and in CPU seconds."""
-    from slime_async.trainer.lm_head import default_chunk_tokens
+    from slime_async.trainer.lm_head import tiling
 
     lengths = recipe_lengths()
     tokens, params = sum(lengths), param_count(SMOLLM2)
     read = tokens - 40 * len(lengths)  # the worker's batch: 40 prompt tokens a sample
-    shapes = gemm_shapes(SMOLLM2, tokens, read, default_chunk_tokens(SMOLLM2.vocab_size))
+    shapes = gemm_shapes(SMOLLM2, tokens, read, tiling(read, SMOLLM2.vocab_size))
     name = args.limit_config
     load = [os.getloadavg()]
     print(

@@ -95,12 +95,14 @@ def _attend(layer, batched: bool, q, k, v, packed):
 @pytest.mark.parametrize("budget", [None, 400])
 def test_batched_packed_attention_equals_one_call_per_sample(monkeypatch, budget):
     """Packed samples attended in padded groups (grouped-query heads, fp32) give each sample's
-    per-sample SDPA output and q/k/v gradients to 1e-6; with a small score budget the samples
+    per-sample SDPA output to 1e-6 and q/k/v gradients to 1e-6 of their largest entry (the
+    batched backward sums in another order); with a small score budget the samples
     split into several groups and the longest runs alone (SDPA), the same numbers."""
     from slime_async.trainer import attention
 
     if budget is not None:
         monkeypatch.setattr(attention, "SCORE_ELEMENTS", budget)
+        monkeypatch.setattr(attention, "GROUP_ELEMENTS", budget)
     attention.padded_groups.cache_clear()
     ours, _ = _layers()
     bounds = [0, 5, 6, 13, 20, 29, 31, 42]
@@ -115,7 +117,8 @@ def test_batched_packed_attention_equals_one_call_per_sample(monkeypatch, budget
     per_sample = _attend(ours, False, q, k, v, _packed(bounds))
     for name, a, b in zip(("out", "dq", "dk", "dv"), batched, per_sample, strict=True):
         assert a.shape == b.shape, name
-        assert (a - b).abs().max() <= TOL, (name, (a - b).abs().max())
+        scale = 1.0 if name == "out" else max(1.0, float(b.abs().max()))
+        assert (a - b).abs().max() <= TOL * scale, (name, (a - b).abs().max(), scale)
     attention.padded_groups.cache_clear()
 
 

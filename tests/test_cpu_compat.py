@@ -40,3 +40,44 @@ def test_megatron_is_imported_without_the_loggers_nothing_here_uses():
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
+def test_rope_in_one_function_equals_megatrons_math():
+    """Patch 11: megatron's unfused RoPE (`_apply_rotary_pos_emb_bshd`, as a packed THD call
+    reaches it) through one autograd function: `t·cos + rotate_half(t)·sin` and its input
+    gradient to 1e-6 in fp32, to bf16's rounding in bf16 (fewer roundings than megatron's),
+    `mscale` applied; interleaved rotation keeps megatron's own code."""
+    import pytest
+    import torch
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from slime_async.trainer import cpu_compat
+
+    if cpu_compat.cuda_available():
+        pytest.skip("a CPU-only patch")
+    cpu_compat.apply()
+    assert getattr(rope_utils._apply_rotary_pos_emb_bshd, "_slime_async_patched", False)
+    g = torch.Generator().manual_seed(0)
+    freqs = torch.randn(11, 1, 1, 8, generator=g).repeat(1, 1, 1, 2)  # [s, 1, 1, d]: RoPE's
+    t = torch.randn(11, 1, 3, 16, generator=g)
+    grad = torch.randn(11, 1, 3, 16, generator=g)
+
+    def reference(x, mscale):
+        cos, sin = torch.cos(freqs) * mscale, torch.sin(freqs) * mscale
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        return x * c + rope_utils._rotate_half(x, False) * s
+
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 0.05)):
+        for mscale in (1.0, 0.7):
+            a = t.to(dtype).clone().requires_grad_()
+            b = t.to(dtype).clone().requires_grad_()
+            out = rope_utils._apply_rotary_pos_emb_bshd(a, freqs, mscale=mscale)
+            ref = reference(b, mscale)
+            out.backward(grad.to(dtype))
+            ref.backward(grad.to(dtype))
+            assert (out.float() - ref.float()).abs().max() <= tol, (dtype, mscale)
+            assert (a.grad.float() - b.grad.float()).abs().max() <= tol, (dtype, mscale)
+    inter = rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
+    x1, x2 = t[..., ::2], t[..., 1::2]
+    rot = torch.stack((-x2, x1), dim=-1).flatten(-2)
+    assert torch.allclose(inter, t * torch.cos(freqs) + rot * torch.sin(freqs), atol=1e-6)

@@ -36,8 +36,9 @@ distributed optimizer shards the main weights and Adam moments over DP.
 **Activations**: what the trainer's layer spec (megatron's local spec, unfused: the reference
 math op for op) keeps per token for its backward, counted from the shapes (`layer_values`):
 per layer 5·h (the two RMSNorms' input and output, the residual; the norms' own backward keeps
-no normalised copy, `trainer/norm.py`) + 2·q + 2·kv (q/k/v as the batched attention pads them,
-`trainer/attention.py`, and the output projection's input; RoPE keeps only its cos/sin tables)
+no normalised copy, `trainer/norm.py`) + 3·q + 2·kv (q/k/v and the output as the batched
+attention pads them, `trainer/attention.py`, and the output projection's input; RoPE keeps only
+its cos/sin tables)
 + 4·ffn (SwiGLU's gate, up, activation and product), + q + kv for q/k norms, for q =
 heads·head_dim, kv = kv_heads·head_dim; an MoE layer keeps its routed copies instead of the
 MLP. Counted for the CPU trainer (a GPU trainer's torch norms keep a normalised copy more). A value takes 4
@@ -156,7 +157,7 @@ def layer_values(spec: ModelSpec) -> int:
     h = spec.hidden_size
     q = spec.num_attention_heads * spec.head_dim
     kv = spec.num_key_value_heads * spec.head_dim
-    attn = 5 * h + 2 * q + 2 * kv + (q + kv if spec.qk_norm else 0)
+    attn = 5 * h + 3 * q + 2 * kv + (q + kv if spec.qk_norm else 0)
     if spec.is_moe:  # router scores + each routed copy's input, SwiGLU and output
         k, e = spec.moe_topk, spec.num_experts
         mlp = 3 * e + k * (2 * h + 4 * spec.moe_intermediate_size)

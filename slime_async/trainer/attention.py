@@ -12,16 +12,15 @@ restart at 0 in every sample), MoE and sequence parallelism see `[t, 1, hidden]`
 The samples of a packed micro-batch are attended in a few batched calls, not one per sample:
 `padded_groups` sorts the segments `cu_seqlens[i]:cu_seqlens[i+1]` by length and groups
 samples of similar length (each at least half its group's longest), while a group's
-`[samples, heads, longest, longest]` fp32 scores stay within `SCORE_ELEMENTS`; each group is
-right-padded to its longest sample and runs through `causal_attention`: scores `q·kᵀ` in the
-inputs' dtype, scale, causal mask, softmax in fp32, probabilities in the inputs' dtype times
-`v` (the parent's `baddbmm` → masked fp32 softmax → `bmm`). Right padding needs no key mask:
-under the causal mask a real query sees only keys at or before it, all real; padded query rows
-are computed and dropped. Grouped-query heads are not repeated: the query heads of one
-key/value group are stacked along the sequence axis and share one matmul with that group's
-keys. The backward recomputes the probabilities from q and k (the flash-attention idea): only
-q, k and v are kept, never a `[heads, n, n]` tensor, so the memory per token is what the
-per-sample kernel kept. A sample too long for the score budget alone runs through
+`[samples, heads, longest, longest]` scores stay within `GROUP_ELEMENTS`; each group is
+right-padded to its longest sample and runs through `causal_attention`. Its forward is SDPA's
+fused causal kernel with grouped-query heads (no score matrix). Right padding needs no key
+mask: under the causal mask a real query sees only keys at or before it, all real; padded query
+rows are computed and dropped. The backward recomputes the probabilities from q and k (the
+flash-attention idea): the query heads of one key/value group stacked along the sequence axis
+share one matmul with that group's keys (no repeated keys), the scores masked in the inputs'
+dtype and the softmax in fp32, and `rowsum(∂p ⊙ p)` taken as `rowsum(∂o ⊙ o)` from the saved
+output. Only q, k, v and the output are kept, never a `[heads, n, n]` tensor. A sample too long for the score budget alone runs through
 `torch.nn.functional.scaled_dot_product_attention` with a causal mask (the fused CPU / flash
 kernel, no score matrix), one call per such sample; so do unpacked (BSHD, right-padded)
 micro-batches. Either way no token attends across a sample boundary and a packed sample
@@ -42,11 +41,15 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 SCORE_ELEMENTS = 1 << 22
-"""Most `[samples, heads, n, n]` fp32 score elements one batched group holds (16 MiB; a
-group's scores, probabilities and their gradients, a few such tensors, are alive only inside
-its own call, well under the chunked head's temporaries the memory plan counts). A sample
-longer than this allows alone (n > 682 at 9 heads) takes SDPA, where one call per sample costs
-little next to its n² work."""
+"""Most `[heads, n, n]` fp32 score elements of one sample in the batched path (16 MiB: the
+backward's scores, probabilities and their gradients, a few such tensors, are alive only inside
+its own call, well under the head's temporaries the memory plan counts). A sample longer than
+this allows (n > 682 at 9 heads) takes SDPA alone, where one call per sample costs little next to
+its n² work."""
+GROUP_ELEMENTS = 1 << 19
+"""Most `[samples, heads, n, n]` score elements of one batched group (2 MiB in fp32: the
+backward's few tensors of that shape stay in a core's cache; groups of 32 SmolLM2 samples of
+~100 tokens ran its backward slower than groups of 6-8)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +90,7 @@ def padded_groups(bounds: tuple[int, ...], heads: int, device: torch.device) -> 
             alone.append((s, s + n))
             continue
         cur = members[-1] if members else None
-        if cur and 2 * n >= cur[0][0] and (len(cur) + 1) * heads * cur[0][0] ** 2 <= SCORE_ELEMENTS:
+        if cur and 2 * n >= cur[0][0] and (len(cur) + 1) * heads * cur[0][0] ** 2 <= GROUP_ELEMENTS:
             cur.append((n, s))
         else:
             members.append([(n, s)])
@@ -105,35 +108,68 @@ def padded_groups(bounds: tuple[int, ...], heads: int, device: torch.device) -> 
     return Plan(tuple(groups), tuple(alone), order_t.to(device), inverse.to(device))
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32 causal softmax `[b, g, r·n, n]` of stacked queries `[b, g, r·n, d]` over keys
-    `[b, g, n, d]` (query row i sits at position i mod n)."""
-    n = k.shape[-2]
-    s = (q @ k.transpose(-1, -2)).float().mul_(scale)
-    pos = torch.arange(q.shape[-2], device=q.device) % n
-    mask = torch.arange(n, device=q.device)[None, :] > pos[:, None]
-    return s.masked_fill_(mask, float("-inf")).softmax(-1)
+def _probs(qs: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
+    """fp32 causal softmax `[b, g, r·n, n]` of stacked, already scaled queries `[b, g, r·n, d]`
+    over keys `[b, g, n, d]` (query row i sits at position i mod n): the scores masked in the
+    inputs' dtype, the softmax computed and returned in fp32 (one pass: no fp32 copy of the
+    scores first)."""
+    n = ks.shape[-2]
+    pos = torch.arange(qs.shape[-2], device=qs.device) % n
+    mask = torch.arange(n, device=qs.device)[None, :] > pos[:, None]
+    s = (qs @ ks.transpose(-1, -2)).masked_fill_(mask, float("-inf"))
+    return torch.softmax(s, -1, dtype=torch.float32)
+
+
+def _stack(x: torch.Tensor, g: int) -> torch.Tensor:
+    """`[b, n, heads, d]` → `[b, g, (heads / g)·n, d]`: the query heads of each key/value group
+    stacked along the sequence axis (a copy)."""
+    b, n, h, d = x.shape
+    return x.view(b, n, g, h // g, d).permute(0, 2, 3, 1, 4).reshape(b, g, (h // g) * n, d)
+
+
+def _unstack(x: torch.Tensor, n: int) -> torch.Tensor:
+    """`_stack`'s inverse: `[b, g, r·n, d]` → `[b, n, g·r, d]`."""
+    b, g, rn, d = x.shape
+    return x.view(b, g, rn // n, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, g * (rn // n), d)
 
 
 class _CausalAttention(torch.autograd.Function):
-    """Softmax attention with a causal mask over `[b, g, r·n, d]` stacked queries and `[b, g,
-    n, d]` keys/values; the backward recomputes the probabilities (only q, k, v are saved)."""
+    """Softmax attention with a causal mask of right-padded `q` `[b, n, heads, d]` over `k`/`v`
+    `[b, n, groups, d]`. The forward is SDPA's fused kernel (no score matrix); the backward
+    recomputes the probabilities from q and k (only q, k, v are saved), the query heads of a
+    key/value group stacked into one matmul with that group's keys."""
 
     @staticmethod
     def forward(ctx: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):  # type: ignore[override]
-        ctx.save_for_backward(q, k, v)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=k.shape[2] != q.shape[2],
+        ).transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out)
         ctx.scale = scale
-        return _probs(q, k, scale).to(v.dtype) @ v
+        return out
 
     @staticmethod
     def backward(ctx: object, g: torch.Tensor) -> tuple:  # type: ignore[override]
-        q, k, v = ctx.saved_tensors
-        p = _probs(q, k, ctx.scale)
+        # with D = rowsum(∂o ⊙ o) (flash attention's: equal to rowsum(∂p ⊙ p)) and the scale
+        # taken into q and k (d columns, not n): ∂s = p ⊙ (∂p − D), ∂q = ∂s·k·c, ∂k = ∂sᵀ·q·c
+        q, k, v, out = ctx.saved_tensors
+        groups, n, c = k.shape[2], k.shape[1], ctx.scale
         g = g.to(v.dtype)
+        qs = _stack(q, groups).mul_(c)  # a fresh copy: scaled in place
+        ks, vs = k.transpose(1, 2), v.transpose(1, 2)
+        p = _probs(qs, ks)
+        d = (g.float() * out.float()).sum(-1)  # [b, n, heads]
+        d = _stack(d.unsqueeze(-1), groups)  # [b, g, r·n, 1]
+        g = _stack(g, groups)
         gv = p.to(v.dtype).transpose(-1, -2) @ g
-        gp = (g @ v.transpose(-1, -2)).float()
-        gs = gp.sub_((gp * p).sum(-1, keepdim=True)).mul_(p).mul_(ctx.scale).to(q.dtype)
-        return gs @ k, gs.transpose(-1, -2) @ q, gv, None
+        gs = (g @ vs.transpose(-1, -2)).float().sub_(d).mul_(p).to(q.dtype)
+        gq, gk = gs @ (ks * c), gs.transpose(-1, -2) @ qs
+        return _unstack(gq, n), gk.transpose(1, 2), gv.transpose(1, 2), None
 
 
 def causal_attention(
@@ -142,12 +178,7 @@ def causal_attention(
     """Causal attention of right-padded `q` `[b, n, heads, d]`, `k`/`v` `[b, n, groups, d]`
     (query heads grouped as megatron groups them: `heads / groups` consecutive heads per
     key/value group) → `[b, n, heads, d]`."""
-    b, n, h, d = q.shape
-    g = k.shape[2]
-    qs = q.view(b, n, g, h // g, d).permute(0, 2, 3, 1, 4).reshape(b, g, (h // g) * n, d)
-    ks, vs = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
-    out = _CausalAttention.apply(qs, ks, vs, scale)
-    return out.view(b, g, h // g, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, h, d)
+    return _CausalAttention.apply(q, k, v, scale)
 
 
 class PackedDotProductAttention(DotProductAttention):

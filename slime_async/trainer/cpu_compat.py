@@ -35,6 +35,13 @@ Patches (CPU only):
    a temporary the size of each parameter (the embedding's 0.1 GiB in fp32 on SmolLM2, the
    trainer's peak at the clip). It now writes the product into the destination directly
    (the same values: the product in the inputs' dtype, rounded once to the destination's).
+11. megatron's unfused RoPE (`rope_utils._apply_rotary_pos_emb_bshd`, also under THD packing)
+   computes `t·cos + rotate_half(t)·sin` with `rotate_half` a `cat` and the result another `cat`
+   with the (empty) unrotated part: about seven passes over q and k forward and more in
+   autograd's backward. For the whole head dimension rotated, not interleaved and not MLA, it
+   is one autograd function writing each half once (`t₁·c₁ − t₂·s₁`, `t₂·c₂ + t₁·s₂`, the
+   backward the adjoint `g₁·c₁ + g₂·s₂`, `g₂·c₂ − g₁·s₁`): the same math, rounded once per
+   half instead of after each product and the sum (`tests/test_cpu_compat.py`).
 """
 
 from __future__ import annotations
@@ -95,6 +102,7 @@ def apply() -> bool:
         _patch_torch_norm()
         _patch_frozen_linear()
         _patch_multi_tensor_scale()
+        _patch_rope()
         _APPLIED = True
     return True
 
@@ -234,6 +242,65 @@ def _patch_frozen_linear() -> None:
         return grad_input, None, None, None, None
 
     layers.LinearWithFrozenWeight.backward = staticmethod(backward)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adjoint: bool) -> torch.Tensor:
+    """RoPE of `t` (`[..., d]`, halves `t₁`, `t₂`) with `cos`/`sin` broadcast to it, each half
+    written once into a fresh tensor; `adjoint`: the backward's map of a gradient."""
+    h = t.shape[-1] // 2
+    t1, t2, c1, c2, s1, s2 = (
+        t[..., :h],
+        t[..., h:],
+        cos[..., :h],
+        cos[..., h:],
+        sin[..., :h],
+        sin[..., h:],
+    )
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    o1, o2 = out[..., :h], out[..., h:]
+    torch.mul(t1, c1, out=o1)
+    torch.mul(t2, c2, out=o2)
+    if adjoint:  # ∂t₁ = g₁·c₁ + g₂·s₂, ∂t₂ = g₂·c₂ − g₁·s₁
+        o1.addcmul_(t2, s2)
+        o2.addcmul_(t1, s1, value=-1)
+    else:  # t₁·c₁ − t₂·s₁, t₂·c₂ + t₁·s₂
+        o1.addcmul_(t2, s1, value=-1)
+        o2.addcmul_(t1, s2)
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[override]
+        ctx.save_for_backward(cos, sin)
+        return _rotate(t, cos, sin, adjoint=False)
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> tuple:  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        return _rotate(g, cos, sin, adjoint=True), None, None
+
+
+def _patch_rope() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_bshd
+
+    def apply(
+        t: torch.Tensor,
+        freqs: torch.Tensor,
+        rotary_interleaved: bool = False,
+        multi_latent_attention: bool = False,
+        mscale: float = 1.0,
+    ) -> torch.Tensor:
+        if rotary_interleaved or multi_latent_attention or freqs.shape[-1] != t.shape[-1]:
+            return original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        cos = (torch.cos(freqs) * mscale).to(t.dtype)
+        sin = (torch.sin(freqs) * mscale).to(t.dtype)
+        return _Rope.apply(t, cos, sin)
+
+    apply._slime_async_patched = True
+    rope_utils._apply_rotary_pos_emb_bshd = apply
 
 
 def _is_cuda(device: object) -> bool:
