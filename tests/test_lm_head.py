@@ -126,8 +126,20 @@ def test_the_default_tiles():
         assert chunk <= TILE_TOKENS and -(-tokens // chunk) == -(-tokens // TILE_TOKENS)
         assert block == v or (block % BLOCK_ALIGN == 0 and chunk * block <= CHUNK_ELEMENTS)
     assert tiling(5000, 49152) == (1667, 576)
+    assert tiling(0, 49152) == (1, 49152)  # no tokens read: one empty chunk
     assert tiling(1307, 49152, 85) == (85, 12288)
     assert tiling(1307, 49152, device="cuda") == (CHUNK_ELEMENTS_GPU // 49152, 49152)
+
+
+def test_no_tokens():
+    """A micro-batch none of whose positions is read: empty log-probs, zero gradients."""
+    _, weight, _ = _inputs()
+    h = torch.zeros(0, H, requires_grad=True)
+    w = weight.clone().requires_grad_()
+    lp, ent = chunked_logprobs(h, w, torch.zeros(0, dtype=torch.long))
+    assert lp.shape == ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert h.grad.shape == (0, H) and not w.grad.any()
 
 
 def test_bad_shapes_are_refused():

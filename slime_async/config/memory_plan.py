@@ -45,10 +45,11 @@ MLP. Counted for the CPU trainer (a GPU trainer's torch norms keep a normalised 
 bytes in fp32 and `BF16_BYTES_PER_VALUE` under bf16 (some tensors stay fp32). Full recompute
 keeps each recomputed layer's input (h values) and one layer's activations at a time. On top,
 at the backward's peak, the larger of one layer's backward (the gradients of its activations:
-one layer's activations again) and the head's temporaries: a block of the head's weight gradient (`HEAD_WEIGHT_GRAD_ROWS` × h in the
-compute dtype and in fp32; it is added into the fp32 gradient buffer, the model state's), the
-head's fp32 logits and temporaries of one tile (`HEAD_TEMPORARIES` × chunk × block, `head_tile`)
-and its chunk's hidden-state gradient being summed (chunk × h, in fp32 and the compute dtype).
+one layer's activations again) and the head's temporaries: a block of the head's weight
+gradient (`HEAD_WEIGHT_GRAD_ROWS` × h in the compute dtype and in fp32; it is added into the
+fp32 gradient buffer, the model state's), the head's fp32 logits and temporaries of one tile
+(`HEAD_TEMPORARIES` × chunk × block, `head_tile`) and its chunk's hidden-state gradient being
+summed (chunk × h, in fp32 and the compute dtype).
 
 **Runtime**: each process's own bytes before it holds a model (Python, torch, megatron, Ray's
 core worker): `RUNTIME`, measured on this project's processes (scripts/bench_memory.py).
@@ -97,7 +98,7 @@ def head_tile(read: int, v: int, chunk_tokens: int | None = None) -> tuple[int, 
     if chunk_tokens:
         chunk = chunk_tokens
     else:
-        chunk = math.ceil(read / max(1, math.ceil(read / TILE_TOKENS_CPU)))
+        chunk = max(1, math.ceil(read / max(1, math.ceil(read / TILE_TOKENS_CPU))))
     block = max(BLOCK_ALIGN, CHUNK_ELEMENTS_CPU // max(1, chunk) // BLOCK_ALIGN * BLOCK_ALIGN)
     return chunk, min(v, block)
 

@@ -20,10 +20,10 @@ rows are computed and dropped. The backward recomputes the probabilities from q 
 flash-attention idea): the query heads of one key/value group stacked along the sequence axis
 share one matmul with that group's keys (no repeated keys), the scores masked in the inputs'
 dtype and the softmax in fp32, and `rowsum(∂p ⊙ p)` taken as `rowsum(∂o ⊙ o)` from the saved
-output. Only q, k, v and the output are kept, never a `[heads, n, n]` tensor. A sample too long for the score budget alone runs through
-`torch.nn.functional.scaled_dot_product_attention` with a causal mask (the fused CPU / flash
-kernel, no score matrix), one call per such sample; so do unpacked (BSHD, right-padded)
-micro-batches. Either way no token attends across a sample boundary and a packed sample
+output. Only q, k, v and the output are kept, never a `[heads, n, n]` tensor. A sample too long
+for the score budget (`SCORE_ELEMENTS`) alone runs through
+`torch.nn.functional.scaled_dot_product_attention` with a causal mask forward and backward,
+one call per such sample; so do unpacked (BSHD, right-padded) micro-batches. Either way no token attends across a sample boundary and a packed sample
 computes exactly what it computes alone. Settings SDPA does not express (a given mask or bias,
 a non-vanilla softmax) run the parent's math per sample. Parameter names are the parent's (it
 has none with the vanilla softmax). Must never import anything from `slime_async` outside
@@ -136,8 +136,8 @@ def _unstack(x: torch.Tensor, n: int) -> torch.Tensor:
 class _CausalAttention(torch.autograd.Function):
     """Softmax attention with a causal mask of right-padded `q` `[b, n, heads, d]` over `k`/`v`
     `[b, n, groups, d]`. The forward is SDPA's fused kernel (no score matrix); the backward
-    recomputes the probabilities from q and k (only q, k, v are saved), the query heads of a
-    key/value group stacked into one matmul with that group's keys."""
+    recomputes the probabilities from q and k (q, k, v and the output are saved), the query
+    heads of a key/value group stacked into one matmul with that group's keys."""
 
     @staticmethod
     def forward(ctx: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):  # type: ignore[override]
@@ -160,7 +160,7 @@ class _CausalAttention(torch.autograd.Function):
         q, k, v, out = ctx.saved_tensors
         groups, n, c = k.shape[2], k.shape[1], ctx.scale
         g = g.to(v.dtype)
-        qs = _stack(q, groups).mul_(c)  # a fresh copy: scaled in place
+        qs = _stack(q, groups) * c
         ks, vs = k.transpose(1, 2), v.transpose(1, 2)
         p = _probs(qs, ks)
         d = (g.float() * out.float()).sum(-1)  # [b, n, heads]

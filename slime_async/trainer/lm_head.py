@@ -79,7 +79,7 @@ def tiling(
     if chunk_tokens:
         chunk = chunk_tokens
     elif cpu:  # the fewest chunks of at most TILE_TOKENS, evenly split
-        chunk = math.ceil(tokens / max(1, math.ceil(tokens / TILE_TOKENS)))
+        chunk = max(1, math.ceil(tokens / max(1, math.ceil(tokens / TILE_TOKENS))))
     else:
         chunk = max(1, elements // max(1, vocab_local))
     block = max(BLOCK_ALIGN, elements // chunk // BLOCK_ALIGN * BLOCK_ALIGN)
