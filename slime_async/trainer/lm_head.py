@@ -215,12 +215,12 @@ def _softmax_stats(
     max to `m'`: `s ← s·f`, `a ← f·(a + s·(m − m'))`), the target's raw logit from the block
     holding it. Entropy `log s − a / s`: one exponential pass, no `[c, V]` tensor. Over TP ranks
     the three are combined the same way at the global max (all-reduce MAX, then SUM)."""
-    v = weight.shape[0]
+    v, h = weight.shape[0], h.to(weight.dtype)
     m = s = a = None
     zt = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
     for r in range(0, v, block):
         w = weight[r : r + block]
-        z = h.to(weight.dtype) @ w.t()
+        z = h @ w.t()
         z = z if temperature == 1.0 else z.float().div_(temperature)
         inb = _in_block(col, held, r, w.shape[0])
         at = (col - r).clamp(0, w.shape[0] - 1)[:, None]
@@ -315,9 +315,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 rows = _in_block(col[s:e], held[s:e], r, w.shape[0]).nonzero().squeeze(-1)
                 gz[rows, col[s:e][rows] - r] += g_lp[s:e][rows] / t
                 gz = gz.to(weight.dtype)
-                if g_h is not None and w.shape[0] == v:  # one block: one product, one rounding
-                    g_h[s:e] = (gz @ w).to(hidden.dtype)
-                elif g_h is not None:
+                if g_h is not None:
                     part = gz @ w
                     acc = part.float() if acc is None else acc.add_(part)
                 if want_w:  # in the weight's dtype (bf16 matmuls), summed in fp32
