@@ -122,6 +122,23 @@ def test_batched_packed_attention_equals_one_call_per_sample(monkeypatch, budget
     attention.padded_groups.cache_clear()
 
 
+def test_a_gpu_groups_more_samples_than_a_cpu():
+    """A CPU's groups keep their scores within a core's cache (`GROUP_ELEMENTS`); a GPU's
+    within the per-sample budget (`SCORE_ELEMENTS`): the recipe's 32 samples of 60-100 tokens
+    take eight times fewer kernels there."""
+    from slime_async.trainer import attention
+
+    assert attention.group_budget("cpu") == attention.GROUP_ELEMENTS
+    assert attention.group_budget(torch.device("cuda", 0)) == attention.SCORE_ELEMENTS
+    assert attention.GROUP_ELEMENTS < attention.SCORE_ELEMENTS
+    bounds = [0]
+    for i in range(32):
+        bounds.append(bounds[-1] + 60 + (i * 13) % 41)
+    plan = attention.padded_groups(tuple(bounds), 9, torch.device("cpu"))
+    assert all(g.samples * 9 * g.width**2 <= attention.GROUP_ELEMENTS for g in plan.groups)
+    assert sum(g.samples for g in plan.groups) == 32 and len(plan.groups) > 4
+
+
 def test_batched_attention_gives_the_models_logprobs_of_one_call_per_sample():
     """The trainer's log-probs and entropies (fp32, a dense 2-layer model, ragged packed
     samples in one micro-batch) are those of one attention call per sample, to 1e-6 (plus

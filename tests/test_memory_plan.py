@@ -137,7 +137,8 @@ def test_only_the_read_positions_count_in_the_heads_logits():
 def test_the_plan_tiles_the_head_as_the_trainer_does():
     """The plan's copy of the head's tiling rule (the config must not import torch) equals the
     trainer's, for read counts around the chunk limit, vocabularies small and large, and a
-    given `--logits-chunk-tokens`."""
+    given `--logits-chunk-tokens`, on a CPU and on a GPU (whole-vocabulary chunks: a GPU
+    trainer's plan counts those, four times the CPU's tiles at SmolLM2's vocabulary)."""
     from slime_async.config.memory_plan import head_tile
     from slime_async.trainer.lm_head import tiling
 
@@ -145,6 +146,9 @@ def test_the_plan_tiles_the_head_as_the_trainer_does():
         for v in (101, 4096, 49152, 151936):
             for chunk in (None, 85):
                 assert head_tile(read, v, chunk) == tiling(read, v, chunk, "cpu"), (read, v, chunk)
+                on_gpu = tiling(read, v, chunk, torch.device("cuda", 0))
+                assert head_tile(read, v, chunk, gpu=True) == on_gpu, (read, v, chunk)
+    assert head_tile(1307, 49152, gpu=True) == (1365, 49152)
 
 
 def test_the_object_store_is_sized_for_what_the_run_puts_there():

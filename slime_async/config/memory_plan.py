@@ -86,29 +86,38 @@ SmolLM2's shapes, fp32 and bf16, 512- and 1024-token micro-batches; 1.0 with
 MALLOC_MMAP_THRESHOLD_=65536, which made the step 1.75x slower)."""
 CHUNK_ELEMENTS_CPU = 1 << 20
 """The head's logits per tile on a CPU (`trainer.lm_head.CHUNK_ELEMENTS`)."""
+CHUNK_ELEMENTS_GPU = 1 << 26
+"""The head's logits per chunk on a GPU (`trainer.lm_head.CHUNK_ELEMENTS_GPU`)."""
 TILE_TOKENS_CPU = 2048
 """The head's most tokens per chunk on a CPU by default (`trainer.lm_head.TILE_TOKENS`)."""
 BLOCK_ALIGN = 64
 """The head's vocabulary rows per block are a multiple of this (`trainer.lm_head.BLOCK_ALIGN`)."""
 
 
-def head_tile(read: int, v: int, chunk_tokens: int | None = None) -> tuple[int, int]:
-    """(tokens per chunk, vocabulary rows per block) of a CPU trainer's head over `read`
-    positions and `v` vocabulary rows: `trainer.lm_head.tiling`'s rule on a CPU."""
+def head_tile(
+    read: int, v: int, chunk_tokens: int | None = None, *, gpu: bool = False
+) -> tuple[int, int]:
+    """(tokens per chunk, vocabulary rows per block) of a trainer's head over `read` positions
+    and `v` vocabulary rows: `trainer.lm_head.tiling`'s rule on a CPU, or on a GPU (`gpu`)."""
+    elements = CHUNK_ELEMENTS_GPU if gpu else CHUNK_ELEMENTS_CPU
     if chunk_tokens:
         chunk = chunk_tokens
+    elif gpu:  # whole-vocabulary chunks
+        chunk = max(1, elements // max(1, v))
     else:
         chunk = max(1, math.ceil(read / max(1, math.ceil(read / TILE_TOKENS_CPU))))
-    block = max(BLOCK_ALIGN, CHUNK_ELEMENTS_CPU // max(1, chunk) // BLOCK_ALIGN * BLOCK_ALIGN)
+    block = max(BLOCK_ALIGN, elements // chunk // BLOCK_ALIGN * BLOCK_ALIGN)
     return chunk, min(v, block)
 
 
-def _head_bytes(read: int, v: int, h: int, chunk_tokens: int | None, w: int) -> int:
+def _head_bytes(
+    read: int, v: int, h: int, chunk_tokens: int | None, w: int, *, gpu: bool = False
+) -> int:
     """The head's temporaries at its backward's peak (`w`: bytes of the compute dtype): one
     tile's fp32 logits and temporaries, the chunk's summed hidden-state gradient (fp32, one
     block's part, the transposed hidden states) and a block of the weight gradient with its
     fp32 cast."""
-    chunk, block = head_tile(read, v, chunk_tokens)
+    chunk, block = head_tile(read, v, chunk_tokens, gpu=gpu)
     chunk = min(read, chunk)
     return (
         HEAD_TEMPORARIES * chunk * block * 4
@@ -187,6 +196,7 @@ def activation_bytes(
     vocab_local: int | None = None,
     slack: float = 1.0,
     head_tokens: int | None = None,
+    gpu: bool = False,
 ) -> int:
     """Peak bytes of one trainer rank's forward+backward over a micro-batch of `tokens` tokens,
     above its model state: the saved activations of its `layers` (default: all) + the head's
@@ -200,7 +210,7 @@ def activation_bytes(
     per_value = BF16_BYTES_PER_VALUE if bf16 else 4.0
     full = layer_values(spec) * per_value * slack  # bytes per token of one layer's activations
     read = tokens if head_tokens is None else min(tokens, head_tokens)
-    head = _head_bytes(read, v, spec.hidden_size, chunk_tokens, 2 if bf16 else 4)
+    head = _head_bytes(read, v, spec.hidden_size, chunk_tokens, 2 if bf16 else 4, gpu=gpu)
     if recompute is None:  # every layer's activations are alive when the head's backward runs
         kept, redo = n * full, 0.0
     elif recompute.method == "block":
@@ -304,6 +314,7 @@ def trainer_activation_bytes(shape: RunShape) -> int:
         vocab_local=shape.spec.vocab_size * shape.pp // max(1, shape.tp_pp),
         slack=1.0 if shape.trainer_on_gpu else ALLOCATOR_SLACK,  # CUDA's allocator reuses
         head_tokens=shape.head_tokens,
+        gpu=shape.trainer_on_gpu,
     )
 
 

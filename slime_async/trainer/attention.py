@@ -12,7 +12,8 @@ restart at 0 in every sample), MoE and sequence parallelism see `[t, 1, hidden]`
 The samples of a packed micro-batch are attended in a few batched calls, not one per sample:
 `padded_groups` sorts the segments `cu_seqlens[i]:cu_seqlens[i+1]` by length and groups
 samples of similar length (each at least half its group's longest), while a group's
-`[samples, heads, longest, longest]` scores stay within `GROUP_ELEMENTS`; each group is
+`[samples, heads, longest, longest]` scores stay within `GROUP_ELEMENTS` on a CPU (a core's
+cache) and `SCORE_ELEMENTS` on a GPU (fewer, larger kernels); each group is
 right-padded to its longest sample and runs through `causal_attention`. Its forward is SDPA's
 fused causal kernel with grouped-query heads (no score matrix). Right padding needs no key
 mask: under the causal mask a real query sees only keys at or before it, all real; padded query
@@ -47,9 +48,11 @@ its own call, well under the head's temporaries the memory plan counts). A sampl
 this allows (n > 682 at 9 heads) takes SDPA alone, where one call per sample costs little next to
 its n² work."""
 GROUP_ELEMENTS = 1 << 19
-"""Most `[samples, heads, n, n]` score elements of one batched group (2 MiB in fp32: the
-backward's few tensors of that shape stay in a core's cache; groups of 32 SmolLM2 samples of
-~100 tokens ran its backward slower than groups of 6-8)."""
+"""Most `[samples, heads, n, n]` score elements of one batched group on a CPU (2 MiB in fp32:
+the backward's few tensors of that shape stay in a core's cache; groups of 32 SmolLM2 samples of
+~100 tokens ran its backward slower than groups of 6-8). A GPU groups up to `SCORE_ELEMENTS`:
+with groups this small, an H200 ran the SmolLM2 step's forward+backward 27% slower (eight times
+the kernel launches)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +81,18 @@ class Plan:
     """`[tokens]` int64: the output row of each packed position (`order`'s inverse)."""
 
 
+def group_budget(device: torch.device | str) -> int:
+    """Most score elements of one batched group on `device` (`GROUP_ELEMENTS` on a CPU,
+    `SCORE_ELEMENTS` elsewhere)."""
+    return GROUP_ELEMENTS if torch.device(device).type == "cpu" else SCORE_ELEMENTS
+
+
 @functools.lru_cache(maxsize=16)
 def padded_groups(bounds: tuple[int, ...], heads: int, device: torch.device) -> Plan:
     """The batched layout of the packed samples `bounds` (`cu_seqlens`) for `heads` query
     heads (see the module docstring)."""
     segs = sorted(((e - s, s) for s, e in itertools.pairwise(bounds) if e > s), key=lambda x: -x[0])
+    budget = group_budget(device)
     members: list[list[tuple[int, int]]] = []
     alone: list[tuple[int, int]] = []
     for n, s in segs:
@@ -90,7 +100,7 @@ def padded_groups(bounds: tuple[int, ...], heads: int, device: torch.device) -> 
             alone.append((s, s + n))
             continue
         cur = members[-1] if members else None
-        if cur and 2 * n >= cur[0][0] and (len(cur) + 1) * heads * cur[0][0] ** 2 <= GROUP_ELEMENTS:
+        if cur and 2 * n >= cur[0][0] and (len(cur) + 1) * heads * cur[0][0] ** 2 <= budget:
             cur.append((n, s))
         else:
             members.append([(n, s)])
