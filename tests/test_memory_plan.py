@@ -304,6 +304,65 @@ def test_the_plan_predicts_a_real_train_steps_memory():
     assert 0.85 < got["transient"] / act < 1.15, (got, act)
 
 
+_MEASURE_GPU = r"""
+import json, sys
+import torch
+from slime_async.contracts.model import ModelSpec
+from slime_async.trainer.config import TrainerConfig
+from slime_async.trainer.testing import random_batch
+from slime_async.trainer.trainer import MegatronTrainer
+
+args = json.loads(sys.argv[1])
+spec = ModelSpec.from_dict(args["spec"])
+rc = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+cfg = TrainerConfig(lr=1e-6, seed=0, bf16=True, use_dynamic_batch_size=True,
+                    max_tokens_per_gpu=4096, **(rc if args["recompute"] else {}))
+tr = MegatronTrainer(cfg, spec)
+b = random_batch(spec, batch=len(args["lengths"]), width=max(args["lengths"]),
+                 prompt=args["prompt"], seed=1, lengths=args["lengths"])
+tr.train_step(b)  # Adam's moments exist from here on
+torch.cuda.synchronize()
+torch.cuda.reset_peak_memory_stats()
+tr.train_step(b)
+torch.cuda.synchronize()
+print("RESULT " + json.dumps({"peak": torch.cuda.max_memory_allocated()}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_plan_predicts_a_gpu_trainers_peak(recompute):
+    """A bf16 SmolLM2-shaped trainer on CUDA (a fresh process: NCCL with one rank), one
+    micro-batch of 40 recipe-like samples: `torch.cuda.max_memory_allocated` over its second
+    step within 15% of `gpu_trainer_bytes` (model state, activations, the GPU's
+    whole-vocabulary head chunks), with and without full recompute."""
+    import json
+    import subprocess
+    import sys
+
+    from slime_async.config.memory_plan import Recompute, RunShape, gpu_trainer_bytes
+
+    lengths, prompt = [60 + (i * 13) % 41 for i in range(40)], 40
+    arg = json.dumps(
+        {"spec": SMOLLM2.to_dict(), "lengths": lengths, "prompt": prompt, "recompute": recompute}
+    )
+    p = subprocess.run([sys.executable, "-c", _MEASURE_GPU, arg], capture_output=True,
+                       text=True, timeout=280, check=False)  # fmt: skip
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, p.stderr[-3000:]
+    peak = json.loads(line[0][len("RESULT ") :])["peak"]
+    shape = RunShape(
+        spec=SMOLLM2,
+        bf16=True,
+        trainer_on_gpu=True,
+        micro_batch_tokens=sum(lengths),
+        head_tokens=sum(n - prompt for n in lengths),
+        recompute=Recompute() if recompute else None,
+    )
+    assert 0.85 <= gpu_trainer_bytes(shape) / peak <= 1.15, (gpu_trainer_bytes(shape), peak)
+
+
 @pytest.mark.timeout(600)
 def test_the_plan_predicts_a_whole_tiny_runs_peak(tmp_path):
     """The embedded default run (no warm start, 8 steps) as a child process, its whole process

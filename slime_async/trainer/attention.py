@@ -50,9 +50,9 @@ its n² work."""
 GROUP_ELEMENTS = 1 << 19
 """Most `[samples, heads, n, n]` score elements of one batched group on a CPU (2 MiB in fp32:
 the backward's few tensors of that shape stay in a core's cache; groups of 32 SmolLM2 samples of
-~100 tokens ran its backward slower than groups of 6-8). A GPU groups up to `SCORE_ELEMENTS`:
-with groups this small, an H200 ran the SmolLM2 step's forward+backward 27% slower (eight times
-the kernel launches)."""
+~100 tokens ran its backward slower than groups of 6-8). A GPU groups up to `SCORE_ELEMENTS`
+(fewer, larger kernels: on an H200 those 32 samples are one group, a layer's forward+backward
+1.6 ms; docs/results/2026-11-27-memory-plan.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
