@@ -2,8 +2,8 @@
 what a save costs, and where a step's CPU seconds go.
 
 The trainer alone (`MegatronTrainer`, SmolLM2-135M's shapes with random weights, bf16, one
-thread, 512-token micro-batches, full recompute unless `--no-recompute`: the SmolLM2 recipe's
-trainer as the memory plan derives it), its heap trimmed after each step as the trainer actor
+thread, 512-token micro-batches unless `--tokens`, full recompute unless `--no-recompute`: the
+SmolLM2 recipe's trainer as its measured runs set it), its heap trimmed after each step as the trainer actor
 does. Two parts, each in a fresh process:
 
 * `phases`: one step after two warm-up steps on the recipe's batch, the process's RSS read
@@ -57,7 +57,7 @@ rc = dict(recompute_granularity="full", recompute_method="uniform", recompute_nu
 lora = dict(lora_rank=16, lora_alpha=32.0, lora_target_modules=(
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 cfg = TrainerConfig(lr=1e-6, seed=0, bf16=True, use_dynamic_batch_size=True,
-                    max_tokens_per_gpu=512, **(rc if args["recompute"] else {}),
+                    max_tokens_per_gpu=args["tokens"], **(rc if args["recompute"] else {}),
                     **(lora if args["lora"] else {}))
 tr = MegatronTrainer(cfg, spec)
 MIB = 2**20
@@ -157,6 +157,7 @@ def run(part: str, a: argparse.Namespace) -> object:
     args = {
         "part": part,
         "steps": a.steps,
+        "tokens": a.tokens,
         "recompute": a.recompute,
         "lora": a.lora,
         "top": a.top,
@@ -170,6 +171,7 @@ def main() -> None:
     p.add_argument("--parts", default="phases,growth")
     p.add_argument("--steps", type=int, default=10, help="growth: steps of growing batches")
     p.add_argument("--no-recompute", dest="recompute", action="store_false")
+    p.add_argument("--tokens", type=int, default=512, help="--max-tokens-per-gpu (micro-batch)")
     p.add_argument("--lora", action="store_true", help="LoRA rank 16 on every linear (export)")
     p.add_argument("--top", type=int, default=15, help="profile: the ops with most self CPU")
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE for the worker")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_the_te_names_moe_routing_reads_are_defined_on_gpus_too(monkeypatch):
     """megatron-core 0.16.1 without TransformerEngine reads `te_general_gemm` in its MoE router
@@ -36,6 +38,36 @@ def test_megatron_is_imported_without_the_loggers_nothing_here_uses():
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('wandb', 'tensorboard'))\n"
         "assert not loaded, loaded[:5]\n"
         "assert all(importlib.util.find_spec(m) for m in there), there\n"
+        "print('ok')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
+def test_megatron_is_imported_on_a_cpu_without_compiling_its_fusions():
+    """Patch 12: on a CPU megatron's `jit_fuser` is its no-op decorator (TorchDynamo is not
+    imported by megatron's import), a fused function megatron defines runs eagerly with the
+    same values, and `torch.compile` is torch's own again afterwards. In a fresh process."""
+    import subprocess
+    import sys
+
+    from slime_async.trainer import cpu_compat
+
+    if cpu_compat.cuda_available():
+        pytest.skip("a CPU-only patch")
+    code = (
+        "import sys, torch\n"
+        "from slime_async.trainer import cpu_compat\n"
+        "compile_ = torch.compile\n"
+        "cpu_compat.import_megatron_lean()\n"
+        "import slime_async.trainer.trainer\n"
+        "from megatron.core import jit\n"
+        "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "assert jit.jit_fuser is jit.noop_decorator and torch.compile is compile_\n"
+        "y, b = torch.randn(4, 6), torch.randn(6)\n"
+        "a, g = torch.chunk(y + b, 2, -1)\n"
+        "assert torch.equal(bias_swiglu(y, b), torch.nn.functional.silu(a) * g)\n"
         "print('ok')\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

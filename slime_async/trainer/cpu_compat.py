@@ -42,6 +42,13 @@ Patches (CPU only):
    is one autograd function writing each half once (`t₁·c₁ − t₂·s₁`, `t₂·c₂ + t₁·s₂`, the
    backward the adjoint `g₁·c₁ + g₂·s₂`, `g₂·c₂ − g₁·s₁`): the same math, rounded once per
    half instead of after each product and the sum (`tests/test_cpu_compat.py`).
+12. `import_megatron_lean()` on a CPU: megatron decorates its fused kernels with `jit_fuser`,
+   `torch.compile` on this torch, and each decoration imports TorchDynamo (36 MiB of anonymous
+   memory in every process that imports megatron, measured). No CPU step calls a compiled
+   function (Dynamo's counters stay empty over a train step, recompute included), so on a CPU
+   megatron is imported with `jit_fuser` as megatron's own `noop_decorator` (its
+   `disable_jit_fuser`): the same functions, run eagerly. `torch.compile` itself is untouched
+   afterwards; a GPU keeps the compiled fusions.
 """
 
 from __future__ import annotations
@@ -69,8 +76,9 @@ uses in the processes that import megatron."""
 
 def import_megatron_lean() -> None:
     """Import `megatron.core` without `_UNUSED_BY_MEGATRON` (patch 9): each is hidden from the
-    import (megatron falls back to None for it), then importable again. A no-op when megatron
-    is imported already, or a hidden module was imported before (it is then left alone)."""
+    import (megatron falls back to None for it), then importable again; on a CPU without
+    compiling its fused kernels (patch 12). A no-op when megatron is imported already, or a
+    hidden module was imported before (it is then left alone)."""
     import sys
 
     if "megatron.core" in sys.modules:
@@ -78,12 +86,27 @@ def import_megatron_lean() -> None:
     hidden = [m for m in _UNUSED_BY_MEGATRON if m not in sys.modules]
     for m in hidden:
         sys.modules[m] = None  # type: ignore[assignment]  # `import m` raises ImportError
+    eager = not cuda_available()
+    compile_ = torch.compile
+    if eager:  # patch 12: megatron's `jit_fuser` is bound to this at its import
+        torch.compile = _no_compile  # type: ignore[assignment]
     try:
         import megatron.core  # noqa: F401
+        from megatron.core import jit
+
+        if eager:
+            jit.disable_jit_fuser()  # what megatron's modules imported later decorate with
     finally:
+        torch.compile = compile_
         for m in hidden:
             if sys.modules.get(m, 0) is None:
                 del sys.modules[m]
+
+
+def _no_compile(model: object = None, **_: object) -> object:
+    """`torch.compile`'s two call forms, `compile(f, ...)` and `compile(...)(f)`, returning the
+    function itself (patch 12)."""
+    return model if model is not None else (lambda f: f)
 
 
 def apply() -> bool:
