@@ -12,7 +12,7 @@ import torch
 
 from slime_async.config import Environment, build_parser, validate
 from slime_async.config.memory_plan import MEMORY_FRACTION, RUNTIME, param_count
-from slime_async.config.rules.memory import MICRO_BATCH_TOKENS, memory_parts, run_shape
+from slime_async.config.rules.memory import MICRO_BATCHES, memory_parts, run_shape
 from slime_async.contracts.model import SMOLLM2_135M, TINY_MOE, ModelSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -171,36 +171,33 @@ def _limit_gib(nbytes: int) -> str:
     return f"{nbytes / GIB:.4f}"
 
 
-def test_a_cpu_trainer_gets_the_largest_micro_batch_that_fits_its_memory_limit():
+def test_a_cpu_trainer_gets_the_fastest_micro_batch_that_fits_its_memory_limit():
+    """`MICRO_BATCHES` in order: 2048 tokens without recompute where it fits, then 2048 with
+    full recompute (faster than a smaller budget without, and leaner), then smaller budgets
+    with recompute; each derived with the numbers."""
+    rc = ("--recompute-granularity", "full", "--recompute-method", "uniform",
+          "--recompute-num-layers", "1")  # fmt: skip
     roomy = _cfg(*ASYNC, memory=64 * GIB)
     assert roomy.trainer.use_dynamic_batch_size
-    assert roomy.trainer.max_tokens_per_gpu == MICRO_BATCH_TOKENS[0]
-    assert roomy.trainer.recompute_granularity is None
+    assert (roomy.trainer.max_tokens_per_gpu, roomy.trainer.recompute_granularity) == (2048, None)
     assert "fits" in roomy.derived["--max-tokens-per-gpu"].why
-    big, small = MICRO_BATCH_TOKENS[0], MICRO_BATCH_TOKENS[-1]
-    flags = ("--use-dynamic-batch-size", "--max-tokens-per-gpu")
-    need = {n: _need(*flags, str(n)) for n in (big, small)}
-    assert need[small] < need[big]  # activations are counted
-    between = _limit_gib((need[small] + need[big]) // 2)
-    cfg = _cfg(*ASYNC, "--memory-limit-gib", between, memory=64 * GIB)
-    assert small <= cfg.trainer.max_tokens_per_gpu < big
-    assert cfg.trainer.recompute_granularity is None
-    assert cfg.memory_limit_gib == float(between)
-    rc = ("--recompute-granularity", "full", "--recompute-method", "uniform")
-    need_rc = _need("--use-dynamic-batch-size", "--max-tokens-per-gpu", str(big), *rc,
-                    "--recompute-num-layers", "1")  # fmt: skip
-    smallest = _need(
-        "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(MICRO_BATCH_TOKENS[-1])
-    )
-    assert need_rc < smallest
-    tight = _cfg(*ASYNC, "--memory-limit-gib", _limit_gib((need_rc + smallest) // 2), memory=None)
-    assert tight.trainer.recompute_granularity == "full" and tight.trainer.max_tokens_per_gpu == big
-    assert "recompute" in tight.derived["--max-tokens-per-gpu"].why
+    budget = ("--use-dynamic-batch-size", "--max-tokens-per-gpu")
+    need = {(t, r): _need(*budget, str(t), *(rc if r else ())) for t, r in MICRO_BATCHES[:3]}
+    assert need[2048, False] > need[2048, True] > need[1024, True]  # activations are counted
+    for lower, upper, want in (
+        ((2048, True), (2048, False), (2048, "full")),
+        ((1024, True), (2048, True), (1024, "full")),
+    ):
+        between = _limit_gib((need[lower] + need[upper]) // 2)
+        cfg = _cfg(*ASYNC, "--memory-limit-gib", between, memory=64 * GIB)
+        assert (cfg.trainer.max_tokens_per_gpu, cfg.trainer.recompute_granularity) == want
+        assert cfg.memory_limit_gib == float(between)
+        assert "recompute" in cfg.derived["--max-tokens-per-gpu"].why
 
 
 def test_a_run_that_fits_nowhere_is_refused_without_the_fixes_the_plan_already_tried():
     leanest = _need("--use-dynamic-batch-size", "--max-tokens-per-gpu",
-                    str(MICRO_BATCH_TOKENS[-1]), "--recompute-granularity", "full",
+                    str(MICRO_BATCHES[-1][0]), "--recompute-granularity", "full",
                     "--recompute-method", "uniform", "--recompute-num-layers", "1")  # fmt: skip
     with pytest.raises(ValueError, match="would not fit") as e:
         _cfg(*ASYNC, "--memory-limit-gib", _limit_gib(leanest // 2), memory=64 * GIB)

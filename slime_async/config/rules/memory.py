@@ -138,10 +138,20 @@ PROMPT_TOKENS = 512
 data's prompts are not read at start-up); a token budget (--use-dynamic-batch-size) bounds it."""
 EMBEDDED_PROMPT_TOKENS = 32
 """The same for the embedded default run, whose built-in tasks' prompts are a few digits."""
-MICRO_BATCH_TOKENS = (512, 256, 128)
-"""Token budgets a CPU trainer's micro-batch is derived from, largest first: the largest that
-fits the memory limit (docs/cpu.md#memory: on a CPU a micro-batch above 512 tokens buys no
-speed, measured, and costs activations linearly)."""
+MICRO_BATCHES: tuple[tuple[int, bool], ...] = (
+    (2048, False),
+    (2048, True),
+    (1024, True),
+    (512, True),
+    (256, True),
+    (128, True),
+)
+"""(token budget, full recompute) a CPU trainer's micro-batch is derived from, the fastest
+first: the first that fits the memory limit. Measured on SmolLM2's step in bf16 (docs/cpu.md#memory):
+each micro-batch costs time beyond its tokens (its weight gradients' products and their adds
+into the fp32 buffer are the weights' size whatever the tokens), so 2048 tokens with recompute
+ran faster than 1024 or 512 without and held less; a budget above 2048 was slower."""
+LEANEST = MICRO_BATCHES[-1]
 BATCH_FLAGS = ("use_dynamic_batch_size", "max_tokens_per_gpu", "recompute_granularity")
 REFIT: tuple[Rule, ...] = (snapshots, trainer, resume, weight_dtype, run_config)
 """The rules `--behavior-forward` feeds, in `RULES` order: the snapshot count (the role holds
@@ -168,8 +178,7 @@ def memory_limit(d: Draft) -> int | None:
 def memory(d: Draft) -> None:
     """The run fits in its memory limit (`memory_limit`), or is refused with the numbers and the
     fix before anything starts. A CPU trainer of a user's model whose micro-batching the user
-    left unset gets the largest token budget that fits (`MICRO_BATCH_TOKENS`; full recompute
-    when none does without); a derived `--behavior-forward role` that would not fit becomes
+    left unset gets the fastest micro-batch that fits (`MICRO_BATCHES`); a derived `--behavior-forward role` that would not fit becomes
     `trainer` when that fits. GPU trainers are checked against their GPU's memory."""
     limit = memory_limit(d)
     gpu = trainer_on_gpu(d)
@@ -186,7 +195,7 @@ def memory(d: Draft) -> None:
             if fitted is not None:
                 d.adopt(fitted)
                 return
-        leanest = _with_micro_batch(tries[-1][0], MICRO_BATCH_TOKENS[-1], recompute=True)
+        leanest = _with_micro_batch(tries[-1][0], *LEANEST)
     parts = memory_parts(d.config, trainer_on_gpu=gpu)
     if memory_plan.fits(parts, limit):
         return
@@ -212,7 +221,7 @@ def _fixes(d: Draft) -> list[str]:
     """The flags that would shrink `d`'s run, leaving out what it already does."""
     t = d.config.trainer
     out = [] if t.bf16 else ["--bf16 (half the weights)"]
-    if not t.use_dynamic_batch_size or (t.max_tokens_per_gpu or 0) > MICRO_BATCH_TOKENS[-1]:
+    if not t.use_dynamic_batch_size or (t.max_tokens_per_gpu or 0) > LEANEST[0]:
         out.append("--use-dynamic-batch-size with a smaller --max-tokens-per-gpu")
     if t.recompute_granularity != "full":
         out.append(
@@ -263,25 +272,24 @@ def _forward_movable(d: Draft) -> bool:
 
 
 def _fit_micro_batch(d: Draft, limit: int, mem: int | None, *, moved: bool = False) -> Draft | None:
-    """A copy of `d` with the largest `MICRO_BATCH_TOKENS` budget whose run fits `limit`
-    (derived, with the numbers), full recompute if only that fits; None if nothing does."""
-    for recompute in (False, True):
-        for tokens in MICRO_BATCH_TOKENS:
-            alt = _with_micro_batch(d, tokens, recompute=recompute)
-            parts = memory_parts(alt.config)
-            if memory_plan.fits(parts, limit):
-                fit = memory_plan.describe(parts, limit, mem)
-                why = f"the largest micro-batch for a CPU trainer that fits: {fit}"
-                if recompute:
-                    why = f"no micro-batch fits without recompute; with it: {fit}"
-                alt.flags.derived["--max-tokens-per-gpu"] = Derived(tokens, why)
-                if moved:
-                    _note_trainer_forward(alt, "the forward-only role would not fit", fit)
-                return alt
+    """A copy of `d` with the first of `MICRO_BATCHES` whose run fits `limit` (derived, with the
+    numbers); None if none does."""
+    for tokens, recompute in MICRO_BATCHES:
+        alt = _with_micro_batch(d, tokens, recompute)
+        parts = memory_parts(alt.config)
+        if memory_plan.fits(parts, limit):
+            fit = memory_plan.describe(parts, limit, mem)
+            why = f"the fastest micro-batch for a CPU trainer that fits: {fit}"
+            if recompute:
+                why = f"with full recompute, the fastest that fits: {fit}"
+            alt.flags.derived["--max-tokens-per-gpu"] = Derived(tokens, why)
+            if moved:
+                _note_trainer_forward(alt, "the forward-only role would not fit", fit)
+            return alt
     return None
 
 
-def _with_micro_batch(d: Draft, tokens: int, *, recompute: bool) -> Draft:
+def _with_micro_batch(d: Draft, tokens: int, recompute: bool) -> Draft:
     """A copy of `d` as if `--use-dynamic-batch-size --max-tokens-per-gpu tokens` (and full
     uniform recompute of single layers) had been derived; the `REBATCH` rules run again."""
     alt = d.fork()
