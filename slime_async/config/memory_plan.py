@@ -130,14 +130,16 @@ RUNTIME: dict[str, int] = {
     "ray": 350 * MIB,
     "driver": 300 * MIB,
     "router": 80 * MIB,
-    "trainer": 480 * MIB,
-    "role": 390 * MIB,
+    "trainer": 330 * MIB,
+    "role": 240 * MIB,
     "engine": 370 * MIB,
 }
 """Each process's own bytes before it holds a model, as the node counts them (proportional set
 size: the pages of torch's and Python's libraries that processes share counted once), measured
-on the default run's processes at the whole run's peak, less their tiny model's few MiB
-(scripts/bench_memory.py; the driver's is the SmolLM2 recipe's, which holds a tokenizer):
+on the default run's processes at the whole run's peak, less what the plan counts for their
+tiny model (scripts/bench_memory.py; the driver's is the SmolLM2 recipe's, which holds a
+tokenizer; the trainer's and the role's re-measured after `cpu_compat` patch 12 left
+TorchDynamo out of megatron's import):
 `ray`: Ray's daemons together (GCS, raylet, dashboard and runtime-env agents, log monitor, an
 idle worker); `driver`: train_async.py with the data worker; `router`; `trainer` and `role`: a
 Ray actor with torch and megatron imported; `engine`: an embedded engine actor."""
