@@ -43,25 +43,27 @@ Patches (CPU only):
    backward the adjoint `g₁·c₁ + g₂·s₂`, `g₂·c₂ − g₁·s₁`): the same math, rounded once per
    half instead of after each product and the sum (`tests/test_cpu_compat.py`).
 12. `import_megatron_lean()` on a CPU: megatron decorates its fused kernels with `jit_fuser`,
-   `torch.compile` on this torch, and each decoration imports TorchDynamo (36 MiB of anonymous
-   memory in every process that imports megatron, measured). No CPU step calls a compiled
-   function (Dynamo's counters stay empty over a train step, recompute included), so on a CPU
-   megatron is imported with `jit_fuser` as megatron's own `noop_decorator` (its
-   `disable_jit_fuser`): the same functions, run eagerly. `torch.compile` itself is untouched
-   afterwards; a GPU keeps the compiled fusions.
+   `torch.compile` on this torch, and each decoration imports TorchDynamo: 68 MiB of anonymous
+   memory in every process that imports megatron (measured), though a dense model's CPU step
+   calls none of them (Dynamo's counters stay empty over a train step). On a CPU the
+   decoration is deferred: `jit_fuser` wraps each function so that its first call compiles
+   it with `torch.compile`, as the decoration would have (the tiny MoE's step calls one).
+   `torch.compile` itself is untouched afterwards; a GPU keeps megatron's own decoration.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 
 _LOCK = threading.Lock()
 _APPLIED = False
+_TORCH_COMPILE = torch.compile
 
 
 def cuda_available() -> bool:
@@ -76,8 +78,8 @@ uses in the processes that import megatron."""
 
 def import_megatron_lean() -> None:
     """Import `megatron.core` without `_UNUSED_BY_MEGATRON` (patch 9): each is hidden from the
-    import (megatron falls back to None for it), then importable again; on a CPU without
-    compiling its fused kernels (patch 12). A no-op when megatron is imported already, or a
+    import (megatron falls back to None for it), then importable again; on a CPU its fused
+    kernels compiled on first call, not at import (patch 12). A no-op when megatron is imported already, or a
     hidden module was imported before (it is then left alone)."""
     import sys
 
@@ -86,16 +88,16 @@ def import_megatron_lean() -> None:
     hidden = [m for m in _UNUSED_BY_MEGATRON if m not in sys.modules]
     for m in hidden:
         sys.modules[m] = None  # type: ignore[assignment]  # `import m` raises ImportError
-    eager = not cuda_available()
+    lazy = not cuda_available()
     compile_ = torch.compile
-    if eager:  # patch 12: megatron's `jit_fuser` is bound to this at its import
-        torch.compile = _no_compile  # type: ignore[assignment]
+    if lazy:  # patch 12: megatron's `jit_fuser` is bound to this at its import
+        torch.compile = compile_on_first_call  # type: ignore[assignment]
     try:
         import megatron.core  # noqa: F401
         from megatron.core import jit
 
-        if eager:
-            jit.disable_jit_fuser()  # what megatron's modules imported later decorate with
+        if lazy:  # what megatron's modules imported later decorate with
+            jit.jit_fuser = compile_on_first_call
     finally:
         torch.compile = compile_
         for m in hidden:
@@ -103,10 +105,20 @@ def import_megatron_lean() -> None:
                 del sys.modules[m]
 
 
-def _no_compile(model: object = None, **_: object) -> object:
-    """`torch.compile`'s two call forms, `compile(f, ...)` and `compile(...)(f)`, returning the
-    function itself (patch 12)."""
-    return model if model is not None else (lambda f: f)
+def compile_on_first_call(model: Callable | None = None, **options: object) -> Callable:
+    """`torch.compile` in both call forms (`compile(f, ...)`, `compile(...)(f)`), deferred: the
+    returned function compiles `model` on its first call (patch 12)."""
+    if model is None:
+        return functools.partial(compile_on_first_call, **options)
+    compiled: list[Callable] = []
+
+    @functools.wraps(model)
+    def run(*args: object, **kwargs: object) -> object:
+        if not compiled:
+            compiled.append(_TORCH_COMPILE(model, **options))
+        return compiled[0](*args, **kwargs)
+
+    return run
 
 
 def apply() -> bool:
