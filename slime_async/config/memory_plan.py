@@ -139,7 +139,9 @@ size: the pages of torch's and Python's libraries that processes share counted o
 on the default run's processes at the whole run's peak, less what the plan counts for their
 tiny model (scripts/bench_memory.py; the driver's is the SmolLM2 recipe's, which holds a
 tokenizer; the trainer's and the role's re-measured after `cpu_compat` patch 12 left
-TorchDynamo out of megatron's import):
+TorchDynamo out of megatron's import, with the tiny MoE's one fused function run uncompiled:
+compiling it on its first call, as the default run now does, adds 60-80 MiB to each of the two
+there, docs/results/2026-11-28-small-machine.md):
 `ray`: Ray's daemons together (GCS, raylet, dashboard and runtime-env agents, log monitor, an
 idle worker); `driver`: train_async.py with the data worker; `router`; `trainer` and `role`: a
 Ray actor with torch and megatron imported; `engine`: an embedded engine actor."""
