@@ -79,8 +79,8 @@ uses in the processes that import megatron."""
 def import_megatron_lean() -> None:
     """Import `megatron.core` without `_UNUSED_BY_MEGATRON` (patch 9): each is hidden from the
     import (megatron falls back to None for it), then importable again; on a CPU its fused
-    kernels compiled on first call, not at import (patch 12). A no-op when megatron is imported already, or a
-    hidden module was imported before (it is then left alone)."""
+    kernels compiled on first call, not at import (patch 12). A no-op when megatron is imported
+    already, or a hidden module was imported before (it is then left alone)."""
     import sys
 
     if "megatron.core" in sys.modules:

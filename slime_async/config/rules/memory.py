@@ -147,10 +147,11 @@ MICRO_BATCHES: tuple[tuple[int, bool], ...] = (
     (128, True),
 )
 """(token budget, full recompute) a CPU trainer's micro-batch is derived from, the fastest
-first: the first that fits the memory limit. Measured on SmolLM2's step in bf16 (docs/cpu.md#memory):
-each micro-batch costs time beyond its tokens (its weight gradients' products and their adds
-into the fp32 buffer are the weights' size whatever the tokens), so 2048 tokens with recompute
-ran faster than 1024 or 512 without and held less; a budget above 2048 was slower."""
+first: the first that fits the memory limit. Measured on SmolLM2's step in bf16
+(docs/cpu.md#memory): each micro-batch costs time beyond its tokens (its weight gradients'
+products and their adds into the fp32 buffer are the weights' size whatever the tokens), so
+2048 tokens with recompute ran faster than 1024 or 512 without and held less; a budget above
+2048 was slower."""
 LEANEST = MICRO_BATCHES[-1]
 BATCH_FLAGS = ("use_dynamic_batch_size", "max_tokens_per_gpu", "recompute_granularity")
 REFIT: tuple[Rule, ...] = (snapshots, trainer, resume, weight_dtype, run_config)
@@ -178,8 +179,9 @@ def memory_limit(d: Draft) -> int | None:
 def memory(d: Draft) -> None:
     """The run fits in its memory limit (`memory_limit`), or is refused with the numbers and the
     fix before anything starts. A CPU trainer of a user's model whose micro-batching the user
-    left unset gets the fastest micro-batch that fits (`MICRO_BATCHES`); a derived `--behavior-forward role` that would not fit becomes
-    `trainer` when that fits. GPU trainers are checked against their GPU's memory."""
+    left unset gets the fastest micro-batch that fits (`MICRO_BATCHES`); a derived
+    `--behavior-forward role` that would not fit becomes `trainer` when that fits. GPU trainers
+    are checked against their GPU's memory."""
     limit = memory_limit(d)
     gpu = trainer_on_gpu(d)
     if gpu:
