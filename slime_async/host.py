@@ -5,7 +5,9 @@ Owns `pin_cores` (CPU core pinning inside a process: the CPU analogue of separat
 `limit_malloc_arenas` (fewer per-thread heaps), `limit_kernel_caches` (bounded caches of
 compiled CPU matmuls), `rss_bytes` (this process's resident memory),
 `ray_address` (the cluster a run joins: the flag, else
-`RAY_ADDRESS`), and the two file primitives every durable write uses:
+`RAY_ADDRESS`), `cpu_bf16_feature` (the CPU flag that makes bf16 matmuls native here: what
+the trainer's `--bf16` and the engine's GEMMs are derived from), and the two file primitives
+every durable write uses:
 `atomic_write_text` (temp file, fsync, rename) and `file_sha256`. Imports nothing from
 slime_async.
 """
@@ -150,3 +152,23 @@ def port_taken(text: str) -> bool:
     """Whether an error's text (or a server's log) says a bind failed because another process
     holds the port (EADDRINUSE): the caller picks another port, unless the user gave it."""
     return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+"""CPU flags with native bf16 dot products, best first (oneDNN uses them for bf16 matmuls)."""
+
+
+def cpu_bf16_feature(cpuinfo: str | None = None) -> str | None:
+    """The first of `BF16_FLAGS` the CPU has (from `/proc/cpuinfo`'s text, read if not given),
+    or None (no such flag, or no `/proc/cpuinfo`: not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return next((f for f in BF16_FLAGS if f in flags), None)

@@ -73,3 +73,36 @@ def test_a_built_architecture_travels_on_the_command_line() -> None:
     bad = add_engine_args(argparse.ArgumentParser()).parse_args(["--model-spec", "[1]"])
     with pytest.raises(ValueError, match="--model-spec must be a JSON object"):
         engine_config_from_args(bad)
+
+
+def test_bf16_matmuls_go_via_fp32_only_where_the_cpu_lacks_native_bf16() -> None:
+    """Unset, the engine runs bf16 GEMMs through fp32 only on a CPU without AMX/AVX512_BF16;
+    `--bf16-via-fp32` and `--bf16-native-matmul` decide on any CPU."""
+    from slime_async.engine.model import use_bf16_via_fp32
+
+    parse = add_engine_args(argparse.ArgumentParser()).parse_args
+    assert engine_config_from_args(parse([])).bf16_via_fp32 is None
+    assert engine_config_from_args(parse(["--bf16-native-matmul"])).bf16_via_fp32 is False
+    assert engine_config_from_args(parse(["--bf16-via-fp32"])).bf16_via_fp32 is True
+    assert use_bf16_via_fp32(None, None) and not use_bf16_via_fp32(None, "amx_bf16")
+    assert use_bf16_via_fp32(True, "amx_bf16") and not use_bf16_via_fp32(False, None)
+
+
+def test_native_bf16_and_bf16_via_fp32_give_the_same_logits_to_bf16_rounding() -> None:
+    """Both paths are bf16 GEMMs with fp32 accumulation: a small llama's bf16 logits agree to
+    a few bf16 roundings of their largest entry."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slime_async.engine.model import Bf16ViaFp32
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (4, 24))
+    with torch.no_grad():
+        native = model(input_ids=ids).logits.float()
+        with Bf16ViaFp32():
+            via = model(input_ids=ids).logits.float()
+    assert (native - via).abs().max().item() <= 4 * 2**-8 * via.abs().max().item()

@@ -46,10 +46,12 @@ class EngineConfig:
     `--random-seed`)."""
     dtype: Dtype = "bf16"
     """Inference dtype: bf16 (a real engine mismatch against the fp32 trainer) or fp32."""
-    bf16_via_fp32: bool = flag(True, off=("--bf16-native-matmul",))
+    bf16_via_fp32: bool | None = flag(None, off=("--bf16-native-matmul",))
     """bf16 only: run matmuls/attention as fp32 over bf16 values, rounding outputs to bf16 (a
-    bf16 GEMM with fp32 accumulation, as on GPUs); 5-15x faster on CPUs without native bf16.
-    --bf16-native-matmul uses torch's bf16 GEMMs instead (slow on CPU)."""
+    bf16 GEMM with fp32 accumulation, as on GPUs); 5-15x faster than torch's bf16 GEMMs on CPUs
+    without native bf16. Unset: so where the CPU lacks AMX/AVX512_BF16, and torch's native bf16
+    GEMMs where it has them (2.5-3x faster than via fp32 at SmolLM2's shapes, measured:
+    docs/results/2026-11-28-small-machine.md); --bf16-native-matmul always uses those."""
     max_running_requests: int = flag(64, ge=1)
     """Most sequences decoding together (the continuous batch); the rest wait in FIFO order."""
     max_prefill_tokens: int = flag(8192, ge=1)

@@ -25,6 +25,7 @@ from slime_async.contracts.chat import IdText
 from slime_async.contracts.model import TINY_MOE, ModelSpec
 from slime_async.contracts.vision import VL_FAMILIES, VisionSpec, image_processor
 from slime_async.engine.config import EngineConfig
+from slime_async.host import cpu_bf16_feature
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 BF16_VIA_FP32_MIN_TOKENS = 8
@@ -195,6 +196,13 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def use_bf16_via_fp32(given: bool | None, cpu_bf16: str | None) -> bool:
+    """Whether bf16 matmuls run through `Bf16ViaFp32`: as `--bf16-via-fp32` /
+    `--bf16-native-matmul` say, else where the CPU has no native bf16 (`cpu_bf16`: its
+    AMX/AVX512_BF16 flag, None without)."""
+    return given if given is not None else cpu_bf16 is None
+
+
 def load_model(cfg: EngineConfig) -> LoadedModel:
     """Build `cfg.model_spec` (random init seeded by `cfg.seed`) or load `cfg.model_dir`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -245,7 +253,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         capture=RouterCapture(model, num_layers=num_layers, topk=max(topk, 1)),
         model_path=model_path,
         model_type=str(model.config.model_type),
-        bf16_via_fp32=cfg.bf16_via_fp32,
+        bf16_via_fp32=use_bf16_via_fp32(cfg.bf16_via_fp32, cpu_bf16_feature()),
         lora=_lora(model, cfg),
         vision=vision,
         image_processor=None if vision is None else image_processor(cfg.model_dir, vision),
