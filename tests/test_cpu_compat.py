@@ -19,14 +19,22 @@ def test_the_te_names_moe_routing_reads_are_defined_on_gpus_too(monkeypatch):
     assert moe_utils.te_general_gemm is None  # the router's check reads None, not a NameError
 
 
+def _in_fresh_process(code: str, timeout: int = 120) -> None:
+    """Run `code` in a new Python (this one has megatron imported already); it prints 'ok'."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+    assert p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
 def test_megatron_is_imported_without_the_loggers_nothing_here_uses():
     """The trainer's and the role's actors import megatron through `import_megatron_lean`:
     wandb and torch's tensorboard writer (megatron's timers' loggers) are not loaded, ~22 MiB
     less per process, and those installed stay importable afterwards (a machine may lack
     wandb: the GPU image has none). In a fresh process (this one has megatron already)."""
-    import subprocess
-    import sys
-
     code = (
         "import importlib.util, sys\n"
         "from slime_async.trainer import cpu_compat\n"
@@ -40,8 +48,7 @@ def test_megatron_is_imported_without_the_loggers_nothing_here_uses():
         "assert all(importlib.util.find_spec(m) for m in there), there\n"
         "print('ok')\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+    _in_fresh_process(code)
 
 
 def test_megatron_is_imported_on_a_cpu_with_its_fusions_compiled_on_first_call():
@@ -49,9 +56,6 @@ def test_megatron_is_imported_on_a_cpu_with_its_fusions_compiled_on_first_call()
     `torch.compile` to a function's first call), `torch.compile` is torch's own again
     afterwards, and a function megatron decorates later compiles when first called, with its
     eager values. In a fresh process."""
-    import subprocess
-    import sys
-
     from slime_async.trainer import cpu_compat
 
     if cpu_compat.cuda_available():
@@ -71,8 +75,7 @@ def test_megatron_is_imported_on_a_cpu_with_its_fusions_compiled_on_first_call()
         "assert torch.allclose(f(x), f.__wrapped__(x)) and 'torch._dynamo' in sys.modules\n"
         "print('ok')\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+    _in_fresh_process(code, timeout=300)
 
 
 def test_rope_in_one_function_equals_megatrons_math():
