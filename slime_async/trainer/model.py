@@ -4,8 +4,8 @@ Owns: the ModelSpec → TransformerConfig mapping (including what the trainer's 
 per-token-loss gradients, variable sequence lengths between pipeline stages, recomputation,
 bf16), model construction (one chunk, or one per virtual pipeline stage) on megatron's local
 layer spec with packed-sequence attention (`attention.py`) and an output layer that returns
-the hidden states for the chunked log-prob head (`lm_head.py`), RMSNorm with its own backward
-on CPU (`norm.py`), the RoPE frequencies
+the hidden states for the chunked log-prob head (`lm_head.py`), SwiGLU in one autograd
+function (`swiglu.py`), RMSNorm with its own backward on CPU (`norm.py`), the RoPE frequencies
 (`rope_inv_freq`, with llama3 scaling), and `global_named_parameters` (the parameters of this
 rank's chunks under their global layer numbers). Must never import the controller, engine,
 rollout or data-worker parts of `slime_async`.
@@ -189,7 +189,7 @@ def build_model(
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from slime_async.trainer import embedding, lm_head, norm
+    from slime_async.trainer import embedding, lm_head, norm, swiglu
     from slime_async.trainer.attention import PackedDotProductAttention
 
     cpu_compat.apply()
@@ -237,6 +237,7 @@ def build_model(
     if last:
         # the head takes hidden states and the output weight: no [tokens, V] tensor (lm_head.py)
         lm_head.install(model)
+    swiglu.install(model)  # the gated unit's backward without a concatenation (swiglu.py)
     if not cpu_compat.cuda_available():
         norm.install(model)  # RMSNorm's backward in a few passes (norm.py)
         embedding.install(model)  # its gradient straight into the fp32 buffer (embedding.py)
