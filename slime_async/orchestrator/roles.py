@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from router.client import RouterClient
 from router.config import RouterConfig
 from slime_async.contracts.engine import EngineBackend, EngineHandle, EngineLaunch
-from slime_async.host import pin_cores
+from slime_async.host import huge_page_malloc, pin_cores
 from slime_async.orchestrator.placement import Slot, node_alive, relocated
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,8 @@ def init_ray(
     # the local node's raylet starts workers at this niceness (Ray's default is 15): our actors
     # are the run itself and compete with nothing of ours, so they run at normal priority
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # and their heaps on transparent huge pages: a tenth of a train step's page faults
+    huge_page_malloc()
     ray.init(
         address="local",
         num_cpus=cpus,
