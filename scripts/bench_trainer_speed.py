@@ -48,7 +48,6 @@ sys.path.insert(0, str(ROOT))
 
 from slime_async.config.memory_plan import param_count  # noqa: E402
 from slime_async.contracts.model import SMOLLM2_135M  # noqa: E402
-from slime_async.host import huge_page_malloc  # noqa: E402
 
 SMOLLM2 = SMOLLM2_135M
 CONFIGS = {  # name: (bf16, logits chunk tokens (None: the chunked default, 0: full), recompute)
@@ -205,6 +204,8 @@ def run_worker(code: str, args: dict, *, cwd: Path, env: dict[str, str], what: s
     printed on its last `RESULT <json>` line; raises with its stderr's tail when it failed.
     The process mallocs on huge pages as a run's actors do (`host.huge_page_malloc`), unless
     `env` sets `GLIBC_TUNABLES` (empty: glibc's defaults)."""
+    from slime_async.host import huge_page_malloc  # here: a worker of a base tree imports this file
+
     env = dict(env)
     huge_page_malloc(env)
     p = subprocess.run(

@@ -37,7 +37,7 @@ class _RMSNorm(torch.autograd.Function):
             gw = (gf * n).reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
         gn = gf if weight is None else (gf * weight if gf is g else gf.mul_(weight))
         dot = torch.linalg.vecdot(gn, n).unsqueeze(-1).div_(n.shape[-1])
-        gx = n.mul_(dot).neg_().add_(gn).mul_(r).to(x.dtype)
+        gx = torch.addcmul(gn, n, dot, value=-1.0, out=n).mul_(r).to(x.dtype)  # r·(gn − n·dot)
         return gx, gw, None
 
 
