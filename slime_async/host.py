@@ -72,8 +72,8 @@ MALLOC_TUNABLES = "glibc.malloc.hugetlb=1"
 """glibc's tunable (2.35+) that has malloc ask the kernel for transparent huge pages
 (`madvise(MADV_HUGEPAGE)`) on its heap and its mmapped blocks. A train step allocates its
 activations afresh after each step's `trim_heap`: with 4 KiB pages that is one page fault per
-4 KiB (about 580,000 a SmolLM2 step at a 4096-token micro-batch, about a second of system
-time), with 2 MiB pages a tenth of the faults (docs/cpu.md#huge-pages). glibc reads it when a
+4 KiB (over half a million a SmolLM2 step at a 4096-token micro-batch, one to two seconds of
+system time), with 2 MiB pages a tenth of the faults (docs/cpu.md#huge-pages). glibc reads it when a
 process starts, so it is set in the environment of the processes a run starts, never in a
 running one; older glibc and other C libraries ignore it, as does a kernel whose transparent
 huge pages are off."""
