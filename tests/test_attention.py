@@ -122,6 +122,49 @@ def test_batched_packed_attention_equals_one_call_per_sample(monkeypatch, budget
     attention.padded_groups.cache_clear()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_groups_padded_with_a_real_row_are_bitwise_those_padded_with_zeros(dtype):
+    """A group is gathered in one pass, its padding repeating a real row (large values here);
+    the output and the q/k/v gradients are bitwise those of the same groups zero-padded and
+    attended through `causal_attention` (autograd unpads the gradients)."""
+    from slime_async.trainer import attention
+
+    bounds = (0, 5, 6, 13, 20, 29, 31, 42)
+    heads, groups = SPEC.num_attention_heads, SPEC.num_key_value_heads
+    plan = attention.padded_groups(bounds, heads, torch.device(DEVICE))
+    assert any(g.pad.numel() for g in plan.groups)
+    q, k, v = (x[:, 0].to(dtype) for x in _qkv(42, seed=3))
+    for x in (q, k, v):
+        x[0] *= 1e4  # the row the first group's padding repeats: any leak shows
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    scale = SPEC.head_dim**-0.5
+
+    def run(fn):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(g)
+        return out.detach(), *(x.grad for x in leaves)
+
+    def zero_padded(q, k, v):
+        out = q.new_zeros(q.shape)
+        for grp in plan.groups:
+            pad = [
+                x.new_zeros(grp.samples * grp.width, *x.shape[1:])
+                .index_copy(0, grp.dst, x.index_select(0, grp.src))
+                .view(grp.samples, grp.width, *x.shape[1:])
+                for x in (q, k, v)
+            ]
+            o = attention.causal_attention(*pad, scale).reshape(-1, heads, q.shape[-1])
+            out = out.index_copy(0, grp.src, o.index_select(0, grp.dst))
+        return out
+
+    ours = run(lambda q, k, v: attention._PackedGroups.apply(q, k, v, plan, scale))
+    ref = run(zero_padded)
+    assert k.shape[1] == groups
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref, strict=True):
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
+
+
 def test_a_gpu_groups_more_samples_than_a_cpu():
     """A CPU's groups keep their scores within a core's cache (`GROUP_ELEMENTS`); a GPU's
     within the per-sample budget (`SCORE_ELEMENTS`): the recipe's 32 samples of 60-100 tokens

@@ -21,7 +21,10 @@ tensor (no padded copies kept, no per-group gradients of the whole input summed;
 attention ran about a tenth faster at the SmolLM2 recipe's shapes). Its forward is SDPA's
 fused causal kernel with grouped-query heads (no score matrix). Right padding needs no key
 mask: under the causal mask a real query sees only keys at or before it, all real; padded query
-rows are computed and dropped. The backward recomputes the probabilities from q and k (the
+rows are computed and dropped. Nor does it need zeros: a group is gathered in one pass, its
+padding repeating a real row (finite values no real row reads), except the backward's output
+gradient, padded with zeros so that padded query rows add exact zeros to ∂k and ∂v; the
+results are bitwise those of zero padding (tests/test_attention.py). The backward recomputes the probabilities from q and k (the
 flash-attention idea): the query heads of one key/value group stacked along the sequence axis
 share one matmul with that group's keys (no repeated keys), the scores masked in the inputs'
 dtype and the softmax in fp32, and `rowsum(∂p ⊙ p)` taken as `rowsum(∂o ⊙ o)` from the saved
@@ -70,6 +73,13 @@ class Group:
     dst: torch.Tensor
     """`[tokens]` int64: the same tokens' positions in the padded `[samples · width]` rows."""
     samples: int
+    gather: torch.Tensor
+    """`[samples · width]` int64: the packed row each padded row is read from (`src` where a
+    padded row holds a token; the group's first token in its padding)."""
+    pad: torch.Tensor
+    """`[padding rows]` int64: the padded rows that hold no token."""
+    spans: tuple[tuple[int, int], ...]
+    """`(start, length)` in the packed input of each sample, in padded row order."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +121,22 @@ def padded_groups(bounds: tuple[int, ...], heads: int, device: torch.device) -> 
         width = mem[0][0]
         src = torch.cat([torch.arange(s, s + n) for n, s in mem])
         dst = torch.cat([torch.arange(b * width, b * width + n) for b, (n, _) in enumerate(mem)])
-        groups.append(Group(width, src.to(device), dst.to(device), len(mem)))
+        gather = torch.full((len(mem) * width,), int(src[0]), dtype=torch.int64)
+        gather[dst] = src
+        real = torch.zeros(len(mem) * width, dtype=torch.bool)
+        real[dst] = True
+        pad = (~real).nonzero().squeeze(1)
+        groups.append(
+            Group(
+                width,
+                src.to(device),
+                dst.to(device),
+                len(mem),
+                gather.to(device),
+                pad.to(device),
+                tuple((s, n) for n, s in mem),
+            )
+        )
     rows = [torch.arange(s, e) for s, e in alone]
     alone_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
     return Plan(tuple(groups), tuple(alone), alone_rows.to(device))
@@ -199,18 +224,23 @@ def _causal_grads(
     return _unstack(gq, n), gk.transpose(1, 2), gv.transpose(1, 2)
 
 
-def _padded(x: torch.Tensor, grp: Group) -> torch.Tensor:
-    """A group's rows of packed `[t, ...]` right-padded with zeros → `[samples, width, ...]`."""
-    rows = x.new_zeros(grp.samples * grp.width, *x.shape[1:])
-    return rows.index_copy_(0, grp.dst, x.index_select(0, grp.src)).view(
-        grp.samples, grp.width, *x.shape[1:]
-    )
+def _padded(x: torch.Tensor, grp: Group, *, zeros: bool = False) -> torch.Tensor:
+    """A group's rows of packed `[t, ...]` right-padded → `[samples, width, ...]`, in one
+    gather. The padding repeats a real row (finite values, never read by a real row under the
+    causal mask); `zeros`: the padding is zero instead, which the backward's output gradient
+    needs (a padded query row with a zero gradient adds exact zeros to ∂k and ∂v)."""
+    rows = x.index_select(0, grp.gather)
+    if zeros and grp.pad.numel():
+        rows.index_fill_(0, grp.pad, 0)
+    return rows.view(grp.samples, grp.width, *x.shape[1:])
 
 
 def _unpad_into(packed: torch.Tensor, grp: Group, x: torch.Tensor) -> None:
-    """Write a group's real rows of padded `[samples, width, ...]` `x` into packed `[t, ...]`."""
-    rows = x.reshape(grp.samples * grp.width, *x.shape[2:]).index_select(0, grp.dst)
-    packed.index_copy_(0, grp.src, rows)
+    """Write a group's real rows of padded `[samples, width, ...]` `x` (any strides) into
+    packed `[t, ...]`, one copy per sample (a few times faster here than gathering the rows
+    and scattering them by index, which copies twice and row by row)."""
+    for b, (start, n) in enumerate(grp.spans):
+        packed[start : start + n].copy_(x[b, :n])
 
 
 class _PackedGroups(torch.autograd.Function):
@@ -241,7 +271,7 @@ class _PackedGroups(torch.autograd.Function):
         new = torch.zeros_like if plan.alone else torch.empty_like
         grads = new(q), new(k), new(v)
         for grp in plan.groups:
-            padded = (_padded(x, grp) for x in (q, k, v, out, g))
+            padded = (*(_padded(x, grp) for x in (q, k, v, out)), _padded(g, grp, zeros=True))
             for packed, x in zip(grads, _causal_grads(*padded, ctx.scale), strict=True):
                 _unpad_into(packed, grp, x)
         return (*grads, None, None)
