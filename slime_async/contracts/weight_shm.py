@@ -20,8 +20,10 @@ mappings are kept for the group's life, but a set no member serves from holds no
 pushes: rank 0 punches its pages out (`SegmentPool.release`, `MADV_REMOVE`: the file keeps its
 size and seals, every mapping of it reads zeros) and populates them again in one call before
 the next version is written there (`MADV_POPULATE_WRITE`, ~2x faster than faulting them in on
-the copy). Which set a member still serves from is what rank 0 must neither overwrite nor
-release (`contracts.weight_group`, "Same node").
+the copy). Once a bucket is written and sent, rank 0 drops its pages from its own page tables
+(`SegmentPool.unmap_pages`): the members that map the segment keep them. Which set a member
+still serves from is what rank 0 must neither overwrite nor release (`contracts.weight_group`,
+"Same node").
 
 Worked example (CHUNK_BYTES = 16 MiB): a 40 MiB bucket has three digests, of bytes [0, 16),
 [16, 32) and [32, 40) MiB; `format_digests` writes them as three 16-digit hex numbers joined by
@@ -242,7 +244,7 @@ class SegmentPool:
             self.generation += 1
             seg = self.segments.get((set_id, j))
             if seg is not None and seg.nbytes == nbytes:
-                if seg.released and seg.mapping is not None:
+                if seg.mapping is not None:  # its pages back in this mapping (`unmap_pages`)
                     _populate(seg.mapping)
                     seg.released = False
                 return seg
@@ -257,6 +259,16 @@ class SegmentPool:
             seg = Segment(fd=fd, nbytes=nbytes, buffer=_as_tensor(m, nbytes), mapping=m)
             self.segments[(set_id, j)] = seg
             return seg
+
+    @staticmethod
+    def unmap_pages(seg: Segment) -> None:
+        """Rank 0 has written `seg` and sent it: drop its pages from rank 0's page tables
+        (`MADV_DONTNEED`, which on a shared mapping discards nothing: the file keeps them, and
+        the members that map it still read them). Rank 0 then holds none of a version's bytes
+        in its own memory between pushes; `segment` maps them in again before a write."""
+        if seg.mapping is not None:
+            with contextlib.suppress(OSError, ValueError):
+                seg.mapping.madvise(mmap.MADV_DONTNEED)
 
     def sets(self) -> set[int]:
         """The sets that have segments."""
