@@ -124,9 +124,11 @@ def test_batched_packed_attention_equals_one_call_per_sample(monkeypatch, budget
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_groups_padded_with_a_real_row_are_bitwise_those_padded_with_zeros(dtype):
-    """A group is gathered in one pass, its padding repeating a real row (large values here);
-    the output and the q/k/v gradients are bitwise those of the same groups zero-padded and
-    attended through `causal_attention` (autograd unpads the gradients)."""
+    """A group is gathered in one pass, each sample's padding repeating its own last row (large
+    values here); the output and the q/k/v gradients are bitwise those of the same groups
+    zero-padded and attended through `causal_attention` (autograd unpads the gradients). And,
+    as with zeros, nothing of one sample reaches another: a NaN in one sample's last row
+    leaves every other sample's output and gradients as they were."""
     from slime_async.trainer import attention
 
     bounds = (0, 5, 6, 13, 20, 29, 31, 42)
@@ -134,8 +136,9 @@ def test_groups_padded_with_a_real_row_are_bitwise_those_padded_with_zeros(dtype
     plan = attention.padded_groups(bounds, heads, torch.device(DEVICE))
     assert any(g.pad.numel() for g in plan.groups)
     q, k, v = (x[:, 0].to(dtype) for x in _qkv(42, seed=3))
+    last = [e - 1 for e in bounds[1:]]
     for x in (q, k, v):
-        x[0] *= 1e4  # the row the first group's padding repeats: any leak shows
+        x[last] *= 1e4  # the rows the padding repeats: any leak shows
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     scale = SPEC.head_dim**-0.5
 
@@ -163,6 +166,13 @@ def test_groups_padded_with_a_real_row_are_bitwise_those_padded_with_zeros(dtype
     assert k.shape[1] == groups
     for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref, strict=True):
         assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
+
+    v[12] = float("nan")  # the last row of the sample [6, 13), which has padding
+    poisoned = run(lambda q, k, v: attention._PackedGroups.apply(q, k, v, plan, scale))
+    other = torch.ones(42, dtype=torch.bool)
+    other[6:13] = False
+    for a, b in zip(poisoned, ours, strict=True):
+        assert torch.equal(a[other], b[other])
 
 
 def test_a_gpu_groups_more_samples_than_a_cpu():

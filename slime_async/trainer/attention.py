@@ -21,9 +21,9 @@ tensor (no padded copies kept, no per-group gradients of the whole input summed;
 attention ran about a tenth faster at the SmolLM2 recipe's shapes). Its forward is SDPA's
 fused causal kernel with grouped-query heads (no score matrix). Right padding needs no key
 mask: under the causal mask a real query sees only keys at or before it, all real; padded query
-rows are computed and dropped. Nor does it need zeros: a group is gathered in one pass, its
-padding repeating a real row (finite values no real row reads), except the backward's output
-gradient, padded with zeros so that padded query rows add exact zeros to ∂k and ∂v; the
+rows are computed and dropped. Nor does it need zeros: a group is gathered in one pass, each
+sample's padding repeating its own last row (which no real row reads), except the backward's
+output gradient, padded with zeros so that padded query rows add exact zeros to ∂k and ∂v; the
 results are bitwise those of zero padding (tests/test_attention.py). The backward recomputes the probabilities from q and k (the
 flash-attention idea): the query heads of one key/value group stacked along the sequence axis
 share one matmul with that group's keys (no repeated keys), the scores masked in the inputs'
@@ -75,7 +75,7 @@ class Group:
     samples: int
     gather: torch.Tensor
     """`[samples · width]` int64: the packed row each padded row is read from (`src` where a
-    padded row holds a token; the group's first token in its padding)."""
+    padded row holds a token; in a sample's padding, its own last token)."""
     pad: torch.Tensor
     """`[padding rows]` int64: the padded rows that hold no token."""
     spans: tuple[tuple[int, int], ...]
@@ -121,11 +121,11 @@ def padded_groups(bounds: tuple[int, ...], heads: int, device: torch.device) -> 
         width = mem[0][0]
         src = torch.cat([torch.arange(s, s + n) for n, s in mem])
         dst = torch.cat([torch.arange(b * width, b * width + n) for b, (n, _) in enumerate(mem)])
-        gather = torch.full((len(mem) * width,), int(src[0]), dtype=torch.int64)
-        gather[dst] = src
-        real = torch.zeros(len(mem) * width, dtype=torch.bool)
-        real[dst] = True
-        pad = (~real).nonzero().squeeze(1)
+        # each sample's padding repeats its own last token: nothing reaches another sample
+        gather = torch.cat([torch.arange(s, s + width).clamp_(max=s + n - 1) for n, s in mem])
+        pad = torch.cat(
+            [torch.arange(b * width + n, (b + 1) * width) for b, (n, _) in enumerate(mem)]
+        )
         groups.append(
             Group(
                 width,
@@ -226,9 +226,10 @@ def _causal_grads(
 
 def _padded(x: torch.Tensor, grp: Group, *, zeros: bool = False) -> torch.Tensor:
     """A group's rows of packed `[t, ...]` right-padded → `[samples, width, ...]`, in one
-    gather. The padding repeats a real row (finite values, never read by a real row under the
-    causal mask); `zeros`: the padding is zero instead, which the backward's output gradient
-    needs (a padded query row with a zero gradient adds exact zeros to ∂k and ∂v)."""
+    gather. A sample's padding repeats its own last row, which none of its real rows reads
+    under the causal mask (and no other sample's row sees); `zeros`: the padding is zero
+    instead, which the backward's output gradient needs (a padded query row with a zero
+    gradient adds exact zeros to ∂k and ∂v)."""
     rows = x.index_select(0, grp.gather)
     if zeros and grp.pad.numel():
         rows.index_fill_(0, grp.pad, 0)
