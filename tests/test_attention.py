@@ -151,14 +151,17 @@ def test_groups_padded_with_a_real_row_are_bitwise_those_padded_with_zeros(dtype
     def zero_padded(q, k, v):
         out = q.new_zeros(q.shape)
         for grp in plan.groups:
+            src = torch.cat([torch.arange(s, s + n) for s, n in grp.spans])
+            dst = torch.cat([torch.arange(b * grp.width, b * grp.width + n)
+                             for b, (_, n) in enumerate(grp.spans)])  # fmt: skip
             pad = [
                 x.new_zeros(grp.samples * grp.width, *x.shape[1:])
-                .index_copy(0, grp.dst, x.index_select(0, grp.src))
+                .index_copy(0, dst, x.index_select(0, src))
                 .view(grp.samples, grp.width, *x.shape[1:])
                 for x in (q, k, v)
             ]
             o = attention.causal_attention(*pad, scale).reshape(-1, heads, q.shape[-1])
-            out = out.index_copy(0, grp.src, o.index_select(0, grp.dst))
+            out = out.index_copy(0, src, o.index_select(0, dst))
         return out
 
     ours = run(lambda q, k, v: attention._PackedGroups.apply(q, k, v, plan, scale))

@@ -21,7 +21,7 @@ pushes: rank 0 punches its pages out (`SegmentPool.release`, `MADV_REMOVE`: the 
 size and seals, every mapping of it reads zeros) and populates them again in one call before
 the next version is written there (`MADV_POPULATE_WRITE`, ~2x faster than faulting them in on
 the copy). Once a bucket is written and sent, rank 0 drops its pages from its own page tables
-(`SegmentPool.unmap_pages`): the members that map the segment keep them. Which set a member
+(`Segment.unmap_pages`): the members that map the segment keep them. Which set a member
 still serves from is what rank 0 must neither overwrite nor release (`contracts.weight_group`,
 "Same node").
 
@@ -209,6 +209,16 @@ class Segment:
     released: bool = False
     """Its pages were punched out (`SegmentPool.release`): no memory until written again."""
 
+    def unmap_pages(self) -> None:
+        """Rank 0 has written and sent this segment: drop its pages from rank 0's page tables
+        (`MADV_DONTNEED`, which on a shared mapping discards nothing: the file keeps them, and
+        the members that map it still read them). Rank 0 then holds none of a version's bytes
+        in its own memory between pushes; `SegmentPool.segment` maps them in again before a
+        write."""
+        if self.mapping is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.mapping.madvise(mmap.MADV_DONTNEED)
+
 
 def _populate(m: mmap.mmap) -> None:
     """Fault every page of a shared mapping in, writable, in one call (best effort)."""
@@ -244,7 +254,7 @@ class SegmentPool:
             self.generation += 1
             seg = self.segments.get((set_id, j))
             if seg is not None and seg.nbytes == nbytes:
-                if seg.mapping is not None:  # its pages back in this mapping (`unmap_pages`)
+                if seg.mapping is not None:  # pages back in (after `Segment.unmap_pages`)
                     _populate(seg.mapping)
                     seg.released = False
                 return seg
@@ -259,16 +269,6 @@ class SegmentPool:
             seg = Segment(fd=fd, nbytes=nbytes, buffer=_as_tensor(m, nbytes), mapping=m)
             self.segments[(set_id, j)] = seg
             return seg
-
-    @staticmethod
-    def unmap_pages(seg: Segment) -> None:
-        """Rank 0 has written `seg` and sent it: drop its pages from rank 0's page tables
-        (`MADV_DONTNEED`, which on a shared mapping discards nothing: the file keeps them, and
-        the members that map it still read them). Rank 0 then holds none of a version's bytes
-        in its own memory between pushes; `segment` maps them in again before a write."""
-        if seg.mapping is not None:
-            with contextlib.suppress(OSError, ValueError):
-                seg.mapping.madvise(mmap.MADV_DONTNEED)
 
     def sets(self) -> set[int]:
         """The sets that have segments."""

@@ -66,7 +66,7 @@ def _send_same_node(
     publish_checksum(g, digests)
     if g.pg is not None:
         g.broadcast(flat)
-    shm.SegmentPool.unmap_pages(seg)  # the members' now: none of it in rank 0's memory
+    seg.unmap_pages()  # the members' now: none of it in rank 0's memory
 
 
 def send_bucket(

@@ -24,15 +24,16 @@ mask: under the causal mask a real query sees only keys at or before it, all rea
 rows are computed and dropped. Nor does it need zeros: a group is gathered in one pass, each
 sample's padding repeating its own last row (which no real row reads), except the backward's
 output gradient, padded with zeros so that padded query rows add exact zeros to ∂k and ∂v; the
-results are bitwise those of zero padding (tests/test_attention.py). The backward recomputes the probabilities from q and k (the
-flash-attention idea): the query heads of one key/value group stacked along the sequence axis
-share one matmul with that group's keys (no repeated keys), the scores masked in the inputs'
-dtype and the softmax in fp32, and `rowsum(∂p ⊙ p)` taken as `rowsum(∂o ⊙ o)` from the saved
-output. Only q, k, v and the output are kept, never a `[heads, n, n]` tensor. A sample too long
-for the score budget (`SCORE_ELEMENTS`) alone runs through
-`torch.nn.functional.scaled_dot_product_attention` with a causal mask forward and backward,
-one call per such sample; so do unpacked (BSHD, right-padded) micro-batches. Either way no token attends across a sample boundary and a packed sample
-computes exactly what it computes alone. Settings SDPA does not express (a given mask or bias,
+results are bitwise those of zero padding (tests/test_attention.py). The backward recomputes
+the probabilities from q and k (the flash-attention idea): the query heads of one key/value
+group stacked along the sequence axis share one matmul with that group's keys (no repeated
+keys), the scores masked in the inputs' dtype and the softmax in fp32, and `rowsum(∂p ⊙ p)`
+taken as `rowsum(∂o ⊙ o)` from the saved output. Only q, k, v and the output are kept, never a
+`[heads, n, n]` tensor. A sample too long for the score budget (`SCORE_ELEMENTS`) alone runs
+through `torch.nn.functional.scaled_dot_product_attention` with a causal mask forward and
+backward, one call per such sample; so do unpacked (BSHD, right-padded) micro-batches. Either
+way no token attends across a sample boundary and a packed sample computes exactly what it
+computes alone. Settings SDPA does not express (a given mask or bias,
 a non-vanilla softmax) run the parent's math per sample. Parameter names are the parent's (it
 has none with the vanilla softmax). Must never import anything from `slime_async` outside
 `slime_async.trainer`.
@@ -68,18 +69,17 @@ class Group:
 
     width: int
     """The longest sample's length."""
-    src: torch.Tensor
-    """`[tokens]` int64: the group's tokens' positions in the packed input, sample by sample."""
-    dst: torch.Tensor
-    """`[tokens]` int64: the same tokens' positions in the padded `[samples · width]` rows."""
-    samples: int
-    gather: torch.Tensor
-    """`[samples · width]` int64: the packed row each padded row is read from (`src` where a
-    padded row holds a token; in a sample's padding, its own last token)."""
-    pad: torch.Tensor
-    """`[padding rows]` int64: the padded rows that hold no token."""
     spans: tuple[tuple[int, int], ...]
     """`(start, length)` in the packed input of each sample, in padded row order."""
+    gather: torch.Tensor
+    """`[samples · width]` int64: the packed row each padded row is read from (in a sample's
+    padding, its own last token)."""
+    pad: torch.Tensor
+    """`[padding rows]` int64: the padded rows that hold no token."""
+
+    @property
+    def samples(self) -> int:
+        return len(self.spans)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,24 +119,13 @@ def padded_groups(bounds: tuple[int, ...], heads: int, device: torch.device) -> 
     groups = []
     for mem in members:
         width = mem[0][0]
-        src = torch.cat([torch.arange(s, s + n) for n, s in mem])
-        dst = torch.cat([torch.arange(b * width, b * width + n) for b, (n, _) in enumerate(mem)])
         # each sample's padding repeats its own last token: nothing reaches another sample
         gather = torch.cat([torch.arange(s, s + width).clamp_(max=s + n - 1) for n, s in mem])
         pad = torch.cat(
             [torch.arange(b * width + n, (b + 1) * width) for b, (n, _) in enumerate(mem)]
         )
-        groups.append(
-            Group(
-                width,
-                src.to(device),
-                dst.to(device),
-                len(mem),
-                gather.to(device),
-                pad.to(device),
-                tuple((s, n) for n, s in mem),
-            )
-        )
+        spans = tuple((s, n) for n, s in mem)
+        groups.append(Group(width, spans, gather.to(device), pad.to(device)))
     rows = [torch.arange(s, e) for s, e in alone]
     alone_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
     return Plan(tuple(groups), tuple(alone), alone_rows.to(device))
