@@ -4,7 +4,7 @@ Owns `pin_cores` (CPU core pinning inside a process: the CPU analogue of separat
 `free_port` (a free local TCP port), `trim_heap` (freed memory back to the system) and
 `limit_malloc_arenas` (fewer per-thread heaps), `huge_page_malloc` (transparent huge pages
 for the heaps of the processes a run starts), `limit_kernel_caches` (bounded caches of
-compiled CPU matmuls), `rss_bytes` (this process's resident memory),
+compiled CPU matmuls), `cpp_compiler` (the C++ compiler Inductor would run), `rss_bytes` (this process's resident memory),
 `ray_address` (the cluster a run joins: the flag, else
 `RAY_ADDRESS`), `cpu_bf16_feature` (the CPU flag that makes bf16 matmuls native here: what
 the trainer's `--bf16` and the engine's GEMMs are derived from), and the two file primitives
@@ -107,6 +107,18 @@ def limit_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> dict[str, str]:
     for name in KERNEL_CACHE_VARIABLES:
         os.environ.setdefault(name, str(entries))
     return {name: os.environ[name] for name in KERNEL_CACHE_VARIABLES}
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler torch's Inductor would run on this node (`CXX`, else g++ or clang++ on
+    PATH), or None: without one the trainer's fused CPU kernels cannot be built
+    (`trainer.fused`)."""
+    import shutil
+
+    for name in (os.environ.get("CXX"), "g++", "clang++"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
 
 
 def _glibc():

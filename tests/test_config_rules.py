@@ -68,6 +68,7 @@ ORDER = [
     "behavior_forward",
     "snapshots",
     "bf16",
+    "fused_kernels",
     "save_hf",
     "trainer",
     "script_flags",
@@ -331,6 +332,35 @@ def test_bf16_from_the_cpu_and_the_run_kind(embedded, env, value, reason):
     d = draft(env=env, embedded=embedded)
     training.bf16(d)
     assert d.args.bf16 is value and reason in why(d, "--bf16")
+
+
+CXX = dataclasses.replace(ENV, cxx="/usr/bin/g++")
+
+
+@pytest.mark.parametrize(
+    "embedded, env, value, reason",
+    [
+        (True, CXX, False, "tiny model: eager kernels"),
+        (False, CXX, True, "a CPU trainer and a C++ compiler (/usr/bin/g++)"),
+        (False, ENV, False, "no C++ compiler on this node"),
+        (False, dataclasses.replace(CXX, gpu_memory_bytes=(80 << 30,)), False, "on GPUs"),
+    ],
+)
+def test_fused_kernels_for_a_cpu_trainer_with_a_compiler(embedded, env, value, reason):
+    d = draft(env=env, embedded=embedded)
+    training.fused_kernels(d)
+    assert d.args.cpu_fused_kernels is value and reason in why(d, "--cpu-fused-kernels")
+
+
+def test_fused_kernels_given_are_kept_and_refused_without_a_compiler():
+    d = draft("--no-cpu-fused-kernels", env=CXX, embedded=False)
+    training.fused_kernels(d)
+    assert d.args.cpu_fused_kernels is False and not d.flags.derived
+    d = draft("--cpu-fused-kernels", env=CXX, embedded=True)
+    training.fused_kernels(d)
+    assert d.args.cpu_fused_kernels is True
+    with pytest.raises(ValueError, match=r"needs a C\+\+ compiler .* --no-cpu-fused-kernels"):
+        training.fused_kernels(draft("--cpu-fused-kernels", embedded=False))
 
 
 def test_save_hf_keeps_every_runs_model():

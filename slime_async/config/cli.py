@@ -155,6 +155,7 @@ def read_environment(args: argparse.Namespace) -> Environment:
         load=load,
         ref_load=ref_load,
         cpu_bf16=hardware.cpu_bf16_feature(),
+        cxx=hardware.cpp_compiler(),
         memory_bytes=hardware.node_memory_bytes(),
         gpu_memory_bytes=hardware.gpu_memory_bytes(),
     )

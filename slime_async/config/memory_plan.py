@@ -147,6 +147,13 @@ idle worker); `driver`: train_async.py with the data worker; `router`; `trainer`
 Ray actor with torch and megatron imported; `engine`: an embedded engine actor."""
 
 
+FUSED_RUNTIME = 48 * MIB
+"""What `--cpu-fused-kernels` adds to a CPU trainer rank and to the forward-only role: Inductor's
+modules beyond the TorchDynamo that torch's optimizer imports anyway, and the compiled kernels
+(`trainer.fused`; resident memory after the first step, 23-45 MiB in one process, the more
+when the kernels were not in Inductor's on-disk cache, docs/results/2026-11-29-fused-kernels.md)."""
+
+
 def param_count(spec: ModelSpec) -> int:
     """Parameters of the model `spec` describes (embeddings, attention, MLP or experts, norms,
     a VL model's vision encoder)."""
@@ -285,6 +292,9 @@ class RunShape:
     export, the role's and each engine's incoming copy during a weight sync."""
     adapter_params: int = 0
     """LoRA: numbers in the adapter (`contracts.adapter.adapter_numel`); 0: full fine-tuning."""
+    fused_kernels: bool = False
+    """`--cpu-fused-kernels`: a CPU trainer and the role hold Inductor and their kernels
+    (`FUSED_RUNTIME` each)."""
 
     @property
     def params(self) -> int:
@@ -331,9 +341,10 @@ def process_bytes(shape: RunShape) -> dict[str, int]:
     the driver, the router)."""
     w = 2 if shape.bf16 else 4
     flight = (shape.adapter_params or shape.params) * shape.wire_bytes  # a version in flight
+    fused = FUSED_RUNTIME if shape.fused_kernels and not shape.trainer_on_gpu else 0
     rank = RUNTIME["trainer"]
     if not shape.trainer_on_gpu:
-        rank += trainer_state_bytes(shape) + trainer_activation_bytes(shape)
+        rank += fused + trainer_state_bytes(shape) + trainer_activation_bytes(shape)
     out = {"trainer": rank * shape.trainer_ranks}  # a push and the role's file read views
     if shape.role_versions is not None:
         n, a, v = shape.params, shape.adapter_params, shape.role_versions
@@ -344,7 +355,8 @@ def process_bytes(shape: RunShape) -> dict[str, int]:
         fwd = forward_bytes(
             shape.spec, shape.micro_batch_tokens, bf16=shape.bf16, head_tokens=shape.head_tokens
         )
-        out["role"] = RUNTIME["role"] + weights + (fwd if shape.micro_batch_tokens else 0)
+        fwd = fwd if shape.micro_batch_tokens else 0
+        out["role"] = RUNTIME["role"] + fused + weights + fwd
     if shape.engines:
         kv = kv_cache_bytes(shape.spec, shape.engine_cache_tokens, dtype_bytes=shape.engine_bytes)
         each = RUNTIME["engine"] + shape.params * shape.engine_bytes + kv + flight

@@ -84,6 +84,8 @@ class Environment:
     --ref-load)."""
     cpu_bf16: str | None = None
     """The CPU flag that makes bf16 matmuls native here (`hardware.cpu_bf16_feature`), or None."""
+    cxx: str | None = None
+    """The C++ compiler torch's Inductor would run here (`trainer.fused.compiler`), or None."""
     memory_bytes: int | None = None
     """This node's physical memory (None: not checked)."""
     gpu_memory_bytes: tuple[int, ...] = ()

@@ -189,6 +189,15 @@ class TrainerConfig:
     )
     """bf16 parameters and activations, fp32 main parameters in the optimizer and fp32
     gradient accumulation (megatron's --bf16). See docs/cpu.md."""
+    cpu_fused_kernels: bool = flag(
+        False,
+        derived="on for a run with --hf-checkpoint/--prompt-data/--prompt-source whose trainer "
+        "runs on CPUs where a C++ compiler is found, off otherwise",
+    )
+    """A CPU trainer's RMSNorm, SwiGLU and rotary embedding as fused kernels compiled by torch's
+    Inductor (trainer/fused.py): fewer passes over the activations, for a C++ compiler at run
+    time, seconds of compiling at each process's first step and Inductor's memory. See
+    docs/cpu.md#fused-kernels."""
     logits_chunk_tokens: int | None = flag(None, ge=0, hint="0 = the whole [tokens, vocab] tensor")
     """Tokens per chunk of the log-prob/entropy head (fp32 logits of one chunk by a block of the
     vocabulary at once, the backward recomputing them tile by tile; `lm_head.tiling`); unset:

@@ -41,7 +41,8 @@ Patches (CPU only):
    autograd's backward. For the whole head dimension rotated, not interleaved and not MLA, it
    is one autograd function writing each half once (`t₁·c₁ − t₂·s₁`, `t₂·c₂ + t₁·s₂`, the
    backward the adjoint `g₁·c₁ + g₂·s₂`, `g₂·c₂ − g₁·s₁`): the same math, rounded once per
-   half instead of after each product and the sum (`tests/test_cpu_compat.py`).
+   half instead of after each product and the sum (`tests/test_cpu_compat.py`); with
+   `--cpu-fused-kernels` the same function runs `fused.rotate` (compiled, fp32 inside).
 12. `import_megatron_lean()` on a CPU: megatron decorates its fused kernels with `jit_fuser`,
    `torch.compile` on this torch, and each decoration imports TorchDynamo: 68 MiB of anonymous
    memory in every process that imports megatron (measured), though a dense model's CPU step
@@ -60,6 +61,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
+
+from slime_async.trainer import fused
 
 _LOCK = threading.Lock()
 _APPLIED = False
@@ -308,11 +311,15 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx: object, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[override]
         ctx.save_for_backward(cos, sin)
+        if fused.active(t):
+            return fused.rotate(t, cos, sin, adjoint=False)
         return _rotate(t, cos, sin, adjoint=False)
 
     @staticmethod
     def backward(ctx: object, g: torch.Tensor) -> tuple:  # type: ignore[override]
         cos, sin = ctx.saved_tensors
+        if fused.active(g):
+            return fused.rotate(g, cos, sin, adjoint=True), None, None
         return _rotate(g, cos, sin, adjoint=True), None, None
 
 

@@ -25,6 +25,7 @@ from slime_async.contracts.weights import HFWeights
 from slime_async.trainer import (
     checkpoint,
     cpu_compat,
+    fused,
     hf_convert,
     lora,
     parallel,
@@ -53,7 +54,8 @@ class ForwardOnlyModel(LogprobForwards):
         self.cfg, self.spec = cfg, spec
         self.loss_spec = resolve_loss_spec("ppo")
         self.loss_cfg = self.loss_spec.config()
-        cpu_compat.apply()
+        on_cpu = cpu_compat.apply()
+        fused.install(cfg.cpu_fused_kernels and on_cpu)  # a CPU trainer's kernels (fused.py)
         parallel.init_distributed(
             rank=0, world_size=1, master_addr="127.0.0.1", master_port=parallel.free_port()
         )

@@ -40,6 +40,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from slime_async.trainer import fused
+
 CHUNK_ELEMENTS = 1 << 20
 """Most logits in one tile on a CPU (4 MiB in fp32: a tile and the few temporaries its softmax
 makes stay in a core's cache, where the casts and exponentials run several times faster than
@@ -218,12 +220,23 @@ def _softmax_stats(
     v, h = weight.shape[0], h.to(weight.dtype)
     m = s = a = None
     zt = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+    fast = fused.active(h)  # each tile's pass in one compiled kernel (fused.head_stats)
     for r in range(0, v, block):
         w = weight[r : r + block]
         z = h @ w.t()
-        z = z if temperature == 1.0 else z.float().div_(temperature)
         inb = _in_block(col, held, r, w.shape[0])
         at = (col - r).clamp(0, w.shape[0] - 1)[:, None]
+        if fast:
+            zt = torch.where(inb, z.gather(-1, at)[:, 0].float() / temperature, zt)
+            if m is None:
+                m, s, a = fused.tile_stats(z, torch.full_like(zt, -math.inf), temperature)
+            else:
+                top, s_b, a_b = fused.tile_stats(z, m, temperature)
+                f = (m - top).exp_()
+                a = a.add_(s * (m - top)).mul_(f).add_(a_b)
+                s, m = s.mul_(f).add_(s_b), top
+            continue
+        z = z if temperature == 1.0 else z.float().div_(temperature)
         zt = torch.where(inb, z.gather(-1, at)[:, 0].float(), zt)
         mb = z.amax(-1).float()
         if m is None:
@@ -298,6 +311,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         alpha = (g_lp + g_ent * ent).div_(-t)[:, None]
         beta = (g_ent / -t)[:, None]
+        fast = fused.active(hidden)
+        g_t = g_lp / t if fast else None  # the target's own term of ∂/∂z
         for s in range(0, hidden.shape[0], chunk):
             e = min(s + chunk, hidden.shape[0])
             h = hidden[s:e].to(weight.dtype)
@@ -306,15 +321,20 @@ class _ChunkedLogprobs(torch.autograd.Function):
             for r in range(0, v, block):
                 w = weight[r : r + block]
                 z = h @ w.t()
-                logp = z.float() if t == 1.0 else z.float().div_(t)
-                logp = logp.sub_(lse[s:e, None])
-                p = logp.exp()
-                # ∂/∂z = p·(α + β·log p) + g_lp·onehot, all / T, with α = −(g_lp + g_ent·H) and
-                # β = −g_ent per token; in place on log p
-                gz = torch.addcmul(alpha[s:e], logp, beta[s:e], out=logp).mul_(p)
-                rows = _in_block(col[s:e], held[s:e], r, w.shape[0]).nonzero().squeeze(-1)
-                gz[rows, col[s:e][rows] - r] += g_lp[s:e][rows] / t
-                gz = gz.to(weight.dtype)
+                inb = _in_block(col[s:e], held[s:e], r, w.shape[0])
+                if fast:  # the eager lines below in one compiled kernel (fused.head_grad)
+                    target = torch.where(inb, col[s:e] - r, -1)
+                    gz = fused.tile_grad(z, lse[s:e], alpha[s:e], beta[s:e], target, g_t[s:e], t)
+                else:
+                    logp = z.float() if t == 1.0 else z.float().div_(t)
+                    logp = logp.sub_(lse[s:e, None])
+                    p = logp.exp()
+                    # ∂/∂z = p·(α + β·log p) + g_lp·onehot, all / T, with α = −(g_lp + g_ent·H)
+                    # and β = −g_ent per token; in place on log p
+                    gz = torch.addcmul(alpha[s:e], logp, beta[s:e], out=logp).mul_(p)
+                    rows = inb.nonzero().squeeze(-1)
+                    gz[rows, col[s:e][rows] - r] += g_lp[s:e][rows] / t
+                    gz = gz.to(weight.dtype)
                 if g_h is not None:
                     part = gz @ w
                     acc = part.float() if acc is None else acc.add_(part)

@@ -3,22 +3,31 @@
 Owns: `rms_norm` (an autograd function) and `install`, which makes every `torch.nn.RMSNorm` of a
 built model use it (the instance's class is swapped: same parameters, same names). The forward
 is torch's own CPU math op for op (`x` in fp32, `x · rsqrt(mean(x²) + eps)` times the
-weight in fp32, rounded once to `x`'s dtype), so outputs are bitwise torch's. The backward keeps only `x` and the
-per-token `rsqrt` (autograd kept the fp32 input, its square and the normalised values) and
+weight in fp32, rounded once to `x`'s dtype), so outputs are bitwise torch's. The backward
+keeps only `x` and the per-token `rsqrt` (autograd kept the fp32 input, its square and the normalised values) and
 computes, in fp32 per token with `n = x · r`, `∂x = r · (g·w − n · mean(g·w · n))` and
 `∂w = Σ_tokens g · n`: fewer passes over the activations than autograd's chain of small ops,
-which on a CPU cost about as much as a layer's matmuls at small hidden sizes. Must never import
-anything from `slime_async` outside `slime_async.trainer`.
+which on a CPU cost about as much as a layer's matmuls at small hidden sizes. With
+`--cpu-fused-kernels` both directions run `fused.norm` / `fused.norm_grad` instead (the same
+math compiled by Inductor, within a rounding; a forward and its backward always take the same
+path). Must never import anything from `slime_async` outside `slime_async.trainer`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from slime_async.trainer import fused
+
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: object, x: torch.Tensor, weight: torch.Tensor | None, eps: float):  # type: ignore[override]
+        ctx.fused = weight is not None and fused.active(x)  # the backward follows the forward
+        if ctx.fused:
+            out, r = fused.norm(x, weight, eps)
+            ctx.save_for_backward(x, r, weight)
+            return out
         xf = x.float()
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
         n = xf * r if xf is x else xf.mul_(r)  # never overwrite an fp32 input
@@ -30,6 +39,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: object, g: torch.Tensor) -> tuple:  # type: ignore[override]
         x, r, weight = ctx.saved_tensors
+        if ctx.fused:
+            gx, gw = fused.norm_grad(x, r, weight, g)
+            return gx, gw.to(weight.dtype) if ctx.needs_input_grad[1] else None, None
         n = x.to(torch.float32, copy=True).mul_(r)  # the fp32 normalised input
         gf = g.float()
         gw = None

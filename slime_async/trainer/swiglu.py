@@ -15,6 +15,9 @@ changes is where they go and what is kept:
   that autograd keeps until the backward: no copy here, the unit's input and `silu(a)` are
   what is kept (3·f values a token instead of 4·f).
 
+With `--cpu-fused-kernels` a CPU unit runs `fused.gated` / `fused.gated_grad` instead (one
+rounding, within one of megatron's; it keeps its input alone).
+
 Only where megatron would run that unfused path: `gated_linear_unit` with `F.silu`, no
 activation fusion, TransformerEngine activation, clamp or offset; a call with
 `per_token_scale` (MoE experts weighting their output) goes to megatron's own forward. Must
@@ -28,10 +31,16 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from slime_async.trainer import fused
+
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: object, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.fused = fused.active(y)  # the backward follows the forward
+        if ctx.fused:
+            ctx.save_for_backward(y)
+            return fused.gated(y)
         a, b = torch.chunk(y, 2, dim=-1)
         s = F.silu(a)
         ctx.save_for_backward(y, s)
@@ -39,6 +48,9 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if ctx.fused:
+            (y,) = ctx.saved_tensors
+            return fused.gated_grad(y, g)
         y, s = ctx.saved_tensors
         a, b = torch.chunk(y, 2, dim=-1)
         dy = torch.empty_like(y)

@@ -34,6 +34,7 @@ from slime_async.contracts.weights import HFWeights
 from slime_async.trainer import (
     checkpoint,
     cpu_compat,
+    fused,
     hf_convert,
     hf_save,
     lora,
@@ -104,7 +105,8 @@ class MegatronTrainer(LogprobForwards):
         self._resolve_loss(rank)
         if cfg.deterministic_mode:
             use_deterministic_algorithms()
-        cpu_compat.apply()
+        on_cpu = cpu_compat.apply()
+        fused.install(cfg.cpu_fused_kernels and on_cpu)  # a CPU trainer's kernels (fused.py)
         parallel.init_distributed(
             rank=rank,
             world_size=world_size,

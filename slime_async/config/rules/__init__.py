@@ -29,26 +29,27 @@ come out in this order):
 | 15 | `behavior_forward` | where pi_j^Meg is computed: the forward-only role or the trainer | 8, 11, 14 |
 | 16 | `snapshots` | --max-snapshots from the staleness bound | 10, 14, 15 |
 | 17 | `bf16` | --bf16 from the CPU, the trainer's device and the run kind | 2 |
-| 18 | `save_hf` | --save-hf (`run_paths.derive_save_hf`) | 2 |
-| 19 | `trainer` | the trainer's config, checked against the model | 11-18 |
-| 20 | `script_flags` | the flags of slime's scripts: Megatron's model shape against config.json, the run flags (`script_flags`) | 19 |
-| 21 | `resume` | what it resumes from (`run_paths.resume_from`, `check_resume`) | 19 |
-| 22 | `engines` | the engine fleet (--num-engines, --rollout-num-gpus) | |
-| 23 | `placement` | --colocate, --trainer-cores, --rollout-cores; the turns of a colocated run (--offload-train, --offload-rollout, --engine-sleep-level, --engine-sleep: `colocation`) | 19, 22 |
-| 24 | `cache_salt` | --router-cache-salt by engine backend | 22 |
-| 25 | `keys` | the router's config and the run's two keys (a data-plane key minted) | 22 |
-| 26 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 21 |
-| 27 | `engine` | the embedded engines' settings, --engine-dtype from the CPU | 2, 4, 22, 23 |
-| 28 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 19, 22, 27 |
-| 29 | `transport` | --update-weight-transport | 19, 22 |
-| 30 | `weight_dtype` | --update-weight-dtype | 19, 27, 29 |
-| 31 | `run_config` | the `RunConfig` | all |
-| 32 | `batch_shape` | a resume keeps its checkpoint's batch shape | 31 |
-| 33 | `memory` | the memory plan: a CPU trainer's micro-batch; a derived role that would not fit -> the trainer | 31 |
+| 18 | `fused_kernels` | --cpu-fused-kernels from the run kind, the trainer's device and a C++ compiler | 2, 17 |
+| 19 | `save_hf` | --save-hf (`run_paths.derive_save_hf`) | 2 |
+| 20 | `trainer` | the trainer's config, checked against the model | 11-19 |
+| 21 | `script_flags` | the flags of slime's scripts: Megatron's model shape against config.json, the run flags (`script_flags`) | 20 |
+| 22 | `resume` | what it resumes from (`run_paths.resume_from`, `check_resume`) | 20 |
+| 23 | `engines` | the engine fleet (--num-engines, --rollout-num-gpus) | |
+| 24 | `placement` | --colocate, --trainer-cores, --rollout-cores; the turns of a colocated run (--offload-train, --offload-rollout, --engine-sleep-level, --engine-sleep: `colocation`) | 20, 23 |
+| 25 | `cache_salt` | --router-cache-salt by engine backend | 23 |
+| 26 | `keys` | the router's config and the run's two keys (a data-plane key minted) | 23 |
+| 27 | `warmstart` | --warmstart-steps (`run_paths.derive_warmstart`) | 2, 22 |
+| 28 | `engine` | the embedded engines' settings, --engine-dtype from the CPU | 2, 4, 23, 24 |
+| 29 | `lora` | LoRA: the adapter checked against the model, the engines with LoRA on | 20, 23, 28 |
+| 30 | `transport` | --update-weight-transport | 20, 23 |
+| 31 | `weight_dtype` | --update-weight-dtype | 20, 28, 30 |
+| 32 | `run_config` | the `RunConfig` | all |
+| 33 | `batch_shape` | a resume keeps its checkpoint's batch shape | 32 |
+| 34 | `memory` | the memory plan: a CPU trainer's micro-batch; a derived role that would not fit -> the trainer | 32 |
 
-`memory` re-runs only the rules that `--behavior-forward` feeds (`memory.REFIT`: 16, 19, 21,
-30, 31) when it moves pi_j^Meg to the trainer. The rules live by topic: `data` (1-12),
-`training` (13-21), `serving` (22-30), `memory` (31-33); the draft and the rule type are
+`memory` re-runs only the rules that `--behavior-forward` feeds (`memory.REFIT`: 16, 20, 22,
+31, 32) when it moves pi_j^Meg to the trainer. The rules live by topic: `data` (1-12),
+`training` (13-22), `serving` (23-31), `memory` (32-34); the draft and the rule type are
 `draft`'s. Imports nothing of the orchestrator.
 """
 
@@ -80,6 +81,7 @@ RULES: tuple[Rule, ...] = (
     training.behavior_forward,
     training.snapshots,
     training.bf16,
+    training.fused_kernels,
     training.save_hf,
     training.trainer,
     training.script_flags,

@@ -125,6 +125,7 @@ def run_shape(cfg: RunConfig, *, trainer_on_gpu: bool = False) -> memory_plan.Ru
         engine_cache_tokens=cfg.engine.prefix_cache_tokens,
         wire_bytes=2 if cfg.weights.dtype in ("bfloat16", "float16") else 4,
         adapter_params=0 if spec is None else adapter_numel(cfg.model, spec),
+        fused_kernels=t.cpu_fused_kernels,
     )
 
 

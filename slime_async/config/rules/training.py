@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "behavior_forward",
     "bf16",
+    "fused_kernels",
     "lr",
     "resume",
     "run_kind",
@@ -200,6 +201,32 @@ def bf16(d: Draft) -> None:
         f.fill("bf16", True, why)
     else:
         f.fill("bf16", False, "the CPU has no AMX/AVX512_BF16 (bf16 would be emulated): fp32")
+
+
+@rule("fused_kernels", fills=("cpu_fused_kernels",))
+def fused_kernels(d: Draft) -> None:
+    """--cpu-fused-kernels: on for a run with a user's model whose trainer runs on CPUs and whose
+    node has a C++ compiler (Inductor builds the kernels); off for the embedded default run (its
+    tiny model's step is over before the compile would pay), GPU trainers (megatron's own
+    kernels) and a node without a compiler. Given on without a compiler: refused (docs/cpu.md)."""
+    f, env = d.flags, d.env
+    if not f.unset("cpu_fused_kernels"):
+        if d.args.cpu_fused_kernels and env.cxx is None and not trainer_on_gpu(d):
+            raise ValueError(
+                "--cpu-fused-kernels needs a C++ compiler for torch's Inductor and none was "
+                "found (g++ or clang++ on PATH, or CXX): install one (apt-get install g++) or "
+                "pass --no-cpu-fused-kernels"
+            )
+        return
+    if d.embedded:
+        f.fill("cpu_fused_kernels", False, "the embedded default run's tiny model: eager kernels")
+    elif trainer_on_gpu(d):
+        f.fill("cpu_fused_kernels", False, "the trainer runs on GPUs: megatron's kernels")
+    elif env.cxx is None:
+        why = "no C++ compiler on this node (g++/clang++/CXX) for Inductor: eager kernels"
+        f.fill("cpu_fused_kernels", False, why)
+    else:
+        f.fill("cpu_fused_kernels", True, f"a CPU trainer and a C++ compiler ({env.cxx})")
 
 
 def trainer_on_gpu(d: Draft) -> bool:
