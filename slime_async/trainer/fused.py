@@ -177,13 +177,15 @@ def tile_grad(
     t: float,
 ) -> torch.Tensor:
     """`head_grad` compiled."""
-    return compiled(head_grad)(z, lse, alpha, beta, target, g_target, t)
+    args = (z, lse, alpha, beta, target, g_target)  # slices of the step's vectors: not views
+    return compiled(head_grad)(*(a.detach() for a in args), t)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """`x` as `[rows, last dimension]`, outside autograd: every call has the same rank and no
-    input that requires grad, so each kernel compiles once per dtype."""
-    return x.detach().reshape(-1, x.shape[-1])
+    """`x` as `[rows, last dimension]`, outside autograd and not a view (Dynamo guards a view's
+    base, whose shape changes from call to call): every call has the same rank and no input
+    that requires grad, so each kernel compiles once per dtype."""
+    return x.reshape(-1, x.shape[-1]).detach()
 
 
 @functools.cache
