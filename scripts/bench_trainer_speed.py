@@ -24,8 +24,8 @@ head's four products per chunk; in the compute dtype, the operands laid out as t
 them) before and after its steps, and reports 6·N·tokens / forward+backward seconds / that
 rate, in wall-clock seconds and in the process's CPU seconds (on a loaded machine the wall
 clock also counts waiting for a core; CPU seconds do not). This tree's worker alternates the
-batched attention and one attention call per sample step by step; `--limit-base main` also
-runs the tree of that commit, back to back:
+eager and the fused CPU kernels (`--cpu-fused-kernels`, slime_async/trainer/fused.py) step by step;
+`--limit-base main` also runs the tree of that commit (its defaults: eager), back to back:
 
     nice -n 10 .venv/bin/python scripts/bench_trainer_speed.py --limit --limit-base main
 """
@@ -83,9 +83,9 @@ def timed(*a, **kw):  # CPU seconds of the training forward+backward (this proce
     cpu.append(time.process_time() - c)
     return out
 tr._forward_backward = timed
-modes = args.get("attention") or [None]
+modes = args.get("modes") or [None]
 if modes != [None]:
-    from slime_async.trainer.attention import PackedDotProductAttention
+    from slime_async.trainer import fused
 limit = args.get("limit")
 if limit:
     sys.path.insert(0, args["scripts"])
@@ -96,7 +96,7 @@ steps, fb, fb_cpu = {}, {}, {}
 for i in range(args["steps"] + 1):
     for mode in modes:
         if mode is not None:
-            PackedDotProductAttention.batched = mode == "batched"
+            fused.install(mode == "fused")
         t = time.perf_counter()
         m = tr.train_step(b)
         if torch.cuda.is_available():
@@ -287,8 +287,8 @@ def bench_speed(args: argparse.Namespace) -> dict:
 
 
 def bench_limit(args: argparse.Namespace) -> dict:
-    """The train step against the matmul limit at the recipe's shapes, this tree (attention
-    batched and one call per sample, alternating step by step in one process) and, with
+    """The train step against the matmul limit at the recipe's shapes, this tree (the eager and
+    the fused CPU kernels, alternating step by step in one process) and, with
     `--limit-base`, the tree of that commit (a fresh process, back to back): each process measures
     the rate of the step's own matmuls (`gemm_shapes`) before and after its steps (the better
     of the two) and reports 6·N·tokens / forward+backward seconds / that rate, in wall-clock
@@ -311,16 +311,16 @@ def bench_limit(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         if args.limit_base:
             runs.append((f"base {args.limit_base}", _base_tree(args.limit_base, tmp), None))
-        runs.append(("this tree", ROOT, ["per-sample", "batched"]))
+        runs.append(("this tree", ROOT, ["eager", "fused"]))
         rows = {}
         for _ in range(args.limit_rounds):
             for label, tree, modes in runs:
                 r = run_config(
                     name, threads=args.threads, steps=args.speed_steps, lengths=lengths,
-                    tree=tree, limit=shapes, attention=modes,
+                    tree=tree, limit=shapes, modes=modes,
                 )  # fmt: skip
                 for mode in modes or [None]:
-                    key = label if mode is None else f"{label}, attention {mode}"
+                    key = label if mode is None else f"{label}, {mode} kernels"
                     pick = (lambda v: v) if mode is None else (lambda v, m=mode: v[m])
                     row = {k: pick(r[k]) for k in ("step_s", "fwd_bwd_s", "fwd_bwd_cpu_s")}
                     rows.setdefault(key, []).append(
@@ -329,7 +329,7 @@ def bench_limit(args: argparse.Namespace) -> dict:
     load.append(os.getloadavg())
     flops = 6 * params * tokens
     print(
-        f"{'tree / attention':<36} {'fwd+bwd s':>9} {'CPU s':>7} {'GEMM GFLOP/s':>13} "
+        f"{'tree / kernels':<36} {'fwd+bwd s':>9} {'CPU s':>7} {'GEMM GFLOP/s':>13} "
         f"{'6NT/limit':>9} {'(CPU)':>6} {'GEMM share':>10} {'peak RSS GiB':>12}"
     )
     out = {}
@@ -349,7 +349,7 @@ def bench_limit(args: argparse.Namespace) -> dict:
         f"GEMM GFLOP/s: the step's matmuls alone, wall/CPU; 6NT/limit = 6·N·tokens / fwd+bwd s / "
         f"GEMM rate (wall, then CPU seconds); GEMM share = the step's matmul FLOPs "
         f"({shapes and sum(2 * m * k * n * c for m, k, n, _, c in shapes) / 1e12:.2f} TFLOP) at the "
-        f"GEMM rate / fwd+bwd CPU s; peak RSS of the process (both attention modes ran in one). "
+        f"GEMM rate / fwd+bwd CPU s; peak RSS of the process (both kernel modes ran in one). "
         f"Load average before {load[0][0]:.1f}, after {load[1][0]:.1f}"
     )
     result = {"tokens": tokens, "read": read, "params": params, "rows": out, "load": load}

@@ -147,11 +147,10 @@ idle worker); `driver`: train_async.py with the data worker; `router`; `trainer`
 Ray actor with torch and megatron imported; `engine`: an embedded engine actor."""
 
 
-FUSED_RUNTIME = 48 * MIB
-"""What `--cpu-fused-kernels` adds to a CPU trainer rank and to the forward-only role: Inductor's
-modules beyond the TorchDynamo that torch's optimizer imports anyway, and the compiled kernels
-(`trainer.fused`; resident memory after the first step, 23-45 MiB in one process, the more
-when the kernels were not in Inductor's on-disk cache, docs/results/2026-11-29-fused-kernels.md)."""
+FUSED_RUNTIME = 60 * MIB
+"""What `--cpu-fused-kernels` adds to a CPU trainer rank: Inductor's modules beyond the
+TorchDynamo that torch's optimizer imports anyway, and the compiled kernels (`trainer.fused`; the trainer actor's highest PSS 59 MiB above the eager one's over the same
+ten steps of the SmolLM2 recipe, docs/results/2026-11-29-fused-kernels.md)."""
 
 
 def param_count(spec: ModelSpec) -> int:
@@ -293,8 +292,8 @@ class RunShape:
     adapter_params: int = 0
     """LoRA: numbers in the adapter (`contracts.adapter.adapter_numel`); 0: full fine-tuning."""
     fused_kernels: bool = False
-    """`--cpu-fused-kernels`: a CPU trainer and the role hold Inductor and their kernels
-    (`FUSED_RUNTIME` each)."""
+    """`--cpu-fused-kernels`: each CPU trainer rank holds Inductor and its kernels
+    (`FUSED_RUNTIME`; the forward-only role runs the eager ones)."""
 
     @property
     def params(self) -> int:
@@ -355,8 +354,7 @@ def process_bytes(shape: RunShape) -> dict[str, int]:
         fwd = forward_bytes(
             shape.spec, shape.micro_batch_tokens, bf16=shape.bf16, head_tokens=shape.head_tokens
         )
-        fwd = fwd if shape.micro_batch_tokens else 0
-        out["role"] = RUNTIME["role"] + fused + weights + fwd
+        out["role"] = RUNTIME["role"] + weights + (fwd if shape.micro_batch_tokens else 0)
     if shape.engines:
         kv = kv_cache_bytes(shape.spec, shape.engine_cache_tokens, dtype_bytes=shape.engine_bytes)
         each = RUNTIME["engine"] + shape.params * shape.engine_bytes + kv + flight

@@ -93,6 +93,9 @@ class BehaviorForwarder:
             virtual_pipeline_model_parallel_size=None,
             use_distributed_optimizer=None,
             loss=LossSelection(name="ppo"),  # reads nothing extra: no reference weights
+            # eager kernels: off the train step's path, the role would spend Inductor's compile
+            # and memory on the rollout cores for forwards nobody waits on (docs/cpu.md)
+            cpu_fused_kernels=False,
         )
         self.trainer = ForwardOnlyModel(role_cfg, spec)  # no grads, DDP buffers or optimizer
         adapters = self.trainer.lora is not None
