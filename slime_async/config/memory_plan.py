@@ -149,8 +149,9 @@ Ray actor with torch and megatron imported; `engine`: an embedded engine actor."
 
 FUSED_RUNTIME = 60 * MIB
 """What `--cpu-fused-kernels` adds to a CPU trainer rank: Inductor's modules beyond the
-TorchDynamo that torch's optimizer imports anyway, and the compiled kernels (`trainer.fused`; the trainer actor's highest PSS 59 MiB above the eager one's over the same
-ten steps of the SmolLM2 recipe, docs/results/2026-11-29-fused-kernels.md)."""
+TorchDynamo that torch's optimizer imports anyway, and the compiled kernels (`trainer.fused`;
+the trainer actor's highest PSS 59 MiB above the eager one's over the same ten steps of the
+SmolLM2 recipe, docs/results/2026-11-29-fused-kernels.md)."""
 
 
 def param_count(spec: ModelSpec) -> int:

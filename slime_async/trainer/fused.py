@@ -3,25 +3,29 @@
 Owns: `install` / `active` (the process-wide switch the trainer sets from
 `TrainerConfig.cpu_fused_kernels`; it needs `host.cpp_compiler`), `compiled` (a function
 compiled once per process), and the math each kernel computes, written once as plain torch in
-a pure function: `norm_forward` / `norm_backward` (RMSNorm, `norm.py`), `swiglu_forward` / `swiglu_backward`
-(`swiglu.py`) and `rope` (`cpu_compat._Rope`). Their callers keep their autograd functions and
-call the compiled form here when `active()`, the eager one otherwise.
+a pure function: `norm_forward` / `norm_backward` (RMSNorm, `norm.py`), `swiglu_forward` /
+`swiglu_backward` (`swiglu.py`), `rope` (`cpu_compat._Rope`), and `head_stats` / `head_grad`
+(one tile of the head's softmax and of its gradient, `lm_head.py`). Each runs through a wrapper
+here (`norm`, `norm_grad`, `gated`, `gated_grad`, `rotate`, `tile_stats`, `tile_grad`) that
+hands the kernel its inputs flattened and detached. Their callers keep their autograd functions
+and call the wrapper when `active()`, the eager code otherwise; the forward-only role always
+runs the eager code.
 
-Why: on a CPU a SmolLM2-sized step's norms, gated unit and rotary embedding are a chain of small
-passes over the activations, each reading and writing memory (a norm is about ten of them in
-eager mode), and together they cost about a third as much as the step's matmuls
-(docs/results/2026-11-28-small-machine.md). Inductor fuses each function into one or two loops
-of C++ (vectorised, in fp32 registers), with symbolic token counts so a new micro-batch length
-does not recompile. What it costs: a C++ compiler at run time, seconds of compiling in each
-process at its first step (cached on disk for the next run), and Inductor's modules in the
-process's memory (docs/cpu.md#fused-kernels). Compiled in this process (`compile_threads=1`):
-no pool of compile workers.
+Why: on a CPU a SmolLM2-sized step's norms, gated units, rotary embeddings and head tiles are
+chains of small passes over the activations, each reading and writing memory (an eager norm
+is about ten of them). Inductor fuses each function into one or two loops of C++ (vectorised,
+in fp32 registers), with symbolic token counts so a new micro-batch length does not
+recompile; the step ran a quarter faster at best (docs/results/2026-11-29-fused-kernels.md).
+What it costs: a C++ compiler at run time, seconds of compiling in each process at its first
+step (cached on disk for the next run), and Inductor's modules in the process's memory
+(docs/cpu.md#fused-kernels). Compiled in this process (`compile_threads=1`): no pool of
+compile workers.
 
 Numerics: each kernel computes in fp32 and rounds once to the output's dtype. The norm's
-forward is torch's op for op but for the order of its mean's sum (within one rounding of
-the eager one); the gated unit and the rotary embedding round once where eager rounds after
-each op (within a rounding of it; tests/test_fused.py). Must never import anything from
-`slime_async` outside `slime_async.trainer` but `host`.
+forward is torch's op for op but for the order of its mean's sum (within one rounding of the
+eager one); the gated unit, the rotary embedding and the head's tile gradient round once where
+eager rounds after some ops (within a rounding of it; tests/test_fused.py). Must never import
+anything from `slime_async` outside `slime_async.trainer` but `host`.
 """
 
 from __future__ import annotations
