@@ -2,7 +2,8 @@
 
 Owns: the handful of patches that let megatron-core run without CUDA (see
 docs/cpu.md, "megatron-core without CUDA"). Every patch but one (5) is a no-op when CUDA is
-available, and `apply()` is idempotent. Must never import anything from the rest of `slime_async`.
+available, and `apply()` is idempotent. Must never import anything from the rest of `slime_async`
+but `trainer.fused` (RoPE's compiled kernel; it imports only `host`, which imports nothing).
 
 Patches (CPU only):
 1. `torch.cuda.current_device()` returns "cpu" (RoPE inv_freq, router weight moves).

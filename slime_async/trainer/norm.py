@@ -4,13 +4,14 @@ Owns: `rms_norm` (an autograd function) and `install`, which makes every `torch.
 built model use it (the instance's class is swapped: same parameters, same names). The forward
 is torch's own CPU math op for op (`x` in fp32, `x · rsqrt(mean(x²) + eps)` times the
 weight in fp32, rounded once to `x`'s dtype), so outputs are bitwise torch's. The backward
-keeps only `x` and the per-token `rsqrt` (autograd kept the fp32 input, its square and the normalised values) and
-computes, in fp32 per token with `n = x · r`, `∂x = r · (g·w − n · mean(g·w · n))` and
-`∂w = Σ_tokens g · n`: fewer passes over the activations than autograd's chain of small ops,
-which on a CPU cost about as much as a layer's matmuls at small hidden sizes. With
-`--cpu-fused-kernels` both directions run `fused.norm` / `fused.norm_grad` instead (the same
-math compiled by Inductor, within a rounding; a forward and its backward always take the same
-path). Must never import anything from `slime_async` outside `slime_async.trainer`.
+keeps only `x` and the per-token `rsqrt` (autograd kept the fp32 input, its square and the
+normalised values) and computes, in fp32 per token with `n = x · r`,
+`∂x = r · (g·w − n · mean(g·w · n))` and `∂w = Σ_tokens g · n`: fewer passes over the
+activations than autograd's chain of small ops, which on a CPU cost about as much as a layer's
+matmuls at small hidden sizes. With `--cpu-fused-kernels` both directions run `fused.norm` /
+`fused.norm_grad` instead (the same math compiled by Inductor, within a rounding; a forward and
+its backward always take the same path). Must never import anything from `slime_async` outside
+`slime_async.trainer` (and `host`, which `fused` reads the compiler from).
 """
 
 from __future__ import annotations

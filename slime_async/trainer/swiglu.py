@@ -21,7 +21,8 @@ rounding, within one of megatron's; it keeps its input alone).
 Only where megatron would run that unfused path: `gated_linear_unit` with `F.silu`, no
 activation fusion, TransformerEngine activation, clamp or offset; a call with
 `per_token_scale` (MoE experts weighting their output) goes to megatron's own forward. Must
-never import anything from `slime_async` outside `slime_async.trainer`.
+never import anything from `slime_async` outside `slime_async.trainer` (and `host`, which
+`fused` reads the compiler from).
 """
 
 from __future__ import annotations
