@@ -171,18 +171,10 @@ def tile_stats(z: torch.Tensor, m: torch.Tensor, t: float) -> tuple:
     return compiled(head_stats)(z.detach(), m, t)
 
 
-def tile_grad(
-    z: torch.Tensor,
-    lse: torch.Tensor,
-    alpha: torch.Tensor,
-    beta: torch.Tensor,
-    target: torch.Tensor,
-    g_target: torch.Tensor,
-    t: float,
-) -> torch.Tensor:
-    """`head_grad` compiled."""
-    args = (z, lse, alpha, beta, target, g_target)  # slices of the step's vectors: not views
-    return compiled(head_grad)(*(a.detach() for a in args), t)
+def tile_grad(*tensors: torch.Tensor, t: float) -> torch.Tensor:
+    """`head_grad` compiled, over its tensors in its order (`z, lse, alpha, beta, target,
+    g_target`; slices of the step's vectors, detached so that none reaches it as a view)."""
+    return compiled(head_grad)(*(a.detach() for a in tensors), t)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

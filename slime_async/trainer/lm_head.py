@@ -324,7 +324,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 inb = _in_block(col[s:e], held[s:e], r, w.shape[0])
                 if fast:  # the eager lines below in one compiled kernel (fused.head_grad)
                     target = torch.where(inb, col[s:e] - r, -1)
-                    gz = fused.tile_grad(z, lse[s:e], alpha[s:e], beta[s:e], target, g_t[s:e], t)
+                    gz = fused.tile_grad(z, lse[s:e], alpha[s:e], beta[s:e], target, g_t[s:e], t=t)
                 else:
                     logp = z.float() if t == 1.0 else z.float().div_(t)
                     logp = logp.sub_(lse[s:e, None])
