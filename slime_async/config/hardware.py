@@ -3,8 +3,8 @@
 Gathers `cpu_bf16_feature` (the `/proc/cpuinfo` flag that makes bf16 matmuls fast on this CPU:
 AMX or AVX512_BF16; None without one, where bf16 is emulated and slower than fp32; it lives in
 `slime_async.host`, which the engines read it from too), `cpp_compiler` (the C++ compiler the
-trainer's fused kernels need; `host` too, where the trainer reads it) and owns `node_memory_bytes` and
-`gpu_memory_bytes`. Read once at start-up by `slime_async.config.read_environment`; the
+trainer's fused kernels need; `host` too, where the trainer reads it) and owns
+`node_memory_bytes` and `gpu_memory_bytes`. Read once at start-up by `slime_async.config.read_environment`; the
 functions taking text are pure. Imports nothing from slime_async but `host`.
 """
 
